@@ -1,0 +1,283 @@
+"""Typed configuration schemas for every config group, and their validation.
+
+Hydra YAML under `conf/` only sets values over these dataclasses: an unknown key is an error, not a
+silently ignored typo. `load_config(overrides)` composes `conf/ppo.yaml` with command-line overrides,
+merges it onto the schema and returns a `Config`; `validate(cfg, world_size)` checks the cross-field
+rules (parallel sizes against world size and model shape, algorithm options) and raises `ValueError`
+naming the key, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    kv_channels: Optional[int] = None  # head dim; None: hidden_size // num_attention_heads
+    vocab_size: int = 64
+    max_position_embeddings: int = 256
+    rotary_base: float = 10000.0
+    rope_scaling: Optional[dict] = None  # HF-style rope_scaling (llama3) when loaded from a checkpoint
+    norm_epsilon: float = 1e-6
+    add_qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    hf_path: Optional[str] = None  # HF checkpoint dir (safetensors + config.json)
+    gguf_path: Optional[str] = None  # GGUF file (llama.cpp); see hybridflow.models.gguf
+    attention_backend: str = "auto"  # auto | sdpa | te | local
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True  # only takes effect when DP > 1
+
+
+@dataclass
+class RolloutConfig:
+    tensor_parallel_size: Optional[int] = None  # TP_g; None: same as training TP
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    n: int = 1  # samples per prompt
+    max_batch_size: int = 256  # sequences per generate call on a rank; larger batches are chunked
+    stop_token_ids: list = field(default_factory=list)  # besides the tokenizer's EOS
+    cuda_graphs: bool = True  # capture the decode step on GPU
+    return_logprobs: bool = False
+
+
+@dataclass
+class DataConfig:
+    train_files: Optional[str] = None  # .jsonl / .parquet in verl's format
+    synthetic: Optional[str] = None  # name of a built-in synthetic task (the CPU demo)
+    synthetic_size: int = 2000
+    tokenizer: Optional[str] = None  # tokenizer.json dir or sentencepiece .model; default: model's
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 64
+    truncation: str = "error"  # error | left | right
+    prompts_per_step: int = 8
+    shuffle: bool = True
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "default"  # registered name, `module:function` or `/path/file.py:function`
+    model_path: Optional[str] = None  # reward-model checkpoint; None: rule rewards only
+
+
+@dataclass
+class AlgoConfig:
+    adv_estimator: str = "gae"  # gae (PPO with critic) | grpo | grpo_no_std | rloo | reinforce_plus_plus ...
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std: bool = True
+    policy_loss: str = "vanilla"
+    loss_agg_mode: str = "token-mean"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: Optional[float] = 3.0
+    cliprange_value: float = 0.5
+    entropy_coeff: float = 0.0
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "k1"
+    kl_ctrl: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    kl_horizon: int = 10000
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "k3"
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = 8  # sequences per optimizer step (global)
+    micro_batch_size: int = 4  # sequences per forward/backward on a rank
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 20
+    seed: int = 1
+    output_dir: str = "outputs/run"
+    precision: str = "fp32"  # fp32 | bf16
+    critic_warmup: int = 0  # steps that update only the critic
+    sft_warmup_steps: int = 0  # supervised steps on reference answers before RL (synthetic tasks)
+    save_every: int = 0  # 0: only at the end
+    resume: bool = True  # continue from <output_dir>/checkpoints/latest when present
+    probe_steps: int = 0  # >0: run N steps, write probe.json, stop
+    offload_ref: bool = False
+    log_every: int = 1
+    progress_bar: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    critic_model: Optional[ModelConfig] = None  # None: same shape as the actor
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    actor_optim: OptimConfig = field(default_factory=OptimConfig)
+    critic_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def use_critic(self) -> bool:
+        return self.algo.adv_estimator == "gae"
+
+
+def _one_of(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not one of {sorted(allowed)}")
+
+
+def _positive(key: str, value) -> None:
+    if value is None or value <= 0:
+        raise ValueError(f"{key}={value!r} must be a positive number")
+
+
+def validate_model(cfg: ModelConfig, *, tp: int, pp: int, prefix: str = "model") -> None:
+    for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+              "num_query_groups", "vocab_size"):
+        _positive(f"{prefix}.{k}", getattr(cfg, k))
+    _one_of(f"{prefix}.attention_backend", cfg.attention_backend, {"auto", "sdpa", "te", "local"})
+    if cfg.num_attention_heads % cfg.num_query_groups:
+        raise ValueError(
+            f"{prefix}.num_query_groups={cfg.num_query_groups} must divide "
+            f"{prefix}.num_attention_heads={cfg.num_attention_heads}")
+    if cfg.kv_channels is None and cfg.hidden_size % cfg.num_attention_heads:
+        raise ValueError(f"{prefix}.hidden_size={cfg.hidden_size} is not divisible by "
+                         f"{prefix}.num_attention_heads={cfg.num_attention_heads}; set kv_channels")
+    for k in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        if getattr(cfg, k) % tp:
+            raise ValueError(f"parallel.tensor_parallel_size={tp} must divide {prefix}.{k}="
+                             f"{getattr(cfg, k)}")
+    if cfg.num_layers % pp:
+        raise ValueError(f"parallel.pipeline_parallel_size={pp} must divide "
+                         f"{prefix}.num_layers={cfg.num_layers}")
+
+
+def validate(cfg: Config, *, world_size: int) -> None:
+    """Cross-field checks; raises ValueError naming the offending key."""
+    p = cfg.parallel
+    _positive("parallel.tensor_parallel_size", p.tensor_parallel_size)
+    _positive("parallel.pipeline_parallel_size", p.pipeline_parallel_size)
+    mp = p.tensor_parallel_size * p.pipeline_parallel_size
+    if world_size % mp:
+        raise ValueError(
+            f"world size {world_size} is not divisible by parallel.tensor_parallel_size="
+            f"{p.tensor_parallel_size} x parallel.pipeline_parallel_size={p.pipeline_parallel_size}")
+    if p.sequence_parallel and p.tensor_parallel_size == 1:
+        raise ValueError("parallel.sequence_parallel=true needs parallel.tensor_parallel_size > 1")
+    validate_model(cfg.model, tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size)
+    if cfg.critic_model is not None:
+        validate_model(cfg.critic_model, tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size,
+                       prefix="critic_model")
+    dp = world_size // mp
+
+    r = cfg.rollout
+    tp_g = r.tensor_parallel_size or p.tensor_parallel_size
+    if p.tensor_parallel_size % tp_g:
+        raise ValueError(f"rollout.tensor_parallel_size={tp_g} must divide "
+                         f"parallel.tensor_parallel_size={p.tensor_parallel_size}")
+    _positive("rollout.max_new_tokens", r.max_new_tokens)
+    _positive("rollout.n", r.n)
+    if r.temperature < 0:
+        raise ValueError(f"rollout.temperature={r.temperature} must be >= 0 (0 means greedy)")
+    if not 0.0 < r.top_p <= 1.0:
+        raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+
+    d = cfg.data
+    if (d.train_files is None) == (d.synthetic is None):
+        raise ValueError("set exactly one of data.train_files (a .jsonl/.parquet path) and "
+                         "data.synthetic (a built-in task name)")
+    _one_of("data.truncation", d.truncation, {"error", "left", "right"})
+    if d.prompts_per_step % dp:
+        raise ValueError(f"data.prompts_per_step={d.prompts_per_step} must be divisible by the "
+                         f"data-parallel size {dp}")
+
+    a = cfg.algo
+    from hybridflow.algo import ADVANTAGE_ESTIMATORS  # registry lives with the functions
+
+    _one_of("algo.adv_estimator", a.adv_estimator, set(ADVANTAGE_ESTIMATORS))
+    _one_of("algo.loss_agg_mode", a.loss_agg_mode,
+            {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean"})
+    _one_of("algo.kl_ctrl", a.kl_ctrl, {"fixed", "adaptive"})
+    for key in ("kl_penalty", "kl_loss_type"):
+        _one_of(f"algo.{key}", getattr(a, key), {"k1", "k2", "k3", "abs"})
+    if a.adv_estimator != "gae" and r.n < 2 and a.adv_estimator != "reinforce_plus_plus":
+        raise ValueError(f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt: "
+                         f"set rollout.n >= 2 (got {r.n})")
+    seqs = d.prompts_per_step * r.n
+    if seqs % a.ppo_mini_batch_size:
+        raise ValueError(f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} must divide the "
+                         f"sequences per step data.prompts_per_step x rollout.n = {seqs}")
+    if (a.ppo_mini_batch_size // dp) % a.micro_batch_size or a.ppo_mini_batch_size % dp:
+        raise ValueError(f"algo.micro_batch_size={a.micro_batch_size} must divide the per-rank "
+                         f"mini-batch algo.ppo_mini_batch_size / DP = "
+                         f"{a.ppo_mini_batch_size} / {dp}")
+    for name in ("actor_optim", "critic_optim"):
+        _one_of(f"{name}.lr_decay_style", getattr(cfg, name).lr_decay_style,
+                {"constant", "linear", "cosine"})
+    _one_of("trainer.precision", cfg.trainer.precision, {"fp32", "bf16"})
+    _positive("trainer.total_steps", cfg.trainer.total_steps)
+
+
+def load_config(overrides: list[str], *, config_name: str = "ppo") -> Config:
+    """Compose conf/<config_name>.yaml with Hydra overrides and type it against `Config`.
+
+    Raises ValueError with a one-line message for unknown keys, bad values or bad override syntax.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            raw = compose(config_name=config_name, overrides=list(overrides))
+        schema = OmegaConf.structured(Config)
+        merged = OmegaConf.merge(schema, raw)
+        cfg = OmegaConf.to_object(merged)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(_one_line(e)) from None
+    return cfg
+
+
+def _one_line(e: Exception) -> str:
+    """Hydra/OmegaConf errors span several lines; keep the ones that name the problem."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    keep = [ln for ln in lines if not ln.startswith(("object_type", "To append"))]
+    return "invalid config: " + "; ".join(keep[:3])
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

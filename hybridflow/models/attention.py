@@ -1,0 +1,72 @@
+"""Core attention on PyTorch SDPA, plugged into Megatron's local layer spec.
+
+Megatron's local `DotProductAttention` materialises the (b, heads, s, s) score matrix in the input
+dtype and repeats K/V for grouped-query attention; on an H200 that left the local spec at half the
+throughput of transformers (shared/MEGATRON_CPU.md). `SDPAttention` keeps Megatron's interface and
+layout ([s, b, heads, head_dim] in, [s, b, hidden] out) but calls
+`torch.nn.functional.scaled_dot_product_attention`, which picks the flash / memory-efficient kernels
+on GPU and handles GQA without copying K/V (`enable_gqa`).
+
+Masks follow Megatron's convention: `attention_mask` is boolean with True meaning "masked out",
+shape broadcastable to (b, 1, sq, sk). With a causal mask type and sq < sk (decoding or chunked
+prefill against a KV cache) the causal diagonal is aligned to the bottom-right, i.e. query i sits at
+absolute position sk - sq + i.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class SDPAttention(MegatronModule):
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None, **kwargs):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not support context parallelism; "
+                             "install transformer-engine for model.attention_backend=te")
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPAttention: packed sequences / attention bias need TE")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        sq, b, nh, hd = query.shape
+        sk = key.shape[0]
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        attn_mask, is_causal = None, False
+        if attention_mask is not None:
+            attn_mask = ~attention_mask.to(torch.bool)
+            if causal:
+                attn_mask = attn_mask & _causal(sq, sk, q.device)
+        elif causal and sq > 1:
+            if sq == sk:
+                is_causal = True
+            else:
+                attn_mask = _causal(sq, sk, q.device)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+            dropout_p=self.dropout_p if self.training else 0.0, scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != nh)
+        # [b, h, sq, d] -> [sq, b, h*d]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, nh * hd)
+
+
+def _causal(sq: int, sk: int, device) -> torch.Tensor:
+    """(sq, sk) bool, True where query i (absolute position sk - sq + i) may attend key j."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq)

@@ -1,0 +1,136 @@
+"""Build the Megatron GPTModel of each role from a `ModelConfig`.
+
+Roles: `actor` and `ref` get the LM head; `critic` and `reward` get a scalar head (`ValueHead`) in
+place of the vocab-parallel output layer. All roles share one layer spec:
+- transformer-engine installed and `attention_backend` auto/te: Megatron's TE spec;
+- otherwise Megatron's local spec with `SDPAttention` (PyTorch SDPA, flash kernels on GPU) as the core
+  attention and torch RMSNorm, tagged for sequence parallelism (torch's norm refuses SP itself:
+  its params are marked so Megatron all-reduces their grads over TP, which is exactly what SP needs).
+  `attention_backend=local` keeps Megatron's own unfused DotProductAttention (for comparisons).
+Llama/Qwen2/Mistral are one architecture here: RoPE, RMSNorm, SwiGLU MLP, GQA, optional QKV bias,
+tied or untied embeddings. The vocabulary is padded to a multiple of TP (x128 for real vocabularies);
+padded logits are masked by the log-prob and sampling code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                         get_num_layers_to_build)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from hybridflow.config import ModelConfig
+from hybridflow.models.attention import SDPAttention
+from hybridflow.models.heads import ValueHead
+
+LM_ROLES = ("actor", "ref")
+SCALAR_ROLES = ("critic", "reward")
+
+
+def have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    multiple = tp * (128 if vocab_size >= 1024 else 1)
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, sequence_parallel: bool,
+                       precision: str) -> TransformerConfig:
+    bf16 = precision == "bf16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels,
+        normalization="RMSNorm", layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=cfg.add_qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel, params_dtype=dtype, bf16=bf16, pipeline_dtype=dtype,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
+        attention_softmax_in_fp32=True, init_method_std=0.02,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=True,
+    )
+
+
+class TorchRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm with Megatron's norm constructor signature; SP-tagged params (see module doc)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype,
+                         device="cuda" if torch.cuda.is_available() else "cpu")
+        for p in self.parameters():
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+
+
+def layer_spec(cfg: ModelConfig) -> ModuleSpec:
+    backend = cfg.attention_backend
+    if backend == "te" and not have_te():
+        raise ValueError("model.attention_backend=te needs transformer-engine and a GPU "
+                         "(pip install 'hybridflow[gpu]')")
+    if backend == "te" or (backend == "auto" and have_te()):
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec)
+
+        return get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.input_layernorm = TorchRMSNorm
+    spec.submodules.pre_mlp_layernorm = TorchRMSNorm
+    if backend in ("auto", "sdpa"):
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def build_model(cfg: ModelConfig, *, role: str, tp: int, pp: int, sequence_parallel: bool = False,
+                precision: str = "fp32", pp_rank: Optional[int] = None) -> GPTModel:
+    """One pipeline stage of the model for `role` on this rank (megatron groups must exist)."""
+    if role not in LM_ROLES + SCALAR_ROLES:
+        raise ValueError(f"role={role!r} is not one of {LM_ROLES + SCALAR_ROLES}")
+    tcfg = transformer_config(cfg, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
+                              precision=precision)
+    if pp_rank is None:
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+    spec = layer_spec(cfg)
+    block = TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(tcfg, None, pp_rank),
+        layer_norm=TorchRMSNorm if spec.submodules.input_layernorm is TorchRMSNorm else None)
+    if block.layer_norm is None:  # TE spec: let Megatron pick its fused norm
+        block = spec
+    pre, post = pp_rank == 0, pp_rank == pp - 1
+    scalar = role in SCALAR_ROLES
+    rope_scaling = cfg.rope_scaling or {}
+    model = GPTModel(
+        config=tcfg, transformer_layer_spec=block,
+        vocab_size=padded_vocab_size(cfg.vocab_size, tp),
+        max_sequence_length=cfg.max_position_embeddings, pre_process=pre, post_process=post,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings and not scalar,
+        position_embedding_type="rope", rotary_base=int(cfg.rotary_base),
+        rope_scaling=rope_scaling.get("rope_type") == "llama3",
+        rope_scaling_factor=float(rope_scaling.get("factor", 8.0)),
+    )
+    model.role = role
+    model.true_vocab_size = cfg.vocab_size
+    if scalar and post:
+        model.output_layer = ValueHead(tcfg)
+    return model
+
+
+def model_config_for(cfg: ModelConfig, **changes) -> ModelConfig:
+    return dataclasses.replace(cfg, **changes)

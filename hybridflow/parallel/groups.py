@@ -1,0 +1,101 @@
+"""Process groups: the one place that creates them.
+
+`init_distributed()` starts torch.distributed from torchrun's environment (or as a 1-rank job when run
+without torchrun), choosing NCCL when CUDA is present and gloo otherwise. `init_model_parallel()`
+builds Megatron's TP/PP/DP groups (rank order tp-cp-ep-dp-pp: TP ranks are consecutive) and seeds the
+model-parallel RNG. On a machine without CUDA it first installs the megatron CPU shims.
+Other modules receive groups as arguments; they never create them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    tp: int
+    pp: int
+
+    def __post_init__(self):
+        if self.world_size % (self.tp * self.pp):
+            raise ValueError(f"world size {self.world_size} is not divisible by "
+                             f"TP={self.tp} x PP={self.pp}")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(*, timeout_minutes: int = 30) -> None:
+    """Initialise torch.distributed once: from torchrun's env, or as a single-rank job."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # plain `python -m hybridflow.train`: a 1-rank world
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = "nccl"
+    else:
+        from hybridflow.parallel import _cpu_compat
+
+        _cpu_compat.install()
+        backend = "gloo"
+    dist.init_process_group(backend=backend,
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def init_model_parallel(*, tp: int, pp: int, seed: int) -> ParallelDims:
+    """Build Megatron's parallel groups and seed every RNG (data, model-parallel, torch)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    dims = ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp)
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 create_gloo_process_groups=False)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return dims
+
+
+def new_subgroups(groups_of_ranks: list[list[int]]):
+    """Create one process group per rank list (every rank must call this with the same lists);
+    return the group this rank belongs to (None if it is in none)."""
+    mine = None
+    rank = dist.get_rank()
+    for ranks in groups_of_ranks:
+        g = dist.new_group(ranks=sorted(ranks))
+        if rank in ranks:
+            mine = g
+    return mine
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
