@@ -1,0 +1,79 @@
+"""PromptSampler: seeded epochs, DP slicing, exact resume."""
+
+import pytest
+
+from hybridflow.data import PromptSampler
+
+
+def take(sampler, n):
+    return [sampler.next_batch() for _ in range(n)]
+
+
+def test_union_over_ranks_is_the_global_batch():
+    ref = PromptSampler(50, batch_size=8, dp_rank=0, dp_size=1, seed=3)
+    ranks = [PromptSampler(50, batch_size=8, dp_rank=r, dp_size=4, seed=3) for r in range(4)]
+    for _ in range(2 * ref.steps_per_epoch + 1):  # crosses epoch boundaries
+        expected = ref.next_batch()
+        parts = [s.next_batch() for s in ranks]
+        assert all(len(p) == 2 for p in parts)
+        assert sum(parts, []) == expected and len(set(expected)) == 8
+
+
+def test_epoch_is_a_permutation_and_epochs_differ():
+    s = PromptSampler(20, batch_size=5, dp_rank=0, dp_size=1, seed=0)
+    assert s.steps_per_epoch == 4
+    epoch0 = sum(list(s), [])
+    assert s.epoch == 1 and s.step_in_epoch == 0
+    epoch1 = sum(list(s), [])
+    assert sorted(epoch0) == sorted(epoch1) == list(range(20)) and epoch0 != epoch1
+
+
+def test_seeds_differ_and_no_shuffle_is_ordered():
+    a = take(PromptSampler(100, batch_size=10, dp_rank=0, dp_size=1, seed=0), 3)
+    b = take(PromptSampler(100, batch_size=10, dp_rank=0, dp_size=1, seed=1), 3)
+    assert a != b
+    c = PromptSampler(100, batch_size=10, dp_rank=0, dp_size=1, seed=1, shuffle=False)
+    assert c.next_batch() == list(range(10))
+
+
+def test_resume_mid_epoch_gives_identical_batches():
+    full = PromptSampler(37, batch_size=6, dp_rank=1, dp_size=2, seed=11)
+    expected = take(full, 15)
+    first = PromptSampler(37, batch_size=6, dp_rank=1, dp_size=2, seed=11)
+    take(first, 4)
+    state = first.state_dict()
+    resumed = PromptSampler(37, batch_size=6, dp_rank=1, dp_size=2, seed=11)
+    resumed.load_state_dict(state)
+    assert take(resumed, 11) == expected[4:]
+
+
+def test_resume_on_other_dp_size_keeps_global_batches():
+    a = PromptSampler(40, batch_size=8, dp_rank=0, dp_size=1, seed=5)
+    take(a, 3)
+    ranks = [PromptSampler(40, batch_size=8, dp_rank=r, dp_size=2, seed=5) for r in range(2)]
+    for s in ranks:
+        s.load_state_dict(a.state_dict())
+    for _ in range(5):
+        assert sum((s.next_batch() for s in ranks), []) == a.next_batch()
+
+
+def test_drop_last_false_fills_last_batch():
+    s = PromptSampler(10, batch_size=4, dp_rank=0, dp_size=1, seed=0, drop_last=False)
+    assert s.steps_per_epoch == 3
+    batches = list(s)
+    assert all(len(b) == 4 for b in batches) and set(sum(batches, [])) == set(range(10))
+    assert PromptSampler(10, batch_size=4, dp_rank=0, dp_size=1, seed=0).steps_per_epoch == 2
+
+
+def test_errors_name_the_numbers():
+    with pytest.raises(ValueError, match="batch_size 10 is not divisible by dp_size 4"):
+        PromptSampler(100, batch_size=10, dp_rank=0, dp_size=4, seed=0)
+    with pytest.raises(ValueError, match="fewer than batch_size 8"):
+        PromptSampler(5, batch_size=8, dp_rank=0, dp_size=1, seed=0)
+    with pytest.raises(ValueError, match="dp_rank 2"):
+        PromptSampler(100, batch_size=8, dp_rank=2, dp_size=2, seed=0)
+    s = PromptSampler(100, batch_size=10, dp_rank=0, dp_size=1, seed=0)
+    with pytest.raises(ValueError, match="seed=1"):
+        s.load_state_dict({**s.state_dict(), "seed": 1})
+    with pytest.raises(ValueError, match="step_in_epoch 10"):
+        s.load_state_dict({**s.state_dict(), "step_in_epoch": 10})
