@@ -30,4 +30,4 @@ class ValueHead(MegatronModule):
         if self.sequence_parallel:
             hidden_states = gather_from_sequence_parallel_region(
                 hidden_states, group=ps.get_tensor_model_parallel_group())
-        return self.linear(hidden_states.float()), None
+        return self.linear(hidden_states.to(self.linear.weight.dtype)).float(), None

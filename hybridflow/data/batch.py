@@ -1,0 +1,80 @@
+"""RolloutBatch: the one record that flows through every stage of an RL step.
+
+Layout: every row is [prompt (left-padded to P) | response (right-padded to R)], so all prompts end at
+column P-1 and the token at column P+j is response token j. Position ids count real tokens only
+(0 at each row's first prompt token). The model's output at column P+j-1 predicts response token j,
+so per-token quantities (log-probs, values, rewards, advantages) are all (B, R), aligned with
+`response_ids`. Fields are filled stage by stage; None means "not computed (yet)".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    # --- from the prompt data and the rollout ---
+    prompt_ids: torch.Tensor  # (B, P) int64, left-padded with pad id
+    prompt_mask: torch.Tensor  # (B, P) 0/1, 1 on real prompt tokens
+    response_ids: torch.Tensor  # (B, R) int64, right-padded with pad id
+    response_mask: torch.Tensor  # (B, R) 0/1, 1 up to and including EOS
+    group_ids: torch.Tensor  # (B,) int64, rows sampled from the same prompt share an id
+    indices: torch.Tensor  # (B,) int64, dataset index of each row's prompt
+    # --- actor / reference / critic ---
+    old_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_old(a_t | s_t)
+    ref_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_ref(a_t | s_t)
+    values: Optional[torch.Tensor] = None  # (B, R) V(s_t) from the critic
+    # --- reward and advantages ---
+    scores: Optional[torch.Tensor] = None  # (B,) sequence score from rules / reward model
+    token_rewards: Optional[torch.Tensor] = None  # (B, R) score on the last token, minus KL if in reward
+    advantages: Optional[torch.Tensor] = None  # (B, R)
+    returns: Optional[torch.Tensor] = None  # (B, R)
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt_ids.shape[1]
+
+    def input_ids(self) -> torch.Tensor:  # (B, P + R)
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    def token_mask(self) -> torch.Tensor:  # (B, P + R)
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    def position_ids(self) -> torch.Tensor:  # (B, P + R)
+        return (self.token_mask().cumsum(dim=1) - 1).clamp(min=0)
+
+    def _tensors(self):
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}
+
+    def select(self, idx: torch.Tensor | slice) -> "RolloutBatch":
+        return dataclasses.replace(self, **{k: v[idx] for k, v in self._tensors().items()})
+
+    def split(self, size: int) -> list["RolloutBatch"]:
+        return [self.select(slice(i, i + size)) for i in range(0, self.batch_size, size)]
+
+    def to(self, device) -> "RolloutBatch":
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in self._tensors().items()})
+
+    def trimmed(self) -> "RolloutBatch":
+        """Drop columns that are padding in every row (common left prompt pad, right response pad)."""
+        p_keep = int(self.prompt_mask.sum(1).max())
+        r_keep = max(int(self.response_mask.sum(1).max()), 1)
+        out = {}
+        for k, v in self._tensors().items():
+            if k in ("prompt_ids", "prompt_mask"):
+                out[k] = v[:, v.shape[1] - p_keep:]
+            elif v.dim() == 2:
+                out[k] = v[:, :r_keep]
+            else:
+                out[k] = v
+        return dataclasses.replace(self, **out)

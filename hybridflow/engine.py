@@ -1,0 +1,203 @@
+"""One engine class for every role: a Megatron GPTModel with forward-only and train-step passes.
+
+Actor, reference, critic and reward model differ only in their head (LM vs scalar) and whether they
+train (DDP + Megatron optimizer + LR schedule). Both passes go through Megatron's
+`get_forward_backward_func()`, so TP, PP (1F1B) and DP work the same for every role.
+
+Loss scaling: loss functions (hybridflow.algo) normalise by *global* denominators (tokens or sequences
+of the whole mini-batch across micro-batches and DP ranks). Megatron divides each micro-batch loss by
+the number of micro-batches and DDP averages grads over DP, so the engine multiplies by both: the
+gradient is then exactly the full mini-batch loss's gradient, however the batch is split.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel as DDP
+from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from hybridflow.config import ModelConfig, OptimConfig, ParallelConfig
+from hybridflow.data.batch import RolloutBatch
+from hybridflow.models.build import build_model
+from hybridflow.models.logprob import vocab_parallel_logprobs
+from hybridflow.parallel.groups import device
+
+LossFn = Callable[[dict, RolloutBatch], tuple[torch.Tensor, dict]]
+
+
+def attention_mask(token_mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """(B, S) 0/1 -> Megatron bool mask (B, 1, S, S), True = masked; None when nothing is padded.
+    Padded queries attend to themselves so no softmax row is empty (no NaNs)."""
+    if bool(token_mask.all()):
+        return None
+    s = token_mask.shape[1]
+    eye = torch.eye(s, dtype=torch.bool, device=token_mask.device)
+    allowed = token_mask.bool()[:, None, None, :] | eye
+    return ~allowed
+
+
+class Engine:
+    def __init__(self, *, role: str, model_cfg: ModelConfig, parallel: ParallelConfig,
+                 precision: str, optim: Optional[OptimConfig] = None, total_updates: int = 1):
+        self.role = role
+        self.model_cfg = model_cfg
+        self.trainable = optim is not None
+        model = build_model(model_cfg, role=role, tp=parallel.tensor_parallel_size,
+                            pp=parallel.pipeline_parallel_size,
+                            sequence_parallel=parallel.sequence_parallel, precision=precision)
+        self.module = model  # the bare GPTModel (for reshard, checkpoint import/export)
+        self.tcfg = model.config
+        if precision == "bf16":
+            model = Float16Module(self.tcfg, model)
+        self.optimizer = self.scheduler = None
+        if self.trainable:
+            dist_opt = parallel.use_distributed_optimizer and ps.get_data_parallel_world_size() > 1
+            ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                    overlap_grad_reduce=False,
+                                                    use_distributed_optimizer=dist_opt)
+            model = DDP(self.tcfg, ddp_cfg, model)
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr,
+                                weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
+                                adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                                clip_grad=optim.clip_grad, bf16=precision == "bf16",
+                                params_dtype=self.tcfg.params_dtype,
+                                use_distributed_optimizer=dist_opt),
+                [model], use_gloo_process_groups=False)
+            self.scheduler = OptimizerParamScheduler(
+                self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
+                max_lr=optim.lr, min_lr=optim.min_lr, lr_warmup_steps=optim.lr_warmup_steps,
+                lr_decay_steps=max(total_updates, optim.lr_warmup_steps + 1),
+                lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay,
+                end_wd=optim.weight_decay, wd_incr_steps=max(total_updates, 1),
+                wd_incr_style="constant")
+            self.tcfg.no_sync_func = model.no_sync
+            self.tcfg.finalize_model_grads_func = finalize_model_grads
+            self.tcfg.grad_scale_func = self.optimizer.scale_loss
+        else:
+            for p in model.parameters():
+                p.requires_grad_(False)
+            model.eval()
+        self.model = model
+        self.device = device()
+
+    # ------------------------------------------------------------------ passes
+    def _run(self, batch: RolloutBatch, *, micro_batch_size: int, forward_only: bool,
+             head: Callable, loss_fn: Optional[LossFn], temperature: float, need_entropy: bool):
+        micro = [mb.to(self.device) for mb in batch.split(micro_batch_size)]
+        p, seq_len = batch.prompt_len, batch.input_ids().shape[1]
+        tp_group = ps.get_tensor_model_parallel_group()
+        dp = ps.get_data_parallel_world_size()
+        n_micro = len(micro)
+
+        def forward_step(data_iter, model):
+            mb = next(data_iter)
+            out = model(mb.input_ids(), mb.position_ids(), attention_mask(mb.token_mask()))
+
+            def loss_func(output):
+                pred = output[:, p - 1:-1]  # outputs that predict response tokens
+                if head is _lm_head:
+                    res = _lm_head(pred, mb, tp_group=tp_group, temperature=temperature,
+                                   true_vocab=self.model_cfg.vocab_size, entropy=need_entropy)
+                else:
+                    res = {"values": pred.squeeze(-1).float()}
+                if loss_fn is None:
+                    zero = output.sum() * 0.0
+                    return zero, {k: v.detach() for k, v in res.items()}
+                loss, metrics = loss_fn(res, mb)
+                return loss * (n_micro * dp), {k: v.detach() for k, v in metrics.items()}
+
+            return out, loss_func
+
+        if self.trainable and not forward_only:
+            self.model.train()
+        else:
+            self.model.eval()
+        with torch.set_grad_enabled(not forward_only):
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
+                num_microbatches=n_micro, seq_length=seq_len, micro_batch_size=micro_batch_size,
+                forward_only=forward_only)
+
+    def compute_logprobs(self, batch: RolloutBatch, *, micro_batch_size: int,
+                         temperature: float = 1.0) -> torch.Tensor:
+        out = self._run(batch, micro_batch_size=micro_batch_size, forward_only=True,
+                        head=_lm_head, loss_fn=None, temperature=temperature, need_entropy=False)
+        return self._from_last_stage(out, "logprobs", batch)
+
+    def compute_values(self, batch: RolloutBatch, *, micro_batch_size: int) -> torch.Tensor:
+        out = self._run(batch, micro_batch_size=micro_batch_size, forward_only=True,
+                        head=_value_head, loss_fn=None, temperature=1.0, need_entropy=False)
+        return self._from_last_stage(out, "values", batch)
+
+    def train_step(self, batch: RolloutBatch, loss_fn: LossFn, *, micro_batch_size: int,
+                   temperature: float = 1.0, need_entropy: bool = False) -> dict:
+        """One optimizer step on `batch` (this rank's share of a mini-batch)."""
+        assert self.trainable
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        head = _lm_head if self.role in ("actor", "ref") else _value_head
+        out = self._run(batch, micro_batch_size=micro_batch_size, forward_only=False, head=head,
+                        loss_fn=loss_fn, temperature=temperature, need_entropy=need_entropy)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        metrics = _sum_metrics(out, self.device)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        return metrics
+
+    def _from_last_stage(self, outs: list, key: str, batch: RolloutBatch) -> torch.Tensor:
+        """Concatenate per-micro-batch results and broadcast them from the last PP stage."""
+        shape = (batch.batch_size, batch.response_ids.shape[1])
+        if ps.is_pipeline_last_stage():
+            t = torch.cat([o[key] for o in outs], dim=0).float().contiguous()
+        else:
+            t = torch.empty(shape, dtype=torch.float32, device=self.device)
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        return t.cpu()
+
+
+def _lm_head(pred, mb, *, tp_group, temperature, true_vocab, entropy):
+    res = vocab_parallel_logprobs(pred, mb.response_ids, tp_group=tp_group,
+                                  true_vocab_size=true_vocab, temperature=temperature,
+                                  with_entropy=entropy)
+    if entropy:
+        return {"logprobs": res[0], "entropy": res[1]}
+    return {"logprobs": res}
+
+
+def _value_head(*args, **kwargs):  # marker: the critic's output already is the value
+    raise AssertionError("not called")
+
+
+def _sum_metrics(outs: list, dev: torch.device) -> dict:
+    """Per-micro-batch metric contributions summed over micro-batches and DP ranks (last stage),
+    then shared with the other PP stages."""
+    keys = sorted(outs[0].keys()) if outs else []
+    vec = torch.tensor([sum(float(o[k]) for o in outs) for k in keys], dtype=torch.float64,
+                       device=dev)
+    n = torch.tensor([len(keys)], dtype=torch.int64, device=dev)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        src = ps.get_pipeline_model_parallel_last_rank()
+        group = ps.get_pipeline_model_parallel_group()
+        dist.broadcast(n, src=src, group=group)
+        obj = [keys]
+        dist.broadcast_object_list(obj, src=src, group=group)
+        keys = obj[0]
+        if vec.numel() != int(n):
+            vec = torch.zeros(int(n), dtype=torch.float64, device=dev)
+        dist.broadcast(vec, src=src, group=group)
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(vec, group=ps.get_data_parallel_group())
+    return dict(zip(keys, vec.tolist()))
