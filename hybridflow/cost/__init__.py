@@ -1,0 +1,16 @@
+"""Analytic cost model of an RL run: memory per GPU, seconds per stage, GPU-hours, money, and the
+parallel layout to use. CLI: `python -m hybridflow.cost --help`; fitting the efficiencies to
+measured runs: `python -m hybridflow.cost.calibrate --help`.
+
+Files: gpus (GPU table), shapes (model shapes), workload (batch + layout inputs), flops, memory,
+timing (linear in `efficiency.Calibration`), search (layout search), estimate (entry points),
+report (CostReport), calibrate (fit the efficiencies from measured runs)."""
+from hybridflow.cost.efficiency import Calibration, load_calibration
+from hybridflow.cost.estimate import estimate_cost, estimate_memory, estimate_step_time
+from hybridflow.cost.gpus import GPUS, get_gpu
+from hybridflow.cost.memory import MemoryEstimate
+from hybridflow.cost.report import CostReport
+from hybridflow.cost.shapes import ModelShape, load_shape
+
+__all__ = ["estimate_cost", "estimate_memory", "estimate_step_time", "CostReport", "Calibration",
+           "MemoryEstimate", "ModelShape", "GPUS", "get_gpu", "load_calibration", "load_shape"]

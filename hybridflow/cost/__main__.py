@@ -1,0 +1,60 @@
+"""CLI: `python -m hybridflow.cost --model qwen2_7b --gpu H200 --num-gpus 8 [--json]`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hybridflow.cost.estimate import estimate_cost
+from hybridflow.cost.gpus import GPUS
+from hybridflow.cost.workload import ALGORITHMS
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hybridflow.cost", description=__doc__)
+    p.add_argument("--model", required=True, help="conf/model name, HF config.json or its directory")
+    p.add_argument("--gpu", default="H200", help=f"one of {', '.join(GPUS)}")
+    p.add_argument("--num-gpus", type=int, default=8)
+    p.add_argument("--algorithm", default="grpo", choices=ALGORITHMS)
+    p.add_argument("--prompts-per-step", type=int, default=128)
+    p.add_argument("--samples-per-prompt", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--response-len", type=int, default=1024)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--epochs", type=float)
+    p.add_argument("--dataset-size", type=int)
+    p.add_argument("--price", type=float, dest="price_per_gpu_hour", help="$ per GPU-hour")
+    p.add_argument("--ppo-epochs", type=int, default=1)
+    p.add_argument("--mini-batches", type=int, default=1)
+    p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--no-reference", action="store_false", dest="use_reference")
+    p.add_argument("--calibration", help="JSON written by python -m hybridflow.cost.calibrate")
+    g = p.add_argument_group("force a layout (else searched)")
+    g.add_argument("--tp", type=int)
+    g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--tp-gen", type=int)
+    g.add_argument("--offload-ref", action="store_true")
+    g.add_argument("--recompute", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    a = p.parse_args(argv)
+    layout = None
+    if a.tp is not None:
+        layout = {"tp": a.tp, "pp": a.pp, "tp_gen": a.tp_gen, "offload_ref": a.offload_ref,
+                  "recompute": a.recompute}
+    try:
+        report = estimate_cost(
+            model=a.model, gpu=a.gpu, num_gpus=a.num_gpus, algorithm=a.algorithm,
+            prompts_per_step=a.prompts_per_step, samples_per_prompt=a.samples_per_prompt,
+            prompt_len=a.prompt_len, response_len=a.response_len, steps=a.steps, epochs=a.epochs,
+            dataset_size=a.dataset_size, price_per_gpu_hour=a.price_per_gpu_hour, layout=layout,
+            ppo_epochs=a.ppo_epochs, mini_batches=a.mini_batches,
+            micro_batch_tokens=a.micro_batch_tokens, use_reference=a.use_reference,
+            calibration=a.calibration)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.to_json() if a.json else report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Fit the cost model's efficiency factors to measured runs; leave-one-out check of the fit.
+
+    python -m hybridflow.cost.calibrate benchmarks/results/*.json -o benchmarks/results/calibration.json
+
+A results file holds one record, a list of records, {"records": [...]}, or JSON Lines (.jsonl).
+Files with a top-level "calibration" key (this tool's own output) are skipped. One record:
+
+    {"name": "qwen2_0_5b-1xH200-grpo",                # optional label for the tables
+     "config": {"model": "qwen2_0_5b",                # conf/model name, HF config path, or a dict
+                                                      # of ModelShape fields
+                "gpu": "H200", "num_gpus": 1,
+                "layout": {"tp": 1, "pp": 1, "dp": 1, "tp_gen": 1,
+                           "offload_ref": false, "recompute": false},
+                "algorithm": "grpo", "prompts_per_step": 64, "samples_per_prompt": 4,
+                "prompt_len": 128, "response_len": 256,   # decode steps actually run
+                "ppo_epochs": 1, "mini_batches": 1, "micro_batch_tokens": 8192, "use_reference": true},
+     "metrics": {"timing_s/gen": 5.1, "timing_s/update_actor": 2.3, ...,
+                 "perf/max_memory_allocated_gb": 30.2}}   # GiB (bytes / 2**30), as verl logs it
+
+`metrics` may instead sit flat in the record (as the trainer's JSONL lines do); any subset of the
+stages may be present. Keys of config that are not inputs of the model are ignored.
+
+The fit (time is linear in the coefficients, see timing.py): memory_scale = the least-squares ratio
+of measured to predicted peak; then per group of stages, least squares of (measured - known terms)
+on the ideal times of the group's unknown coefficients, in this order: reshard -> 1/comm_eff;
+gen -> 1/prefill_eff, 1/decode_bw_eff, seconds per decode step; old_log_prob/ref/values ->
+1/forward_mfu; update_actor/update_critic -> 1/train_mfu. A coefficient that comes out <= 0 is held
+at its prior value and the rest refit; when the records cannot separate the unknowns (too few, or
+collinear) one common scale of the group's prior prediction is fitted instead (a ratio fit).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from hybridflow.cost.efficiency import Calibration, load_calibration
+from hybridflow.cost.gpus import GPU, get_gpu
+from hybridflow.cost.memory import memory_for
+from hybridflow.cost.shapes import ModelShape, load_shape
+from hybridflow.cost.timing import stage_terms
+from hybridflow.cost.workload import Layout, Workload, make_layout
+
+MEMORY_KEY = "perf/max_memory_allocated_gb"
+GROUPS = [(("reshard",), ("inv_comm_eff",)),
+          (("gen",), ("inv_prefill_eff", "inv_decode_bw_eff", "decode_step_overhead_s")),
+          (("old_log_prob", "ref", "values"), ("inv_forward_mfu",)),
+          (("update_actor", "update_critic"), ("inv_train_mfu",))]
+
+
+@dataclass
+class Run:
+    name: str
+    shape: ModelShape
+    gpu: GPU
+    layout: Layout
+    workload: Workload
+    metrics: dict[str, float]
+
+
+def parse_record(rec: dict, default_name: str = "run") -> Run:
+    cfg = rec.get("config")
+    if not isinstance(cfg, dict):
+        raise ValueError(f"record {rec.get('name', default_name)!r}: missing 'config' object")
+    for key in ("model", "gpu", "num_gpus", "layout"):
+        if key not in cfg:
+            raise ValueError(f"record {rec.get('name', default_name)!r}: config lacks {key!r}")
+    fields = Workload.__dataclass_fields__
+    work = Workload(**{k: v for k, v in cfg.items() if k in fields})
+    layout = make_layout(cfg["layout"], int(cfg["num_gpus"]))
+    metrics = rec.get("metrics", rec)
+    metrics = {k: float(v) for k, v in metrics.items()
+               if (k.startswith("timing_s/") or k == MEMORY_KEY) and isinstance(v, (int, float))}
+    return Run(str(rec.get("name", default_name)), load_shape(cfg["model"]), get_gpu(cfg["gpu"]),
+               layout, work, metrics)
+
+
+def load_records(paths: list[str | Path]) -> list[dict]:
+    out = []
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise FileNotFoundError(f"results file {path} not found")
+        text = path.read_text()
+        data = ([json.loads(line) for line in text.splitlines() if line.strip()]
+                if path.suffix == ".jsonl" else json.loads(text))
+        if isinstance(data, dict) and "calibration" in data:
+            continue
+        data = data.get("records", [data]) if isinstance(data, dict) else data
+        out += [dict(r, name=r.get("name", f"{path.stem}[{i}]")) for i, r in enumerate(data)]
+    return out
+
+
+def _solve(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """Least squares by normal equations on norm-scaled columns; None when (nearly) singular."""
+    n = len(rows[0])
+    if len(rows) < n:
+        return None
+    norms = [sum(r[j] ** 2 for r in rows) ** 0.5 or 1.0 for j in range(n)]
+    a = [[sum(r[i] * r[j] for r in rows) / (norms[i] * norms[j]) for j in range(n)]
+         + [sum(r[i] * y for r, y in zip(rows, ys)) / norms[i]] for i in range(n)]
+    for c in range(n):                      # Gaussian elimination, partial pivoting
+        p = max(range(c, n), key=lambda i: abs(a[i][c]))
+        if abs(a[p][c]) < 1e-9:
+            return None
+        a[c], a[p] = a[p], a[c]
+        for i in range(n):
+            if i != c:
+                f = a[i][c] / a[c][c]
+                a[i] = [u - f * v for u, v in zip(a[i], a[c])]
+    return [a[i][n] / a[i][i] / norms[i] for i in range(n)]
+
+
+def _fit_group(runs, terms, stages, unknowns, coefs) -> dict[str, float]:
+    free = list(unknowns)
+    while free:
+        rows, ys = [], []
+        for run, t in zip(runs, terms):
+            for stage in stages:
+                key = f"timing_s/{stage}"
+                if stage in t and key in run.metrics and any(t[stage].x.get(k, 0) for k in free):
+                    known = t[stage].const + sum(v * coefs[k] for k, v in t[stage].x.items() if k not in free)
+                    rows.append([t[stage].x.get(k, 0.0) for k in free])
+                    ys.append(run.metrics[key] - known)
+        if not rows:
+            return coefs
+        sol = _solve(rows, ys)
+        if sol is None:
+            break
+        if all(v > 0 for v in sol):
+            return coefs | dict(zip(free, sol))
+        free.remove(free[min(range(len(sol)), key=lambda i: sol[i])])   # hold the worst at its prior
+    # Ratio fit: one scale s of the group's own terms, s = sum(p * y) / sum(p^2).
+    num = den = 0.0
+    for run, t in zip(runs, terms):
+        for stage in stages:
+            if stage in t and f"timing_s/{stage}" in run.metrics:
+                p = sum(v * coefs[k] for k, v in t[stage].x.items() if k in unknowns)
+                y = run.metrics[f"timing_s/{stage}"] - t[stage].const - sum(
+                    v * coefs[k] for k, v in t[stage].x.items() if k not in unknowns)
+                num, den = num + p * y, den + p * p
+    s = num / den if den > 0 else 0.0
+    return coefs | {k: coefs[k] * s for k in unknowns} if s > 0 else coefs
+
+
+def fit(records: list[dict], base: Calibration | None = None) -> Calibration:
+    """Calibration fitted to `records` (see the module docstring); `base` supplies the priors."""
+    base = base or Calibration()
+    runs = [parse_record(r, f"run{i}") for i, r in enumerate(records)]
+    unit = replace(base, memory_scale=1.0)
+    pairs = [(memory_for(r.shape, r.gpu, r.layout, r.workload, unit).peak_gib, r.metrics[MEMORY_KEY])
+             for r in runs if MEMORY_KEY in r.metrics]
+    den = sum(p * p for p, _ in pairs)
+    calib = replace(base, memory_scale=sum(p * m for p, m in pairs) / den) if den else base
+    terms = [stage_terms(r.shape, r.gpu, r.layout, r.workload, calib) for r in runs]
+    coefs = calib.coefs()
+    for stages, unknowns in GROUPS:
+        coefs = _fit_group(runs, terms, stages, unknowns, coefs)
+    return calib.with_coefs(**coefs)
+
+
+def predict(run: Run, calib: Calibration) -> dict[str, float]:
+    """Predicted `timing_s/<stage>` and peak memory of one run, under the metric names."""
+    coefs = calib.coefs()
+    out = {f"timing_s/{k}": t.seconds(coefs)
+           for k, t in stage_terms(run.shape, run.gpu, run.layout, run.workload, calib).items()}
+    out[MEMORY_KEY] = memory_for(run.shape, run.gpu, run.layout, run.workload, calib).peak_gib
+    return out
+
+
+def predict_vs_measured(records: list[dict], calibration=None) -> list[dict]:
+    """Leave-one-out: for each record, fit on all the others (priors: `calibration`) and predict it.
+
+    Returns rows {name, metric, measured, predicted, error_pct}, one per measured metric."""
+    if len(records) < 2:
+        raise ValueError("leave-one-out needs at least 2 records")
+    base = load_calibration(calibration)
+    rows = []
+    for i, rec in enumerate(records):
+        run = parse_record(rec, f"run{i}")
+        pred = predict(run, fit(records[:i] + records[i + 1:], base))
+        for metric, measured in run.metrics.items():
+            if metric in pred:
+                p = pred[metric]
+                rows.append({"name": run.name, "metric": metric, "measured": measured, "predicted": p,
+                             "error_pct": 100 * (p - measured) / measured if measured else float("nan")})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'run':<28} {'metric':<30} {'measured':>10} {'predicted':>10} {'error':>8}"]
+    lines += [f"{r['name'][:28]:<28} {r['metric']:<30} {r['measured']:>10.3f} {r['predicted']:>10.3f} "
+              f"{r['error_pct']:>7.1f}%" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hybridflow.cost.calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+", help="measured-run JSON / JSONL files")
+    p.add_argument("-o", "--output", help="where to write the fitted calibration JSON")
+    p.add_argument("--base", help="calibration JSON whose values are the priors")
+    a = p.parse_args(argv)
+    try:
+        records = load_records(a.results)
+        if not records:
+            raise ValueError("no records found in the given files")
+        base = load_calibration(a.base)
+        calib = fit(records, base)
+        loo = predict_vs_measured(records, base) if len(records) > 1 else []
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"fitted on {len(records)} record(s):")
+    print("\n".join(f"  {k:<24}{v:.4g}" for k, v in calib.to_dict().items()))
+    if loo:
+        print("\nleave-one-out (fit on the others, predict this one):\n" + format_table(loo))
+    if a.output:
+        out = {"calibration": calib.to_dict(), "num_records": len(records),
+               "records": [r["name"] for r in records], "leave_one_out": loo}
+        Path(a.output).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"\nwrote {a.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

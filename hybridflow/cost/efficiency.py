@@ -1,0 +1,84 @@
+"""Efficiency factors that turn ideal seconds (peak FLOP/s, peak bandwidth) into predicted seconds.
+
+Defaults, and why (fit your own with `python -m hybridflow.cost.calibrate`):
+- train_mfu 0.35: fraction of dense bf16 peak reached by fwd+bwd in the update phases; Megatron with
+  flash attention reaches 0.35-0.5 on 7B+ models; our local-spec baseline measured 0.13 at 0.5B
+  (MEGATRON_CPU.md), so small models need calibration.
+- forward_mfu 0.40: the same for forward-only passes (old_log_prob, ref, values).
+- prefill_efficiency 0.50: fraction of peak FLOP/s in generation's matmuls (prefill and the compute
+  part of decode); the measured ceiling for a large bf16 matmul on H200 is 790/989 = 0.80.
+- decode_bw_efficiency 0.60: fraction of HBM bandwidth when a decode step reads its weight shard and
+  KV cache; the measured ceiling (device copy) on H200 is 4.3/4.8 = 0.90.
+- decode_step_overhead_s 0.005: fixed seconds per decode step (kernel launches, sampling, host sync)
+  of a CUDA-graph-replayed step. The plain megatron KV-cache loop measured ~0.05 s/step at 0.5B
+  (12.9 s for 256 steps): use that for an engine without graphs.
+- comm_efficiency 0.66: fraction of link bandwidth a collective reaches; measured all_gather bus
+  bandwidth on 2 H200s over NVLink was 297 of 450 GB/s.
+- memory_scale 1.0: multiplies the predicted allocated peak (fit to perf/max_memory_allocated_gb).
+- memory_headroom_gib 4.0: memory a GPU loses to the CUDA context, NCCL buffers and allocator
+  fragmentation; a layout fits when scaled peak <= memory_gib - headroom.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Calibration:
+    train_mfu: float = 0.35
+    forward_mfu: float = 0.40
+    prefill_efficiency: float = 0.50
+    decode_bw_efficiency: float = 0.60
+    decode_step_overhead_s: float = 0.005
+    comm_efficiency: float = 0.66
+    memory_scale: float = 1.0
+    memory_headroom_gib: float = 4.0
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("decode_step_overhead_s", "memory_headroom_gib"):
+                if v < 0:
+                    raise ValueError(f"calibration {f.name} must be >= 0, got {v}")
+            elif not v > 0:
+                raise ValueError(f"calibration {f.name} must be > 0, got {v}")
+
+    def coefs(self) -> dict[str, float]:
+        """Coefficients of the linear time model: stage seconds = const + sum(x[k] * coef[k])."""
+        return {"inv_train_mfu": 1 / self.train_mfu, "inv_forward_mfu": 1 / self.forward_mfu,
+                "inv_prefill_eff": 1 / self.prefill_efficiency,
+                "inv_decode_bw_eff": 1 / self.decode_bw_efficiency,
+                "decode_step_overhead_s": self.decode_step_overhead_s,
+                "inv_comm_eff": 1 / self.comm_efficiency}
+
+    def with_coefs(self, **coefs: float) -> "Calibration":
+        """The inverse of coefs(): a copy with the named coefficients replaced."""
+        names = {"inv_train_mfu": "train_mfu", "inv_forward_mfu": "forward_mfu",
+                 "inv_prefill_eff": "prefill_efficiency", "inv_decode_bw_eff": "decode_bw_efficiency",
+                 "inv_comm_eff": "comm_efficiency"}
+        return replace(self, **{names.get(k, k): (1 / v if k in names else v) for k, v in coefs.items()})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_calibration(calibration: "Calibration | dict | str | Path | None") -> Calibration:
+    """None (defaults), a Calibration, a dict of its fields, or a path to calibrate.py's JSON."""
+    if calibration is None:
+        return Calibration()
+    if isinstance(calibration, Calibration):
+        return calibration
+    if not isinstance(calibration, dict):
+        path = Path(calibration)
+        if not path.is_file():
+            raise FileNotFoundError(f"calibration file {path} not found")
+        with open(path) as f:
+            calibration = json.load(f)
+    calibration = calibration.get("calibration", calibration)   # calibrate.py nests it
+    known = {f.name for f in fields(Calibration)}
+    unknown = set(calibration) - known
+    if unknown:
+        raise ValueError(f"calibration: unknown keys {sorted(unknown)}; expected some of {sorted(known)}")
+    return Calibration(**calibration)

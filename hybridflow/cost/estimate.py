@@ -1,0 +1,115 @@
+"""Public entry points: `estimate_cost` (search + report) and, for one fixed layout,
+`estimate_memory` and `estimate_step_time` (what the trainer's probe run puts beside its measurement)."""
+from __future__ import annotations
+
+import math
+
+from hybridflow.cost.efficiency import Calibration, load_calibration
+from hybridflow.cost.gpus import get_gpu
+from hybridflow.cost.memory import MemoryEstimate, memory_for
+from hybridflow.cost.report import CostReport
+from hybridflow.cost.search import Evaluation, evaluate, reason, runners_up, search, suggest
+from hybridflow.cost.shapes import load_shape
+from hybridflow.cost.timing import actor_model_flops, step_seconds
+from hybridflow.cost.workload import Workload, make_layout
+
+
+def _fixed(model, gpu, num_gpus, layout, calibration, workload: dict):
+    shape, gpu_, calib = load_shape(model), get_gpu(gpu), load_calibration(calibration)
+    lay = make_layout(layout, num_gpus)
+    lay.check(shape, num_gpus)
+    return shape, gpu_, lay, Workload(**workload), calib
+
+
+def estimate_memory(*, model, gpu, num_gpus: int, layout: dict, calibration=None,
+                    **workload) -> MemoryEstimate:
+    """Peak memory per GPU by phase and component for one layout; `workload`: Workload's fields."""
+    return memory_for(*_fixed(model, gpu, num_gpus, layout, calibration, workload))
+
+
+def estimate_step_time(*, model, gpu, num_gpus: int, layout: dict, calibration=None,
+                       **workload) -> dict[str, float]:
+    """Seconds per stage (`timing_s/<stage>` names) and "step" for one layout."""
+    return step_seconds(*_fixed(model, gpu, num_gpus, layout, calibration, workload))
+
+
+def _num_steps(steps, epochs, dataset_size, prompts_per_step) -> tuple[int, str | None]:
+    if steps is not None and (epochs is not None or dataset_size is not None):
+        raise ValueError("pass either steps or (epochs, dataset_size), not both")
+    if steps is not None:
+        if int(steps) < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        return int(steps), None
+    if (epochs is None) != (dataset_size is None):
+        raise ValueError("epochs and dataset_size go together")
+    if epochs is None:
+        return 1, "steps not given: totals are for one step"
+    return math.ceil(epochs * dataset_size / prompts_per_step), None
+
+
+def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_step: int = 128,
+                  samples_per_prompt: int = 8, prompt_len: int = 512, response_len: int = 1024,
+                  algorithm: str = "grpo", steps: int | None = None, epochs: float | None = None,
+                  dataset_size: int | None = None, price_per_gpu_hour: float | None = None,
+                  layout: dict | None = None, ppo_epochs: int = 1, mini_batches: int = 1,
+                  micro_batch_tokens: int = 8192, dtype: str = "bf16", use_reference: bool = True,
+                  calibration=None) -> CostReport:
+    """Memory, seconds per stage, GPU-hours and money of an RL run, and the layout to run it in.
+
+    `layout` forces one layout (dict of tp, pp, dp, tp_gen, offload_ref, recompute); otherwise every
+    buildable layout is searched. Nothing fitting is an answer: `fits=False`, `overflow` names the
+    component, `suggestions` say what would fit."""
+    shape, gpu_, calib = load_shape(model), get_gpu(gpu), load_calibration(calibration)
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+    work = Workload(algorithm=algorithm, prompts_per_step=prompts_per_step,
+                    samples_per_prompt=samples_per_prompt, prompt_len=prompt_len,
+                    response_len=response_len, ppo_epochs=ppo_epochs, mini_batches=mini_batches,
+                    micro_batch_tokens=micro_batch_tokens, use_reference=use_reference, dtype=dtype)
+    num_steps, steps_note = _num_steps(steps, epochs, dataset_size, prompts_per_step)
+    if layout is not None:
+        lay = make_layout(layout, num_gpus)
+        lay.check(shape, num_gpus)
+        ranked = [evaluate(shape, gpu_, lay, work, calib)]
+    else:
+        ranked = search(shape, gpu_, num_gpus, work, calib)
+        if not ranked:
+            raise ValueError(f"no layout of {num_gpus} GPUs suits {shape.name}: TP must divide "
+                             f"{shape.num_query_groups} KV groups and PP {shape.num_layers} layers")
+    return _report(shape, gpu_, num_gpus, work, calib, ranked, num_steps, price_per_gpu_hour,
+                   notes=[steps_note] if steps_note else [], forced=layout is not None)
+
+
+def _report(shape, gpu, num_gpus, work, calib: Calibration, ranked: list[Evaluation], num_steps,
+            price, notes, forced) -> CostReport:
+    best, mem = ranked[0], ranked[0].memory
+    price = gpu.price_per_hour if price is None else float(price)
+    gpu_hours = num_steps * best.step * num_gpus / 3600
+    stages = {k: v for k, v in best.seconds.items() if k != "step"}
+    notes = notes + ["every response runs to response_len; reward and advantage stages are not timed",
+                     "calibration: " + ("defaults" if calib == Calibration() else "given")]
+    if mem.gen_waves > 1:
+        notes.append(f"generation runs in {mem.gen_waves} waves per replica: the KV cache takes the "
+                     "memory left free (as vLLM's gpu_memory_utilization), so the gen peak is the capacity")
+    return CostReport(
+        model=shape.name, num_params=shape.num_params, gpu=gpu.name, num_gpus=num_gpus,
+        algorithm=work.algorithm,
+        workload={k: getattr(work, k) for k in work.__dataclass_fields__},
+        fits=best.fits, layout=best.layout.to_dict(),
+        reason=reason(best, best, forced),
+        memory_gib=mem.components_gib, peak_memory_gib=mem.peak_gib, peak_phase=mem.peak_phase,
+        memory_capacity_gib=mem.capacity_gib,
+        memory_by_phase_gib={p: sum(c.values()) for p, c in mem.phases_gib.items()},
+        gen_batch=mem.gen_batch, gen_waves=mem.gen_waves, stage_seconds=stages,
+        time_breakdown=best.breakdown,
+        step_seconds=best.step, steps=num_steps, gpu_hours=gpu_hours, price_per_gpu_hour=price,
+        cost=gpu_hours * price, tokens_per_step=work.tokens_per_step,
+        throughput=work.tokens_per_step / (best.step * num_gpus),
+        mfu_actor=actor_model_flops(shape, work) / (stages["update_actor"] * num_gpus
+                                                    * gpu.bf16_tflops * 1e12),
+        runners_up=[{"layout": ev.layout.to_dict(), "step_seconds": ev.step,
+                     "peak_memory_gib": ev.memory.peak_gib, "fits": ev.fits, "reason": reason(ev, best)}
+                    for ev in runners_up(ranked)],
+        overflow=None if best.fits else best.overflow(),
+        suggestions=[] if best.fits else suggest(shape, gpu, num_gpus, work, calib),
+        calibration=calib.to_dict(), notes=notes)

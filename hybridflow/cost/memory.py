@@ -1,0 +1,140 @@
+"""Peak memory per GPU, by component and by phase of the RL step.
+
+Resident through the whole step (DESIGN.md: actor and critic state stays on the GPU):
+- actor weights: bf16, 2 bytes/param over TP x PP;
+- actor grads: Megatron's DDP grad buffer in fp32 (bf16 training accumulates and reduces grads in
+  fp32), 4 bytes/param over TP x PP, not sharded over DP;
+- actor optimizer: fp32 master copy + Adam m and v, 12 bytes/param over TP x PP, and over DP too (the
+  distributed optimizer is on whenever DP > 1);
+- critic (PPO only): the same three for the critic (value head instead of LM head);
+- reference: bf16 weights in the training layout, unless offloaded (then present in its own phase only).
+Per phase, on top:
+- gen: the reshard buffer (the gen TP_g shard of the actor minus the training shard it contains; zero
+  when TP_g = TP and PP = 1), the KV cache of one generation wave, prefill scratch (one layer of the
+  wave's prompts) and last-position logits. Sequences that do not fit run in several waves;
+- old_log_prob / ref / values: one layer's activations for a micro-batch and its fp32 logits;
+- update_actor / update_critic: stored activations (`flops.activation_bytes_per_token_layer`; with
+  full recompute only each layer's bf16 input plus one layer's working set), 1F1B keeping
+  min(PP, micro-batches) micro-batches in flight on the first stage, plus fp32 logits and their grad.
+Not modelled: Megatron's vocab padding, optimizer-step temporaries, allocator fragmentation (folded
+into `Calibration.memory_headroom_gib` and `memory_scale`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from hybridflow.cost.efficiency import Calibration
+from hybridflow.cost.flops import BYTES_PER_PARAM, activation_bytes_per_token_layer, kv_bytes_per_token
+from hybridflow.cost.gpus import GPU
+from hybridflow.cost.shapes import ModelShape
+from hybridflow.cost.workload import Layout, Workload
+
+GIB = 2 ** 30
+LOGIT_BYTES = 8        # per vocab entry per token: fp32 logits + fp32 log-softmax (or its grad)
+COMPONENTS = ("actor_weights", "actor_grads", "actor_optimizer", "critic", "reference",
+              "reshard_buffer", "kv_cache", "activations")
+
+
+@dataclass
+class MemoryEstimate:
+    phases_gib: dict[str, dict[str, float]]   # phase -> component -> GiB per GPU (scaled)
+    peak_phase: str
+    peak_gib: float
+    capacity_gib: float                       # usable: memory_gib - headroom
+    gen_batch: int                            # sequences per generation wave per gen replica
+    gen_waves: int
+
+    @property
+    def components_gib(self) -> dict[str, float]:
+        return self.phases_gib[self.peak_phase]
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_gib <= self.capacity_gib
+
+    @property
+    def largest_component(self) -> str:
+        c = self.components_gib
+        return max(c, key=c.get)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "components_gib": self.components_gib, "fits": self.fits}
+
+
+def phases_to_run(workload: Workload) -> list[str]:
+    phases = ["gen", "old_log_prob"]
+    phases += ["ref"] if workload.use_reference else []
+    phases += ["values", "update_critic"] if workload.has_critic else []
+    return phases + ["update_actor"]
+
+
+def _resident(shape: ModelShape, layout: Layout, workload: Workload) -> dict[str, float]:
+    shard = layout.tp * layout.pp
+    p, pc = shape.num_params, shape.num_critic_params
+    ref = BYTES_PER_PARAM * p / shard if workload.use_reference and not layout.offload_ref else 0.0
+    critic = pc * (BYTES_PER_PARAM + 4 + 12 / layout.dp) / shard if workload.has_critic else 0.0
+    return {"actor_weights": BYTES_PER_PARAM * p / shard, "actor_grads": 4 * p / shard,
+            "actor_optimizer": 12 * p / (shard * layout.dp), "critic": critic, "reference": ref}
+
+
+def reshard_buffer_bytes(shape: ModelShape, layout: Layout) -> float:
+    if layout.tp_gen == layout.tp and layout.pp == 1:
+        return 0.0     # generation reads the training weights in place
+    return BYTES_PER_PARAM * shape.num_params * (1 / layout.tp_gen - 1 / (layout.tp * layout.pp))
+
+
+def _gen_bytes_per_seq(shape: ModelShape, layout: Layout, workload: Workload) -> tuple[float, float]:
+    """(KV cache, scratch) bytes per sequence of a generation wave."""
+    kv = workload.seq_len * kv_bytes_per_token(shape, layout.tp_gen)
+    scratch = (workload.prompt_len * activation_bytes_per_token_layer(shape)
+               + shape.vocab_size * LOGIT_BYTES) / layout.tp_gen
+    return kv, scratch
+
+
+def gen_batch_size(shape: ModelShape, gpu: GPU, layout: Layout, workload: Workload,
+                   calib: Calibration) -> tuple[int, int]:
+    """(sequences per wave, waves) for one gen replica: as many as the free memory holds."""
+    per_replica = math.ceil(workload.num_sequences / layout.dp_gen)
+    used = sum(_resident(shape, layout, workload).values()) + reshard_buffer_bytes(shape, layout)
+    free = (gpu.memory_gib - calib.memory_headroom_gib) * GIB / calib.memory_scale - used
+    batch = min(per_replica, max(1, int(free // sum(_gen_bytes_per_seq(shape, layout, workload)))))
+    return batch, math.ceil(per_replica / batch)
+
+
+def _activations(shape: ModelShape, layout: Layout, workload: Workload, phase: str) -> float:
+    tp, micro_tokens = layout.tp, workload.seqs_per_micro_batch * workload.seq_len
+    layer = activation_bytes_per_token_layer(shape)
+    logits = 0 if phase in ("values", "update_critic") else shape.vocab_size * LOGIT_BYTES / tp
+    if phase in ("old_log_prob", "ref", "values"):
+        return micro_tokens * (layer / tp + logits)
+    in_flight = min(layout.pp, workload.num_micro_batches(layout.dp))
+    layers_kept = shape.num_layers // layout.pp * in_flight
+    if layout.recompute:
+        kept = layers_kept * BYTES_PER_PARAM * shape.hidden_size / tp + layer / tp
+    else:
+        kept = layers_kept * layer / tp
+    return micro_tokens * (kept + logits)
+
+
+def memory_for(shape: ModelShape, gpu: GPU, layout: Layout, workload: Workload,
+               calib: Calibration) -> MemoryEstimate:
+    resident = _resident(shape, layout, workload)
+    batch, waves = gen_batch_size(shape, gpu, layout, workload, calib)
+    phases = {}
+    for phase in phases_to_run(workload):
+        c = dict.fromkeys(COMPONENTS, 0.0) | resident
+        if phase == "gen":
+            kv, scratch = _gen_bytes_per_seq(shape, layout, workload)
+            c |= {"reshard_buffer": reshard_buffer_bytes(shape, layout), "kv_cache": batch * kv,
+                  "activations": batch * scratch}
+        else:
+            c["activations"] = _activations(shape, layout, workload, phase)
+        if phase == "ref" and workload.use_reference:
+            c["reference"] = BYTES_PER_PARAM * shape.num_params / (layout.tp * layout.pp)
+        phases[phase] = {k: v * calib.memory_scale / GIB for k, v in c.items()}
+    peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
+    return MemoryEstimate(phases_gib=phases, peak_phase=peak_phase,
+                          peak_gib=sum(phases[peak_phase].values()),
+                          capacity_gib=gpu.memory_gib - calib.memory_headroom_gib,
+                          gen_batch=batch, gen_waves=waves)

@@ -1,0 +1,141 @@
+"""Layout search: every layout megatron-core can build on the GPUs, ranked by predicted step time.
+
+Candidates: TP dividing the GPU count, within one node (TP all-reduces every layer), dividing the
+attention heads and KV groups; PP dividing the rest and the layer count; DP the remainder; gen TP_g
+any divisor of TP; the reference offloaded or not; full activation recompute or not. Layouts that fit
+rank by step seconds (ties: no offload, no recompute first); when none fits, by peak / capacity, and
+`suggest` searches what would fit: more GPUs (doubling), a GPU with more memory, smaller micro-batches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hybridflow.cost.efficiency import Calibration
+from hybridflow.cost.gpus import GPU, GPUS
+from hybridflow.cost.memory import MemoryEstimate, memory_for
+from hybridflow.cost.shapes import ModelShape
+from hybridflow.cost.timing import stage_breakdown
+from hybridflow.cost.workload import Layout, Workload
+
+
+@dataclass
+class Evaluation:
+    layout: Layout
+    memory: MemoryEstimate
+    breakdown: dict[str, dict[str, float]]    # stage -> part -> seconds
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        out = {k: sum(parts.values()) for k, parts in self.breakdown.items()}
+        return out | {"step": sum(out.values())}
+
+    @property
+    def step(self) -> float:
+        return self.seconds["step"]
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    def rank_key(self) -> tuple:
+        size = self.step if self.fits else self.memory.peak_gib / self.memory.capacity_gib
+        return (not self.fits, size, self.layout.offload_ref, self.layout.recompute, self.layout.pp)
+
+    def overflow(self) -> dict:
+        m = self.memory
+        return {"component": m.largest_component, "phase": m.peak_phase,
+                "gib": m.components_gib[m.largest_component], "peak_gib": m.peak_gib,
+                "capacity_gib": m.capacity_gib}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(shape: ModelShape, gpu: GPU, num_gpus: int, use_reference: bool) -> list[Layout]:
+    out = []
+    for tp in _divisors(num_gpus):
+        if tp > gpu.gpus_per_node or shape.num_query_groups % tp or shape.num_attention_heads % tp:
+            continue
+        for pp in _divisors(num_gpus // tp):
+            if shape.num_layers % pp:
+                continue
+            for tp_gen in _divisors(tp):
+                for offload in ((False, True) if use_reference else (False,)):
+                    for recompute in (False, True):
+                        out.append(Layout(tp=tp, pp=pp, dp=num_gpus // (tp * pp), tp_gen=tp_gen,
+                                          offload_ref=offload, recompute=recompute))
+    return out
+
+
+def evaluate(shape: ModelShape, gpu: GPU, layout: Layout, workload: Workload,
+             calib: Calibration) -> Evaluation:
+    return Evaluation(layout, memory_for(shape, gpu, layout, workload, calib),
+                      stage_breakdown(shape, gpu, layout, workload, calib))
+
+
+def search(shape: ModelShape, gpu: GPU, num_gpus: int, workload: Workload,
+           calib: Calibration) -> list[Evaluation]:
+    """All candidates, best first. Empty when no layout can be built (e.g. TP cannot divide heads)."""
+    evals = [evaluate(shape, gpu, lay, workload, calib)
+             for lay in candidate_layouts(shape, gpu, num_gpus, workload.use_reference)]
+    return sorted(evals, key=Evaluation.rank_key)
+
+
+def reason(ev: Evaluation, best: Evaluation, forced: bool = False) -> str:
+    """One line: why this layout is where it is in the ranking."""
+    m = ev.memory
+    if not ev.fits:
+        o = ev.overflow()
+        return (f"won't fit: {o['component']} {o['gib']:.1f} GiB at {o['phase']}, "
+                f"peak {m.peak_gib:.1f} > {m.capacity_gib:.1f} GiB")
+    if ev is best:
+        head = "forced layout" if forced else "fastest layout that fits"
+        return (f"{head}: {ev.step:.2f} s/step, peak {m.peak_gib:.1f} of {m.capacity_gib:.1f} GiB "
+                f"(at {m.peak_phase})")
+    deltas = {k: v - best.seconds.get(k, 0.0) for k, v in ev.seconds.items() if k != "step"}
+    stage = max(deltas, key=deltas.get)
+    return (f"{ev.step / best.step:.2f}x the best step time, mostly {stage} "
+            f"({deltas[stage]:+.2f} s); peak {m.peak_gib:.1f} GiB")
+
+
+def runners_up(ranked: list[Evaluation], num: int = 3) -> list[Evaluation]:
+    """The next best with a distinct (TP, PP, TP_g): variants of one split say little."""
+    seen = {(ranked[0].layout.tp, ranked[0].layout.pp, ranked[0].layout.tp_gen)}
+    out = []
+    for ev in ranked[1:]:
+        key = (ev.layout.tp, ev.layout.pp, ev.layout.tp_gen)
+        if key not in seen and len(out) < num:
+            seen.add(key)
+            out.append(ev)
+    return out
+
+
+def _first_fit(shape, gpu, num_gpus, workload, calib) -> Evaluation | None:
+    ranked = search(shape, gpu, num_gpus, workload, calib)
+    return ranked[0] if ranked and ranked[0].fits else None
+
+
+def suggest(shape: ModelShape, gpu: GPU, num_gpus: int, workload: Workload, calib: Calibration,
+            max_doublings: int = 10) -> list[str]:
+    """What would fit when nothing does on `num_gpus` x `gpu`."""
+    out = [f"searched TP <= {min(gpu.gpus_per_node, num_gpus)}, every PP, gen TP_g, "
+           "reference offload and full recompute on this setup"]
+    for k in range(1, max_doublings + 1):
+        ev = _first_fit(shape, gpu, num_gpus * 2 ** k, workload, calib)
+        if ev:
+            waves = f", {ev.memory.gen_waves} generation waves" if ev.memory.gen_waves > 1 else ""
+            out.append(f"more GPUs: {num_gpus * 2 ** k} x {gpu.name} with {ev.layout.short()} "
+                       f"(peak {ev.memory.peak_gib:.1f} of {ev.memory.capacity_gib:.1f} GiB, "
+                       f"{ev.step:.1f} s/step{waves})")
+            break
+    for other in sorted(GPUS.values(), key=lambda g: g.memory_gib):
+        if other.memory_gib > gpu.memory_gib and (ev := _first_fit(shape, other, num_gpus, workload, calib)):
+            out.append(f"bigger GPU: {num_gpus} x {other.name} with {ev.layout.short()}")
+            break
+    if workload.seqs_per_micro_batch > 1:
+        small = replace(workload, micro_batch_tokens=workload.seq_len)
+        if ev := _first_fit(shape, gpu, num_gpus, small, calib):
+            out.append(f"one sequence per micro-batch (micro_batch_tokens={small.seq_len}) with "
+                       f"{ev.layout.short()}")
+    return out

@@ -1,0 +1,221 @@
+"""Unit tests of the analytic cost model (hybridflow.cost): counts by hand, search, CLI, calibration."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridflow.cost import Calibration, estimate_cost, estimate_memory, estimate_step_time, load_shape
+from hybridflow.cost.calibrate import fit, main as calibrate_main, parse_record, predict, predict_vs_measured
+from hybridflow.cost.flops import forward_flops_per_token, train_flops_per_token
+from hybridflow.cost.memory import COMPONENTS, GIB
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --- model shapes -------------------------------------------------------------------------------
+
+def test_tiny_param_count_by_hand():
+    # conf/model/tiny.yaml: L=2, h=64, ffn=128, 4 heads of 16, 2 KV groups, V=64, QKV bias, untied.
+    qkv = 64 * (64 + 2 * 32) + (64 + 2 * 32)      # weight + bias
+    out_proj = 64 * 64
+    mlp = 3 * 64 * 128                              # gate, up, down
+    norms = 2 * 64
+    layer = qkv + out_proj + mlp + norms            # 37,120
+    total = 2 * layer + 64 + 2 * 64 * 64            # + final norm + embedding + output layer
+    assert load_shape("tiny").num_params == total == 82_496
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("qwen2_0_5b", 494_032_768),    # Qwen2-0.5B, tied embeddings: the published 494M
+    ("qwen2_7b", 7_615_616_512),    # Qwen2-7B: 7.6B
+    ("llama3_8b", 8_030_261_248),   # Llama-3-8B: 8.03B
+])
+def test_real_model_param_counts(name, expected):
+    assert load_shape(name).num_params == expected
+
+
+def test_hf_config_json(tmp_path):
+    cfg = {"model_type": "qwen2", "num_hidden_layers": 24, "hidden_size": 896, "intermediate_size": 4864,
+           "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+           "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert load_shape(str(tmp_path)).num_params == 494_032_768              # a directory
+    assert load_shape(tmp_path / "config.json") == load_shape(str(tmp_path))  # or the file
+    llama = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "head_dim": 128,
+             "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "vocab_size": 128256, "tie_word_embeddings": False}
+    (tmp_path / "llama.json").write_text(json.dumps(llama))
+    assert load_shape(tmp_path / "llama.json").num_params == 8_030_261_248
+    r = estimate_cost(model=str(tmp_path), gpu="H100", num_gpus=2, prompts_per_step=8, steps=3)
+    assert r.fits and r.steps == 3
+
+
+def test_unknown_names_raise_value_error():
+    with pytest.raises(ValueError, match="qwen2_7b"):
+        load_shape("gpt5")
+    with pytest.raises(ValueError, match="H200"):
+        estimate_cost(model="tiny", gpu="TPUv9")
+
+
+# --- FLOPs --------------------------------------------------------------------------------------
+
+def test_flops_per_token_is_6n_plus_causal_attention():
+    # N = matmul weights per token: layers' QKV, out, gate/up/down + the LM head (no bias, norm, lookup).
+    L, h, f, q, kv, V = 28, 3584, 18944, 28 * 128, 4 * 128, 152064    # qwen2_7b
+    n = L * (h * (q + 2 * kv) + q * h + 3 * h * f) + V * h
+    s = 1536
+    shape = load_shape("qwen2_7b")
+    assert shape.num_dense_params == n
+    assert forward_flops_per_token(shape, s) == 2 * n + 2 * L * s * q        # causal: mean context s/2
+    assert train_flops_per_token(shape, s) == 6 * n + 6 * L * s * q
+    assert train_flops_per_token(shape, s, recompute=True) == 8 * n + 8 * L * s * q
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+TINY_WORK = dict(algorithm="grpo", prompts_per_step=2, samples_per_prompt=2, prompt_len=16,
+                 response_len=16, micro_batch_tokens=64)
+
+
+def test_memory_components_by_hand_tiny():
+    p = 82_496
+    m = estimate_memory(model="tiny", gpu="H200", num_gpus=1, layout={"tp": 1}, **TINY_WORK)
+    up = {k: v * GIB for k, v in m.phases_gib["update_actor"].items()}
+    assert up["actor_weights"] == pytest.approx(2 * p)
+    assert up["actor_grads"] == pytest.approx(4 * p)          # fp32 main grads
+    assert up["actor_optimizer"] == pytest.approx(12 * p)     # fp32 master + Adam m, v
+    assert up["reference"] == pytest.approx(2 * p)
+    assert up["critic"] == up["kv_cache"] == up["reshard_buffer"] == 0
+    # 2 sequences of 32 tokens per micro-batch; per token per layer 2 bytes x (4h + 2q + 2kv + 3f)
+    # = 2 x (256 + 128 + 64 + 384) = 1664 bytes, 2 layers; fp32 logits + log-softmax: 8 bytes x V.
+    assert up["activations"] == pytest.approx(64 * (2 * 1664 + 64 * 8))
+    gen = {k: v * GIB for k, v in m.phases_gib["gen"].items()}
+    # all 4 sequences in one wave; K and V: 2 x 2 layers x 2 groups x 16 dims x 2 bytes per token
+    assert (m.gen_batch, m.gen_waves) == (4, 1)
+    assert gen["kv_cache"] == pytest.approx(4 * 32 * 256)
+
+
+def test_memory_sharding_tiny():
+    p = 82_496
+    m = estimate_memory(model="tiny", gpu="H200", num_gpus=4, algorithm="ppo",
+                        layout={"tp": 2, "dp": 2, "tp_gen": 1, "offload_ref": True}, **{
+                            k: v for k, v in TINY_WORK.items() if k != "algorithm"})
+    gen = {k: v * GIB for k, v in m.phases_gib["gen"].items()}
+    assert gen["actor_weights"] == pytest.approx(2 * p / 2)
+    assert gen["actor_optimizer"] == pytest.approx(12 * p / 4)        # distributed optimizer over DP
+    assert gen["reshard_buffer"] == pytest.approx(2 * p * (1 - 1 / 2))  # TP2 -> TP1: the other half
+    assert gen["reference"] == 0                                       # offloaded ...
+    assert m.phases_gib["ref"]["reference"] * GIB == pytest.approx(p)  # ... but present for its pass
+    critic = load_shape("tiny").num_critic_params
+    assert gen["critic"] == pytest.approx(critic * (2 + 4 + 12 / 2) / 2)
+
+
+# --- search and report --------------------------------------------------------------------------
+
+def test_qwen2_7b_fits_on_8xh200():
+    r = estimate_cost(model="qwen2_7b", gpu="H200", num_gpus=8, algorithm="ppo", epochs=1,
+                      dataset_size=7473, prompts_per_step=128)
+    lay = r.layout
+    assert r.fits and r.overflow is None
+    assert lay["tp"] * lay["pp"] * lay["dp"] == 8 and lay["tp"] % lay["tp_gen"] == 0
+    assert r.peak_memory_gib <= r.memory_capacity_gib
+    assert r.steps == math.ceil(7473 / 128)
+    assert r.cost == pytest.approx(r.gpu_hours * 3.50)
+    assert r.gpu_hours == pytest.approx(r.steps * r.step_seconds * 8 / 3600)
+    assert set(r.stage_seconds) == {"reshard", "gen", "old_log_prob", "ref", "values",
+                                    "update_critic", "update_actor"}
+    assert r.runners_up and all(x["step_seconds"] >= r.step_seconds for x in r.runners_up if x["fits"])
+    assert json.loads(r.to_json())["layout"] == lay
+    assert "seconds per step" in str(r)
+
+
+def test_wont_fit_names_the_component():
+    r = estimate_cost(model="llama3_8b", gpu="A100-40GB", num_gpus=1, algorithm="ppo")
+    assert not r.fits
+    assert r.overflow["component"] in COMPONENTS
+    assert r.overflow["peak_gib"] > r.overflow["capacity_gib"]
+    assert any(s.startswith("more GPUs") for s in r.suggestions)
+    assert "WON'T FIT" in str(r)
+
+
+def test_forced_layout_and_fixed_layout_api():
+    work = dict(algorithm="grpo", prompts_per_step=32, samples_per_prompt=4, prompt_len=256,
+                response_len=512)
+    r = estimate_cost(model="qwen2_1_5b", gpu="H100", num_gpus=4, layout={"tp": 2, "tp_gen": 1}, **work)
+    assert r.layout == {"tp": 2, "pp": 1, "dp": 2, "tp_gen": 1, "offload_ref": False, "recompute": False}
+    t = estimate_step_time(model="qwen2_1_5b", gpu="H100", num_gpus=4, layout={"tp": 2, "tp_gen": 1}, **work)
+    assert t["step"] == pytest.approx(r.step_seconds) and t["reshard"] > 0
+    m = estimate_memory(model="qwen2_1_5b", gpu="H100", num_gpus=4, layout={"tp": 2, "tp_gen": 1}, **work)
+    assert m.peak_gib == pytest.approx(r.peak_memory_gib) and m.fits
+    with pytest.raises(ValueError, match="num_query_groups"):
+        estimate_cost(model="qwen2_1_5b", gpu="H100", num_gpus=3, layout={"tp": 3})
+
+
+def test_cli_prints_table_and_json():
+    cmd = [sys.executable, "-m", "hybridflow.cost", "--model", "qwen2_0_5b", "--gpu", "H100",
+           "--num-gpus", "2", "--steps", "10"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "seconds per step" in out and "GPU-hours" in out
+    out = subprocess.run(cmd + ["--json"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["steps"] == 10
+
+
+# --- calibration --------------------------------------------------------------------------------
+
+TRUTH = Calibration(train_mfu=0.28, forward_mfu=0.45, prefill_efficiency=0.55, decode_bw_efficiency=0.7,
+                    decode_step_overhead_s=0.004, comm_efficiency=0.6, memory_scale=1.1)
+CONFIGS = [
+    ("qwen2_0_5b", 1, {"tp": 1}, "grpo", 16, 4, 128, 256),
+    ("qwen2_0_5b", 2, {"tp": 2, "tp_gen": 1}, "ppo", 32, 4, 256, 512),
+    ("qwen2_1_5b", 2, {"tp": 2, "tp_gen": 1}, "grpo", 8, 8, 512, 128),
+    ("qwen2_1_5b", 2, {"tp": 1, "pp": 2}, "ppo", 64, 2, 64, 1024),
+    ("qwen2_0_5b", 2, {"tp": 1, "dp": 2}, "rloo", 128, 4, 256, 64),
+    ("qwen2_1_5b", 1, {"tp": 1}, "reinforce_plus_plus", 4, 1, 1024, 384),
+]
+
+
+def synthetic_records(calib=TRUTH):
+    out = []
+    for model, n, layout, algo, prompts, samples, plen, rlen in CONFIGS:
+        rec = {"name": f"{model}-{n}gpu-{algo}", "config": {
+            "model": model, "gpu": "H200", "num_gpus": n, "layout": layout, "algorithm": algo,
+            "prompts_per_step": prompts, "samples_per_prompt": samples, "prompt_len": plen,
+            "response_len": rlen}}
+        rec["metrics"] = predict(parse_record(rec), calib)
+        out.append(rec)
+    return out
+
+
+def test_fit_recovers_known_factors():
+    fitted = fit(synthetic_records())
+    for k, v in TRUTH.to_dict().items():
+        assert getattr(fitted, k) == pytest.approx(v, rel=1e-6), k
+
+
+def test_leave_one_out_on_synthetic_records_is_exact():
+    rows = predict_vs_measured(synthetic_records(), Calibration())
+    assert len(rows) >= 6 * 6
+    assert max(abs(r["error_pct"]) for r in rows if r["measured"] > 0) < 1e-4   # reshard 0: nan
+
+
+def test_single_record_falls_back_to_ratio_fit():
+    rec = synthetic_records()[1]
+    pred = predict(parse_record(rec), fit([rec]))
+    for k, v in rec["metrics"].items():
+        assert pred[k] == pytest.approx(v, rel=1e-6), k
+
+
+def test_calibrate_cli_roundtrip(tmp_path, capsys):
+    recs = synthetic_records()
+    (tmp_path / "a.json").write_text(json.dumps(recs[:3]))
+    (tmp_path / "b.json").write_text(json.dumps({"records": recs[3:]}))
+    out = tmp_path / "calibration.json"
+    assert calibrate_main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "-o", str(out)]) == 0
+    assert "leave-one-out" in capsys.readouterr().out
+    # the output is skipped when globbed back in, and loads as a calibration
+    assert calibrate_main([str(p) for p in sorted(tmp_path.glob("*.json"))]) == 0
+    r = estimate_cost(model="qwen2_0_5b", gpu="H200", num_gpus=1, calibration=str(out))
+    assert r.calibration == pytest.approx(TRUTH.to_dict(), rel=1e-6)
