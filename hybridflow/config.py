@@ -35,6 +35,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     hf_path: Optional[str] = None  # HF checkpoint dir (safetensors + config.json)
     gguf_path: Optional[str] = None  # GGUF file (llama.cpp); see hybridflow.models.gguf
+    hf_architecture: Optional[str] = None  # e.g. Qwen2ForCausalLM: kept for the HF export
     attention_backend: str = "auto"  # auto | sdpa | te | local
 
 
@@ -257,10 +258,12 @@ def load_config(overrides: list[str], *, config_name: str = "ppo") -> Config:
     Raises ValueError with a one-line message for unknown keys, bad values or bad override syntax.
     """
     from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    ConfigStore.instance().store(name="hybridflow_schema", node=Config)  # conf/ppo.yaml's base
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
             raw = compose(config_name=config_name, overrides=list(overrides))
@@ -272,11 +275,17 @@ def load_config(overrides: list[str], *, config_name: str = "ppo") -> Config:
     return cfg
 
 
-def _one_line(e: Exception) -> str:
-    """Hydra/OmegaConf errors span several lines; keep the ones that name the problem."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    keep = [ln for ln in lines if not ln.startswith(("object_type", "To append"))]
-    return "invalid config: " + "; ".join(keep[:3])
+_NOISE = ("object_type", "reference_type", "To append", "Config search path", "provider=")
+
+
+def _one_line(e: BaseException) -> str:
+    """Hydra/OmegaConf errors span several lines and causes; keep the lines that name the problem."""
+    lines = []
+    while e is not None:
+        lines += [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        e = e.__cause__
+    keep = [ln for ln in lines if not ln.startswith(_NOISE)]
+    return "invalid config: " + " ".join(keep)
 
 
 def to_dict(cfg: Config) -> dict:

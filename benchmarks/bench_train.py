@@ -1,0 +1,166 @@
+"""Actor forward+backward tokens/s: our GPTModel vs Megatron's local spec vs transformers, one GPU.
+
+Same shape (conf/model/<model>.yaml, default Qwen2-0.5B), same batch (8 x 1024 tokens), bf16, random
+init, loss = mean token cross-entropy over the full vocabulary; timed region = forward + backward
+(no optimizer step), median of N iterations after warm-up. Writes JSON with the machine, versions
+and the command.
+
+  python benchmarks/bench_train.py --out benchmarks/results/train_fwd_bwd_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _time(fn, iters: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def bench_ours(model_cfg, backend: str, ids, iters, warmup, compile_layers=False):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from hybridflow.models.build import build_model
+
+    cfg = dataclasses.replace(model_cfg, attention_backend=backend)
+    model = build_model(cfg, role="actor", tp=1, pp=1, precision="bf16").cuda()
+    if compile_layers:
+        for layer in model.decoder.layers:
+            layer.forward = torch.compile(layer.forward)
+    b, s = ids.shape
+    pos = torch.arange(s, device="cuda").expand(b, s)
+    labels = torch.roll(ids, -1, 1)
+
+    def step():
+        logits = model(ids, pos, None)  # (b, s, V) vocab-parallel (TP=1: all of it)
+        loss = vocab_parallel_cross_entropy(logits.float().transpose(0, 1).contiguous(),
+                                            labels.t().contiguous()).mean()
+        loss.backward()
+
+    torch.cuda.reset_peak_memory_stats()
+    times = _time(step, iters, warmup)
+    mem = torch.cuda.max_memory_allocated() / 2**30
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    torch.cuda.empty_cache()
+    return times, mem, n_params
+
+
+def bench_hf(model_cfg, ids, iters, warmup):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    c = model_cfg
+    hf_cfg = Qwen2Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                         intermediate_size=c.ffn_hidden_size, num_hidden_layers=c.num_layers,
+                         num_attention_heads=c.num_attention_heads,
+                         num_key_value_heads=c.num_query_groups, rope_theta=c.rotary_base,
+                         rms_norm_eps=c.norm_epsilon, tie_word_embeddings=c.tie_word_embeddings,
+                         max_position_embeddings=c.max_position_embeddings,
+                         attn_implementation="sdpa", torch_dtype=torch.bfloat16)
+    model = Qwen2ForCausalLM(hf_cfg).to(device="cuda", dtype=torch.bfloat16)
+    model.train()
+
+    def step():
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+
+    torch.cuda.reset_peak_memory_stats()
+    times = _time(step, iters, warmup)
+    mem = torch.cuda.max_memory_allocated() / 2**30
+    del model
+    torch.cuda.empty_cache()
+    return times, mem
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2_0_5b")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--variants", default="ours_sdpa,ours_sdpa_compile,megatron_local,hf_sdpa")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import yaml
+
+    from hybridflow.config import ModelConfig
+    from hybridflow.parallel import groups
+
+    groups.init_distributed()
+    groups.init_model_parallel(tp=1, pp=1, seed=1)
+    with open(os.path.join(os.path.dirname(__file__), "..", "conf", "model", f"{args.model}.yaml")) as f:
+        model_cfg = ModelConfig(**yaml.safe_load(f))
+    torch.manual_seed(0)
+    ids = torch.randint(0, model_cfg.vocab_size, (args.batch, args.seq), device="cuda")
+    tokens = args.batch * args.seq
+    results = {}
+    for v in args.variants.split(","):
+        try:
+            if v == "hf_sdpa":
+                times, mem = bench_hf(model_cfg, ids, args.iters, args.warmup)
+                n_params = None
+            else:
+                backend = "local" if v == "megatron_local" else "sdpa"
+                times, mem, n_params = bench_ours(model_cfg, backend, ids, args.iters, args.warmup,
+                                                  compile_layers=v.endswith("_compile"))
+        except Exception as e:  # a failing variant is reported, not fatal
+            results[v] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        med = statistics.median(times)
+        results[v] = {"median_s": med, "tokens_per_s": tokens / med, "times_s": times,
+                      "peak_memory_gb": mem, "num_params": n_params}
+    if "hf_sdpa" in results and "tokens_per_s" in results["hf_sdpa"]:
+        base = results["hf_sdpa"]["tokens_per_s"]
+        for r in results.values():
+            if "tokens_per_s" in r:
+                r["vs_transformers"] = r["tokens_per_s"] / base
+    import megatron.core
+    import transformers
+
+    record = {
+        "benchmark": "actor forward+backward tokens/s",
+        "model": args.model, "batch": args.batch, "seq_len": args.seq, "dtype": "bf16",
+        "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node()},
+        "versions": {"torch": torch.__version__, "megatron_core": megatron.core.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+        "command": " ".join(["python"] + sys.argv), "results": results,
+    }
+    print(f"{'variant':24s} {'tok/s':>10s} {'x HF':>6s} {'peak GB':>8s}")
+    for k, r in results.items():
+        if "error" in r:
+            print(f"{k:24s} ERROR {r['error'][:80]}")
+        else:
+            print(f"{k:24s} {r['tokens_per_s']:10.0f} {r.get('vs_transformers', 0):6.2f} "
+                  f"{r['peak_memory_gb']:8.1f}")
+    if args.out:
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2)
+    groups.destroy()
+
+
+if __name__ == "__main__":
+    main()

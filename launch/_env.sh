@@ -1,0 +1,34 @@
+# Sourced by the launch scripts: create or reuse a virtual environment with pinned dependencies.
+#   HYBRIDFLOW_VENV  where the venv lives (default: <repo>/.venv)
+# A machine whose python already has a CUDA torch keeps it (the venv sees system site-packages);
+# elsewhere torch is pinned to 2.13.0 (the CPU build on our dev/CI machines). Re-installs only when
+# pyproject.toml changes.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${HYBRIDFLOW_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+TORCH_CPU_PIN="torch==2.13.0"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    "$PY" -m venv --system-site-packages "$VENV"
+  else
+    "$PY" -m venv "$VENV"
+  fi
+fi
+STAMP="$VENV/.hybridflow-installed"
+WANT="$(cat "$ROOT/pyproject.toml" | sha1sum | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+  if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    "${PIP[@]}" "$TORCH_CPU_PIN"
+  fi
+  TORCH_VER="$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
+  CONSTRAINTS="$VENV/constraints.txt"
+  echo "torch==$TORCH_VER" > "$CONSTRAINTS"   # nothing below may replace the torch we have
+  PIP_CONSTRAINT="$CONSTRAINTS" "${PIP[@]}" -e "$ROOT[dev]"
+  echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+cd "$ROOT"
