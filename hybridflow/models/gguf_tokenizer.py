@@ -1,0 +1,115 @@
+"""A Hugging Face tokenizer directory rebuilt from a GGUF file's `tokenizer.ggml.*` metadata.
+
+GGUF files of BPE models (`tokenizer.ggml.model == "gpt2"`) carry the byte-level token strings, the
+merges and the token types; llama.cpp names the pre-tokenizer regex (`tokenizer.ggml.pre`). We rebuild
+the equivalent `tokenizers` pipeline: the pre-tokenizer for that name, byte-level BPE, a byte-level
+decoder, and control tokens (type 3) as special added tokens. `tokenizer_config.json` gets the chat
+template and the BOS/EOS/PAD/UNK strings from their ids, and `add_bos_token` from
+`tokenizer.ggml.add_bos_token`, so `hybridflow.data.load_tokenizer(dir)` reads it like a HF one.
+The directory is cached under `~/.cache/hybridflow/gguf_tokenizers/<file>-<key>` (key: path, size,
+mtime), written to a temporary folder and renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+# llama.cpp pre-tokenizer names -> HF pre-tokenizers (regexes as in the models' tokenizer.json)
+_GPT2 = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+_LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+              r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_RE = _LLAMA3_RE.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+def _split_then_bytes(regex: str) -> dict:
+    return {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+        {**_GPT2, "use_regex": False}]}
+
+
+PRE_TOKENIZERS = {
+    "gpt2": _GPT2, "default": _GPT2,
+    "smollm": {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True}, _GPT2]},
+    "llama-bpe": _split_then_bytes(_LLAMA3_RE),
+    "qwen2": _split_then_bytes(_QWEN2_RE),
+}
+_CONTROL = 3  # llama.cpp token type of control (special) tokens
+
+
+def _cache_key(path: str) -> str:
+    st = os.stat(path)
+    raw = f"{os.path.abspath(path)}:{st.st_size}:{int(st.st_mtime)}"
+    return hashlib.sha1(raw.encode()).hexdigest()[:12]
+
+
+def build_tokenizer_files(reader, path: str) -> tuple[dict, dict]:
+    """(tokenizer.json, tokenizer_config.json) contents for the GGUF `reader` of file `path`."""
+    from hybridflow.models.gguf import field
+
+    kind = field(reader, "tokenizer.ggml.model", path=path)
+    if kind != "gpt2":
+        raise ValueError(f"{path}: tokenizer.ggml.model={kind!r} is not supported (only gpt2 BPE)")
+    pre = field(reader, "tokenizer.ggml.pre", "default", path=path)
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported; known: "
+                         f"{sorted(PRE_TOKENIZERS)}")
+    tokens = list(field(reader, "tokenizer.ggml.tokens", path=path))
+    types = list(field(reader, "tokenizer.ggml.token_type", [1] * len(tokens), path=path))
+    merges = list(field(reader, "tokenizer.ggml.merges", path=path))
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True}
+             for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL]
+    tok_json = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": None, "pre_tokenizer": PRE_TOKENIZERS[pre],
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False,
+                           "use_regex": True},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                    "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": False,
+                  "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {t: i for i, t in enumerate(tokens)},
+                  "merges": [m.split(" ", 1) for m in merges]},
+    }
+    config = {"add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", False,
+                                          path=path)),
+              "model_max_length": int(field(reader, "llama.context_length", 4096, path=path))}
+    for key, meta in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
+        f = reader.fields.get(f"tokenizer.ggml.{meta}")
+        if f is not None:
+            config[key] = tokens[int(f.contents())]
+    if "tokenizer.chat_template" in reader.fields:
+        config["chat_template"] = field(reader, "tokenizer.chat_template", path=path)
+    return tok_json, config
+
+
+def write_gguf_tokenizer(path: str, *, cache_dir: str | None = None) -> str:
+    """Directory with tokenizer.json + tokenizer_config.json for GGUF file `path` (cached)."""
+    from hybridflow.models.gguf import open_gguf
+
+    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "hybridflow",
+                                          "gguf_tokenizers")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    out = os.path.join(cache_dir, f"{stem}-{_cache_key(path)}")
+    if os.path.isfile(os.path.join(out, "tokenizer_config.json")):
+        return out
+    tok_json, config = build_tokenizer_files(open_gguf(path), path)
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=cache_dir, prefix=f".{stem}-")
+    try:
+        for name, data in (("tokenizer.json", tok_json), ("tokenizer_config.json", config)):
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                json.dump(data, f, ensure_ascii=False)
+        os.rename(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isdir(out):  # another process may have won the race: that one is fine
+            raise
+    return out

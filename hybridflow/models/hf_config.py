@@ -1,0 +1,193 @@
+"""Hugging Face `config.json` <-> `ModelConfig`, for Llama, Qwen2 and Mistral causal LMs.
+
+`read_hf_config(path)` accepts what our one GPTModel architecture (RoPE, RMSNorm, SwiGLU, GQA,
+optional QKV bias, tied or untied embeddings) computes exactly, and refuses the rest with a
+`ValueError` naming config.json and the field. Choices:
+- RoPE: plain, or llama3 scaling. Megatron's llama3 scaling takes only `factor`; its low/high
+  frequency factors (1, 4) and original context (8192) are fixed, so a config.json with other values
+  is refused rather than silently computed differently. Both transformers v4 (`rope_theta` +
+  `rope_scaling`) and v5 (`rope_parameters`) spellings are read.
+- Sliding windows (Mistral `sliding_window`, Qwen2 `use_sliding_window`): accepted only when unset or
+  at least `max_position_embeddings`, where the window never takes effect; our attention has no
+  sliding-window mask, so a smaller window would change the outputs.
+- Llama `attention_bias=true` also biases `o_proj`, which our model (no linear biases) cannot hold:
+  refused. Qwen2 always has Q/K/V biases and no `o_proj` bias: `add_qkv_bias=True`.
+- `*ForSequenceClassification` checkpoints (reward models) read like their causal LM.
+`write_hf_config(cfg)` goes the other way for the exporter, keeping the source architecture when
+`cfg.hf_architecture` carries it, and writing both rope spellings so v4 and v5 readers agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hybridflow.config import ModelConfig
+
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "mistral": "MistralForCausalLM"}
+# Megatron's llama3 RoPE scaling constants (rotary_pos_embedding.RotaryEmbedding._apply_scaling).
+MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+
+
+def load_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def config_path(path: str) -> str:
+    if os.path.isdir(path):
+        return os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Hugging Face checkpoint {path} does not exist; expected a directory "
+                                "with config.json and *.safetensors")
+    return path
+
+
+def read_hf_config(path: str) -> ModelConfig:
+    """`ModelConfig` of the checkpoint directory (or config.json file) `path`."""
+    cfg_file = config_path(path)
+    c = load_json(cfg_file)
+
+    def bad(field: str, why: str) -> ValueError:
+        return ValueError(f"{cfg_file}: {field}={c.get(field)!r} is not supported: {why}")
+
+    model_type = c.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise bad("model_type", f"expected one of {sorted(MODEL_TYPES)}")
+    archs = c.get("architectures") or [MODEL_TYPES[model_type]]
+    arch = archs[0]
+    if not arch.endswith(("ForCausalLM", "ForSequenceClassification")):
+        raise bad("architectures", "expected a *ForCausalLM or *ForSequenceClassification model")
+    for field in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                  "vocab_size"):
+        if not isinstance(c.get(field), int) or c[field] <= 0:
+            raise bad(field, "expected a positive integer")
+    if c.get("hidden_act", "silu") != "silu":
+        raise bad("hidden_act", "only silu (SwiGLU) is implemented")
+    if c.get("mlp_bias", False):
+        raise bad("mlp_bias", "MLP biases are not implemented")
+    if model_type == "llama" and c.get("attention_bias", False):
+        raise bad("attention_bias", "Llama's attention_bias also biases o_proj, which is not "
+                  "implemented (Q/K/V-only bias is: Qwen2)")
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    if c.get("head_dim") is None and c["hidden_size"] % heads:
+        raise bad("num_attention_heads", f"does not divide hidden_size={c['hidden_size']}")
+    max_pos = int(c.get("max_position_embeddings", 4096))
+    _check_sliding_window(c, max_pos, bad)
+    theta, scaling = _rope(c, cfg_file, bad)
+    check_tokenizer_vocab(os.path.dirname(os.path.abspath(cfg_file)), c["vocab_size"])
+    return ModelConfig(
+        name=os.path.basename(os.path.dirname(os.path.abspath(cfg_file))),
+        num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
+        ffn_hidden_size=c["intermediate_size"], num_attention_heads=heads,
+        num_query_groups=c.get("num_key_value_heads") or heads, kv_channels=head_dim,
+        vocab_size=c["vocab_size"], max_position_embeddings=max_pos, rotary_base=theta,
+        rope_scaling=scaling, norm_epsilon=float(c.get("rms_norm_eps", 1e-6)),
+        add_qkv_bias=model_type == "qwen2",
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        hf_path=os.path.dirname(os.path.abspath(cfg_file)), hf_architecture=arch)
+
+
+def _check_sliding_window(c: dict, max_pos: int, bad) -> None:
+    window = c.get("sliding_window")
+    if c.get("model_type") == "qwen2":
+        layer_types = c.get("layer_types") or []
+        if not c.get("use_sliding_window", False) and "sliding_attention" not in layer_types:
+            return
+    if window is not None and window < max_pos:
+        raise bad("sliding_window", f"a window smaller than max_position_embeddings={max_pos} "
+                  "needs a sliding-window mask, which is not implemented")
+
+
+def _rope(c: dict, cfg_file: str, bad) -> tuple[float, dict | None]:
+    params = c.get("rope_parameters")  # transformers v5
+    if isinstance(params, dict) and "rope_type" not in params and params and all(
+            isinstance(v, dict) for v in params.values()):
+        raise bad("rope_parameters", "per-layer-type RoPE parameters are not implemented")
+    scaling = dict(params) if params else (dict(c["rope_scaling"]) if c.get("rope_scaling") else None)
+    theta = (scaling or {}).get("rope_theta", c.get("rope_theta", 10000.0))
+    partial = (scaling or {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise bad("partial_rotary_factor", "partial rotary embeddings are not implemented")
+    if scaling is None:
+        return float(theta), None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    field = "rope_parameters" if params else "rope_scaling"
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(f"{cfg_file}: {field}.rope_type={rope_type!r} is not supported: only "
+                         "default and llama3 RoPE are implemented")
+    for key, want in MEGATRON_LLAMA3.items():
+        if float(scaling.get(key, want)) != want:
+            raise ValueError(f"{cfg_file}: {field}.{key}={scaling[key]!r} is not supported: "
+                             f"Megatron's llama3 RoPE scaling fixes it to {want:g}")
+    out = {"rope_type": "llama3", "factor": float(scaling.get("factor", 8.0)), **MEGATRON_LLAMA3}
+    return float(theta), out
+
+
+def write_hf_config(cfg: ModelConfig, *, dtype: str = "float32") -> dict:
+    """config.json contents for `cfg` (transformers v4 and v5 both read it)."""
+    arch = cfg.hf_architecture or ("Qwen2ForCausalLM" if cfg.add_qkv_bias else "LlamaForCausalLM")
+    model_type = {v: k for k, v in MODEL_TYPES.items()}.get(
+        arch.replace("ForSequenceClassification", "ForCausalLM"))
+    if model_type is None:
+        raise ValueError(f"model.hf_architecture={arch!r} is not one of {sorted(MODEL_TYPES.values())}")
+    if cfg.add_qkv_bias != (model_type == "qwen2"):
+        raise ValueError(f"model.add_qkv_bias={cfg.add_qkv_bias} cannot be written as {arch}: "
+                         "Q/K/V biases exist exactly in Qwen2")
+    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    rope = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
+    if cfg.rope_scaling:
+        rope = {**cfg.rope_scaling, "rope_theta": float(cfg.rotary_base)}
+    out = {
+        "architectures": [arch], "model_type": model_type,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups, "head_dim": head_dim,
+        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.norm_epsilon, "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "rope_theta": float(cfg.rotary_base),
+        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling
+        else None,
+        "rope_parameters": rope, "dtype": dtype, "torch_dtype": dtype,
+    }
+    if model_type == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    elif model_type == "mistral":
+        out.update(sliding_window=None)
+    else:
+        out.update(use_sliding_window=False, sliding_window=None)
+    return out
+
+
+def tokenizer_vocab_size(tokenizer_json: str) -> int:
+    """1 + the largest token id in tokenizer.json (model vocab and added tokens)."""
+    data = load_json(tokenizer_json)
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+    ids += [t["id"] for t in data.get("added_tokens") or [] if "id" in t]
+    return max(ids) + 1 if ids else 0
+
+
+def check_tokenizer_vocab(hf_dir: str, vocab_size: int) -> None:
+    """A tokenizer that can emit ids >= the embedding's rows would index out of range: refuse it."""
+    tok = os.path.join(hf_dir, "tokenizer.json")
+    if not os.path.isfile(tok):
+        return
+    n = tokenizer_vocab_size(tok)
+    if n > vocab_size:
+        raise ValueError(f"{tok} has {n} tokens but {os.path.join(hf_dir, 'config.json')} has "
+                         f"vocab_size={vocab_size}: the tokenizer does not match the model")
