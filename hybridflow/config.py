@@ -76,8 +76,10 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str = "default"  # registered name, `module:function` or `/path/file.py:function`
-    model_path: Optional[str] = None  # reward-model checkpoint; None: rule rewards only
+    fn: Optional[str] = "default"  # registered name, `module:function`, `/path/file.py:function`;
+    # null: no rule reward (reward model only)
+    model_path: Optional[str] = None  # HF reward-model checkpoint (*ForSequenceClassification)
+    model_weight: float = 1.0  # score = rule score + model_weight * reward-model score
 
 
 @dataclass
@@ -216,6 +218,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if not 0.0 < r.top_p <= 1.0:
         raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
 
+    if cfg.reward.fn is None and cfg.reward.model_path is None:
+        raise ValueError("reward.fn is null and reward.model_path is not set: nothing would score "
+                         "the responses")
     d = cfg.data
     if (d.train_files is None) == (d.synthetic is None):
         raise ValueError("set exactly one of data.train_files (a .jsonl/.parquet path) and "

@@ -49,6 +49,8 @@ class Engine:
                  precision: str, optim: Optional[OptimConfig] = None, total_updates: int = 1):
         self.role = role
         self.model_cfg = model_cfg
+        # ids >= vocab_limit are never sampled nor scored (vocab padding, ids the tokenizer lacks)
+        self.vocab_limit = model_cfg.vocab_size
         self.trainable = optim is not None
         model = build_model(model_cfg, role=role, tp=parallel.tensor_parallel_size,
                             pp=parallel.pipeline_parallel_size,
@@ -103,10 +105,11 @@ class Engine:
             out = model(mb.input_ids(), mb.position_ids(), attention_mask(mb.token_mask()))
 
             def loss_func(output):
-                pred = output[:, p - 1:-1]  # outputs that predict response tokens
+                # outputs that predict response tokens; a reward model reads each token's own state
+                pred = output[:, p:] if self.role == "reward" else output[:, p - 1:-1]
                 if head is _lm_head:
                     res = _lm_head(pred, mb, tp_group=tp_group, temperature=temperature,
-                                   true_vocab=self.model_cfg.vocab_size, entropy=need_entropy)
+                                   true_vocab=self.vocab_limit, entropy=need_entropy)
                 else:
                     res = {"values": pred.squeeze(-1).float()}
                 if loss_fn is None:
@@ -137,6 +140,12 @@ class Engine:
         out = self._run(batch, micro_batch_size=micro_batch_size, forward_only=True,
                         head=_value_head, loss_fn=None, temperature=1.0, need_entropy=False)
         return self._from_last_stage(out, "values", batch)
+
+    def compute_scores(self, batch: RolloutBatch, *, micro_batch_size: int) -> torch.Tensor:
+        """Reward model: the scalar head at each row's last response token. (B,)"""
+        values = self.compute_values(batch, micro_batch_size=micro_batch_size)
+        last = (batch.response_mask.sum(1) - 1).clamp(min=0)
+        return values[torch.arange(batch.batch_size), last]
 
     def train_step(self, batch: RolloutBatch, loss_fn: LossFn, *, micro_batch_size: int,
                    temperature: float = 1.0, need_entropy: bool = False) -> dict:

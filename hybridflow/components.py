@@ -1,0 +1,133 @@
+"""Build what a run needs from its Config: tokenizer, dataset, sampler, engines by role.
+
+Kept apart from trainer.py so the trainer reads as its step. Model weights come from, in order:
+`model.hf_path` (Hugging Face safetensors), `model.gguf_path` (llama.cpp GGUF), or Megatron's random
+init (seeded). The reference model starts as a copy of the actor's initial weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from megatron.core import parallel_state as ps
+
+from hybridflow.config import Config, ModelConfig
+from hybridflow.data import PromptDataset, PromptSampler, load_tokenizer, train_sentencepiece
+from hybridflow.data.synthetic import make_task, tokenizer_corpus
+from hybridflow.engine import Engine
+
+
+def build_tokenizer_and_dataset(cfg: Config):
+    d = cfg.data
+    records = None
+    if d.synthetic is not None:
+        records = make_task(d.synthetic, size=d.synthetic_size, seed=cfg.trainer.seed)
+    tok_path = d.tokenizer or cfg.model.hf_path
+    if tok_path is None and cfg.model.gguf_path is not None:
+        from hybridflow.models.gguf import gguf_tokenizer_dir
+
+        tok_path = gguf_tokenizer_dir(cfg.model.gguf_path)
+    if tok_path is None:
+        if records is None:
+            raise ValueError("data.tokenizer is not set and the model has no hf_path: "
+                             "point data.tokenizer at a tokenizer.json dir or a sentencepiece .model")
+        tok_path = _demo_tokenizer(cfg, records)
+    tokenizer = load_tokenizer(tok_path)
+    kw = dict(tokenizer=tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+              truncation=d.truncation)
+    if records is not None:
+        dataset = PromptDataset.from_records(records, source=f"synthetic:{d.synthetic}", **kw)
+    else:
+        dataset = PromptDataset.from_file(d.train_files, **kw)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"tokenizer {tok_path} has {tokenizer.vocab_size} tokens but "
+                         f"model.vocab_size={cfg.model.vocab_size}")
+    return tokenizer, dataset, tok_path
+
+
+def _demo_tokenizer(cfg: Config, records) -> str:
+    """Train a character-level sentencepiece model on the task's text (rank 0 writes, all read)."""
+    out = os.path.join(cfg.trainer.output_dir, "tokenizer")
+    prefix = os.path.join(out, "spm")
+    if torch.distributed.get_rank() == 0 and not os.path.exists(prefix + ".model"):
+        os.makedirs(out, exist_ok=True)
+        tmp = prefix + f".tmp{os.getpid()}"
+        train_sentencepiece(lines=tokenizer_corpus(records), model_prefix=tmp,
+                            vocab_size=cfg.model.vocab_size, model_type="char")
+        os.replace(tmp + ".model", prefix + ".model")
+        os.replace(tmp + ".vocab", prefix + ".vocab")
+    torch.distributed.barrier()
+    return prefix + ".model"
+
+
+def build_sampler(cfg: Config, dataset) -> PromptSampler:
+    return PromptSampler(len(dataset), batch_size=cfg.data.prompts_per_step,
+                         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                         seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+
+
+def updates_per_step(cfg: Config) -> int:
+    seqs = cfg.data.prompts_per_step * cfg.rollout.n
+    return cfg.algo.ppo_epochs * (seqs // cfg.algo.ppo_mini_batch_size)
+
+
+def build_engines(cfg: Config) -> dict[str, Engine]:
+    total = cfg.trainer.total_steps * updates_per_step(cfg) + cfg.trainer.sft_warmup_steps
+    common = dict(parallel=cfg.parallel, precision=cfg.trainer.precision)
+    engines = {"actor": Engine(role="actor", model_cfg=cfg.model, optim=cfg.actor_optim,
+                               total_updates=total, **common)}
+    load_pretrained(engines["actor"], cfg.model)
+    a = cfg.algo
+    if a.use_kl_loss or a.use_kl_in_reward:
+        engines["ref"] = Engine(role="ref", model_cfg=cfg.model, **common)
+        copy_weights(engines["actor"].module, engines["ref"].module)
+    if cfg.use_critic:
+        critic_cfg = cfg.critic_model or cfg.model
+        engines["critic"] = Engine(role="critic", model_cfg=critic_cfg, optim=cfg.critic_optim,
+                                   total_updates=total, **common)
+        load_pretrained(engines["critic"], critic_cfg)
+    if cfg.reward.model_path is not None:
+        from hybridflow.models.hf import read_hf_config
+
+        rm_cfg = dataclasses.replace(read_hf_config(cfg.reward.model_path),
+                                     hf_path=cfg.reward.model_path)
+        engines["reward"] = Engine(role="reward", model_cfg=rm_cfg, **common)
+        load_pretrained(engines["reward"], rm_cfg)
+    return engines
+
+
+def finalize_engines(engines: dict[str, Engine], tokenizer) -> None:
+    """Restrict LM roles to ids the tokenizer knows; sync optimizer copies with loaded weights."""
+    for eng in engines.values():
+        if eng.role in ("actor", "ref"):
+            eng.vocab_limit = min(eng.model_cfg.vocab_size, tokenizer.vocab_size)
+        if eng.optimizer is not None:
+            eng.optimizer.reload_model_params()  # fp32 / distributed copies follow loaded weights
+
+
+def load_pretrained(engine: Engine, model_cfg: ModelConfig) -> None:
+    if model_cfg.hf_path is None and model_cfg.gguf_path is None:
+        return
+    kw = dict(tp_rank=ps.get_tensor_model_parallel_rank(),
+              tp_size=ps.get_tensor_model_parallel_world_size(),
+              pp_rank=ps.get_pipeline_model_parallel_rank(),
+              pp_size=ps.get_pipeline_model_parallel_world_size(), role=engine.role)
+    if model_cfg.hf_path is not None:
+        from hybridflow.models.hf import load_hf_weights
+
+        load_hf_weights(engine.module, model_cfg.hf_path, model_cfg, **kw)
+    else:
+        from hybridflow.models.gguf import read_gguf
+        from hybridflow.models.hf import load_hf_state_dict
+
+        _, hf_sd = read_gguf(model_cfg.gguf_path)
+        load_hf_state_dict(engine.module, hf_sd, model_cfg, where=model_cfg.gguf_path, **kw)
+
+
+@torch.no_grad()
+def copy_weights(src, dst) -> None:
+    src_params = dict(src.named_parameters())
+    for name, p in dst.named_parameters():
+        p.copy_(src_params[name])

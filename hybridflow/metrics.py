@@ -1,0 +1,109 @@
+"""Stage timers and metric sinks: TensorBoard, `<output_dir>/metrics.jsonl`, console progress bar.
+
+Metric names follow verl's (shared/DESIGN.md) so dashboards compare: `timing_s/<stage>`,
+`perf/throughput` (tokens / (step seconds x GPUs)), `perf/max_memory_allocated_gb`, `actor/*`,
+`critic/*`, `response_length/*`. Only global rank 0 writes; every rank times (the stages are
+collective, so their times agree up to skew). On GPU, timers synchronize the device at stage
+boundaries so a stage's time is its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+
+
+class StageTimer:
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.times.items()}
+
+
+def memory_metrics() -> dict[str, float]:
+    if not torch.cuda.is_available():
+        try:
+            import resource
+
+            rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            return {"perf/max_rss_gb": rss_gb}
+        except Exception:
+            return {}
+    return {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+            "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
+
+
+class MetricsLogger:
+    """Writes one JSON object per step to metrics.jsonl, scalars to TensorBoard, and a progress bar."""
+
+    CONSOLE = (("critic/score/mean", "reward"), ("response_length/mean", "len"),
+               ("actor/ppo_kl", "kl"), ("actor/entropy", "ent"), ("timing_s/step", "s/step"))
+
+    def __init__(self, output_dir: str, *, total_steps: int, enabled: bool, tensorboard: bool,
+                 progress_bar: bool, start_step: int = 0):
+        self.enabled = enabled
+        self.writer = self.bar = self.file = None
+        if not enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a", buffering=1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            except Exception as e:  # tensorboard missing: keep going, say so once
+                print(f"[hybridflow] tensorboard disabled: {e}")
+        if progress_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        self.file.write(json.dumps({"step": step, **clean}) + "\n")
+        if self.writer is not None:
+            for k, v in clean.items():
+                self.writer.add_scalar(k, v, step)
+        summary = "  ".join(f"{short}={clean[k]:.3g}" for k, short in self.CONSOLE if k in clean)
+        if self.bar is not None:
+            self.bar.set_postfix_str(summary, refresh=False)
+            self.bar.update(1)
+        else:
+            print(f"step {step}  {summary}", flush=True)
+
+    def print(self, msg: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()

@@ -1,0 +1,123 @@
+"""The trainer's rollout and reward stages: reshard -> generate -> RolloutBatch, and scoring.
+
+Generation runs on the gen layout (TP_g x 1 x DP_g) with weights the Resharder gathers from the
+training shards (no second model); when TP_g == TP_t and PP_t == 1 the training parameters are used
+as they are. Every rank of one training model-parallel group uses the same seed, so the TP/PP ranks of
+a DP replica hold identical samples. Sequence scores come from the rule reward (decoded text) and/or
+the reward model (scalar head at the last response token).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state as ps
+
+from hybridflow.config import Config
+from hybridflow.data.batch import RolloutBatch
+from hybridflow.reward import compute_rule_rewards, get_reward_fn
+
+
+def _left_pad(rows: list[list[int]], pad_id: int, width: int):
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+class RolloutStage:
+    def __init__(self, cfg: Config, actor, tokenizer, reward_engine=None):
+        self.cfg, self.actor, self.tok = cfg, actor, tokenizer
+        self.reward_fn = get_reward_fn(cfg.reward.fn) if cfg.reward.fn is not None else None
+        self.reward_engine = reward_engine
+        self.resharder = self._build_resharder()
+
+    def _build_resharder(self):
+        tp_t = self.cfg.parallel.tensor_parallel_size
+        tp_g = self.cfg.rollout.tensor_parallel_size or tp_t
+        if tp_g == tp_t and self.cfg.parallel.pipeline_parallel_size == 1:
+            return None
+        from hybridflow.parallel.reshard import Resharder
+
+        return Resharder(self.actor.module, tp_gen=tp_g)
+
+    def _gen_params(self):
+        if self.resharder is None:
+            return dict(self.actor.module.named_parameters()), ps.get_tensor_model_parallel_group()
+        return self.resharder.gather(), self.resharder.gen_tp_group
+
+    def generate(self, items, *, step: int, timer) -> tuple[RolloutBatch, dict]:
+        from hybridflow.rollout import Generator
+
+        r = self.cfg.rollout
+        with timer("reshard"):
+            params, tp_group = self._gen_params()
+        with timer("gen"):
+            gen = Generator(model_cfg=self.actor.model_cfg, params=params, tp_group=tp_group,
+                            device=self.actor.device, dtype=self.actor.tcfg.params_dtype,
+                            true_vocab_size=self.actor.vocab_limit)
+            seed = self.cfg.trainer.seed * 1_000_003 + step * 1009 + ps.get_data_parallel_rank()
+            with torch.no_grad():
+                out = gen.generate([it.prompt_ids for it in items], cfg=r,
+                                   eos_id=self.tok.eos_id, pad_id=self.tok.pad_id, seed=seed)
+            gen.release()
+        if self.resharder is not None:
+            self.resharder.release()
+        n = r.n
+        local = len(items)
+        first = ps.get_data_parallel_rank() * local
+        group_ids = (first + torch.arange(local)).repeat_interleave(n)
+        indices = torch.tensor([it.index for it in items]).repeat_interleave(n)
+        batch = RolloutBatch(prompt_ids=out.prompt_ids.cpu(), prompt_mask=out.prompt_mask.cpu().long(),
+                             response_ids=out.response_ids.cpu(),
+                             response_mask=out.response_mask.cpu().long(),
+                             group_ids=group_ids, indices=indices)
+        return batch, {}
+
+    def score(self, items, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
+        scores, metrics = torch.zeros(batch.batch_size), {}
+        if self.reward_fn is not None:
+            scores, metrics = self._rule_scores(items, batch)
+        if self.reward_engine is not None:
+            rm = self.reward_engine.compute_scores(batch,
+                                                   micro_batch_size=self.cfg.algo.micro_batch_size)
+            metrics["reward/model_score/mean"] = float(rm.mean())
+            scores = scores + self.cfg.reward.model_weight * rm
+        return scores, metrics
+
+    def _rule_scores(self, items, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
+        n = self.cfg.rollout.n
+        rows = [items[i // n] for i in range(batch.batch_size)]
+        lengths = batch.response_mask.sum(1).tolist()
+        texts = [self.tok.decode(batch.response_ids[i, :lengths[i]].tolist())
+                 for i in range(batch.batch_size)]
+        scores, extra = compute_rule_rewards(
+            self.reward_fn, prompts=[it.prompt_text for it in rows], responses=texts,
+            ground_truths=[it.ground_truth for it in rows],
+            extra_infos=[it.extra_info for it in rows], indices=[it.index for it in rows],
+            data_sources=[it.data_source for it in rows])
+        metrics = {f"reward/{k}/mean": sum(v) / len(v) for k, v in extra.items()}
+        return torch.tensor(scores, dtype=torch.float32), metrics
+
+    def sft_batch(self, items) -> RolloutBatch:
+        """Prompt + reference response (`extra_info.sft_response`) + EOS, as a RolloutBatch."""
+        responses = []
+        for it in items:
+            ref = (it.extra_info or {}).get("sft_response")
+            if ref is None:
+                raise ValueError(f"trainer.sft_warmup_steps > 0 needs extra_info.sft_response in "
+                                 f"every record; record {it.index} has none")
+            responses.append(self.tok.encode(ref) + [self.tok.eos_id])
+        p_ids, p_mask = _left_pad([it.prompt_ids for it in items], self.tok.pad_id,
+                                  max(len(it.prompt_ids) for it in items))
+        width = max(len(r) for r in responses)
+        r_ids = torch.full((len(items), width), self.tok.pad_id, dtype=torch.long)
+        r_mask = torch.zeros((len(items), width), dtype=torch.long)
+        for i, r in enumerate(responses):
+            r_ids[i, :len(r)] = torch.tensor(r)
+            r_mask[i, :len(r)] = 1
+        idx = torch.tensor([it.index for it in items])
+        return RolloutBatch(prompt_ids=p_ids, prompt_mask=p_mask, response_ids=r_ids,
+                            response_mask=r_mask, group_ids=idx, indices=idx)

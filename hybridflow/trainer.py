@@ -1,0 +1,211 @@
+"""The RL step as a list of stages, each under its named timer (verl's names):
+
+  prompts -> reshard (train -> gen layout) -> gen -> old_log_prob -> ref -> values -> reward -> adv
+          -> update_critic -> update_actor -> metrics / checkpoint
+
+Every rank runs this same code. Each DP rank generates for its own prompts; ranks of one
+model-parallel group generate identical samples (same seed) so the batch they train on agrees.
+Advantages are computed on the global batch (gathered over DP), so whitening and group statistics do
+not depend on the DP size.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from hybridflow import components, rollout_stage
+from hybridflow.run_state import Checkpointer
+from hybridflow.algo import apply_kl_penalty, build_kl_controller, get_advantage_estimator
+from hybridflow.algo.objectives import actor_objective, critic_objective, sft_objective
+from hybridflow.config import Config
+from hybridflow.data.batch import RolloutBatch
+from hybridflow.metrics import MetricsLogger, StageTimer, memory_metrics
+from hybridflow.parallel.dp import all_gather_batch, dp_sum
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.tokenizer, self.dataset, self.tokenizer_path = components.build_tokenizer_and_dataset(cfg)
+        self.sampler = components.build_sampler(cfg, self.dataset)
+        self.engines = components.build_engines(cfg)
+        components.finalize_engines(self.engines, self.tokenizer)
+        self.actor = self.engines["actor"]
+        self.ref, self.critic = self.engines.get("ref"), self.engines.get("critic")
+        self.rollout = rollout_stage.RolloutStage(cfg, self.actor, self.tokenizer,
+                                                  reward_engine=self.engines.get("reward"))
+        a = cfg.algo
+        self.kl_ctrl = build_kl_controller(a.kl_ctrl, kl_coef=a.kl_coef, target_kl=a.target_kl,
+                                           horizon=a.kl_horizon)
+        self.estimator = get_advantage_estimator(a.adv_estimator)
+        self.step = 0
+        self.sft_done = cfg.trainer.sft_warmup_steps == 0
+        self.checkpointer = Checkpointer(self)
+        self.checkpointer.maybe_resume()
+        self.logger = MetricsLogger(cfg.trainer.output_dir, total_steps=cfg.trainer.total_steps,
+                                    enabled=dist.get_rank() == 0,
+                                    tensorboard=cfg.trainer.tensorboard,
+                                    progress_bar=cfg.trainer.progress_bar, start_step=self.step)
+
+    # ----------------------------------------------------------------- loop
+    def train(self) -> list[dict]:
+        history = []
+        if not self.sft_done:
+            self.sft_warmup()
+        t = self.cfg.trainer
+        last = t.total_steps if not t.probe_steps else min(t.total_steps, self.step + t.probe_steps)
+        while self.step < last:
+            metrics = self.train_step()
+            self.step += 1
+            self.logger.log(self.step, metrics)
+            history.append(metrics)
+            if t.save_every and self.step % t.save_every == 0 and self.step < last:
+                self.checkpointer.save()
+        if not t.probe_steps:
+            self.checkpointer.save()
+        self.logger.close()
+        return history
+
+    def train_step(self) -> dict:
+        cfg, timer = self.cfg, StageTimer()
+        with timer("step"):
+            items = [self.dataset[i] for i in self.sampler.next_batch()]
+            batch, gen_metrics = self.rollout.generate(items, step=self.step, timer=timer)
+            batch = batch.trimmed()
+            mbs = cfg.algo.micro_batch_size
+            with timer("old_log_prob"):
+                batch.old_logprobs = self.actor.compute_logprobs(
+                    batch, micro_batch_size=mbs, temperature=cfg.rollout.temperature or 1.0)
+            if self.ref is not None:
+                with timer("ref"):
+                    batch.ref_logprobs = self.ref.compute_logprobs(
+                        batch, micro_batch_size=mbs, temperature=cfg.rollout.temperature or 1.0)
+            if self.critic is not None:
+                with timer("values"):
+                    batch.values = self.critic.compute_values(batch, micro_batch_size=mbs)
+            with timer("reward"):
+                batch.scores, reward_metrics = self.rollout.score(items, batch)
+            with timer("adv"):
+                batch, adv_metrics = self.compute_advantages(batch)
+            update_metrics = {}
+            if self.critic is not None:
+                with timer("update_critic"):
+                    update_metrics.update(self.update(self.critic, batch, critic_objective))
+            if self.step >= cfg.trainer.critic_warmup:
+                with timer("update_actor"):
+                    update_metrics.update(self.update(self.actor, batch, actor_objective))
+        metrics = {**gen_metrics, **reward_metrics, **adv_metrics, **update_metrics,
+                   **timer.metrics(), **memory_metrics()}
+        metrics.update(self.throughput(batch, metrics["timing_s/step"]))
+        return metrics
+
+    # ----------------------------------------------------------------- stages
+    def compute_advantages(self, batch: RolloutBatch):
+        a = self.cfg.algo
+        full = all_gather_batch(batch)  # global batch, same order on every rank
+        mask = full.response_mask.float()
+        token_scores = torch.zeros_like(mask)
+        last = (mask.sum(1).long() - 1).clamp(min=0)
+        token_scores[torch.arange(mask.shape[0]), last] = full.scores.float()
+        metrics = {}
+        if a.use_kl_in_reward:
+            token_rewards, kl_m = apply_kl_penalty(
+                token_scores=token_scores, logprobs=full.old_logprobs, ref_logprobs=full.ref_logprobs,
+                response_mask=mask, kl_coef=self.kl_ctrl.value, kind=a.kl_penalty)
+            self.kl_ctrl.update(float(kl_m["kl"]), n_steps=full.batch_size)
+            metrics.update({"actor/reward_kl_penalty": float(kl_m["kl"]),
+                            "actor/reward_kl_penalty_coeff": float(kl_m["kl_coef"])})
+        else:
+            token_rewards = token_scores
+        adv, ret = self.estimator(token_rewards=token_rewards, response_mask=mask,
+                                  values=full.values, group_ids=full.group_ids, gamma=a.gamma,
+                                  lam=a.lam, norm_by_std=a.norm_adv_by_std)
+        n = mask.sum()
+        metrics.update({
+            "critic/score/mean": float(full.scores.float().mean()),
+            "critic/rewards/mean": float((token_rewards * mask).sum(1).mean()),
+            "critic/advantages/mean": float((adv * mask).sum() / n),
+            "critic/returns/mean": float((ret * mask).sum() / n)})
+        if full.values is not None:
+            metrics["critic/values/mean"] = float((full.values * mask).sum() / n)
+        lengths = mask.sum(1)
+        metrics.update({"response_length/mean": float(lengths.mean()),
+                        "response_length/max": float(lengths.max()),
+                        "response_length/min": float(lengths.min()),
+                        "response_length/clip_ratio": float(
+                            (lengths >= self.cfg.rollout.max_new_tokens).float().mean())})
+        rows, width = _local_rows(batch.batch_size), batch.response_ids.shape[1]
+        batch.token_rewards, batch.advantages, batch.returns = (
+            t[rows, :width].contiguous() for t in (token_rewards, adv, ret))
+        return batch, metrics
+
+    def update(self, engine, batch: RolloutBatch, objective) -> dict:
+        """ppo_epochs x mini-batches of optimizer steps; metrics averaged over the updates."""
+        a = self.cfg.algo
+        local_mini = a.ppo_mini_batch_size // ps.get_data_parallel_world_size()
+        sums, count = {}, 0
+        for epoch in range(a.ppo_epochs):
+            gen = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.step * 31 + epoch)
+            order = torch.randperm(batch.batch_size, generator=gen)
+            for i in range(0, batch.batch_size, local_mini):
+                mb = batch.select(order[i:i + local_mini])
+                num_tokens = int(dp_sum(float(mb.response_mask.sum())))
+                loss_fn = objective(a, num_tokens=max(num_tokens, 1),
+                                    num_seqs=a.ppo_mini_batch_size)
+                m = engine.train_step(mb, loss_fn, micro_batch_size=a.micro_batch_size,
+                                      temperature=self.cfg.rollout.temperature or 1.0,
+                                      need_entropy=engine.role == "actor")
+                prefix = "actor" if engine.role == "actor" else "critic"
+                m[f"{prefix}/grad_norm"], m[f"{prefix}/lr"] = m.pop("grad_norm"), m.pop("lr")
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+        return {k: v / max(count, 1) for k, v in sums.items()}
+
+    def sft_warmup(self) -> None:
+        """Supervised steps on each record's `extra_info.sft_response` (synthetic tasks)."""
+        steps = self.cfg.trainer.sft_warmup_steps
+        for s in range(steps):
+            items = [self.dataset[i] for i in self.sampler.next_batch()]
+            batch = self.rollout.sft_batch(items)
+            num_tokens = int(dp_sum(float(batch.response_mask.sum())))
+            m = self.actor.train_step(batch, sft_objective(num_tokens=num_tokens),
+                                      micro_batch_size=self.cfg.algo.micro_batch_size)
+            if (s + 1) % 10 == 0 or s + 1 == steps:
+                self.logger.print(f"sft warm-up {s + 1}/{steps}: nll={m['sft/nll']:.3f}")
+        self.sft_done = True
+
+    def throughput(self, batch: RolloutBatch, step_s: float) -> dict:
+        # every model-parallel replica holds its DP share; count each token once
+        tokens = dp_sum(float(batch.token_mask().sum()))
+        world = dist.get_world_size()
+        return {"perf/total_num_tokens": tokens, "perf/throughput": tokens / (step_s * world)}
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        return {"step": self.step, "sft_done": self.sft_done,
+                "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                        "torch": torch.get_rng_state()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.sft_done = state["sft_done"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        rng = state.get("rng")
+        if rng:
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            torch.set_rng_state(rng["torch"])
+
+
+def _local_rows(local_size: int) -> slice:
+    r = ps.get_data_parallel_rank()
+    return slice(r * local_size, (r + 1) * local_size)
