@@ -1,0 +1,265 @@
+"""Generation speed: hybridflow's in-place Generator vs transformers `generate` vs the weight-read floor.
+
+Qwen2-0.5B shape (conf/model/qwen2_0_5b.yaml), random init, bf16, prompt 128 tokens, 256 new tokens
+forced (greedy with eos_id=-1, which is never sampled), batch 64 and 256. transformers runs its
+`Qwen2ForCausalLM` with SDPA attention and the default dynamic cache; ours runs the same weights
+converted to Megatron names (QKV packed per query group [q_g; k_g; v_g], fc1 = [gate; up], tied
+embedding). Floor = weight bytes / 4.3e12 B/s (measured H200 copy bandwidth) x new tokens; a second
+floor adds the KV-cache reads. Also checked: greedy tokens of ours vs transformers (fp32 small batch:
+exact; bf16: agreement on the first steps), CUDA graphs vs eager, seeded sampling reproducibility,
+peak memory during generation and memory after `release()`.
+
+    python benchmarks/bench_generate.py                       # H200: writes results JSON
+    python benchmarks/bench_generate.py --model conf/model/tiny.yaml --device cpu --batches 4 \\
+        --prompt-len 8 --new-tokens 8 --out /tmp/g.json        # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
+from hybridflow.rollout import Generator  # noqa: E402
+
+COPY_BW = 4.3e12  # B/s, device-to-device copy measured on the H200 (shared/DESIGN.md)
+
+
+def hf_model(cfg: ModelConfig, *, device, dtype):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    hc = Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                     intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
+                     num_attention_heads=cfg.num_attention_heads,
+                     num_key_value_heads=cfg.num_query_groups,
+                     max_position_embeddings=cfg.max_position_embeddings,
+                     rms_norm_eps=cfg.norm_epsilon, tie_word_embeddings=cfg.tie_word_embeddings,
+                     rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base})
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hc, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def to_megatron(sd: dict, cfg: ModelConfig) -> dict:
+    """HF Qwen2/Llama state dict -> Megatron names (full tensors, TP=1)."""
+    try:
+        from hybridflow.models.hf import hf_to_megatron_state_dict  # needs megatron-core
+
+        return hf_to_megatron_state_dict(sd, cfg)
+    except ImportError:
+        pass
+    G, H = cfg.num_query_groups, cfg.num_attention_heads
+    hd = cfg.kv_channels or cfg.hidden_size // H
+    out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": sd["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["output_layer.weight"] = sd["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for kind in ("weight", "bias") if cfg.add_qkv_bias else ("weight",):
+            q, k, v = (sd[p + f"self_attn.{n}_proj.{kind}"] for n in "qkv")
+            rest = q.shape[1:]
+            out[m + f"self_attention.linear_qkv.{kind}"] = torch.cat(
+                [q.reshape(G, H // G * hd, *rest), k.reshape(G, hd, *rest),
+                 v.reshape(G, hd, *rest)], 1).reshape(-1, *rest)
+        out[m + "self_attention.linear_proj.weight"] = sd[p + "self_attn.o_proj.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"],
+                                                      sd[p + "mlp.up_proj.weight"]])
+        out[m + "mlp.linear_fc2.weight"] = sd[p + "mlp.down_proj.weight"]
+        out[m + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
+    return out
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, reps: int):
+    times, out = [], None
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def hf_generate(model, ids, new_tokens):
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                          max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:]
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor, first: int) -> dict:
+    same = (a == b).long().cumprod(1).sum(1).float()  # length of the common prefix per row
+    return {"rows_agree_first_steps": float((same >= first).float().mean()), "first_steps": first,
+            "mean_common_prefix": float(same.mean())}
+
+
+def profile_decode(run, B: int, steps: int = 32) -> dict:
+    """Kernel time per decode step (graph replays included) and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    short = RolloutConfig(max_new_tokens=steps + 1, temperature=0.0, max_batch_size=B)
+    run(short)  # capture
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(short)
+    events = prof.key_averages()
+    dev = lambda e: getattr(e, "device_time_total", 0)  # noqa: E731
+    events = sorted(events, key=dev, reverse=True)
+    total = sum(dev(e) for e in events)
+    top = [{"kernel": e.key[:90], "us_per_step": dev(e) / steps, "calls_per_step": e.count / steps}
+           for e in events[:12]]
+    for t in top:
+        print(f"{t['us_per_step']:9.1f} us/step {t['calls_per_step']:6.1f} x  {t['kernel']}")
+    return {"device_us_per_step_incl_prefill": total / steps,
+            "kernels_per_step": sum(e.count for e in events) / steps, "top": top}
+
+
+def mem_gb(device):
+    return torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+
+
+def machine(device) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "cpus": os.cpu_count(), "host": platform.node()}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        try:
+            info["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
+    return info
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="conf/model/qwen2_0_5b.yaml")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--hf-reps", type=int, default=1)
+    ap.add_argument("--out", default="benchmarks/results/generate_h200.json")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    with open(args.model) as f:
+        cfg = ModelConfig(**yaml.safe_load(f))
+    torch.manual_seed(0)
+    P, R = args.prompt_len, args.new_tokens
+    report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
+              "model": cfg.name, "prompt_len": P, "new_tokens": R, "results": {}}
+
+    # ---- sanity in fp32 (small batch): our greedy tokens == transformers' ----
+    hf = hf_model(cfg, device=device, dtype=torch.float32)
+    ids = torch.randint(0, cfg.vocab_size, (4, min(P, 32)), device=device)
+    gen = Generator(model_cfg=cfg, params=to_megatron(hf.state_dict(), cfg), tp_group=None,
+                    device=device, dtype=torch.float32, true_vocab_size=cfg.vocab_size)
+    greedy = RolloutConfig(max_new_tokens=16, temperature=0.0, max_batch_size=max(args.batches))
+    ours = gen.generate(ids.tolist(), cfg=greedy, eos_id=-1, pad_id=0, seed=0).response_ids
+    with torch.no_grad():
+        theirs = hf_generate(hf, ids, 16)
+    report["sanity_fp32_16_steps"] = agreement(ours, theirs, 16)
+    gen.release()
+    del gen
+
+    # ---- bf16 timings ----
+    hf = hf.to(torch.bfloat16)
+    params = to_megatron(hf.state_dict(), cfg)  # tied embedding: one tensor, no output_layer
+    params = {n: t.clone() for n, t in params.items()}  # our own copy, like the reshard's buffers
+    weight_bytes = sum(t.numel() * t.element_size() for t in params.values())
+    base0 = mem_gb(device)
+    gen = Generator(model_cfg=cfg, params=params, tp_group=None, device=device,
+                    dtype=torch.bfloat16, true_vocab_size=cfg.vocab_size)
+    hd = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    for B in args.batches:
+        ids = torch.randint(0, cfg.vocab_size, (B, P), device=device)
+        prompts = ids.tolist()
+        rcfg = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=max(args.batches))
+        run = lambda c=rcfg: gen.generate(prompts, cfg=c, eos_id=-1, pad_id=0, seed=0)  # noqa
+        res = {}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        before = mem_gb(device)
+        first_s, _ = timed(run, device, 1)  # includes cache allocation and graph capture
+        ours_s, out = timed(run, device, args.reps)
+        assert out.response_ids.shape == (B, R), out.response_ids.shape
+        res["memory_gb"] = {
+            "weights": weight_bytes / 2**30, "allocated_before_generate": before,
+            "peak_during_generate": (torch.cuda.max_memory_allocated() / 2**30
+                                     if device.type == "cuda" else 0.0),
+            "allocated_after_generate": mem_gb(device),
+            "kv_cache": gen._cache.nbytes / 2**30}
+        gen.release()
+        res["memory_gb"]["allocated_after_release"] = mem_gb(device)
+        kv_bytes = sum(2 * cfg.num_layers * B * cfg.num_query_groups * hd * 2 * (P + s)
+                       for s in range(R))
+        res.update(ours_s=ours_s, ours_first_call_s=first_s, ours_tok_s=B * R / ours_s,
+                   floor_s=weight_bytes / COPY_BW * R,
+                   floor_with_kv_s=(weight_bytes * R + kv_bytes) / COPY_BW)
+        if B == args.batches[0]:
+            eager = RolloutConfig(max_new_tokens=R, temperature=0.0, cuda_graphs=False,
+                                  max_batch_size=B)
+            res["ours_eager_s"], out_e = timed(lambda: run(eager), device, 1)
+            res["graph_equals_eager_greedy"] = bool(torch.equal(out_e.response_ids,
+                                                                out.response_ids))
+            for name, kw in (("t1", {}), ("t1_top_p0.9", {"top_p": 0.9}),
+                             ("t1_top_k50", {"top_k": 50})):
+                samp = RolloutConfig(max_new_tokens=R, temperature=1.0, max_batch_size=B, **kw)
+                run(samp)  # capture
+                res[f"ours_sample_{name}_s"], s1 = timed(lambda: run(samp), device, 1)
+                s2 = run(samp)
+                res[f"sample_{name}_reproducible"] = bool(torch.equal(s1.response_ids,
+                                                                      s2.response_ids))
+            if device.type == "cuda":
+                res["decode_profile"] = profile_decode(run, B)
+            gen.release()
+        with torch.no_grad():
+            hf_generate(hf, ids, 8)  # warm-up at the timed shape
+            hf_s, theirs = timed(lambda: hf_generate(hf, ids, R), device, args.hf_reps)
+        res.update(hf_s=hf_s, hf_tok_s=B * R / hf_s, speedup_vs_hf=hf_s / ours_s,
+                   ours_over_floor=ours_s / res["floor_s"])
+        res["bf16_greedy_vs_hf"] = agreement(out.response_ids, theirs, 4)
+        report["results"][str(B)] = res
+        print(json.dumps({B: res}, indent=1), flush=True)
+    del gen
+    report["memory_gb_after_all_released"] = mem_gb(device)
+    report["memory_gb_before_generator"] = base0
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\n{'batch':>6} {'ours s':>8} {'tok/s':>9} {'HF s':>7} {'HF tok/s':>9} {'x HF':>6} "
+          f"{'floor s':>8} {'floor+kv':>8} {'peak GB':>8} {'after rel':>9}")
+    for B, r in report["results"].items():
+        m = r["memory_gb"]
+        print(f"{B:>6} {r['ours_s']:8.3f} {r['ours_tok_s']:9.0f} {r['hf_s']:7.2f} "
+              f"{r['hf_tok_s']:9.0f} {r['speedup_vs_hf']:6.1f} {r['floor_s']:8.3f} "
+              f"{r['floor_with_kv_s']:8.3f} {m['peak_during_generate']:8.2f} "
+              f"{m['allocated_after_release']:9.2f}")
+    print("sanity fp32:", report["sanity_fp32_16_steps"])
+
+
+if __name__ == "__main__":
+    main()

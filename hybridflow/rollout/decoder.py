@@ -1,0 +1,278 @@
+"""Functional Llama/Qwen2 decoder over a Megatron GPTModel parameter dict (the generation layout).
+
+Input: `params`, Megatron names of a PP=1 model (global layer indices), each tensor this rank's TP_g
+shard (rules in `hybridflow/parallel/param_rules.py`), and the TP_g process group (None: TP_g = 1).
+Running plain tensor math over that dict instead of Megatron modules is what lets the decode step
+work on static buffers and be captured as one CUDA graph.
+
+The math follows Megatron's local spec exactly (so logits match `GPTModel` to fp32 rounding):
+- RMSNorm via `F.rms_norm` (the same op as the training model's torch norm).
+- QKV: one column-parallel matmul (+ optional bias); rows grouped per query group
+  [q heads of group g (heads_per_group * hd); k_g (hd); v_g (hd)].
+- RoPE: non-interleaved (rotate-half), base `rotary_base`, frequencies in fp32, applied in the
+  weight dtype; llama3 `rope_scaling` supported (its factors read from the dict with Megatron's
+  defaults), other scaling types raise NotImplementedError. Positions are per row (left padding).
+- Attention: SDPA. Prefill: causal + key-padding mask over the prompt (K/V repeated per head so the
+  memory-efficient kernel takes the mask). Decode: the heads of one query group are folded into the
+  query-length axis, so (B, groups, heads_per_group, hd) queries attend to the cached
+  (B, groups, T, hd) keys with no K/V copy; an additive mask hides padding and unwritten slots.
+- MLP: SwiGLU from fc1 = [gate; up] (per shard); row-parallel proj/fc2 then all-reduce over TP_g.
+- Embedding: vocab-parallel masked lookup + all-reduce. Output: vocab-parallel matmul, all-gather
+  over TP_g, padded vocab ids (>= true vocab) dropped; fp32 logits out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hybridflow.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Dims:
+    num_layers: int
+    hidden: int
+    head_dim: int
+    heads: int  # local (this TP rank)
+    groups: int  # local query groups
+    ffn: int  # local
+    vocab_local: int
+    vocab_start: int
+    true_vocab: int
+    tp_size: int
+    eps: float
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.heads // self.groups
+
+
+@dataclass
+class Layer:
+    ln1: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: Optional[torch.Tensor]
+    proj: torch.Tensor
+    ln2: torch.Tensor
+    fc1: torch.Tensor
+    fc2: torch.Tensor
+
+
+@dataclass
+class Weights:
+    dims: Dims
+    embed: torch.Tensor  # (V_local, D)
+    layers: list
+    final_ln: torch.Tensor
+    output: torch.Tensor  # (V_local, D); the embedding when tied
+    inv_freq: torch.Tensor  # (hd/2,) fp32
+    group: Optional[dist.ProcessGroup]
+
+
+def rope_inv_freq(cfg: ModelConfig, head_dim: int) -> torch.Tensor:
+    inv = 1.0 / (float(cfg.rotary_base) ** (torch.arange(0, head_dim, 2, dtype=torch.float32)
+                                            / head_dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind != "llama3":
+        raise NotImplementedError(f"model.rope_scaling type {kind!r}: only llama3 is supported")
+    factor = float(scaling.get("factor", 8.0))
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(inv_freq: torch.Tensor, length: int, *, dtype, device):
+    """cos (T, hd) and signed sin (T, hd) so that rope(x) = x * cos + roll(x, hd/2) * sin."""
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    cos = torch.cat([freqs.cos(), freqs.cos()], -1)
+    sin = torch.cat([-freqs.sin(), freqs.sin()], -1)
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+
+def _get(params: dict, name: str, shape: tuple) -> torch.Tensor:
+    if name not in params:
+        raise ValueError(f"generation params lack {name!r}")
+    t = params[name]
+    if tuple(t.shape) != shape:
+        raise ValueError(f"generation param {name!r} has shape {tuple(t.shape)}, expected {shape} "
+                         f"for this TP_g shard")
+    return t.detach()
+
+
+def load_weights(cfg: ModelConfig, params: dict, *, group, true_vocab_size: int, device,
+                 dtype) -> Weights:
+    """Check names/shapes of the TP_g shard dict and gather the tensors (no copy when they already
+    have the device and dtype)."""
+    tp = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    hd = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    heads, groups, ffn = (cfg.num_attention_heads // tp, cfg.num_query_groups // tp,
+                          cfg.ffn_hidden_size // tp)
+    D = cfg.hidden_size
+    emb_name = "embedding.word_embeddings.weight"
+    if emb_name not in params:
+        raise ValueError(f"generation params lack {emb_name!r}")
+    v_local = params[emb_name].shape[0]
+    if v_local * tp < true_vocab_size:
+        raise ValueError(f"{emb_name}: {v_local} rows x TP_g={tp} < true vocab {true_vocab_size}")
+    conv = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    qkv_rows = groups * (heads // groups + 2) * hd
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"decoder.layers.{i}."
+        bias = None
+        if cfg.add_qkv_bias:
+            bias = conv(_get(params, p + "self_attention.linear_qkv.bias", (qkv_rows,)))
+        layers.append(Layer(
+            ln1=conv(_get(params, p + "input_layernorm.weight", (D,))),
+            qkv_w=conv(_get(params, p + "self_attention.linear_qkv.weight", (qkv_rows, D))),
+            qkv_b=bias,
+            proj=conv(_get(params, p + "self_attention.linear_proj.weight", (D, heads * hd))),
+            ln2=conv(_get(params, p + "pre_mlp_layernorm.weight", (D,))),
+            fc1=conv(_get(params, p + "mlp.linear_fc1.weight", (2 * ffn, D))),
+            fc2=conv(_get(params, p + "mlp.linear_fc2.weight", (D, ffn)))))
+    embed = conv(_get(params, emb_name, (v_local, D)))
+    if "output_layer.weight" in params:
+        output = conv(_get(params, "output_layer.weight", (v_local, D)))
+    elif cfg.tie_word_embeddings:
+        output = embed
+    else:
+        raise ValueError("generation params lack 'output_layer.weight' and "
+                         "model.tie_word_embeddings is false")
+    dims = Dims(num_layers=cfg.num_layers, hidden=D, head_dim=hd, heads=heads, groups=groups,
+                ffn=ffn, vocab_local=v_local, vocab_start=rank * v_local,
+                true_vocab=true_vocab_size, tp_size=tp, eps=cfg.norm_epsilon)
+    return Weights(dims=dims, embed=embed, layers=layers,
+                   final_ln=conv(_get(params, "decoder.final_layernorm.weight", (D,))),
+                   output=output, inv_freq=rope_inv_freq(cfg, hd), group=group)
+
+
+def _norm(x, weight, eps):
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _all_reduce(x, w: Weights):
+    if w.dims.tp_size > 1:
+        dist.all_reduce(x, group=w.group)
+    return x
+
+
+def _row_parallel_add(x, a, weight, w: Weights):
+    """x + all_reduce(a @ weight.T); x, a 2-D. TP=1 fuses the residual add into the GEMM."""
+    if w.dims.tp_size == 1:
+        return torch.addmm(x, a, weight.t())
+    return x + _all_reduce(a @ weight.t(), w)
+
+
+def embed(w: Weights, ids: torch.Tensor) -> torch.Tensor:
+    """ids (...) -> (..., D), vocab-parallel masked lookup + all-reduce."""
+    d = w.dims
+    if d.tp_size == 1:
+        return F.embedding(ids, w.embed)
+    local = ids - d.vocab_start
+    outside = (local < 0) | (local >= d.vocab_local)
+    out = F.embedding(local.masked_fill(outside, 0), w.embed).masked_fill(outside[..., None], 0)
+    return _all_reduce(out, w)
+
+
+def logits(w: Weights, h: torch.Tensor) -> torch.Tensor:
+    """h (N, D) normed -> fp32 logits (N, true_vocab), gathered over TP_g."""
+    d = w.dims
+    local = F.linear(h, w.output)  # (N, V_local)
+    if d.tp_size > 1:
+        full = torch.empty((d.tp_size * h.shape[0], d.vocab_local), dtype=local.dtype,
+                           device=local.device)
+        dist.all_gather_into_tensor(full, local.contiguous(), group=w.group)
+        local = full.view(d.tp_size, h.shape[0], d.vocab_local).transpose(0, 1).reshape(
+            h.shape[0], d.tp_size * d.vocab_local)
+    return local[:, :d.true_vocab].float()
+
+
+def _mlp(x, layer: Layer, w: Weights):
+    h = _norm(x, layer.ln2, w.dims.eps)
+    gate, up = F.linear(h, layer.fc1).chunk(2, dim=-1)
+    return _row_parallel_add(x, F.silu(gate) * up, layer.fc2, w)
+
+
+def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *,
+            cos_tab: torch.Tensor, sin_tab: torch.Tensor, cache=None, cache_row0: int = 0,
+            last_only: bool = False):
+    """Full causal forward over left-padded rows (prefill, or the no-cache reference).
+
+    ids, positions (B, S) int64, valid (B, S) bool (False = left padding). With `cache`, K/V land in
+    columns 0..S-1 of cache rows cache_row0.. Returns fp32 logits (B, S, V) or, with last_only, (B, V).
+    """
+    d = w.dims
+    B, S = ids.shape
+    hpg, hd = d.heads_per_group, d.head_dim
+    x = embed(w, ids.masked_fill(~valid, 0)).reshape(B * S, d.hidden)
+    cos = cos_tab[positions][:, :, None, None]  # (B, S, 1, 1, hd)
+    sin = sin_tab[positions][:, :, None, None]
+    causal = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril()
+    eye = torch.eye(S, dtype=torch.bool, device=ids.device)
+    mask = ((causal & valid[:, None, :]) | eye)[:, None]  # (B, 1, S, S); pad rows see themselves
+    for i, layer in enumerate(w.layers):
+        h = _norm(x, layer.ln1, d.eps)
+        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(B, S, d.groups, hpg + 2, hd)
+        qk = qkv[:, :, :, :hpg + 1]
+        qk = qk * cos + qk.roll(hd // 2, -1) * sin  # (B, S, G, hpg+1, hd)
+        q = qk[:, :, :, :hpg].flatten(2, 3).transpose(1, 2)  # (B, H, S, hd)
+        k = qk[:, :, :, hpg].transpose(1, 2)  # (B, G, S, hd)
+        v = qkv[:, :, :, hpg + 1].transpose(1, 2)
+        if cache is not None:
+            kc, vc = cache.layer(i, cache_row0 + B, cache_row0)
+            kc[:, :, :S].copy_(k)
+            vc[:, :, :S].copy_(v)
+        a = F.scaled_dot_product_attention(q, k.repeat_interleave(hpg, 1),
+                                           v.repeat_interleave(hpg, 1), attn_mask=mask)
+        x = _row_parallel_add(x, a.transpose(1, 2).reshape(B * S, d.heads * hd), layer.proj, w)
+        x = _mlp(x, layer, w)
+    x = x.view(B, S, d.hidden)
+    if last_only:
+        return logits(w, _norm(x[:, -1], w.final_ln, d.eps))
+    return logits(w, _norm(x, w.final_ln, d.eps).reshape(B * S, d.hidden)).view(B, S, -1)
+
+
+def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: torch.Tensor,
+                key_valid: torch.Tensor, *, cache, cos_tab: torch.Tensor, sin_tab: torch.Tensor):
+    """One token per row against the static cache; graph-capturable (no host sync, static shapes).
+
+    tokens, positions (B,) int64; cur (1,) int64: the cache column this token is written to;
+    key_valid (B, T) bool, updated in place (column `cur` becomes valid). Returns logits (B, V) fp32.
+    """
+    d = w.dims
+    B = tokens.shape[0]
+    hpg, hd = d.heads_per_group, d.head_dim
+    key_valid.index_fill_(1, cur, True)
+    bias = torch.zeros(key_valid.shape, dtype=cos_tab.dtype, device=tokens.device)
+    bias = bias.masked_fill_(~key_valid, float("-inf"))[:, None, None, :]  # (B, 1, 1, T)
+    cos = cos_tab.index_select(0, positions)[:, None, None, :]  # (B, 1, 1, hd)
+    sin = sin_tab.index_select(0, positions)[:, None, None, :]
+    x = embed(w, tokens)  # (B, D)
+    for i, layer in enumerate(w.layers):
+        h = _norm(x, layer.ln1, d.eps)
+        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(B, d.groups, hpg + 2, hd)
+        qk = qkv[:, :, :hpg + 1]
+        qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # (B, G, hpg+1, hd)
+        kc, vc = cache.layer(i, B)
+        kc.index_copy_(2, cur, qk[:, :, hpg:])
+        vc.index_copy_(2, cur, qkv[:, :, hpg + 1:])
+        # the heads of a group act as hpg query positions sharing that group's K/V
+        a = F.scaled_dot_product_attention(qk[:, :, :hpg], kc, vc, attn_mask=bias)
+        x = _row_parallel_add(x, a.reshape(B, d.heads * hd), layer.proj, w)
+        x = _mlp(x, layer, w)
+    return logits(w, _norm(x, w.final_ln, d.eps))

@@ -1,0 +1,241 @@
+"""In-place generation on the training ranks: `Generator` (KV cache, prefill + decode, sampling).
+
+    gen = Generator(model_cfg=..., params=gen_layout_params, tp_group=tp_g_group, device=...,
+                    dtype=torch.bfloat16, true_vocab_size=V)
+    out = gen.generate(prompts, cfg=rollout_cfg, eos_id=eos, pad_id=pad, seed=step_seed)
+    gen.release()   # KV cache, graphs, static buffers gone; the training phases get the memory back
+
+Every rank of a TP_g group must call `generate` with the same prompts and seed: the ranks hold
+identical gathered logits and identically seeded generators, so they draw the same tokens and issue
+the same collectives. The Generator keeps references to `params` (owned by the caller / reshard).
+
+Layout of a call:
+- Rows: each prompt repeated `cfg.n` times consecutively [p0s0, p0s1, ..., p1s0, ...]. Rows are
+  LEFT-padded to the longest prompt P (all prompts end at column P-1, so the prefill's last column
+  predicts every row's first token); position ids count real tokens only (0 at a row's first real
+  token), so a padded row computes exactly what it would alone.
+- Rows are processed in chunks of at most `cfg.max_batch_size`. Per chunk: eager prefill (SDPA over
+  the prompt, K/V into the static cache, first token sampled from the last column), then one decode
+  step per new token: a CUDA-graph replay on GPU (bucketed batch sizes, see cuda_graph.py), the same
+  function eagerly on CPU or with `cfg.cuda_graphs=False`.
+- Stopping: a row finishes at EOS, any `cfg.stop_token_ids`, or `max_new_tokens`; finished rows stay
+  in the batch and emit pad (masked, not re-batched). The loop ends early once every row finished,
+  polled asynchronously every CHECK_EVERY steps (no host sync per step).
+Prefills of the n copies of a prompt are not shared (each row is prefilled; a later optimisation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from hybridflow.config import ModelConfig, RolloutConfig
+from hybridflow.rollout import decoder
+from hybridflow.rollout.cuda_graph import GraphedStep, StopPoller, bucket_for, free_workspaces
+from hybridflow.rollout.kv_cache import KVCache
+from hybridflow.rollout.sampling import sample
+
+CHECK_EVERY = 16  # decode steps between stop polls
+PREFILL_TOKENS = 16384  # prompt tokens per prefill sub-batch (bounds activation memory)
+LENGTH_MULTIPLE = 64  # cache length rounding: fewer re-captures, aligned attention masks
+
+
+@dataclass
+class GenerationOutput:
+    """B = len(prompts) * n rows, ordered [p0s0, p0s1, ..., p1s0, ...]; tensors on the device."""
+    prompt_ids: torch.Tensor  # (B, P) int64, LEFT-padded with pad_id; P = longest prompt
+    prompt_mask: torch.Tensor  # (B, P) int64 0/1, 1 on real prompt tokens
+    response_ids: torch.Tensor  # (B, R) int64, right-padded with pad_id; R = longest response
+    response_mask: torch.Tensor  # (B, R) int64 0/1, 1 up to and including the EOS/stop token
+    response_lengths: torch.Tensor  # (B,) int64, = response_mask.sum(1)
+    # (B, R) fp32 log-prob of each sampled token under log_softmax(logits / T) (T = 1 when greedy),
+    # before top-k/top-p filtering (as verl's old-log-prob pass); 0 on padding. None unless
+    # cfg.return_logprobs.
+    logprobs: Optional[torch.Tensor] = None
+
+
+class _Buffers:
+    """Static state of one batch bucket: what a captured decode step reads and writes."""
+
+    def __init__(self, rows: int, length: int, max_new: int, stop_ids: list, device):
+        z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=device)  # noqa: E731
+        self.tokens, self.positions = z(rows), z(rows)  # (b,) last sampled token, its position
+        self.cur, self.step = z(1), z(1)  # cache column / output column of the next token
+        self.key_valid = z(rows, length, dt=torch.bool)  # (b, T) cache slots a query may see
+        self.finished, self.done = z(rows, dt=torch.bool), z(1, dt=torch.bool)
+        self.out_tokens = z(rows, max_new)  # (b, R)
+        self.out_logprobs = z(rows, max_new, dt=torch.float32)
+        self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
+
+    def is_stop(self, tok):
+        return (tok[:, None] == self.stop_ids).any(1)
+
+    def reset(self, *, tok, lp, lengths, mask, pad_id: int):
+        """Start a chunk: first tokens `tok` (B,) from the prefill, prompt `mask` (B, P)."""
+        B, P = mask.shape
+        self.out_tokens.fill_(pad_id)
+        self.out_logprobs.zero_()
+        self.out_tokens[:B, 0] = tok
+        if lp is not None:
+            self.out_logprobs[:B, 0] = lp
+        self.finished.fill_(True)  # bucket rows beyond B are finished from the start
+        self.finished[:B] = self.is_stop(tok)
+        self.done.copy_(self.finished.all())
+        self.tokens.zero_()
+        self.tokens[:B] = tok
+        self.positions.zero_()
+        self.positions[:B] = lengths
+        self.cur.fill_(P)
+        self.step.fill_(1)
+        self.key_valid.zero_()
+        self.key_valid[:B, :P] = mask.bool()
+
+
+class Generator:
+    def __init__(self, *, model_cfg: ModelConfig, params: dict, tp_group, device: torch.device,
+                 dtype: torch.dtype, true_vocab_size: int):
+        self.cfg = model_cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.w = decoder.load_weights(model_cfg, params, group=tp_group,
+                                      true_vocab_size=true_vocab_size, device=self.device,
+                                      dtype=dtype)
+        self._rng = torch.Generator(device=self.device)
+        self._cache: Optional[KVCache] = None
+        self._tables = None  # rope (cos, sin) for the cache length
+        self._steps: dict = {}  # (rows, max_new, sampling key, graphed) -> (buffers, step fn)
+        self._pool = self._side = None  # graph memory pool, warm-up stream
+
+    # ---- public -------------------------------------------------------------------------------
+    def generate(self, prompts: list, *, cfg: RolloutConfig, eos_id: int, pad_id: int,
+                 seed: int) -> GenerationOutput:
+        self._check(prompts, cfg)
+        rows = [list(p) for p in prompts for _ in range(cfg.n)]
+        N, P, R = len(rows), max(len(p) for p in rows), cfg.max_new_tokens
+        if P + R > self.cfg.max_position_embeddings:
+            raise ValueError(f"longest prompt {P} + rollout.max_new_tokens={R} exceeds "
+                             f"model.max_position_embeddings={self.cfg.max_position_embeddings}")
+        graphed = cfg.cuda_graphs and self.device.type == "cuda"
+        mbs = cfg.max_batch_size
+        chunks = [(s, min(s + mbs, N)) for s in range(0, N, mbs)]
+        bucket = {c: bucket_for(c[1] - c[0], mbs) if graphed else c[1] - c[0] for c in chunks}
+        stop_ids = [eos_id, *cfg.stop_token_ids]
+        key = (cfg.temperature, cfg.top_k, cfg.top_p, cfg.return_logprobs, tuple(stop_ids), pad_id)
+        ids = torch.full((N, P), pad_id, dtype=torch.long)
+        mask = torch.zeros((N, P), dtype=torch.long)
+        for i, p in enumerate(rows):
+            ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, P - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        with torch.no_grad():
+            length = -(-(P + R) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+            self._ensure_cache(rows=max(bucket.values()), length=length)
+            steps = {b: self._step(b, R, key, cfg, graphed) for b in set(bucket.values())}
+            self._rng.manual_seed(seed)  # after any capture: warm-up runs consume randomness
+            outs = [self._run_chunk(*steps[bucket[c]], ids[c[0]:c[1]], mask[c[0]:c[1]], cfg,
+                                    pad_id) for c in chunks]
+        tokens = torch.cat([o[0] for o in outs])  # (N, R)
+        stop = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
+        is_stop = (tokens[..., None] == stop).any(-1)  # the first stop is the real one
+        lengths = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, R)  # (N,)
+        width = max(int(lengths.max()), 1)
+        resp_mask = (torch.arange(width, device=self.device) < lengths[:, None]).long()
+        logprobs = None
+        if cfg.return_logprobs:
+            logprobs = torch.cat([o[1] for o in outs])[:, :width] * resp_mask
+        return GenerationOutput(prompt_ids=ids, prompt_mask=mask,
+                                response_ids=tokens[:, :width].masked_fill(resp_mask == 0, pad_id),
+                                response_mask=resp_mask, response_lengths=lengths,
+                                logprobs=logprobs)
+
+    def release(self) -> None:
+        """Free the KV cache, captured graphs and static buffers (not the weights)."""
+        for _, fn in self._steps.values():
+            if isinstance(fn, GraphedStep):
+                fn.graph.reset()
+        self._steps.clear()
+        self._cache = self._tables = self._pool = self._side = None
+        self._rng = torch.Generator(device=self.device)  # drops graph-registered RNG state too
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            free_workspaces()
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _check(self, prompts, cfg: RolloutConfig) -> None:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs a non-empty list of non-empty prompts (token ids)")
+        lo, hi = min(min(p) for p in prompts), max(max(p) for p in prompts)
+        if lo < 0 or hi >= self.w.dims.true_vocab:
+            raise ValueError(f"prompt token ids span [{lo}, {hi}], outside the vocabulary "
+                             f"[0, {self.w.dims.true_vocab})")
+        for key, ok in (("n", cfg.n >= 1), ("max_new_tokens", cfg.max_new_tokens >= 1),
+                        ("max_batch_size", cfg.max_batch_size >= 1),
+                        ("temperature", cfg.temperature >= 0), ("top_k", cfg.top_k >= 0),
+                        ("top_p", 0 < cfg.top_p <= 1)):
+            if not ok:
+                raise ValueError(f"rollout.{key}={getattr(cfg, key)!r} is out of range")
+
+    def _ensure_cache(self, *, rows: int, length: int) -> None:
+        if self._cache is not None and self._cache.fits(rows=rows, length=length):
+            return
+        if self._cache is not None:  # grow: graphs captured on the old views must go
+            rows, length = max(rows, self._cache.rows), max(length, self._cache.length)
+        self.release()
+        d = self.w.dims
+        self._cache = KVCache(num_layers=d.num_layers, rows=rows, groups=d.groups, length=length,
+                              head_dim=d.head_dim, dtype=self.dtype, device=self.device)
+        self._tables = decoder.rope_tables(self.w.inv_freq, length, dtype=self.dtype,
+                                           device=self.device)
+
+    def _step(self, rows: int, max_new: int, key, cfg: RolloutConfig, graphed: bool):
+        k = (rows, max_new, key, graphed)
+        if k in self._steps:
+            return self._steps[k]
+        buf = _Buffers(rows, self._cache.length, max_new, list(key[4]), self.device)
+        cache, (cos, sin), w, pad = self._cache, self._tables, self.w, key[5]
+
+        def step():
+            logits = decoder.decode_step(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
+                                         cache=cache, cos_tab=cos, sin_tab=sin)
+            tok, lp = sample(logits, temperature=cfg.temperature, top_k=cfg.top_k,
+                             top_p=cfg.top_p, generator=self._rng,
+                             need_logprobs=cfg.return_logprobs)
+            buf.out_tokens.index_copy_(1, buf.step, torch.where(buf.finished, pad, tok)[:, None])
+            if lp is not None:
+                buf.out_logprobs.index_copy_(1, buf.step, lp.masked_fill(buf.finished, 0)[:, None])
+            buf.finished |= buf.is_stop(tok)
+            buf.done.copy_(buf.finished.all())
+            buf.tokens.copy_(tok)  # finished rows feed their (valid) sample, never pad_id
+            buf.positions.add_(1)
+            buf.cur.add_(1)
+            buf.step.add_(1)
+
+        fn = step
+        if graphed and max_new > 1:
+            if self._pool is None:
+                self._pool, self._side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+            fn = GraphedStep(step, pool=self._pool, side=self._side, generator=self._rng)
+        self._steps[k] = (buf, fn)
+        return buf, fn
+
+    def _run_chunk(self, buf: _Buffers, step, ids, mask, cfg: RolloutConfig, pad_id: int):
+        """Prefill + decode rows ids (B, P) -> (tokens (B, R), logprobs (B, R)) before trimming."""
+        B, P = ids.shape
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        cos, sin = self._tables
+        per = max(1, PREFILL_TOKENS // P)
+        last = torch.cat([decoder.forward(self.w, ids[r:r + per], positions[r:r + per],
+                                          mask[r:r + per].bool(), cos_tab=cos, sin_tab=sin,
+                                          cache=self._cache, cache_row0=r, last_only=True)
+                          for r in range(0, B, per)])  # (B, V)
+        tok, lp = sample(last, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                         generator=self._rng, need_logprobs=cfg.return_logprobs)
+        buf.reset(tok=tok, lp=lp, lengths=mask.sum(1), mask=mask, pad_id=pad_id)
+        poller = StopPoller(buf.done)
+        for s in range(1, cfg.max_new_tokens):
+            step()
+            if s % CHECK_EVERY == 0 and poller.poll():
+                break
+        return buf.out_tokens[:B].clone(), buf.out_logprobs[:B].clone()

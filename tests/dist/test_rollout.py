@@ -1,0 +1,113 @@
+"""Generator against Megatron's GPTModel (TP=1) and TP_g=2 against TP_g=1, in one 2-rank spawn.
+
+Per rank: build the tiny actor with `build_model(tp=1, pp=1)` (weights re-drawn with a larger scale
+so greedy choices are clear-cut), greedy-decode with the GPTModel itself (full forward per step) and
+with our Generator over `dict(model.named_parameters())`; then re-initialise TP=2 and run the
+Generator over `param_rules.shard_tensor` shards of the same full dict (vocab padded with rows of
+huge logits, which must never be sampled), greedy and sampled, beside the TP=1 Generator.
+"""
+
+import dataclasses
+
+import torch
+
+from hybridflow.config import ModelConfig, RolloutConfig
+from tests.dist.launcher import run_ranks
+
+CFG = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                  num_query_groups=2, vocab_size=63, add_qkv_bias=True)
+SAME_LEN = [[3, 14, 15, 9, 2], [6, 5, 35, 8, 9], [7, 9, 3, 2, 3]]
+RAGGED = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [30, 2, 2, 7, 1]]
+STEPS = 8
+
+
+def _greedy(**kw):
+    return RolloutConfig(max_new_tokens=STEPS, temperature=0.0, return_logprobs=True, **kw)
+
+
+def _gen(params, group, true_vocab=CFG.vocab_size):
+    from hybridflow.rollout import Generator
+
+    return Generator(model_cfg=CFG, params=params, tp_group=group, device=torch.device("cpu"),
+                     dtype=torch.float32, true_vocab_size=true_vocab)
+
+
+def _our_logits(gen, ids):
+    from hybridflow.rollout import decoder
+
+    cos, sin = decoder.rope_tables(gen.w.inv_freq, 64, dtype=torch.float32, device="cpu")
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    return decoder.forward(gen.w, ids, pos, torch.ones_like(ids).bool(), cos_tab=cos, sin_tab=sin)
+
+
+def _ranks_fn():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from hybridflow.models.build import build_model
+    from hybridflow.parallel import groups, param_rules
+
+    groups.init_model_parallel(tp=1, pp=1, seed=0)
+    model = build_model(CFG, role="actor", tp=1, pp=1).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "layernorm" in name else
+                    torch.randn_like(p) * (1.0 if "embedding" in name else 0.3))
+    res = {}
+    # (1) Megatron greedy, recomputing the full sequence each step
+    seq = torch.tensor(SAME_LEN)
+    with torch.no_grad():
+        for _ in range(STEPS):
+            pos = torch.arange(seq.shape[1]).expand_as(seq)
+            logits = model(seq, pos, attention_mask=None)[:, -1, :CFG.vocab_size]
+            seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
+        mg_logits = model(seq, torch.arange(seq.shape[1]).expand_as(seq),
+                          attention_mask=None)[..., :CFG.vocab_size]
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gen1 = _gen(dict(model.named_parameters()), None)
+    out = gen1.generate(SAME_LEN, cfg=_greedy(), eos_id=-1, pad_id=0, seed=0)
+    P = len(SAME_LEN[0])
+    mg_lp = torch.log_softmax(mg_logits[:, P - 1:-1], -1).gather(2, seq[:, P:, None])[..., 0]
+    res["mg"] = dict(mg_tokens=seq[:, P:], tokens=out.response_ids, lp=out.logprobs, mg_lp=mg_lp,
+                     mg_logits=mg_logits, logits=_our_logits(gen1, seq))
+
+    # (2) TP=2 over shards of the same weights, vocab padded 63 -> 64 with huge-logit rows
+    pad_rows = lambda t: torch.cat([t, torch.full_like(t[:1], 50.0)])  # noqa: E731
+    full = {n: pad_rows(t) if param_rules.param_rule(n) == param_rules.VOCAB else t
+            for n, t in full.items()}
+    sampled = RolloutConfig(max_new_tokens=STEPS, temperature=1.0, top_k=20, top_p=0.9, n=2,
+                            return_logprobs=True)
+    ref = _gen(full, None)
+    groups.init_model_parallel(tp=2, pp=1, seed=0)
+    group = ps.get_tensor_model_parallel_group()
+    rank = dist.get_rank(group)
+    shards = {n: param_rules.shard_tensor(n, t, tp_rank=rank, tp_size=2).contiguous()
+              for n, t in full.items()}
+    gen2 = _gen(shards, group)
+    eos = int(ref.generate(RAGGED, cfg=_greedy(), eos_id=-1, pad_id=0, seed=0).response_ids[0, 3])
+    for name, cfg in (("greedy", _greedy()), ("sampled", sampled),
+                      ("chunked", dataclasses.replace(sampled, max_batch_size=3))):
+        res[name] = dict(tp1=ref.generate(RAGGED, cfg=cfg, eos_id=eos, pad_id=0, seed=3),
+                         tp2=gen2.generate(RAGGED, cfg=cfg, eos_id=eos, pad_id=0, seed=3))
+    ids = torch.tensor([RAGGED[1]])
+    res["logits"] = dict(tp1=_our_logits(ref, ids), tp2=_our_logits(gen2, ids))
+    return res
+
+
+def test_generator_matches_megatron_and_tp2_matches_tp1():
+    r0, r1 = run_ranks(_ranks_fn, 2)
+    mg = r0["mg"]
+    assert torch.equal(mg["tokens"], mg["mg_tokens"])  # greedy tokens: ours == GPTModel's
+    assert torch.allclose(mg["logits"], mg["mg_logits"], atol=1e-5, rtol=0)
+    assert torch.allclose(mg["lp"], mg["mg_lp"], atol=1e-5, rtol=0)  # cached decode's log-probs
+    for name in ("greedy", "sampled", "chunked"):
+        tp1, tp2 = r0[name]["tp1"], r0[name]["tp2"]
+        assert torch.equal(tp1.response_ids, tp2.response_ids), name
+        assert torch.equal(tp1.response_mask, tp2.response_mask), name
+        assert torch.allclose(tp1.logprobs, tp2.logprobs, atol=1e-5, rtol=0), name
+        assert tp2.response_ids.max() < CFG.vocab_size  # the padded id (logit 50) never drawn
+        # every TP_g rank drew the same tokens
+        assert torch.equal(r1[name]["tp2"].response_ids, tp2.response_ids), name
+    assert r0["greedy"]["tp2"].response_lengths[0] == 4  # eos stops row 0 at step 4
+    assert torch.allclose(r0["logits"]["tp1"], r0["logits"]["tp2"], atol=1e-5, rtol=0)

@@ -1,0 +1,156 @@
+"""Generator on CPU (TP_g = 1, random weights under Megatron names): cache vs recompute, ragged
+left padding, EOS/stop handling and masks, padded vocab, n > 1 ordering, chunking, seeding."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from hybridflow.config import ModelConfig, RolloutConfig
+from hybridflow.rollout import Generator, decoder
+
+CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                  num_query_groups=2, vocab_size=37, add_qkv_bias=True)
+V_PAD = 40  # padded rows get huge logits: sampling them would show at once
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [30, 2, 2, 7, 1]]
+
+
+def random_params(cfg: ModelConfig, *, seed: int = 0, tied: bool = False) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s, std=0.3: torch.randn(*s, generator=g) * std  # noqa: E731
+    D, hd = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+    G, H, F = cfg.num_query_groups, cfg.num_attention_heads, cfg.ffn_hidden_size
+    p = {"embedding.word_embeddings.weight": r(V_PAD, D, std=1.0),
+         "decoder.final_layernorm.weight": 1 + r(D, std=0.1)}
+    if not tied:
+        p["output_layer.weight"] = r(V_PAD, D)
+        p["output_layer.weight"][cfg.vocab_size:] = 100.0
+    for i in range(cfg.num_layers):
+        q = f"decoder.layers.{i}."
+        p[q + "input_layernorm.weight"] = 1 + r(D, std=0.1)
+        p[q + "pre_mlp_layernorm.weight"] = 1 + r(D, std=0.1)
+        p[q + "self_attention.linear_qkv.weight"] = r(G * (H // G + 2) * hd, D)
+        p[q + "self_attention.linear_qkv.bias"] = r(G * (H // G + 2) * hd, std=0.1)
+        p[q + "self_attention.linear_proj.weight"] = r(D, H * hd)
+        p[q + "mlp.linear_fc1.weight"] = r(2 * F, D)
+        p[q + "mlp.linear_fc2.weight"] = r(D, F)
+    return p
+
+
+def make(cfg=CFG, **kw):
+    return Generator(model_cfg=cfg, params=random_params(cfg, **kw), tp_group=None,
+                     device=torch.device("cpu"), dtype=torch.float32,
+                     true_vocab_size=cfg.vocab_size)
+
+
+def rc(**kw):
+    base = dict(max_new_tokens=9, temperature=0.0, return_logprobs=True)
+    return RolloutConfig(**{**base, **kw})
+
+
+def recompute_greedy(gen, prompt, steps):
+    """No cache: a full forward over the growing sequence at every step."""
+    cos, sin = decoder.rope_tables(gen.w.inv_freq, 128, dtype=torch.float32, device="cpu")
+    seq, lps = list(prompt), []
+    for _ in range(steps):
+        ids = torch.tensor([seq])
+        lg = decoder.forward(gen.w, ids, torch.arange(len(seq))[None], torch.ones_like(ids).bool(),
+                             cos_tab=cos, sin_tab=sin)[0, -1]
+        seq.append(int(lg.argmax()))
+        lps.append(float(torch.log_softmax(lg, -1)[seq[-1]]))
+    return seq[len(prompt):], torch.tensor(lps)
+
+
+def test_cache_matches_recompute_on_ragged_batch():
+    gen = make()
+    out = gen.generate(PROMPTS, cfg=rc(), eos_id=-1, pad_id=0, seed=0)
+    assert out.response_ids.shape == (4, 9) and out.prompt_ids.shape == (4, 7)
+    assert out.prompt_mask.sum(1).tolist() == [len(p) for p in PROMPTS]
+    for i, p in enumerate(PROMPTS):
+        assert out.prompt_ids[i, 7 - len(p):].tolist() == p  # left padded
+        toks, lps = recompute_greedy(gen, p, 9)
+        assert out.response_ids[i].tolist() == toks
+        assert torch.allclose(out.logprobs[i], lps, atol=1e-5)
+        alone = gen.generate([p], cfg=rc(), eos_id=-1, pad_id=0, seed=0)  # padding changes nothing
+        assert torch.equal(alone.response_ids[0], out.response_ids[i])
+    assert out.response_ids.max() < CFG.vocab_size  # padded vocab (logit 100) never chosen
+
+
+def test_tied_embeddings_and_padded_vocab_never_sampled():
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=True)
+    gen = make(cfg, tied=True)
+    out = gen.generate(PROMPTS, cfg=rc(), eos_id=-1, pad_id=0, seed=0)
+    assert out.response_ids[1].tolist() == recompute_greedy(gen, PROMPTS[1], 9)[0]
+    gen = make()
+    out = gen.generate(PROMPTS * 8, cfg=rc(temperature=1.5, max_new_tokens=16), eos_id=-1,
+                       pad_id=0, seed=1)
+    assert out.response_ids.max() < CFG.vocab_size
+
+
+def test_eos_stop_tokens_and_masks():
+    gen = make()
+    free = gen.generate(PROMPTS, cfg=rc(), eos_id=-1, pad_id=0, seed=0).response_ids
+    eos, stop = int(free[0, 2]), int(free[2, 4])
+    out = gen.generate(PROMPTS, cfg=rc(stop_token_ids=[stop]), eos_id=eos, pad_id=99, seed=0)
+    for i in range(len(PROMPTS)):
+        row = free[i].tolist()
+        hits = [j for j, t in enumerate(row) if t in (eos, stop)]
+        n = hits[0] + 1 if hits else 9
+        assert out.response_lengths[i] == n
+        assert out.response_mask[i].tolist() == [1] * n + [0] * (out.response_mask.shape[1] - n)
+        assert out.response_ids[i, :n].tolist() == row[:n]
+        assert (out.response_ids[i, n:] == 99).all() and (out.logprobs[i, n:] == 0).all()
+    assert out.response_ids.shape[1] == int(out.response_lengths.max())  # R = longest produced
+    assert (out.prompt_ids[out.prompt_mask == 0] == 99).all()
+
+
+def test_early_exit_when_all_rows_finished(monkeypatch):
+    from hybridflow.rollout import engine
+
+    monkeypatch.setattr(engine, "CHECK_EVERY", 2)
+    gen = make()
+    free = gen.generate(PROMPTS, cfg=rc(), eos_id=-1, pad_id=0, seed=0).response_ids
+    out = gen.generate(PROMPTS, cfg=rc(max_new_tokens=40, stop_token_ids=free[:, 1].tolist()),
+                       eos_id=-1, pad_id=0, seed=0)
+    assert out.response_lengths.max() <= 2 and out.response_ids.shape[1] <= 2
+    buf, _ = next(v for k, v in gen._steps.items() if k[1] == 40)  # stopped long before 40
+    assert int(buf.step) <= 1 + 3 * 2
+
+
+def test_n_ordering_seeding_and_chunking():
+    gen = make()
+    cfg = rc(temperature=1.0, top_p=0.95, n=3, max_new_tokens=6)
+    a = gen.generate(PROMPTS, cfg=cfg, eos_id=-1, pad_id=0, seed=5)
+    assert a.prompt_ids.shape[0] == 12
+    for i in range(12):  # rows [p0s0, p0s1, p0s2, p1s0, ...]
+        assert torch.equal(a.prompt_ids[i], a.prompt_ids[(i // 3) * 3])
+    assert not torch.equal(a.response_ids[0], a.response_ids[1])  # the samples differ
+    b = gen.generate(PROMPTS, cfg=cfg, eos_id=-1, pad_id=0, seed=5)
+    c = gen.generate(PROMPTS, cfg=cfg, eos_id=-1, pad_id=0, seed=6)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.allclose(a.logprobs, b.logprobs)
+    assert not torch.equal(a.response_ids, c.response_ids)
+    greedy = rc(n=2)
+    whole = gen.generate(PROMPTS, cfg=greedy, eos_id=-1, pad_id=0, seed=0)
+    chunked = gen.generate(PROMPTS, cfg=dataclasses.replace(greedy, max_batch_size=3), eos_id=-1,
+                           pad_id=0, seed=0)
+    assert torch.equal(whole.response_ids, chunked.response_ids)
+    assert torch.equal(whole.response_ids[0], whole.response_ids[1])
+    gen.release()
+    assert gen._cache is None and not gen._steps
+    again = gen.generate(PROMPTS, cfg=greedy, eos_id=-1, pad_id=0, seed=0)  # usable after release
+    assert torch.equal(again.response_ids, whole.response_ids)
+
+
+def test_user_errors():
+    gen = make()
+    with pytest.raises(ValueError, match="non-empty"):
+        gen.generate([[1], []], cfg=rc(), eos_id=0, pad_id=0, seed=0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        gen.generate([[1, 37]], cfg=rc(), eos_id=0, pad_id=0, seed=0)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        gen.generate([[1]], cfg=rc(max_new_tokens=400), eos_id=0, pad_id=0, seed=0)
+    params = random_params(CFG)
+    del params["decoder.layers.1.mlp.linear_fc2.weight"]
+    with pytest.raises(ValueError, match="layers.1.mlp.linear_fc2"):
+        Generator(model_cfg=CFG, params=params, tp_group=None, device=torch.device("cpu"),
+                  dtype=torch.float32, true_vocab_size=CFG.vocab_size)
