@@ -13,6 +13,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -99,3 +100,24 @@ def destroy() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@dataclass
+class ReshardGroups:
+    """This rank's groups for the train -> gen reshard and for generation (None: a 1-rank group)."""
+
+    micro_dp: Optional[dist.ProcessGroup]  # gathers the m training shards of one gen shard
+    pp: Optional[dist.ProcessGroup]        # gathers the stages' layers when PP_t > 1
+    gen_tp: Optional[dist.ProcessGroup]    # the generation TP group
+
+
+def new_reshard_groups(layout) -> ReshardGroups:
+    """Create the gen-layout groups of a `hybridflow.parallel.layout.Layout` (every rank calls this,
+    once); lists of one rank make no group."""
+
+    def make(lists):
+        return new_subgroups(lists) if lists and len(lists[0]) > 1 else None
+
+    return ReshardGroups(micro_dp=make(layout.micro_dp_groups()),
+                         pp=make(layout.pp_gather_groups()),
+                         gen_tp=make(layout.gen_tp_groups()))
