@@ -59,6 +59,7 @@ class RolloutConfig:
     stop_token_ids: list = field(default_factory=list)  # besides the tokenizer's EOS
     cuda_graphs: bool = True  # capture the decode step on GPU
     return_logprobs: bool = False
+    ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
 
 
 @dataclass
@@ -130,7 +131,9 @@ class TrainerConfig:
     precision: str = "fp32"  # fp32 | bf16
     critic_warmup: int = 0  # steps that update only the critic
     sft_warmup_steps: int = 0  # supervised steps on reference answers before RL (synthetic tasks)
+    sft_lr: Optional[float] = None  # learning rate of the warm-up; None: actor_optim.lr
     save_every: int = 0  # 0: only at the end
+    save_final: bool = True  # checkpoint when training ends
     resume: bool = True  # continue from <output_dir>/checkpoints/latest when present
     probe_steps: int = 0  # >0: run N steps, write probe.json, stop
     offload_ref: bool = False

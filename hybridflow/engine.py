@@ -94,6 +94,8 @@ class Engine:
     # ------------------------------------------------------------------ passes
     def _run(self, batch: RolloutBatch, *, micro_batch_size: int, forward_only: bool,
              head: Callable, loss_fn: Optional[LossFn], temperature: float, need_entropy: bool):
+        if self.tcfg.sequence_parallel:  # the sequence is split over TP: its length must divide
+            batch = batch.padded_to(ps.get_tensor_model_parallel_world_size())
         micro = [mb.to(self.device) for mb in batch.split(micro_batch_size)]
         p, seq_len = batch.prompt_len, batch.input_ids().shape[1]
         tp_group = ps.get_tensor_model_parallel_group()
@@ -166,7 +168,10 @@ class Engine:
 
     def _from_last_stage(self, outs: list, key: str, batch: RolloutBatch) -> torch.Tensor:
         """Concatenate per-micro-batch results and broadcast them from the last PP stage."""
-        shape = (batch.batch_size, batch.response_ids.shape[1])
+        width = batch.response_ids.shape[1]
+        if self.tcfg.sequence_parallel:
+            width = batch.padded_to(ps.get_tensor_model_parallel_world_size()).response_ids.shape[1]
+        shape = (batch.batch_size, width)
         if ps.is_pipeline_last_stage():
             t = torch.cat([o[key] for o in outs], dim=0).float().contiguous()
         else:
@@ -174,7 +179,7 @@ class Engine:
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(),
                            group=ps.get_pipeline_model_parallel_group())
-        return t.cpu()
+        return t[:, :batch.response_ids.shape[1]].cpu()
 
 
 def _lm_head(pred, mb, *, tp_group, temperature, true_vocab, entropy):

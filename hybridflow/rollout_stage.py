@@ -2,8 +2,11 @@
 
 Generation runs on the gen layout (TP_g x 1 x DP_g) with weights the Resharder gathers from the
 training shards (no second model); when TP_g == TP_t and PP_t == 1 the training parameters are used
-as they are. Every rank of one training model-parallel group uses the same seed, so the TP/PP ranks of
-a DP replica hold identical samples. Sequence scores come from the rule reward (decoded text) and/or
+as they are. The gen layout has more replicas than training: inside one training model-parallel group
+(the TP_t x PP_t ranks of a DP replica) there are k = PP_t * TP_t / TP_g gen replicas. The DP replica's
+prompts are split into k chunks, gen replica j generates chunk j, and the chunks are all-gathered over
+the model-parallel group, so every rank of the DP replica ends with the same full batch (when the
+prompts do not divide by k, every gen replica generates all of them with the same seed instead). Sequence scores come from the rule reward (decoded text) and/or
 the reward model (scalar head at the last response token).
 """
 
@@ -35,34 +38,58 @@ class RolloutStage:
         self.resharder = self._build_resharder()
 
     def _build_resharder(self):
-        tp_t = self.cfg.parallel.tensor_parallel_size
+        tp_t, pp_t = self.cfg.parallel.tensor_parallel_size, self.cfg.parallel.pipeline_parallel_size
         tp_g = self.cfg.rollout.tensor_parallel_size or tp_t
-        if tp_g == tp_t and self.cfg.parallel.pipeline_parallel_size == 1:
+        m = tp_t // tp_g
+        # gen replica of this rank inside its training model-parallel group, and their number
+        self.replica = ps.get_pipeline_model_parallel_rank() * m + ps.get_tensor_model_parallel_rank() % m
+        self.num_replicas = pp_t * m
+        if tp_g == tp_t and pp_t == 1:
+            self.gen_tp_group = ps.get_tensor_model_parallel_group()
             return None
+        from hybridflow.parallel.groups import new_reshard_groups
+        from hybridflow.parallel.layout import Layout
         from hybridflow.parallel.reshard import Resharder
 
-        return Resharder(self.actor.module, tp_gen=tp_g)
+        layout = Layout(world_size=torch.distributed.get_world_size(), tp_t=tp_t, pp_t=pp_t,
+                        tp_g=tp_g)
+        groups = new_reshard_groups(layout)
+        self.gen_tp_group = groups.gen_tp
+        return Resharder(self.actor.module, layout=layout, groups=groups)
 
     def _gen_params(self):
         if self.resharder is None:
-            return dict(self.actor.module.named_parameters()), ps.get_tensor_model_parallel_group()
-        return self.resharder.gather(), self.resharder.gen_tp_group
+            return dict(self.actor.module.named_parameters())
+        return self.resharder.gather()
 
     def generate(self, items, *, step: int, timer) -> tuple[RolloutBatch, dict]:
         from hybridflow.rollout import Generator
 
         r = self.cfg.rollout
         with timer("reshard"):
-            params, tp_group = self._gen_params()
+            params = self._gen_params()
+        split = self.num_replicas > 1 and len(items) % self.num_replicas == 0
+        mine = items
+        seed = self.cfg.trainer.seed * 1_000_003 + step * 1009 + ps.get_data_parallel_rank()
+        if split:
+            size = len(items) // self.num_replicas
+            mine = items[self.replica * size:(self.replica + 1) * size]
+            seed += 7919 * self.replica
         with timer("gen"):
-            gen = Generator(model_cfg=self.actor.model_cfg, params=params, tp_group=tp_group,
-                            device=self.actor.device, dtype=self.actor.tcfg.params_dtype,
+            gen = Generator(model_cfg=self.actor.model_cfg, params=params,
+                            tp_group=self.gen_tp_group, device=self.actor.device,
+                            dtype=self.actor.tcfg.params_dtype,
                             true_vocab_size=self.actor.vocab_limit)
-            seed = self.cfg.trainer.seed * 1_000_003 + step * 1009 + ps.get_data_parallel_rank()
             with torch.no_grad():
-                out = gen.generate([it.prompt_ids for it in items], cfg=r,
-                                   eos_id=self.tok.eos_id, pad_id=self.tok.pad_id, seed=seed)
+                out = gen.generate([it.prompt_ids for it in mine], cfg=r,
+                                   eos_id=-1 if r.ignore_eos else self.tok.eos_id,
+                                   pad_id=self.tok.pad_id, seed=seed)
             gen.release()
+            del gen
+            parts = (out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask)
+            parts = tuple(t.cpu() for t in parts)
+            if split:
+                parts = self._gather_replicas(parts)
         if self.resharder is not None:
             self.resharder.release()
         n = r.n
@@ -70,11 +97,34 @@ class RolloutStage:
         first = ps.get_data_parallel_rank() * local
         group_ids = (first + torch.arange(local)).repeat_interleave(n)
         indices = torch.tensor([it.index for it in items]).repeat_interleave(n)
-        batch = RolloutBatch(prompt_ids=out.prompt_ids.cpu(), prompt_mask=out.prompt_mask.cpu().long(),
-                             response_ids=out.response_ids.cpu(),
-                             response_mask=out.response_mask.cpu().long(),
-                             group_ids=group_ids, indices=indices)
+        p_ids, p_mask, r_ids, r_mask = parts
+        batch = RolloutBatch(prompt_ids=p_ids, prompt_mask=p_mask.long(), response_ids=r_ids,
+                             response_mask=r_mask.long(), group_ids=group_ids, indices=indices)
         return batch, {}
+
+    def _gather_replicas(self, parts):
+        """Concatenate the gen replicas' chunks (in replica order) on every model-parallel rank."""
+        group = ps.get_model_parallel_group()
+        objs = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(objs, parts, group=group)
+        tp_t = ps.get_tensor_model_parallel_world_size()
+        m = self.num_replicas // ps.get_pipeline_model_parallel_world_size()
+        # group rank g = pp * TP_t + tp (ranks ascend); replica pp * m + tp is led by tp < m
+        chunks = [objs[pp * tp_t + tp] for pp in range(self.num_replicas // m) for tp in range(m)]
+        p = max(c[0].shape[1] for c in chunks)
+        r = max(c[2].shape[1] for c in chunks)
+        pad = self.tok.pad_id
+        out = []
+        for k, width in enumerate((p, p, r, r)):
+            left = k < 2
+            rows = []
+            for c in chunks:
+                t = c[k]
+                fill = pad if k % 2 == 0 else 0
+                extra = torch.full((t.shape[0], width - t.shape[1]), fill, dtype=t.dtype)
+                rows.append(torch.cat([extra, t] if left else [t, extra], dim=1))
+            out.append(torch.cat(rows))
+        return tuple(out)
 
     def score(self, items, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
         scores, metrics = torch.zeros(batch.batch_size), {}

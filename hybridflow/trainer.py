@@ -67,7 +67,7 @@ class Trainer:
             history.append(metrics)
             if t.save_every and self.step % t.save_every == 0 and self.step < last:
                 self.checkpointer.save()
-        if not t.probe_steps:
+        if t.save_final and not t.probe_steps:
             self.checkpointer.save()
         self.logger.close()
         return history
@@ -170,11 +170,14 @@ class Trainer:
 
     def sft_warmup(self) -> None:
         """Supervised steps on each record's `extra_info.sft_response` (synthetic tasks)."""
-        steps = self.cfg.trainer.sft_warmup_steps
+        steps, lr = self.cfg.trainer.sft_warmup_steps, self.cfg.trainer.sft_lr
         for s in range(steps):
             items = [self.dataset[i] for i in self.sampler.next_batch()]
             batch = self.rollout.sft_batch(items)
             num_tokens = int(dp_sum(float(batch.response_mask.sum())))
+            if lr is not None:  # the LR scheduler resets it after each step
+                for group in self.actor.optimizer.param_groups:
+                    group["lr"] = lr
             m = self.actor.train_step(batch, sft_objective(num_tokens=num_tokens),
                                       micro_batch_size=self.cfg.algo.micro_batch_size)
             if (s + 1) % 10 == 0 or s + 1 == steps:

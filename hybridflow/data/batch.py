@@ -65,6 +65,15 @@ class RolloutBatch:
     def to(self, device) -> "RolloutBatch":
         return dataclasses.replace(self, **{k: v.to(device) for k, v in self._tensors().items()})
 
+    def padded_to(self, multiple: int) -> "RolloutBatch":
+        """Right-pad the response columns so P + R is a multiple of `multiple` (sequence parallel)."""
+        extra = -(self.prompt_len + self.response_ids.shape[1]) % multiple
+        if extra == 0:
+            return self
+        out = {k: torch.nn.functional.pad(v, (0, extra)) for k, v in self._tensors().items()
+               if v.dim() == 2 and not k.startswith("prompt_")}
+        return dataclasses.replace(self, **out)
+
     def trimmed(self) -> "RolloutBatch":
         """Drop columns that are padding in every row (common left prompt pad, right response pad)."""
         p_keep = int(self.prompt_mask.sum(1).max())

@@ -5,9 +5,11 @@ A task is a registered function `(rng, size) -> list of records`; every record h
 `extra_info.sft_response`, the reference response used by the optional supervised warm-up.
 `tokenizer_corpus(records)` gives lines to train a small sentencepiece tokenizer on.
 
-- `arith`: "a+b=" with a, b in 0..9, answer "#### a+b". Small enough that a 2-layer model learns it
-  on a laptop CPU in minutes, hard enough that a short warm-up leaves room for RL to improve.
+- `arith`: "a+b=" with a, b in 0..9, answer "a+b" (the reward's last-number rule reads it). Small
+  enough that a 2-layer model learns it on a laptop CPU in minutes, hard enough that a short warm-up
+  leaves room for RL to improve.
 - `reverse`: "rev:abc=" -> "#### cba" over a small alphabet (longer responses, exercises GAE).
+- `copy`: 120-letter prompts copied back: realistic prompt lengths for timing runs.
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ def make_task(name: str, *, size: int, seed: int) -> list[dict]:
     return _TASKS[name](random.Random(seed), size)
 
 
-def _record(prompt: str, answer: str, source: str) -> dict:
+def _record(prompt: str, answer: str, source: str, response: str | None = None) -> dict:
     return {"prompt": prompt, "data_source": source,
             "reward_model": {"ground_truth": answer, "style": "rule"},
-            "extra_info": {"sft_response": f"#### {answer}"}}
+            "extra_info": {"sft_response": response if response is not None else f"#### {answer}"}}
 
 
 @register_task("arith")
@@ -42,7 +44,7 @@ def _arith(rng: random.Random, size: int) -> list[dict]:
     out = []
     for _ in range(size):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        out.append(_record(f"{a}+{b}=", str(a + b), "synthetic_arith"))
+        out.append(_record(f"{a}+{b}=", str(a + b), "synthetic_arith", response=str(a + b)))
     return out
 
 
@@ -52,6 +54,16 @@ def _reverse(rng: random.Random, size: int) -> list[dict]:
     for _ in range(size):
         s = "".join(rng.choice("abcde") for _ in range(rng.randint(2, 4)))
         out.append(_record(f"rev:{s}=", s[::-1], "synthetic_reverse"))
+    return out
+
+
+@register_task("copy")
+def _copy(rng: random.Random, size: int, length: int = 120) -> list[dict]:
+    """Long prompts ("copy:<120 letters>=" -> the letters): for timing runs at realistic lengths."""
+    out = []
+    for _ in range(size):
+        s = "".join(rng.choice("abcdefghij") for _ in range(length))
+        out.append(_record(f"copy:{s}=", s, "synthetic_copy"))
     return out
 
 

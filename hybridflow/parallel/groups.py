@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,12 +34,6 @@ class ParallelDims:
         return self.world_size // (self.tp * self.pp)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -51,9 +44,9 @@ def init_distributed(*, timeout_minutes: int = 30) -> None:
     """Initialise torch.distributed once: from torchrun's env, or as a single-rank job."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:  # plain `python -m hybridflow.train`: a 1-rank world
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+    single = "RANK" not in os.environ  # plain `python -m hybridflow.train`: a 1-rank world
+    if single:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl"
@@ -62,8 +55,12 @@ def init_distributed(*, timeout_minutes: int = 30) -> None:
 
         _cpu_compat.install()
         backend = "gloo"
-    dist.init_process_group(backend=backend,
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if single:  # an in-memory store: no port to pick, so parallel 1-rank jobs cannot collide
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def init_model_parallel(*, tp: int, pp: int, seed: int) -> ParallelDims:

@@ -1,0 +1,101 @@
+"""One GRPO step and one PPO step on one GPU, per-stage timing (issue: the RL loop on the H200).
+
+Qwen2-0.5B shape (random init, bf16), 8 prompts x 8 samples, prompts of ~128 tokens (synthetic `copy`
+task, char tokenizer), 256 response tokens forced (`rollout.ignore_eos`). Each algorithm runs as its
+own `python -m hybridflow.train` for `--steps` steps; step 1 (CUDA-graph capture, allocator warm-up)
+is reported separately and the per-stage times are medians of the later steps. The JSON also holds
+records in the cost model's calibration format (hybridflow/cost/calibrate.py).
+
+  python benchmarks/bench_rl_step.py --out benchmarks/results/rl_step_h200.json
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(algo: str, args, workdir: str) -> list[dict]:
+    out_dir = os.path.join(workdir, algo)
+    overrides = [f"model={args.model}", f"algo={algo}", "data.synthetic=copy",
+                 "data.synthetic_size=256", "data.max_prompt_length=160",
+                 f"data.prompts_per_step={args.prompts}", f"rollout.n={args.samples}",
+                 f"rollout.max_new_tokens={args.response}", "rollout.ignore_eos=true",
+                 "trainer.precision=bf16", f"trainer.total_steps={args.steps}",
+                 "trainer.sft_warmup_steps=0", "trainer.resume=false", "trainer.save_final=false",
+                 "trainer.progress_bar=false", "trainer.tensorboard=false",
+                 f"trainer.output_dir={out_dir}", f"algo.ppo_mini_batch_size={args.prompts * args.samples}",
+                 f"algo.micro_batch_size={args.micro}", "reward.fn=math_exact",
+                 "trainer.probe_steps=0"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-m", "hybridflow.train", *overrides], check=True, env=env,
+                   cwd=ROOT)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def summarize(rows: list[dict]) -> dict:
+    later = rows[1:] or rows
+    keys = sorted({k for r in later for k in r if k.startswith(("timing_s/", "perf/"))})
+    med = {k: statistics.median(r[k] for r in later if k in r) for k in keys}
+    return {"first_step": {k: v for k, v in rows[0].items() if k.startswith("timing_s/")},
+            "median_later_steps": med, "steps": rows}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2_0_5b")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--response", type=int, default=256)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--algos", default="grpo,ppo")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    results, records = {}, []
+    with tempfile.TemporaryDirectory() as work:
+        for algo in args.algos.split(","):
+            results[algo] = summarize(run(algo, args, work))
+            m = results[algo]["median_later_steps"]
+            records.append({"name": f"{args.model}-1xH200-{algo}", "config": {
+                "model": args.model, "gpu": "H200", "num_gpus": 1,
+                "layout": {"tp": 1, "pp": 1, "dp": 1, "tp_gen": 1, "offload_ref": False,
+                           "recompute": False},
+                "algorithm": algo, "prompts_per_step": args.prompts,
+                "samples_per_prompt": args.samples, "prompt_len": 128,
+                "response_len": args.response, "ppo_epochs": 1, "mini_batches": 1,
+                "micro_batch_tokens": args.micro * (128 + args.response),
+                "use_reference": algo == "grpo"}, "metrics": m})
+    import torch
+
+    record = {"benchmark": "RL step per-stage timing", "model": args.model,
+              "machine": {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                          "host": platform.node()},
+              "versions": {"torch": torch.__version__, "python": platform.python_version()},
+              "command": " ".join(["python"] + sys.argv), "results": results, "records": records}
+    stages = ["reshard", "gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic",
+              "update_actor", "step"]
+    print(f"{'stage':16s}" + "".join(f"{a:>10s}" for a in results))
+    for s in stages:
+        print(f"{s:16s}" + "".join(
+            f"{results[a]['median_later_steps'].get('timing_s/' + s, float('nan')):10.3f}"
+            for a in results))
+    for a in results:
+        m = results[a]["median_later_steps"]
+        print(a, "throughput tok/s/GPU", round(m.get("perf/throughput", 0)), "peak GB",
+              round(m.get("perf/max_memory_allocated_gb", 0), 1))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Short learning runs of the CPU demo (conf/experiment/demo.yaml): the mean reward must rise.
+
+Each run is the real entry point (`python -m hybridflow.train`, or `torchrun` for 2 ranks) with a fixed
+seed: 60 supervised warm-up steps, then RL. Reward = exact match of the sampled answer at
+temperature 1. Passing means: mean score of the last 10 steps >= mean of the first 10 + MARGIN.
+Measured on a 2-core machine (first10 -> last10 over 100 steps): PPO 0.25 -> 0.56, GRPO 0.26 -> 0.45.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MARGIN = 0.12
+STEPS = 100
+
+
+def _scores(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["critic/score/mean"] for line in f]
+
+
+def _run(tmp_path, overrides, nproc=1):
+    out = str(tmp_path / "run")
+    args = ["-m", "hybridflow.train", f"trainer.output_dir={out}", f"trainer.total_steps={STEPS}",
+            "trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.save_final=false",
+            *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else "2")
+    if nproc == 1:
+        cmd = [sys.executable, *args]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(port), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scores = _scores(out)
+    assert len(scores) == STEPS
+    first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
+    print(f"{overrides}: first10={first:.3f} last10={last:.3f}")
+    return first, last
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_demo_reward_rises(tmp_path, algo):
+    first, last = _run(tmp_path, [f"algo={algo}"])
+    assert last >= first + MARGIN, (first, last)
+
+
+def test_demo_reward_rises_tp2_reshard(tmp_path):
+    """2 ranks: TP=2 with sequence parallel for training, TP_g=1 for generation (reshard every step,
+    2 gen replicas splitting the prompts)."""
+    first, last = _run(tmp_path, ["parallel=tp2", "rollout.tensor_parallel_size=1"], nproc=2)
+    assert last >= first + MARGIN, (first, last)
