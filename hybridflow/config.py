@@ -135,7 +135,8 @@ class TrainerConfig:
     save_every: int = 0  # 0: only at the end
     save_final: bool = True  # checkpoint when training ends
     resume: bool = True  # continue from <output_dir>/checkpoints/latest when present
-    probe_steps: int = 0  # >0: run N steps, write probe.json, stop
+    probe_steps: int = 0  # >0: run N steps, write probe.json (time/cost forecast), stop
+    price_per_gpu_hour: Optional[float] = None  # for the probe's cost; None: the GPU's default
     offload_ref: bool = False
     log_every: int = 1
     progress_bar: bool = True

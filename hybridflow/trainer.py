@@ -67,7 +67,11 @@ class Trainer:
             history.append(metrics)
             if t.save_every and self.step % t.save_every == 0 and self.step < last:
                 self.checkpointer.save()
-        if t.save_final and not t.probe_steps:
+        if t.probe_steps:
+            from hybridflow.probe import write_probe
+
+            write_probe(self.cfg, history, price_per_gpu_hour=t.price_per_gpu_hour)
+        elif t.save_final:
             self.checkpointer.save()
         self.logger.close()
         return history

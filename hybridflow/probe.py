@@ -1,0 +1,111 @@
+"""Probe runs: `trainer.probe_steps=N` runs N steps of the real config, then writes
+`<output_dir>/probe.json` and prints what the full run will take.
+
+Measured: peak memory per GPU, seconds per stage (median over the probe steps after the first, which
+pays for CUDA-graph capture and allocator warm-up), the reward trend. Extrapolated: the full run's
+time (total_steps x median step), GPU-hours and money (`trainer.price_per_gpu_hour`, or the cost
+model's default for this GPU). Beside the measurement: the cost model's prediction for the same
+config and layout (hybridflow.cost), when the GPU is in its table (on CPU there is no prediction).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+_ALGO = {"gae": "ppo", "grpo": "grpo", "grpo_no_std": "grpo", "rloo": "rloo"}
+
+
+def _gpu_name() -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key in ("H200", "H100", "A100", "L40S", "B200"):
+        if key in name:
+            if key == "A100":
+                return "A100-80GB" if torch.cuda.get_device_properties(0).total_memory > 50e9 \
+                    else "A100-40GB"
+            return key
+    return None
+
+
+def _prediction(cfg, gpu: str, world: int) -> dict:
+    from hybridflow.cost import estimate_memory, estimate_step_time
+
+    p = cfg.parallel
+    layout = {"tp": p.tensor_parallel_size, "pp": p.pipeline_parallel_size,
+              "dp": world // (p.tensor_parallel_size * p.pipeline_parallel_size),
+              "tp_gen": cfg.rollout.tensor_parallel_size or p.tensor_parallel_size,
+              "offload_ref": cfg.trainer.offload_ref, "recompute": False}
+    seqs = cfg.data.prompts_per_step * cfg.rollout.n
+    model = {k: getattr(cfg.model, k) for k in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+        "kv_channels", "vocab_size", "tie_word_embeddings")}
+    model["name"] = cfg.model.name
+    workload = dict(algorithm=_ALGO.get(cfg.algo.adv_estimator, "reinforce_plus_plus"),
+                    prompts_per_step=cfg.data.prompts_per_step, samples_per_prompt=cfg.rollout.n,
+                    prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens,
+                    ppo_epochs=cfg.algo.ppo_epochs,
+                    mini_batches=max(1, seqs // cfg.algo.ppo_mini_batch_size),
+                    micro_batch_tokens=cfg.algo.micro_batch_size * (
+                        cfg.data.max_prompt_length + cfg.rollout.max_new_tokens),
+                    use_reference=cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward,
+                    dtype="bf16" if cfg.trainer.precision == "bf16" else "fp32")
+    kw = dict(model=model, gpu=gpu, num_gpus=world, layout=layout, **workload)
+    mem = estimate_memory(**kw)
+    timing = {(k if k.startswith("timing_s/") else f"timing_s/{k}"): v
+              for k, v in estimate_step_time(**kw).items()}
+    return {"timing_s": timing, "peak_memory_gb": mem.peak_gib,
+            "peak_phase": mem.peak_phase}
+
+
+def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = None) -> dict:
+    """Rank 0 writes probe.json and prints a summary; returns the record on every rank."""
+    world = dist.get_world_size()
+    later = history[1:] or history
+    stages = sorted({k for h in later for k in h if k.startswith("timing_s/")})
+    timing = {k: statistics.median(h[k] for h in later if k in h) for k in stages}
+    mem_key = "perf/max_memory_allocated_gb" if torch.cuda.is_available() else "perf/max_rss_gb"
+    peak = max((h.get(mem_key, 0.0) for h in history), default=0.0)
+    step_s = timing.get("timing_s/step", 0.0)
+    hours = step_s * cfg.trainer.total_steps / 3600
+    gpu = _gpu_name()
+    record = {"probe_steps": len(history), "num_gpus": world, "device": gpu or "cpu",
+              "measured": {"timing_s": timing, "peak_memory_gb": peak,
+                           "reward_trend": [h.get("critic/score/mean") for h in history]},
+              "full_run": {"total_steps": cfg.trainer.total_steps, "hours": hours,
+                           "gpu_hours": hours * world}}
+    if gpu is not None:
+        from hybridflow.cost import get_gpu
+
+        price = price_per_gpu_hour if price_per_gpu_hour is not None else get_gpu(gpu).price_per_hour
+        record["full_run"]["cost"] = hours * world * price
+        record["full_run"]["price_per_gpu_hour"] = price
+        try:
+            record["predicted"] = _prediction(cfg, gpu, world)
+        except (ValueError, KeyError) as e:  # a model the cost model cannot describe
+            record["predicted"] = {"error": str(e)}
+    if dist.get_rank() == 0:
+        path = os.path.join(cfg.trainer.output_dir, "probe.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=2)
+        os.replace(tmp, path)
+        pred = record.get("predicted", {}).get("timing_s", {})
+        print(f"probe: {len(history)} steps on {world} x {record['device']}  ->  {path}")
+        print(f"  {'stage':18s} {'measured s':>11s} {'predicted s':>12s}")
+        for k, v in timing.items():
+            name = k.split("/", 1)[1]
+            p = pred.get(k)
+            print(f"  {name:18s} {v:11.3f} {p if p is None else round(p, 3)!s:>12s}")
+        print(f"  peak memory/GPU   {peak:.1f} GB"
+              + (f"  (predicted {record['predicted'].get('peak_memory_gb', float('nan')):.1f})"
+                 if "predicted" in record and "peak_memory_gb" in record["predicted"] else ""))
+        full = record["full_run"]
+        print(f"  full run: {cfg.trainer.total_steps} steps ~ {full['hours']:.2f} h, "
+              f"{full['gpu_hours']:.2f} GPU-h" + (f", ${full['cost']:.2f}" if "cost" in full else ""))
+    return record
