@@ -3,7 +3,14 @@
 Same shape (conf/model/<model>.yaml, default Qwen2-0.5B), same batch (8 x 1024 tokens), bf16, random
 init, loss = mean token cross-entropy over the full vocabulary; timed region = forward + backward
 (no optimizer step), median of N iterations after warm-up. Writes JSON with the machine, versions
-and the command.
+and the command. `cpu_s` is the time until the step's Python returns (all kernels queued, before
+synchronising): close to `median_s` means the step is launch-bound.
+
+Variants of ours (GPTModel, SDPA attention): `ours_sdpa` = lean TP linears + fused Triton log-prob
+loss (-mean vocab_parallel_logprobs, i.e. CE); `_graphs` adds per-layer CUDA graphs
+(hybridflow/models/graphs.py); `_compile` torch.compile per layer; ablations `_megatron_ce`
+(Megatron's vocab_parallel_cross_entropy on fp32 logits) and `_megatron_linear` (Megatron's
+Column/RowParallelLinear). `megatron_local` is Megatron's plain local spec with its CE.
 
   python benchmarks/bench_train.py --out benchmarks/results/train_fwd_bwd_h200.json
 """
@@ -12,59 +19,100 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import platform
 import statistics
 import sys
 import time
+import types
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _time(fn, iters: int, warmup: int) -> list[float]:
+def _time(fn, iters: int, warmup: int) -> tuple[list[float], list[float]]:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    out = []
+    out, cpu = [], []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
+        cpu.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
-    return out
+    return out, cpu
 
 
-def bench_ours(model_cfg, backend: str, ids, iters, warmup, compile_layers=False):
+def _profile(fn, path: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
+                                          max_name_column_width=80))
+
+
+def bench_ours(model_cfg, variant: str, ids, iters, warmup, profile_path=None):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from hybridflow.models.build import build_model
+    import hybridflow.models.build as build
+    from hybridflow.models.logprob import vocab_parallel_logprobs
 
+    backend = "local" if variant == "megatron_local" else "sdpa"
     cfg = dataclasses.replace(model_cfg, attention_backend=backend)
-    model = build_model(cfg, role="actor", tp=1, pp=1, precision="bf16").cuda()
-    if compile_layers:
-        for layer in model.decoder.layers:
-            layer.forward = torch.compile(layer.forward)
+    lean = build.LeanColumnParallelLinear, build.LeanRowParallelLinear, build.LeanOutputLinear
+    if variant.endswith("_megatron_linear"):  # ablation: Megatron's linears in our spec
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        build.LeanColumnParallelLinear, build.LeanRowParallelLinear = (ColumnParallelLinear,
+                                                                       RowParallelLinear)
+        build.LeanOutputLinear = types.SimpleNamespace(adopt=lambda layer: layer)
+    try:
+        model = build.build_model(cfg, role="actor", tp=1, pp=1, precision="bf16").cuda()
+    finally:
+        build.LeanColumnParallelLinear, build.LeanRowParallelLinear, build.LeanOutputLinear = lean
     b, s = ids.shape
     pos = torch.arange(s, device="cuda").expand(b, s)
     labels = torch.roll(ids, -1, 1)
+    if variant.endswith("_compile"):
+        for layer in model.decoder.layers:
+            layer.forward = torch.compile(layer.forward)
+    if variant.endswith("_graphs"):
+        from hybridflow.models.graphs import graph_layers
+
+        model.train()
+        graph_layers(model, micro_batch_size=b, seq_len=s)
+    megatron_ce = variant == "megatron_local" or variant.endswith("_megatron_ce")
+    tp_group = ps.get_tensor_model_parallel_group()
 
     def step():
         logits = model(ids, pos, None)  # (b, s, V) vocab-parallel (TP=1: all of it)
-        loss = vocab_parallel_cross_entropy(logits.float().transpose(0, 1).contiguous(),
-                                            labels.t().contiguous()).mean()
+        if megatron_ce:
+            loss = vocab_parallel_cross_entropy(logits.float().transpose(0, 1).contiguous(),
+                                                labels.t().contiguous()).mean()
+        else:  # CE = -log p(label), fused kernel on bf16 logits
+            loss = -vocab_parallel_logprobs(logits, labels, tp_group=tp_group,
+                                            true_vocab_size=cfg.vocab_size).mean()
         loss.backward()
 
     torch.cuda.reset_peak_memory_stats()
-    times = _time(step, iters, warmup)
-    mem = torch.cuda.max_memory_allocated() / 2**30
+    times, cpu = _time(step, iters, warmup)
+    mem = torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+    if profile_path:
+        _profile(step, profile_path)
     n_params = sum(p.numel() for p in model.parameters())
     del model
+    gc.collect()  # graphed layers hold their graphs in reference cycles
     torch.cuda.empty_cache()
-    return times, mem, n_params
+    return times, cpu, mem, n_params
 
 
 def bench_hf(model_cfg, ids, iters, warmup):
@@ -86,11 +134,11 @@ def bench_hf(model_cfg, ids, iters, warmup):
         out.loss.backward()
 
     torch.cuda.reset_peak_memory_stats()
-    times = _time(step, iters, warmup)
-    mem = torch.cuda.max_memory_allocated() / 2**30
+    times, cpu = _time(step, iters, warmup)
+    mem = torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
     del model
     torch.cuda.empty_cache()
-    return times, mem
+    return times, cpu, mem
 
 
 def main():
@@ -100,8 +148,11 @@ def main():
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--variants", default="ours_sdpa,ours_sdpa_compile,megatron_local,hf_sdpa")
+    ap.add_argument("--variants", default="ours_sdpa,ours_sdpa_graphs,ours_sdpa_compile,"
+                                          "megatron_local,hf_sdpa")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile_variant", default=None, help="torch.profiler table of this variant")
+    ap.add_argument("--profile_out", default="profile.txt")
     args = ap.parse_args()
 
     import yaml
@@ -120,18 +171,26 @@ def main():
     for v in args.variants.split(","):
         try:
             if v == "hf_sdpa":
-                times, mem = bench_hf(model_cfg, ids, args.iters, args.warmup)
+                times, cpu, mem = bench_hf(model_cfg, ids, args.iters, args.warmup)
                 n_params = None
+            elif v == "megatron_local" or v.startswith("ours_sdpa"):
+                prof = args.profile_out if v == args.profile_variant else None
+                times, cpu, mem, n_params = bench_ours(model_cfg, v, ids, args.iters, args.warmup,
+                                                       profile_path=prof)
             else:
-                backend = "local" if v == "megatron_local" else "sdpa"
-                times, mem, n_params = bench_ours(model_cfg, backend, ids, args.iters, args.warmup,
-                                                  compile_layers=v.endswith("_compile"))
+                raise ValueError(f"unknown variant {v!r}")
         except Exception as e:  # a failing variant is reported, not fatal
+            import traceback
+
+            traceback.print_exc()
             results[v] = {"error": f"{type(e).__name__}: {e}"}
             continue
         med = statistics.median(times)
-        results[v] = {"median_s": med, "tokens_per_s": tokens / med, "times_s": times,
-                      "peak_memory_gb": mem, "num_params": n_params}
+        results[v] = {"median_s": med, "tokens_per_s": tokens / med,
+                      "cpu_s": statistics.median(cpu), "times_s": times, "peak_memory_gb": mem[0],
+                      "peak_reserved_gb": mem[1], "num_params": n_params}
+        print(f"{v}: {tokens / med:.0f} tok/s, cpu {statistics.median(cpu) * 1e3:.1f} ms / "
+              f"step {med * 1e3:.1f} ms, peak {mem[0]:.1f} GB (reserved {mem[1]:.1f})", flush=True)
     if "hf_sdpa" in results and "tokens_per_s" in results["hf_sdpa"]:
         base = results["hf_sdpa"]["tokens_per_s"]
         for r in results.values():
@@ -148,13 +207,14 @@ def main():
                      "transformers": transformers.__version__, "python": platform.python_version()},
         "command": " ".join(["python"] + sys.argv), "results": results,
     }
-    print(f"{'variant':24s} {'tok/s':>10s} {'x HF':>6s} {'peak GB':>8s}")
+    print(f"{'variant':28s} {'tok/s':>10s} {'x HF':>6s} {'peak GB':>8s} {'resv GB':>8s} "
+          f"{'cpu ms':>7s}")
     for k, r in results.items():
         if "error" in r:
-            print(f"{k:24s} ERROR {r['error'][:80]}")
+            print(f"{k:28s} ERROR {r['error'][:80]}")
         else:
-            print(f"{k:24s} {r['tokens_per_s']:10.0f} {r.get('vs_transformers', 0):6.2f} "
-                  f"{r['peak_memory_gb']:8.1f}")
+            print(f"{k:28s} {r['tokens_per_s']:10.0f} {r.get('vs_transformers', 0):6.2f} "
+                  f"{r['peak_memory_gb']:8.1f} {r['peak_reserved_gb']:8.1f} {r['cpu_s'] * 1e3:7.1f}")
     if args.out:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:

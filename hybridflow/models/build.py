@@ -5,7 +5,8 @@ place of the vocab-parallel output layer. All roles share one layer spec:
 - transformer-engine installed and `attention_backend` auto/te: Megatron's TE spec;
 - otherwise Megatron's local spec with `SDPAttention` (PyTorch SDPA, flash kernels on GPU) as the core
   attention and torch RMSNorm, tagged for sequence parallelism (torch's norm refuses SP itself:
-  its params are marked so Megatron all-reduces their grads over TP, which is exactly what SP needs).
+  its params are marked so Megatron all-reduces their grads over TP, which is exactly what SP needs),
+  and lean TP linears (`hybridflow/models/linear.py`: Megatron's params, plain `F.linear` compute).
   `attention_backend=local` keeps Megatron's own unfused DotProductAttention (for comparisons).
 Llama/Qwen2/Mistral are one architecture here: RoPE, RMSNorm, SwiGLU MLP, GQA, optional QKV bias,
 tied or untied embeddings. The vocabulary is padded to a multiple of TP (x128 for real vocabularies);
@@ -30,6 +31,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from hybridflow.config import ModelConfig
 from hybridflow.models.attention import SDPAttention
 from hybridflow.models.heads import ValueHead
+from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear,
+                                      LeanRowParallelLinear)
 
 LM_ROLES = ("actor", "ref")
 SCALAR_ROLES = ("critic", "reward")
@@ -93,7 +96,10 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
     spec.submodules.input_layernorm = TorchRMSNorm
     spec.submodules.pre_mlp_layernorm = TorchRMSNorm
     if backend in ("auto", "sdpa"):
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+        attn.core_attention = SDPAttention
+        attn.linear_qkv, attn.linear_proj = LeanColumnParallelLinear, LeanRowParallelLinear
+        mlp.linear_fc1, mlp.linear_fc2 = LeanColumnParallelLinear, LeanRowParallelLinear
     return spec
 
 
@@ -129,6 +135,8 @@ def build_model(cfg: ModelConfig, *, role: str, tp: int, pp: int, sequence_paral
     model.true_vocab_size = cfg.vocab_size
     if scalar and post:
         model.output_layer = ValueHead(tcfg)
+    elif post and spec.submodules.self_attention.submodules.linear_qkv is LeanColumnParallelLinear:
+        LeanOutputLinear.adopt(model.output_layer)  # batch-major logits: no transpose copies
     return model
 
 

@@ -1,0 +1,136 @@
+"""Lean tensor-parallel linears: Megatron's parameters, plain `F.linear` compute.
+
+Megatron's `ColumnParallelLinear` / `RowParallelLinear` run every matmul through the autograd function
+`LinearWithGradAccumulationAndAsyncCommunication` (global buffers, async collectives, a fused
+gradient-accumulation path that needs apex). Without transformer-engine/apex that machinery buys
+nothing and costs ~0.3 ms of CPU per linear per step: on one H200 the Qwen2-0.5B actor step was
+launch-bound. These subclasses keep the parents' constructors, parameters and attributes
+(`tensor_model_parallel`, `partition_dim`, `sequence_parallel`, `allreduce`, init,
+`sharded_state_dict`), so DDP, the optimizer, checkpoints and our TP param rules see the same
+modules; only `forward` changes:
+
+  column: x -> [copy_to_tp | gather_from_sp] -> F.linear -> [gather_from_tp if gather_output]
+  row:    x -> [scatter_to_tp if not input_is_parallel] -> F.linear
+          -> [reduce_from_tp | reduce_scatter_to_sp] (+ bias)
+
+Collectives are Megatron's own light mapping functions, skipped entirely at TP=1 (they are
+identities there). Weight gradients land in `param.grad` by plain autograd; Megatron DDP's hooks add
+them into `main_grad` (gradient_accumulation_fusion stays off: it needs apex). One difference from
+Megatron under sequence parallelism: the column linear keeps the gathered (full-sequence) input for
+its weight gradient instead of re-gathering it in backward: more activation memory, one
+all-gather fewer.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    gather_from_sequence_parallel_region,
+                                                    gather_from_tensor_model_parallel_region,
+                                                    reduce_from_tensor_model_parallel_region,
+                                                    reduce_scatter_to_sequence_parallel_region,
+                                                    scatter_to_tensor_model_parallel_region)
+
+
+def _check_supported(layer) -> None:
+    cfg = layer.config
+    if layer.explicit_expert_comm or cfg.gradient_accumulation_fusion \
+            or cfg.defer_embedding_wgrad_compute or getattr(cfg, "cpu_offloading", False):
+        raise ValueError(f"{type(layer).__name__} does not support experts, "
+                         "gradient_accumulation_fusion, defer_embedding_wgrad_compute or CPU "
+                         "offloading; use Megatron's linears (transformer-engine spec) for those")
+
+
+class LeanColumnParallelLinear(ColumnParallelLinear):
+    """Y = X A^T (+ b), A split along the output dim. Input (s, b, h) [s/tp under SP]."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _check_supported(self)
+        self._tp = self.tp_group.size()
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                runtime_gather_output: Optional[bool] = None):
+        x, weight = self._prepare(input_, weight)  # (s, b, h)
+        bias = None if self.skip_bias_add else self.bias
+        return self._finish(F.linear(x, weight, bias), runtime_gather_output)  # (s, b, out/tp)
+
+    def _prepare(self, input_, weight):
+        if weight is None:
+            if self.weight is None:
+                raise RuntimeError("weight was not supplied to ColumnParallelLinear forward pass "
+                                   "and skip_weight_param_allocation is True.")
+            weight = self.weight
+        elif weight.shape != (self.output_size_per_partition, self.input_size):
+            raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, not "
+                               f"{(self.output_size_per_partition, self.input_size)} as expected")
+        x = input_
+        if self._tp > 1:
+            if self.sequence_parallel:  # (s/tp, b, h) -> (s, b, h); backward reduce-scatters
+                x = gather_from_sequence_parallel_region(x, group=self.tp_group)
+            elif not self.disable_grad_reduce:  # identity; backward all-reduces the input grad
+                x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
+        return x, weight
+
+    def _finish(self, out, runtime_gather_output):
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather and self._tp > 1:  # along the last dim, whatever the layout
+            out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
+        return out, (self.bias if self.skip_bias_add else None)
+
+
+class LeanOutputLinear(LeanColumnParallelLinear):
+    """GPTModel's vocab-parallel output layer, computed batch-major.
+
+    GPTModel returns `logits.transpose(0, 1).contiguous()`: with (s, b, V) logits that is a full
+    copy of the largest activation, and its backward another one (plus Megatron's `.contiguous()`
+    of the transposed grad for the weight gradient). Here the matmul writes (b, s, V/tp) directly
+    and returns its (s, b, V/tp) transposed view, so GPTModel's transpose-contiguous is free and the
+    gradient arrives contiguous. Callers that need (s, b, V)-contiguous logits (Megatron's own
+    `labels=` loss path) must not use it."""
+
+    @classmethod
+    def adopt(cls, layer: ColumnParallelLinear) -> "LeanOutputLinear":
+        """Turn GPTModel's constructed output layer into this class in place (same parameters,
+        tied-weight setup and attributes: only `forward` changes)."""
+        if type(layer) is not ColumnParallelLinear:
+            raise ValueError(f"expected Megatron's ColumnParallelLinear, got {type(layer).__name__}")
+        _check_supported(layer)
+        layer.__class__ = cls
+        layer._tp = layer.tp_group.size()
+        return layer
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                runtime_gather_output: Optional[bool] = None):
+        x, weight = self._prepare(input_, weight)  # (s, b, h)
+        bias = None if self.skip_bias_add else self.bias
+        out = F.linear(x.transpose(0, 1), weight, bias)  # (b, s, V/tp) contiguous
+        out, out_bias = self._finish(out, runtime_gather_output)
+        return out.transpose(0, 1), out_bias  # (s, b, V/tp) view
+
+
+class LeanRowParallelLinear(RowParallelLinear):
+    """Y = X A^T (+ b), A split along the input dim; partial sums reduced over TP."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _check_supported(self)
+        self._tp = self.tp_group.size()
+
+    def forward(self, input_: torch.Tensor):
+        x = input_
+        if not self.input_is_parallel and self._tp > 1:
+            x = scatter_to_tensor_model_parallel_region(x, group=self.tp_group)
+        out = F.linear(x, self.weight)  # (s, b, h) partial sum over this rank's input slice
+        if self._tp > 1:
+            if self.sequence_parallel:  # (s, b, h) -> (s/tp, b, h)
+                out = reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group)
+            else:
+                out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out + self.bias if self.bias is not None else out), None
