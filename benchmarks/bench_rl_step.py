@@ -32,9 +32,15 @@ def run(algo: str, args, workdir: str) -> list[dict]:
                  "trainer.progress_bar=false", "trainer.tensorboard=false",
                  f"trainer.output_dir={out_dir}", f"algo.ppo_mini_batch_size={args.prompts * args.samples}",
                  f"algo.micro_batch_size={args.micro}", "reward.fn=math_exact",
-                 "trainer.probe_steps=0"]
+                 "trainer.probe_steps=0", f"parallel.tensor_parallel_size={args.tp}",
+                 f"parallel.sequence_parallel={str(args.tp > 1).lower()}",
+                 f"rollout.tensor_parallel_size={args.tp_gen or args.tp}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    subprocess.run([sys.executable, "-m", "hybridflow.train", *overrides], check=True, env=env,
+    launcher = [sys.executable]
+    if args.nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+                     "--master_addr", "127.0.0.1", "--master_port", "29517"]
+    subprocess.run([*launcher, "-m", "hybridflow.train", *overrides], check=True, env=env,
                    cwd=ROOT)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -57,6 +63,9 @@ def main():
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--algos", default="grpo,ppo")
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--tp-gen", dest="tp_gen", type=int, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results, records = {}, []
@@ -64,9 +73,11 @@ def main():
         for algo in args.algos.split(","):
             results[algo] = summarize(run(algo, args, work))
             m = results[algo]["median_later_steps"]
-            records.append({"name": f"{args.model}-1xH200-{algo}", "config": {
-                "model": args.model, "gpu": "H200", "num_gpus": 1,
-                "layout": {"tp": 1, "pp": 1, "dp": 1, "tp_gen": 1, "offload_ref": False,
+            tag = f"-tp{args.tp}g{args.tp_gen or args.tp}" if args.nproc > 1 else ""
+            records.append({"name": f"{args.model}-{args.nproc}xH200-{algo}{tag}", "config": {
+                "model": args.model, "gpu": "H200", "num_gpus": args.nproc,
+                "layout": {"tp": args.tp, "pp": 1, "dp": args.nproc // args.tp,
+                           "tp_gen": args.tp_gen or args.tp, "offload_ref": False,
                            "recompute": False},
                 "algorithm": algo, "prompts_per_step": args.prompts,
                 "samples_per_prompt": args.samples, "prompt_len": 128,

@@ -25,8 +25,8 @@ class Checkpointer:
 
         models, optimizers, schedulers = self._parts()
         t = self.trainer
-        tok_dir = t.tokenizer_path if os.path.isdir(str(t.tokenizer_path)) else os.path.dirname(
-            str(t.tokenizer_path))
+        tok = t.tokenizer_path  # a tokenizer dir, or a .model file (its folder holds only it)
+        tok_dir = None if tok is None else (tok if os.path.isdir(tok) else os.path.dirname(tok))
         configs = {role: e.model_cfg for role, e in t.engines.items()}
         return save_checkpoint(self.root, step=t.step, models=models, optimizers=optimizers,
                                schedulers=schedulers, trainer_state=t.state_dict(),

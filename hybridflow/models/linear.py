@@ -28,12 +28,30 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                    gather_from_sequence_parallel_region,
+from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
                                                     gather_from_tensor_model_parallel_region,
                                                     reduce_from_tensor_model_parallel_region,
                                                     reduce_scatter_to_sequence_parallel_region,
                                                     scatter_to_tensor_model_parallel_region)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; backward all-reduces the input grad over TP.
+
+    Megatron's copy_to_tensor_model_parallel_region all-reduces `grad.contiguous()` but returns the
+    original `grad`, so a non-contiguous grad (LeanOutputLinear's transposed input) lost its TP sum.
+    Here the grad is made contiguous first and the reduced tensor is what flows back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def _check_supported(layer) -> None:
@@ -73,7 +91,7 @@ class LeanColumnParallelLinear(ColumnParallelLinear):
             if self.sequence_parallel:  # (s/tp, b, h) -> (s, b, h); backward reduce-scatters
                 x = gather_from_sequence_parallel_region(x, group=self.tp_group)
             elif not self.disable_grad_reduce:  # identity; backward all-reduces the input grad
-                x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
+                x = _CopyToTP.apply(x, self.tp_group)
         return x, weight
 
     def _finish(self, out, runtime_gather_output):

@@ -41,13 +41,13 @@ def _global_batch() -> RolloutBatch:
         advantages=torch.randn(b, r, generator=g) * response_mask)
 
 
-def _worker(tp: int, pp: int, dp_expected: int, dist_opt: bool):
+def _worker(tp: int, pp: int, dp_expected: int, dist_opt: bool, sp: bool = True):
     from hybridflow.engine import Engine
 
     groups.init_model_parallel(tp=tp, pp=pp, seed=3)
     assert ps.get_data_parallel_world_size() == dp_expected
     par = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                         sequence_parallel=tp > 1, use_distributed_optimizer=dist_opt)
+                         sequence_parallel=sp and tp > 1, use_distributed_optimizer=dist_opt)
     eng = Engine(role="actor", model_cfg=MODEL, parallel=par, precision="fp32",
                  optim=OptimConfig(lr=1e-3, clip_grad=0.0), total_updates=1)
     fill_deterministic(eng.module, num_layers=MODEL.num_layers)
@@ -81,11 +81,12 @@ def reference():
     return run_ranks(_worker, 1, 1, 1, 1, False)[0]
 
 
-@pytest.mark.parametrize("tp,pp,dp,dist_opt", [(2, 1, 1, False), (1, 2, 1, False),
-                                                (1, 1, 2, True), (1, 1, 2, False)],
-                         ids=["tp2_sp", "pp2", "dp2_distopt", "dp2_ddp"])
-def test_matches_single_rank(reference, tp, pp, dp, dist_opt):
-    results = run_ranks(_worker, tp * pp * dp, tp, pp, dp, dist_opt)
+@pytest.mark.parametrize("tp,pp,dp,dist_opt,sp", [(2, 1, 1, False, True), (2, 1, 1, False, False),
+                                                   (1, 2, 1, False, False),
+                                                   (1, 1, 2, True, False), (1, 1, 2, False, False)],
+                         ids=["tp2_sp", "tp2", "pp2", "dp2_distopt", "dp2_ddp"])
+def test_matches_single_rank(reference, tp, pp, dp, dist_opt, sp):
+    results = run_ranks(_worker, tp * pp * dp, tp, pp, dp, dist_opt, sp)
     ref = reference
     for res in results:
         assert abs(res["loss"] - ref["loss"]) < 1e-5, (res["loss"], ref["loss"])

@@ -1,0 +1,237 @@
+"""Checkpoints: Megatron dist_checkpointing for models and optimizers, plus trainer state; atomic.
+
+Layout of a checkpoint root:
+    <root>/latest                    text file: the step of the newest complete checkpoint
+    <root>/step_<N>/
+        <role>/                      one dist_checkpointing dir (torch_dist) per role: model tensors,
+                                     optimizer tensors, optimizer step and LR-scheduler state
+        model_config_<role>.json     the role's ModelConfig
+        trainer_state.json           the trainer's dict (its JSON-able values) and "step"
+        trainer_state.pt             the trainer's other values (tensors, bytes), when there are any
+        rng/rank_<r>.pt              RNG states of each rank (python, numpy, torch, cuda, megatron)
+        meta.json                    layout at save time (world, TP, PP, DP), roles, format version
+        tokenizer/                   optional copy of the tokenizer directory
+
+Atomicity: every rank writes into `step_<N>.tmp/` (rank 0 first removes stale `*.tmp` dirs); after a
+barrier rank 0 renames it to `step_<N>` and rewrites `latest` through a temp file and `os.replace`.
+A crash at any point leaves the previous checkpoint and `latest` untouched; a `step_<N>` directory
+exists only when complete (`latest_step` falls back to the newest one if `latest` itself is lost).
+
+Resharding: tensors are stored by global key and offset, so a checkpoint loads at any TP/PP/DP
+(`optim.py` for the optimizer state, `full.py` for whole weights without a model). Vocabulary padding depends on TP; Megatron marks the
+embedding and output layer `allow_shape_mismatch`, loading the common rows and zeroing the padding.
+The RNG states are restored only when the layout is the one that saved them.
+All ranks of the default group take part in save and load; the directory must be visible to all.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Optional
+
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.utils import unwrap_model
+
+from hybridflow.checkpoint import optim, state
+from hybridflow.checkpoint.full import load_full_state_dict
+from hybridflow.checkpoint.state import read_model_config
+from hybridflow.models.heads import ValueHead
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "step_dir",
+           "load_full_state_dict", "read_model_config"]
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def step_dir(root_dir: str, step: int) -> str:
+    return os.path.join(root_dir, f"step_{step}")
+
+
+def latest_step(root_dir: str) -> Optional[int]:
+    """The step of the newest complete checkpoint under `root_dir`, or None."""
+    try:
+        with open(os.path.join(root_dir, "latest"), encoding="utf-8") as f:
+            step = int(f.read().strip())
+        if os.path.isdir(step_dir(root_dir, step)):
+            return step
+    except (FileNotFoundError, ValueError):
+        pass
+    steps = _complete_steps(root_dir)  # `latest` lost or stale: complete dirs are the truth
+    return steps[-1] if steps else None
+
+
+def _complete_steps(root_dir: str) -> list[int]:
+    if not os.path.isdir(root_dir):
+        return []
+    return sorted(int(m.group(1)) for name in os.listdir(root_dir)
+                  if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(root_dir, name)))
+
+
+# ---------------------------------------------------------------------------------------- save
+def save_checkpoint(root_dir: str, *, step: int, models: dict, optimizers: dict = {},
+                    schedulers: dict = {}, trainer_state: dict = {}, model_configs: dict = {},
+                    tokenizer_dir: Optional[str] = None, keep_last: Optional[int] = None) -> str:
+    """Write `<root_dir>/step_<step>` atomically on every rank; return its path.
+
+    models: role -> list of model chunks (DDP-wrapped or bare); optimizers / schedulers: role ->
+    Megatron optimizer / OptimizerParamScheduler; trainer_state: a dict (JSON-able values go to
+    trainer_state.json, the rest to trainer_state.pt); keep_last: keep only the newest N steps."""
+    for role in list(optimizers) + list(schedulers):
+        if role not in models:
+            raise ValueError(f"optimizer/scheduler for role {role!r} given without its model")
+    state.sync_writer_shims()
+    rank = dist.get_rank()
+    final, tmp = step_dir(root_dir, step), step_dir(root_dir, step) + ".tmp"
+    if rank == 0:
+        os.makedirs(root_dir, exist_ok=True)
+        for name in os.listdir(root_dir):  # leftovers of crashed saves
+            if name.endswith(".tmp") and os.path.isdir(os.path.join(root_dir, name)):
+                shutil.rmtree(os.path.join(root_dir, name))
+        for sub in [os.path.join(tmp, "rng")] + [os.path.join(tmp, r) for r in models]:
+            os.makedirs(sub)
+    dist.barrier()
+
+    for role, chunks in models.items():
+        model_sd = _model_sharded_state_dict(chunks)
+        sd = {"model": model_sd}
+        if role in optimizers:
+            sd["optimizer"], _ = optim.sharded_state_dict(optimizers[role], model_sd)
+        if role in schedulers:
+            sd["scheduler"] = schedulers[role].state_dict()
+        dist_checkpointing.save(sd, os.path.join(tmp, role))
+    state.save_rng(tmp)
+    if rank == 0:
+        state.write_rank0_files(tmp, step=step, roles=list(models), trainer_state=trainer_state,
+                                model_configs=model_configs, tokenizer_dir=tokenizer_dir)
+    dist.barrier()
+    if rank == 0:
+        _publish(root_dir, tmp, final, step)
+        if keep_last:
+            for old in _complete_steps(root_dir)[:-keep_last]:
+                if old != step:
+                    shutil.rmtree(step_dir(root_dir, old), ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _publish(root_dir: str, tmp: str, final: str, step: int) -> None:
+    """Rank 0: make the finished tmp dir the checkpoint of `step`, then point `latest` at it."""
+    if os.path.exists(final):  # saving the same step again: swap, then drop the old copy
+        old = final + ".old.tmp"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    latest_tmp = os.path.join(root_dir, "latest.tmp")
+    with open(latest_tmp, "w", encoding="utf-8") as f:
+        f.write(f"{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, os.path.join(root_dir, "latest"))
+
+
+# ---------------------------------------------------------------------------------------- load
+def load_checkpoint(root_dir: str, *, models: dict, optimizers: dict = {}, schedulers: dict = {},
+                    step: Optional[int] = None, load_optimizer: bool = True,
+                    load_rng: bool = True) -> Optional[dict]:
+    """Load a checkpoint into the given models (and optimizers, schedulers), in any layout.
+
+    step=None loads the latest one and returns None when there is none. Returns the trainer state
+    dict (with "step"). load_optimizer=False keeps the optimizers' fresh state (main weights are
+    refreshed from the loaded model). RNG states come back only in the layout that saved them.
+    Missing step/role dirs raise FileNotFoundError; shapes that do not match the checkpoint raise
+    ValueError naming the tensor."""
+    if step is None:
+        step = latest_step(root_dir)
+        if step is None:
+            return None
+    path = step_dir(root_dir, step)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint {path} does not exist (steps under {root_dir}: "
+                                f"{_complete_steps(root_dir)})")
+    for role, chunks in models.items():
+        role_dir = os.path.join(path, role)
+        if not os.path.isdir(role_dir):
+            raise FileNotFoundError(f"checkpoint {path} has no role {role!r} (no {role_dir})")
+        model_sd = _model_sharded_state_dict(chunks)
+        request = {"model": model_sd}
+        optimizer = optimizers.get(role) if load_optimizer else None
+        if optimizer is not None:
+            request["optimizer"], optimizer_sd = optim.sharded_state_dict(
+                optimizer, model_sd, is_loading=True)
+        _check_shapes(request, role_dir)
+        loaded = dist_checkpointing.load(request, role_dir)
+        for chunk, key in zip(_unwrap(chunks), _chunk_keys(chunks)):
+            chunk.load_state_dict(loaded["model"][key], strict=True)
+        if optimizer is not None:
+            optim.load(optimizer, optimizer_sd, loaded["optimizer"])
+        elif role in optimizers:  # fresh optimizer state: main (fp32) weights from the model
+            optimizers[role].reload_model_params()
+        if role in schedulers and "scheduler" in loaded:
+            try:
+                schedulers[role].load_state_dict(loaded["scheduler"])
+            except AssertionError as e:  # Megatron asserts that LR settings did not change
+                raise ValueError(f"LR schedule of role {role!r} in {role_dir} does not match the "
+                                 f"configured one: {e}") from None
+
+    if load_rng:
+        state.restore_rng(path)
+    return state.read_trainer_state(path)
+
+
+def _check_shapes(request: dict, role_dir: str) -> None:
+    """ValueError naming the tensor when the model asks for what the checkpoint does not hold."""
+    saved = dist_checkpointing.load_tensors_metadata(role_dir)
+    for sh in _sharded_tensors(request):
+        if sh.key not in saved:
+            hint = (" (saved without optimizer state? load with load_optimizer=False)"
+                    if sh.key.startswith("optimizer.") else "")
+            raise ValueError(f"checkpoint {role_dir} has no tensor {sh.key!r}{hint}")
+        want, have = tuple(sh.global_shape), tuple(saved[sh.key].global_shape)
+        if sh.allow_shape_mismatch:  # padded vocabulary: only the vocab dim may differ
+            want, have = want[:sh.prepend_axis_num] + want[sh.prepend_axis_num + 1:], \
+                have[:sh.prepend_axis_num] + have[sh.prepend_axis_num + 1:]
+        if want != have:
+            raise ValueError(f"tensor {sh.key!r}: the model has global shape "
+                             f"{tuple(sh.global_shape)}, checkpoint {role_dir} has "
+                             f"{tuple(saved[sh.key].global_shape)}")
+
+
+def _sharded_tensors(sd):
+    for v in nested_values(sd):
+        if isinstance(v, ShardedTensorFactory):
+            yield from _sharded_tensors(v.build())
+        elif isinstance(v, ShardedTensor):
+            yield v
+
+
+# ---------------------------------------------------------------------------------------- models
+def _unwrap(chunks) -> list:
+    return unwrap_model(list(chunks))
+
+
+def _chunk_keys(chunks) -> list[str]:
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def _model_sharded_state_dict(chunks) -> dict:
+    """Sharded state dicts of the bare GPTModels (no DDP `module.` prefix), one per chunk."""
+    out = {}
+    for chunk, key in zip(_unwrap(chunks), _chunk_keys(chunks)):
+        head = getattr(chunk, "output_layer", None)
+        if isinstance(head, ValueHead) and chunk.post_process:
+            # LanguageModule marks `output_layer.weight` as vocab-padded; a value head has none.
+            chunk.post_process = False
+            try:
+                out[key] = chunk.sharded_state_dict()
+            finally:
+                chunk.post_process = True
+        else:
+            out[key] = chunk.sharded_state_dict()
+    return out
