@@ -8,6 +8,7 @@ A task is a registered function `(rng, size) -> list of records`; every record h
 - `arith`: "a+b=" with a, b in 0..9, answer "a+b" (the reward's last-number rule reads it). Small
   enough that a 2-layer model learns it on a laptop CPU in minutes, hard enough that a short warm-up
   leaves room for RL to improve.
+- `arith_chat`: the same question as a chat message, for instruct models with a chat template.
 - `reverse`: "rev:abc=" -> "#### cba" over a small alphabet (longer responses, exercises GAE).
 - `copy`: 120-letter prompts copied back: realistic prompt lengths for timing runs.
 """
@@ -48,6 +49,17 @@ def _arith(rng: random.Random, size: int) -> list[dict]:
     return out
 
 
+@register_task("arith_chat")
+def _arith_chat(rng: random.Random, size: int) -> list[dict]:
+    """`arith` as a chat message (rendered by the tokenizer's chat template): for instruct models."""
+    out = []
+    for r in _arith(rng, size):
+        q = r["prompt"][:-1]
+        r["prompt"] = [{"role": "user", "content": f"What is {q}? Reply with just the number."}]
+        out.append(r)
+    return out
+
+
 @register_task("reverse")
 def _reverse(rng: random.Random, size: int) -> list[dict]:
     out = []
@@ -68,4 +80,7 @@ def _copy(rng: random.Random, size: int, length: int = 120) -> list[dict]:
 
 
 def tokenizer_corpus(records: list[dict]) -> list[str]:
-    return [r["prompt"] + r["extra_info"]["sft_response"] for r in records]
+    def text(p):
+        return p if isinstance(p, str) else " ".join(m["content"] for m in p)
+
+    return [text(r["prompt"]) + r["extra_info"]["sft_response"] for r in records]
