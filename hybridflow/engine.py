@@ -91,6 +91,17 @@ class Engine:
         self.model = model
         self.device = device()
 
+    # ------------------------------------------------------------------ placement
+    def offload(self) -> None:
+        """Move a frozen model's weights to host memory (the reference between its passes)."""
+        assert not self.trainable, "only frozen roles are offloaded"
+        for p in self.model.parameters():
+            p.data = p.data.to("cpu", non_blocking=True)
+
+    def onload(self) -> None:
+        for p in self.model.parameters():
+            p.data = p.data.to(self.device, non_blocking=True)
+
     # ------------------------------------------------------------------ passes
     def _run(self, batch: RolloutBatch, *, micro_batch_size: int, forward_only: bool,
              head: Callable, loss_fn: Optional[LossFn], temperature: float, need_entropy: bool):

@@ -38,6 +38,8 @@ class Trainer:
         components.finalize_engines(self.engines, self.tokenizer)
         self.actor = self.engines["actor"]
         self.ref, self.critic = self.engines.get("ref"), self.engines.get("critic")
+        if self.ref is not None and cfg.trainer.offload_ref:
+            self.ref.offload()
         self.rollout = rollout_stage.RolloutStage(cfg, self.actor, self.tokenizer,
                                                   reward_engine=self.engines.get("reward"))
         a = cfg.algo
@@ -88,8 +90,12 @@ class Trainer:
                     batch, micro_batch_size=mbs, temperature=cfg.rollout.temperature or 1.0)
             if self.ref is not None:
                 with timer("ref"):
+                    if cfg.trainer.offload_ref:
+                        self.ref.onload()
                     batch.ref_logprobs = self.ref.compute_logprobs(
                         batch, micro_batch_size=mbs, temperature=cfg.rollout.temperature or 1.0)
+                    if cfg.trainer.offload_ref:
+                        self.ref.offload()
             if self.critic is not None:
                 with timer("values"):
                     batch.values = self.critic.compute_values(batch, micro_batch_size=mbs)

@@ -4,7 +4,8 @@ measured runs: `python -m hybridflow.cost.calibrate --help`.
 
 Files: gpus (GPU table), shapes (model shapes), workload (batch + layout inputs), flops, memory,
 timing (linear in `efficiency.Calibration`), search (layout search), estimate (entry points),
-report (CostReport), calibrate (fit the efficiencies from measured runs)."""
+report (CostReport), calibrate (fit the efficiencies from measured runs), validate (its per-config
+leave-one-out summary)."""
 from hybridflow.cost.efficiency import Calibration, load_calibration
 from hybridflow.cost.estimate import estimate_cost, estimate_memory, estimate_step_time
 from hybridflow.cost.gpus import GPUS, get_gpu

@@ -3,7 +3,7 @@
     python -m hybridflow.cost.calibrate benchmarks/results/*.json -o benchmarks/results/calibration.json
 
 A results file holds one record, a list of records, {"records": [...]}, or JSON Lines (.jsonl).
-Files with a top-level "calibration" key (this tool's own output) are skipped. One record:
+Files with a top-level "calibration" or "validation" key (this tool's outputs) are skipped. One record:
 
     {"name": "qwen2_0_5b-1xH200-grpo",                # optional label for the tables
      "config": {"model": "qwen2_0_5b",                # conf/model name, HF config path, or a dict
@@ -23,10 +23,17 @@ stages may be present. Keys of config that are not inputs of the model are ignor
 The fit (time is linear in the coefficients, see timing.py): memory_scale = the least-squares ratio
 of measured to predicted peak; then per group of stages, least squares of (measured - known terms)
 on the ideal times of the group's unknown coefficients, in this order: reshard -> 1/comm_eff;
-gen -> 1/prefill_eff, 1/decode_bw_eff, seconds per decode step; old_log_prob/ref/values ->
-1/forward_mfu; update_actor/update_critic -> 1/train_mfu. A coefficient that comes out <= 0 is held
-at its prior value and the rest refit; when the records cannot separate the unknowns (too few, or
-collinear) one common scale of the group's prior prediction is fitted instead (a ratio fit).
+gen -> 1/prefill_eff, 1/decode_bw_eff, seconds per decode step; old_log_prob/ref/values and
+update_actor/update_critic jointly -> 1/forward_mfu, 1/train_mfu, layer_pass_overhead_s,
+tp_collective_s (joint because the last two are shared: a layer pass costs the same launches in
+either, fwd+bwd counting 3 passes); other -> step_overhead_s, where "other" is measured as
+timing_s/step minus the measured modelled stages (reward, advantages, gaps). A coefficient that no
+measured stage depends on (tp_collective_s without a TP > 1 record) stays at its prior; one that
+comes out <= 0 is held at its prior and the rest refit; when the records cannot separate the
+unknowns (too few, or collinear) one common scale of the group's prior prediction is fitted instead
+(a ratio fit). Predicted timing_s/step = the sum of the predicted stages, "other" included.
+
+`--validation PATH` also writes the per-config leave-one-out summary (validate.py).
 """
 from __future__ import annotations
 
@@ -41,13 +48,16 @@ from hybridflow.cost.gpus import GPU, get_gpu
 from hybridflow.cost.memory import memory_for
 from hybridflow.cost.shapes import ModelShape, load_shape
 from hybridflow.cost.timing import stage_terms
+from hybridflow.cost.validate import format_validation, validation
 from hybridflow.cost.workload import Layout, Workload, make_layout
 
 MEMORY_KEY = "perf/max_memory_allocated_gb"
+STEP_KEY = "timing_s/step"
+PASS_STAGES = ("old_log_prob", "ref", "values", "update_actor", "update_critic")
 GROUPS = [(("reshard",), ("inv_comm_eff",)),
           (("gen",), ("inv_prefill_eff", "inv_decode_bw_eff", "decode_step_overhead_s")),
-          (("old_log_prob", "ref", "values"), ("inv_forward_mfu",)),
-          (("update_actor", "update_critic"), ("inv_train_mfu",))]
+          (PASS_STAGES, ("inv_forward_mfu", "inv_train_mfu", "layer_pass_overhead_s", "tp_collective_s")),
+          (("other",), ("step_overhead_s",))]
 
 
 @dataclass
@@ -85,10 +95,12 @@ def load_records(paths: list[str | Path]) -> list[dict]:
         text = path.read_text()
         data = ([json.loads(line) for line in text.splitlines() if line.strip()]
                 if path.suffix == ".jsonl" else json.loads(text))
-        if isinstance(data, dict) and "calibration" in data:
+        if isinstance(data, dict) and ("calibration" in data or "validation" in data):
             continue
+        machine = data.get("machine") if isinstance(data, dict) else None
         data = data.get("records", [data]) if isinstance(data, dict) else data
-        out += [dict(r, name=r.get("name", f"{path.stem}[{i}]")) for i, r in enumerate(data)]
+        out += [{"machine": machine, **r, "name": r.get("name", f"{path.stem}[{i}]"),
+                 "source": str(path)} for i, r in enumerate(data)]
     return out
 
 
@@ -112,36 +124,55 @@ def _solve(rows: list[list[float]], ys: list[float]) -> list[float] | None:
     return [a[i][n] / a[i][i] / norms[i] for i in range(n)]
 
 
+def _rows(runs, terms, stages, free, coefs) -> tuple[list[list[float]], list[float]]:
+    """Rows (x[k] for k in free) and targets (measured - known terms) of the group's least squares."""
+    rows, ys = [], []
+    for run, t in zip(runs, terms):
+        for stage in stages:
+            y = run.metrics.get(f"timing_s/{stage}")
+            if stage in t and y is not None and any(t[stage].x.get(k, 0) for k in free):
+                known = t[stage].const + sum(v * coefs[k] for k, v in t[stage].x.items() if k not in free)
+                rows.append([t[stage].x.get(k, 0.0) for k in free])
+                ys.append(y - known)
+    return rows, ys
+
+
 def _fit_group(runs, terms, stages, unknowns, coefs) -> dict[str, float]:
-    free = list(unknowns)
+    # A coefficient that no measured stage depends on (e.g. tp_collective_s without a TP > 1
+    # record) stays at its prior instead of making the system singular.
+    free = [k for k in unknowns if _rows(runs, terms, stages, [k], coefs)[0]]
     while free:
-        rows, ys = [], []
-        for run, t in zip(runs, terms):
-            for stage in stages:
-                key = f"timing_s/{stage}"
-                if stage in t and key in run.metrics and any(t[stage].x.get(k, 0) for k in free):
-                    known = t[stage].const + sum(v * coefs[k] for k, v in t[stage].x.items() if k not in free)
-                    rows.append([t[stage].x.get(k, 0.0) for k in free])
-                    ys.append(run.metrics[key] - known)
-        if not rows:
-            return coefs
+        rows, ys = _rows(runs, terms, stages, free, coefs)
         sol = _solve(rows, ys)
         if sol is None:
             break
         if all(v > 0 for v in sol):
             return coefs | dict(zip(free, sol))
         free.remove(free[min(range(len(sol)), key=lambda i: sol[i])])   # hold the worst at its prior
+    if not free:
+        return coefs
     # Ratio fit: one scale s of the group's own terms, s = sum(p * y) / sum(p^2).
     num = den = 0.0
     for run, t in zip(runs, terms):
         for stage in stages:
-            if stage in t and f"timing_s/{stage}" in run.metrics:
+            y = run.metrics.get(f"timing_s/{stage}")
+            if stage in t and y is not None:
                 p = sum(v * coefs[k] for k, v in t[stage].x.items() if k in unknowns)
-                y = run.metrics[f"timing_s/{stage}"] - t[stage].const - sum(
+                r = y - t[stage].const - sum(
                     v * coefs[k] for k, v in t[stage].x.items() if k not in unknowns)
-                num, den = num + p * y, den + p * p
+                num, den = num + p * r, den + p * p
     s = num / den if den > 0 else 0.0
     return coefs | {k: coefs[k] * s for k in unknowns} if s > 0 else coefs
+
+
+def _with_other(run: Run, stages) -> Run:
+    """`run` with the derived metric timing_s/other = step - the measured modelled stages (reward,
+    advantages, gaps), when the step and every modelled stage were measured."""
+    keys = [f"timing_s/{s}" for s in stages if s != "other"]
+    if STEP_KEY not in run.metrics or not all(k in run.metrics for k in keys):
+        return run
+    other = run.metrics[STEP_KEY] - sum(run.metrics[k] for k in keys)
+    return replace(run, metrics=run.metrics | {"timing_s/other": other})
 
 
 def fit(records: list[dict], base: Calibration | None = None) -> Calibration:
@@ -154,6 +185,7 @@ def fit(records: list[dict], base: Calibration | None = None) -> Calibration:
     den = sum(p * p for p, _ in pairs)
     calib = replace(base, memory_scale=sum(p * m for p, m in pairs) / den) if den else base
     terms = [stage_terms(r.shape, r.gpu, r.layout, r.workload, calib) for r in runs]
+    runs = [_with_other(r, t) for r, t in zip(runs, terms)]
     coefs = calib.coefs()
     for stages, unknowns in GROUPS:
         coefs = _fit_group(runs, terms, stages, unknowns, coefs)
@@ -161,10 +193,11 @@ def fit(records: list[dict], base: Calibration | None = None) -> Calibration:
 
 
 def predict(run: Run, calib: Calibration) -> dict[str, float]:
-    """Predicted `timing_s/<stage>` and peak memory of one run, under the metric names."""
+    """Predicted `timing_s/<stage>`, `timing_s/step` (their sum) and peak memory of one run."""
     coefs = calib.coefs()
     out = {f"timing_s/{k}": t.seconds(coefs)
            for k, t in stage_terms(run.shape, run.gpu, run.layout, run.workload, calib).items()}
+    out[STEP_KEY] = sum(out.values())
     out[MEMORY_KEY] = memory_for(run.shape, run.gpu, run.layout, run.workload, calib).peak_gib
     return out
 
@@ -201,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results", nargs="+", help="measured-run JSON / JSONL files")
     p.add_argument("-o", "--output", help="where to write the fitted calibration JSON")
     p.add_argument("--base", help="calibration JSON whose values are the priors")
+    p.add_argument("--validation", help="where to write the per-config leave-one-out summary JSON "
+                                        "(step time and peak memory, measured vs predicted)")
     a = p.parse_args(argv)
+    command = "python -m hybridflow.cost.calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
     try:
         records = load_records(a.results)
         if not records:
@@ -216,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(f"  {k:<24}{v:.4g}" for k, v in calib.to_dict().items()))
     if loo:
         print("\nleave-one-out (fit on the others, predict this one):\n" + format_table(loo))
+        in_sample = {r["name"]: predict(parse_record(r), calib) for r in records}
+        summary = validation(records, loo, command=command, in_sample=in_sample)
+        print("\nper config (leave-one-out):\n" + format_validation(summary))
+        if a.validation:
+            Path(a.validation).write_text(json.dumps(summary, indent=2) + "\n")
+            print(f"\nwrote {a.validation}")
     if a.output:
         out = {"calibration": calib.to_dict(), "num_records": len(records),
                "records": [r["name"] for r in records], "leave_one_out": loo}

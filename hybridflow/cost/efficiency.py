@@ -2,8 +2,9 @@
 
 Defaults, and why (fit your own with `python -m hybridflow.cost.calibrate`):
 - train_mfu 0.35: fraction of dense bf16 peak reached by fwd+bwd in the update phases; Megatron with
-  flash attention reaches 0.35-0.5 on 7B+ models; our local-spec baseline measured 0.13 at 0.5B
-  (MEGATRON_CPU.md), so small models need calibration.
+  flash attention reaches 0.35-0.5 on 7B+ models. The fixed per-layer cost below is charged apart
+  and summed with the FLOP time, although host launches and GPU work partly overlap: fitted MFUs
+  therefore come out above the true ones (the H200 RL records fit ~0.49 train, ~0.38 forward).
 - forward_mfu 0.40: the same for forward-only passes (old_log_prob, ref, values).
 - prefill_efficiency 0.50: fraction of peak FLOP/s in generation's matmuls (prefill and the compute
   part of decode); the measured ceiling for a large bf16 matmul on H200 is 790/989 = 0.80.
@@ -14,6 +15,21 @@ Defaults, and why (fit your own with `python -m hybridflow.cost.calibrate`):
   (12.9 s for 256 steps): use that for an engine without graphs.
 - comm_efficiency 0.66: fraction of link bandwidth a collective reaches; measured all_gather bus
   bandwidth on 2 H200s over NVLink was 297 of 450 GB/s.
+- layer_pass_overhead_s 0.0005: fixed seconds per transformer layer per pass over one micro-batch in
+  the forward/update stages, on top of the FLOP time: host time of launching a layer's ~100 kernels,
+  which the GPU cannot hide when a micro-batch's work per layer is small (a 0.5-1.5B model at RL
+  micro-batch sizes). A forward pass counts 1, fwd+bwd 3 (backward launches ~2x the kernels), 4
+  with recompute. The per-micro-batch work outside the layers (LM head, loss) is folded in: with
+  20-30 layers it cannot be told apart from it. Source: the 0.5B actor's fwd+bwd of 8 x 1024 tokens
+  took 70 ms of host time (benchmarks/results/train_fwd_bwd_h200.json), ~1 ms per layer pass with
+  the LM head and loss; the H200 RL records fit 0.59 ms (benchmarks/results/calibration.json).
+- tp_collective_s 5e-5: fixed seconds per TP collective in the forward/update stages (4 per layer
+  per forward pass under sequence parallelism: 2 all-gathers, 2 reduce-scatters; 8 for fwd+bwd):
+  NCCL launch and latency, ~20-50 us on NVLink. Bytes are charged apart, at link bandwidth x
+  comm_efficiency. Only records with TP > 1 inform it, and the one H200 record (0.5B, TP=2 + SP)
+  fits 0.43 ms, ~10x the NCCL figure: fit it on your machine before trusting TP layouts.
+- step_overhead_s 0.02: seconds per step outside the modelled stages (the stage "other"): reward,
+  advantages, metrics, host syncs between stages; the H200 records average 0.03 s.
 - memory_scale 1.0: multiplies the predicted allocated peak (fit to perf/max_memory_allocated_gb).
 - memory_headroom_gib 4.0: memory a GPU loses to the CUDA context, NCCL buffers and allocator
   fragmentation; a layout fits when scaled peak <= memory_gib - headroom.
@@ -33,13 +49,16 @@ class Calibration:
     decode_bw_efficiency: float = 0.60
     decode_step_overhead_s: float = 0.005
     comm_efficiency: float = 0.66
+    layer_pass_overhead_s: float = 0.0005
+    tp_collective_s: float = 5e-5
+    step_overhead_s: float = 0.02
     memory_scale: float = 1.0
     memory_headroom_gib: float = 4.0
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("decode_step_overhead_s", "memory_headroom_gib"):
+            if f.name.endswith("_s") or f.name == "memory_headroom_gib":
                 if v < 0:
                     raise ValueError(f"calibration {f.name} must be >= 0, got {v}")
             elif not v > 0:
@@ -51,7 +70,9 @@ class Calibration:
                 "inv_prefill_eff": 1 / self.prefill_efficiency,
                 "inv_decode_bw_eff": 1 / self.decode_bw_efficiency,
                 "decode_step_overhead_s": self.decode_step_overhead_s,
-                "inv_comm_eff": 1 / self.comm_efficiency}
+                "inv_comm_eff": 1 / self.comm_efficiency,
+                "layer_pass_overhead_s": self.layer_pass_overhead_s,
+                "tp_collective_s": self.tp_collective_s, "step_overhead_s": self.step_overhead_s}
 
     def with_coefs(self, **coefs: float) -> "Calibration":
         """The inverse of coefs(): a copy with the named coefficients replaced."""

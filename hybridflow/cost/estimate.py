@@ -86,7 +86,8 @@ def _report(shape, gpu, num_gpus, work, calib: Calibration, ranked: list[Evaluat
     price = gpu.price_per_hour if price is None else float(price)
     gpu_hours = num_steps * best.step * num_gpus / 3600
     stages = {k: v for k, v in best.seconds.items() if k != "step"}
-    notes = notes + ["every response runs to response_len; reward and advantage stages are not timed",
+    notes = notes + ["every response runs to response_len; reward, advantages and bookkeeping are one "
+                     "fitted constant per step (stage 'other')",
                      "calibration: " + ("defaults" if calib == Calibration() else "given")]
     if mem.gen_waves > 1:
         notes.append(f"generation runs in {mem.gen_waves} waves per replica: the KV cache takes the "

@@ -3,8 +3,8 @@
 Each stage is `const + sum_k x[k] * coef[k]`, where x[k] is an ideal time (work at peak speed) and
 coef[k] comes from `Calibration.coefs()` (1/efficiency, or seconds per decode step). Linearity is what
 lets calibrate.py fit the coefficients by least squares. The terms are kept as labelled parts
-(compute, pp_bubble, hbm_read, decode_overhead, tp_comm, dp_comm, reshard_comm, latency, pcie) so the
-report can say where the time goes. Per stage (per GPU; the work is assumed split
+(compute, layer_overhead, pp_bubble, hbm_read, decode_overhead, tp_comm, tp_latency, dp_comm,
+reshard_comm, latency, pcie, step_overhead) so the report can say where the time goes. Per stage (per GPU; the work is assumed split
 evenly, ceil() where sequences do not divide by DP):
 - reshard: bytes each GPU receives to build its gen TP_g shard (the shard minus the training shard it
   already holds) over NVLink (IB when the TP x PP group spans nodes), at bus bandwidth x comm eff.
@@ -12,14 +12,24 @@ evenly, ceil() where sequences do not divide by DP):
   per decode step: read the gen weight shard and the wave's KV cache at HBM bandwidth x decode eff
   (summed with compute, not a roofline max: the efficiencies absorb the overlap), plus a fixed
   overhead per step; plus TP_g all-reduces (2 per layer per step). Every response runs to full length.
-- old_log_prob / ref / values: forward FLOPs at peak x forward MFU, times (1 + PP bubble), plus TP
-  all-reduces (2 per layer); an offloaded reference adds its host-to-device copy over PCIe.
+- old_log_prob / ref / values: forward FLOPs at peak x forward MFU, plus a fixed cost per layer per
+  micro-batch (`layer_pass_overhead_s`: kernel launches; at RL micro-batch sizes a small model's
+  passes are launch-bound, not FLOP-bound), both times (1 + PP bubble); plus TP traffic under
+  sequence parallelism (2 all-gathers + 2 reduce-scatters per layer: the bytes of 2 all-reduces at
+  link bandwidth x comm eff, and `tp_collective_s` per collective); an offloaded reference adds its
+  host-to-device copy over PCIe.
 - update_actor / update_critic: ppo_epochs passes of fwd+bwd (6N + 6 L s q_dim per token; 8N + 8 L s
-  q_dim with recompute) at peak x train MFU, times (1 + PP bubble); TP all-reduces (4 per layer, 6 with
+  q_dim with recompute) at peak x train MFU, plus 3 layer passes (4 with recompute) of fixed cost
+  per layer per micro-batch, times (1 + PP bubble); TP traffic twice the forward's (3x with
   recompute); per optimizer step a DP reduce-scatter of fp32 grads and all-gather of bf16 params.
+  The critic's passes use its value head instead of the LM head (flops.dense_params).
+- other: `step_overhead_s` per step (reward, advantages, bookkeeping), so the stages sum to the step.
 PP bubble of 1F1B: (PP - 1) / micro-batches. Ring collectives move 2 (n-1)/n of the data per GPU for
-an all-reduce, (n-1)/n for a gather/scatter; each collective also pays a fixed latency (const term).
-Not modelled: PP point-to-point transfers (small), reward and advantage stages (CPU rule rewards).
+an all-reduce, (n-1)/n for a gather/scatter. Generation's TP_g all-reduces (inside CUDA graphs) and the
+reshard / DP collectives pay a fixed latency per collective (const term, NVLINK/IB_LATENCY_S).
+Training at TP > 1 is assumed to use sequence parallelism (conf/parallel/tp2.yaml; memory.py assumes
+it too). Not modelled: PP point-to-point transfers (small), the embedding's and LM head's few TP
+collectives, the optimizer step (see efficiency.py for what the fixed per-layer cost absorbs).
 """
 from __future__ import annotations
 
@@ -76,15 +86,20 @@ def _link(gpu: GPU, group_span: int) -> tuple[float, float]:
     return gpu.ib_gbps * 1e9, IB_LATENCY_S
 
 
-def _tp_comm(t: StageTerms, shape: ModelShape, gpu: GPU, tp: int, layers: int, tokens: float,
-             num_collectives: int, per_layer: int) -> None:
-    """`per_layer` all-reduces (or SP gather + scatter pairs) per layer over `tokens` tokens."""
+def _tp_comm(t: StageTerms, shape: ModelShape, gpu: GPU, tp: int, layers: int, tokens: float, *,
+             all_reduces: int, num_collectives: float, fitted_latency: bool) -> None:
+    """TP traffic: per layer over `tokens` tokens the bytes of `all_reduces` all-reduces; and
+    `num_collectives` collectives in all, each paying the link's fixed latency (CUDA-graph replays)
+    or, with `fitted_latency`, the calibrated `tp_collective_s`."""
     if tp == 1:
         return
     bw, lat = _link(gpu, tp)
-    volume = per_layer * layers * tokens * shape.hidden_size * BYTES_PER_PARAM * 2 * (tp - 1) / tp
+    volume = all_reduces * layers * tokens * shape.hidden_size * BYTES_PER_PARAM * 2 * (tp - 1) / tp
     t.add("tp_comm", "inv_comm_eff", volume / bw)
-    t.add("latency", None, per_layer * layers * num_collectives * lat)
+    if fitted_latency:
+        t.add("tp_latency", "tp_collective_s", num_collectives)
+    else:
+        t.add("latency", None, num_collectives * lat)
 
 
 def _gen(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, calib: Calibration) -> StageTerms:
@@ -100,7 +115,8 @@ def _gen(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, calib: Calibr
     t.add("hbm_read", "inv_decode_bw_eff", (steps * weights + kv) / (gpu.hbm_gbps * 1e9))
     t.add("decode_overhead", "decode_step_overhead_s", steps)
     _tp_comm(t, shape, gpu, tp_g, shape.num_layers, per_replica * w.seq_len,
-             num_collectives=waves * (1 + w.response_len), per_layer=2)
+             all_reduces=2, num_collectives=2 * shape.num_layers * waves * (1 + w.response_len),
+             fitted_latency=False)
     return t
 
 
@@ -114,15 +130,32 @@ def _reshard(shape: ModelShape, gpu: GPU, layout: Layout) -> StageTerms:
     return t
 
 
+def _passes(t: StageTerms, shape: ModelShape, gpu: GPU, layout: Layout, *, ideal: float, coef: str,
+            tokens: float, micro: int, flushes: int, layer_passes: int) -> None:
+    """Compute, fixed per-layer cost, PP bubble and TP traffic of `micro` micro-batches in `flushes`
+    pipeline flushes (optimizer steps), each micro-batch run through the stage's layers
+    `layer_passes` times (1: forward, 3: fwd+bwd, 4: fwd+bwd with recompute)."""
+    layers = shape.num_layers // layout.pp
+    bubble = (layout.pp - 1) * flushes / micro
+    overhead = layers * micro * layer_passes
+    t.add("compute", coef, ideal)
+    t.add("layer_overhead", "layer_pass_overhead_s", overhead)
+    t.add("pp_bubble", coef, ideal * bubble)
+    t.add("pp_bubble", "layer_pass_overhead_s", overhead * bubble)
+    # SP: a layer's forward all-gathers twice and reduce-scatters twice (the bytes of 2 all-reduces);
+    # backward mirrors it (twice the launches, the same collectives), recompute repeats the forward.
+    comm_passes = max(1, layer_passes - 1)
+    _tp_comm(t, shape, gpu, layout.tp, layers, tokens, all_reduces=2 * comm_passes,
+             num_collectives=4 * comm_passes * layers * micro, fitted_latency=True)
+
+
 def _forward(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, role: str) -> StageTerms:
     t, shard = StageTerms(), layout.tp * layout.pp
     seqs = math.ceil(w.num_sequences / layout.dp)
     micro = math.ceil(seqs / w.seqs_per_micro_batch)
     flops = seqs * w.seq_len * forward_flops_per_token(shape, w.seq_len, role) / shard
-    ideal = flops / (gpu.bf16_tflops * 1e12)
-    t.add("compute", "inv_forward_mfu", ideal)
-    t.add("pp_bubble", "inv_forward_mfu", ideal * (layout.pp - 1) / micro)
-    _tp_comm(t, shape, gpu, layout.tp, shape.num_layers // layout.pp, seqs * w.seq_len, micro, 2)
+    _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef="inv_forward_mfu",
+            tokens=seqs * w.seq_len, micro=micro, flushes=1, layer_passes=1)
     return t
 
 
@@ -132,11 +165,9 @@ def _update(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, role: str)
     micro = w.num_micro_batches(layout.dp)                 # per optimizer step
     seqs = opt_steps * math.ceil(w.num_sequences / w.mini_batches / layout.dp)
     flops = seqs * w.seq_len * train_flops_per_token(shape, w.seq_len, role, layout.recompute) / shard
-    ideal = flops / (gpu.bf16_tflops * 1e12)
-    t.add("compute", "inv_train_mfu", ideal)
-    t.add("pp_bubble", "inv_train_mfu", ideal * (layout.pp - 1) / micro)
-    _tp_comm(t, shape, gpu, layout.tp, shape.num_layers // layout.pp, seqs * w.seq_len,
-             opt_steps * micro, 6 if layout.recompute else 4)
+    _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef="inv_train_mfu",
+            tokens=seqs * w.seq_len, micro=opt_steps * micro, flushes=opt_steps,
+            layer_passes=4 if layout.recompute else 3)
     if layout.dp > 1:
         params = shape.num_params if role == "actor" else shape.num_critic_params
         bw, lat = _link(gpu, layout.num_gpus)
@@ -160,6 +191,7 @@ def stage_terms(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload,
         stages["values"] = _forward(shape, gpu, layout, w, "critic")
         stages["update_critic"] = _update(shape, gpu, layout, w, "critic")
     stages["update_actor"] = _update(shape, gpu, layout, w, "actor")
+    stages["other"] = StageTerms([("step_overhead", "step_overhead_s", 1.0)])
     return stages
 
 
@@ -172,7 +204,8 @@ def stage_breakdown(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload,
 
 def step_seconds(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload,
                  calib: Calibration) -> dict[str, float]:
-    """Seconds per stage (keys as the trainer's `timing_s/<stage>`), plus their sum under "step"."""
+    """Seconds per stage (keys as the trainer's `timing_s/<stage>`; "other": reward, advantages,
+    bookkeeping), plus their sum under "step"."""
     out = {k: sum(parts.values()) for k, parts in stage_breakdown(shape, gpu, layout, w, calib).items()}
     out["step"] = sum(out.values())
     return out

@@ -1,0 +1,69 @@
+"""Per-config validation summary of the leave-one-out check: step time and peak memory, measured vs
+predicted by a calibration fitted without that config (`calibrate.predict_vs_measured`).
+
+    python -m hybridflow.cost.calibrate benchmarks/results/rl_*.json \\
+        -o benchmarks/results/calibration.json --validation benchmarks/results/cost_validation.json
+
+The JSON is {"validation": {...}} (calibrate.load_records skips it when globbed back in). One entry
+per record: the step (`timing_s/step`, the sum of the predicted stages incl. "other") and
+peak memory (`perf/max_memory_allocated_gb`), their errors and whether they are within `tolerance_pct`,
+plus every stage's leave-one-out row for diagnosis, and the in-sample residual of the full fit.
+"""
+from __future__ import annotations
+
+STEP_KEY = "timing_s/step"
+MEMORY_KEY = "perf/max_memory_allocated_gb"
+
+
+def validation(records: list[dict], loo_rows: list[dict], *, command: str,
+               in_sample: dict[str, dict[str, float]] | None = None, tolerance_pct: float = 15.0) -> dict:
+    """The JSON-ready summary of `loo_rows` (predict_vs_measured's output) for `records`.
+
+    `in_sample`: name -> predictions of the calibration fitted on all records (this one included),
+    reported beside as the residual of the fit, which says whether the model's form can describe the
+    config at all when leave-one-out cannot (a config alone in exercising a term)."""
+    by_name: dict[str, dict[str, dict]] = {}
+    for r in loo_rows:
+        by_name.setdefault(r["name"], {})[r["metric"]] = r
+    configs = []
+    for rec in records:
+        rows, cfg = by_name.get(rec["name"], {}), rec["config"]
+        entry = {"name": rec["name"], "source": rec.get("source"), "machine": rec.get("machine"),
+                 "gpu": cfg["gpu"], "num_gpus": cfg["num_gpus"], "model": cfg["model"],
+                 "algorithm": cfg.get("algorithm"), "layout": cfg["layout"]}
+        for short, key in (("step_s", STEP_KEY), ("peak_gib", MEMORY_KEY)):
+            if key in rows:
+                r = rows[key]
+                entry |= {f"measured_{short}": r["measured"], f"predicted_{short}": r["predicted"],
+                          f"{short}_error_pct": r["error_pct"],
+                          f"{short}_within_tolerance": abs(r["error_pct"]) <= tolerance_pct}
+                if in_sample and key in in_sample.get(rec["name"], {}):
+                    p = in_sample[rec["name"]][key]
+                    entry |= {f"in_sample_predicted_{short}": p,
+                              f"in_sample_{short}_error_pct": 100 * (p - r["measured"]) / r["measured"]}
+        entry["stages"] = {k: {"measured": r["measured"], "predicted": r["predicted"],
+                               "error_pct": r["error_pct"]}
+                           for k, r in rows.items() if k not in (STEP_KEY, MEMORY_KEY)}
+        configs.append(entry)
+    ok = [c.get("step_s_within_tolerance", False) and c.get("peak_gib_within_tolerance", False)
+          for c in configs]
+    return {"validation": {
+        "method": "leave-one-out: each config predicted by a calibration fitted on the others "
+                  "(priors: the Calibration defaults or --base)",
+        "tolerance_pct": tolerance_pct, "command": command, "num_configs": len(configs),
+        "num_within_tolerance": sum(ok), "configs": configs}}
+
+
+def format_validation(summary: dict) -> str:
+    summary = summary["validation"]
+    lines = [f"{'config':<30} {'step s':>7} {'pred':>7} {'err':>7}   {'peak GiB':>8} {'pred':>7} {'err':>7}"]
+    for c in summary["configs"]:
+        lines.append(f"{c['name'][:30]:<30} {c.get('measured_step_s', float('nan')):>7.3f} "
+                     f"{c.get('predicted_step_s', float('nan')):>7.3f} "
+                     f"{c.get('step_s_error_pct', float('nan')):>6.1f}%   "
+                     f"{c.get('measured_peak_gib', float('nan')):>8.2f} "
+                     f"{c.get('predicted_peak_gib', float('nan')):>7.2f} "
+                     f"{c.get('peak_gib_error_pct', float('nan')):>6.1f}%")
+    lines.append(f"{summary['num_within_tolerance']} of {summary['num_configs']} configs within "
+                 f"{summary['tolerance_pct']:g}% on both")
+    return "\n".join(lines)
