@@ -100,6 +100,19 @@ class MetricsLogger:
         else:
             print(msg, flush=True)
 
+    def summary(self, history: list[dict], *, key: str = "critic/score/mean",
+                windows: int = 10) -> None:
+        """Print the reward curve as window means, e.g. `steps 1-20: 0.27 | 21-40: 0.31 | ...`."""
+        values = [h[key] for h in history if key in h]
+        if not self.enabled or not values:
+            return
+        size = max(1, -(-len(values) // windows))
+        parts = []
+        for start in range(0, len(values), size):
+            chunk = values[start:start + size]
+            parts.append(f"{start + 1}-{start + len(chunk)}: {sum(chunk) / len(chunk):.3f}")
+        self.print("mean reward by steps  " + " | ".join(parts))
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

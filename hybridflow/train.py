@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 
 from hybridflow.config import Config, load_config, to_dict, validate
 
@@ -46,6 +47,10 @@ def _fail(msg: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # megatron-core announces every optional dependency it falls back from; say it once here instead
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+    warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)  # megatron's own API migrations
     argv = list(sys.argv[1:] if argv is None else argv)
     print_cfg = "--cfg" in argv
     argv = [a for a in argv if a != "--cfg"]

@@ -49,7 +49,9 @@ class Trainer:
         self.step = 0
         self.sft_done = cfg.trainer.sft_warmup_steps == 0
         self.checkpointer = Checkpointer(self)
-        self.checkpointer.maybe_resume()
+        if self.checkpointer.maybe_resume() and dist.get_rank() == 0:
+            print(f"resumed from {self.checkpointer.root} at step {self.step} of "
+                  f"{cfg.trainer.total_steps} (trainer.resume=false starts over)", flush=True)
         self.logger = MetricsLogger(cfg.trainer.output_dir, total_steps=cfg.trainer.total_steps,
                                     enabled=dist.get_rank() == 0,
                                     tensorboard=cfg.trainer.tensorboard,
@@ -75,6 +77,7 @@ class Trainer:
             write_probe(self.cfg, history, price_per_gpu_hour=t.price_per_gpu_hour)
         elif t.save_final:
             self.checkpointer.save()
+        self.logger.summary(history)
         self.logger.close()
         return history
 
