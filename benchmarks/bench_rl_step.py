@@ -35,6 +35,8 @@ def run(algo: str, args, workdir: str) -> list[dict]:
                  "trainer.probe_steps=0", f"parallel.tensor_parallel_size={args.tp}",
                  f"parallel.sequence_parallel={str(args.tp > 1).lower()}",
                  f"rollout.tensor_parallel_size={args.tp_gen or args.tp}"]
+    if args.fmicro:
+        overrides.append(f"algo.forward_micro_batch_size={args.fmicro}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     launcher = [sys.executable]
     if args.nproc > 1:
@@ -64,6 +66,7 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--algos", default="grpo,ppo")
     ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--fmicro", type=int, default=None, help="forward-only micro-batch size")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--tp-gen", dest="tp_gen", type=int, default=None)
     ap.add_argument("--out", default=None)

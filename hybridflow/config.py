@@ -108,6 +108,9 @@ class AlgoConfig:
     ppo_epochs: int = 1
     ppo_mini_batch_size: int = 8  # sequences per optimizer step (global)
     micro_batch_size: int = 4  # sequences per forward/backward on a rank
+    # sequences per forward-only micro-batch (old/ref log-probs, values); None: micro_batch_size.
+    # Larger means fewer kernel launches and TP collectives per pass (no activations are kept).
+    forward_micro_batch_size: Optional[int] = None
 
 
 @dataclass
@@ -250,6 +253,10 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if seqs % a.ppo_mini_batch_size:
         raise ValueError(f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} must divide the "
                          f"sequences per step data.prompts_per_step x rollout.n = {seqs}")
+    fmbs = a.forward_micro_batch_size
+    if fmbs is not None and (fmbs <= 0 or (seqs // dp) % fmbs):
+        raise ValueError(f"algo.forward_micro_batch_size={fmbs} must divide the sequences per "
+                         f"rank data.prompts_per_step x rollout.n / DP = {seqs // dp}")
     if (a.ppo_mini_batch_size // dp) % a.micro_batch_size or a.ppo_mini_batch_size % dp:
         raise ValueError(f"algo.micro_batch_size={a.micro_batch_size} must divide the per-rank "
                          f"mini-batch algo.ppo_mini_batch_size / DP = "

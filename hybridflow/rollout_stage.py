@@ -131,8 +131,9 @@ class RolloutStage:
         if self.reward_fn is not None:
             scores, metrics = self._rule_scores(items, batch)
         if self.reward_engine is not None:
-            rm = self.reward_engine.compute_scores(batch,
-                                                   micro_batch_size=self.cfg.algo.micro_batch_size)
+            a = self.cfg.algo
+            rm = self.reward_engine.compute_scores(
+                batch, micro_batch_size=a.forward_micro_batch_size or a.micro_batch_size)
             metrics["reward/model_score/mean"] = float(rm.mean())
             scores = scores + self.cfg.reward.model_weight * rm
         return scores, metrics

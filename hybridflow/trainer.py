@@ -87,7 +87,7 @@ class Trainer:
             items = [self.dataset[i] for i in self.sampler.next_batch()]
             batch, gen_metrics = self.rollout.generate(items, step=self.step, timer=timer)
             batch = batch.trimmed()
-            mbs = cfg.algo.micro_batch_size
+            mbs = cfg.algo.forward_micro_batch_size or cfg.algo.micro_batch_size
             with timer("old_log_prob"):
                 batch.old_logprobs = self.actor.compute_logprobs(
                     batch, micro_batch_size=mbs, temperature=cfg.rollout.temperature or 1.0)

@@ -47,8 +47,10 @@ def init_distributed(*, timeout_minutes: int = 30) -> None:
     single = "RANK" not in os.environ  # plain `python -m hybridflow.train`: a 1-rank world
     if single:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    device_id = None
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device_id)
         backend = "nccl"
     else:
         from hybridflow.parallel import _cpu_compat
@@ -58,9 +60,9 @@ def init_distributed(*, timeout_minutes: int = 30) -> None:
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if single:  # an in-memory store: no port to pick, so parallel 1-rank jobs cannot collide
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-    else:
-        dist.init_process_group(backend=backend, timeout=timeout)
+                                timeout=timeout, device_id=device_id)
+    else:  # device_id binds NCCL communicators to this rank's GPU up front (no device guessing)
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
 
 
 def init_model_parallel(*, tp: int, pp: int, seed: int) -> ParallelDims:
