@@ -88,3 +88,43 @@ def test_hf_checkpoint_jsonl_train_resume_export(tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([[3, 4, 5]])).logits
     assert logits.shape == (1, 3, 128) and torch.isfinite(logits).all()
+
+
+def _toy_run_args(tmp_path, model_dir, out):
+    data = tmp_path / "train.jsonl"
+    with open(data, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"w{3 + i} w{5 + i}", "data_source": "toy",
+                                "reward_model": {"ground_truth": "w9"}}) + "\n")
+    return ["-m", "hybridflow.train", f"model.hf_path={model_dir}", "data.synthetic=null",
+            f"data.train_files={data}", "algo=grpo", "rollout.n=2", "rollout.max_new_tokens=4",
+            "data.prompts_per_step=4", "algo.ppo_mini_batch_size=8", "algo.micro_batch_size=4",
+            "trainer.sft_warmup_steps=0", "trainer.progress_bar=false", "trainer.save_final=false",
+            f"trainer.output_dir={out}"]
+
+
+def test_reward_model_scores_and_probe_forecast(tmp_path):
+    """Scores from a *ForSequenceClassification reward model only; a probe run writes probe.json."""
+    model_dir = make_checkpoint("qwen2", str(tmp_path / "hf"), seed=0)
+    write_tokenizer(model_dir, 128)
+    rm_dir = make_checkpoint("qwen2", str(tmp_path / "rm"), seed=1, sequence_classification=True)
+    out = tmp_path / "run"
+    proc = _run(*_toy_run_args(tmp_path, model_dir, out), "reward.fn=null",
+                f"reward.model_path={rm_dir}", "trainer.total_steps=5", "trainer.probe_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert len(rows) == 2  # the probe stops after 2 steps
+    assert all(r["reward/model_score/mean"] != 0.0 for r in rows)
+    assert all(abs(r["critic/score/mean"] - r["reward/model_score/mean"]) < 1e-6 for r in rows)
+    probe = json.loads((out / "probe.json").read_text())
+    assert probe["probe_steps"] == 2 and probe["full_run"]["total_steps"] == 5
+    assert probe["measured"]["timing_s"]["timing_s/step"] > 0
+    assert len(probe["measured"]["reward_trend"]) == 2
+    assert "probe:" in proc.stdout and "full run: 5 steps" in proc.stdout
+
+
+def test_print_config():
+    proc = _run("-m", "hybridflow.train", "--cfg", "algo=rloo")
+    assert proc.returncode == 0
+    cfg = json.loads(proc.stdout)
+    assert cfg["algo"]["adv_estimator"] == "rloo" and cfg["algo"]["use_kl_in_reward"] is True
