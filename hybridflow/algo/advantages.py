@@ -18,33 +18,17 @@ The "score" of a sequence is the sum of its token rewards over the mask; group s
 the unbiased std, and a group of one sample has mean 0 and std 1, as in verl.
 """
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from hybridflow.algo.masked import masked_sum, masked_whiten
+from hybridflow.registry import Registry
 
-AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
-
-
-def register_advantage_estimator(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator: register `fn` under `name` (ValueError if the name is taken)."""
-
-    def deco(fn: AdvantageFn) -> AdvantageFn:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
-
-
-def get_advantage_estimator(name: str) -> AdvantageFn:
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
-    return ADVANTAGE_ESTIMATORS[name]
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
+get_advantage_estimator = ADVANTAGE_ESTIMATORS.lookup
 
 
 # ---------------------------------------------------------------- helpers

@@ -16,36 +16,20 @@ The vanilla PPO policy loss, with r = exp(clamp(logp - logp_old, -20, 20)) and a
 The dual clip bounds the loss of a token whose ratio ran far up with a negative advantage.
 """
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from hybridflow.algo.kl import kl_estimate
 from hybridflow.algo.masked import masked_mean, masked_sum
+from hybridflow.registry import Registry
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
-PolicyLossFn = Callable[..., tuple[Tensor, dict]]
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: register `fn` under `name` (ValueError if the name is taken)."""
-
-    def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name]
+POLICY_LOSSES = Registry("policy loss")
+register_policy_loss = POLICY_LOSSES.register
+get_policy_loss = POLICY_LOSSES.lookup
 
 
 def _denominator(local: Tensor, given: Optional[float], name: str) -> Tensor:

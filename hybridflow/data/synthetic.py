@@ -16,22 +16,14 @@ A task is a registered function `(rng, size) -> list of records`; every record h
 from __future__ import annotations
 
 import random
-from typing import Callable
+from hybridflow.registry import Registry
 
-_TASKS: dict[str, Callable] = {}
-
-
-def register_task(name: str):
-    def deco(fn):
-        _TASKS[name] = fn
-        return fn
-    return deco
+TASKS = Registry("synthetic task (data.synthetic)")
+register_task = TASKS.register
 
 
 def make_task(name: str, *, size: int, seed: int) -> list[dict]:
-    if name not in _TASKS:
-        raise ValueError(f"data.synthetic={name!r} is not a known task; known: {sorted(_TASKS)}")
-    return _TASKS[name](random.Random(seed), size)
+    return TASKS.lookup(name)(random.Random(seed), size)
 
 
 def _record(prompt: str, answer: str, source: str, response: str | None = None) -> dict:
