@@ -26,7 +26,7 @@ from megatron.core.transformer.module import Float16Module
 
 from hybridflow.config import ModelConfig, OptimConfig, ParallelConfig
 from hybridflow.data.batch import RolloutBatch
-from hybridflow.models.build import build_model
+from hybridflow.models.build import LM_ROLES, build_model
 from hybridflow.models.logprob import vocab_parallel_logprobs
 from hybridflow.parallel.groups import device
 
@@ -104,7 +104,7 @@ class Engine:
 
     # ------------------------------------------------------------------ passes
     def _run(self, batch: RolloutBatch, *, micro_batch_size: int, forward_only: bool,
-             head: Callable, loss_fn: Optional[LossFn], temperature: float, need_entropy: bool):
+             loss_fn: Optional[LossFn], temperature: float, need_entropy: bool):
         if self.tcfg.sequence_parallel:  # the sequence is split over TP: its length must divide
             batch = batch.padded_to(ps.get_tensor_model_parallel_world_size())
         micro = [mb.to(self.device) for mb in batch.split(micro_batch_size)]
@@ -120,7 +120,7 @@ class Engine:
             def loss_func(output):
                 # outputs that predict response tokens; a reward model reads each token's own state
                 pred = output[:, p:] if self.role == "reward" else output[:, p - 1:-1]
-                if head is _lm_head:
+                if self.role in LM_ROLES:
                     res = _lm_head(pred, mb, tp_group=tp_group, temperature=temperature,
                                    true_vocab=self.vocab_limit, entropy=need_entropy)
                 else:
@@ -146,12 +146,12 @@ class Engine:
     def compute_logprobs(self, batch: RolloutBatch, *, micro_batch_size: int,
                          temperature: float = 1.0) -> torch.Tensor:
         out = self._run(batch, micro_batch_size=micro_batch_size, forward_only=True,
-                        head=_lm_head, loss_fn=None, temperature=temperature, need_entropy=False)
+                        loss_fn=None, temperature=temperature, need_entropy=False)
         return self._from_last_stage(out, "logprobs", batch)
 
     def compute_values(self, batch: RolloutBatch, *, micro_batch_size: int) -> torch.Tensor:
         out = self._run(batch, micro_batch_size=micro_batch_size, forward_only=True,
-                        head=_value_head, loss_fn=None, temperature=1.0, need_entropy=False)
+                        loss_fn=None, temperature=1.0, need_entropy=False)
         return self._from_last_stage(out, "values", batch)
 
     def compute_scores(self, batch: RolloutBatch, *, micro_batch_size: int) -> torch.Tensor:
@@ -166,8 +166,7 @@ class Engine:
         assert self.trainable
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        head = _lm_head if self.role in ("actor", "ref") else _value_head
-        out = self._run(batch, micro_batch_size=micro_batch_size, forward_only=False, head=head,
+        out = self._run(batch, micro_batch_size=micro_batch_size, forward_only=False,
                         loss_fn=loss_fn, temperature=temperature, need_entropy=need_entropy)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
@@ -200,10 +199,6 @@ def _lm_head(pred, mb, *, tp_group, temperature, true_vocab, entropy):
     if entropy:
         return {"logprobs": res[0], "entropy": res[1]}
     return {"logprobs": res}
-
-
-def _value_head(*args, **kwargs):  # marker: the critic's output already is the value
-    raise AssertionError("not called")
 
 
 def _sum_metrics(outs: list, dev: torch.device) -> dict:
