@@ -13,7 +13,6 @@ import json
 import os
 import queue
 import random
-import shutil
 from typing import Optional
 
 import numpy as np
@@ -60,7 +59,9 @@ def write_rank0_files(tmp: str, *, step: int, roles: list, trainer_state: dict,
     if tokenizer_dir is not None:
         if not os.path.isdir(tokenizer_dir):
             raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir} is not a directory")
-        shutil.copytree(tokenizer_dir, os.path.join(tmp, "tokenizer"))
+        from hybridflow.models.hf_save import copy_tokenizer_files
+
+        copy_tokenizer_files(tokenizer_dir, os.path.join(tmp, "tokenizer"))  # not the weights
 
 
 def read_trainer_state(path: str) -> dict:

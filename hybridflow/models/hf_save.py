@@ -27,6 +27,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def copy_tokenizer_files(src_dir: str, dst_dir: str) -> None:
+    """Copy the tokenizer's files (not the model weights beside them) from src_dir to dst_dir."""
+    os.makedirs(dst_dir, exist_ok=True)
+    for name in sorted(os.listdir(src_dir)):
+        if name in TOKENIZER_FILES or name.endswith(".model"):
+            shutil.copy2(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+
+
 def _is_hf_named(sd: Mapping[str, torch.Tensor]) -> bool:
     return any(k.startswith(("model.", "lm_head.")) for k in sd)
 
@@ -97,9 +105,7 @@ def save_hf_checkpoint(out_dir: str, full_sd: Mapping[str, torch.Tensor], cfg: M
     _write_json(os.path.join(tmp, "config.json"), write_hf_config(cfg, dtype=dtype))
     _write_json(os.path.join(tmp, "generation_config.json"), _generation_config(tokenizer_dir))
     if tokenizer_dir is not None:
-        for name in sorted(os.listdir(tokenizer_dir)):
-            if name in TOKENIZER_FILES or name.endswith(".model"):
-                shutil.copy2(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
+        copy_tokenizer_files(tokenizer_dir, tmp)
     old = out_dir + ".old"
     if os.path.exists(out_dir):
         shutil.rmtree(old, ignore_errors=True)
