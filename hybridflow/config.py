@@ -249,6 +249,14 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if a.adv_estimator != "gae" and r.n < 2 and a.adv_estimator != "reinforce_plus_plus":
         raise ValueError(f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt: "
                          f"set rollout.n >= 2 (got {r.n})")
+    for key in ("ppo_mini_batch_size", "micro_batch_size", "ppo_epochs"):
+        _positive(f"algo.{key}", getattr(a, key))
+    _positive("data.prompts_per_step", d.prompts_per_step)
+    pp_uneven = p.pipeline_parallel_size > 1 and (d.prompts_per_step // dp) % a.micro_batch_size
+    if cfg.trainer.sft_warmup_steps > 0 and pp_uneven:  # PP sends fixed-size micro-batches
+        raise ValueError(f"algo.micro_batch_size={a.micro_batch_size} must divide the warm-up batch "
+                         f"per rank data.prompts_per_step / DP = {d.prompts_per_step // dp} "
+                         f"when parallel.pipeline_parallel_size > 1")
     seqs = d.prompts_per_step * r.n
     if seqs % a.ppo_mini_batch_size:
         raise ValueError(f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} must divide the "

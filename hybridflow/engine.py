@@ -35,12 +35,14 @@ LossFn = Callable[[dict, RolloutBatch], tuple[torch.Tensor, dict]]
 
 def attention_mask(token_mask: torch.Tensor) -> Optional[torch.Tensor]:
     """(B, S) 0/1 -> Megatron bool mask (B, 1, S, S), True = masked; None when nothing is padded.
-    Padded queries attend to themselves so no softmax row is empty (no NaNs)."""
+    The mask is complete (causal AND key-valid): Megatron's own softmax adds the causal part only
+    when no mask is given. Padded queries attend to themselves so no softmax row is empty."""
     if bool(token_mask.all()):
         return None
     s = token_mask.shape[1]
     eye = torch.eye(s, dtype=torch.bool, device=token_mask.device)
-    allowed = token_mask.bool()[:, None, None, :] | eye
+    causal = torch.ones(s, s, dtype=torch.bool, device=token_mask.device).tril()
+    allowed = (token_mask.bool()[:, None, None, :] & causal) | eye
     return ~allowed
 
 
@@ -80,7 +82,9 @@ class Engine:
                 lr_decay_steps=max(total_updates, optim.lr_warmup_steps + 1),
                 lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay,
                 end_wd=optim.weight_decay, wd_incr_steps=max(total_updates, 1),
-                wd_incr_style="constant")
+                wd_incr_style="constant",
+                # on resume the config's schedule wins (e.g. a longer run); the step count is restored
+                use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
             self.tcfg.no_sync_func = model.no_sync
             self.tcfg.finalize_model_grads_func = finalize_model_grads
             self.tcfg.grad_scale_func = self.optimizer.scale_loss

@@ -5,8 +5,9 @@ training shards (no second model); when TP_g == TP_t and PP_t == 1 the training 
 as they are. The gen layout has more replicas than training: inside one training model-parallel group
 (the TP_t x PP_t ranks of a DP replica) there are k = PP_t * TP_t / TP_g gen replicas. The DP replica's
 prompts are split into k chunks, gen replica j generates chunk j, and the chunks are all-gathered over
-the model-parallel group, so every rank of the DP replica ends with the same full batch (when the
-prompts do not divide by k, every gen replica generates all of them with the same seed instead). Sequence scores come from the rule reward (decoded text) and/or
+the model-parallel group, so every rank of the DP replica ends with the same full batch (chunk sizes
+differ by at most one; with fewer prompts than gen replicas, every gen replica generates all of them
+with the same seed instead). Sequence scores come from the rule reward (decoded text) and/or
 the reward model (scalar head at the last response token).
 """
 
@@ -66,32 +67,36 @@ class RolloutStage:
         from hybridflow.rollout import Generator
 
         r = self.cfg.rollout
+        # chunk j of the DP replica's prompts for gen replica j (sizes differ by at most one)
+        k, split = self.num_replicas, self.num_replicas > 1 and len(items) >= self.num_replicas
+        seed = self.cfg.trainer.seed * 1_000_003 + step * 1009 + ps.get_data_parallel_rank()
+        mine = items
+        if split:
+            base, extra = divmod(len(items), k)
+            start = self.replica * base + min(self.replica, extra)
+            mine = items[start:start + base + (self.replica < extra)]
+            seed += 7919 * self.replica
         with timer("reshard"):
             params = self._gen_params()
-        split = self.num_replicas > 1 and len(items) % self.num_replicas == 0
-        mine = items
-        seed = self.cfg.trainer.seed * 1_000_003 + step * 1009 + ps.get_data_parallel_rank()
-        if split:
-            size = len(items) // self.num_replicas
-            mine = items[self.replica * size:(self.replica + 1) * size]
-            seed += 7919 * self.replica
-        with timer("gen"):
-            gen = Generator(model_cfg=self.actor.model_cfg, params=params,
-                            tp_group=self.gen_tp_group, device=self.actor.device,
-                            dtype=self.actor.tcfg.params_dtype,
-                            true_vocab_size=self.actor.vocab_limit)
-            with torch.no_grad():
-                out = gen.generate([it.prompt_ids for it in mine], cfg=r,
-                                   eos_id=-1 if r.ignore_eos else self.tok.eos_id,
-                                   pad_id=self.tok.pad_id, seed=seed)
-            gen.release()
-            del gen
-            parts = (out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask)
-            parts = tuple(t.cpu() for t in parts)
-            if split:
-                parts = self._gather_replicas(parts)
-        if self.resharder is not None:
-            self.resharder.release()
+        try:
+            with timer("gen"):
+                gen = Generator(model_cfg=self.actor.model_cfg, params=params,
+                                tp_group=self.gen_tp_group, device=self.actor.device,
+                                dtype=self.actor.tcfg.params_dtype,
+                                true_vocab_size=self.actor.vocab_limit)
+                with torch.no_grad():
+                    out = gen.generate([it.prompt_ids for it in mine], cfg=r,
+                                       eos_id=-1 if r.ignore_eos else self.tok.eos_id,
+                                       pad_id=self.tok.pad_id, seed=seed)
+                gen.release()
+                del gen
+                parts = (out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask)
+                parts = tuple(t.cpu() for t in parts)
+                if split:
+                    parts = self._gather_replicas(parts)
+        finally:
+            if self.resharder is not None:
+                self.resharder.release()
         n = r.n
         local = len(items)
         first = ps.get_data_parallel_rank() * local

@@ -40,9 +40,12 @@ def _rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _fail(msg: str) -> int:
-    if _rank0():
-        print(f"hybridflow: error: {msg}", file=sys.stderr, flush=True)
+def _fail(msg: str, *, collective: bool = True) -> int:
+    """Config errors happen on every rank (rank 0 speaks); a runtime error may hit one rank only,
+    so every failing rank says which it is."""
+    if _rank0() or not collective:
+        rank = "" if collective else f"[rank {os.environ.get('RANK', '0')}] "
+        print(f"hybridflow: error: {rank}{msg}", file=sys.stderr, flush=True)
     return 2
 
 
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
         Trainer(cfg).train()
     except (ValueError, FileNotFoundError) as e:
-        return _fail(str(e))
+        return _fail(str(e), collective=int(os.environ.get("WORLD_SIZE", "1")) == 1)
     finally:
         groups.destroy()
     return 0

@@ -11,10 +11,6 @@ not depend on the DP size.
 
 from __future__ import annotations
 
-import os
-import random
-
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -69,7 +65,8 @@ class Trainer:
             self.step += 1
             self.logger.log(self.step, metrics)
             history.append(metrics)
-            if t.save_every and self.step % t.save_every == 0 and self.step < last:
+            final = self.step == last and t.save_final and not t.probe_steps  # saved below
+            if t.save_every and self.step % t.save_every == 0 and not final:
                 self.checkpointer.save()
         if t.probe_steps:
             from hybridflow.probe import write_probe
@@ -205,21 +202,15 @@ class Trainer:
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict:
+        # RNG states are per rank: hybridflow.checkpoint saves and restores them itself
         return {"step": self.step, "sft_done": self.sft_done,
-                "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                        "torch": torch.get_rng_state()}}
+                "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
         self.sft_done = state["sft_done"]
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        rng = state.get("rng")
-        if rng:
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            torch.set_rng_state(rng["torch"])
 
 
 def _local_rows(local_size: int) -> slice:

@@ -87,6 +87,12 @@ def save_checkpoint(root_dir: str, *, step: int, models: dict, optimizers: dict 
     state.sync_writer_shims()
     rank = dist.get_rank()
     final, tmp = step_dir(root_dir, step), step_dir(root_dir, step) + ".tmp"
+    # A published step is never rewritten (the trainer's state at one step is one state): swapping
+    # directories would open a window in which a crash loses the step that `latest` names.
+    exists = [rank == 0 and os.path.isdir(final)]
+    dist.broadcast_object_list(exists, src=0)
+    if exists[0]:
+        return final
     if rank == 0:
         os.makedirs(root_dir, exist_ok=True)
         for name in os.listdir(root_dir):  # leftovers of crashed saves
@@ -113,21 +119,17 @@ def save_checkpoint(root_dir: str, *, step: int, models: dict, optimizers: dict 
         _publish(root_dir, tmp, final, step)
         if keep_last:
             for old in _complete_steps(root_dir)[:-keep_last]:
-                if old != step:
-                    shutil.rmtree(step_dir(root_dir, old), ignore_errors=True)
+                if old != step:  # rename first: a crash mid-delete leaves only a *.tmp leftover
+                    doomed = step_dir(root_dir, old) + ".del.tmp"
+                    os.rename(step_dir(root_dir, old), doomed)
+                    shutil.rmtree(doomed, ignore_errors=True)
     dist.barrier()
     return final
 
 
 def _publish(root_dir: str, tmp: str, final: str, step: int) -> None:
     """Rank 0: make the finished tmp dir the checkpoint of `step`, then point `latest` at it."""
-    if os.path.exists(final):  # saving the same step again: swap, then drop the old copy
-        old = final + ".old.tmp"
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
+    os.rename(tmp, final)
     latest_tmp = os.path.join(root_dir, "latest.tmp")
     with open(latest_tmp, "w", encoding="utf-8") as f:
         f.write(f"{step}\n")

@@ -28,6 +28,11 @@ class ValueHead(MegatronModule):
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:
+            # every TP rank computes the same full-sequence grad here: the backward must only split
+            # it (tensor_parallel_output_grad=False), not sum it over TP
             hidden_states = gather_from_sequence_parallel_region(
-                hidden_states, group=ps.get_tensor_model_parallel_group())
-        return self.linear(hidden_states.to(self.linear.weight.dtype)).float(), None
+                hidden_states, tensor_parallel_output_grad=False,
+                group=ps.get_tensor_model_parallel_group())
+        # fp32 even when Float16Module has cast the module to bf16: values feed GAE and scores
+        w, b = self.linear.weight.float(), self.linear.bias.float()
+        return torch.nn.functional.linear(hidden_states.float(), w, b), None

@@ -9,7 +9,8 @@ megatron-core 0.16.1 on torch 2.13 CPU (see shared/MEGATRON_CPU.md, items 1-6):
 2. `torch.cuda.current_device()` returns the CPU device, so scratch buffers are allocated on CPU.
 3. Streams, events, synchronize and nvtx become no-ops: CPU ops are synchronous.
 4. A TorchFunctionMode maps `device='cuda'` to CPU, makes `.cuda()` / `pin_memory()` no-ops and reports
-   CUDA type names where grad clipping asserts them.
+   CUDA type names to Megatron's own `.type()` checks (grad clipping, optimizer) and nobody else's.
+   The mode is entered on the main thread (torch function modes are thread-local).
 
 `install()` is called once by `hybridflow.parallel.groups` before megatron builds anything, and only
 when `torch.cuda.is_available()` is False. No other module knows this file exists.
@@ -18,6 +19,7 @@ when `torch.cuda.is_available()` is False. No other module knows this file exist
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -66,6 +68,19 @@ class _NullEvent:
         return 0.0
 
 
+def _called_from_megatron() -> bool:
+    """Only Megatron's own `.type() == 'torch.cuda.FloatTensor'` checks see CUDA type names."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("torch"):
+            return module.startswith("megatron.")
+        frame = frame.f_back
+    return False
+
+
 def _map_device(value):
     if isinstance(value, str) and value.startswith("cuda"):
         return "cpu"
@@ -93,7 +108,7 @@ class _CudaToCpuMode(TorchFunctionMode):
             return args[0]
         if name == "type" and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
             out = func(*args)
-            return _CUDA_TYPE_NAMES.get(out, out)
+            return _CUDA_TYPE_NAMES.get(out, out) if _called_from_megatron() else out
         if "device" in kwargs:
             kwargs["device"] = _map_device(kwargs["device"])
         if name == "to" and len(args) > 1 and isinstance(args[1], (str, torch.device)):

@@ -53,6 +53,11 @@ def init_distributed(*, timeout_minutes: int = 30) -> None:
         torch.cuda.set_device(device_id)
         backend = "nccl"
     else:
+        if os.path.exists("/dev/nvidia0") or os.environ.get("CUDA_VISIBLE_DEVICES"):
+            import warnings
+
+            warnings.warn("a GPU seems present but torch.cuda.is_available() is False (driver, CUDA "
+                          "build or CUDA_VISIBLE_DEVICES?): running on CPU over gloo")
         from hybridflow.parallel import _cpu_compat
 
         _cpu_compat.install()

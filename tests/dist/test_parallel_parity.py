@@ -13,7 +13,7 @@ import pytest
 import torch
 from megatron.core import parallel_state as ps
 
-from hybridflow.algo import get_policy_loss
+from hybridflow.algo import get_policy_loss, value_loss
 from hybridflow.config import ModelConfig, OptimConfig, ParallelConfig
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.parallel import groups
@@ -41,14 +41,15 @@ def _global_batch() -> RolloutBatch:
         advantages=torch.randn(b, r, generator=g) * response_mask)
 
 
-def _worker(tp: int, pp: int, dp_expected: int, dist_opt: bool, sp: bool = True):
+def _worker(tp: int, pp: int, dp_expected: int, dist_opt: bool, sp: bool = True,
+            role: str = "actor"):
     from hybridflow.engine import Engine
 
     groups.init_model_parallel(tp=tp, pp=pp, seed=3)
     assert ps.get_data_parallel_world_size() == dp_expected
     par = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                          sequence_parallel=sp and tp > 1, use_distributed_optimizer=dist_opt)
-    eng = Engine(role="actor", model_cfg=MODEL, parallel=par, precision="fp32",
+    eng = Engine(role=role, model_cfg=MODEL, parallel=par, precision="fp32",
                  optim=OptimConfig(lr=1e-3, clip_grad=0.0), total_updates=1)
     fill_deterministic(eng.module, num_layers=MODEL.num_layers)
     if dist_opt:  # the distributed optimizer keeps its own fp32 copy: refresh it from the model
@@ -61,6 +62,11 @@ def _worker(tp: int, pp: int, dp_expected: int, dist_opt: bool, sp: bool = True)
     pg = get_policy_loss("vanilla")
 
     def loss_fn(out, mb):
+        if role == "critic":
+            loss, m = value_loss(values=out["values"], old_values=mb.old_logprobs * 0.1,
+                                 returns=mb.advantages, response_mask=mb.response_mask,
+                                 num_tokens=num_tokens)
+            return loss, {"pg_loss": loss}
         loss, m = pg(logprobs=out["logprobs"], old_logprobs=mb.old_logprobs,
                      advantages=mb.advantages, response_mask=mb.response_mask,
                      num_tokens=num_tokens)
@@ -97,3 +103,14 @@ def test_matches_single_rank(reference, tp, pp, dp, dist_opt, sp):
         for name, w in res["weights"].items():
             torch.testing.assert_close(w, ref["weights"][name], atol=1e-5, rtol=1e-4, msg=name)
     assert ref["grad_norm"] > 0 and len(ref["grads"]) == len(ref["weights"]) > 0
+
+
+def test_critic_tp2_sp_matches_single_rank():
+    """The critic's replicated value head under sequence parallelism (its gather must not sum the
+    already-identical grads over TP)."""
+    ref = run_ranks(_worker, 1, 1, 1, 1, False, False, "critic")[0]
+    for res in run_ranks(_worker, 2, 2, 1, 1, False, True, "critic"):
+        assert abs(res["loss"] - ref["loss"]) < 1e-5
+        assert abs(res["grad_norm"] - ref["grad_norm"]) < 1e-5 * max(1.0, ref["grad_norm"])
+        for name, g in res["grads"].items():
+            torch.testing.assert_close(g, ref["grads"][name], atol=1e-5, rtol=1e-4, msg=name)
