@@ -74,7 +74,7 @@ def updates_per_step(cfg: Config) -> int:
 
 
 def build_engines(cfg: Config) -> dict[str, Engine]:
-    total = cfg.trainer.total_steps * updates_per_step(cfg) + cfg.trainer.sft_warmup_steps
+    total = cfg.trainer.total_steps * updates_per_step(cfg)  # warm-up steps do not use the schedule
     common = dict(parallel=cfg.parallel, precision=cfg.trainer.precision)
     engines = {"actor": Engine(role="actor", model_cfg=cfg.model, optim=cfg.actor_optim,
                                total_updates=total, **common)}
@@ -91,8 +91,16 @@ def build_engines(cfg: Config) -> dict[str, Engine]:
     if cfg.reward.model_path is not None:
         from hybridflow.models.hf import read_hf_config
 
+        from hybridflow.config import validate_model
+
         rm_cfg = dataclasses.replace(read_hf_config(cfg.reward.model_path),
                                      hf_path=cfg.reward.model_path)
+        validate_model(rm_cfg, tp=cfg.parallel.tensor_parallel_size,
+                       pp=cfg.parallel.pipeline_parallel_size, prefix="reward model")
+        if rm_cfg.vocab_size < cfg.model.vocab_size:  # it reads the actor's token ids
+            raise ValueError(f"reward model {cfg.reward.model_path} has vocab_size "
+                             f"{rm_cfg.vocab_size} < the actor's {cfg.model.vocab_size}: it must "
+                             "share the actor's tokenizer")
         engines["reward"] = Engine(role="reward", model_cfg=rm_cfg, **common)
         load_pretrained(engines["reward"], rm_cfg)
     return engines

@@ -238,9 +238,12 @@ def validate(cfg: Config, *, world_size: int) -> None:
                          f"data-parallel size {dp}")
 
     a = cfg.algo
-    from hybridflow.algo import ADVANTAGE_ESTIMATORS  # registry lives with the functions
+    from hybridflow.algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES  # registries live with them
 
     _one_of("algo.adv_estimator", a.adv_estimator, set(ADVANTAGE_ESTIMATORS))
+    _one_of("algo.policy_loss", a.policy_loss, set(POLICY_LOSSES))
+    if a.clip_ratio_c is not None and a.clip_ratio_c <= 1.0:
+        raise ValueError(f"algo.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip bound) or null")
     _one_of("algo.loss_agg_mode", a.loss_agg_mode,
             {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean"})
     _one_of("algo.kl_ctrl", a.kl_ctrl, {"fixed", "adaptive"})

@@ -165,19 +165,29 @@ class Engine:
         return values[torch.arange(batch.batch_size), last]
 
     def train_step(self, batch: RolloutBatch, loss_fn: LossFn, *, micro_batch_size: int,
-                   temperature: float = 1.0, need_entropy: bool = False) -> dict:
-        """One optimizer step on `batch` (this rank's share of a mini-batch)."""
+                   temperature: float = 1.0, need_entropy: bool = False,
+                   lr: Optional[float] = None) -> dict:
+        """One optimizer step on `batch` (this rank's share of a mini-batch). With `lr`, the step
+        uses that fixed rate and leaves the LR schedule where it is (supervised warm-up)."""
         assert self.trainable
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         out = self._run(batch, micro_batch_size=micro_batch_size, forward_only=False,
                         loss_fn=loss_fn, temperature=temperature, need_entropy=need_entropy)
+        scheduled = [g["lr"] for g in self.optimizer.param_groups]
+        if lr is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+        used_lr = self.optimizer.param_groups[0]["lr"]
         ok, grad_norm, _ = self.optimizer.step()
-        if ok:
+        if lr is not None:
+            for g, value in zip(self.optimizer.param_groups, scheduled):
+                g["lr"] = value
+        elif ok:
             self.scheduler.step(increment=1)
         metrics = _sum_metrics(out, self.device)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["lr"] = used_lr
         return metrics
 
     def _from_last_stage(self, outs: list, key: str, batch: RolloutBatch) -> torch.Tensor:

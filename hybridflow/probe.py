@@ -63,8 +63,10 @@ def _prediction(cfg, gpu: str, world: int) -> dict:
             "peak_phase": mem.peak_phase}
 
 
-def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = None) -> dict:
-    """Rank 0 writes probe.json and prints a summary; returns the record on every rank."""
+def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = None,
+                remaining_steps: int | None = None) -> dict:
+    """Rank 0 writes probe.json and prints a summary; returns the record on every rank.
+    `remaining_steps`: steps the run still has to do (total_steps when it starts from scratch)."""
     world = dist.get_world_size()
     later = history[1:] or history
     stages = sorted({k for h in later for k in h if k.startswith("timing_s/")})
@@ -72,13 +74,14 @@ def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = 
     mem_key = "perf/max_memory_allocated_gb" if torch.cuda.is_available() else "perf/max_rss_gb"
     peak = max((h.get(mem_key, 0.0) for h in history), default=0.0)
     step_s = timing.get("timing_s/step", 0.0)
-    hours = step_s * cfg.trainer.total_steps / 3600
+    todo = cfg.trainer.total_steps if remaining_steps is None else remaining_steps
+    hours = step_s * todo / 3600
     gpu = _gpu_name()
     record = {"probe_steps": len(history), "num_gpus": world, "device": gpu or "cpu",
               "measured": {"timing_s": timing, "peak_memory_gb": peak,
                            "reward_trend": [h.get("critic/score/mean") for h in history]},
-              "full_run": {"total_steps": cfg.trainer.total_steps, "hours": hours,
-                           "gpu_hours": hours * world}}
+              "full_run": {"total_steps": cfg.trainer.total_steps, "remaining_steps": todo,
+                           "hours": hours, "gpu_hours": hours * world}}
     if gpu is not None:
         from hybridflow.cost import get_gpu
 
@@ -106,6 +109,6 @@ def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = 
               + (f"  (predicted {record['predicted'].get('peak_memory_gb', float('nan')):.1f})"
                  if "predicted" in record and "peak_memory_gb" in record["predicted"] else ""))
         full = record["full_run"]
-        print(f"  full run: {cfg.trainer.total_steps} steps ~ {full['hours']:.2f} h, "
+        print(f"  full run: {cfg.trainer.total_steps} steps ({todo} to go) ~ {full['hours']:.2f} h, "
               f"{full['gpu_hours']:.2f} GPU-h" + (f", ${full['cost']:.2f}" if "cost" in full else ""))
     return record

@@ -18,6 +18,7 @@ from megatron.core import parallel_state as ps
 
 from hybridflow.config import Config
 from hybridflow.data.batch import RolloutBatch
+from hybridflow.parallel.dp import dp_sum
 from hybridflow.reward import compute_rule_rewards, get_reward_fn
 
 
@@ -141,7 +142,8 @@ class RolloutStage:
                 batch, micro_batch_size=a.forward_micro_batch_size or a.micro_batch_size)
             metrics["reward/model_score/mean"] = float(rm.mean())
             scores = scores + self.cfg.reward.model_weight * rm
-        return scores, metrics
+        dp = ps.get_data_parallel_world_size()  # every DP rank holds the same number of rows
+        return scores, {k: dp_sum(v) / dp for k, v in sorted(metrics.items())}
 
     def _rule_scores(self, items, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
         n = self.cfg.rollout.n

@@ -71,7 +71,8 @@ class Trainer:
         if t.probe_steps:
             from hybridflow.probe import write_probe
 
-            write_probe(self.cfg, history, price_per_gpu_hour=t.price_per_gpu_hour)
+            write_probe(self.cfg, history, price_per_gpu_hour=t.price_per_gpu_hour,
+                        remaining_steps=t.total_steps - (self.step - len(history)))
         elif t.save_final:
             self.checkpointer.save()
         self.logger.summary(history)
@@ -180,16 +181,14 @@ class Trainer:
 
     def sft_warmup(self) -> None:
         """Supervised steps on each record's `extra_info.sft_response` (synthetic tasks)."""
-        steps, lr = self.cfg.trainer.sft_warmup_steps, self.cfg.trainer.sft_lr
+        steps = self.cfg.trainer.sft_warmup_steps
+        lr = self.cfg.trainer.sft_lr or self.cfg.actor_optim.lr
         for s in range(steps):
             items = [self.dataset[i] for i in self.sampler.next_batch()]
             batch = self.rollout.sft_batch(items)
             num_tokens = int(dp_sum(float(batch.response_mask.sum())))
-            if lr is not None:  # the LR scheduler resets it after each step
-                for group in self.actor.optimizer.param_groups:
-                    group["lr"] = lr
             m = self.actor.train_step(batch, sft_objective(num_tokens=num_tokens),
-                                      micro_batch_size=self.cfg.algo.micro_batch_size)
+                                      micro_batch_size=self.cfg.algo.micro_batch_size, lr=lr)
             if (s + 1) % 10 == 0 or s + 1 == steps:
                 self.logger.print(f"sft warm-up {s + 1}/{steps}: nll={m['sft/nll']:.3f}")
         self.sft_done = True
