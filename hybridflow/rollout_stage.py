@@ -14,6 +14,7 @@ the reward model (scalar head at the last response token).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 
 from hybridflow.config import Config
@@ -64,7 +65,7 @@ class RolloutStage:
             return dict(self.actor.module.named_parameters())
         return self.resharder.gather()
 
-    def generate(self, items, *, step: int, timer) -> tuple[RolloutBatch, dict]:
+    def generate(self, items, *, step: int, timer) -> RolloutBatch:
         from hybridflow.rollout import Generator
 
         r = self.cfg.rollout
@@ -106,7 +107,7 @@ class RolloutStage:
         p_ids, p_mask, r_ids, r_mask = parts
         batch = RolloutBatch(prompt_ids=p_ids, prompt_mask=p_mask.long(), response_ids=r_ids,
                              response_mask=r_mask.long(), group_ids=group_ids, indices=indices)
-        return batch, {}
+        return batch
 
     def _gather_replicas(self, parts):
         """Concatenate the gen replicas' chunks (in replica order) on every model-parallel rank."""
@@ -119,17 +120,11 @@ class RolloutStage:
         chunks = [objs[pp * tp_t + tp] for pp in range(self.num_replicas // m) for tp in range(m)]
         p = max(c[0].shape[1] for c in chunks)
         r = max(c[2].shape[1] for c in chunks)
-        pad = self.tok.pad_id
         out = []
-        for k, width in enumerate((p, p, r, r)):
-            left = k < 2
-            rows = []
-            for c in chunks:
-                t = c[k]
-                fill = pad if k % 2 == 0 else 0
-                extra = torch.full((t.shape[0], width - t.shape[1]), fill, dtype=t.dtype)
-                rows.append(torch.cat([extra, t] if left else [t, extra], dim=1))
-            out.append(torch.cat(rows))
+        for k, width in enumerate((p, p, r, r)):  # prompts padded on the left, responses right
+            fill = self.tok.pad_id if k % 2 == 0 else 0  # ids get the pad id, masks 0
+            out.append(torch.cat([F.pad(c[k], (width - c[k].shape[1], 0) if k < 2 else
+                                        (0, width - c[k].shape[1]), value=fill) for c in chunks]))
         return tuple(out)
 
     def score(self, items, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:

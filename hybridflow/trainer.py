@@ -42,6 +42,8 @@ class Trainer:
         self.kl_ctrl = build_kl_controller(a.kl_ctrl, kl_coef=a.kl_coef, target_kl=a.target_kl,
                                            horizon=a.kl_horizon)
         self.estimator = get_advantage_estimator(a.adv_estimator)
+        # log-probs are scored at the sampling temperature (greedy sampling scores at T = 1)
+        self.temperature = cfg.rollout.temperature or 1.0
         self.step = 0
         self.sft_done = cfg.trainer.sft_warmup_steps == 0
         self.checkpointer = Checkpointer(self)
@@ -83,18 +85,18 @@ class Trainer:
         cfg, timer = self.cfg, StageTimer()
         with timer("step"):
             items = [self.dataset[i] for i in self.sampler.next_batch()]
-            batch, gen_metrics = self.rollout.generate(items, step=self.step, timer=timer)
+            batch = self.rollout.generate(items, step=self.step, timer=timer)
             batch = batch.trimmed()
             mbs = cfg.algo.forward_micro_batch_size or cfg.algo.micro_batch_size
             with timer("old_log_prob"):
                 batch.old_logprobs = self.actor.compute_logprobs(
-                    batch, micro_batch_size=mbs, temperature=cfg.rollout.temperature or 1.0)
+                    batch, micro_batch_size=mbs, temperature=self.temperature)
             if self.ref is not None:
                 with timer("ref"):
                     if cfg.trainer.offload_ref:
                         self.ref.onload()
                     batch.ref_logprobs = self.ref.compute_logprobs(
-                        batch, micro_batch_size=mbs, temperature=cfg.rollout.temperature or 1.0)
+                        batch, micro_batch_size=mbs, temperature=self.temperature)
                     if cfg.trainer.offload_ref:
                         self.ref.offload()
             if self.critic is not None:
@@ -111,7 +113,7 @@ class Trainer:
             if self.step >= cfg.trainer.critic_warmup:
                 with timer("update_actor"):
                     update_metrics.update(self.update(self.actor, batch, actor_objective))
-        metrics = {**gen_metrics, **reward_metrics, **adv_metrics, **update_metrics,
+        metrics = {**reward_metrics, **adv_metrics, **update_metrics,
                    **timer.metrics(), **memory_metrics()}
         metrics.update(self.throughput(batch, metrics["timing_s/step"]))
         return metrics
@@ -170,7 +172,7 @@ class Trainer:
                 loss_fn = objective(a, num_tokens=max(num_tokens, 1),
                                     num_seqs=a.ppo_mini_batch_size)
                 m = engine.train_step(mb, loss_fn, micro_batch_size=a.micro_batch_size,
-                                      temperature=self.cfg.rollout.temperature or 1.0,
+                                      temperature=self.temperature,
                                       need_entropy=engine.role == "actor")
                 prefix = "actor" if engine.role == "actor" else "critic"
                 m[f"{prefix}/grad_norm"], m[f"{prefix}/lr"] = m.pop("grad_norm"), m.pop("lr")

@@ -15,7 +15,6 @@ padded logits are masked by the log-prob and sampling code.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -138,7 +137,3 @@ def build_model(cfg: ModelConfig, *, role: str, tp: int, pp: int, sequence_paral
     elif post and spec.submodules.self_attention.submodules.linear_qkv is LeanColumnParallelLinear:
         LeanOutputLinear.adopt(model.output_layer)  # batch-major logits: no transpose copies
     return model
-
-
-def model_config_for(cfg: ModelConfig, **changes) -> ModelConfig:
-    return dataclasses.replace(cfg, **changes)
