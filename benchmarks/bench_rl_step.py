@@ -37,11 +37,12 @@ def run(algo: str, args, workdir: str) -> list[dict]:
                  f"rollout.tensor_parallel_size={args.tp_gen or args.tp}"]
     if args.fmicro:
         overrides.append(f"algo.forward_micro_batch_size={args.fmicro}")
+    overrides += [f"trainer.gc_interval={args.gc_interval}", *args.override]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     launcher = [sys.executable]
     if args.nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
-                     "--master_addr", "127.0.0.1", "--master_port", "29517"]
+                     "--master_addr", "127.0.0.1", "--master_port", str(args.port)]
     subprocess.run([*launcher, "-m", "hybridflow.train", *overrides], check=True, env=env,
                    cwd=ROOT)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -52,8 +53,10 @@ def summarize(rows: list[dict]) -> dict:
     later = rows[1:] or rows
     keys = sorted({k for r in later for k in r if k.startswith(("timing_s/", "perf/"))})
     med = {k: statistics.median(r[k] for r in later if k in r) for k in keys}
+    spread = {k: [min(r[k] for r in later if k in r), max(r[k] for r in later if k in r)]
+              for k in keys if k.startswith("timing_s/")}
     return {"first_step": {k: v for k, v in rows[0].items() if k.startswith("timing_s/")},
-            "median_later_steps": med, "steps": rows}
+            "median_later_steps": med, "min_max_later_steps": spread, "steps": rows}
 
 
 def main():
@@ -63,12 +66,15 @@ def main():
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--response", type=int, default=256)
     ap.add_argument("--micro", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=7, help="steps per run; step 1 is reported apart")
     ap.add_argument("--algos", default="grpo,ppo")
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--fmicro", type=int, default=None, help="forward-only micro-batch size")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--tp-gen", dest="tp_gen", type=int, default=None)
+    ap.add_argument("--gc-interval", dest="gc_interval", type=int, default=1)
+    ap.add_argument("--port", type=int, default=29517)
+    ap.add_argument("--override", action="append", default=[], help="extra Hydra override")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results, records = {}, []
@@ -77,6 +83,7 @@ def main():
             results[algo] = summarize(run(algo, args, work))
             m = results[algo]["median_later_steps"]
             tag = f"-tp{args.tp}g{args.tp_gen or args.tp}" if args.nproc > 1 else ""
+            tag += f"-p{args.prompts}n{args.samples}r{args.response}-mb{args.micro}f{args.fmicro or args.micro}"
             records.append({"name": f"{args.model}-{args.nproc}xH200-{algo}{tag}", "config": {
                 "model": args.model, "gpu": "H200", "num_gpus": args.nproc,
                 "layout": {"tp": args.tp, "pp": 1, "dp": args.nproc // args.tp,
@@ -86,6 +93,7 @@ def main():
                 "samples_per_prompt": args.samples, "prompt_len": 128,
                 "response_len": args.response, "ppo_epochs": 1, "mini_batches": 1,
                 "micro_batch_tokens": args.micro * (128 + args.response),
+                "forward_micro_batch_tokens": (args.fmicro or args.micro) * (128 + args.response),
                 "use_reference": algo == "grpo"}, "metrics": m})
     import torch
 

@@ -141,6 +141,10 @@ class TrainerConfig:
     probe_steps: int = 0  # >0: run N steps, write probe.json (time/cost forecast), stop
     price_per_gpu_hour: Optional[float] = None  # for the probe's cost; None: the GPU's default
     offload_ref: bool = False
+    # Python GC: N > 0 turns automatic collection off during training and collects every N steps
+    # (at the start of the step, timed as timing_s/gc), as Megatron's --manual-gc: automatic
+    # collections at random points stall every rank of a collective; 0: Python's default.
+    gc_interval: int = 1
     log_every: int = 1
     progress_bar: bool = True
     tensorboard: bool = True
@@ -277,6 +281,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
                 {"constant", "linear", "cosine"})
     _one_of("trainer.precision", cfg.trainer.precision, {"fp32", "bf16"})
     _positive("trainer.total_steps", cfg.trainer.total_steps)
+    if cfg.trainer.gc_interval < 0:
+        raise ValueError(f"trainer.gc_interval={cfg.trainer.gc_interval} must be >= 0 "
+                         "(0: Python's automatic GC)")
 
 
 def load_config(overrides: list[str], *, config_name: str = "ppo") -> Config:

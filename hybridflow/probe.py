@@ -42,6 +42,7 @@ def _prediction(cfg, gpu: str, world: int) -> dict:
               "tp_gen": cfg.rollout.tensor_parallel_size or p.tensor_parallel_size,
               "offload_ref": cfg.trainer.offload_ref, "recompute": False}
     seqs = cfg.data.prompts_per_step * cfg.rollout.n
+    seq_len = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     model = {k: getattr(cfg.model, k) for k in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
         "kv_channels", "vocab_size", "tie_word_embeddings")}
@@ -51,8 +52,9 @@ def _prediction(cfg, gpu: str, world: int) -> dict:
                     prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens,
                     ppo_epochs=cfg.algo.ppo_epochs,
                     mini_batches=max(1, seqs // cfg.algo.ppo_mini_batch_size),
-                    micro_batch_tokens=cfg.algo.micro_batch_size * (
-                        cfg.data.max_prompt_length + cfg.rollout.max_new_tokens),
+                    micro_batch_tokens=cfg.algo.micro_batch_size * seq_len,
+                    forward_micro_batch_tokens=(cfg.algo.forward_micro_batch_size
+                                                or cfg.algo.micro_batch_size) * seq_len,
                     use_reference=cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward,
                     dtype="bf16" if cfg.trainer.precision == "bf16" else "fp32")
     kw = dict(model=model, gpu=gpu, num_gpus=world, layout=layout, **workload)

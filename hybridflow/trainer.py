@@ -11,6 +11,9 @@ not depend on the DP size.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -62,14 +65,15 @@ class Trainer:
             self.sft_warmup()
         t = self.cfg.trainer
         last = t.total_steps if not t.probe_steps else min(t.total_steps, self.step + t.probe_steps)
-        while self.step < last:
-            metrics = self.train_step()
-            self.step += 1
-            self.logger.log(self.step, metrics)
-            history.append(metrics)
-            final = self.step == last and t.save_final and not t.probe_steps  # saved below
-            if t.save_every and self.step % t.save_every == 0 and not final:
-                self.checkpointer.save()
+        with manual_gc(t.gc_interval > 0):
+            while self.step < last:
+                metrics = self.train_step()
+                self.step += 1
+                self.logger.log(self.step, metrics)
+                history.append(metrics)
+                final = self.step == last and t.save_final and not t.probe_steps  # saved below
+                if t.save_every and self.step % t.save_every == 0 and not final:
+                    self.checkpointer.save()
         if t.probe_steps:
             from hybridflow.probe import write_probe
 
@@ -84,6 +88,10 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, timer = self.cfg, StageTimer()
         with timer("step"):
+            gc_every = cfg.trainer.gc_interval
+            if gc_every > 0 and self.step % gc_every == 0:
+                with timer("gc"):
+                    gc.collect()
             items = [self.dataset[i] for i in self.sampler.next_batch()]
             batch = self.rollout.generate(items, step=self.step, timer=timer)
             batch = batch.trimmed()
@@ -217,3 +225,20 @@ class Trainer:
 def _local_rows(local_size: int) -> slice:
     r = ps.get_data_parallel_rank()
     return slice(r * local_size, (r + 1) * local_size)
+
+
+@contextlib.contextmanager
+def manual_gc(enabled: bool):
+    """Automatic Python GC off inside (the step collects explicitly); objects alive on entry (models,
+    optimizer, dataset) are frozen out of later collections so each one scans only the step's garbage."""
+    if not enabled or not gc.isenabled():
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()

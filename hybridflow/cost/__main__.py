@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ppo-epochs", type=int, default=1)
     p.add_argument("--mini-batches", type=int, default=1)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--forward-micro-batch-tokens", type=int,
+                   help="micro-batch of the forward-only passes (default: --micro-batch-tokens)")
     p.add_argument("--no-reference", action="store_false", dest="use_reference")
     p.add_argument("--calibration", help="JSON written by python -m hybridflow.cost.calibrate")
     g = p.add_argument_group("force a layout (else searched)")
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             prompt_len=a.prompt_len, response_len=a.response_len, steps=a.steps, epochs=a.epochs,
             dataset_size=a.dataset_size, price_per_gpu_hour=a.price_per_gpu_hour, layout=layout,
             ppo_epochs=a.ppo_epochs, mini_batches=a.mini_batches,
-            micro_batch_tokens=a.micro_batch_tokens, use_reference=a.use_reference,
+            micro_batch_tokens=a.micro_batch_tokens,
+            forward_micro_batch_tokens=a.forward_micro_batch_tokens, use_reference=a.use_reference,
             calibration=a.calibration)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -52,7 +52,8 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                   algorithm: str = "grpo", steps: int | None = None, epochs: float | None = None,
                   dataset_size: int | None = None, price_per_gpu_hour: float | None = None,
                   layout: dict | None = None, ppo_epochs: int = 1, mini_batches: int = 1,
-                  micro_batch_tokens: int = 8192, dtype: str = "bf16", use_reference: bool = True,
+                  micro_batch_tokens: int = 8192, forward_micro_batch_tokens: int | None = None,
+                  dtype: str = "bf16", use_reference: bool = True,
                   calibration=None) -> CostReport:
     """Memory, seconds per stage, GPU-hours and money of an RL run, and the layout to run it in.
 
@@ -65,7 +66,9 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
     work = Workload(algorithm=algorithm, prompts_per_step=prompts_per_step,
                     samples_per_prompt=samples_per_prompt, prompt_len=prompt_len,
                     response_len=response_len, ppo_epochs=ppo_epochs, mini_batches=mini_batches,
-                    micro_batch_tokens=micro_batch_tokens, use_reference=use_reference, dtype=dtype)
+                    micro_batch_tokens=micro_batch_tokens,
+                    forward_micro_batch_tokens=forward_micro_batch_tokens,
+                    use_reference=use_reference, dtype=dtype)
     num_steps, steps_note = _num_steps(steps, epochs, dataset_size, prompts_per_step)
     if layout is not None:
         lay = make_layout(layout, num_gpus)

@@ -107,7 +107,7 @@ def _activations(shape: ModelShape, layout: Layout, workload: Workload, phase: s
     layer = activation_bytes_per_token_layer(shape)
     logits = 0 if phase in ("values", "update_critic") else shape.vocab_size * LOGIT_BYTES / tp
     if phase in ("old_log_prob", "ref", "values"):
-        return micro_tokens * (layer / tp + logits)
+        return workload.seqs_per_forward_micro_batch * workload.seq_len * (layer / tp + logits)
     in_flight = min(layout.pp, workload.num_micro_batches(layout.dp))
     layers_kept = shape.num_layers // layout.pp * in_flight
     if layout.recompute:

@@ -152,7 +152,7 @@ def _passes(t: StageTerms, shape: ModelShape, gpu: GPU, layout: Layout, *, ideal
 def _forward(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, role: str) -> StageTerms:
     t, shard = StageTerms(), layout.tp * layout.pp
     seqs = math.ceil(w.num_sequences / layout.dp)
-    micro = math.ceil(seqs / w.seqs_per_micro_batch)
+    micro = math.ceil(seqs / w.seqs_per_forward_micro_batch)
     flops = seqs * w.seq_len * forward_flops_per_token(shape, w.seq_len, role) / shard
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef="inv_forward_mfu",
             tokens=seqs * w.seq_len, micro=micro, flushes=1, layer_passes=1)

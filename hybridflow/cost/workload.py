@@ -19,7 +19,10 @@ class Workload:
     response_len: int = 1024      # every response is assumed to run to this length
     ppo_epochs: int = 1
     mini_batches: int = 1         # optimizer steps per PPO epoch
-    micro_batch_tokens: int = 8192  # tokens per micro-batch in the training/forward phases
+    micro_batch_tokens: int = 8192  # tokens per micro-batch in the update phases
+    # tokens per micro-batch of the forward-only passes (old_log_prob, ref, values); None: as above
+    # (the trainer's algo.forward_micro_batch_size)
+    forward_micro_batch_tokens: int | None = None
     use_reference: bool = True
     dtype: str = "bf16"
 
@@ -32,6 +35,9 @@ class Workload:
                   "ppo_epochs", "mini_batches", "micro_batch_tokens"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be a positive integer, got {getattr(self, f)!r}")
+        f = self.forward_micro_batch_tokens
+        if f is not None and (not isinstance(f, int) or f <= 0):
+            raise ValueError(f"forward_micro_batch_tokens must be a positive integer or None, got {f!r}")
 
     @property
     def has_critic(self) -> bool:
@@ -52,6 +58,10 @@ class Workload:
     @property
     def seqs_per_micro_batch(self) -> int:
         return max(1, self.micro_batch_tokens // self.seq_len)
+
+    @property
+    def seqs_per_forward_micro_batch(self) -> int:
+        return max(1, (self.forward_micro_batch_tokens or self.micro_batch_tokens) // self.seq_len)
 
     def num_micro_batches(self, dp: int) -> int:
         """Micro-batches per DP rank per mini-batch."""
