@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The H200 configurations behind the cost model's calibration and its leave-one-out check
 # (benchmarks/results/rl_*.json; README "Cost model validation"). Run on a 2-GPU machine:
-#   bash benchmarks/cost_matrix.sh x1 $OUT    # 1-GPU configs, two at a time (one per GPU)
-#   bash benchmarks/cost_matrix.sh x2 $OUT    # 2-GPU configs (DP=2, TP=2)
+#   bash benchmarks/cost_matrix.sh x1 DIR     # 1-GPU configs, one after another on GPU 0
+#   bash benchmarks/cost_matrix.sh x2 DIR     # 2-GPU configs (DP=2, TP=2)
+# One config at a time: the passes are host-bound at these sizes and a neighbour's host load would
+# show in them (a first pass ran 1-GPU configs two side by side; its numbers are not used).
 # then: python -m hybridflow.cost.calibrate benchmarks/results/rl_*.json \
 #         -o benchmarks/results/calibration.json --validation benchmarks/results/cost_validation.json
 set -u
 part=$1; out=$2; mkdir -p "$out"
 B="python benchmarks/bench_rl_step.py"
-one() {  # one() GPU NAME ARGS...: a 1-GPU config on GPU $1, log next to its JSON
-  local gpu=$1 name=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$gpu $B "$@" --out "$out/$name.json" > "$out/$name.log" 2>&1 \
+one() {  # one() NAME ARGS...: a 1-GPU config, log next to its JSON
+  local name=$1; shift
+  CUDA_VISIBLE_DEVICES=0 timeout 300 $B "$@" --out "$out/$name.json" > "$out/$name.log" 2>&1 \
     || echo "FAILED $name (see $name.log)"
 }
 two() {  # two() NAME ARGS...: a 2-GPU config
@@ -20,11 +22,12 @@ two() {  # two() NAME ARGS...: a 2-GPU config
 }
 case $part in
 x1)
-  one 0 rl_0_5b_x1_mb8 --algos grpo,ppo & one 1 rl_1_5b_x1_mb8 --model qwen2_1_5b --algos grpo,ppo & wait
-  one 0 rl_0_5b_x1_mb16f32 --algos grpo --micro 16 --fmicro 32 &
-  one 1 rl_1_5b_x1_mb16f32 --model qwen2_1_5b --algos grpo --micro 16 --fmicro 32 & wait
-  one 0 rl_0_5b_x1_p16r512 --algos grpo --prompts 16 --response 512 --micro 4 &
-  one 1 rl_1_5b_x1_p16n4r128 --model qwen2_1_5b --algos ppo --prompts 16 --samples 4 --response 128 & wait
+  one rl_0_5b_x1_mb8 --algos grpo,ppo
+  one rl_1_5b_x1_mb8 --model qwen2_1_5b --algos grpo,ppo
+  one rl_0_5b_x1_mb16f32 --algos grpo --micro 16 --fmicro 32
+  one rl_1_5b_x1_mb16f32 --model qwen2_1_5b --algos grpo --micro 16 --fmicro 32
+  one rl_0_5b_x1_p16r512 --algos grpo --prompts 16 --response 512 --micro 4
+  one rl_1_5b_x1_p16n4r128 --model qwen2_1_5b --algos ppo --prompts 16 --samples 4 --response 128
   ;;
 x2)
   two rl_0_5b_x2_dp2_mb8 --algos grpo
@@ -40,4 +43,4 @@ x2tpg)  # generation at TP_g = 2 (NCCL all-reduces inside the decode CUDA graphs
   ;;
 *) echo "part: x1 | x2 | x2tpg"; exit 2;;
 esac
-for f in "$out"/*.log; do echo "== $f"; tail -n 14 "$f"; done
+for f in "$out"/*.log; do echo "== $f"; tail -n 13 "$f" | grep -v "^values\|^update_critic\|^reward\|^adv"; done

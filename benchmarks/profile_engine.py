@@ -25,6 +25,8 @@ def main():
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-profile", dest="profile", action="store_false")
     args = ap.parse_args()
     import yaml
 
@@ -41,18 +43,24 @@ def main():
     eng = Engine(role="ref", model_cfg=cfg, parallel=par, precision="bf16")
     b, p, r = args.batch, 128, 256
     g = torch.Generator().manual_seed(0)
-    batch = RolloutBatch(prompt_ids=torch.randint(0, 1000, (b, p), generator=g),
+    batch = RolloutBatch(prompt_ids=torch.randint(0, min(1000, cfg.vocab_size), (b, p), generator=g),
                          prompt_mask=torch.ones(b, p, dtype=torch.long),
-                         response_ids=torch.randint(0, 1000, (b, r), generator=g),
+                         response_ids=torch.randint(0, min(1000, cfg.vocab_size), (b, r), generator=g),
                          response_mask=torch.ones(b, r, dtype=torch.long),
                          group_ids=torch.arange(b), indices=torch.arange(b))
     times = []
-    for _ in range(5):
+    for _ in range(args.repeats):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         eng.compute_logprobs(batch, micro_batch_size=args.micro)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    if not args.profile:
+        if torch.distributed.get_rank() == 0:
+            print(f"{args.model} TP={args.tp} SP={args.sp} micro={args.micro}: compute_logprobs median "
+                  f"{statistics.median(times[1:]):.3f} s (times {[round(t, 3) for t in times]})")
+        groups.destroy()
+        return
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -6,7 +6,7 @@ Files: gpus (GPU table), shapes (model shapes), workload (batch + layout inputs)
 timing (linear in `efficiency.Calibration`), search (layout search), estimate (entry points),
 report (CostReport), calibrate (fit the efficiencies from measured runs), validate (its per-config
 leave-one-out summary)."""
-from hybridflow.cost.efficiency import Calibration, load_calibration
+from hybridflow.cost.efficiency import Calibration, load_calibration, shipped_calibration
 from hybridflow.cost.estimate import estimate_cost, estimate_memory, estimate_step_time
 from hybridflow.cost.gpus import GPUS, get_gpu
 from hybridflow.cost.memory import MemoryEstimate
@@ -14,4 +14,5 @@ from hybridflow.cost.report import CostReport
 from hybridflow.cost.shapes import ModelShape, load_shape
 
 __all__ = ["estimate_cost", "estimate_memory", "estimate_step_time", "CostReport", "Calibration",
-           "MemoryEstimate", "ModelShape", "GPUS", "get_gpu", "load_calibration", "load_shape"]
+           "MemoryEstimate", "ModelShape", "GPUS", "get_gpu", "load_calibration", "load_shape",
+           "shipped_calibration"]

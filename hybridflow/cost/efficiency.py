@@ -1,10 +1,12 @@
 """Efficiency factors that turn ideal seconds (peak FLOP/s, peak bandwidth) into predicted seconds.
 
-Defaults, and why (fit your own with `python -m hybridflow.cost.calibrate`):
+The estimator uses the fit to our H200 records (`shipped_calibration()`, calibration_h200.json)
+unless given another. The dataclass defaults below are the priors of a fit (what a coefficient keeps
+when no record informs it), and why (fit your own with `python -m hybridflow.cost.calibrate`):
 - train_mfu 0.35: fraction of dense bf16 peak reached by fwd+bwd in the update phases; Megatron with
   flash attention reaches 0.35-0.5 on 7B+ models. The fixed per-layer cost below is charged apart
   and summed with the FLOP time, although host launches and GPU work partly overlap: fitted MFUs
-  therefore come out above the true ones (the H200 RL records fit ~0.49 train, ~0.38 forward).
+  therefore come out above the true ones (the 16 H200 RL records fit 0.74 train, 0.57 forward).
 - forward_mfu 0.40: the same for forward-only passes (old_log_prob, ref, values).
 - prefill_efficiency 0.50: fraction of peak FLOP/s in generation's matmuls (prefill and the compute
   part of decode); the measured ceiling for a large bf16 matmul on H200 is 790/989 = 0.80.
@@ -22,12 +24,22 @@ Defaults, and why (fit your own with `python -m hybridflow.cost.calibrate`):
   with recompute. The per-micro-batch work outside the layers (LM head, loss) is folded in: with
   20-30 layers it cannot be told apart from it. Source: the 0.5B actor's fwd+bwd of 8 x 1024 tokens
   took 70 ms of host time (benchmarks/results/train_fwd_bwd_h200.json), ~1 ms per layer pass with
-  the LM head and loss; the H200 RL records fit 0.59 ms (benchmarks/results/calibration.json).
+  the LM head and loss; the H200 RL records fit 0.73 ms (benchmarks/results/calibration.json).
 - tp_collective_s 5e-5: fixed seconds per TP collective in the forward/update stages (4 per layer
   per forward pass under sequence parallelism: 2 all-gathers, 2 reduce-scatters; 8 for fwd+bwd):
   NCCL launch and latency, ~20-50 us on NVLink. Bytes are charged apart, at link bandwidth x
-  comm_efficiency. Only records with TP > 1 inform it, and the one H200 record (0.5B, TP=2 + SP)
-  fits 0.43 ms, ~10x the NCCL figure: fit it on your machine before trusting TP layouts.
+  comm_efficiency. Only records with TP > 1 inform it; the six H200 TP=2 records fit 0.18 ms, ~5x
+  the NCCL figure: torch.profiler (which inflates host time) shows 0.23-0.26 ms of host time per
+  sequence-parallel gather / reduce-scatter with its autograd wrapper (profiles/prof_tp2sp.txt).
+- pass_stage_overhead_s 0.01: fixed seconds per forward or update stage (old_log_prob, ref, values,
+  update_*) whatever its micro-batch count: building the micro-batches, host-device copies of inputs
+  and outputs, the stage's synchronizations. Told apart from the per-layer cost by records that run
+  the same tokens in different micro-batch counts (algo.forward_micro_batch_size, micro_batch_size).
+  The H200 records fit 11 ms.
+- optimizer_step_s 0.02: fixed seconds per optimizer step on top of the update's passes: Megatron's
+  grad finalization, norm and clipping, the Adam step and the bf16 param copy. Without apex these run
+  as per-tensor PyTorch loops (host-bound); the HBM traffic of Adam is small beside it at <= 7B.
+  The H200 records (0.5B and 1.5B, one optimizer step per update) fit 30 ms.
 - step_overhead_s 0.02: seconds per step outside the modelled stages (the stage "other"): reward,
   advantages, metrics, host syncs between stages; the H200 records average 0.03 s.
 - memory_scale 1.0: multiplies the predicted allocated peak (fit to perf/max_memory_allocated_gb).
@@ -51,6 +63,8 @@ class Calibration:
     comm_efficiency: float = 0.66
     layer_pass_overhead_s: float = 0.0005
     tp_collective_s: float = 5e-5
+    pass_stage_overhead_s: float = 0.01
+    optimizer_step_s: float = 0.02
     step_overhead_s: float = 0.02
     memory_scale: float = 1.0
     memory_headroom_gib: float = 4.0
@@ -72,7 +86,9 @@ class Calibration:
                 "decode_step_overhead_s": self.decode_step_overhead_s,
                 "inv_comm_eff": 1 / self.comm_efficiency,
                 "layer_pass_overhead_s": self.layer_pass_overhead_s,
-                "tp_collective_s": self.tp_collective_s, "step_overhead_s": self.step_overhead_s}
+                "tp_collective_s": self.tp_collective_s,
+                "pass_stage_overhead_s": self.pass_stage_overhead_s,
+                "optimizer_step_s": self.optimizer_step_s, "step_overhead_s": self.step_overhead_s}
 
     def with_coefs(self, **coefs: float) -> "Calibration":
         """The inverse of coefs(): a copy with the named coefficients replaced."""
@@ -85,10 +101,21 @@ class Calibration:
         return asdict(self)
 
 
+SHIPPED = Path(__file__).with_name("calibration_h200.json")
+
+
+def shipped_calibration() -> Calibration:
+    """The fit to our H200 records (`calibration_h200.json`, a copy of
+    benchmarks/results/calibration.json): what the estimator uses when given no calibration. The
+    dataclass defaults above are the priors the fit starts from, not a calibration."""
+    return load_calibration(SHIPPED) if SHIPPED.is_file() else Calibration()
+
+
 def load_calibration(calibration: "Calibration | dict | str | Path | None") -> Calibration:
-    """None (defaults), a Calibration, a dict of its fields, or a path to calibrate.py's JSON."""
+    """None (the shipped H200 fit), a Calibration, a dict of its fields, or a path to calibrate.py's
+    JSON."""
     if calibration is None:
-        return Calibration()
+        return shipped_calibration()
     if isinstance(calibration, Calibration):
         return calibration
     if not isinstance(calibration, dict):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from hybridflow.cost.efficiency import Calibration, load_calibration
+from hybridflow.cost.efficiency import Calibration, load_calibration, shipped_calibration
 from hybridflow.cost.gpus import get_gpu
 from hybridflow.cost.memory import MemoryEstimate, memory_for
 from hybridflow.cost.report import CostReport
@@ -91,7 +91,8 @@ def _report(shape, gpu, num_gpus, work, calib: Calibration, ranked: list[Evaluat
     stages = {k: v for k, v in best.seconds.items() if k != "step"}
     notes = notes + ["every response runs to response_len; reward, advantages and bookkeeping are one "
                      "fitted constant per step (stage 'other')",
-                     "calibration: " + ("defaults" if calib == Calibration() else "given")]
+                     "calibration: " + ("the shipped H200 fit" if calib == shipped_calibration()
+                                        else "priors (no fit)" if calib == Calibration() else "given")]
     if mem.gen_waves > 1:
         notes.append(f"generation runs in {mem.gen_waves} waves per replica: the KV cache takes the "
                      "memory left free (as vLLM's gpu_memory_utilization), so the gen peak is the capacity")

@@ -3,7 +3,7 @@
 Each stage is `const + sum_k x[k] * coef[k]`, where x[k] is an ideal time (work at peak speed) and
 coef[k] comes from `Calibration.coefs()` (1/efficiency, or seconds per decode step). Linearity is what
 lets calibrate.py fit the coefficients by least squares. The terms are kept as labelled parts
-(compute, layer_overhead, pp_bubble, hbm_read, decode_overhead, tp_comm, tp_latency, dp_comm,
+(compute, stage_overhead, layer_overhead, optimizer, pp_bubble, hbm_read, decode_overhead, tp_comm, tp_latency, dp_comm,
 reshard_comm, latency, pcie, step_overhead) so the report can say where the time goes. Per stage (per GPU; the work is assumed split
 evenly, ceil() where sequences do not divide by DP):
 - reshard: bytes each GPU receives to build its gen TP_g shard (the shard minus the training shard it
@@ -23,13 +23,14 @@ evenly, ceil() where sequences do not divide by DP):
   per layer per micro-batch, times (1 + PP bubble); TP traffic twice the forward's (3x with
   recompute); per optimizer step a DP reduce-scatter of fp32 grads and all-gather of bf16 params.
   The critic's passes use its value head instead of the LM head (flops.dense_params).
+- both: `pass_stage_overhead_s` per stage; updates add `optimizer_step_s` per optimizer step.
 - other: `step_overhead_s` per step (reward, advantages, bookkeeping), so the stages sum to the step.
 PP bubble of 1F1B: (PP - 1) / micro-batches. Ring collectives move 2 (n-1)/n of the data per GPU for
 an all-reduce, (n-1)/n for a gather/scatter. Generation's TP_g all-reduces (inside CUDA graphs) and the
 reshard / DP collectives pay a fixed latency per collective (const term, NVLINK/IB_LATENCY_S).
 Training at TP > 1 is assumed to use sequence parallelism (conf/parallel/tp2.yaml; memory.py assumes
 it too). Not modelled: PP point-to-point transfers (small), the embedding's and LM head's few TP
-collectives, the optimizer step (see efficiency.py for what the fixed per-layer cost absorbs).
+collectives (see efficiency.py for what the fixed costs absorb).
 """
 from __future__ import annotations
 
@@ -139,6 +140,7 @@ def _passes(t: StageTerms, shape: ModelShape, gpu: GPU, layout: Layout, *, ideal
     bubble = (layout.pp - 1) * flushes / micro
     overhead = layers * micro * layer_passes
     t.add("compute", coef, ideal)
+    t.add("stage_overhead", "pass_stage_overhead_s", 1.0)
     t.add("layer_overhead", "layer_pass_overhead_s", overhead)
     t.add("pp_bubble", coef, ideal * bubble)
     t.add("pp_bubble", "layer_pass_overhead_s", overhead * bubble)
@@ -168,6 +170,7 @@ def _update(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, role: str)
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef="inv_train_mfu",
             tokens=seqs * w.seq_len, micro=opt_steps * micro, flushes=opt_steps,
             layer_passes=4 if layout.recompute else 3)
+    t.add("optimizer", "optimizer_step_s", opt_steps)
     if layout.dp > 1:
         params = shape.num_params if role == "actor" else shape.num_critic_params
         bw, lat = _link(gpu, layout.num_gpus)

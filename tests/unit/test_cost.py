@@ -9,10 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from hybridflow.cost import Calibration, estimate_cost, estimate_memory, estimate_step_time, load_shape
+from hybridflow.cost import (Calibration, estimate_cost, estimate_memory, estimate_step_time, load_shape,
+                             load_calibration, shipped_calibration)
 from hybridflow.cost.calibrate import fit, main as calibrate_main, parse_record, predict, predict_vs_measured
 from hybridflow.cost.flops import forward_flops_per_token, train_flops_per_token
-from hybridflow.cost.memory import COMPONENTS, GIB
+from hybridflow.cost.memory import COMPONENTS, GIB, memory_for
 from hybridflow.cost.timing import stage_breakdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +86,8 @@ TINY_WORK = dict(algorithm="grpo", prompts_per_step=2, samples_per_prompt=2, pro
 
 def test_memory_components_by_hand_tiny():
     p = 82_496
-    m = estimate_memory(model="tiny", gpu="H200", num_gpus=1, layout={"tp": 1}, **TINY_WORK)
+    m = estimate_memory(model="tiny", gpu="H200", num_gpus=1, layout={"tp": 1}, **TINY_WORK,
+                        calibration=Calibration())          # memory_scale 1: the hand counts
     up = {k: v * GIB for k, v in m.phases_gib["update_actor"].items()}
     assert up["actor_weights"] == pytest.approx(2 * p)
     assert up["actor_grads"] == pytest.approx(4 * p)          # fp32 main grads
@@ -105,7 +107,8 @@ def test_memory_sharding_tiny():
     p = 82_496
     m = estimate_memory(model="tiny", gpu="H200", num_gpus=4, algorithm="ppo",
                         layout={"tp": 2, "dp": 2, "tp_gen": 1, "offload_ref": True}, **{
-                            k: v for k, v in TINY_WORK.items() if k != "algorithm"})
+                            k: v for k, v in TINY_WORK.items() if k != "algorithm"},
+                        calibration=Calibration())
     gen = {k: v * GIB for k, v in m.phases_gib["gen"].items()}
     assert gen["actor_weights"] == pytest.approx(2 * p / 2)
     assert gen["actor_optimizer"] == pytest.approx(12 * p / 4)        # distributed optimizer over DP
@@ -130,7 +133,7 @@ def test_qwen2_7b_fits_on_8xh200():
     assert r.gpu_hours == pytest.approx(r.steps * r.step_seconds * 8 / 3600)
     assert set(r.stage_seconds) == {"reshard", "gen", "old_log_prob", "ref", "values",
                                     "update_critic", "update_actor", "other"}
-    assert r.stage_seconds["other"] == pytest.approx(Calibration().step_overhead_s)
+    assert r.stage_seconds["other"] == pytest.approx(shipped_calibration().step_overhead_s)
     assert r.runners_up and all(x["step_seconds"] >= r.step_seconds for x in r.runners_up if x["fits"])
     assert json.loads(r.to_json())["layout"] == lay
     assert "seconds per step" in str(r)
@@ -171,7 +174,8 @@ def test_cli_prints_table_and_json():
 
 TRUTH = Calibration(train_mfu=0.28, forward_mfu=0.45, prefill_efficiency=0.55, decode_bw_efficiency=0.7,
                     decode_step_overhead_s=0.004, comm_efficiency=0.6, layer_pass_overhead_s=7e-4,
-                    tp_collective_s=3e-4, step_overhead_s=0.04, memory_scale=1.1)
+                    tp_collective_s=3e-4, pass_stage_overhead_s=0.015, optimizer_step_s=0.05,
+                    step_overhead_s=0.04, memory_scale=1.1)
 CONFIGS = [
     ("qwen2_0_5b", 1, {"tp": 1}, "grpo", 16, 4, 128, 256),
     ("qwen2_0_5b", 2, {"tp": 2, "tp_gen": 1}, "ppo", 32, 4, 256, 512),
@@ -246,6 +250,28 @@ def test_launch_and_tp_terms_by_hand():
     assert t["other"] == 0.5 and t["step"] == pytest.approx(sum(v for k, v in t.items() if k != "step"))
 
 
+def test_stage_and_optimizer_terms_by_hand():
+    # 2 PPO epochs x 2 mini-batches = 4 optimizer steps per update; forward micro-batches of 4
+    # sequences (2 of 2 in the updates): 1 forward micro-batch of the 4 sequences, 2 x 4 in updates.
+    calib = Calibration(pass_stage_overhead_s=0.01, optimizer_step_s=0.02, layer_pass_overhead_s=1e-3)
+    work = TINY_WORK | {"ppo_epochs": 2, "mini_batches": 2, "forward_micro_batch_tokens": 4 * 32}
+    run = parse_record({"config": {"model": "tiny", "gpu": "H200", "num_gpus": 1, "layout": {"tp": 1},
+                                   **work, "algorithm": "ppo"}})
+    parts = stage_breakdown(run.shape, run.gpu, run.layout, run.workload, calib)
+    for stage in ("old_log_prob", "values", "update_actor", "update_critic"):
+        assert parts[stage]["stage_overhead"] == pytest.approx(0.01), stage
+    assert "optimizer" not in parts["old_log_prob"]
+    assert parts["update_actor"]["optimizer"] == pytest.approx(4 * 0.02)
+    assert parts["old_log_prob"]["layer_overhead"] == pytest.approx(2 * 1 * 1e-3)       # L x 1 micro
+    assert parts["update_actor"]["layer_overhead"] == pytest.approx(2 * 4 * 1 * 3 * 1e-3)  # 4 x 1 x 3
+    # the forward passes' activations follow their own micro-batch: 4 sequences, not 2
+    mem = memory_for(run.shape, run.gpu, run.layout, run.workload, Calibration())
+    small = replace(run.workload, forward_micro_batch_tokens=None)
+    mem2 = memory_for(run.shape, run.gpu, run.layout, small, Calibration())
+    assert mem.phases_gib["old_log_prob"]["activations"] == pytest.approx(
+        2 * mem2.phases_gib["old_log_prob"]["activations"])
+
+
 def test_leave_one_out_on_synthetic_records_is_exact():
     rows = predict_vs_measured(synthetic_records(), Calibration())
     assert len(rows) >= 6 * 6
@@ -253,7 +279,9 @@ def test_leave_one_out_on_synthetic_records_is_exact():
     assert max(abs(r["error_pct"]) for r in rows if r["measured"] > 0) < 1e-4   # reshard 0: nan
 
 
-def test_single_record_falls_back_to_ratio_fit():
+def test_single_record_is_reproduced_by_the_least_change_fit():
+    # One PPO record: 5 pass stages for 6 pass unknowns, 1 gen stage for 3: underdetermined, so the
+    # exact fit that moves the priors least (relatively) is taken; every measured stage is matched.
     rec = synthetic_records()[1]
     pred = predict(parse_record(rec), fit([rec]))
     for k, v in rec["metrics"].items():
@@ -280,3 +308,11 @@ def test_calibrate_cli_roundtrip(tmp_path, capsys):
     assert calibrate_main([str(p) for p in sorted(tmp_path.glob("*.json"))]) == 0
     r = estimate_cost(model="qwen2_0_5b", gpu="H200", num_gpus=1, calibration=str(out))
     assert r.calibration == pytest.approx(TRUTH.to_dict(), rel=1e-6)
+
+
+def test_estimator_defaults_to_the_shipped_h200_fit():
+    shipped = shipped_calibration()
+    assert shipped != Calibration()                           # a fit, not the priors
+    assert shipped == load_calibration(ROOT / "benchmarks" / "results" / "calibration.json")
+    r = estimate_cost(model="qwen2_0_5b", gpu="H200", num_gpus=1, steps=1)
+    assert "calibration: the shipped H200 fit" in r.notes
