@@ -20,20 +20,21 @@ Files with a top-level "calibration" or "validation" key (this tool's outputs) a
 `metrics` may instead sit flat in the record (as the trainer's JSONL lines do); any subset of the
 stages may be present. Keys of config that are not inputs of the model are ignored.
 
-The fit (time is linear in the coefficients, see timing.py): memory_scale = the least-squares ratio
+The fit (each part of a stage is linear in one coefficient, see timing.py): memory_scale = the least-squares ratio
 of measured to predicted peak; then per group of stages, least squares of (measured - known terms)
 on the ideal times of the group's unknown coefficients, in this order: reshard -> 1/comm_eff;
-gen -> 1/prefill_eff, 1/decode_bw_eff, seconds per decode step; old_log_prob/ref/values and
+gen -> 1/prefill_eff, 1/decode_bw_eff, seconds per layer per decode step; old_log_prob/ref/values and
 update_actor/update_critic jointly -> 1/forward_mfu, 1/train_mfu, layer_pass_overhead_s,
-tp_collective_s, pass_stage_overhead_s, optimizer_step_s (joint because the fixed costs are shared: a
-layer pass costs the same launches in either, fwd+bwd counting 3 passes; the per-stage cost is the
-same in both, and only updates step the optimizer); other -> step_overhead_s, where "other" is
+tp_collective_s, optimizer_step_s (joint because the fixed costs are shared: a layer pass costs the
+same launches in either, fwd+bwd counting 3 passes; only updates step the optimizer); other -> step_overhead_s, where "other" is
 measured as timing_s/step minus the measured modelled stages (reward, advantages, gaps). A coefficient that no
 measured stage depends on (tp_collective_s without a TP > 1 record) stays at its prior; one that
 comes out <= 0 is held at its prior and the rest refit; when the records cannot separate the
 unknowns (too few stages, or collinear terms) the fit that changes the priors least (relative,
 least-norm) among the exact ones is taken; if every unknown ends up held, one common scale of the
-group's prior prediction is fitted instead (a ratio fit). Predicted timing_s/step = the sum of the predicted stages, "other" included.
+group's prior prediction is fitted instead (a ratio fit). Gen and the forward/update stages overlap two kinds of work (timing.OVERLAP_P),
+which is not linear: their groups are first fitted as if the parts added up, then refined by
+nonlinear least squares of the overlapped seconds (`_refine_overlap`). Predicted timing_s/step = the sum of the predicted stages, "other" included.
 
 `--validation PATH` also writes the per-config leave-one-out summary (validate.py).
 """
@@ -59,9 +60,9 @@ MEMORY_KEY = "perf/max_memory_allocated_gb"
 STEP_KEY = "timing_s/step"
 PASS_STAGES = ("old_log_prob", "ref", "values", "update_actor", "update_critic")
 GROUPS = [(("reshard",), ("inv_comm_eff",)),
-          (("gen",), ("inv_prefill_eff", "inv_decode_bw_eff", "decode_step_overhead_s")),
+          (("gen",), ("inv_prefill_eff", "inv_decode_bw_eff", "decode_layer_overhead_s")),
           (PASS_STAGES, ("inv_forward_mfu", "inv_train_mfu", "layer_pass_overhead_s", "tp_collective_s",
-                         "pass_stage_overhead_s", "optimizer_step_s")),
+                         "optimizer_step_s")),
           (("other",), ("step_overhead_s",))]
 
 
@@ -165,6 +166,43 @@ def _fit_group(runs, terms, stages, unknowns, coefs) -> dict[str, float]:
     return coefs | {k: coefs[k] * s for k in unknowns} if s > 0 else coefs
 
 
+def _refine_overlap(runs, terms, stages, unknowns, coefs) -> dict[str, float]:
+    """Least squares of the stages' real (overlapped, so nonlinear) seconds, from the linear fit's
+    coefficients: Levenberg-Marquardt on log(coefficient), which keeps them positive, with a faint
+    pull (1e-6 per log unit) to the start so that directions no record informs stay put."""
+    data = [(t[s], run.metrics[f"timing_s/{s}"]) for run, t in zip(runs, terms) for s in stages
+            if s in t and f"timing_s/{s}" in run.metrics]
+    free = [k for k in unknowns if any(k in t.x for t, _ in data)]
+    if not data or not free:
+        return coefs
+    start = np.log([coefs[k] for k in free])
+
+    def residuals(theta):
+        c = coefs | dict(zip(free, np.exp(theta)))
+        return np.array([t.seconds(c) - y for t, y in data] + list(1e-6 * (theta - start)))
+
+    theta, lam = start.copy(), 1e-3
+    r = residuals(theta)
+    for _ in range(500):
+        jac = np.empty((len(r), len(free)))
+        for j in range(len(free)):                     # central differences in log space
+            step = np.zeros(len(free))
+            step[j] = 1e-5
+            jac[:, j] = (residuals(theta + step) - residuals(theta - step)) / 2e-5
+        a, g = jac.T @ jac, jac.T @ r
+        delta = np.linalg.solve(a + lam * np.diag(np.diag(a) + 1e-15), -g)
+        r_new = residuals(theta + delta)
+        if r_new @ r_new <= r @ r:
+            theta, r, lam = theta + delta, r_new, max(lam / 4, 1e-12)
+            if np.abs(delta).max() < 1e-12:
+                break
+        else:
+            lam *= 4
+            if lam > 1e12:
+                break
+    return coefs | {k: float(v) for k, v in zip(free, np.exp(theta))}
+
+
 def _with_other(run: Run, stages) -> Run:
     """`run` with the derived metric timing_s/other = step - the measured modelled stages (reward,
     advantages, gaps), when the step and every modelled stage were measured."""
@@ -189,6 +227,8 @@ def fit(records: list[dict], base: Calibration | None = None) -> Calibration:
     coefs = calib.coefs()
     for stages, unknowns in GROUPS:
         coefs = _fit_group(runs, terms, stages, unknowns, coefs)
+        if any(t[s].overlap for t in terms for s in stages if s in t):   # nonlinear: refine
+            coefs = _refine_overlap(runs, terms, stages, unknowns, coefs)
     return calib.with_coefs(**coefs)
 
 

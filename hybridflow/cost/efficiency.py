@@ -4,17 +4,19 @@ The estimator uses the fit to our H200 records (`shipped_calibration()`, calibra
 unless given another. The dataclass defaults below are the priors of a fit (what a coefficient keeps
 when no record informs it), and why (fit your own with `python -m hybridflow.cost.calibrate`):
 - train_mfu 0.35: fraction of dense bf16 peak reached by fwd+bwd in the update phases; Megatron with
-  flash attention reaches 0.35-0.5 on 7B+ models. The fixed per-layer cost below is charged apart
-  and summed with the FLOP time, although host launches and GPU work partly overlap: fitted MFUs
-  therefore come out above the true ones (the 16 H200 RL records fit 0.74 train, 0.57 forward).
+  flash attention reaches 0.35-0.5 on 7B+ models. The fixed per-layer host cost below is charged
+  apart and overlaps the FLOP time (timing.OVERLAP_P).
 - forward_mfu 0.40: the same for forward-only passes (old_log_prob, ref, values).
 - prefill_efficiency 0.50: fraction of peak FLOP/s in generation's matmuls (prefill and the compute
   part of decode); the measured ceiling for a large bf16 matmul on H200 is 790/989 = 0.80.
 - decode_bw_efficiency 0.60: fraction of HBM bandwidth when a decode step reads its weight shard and
   KV cache; the measured ceiling (device copy) on H200 is 4.3/4.8 = 0.90.
-- decode_step_overhead_s 0.005: fixed seconds per decode step (kernel launches, sampling, host sync)
-  of a CUDA-graph-replayed step. The plain megatron KV-cache loop measured ~0.05 s/step at 0.5B
-  (12.9 s for 256 steps): use that for an engine without graphs.
+- decode_layer_overhead_s 1e-4: fixed seconds per transformer layer per decode step of the
+  CUDA-graph-replayed decode loop: the GPU-side latency of a layer's small kernels at decode batch
+  sizes, with sampling and the stop check folded in. Per layer, not per step: the H200 records'
+  decode steps (0.5B 24 layers ~2.1 ms, 1.5B and 7B 28 layers 3.3 / 6.4 ms at batch 32-64) leave
+  a residual after the weight reads that grows with depth, not a constant. The plain megatron
+  KV-cache loop without graphs measured ~0.05 s per step at 0.5B: use ~2e-3 for such an engine.
 - comm_efficiency 0.66: fraction of link bandwidth a collective reaches; measured all_gather bus
   bandwidth on 2 H200s over NVLink was 297 of 450 GB/s.
 - layer_pass_overhead_s 0.0005: fixed seconds per transformer layer per pass over one micro-batch in
@@ -24,22 +26,20 @@ when no record informs it), and why (fit your own with `python -m hybridflow.cos
   with recompute. The per-micro-batch work outside the layers (LM head, loss) is folded in: with
   20-30 layers it cannot be told apart from it. Source: the 0.5B actor's fwd+bwd of 8 x 1024 tokens
   took 70 ms of host time (benchmarks/results/train_fwd_bwd_h200.json), ~1 ms per layer pass with
-  the LM head and loss; the H200 RL records fit 0.73 ms (benchmarks/results/calibration.json).
+  the LM head and loss; the H200 RL records fit 0.83 ms (benchmarks/results/calibration.json).
 - tp_collective_s 5e-5: fixed seconds per TP collective in the forward/update stages (4 per layer
   per forward pass under sequence parallelism: 2 all-gathers, 2 reduce-scatters; 8 for fwd+bwd):
   NCCL launch and latency, ~20-50 us on NVLink. Bytes are charged apart, at link bandwidth x
-  comm_efficiency. Only records with TP > 1 inform it; the six H200 TP=2 records fit 0.18 ms, ~5x
+  comm_efficiency. Only records with TP > 1 inform it; the seven H200 TP=2 records fit 0.19 ms, ~5x
   the NCCL figure: torch.profiler (which inflates host time) shows 0.23-0.26 ms of host time per
   sequence-parallel gather / reduce-scatter with its autograd wrapper (profiles/prof_tp2sp.txt).
-- pass_stage_overhead_s 0.01: fixed seconds per forward or update stage (old_log_prob, ref, values,
-  update_*) whatever its micro-batch count: building the micro-batches, host-device copies of inputs
-  and outputs, the stage's synchronizations. Told apart from the per-layer cost by records that run
-  the same tokens in different micro-batch counts (algo.forward_micro_batch_size, micro_batch_size).
-  The H200 records fit 11 ms.
-- optimizer_step_s 0.02: fixed seconds per optimizer step on top of the update's passes: Megatron's
-  grad finalization, norm and clipping, the Adam step and the bf16 param copy. Without apex these run
-  as per-tensor PyTorch loops (host-bound); the HBM traffic of Adam is small beside it at <= 7B.
-  The H200 records (0.5B and 1.5B, one optimizer step per update) fit 30 ms.
+- optimizer_step_s 0.02: fixed seconds per optimizer step on top of the update's passes and of
+  Adam's HBM traffic (charged apart, timing.ADAM_BYTES_PER_PARAM): Megatron's grad finalization,
+  norm and clipping, the per-tensor launches of the Adam step and the bf16 param copy. Without apex
+  these run as per-tensor PyTorch loops (host-bound).
+  Only the update stages pay it, which tells it apart from the per-layer cost. No per-stage constant
+  is charged besides: the records do not show one (0.5B at DP=2 ran its one 32-sequence forward
+  micro-batch in 45 ms, as long as each of the two in the 1-GPU run).
 - step_overhead_s 0.02: seconds per step outside the modelled stages (the stage "other"): reward,
   advantages, metrics, host syncs between stages; the H200 records average 0.03 s.
 - memory_scale 1.0: multiplies the predicted allocated peak (fit to perf/max_memory_allocated_gb).
@@ -59,11 +59,10 @@ class Calibration:
     forward_mfu: float = 0.40
     prefill_efficiency: float = 0.50
     decode_bw_efficiency: float = 0.60
-    decode_step_overhead_s: float = 0.005
+    decode_layer_overhead_s: float = 1e-4
     comm_efficiency: float = 0.66
     layer_pass_overhead_s: float = 0.0005
     tp_collective_s: float = 5e-5
-    pass_stage_overhead_s: float = 0.01
     optimizer_step_s: float = 0.02
     step_overhead_s: float = 0.02
     memory_scale: float = 1.0
@@ -83,11 +82,10 @@ class Calibration:
         return {"inv_train_mfu": 1 / self.train_mfu, "inv_forward_mfu": 1 / self.forward_mfu,
                 "inv_prefill_eff": 1 / self.prefill_efficiency,
                 "inv_decode_bw_eff": 1 / self.decode_bw_efficiency,
-                "decode_step_overhead_s": self.decode_step_overhead_s,
+                "decode_layer_overhead_s": self.decode_layer_overhead_s,
                 "inv_comm_eff": 1 / self.comm_efficiency,
                 "layer_pass_overhead_s": self.layer_pass_overhead_s,
                 "tp_collective_s": self.tp_collective_s,
-                "pass_stage_overhead_s": self.pass_stage_overhead_s,
                 "optimizer_step_s": self.optimizer_step_s, "step_overhead_s": self.step_overhead_s}
 
     def with_coefs(self, **coefs: float) -> "Calibration":

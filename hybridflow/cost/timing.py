@@ -1,29 +1,35 @@
-"""Seconds per stage of one RL step, as a model linear in the efficiency coefficients.
+"""Seconds per stage of one RL step, as labelled parts, each linear in one efficiency coefficient.
 
-Each stage is `const + sum_k x[k] * coef[k]`, where x[k] is an ideal time (work at peak speed) and
-coef[k] comes from `Calibration.coefs()` (1/efficiency, or seconds per decode step). Linearity is what
-lets calibrate.py fit the coefficients by least squares. The terms are kept as labelled parts
-(compute, stage_overhead, layer_overhead, optimizer, pp_bubble, hbm_read, decode_overhead, tp_comm, tp_latency, dp_comm,
-reshard_comm, latency, pcie, step_overhead) so the report can say where the time goes. Per stage (per GPU; the work is assumed split
-evenly, ceil() where sequences do not divide by DP):
+Each part is `x[k] * coef[k]` (or fixed seconds), where x[k] is an ideal time (work at peak speed) or
+a count, and coef[k] comes from `Calibration.coefs()` (1/efficiency, or seconds per event). A stage
+is the sum of its parts, except where two kinds of work overlap (OVERLAP_P): forward/update passes'
+host side (per-layer and TP collective launches) and GPU side (FLOPs, TP bytes); decode's FLOPs and
+its HBM reads.
+The parts (compute, decode_compute, layer_overhead, optimizer, pp_bubble, hbm_read, decode_overhead,
+tp_comm, tp_latency, dp_comm, reshard_comm, latency, pcie, step_overhead) let the report say where
+the time goes. Per stage (per GPU; the work is assumed split evenly, ceil() where sequences do not
+divide by DP):
 - reshard: bytes each GPU receives to build its gen TP_g shard (the shard minus the training shard it
   already holds) over NVLink (IB when the TP x PP group spans nodes), at bus bandwidth x comm eff.
-- gen: prefill (2N + attention FLOPs per prompt token) + decode compute, at peak x prefill eff; plus
-  per decode step: read the gen weight shard and the wave's KV cache at HBM bandwidth x decode eff
-  (summed with compute, not a roofline max: the efficiencies absorb the overlap), plus a fixed
-  overhead per step; plus TP_g all-reduces (2 per layer per step). Every response runs to full length.
+- gen: prefill (2N + attention FLOPs per prompt token) at peak x prefill eff; decode FLOPs at the
+  same rate overlapped (OVERLAP_P) with each decode step's reads of the gen weight shard and the
+  wave's KV cache at HBM bandwidth x decode eff; plus a fixed
+  cost per layer per decode step (`decode_layer_overhead_s`: the CUDA graph's small kernels, with
+  sampling folded in); plus TP_g all-reduces (2 per layer per step). Every response runs to full
+  length.
 - old_log_prob / ref / values: forward FLOPs at peak x forward MFU, plus a fixed cost per layer per
   micro-batch (`layer_pass_overhead_s`: kernel launches; at RL micro-batch sizes a small model's
   passes are launch-bound, not FLOP-bound), both times (1 + PP bubble); plus TP traffic under
   sequence parallelism (2 all-gathers + 2 reduce-scatters per layer: the bytes of 2 all-reduces at
   link bandwidth x comm eff, and `tp_collective_s` per collective); an offloaded reference adds its
-  host-to-device copy over PCIe.
+  host-to-device copy over PCIe. Host parts (layer and collective launches) overlap GPU parts.
 - update_actor / update_critic: ppo_epochs passes of fwd+bwd (6N + 6 L s q_dim per token; 8N + 8 L s
   q_dim with recompute) at peak x train MFU, plus 3 layer passes (4 with recompute) of fixed cost
   per layer per micro-batch, times (1 + PP bubble); TP traffic twice the forward's (3x with
   recompute); per optimizer step a DP reduce-scatter of fp32 grads and all-gather of bf16 params.
   The critic's passes use its value head instead of the LM head (flops.dense_params).
-- both: `pass_stage_overhead_s` per stage; updates add `optimizer_step_s` per optimizer step.
+- updates also pay per optimizer step `optimizer_step_s` plus Adam's HBM traffic (30 bytes per
+  parameter of the DP shard, at peak bandwidth).
 - other: `step_overhead_s` per step (reward, advantages, bookkeeping), so the stages sum to the step.
 PP bubble of 1F1B: (PP - 1) / micro-batches. Ring collectives move 2 (n-1)/n of the data per GPU for
 an all-reduce, (n-1)/n for a gather/scatter. Generation's TP_g all-reduces (inside CUDA graphs) and the
@@ -45,14 +51,49 @@ from hybridflow.cost.memory import gen_batch_size, reshard_buffer_bytes
 from hybridflow.cost.shapes import ModelShape
 from hybridflow.cost.workload import Layout, Workload
 
+# Adam's HBM traffic per parameter of the optimizer's shard: fp32 grad read, fp32 master, m and v read
+# and written, bf16 param written.
+ADAM_BYTES_PER_PARAM = 4 + 3 * 8 + 2
 NVLINK_LATENCY_S = 10e-6   # per collective inside a node
 IB_LATENCY_S = 30e-6       # per collective across nodes
 
 
+# Two kinds of work that overlap, but not fully: a forward/update pass's host side (per-layer kernel
+# launches, TP collective launches) and its GPU side (FLOPs, TP bytes), as the host queues kernels
+# while earlier ones run, except across syncs and kernels that finish before the next launch; and a
+# decode step's matmul FLOPs and its weight/KV reads (a roofline). They cost (A^p + B^p)^(1/p),
+# between their sum (p = 1) and max (p = inf). p = 1.5 from the H200 records: summing them, the
+# host-bound 0.5-1.5B passes pushed the fitted MFUs to 0.86 train / 0.71 forward and the decode
+# bandwidth efficiency above 1, which under-predicts larger, GPU-bound models; with 1.5 the 7B record
+# held out is predicted within 11% (README, benchmarks/results/cost_validation.json).
+OVERLAP_P = 1.5
+HOST_COEFS = frozenset({"layer_pass_overhead_s", "tp_collective_s"})
+GPU_COEFS = frozenset({"inv_forward_mfu", "inv_train_mfu"})
+
+
+def _side(rule: str | None, label: str, coef: str | None) -> str:
+    """Which of the two overlapping sides ("a", "b") a part is on under `rule`, or "serial"."""
+    if rule == "pass":
+        if coef in HOST_COEFS:
+            return "a"
+        if coef in GPU_COEFS or label == "tp_comm":
+            return "b"
+    elif rule == "decode":
+        if label == "decode_compute":
+            return "a"
+        if label == "hbm_read":
+            return "b"
+    return "serial"
+
+
 @dataclass
 class StageTerms:
-    """A stage's seconds as labelled parts: (label, coefficient name or None for fixed seconds, x)."""
+    """A stage's seconds as labelled parts: (label, coefficient name or None for fixed seconds, x).
+
+    Seconds = the sum of the parts, except that under an `overlap` rule ("pass": host vs GPU parts,
+    "decode": decode FLOPs vs HBM reads; see `_side`) the two sides combine as (A^p + B^p)^(1/p)."""
     parts: list[tuple[str, str | None, float]] = field(default_factory=list)
+    overlap: str | None = None
 
     def add(self, label: str, coef: str | None, x: float) -> None:
         if x:
@@ -70,14 +111,34 @@ class StageTerms:
     def const(self) -> float:
         return sum(x for _, coef, x in self.parts if coef is None)
 
+    def sides(self, coefs: dict[str, float]) -> dict[str, float]:
+        """Seconds of the two overlapping sides ("a", "b") and of the rest ("serial")."""
+        out = {"a": 0.0, "b": 0.0, "serial": 0.0}
+        for label, coef, x in self.parts:
+            out[_side(self.overlap, label, coef)] += x * (1.0 if coef is None else coefs[coef])
+        return out
+
     def breakdown(self, coefs: dict[str, float]) -> dict[str, float]:
+        """Seconds per label; the overlapping parts are scaled down together so that the labels sum
+        to the stage's seconds."""
+        sides = self.sides(coefs)
+        both = sides["a"] + sides["b"]
+        scale = overlapped(sides["a"], sides["b"]) / both if both > 0 else 1.0
         out: dict[str, float] = {}
         for label, coef, x in self.parts:
-            out[label] = out.get(label, 0.0) + x * (1.0 if coef is None else coefs[coef])
+            v = x * (1.0 if coef is None else coefs[coef])
+            if _side(self.overlap, label, coef) != "serial":
+                v *= scale
+            out[label] = out.get(label, 0.0) + v
         return out
 
     def seconds(self, coefs: dict[str, float]) -> float:
-        return sum(self.breakdown(coefs).values())
+        sides = self.sides(coefs)
+        return sides["serial"] + overlapped(sides["a"], sides["b"])
+
+
+def overlapped(a: float, b: float, p: float = OVERLAP_P) -> float:
+    return (a ** p + b ** p) ** (1 / p) if a > 0 and b > 0 else a + b
 
 
 def _link(gpu: GPU, group_span: int) -> tuple[float, float]:
@@ -104,17 +165,19 @@ def _tp_comm(t: StageTerms, shape: ModelShape, gpu: GPU, tp: int, layers: int, t
 
 
 def _gen(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, calib: Calibration) -> StageTerms:
-    t, tp_g = StageTerms(), layout.tp_gen
+    t, tp_g = StageTerms(overlap="decode"), layout.tp_gen
     per_replica = math.ceil(w.num_sequences / layout.dp_gen)
     batch, waves = gen_batch_size(shape, gpu, layout, w, calib)
     steps, context = waves * w.response_len, w.prompt_len + w.response_len / 2
-    flops = per_replica * (w.prompt_len * forward_flops_per_token(shape, w.prompt_len)
-                           + w.response_len * decode_flops_per_token(shape, context)) / tp_g
-    t.add("compute", "inv_prefill_eff", flops / (gpu.bf16_tflops * 1e12))
+    peak = gpu.bf16_tflops * 1e12
+    prefill = per_replica * w.prompt_len * forward_flops_per_token(shape, w.prompt_len) / tp_g
+    decode = per_replica * w.response_len * decode_flops_per_token(shape, context) / tp_g
+    t.add("compute", "inv_prefill_eff", prefill / peak)
+    t.add("decode_compute", "inv_prefill_eff", decode / peak)
     weights = BYTES_PER_PARAM * shape.num_dense_params / tp_g
     kv = per_replica * w.response_len * context * kv_bytes_per_token(shape, tp_g)
     t.add("hbm_read", "inv_decode_bw_eff", (steps * weights + kv) / (gpu.hbm_gbps * 1e9))
-    t.add("decode_overhead", "decode_step_overhead_s", steps)
+    t.add("decode_overhead", "decode_layer_overhead_s", steps * shape.num_layers)
     _tp_comm(t, shape, gpu, tp_g, shape.num_layers, per_replica * w.seq_len,
              all_reduces=2, num_collectives=2 * shape.num_layers * waves * (1 + w.response_len),
              fitted_latency=False)
@@ -140,7 +203,6 @@ def _passes(t: StageTerms, shape: ModelShape, gpu: GPU, layout: Layout, *, ideal
     bubble = (layout.pp - 1) * flushes / micro
     overhead = layers * micro * layer_passes
     t.add("compute", coef, ideal)
-    t.add("stage_overhead", "pass_stage_overhead_s", 1.0)
     t.add("layer_overhead", "layer_pass_overhead_s", overhead)
     t.add("pp_bubble", coef, ideal * bubble)
     t.add("pp_bubble", "layer_pass_overhead_s", overhead * bubble)
@@ -152,7 +214,7 @@ def _passes(t: StageTerms, shape: ModelShape, gpu: GPU, layout: Layout, *, ideal
 
 
 def _forward(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, role: str) -> StageTerms:
-    t, shard = StageTerms(), layout.tp * layout.pp
+    t, shard = StageTerms(overlap="pass"), layout.tp * layout.pp
     seqs = math.ceil(w.num_sequences / layout.dp)
     micro = math.ceil(seqs / w.seqs_per_forward_micro_batch)
     flops = seqs * w.seq_len * forward_flops_per_token(shape, w.seq_len, role) / shard
@@ -162,7 +224,7 @@ def _forward(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, role: str
 
 
 def _update(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, role: str) -> StageTerms:
-    t, shard = StageTerms(), layout.tp * layout.pp
+    t, shard = StageTerms(overlap="pass"), layout.tp * layout.pp
     opt_steps = w.ppo_epochs * w.mini_batches
     micro = w.num_micro_batches(layout.dp)                 # per optimizer step
     seqs = opt_steps * math.ceil(w.num_sequences / w.mini_batches / layout.dp)
@@ -171,8 +233,10 @@ def _update(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, role: str)
             tokens=seqs * w.seq_len, micro=opt_steps * micro, flushes=opt_steps,
             layer_passes=4 if layout.recompute else 3)
     t.add("optimizer", "optimizer_step_s", opt_steps)
+    params = shape.num_params if role == "actor" else shape.num_critic_params
+    t.add("optimizer", None, opt_steps * ADAM_BYTES_PER_PARAM * params / (shard * layout.dp)
+          / (gpu.hbm_gbps * 1e9))
     if layout.dp > 1:
-        params = shape.num_params if role == "actor" else shape.num_critic_params
         bw, lat = _link(gpu, layout.num_gpus)
         volume = opt_steps * (4 + BYTES_PER_PARAM) * params / shard * (layout.dp - 1) / layout.dp
         t.add("dp_comm", "inv_comm_eff", volume / bw)

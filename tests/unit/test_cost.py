@@ -14,7 +14,7 @@ from hybridflow.cost import (Calibration, estimate_cost, estimate_memory, estima
 from hybridflow.cost.calibrate import fit, main as calibrate_main, parse_record, predict, predict_vs_measured
 from hybridflow.cost.flops import forward_flops_per_token, train_flops_per_token
 from hybridflow.cost.memory import COMPONENTS, GIB, memory_for
-from hybridflow.cost.timing import stage_breakdown
+from hybridflow.cost.timing import OVERLAP_P, stage_breakdown, stage_terms
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -173,8 +173,8 @@ def test_cli_prints_table_and_json():
 # --- calibration --------------------------------------------------------------------------------
 
 TRUTH = Calibration(train_mfu=0.28, forward_mfu=0.45, prefill_efficiency=0.55, decode_bw_efficiency=0.7,
-                    decode_step_overhead_s=0.004, comm_efficiency=0.6, layer_pass_overhead_s=7e-4,
-                    tp_collective_s=3e-4, pass_stage_overhead_s=0.015, optimizer_step_s=0.05,
+                    decode_layer_overhead_s=2e-4, comm_efficiency=0.6, layer_pass_overhead_s=7e-4,
+                    tp_collective_s=3e-4, optimizer_step_s=0.05,
                     step_overhead_s=0.04, memory_scale=1.1)
 CONFIGS = [
     ("qwen2_0_5b", 1, {"tp": 1}, "grpo", 16, 4, 128, 256),
@@ -227,24 +227,25 @@ def test_unmeasured_factor_keeps_its_prior():
 
 def test_launch_and_tp_terms_by_hand():
     # tiny: 2 layers, h=64; 4 sequences of 32 tokens, 2 per micro-batch -> 2 micro-batches per pass.
+    # Counts and ideal seconds (the terms' x), before coefficients and overlap.
     calib = Calibration(layer_pass_overhead_s=1e-3, tp_collective_s=1e-4, step_overhead_s=0.5)
 
-    def parts(num_gpus, layout):
+    def terms(num_gpus, layout):
         run = parse_record({"config": {"model": "tiny", "gpu": "H200", "num_gpus": num_gpus,
                                        "layout": layout, **TINY_WORK, "algorithm": "ppo"}})
-        return stage_breakdown(run.shape, run.gpu, run.layout, run.workload, calib)
+        return stage_terms(run.shape, run.gpu, run.layout, run.workload, calib)
 
-    one = parts(1, {"tp": 1})
-    assert one["old_log_prob"]["layer_overhead"] == pytest.approx(2 * 2 * 1e-3)        # L x micro
-    assert one["update_critic"]["layer_overhead"] == pytest.approx(3 * 2 * 2 * 1e-3)   # fwd+bwd: 3
-    assert "tp_latency" not in one["update_actor"]
-    assert one["other"] == {"step_overhead": 0.5}
+    one = terms(1, {"tp": 1})
+    assert one["old_log_prob"].x["layer_pass_overhead_s"] == 2 * 2                  # L x micro
+    assert one["update_critic"].x["layer_pass_overhead_s"] == 3 * 2 * 2             # fwd+bwd: 3
+    assert "tp_collective_s" not in one["update_actor"].x
+    assert one["other"].breakdown(calib.coefs()) == {"step_overhead": 0.5}
     # TP=2 + SP: 4 collectives per layer per forward micro-batch, 8 for fwd+bwd; bytes: those of 2 (4)
-    # all-reduces of 128 tokens x 64 x 2 bytes per layer, half of it per GPU, at 450 GB/s x 0.66.
-    two = parts(2, {"tp": 2})
-    assert two["ref"]["tp_latency"] == pytest.approx(4 * 2 * 2 * 1e-4)
-    assert two["update_actor"]["tp_latency"] == pytest.approx(8 * 2 * 2 * 1e-4)
-    assert two["ref"]["tp_comm"] == pytest.approx(2 * 2 * 128 * 64 * 2 * 2 * 0.5 / (450e9 * 0.66))
+    # all-reduces of 128 tokens x 64 x 2 bytes per layer, half of it per GPU, at 450 GB/s.
+    two = terms(2, {"tp": 2})
+    assert two["ref"].x["tp_collective_s"] == 4 * 2 * 2
+    assert two["update_actor"].x["tp_collective_s"] == 8 * 2 * 2
+    assert two["ref"].x["inv_comm_eff"] == pytest.approx(2 * 2 * 128 * 64 * 2 * 2 * 0.5 / 450e9)
     t = estimate_step_time(model="tiny", gpu="H200", num_gpus=2, layout={"tp": 2}, calibration=calib,
                            **TINY_WORK)
     assert t["other"] == 0.5 and t["step"] == pytest.approx(sum(v for k, v in t.items() if k != "step"))
@@ -253,23 +254,47 @@ def test_launch_and_tp_terms_by_hand():
 def test_stage_and_optimizer_terms_by_hand():
     # 2 PPO epochs x 2 mini-batches = 4 optimizer steps per update; forward micro-batches of 4
     # sequences (2 of 2 in the updates): 1 forward micro-batch of the 4 sequences, 2 x 4 in updates.
-    calib = Calibration(pass_stage_overhead_s=0.01, optimizer_step_s=0.02, layer_pass_overhead_s=1e-3)
+    calib = Calibration(optimizer_step_s=0.02, layer_pass_overhead_s=1e-3)
     work = TINY_WORK | {"ppo_epochs": 2, "mini_batches": 2, "forward_micro_batch_tokens": 4 * 32}
     run = parse_record({"config": {"model": "tiny", "gpu": "H200", "num_gpus": 1, "layout": {"tp": 1},
                                    **work, "algorithm": "ppo"}})
+    terms = stage_terms(run.shape, run.gpu, run.layout, run.workload, calib)
+    assert "optimizer_step_s" not in terms["old_log_prob"].x
+    assert terms["update_actor"].x["optimizer_step_s"] == 4
+    assert terms["old_log_prob"].x["layer_pass_overhead_s"] == 2 * 1          # L x 1 micro-batch
+    assert terms["update_actor"].x["layer_pass_overhead_s"] == 2 * 4 * 1 * 3  # L x 4 x 1 x fwd+bwd
     parts = stage_breakdown(run.shape, run.gpu, run.layout, run.workload, calib)
-    for stage in ("old_log_prob", "values", "update_actor", "update_critic"):
-        assert parts[stage]["stage_overhead"] == pytest.approx(0.01), stage
-    assert "optimizer" not in parts["old_log_prob"]
-    assert parts["update_actor"]["optimizer"] == pytest.approx(4 * 0.02)
-    assert parts["old_log_prob"]["layer_overhead"] == pytest.approx(2 * 1 * 1e-3)       # L x 1 micro
-    assert parts["update_actor"]["layer_overhead"] == pytest.approx(2 * 4 * 1 * 3 * 1e-3)  # 4 x 1 x 3
+    adam = 30 * run.shape.num_params / (run.gpu.hbm_gbps * 1e9)                 # bytes / HBM peak
+    assert parts["update_actor"]["optimizer"] == pytest.approx(4 * (0.02 + adam))  # serial: no overlap
     # the forward passes' activations follow their own micro-batch: 4 sequences, not 2
     mem = memory_for(run.shape, run.gpu, run.layout, run.workload, Calibration())
     small = replace(run.workload, forward_micro_batch_tokens=None)
     mem2 = memory_for(run.shape, run.gpu, run.layout, small, Calibration())
     assert mem.phases_gib["old_log_prob"]["activations"] == pytest.approx(
         2 * mem2.phases_gib["old_log_prob"]["activations"])
+
+
+def test_overlap_of_host_and_gpu_parts_by_hand():
+    # A pass's host parts (launches) and GPU parts (FLOPs) cost (H^p + G^p)^(1/p), the serial parts
+    # add; the breakdown scales the overlapped parts so the labels still sum to the stage.
+    calib = Calibration(layer_pass_overhead_s=1e-3, forward_mfu=0.5)
+    run = parse_record({"config": {"model": "qwen2_0_5b", "gpu": "H200", "num_gpus": 1,
+                                   "layout": {"tp": 1}, **TINY_WORK}})
+    t = stage_terms(run.shape, run.gpu, run.layout, run.workload, calib)["old_log_prob"]
+    coefs = calib.coefs()
+    host = t.x["layer_pass_overhead_s"] * 1e-3
+    gpu = t.x["inv_forward_mfu"] * 2.0
+    assert t.sides(coefs) == pytest.approx({"a": host, "b": gpu, "serial": 0.0})
+    p = OVERLAP_P
+    assert t.seconds(coefs) == pytest.approx((host ** p + gpu ** p) ** (1 / p))
+    assert max(host, gpu) < t.seconds(coefs) < host + gpu
+    assert sum(t.breakdown(coefs).values()) == pytest.approx(t.seconds(coefs))
+    # decode: its FLOPs overlap its HBM reads; prefill FLOPs and the per-layer cost add
+    g = stage_terms(run.shape, run.gpu, run.layout, run.workload, calib)["gen"]
+    sides = g.sides(coefs)
+    assert sides["a"] > 0 and sides["b"] > 0 and sides["serial"] > 0
+    assert g.seconds(coefs) == pytest.approx(
+        sides["serial"] + (sides["a"] ** p + sides["b"] ** p) ** (1 / p))
 
 
 def test_leave_one_out_on_synthetic_records_is_exact():
