@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The H200 configurations behind the cost model's calibration and its leave-one-out check
-# (benchmarks/results/rl_*.json; README "Cost model validation"). Run on a 2-GPU machine:
+# (benchmarks/results/cost/rl_*.json; README "Cost model validation"). Run on a 2-GPU machine:
 #   bash benchmarks/cost_matrix.sh x1 DIR     # 1-GPU configs, one after another on GPU 0
 #   bash benchmarks/cost_matrix.sh x2 DIR     # 2-GPU configs (DP=2, TP=2)
 # One config at a time: the passes are host-bound at these sizes and a neighbour's host load would
 # show in them (a first pass ran 1-GPU configs two side by side; its numbers are not used).
-# then: python -m hybridflow.cost.calibrate benchmarks/results/rl_*.json \
+# then: python -m hybridflow.cost.calibrate benchmarks/results/cost/rl_*.json \
 #         -o benchmarks/results/calibration.json --validation benchmarks/results/cost_validation.json
 set -u
 part=$1; out=$2; mkdir -p "$out"
@@ -41,6 +41,9 @@ x2)
 x2tpg)  # generation at TP_g = 2 (NCCL all-reduces inside the decode CUDA graphs)
   two rl_0_5b_x2_tp2g2_mb8 --algos grpo --tp 2 --tp-gen 2
   ;;
-*) echo "part: x1 | x2 | x2tpg"; exit 2;;
+x2big)  # a GPU-bound model: Qwen2-7B at TP=2 (84 GiB of 141 per GPU)
+  two rl_7b_x2_tp2g1_mb8 --model qwen2_7b --algos grpo --tp 2 --tp-gen 1 --steps 4
+  ;;
+*) echo "part: x1 | x2 | x2tpg | x2big"; exit 2;;
 esac
 for f in "$out"/*.log; do echo "== $f"; tail -n 13 "$f" | grep -v "^values\|^update_critic\|^reward\|^adv"; done

@@ -1,6 +1,6 @@
 """Fit the cost model's efficiency factors to measured runs; leave-one-out check of the fit.
 
-    python -m hybridflow.cost.calibrate benchmarks/results/*.json -o benchmarks/results/calibration.json
+    python -m hybridflow.cost.calibrate benchmarks/results/cost/rl_*.json -o benchmarks/results/calibration.json
 
 A results file holds one record, a list of records, {"records": [...]}, or JSON Lines (.jsonl).
 Files with a top-level "calibration" or "validation" key (this tool's outputs) are skipped. One record:

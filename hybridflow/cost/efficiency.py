@@ -5,7 +5,8 @@ unless given another. The dataclass defaults below are the priors of a fit (what
 when no record informs it), and why (fit your own with `python -m hybridflow.cost.calibrate`):
 - train_mfu 0.35: fraction of dense bf16 peak reached by fwd+bwd in the update phases; Megatron with
   flash attention reaches 0.35-0.5 on 7B+ models. The fixed per-layer host cost below is charged
-  apart and overlaps the FLOP time (timing.OVERLAP_P).
+  apart and overlaps the FLOP time (timing.OVERLAP_P); the 17 H200 records fit 0.62 train, 0.45
+  forward (0.5-7B models at RL micro-batch sizes).
 - forward_mfu 0.40: the same for forward-only passes (old_log_prob, ref, values).
 - prefill_efficiency 0.50: fraction of peak FLOP/s in generation's matmuls (prefill and the compute
   part of decode); the measured ceiling for a large bf16 matmul on H200 is 790/989 = 0.80.

@@ -62,10 +62,11 @@ IB_LATENCY_S = 30e-6       # per collective across nodes
 # launches, TP collective launches) and its GPU side (FLOPs, TP bytes), as the host queues kernels
 # while earlier ones run, except across syncs and kernels that finish before the next launch; and a
 # decode step's matmul FLOPs and its weight/KV reads (a roofline). They cost (A^p + B^p)^(1/p),
-# between their sum (p = 1) and max (p = inf). p = 1.5 from the H200 records: summing them, the
-# host-bound 0.5-1.5B passes pushed the fitted MFUs to 0.86 train / 0.71 forward and the decode
-# bandwidth efficiency above 1, which under-predicts larger, GPU-bound models; with 1.5 the 7B record
-# held out is predicted within 11% (README, benchmarks/results/cost_validation.json).
+# between their sum (p = 1) and max (p = inf). p = 1.5 from the H200 records
+# (benchmarks/cost_model_forms.py): leave-one-out step error is flat for p in 1-1.5 (mean 7.1-7.3%)
+# and grows beyond (2: 7.6%, 3: 8.1%), while the fitted train / forward MFUs fall from an impossible
+# 0.99 / 0.64 (p = 1) to 0.62 / 0.45 (p = 1.5): the most physical p of the equally good ones, which
+# matters when extrapolating to larger, GPU-bound models.
 OVERLAP_P = 1.5
 HOST_COEFS = frozenset({"layer_pass_overhead_s", "tp_collective_s"})
 GPU_COEFS = frozenset({"inv_forward_mfu", "inv_train_mfu"})
