@@ -3,7 +3,7 @@ parallel layout to use. CLI: `python -m hybridflow.cost --help`; fitting the eff
 measured runs: `python -m hybridflow.cost.calibrate --help`.
 
 Files: gpus (GPU table), shapes (model shapes), workload (batch + layout inputs), flops, memory,
-timing (linear in `efficiency.Calibration`), search (layout search), estimate (entry points),
+timing (seconds per stage from `efficiency.Calibration`), search (layout search), estimate (entry points),
 report (CostReport), calibrate (fit the efficiencies from measured runs), validate (its per-config
 leave-one-out summary)."""
 from hybridflow.cost.efficiency import Calibration, load_calibration, shipped_calibration

@@ -1,6 +1,7 @@
 """Fit the cost model's efficiency factors to measured runs; leave-one-out check of the fit.
 
-    python -m hybridflow.cost.calibrate benchmarks/results/cost/rl_*.json -o benchmarks/results/calibration.json
+    python -m hybridflow.cost.calibrate benchmarks/results/cost/rl_*.json \
+        -o benchmarks/results/calibration.json
 
 A results file holds one record, a list of records, {"records": [...]}, or JSON Lines (.jsonl).
 Files with a top-level "calibration" or "validation" key (this tool's outputs) are skipped. One record:
@@ -20,21 +21,23 @@ Files with a top-level "calibration" or "validation" key (this tool's outputs) a
 `metrics` may instead sit flat in the record (as the trainer's JSONL lines do); any subset of the
 stages may be present. Keys of config that are not inputs of the model are ignored.
 
-The fit (each part of a stage is linear in one coefficient, see timing.py): memory_scale = the least-squares ratio
-of measured to predicted peak; then per group of stages, least squares of (measured - known terms)
-on the ideal times of the group's unknown coefficients, in this order: reshard -> 1/comm_eff;
-gen -> 1/prefill_eff, 1/decode_bw_eff, seconds per layer per decode step; old_log_prob/ref/values and
-update_actor/update_critic jointly -> 1/forward_mfu, 1/train_mfu, layer_pass_overhead_s,
-tp_collective_s, optimizer_step_s (joint because the fixed costs are shared: a layer pass costs the
-same launches in either, fwd+bwd counting 3 passes; only updates step the optimizer); other -> step_overhead_s, where "other" is
-measured as timing_s/step minus the measured modelled stages (reward, advantages, gaps). A coefficient that no
-measured stage depends on (tp_collective_s without a TP > 1 record) stays at its prior; one that
-comes out <= 0 is held at its prior and the rest refit; when the records cannot separate the
-unknowns (too few stages, or collinear terms) the fit that changes the priors least (relative,
-least-norm) among the exact ones is taken; if every unknown ends up held, one common scale of the
-group's prior prediction is fitted instead (a ratio fit). Gen and the forward/update stages overlap two kinds of work (timing.OVERLAP_P),
-which is not linear: their groups are first fitted as if the parts added up, then refined by
-nonlinear least squares of the overlapped seconds (`_refine_overlap`). Predicted timing_s/step = the sum of the predicted stages, "other" included.
+The fit (each part of a stage is linear in one coefficient, see timing.py): memory_scale = the
+least-squares ratio of measured to predicted peak; then per group of stages, least squares of
+(measured - known terms) on the ideal times of the group's unknown coefficients, in this order:
+reshard -> 1/comm_eff; gen -> 1/prefill_eff, 1/decode_bw_eff, seconds per layer per decode step;
+old_log_prob/ref/values and update_actor/update_critic jointly -> 1/forward_mfu, 1/train_mfu,
+layer_pass_overhead_s, tp_collective_s, optimizer_step_s (joint because the fixed costs are shared:
+a layer pass costs the same launches in either, fwd+bwd counting 3 passes; only updates step the
+optimizer); other -> step_overhead_s, where "other" is measured as timing_s/step minus the measured
+modelled stages (reward, advantages, gaps). A coefficient that no measured stage depends on
+(tp_collective_s without a TP > 1 record) stays at its prior; one that comes out <= 0 is held at its
+prior and the rest refit; when the records cannot separate the unknowns (too few stages, or
+collinear terms) the fit that changes the priors least (relative, least-norm) among the exact ones
+is taken; if every unknown ends up held, one common scale of the group's prior prediction is fitted
+instead (a ratio fit). Gen and the forward/update stages overlap two kinds of work
+(timing.OVERLAP_P), which is not linear: their groups are first fitted as if the parts added up,
+then refined by nonlinear least squares of the overlapped seconds (`_refine_overlap`). Predicted
+timing_s/step = the sum of the predicted stages, "other" included.
 
 `--validation PATH` also writes the per-config leave-one-out summary (validate.py).
 """
@@ -133,8 +136,8 @@ def _rows(runs, terms, stages, free, coefs) -> tuple[list[list[float]], list[flo
             if stage in t and y is not None and any(t[stage].x.get(k, 0) for k in free):
                 known = t[stage].const + sum(v * coefs[k] for k, v in t[stage].x.items() if k not in free)
                 # Least squares in seconds: a long stage weighs more, as it does in the step. (Relative
-                # residuals were tried: they let the many short forward stages pull the MFUs up to
-                # 0.82-0.88, and the held-out steps came out worse, 15 of 16 within 15% vs 16.)
+                # residuals, tried on an earlier form of the model, let the many short forward stages
+                # pull the MFUs up and held out worse: 15 of 16 steps within 15% against 16.)
                 rows.append([t[stage].x.get(k, 0.0) for k in free])
                 ys.append(y - known)
     return rows, ys
