@@ -84,6 +84,7 @@ def main():
             m = results[algo]["median_later_steps"]
             tag = f"-tp{args.tp}g{args.tp_gen or args.tp}" if args.nproc > 1 else ""
             tag += f"-p{args.prompts}n{args.samples}r{args.response}-mb{args.micro}f{args.fmicro or args.micro}"
+            seq_len = 128 + args.response
             records.append({"name": f"{args.model}-{args.nproc}xH200-{algo}{tag}", "config": {
                 "model": args.model, "gpu": "H200", "num_gpus": args.nproc,
                 "layout": {"tp": args.tp, "pp": 1, "dp": args.nproc // args.tp,
@@ -92,8 +93,8 @@ def main():
                 "algorithm": algo, "prompts_per_step": args.prompts,
                 "samples_per_prompt": args.samples, "prompt_len": 128,
                 "response_len": args.response, "ppo_epochs": 1, "mini_batches": 1,
-                "micro_batch_tokens": args.micro * (128 + args.response),
-                "forward_micro_batch_tokens": (args.fmicro or args.micro) * (128 + args.response),
+                "micro_batch_tokens": args.micro * seq_len,
+                "forward_micro_batch_tokens": (args.fmicro or args.micro) * seq_len,
                 "use_reference": algo == "grpo"}, "metrics": m})
     import torch
 

@@ -55,10 +55,10 @@ def main():
         eng.compute_logprobs(batch, micro_batch_size=args.micro)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    if torch.distributed.get_rank() == 0:
+        print(f"{args.model} TP={args.tp} SP={args.sp} micro={args.micro}: compute_logprobs median "
+              f"{statistics.median(times[1:]):.3f} s (times {[round(t, 3) for t in times]})")
     if not args.profile:
-        if torch.distributed.get_rank() == 0:
-            print(f"{args.model} TP={args.tp} SP={args.sp} micro={args.micro}: compute_logprobs median "
-                  f"{statistics.median(times[1:]):.3f} s (times {[round(t, 3) for t in times]})")
         groups.destroy()
         return
     from torch.profiler import ProfilerActivity, profile
@@ -67,8 +67,6 @@ def main():
         eng.compute_logprobs(batch, micro_batch_size=args.micro)
         torch.cuda.synchronize()
     if torch.distributed.get_rank() == 0:
-        print(f"TP={args.tp} SP={args.sp}: compute_logprobs median {statistics.median(times[1:]):.3f} s"
-              f" (times {[round(t, 3) for t in times]})")
         avg = prof.key_averages()
         print(avg.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
         print(avg.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))

@@ -49,6 +49,7 @@ when no record informs it), and why (fit your own with `python -m hybridflow.cos
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -103,6 +104,7 @@ class Calibration:
 SHIPPED = Path(__file__).with_name("calibration_h200.json")
 
 
+@functools.lru_cache(maxsize=1)
 def shipped_calibration() -> Calibration:
     """The fit to our H200 records (`calibration_h200.json`, a copy of
     benchmarks/results/calibration.json): what the estimator uses when given no calibration. The

@@ -13,10 +13,9 @@ divide by DP):
   already holds) over NVLink (IB when the TP x PP group spans nodes), at bus bandwidth x comm eff.
 - gen: prefill (2N + attention FLOPs per prompt token) at peak x prefill eff; decode FLOPs at the
   same rate overlapped (OVERLAP_P) with each decode step's reads of the gen weight shard and the
-  wave's KV cache at HBM bandwidth x decode eff; plus a fixed
-  cost per layer per decode step (`decode_layer_overhead_s`: the CUDA graph's small kernels, with
-  sampling folded in); plus TP_g all-reduces (2 per layer per step). Every response runs to full
-  length.
+  wave's KV cache at HBM bandwidth x decode eff; plus a fixed cost per layer per decode step
+  (`decode_layer_overhead_s`: the CUDA graph's small kernels, with sampling folded in); plus TP_g
+  all-reduces (2 per layer per step). Every response runs to full length.
 - old_log_prob / ref / values: forward FLOPs at peak x forward MFU, plus a fixed cost per layer per
   micro-batch (`layer_pass_overhead_s`: kernel launches; at RL micro-batch sizes a small model's
   passes are launch-bound, not FLOP-bound), both times (1 + PP bubble); plus TP traffic under
@@ -138,7 +137,8 @@ class StageTerms:
         return sides["serial"] + overlapped(sides["a"], sides["b"])
 
 
-def overlapped(a: float, b: float, p: float = OVERLAP_P) -> float:
+def overlapped(a: float, b: float) -> float:
+    p = OVERLAP_P
     return (a ** p + b ** p) ** (1 / p) if a > 0 and b > 0 else a + b
 
 

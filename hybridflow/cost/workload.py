@@ -32,12 +32,12 @@ class Workload:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: expected one of {DTYPES}")
         for f in ("prompts_per_step", "samples_per_prompt", "prompt_len", "response_len",
-                  "ppo_epochs", "mini_batches", "micro_batch_tokens"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
-                raise ValueError(f"{f} must be a positive integer, got {getattr(self, f)!r}")
-        f = self.forward_micro_batch_tokens
-        if f is not None and (not isinstance(f, int) or f <= 0):
-            raise ValueError(f"forward_micro_batch_tokens must be a positive integer or None, got {f!r}")
+                  "ppo_epochs", "mini_batches", "micro_batch_tokens", "forward_micro_batch_tokens"):
+            v = getattr(self, f)
+            if f == "forward_micro_batch_tokens" and v is None:   # None: as micro_batch_tokens
+                continue
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{f} must be a positive integer, got {v!r}")
 
     @property
     def has_critic(self) -> bool:
