@@ -31,12 +31,12 @@ def run(algo: str, args, workdir: str) -> list[dict]:
                  "trainer.sft_warmup_steps=0", "trainer.resume=false", "trainer.save_final=false",
                  "trainer.progress_bar=false", "trainer.tensorboard=false",
                  f"trainer.output_dir={out_dir}", f"algo.ppo_mini_batch_size={args.prompts * args.samples}",
-                 f"algo.micro_batch_size={args.micro}", "reward.fn=math_exact",
+                 f"algo.micro_batch_size_per_gpu={args.micro}", "reward.fn=math_exact",
                  "trainer.probe_steps=0", f"parallel.tensor_parallel_size={args.tp}",
                  f"parallel.sequence_parallel={str(args.tp > 1).lower()}",
                  f"rollout.tensor_parallel_size={args.tp_gen or args.tp}"]
     if args.fmicro:
-        overrides.append(f"algo.forward_micro_batch_size={args.fmicro}")
+        overrides.append(f"algo.forward_micro_batch_size_per_gpu={args.fmicro}")
     overrides += [f"trainer.gc_interval={args.gc_interval}", *args.override]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     launcher = [sys.executable]

@@ -106,11 +106,13 @@ class AlgoConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"
     ppo_epochs: int = 1
-    ppo_mini_batch_size: int = 8  # sequences per optimizer step (global)
-    micro_batch_size: int = 4  # sequences per forward/backward on a rank
-    # sequences per forward-only micro-batch (old/ref log-probs, values); None: micro_batch_size.
-    # Larger means fewer kernel launches and TP collectives per pass (no activations are kept).
-    forward_micro_batch_size: Optional[int] = None
+    # Batch sizes as verl names them: the mini-batch is GLOBAL (sequences per optimizer step, over
+    # all DP ranks); micro-batches are PER GPU (sequences per forward/backward on one rank).
+    ppo_mini_batch_size: int = 8
+    micro_batch_size_per_gpu: int = 4
+    # sequences per forward-only micro-batch on one rank (old/ref log-probs, values); None: the
+    # training micro-batch. Larger means fewer kernel launches and TP collectives per pass.
+    forward_micro_batch_size_per_gpu: Optional[int] = None
 
 
 @dataclass
@@ -256,26 +258,28 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if a.adv_estimator != "gae" and r.n < 2 and a.adv_estimator != "reinforce_plus_plus":
         raise ValueError(f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt: "
                          f"set rollout.n >= 2 (got {r.n})")
-    for key in ("ppo_mini_batch_size", "micro_batch_size", "ppo_epochs"):
+    for key in ("ppo_mini_batch_size", "micro_batch_size_per_gpu", "ppo_epochs"):
         _positive(f"algo.{key}", getattr(a, key))
     _positive("data.prompts_per_step", d.prompts_per_step)
-    pp_uneven = p.pipeline_parallel_size > 1 and (d.prompts_per_step // dp) % a.micro_batch_size
+    mbs = a.micro_batch_size_per_gpu
+    pp_uneven = p.pipeline_parallel_size > 1 and (d.prompts_per_step // dp) % mbs
     if cfg.trainer.sft_warmup_steps > 0 and pp_uneven:  # PP sends fixed-size micro-batches
-        raise ValueError(f"algo.micro_batch_size={a.micro_batch_size} must divide the warm-up batch "
-                         f"per rank data.prompts_per_step / DP = {d.prompts_per_step // dp} "
-                         f"when parallel.pipeline_parallel_size > 1")
+        raise ValueError(f"algo.micro_batch_size_per_gpu={mbs} (per GPU) must divide the warm-up "
+                         f"batch per DP rank data.prompts_per_step / DP = {d.prompts_per_step} / "
+                         f"{dp} when parallel.pipeline_parallel_size > 1")
     seqs = d.prompts_per_step * r.n
     if seqs % a.ppo_mini_batch_size:
-        raise ValueError(f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} must divide the "
-                         f"sequences per step data.prompts_per_step x rollout.n = {seqs}")
-    fmbs = a.forward_micro_batch_size
+        raise ValueError(f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} (global) must divide "
+                         f"the sequences per step data.prompts_per_step x rollout.n = {seqs}")
+    fmbs = a.forward_micro_batch_size_per_gpu
     if fmbs is not None and (fmbs <= 0 or (seqs // dp) % fmbs):
-        raise ValueError(f"algo.forward_micro_batch_size={fmbs} must divide the sequences per "
-                         f"rank data.prompts_per_step x rollout.n / DP = {seqs // dp}")
-    if (a.ppo_mini_batch_size // dp) % a.micro_batch_size or a.ppo_mini_batch_size % dp:
-        raise ValueError(f"algo.micro_batch_size={a.micro_batch_size} must divide the per-rank "
-                         f"mini-batch algo.ppo_mini_batch_size / DP = "
-                         f"{a.ppo_mini_batch_size} / {dp}")
+        raise ValueError(f"algo.forward_micro_batch_size_per_gpu={fmbs} (per GPU) must divide the "
+                         f"sequences per DP rank data.prompts_per_step x rollout.n / DP = "
+                         f"{seqs} / {dp} = {seqs // dp}")
+    if a.ppo_mini_batch_size % dp or (a.ppo_mini_batch_size // dp) % mbs:
+        raise ValueError(f"algo.micro_batch_size_per_gpu={mbs} (per GPU) must divide the "
+                         f"mini-batch per DP rank algo.ppo_mini_batch_size / DP = "
+                         f"{a.ppo_mini_batch_size} / {dp} (ppo_mini_batch_size is global)")
     for name in ("actor_optim", "critic_optim"):
         _one_of(f"{name}.lr_decay_style", getattr(cfg, name).lr_decay_style,
                 {"constant", "linear", "cosine"})

@@ -52,9 +52,9 @@ def _prediction(cfg, gpu: str, world: int) -> dict:
                     prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens,
                     ppo_epochs=cfg.algo.ppo_epochs,
                     mini_batches=max(1, seqs // cfg.algo.ppo_mini_batch_size),
-                    micro_batch_tokens=cfg.algo.micro_batch_size * seq_len,
-                    forward_micro_batch_tokens=(cfg.algo.forward_micro_batch_size
-                                                or cfg.algo.micro_batch_size) * seq_len,
+                    micro_batch_tokens=cfg.algo.micro_batch_size_per_gpu * seq_len,
+                    forward_micro_batch_tokens=(cfg.algo.forward_micro_batch_size_per_gpu
+                                                or cfg.algo.micro_batch_size_per_gpu) * seq_len,
                     use_reference=cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward,
                     dtype="bf16" if cfg.trainer.precision == "bf16" else "fp32")
     kw = dict(model=model, gpu=gpu, num_gpus=world, layout=layout, **workload)

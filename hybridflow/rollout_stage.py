@@ -134,7 +134,7 @@ class RolloutStage:
         if self.reward_engine is not None:
             a = self.cfg.algo
             rm = self.reward_engine.compute_scores(
-                batch, micro_batch_size=a.forward_micro_batch_size or a.micro_batch_size)
+                batch, micro_batch_size=a.forward_micro_batch_size_per_gpu or a.micro_batch_size_per_gpu)
             metrics["reward/model_score/mean"] = float(rm.mean())
             scores = scores + self.cfg.reward.model_weight * rm
         dp = ps.get_data_parallel_world_size()  # every DP rank holds the same number of rows

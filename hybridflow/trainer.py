@@ -95,7 +95,7 @@ class Trainer:
             items = [self.dataset[i] for i in self.sampler.next_batch()]
             batch = self.rollout.generate(items, step=self.step, timer=timer)
             batch = batch.trimmed()
-            mbs = cfg.algo.forward_micro_batch_size or cfg.algo.micro_batch_size
+            mbs = cfg.algo.forward_micro_batch_size_per_gpu or cfg.algo.micro_batch_size_per_gpu
             with timer("old_log_prob"):
                 batch.old_logprobs = self.actor.compute_logprobs(
                     batch, micro_batch_size=mbs, temperature=self.temperature)
@@ -179,7 +179,7 @@ class Trainer:
                 num_tokens = int(dp_sum(float(mb.response_mask.sum())))
                 loss_fn = objective(a, num_tokens=max(num_tokens, 1),
                                     num_seqs=a.ppo_mini_batch_size)
-                m = engine.train_step(mb, loss_fn, micro_batch_size=a.micro_batch_size,
+                m = engine.train_step(mb, loss_fn, micro_batch_size=a.micro_batch_size_per_gpu,
                                       temperature=self.temperature,
                                       need_entropy=engine.role == "actor")
                 prefix = "actor" if engine.role == "actor" else "critic"
@@ -198,7 +198,7 @@ class Trainer:
             batch = self.rollout.sft_batch(items)
             num_tokens = int(dp_sum(float(batch.response_mask.sum())))
             m = self.actor.train_step(batch, sft_objective(num_tokens=num_tokens),
-                                      micro_batch_size=self.cfg.algo.micro_batch_size, lr=lr)
+                                      micro_batch_size=self.cfg.algo.micro_batch_size_per_gpu, lr=lr)
             if (s + 1) % 10 == 0 or s + 1 == steps:
                 self.logger.print(f"sft warm-up {s + 1}/{steps}: nll={m['sft/nll']:.3f}")
         self.sft_done = True

@@ -21,7 +21,7 @@ class Workload:
     mini_batches: int = 1         # optimizer steps per PPO epoch
     micro_batch_tokens: int = 8192  # tokens per micro-batch in the update phases
     # tokens per micro-batch of the forward-only passes (old_log_prob, ref, values); None: as above
-    # (the trainer's algo.forward_micro_batch_size)
+    # (the trainer's algo.forward_micro_batch_size_per_gpu)
     forward_micro_batch_tokens: int | None = None
     use_reference: bool = True
     dtype: str = "bf16"

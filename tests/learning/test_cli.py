@@ -66,7 +66,7 @@ def test_hf_checkpoint_jsonl_train_resume_export(tmp_path):
     common = ["-m", "hybridflow.train", f"model.hf_path={model_dir}", "data.synthetic=null",
               f"data.train_files={data}", f"reward.fn={reward}:score", "algo=grpo",
               "rollout.n=2", "rollout.max_new_tokens=4", "data.prompts_per_step=4",
-              "algo.ppo_mini_batch_size=8", "algo.micro_batch_size=4",
+              "algo.ppo_mini_batch_size=8", "algo.micro_batch_size_per_gpu=4",
               "trainer.sft_warmup_steps=0", "trainer.offload_ref=true",
               "trainer.progress_bar=false", f"trainer.output_dir={out}"]
     first = _run(*common, "trainer.total_steps=2")
@@ -98,7 +98,7 @@ def _toy_run_args(tmp_path, model_dir, out):
                                 "reward_model": {"ground_truth": "w9"}}) + "\n")
     return ["-m", "hybridflow.train", f"model.hf_path={model_dir}", "data.synthetic=null",
             f"data.train_files={data}", "algo=grpo", "rollout.n=2", "rollout.max_new_tokens=4",
-            "data.prompts_per_step=4", "algo.ppo_mini_batch_size=8", "algo.micro_batch_size=4",
+            "data.prompts_per_step=4", "algo.ppo_mini_batch_size=8", "algo.micro_batch_size_per_gpu=4",
             "trainer.sft_warmup_steps=0", "trainer.progress_bar=false", "trainer.save_final=false",
             f"trainer.output_dir={out}"]
 
