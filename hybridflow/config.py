@@ -65,6 +65,7 @@ class RolloutConfig:
 @dataclass
 class DataConfig:
     train_files: Optional[str] = None  # .jsonl / .parquet in verl's format
+    val_files: Optional[str] = None  # held-out prompts, same format; scored every trainer.val_every
     synthetic: Optional[str] = None  # name of a built-in synthetic task (the CPU demo)
     synthetic_size: int = 2000
     tokenizer: Optional[str] = None  # tokenizer.json dir or sentencepiece .model; default: model's
@@ -81,6 +82,8 @@ class RewardConfig:
     # null: no rule reward (reward model only)
     model_path: Optional[str] = None  # HF reward-model checkpoint (*ForSequenceClassification)
     model_weight: float = 1.0  # score = rule score + model_weight * reward-model score
+    # rule rewards reported on validation beside `fn` (e.g. [gsm8k_strict]); they do not train
+    val_fns: list = field(default_factory=list)
 
 
 @dataclass
@@ -147,7 +150,11 @@ class TrainerConfig:
     # (at the start of the step, timed as timing_s/gc), as Megatron's --manual-gc: automatic
     # collections at random points stall every rank of a collective; 0: Python's default.
     gc_interval: int = 1
-    log_every: int = 1
+    # validation (verl's trainer.test_freq): greedy decoding over data.val_files every N steps
+    val_every: int = 0  # 0: never during training
+    val_before_train: bool = False  # score the starting model (step 0) first
+    val_max_new_tokens: Optional[int] = None  # None: rollout.max_new_tokens
+    val_log_generations: int = 8  # rows appended to <output_dir>/val_generations.jsonl per validation
     progress_bar: bool = True
     tensorboard: bool = True
 
