@@ -12,10 +12,19 @@ Layout of a checkpoint root:
         meta.json                    layout at save time (world, TP, PP, DP), roles, format version
         tokenizer/                   optional copy of the tokenizer directory
 
-Atomicity: every rank writes into `step_<N>.tmp/` (rank 0 first removes stale `*.tmp` dirs); after a
-barrier rank 0 renames it to `step_<N>` and rewrites `latest` through a temp file and `os.replace`.
-A crash at any point leaves the previous checkpoint and `latest` untouched; a `step_<N>` directory
-exists only when complete (`latest_step` falls back to the newest one if `latest` itself is lost).
+Atomicity: every rank writes into `step_<N>.tmp/` (rank 0 first removes stale `*.tmp` dirs); when
+all ranks are done rank 0 renames it to `step_<N>` (the one atomic step that publishes it) and then
+rewrites `latest` through a temp file and `os.replace`. A `step_<N>` directory exists only when
+complete, so the newest one is the truth: `latest_step` reads the directories, not `latest`, which a
+crash between the rename and its rewrite leaves one step behind; `recover()` (at the start of a
+run) rewrites a stale `latest` and removes what crashed saves left (`*.tmp`).
+
+Failures: an I/O error on any rank during a save (disk full, quota, read-only, permission) is
+shared with every rank (the all-gathers that replace the barriers), the partial `step_<N>.tmp` is
+removed, and every rank raises the same OSError naming the errno, the path and the failing rank;
+earlier steps and `latest` are untouched. Loading compares the saved ModelConfig of each role with
+the requested one first and refuses any difference in shape (`allow_vocab_resize` lets only
+`vocab_size` differ: rows are then copied up to the smaller vocabulary, new rows are zero).
 
 Resharding: tensors are stored by global key and offset, so a checkpoint loads at any TP/PP/DP
 (`optim.py` for the optimizer state, `full.py` for whole weights without a model). Vocabulary padding depends on TP; Megatron marks the
@@ -38,12 +47,13 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.utils import unwrap_model
 
 from hybridflow.checkpoint import optim, state
+from hybridflow.checkpoint.failures import io_errors, raise_on_any_rank
 from hybridflow.checkpoint.full import load_full_state_dict
-from hybridflow.checkpoint.state import read_model_config
+from hybridflow.checkpoint.state import model_config_diff, read_model_config
 from hybridflow.models.heads import ValueHead
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "step_dir",
-           "load_full_state_dict", "read_model_config"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "step_dir", "recover",
+           "load_full_state_dict", "read_model_config", "model_config_diff"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -53,16 +63,37 @@ def step_dir(root_dir: str, step: int) -> str:
 
 
 def latest_step(root_dir: str) -> Optional[int]:
-    """The step of the newest complete checkpoint under `root_dir`, or None."""
+    """The step of the newest complete checkpoint under `root_dir`, or None. The `step_<N>`
+    directories decide (each exists only when complete); `latest` may lag one step behind."""
+    steps = _complete_steps(root_dir)
+    return steps[-1] if steps else None
+
+
+def recover(root_dir: str) -> Optional[int]:
+    """Rank 0 at the start of a run: remove what crashed saves left (`*.tmp`), point a stale or
+    missing `latest` at the newest complete step; return that step (None: no checkpoint)."""
+    if not os.path.isdir(root_dir):
+        return None
+    for name in os.listdir(root_dir):
+        if name.endswith(".tmp"):
+            path = os.path.join(root_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return _repair_latest(root_dir)
+
+
+def _repair_latest(root_dir: str) -> Optional[int]:
+    step = latest_step(root_dir)
+    if step is not None and _read_latest(root_dir) != step:
+        _write_latest(root_dir, step)
+    return step
+
+
+def _read_latest(root_dir: str) -> Optional[int]:
     try:
         with open(os.path.join(root_dir, "latest"), encoding="utf-8") as f:
-            step = int(f.read().strip())
-        if os.path.isdir(step_dir(root_dir, step)):
-            return step
+            return int(f.read().strip())
     except (FileNotFoundError, ValueError):
-        pass
-    steps = _complete_steps(root_dir)  # `latest` lost or stale: complete dirs are the truth
-    return steps[-1] if steps else None
+        return None
 
 
 def _complete_steps(root_dir: str) -> list[int]:
@@ -80,7 +111,9 @@ def save_checkpoint(root_dir: str, *, step: int, models: dict, optimizers: dict 
 
     models: role -> list of model chunks (DDP-wrapped or bare); optimizers / schedulers: role ->
     Megatron optimizer / OptimizerParamScheduler; trainer_state: a dict (JSON-able values go to
-    trainer_state.json, the rest to trainer_state.pt); keep_last: keep only the newest N steps."""
+    trainer_state.json, the rest to trainer_state.pt); keep_last: keep only the newest N steps.
+    An I/O error on any rank removes the partial directory and raises the same OSError on every
+    rank (errno, path, failing rank); earlier steps and `latest` stay as they were."""
     for role in list(optimizers) + list(schedulers):
         if role not in models:
             raise ValueError(f"optimizer/scheduler for role {role!r} given without its model")
@@ -92,44 +125,57 @@ def save_checkpoint(root_dir: str, *, step: int, models: dict, optimizers: dict 
     exists = [rank == 0 and os.path.isdir(final)]
     dist.broadcast_object_list(exists, src=0)
     if exists[0]:
+        if rank == 0:
+            _repair_latest(root_dir)  # a crash between its rename and `latest`
         return final
-    if rank == 0:
-        os.makedirs(root_dir, exist_ok=True)
-        for name in os.listdir(root_dir):  # leftovers of crashed saves
-            if name.endswith(".tmp") and os.path.isdir(os.path.join(root_dir, name)):
-                shutil.rmtree(os.path.join(root_dir, name))
-        for sub in [os.path.join(tmp, "rng")] + [os.path.join(tmp, r) for r in models]:
-            os.makedirs(sub)
-    dist.barrier()
+    what = f"saving checkpoint step {step}"
+    with io_errors() as err:
+        if rank == 0:
+            os.makedirs(root_dir, exist_ok=True)
+            for name in os.listdir(root_dir):  # leftovers of crashed saves
+                if name.endswith(".tmp") and os.path.isdir(os.path.join(root_dir, name)):
+                    shutil.rmtree(os.path.join(root_dir, name))
+            for sub in [os.path.join(tmp, "rng")] + [os.path.join(tmp, r) for r in models]:
+                os.makedirs(sub)
+    raise_on_any_rank(err, what=what, cleanup=tmp)  # (the barrier before the writes)
 
-    for role, chunks in models.items():
-        model_sd = _model_sharded_state_dict(chunks)
-        sd = {"model": model_sd}
-        if role in optimizers:
-            sd["optimizer"], _ = optim.sharded_state_dict(optimizers[role], model_sd)
-        if role in schedulers:
-            sd["scheduler"] = schedulers[role].state_dict()
-        dist_checkpointing.save(sd, os.path.join(tmp, role))
-    state.save_rng(tmp)
-    if rank == 0:
-        state.write_rank0_files(tmp, step=step, roles=list(models), trainer_state=trainer_state,
-                                model_configs=model_configs, tokenizer_dir=tokenizer_dir)
-    dist.barrier()
-    if rank == 0:
-        _publish(root_dir, tmp, final, step)
-        if keep_last:
+    with io_errors() as err:
+        for role, chunks in models.items():
+            model_sd = _model_sharded_state_dict(chunks)
+            sd = {"model": model_sd}
+            if role in optimizers:
+                sd["optimizer"], _ = optim.sharded_state_dict(optimizers[role], model_sd)
+            if role in schedulers:
+                sd["scheduler"] = schedulers[role].state_dict()
+            dist_checkpointing.save(sd, os.path.join(tmp, role))  # collective: fails on all ranks
+        state.save_rng(tmp)
+        if rank == 0:
+            state.write_rank0_files(tmp, step=step, roles=list(models),
+                                    trainer_state=trainer_state, model_configs=model_configs,
+                                    tokenizer_dir=tokenizer_dir)
+    raise_on_any_rank(err, what=what, cleanup=tmp)
+    with io_errors() as err:
+        if rank == 0:
+            _publish(root_dir, tmp, final, step)
+    raise_on_any_rank(err, what=what, cleanup=tmp)
+    with io_errors() as err:
+        if rank == 0 and keep_last:
             for old in _complete_steps(root_dir)[:-keep_last]:
                 if old != step:  # rename first: a crash mid-delete leaves only a *.tmp leftover
                     doomed = step_dir(root_dir, old) + ".del.tmp"
                     os.rename(step_dir(root_dir, old), doomed)
                     shutil.rmtree(doomed, ignore_errors=True)
-    dist.barrier()
+    raise_on_any_rank(err, what=f"removing checkpoints older than step {step} (keep_last)")
     return final
 
 
 def _publish(root_dir: str, tmp: str, final: str, step: int) -> None:
     """Rank 0: make the finished tmp dir the checkpoint of `step`, then point `latest` at it."""
     os.rename(tmp, final)
+    _write_latest(root_dir, step)
+
+
+def _write_latest(root_dir: str, step: int) -> None:
     latest_tmp = os.path.join(root_dir, "latest.tmp")
     with open(latest_tmp, "w", encoding="utf-8") as f:
         f.write(f"{step}\n")
@@ -141,12 +187,15 @@ def _publish(root_dir: str, tmp: str, final: str, step: int) -> None:
 # ---------------------------------------------------------------------------------------- load
 def load_checkpoint(root_dir: str, *, models: dict, optimizers: dict = {}, schedulers: dict = {},
                     step: Optional[int] = None, load_optimizer: bool = True,
-                    load_rng: bool = True) -> Optional[dict]:
+                    load_rng: bool = True, model_configs: dict = {},
+                    allow_vocab_resize: bool = False) -> Optional[dict]:
     """Load a checkpoint into the given models (and optimizers, schedulers), in any layout.
 
     step=None loads the latest one and returns None when there is none. Returns the trainer state
     dict (with "step"). load_optimizer=False keeps the optimizers' fresh state (main weights are
     refreshed from the loaded model). RNG states come back only in the layout that saved them.
+    model_configs: role -> the requested ModelConfig, compared with the saved one before anything
+    loads (ValueError naming each differing key; `vocab_size` may differ with allow_vocab_resize).
     Missing step/role dirs raise FileNotFoundError; shapes that do not match the checkpoint raise
     ValueError naming the tensor."""
     if step is None:
@@ -157,6 +206,8 @@ def load_checkpoint(root_dir: str, *, models: dict, optimizers: dict = {}, sched
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist (steps under {root_dir}: "
                                 f"{_complete_steps(root_dir)})")
+    for role, cfg in model_configs.items():
+        _check_model_config(path, role, cfg, allow_vocab_resize=allow_vocab_resize)
     for role, chunks in models.items():
         role_dir = os.path.join(path, role)
         if not os.path.isdir(role_dir):
@@ -185,6 +236,22 @@ def load_checkpoint(root_dir: str, *, models: dict, optimizers: dict = {}, sched
     if load_rng:
         state.restore_rng(path)
     return state.read_trainer_state(path)
+
+
+def _check_model_config(path: str, role: str, requested, *, allow_vocab_resize: bool) -> None:
+    if not os.path.exists(os.path.join(path, f"model_config_{role}.json")):
+        return  # written by every save; absent only in hand-made checkpoints
+    diff = model_config_diff(read_model_config(path, role), requested)
+    if allow_vocab_resize:
+        diff.pop("vocab_size", None)
+    if not diff:
+        return
+    keys = "; ".join(f"{k}={saved!r} saved, {want!r} requested" for k, (saved, want) in diff.items())
+    hint = (" (a deliberate vocabulary resize: trainer.resume_allow_vocab_resize=true)"
+            if "vocab_size" in diff else "")
+    raise ValueError(f"checkpoint {path} holds a different {role} model than the one requested: "
+                     f"{keys}{hint}; resume the same model or start over (trainer.resume=false "
+                     "or another trainer.output_dir)")
 
 
 def _check_shapes(request: dict, role_dir: str) -> None:

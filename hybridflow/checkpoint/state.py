@@ -80,6 +80,26 @@ def read_model_config(step_path: str, role: str = "actor") -> ModelConfig:
     return ModelConfig(**{k: v for k, v in data.items() if k in fields})
 
 
+# ModelConfig fields that are not the model: where it came from, how attention is computed, and
+# the longest position RoPE is asked for (no weight depends on it; a resume may raise it)
+_NOT_ARCHITECTURE = ("name", "hf_path", "gguf_path", "hf_architecture", "attention_backend",
+                     "max_position_embeddings")
+
+
+def model_config_diff(saved: ModelConfig, requested: ModelConfig) -> dict:
+    """{key: (saved, requested)} for every architecture field that differs (shape, vocabulary,
+    heads, query groups, head dim, tied embeddings, norm and RoPE settings, biases)."""
+    out = {}
+    for f in dataclasses.fields(ModelConfig):
+        a, b = getattr(saved, f.name), getattr(requested, f.name)
+        if f.name == "kv_channels":  # None means hidden_size // num_attention_heads
+            a = a or saved.hidden_size // saved.num_attention_heads
+            b = b or requested.hidden_size // requested.num_attention_heads
+        if f.name not in _NOT_ARCHITECTURE and a != b:
+            out[f.name] = (a, b)
+    return out
+
+
 def layout() -> dict:
     world = dist.get_world_size()
     if not ps.model_parallel_is_initialized():

@@ -12,6 +12,7 @@ Comparing the continuation across layouts also requires TP=2 and TP=1 training t
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -138,7 +139,7 @@ def _load(root, models, **kw):
 
 
 # ------------------------------------------------------------------------------ spawned bodies
-def save_and_reshard_2ranks(root: str, root_dist: str):
+def save_and_reshard_2ranks(root: str, root_dist: str, small_fs: str | None):
     res = {}
     # A: the uninterrupted run at TP=2 (plain optimizer, DP=1)
     models = _build(tp=2, dist_opt=False, seed=1234)
@@ -167,6 +168,8 @@ def save_and_reshard_2ranks(root: str, root_dist: str):
     _train_step(models, 2)
     res["w2_c"] = _full_weights(models)
     _save(root_dist, 2, models)
+    if small_fs is not None:
+        res["disk_full"] = _save_on_full_disk(small_fs, models)
     _train_step(models, 3)
     res["w3_c"] = _full_weights(models)
 
@@ -185,6 +188,41 @@ def save_and_reshard_2ranks(root: str, root_dist: str):
                         else p.detach().clone()
                         for n, p in tied.named_parameters() if n != "output_layer.weight"}
     return res
+
+
+def _save_on_full_disk(mount: str, models) -> dict:
+    """Step 1 fits on the tmpfs at `mount`; rank 0 then shrinks it to what is used plus a third of
+    a checkpoint, so step 2 runs out of space part-way (on one rank or both)."""
+    import subprocess
+
+    import torch.distributed as dist
+
+    root = os.path.join(mount, "ckpt")
+    _save(root, 1, models)
+
+    def files():
+        return {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+                for d, _, fs in os.walk(os.path.join(root, "step_1")) for f in fs}
+
+    before = files()
+    if dist.get_rank() == 0:
+        st = os.statvfs(mount)
+        used_kb = (st.f_blocks - st.f_bfree) * st.f_frsize // 1024
+        step_kb = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in
+                      os.walk(os.path.join(root, "step_1")) for f in fs) // 1024
+        subprocess.run(["mount", "-o", f"remount,size={used_kb + step_kb // 3}k", mount],
+                       check=True)
+    dist.barrier()
+    try:
+        _save(root, 2, models)
+        out = {"error": None}
+    except OSError as e:
+        out = {"error": (e.errno, str(e), e.filename)}
+    dist.barrier()
+    out["listing"] = sorted(os.listdir(root))
+    out["latest"] = open(os.path.join(root, "latest")).read().strip()
+    out["step1_intact"] = files() == before and "step_1/rng/rank_1.pt" in before
+    return out
 
 
 def resume_1rank(root: str, root_dist: str, export_check_dir: str):
@@ -216,15 +254,15 @@ def resume_1rank(root: str, root_dist: str, export_check_dir: str):
     _train_step(models, 4)
     real_rename = checkpoint.os.rename
 
-    def crash(src, dst):
-        raise OSError("simulated crash")
+    def crash(src, dst):  # the publishing rename fails (a real one cannot be provoked here)
+        raise OSError(errno.EIO, "Input/output error", src)
 
     checkpoint.os.rename = crash
     try:
         _save(root, 3, models)
-        res["crash_raised"] = False
-    except OSError:
-        res["crash_raised"] = True
+        res["crash_error"] = None
+    except OSError as e:
+        res["crash_error"] = (e.errno, str(e))
     finally:
         checkpoint.os.rename = real_rename
     res["latest_after_crash"] = checkpoint.latest_step(root)
@@ -242,15 +280,48 @@ def resume_1rank(root: str, root_dist: str, export_check_dir: str):
         res["shape_error"] = None
     except ValueError as e:
         res["shape_error"] = str(e)
+
+    # I: the saved ModelConfig against the requested one, before anything loads
+    for name, changes in (("vocab", dict(vocab_size=96)),
+                          ("heads", dict(num_attention_heads=8, num_query_groups=4,
+                                         kv_channels=8))):
+        big = _build(tp=1, dist_opt=False, seed=2, cfg=_cfg(**changes))
+        before = _full_weights(big)
+        try:
+            _load(root, big, model_configs={r: _cfg(**changes) for r in ROLES})
+            res[f"cfg_error_{name}"] = None
+        except ValueError as e:
+            res[f"cfg_error_{name}"] = str(e)
+        res[f"untouched_{name}"] = all(torch.equal(before[r][n], w)
+                                       for r in ROLES for n, w in _full_weights(big)[r].items())
+    big = _build(tp=1, dist_opt=False, seed=2, cfg=_cfg(vocab_size=96))
+    _load(root, big, model_configs={r: _cfg(vocab_size=96) for r in ROLES},
+          allow_vocab_resize=True)  # deliberate: the saved rows, then zeros
+    res["resized_embedding"] = big["actor"][0].module.embedding.word_embeddings.weight.detach()
+    res["saved_embedding"] = res["w_after_crash"]["actor"]["embedding.word_embeddings.weight"]
     return res
 
 
 # ------------------------------------------------------------------------------ tests
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def small_fs(tmp_path_factory):
+    """A real tmpfs to fill up (mounting needs root; None elsewhere: the test is then skipped)."""
+    import subprocess
+
+    path = str(tmp_path_factory.mktemp("tmpfs"))
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", path],
+                                           capture_output=True).returncode != 0:
+        yield None
+        return
+    yield path
+    subprocess.run(["umount", path], check=False)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, small_fs):
     root = str(tmp_path_factory.mktemp("ckpt"))
     root_dist = str(tmp_path_factory.mktemp("ckpt_dist"))
-    res = run_ranks(save_and_reshard_2ranks, 2, root, root_dist)
+    res = run_ranks(save_and_reshard_2ranks, 2, root, root_dist, small_fs)
     return root, root_dist, res
 
 
@@ -286,6 +357,21 @@ def test_resume_same_layout_and_at_dp2_distributed_optimizer(trained):
             "model_config_actor.json", "model_config_critic.json"} <= set(os.listdir(step1))
 
 
+def test_disk_full_during_save_is_one_error_on_every_rank(trained):
+    """ENOSPC on a real tmpfs while 2 ranks save: both raise the same OSError naming the errno
+    and the path, the partial step_2.tmp is gone, step 1 and `latest` are as they were."""
+    results = trained[2]
+    if "disk_full" not in results[0]:
+        pytest.skip("mounting a tmpfs needs root")
+    r0, r1 = results[0]["disk_full"], results[1]["disk_full"]
+    assert r0["error"] is not None and r0["error"] == r1["error"], (r0, r1)
+    code, msg, path = r0["error"]
+    assert code == errno.ENOSPC and "saving checkpoint step 2" in msg and "ENOSPC" in msg, msg
+    assert path.endswith("step_2.tmp") and "\n" not in msg
+    assert r0["listing"] == ["latest", "step_1"] and r0["latest"] == "1"
+    assert r0["step1_intact"]
+
+
 def test_resume_at_one_rank_atomicity_and_errors(trained):
     root, root_dist, results = trained
     ref = results[0]
@@ -304,12 +390,24 @@ def test_resume_at_one_rank_atomicity_and_errors(trained):
     assert r["full_pp"].keys() == pp_ref.keys()  # tied: no output_layer.weight
     for name, t in r["full_pp"].items():
         assert torch.equal(t, pp_ref[name]), name
-    # atomicity
-    assert r["crash_raised"] and r["tmp_left"]
+    # atomicity: the failed publish raises one OSError, removes its partial dir, keeps step 2
+    code, msg = r["crash_error"]
+    assert code == errno.EIO and "saving checkpoint step 3" in msg and "EIO" in msg, msg
+    assert "step_3.tmp" in msg and not r["tmp_left"]
     assert r["latest_after_crash"] == 2 and r["loaded_step"] == 2
     _assert_weights(r["w_after_crash"], r["w_saved2"], exact=True)
     assert r["dirs"] == ["latest", "step_2", "step_3"]
     assert "linear_fc1" in r["shape_error"] or "linear_fc2" in r["shape_error"]
+    # a different model is refused naming every differing key, before any weight changes
+    vocab, heads = r["cfg_error_vocab"], r["cfg_error_heads"]
+    assert "vocab_size=63 saved, 96 requested" in vocab and "resume_allow_vocab_resize" in vocab
+    for key in ("num_attention_heads=4 saved, 8 requested", "num_query_groups=2 saved, 4 requested"):
+        assert key in heads, heads
+    assert "kv_channels" not in heads and "vocab" not in heads  # 8 == 32 // 4: the same head dim
+    assert "\n" not in vocab + heads and r["untouched_vocab"] and r["untouched_heads"]
+    # allowed vocab resize: the saved rows, zeros after them
+    resized, saved = r["resized_embedding"], r["saved_embedding"]
+    assert torch.equal(resized[:VOCAB], saved) and not resized[VOCAB:].any()
 
 
 def test_missing_checkpoints(tmp_path):
