@@ -142,7 +142,11 @@ class TrainerConfig:
     sft_lr: Optional[float] = None  # learning rate of the warm-up; None: actor_optim.lr
     save_every: int = 0  # 0: only at the end
     save_final: bool = True  # checkpoint when training ends
-    resume: bool = True  # continue from <output_dir>/checkpoints/latest when present
+    resume: bool = True  # continue from the newest checkpoint in <output_dir>/checkpoints
+    resume_allow_vocab_resize: bool = False  # resume with another model.vocab_size (rows kept/zeroed)
+    # seconds a collective may wait for a peer before the rank ends with a stage/timeout line
+    # (every process group); long enough for the slowest stage a peer runs alone (loading)
+    collective_timeout_s: float = 1800.0
     probe_steps: int = 0  # >0: run N steps, write probe.json (time/cost forecast), stop
     price_per_gpu_hour: Optional[float] = None  # for the probe's cost; None: the GPU's default
     offload_ref: bool = False
@@ -292,6 +296,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
                 {"constant", "linear", "cosine"})
     _one_of("trainer.precision", cfg.trainer.precision, {"fp32", "bf16"})
     _positive("trainer.total_steps", cfg.trainer.total_steps)
+    _positive("trainer.collective_timeout_s", cfg.trainer.collective_timeout_s)
     if cfg.trainer.gc_interval < 0:
         raise ValueError(f"trainer.gc_interval={cfg.trainer.gc_interval} must be >= 0 "
                          "(0: Python's automatic GC)")

@@ -4,7 +4,9 @@ Metric names follow verl's (shared/DESIGN.md) so dashboards compare: `timing_s/<
 `perf/throughput` (tokens / (step seconds x GPUs)), `perf/max_memory_allocated_gb`, `actor/*`,
 `critic/*`, `response_length/*`. Only global rank 0 writes; every rank times (the stages are
 collective, so their times agree up to skew). On GPU, timers synchronize the device at stage
-boundaries so a stage's time is its own.
+boundaries so a stage's time is its own. A timed stage is also the stage the watchdog names when
+something fails in it. The sinks open their files at start-up: an OSError there names the file
+and errno (tensorboard missing is only a note).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from contextlib import contextmanager
 
 import torch
 
+from hybridflow import watchdog
+
 
 class StageTimer:
     def __init__(self):
@@ -24,15 +28,16 @@ class StageTimer:
 
     @contextmanager
     def __call__(self, name: str):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
+        with watchdog.stage(name):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
     def metrics(self) -> dict[str, float]:
         return {f"timing_s/{k}": v for k, v in self.times.items()}
@@ -63,15 +68,26 @@ class MetricsLogger:
         self.writer = self.bar = self.file = None
         if not enabled:
             return
-        os.makedirs(output_dir, exist_ok=True)
-        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a", buffering=1)
+        path = os.path.join(output_dir, "metrics.jsonl")
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+            self.file = open(path, "a", buffering=1)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot open the metrics log: {e.strerror}",
+                          e.filename or path) from None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"))
-            except Exception as e:  # tensorboard missing: keep going, say so once
+            except ImportError as e:  # tensorboard missing: keep going, say so once
                 print(f"[hybridflow] tensorboard disabled: {e}")
+            else:
+                tb_dir = os.path.join(output_dir, "tensorboard")
+                try:
+                    self.writer = SummaryWriter(tb_dir)
+                except OSError as e:
+                    self.file.close()
+                    raise OSError(e.errno, f"cannot write tensorboard events: {e.strerror}",
+                                  e.filename or tb_dir) from None
         if progress_bar:
             from tqdm import tqdm
 
@@ -100,9 +116,11 @@ class MetricsLogger:
         else:
             print(msg, flush=True)
 
-    def summary(self, history: list[dict], *, key: str = "critic/score/mean",
+    def summary(self, history: list[dict], *, first_step: int = 1, key: str = "critic/score/mean",
                 windows: int = 10) -> None:
-        """Print the reward curve as window means, e.g. `steps 1-20: 0.27 | 21-40: 0.31 | ...`."""
+        """Print the reward curve as window means, e.g. `steps 1-20: 0.27 | 21-40: 0.31 | ...`.
+        history[i] is step first_step + i (a resumed run starts after its checkpoint)."""
+        steps = [first_step + i for i, h in enumerate(history) if key in h]
         values = [h[key] for h in history if key in h]
         if not self.enabled or not values:
             return
@@ -110,7 +128,8 @@ class MetricsLogger:
         parts = []
         for start in range(0, len(values), size):
             chunk = values[start:start + size]
-            parts.append(f"{start + 1}-{start + len(chunk)}: {sum(chunk) / len(chunk):.3f}")
+            span = steps[start:start + size]
+            parts.append(f"{span[0]}-{span[-1]}: {sum(chunk) / len(chunk):.3f}")
         self.print("mean reward by steps  " + " | ".join(parts))
 
     def close(self) -> None:
