@@ -5,16 +5,18 @@ silently ignored typo. `load_config(overrides)` composes `conf/ppo.yaml` with co
 merges it onto the schema and returns a `Config`; `validate(cfg, world_size)` checks the cross-field
 rules (parallel sizes against world size and model shape, algorithm options) and raises `ValueError`
 naming the key, the value and what was expected.
+conf/ is read as the package `hybridflow.conf` (`CONF_PACKAGE`: inside a wheel, or through the
+hybridflow/conf link in a checkout), never by a path beside the source, so an installed package runs
+from any directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+CONF_PACKAGE = "hybridflow.conf"
 
 
 @dataclass
@@ -302,7 +304,7 @@ def load_config(overrides: list[str], *, config_name: str = "ppo") -> Config:
 
     Raises ValueError with a one-line message for unknown keys, bad values or bad override syntax.
     """
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
     from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -310,7 +312,7 @@ def load_config(overrides: list[str], *, config_name: str = "ppo") -> Config:
 
     ConfigStore.instance().store(name="hybridflow_schema", node=Config)  # conf/ppo.yaml's base
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        with initialize_config_module(config_module=CONF_PACKAGE, version_base=None):
             raw = compose(config_name=config_name, overrides=list(overrides))
         schema = OmegaConf.structured(Config)
         merged = OmegaConf.merge(schema, raw)
