@@ -16,29 +16,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from hybridflow.model_config import ModelConfig  # the model group's schema, with its derived counts
+
 CONF_PACKAGE = "hybridflow.conf"
-
-
-@dataclass
-class ModelConfig:
-    name: str = "tiny"
-    num_layers: int = 2
-    hidden_size: int = 64
-    ffn_hidden_size: int = 128
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    kv_channels: Optional[int] = None  # head dim; None: hidden_size // num_attention_heads
-    vocab_size: int = 64
-    max_position_embeddings: int = 256
-    rotary_base: float = 10000.0
-    rope_scaling: Optional[dict] = None  # HF-style rope_scaling (llama3) when loaded from a checkpoint
-    norm_epsilon: float = 1e-6
-    add_qkv_bias: bool = False
-    tie_word_embeddings: bool = False
-    hf_path: Optional[str] = None  # HF checkpoint dir (safetensors + config.json)
-    gguf_path: Optional[str] = None  # GGUF file (llama.cpp); see hybridflow.models.gguf
-    hf_architecture: Optional[str] = None  # e.g. Qwen2ForCausalLM: kept for the HF export
-    attention_backend: str = "auto"  # auto | sdpa | te | local
 
 
 @dataclass

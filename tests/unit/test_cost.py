@@ -233,7 +233,7 @@ def test_launch_and_tp_terms_by_hand():
     def terms(num_gpus, layout):
         run = parse_record({"config": {"model": "tiny", "gpu": "H200", "num_gpus": num_gpus,
                                        "layout": layout, **TINY_WORK, "algorithm": "ppo"}})
-        return stage_terms(run.shape, run.gpu, run.layout, run.workload, calib)
+        return stage_terms(run.shape, run.gpu, run.plan, run.workload, calib)
 
     one = terms(1, {"tp": 1})
     assert one["old_log_prob"].x["layer_pass_overhead_s"] == 2 * 2                  # L x micro
@@ -258,18 +258,18 @@ def test_stage_and_optimizer_terms_by_hand():
     work = TINY_WORK | {"ppo_epochs": 2, "mini_batches": 2, "forward_micro_batch_tokens": 4 * 32}
     run = parse_record({"config": {"model": "tiny", "gpu": "H200", "num_gpus": 1, "layout": {"tp": 1},
                                    **work, "algorithm": "ppo"}})
-    terms = stage_terms(run.shape, run.gpu, run.layout, run.workload, calib)
+    terms = stage_terms(run.shape, run.gpu, run.plan, run.workload, calib)
     assert "optimizer_step_s" not in terms["old_log_prob"].x
     assert terms["update_actor"].x["optimizer_step_s"] == 4
     assert terms["old_log_prob"].x["layer_pass_overhead_s"] == 2 * 1          # L x 1 micro-batch
     assert terms["update_actor"].x["layer_pass_overhead_s"] == 2 * 4 * 1 * 3  # L x 4 x 1 x fwd+bwd
-    parts = stage_breakdown(run.shape, run.gpu, run.layout, run.workload, calib)
+    parts = stage_breakdown(run.shape, run.gpu, run.plan, run.workload, calib)
     adam = 30 * run.shape.num_params / (run.gpu.hbm_gbps * 1e9)                 # bytes / HBM peak
     assert parts["update_actor"]["optimizer"] == pytest.approx(4 * (0.02 + adam))  # serial: no overlap
     # the forward passes' activations follow their own micro-batch: 4 sequences, not 2
-    mem = memory_for(run.shape, run.gpu, run.layout, run.workload, Calibration())
+    mem = memory_for(run.shape, run.gpu, run.plan, run.workload, Calibration())
     small = replace(run.workload, forward_micro_batch_tokens=None)
-    mem2 = memory_for(run.shape, run.gpu, run.layout, small, Calibration())
+    mem2 = memory_for(run.shape, run.gpu, run.plan, small, Calibration())
     assert mem.phases_gib["old_log_prob"]["activations"] == pytest.approx(
         2 * mem2.phases_gib["old_log_prob"]["activations"])
 
@@ -280,7 +280,7 @@ def test_overlap_of_host_and_gpu_parts_by_hand():
     calib = Calibration(layer_pass_overhead_s=1e-3, forward_mfu=0.5)
     run = parse_record({"config": {"model": "qwen2_0_5b", "gpu": "H200", "num_gpus": 1,
                                    "layout": {"tp": 1}, **TINY_WORK}})
-    t = stage_terms(run.shape, run.gpu, run.layout, run.workload, calib)["old_log_prob"]
+    t = stage_terms(run.shape, run.gpu, run.plan, run.workload, calib)["old_log_prob"]
     coefs = calib.coefs()
     host = t.x["layer_pass_overhead_s"] * 1e-3
     gpu = t.x["inv_forward_mfu"] * 2.0
@@ -290,7 +290,7 @@ def test_overlap_of_host_and_gpu_parts_by_hand():
     assert max(host, gpu) < t.seconds(coefs) < host + gpu
     assert sum(t.breakdown(coefs).values()) == pytest.approx(t.seconds(coefs))
     # decode: its FLOPs overlap its HBM reads; prefill FLOPs and the per-layer cost add
-    g = stage_terms(run.shape, run.gpu, run.layout, run.workload, calib)["gen"]
+    g = stage_terms(run.shape, run.gpu, run.plan, run.workload, calib)["gen"]
     sides = g.sides(coefs)
     assert sides["a"] > 0 and sides["b"] > 0 and sides["serial"] > 0
     assert g.seconds(coefs) == pytest.approx(
