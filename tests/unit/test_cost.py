@@ -1,4 +1,5 @@
 """Unit tests of the analytic cost model (hybridflow.cost): counts by hand, search, CLI, calibration."""
+import itertools
 import json
 import math
 import subprocess
@@ -14,7 +15,12 @@ from hybridflow.cost import (Calibration, estimate_cost, estimate_memory, estima
 from hybridflow.cost.calibrate import fit, main as calibrate_main, parse_record, predict, predict_vs_measured
 from hybridflow.cost.flops import forward_flops_per_token, train_flops_per_token
 from hybridflow.cost.memory import COMPONENTS, GIB, memory_for
+from hybridflow.config import load_config, validate
+from hybridflow.cost import get_gpu
+from hybridflow.cost.search import candidate_plans
+from hybridflow.cost.shapes import known_models
 from hybridflow.cost.timing import OVERLAP_P, stage_breakdown, stage_terms
+from hybridflow.models.hf_config import read_hf_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -341,3 +347,47 @@ def test_estimator_defaults_to_the_shipped_h200_fit():
     assert shipped == load_calibration(ROOT / "benchmarks" / "results" / "calibration.json")
     r = estimate_cost(model="qwen2_0_5b", gpu="H200", num_gpus=1, steps=1)
     assert "calibration: the shipped H200 fit" in r.notes
+
+
+# --- one model type, one config.json reader, one layout type with the trainer ---------------------
+
+@pytest.mark.parametrize("name", known_models())
+def test_cost_model_reads_the_trainers_model_config(name):
+    # the same ModelConfig that Hydra composes for `model=<name>` (the model YAML read by hand here)
+    assert load_shape(name) == load_config([f"model={name}"]).model
+
+
+def test_config_json_read_as_the_trainer_reads_it(tmp_path):
+    llama = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    assert load_shape(str(tmp_path)) == read_hf_config(str(tmp_path))
+    assert not load_shape(str(tmp_path)).add_qkv_bias
+    # Llama's attention_bias also biases o_proj, which the trainer cannot build: refused by both
+    (tmp_path / "config.json").write_text(json.dumps(llama | {"attention_bias": True}))
+    with pytest.raises(ValueError, match="attention_bias"):
+        load_shape(str(tmp_path))
+
+
+def test_search_offers_the_layouts_the_trainer_accepts():
+    # 8 heads in 4 KV groups would allow TP=4, the FFN width 4098 = 2 x 2049 does not (Megatron
+    # splits it over TP): the search must agree with config.validate on every (TP, PP, TP_g).
+    shape = load_shape({"name": "odd", "num_layers": 6, "hidden_size": 256, "ffn_hidden_size": 4098,
+                        "num_attention_heads": 8, "num_query_groups": 4, "vocab_size": 1000})
+    base = load_config(["algo.micro_batch_size_per_gpu=1", "algo.forward_micro_batch_size_per_gpu=1"])
+    base = replace(base, model=shape)
+    accepted = set()
+    for tp, pp, tp_g in itertools.product(range(1, 9), repeat=3):
+        cfg = replace(base, parallel=replace(base.parallel, tensor_parallel_size=tp,
+                                             pipeline_parallel_size=pp),
+                      rollout=replace(base.rollout, tensor_parallel_size=tp_g))
+        try:
+            validate(cfg, world_size=8)
+        except ValueError:
+            continue
+        accepted.add((tp, pp, tp_g))
+    plans = candidate_plans(shape, get_gpu("H200"), 8, use_reference=True)
+    assert {(p.layout.tp_t, p.layout.pp_t, p.layout.tp_g) for p in plans} == accepted
+    assert {tp for tp, _, _ in accepted} == {1, 2}
+    with pytest.raises(ValueError, match="ffn_hidden_size"):
+        estimate_cost(model=shape, gpu="H200", num_gpus=8, layout={"tp": 4})
