@@ -353,7 +353,7 @@ def test_estimator_defaults_to_the_shipped_h200_fit():
 
 @pytest.mark.parametrize("name", known_models())
 def test_cost_model_reads_the_trainers_model_config(name):
-    # the same ModelConfig that Hydra composes for `model=<name>` (the model YAML read by hand here)
+    # load_shape reads conf/model/<name>.yaml itself; Hydra composes it over the schema
     assert load_shape(name) == load_config([f"model={name}"]).model
 
 
