@@ -81,7 +81,7 @@ def _resident(shape: ModelConfig, plan: Plan, workload: Workload) -> dict[str, f
 
 
 def reshard_buffer_bytes(shape: ModelConfig, layout: Layout) -> float:
-    if layout.tp_g == layout.tp_t and layout.pp_t == 1:
+    if not layout.needs_reshard:
         return 0.0     # generation reads the training weights in place
     return BYTES_PER_PARAM * shape.num_params * (1 / layout.tp_g - 1 / (layout.tp_t * layout.pp_t))
 
