@@ -57,7 +57,8 @@ class Checkpointer:
         with watchdog.stage("save"):
             return save_checkpoint(self.root, step=t.step, models=models, optimizers=optimizers,
                                    schedulers=schedulers, trainer_state=t.state_dict(),
-                                   model_configs=configs, tokenizer_dir=tok_dir)
+                                   model_configs=configs, tokenizer_dir=tok_dir,
+                                   layout=t.ctx.layout)
 
     def maybe_resume(self) -> bool:
         from hybridflow.checkpoint import load_checkpoint, recover
@@ -73,7 +74,8 @@ class Checkpointer:
         with watchdog.stage("resume"):
             state = load_checkpoint(self.root, models=models, optimizers=optimizers,
                                     schedulers=schedulers, model_configs=configs,
-                                    allow_vocab_resize=cfg.resume_allow_vocab_resize)
+                                    allow_vocab_resize=cfg.resume_allow_vocab_resize,
+                                    layout=self.trainer.ctx.layout)
         if state is None:
             return False
         self.trainer.load_state_dict(state)

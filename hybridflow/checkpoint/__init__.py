@@ -106,7 +106,8 @@ def _complete_steps(root_dir: str) -> list[int]:
 # ---------------------------------------------------------------------------------------- save
 def save_checkpoint(root_dir: str, *, step: int, models: dict, optimizers: dict = {},
                     schedulers: dict = {}, trainer_state: dict = {}, model_configs: dict = {},
-                    tokenizer_dir: Optional[str] = None, keep_last: Optional[int] = None) -> str:
+                    tokenizer_dir: Optional[str] = None, keep_last: Optional[int] = None,
+                    layout=None) -> str:
     """Write `<root_dir>/step_<step>` atomically on every rank; return its path.
 
     models: role -> list of model chunks (DDP-wrapped or bare); optimizers / schedulers: role ->
@@ -152,7 +153,7 @@ def save_checkpoint(root_dir: str, *, step: int, models: dict, optimizers: dict 
         if rank == 0:
             state.write_rank0_files(tmp, step=step, roles=list(models),
                                     trainer_state=trainer_state, model_configs=model_configs,
-                                    tokenizer_dir=tokenizer_dir)
+                                    tokenizer_dir=tokenizer_dir, layout=layout)
     raise_on_any_rank(err, what=what, cleanup=tmp)
     with io_errors() as err:
         if rank == 0:
@@ -187,13 +188,14 @@ def _write_latest(root_dir: str, step: int) -> None:
 # ---------------------------------------------------------------------------------------- load
 def load_checkpoint(root_dir: str, *, models: dict, optimizers: dict = {}, schedulers: dict = {},
                     step: Optional[int] = None, load_optimizer: bool = True,
-                    load_rng: bool = True, model_configs: dict = {},
+                    load_rng: bool = True, layout=None, model_configs: dict = {},
                     allow_vocab_resize: bool = False) -> Optional[dict]:
     """Load a checkpoint into the given models (and optimizers, schedulers), in any layout.
 
     step=None loads the latest one and returns None when there is none. Returns the trainer state
     dict (with "step"). load_optimizer=False keeps the optimizers' fresh state (main weights are
-    refreshed from the loaded model). RNG states come back only in the layout that saved them.
+    refreshed from the loaded model). RNG states come back only in the layout that saved them
+    (`layout`, the current hybridflow.parallel.layout.Layout; None compares the world size only).
     model_configs: role -> the requested ModelConfig, compared with the saved one before anything
     loads (ValueError naming each differing key; `vocab_size` may differ with allow_vocab_resize).
     Missing step/role dirs raise FileNotFoundError; shapes that do not match the checkpoint raise
@@ -234,7 +236,7 @@ def load_checkpoint(root_dir: str, *, models: dict, optimizers: dict = {}, sched
                                  f"configured one: {e}") from None
 
     if load_rng:
-        state.restore_rng(path)
+        state.restore_rng(path, layout)
     return state.read_trainer_state(path)
 
 
