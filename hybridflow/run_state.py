@@ -31,7 +31,7 @@ def check_output_dir(output_dir: str, *, rank: int) -> None:
         if os.path.exists(probe):
             os.remove(probe)
         raise OSError(e.errno, f"trainer.output_dir={output_dir} is not writable: {e.strerror}",
-                      e.filename or output_dir) from None
+                      e.filename or probe) from None
 
 
 class Checkpointer:

@@ -2,8 +2,11 @@
 
 Composes conf/ppo.yaml with the overrides, takes the model shape from a checkpoint when
 `model.hf_path` / `model.gguf_path` is set, validates everything against the world size, then
-initialises process groups (NCCL with GPUs, gloo without), builds the trainer and trains.
-User errors (config, data, checkpoint paths) end the program with one line on stderr and exit code 2;
+checks that the output directory is writable, initialises process groups (NCCL with GPUs, gloo
+without; every collective waits trainer.collective_timeout_s for a peer), builds the trainer and
+trains. User errors (config, data, checkpoint, storage) end the program with one line on stderr,
+`hybridflow: error: ...`, printed by every rank that finds them, and exit code 2; a dead or silent
+peer and CUDA OOM end it with `rank R: stage S: ...` and exit code 1 (hybridflow.watchdog says how).
 `--cfg` prints the resolved config and exits.
 """
 
@@ -15,6 +18,7 @@ import os
 import sys
 import warnings
 
+from hybridflow import watchdog
 from hybridflow.config import Config, load_config, to_dict, validate
 
 
@@ -36,19 +40,6 @@ def resolve_model_source(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=shape)
 
 
-def _rank0() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
-def _fail(msg: str, *, collective: bool = True) -> int:
-    """Config errors happen on every rank (rank 0 speaks); a runtime error may hit one rank only,
-    so every failing rank says which it is."""
-    if _rank0() or not collective:
-        rank = "" if collective else f"[rank {os.environ.get('RANK', '0')}] "
-        print(f"hybridflow: error: {rank}{msg}", file=sys.stderr, flush=True)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     # megatron-core announces every optional dependency it falls back from; say it once here instead
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
@@ -57,29 +48,50 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     print_cfg = "--cfg" in argv
     argv = [a for a in argv if a != "--cfg"]
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = resolve_model_source(load_config(argv))
-        validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    except (ValueError, FileNotFoundError) as e:
-        return _fail(str(e))
+        validate(cfg, world_size=world)
+        if not print_cfg:
+            from hybridflow.run_state import check_output_dir  # (imports torch: after validation)
+
+            check_output_dir(cfg.trainer.output_dir, rank=rank)
+    except (ValueError, OSError) as e:  # the same on every rank: each prints it, without its rank
+        return watchdog.user_error(str(e), rank=rank, world_size=world, shared=False)
     if print_cfg:
-        if _rank0():
+        if rank == 0:
             print(json.dumps(to_dict(cfg), indent=2, default=str))
         return 0
 
     from hybridflow.parallel import groups
 
-    groups.init_distributed()
+    if world > 1:
+        watchdog.watch_sigterm(rank=rank)  # before the process group's threads start
+    timeout_minutes = cfg.trainer.collective_timeout_s / 60
+    groups.init_distributed(timeout_minutes=timeout_minutes)
     try:
-        ctx = groups.init_model_parallel(tp=cfg.parallel.tensor_parallel_size,
-                                         pp=cfg.parallel.pipeline_parallel_size,
-                                         tp_gen=cfg.rollout.tensor_parallel_size,
-                                         seed=cfg.trainer.seed)
-        from hybridflow.trainer import Trainer
+        with watchdog.stage("startup"):
+            ctx = groups.init_model_parallel(tp=cfg.parallel.tensor_parallel_size,
+                                             pp=cfg.parallel.pipeline_parallel_size,
+                                             tp_gen=cfg.rollout.tensor_parallel_size,
+                                             seed=cfg.trainer.seed,
+                                             timeout_minutes=timeout_minutes)
+            from hybridflow.trainer import Trainer
 
-        Trainer(cfg, ctx).train()
-    except (ValueError, FileNotFoundError) as e:
-        return _fail(str(e), collective=int(os.environ.get("WORLD_SIZE", "1")) == 1)
+            trainer = Trainer(cfg, ctx)
+        with watchdog.stage("train"):
+            trainer.train()
+    except (ValueError, OSError) as e:
+        code = watchdog.user_error(" ".join(str(e).split()), rank=rank, world_size=world,
+                                   shared=True)
+        if world > 1:
+            watchdog.exit_now(code)  # peers may be inside a collective: no teardown
+        return code
+    except Exception as e:
+        line = watchdog.failure_line(e, rank=rank)
+        if line is None:
+            raise
+        watchdog.die(line, 1)
     finally:
         groups.destroy()
     return 0

@@ -88,7 +88,7 @@ class Trainer:
             c.on_end()
         if t.save_final and not stopped:
             self.checkpointer.save()
-        self.logger.summary(history)
+        self.logger.summary(history, first_step=self.step - len(history) + 1)
         self.logger.close()
         return history
 

@@ -22,7 +22,8 @@ them: before process groups exist every rank reads the same config, so the line 
 ranks compare messages through the rendezvous store (for at most AGREE_S) and prefix `rank R: `
 only when they disagree. Every rank prints before it exits, so no launcher ordering (torchrun kills
 the others when the first exits) can swallow the line. Lines go out in one write(2) each, so lines
-of ranks sharing a terminal do not interleave.
+of ranks sharing a terminal do not interleave. torch is imported only where needed: the entry
+point reports config errors before it imports torch (a launch that fails validation costs ~0.5 s).
 """
 
 from __future__ import annotations
@@ -35,9 +36,6 @@ import threading
 import time
 from contextlib import contextmanager
 from typing import Optional
-
-import torch
-import torch.distributed as dist
 
 AGREE_S = 2.0  # how long ranks wait for each other's message before printing theirs with the rank
 
@@ -82,6 +80,9 @@ _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
 def failure_kind(e: BaseException) -> Optional[str]:
     """'oom', 'timeout', 'peer failure', or None (not a failure this module explains)."""
+    import torch
+    import torch.distributed as dist
+
     if isinstance(e, torch.OutOfMemoryError):
         return "oom"
     if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and _COLLECTIVE.search(str(e))):
@@ -193,6 +194,8 @@ def user_error(msg: str, *, rank: int, world_size: int, shared: bool) -> int:
 
 
 def _all_agree(msg: str, *, rank: int, world_size: int) -> bool:
+    import torch.distributed as dist
+
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(f"hybridflow/error/{rank}", msg)

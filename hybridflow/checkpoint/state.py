@@ -9,6 +9,7 @@ layout that saved them, which `meta.json` records.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import queue
@@ -50,7 +51,7 @@ def write_rank0_files(tmp: str, *, step: int, roles: list, trainer_state: dict,
     state["step"] = step
     write_json(os.path.join(tmp, "trainer_state.json"), state)
     if extra:
-        torch.save(extra, os.path.join(tmp, "trainer_state.pt"))
+        save_torch(extra, os.path.join(tmp, "trainer_state.pt"))
     for role, cfg in model_configs.items():
         write_json(os.path.join(tmp, f"model_config_{role}.json"), dataclasses.asdict(cfg))
     write_json(os.path.join(tmp, "meta.json"), {
@@ -112,7 +113,7 @@ def save_rng(path: str) -> None:
              "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
-    torch.save(state, os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt"))
+    save_torch(state, os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt"))
 
 
 def restore_rng(path: str, layout=None) -> bool:
@@ -131,6 +132,15 @@ def restore_rng(path: str, layout=None) -> bool:
         torch.cuda.set_rng_state(state["cuda"])
     get_cuda_rng_tracker().set_states(state["tracker"])
     return True
+
+
+def save_torch(obj, path: str) -> None:
+    """torch.save through a plain file write: a full disk is then an OSError with its errno, not
+    the zip writer's RuntimeError ("file write failed")."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with open(path, "wb") as f:
+        f.write(buf.getbuffer())
 
 
 def write_json(path: str, obj) -> None:

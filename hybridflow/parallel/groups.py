@@ -27,7 +27,7 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(*, timeout_minutes: int = 30) -> None:
+def init_distributed(*, timeout_minutes: float = 30) -> None:
     """Initialise torch.distributed once: from torchrun's env, or as a single-rank job."""
     if dist.is_initialized():
         return
@@ -57,10 +57,11 @@ def init_distributed(*, timeout_minutes: int = 30) -> None:
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
 
 
-def init_model_parallel(*, tp: int, pp: int, seed: int, tp_gen: Optional[int] = None
-                        ) -> ParallelContext:
+def init_model_parallel(*, tp: int, pp: int, seed: int, tp_gen: Optional[int] = None,
+                        timeout_minutes: float = 30) -> ParallelContext:
     """Build Megatron's parallel groups and the reshard groups of the gen layout (TP_g = `tp_gen`,
-    default `tp`), seed every RNG (data, model-parallel, torch) and return the context."""
+    default `tp`), seed every RNG (data, model-parallel, torch) and return the context.
+    timeout_minutes: how long a collective of any of these groups waits for a peer."""
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -69,7 +70,8 @@ def init_model_parallel(*, tp: int, pp: int, seed: int, tp_gen: Optional[int] = 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 create_gloo_process_groups=False)
+                                 create_gloo_process_groups=False,
+                                 distributed_timeout_minutes=timeout_minutes)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     # megatron-core still keeps its groups in globals; we take them once, here, as a collection
@@ -80,17 +82,19 @@ def init_model_parallel(*, tp: int, pp: int, seed: int, tp_gen: Optional[int] = 
                               ("dp", pgs.dp, (layout.dp_t, c.dp))):
         got = (dist.get_world_size(group), dist.get_rank(group))
         assert got == want, f"megatron's {axis} group (size, rank) {got} != the layout's {want}"
-    reshard = new_reshard_groups(layout) if layout.needs_reshard else None
+    reshard = (new_reshard_groups(layout, timeout_minutes=timeout_minutes)
+               if layout.needs_reshard else None)
     return ParallelContext(layout=layout, rank=rank, pgs=pgs, reshard=reshard, device=device())
 
 
-def new_subgroups(groups_of_ranks: list[list[int]]):
+def new_subgroups(groups_of_ranks: list[list[int]], *, timeout_minutes: float = 30):
     """Create one process group per rank list (every rank must call this with the same lists);
     return the group this rank belongs to (None if it is in none)."""
     mine = None
     rank = dist.get_rank()
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     for ranks in groups_of_ranks:
-        g = dist.new_group(ranks=sorted(ranks))
+        g = dist.new_group(ranks=sorted(ranks), timeout=timeout)
         if rank in ranks:
             mine = g
     return mine
@@ -105,12 +109,14 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
-def new_reshard_groups(layout) -> ReshardGroups:
+def new_reshard_groups(layout, *, timeout_minutes: float = 30) -> ReshardGroups:
     """Create the gen-layout groups of a `hybridflow.parallel.layout.Layout` (every rank calls this,
     once); lists of one rank make no group."""
 
     def make(lists):
-        return new_subgroups(lists) if lists and len(lists[0]) > 1 else None
+        if not lists or len(lists[0]) == 1:
+            return None
+        return new_subgroups(lists, timeout_minutes=timeout_minutes)
 
     return ReshardGroups(micro_dp=make(layout.micro_dp_groups()),
                          pp=make(layout.pp_gather_groups()),

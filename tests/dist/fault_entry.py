@@ -1,0 +1,52 @@
+"""`[torchrun ...] tests/dist/fault_entry.py <hydra overrides>`: hybridflow.train with one fault
+injected, chosen by the environment variable HYBRIDFLOW_TEST_FAULT="<rank>:<where>:<action>":
+
+  <rank>:<stage>:kill      SIGKILL on entering the stage (a crashed process: OOM killer, segfault)
+  <rank>:<stage>:hang      sleep on entering the stage (a stuck peer: the others' collectives wait)
+  0:<step>:crash_publish   exit (code 9) after step_<step> is renamed into place, before `latest`
+                           is rewritten (the window of issue 14, item 3)
+
+Only the test suite runs this; hybridflow itself has no fault hooks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from contextlib import contextmanager
+
+from hybridflow import checkpoint, watchdog
+from hybridflow.train import main
+
+rank_s, where, action = os.environ["HYBRIDFLOW_TEST_FAULT"].split(":")
+me = os.environ.get("RANK", "0") == rank_s
+
+if action in ("kill", "hang"):
+    real_stage = watchdog.stage
+
+    @contextmanager
+    def stage(name):
+        with real_stage(name):
+            if me and name == where:
+                if action == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(3600)
+            yield
+
+    watchdog.stage = stage
+elif action == "crash_publish":
+    real_write_latest = checkpoint._write_latest
+
+    def write_latest(root_dir, step):
+        if me and step == int(where) and os.path.isdir(checkpoint.step_dir(root_dir, step)):
+            sys.stdout.flush()
+            os._exit(9)
+        real_write_latest(root_dir, step)
+
+    checkpoint._write_latest = write_latest
+else:
+    raise SystemExit(f"unknown fault action {action!r}")
+
+sys.exit(main())

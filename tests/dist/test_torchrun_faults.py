@@ -1,0 +1,113 @@
+"""Failures under torchrun (gloo, CPU) end with one line that says what and where, never in silence.
+
+- Config errors: every rank prints the same `hybridflow: error:` line before it exits (code 2), so
+  no exit ordering can swallow it (torchrun kills the others when the first exits; before, only
+  rank 0 printed and about 1 launch in 6 showed nothing). 20 launches of 4 ranks, 4 at a time,
+  over the three layout errors; each fails in validation, before any model is built.
+- A peer SIGKILLed at a known stage: the survivor prints `rank 0: stage S: peer failure after T s`.
+- A peer that hangs: the survivor's collective times out after trainer.collective_timeout_s and it
+  prints `... timeout after T s`; torchrun's SIGTERM then gives the hung rank its line (the watcher
+  thread, while its main thread sleeps).
+Faults are injected by tests/dist/fault_entry.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+from tests.dist.launcher import _free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "0.1"]
+TINY_RUN = ["data.synthetic_size=24", "data.prompts_per_step=8", "rollout.n=2",
+            "algo.ppo_mini_batch_size=8", "algo.micro_batch_size_per_gpu=4",
+            "trainer.sft_warmup_steps=0", "trainer.total_steps=2", "trainer.save_final=false",
+            "trainer.progress_bar=false", "trainer.tensorboard=false"]
+
+
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **extra)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _torchrun(nproc: int, target: list, *, env=None) -> subprocess.Popen:
+    cmd = [*TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), *target]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _error_lines(output: str) -> list[str]:
+    return [ln for ln in output.splitlines() if ln.startswith("hybridflow: error:")]
+
+
+def _no_rank_traceback(output: str) -> bool:
+    """torchrun prints its own ChildFailedError traceback; a rank's would run through hybridflow."""
+    return re.search(r'File ".*hybridflow/', output) is None
+
+
+CONFIG_ERRORS = [
+    (["model.num_attention_heads=2", "model.num_query_groups=2"],
+     "parallel.tensor_parallel_size=4 must divide model.num_attention_heads=2"),
+    ([], "parallel.tensor_parallel_size=4 must divide model.num_query_groups=2"),
+    (["model.num_query_groups=4", "rollout.tensor_parallel_size=3"],
+     "rollout.tensor_parallel_size=3 must divide parallel.tensor_parallel_size=4"),
+]
+
+
+def test_config_errors_print_under_every_torchrun_ordering(tmp_path):
+    launches = [CONFIG_ERRORS[i % 3] for i in range(20)]
+    results = []
+    for start in range(0, len(launches), 4):  # 4 launches of 4 ranks at a time
+        procs = [(_torchrun(4, ["-m", "hybridflow.train", "parallel.tensor_parallel_size=4",
+                                f"trainer.output_dir={tmp_path}", *overrides]), expected)
+                 for overrides, expected in launches[start:start + 4]]
+        results += [(p.communicate(timeout=300)[0], p.returncode, expected) for p, expected in procs]
+    for out, code, expected in results:
+        lines = _error_lines(out)
+        assert lines, f"no hybridflow line in:\n{out[-3000:]}"
+        assert set(lines) == {f"hybridflow: error: {expected}"}, lines  # same line, no rank
+        assert code != 0 and re.search(r"exitcode\s*:\s*2 ", out), out[-3000:]
+        assert _no_rank_traceback(out), out[-3000:]
+    assert not os.listdir(tmp_path)  # validation fails before anything is written
+
+
+def _fault_run(fault: str, tmp_path, *overrides) -> tuple[str, float]:
+    env = _env(HYBRIDFLOW_TEST_FAULT=fault)
+    t0 = time.monotonic()
+    proc = _torchrun(2, [os.path.join(ROOT, "tests", "dist", "fault_entry.py"), *TINY_RUN,
+                         f"trainer.output_dir={tmp_path}", *overrides], env=env)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode != 0, out[-3000:]
+    return out, time.monotonic() - t0
+
+
+def test_killed_peer_names_rank_and_stage(tmp_path):
+    """TP=2: rank 1 dies entering old_log_prob; rank 0's next TP all-reduce there fails at once
+    (or torchrun's SIGTERM reaches it first: the same line from the watcher thread)."""
+    out, _ = _fault_run("1:old_log_prob:kill", tmp_path, "parallel.tensor_parallel_size=2",
+                        "trainer.collective_timeout_s=120")
+    lines = _error_lines(out)
+    assert len(lines) == 1, out[-3000:]
+    m = re.fullmatch(r"hybridflow: error: rank 0: stage old_log_prob: peer failure after "
+                     r"([\d.]+) s \((.+)\)", lines[0])
+    assert m and float(m.group(1)) < 120, lines[0]  # not the timeout: the peer's death itself
+    assert _no_rank_traceback(out), out[-3000:]
+
+
+def test_hung_peer_times_out_with_a_line_on_both_ranks(tmp_path):
+    """DP=2: rank 1 hangs entering adv; rank 0's all-gather of the batch there times out."""
+    timeout_s = 8  # above the start-up skew of a loaded CI machine (barriers while rank 0 works)
+    out, wall = _fault_run("1:adv:hang", tmp_path, f"trainer.collective_timeout_s={timeout_s}")
+    lines = _error_lines(out)
+    m = re.fullmatch(r"hybridflow: error: rank 0: stage adv: timeout after ([\d.]+) s \(.+\)",
+                     lines[0]) if lines else None
+    assert m and timeout_s <= float(m.group(1)) < timeout_s + 5, out[-3000:]
+    assert any(re.fullmatch(r"hybridflow: error: rank 1: stage adv: peer failure after [\d.]+ s "
+                            r"\(SIGTERM: .+\)", ln) for ln in lines[1:]), lines
+    assert len(lines) == 2 and _no_rank_traceback(out), out[-3000:]

@@ -1,0 +1,154 @@
+"""Resume and storage faults end to end, as a user meets them (1-rank CLI runs on CPU).
+
+- Exact resume: a PPO run (critic, adaptive KL in the reward, LR warm-up and decay, an epoch
+  boundary) crashes between publishing step_2 and rewriting `latest` (tests/dist/fault_entry.py),
+  leaving `latest` at 1; a crashed save's `step_7.tmp` and `latest.tmp` are planted beside it. The
+  resumed run cleans them, repairs `latest`, continues from step 2, and its per-step metrics
+  (losses, rewards, KL, grad norms, LR, lengths: all but timings and memory) equal the uninterrupted
+  run's bit for bit; its reward summary numbers steps 3-4.
+- Resuming under another model is refused with one line naming each differing key; vocab resizing
+  runs when asked for explicitly.
+- Start-up on a read-only, a full and a forbidden output directory (real tmpfs mounts; the last
+  run by root without CAP_DAC_OVERRIDE, which otherwise ignores permission bits): one line naming
+  the errno and the path,
+  exit 2, nothing earlier touched. A disk that fills up during a checkpoint save: one line, the
+  partial step removed, the previous step and `latest` intact.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.tmpfs import fill, mount_tmpfs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUN = ["data.synthetic_size=24", "data.prompts_per_step=8", "rollout.n=2",  # 3 steps per epoch
+       "algo.ppo_mini_batch_size=8", "algo.micro_batch_size_per_gpu=4", "trainer.sft_warmup_steps=2",
+       "algo.use_kl_in_reward=true", "algo.kl_ctrl=adaptive", "actor_optim.lr_warmup_steps=1",
+       "actor_optim.lr_decay_style=linear", "trainer.total_steps=4", "trainer.save_every=1",
+       "trainer.progress_bar=false", "trainer.tensorboard=false"]
+
+
+# root without the capabilities that let it ignore file permissions (root's EACCES)
+NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search",
+          "--inh-caps=-dac_override,-dac_read_search"]
+
+
+def _run(*args, fault=None, prefix=()):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    for key in ("RANK", "WORLD_SIZE", "HYBRIDFLOW_TEST_FAULT"):
+        env.pop(key, None)
+    if fault:
+        env["HYBRIDFLOW_TEST_FAULT"] = fault
+    entry = [os.path.join(ROOT, "tests", "dist", "fault_entry.py")] if fault else \
+        ["-m", "hybridflow.train"]
+    return subprocess.run([*prefix, sys.executable, *entry, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _one_error_line(proc) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("hybridflow: error:")]
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("resume")
+    whole, crashed = base / "whole", base / "crashed"
+    a = _run(*RUN, f"trainer.output_dir={whole}")
+    assert a.returncode == 0, a.stderr[-3000:]
+    b1 = _run(*RUN, f"trainer.output_dir={crashed}", fault="0:2:crash_publish")
+    assert b1.returncode == 9, b1.stderr[-3000:]
+    ckpt = crashed / "checkpoints"
+    state = {"listing": sorted(os.listdir(ckpt)), "latest": (ckpt / "latest").read_text().strip()}
+    (ckpt / "step_7.tmp" / "actor").mkdir(parents=True)  # what a save killed mid-write leaves
+    (ckpt / "step_7.tmp" / "actor" / "__0_0.distcp").write_bytes(b"partial")
+    (ckpt / "latest.tmp").write_text("7\n")
+    b2 = _run(*RUN, f"trainer.output_dir={crashed}")
+    assert b2.returncode == 0, b2.stderr[-3000:]
+    return whole, crashed, state, b2
+
+
+def test_resume_after_a_crash_is_exact(runs):
+    whole, crashed, after_crash, resumed = runs
+    assert after_crash == {"listing": ["latest", "step_1", "step_2"], "latest": "1"}
+    assert "at step 2 of 4" in resumed.stdout
+    assert sorted(os.listdir(crashed / "checkpoints")) == ["latest", "step_1", "step_2", "step_3",
+                                                           "step_4"]
+    assert (crashed / "checkpoints" / "latest").read_text().strip() == "4"
+    a, b = _rows(whole / "metrics.jsonl"), _rows(crashed / "metrics.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        math = {k for k in ra if not k.startswith(("timing_s/", "perf/"))}
+        assert math == {k for k in rb if not k.startswith(("timing_s/", "perf/"))}
+        assert {k: ra[k] for k in math} == {k: rb[k] for k in math}, ra["step"]
+    for key in ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm",
+                "critic/score/mean", "actor/reward_kl_penalty_coeff", "actor/lr"):
+        assert key in a[0], key  # the compared keys include the ones that carry state
+    summary = [ln for ln in resumed.stdout.splitlines() if ln.startswith("mean reward by steps")]
+    r3, r4 = (b[i]["critic/score/mean"] for i in (2, 3))
+    assert summary == [f"mean reward by steps  3-3: {r3:.3f} | 4-4: {r4:.3f}"]
+
+
+def test_resume_refuses_another_model_unless_vocab_resize_is_asked(runs):
+    _, crashed, _, _ = runs
+    common = [*RUN, f"trainer.output_dir={crashed}", "trainer.total_steps=5"]
+    line = _one_error_line(_run(*common, "model.vocab_size=96", "model.num_layers=4"))
+    assert f"checkpoint {crashed / 'checkpoints' / 'step_4'} holds a different" in line
+    assert "num_layers=2 saved, 4 requested" in line and "vocab_size=64 saved, 96 requested" in line
+    assert "trainer.resume_allow_vocab_resize=true" in line
+    assert (crashed / "checkpoints" / "latest").read_text().strip() == "4"  # nothing touched
+    ok = _run(*common, "model.vocab_size=96", "trainer.resume_allow_vocab_resize=true")
+    assert ok.returncode == 0 and "at step 4 of 5" in ok.stdout, ok.stderr[-3000:]
+    assert _rows(crashed / "metrics.jsonl")[-1]["step"] == 5
+
+
+def test_unwritable_output_dir_at_start(tmp_path):
+    quick = ["trainer.total_steps=1", "trainer.sft_warmup_steps=0"]
+    with mount_tmpfs(str(tmp_path / "ro"), read_only=True) as ro:
+        line = _one_error_line(_run(*quick, f"trainer.output_dir={ro}/run"))
+        assert line == (f"hybridflow: error: [Errno 30] trainer.output_dir={ro}/run is not "
+                        f"writable: Read-only file system: '{ro}/run'")
+    with mount_tmpfs(str(tmp_path / "full"), size="64k") as full:
+        (tmp_path / "full" / "metrics.jsonl").write_text('{"step": 1}\n')  # an earlier run's
+        fill(full)
+        line = _one_error_line(_run(*quick, f"trainer.output_dir={full}"))
+        assert line.startswith(f"hybridflow: error: [Errno {errno.ENOSPC}] trainer.output_dir="
+                               f"{full} is not writable: No space left on device: '{full}/")
+        assert sorted(os.listdir(full)) == ["filler", "metrics.jsonl"]  # probe removed
+        assert (tmp_path / "full" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("dropping root's permission override needs root and setpriv")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    line = _one_error_line(_run(*quick, f"trainer.output_dir={locked}/run", prefix=NO_DAC))
+    assert line == (f"hybridflow: error: [Errno 13] trainer.output_dir={locked}/run is not "
+                    f"writable: Permission denied: '{locked}/run'")
+
+
+def test_disk_full_during_a_checkpoint_save(tmp_path):
+    """One step's checkpoint (actor, critic, reference with optimizer states: ~3.6 MB) fits in
+    6 MB, the second does not."""
+    with mount_tmpfs(str(tmp_path / "disk"), size="6m") as disk:
+        out = f"{disk}/run"
+        proc = _run(*RUN, "trainer.total_steps=2", f"trainer.output_dir={out}")
+        line = _one_error_line(proc)  # in whichever file of step 2 the space ran out
+        assert line.startswith(f"hybridflow: error: [Errno {errno.ENOSPC}] saving checkpoint "
+                               f"step 2: No space left on device (ENOSPC): "
+                               f"'{out}/checkpoints/step_2.tmp"), line
+        assert sorted(os.listdir(f"{out}/checkpoints")) == ["latest", "step_1"]
+        assert open(f"{out}/checkpoints/latest").read().strip() == "1"
+        assert [r["step"] for r in _rows(f"{out}/metrics.jsonl")] == [1, 2]
