@@ -1,6 +1,7 @@
 """`[torchrun ...] tests/dist/fault_entry.py <hydra overrides>`: hybridflow.train with one fault
 injected, chosen by the environment variable HYBRIDFLOW_TEST_FAULT="<rank>:<where>:<action>":
 
+  <rank>:start:delay       sleep 2 s before starting (forces which rank reaches an error last)
   <rank>:<stage>:kill      SIGKILL on entering the stage (a crashed process: OOM killer, segfault)
   <rank>:<stage>:hang      sleep on entering the stage (a stuck peer: the others' collectives wait)
   0:<step>:crash_publish   exit (code 9) after step_<step> is renamed into place, before `latest`
@@ -17,13 +18,17 @@ import sys
 import time
 from contextlib import contextmanager
 
-from hybridflow import checkpoint, watchdog
 from hybridflow.train import main
 
 rank_s, where, action = os.environ["HYBRIDFLOW_TEST_FAULT"].split(":")
 me = os.environ.get("RANK", "0") == rank_s
 
-if action in ("kill", "hang"):
+if action == "delay":
+    if me:
+        time.sleep(2.0)
+elif action in ("kill", "hang"):
+    from hybridflow import watchdog
+
     real_stage = watchdog.stage
 
     @contextmanager
@@ -37,6 +42,8 @@ if action in ("kill", "hang"):
 
     watchdog.stage = stage
 elif action == "crash_publish":
+    from hybridflow import checkpoint
+
     real_write_latest = checkpoint._write_latest
 
     def write_latest(root_dir, step):

@@ -3,7 +3,9 @@
 - Config errors: every rank prints the same `hybridflow: error:` line before it exits (code 2), so
   no exit ordering can swallow it (torchrun kills the others when the first exits; before, only
   rank 0 printed and about 1 launch in 6 showed nothing). 20 launches of 4 ranks, 4 at a time,
-  over the three layout errors; each fails in validation, before any model is built.
+  over the three layout errors; each fails in validation, before any model is built. Orderings
+  are forced, not left to chance: in 16 of them one rank (0, 1, 2 or 3) starts 2 s late, so the
+  others have exited and torchrun has killed it before it gets to its error.
 - A peer SIGKILLed at a known stage: the survivor prints `rank 0: stage S: peer failure after T s`.
 - A peer that hangs: the survivor's collective times out after trainer.collective_timeout_s and it
   prints `... timeout after T s`; torchrun's SIGTERM then gives the hung rank its line (the watcher
@@ -61,16 +63,23 @@ CONFIG_ERRORS = [
 
 
 def test_config_errors_print_under_every_torchrun_ordering(tmp_path):
-    launches = [CONFIG_ERRORS[i % 3] for i in range(20)]
+    entry = os.path.join(ROOT, "tests", "dist", "fault_entry.py")
+    # (late rank or None, overrides, expected line)
+    launches = [(None if i % 5 == 4 else i % 5, *CONFIG_ERRORS[i % 3]) for i in range(20)]
     results = []
     for start in range(0, len(launches), 4):  # 4 launches of 4 ranks at a time
-        procs = [(_torchrun(4, ["-m", "hybridflow.train", "parallel.tensor_parallel_size=4",
-                                f"trainer.output_dir={tmp_path}", *overrides]), expected)
-                 for overrides, expected in launches[start:start + 4]]
-        results += [(p.communicate(timeout=300)[0], p.returncode, expected) for p, expected in procs]
-    for out, code, expected in results:
+        procs = []
+        for late, overrides, expected in launches[start:start + 4]:
+            target = [entry] if late is not None else ["-m", "hybridflow.train"]
+            env = _env(HYBRIDFLOW_TEST_FAULT=f"{late}:start:delay") if late is not None else None
+            procs.append((_torchrun(4, [*target, "parallel.tensor_parallel_size=4",
+                                        f"trainer.output_dir={tmp_path}", *overrides], env=env),
+                          late, expected))
+        results += [(p.communicate(timeout=300)[0], p.returncode, late, expected)
+                    for p, late, expected in procs]
+    for out, code, late, expected in results:
         lines = _error_lines(out)
-        assert lines, f"no hybridflow line in:\n{out[-3000:]}"
+        assert lines, f"no hybridflow line (rank {late} late) in:\n{out[-3000:]}"
         assert set(lines) == {f"hybridflow: error: {expected}"}, lines  # same line, no rank
         assert code != 0 and re.search(r"exitcode\s*:\s*2 ", out), out[-3000:]
         assert _no_rank_traceback(out), out[-3000:]
