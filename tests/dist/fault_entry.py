@@ -4,6 +4,7 @@ injected, chosen by the environment variable HYBRIDFLOW_TEST_FAULT="<rank>:<wher
   <rank>:start:delay       sleep 2 s before starting (forces which rank reaches an error last)
   <rank>:<stage>:kill      SIGKILL on entering the stage (a crashed process: OOM killer, segfault)
   <rank>:<stage>:hang      sleep on entering the stage (a stuck peer: the others' collectives wait)
+  <rank>:<stage>:error     raise a ValueError on entering the stage (a user error one rank finds)
   0:<step>:crash_publish   exit (code 9) after step_<step> is renamed into place, before `latest`
                            is rewritten (the window of issue 14, item 3)
 
@@ -26,7 +27,7 @@ me = os.environ.get("RANK", "0") == rank_s
 if action == "delay":
     if me:
         time.sleep(2.0)
-elif action in ("kill", "hang"):
+elif action in ("kill", "hang", "error"):
     from hybridflow import watchdog
 
     real_stage = watchdog.stage
@@ -37,6 +38,8 @@ elif action in ("kill", "hang"):
             if me and name == where:
                 if action == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if action == "error":
+                    raise ValueError(f"injected error on rank {rank_s} in stage {name}")
                 time.sleep(3600)
             yield
 

@@ -6,6 +6,9 @@
   over the three layout errors; each fails in validation, before any model is built. Orderings
   are forced, not left to chance: in 16 of them one rank (0, 1, 2 or 3) starts 2 s late, so the
   others have exited and torchrun has killed it before it gets to its error.
+- A user error after start-up that every rank finds (no tokenizer): the same line, no rank; one
+  that only rank 1 finds: `rank 1: ...`, and rank 0, waiting for it in a collective, its stage
+  line when torchrun stops it.
 - A peer SIGKILLed at a known stage: the survivor prints `rank 0: stage S: peer failure after T s`.
 - A peer that hangs: the survivor's collective times out after trainer.collective_timeout_s and it
   prints `... timeout after T s`; torchrun's SIGTERM then gives the hung rank its line (the watcher
@@ -84,6 +87,27 @@ def test_config_errors_print_under_every_torchrun_ordering(tmp_path):
         assert code != 0 and re.search(r"exitcode\s*:\s*2 ", out), out[-3000:]
         assert _no_rank_traceback(out), out[-3000:]
     assert not os.listdir(tmp_path)  # validation fails before anything is written
+
+
+def test_user_errors_after_start_up_carry_the_rank_only_where_ranks_disagree(tmp_path):
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text('{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}\n' * 8)
+    proc = _torchrun(2, ["-m", "hybridflow.train", *TINY_RUN, "data.synthetic=null",
+                         f"data.train_files={jsonl}", f"trainer.output_dir={tmp_path / 'a'}"])
+    out = proc.communicate(timeout=300)[0]
+    lines = _error_lines(out)
+    assert lines and set(lines) == {"hybridflow: error: data.tokenizer is not set and the model "
+                                    "has no hf_path: point data.tokenizer at a tokenizer.json dir "
+                                    "or a sentencepiece .model"}, out[-3000:]
+    assert _no_rank_traceback(out), out[-3000:]
+
+    out, _ = _fault_run("1:values:error", tmp_path / "b", "trainer.collective_timeout_s=120")
+    lines = _error_lines(out)
+    assert lines[0] == "hybridflow: error: rank 1: injected error on rank 1 in stage values", lines
+    assert len(lines) <= 2 and all(re.fullmatch(
+        r"hybridflow: error: rank 0: stage \w+: peer failure after [\d.]+ s \(.+\)", ln)
+        for ln in lines[1:]), lines
+    assert _no_rank_traceback(out), out[-3000:]
 
 
 def _fault_run(fault: str, tmp_path, *overrides) -> tuple[str, float]:
