@@ -27,6 +27,8 @@ class RolloutBatch:
     indices: torch.Tensor  # (B,) int64, dataset index of each row's prompt
     # --- actor / reference / critic ---
     old_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_old(a_t | s_t)
+    # (B, R) log pi_rollout(a_t | s_t) as the generator sampled it (rollout.return_logprobs)
+    rollout_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_ref(a_t | s_t)
     values: Optional[torch.Tensor] = None  # (B, R) V(s_t) from the critic
     # --- reward and advantages ---
@@ -73,6 +75,27 @@ class RolloutBatch:
         out = {k: torch.nn.functional.pad(v, (0, extra)) for k, v in self._tensors().items()
                if v.dim() == 2 and not k.startswith("prompt_")}
         return dataclasses.replace(self, **out)
+
+    @staticmethod
+    def cat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        """Rows of `batches` in order; prompts left-padded and responses right-padded (with 0, under
+        a 0 mask) to the widest. Every batch must have the same fields set."""
+        assert batches, "cat needs at least one batch"
+        p = max(b.prompt_len for b in batches)
+        r = max(b.response_ids.shape[1] for b in batches)
+        out = {}
+        for f in dataclasses.fields(RolloutBatch):
+            parts = [getattr(b, f.name) for b in batches]
+            if all(t is None for t in parts):
+                out[f.name] = None
+                continue
+            assert all(t is not None for t in parts), f"field {f.name} is set in only some batches"
+            if f.name.startswith("prompt_"):
+                parts = [torch.nn.functional.pad(t, (p - t.shape[1], 0)) for t in parts]
+            elif parts[0].dim() == 2:
+                parts = [torch.nn.functional.pad(t, (0, r - t.shape[1])) for t in parts]
+            out[f.name] = torch.cat(parts)
+        return RolloutBatch(**out)
 
     def trimmed(self) -> "RolloutBatch":
         """Drop columns that are padding in every row (common left prompt pad, right response pad)."""
