@@ -65,13 +65,14 @@ class RolloutStage:
             return dict(self.actor.module.named_parameters())
         return self.resharder.gather()
 
-    def generate(self, items, *, step: int, timer) -> RolloutBatch:
+    def generate(self, items, *, step: int, timer, round_index: int = 0) -> RolloutBatch:
         from hybridflow.rollout import Generator
 
         r = self.cfg.rollout
         # chunk j of the DP replica's prompts for gen replica j (sizes differ by at most one)
         k, split = self.num_replicas, self.num_replicas > 1 and len(items) >= self.num_replicas
         seed = self.cfg.trainer.seed * 1_000_003 + step * 1009 + ps.get_data_parallel_rank()
+        seed += round_index * 1_000_000_007  # dynamic sampling's later rounds of one step
         mine = items
         if split:
             base, extra = divmod(len(items), k)
@@ -93,6 +94,8 @@ class RolloutStage:
                 gen.release()
                 del gen
                 parts = (out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask)
+                if r.return_logprobs:
+                    parts += (out.logprobs,)
                 parts = tuple(t.cpu() for t in parts)
                 if split:
                     parts = self._gather_replicas(parts)
@@ -104,9 +107,10 @@ class RolloutStage:
         first = ps.get_data_parallel_rank() * local
         group_ids = (first + torch.arange(local)).repeat_interleave(n)
         indices = torch.tensor([it.index for it in items]).repeat_interleave(n)
-        p_ids, p_mask, r_ids, r_mask = parts
+        p_ids, p_mask, r_ids, r_mask = parts[:4]
         batch = RolloutBatch(prompt_ids=p_ids, prompt_mask=p_mask.long(), response_ids=r_ids,
-                             response_mask=r_mask.long(), group_ids=group_ids, indices=indices)
+                             response_mask=r_mask.long(), group_ids=group_ids, indices=indices,
+                             rollout_logprobs=parts[4].float() if r.return_logprobs else None)
         return batch
 
     def _gather_replicas(self, parts):
@@ -121,8 +125,8 @@ class RolloutStage:
         p = max(c[0].shape[1] for c in chunks)
         r = max(c[2].shape[1] for c in chunks)
         out = []
-        for k, width in enumerate((p, p, r, r)):  # prompts padded on the left, responses right
-            fill = self.tok.pad_id if k % 2 == 0 else 0  # ids get the pad id, masks 0
+        for k, width in enumerate((p, p, r, r, r)[:len(chunks[0])]):  # prompts left, responses right
+            fill = self.tok.pad_id if k in (0, 2) else 0  # ids get the pad id, masks/log-probs 0
             out.append(torch.cat([F.pad(c[k], (width - c[k].shape[1], 0) if k < 2 else
                                         (0, width - c[k].shape[1]), value=fill) for c in chunks]))
         return tuple(out)
