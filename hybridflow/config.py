@@ -126,6 +126,9 @@ class TrainerConfig:
     save_final: bool = True  # checkpoint when training ends
     resume: bool = True  # continue from <output_dir>/checkpoints/latest when present
     probe_steps: int = 0  # >0: run N steps, write probe.json (time/cost forecast), stop
+    # >0: stop cleanly, with a checkpoint, before a step would end past this many seconds of
+    # training (a SLURM or device time limit); `trainer.resume=true` continues from there
+    time_budget_s: float = 0.0
     price_per_gpu_hour: Optional[float] = None  # for the probe's cost; None: the GPU's default
     offload_ref: bool = False
     # Python GC: N > 0 turns automatic collection off during training and collects every N steps
@@ -285,6 +288,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
                 {"constant", "linear", "cosine"})
     _one_of("trainer.precision", cfg.trainer.precision, {"fp32", "bf16"})
     _positive("trainer.total_steps", cfg.trainer.total_steps)
+    if cfg.trainer.time_budget_s < 0:
+        raise ValueError(f"trainer.time_budget_s={cfg.trainer.time_budget_s} must be >= 0 "
+                         "(0: no limit)")
     if cfg.trainer.gc_interval < 0:
         raise ValueError(f"trainer.gc_interval={cfg.trainer.gc_interval} must be >= 0 "
                          "(0: Python's automatic GC)")
