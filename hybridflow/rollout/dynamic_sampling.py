@@ -34,14 +34,15 @@ import torch.distributed as dist
 
 from hybridflow.algo.dapo import informative_groups
 from hybridflow.data.batch import RolloutBatch
+from hybridflow.parallel.dp import dp_sum, gather_batches
 
 
-def _all_gather(obj, group) -> list:
-    if group is None:
-        return [obj]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+def _sums(values: list[float], group) -> list[float]:
+    return values if group is None else [dp_sum(float(v), group=group) for v in values]
+
+
+def _gather(batch: RolloutBatch, group, pad_id: int) -> list[RolloutBatch]:
+    return [batch] if group is None else gather_batches(batch, group=group, pad_id=pad_id)
 
 
 def _groups(batch: RolloutBatch, group_size: int) -> list[RolloutBatch]:
@@ -50,8 +51,10 @@ def _groups(batch: RolloutBatch, group_size: int) -> list[RolloutBatch]:
 
 def fill_informative(next_round: Callable[[], tuple[RolloutBatch, dict]], *, num_groups: int,
                      group_size: int, max_rounds: int,
-                     dp_group: Optional[dist.ProcessGroup] = None) -> tuple[RolloutBatch, dict]:
-    """This rank's `num_groups` groups (see module doc) and the stage's metrics."""
+                     dp_group: Optional[dist.ProcessGroup] = None,
+                     pad_id: int = 0) -> tuple[RolloutBatch, dict]:
+    """This rank's `num_groups` groups (see module doc) and the stage's metrics. `dp_group` None:
+    a single process (no collectives)."""
     if max_rounds < 1:
         raise ValueError(f"max_rounds={max_rounds} must be >= 1")
     dp = 1 if dp_group is None else dist.get_world_size(dp_group)
@@ -66,19 +69,23 @@ def fill_informative(next_round: Callable[[], tuple[RolloutBatch, dict]], *, num
         keep = informative_groups(batch.scores, batch.group_ids)  # (B,)
         kept.append(batch.select(keep))
         spare.append(batch.select(~keep))
-        counts = _all_gather((batch.batch_size, int(keep.sum()), float(batch.scores.sum())), dp_group)
-        generated += sum(c[0] for c in counts) // group_size
-        found += sum(c[1] for c in counts) // group_size
-        score_sum += sum(c[2] for c in counts)
+        rows, kept_rows, scores = _sums([batch.batch_size, int(keep.sum()),
+                                         float(batch.scores.sum())], dp_group)
+        generated += round(rows) // group_size
+        found += round(kept_rows) // group_size
+        score_sum += scores
         if found >= target:
             break
-    pool = [g for b in _all_gather(RolloutBatch.cat(kept), dp_group) for g in _groups(b, group_size)]
+    pool = []
+    if found:  # (no empty all-gathers)
+        pool = [g for b in _gather(RolloutBatch.cat(kept, pad_id=pad_id), dp_group, pad_id)
+                for g in _groups(b, group_size)]
     fillers = max(target - len(pool), 0)
     if fillers:
-        pool += [g for b in _all_gather(RolloutBatch.cat(spare), dp_group)
+        pool += [g for b in _gather(RolloutBatch.cat(spare, pad_id=pad_id), dp_group, pad_id)
                  for g in _groups(b, group_size)][:fillers]
     assert len(pool) >= target, "each round generates the target number of groups"
-    mine = RolloutBatch.cat(pool[rank * num_groups:(rank + 1) * num_groups])
+    mine = RolloutBatch.cat(pool[rank * num_groups:(rank + 1) * num_groups], pad_id=pad_id)
     mine.group_ids = (rank * num_groups + torch.arange(num_groups)).repeat_interleave(group_size)
     metrics = {k: sum(m[k] for m in round_metrics) / len(round_metrics) for k in round_metrics[0]}
     metrics.update({"dynamic_sampling/rounds": float(rounds),

@@ -1,8 +1,6 @@
 """Dynamic sampling pools informative groups over DP ranks (2 gloo ranks, no model): every rank runs
 the same number of rounds, the pool is rank-major then round-major, each rank takes its slice."""
 
-from megatron.core import parallel_state as ps
-
 from hybridflow.parallel import groups
 from hybridflow.rollout.dynamic_sampling import fill_informative
 from tests.dist.launcher import run_ranks
@@ -15,8 +13,8 @@ ROUNDS = [
 ]
 
 
-def _fill(max_rounds: int):
-    rank = ps.get_data_parallel_rank()
+def _fill(ctx, max_rounds: int):
+    rank = ctx.train.dp
     calls = []
 
     def next_round():
@@ -25,14 +23,14 @@ def _fill(max_rounds: int):
         return make_round(tag, ROUNDS[rank][len(calls) - 1]), {"reward/x/mean": float(len(calls))}
 
     batch, m = fill_informative(next_round, num_groups=2, group_size=N, max_rounds=max_rounds,
-                                dp_group=ps.get_data_parallel_group())
+                                dp_group=ctx.dp_group, pad_id=0)
     return {"tags": group_tags(batch), "group_ids": batch.group_ids.tolist(), "metrics": m,
             "calls": len(calls)}
 
 
 def _worker():
-    groups.init_model_parallel(tp=1, pp=1, seed=0)
-    return {max_rounds: _fill(max_rounds) for max_rounds in (5, 2)}
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=0)
+    return {max_rounds: _fill(ctx, max_rounds) for max_rounds in (5, 2)}
 
 
 def test_pooled_over_dp_and_cap_hit():

@@ -8,7 +8,6 @@ import dataclasses
 
 import pytest
 import torch
-from megatron.core import parallel_state as ps
 
 from hybridflow.algo import entropy_loss, get_policy_loss, kl_loss, tis_weights
 from hybridflow.algo.objectives import actor_objective
@@ -76,12 +75,13 @@ def _reference_loss(cfg: AlgoConfig):
 def _worker(dp_expected: int):
     from hybridflow.engine import Engine
 
-    groups.init_model_parallel(tp=1, pp=1, seed=3)
-    assert ps.get_data_parallel_world_size() == dp_expected
-    eng = Engine(role="actor", model_cfg=MODEL, parallel=ParallelConfig(use_distributed_optimizer=False),
-                 precision="fp32", optim=OptimConfig(lr=1e-3, clip_grad=0.0), total_updates=10)
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=3)
+    assert ctx.dp_size == dp_expected
+    eng = Engine(role="actor", model_cfg=MODEL, ctx=ctx,
+                 parallel=ParallelConfig(use_distributed_optimizer=False), precision="fp32",
+                 optim=OptimConfig(lr=1e-3, clip_grad=0.0), total_updates=10)
     batch = _global_batch()
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    dp, rank = ctx.dp_size, ctx.train.dp
     local = batch.select(slice(rank * batch.batch_size // dp, (rank + 1) * batch.batch_size // dp))
     out = {}
     for name, cfg in CASES.items():
@@ -89,8 +89,8 @@ def _worker(dp_expected: int):
         if dp == 1:
             loss_fn, mbs = _reference_loss(cfg), batch.batch_size
         else:  # the trainer's normalisers: sums over this mini-batch on all DP ranks
-            num_tokens = int(dp_sum(float(local.response_mask.sum())))
-            num_seqs = int(dp_sum(float(local.response_mask.any(1).sum())))
+            num_tokens = int(dp_sum(float(local.response_mask.sum()), group=ctx.dp_group))
+            num_seqs = int(dp_sum(float(local.response_mask.any(1).sum()), group=ctx.dp_group))
             loss_fn = actor_objective(cfg, num_tokens=num_tokens, num_seqs=num_seqs,
                                       loss_scale_factor=C)
             mbs = 2

@@ -68,12 +68,14 @@ def group_tags(batch):
 def test_fills_with_mixed_groups_only():
     # round 1: all-0, mixed, all-1, mixed; round 2: mixed, all-0, all-0, mixed. Target 3 groups.
     nxt, calls = scripted([[[0, 0], [1, 0], [1, 1], [0, 1]], [[1, 0], [0, 0], [0, 0], [0, 1]]])
-    batch, m = fill_informative(nxt, num_groups=3, group_size=N, max_rounds=5)
+    batch, m = fill_informative(nxt, num_groups=3, group_size=N, max_rounds=5, pad_id=99)
     assert len(calls) == 2
     assert group_tags(batch) == [11, 13, 20]  # round 1 groups 1, 3; round 2 group 0
     assert informative_groups(batch.scores, batch.group_ids).all()
     assert batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
     assert batch.response_ids.shape[1] == 4 and batch.prompt_len == 2  # widths padded on cat
+    # round 1's rows (width 3) gain a column: pad id in the ids, 0 in the mask
+    assert batch.response_ids[:4, 3].tolist() == [99] * 4 and batch.response_mask[:4, 3].sum() == 0
     assert m["dynamic_sampling/rounds"] == 2 and m["dynamic_sampling/cap_hit"] == 0
     assert m["dynamic_sampling/kept_fraction"] == 4 / 8
     assert m["dynamic_sampling/filler_groups"] == 0

@@ -1,0 +1,157 @@
+"""The trainer's rollout and reward stages: reshard -> generate -> RolloutBatch, and scoring.
+
+Generation runs on the gen layout (TP_g x 1 x DP_g) with weights the Resharder gathers from the
+training shards (no second model); when TP_g == TP_t and PP_t == 1 the training parameters are used
+as they are. Groups, layouts and replica indices come from the ParallelContext. The gen layout has more replicas than training: inside one training model-parallel group
+(the TP_t x PP_t ranks of a DP replica) there are k = PP_t * TP_t / TP_g gen replicas. The DP replica's
+prompts are split into k chunks, gen replica j generates chunk j, and the chunks are all-gathered over
+the model-parallel group, so every rank of the DP replica ends with the same full batch (chunk sizes
+differ by at most one; with fewer prompts than gen replicas, every gen replica generates all of them
+with the same seed instead). Sequence scores come from the rule reward (decoded text) and/or
+the reward model (scalar head at the last response token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.config import Config
+from hybridflow.data.batch import RolloutBatch
+from hybridflow.parallel.context import ParallelContext
+from hybridflow.parallel.dp import cat_batches, dp_sum, gather_batches
+from hybridflow.reward import compute_rule_rewards, get_reward_fn
+from hybridflow.rollout.generator import Generator
+
+
+def _left_pad(rows: list[list[int]], pad_id: int, width: int):
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+class RolloutStage:
+    def __init__(self, cfg: Config, ctx: ParallelContext, actor, tokenizer, reward_engine=None):
+        self.cfg, self.ctx, self.actor, self.tok = cfg, ctx, actor, tokenizer
+        self.reward_fn = get_reward_fn(cfg.reward.fn) if cfg.reward.fn is not None else None
+        self.reward_engine = reward_engine
+        self.resharder = None
+        if ctx.reshard is not None:
+            from hybridflow.parallel.reshard import Resharder
+
+            self.resharder = Resharder(actor.module, layout=ctx.layout, groups=ctx.reshard)
+
+    def _gen_params(self):
+        if self.resharder is None:
+            return dict(self.actor.module.named_parameters())
+        return self.resharder.gather()
+
+    def generate(self, items, *, step: int, timer, rollout_cfg=None, seed=None,
+                 round_index: int = 0) -> RolloutBatch:
+        """Sample `rollout_cfg.n` (default: the rollout config's) responses for this DP rank's
+        `items`; every rank of the DP replica returns the same rows, on the CPU."""
+        r = rollout_cfg or self.cfg.rollout
+        ctx = self.ctx
+        # chunk j of the DP replica's prompts for gen replica j (sizes differ by at most one)
+        k, j = ctx.num_gen_replicas, ctx.gen_replica
+        split = k > 1 and len(items) >= k
+        if seed is None:
+            seed = self.cfg.trainer.seed * 1_000_003 + step * 1009 + ctx.train.dp
+            seed += round_index * 1_000_000_007  # dynamic sampling's later rounds of one step
+        mine = items
+        if split:
+            base, extra = divmod(len(items), k)
+            start = j * base + min(j, extra)
+            mine = items[start:start + base + (j < extra)]
+            seed += 7919 * j
+        with timer("reshard"):
+            params = self._gen_params()
+        try:
+            with timer("gen"):
+                gen = Generator(model_cfg=self.actor.model_cfg, params=params,
+                                tp_group=ctx.gen_tp_group, device=self.actor.device,
+                                dtype=self.actor.tcfg.params_dtype,
+                                true_vocab_size=self.actor.vocab_limit)
+                with torch.no_grad():
+                    batch = gen.generate([it.prompt_ids for it in mine], cfg=r,
+                                         eos_id=-1 if r.ignore_eos else self.tok.eos_id,
+                                         pad_id=self.tok.pad_id, seed=seed)
+                gen.release()
+                del gen
+                batch = batch.to("cpu")
+                if split:
+                    batch = self._gather_replicas(batch)
+        finally:
+            if self.resharder is not None:
+                self.resharder.release()
+        first = ctx.train.dp * len(items)  # global prompt ids: DP rank r holds prompts r*L ..
+        group_ids = (first + torch.arange(len(items))).repeat_interleave(r.n)
+        indices = torch.tensor([it.index for it in items]).repeat_interleave(r.n)
+        return dataclasses.replace(batch, group_ids=group_ids, indices=indices)
+
+    def _gather_replicas(self, batch: RolloutBatch) -> RolloutBatch:
+        """Concatenate the gen replicas' chunks, in replica order, on every model-parallel rank.
+        Every rank of a replica holds the same chunk: the one with gen TP rank 0 speaks for it."""
+        ctx = self.ctx
+        chunks = gather_batches(batch, group=ctx.mp_group, pad_id=self.tok.pad_id)
+        leaders = {}
+        for g, rank in enumerate(dist.get_process_group_ranks(ctx.mp_group)):
+            if ctx.layout.gen_coord(rank).tp == 0:
+                leaders[ctx.layout.replica_in_model_parallel_group(rank)] = chunks[g]
+        assert sorted(leaders) == list(range(ctx.num_gen_replicas))
+        return cat_batches([leaders[i] for i in range(ctx.num_gen_replicas)])
+
+    def score(self, items, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
+        scores, metrics = torch.zeros(batch.batch_size), {}
+        if self.reward_fn is not None:
+            scores, metrics = self.rule_scores(items, batch)
+        if self.reward_engine is not None:
+            a = self.cfg.algo
+            rm = self.reward_engine.compute_scores(
+                batch, micro_batch_size=a.forward_micro_batch_size_per_gpu or a.micro_batch_size_per_gpu)
+            metrics["reward/model_score/mean"] = float(rm.mean())
+            scores = scores + self.cfg.reward.model_weight * rm
+        dp = self.ctx.dp_size  # every DP rank holds the same number of rows
+        return scores, {k: dp_sum(v, group=self.ctx.dp_group) / dp
+                        for k, v in sorted(metrics.items())}
+
+    def rule_scores(self, items, batch: RolloutBatch, fn=None) -> tuple[torch.Tensor, dict]:
+        n = batch.batch_size // len(items)
+        rows = [items[i // n] for i in range(batch.batch_size)]
+        lengths = batch.response_mask.sum(1).tolist()
+        texts = [self.tok.decode(batch.response_ids[i, :lengths[i]].tolist())
+                 for i in range(batch.batch_size)]
+        scores, extra = compute_rule_rewards(
+            fn or self.reward_fn, prompts=[it.prompt_text for it in rows], responses=texts,
+            ground_truths=[it.ground_truth for it in rows],
+            extra_infos=[it.extra_info for it in rows], indices=[it.index for it in rows],
+            data_sources=[it.data_source for it in rows])
+        metrics = {f"reward/{k}/mean": sum(v) / len(v) for k, v in extra.items()}
+        return torch.tensor(scores, dtype=torch.float32), metrics
+
+    def sft_batch(self, items) -> RolloutBatch:
+        """Prompt + reference response (`extra_info.sft_response`) + EOS, as a RolloutBatch."""
+        responses = []
+        for it in items:
+            ref = (it.extra_info or {}).get("sft_response")
+            if ref is None:
+                raise ValueError(f"trainer.sft_warmup_steps > 0 needs extra_info.sft_response in "
+                                 f"every record; record {it.index} has none")
+            responses.append(self.tok.encode(ref) + [self.tok.eos_id])
+        p_ids, p_mask = _left_pad([it.prompt_ids for it in items], self.tok.pad_id,
+                                  max(len(it.prompt_ids) for it in items))
+        width = max(len(r) for r in responses)
+        r_ids = torch.full((len(items), width), self.tok.pad_id, dtype=torch.long)
+        r_mask = torch.zeros((len(items), width), dtype=torch.long)
+        for i, r in enumerate(responses):
+            r_ids[i, :len(r)] = torch.tensor(r)
+            r_mask[i, :len(r)] = 1
+        idx = torch.tensor([it.index for it in items])
+        return RolloutBatch(prompt_ids=p_ids, prompt_mask=p_mask, response_ids=r_ids,
+                            response_mask=r_mask, group_ids=idx, indices=idx)
