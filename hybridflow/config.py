@@ -241,7 +241,18 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if cfg.reward.fn is None and cfg.reward.model_path is None:
         raise ValueError("reward.fn is null and reward.model_path is not set: nothing would score "
                          "the responses")
-    d = cfg.data
+    t, d = cfg.trainer, cfg.data
+    if t.val_every < 0:
+        raise ValueError(f"trainer.val_every={t.val_every} must be >= 0 (0: no validation during "
+                         "training)")
+    if (t.val_every or t.val_before_train) and d.val_files is None:
+        raise ValueError("trainer.val_every / trainer.val_before_train need data.val_files (a "
+                         ".jsonl/.parquet of held-out prompts)")
+    if t.val_max_new_tokens is not None:
+        _positive("trainer.val_max_new_tokens", t.val_max_new_tokens)
+    if (d.val_files is not None or cfg.reward.val_fns) and cfg.reward.fn is None:
+        raise ValueError("validation scores with rule rewards: set reward.fn (data.val_files or "
+                         "reward.val_fns is set while reward.fn is null)")
     if (d.train_files is None) == (d.synthetic is None):
         raise ValueError("set exactly one of data.train_files (a .jsonl/.parquet path) and "
                          "data.synthetic (a built-in task name)")

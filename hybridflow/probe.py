@@ -114,3 +114,22 @@ def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = 
         print(f"  full run: {cfg.trainer.total_steps} steps ({todo} to go) ~ {full['hours']:.2f} h, "
               f"{full['gpu_hours']:.2f} GPU-h" + (f", ${full['cost']:.2f}" if "cost" in full else ""))
     return record
+
+
+class Probe:
+    """A step consumer: records `trainer.probe_steps` steps from `start_step`, asks the run to stop
+    there, and writes probe.json at the end (forecasting the steps the run still had to do)."""
+
+    def __init__(self, cfg, *, start_step: int):
+        self.cfg, self.start = cfg, start_step
+        self.stop_at = min(cfg.trainer.total_steps, start_step + cfg.trainer.probe_steps)
+        self.history: list[dict] = []
+
+    def on_step(self, step: int, metrics: dict) -> bool:
+        self.history.append(metrics)
+        return step >= self.stop_at
+
+    def on_end(self) -> None:
+        t = self.cfg.trainer
+        write_probe(self.cfg, self.history, price_per_gpu_hour=t.price_per_gpu_hour,
+                    remaining_steps=t.total_steps - self.start)

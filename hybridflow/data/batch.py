@@ -25,6 +25,9 @@ class RolloutBatch:
     response_mask: torch.Tensor  # (B, R) 0/1, 1 up to and including EOS
     group_ids: torch.Tensor  # (B,) int64, rows sampled from the same prompt share an id
     indices: torch.Tensor  # (B,) int64, dataset index of each row's prompt
+    # (B, R) log-prob of each sampled token under the generator (bf16 decode); None unless
+    # rollout.return_logprobs. Compared with old_logprobs it measures the rollout/training mismatch.
+    rollout_logprobs: Optional[torch.Tensor] = None
     # --- actor / reference / critic ---
     old_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_old(a_t | s_t)
     ref_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_ref(a_t | s_t)

@@ -20,10 +20,14 @@ LINES = ["The capital of France is Paris.", "Numbers like 12345 and 678 split in
          "user assistant system hello world"] * 5
 
 
+ctx = None  # the 1-rank ParallelContext, set by the fixture below
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_rank():
-    with single_rank_megatron():
-        yield
+    global ctx
+    with single_rank_megatron() as ctx:
+        yield ctx
 
 
 def llama_cpp_permute(w, n_head):
@@ -104,7 +108,7 @@ def test_synthetic_gguf_matches_transformers(tmp_path):
     original = load_file(os.path.join(hf_dir, "model.safetensors"))
     assert sd.keys() == original.keys()
     assert all(torch.equal(sd[k], original[k]) for k in original)  # permutation undone exactly
-    model = build_model(cfg, role="actor", tp=1, pp=1).eval()
+    model = build_model(cfg, role="actor", ctx=ctx).eval()
     load_hf_state_dict(model, sd, cfg, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
     ids = torch.randint(0, n, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -134,7 +138,7 @@ def test_smollm2_continues_with_paris(smollm2, tmp_path):
     assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings and cfg.norm_epsilon == 1e-5
     full = hf_to_megatron_state_dict(hf_sd, cfg)  # what load_gguf returns
     assert list(full) == megatron_param_names(cfg) and "output_layer.weight" not in full
-    model = build_model(cfg, role="actor", tp=1, pp=1).eval()
+    model = build_model(cfg, role="actor", ctx=ctx).eval()
     load_hf_state_dict(model, hf_sd, cfg, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
     tok = load_tokenizer(hg.gguf_tokenizer_dir(smollm2, cache_dir=str(tmp_path)))
     assert (tok.eos_id, tok.bos_id) == (2, 1) and tok.has_chat_template
