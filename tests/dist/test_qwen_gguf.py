@@ -68,18 +68,16 @@ def _assert_logits_close(ours, ref):
 def _logits(ids_list, tp: int):
     """Our model on each prompt; logits gathered over TP ranks (rank 0 returns them)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from hybridflow.models.build import build_model
     from hybridflow.models.gguf import read_gguf
     from hybridflow.models.hf import load_hf_state_dict
     from hybridflow.parallel import groups
 
-    groups.init_model_parallel(tp=tp, pp=1, seed=0)
-    cfg, hf_sd = read_gguf(PATH)
-    model = build_model(cfg, role="actor", tp=tp, pp=1).eval()
-    load_hf_state_dict(model, hf_sd, cfg, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
-                       pp_rank=0, pp_size=1)
+    ctx = groups.init_model_parallel(tp=tp, pp=1, seed=0)
+    cfg, hf_sd = read_gguf(PATH)  # what components.load_pretrained does on every rank
+    model = build_model(cfg, role="actor", ctx=ctx).eval()
+    load_hf_state_dict(model, hf_sd, cfg, tp_rank=ctx.train.tp, tp_size=tp, pp_rank=0, pp_size=1)
     del hf_sd
     out = []
     with torch.no_grad():
@@ -88,7 +86,7 @@ def _logits(ids_list, tp: int):
             local = model(x, torch.arange(x.shape[1])[None], attention_mask=None)  # (1, S, V_pad/tp)
             if tp > 1:
                 parts = [torch.empty_like(local) for _ in range(tp)]
-                dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+                dist.all_gather(parts, local.contiguous(), group=ctx.tp_group)
                 local = torch.cat(parts, -1)
             out.append(local[..., : cfg.vocab_size])
     return (cfg, out) if not dist.is_initialized() or dist.get_rank() == 0 else None
