@@ -143,3 +143,20 @@ def test_missing_and_corrupt_sources(tmp_path, capsys):
                          "--sha256", "0" * 64]) == 2
     err = capsys.readouterr().err
     assert err.startswith("prepare: error: ") and "t.jsonl: sha256" in err
+
+
+def test_experiment_reads_the_prepared_files(tmp_path, monkeypatch):
+    from hybridflow.config import load_config, validate
+    from hybridflow.reward import get_reward_fn
+
+    monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "gsm8k"))
+    monkeypatch.setenv("HYBRIDFLOW_QWEN_GGUF", str(tmp_path / "q.gguf"))
+    cfg = load_config(["experiment=gsm8k_qwen_coder_0_5b"])
+    validate(cfg, world_size=1)
+    assert (cfg.data.train_files, cfg.data.val_files) == (str(tmp_path / "gsm8k" / "train.parquet"),
+                                                          str(tmp_path / "gsm8k" / "val.parquet"))
+    assert cfg.model.gguf_path == str(tmp_path / "q.gguf") and cfg.data.synthetic is None
+    assert (cfg.data.prompts_per_step, cfg.rollout.n, cfg.rollout.max_new_tokens) == (64, 8, 1024)
+    for name in [cfg.reward.fn, *cfg.reward.val_fns]:
+        get_reward_fn(name)
+    assert cfg.reward.val_fns == ["gsm8k_strict"] and cfg.trainer.val_before_train
