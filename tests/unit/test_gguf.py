@@ -285,3 +285,18 @@ def test_synthetic_qwen2_k_quants_match_transformers_gguf(tmp_path):
     msgs = [{"role": "user", "content": "hello"}]
     assert t.apply_chat_template(msgs) == ref_tok.apply_chat_template(
         msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_cache_dir_falls_back_when_unwritable(tmp_path, monkeypatch):
+    import tempfile
+
+    from hybridflow.models.gguf_file import cache_dir
+
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path / "a_file" / "cache"))  # cannot be created
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    got = cache_dir("gguf_tokenizers")
+    assert got == str(tmp_path / "tmp" / f"hybridflow-{os.getuid()}" / "gguf_tokenizers")
+    assert os.path.isdir(got)
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path / "ok"))
+    assert cache_dir("x") == str(tmp_path / "ok" / "x")
