@@ -60,8 +60,9 @@ def ours(tmp_path_factory):
 
 
 def _assert_logits_close(ours, ref):
-    # fp32 on both sides; the rest is summation order over 24 layers (logits are O(10))
-    torch.testing.assert_close(ours, ref, atol=2e-3, rtol=1e-3)
+    # fp32 on both sides, only summation order differs: measured max |diff| 2.7e-5 at TP=1 on
+    # logits up to 33
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
     assert torch.equal(ours[0].argmax(-1), ref[0].argmax(-1))
 
 
