@@ -5,38 +5,20 @@ silently ignored typo. `load_config(overrides)` composes `conf/ppo.yaml` with co
 merges it onto the schema and returns a `Config`; `validate(cfg, world_size)` checks the cross-field
 rules (parallel sizes against world size and model shape, algorithm options) and raises `ValueError`
 naming the key, the value and what was expected.
+conf/ is read as the package `hybridflow.conf` (`CONF_PACKAGE`: inside a wheel, or through the
+hybridflow/conf link in a checkout), never by a path beside the source, so an installed package runs
+from any directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+from hybridflow.model_config import ModelConfig  # the model group's schema, with its derived counts
 
-
-@dataclass
-class ModelConfig:
-    name: str = "tiny"
-    num_layers: int = 2
-    hidden_size: int = 64
-    ffn_hidden_size: int = 128
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    kv_channels: Optional[int] = None  # head dim; None: hidden_size // num_attention_heads
-    vocab_size: int = 64
-    max_position_embeddings: int = 256
-    rotary_base: float = 10000.0
-    rope_scaling: Optional[dict] = None  # HF-style rope_scaling (llama3) when loaded from a checkpoint
-    norm_epsilon: float = 1e-6
-    add_qkv_bias: bool = False
-    tie_word_embeddings: bool = False
-    hf_path: Optional[str] = None  # HF checkpoint dir (safetensors + config.json)
-    gguf_path: Optional[str] = None  # GGUF file (llama.cpp); see hybridflow.models.gguf
-    hf_architecture: Optional[str] = None  # e.g. Qwen2ForCausalLM: kept for the HF export
-    attention_backend: str = "auto"  # auto | sdpa | te | local
+CONF_PACKAGE = "hybridflow.conf"
 
 
 @dataclass
@@ -144,6 +126,9 @@ class TrainerConfig:
     save_final: bool = True  # checkpoint when training ends
     resume: bool = True  # continue from <output_dir>/checkpoints/latest when present
     probe_steps: int = 0  # >0: run N steps, write probe.json (time/cost forecast), stop
+    # >0: stop cleanly, with a checkpoint, before a step would end past this many seconds of
+    # training (a SLURM or device time limit); `trainer.resume=true` continues from there
+    time_budget_s: float = 0.0
     price_per_gpu_hour: Optional[float] = None  # for the probe's cost; None: the GPU's default
     offload_ref: bool = False
     # Python GC: N > 0 turns automatic collection off during training and collects every N steps
@@ -303,6 +288,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
                 {"constant", "linear", "cosine"})
     _one_of("trainer.precision", cfg.trainer.precision, {"fp32", "bf16"})
     _positive("trainer.total_steps", cfg.trainer.total_steps)
+    if cfg.trainer.time_budget_s < 0:
+        raise ValueError(f"trainer.time_budget_s={cfg.trainer.time_budget_s} must be >= 0 "
+                         "(0: no limit)")
     if cfg.trainer.gc_interval < 0:
         raise ValueError(f"trainer.gc_interval={cfg.trainer.gc_interval} must be >= 0 "
                          "(0: Python's automatic GC)")
@@ -313,7 +301,7 @@ def load_config(overrides: list[str], *, config_name: str = "ppo") -> Config:
 
     Raises ValueError with a one-line message for unknown keys, bad values or bad override syntax.
     """
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
     from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -321,7 +309,7 @@ def load_config(overrides: list[str], *, config_name: str = "ppo") -> Config:
 
     ConfigStore.instance().store(name="hybridflow_schema", node=Config)  # conf/ppo.yaml's base
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        with initialize_config_module(config_module=CONF_PACKAGE, version_base=None):
             raw = compose(config_name=config_name, overrides=list(overrides))
         schema = OmegaConf.structured(Config)
         merged = OmegaConf.merge(schema, raw)

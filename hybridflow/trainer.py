@@ -71,7 +71,7 @@ class Trainer:
         t = self.cfg.trainer
         if self.step == 0 and self.validator is not None and self.validator.due(0):
             self.logger.log(0, self.validate())
-        stopped = False
+        stopped, save = False, t.save_final
         with manual_gc(t.gc_interval > 0):
             while self.step < t.total_steps and not stopped:
                 metrics = self.train_step()
@@ -80,13 +80,16 @@ class Trainer:
                     metrics.update(self.validate())
                 self.logger.log(self.step, metrics)
                 history.append(metrics)
-                stopped = any([c.on_step(self.step, metrics) for c in self.step_consumers])
-                final = self.step == t.total_steps and t.save_final and not stopped  # saved below
+                stoppers = [c for c in self.step_consumers if c.on_step(self.step, metrics)]
+                stopped = bool(stoppers)
+                if stopped:
+                    save = all(c.save_on_stop for c in stoppers)
+                final = (self.step == t.total_steps or stopped) and save  # saved below
                 if t.save_every and self.step % t.save_every == 0 and not final:
                     self.checkpointer.save()
         for c in self.step_consumers:
             c.on_end()
-        if t.save_final and not stopped:
+        if save:
             self.checkpointer.save()
         self.logger.summary(history)
         self.logger.close()
