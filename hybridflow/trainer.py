@@ -162,9 +162,9 @@ class Trainer:
         if not ds.enable:
             batch, metrics = one_round()
         else:
-            batch, metrics = fill_informative(one_round, num_groups=self.sampler.local_batch_size,
-                                              group_size=cfg.rollout.n, max_rounds=ds.max_rounds,
-                                              dp_group=self.ctx.dp_group, pad_id=self.tokenizer.pad_id)
+            batch, metrics = fill_informative(
+                one_round, num_groups=self.sampler.local_batch_size, group_size=cfg.rollout.n,
+                max_rounds=ds.max_rounds, dp_group=self.ctx.dp_group, pad_id=self.tokenizer.pad_id)
             if metrics["dynamic_sampling/cap_hit"]:
                 self.logger.print(f"step {self.step + 1}: dynamic sampling found too few informative "
                                   f"groups in {ds.max_rounds} rounds; training with "
@@ -235,9 +235,9 @@ class Trainer:
             for i in range(0, batch.batch_size, local_mini):
                 mb = batch.select(order[i:i + local_mini])
                 num_tokens = int(dp_sum(float(mb.response_mask.sum()), group=self.ctx.dp_group))
+                scale = a.loss_scale_factor or self.cfg.rollout.max_new_tokens  # seq-mean-token-sum-norm
                 loss_fn = objective(a, num_tokens=max(num_tokens, 1),
-                                    num_seqs=a.ppo_mini_batch_size,
-                                    loss_scale_factor=a.loss_scale_factor or self.cfg.rollout.max_new_tokens)
+                                    num_seqs=a.ppo_mini_batch_size, loss_scale_factor=scale)
                 m = engine.train_step(mb, loss_fn, micro_batch_size=a.micro_batch_size_per_gpu,
                                       temperature=self.temperature,
                                       need_entropy=engine.role == "actor")
