@@ -85,8 +85,13 @@ def build_validator(cfg: Config, ctx: ParallelContext, *, rollout, tokenizer):
 
 def build_step_consumers(cfg: Config, *, start_step: int) -> list:
     """Consumers of each step's metrics besides the logger (`on_step(step, metrics) -> stop?`,
-    `on_end()`): the probe (trainer.probe_steps) that measures a few steps and forecasts the run."""
+    `on_end()`, `save_on_stop`): the probe (trainer.probe_steps) that measures a few steps and
+    forecasts the run, and the time budget (trainer.time_budget_s)."""
     consumers = []
+    if cfg.trainer.time_budget_s > 0:
+        from hybridflow.metrics import TimeBudget
+
+        consumers.append(TimeBudget(cfg.trainer.time_budget_s))
     if cfg.trainer.probe_steps:
         from hybridflow.probe import Probe
 

@@ -59,6 +59,15 @@ class DataConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong penalty (verl's reward_model.overlong_buffer): the score of a response
+    longer than rollout.max_new_tokens - len falls linearly, to -penalty_factor at max_new_tokens."""
+    enable: bool = False
+    len: int = 0  # tokens before the maximum where the penalty ramps (DAPO: 4096 of 20480)
+    penalty_factor: float = 1.0
+
+
+@dataclass
 class RewardConfig:
     fn: Optional[str] = "default"  # registered name, `module:function`, `/path/file.py:function`;
     # null: no rule reward (reward model only)
@@ -66,6 +75,18 @@ class RewardConfig:
     model_weight: float = 1.0  # score = rule score + model_weight * reward-model score
     # rule rewards reported on validation beside `fn` (e.g. [gsm8k_strict]); they do not train
     val_fns: list = field(default_factory=list)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups): drop the groups whose scores are all
+    equal and generate more until data.prompts_per_step informative groups are found, at most
+    max_rounds generation rounds per step (verl's max_num_gen_batches). When the cap is hit the step
+    trains anyway, topped up with uninformative groups (verl raises instead; see
+    hybridflow/rollout/dynamic_sampling.py)."""
+    enable: bool = False
+    max_rounds: int = 10
 
 
 @dataclass
@@ -74,11 +95,18 @@ class AlgoConfig:
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std: bool = True
-    policy_loss: str = "vanilla"
+    policy_loss: str = "vanilla"  # vanilla | gspo | gspo_token
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)
     loss_agg_mode: str = "token-mean"
+    # the constant of seq-mean-token-sum-norm (verl's loss_scale_factor); None: rollout.max_new_tokens
+    loss_scale_factor: Optional[float] = None
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: Optional[float] = 3.0
+    # truncated importance sampling: policy loss x min(pi_old / pi_rollout, cap) per token (verl's
+    # actor.tis_imp_ratio_cap; e.g. 2.0); needs rollout.return_logprobs. None: off
+    tis_imp_ratio_cap: Optional[float] = None
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     cliprange_value: float = 0.5
     entropy_coeff: float = 0.0
     use_kl_in_reward: bool = False
@@ -126,10 +154,13 @@ class TrainerConfig:
     save_final: bool = True  # checkpoint when training ends
     resume: bool = True  # continue from the newest checkpoint in <output_dir>/checkpoints
     resume_allow_vocab_resize: bool = False  # resume with another model.vocab_size (rows kept/zeroed)
-    # seconds a collective may wait for a peer before the rank ends with a stage/timeout line
-    # (every process group); long enough for the slowest stage a peer runs alone (loading)
+    # seconds a collective of any process group waits for a peer before the rank ends with a
+    # stage/timeout line; longer than anything one rank does while the others wait (loading, saving)
     collective_timeout_s: float = 1800.0
     probe_steps: int = 0  # >0: run N steps, write probe.json (time/cost forecast), stop
+    # >0: stop cleanly, with a checkpoint, before a step would end past this many seconds of
+    # training (a SLURM or device time limit); `trainer.resume=true` continues from there
+    time_budget_s: float = 0.0
     price_per_gpu_hour: Optional[float] = None  # for the probe's cost; None: the GPU's default
     offload_ref: bool = False
     # Python GC: N > 0 turns automatic collection off during training and collects every N steps
@@ -254,8 +285,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
     _one_of("algo.policy_loss", a.policy_loss, set(POLICY_LOSSES))
     if a.clip_ratio_c is not None and a.clip_ratio_c <= 1.0:
         raise ValueError(f"algo.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip bound) or null")
-    _one_of("algo.loss_agg_mode", a.loss_agg_mode,
-            {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean"})
+    _validate_recipes(cfg)
     _one_of("algo.kl_ctrl", a.kl_ctrl, {"fixed", "adaptive"})
     for key in ("kl_penalty", "kl_loss_type"):
         _one_of(f"algo.{key}", getattr(a, key), {"k1", "k2", "k3", "abs"})
@@ -290,9 +320,49 @@ def validate(cfg: Config, *, world_size: int) -> None:
     _one_of("trainer.precision", cfg.trainer.precision, {"fp32", "bf16"})
     _positive("trainer.total_steps", cfg.trainer.total_steps)
     _positive("trainer.collective_timeout_s", cfg.trainer.collective_timeout_s)
+    if cfg.trainer.time_budget_s < 0:
+        raise ValueError(f"trainer.time_budget_s={cfg.trainer.time_budget_s} must be >= 0 "
+                         "(0: no limit)")
     if cfg.trainer.gc_interval < 0:
         raise ValueError(f"trainer.gc_interval={cfg.trainer.gc_interval} must be >= 0 "
                          "(0: Python's automatic GC)")
+
+
+def _validate_recipes(cfg: Config) -> None:
+    """Loss aggregation, clip ranges, TIS, dynamic sampling and overlong shaping (DAPO, GSPO, Dr.GRPO)."""
+    from hybridflow.algo import AGG_MODES
+
+    a, r = cfg.algo, cfg.rollout
+    _one_of("algo.loss_agg_mode", a.loss_agg_mode, set(AGG_MODES))
+    if a.loss_scale_factor is not None and a.loss_scale_factor <= 0:
+        raise ValueError(f"algo.loss_scale_factor={a.loss_scale_factor} must be > 0 (the constant "
+                         f"normaliser of seq-mean-token-sum-norm) or null (rollout.max_new_tokens)")
+    if not 0.0 <= a.clip_ratio_low < 1.0:
+        raise ValueError(f"algo.clip_ratio_low={a.clip_ratio_low} must be in [0, 1): the ratio's "
+                         f"lower bound is 1 - clip_ratio_low")
+    if a.clip_ratio_high < 0:
+        raise ValueError(f"algo.clip_ratio_high={a.clip_ratio_high} must be >= 0")
+    if a.tis_imp_ratio_cap is not None:
+        if a.tis_imp_ratio_cap <= 0:
+            raise ValueError(f"algo.tis_imp_ratio_cap={a.tis_imp_ratio_cap} must be > 0 (e.g. 2.0) "
+                             f"or null (TIS off)")
+        if not r.return_logprobs:
+            raise ValueError("algo.tis_imp_ratio_cap is set: TIS weighs by pi_old / pi_rollout and "
+                             "needs the generator's log-probs; set rollout.return_logprobs=true")
+    ds = a.dynamic_sampling
+    if ds.enable:
+        _positive("algo.dynamic_sampling.max_rounds", ds.max_rounds)
+        if r.n < 2:
+            raise ValueError(f"algo.dynamic_sampling.enable=true keeps prompts whose samples score "
+                             f"differently: set rollout.n >= 2 (got {r.n})")
+    ob = cfg.reward.overlong_buffer
+    if ob.enable:
+        if not 0 < ob.len < r.max_new_tokens:
+            raise ValueError(f"reward.overlong_buffer.len={ob.len} must be in (0, rollout.max_new_tokens="
+                             f"{r.max_new_tokens}): the penalty ramps over the last `len` tokens "
+                             f"(DAPO: 4096 of 20480)")
+        if ob.penalty_factor < 0:
+            raise ValueError(f"reward.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
 
 
 def load_config(overrides: list[str], *, config_name: str = "ppo") -> Config:

@@ -116,6 +116,8 @@ class Probe:
     """A step consumer: records `trainer.probe_steps` steps from `start_step`, asks the run to stop
     there, and writes probe.json at the end (forecasting the steps the run still had to do)."""
 
+    save_on_stop = False  # a probe measures; it leaves no checkpoint behind
+
     def __init__(self, cfg, *, start_step: int):
         self.cfg, self.start = cfg, start_step
         self.stop_at = min(cfg.trainer.total_steps, start_step + cfg.trainer.probe_steps)

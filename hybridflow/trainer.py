@@ -1,7 +1,10 @@
 """The RL step as a list of stages, each under its named timer (verl's names):
 
-  prompts -> reshard (train -> gen layout) -> gen -> old_log_prob -> ref -> values -> reward -> adv
+  prompts -> reshard (train -> gen layout) -> gen -> reward -> old_log_prob -> ref -> values -> adv
           -> update_critic -> update_actor -> metrics / checkpoint -> val (every trainer.val_every)
+
+With dynamic sampling (DAPO) the first three repeat on fresh prompts until enough groups have scores
+that differ (hybridflow/rollout/dynamic_sampling.py); the overlong penalty is added after that filter.
 
 Every rank runs this same code. Each DP rank generates for its own prompts; ranks of one
 model-parallel group generate identical samples (same seed) so the batch they train on agrees.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -21,12 +25,14 @@ from hybridflow import components
 from hybridflow.parallel.context import ParallelContext
 from hybridflow.rollout.stage import RolloutStage
 from hybridflow.run_state import Checkpointer
-from hybridflow.algo import apply_kl_penalty, build_kl_controller, get_advantage_estimator
+from hybridflow.algo import (apply_kl_penalty, build_kl_controller, get_advantage_estimator,
+                             overlong_penalty, rollout_mismatch_metrics)
 from hybridflow.algo.objectives import actor_objective, critic_objective, sft_objective
 from hybridflow.config import Config
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.metrics import MetricsLogger, StageTimer, memory_metrics
 from hybridflow.parallel.dp import all_gather_batch, dp_sum
+from hybridflow.rollout.dynamic_sampling import fill_informative
 
 
 class Trainer:
@@ -71,7 +77,7 @@ class Trainer:
         t = self.cfg.trainer
         if self.step == 0 and self.validator is not None and self.validator.due(0):
             self.logger.log(0, self.validate())
-        stopped = False
+        stopped, save = False, t.save_final
         with manual_gc(t.gc_interval > 0):
             while self.step < t.total_steps and not stopped:
                 metrics = self.train_step()
@@ -80,13 +86,16 @@ class Trainer:
                     metrics.update(self.validate())
                 self.logger.log(self.step, metrics)
                 history.append(metrics)
-                stopped = any([c.on_step(self.step, metrics) for c in self.step_consumers])
-                final = self.step == t.total_steps and t.save_final and not stopped  # saved below
+                stoppers = [c for c in self.step_consumers if c.on_step(self.step, metrics)]
+                stopped = bool(stoppers)
+                if stopped:
+                    save = all(c.save_on_stop for c in stoppers)
+                final = (self.step == t.total_steps or stopped) and save  # saved below
                 if t.save_every and self.step % t.save_every == 0 and not final:
                     self.checkpointer.save()
         for c in self.step_consumers:
             c.on_end()
-        if t.save_final and not stopped:
+        if save:
             self.checkpointer.save()
         self.logger.summary(history, first_step=self.step - len(history) + 1)
         self.logger.close()
@@ -105,8 +114,7 @@ class Trainer:
             if gc_every > 0 and self.step % gc_every == 0:
                 with timer("gc"):
                     gc.collect()
-            items = [self.dataset[i] for i in self.sampler.next_batch()]
-            batch = self.rollout.generate(items, step=self.step, timer=timer)
+            batch, reward_metrics = self.generate_and_score(timer)
             batch = batch.trimmed()
             mbs = cfg.algo.forward_micro_batch_size_per_gpu or cfg.algo.micro_batch_size_per_gpu
             with timer("old_log_prob"):
@@ -123,8 +131,6 @@ class Trainer:
             if self.critic is not None:
                 with timer("values"):
                     batch.values = self.critic.compute_values(batch, micro_batch_size=mbs)
-            with timer("reward"):
-                batch.scores, reward_metrics = self.rollout.score(items, batch)
             with timer("adv"):
                 batch, adv_metrics = self.compute_advantages(batch)
             update_metrics = {}
@@ -140,6 +146,38 @@ class Trainer:
         return metrics
 
     # ----------------------------------------------------------------- stages
+    def generate_and_score(self, timer) -> tuple[RolloutBatch, dict]:
+        """New prompts -> gen -> reward; with dynamic sampling, rounds of that until the step holds
+        data.prompts_per_step informative groups; then the overlong penalty (DAPO)."""
+        cfg, rounds = self.cfg, itertools.count()
+
+        def one_round():
+            items = [self.dataset[i] for i in self.sampler.next_batch()]
+            batch = self.rollout.generate(items, step=self.step, round_index=next(rounds), timer=timer)
+            with timer("reward"):
+                batch.scores, metrics = self.rollout.score(items, batch)
+            return batch, metrics
+
+        ds = cfg.algo.dynamic_sampling
+        if not ds.enable:
+            batch, metrics = one_round()
+        else:
+            batch, metrics = fill_informative(
+                one_round, num_groups=self.sampler.local_batch_size, group_size=cfg.rollout.n,
+                max_rounds=ds.max_rounds, dp_group=self.ctx.dp_group, pad_id=self.tokenizer.pad_id)
+            if metrics["dynamic_sampling/cap_hit"]:
+                self.logger.print(f"step {self.step + 1}: dynamic sampling found too few informative "
+                                  f"groups in {ds.max_rounds} rounds; training with "
+                                  f"{metrics['dynamic_sampling/filler_groups']:.0f} uninformative ones")
+        ob = cfg.reward.overlong_buffer
+        if ob.enable:
+            penalty = overlong_penalty(batch.response_mask.sum(1), max_len=cfg.rollout.max_new_tokens,
+                                       buffer_len=ob.len, penalty_factor=ob.penalty_factor)
+            batch.scores = batch.scores + penalty
+            metrics["reward/overlong_penalty/mean"] = (
+                dp_sum(float(penalty.mean()), group=self.ctx.dp_group) / self.ctx.dp_size)
+        return batch, metrics
+
     def compute_advantages(self, batch: RolloutBatch):
         a = self.cfg.algo
         # global batch, same order on every rank
@@ -169,6 +207,10 @@ class Trainer:
             "critic/returns/mean": float((ret * mask).sum() / n)})
         if full.values is not None:
             metrics["critic/values/mean"] = float((full.values * mask).sum() / n)
+        if full.rollout_logprobs is not None:  # generator vs training forward (bf16 decode, kernels)
+            metrics.update(rollout_mismatch_metrics(
+                old_logprobs=full.old_logprobs, rollout_logprobs=full.rollout_logprobs,
+                response_mask=mask, cap=a.tis_imp_ratio_cap))
         lengths = mask.sum(1)
         metrics.update({"response_length/mean": float(lengths.mean()),
                         "response_length/max": float(lengths.max()),
@@ -193,8 +235,9 @@ class Trainer:
             for i in range(0, batch.batch_size, local_mini):
                 mb = batch.select(order[i:i + local_mini])
                 num_tokens = int(dp_sum(float(mb.response_mask.sum()), group=self.ctx.dp_group))
+                scale = a.loss_scale_factor or self.cfg.rollout.max_new_tokens  # seq-mean-token-sum-norm
                 loss_fn = objective(a, num_tokens=max(num_tokens, 1),
-                                    num_seqs=a.ppo_mini_batch_size)
+                                    num_seqs=a.ppo_mini_batch_size, loss_scale_factor=scale)
                 m = engine.train_step(mb, loss_fn, micro_batch_size=a.micro_batch_size_per_gpu,
                                       temperature=self.temperature,
                                       need_entropy=engine.role == "actor")

@@ -52,7 +52,8 @@ class RolloutStage:
             return dict(self.actor.module.named_parameters())
         return self.resharder.gather()
 
-    def generate(self, items, *, step: int, timer, rollout_cfg=None, seed=None) -> RolloutBatch:
+    def generate(self, items, *, step: int, timer, rollout_cfg=None, seed=None,
+                 round_index: int = 0) -> RolloutBatch:
         """Sample `rollout_cfg.n` (default: the rollout config's) responses for this DP rank's
         `items`; every rank of the DP replica returns the same rows, on the CPU."""
         r = rollout_cfg or self.cfg.rollout
@@ -62,6 +63,7 @@ class RolloutStage:
         split = k > 1 and len(items) >= k
         if seed is None:
             seed = self.cfg.trainer.seed * 1_000_003 + step * 1009 + ctx.train.dp
+            seed += round_index * 1_000_000_007  # dynamic sampling's later rounds of one step
         mine = items
         if split:
             base, extra = divmod(len(items), k)

@@ -1,0 +1,227 @@
+"""TRL's GRPOTrainer on the GSM8K workload of issue 16: seconds per step and greedy val accuracy per step.
+
+The peer baseline beside our GRPO run: same model file, same train/val data, same prompts per step,
+samples per prompt, max new tokens, temperature, learning rate and KL coefficient, bf16, no vLLM
+(TRL generates with transformers `generate`). Results JSON is rewritten (atomically) after every step,
+so a run cut by the time budget, or killed, still leaves its numbers.
+
+  # on the GPU machine (after benchmarks/gsm8k_peers.sh installed trl/datasets into /tmp/site)
+  python benchmarks/trl_gsm8k.py --model /tmp/model/qwen_coder.gguf --train DATA/train.parquet \
+      --val DATA/val.parquet --out $OUT/trl_gsm8k.json --max-steps 20 --time-budget-s 500 --val-at 0,10,20
+  # smaller matched run for accuracy per step: --prompts-per-step 16 --samples 8 --micro-batch 64
+
+Choices (each one an option; the defaults are ours):
+- The model: a GGUF file is loaded by transformers and rebuilt as a plain model of the same class
+  (transformers refuses to fine-tune a GGUF-loaded model, which it marks as quantized); `--model` may
+  also be an HF directory (our exporter's output). Weights stay fp32 with bf16 autocast (`bf16=True`):
+  pure-bf16 Adam would lose 1e-6 updates to rounding, and our trainer keeps fp32 master weights too.
+  With `beta` > 0 TRL loads its reference model from `config._name_or_path`, so the rebuilt model is
+  first saved (fp32 safetensors) under `--workdir`/hf_from_gguf and its config pointed there.
+- Stop tokens: `generation_config.eos_token_id = [<|im_end|>, tokenizer EOS]`; TRL stops at and masks
+  after every id listed there, as our rollout does.
+- Batch: TRL counts completions, not prompts: `per_device_train_batch_size` = `--micro-batch`
+  completions, `gradient_accumulation_steps` = prompts x samples / micro-batch, so one optimizer step
+  consumes one generation batch of prompts x samples completions (as one of our steps does).
+- Loss: TRL's `dapo` (token mean over the batch, like our `token-mean`), clip 0.2, k3 KL loss with
+  `beta`, constant LR without warm-up, grad-norm clip 1.0, gradient checkpointing on (TRL's default;
+  the measured 56 s/step setting).
+- Reward: hybridflow's `math_exact` on the completion text against `reward_model.ground_truth`.
+- Step time: `on_step_begin` -> `on_step_end` with CUDA synchronised (generation, scoring, forward,
+  backward and optimizer of one optimizer step); `step_s_median` is over the steps after the first.
+  Validation runs in `on_step_end` after the timer stops (and before training for step 0), greedy,
+  through `benchmarks/gsm8k_hf_eval.evaluate`.
+- `--time-budget-s` (from process start): training stops before a step (plus its validation) that the
+  last step's time says would not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+START = time.perf_counter()
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gsm8k_hf_eval import (default_dtype, evaluate, load_model, load_records, load_tokenizer,  # noqa: E402
+                           machine, stop_token_ids, versions, write_json)
+
+
+def math_exact_reward():
+    """A TRL reward function: hybridflow's `math_exact` of each completion against its ground truth."""
+    from hybridflow.reward import get_reward_fn
+
+    rule = get_reward_fn("math_exact")
+
+    def math_exact(completions, ground_truth, **kwargs) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # chat or plain
+        return [float(rule("", t, gt, None)) for t, gt in zip(texts, ground_truth)]
+
+    return math_exact
+
+
+def train_dataset(records):
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": [{"role": m["role"], "content": m["content"]} for m in r["prompt"]],
+                               "ground_truth": str(r["reward_model"]["ground_truth"])} for r in records])
+
+
+def parse_steps(text: str) -> list[int]:
+    try:
+        return sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        raise ValueError(f"--val-at must be comma-separated step numbers, got {text!r}") from None
+
+
+def make_callback(*, result: dict, out: str, val_at: list[int], val_fn, budget_s: float | None):
+    from transformers import TrainerCallback
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    class StepTimer(TrainerCallback):
+        """Times each optimizer step, validates at chosen steps, keeps the budget, saves the JSON."""
+
+        def _validate(self, step: int, model):
+            val = val_fn(model)  # {"accuracy": {rule: acc}, "seconds", ...}
+            result["val_accuracy"].append([step, val["accuracy"]["math_exact"]])
+            if "gsm8k_strict" in val["accuracy"]:
+                result.setdefault("val_accuracy_strict", []).append([step, val["accuracy"]["gsm8k_strict"]])
+            result["val"].append({"step": step, **val})
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            if 0 in val_at:
+                self._validate(0, model)
+            result["train_start_s"] = time.perf_counter() - START
+            write_json(out, result)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            sync()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            sync()
+            result["step_s"].append(time.perf_counter() - self.t0)
+            later = result["step_s"][1:]
+            result["step_s_median"] = statistics.median(later) if later else None
+            if torch.cuda.is_available():
+                result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            step = state.global_step
+            if step in val_at:
+                self._validate(step, model)
+            result["steps_done"] = step
+            write_json(out, result)
+            if budget_s is not None and step < state.max_steps:
+                elapsed = time.perf_counter() - START
+                next_val = result["val"][-1]["seconds"] if (step + 1) in val_at and result["val"] else 0.0
+                if elapsed + result["step_s"][-1] + next_val > budget_s:
+                    result["stopped_by_budget"] = True
+                    control.should_training_stop = True
+                    write_json(out, result)
+            return control
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs:
+                result["logs"].append({"step": state.global_step, **{k: v for k, v in logs.items()
+                                                                      if isinstance(v, (int, float))}})
+
+    return StepTimer()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a .gguf file or an HF directory")
+    ap.add_argument("--train", required=True, help="verl-format train file (.parquet or .jsonl)")
+    ap.add_argument("--val", help="verl-format val file; needed with --val-at")
+    ap.add_argument("--out", required=True, help="JSON results path (rewritten after every step)")
+    ap.add_argument("--prompts-per-step", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=8, help="completions per prompt (num_generations)")
+    ap.add_argument("--micro-batch", type=int, default=64, help="completions per forward/backward")
+    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--beta", type=float, default=0.001, help="KL loss coefficient (k3)")
+    ap.add_argument("--loss-type", default="dapo")
+    ap.add_argument("--no-grad-ckpt", action="store_true", help="turn TRL's gradient checkpointing off")
+    ap.add_argument("--max-steps", type=int, default=20)
+    ap.add_argument("--time-budget-s", type=float, default=None, help="stop before a step that would end past this")
+    ap.add_argument("--val-at", default="", help="steps to validate at, e.g. 0,10,20")
+    ap.add_argument("--val-size", type=int, default=None, help="first N val records (default all)")
+    ap.add_argument("--val-batch-size", type=int, default=64)
+    ap.add_argument("--val-max-new-tokens", type=int, default=None, help="default: --max-new-tokens")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--workdir", default="/tmp/trl_gsm8k", help="TRL's output_dir (nothing is saved there)")
+    args = ap.parse_args(argv)
+
+    completions = args.prompts_per_step * args.samples
+    if completions % args.micro_batch:
+        raise ValueError(f"--micro-batch {args.micro_batch} must divide prompts x samples = {completions}")
+    val_at = parse_steps(args.val_at)
+    if val_at and not args.val:
+        raise ValueError("--val-at needs --val")
+    on_gpu = args.device.startswith("cuda")
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model, dtype=torch.float32, device=args.device, trainable=True)
+    if args.model.endswith(".gguf") and args.beta != 0.0:
+        # TRL builds its reference model with from_pretrained(config._name_or_path): give it a plain copy
+        hf_dir = Path(args.workdir) / "hf_from_gguf"
+        model.save_pretrained(hf_dir)
+        model.config._name_or_path = str(hf_dir)
+    stops = stop_token_ids(tokenizer)
+    model.generation_config.eos_token_id = stops
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    train = train_dataset(load_records(args.train))
+    val_records = load_records(args.val, limit=args.val_size) if val_at else []
+    val_tokens = args.val_max_new_tokens or args.max_new_tokens
+    autocast = default_dtype(args.device) if on_gpu else None
+
+    def val_fn(m):
+        r = evaluate(m, tokenizer, val_records, batch_size=args.val_batch_size, max_new_tokens=val_tokens,
+                     autocast_dtype=autocast)
+        return {k: r[k] for k in ("accuracy", "mean_response_length", "clip_ratio", "seconds", "notes")}
+
+    config = dict(model=args.model, train=args.train, val=args.val, prompts_per_step=args.prompts_per_step,
+                  samples=args.samples, micro_batch=args.micro_batch,
+                  grad_accum=completions // args.micro_batch, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, lr=args.lr, beta=args.beta, loss_type=args.loss_type,
+                  gradient_checkpointing=not args.no_grad_ckpt, bf16=on_gpu, max_steps=args.max_steps,
+                  time_budget_s=args.time_budget_s, val_at=val_at, val_size=len(val_records),
+                  val_batch_size=args.val_batch_size, val_max_new_tokens=val_tokens, stop_token_ids=stops,
+                  seed=args.seed, weights="fp32 master, bf16 autocast" if on_gpu else "fp32")
+    result = {"benchmark": "trl_gsm8k", "config": config, "step_s": [], "step_s_median": None,
+              "val_accuracy": [], "val": [], "logs": [], "steps_done": 0, "stopped_by_budget": False,
+              "load_s": time.perf_counter() - START, "machine": machine(),
+              "versions": versions("trl", "datasets"), "command": " ".join([sys.executable, *sys.argv])}
+    write_json(args.out, result)
+
+    grpo = GRPOConfig(
+        output_dir=args.workdir, max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=args.beta, loss_type=args.loss_type,
+        num_generations=args.samples, per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=completions // args.micro_batch, max_completion_length=args.max_new_tokens,
+        temperature=args.temperature, top_p=1.0, top_k=0, bf16=on_gpu, use_cpu=not on_gpu,
+        gradient_checkpointing=not args.no_grad_ckpt, use_vllm=False, logging_steps=1, save_strategy="no",
+        report_to="none", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
+        disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=[math_exact_reward()], args=grpo, train_dataset=train,
+                          processing_class=tokenizer,
+                          callbacks=[make_callback(result=result, out=args.out, val_at=val_at, val_fn=val_fn,
+                                                   budget_s=args.time_budget_s)])
+    result["config"]["trl_eos_token_ids"] = list(trainer.eos_token_ids)
+    trainer.train()
+    result["total_s"] = time.perf_counter() - START
+    write_json(args.out, result)
+    print({k: result[k] for k in ("steps_done", "step_s", "step_s_median", "val_accuracy", "stopped_by_budget")})
+    return result
+
+
+if __name__ == "__main__":
+    main()
