@@ -1,0 +1,119 @@
+"""Summarise a GSM8K run (benchmarks/gsm8k_h200.sh) into benchmarks/results/gsm8k_h200.json and a PNG.
+
+Inputs are the files the device calls wrote: our run's metrics.jsonl (every step, validation rows
+included, accumulated across resumed calls), transformers' greedy eval (gsm8k_hf_eval.py JSON) and
+TRL's run (trl_gsm8k.py JSON). Step times are medians over steps 2.. (step 1 captures CUDA graphs),
+leaving out `--exclude-steps` (steps that shared the GPU with another process).
+
+  python benchmarks/gsm8k_report.py --metrics M.jsonl --hf-eval hf_eval.json --trl trl.json \
+      --exclude-steps 12-16 --out benchmarks/results/gsm8k_h200.json --png benchmarks/results/gsm8k_h200.png
+"""
+
+import argparse
+import json
+import os
+import statistics
+
+CORE = "val-core/openai/gsm8k/reward/mean@1"
+STRICT = "val-aux/openai/gsm8k/gsm8k_strict/mean@1"
+STAGES = ("step", "gen", "reshard", "reward", "old_log_prob", "ref", "adv", "update_actor", "val")
+SERIES = ("critic/score/mean", "response_length/mean", "response_length/clip_ratio",
+          "actor/entropy", "actor/kl_loss", "actor/grad_norm", "training/rollout_probs_diff_mean",
+          "training/rollout_probs_diff_max", "rollout_corr/kl", "perf/throughput")
+
+
+def _steps(spec: str) -> set[int]:
+    out = set()
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def summarise(rows: list[dict], *, exclude: set[int]) -> dict:
+    train = [r for r in rows if "timing_s/step" in r]
+    timed = [r for r in train if r["step"] >= 2 and r["step"] not in exclude]
+    med = lambda k: statistics.median(r[k] for r in timed if k in r)  # noqa: E731
+    vals = [r for r in rows if CORE in r]
+    return {
+        "val_accuracy": [[r["step"], r[CORE]] for r in vals],
+        "val_accuracy_strict": [[r["step"], r[STRICT]] for r in vals if STRICT in r],
+        "ours_step_s": med("timing_s/step"),
+        "ours_first_step_s": train[0]["timing_s/step"] if train else None,
+        "ours_stages_s": {s: med(f"timing_s/{s}") for s in STAGES
+                          if any(f"timing_s/{s}" in r for r in timed)},
+        "ours_steps_timed": len(timed),
+        "ours_peak_memory_gb": max(r.get("perf/max_memory_allocated_gb", 0.0) for r in train),
+        "per_step": {k: [[r["step"], r[k]] for r in train if k in r] for k in SERIES},
+        "rollout_training_mismatch_median": {k: med(k) for k in SERIES[6:9]},
+    }
+
+
+def plot(summary: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for key, label in (("val_accuracy", "val math_exact (greedy)"),
+                       ("val_accuracy_strict", "val gsm8k_strict (####)")):
+        xs, ys = zip(*summary[key]) if summary[key] else ((), ())
+        ax[0].plot(xs, ys, marker="o", label=label)
+    hf = summary.get("transformers_val_accuracy")
+    if hf is not None:
+        ax[0].axhline(hf, color="gray", ls="--", label="transformers greedy, step 0")
+    ax[0].set(xlabel="step", ylabel="accuracy (319 held-out problems)", title="validation")
+    ax[0].legend()
+    xs, ys = zip(*summary["per_step"]["critic/score/mean"])
+    ax[1].plot(xs, ys, label="train reward (math_exact, T=1)")
+    ax[1].set(xlabel="step", title="reward")
+    ax1b = ax[1].twinx()
+    xs, ys = zip(*summary["per_step"]["response_length/mean"])
+    ax1b.plot(xs, ys, color="tab:orange", label="mean response length")
+    ax1b.set_ylabel("tokens")
+    ax[1].legend(loc="upper left")
+    ax1b.legend(loc="lower right")
+    stages = {k: v for k, v in summary["ours_stages_s"].items() if k not in ("step", "val")}
+    ax[2].bar(list(stages), list(stages.values()))
+    ax[2].set(ylabel="s (median)", title=f"stages: step {summary['ours_step_s']:.1f} s")
+    ax[2].tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--metrics", required=True)
+    ap.add_argument("--hf-eval", required=True)
+    ap.add_argument("--trl", required=True)
+    ap.add_argument("--exclude-steps", default="", help="e.g. 12-16: steps that shared the GPU")
+    ap.add_argument("--command", default="", help="the run's command, recorded in the JSON")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--png")
+    args = ap.parse_args()
+    rows = [json.loads(line) for line in open(args.metrics)]
+    summary = summarise(rows, exclude=_steps(args.exclude_steps))
+    hf, trl = json.load(open(args.hf_eval)), json.load(open(args.trl))
+    summary["transformers_val_accuracy"] = hf["accuracy"]["math_exact"]
+    summary["transformers_val_accuracy_strict"] = hf["accuracy"].get("gsm8k_strict")
+    summary["transformers_eval"] = {k: hf[k] for k in ("n", "accuracy", "mean_response_length",
+                                                       "seconds", "batch_size", "dtype",
+                                                       "stop_token_ids", "command") if k in hf}
+    summary["trl"] = {"step_s": trl["step_s"], "step_s_median": trl["step_s_median"],
+                      "val_accuracy": trl["val_accuracy"], "config": trl["config"],
+                      "peak_memory_gb": trl.get("peak_memory_gb"), "command": trl["command"],
+                      "versions": trl["versions"]}
+    summary.update(machine=hf["machine"], versions=hf["versions"], command=args.command,
+                   excluded_steps=sorted(_steps(args.exclude_steps)))
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(tmp, args.out)
+    if args.png:
+        plot(summary, args.png)
+    print(json.dumps({k: summary[k] for k in ("val_accuracy", "ours_step_s", "ours_stages_s",
+                                              "transformers_val_accuracy")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
