@@ -61,13 +61,23 @@ class Checkpointer:
                                    layout=t.ctx.layout)
 
     def maybe_resume(self) -> bool:
-        from hybridflow.checkpoint import load_checkpoint, recover
+        from hybridflow.checkpoint import latest_step, load_checkpoint, recover
 
         if dist.get_rank() == 0:
             recover(self.root)  # before any rank looks: the newest step, no leftovers
         dist.barrier()
         cfg = self.trainer.cfg.trainer
-        if not cfg.resume or not os.path.isdir(self.root):
+        if not os.path.isdir(self.root):
+            return False
+        if not cfg.resume:
+            # published steps are never rewritten: a fresh run here would silently skip its own
+            # saves of every step that already exists
+            found = latest_step(self.root)
+            if found is not None:
+                raise ValueError(f"trainer.resume=false but {self.root} already holds step_{found}: "
+                                 "a new run would not overwrite those checkpoints; set "
+                                 "trainer.output_dir to a new directory, remove the old one, or "
+                                 "resume (trainer.resume=true)")
             return False
         models, optimizers, schedulers = self._parts()
         configs = {role: e.model_cfg for role, e in self.trainer.engines.items() if role in models}

@@ -152,3 +152,14 @@ def test_disk_full_during_a_checkpoint_save(tmp_path):
         assert sorted(os.listdir(f"{out}/checkpoints")) == ["latest", "step_1"]
         assert open(f"{out}/checkpoints/latest").read().strip() == "1"
         assert [r["step"] for r in _rows(f"{out}/metrics.jsonl")] == [1, 2]
+
+
+def test_fresh_run_refuses_a_directory_with_checkpoints(runs):
+    """trainer.resume=false over published checkpoints would silently skip its own saves of those
+    steps (a published step is never rewritten): refused at start, nothing touched."""
+    whole = runs[0]
+    before = sorted(os.listdir(whole / "checkpoints"))
+    proc = _run(*RUN, f"trainer.output_dir={whole}", "trainer.resume=false")
+    line = _one_error_line(proc)
+    assert "trainer.resume=false" in line and "step_4" in line and "trainer.output_dir" in line
+    assert sorted(os.listdir(whole / "checkpoints")) == before
