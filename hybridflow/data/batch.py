@@ -77,26 +77,34 @@ class RolloutBatch:
                if v.dim() == 2 and not k.startswith("prompt_")}
         return dataclasses.replace(self, **out)
 
+    def widened(self, *, prompt_len: int, response_len: int, pad_id: int) -> "RolloutBatch":
+        """Prompts left-padded to `prompt_len`, responses right-padded to `response_len` (ids with
+        `pad_id`, masks and per-token values with 0)."""
+        out = {}
+        for k, v in self._tensors().items():
+            fill = pad_id if k in ("prompt_ids", "response_ids") else 0
+            if k.startswith("prompt_"):
+                v = torch.nn.functional.pad(v, (prompt_len - v.shape[1], 0), value=fill)
+            elif v.dim() == 2:
+                v = torch.nn.functional.pad(v, (0, response_len - v.shape[1]), value=fill)
+            out[k] = v
+        return dataclasses.replace(self, **out)
+
     @staticmethod
     def cat(batches: list["RolloutBatch"], *, pad_id: int) -> "RolloutBatch":
-        """Rows of `batches` in order, of any widths: prompts left-padded and responses right-padded
-        to the widest (ids with `pad_id`, masks and per-token values with 0). Every batch must have
-        the same fields set."""
+        """Rows of `batches` in order, of any widths, widened to the widest (see `widened`).
+        Every batch must have the same fields set."""
         assert batches, "cat needs at least one batch"
         p = max(b.prompt_len for b in batches)
         r = max(b.response_ids.shape[1] for b in batches)
+        wide = [b.widened(prompt_len=p, response_len=r, pad_id=pad_id) for b in batches]
         out = {}
         for f in dataclasses.fields(RolloutBatch):
-            parts = [getattr(b, f.name) for b in batches]
+            parts = [getattr(b, f.name) for b in wide]
             if all(t is None for t in parts):
                 out[f.name] = None
                 continue
             assert all(t is not None for t in parts), f"field {f.name} is set in only some batches"
-            fill = pad_id if f.name in ("prompt_ids", "response_ids") else 0
-            if f.name.startswith("prompt_"):
-                parts = [torch.nn.functional.pad(t, (p - t.shape[1], 0), value=fill) for t in parts]
-            elif parts[0].dim() == 2:
-                parts = [torch.nn.functional.pad(t, (0, r - t.shape[1]), value=fill) for t in parts]
             out[f.name] = torch.cat(parts)
         return RolloutBatch(**out)
 

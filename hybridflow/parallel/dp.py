@@ -4,8 +4,8 @@ The one way to gather batches: every member may hold a different number of rows 
 rank's trimmed share, a gen replica's chunk). `gather_batches` pads prompts on the LEFT and
 responses on the RIGHT to the widest member (ids with the pad id, masks and per-token values with 0),
 all-gathers every field and returns one batch per member, in group-rank order, each with its own
-rows and the common widths. `all_gather_batch` concatenates them: global row r*B_local + i is
-member r's row i on every rank.
+rows and the common widths (`RolloutBatch.widened`). `all_gather_batch` concatenates them
+(`RolloutBatch.cat`): global row r*B_local + i is member r's row i on every rank.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import torch.nn.functional as F
 
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.parallel.groups import device
-
-_ID_FIELDS = ("prompt_ids", "response_ids")
 
 
 def dp_sum(x: float, *, group) -> float:
@@ -40,17 +38,13 @@ def gather_batches(batch: RolloutBatch, *, group, pad_id: int) -> list[RolloutBa
     dist.all_gather(all_dims, dims, group=group)
     rows = [int(d[0]) for d in all_dims]
     b, p, r = (max(int(d[k]) for d in all_dims) for k in range(3))
+    wide = batch.widened(prompt_len=p, response_len=r, pad_id=pad_id)
     out = {}
-    for f in dataclasses.fields(batch):
-        t = getattr(batch, f.name)
+    for f in dataclasses.fields(wide):
+        t = getattr(wide, f.name)
         if t is None:
             out[f.name] = None
             continue
-        fill = pad_id if f.name in _ID_FIELDS else 0
-        if f.name.startswith("prompt_"):
-            t = F.pad(t, (p - t.shape[1], 0), value=fill)
-        elif t.dim() == 2:
-            t = F.pad(t, (0, r - t.shape[1]), value=fill)
         t = F.pad(t, (0, 0) * (t.dim() - 1) + (0, b - t.shape[0]))  # rows, to the most
         t = t.to(device()).contiguous()
         parts = [torch.empty_like(t) for _ in range(size)]
@@ -60,15 +54,7 @@ def gather_batches(batch: RolloutBatch, *, group, pad_id: int) -> list[RolloutBa
             for i in range(size)]
 
 
-def cat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
-    """Row-concatenate batches of equal widths (as `gather_batches` returns them)."""
-    first = batches[0]
-    return RolloutBatch(**{f.name: (None if getattr(first, f.name) is None else
-                                    torch.cat([getattr(b, f.name) for b in batches]))
-                           for f in dataclasses.fields(first)})
-
-
 def all_gather_batch(batch: RolloutBatch, *, group, pad_id: int) -> RolloutBatch:
     if dist.get_world_size(group) == 1:
         return batch
-    return cat_batches(gather_batches(batch, group=group, pad_id=pad_id))
+    return RolloutBatch.cat(gather_batches(batch, group=group, pad_id=pad_id), pad_id=pad_id)

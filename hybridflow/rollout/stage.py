@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hybridflow.config import Config
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.parallel.context import ParallelContext
-from hybridflow.parallel.dp import cat_batches, dp_sum, gather_batches
+from hybridflow.parallel.dp import dp_sum, gather_batches
 from hybridflow.reward import compute_rule_rewards, get_reward_fn
 from hybridflow.rollout.generator import Generator
 
@@ -105,7 +105,8 @@ class RolloutStage:
             if ctx.layout.gen_coord(rank).tp == 0:
                 leaders[ctx.layout.replica_in_model_parallel_group(rank)] = chunks[g]
         assert sorted(leaders) == list(range(ctx.num_gen_replicas))
-        return cat_batches([leaders[i] for i in range(ctx.num_gen_replicas)])
+        return RolloutBatch.cat([leaders[i] for i in range(ctx.num_gen_replicas)],
+                                pad_id=self.tok.pad_id)
 
     def score(self, items, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
         scores, metrics = torch.zeros(batch.batch_size), {}
