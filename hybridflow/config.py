@@ -126,6 +126,23 @@ class AlgoConfig:
     # sequences per forward-only micro-batch on one rank (old/ref log-probs, values); None: the
     # training micro-batch. Larger means fewer kernel launches and TP collectives per pass.
     forward_micro_batch_size_per_gpu: Optional[int] = None
+    # Dynamic batch size (verl's use_dynamic_bsz): micro-batches by tokens instead of rows. Rows are
+    # grouped by length, each micro-batch padded only to its own longest prompt + response, and its
+    # rows x (P + R) kept within the budget (per GPU; verl's ppo_max_token_len_per_gpu); the two
+    # micro_batch_size keys above are then unused. Results are the same; less padding is computed.
+    use_dynamic_bsz: bool = False
+    max_tokens_per_micro_batch_per_gpu: int = 16384  # training passes (update_actor/critic, SFT)
+    forward_max_tokens_per_micro_batch_per_gpu: Optional[int] = None  # forward-only; None: same
+
+
+def micro_batching(a: AlgoConfig, *, forward: bool) -> dict:
+    """`micro_batch_size` and `max_tokens` (None: fixed micro-batches) for the Engine's passes."""
+    rows = a.micro_batch_size_per_gpu
+    tokens = a.max_tokens_per_micro_batch_per_gpu
+    if forward:
+        rows = a.forward_micro_batch_size_per_gpu or rows
+        tokens = a.forward_max_tokens_per_micro_batch_per_gpu or tokens
+    return {"micro_batch_size": rows, "max_tokens": tokens if a.use_dynamic_bsz else None}
 
 
 @dataclass
@@ -295,25 +312,14 @@ def validate(cfg: Config, *, world_size: int) -> None:
     for key in ("ppo_mini_batch_size", "micro_batch_size_per_gpu", "ppo_epochs"):
         _positive(f"algo.{key}", getattr(a, key))
     _positive("data.prompts_per_step", d.prompts_per_step)
-    mbs = a.micro_batch_size_per_gpu
-    pp_uneven = p.pipeline_parallel_size > 1 and (d.prompts_per_step // dp) % mbs
-    if cfg.trainer.sft_warmup_steps > 0 and pp_uneven:  # PP sends fixed-size micro-batches
-        raise ValueError(f"algo.micro_batch_size_per_gpu={mbs} (per GPU) must divide the warm-up "
-                         f"batch per DP rank data.prompts_per_step / DP = {d.prompts_per_step} / "
-                         f"{dp} when parallel.pipeline_parallel_size > 1")
     seqs = d.prompts_per_step * r.n
     if seqs % a.ppo_mini_batch_size:
         raise ValueError(f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} (global) must divide "
                          f"the sequences per step data.prompts_per_step x rollout.n = {seqs}")
-    fmbs = a.forward_micro_batch_size_per_gpu
-    if fmbs is not None and (fmbs <= 0 or (seqs // dp) % fmbs):
-        raise ValueError(f"algo.forward_micro_batch_size_per_gpu={fmbs} (per GPU) must divide the "
-                         f"sequences per DP rank data.prompts_per_step x rollout.n / DP = "
-                         f"{seqs} / {dp} = {seqs // dp}")
-    if a.ppo_mini_batch_size % dp or (a.ppo_mini_batch_size // dp) % mbs:
-        raise ValueError(f"algo.micro_batch_size_per_gpu={mbs} (per GPU) must divide the "
-                         f"mini-batch per DP rank algo.ppo_mini_batch_size / DP = "
-                         f"{a.ppo_mini_batch_size} / {dp} (ppo_mini_batch_size is global)")
+    if a.use_dynamic_bsz:  # micro-batches by tokens: the row counts of _validate_micro_batches unused
+        _validate_dynamic_bsz(cfg, dp=dp)
+    else:
+        _validate_micro_batches(cfg, dp=dp)
     for name in ("actor_optim", "critic_optim"):
         _one_of(f"{name}.lr_decay_style", getattr(cfg, name).lr_decay_style,
                 {"constant", "linear", "cosine"})
@@ -326,6 +332,51 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if cfg.trainer.gc_interval < 0:
         raise ValueError(f"trainer.gc_interval={cfg.trainer.gc_interval} must be >= 0 "
                          "(0: Python's automatic GC)")
+
+
+def _validate_micro_batches(cfg: Config, *, dp: int) -> None:
+    """Fixed micro-batches of rows: each size divides the rows it splits."""
+    a, d, p = cfg.algo, cfg.data, cfg.parallel
+    mbs = a.micro_batch_size_per_gpu
+    pp_uneven = p.pipeline_parallel_size > 1 and (d.prompts_per_step // dp) % mbs
+    if cfg.trainer.sft_warmup_steps > 0 and pp_uneven:  # PP sends fixed-size micro-batches
+        raise ValueError(f"algo.micro_batch_size_per_gpu={mbs} (per GPU) must divide the warm-up "
+                         f"batch per DP rank data.prompts_per_step / DP = {d.prompts_per_step} / "
+                         f"{dp} when parallel.pipeline_parallel_size > 1")
+    seqs = d.prompts_per_step * cfg.rollout.n
+    fmbs = a.forward_micro_batch_size_per_gpu
+    if fmbs is not None and (fmbs <= 0 or (seqs // dp) % fmbs):
+        raise ValueError(f"algo.forward_micro_batch_size_per_gpu={fmbs} (per GPU) must divide the "
+                         f"sequences per DP rank data.prompts_per_step x rollout.n / DP = "
+                         f"{seqs} / {dp} = {seqs // dp}")
+    if a.ppo_mini_batch_size % dp or (a.ppo_mini_batch_size // dp) % mbs:
+        raise ValueError(f"algo.micro_batch_size_per_gpu={mbs} (per GPU) must divide the "
+                         f"mini-batch per DP rank algo.ppo_mini_batch_size / DP = "
+                         f"{a.ppo_mini_batch_size} / {dp} (ppo_mini_batch_size is global)")
+
+
+def _validate_dynamic_bsz(cfg: Config, *, dp: int) -> None:
+    """Token budgets: pipelines are refused; each budget must hold the longest row a step makes."""
+    a, p = cfg.algo, cfg.parallel
+    if a.ppo_mini_batch_size % dp:
+        raise ValueError(f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} (global) must be "
+                         f"divisible by the data-parallel size {dp}")
+    if p.pipeline_parallel_size > 1:
+        raise ValueError(f"algo.use_dynamic_bsz=true needs parallel.pipeline_parallel_size=1 (got "
+                         f"{p.pipeline_parallel_size}): pipeline stages exchange micro-batches of "
+                         f"one fixed shape; use algo.micro_batch_size_per_gpu with PP")
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    how = f"data.max_prompt_length + rollout.max_new_tokens = {cfg.data.max_prompt_length} + " \
+          f"{cfg.rollout.max_new_tokens}"
+    tp = p.tensor_parallel_size
+    if p.sequence_parallel:  # a micro-batch's length is rounded up to a multiple of TP
+        longest = -(-longest // tp) * tp
+        how += f" rounded up to a multiple of TP={tp} (sequence parallel)"
+    for key in ("max_tokens_per_micro_batch_per_gpu", "forward_max_tokens_per_micro_batch_per_gpu"):
+        value = getattr(a, key)
+        if value is not None and value < longest:
+            raise ValueError(f"algo.{key}={value} (tokens per micro-batch, per GPU) must hold the "
+                             f"longest row of a step, {how} = {longest}")
 
 
 def _validate_recipes(cfg: Config) -> None:

@@ -4,10 +4,20 @@ Actor, reference, critic and reward model differ only in their head (LM vs scala
 train (DDP + Megatron optimizer + LR schedule). Both passes go through Megatron's
 `get_forward_backward_func()`, so TP, PP (1F1B) and DP work the same for every role.
 
+Micro-batches: `micro_batch_size` rows each, all padded to the batch's widths (the default); or,
+with `max_tokens` (algo.use_dynamic_bsz), by token budget: rows grouped by length
+(hybridflow.data.microbatch), each micro-batch trimmed to its own longest prompt and response, and
+the per-row results scattered back to the batch's row order. Padding columns carry no loss weight, so
+both give the same results; the budget only changes how much padding is computed.
+
 Loss scaling: loss functions (hybridflow.algo) normalise by *global* denominators (tokens or sequences
 of the whole mini-batch across micro-batches and DP ranks). Megatron divides each micro-batch loss by
 the number of micro-batches and DDP averages grads over DP, so the engine multiplies by both: the
-gradient is then exactly the full mini-batch loss's gradient, however the batch is split.
+gradient is then exactly the full mini-batch loss's gradient, however the batch is split. The count
+is this rank's own: with token budgets, micro-batches differ in rows and DP ranks may run different
+numbers of them, and the product stays exact (Megatron's no-pipeline schedule reduces grads once per
+step). Pipeline schedules need equal micro-batch shapes on every stage: token budgets are refused
+with PP > 1.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -27,6 +38,7 @@ from megatron.core.transformer.module import Float16Module
 
 from hybridflow.config import ModelConfig, OptimConfig, ParallelConfig
 from hybridflow.data.batch import RolloutBatch
+from hybridflow.data.microbatch import token_budget_groups
 from hybridflow.models.build import LM_ROLES, build_model
 from hybridflow.models.logprob import vocab_parallel_logprobs
 from hybridflow.parallel.context import ParallelContext
@@ -111,12 +123,31 @@ class Engine:
             p.data = p.data.to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ passes
+    def _micro_batches(self, batch: RolloutBatch, *, micro_batch_size: int,
+                       max_tokens: Optional[int]) -> tuple[list[RolloutBatch], Optional[torch.Tensor]]:
+        """The micro-batches on the device, and (token budgets only) `rows` (B,): result row k
+        belongs to batch row rows[k]."""
+        # under sequence parallel the sequence is split over TP: its length must divide
+        multiple = self.ctx.tp_size if self.tcfg.sequence_parallel else 1
+        if max_tokens is None:
+            micro = batch.padded_to(multiple).split(micro_batch_size)
+            return [mb.to(self.device) for mb in micro], None
+        if self.ctx.pp_size > 1:
+            raise ValueError("algo.use_dynamic_bsz=true needs parallel.pipeline_parallel_size=1: "
+                             "pipeline stages exchange micro-batches of one fixed shape")
+        groups = token_budget_groups(batch.prompt_mask.sum(1), batch.response_mask.sum(1),
+                                     max_tokens=max_tokens, multiple=multiple)
+        micro = [batch.select(torch.tensor(g)).trimmed().padded_to(multiple).to(self.device)
+                 for g in groups]
+        return micro, torch.tensor([i for g in groups for i in g])
+
     def _run(self, batch: RolloutBatch, *, micro_batch_size: int, forward_only: bool,
-             loss_fn: Optional[LossFn], temperature: float, need_entropy: bool):
-        if self.tcfg.sequence_parallel:  # the sequence is split over TP: its length must divide
-            batch = batch.padded_to(self.ctx.tp_size)
-        micro = [mb.to(self.device) for mb in batch.split(micro_batch_size)]
-        p, seq_len = batch.prompt_len, batch.input_ids().shape[1]
+             loss_fn: Optional[LossFn], temperature: float, need_entropy: bool,
+             max_tokens: Optional[int] = None):
+        micro, rows = self._micro_batches(batch, micro_batch_size=micro_batch_size,
+                                          max_tokens=max_tokens)
+        # shapes for the pipeline schedules (PP > 1 runs only fixed micro-batches, all alike)
+        seq_len = max(mb.input_ids().shape[1] for mb in micro)
         tp_group = self.ctx.tp_group
         dp = self.ctx.dp_size
         n_micro = len(micro)
@@ -127,6 +158,7 @@ class Engine:
 
             def loss_func(output):
                 # outputs that predict response tokens; a reward model reads each token's own state
+                p = mb.prompt_len
                 pred = output[:, p:] if self.role == "reward" else output[:, p - 1:-1]
                 if self.role in LM_ROLES:
                     res = _lm_head(pred, mb, tp_group=tp_group, temperature=temperature,
@@ -146,39 +178,48 @@ class Engine:
         else:
             self.model.eval()
         with torch.set_grad_enabled(not forward_only):
-            return get_forward_backward_func(pp_size=self.ctx.pp_size)(
+            outs = get_forward_backward_func(pp_size=self.ctx.pp_size)(
                 forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
-                num_microbatches=n_micro, seq_length=seq_len, micro_batch_size=micro_batch_size,
+                num_microbatches=n_micro, seq_length=seq_len,
+                micro_batch_size=max(mb.batch_size for mb in micro),
                 forward_only=forward_only, p2p_communicator=self._p2p,
                 pg_collection=self.ctx.pgs)
+        return outs, rows
 
+    # `max_tokens` (below): micro-batches by token budget instead of `micro_batch_size` rows
     def compute_logprobs(self, batch: RolloutBatch, *, micro_batch_size: int,
-                         temperature: float = 1.0) -> torch.Tensor:
-        out = self._run(batch, micro_batch_size=micro_batch_size, forward_only=True,
-                        loss_fn=None, temperature=temperature, need_entropy=False)
-        return self._from_last_stage(out, "logprobs", batch)
+                         temperature: float = 1.0, max_tokens: Optional[int] = None) -> torch.Tensor:
+        out, rows = self._run(batch, micro_batch_size=micro_batch_size, forward_only=True,
+                              loss_fn=None, temperature=temperature, need_entropy=False,
+                              max_tokens=max_tokens)
+        return self._from_last_stage(out, "logprobs", batch, rows)
 
-    def compute_values(self, batch: RolloutBatch, *, micro_batch_size: int) -> torch.Tensor:
-        out = self._run(batch, micro_batch_size=micro_batch_size, forward_only=True,
-                        loss_fn=None, temperature=1.0, need_entropy=False)
-        return self._from_last_stage(out, "values", batch)
+    def compute_values(self, batch: RolloutBatch, *, micro_batch_size: int,
+                       max_tokens: Optional[int] = None) -> torch.Tensor:
+        out, rows = self._run(batch, micro_batch_size=micro_batch_size, forward_only=True,
+                              loss_fn=None, temperature=1.0, need_entropy=False,
+                              max_tokens=max_tokens)
+        return self._from_last_stage(out, "values", batch, rows)
 
-    def compute_scores(self, batch: RolloutBatch, *, micro_batch_size: int) -> torch.Tensor:
+    def compute_scores(self, batch: RolloutBatch, *, micro_batch_size: int,
+                       max_tokens: Optional[int] = None) -> torch.Tensor:
         """Reward model: the scalar head at each row's last response token. (B,)"""
-        values = self.compute_values(batch, micro_batch_size=micro_batch_size)
+        values = self.compute_values(batch, micro_batch_size=micro_batch_size,
+                                     max_tokens=max_tokens)
         last = (batch.response_mask.sum(1) - 1).clamp(min=0)
         return values[torch.arange(batch.batch_size), last]
 
     def train_step(self, batch: RolloutBatch, loss_fn: LossFn, *, micro_batch_size: int,
                    temperature: float = 1.0, need_entropy: bool = False,
-                   lr: Optional[float] = None) -> dict:
+                   lr: Optional[float] = None, max_tokens: Optional[int] = None) -> dict:
         """One optimizer step on `batch` (this rank's share of a mini-batch). With `lr`, the step
         uses that fixed rate and leaves the LR schedule where it is (supervised warm-up)."""
         assert self.trainable
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        out = self._run(batch, micro_batch_size=micro_batch_size, forward_only=False,
-                        loss_fn=loss_fn, temperature=temperature, need_entropy=need_entropy)
+        out, _ = self._run(batch, micro_batch_size=micro_batch_size, forward_only=False,
+                           loss_fn=loss_fn, temperature=temperature, need_entropy=need_entropy,
+                           max_tokens=max_tokens)
         scheduled = [g["lr"] for g in self.optimizer.param_groups]
         if lr is not None:
             for g in self.optimizer.param_groups:
@@ -195,20 +236,24 @@ class Engine:
         metrics["lr"] = used_lr
         return metrics
 
-    def _from_last_stage(self, outs: list, key: str, batch: RolloutBatch) -> torch.Tensor:
-        """Concatenate per-micro-batch results and broadcast them from the last PP stage."""
+    def _from_last_stage(self, outs: list, key: str, batch: RolloutBatch,
+                         rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """Per-micro-batch results (b, R_mb) as one (B, R) tensor in the batch's row order (`rows`:
+        see `_micro_batches`), broadcast from the last PP stage. Columns a micro-batch did not
+        compute (past its own longest response) are 0: padding, masked by every consumer."""
         width = batch.response_ids.shape[1]
         ctx = self.ctx
-        if self.tcfg.sequence_parallel:
-            width = batch.padded_to(ctx.tp_size).response_ids.shape[1]
-        shape = (batch.batch_size, width)
         if ctx.is_pp_last_stage:
-            t = torch.cat([o[key] for o in outs], dim=0).float().contiguous()
+            parts = [o[key][:, :width].float() for o in outs]
+            t = torch.cat([F.pad(v, (0, width - v.shape[1])) for v in parts], dim=0)
+            if rows is not None:
+                t = torch.empty_like(t).index_copy_(0, rows.to(t.device), t)
+            t = t.contiguous()
         else:
-            t = torch.empty(shape, dtype=torch.float32, device=self.device)
+            t = torch.empty((batch.batch_size, width), dtype=torch.float32, device=self.device)
         if ctx.pp_size > 1:
             dist.broadcast(t, src=ctx.pp_last_rank, group=ctx.pp_group)
-        return t[:, :batch.response_ids.shape[1]].cpu()
+        return t.cpu()
 
 
 def _lm_head(pred, mb, *, tp_group, temperature, true_vocab, entropy):

@@ -28,7 +28,7 @@ from hybridflow.run_state import Checkpointer
 from hybridflow.algo import (apply_kl_penalty, build_kl_controller, get_advantage_estimator,
                              overlong_penalty, rollout_mismatch_metrics)
 from hybridflow.algo.objectives import actor_objective, critic_objective, sft_objective
-from hybridflow.config import Config
+from hybridflow.config import Config, micro_batching
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.metrics import MetricsLogger, StageTimer, memory_metrics
 from hybridflow.parallel.dp import all_gather_batch, dp_sum
@@ -116,21 +116,21 @@ class Trainer:
                     gc.collect()
             batch, reward_metrics = self.generate_and_score(timer)
             batch = batch.trimmed()
-            mbs = cfg.algo.forward_micro_batch_size_per_gpu or cfg.algo.micro_batch_size_per_gpu
+            fwd = micro_batching(cfg.algo, forward=True)
             with timer("old_log_prob"):
                 batch.old_logprobs = self.actor.compute_logprobs(
-                    batch, micro_batch_size=mbs, temperature=self.temperature)
+                    batch, temperature=self.temperature, **fwd)
             if self.ref is not None:
                 with timer("ref"):
                     if cfg.trainer.offload_ref:
                         self.ref.onload()
                     batch.ref_logprobs = self.ref.compute_logprobs(
-                        batch, micro_batch_size=mbs, temperature=self.temperature)
+                        batch, temperature=self.temperature, **fwd)
                     if cfg.trainer.offload_ref:
                         self.ref.offload()
             if self.critic is not None:
                 with timer("values"):
-                    batch.values = self.critic.compute_values(batch, micro_batch_size=mbs)
+                    batch.values = self.critic.compute_values(batch, **fwd)
             with timer("adv"):
                 batch, adv_metrics = self.compute_advantages(batch)
             update_metrics = {}
@@ -238,9 +238,9 @@ class Trainer:
                 scale = a.loss_scale_factor or self.cfg.rollout.max_new_tokens  # seq-mean-token-sum-norm
                 loss_fn = objective(a, num_tokens=max(num_tokens, 1),
                                     num_seqs=a.ppo_mini_batch_size, loss_scale_factor=scale)
-                m = engine.train_step(mb, loss_fn, micro_batch_size=a.micro_batch_size_per_gpu,
-                                      temperature=self.temperature,
-                                      need_entropy=engine.role == "actor")
+                m = engine.train_step(mb, loss_fn, temperature=self.temperature,
+                                      need_entropy=engine.role == "actor",
+                                      **micro_batching(a, forward=False))
                 prefix = "actor" if engine.role == "actor" else "critic"
                 m[f"{prefix}/grad_norm"], m[f"{prefix}/lr"] = m.pop("grad_norm"), m.pop("lr")
                 for k, v in m.items():
@@ -256,8 +256,8 @@ class Trainer:
             items = [self.dataset[i] for i in self.sampler.next_batch()]
             batch = self.rollout.sft_batch(items)
             num_tokens = int(dp_sum(float(batch.response_mask.sum()), group=self.ctx.dp_group))
-            m = self.actor.train_step(batch, sft_objective(num_tokens=num_tokens),
-                                      micro_batch_size=self.cfg.algo.micro_batch_size_per_gpu, lr=lr)
+            m = self.actor.train_step(batch, sft_objective(num_tokens=num_tokens), lr=lr,
+                                      **micro_batching(self.cfg.algo, forward=False))
             if (s + 1) % 10 == 0 or s + 1 == steps:
                 self.logger.print(f"sft warm-up {s + 1}/{steps}: nll={m['sft/nll']:.3f}")
         self.sft_done = True

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from hybridflow.config import Config
+from hybridflow.config import Config, micro_batching
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.parallel.context import ParallelContext
 from hybridflow.parallel.dp import dp_sum, gather_batches
@@ -113,9 +113,8 @@ class RolloutStage:
         if self.reward_fn is not None:
             scores, metrics = self.rule_scores(items, batch)
         if self.reward_engine is not None:
-            a = self.cfg.algo
             rm = self.reward_engine.compute_scores(
-                batch, micro_batch_size=a.forward_micro_batch_size_per_gpu or a.micro_batch_size_per_gpu)
+                batch, **micro_batching(self.cfg.algo, forward=True))
             metrics["reward/model_score/mean"] = float(rm.mean())
             scores = scores + self.cfg.reward.model_weight * rm
         dp = self.ctx.dp_size  # every DP rank holds the same number of rows

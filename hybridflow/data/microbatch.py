@@ -1,0 +1,72 @@
+"""Micro-batches by token budget (verl's dynamic batch size), as a pure function of row lengths.
+
+A micro-batch is run padded: every row is [prompt left-padded to the micro-batch's longest prompt |
+response right-padded to its longest response] (`RolloutBatch.trimmed`), so its cost in tokens is
+rows x (P_mb + R_mb), rounded up to a multiple of TP under sequence parallel. `token_budget_groups`
+splits a batch's rows into micro-batches whose padded size stays within `max_tokens`.
+
+Algorithm (sorted next-fit, deterministic): rows sorted longest first; walk them in that order and
+add each to the open micro-batch while its padded size still fits, else open a new one. Sorting puts
+rows of similar length together, so a micro-batch of short rows is not padded to the batch's longest
+one and holds many more rows. Two orders are tried, by prompt + response length and by response
+length (then prompt length), and the one with fewer padded tokens (then fewer micro-batches) kept:
+prompts and responses are padded separately, and which order groups them better depends on which
+varies more (GSM8K-like lengths, prompts 67-232 and responses to 1,024: the response order pads ~6%
+less). Ties in either order go by row index. The last micro-batch holds the shortest rows and may be
+small. A row that alone exceeds the budget gets a
+micro-batch of its own (config validation keeps that from happening to RL rows; a supervised
+warm-up row may be longer than any response). Every TP rank holds the same rows, so it builds the
+same micro-batches. Balancing micro-batches across DP ranks is not done here: each DP rank splits its
+own rows (verl balances rows across DP ranks first; the rollout here gives each DP rank its own
+prompts' groups).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def padded_tokens(prompt_len: int, response_len: int, rows: int, *, multiple: int = 1) -> int:
+    """Tokens of `rows` rows padded to prompt_len + response_len, rounded up to `multiple`."""
+    seq = -(-(prompt_len + response_len) // multiple) * multiple
+    return rows * seq
+
+
+def token_budget_groups(prompt_lens: torch.Tensor, response_lens: torch.Tensor, *, max_tokens: int,
+                        multiple: int = 1) -> list[list[int]]:
+    """Row indices of each micro-batch, longest rows first; together a permutation of range(B).
+
+    prompt_lens, response_lens: (B,) real tokens of each row (prompt_mask / response_mask sums).
+    A response is counted at least 1 long, as `RolloutBatch.trimmed` keeps one response column.
+    """
+    assert prompt_lens.shape == response_lens.shape and prompt_lens.dim() == 1
+    p = [int(x) for x in prompt_lens.tolist()]
+    r = [max(int(x), 1) for x in response_lens.tolist()]
+    by_total = sorted(range(len(p)), key=lambda i: (-(p[i] + r[i]), -r[i], i))
+    by_response = sorted(range(len(p)), key=lambda i: (-r[i], -p[i], i))
+    candidates = [_next_fit(order, p, r, max_tokens=max_tokens, multiple=multiple)
+                  for order in (by_total, by_response)]
+
+    def cost(groups):
+        tokens = sum(padded_tokens(max(p[i] for i in g), max(r[i] for i in g), len(g),
+                                   multiple=multiple) for g in groups)
+        return tokens, len(groups)
+
+    return min(candidates, key=cost)  # the first on a tie
+
+
+def _next_fit(order: list[int], p: list[int], r: list[int], *, max_tokens: int,
+              multiple: int) -> list[list[int]]:
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    cur_p = cur_r = 0
+    for i in order:
+        new_p, new_r = max(cur_p, p[i]), max(cur_r, r[i])
+        if cur and padded_tokens(new_p, new_r, len(cur) + 1, multiple=multiple) > max_tokens:
+            groups.append(cur)
+            cur, new_p, new_r = [], p[i], r[i]
+        cur.append(i)
+        cur_p, cur_r = new_p, new_r
+    if cur:
+        groups.append(cur)
+    return groups

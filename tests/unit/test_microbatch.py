@@ -1,0 +1,102 @@
+"""Micro-batches by token budget (hybridflow.data.microbatch) and the config keys that turn them on."""
+
+import pytest
+import torch
+
+from hybridflow.config import load_config, micro_batching, validate
+from hybridflow.data.microbatch import padded_tokens, token_budget_groups
+
+
+def _lengths(n: int, seed: int):
+    """GSM8K-like rows: prompts 67-232 tokens, responses log-normal (mean ~300) with a tail to 1024."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randint(67, 233, (n,), generator=g)
+    r = torch.exp(torch.randn(n, generator=g) * 0.6 + 5.55).clamp(1, 1024).long()
+    r[torch.rand(n, generator=g) < 0.04] = 1024
+    return p, r
+
+
+def _cost(groups, p, r, multiple=1):
+    return sum(padded_tokens(int(p[g].max()), int(r[g].clamp(min=1).max()), len(g),
+                             multiple=multiple) for g in groups)
+
+
+@pytest.mark.parametrize("multiple", [1, 2, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_groups_partition_rows_within_budget_next_fit(seed, multiple):
+    p, r = _lengths(200, seed)
+    budget = 8192
+    groups = token_budget_groups(p, r, max_tokens=budget, multiple=multiple)
+    flat = [i for g in groups for i in g]
+    assert sorted(flat) == list(range(200))  # every row exactly once
+    for g in groups:  # within the budget, counted as the engine pads: P_mb + R_mb, rounded up
+        assert padded_tokens(int(p[g].max()), int(r[g].max()), len(g), multiple=multiple) <= budget
+    # next-fit in one of the two documented orders (longest first): rows in that order, and the
+    # first row of each micro-batch would not have fitted into the one before
+    totals, resp = (p + r).tolist(), r.tolist()
+    by_total = sorted(range(200), key=lambda i: (-(totals[i]), -resp[i], i))
+    by_response = sorted(range(200), key=lambda i: (-resp[i], -(totals[i] - resp[i]), i))
+    assert flat in (by_total, by_response)
+    for prev, nxt in zip(groups, groups[1:]):
+        grown = prev + [nxt[0]]
+        assert padded_tokens(int(p[grown].max()), int(r[grown].max()), len(grown),
+                             multiple=multiple) > budget
+
+
+def test_far_less_padding_than_fixed_micro_batches():
+    """The point of the exercise: on GSM8K-like lengths, half the padded tokens of fixed
+    micro-batches padded to the batch's longest row (and no more micro-batches at the same
+    per-micro-batch size)."""
+    p, r = _lengths(512, 0)
+    fixed = padded_tokens(int(p.max()), int(r.max()), 512)  # 16 micro-batches of 32 rows
+    groups = token_budget_groups(p, r, max_tokens=32 * (int(p.max()) + int(r.max())))
+    assert len(groups) <= 16
+    assert _cost(groups, p, r) < 0.55 * fixed
+    assert _cost(groups, p, r) >= int((p + r).sum())  # padded never below the real tokens
+
+
+def test_a_row_longer_than_the_budget_runs_alone_and_empty_responses_count_one():
+    p = torch.tensor([4, 3, 2, 5])
+    r = torch.tensor([30, 2, 0, 1])  # row 0: 34 tokens > budget 20; row 2: no response token
+    groups = token_budget_groups(p, r, max_tokens=20)
+    assert groups[0] == [0]
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3]
+    # the other three together: 3 x (5 + 2) = 21 > 20; so two of them, then the shortest
+    assert [len(g) for g in groups] == [1, 2, 1]
+
+
+def _cfg(*overrides, world_size=1):
+    cfg = load_config(list(overrides))
+    validate(cfg, world_size=world_size)
+    return cfg
+
+
+def test_keys_default_off_and_micro_batching_reads_them():
+    a = _cfg().algo
+    assert a.use_dynamic_bsz is False
+    assert micro_batching(a, forward=True)["max_tokens"] is None
+    a = _cfg("algo.use_dynamic_bsz=true", "algo.max_tokens_per_micro_batch_per_gpu=500",
+             "algo.micro_batch_size_per_gpu=3").algo  # 3 divides nothing: unused with budgets
+    assert micro_batching(a, forward=False) == {"micro_batch_size": 3, "max_tokens": 500}
+    assert micro_batching(a, forward=True)["max_tokens"] == 500
+    a = _cfg("algo.use_dynamic_bsz=true", "algo.forward_max_tokens_per_micro_batch_per_gpu=900").algo
+    assert micro_batching(a, forward=True)["max_tokens"] == 900
+    assert micro_batching(a, forward=False)["max_tokens"] == a.max_tokens_per_micro_batch_per_gpu
+
+
+@pytest.mark.parametrize("overrides, world_size, match", [
+    (["algo.max_tokens_per_micro_batch_per_gpu=95", "data.max_prompt_length=64",
+      "rollout.max_new_tokens=32"], 1,
+     r"algo.max_tokens_per_micro_batch_per_gpu=95 .*data.max_prompt_length \+ "
+     r"rollout.max_new_tokens = 64 \+ 32 = 96"),
+    (["algo.forward_max_tokens_per_micro_batch_per_gpu=10"], 1,
+     r"algo.forward_max_tokens_per_micro_batch_per_gpu=10"),
+    (["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true",
+      "algo.max_tokens_per_micro_batch_per_gpu=97", "data.max_prompt_length=64",
+      "rollout.max_new_tokens=33"], 2, r"multiple of TP=2 \(sequence parallel\) = 98"),
+    (["parallel.pipeline_parallel_size=2"], 2, r"algo.use_dynamic_bsz=true needs "
+                                                r"parallel.pipeline_parallel_size=1"),
+])
+def test_bad_budgets_name_the_keys(overrides, world_size, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg("algo.use_dynamic_bsz=true", *overrides, world_size=world_size)
