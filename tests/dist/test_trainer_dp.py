@@ -58,7 +58,7 @@ def _fake_generate(trainer):
     return generate
 
 
-def one_step(algo, out_dir):
+def one_step(algo, out_dir, extra=()):
     from hybridflow.config import load_config, validate
     from hybridflow.parallel import groups
     from hybridflow.trainer import Trainer
@@ -68,7 +68,7 @@ def one_step(algo, out_dir):
         f"trainer.output_dir={out_dir}", "trainer.sft_warmup_steps=0", "trainer.total_steps=1",
         "trainer.save_final=false", "trainer.tensorboard=false", "trainer.progress_bar=false",
         "data.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=4",
-        "algo.ppo_mini_batch_size=32", "algo.micro_batch_size_per_gpu=4"])
+        "algo.ppo_mini_batch_size=32", "algo.micro_batch_size_per_gpu=4", *extra])
     validate(cfg, world_size=world)
     ctx = groups.init_model_parallel(tp=1, pp=1, seed=cfg.trainer.seed)
     trainer = Trainer(cfg, ctx)
@@ -88,10 +88,17 @@ def one_step(algo, out_dir):
     return {"metrics": metrics, "weights": weights, **captured}
 
 
-@pytest.mark.parametrize("algo", ["ppo", "grpo"])
-def test_step_at_dp2_equals_dp1(algo, tmp_path):
+DYNAMIC_BSZ = ("algo.use_dynamic_bsz=true", "algo.max_tokens_per_micro_batch_per_gpu=80",
+               "algo.forward_max_tokens_per_micro_batch_per_gpu=150")
+
+
+@pytest.mark.parametrize("algo, dp2_extra", [("ppo", ()), ("grpo", ()), ("ppo", DYNAMIC_BSZ)],
+                         ids=["ppo", "grpo", "ppo_dynamic_bsz"])
+def test_step_at_dp2_equals_dp1(algo, dp2_extra, tmp_path):
+    """ppo_dynamic_bsz: DP=2 with micro-batches by token budget in every pass (old/ref log-probs,
+    values, critic and actor updates) against DP=1 with fixed micro-batches."""
     ref = run_ranks(one_step, 1, algo, str(tmp_path / "dp1"))[0]
-    dp2 = run_ranks(one_step, 2, algo, str(tmp_path / "dp2"))
+    dp2 = run_ranks(one_step, 2, algo, str(tmp_path / "dp2"), dp2_extra)
     # every DP rank holds its contiguous half of the global batch's rows
     for key in ("advantages", "returns"):
         width = ref[key].shape[1]  # each rank trims its own rows: pad to the global width
