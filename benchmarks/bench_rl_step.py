@@ -7,6 +7,10 @@ is reported separately and the per-stage times are medians of the later steps. T
 records in the cost model's calibration format (hybridflow/cost/calibrate.py).
 
   python benchmarks/bench_rl_step.py --out benchmarks/results/rl_step_h200.json
+
+`--dynamic-bsz TOKENS` runs micro-batches by token budget (algo.use_dynamic_bsz, TOKENS per training
+micro-batch; `--dynamic-bsz-forward TOKENS` for forward-only passes, default the same) instead of
+`--micro` / `--fmicro` sequences; the record's micro-batch tokens are then the budgets.
 """
 
 import argparse
@@ -37,6 +41,12 @@ def run(algo: str, args, workdir: str) -> list[dict]:
                  f"rollout.tensor_parallel_size={args.tp_gen or args.tp}"]
     if args.fmicro:
         overrides.append(f"algo.forward_micro_batch_size_per_gpu={args.fmicro}")
+    if args.dynamic_bsz:
+        overrides += ["algo.use_dynamic_bsz=true",
+                      f"algo.max_tokens_per_micro_batch_per_gpu={args.dynamic_bsz}"]
+        if args.dynamic_bsz_forward:
+            overrides.append(
+                f"algo.forward_max_tokens_per_micro_batch_per_gpu={args.dynamic_bsz_forward}")
     overrides += [f"trainer.gc_interval={args.gc_interval}", *args.override]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     launcher = [sys.executable]
@@ -70,6 +80,11 @@ def main():
     ap.add_argument("--algos", default="grpo,ppo")
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--fmicro", type=int, default=None, help="forward-only micro-batch size")
+    ap.add_argument("--dynamic-bsz", dest="dynamic_bsz", type=int, default=None, metavar="TOKENS",
+                    help="micro-batches by token budget: TOKENS per training micro-batch per GPU")
+    ap.add_argument("--dynamic-bsz-forward", dest="dynamic_bsz_forward", type=int, default=None,
+                    metavar="TOKENS", help="token budget of forward-only passes (default: "
+                    "--dynamic-bsz)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--tp-gen", dest="tp_gen", type=int, default=None)
     ap.add_argument("--gc-interval", dest="gc_interval", type=int, default=1)
@@ -83,8 +98,16 @@ def main():
             results[algo] = summarize(run(algo, args, work))
             m = results[algo]["median_later_steps"]
             tag = f"-tp{args.tp}g{args.tp_gen or args.tp}" if args.nproc > 1 else ""
-            tag += f"-p{args.prompts}n{args.samples}r{args.response}-mb{args.micro}f{args.fmicro or args.micro}"
             seq_len = 128 + args.response
+            train_tokens = args.micro * seq_len
+            fwd_tokens = (args.fmicro or args.micro) * seq_len
+            tag += f"-p{args.prompts}n{args.samples}r{args.response}"
+            if args.dynamic_bsz:
+                train_tokens = args.dynamic_bsz
+                fwd_tokens = args.dynamic_bsz_forward or args.dynamic_bsz
+                tag += f"-dyn{train_tokens}f{fwd_tokens}"
+            else:
+                tag += f"-mb{args.micro}f{args.fmicro or args.micro}"
             records.append({"name": f"{args.model}-{args.nproc}xH200-{algo}{tag}", "config": {
                 "model": args.model, "gpu": "H200", "num_gpus": args.nproc,
                 "layout": {"tp": args.tp, "pp": 1, "dp": args.nproc // args.tp,
@@ -93,8 +116,8 @@ def main():
                 "algorithm": algo, "prompts_per_step": args.prompts,
                 "samples_per_prompt": args.samples, "prompt_len": 128,
                 "response_len": args.response, "ppo_epochs": 1, "mini_batches": 1,
-                "micro_batch_tokens": args.micro * seq_len,
-                "forward_micro_batch_tokens": (args.fmicro or args.micro) * seq_len,
+                "micro_batch_tokens": train_tokens, "forward_micro_batch_tokens": fwd_tokens,
+                "dynamic_bsz": bool(args.dynamic_bsz),
                 "use_reference": algo == "grpo"}, "metrics": m})
     import torch
 
