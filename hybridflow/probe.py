@@ -33,6 +33,14 @@ def _gpu_name() -> str | None:
     return None
 
 
+def _micro_tokens(cfg, seq_len: int, *, forward: bool) -> int:
+    """Tokens of one micro-batch: the budget (algo.use_dynamic_bsz) or rows x the longest row."""
+    from hybridflow.config import micro_batching
+
+    mb = micro_batching(cfg.algo, forward=forward)
+    return mb["max_tokens"] or mb["micro_batch_size"] * seq_len
+
+
 def _prediction(cfg, gpu: str, world: int) -> dict:
     from hybridflow.cost import Plan, estimate_memory, estimate_step_time
     from hybridflow.parallel.layout import Layout
@@ -47,9 +55,8 @@ def _prediction(cfg, gpu: str, world: int) -> dict:
                     prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens,
                     ppo_epochs=cfg.algo.ppo_epochs,
                     mini_batches=max(1, seqs // cfg.algo.ppo_mini_batch_size),
-                    micro_batch_tokens=cfg.algo.micro_batch_size_per_gpu * seq_len,
-                    forward_micro_batch_tokens=(cfg.algo.forward_micro_batch_size_per_gpu
-                                                or cfg.algo.micro_batch_size_per_gpu) * seq_len,
+                    micro_batch_tokens=_micro_tokens(cfg, seq_len, forward=False),
+                    forward_micro_batch_tokens=_micro_tokens(cfg, seq_len, forward=True),
                     use_reference=cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward,
                     dtype="bf16" if cfg.trainer.precision == "bf16" else "fp32")
     kw = dict(model=cfg.model, gpu=gpu, num_gpus=world,

@@ -124,19 +124,22 @@ def _oom_amounts(text: str) -> str:
     return out
 
 
+_FWD = ("lower algo.forward_micro_batch_size_per_gpu (with algo.use_dynamic_bsz: "
+        "algo.forward_max_tokens_per_micro_batch_per_gpu)")
+_UPDATE = ("lower algo.micro_batch_size_per_gpu (with algo.use_dynamic_bsz: "
+           "algo.max_tokens_per_micro_batch_per_gpu), or spread the model (a larger "
+           "parallel.tensor_parallel_size / pipeline_parallel_size)")
 _OOM_HINTS = {
     "reshard": "the gen layout gathers TP_g shards: raise rollout.tensor_parallel_size (TP_g), "
                "or set trainer.offload_ref=true",
     "gen": "lower rollout.max_batch_size (sequences per generate call), raise "
            "rollout.tensor_parallel_size, or set trainer.offload_ref=true",
-    "old_log_prob": "lower algo.forward_micro_batch_size_per_gpu",
-    "ref": "lower algo.forward_micro_batch_size_per_gpu or set trainer.offload_ref=true",
-    "values": "lower algo.forward_micro_batch_size_per_gpu",
-    "reward": "lower algo.forward_micro_batch_size_per_gpu",
-    "update_actor": "lower algo.micro_batch_size_per_gpu, or spread the model (a larger "
-                    "parallel.tensor_parallel_size / pipeline_parallel_size)",
-    "update_critic": "lower algo.micro_batch_size_per_gpu, or spread the model (a larger "
-                     "parallel.tensor_parallel_size / pipeline_parallel_size)",
+    "old_log_prob": _FWD,
+    "ref": _FWD + " or set trainer.offload_ref=true",
+    "values": _FWD,
+    "reward": _FWD,
+    "update_actor": _UPDATE,
+    "update_critic": _UPDATE,
 }
 
 
