@@ -23,7 +23,8 @@ def build_tokenizer_and_dataset(cfg: Config):
     d = cfg.data
     records = None
     if d.synthetic is not None:
-        records = make_task(d.synthetic, size=d.synthetic_size, seed=cfg.trainer.seed)
+        records = make_task(d.synthetic, size=d.synthetic_size, seed=cfg.trainer.seed,
+                            length=d.synthetic_length)
     tok_path = d.tokenizer or cfg.model.hf_path
     if tok_path is None and cfg.model.gguf_path is not None:
         from hybridflow.models.gguf import gguf_tokenizer_dir

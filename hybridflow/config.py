@@ -50,6 +50,7 @@ class DataConfig:
     val_files: Optional[str] = None  # held-out prompts, same format; scored every trainer.val_every
     synthetic: Optional[str] = None  # name of a built-in synthetic task (the CPU demo)
     synthetic_size: int = 2000
+    synthetic_length: Optional[int] = None  # prompt letters of length-aware tasks (copy); None: default
     tokenizer: Optional[str] = None  # tokenizer.json dir or sentencepiece .model; default: model's
     prompt_key: str = "prompt"
     max_prompt_length: int = 64

@@ -10,20 +10,38 @@ A task is a registered function `(rng, size) -> list of records`; every record h
   leaves room for RL to improve.
 - `arith_chat`: the same question as a chat message, for instruct models with a chat template.
 - `reverse`: "rev:abc=" -> "#### cba" over a small alphabet (longer responses, exercises GAE).
-- `copy`: 120-letter prompts copied back: realistic prompt lengths for timing runs.
+- `copy`: 120-letter prompts copied back: realistic prompt lengths for timing runs. Its length is
+  `data.synthetic_length` letters; with the char tokenizer of the demo a prompt is that many tokens
+  plus 8 (BOS, the word piece "▁", "copy:" and "="): 142 letters make the 150-token prompts of
+  conf/experiment/scaleout_8b.yaml.
+
+A task that takes a `length` keyword accepts `make_task(..., length=N)`; others refuse it.
 """
 
 from __future__ import annotations
 
+import inspect
 import random
+
 from hybridflow.registry import Registry
 
 TASKS = Registry("synthetic task (data.synthetic)")
 register_task = TASKS.register
 
 
-def make_task(name: str, *, size: int, seed: int) -> list[dict]:
-    return TASKS.lookup(name)(random.Random(seed), size)
+def make_task(name: str, *, size: int, seed: int, length: int | None = None) -> list[dict]:
+    """`size` records of task `name`; `length` (data.synthetic_length) only for tasks that take it."""
+    fn = TASKS.lookup(name)
+    if length is None:
+        return fn(random.Random(seed), size)
+    if "length" not in inspect.signature(fn).parameters:
+        raise ValueError(f"data.synthetic_length={length}: task {name!r} has no length option "
+                         "(tasks with one: " + ", ".join(
+                             n for n, f in sorted(TASKS.items())
+                             if "length" in inspect.signature(f).parameters) + ")")
+    if length < 1:
+        raise ValueError(f"data.synthetic_length={length} must be a positive number of letters")
+    return fn(random.Random(seed), size, length=length)
 
 
 def _record(prompt: str, answer: str, source: str, response: str | None = None) -> dict:
@@ -63,7 +81,7 @@ def _reverse(rng: random.Random, size: int) -> list[dict]:
 
 @register_task("copy")
 def _copy(rng: random.Random, size: int, length: int = 120) -> list[dict]:
-    """Long prompts ("copy:<120 letters>=" -> the letters): for timing runs at realistic lengths."""
+    """Long prompts ("copy:<`length` letters>=" -> the letters): timing runs at realistic lengths."""
     out = []
     for _ in range(size):
         s = "".join(rng.choice("abcdefghij") for _ in range(length))

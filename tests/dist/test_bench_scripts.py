@@ -1,0 +1,43 @@
+"""CPU smoke runs of the benchmark scripts that the GPU sessions rely on: bench_generate.py times
+transformers after a warm-up as the median of >= 3 calls (issue 12), and the issue-15 driver
+benchmarks/scaleout_8b.sh runs PP=2 end to end on 2 gloo ranks with the tiny model."""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+
+
+def test_bench_generate_warms_up_and_takes_median(tmp_path):
+    out = tmp_path / "g.json"
+    subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--model", "conf/model/tiny.yaml",
+                    "--device", "cpu", "--batches", "4", "--prompt-len", "8", "--new-tokens", "8",
+                    "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
+    r = json.loads(out.read_text())
+    res = r["results"]["4"]
+    assert len(res["hf_all_s"]) == 3 and res["hf_warmup_calls"] == 1
+    assert res["hf_s"] == statistics.median(res["hf_all_s"])
+    assert "median" in r["timing"]["transformers"] and "median" in r["timing"]["ours"]
+    bad = subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--hf-reps", "1"],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert bad.returncode != 0 and "--hf-reps=1" in bad.stderr
+
+
+def test_scaleout_driver_pp2_on_cpu(tmp_path):
+    env = dict(ENV, OUT_DIR=str(tmp_path), STEPS="2", PYTHON=sys.executable)
+    subprocess.run(["bash", "benchmarks/scaleout_8b.sh", "2", "pp2", "model=tiny",
+                    "trainer.precision=fp32", "data.synthetic_length=8", "data.max_prompt_length=16",
+                    "rollout.max_new_tokens=4", "rollout.n=4", "algo.ppo_mini_batch_size=8",
+                    "algo.micro_batch_size_per_gpu=2", "algo.forward_micro_batch_size_per_gpu=2"],
+                   check=True, cwd=ROOT, env=env, capture_output=True)
+    r = json.loads((tmp_path / "scaleout_8b_h200x2_pp2.json").read_text())
+    assert r["layout"] == {"tp": 1, "pp": 2, "dp": 1, "tp_gen": 1}
+    w = r["workload"]
+    # 4 prompts per GPU, 16-token prompts (8 letters + 8) and 4 forced response tokens
+    assert w["prompts_per_step"] == 8 and r["tokens_per_step"] == 8 * 4 * (16 + 4)
+    later = r["steps"]["steps"][1]
+    assert r["tokens_per_s_per_gpu"] == later["perf/total_num_tokens"] / (later["timing_s/step"] * 2)
+    assert r["prediction"]["step_s"] > 0 and "caveat" in r["prediction"]
