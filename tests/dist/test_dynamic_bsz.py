@@ -113,3 +113,27 @@ def test_token_budget_matches_fixed_micro_batches(tp, sp):
         # move weights by ~1e-6 differently; the tolerance of test_parallel_parity's weights
         for name, w in fixed["weights"].items():
             torch.testing.assert_close(dyn["weights"][name], w, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_bench_rl_step_dynamic_bsz_smoke(tmp_path):
+    """The GPU session's measurement: bench_rl_step.py --dynamic-bsz runs (tiny model, CPU) and its
+    calibration record names the token budgets."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "rl.json"
+    subprocess.run([sys.executable, "benchmarks/bench_rl_step.py", "--model", "tiny", "--prompts",
+                    "2", "--samples", "4", "--response", "8", "--steps", "2", "--algos", "grpo",
+                    "--dynamic-bsz", "400", "--dynamic-bsz-forward", "800", "--out", str(out)],
+                   check=True, cwd=root, capture_output=True,
+                   env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"))
+    r = json.loads(out.read_text())
+    rec = r["records"][0]
+    assert rec["name"].endswith("-dyn400f800") and rec["config"]["dynamic_bsz"] is True
+    assert (rec["config"]["micro_batch_tokens"], rec["config"]["forward_micro_batch_tokens"]) == \
+        (400, 800)
+    assert len(r["results"]["grpo"]["steps"]) == 2
+    assert rec["metrics"]["timing_s/update_actor"] > 0
