@@ -2,7 +2,8 @@
 Megatron's `parallel_state` (everything else receives a ParallelContext).
 
 Imports are read with `ast` from the source (module level and inside functions alike: a cycle hidden
-in a function-level import is still a cycle in the design).
+in a function-level import is still a cycle in the design; imports under `if TYPE_CHECKING:` are
+annotations only and do not count).
 """
 
 import ast
@@ -23,11 +24,25 @@ def _modules() -> dict[str, str]:
     return out
 
 
+def _runtime_nodes(tree):
+    """Every node except those under `if TYPE_CHECKING:` (annotations only, never imported)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            test = getattr(child, "test", None) if isinstance(child, ast.If) else None
+            if test is not None and "TYPE_CHECKING" in ast.unparse(test):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
 def _imports(name: str, path: str, known: set[str]) -> set[str]:
     tree = ast.parse(open(path).read())
     pkg = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
     found = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         targets = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]

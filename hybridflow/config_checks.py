@@ -1,0 +1,218 @@
+"""Cross-field validation of a composed `Config` (hybridflow.config re-exports `validate` and
+`validate_model`). Each check raises ValueError naming the key, the value and what was expected:
+parallel sizes against the world size and the model shape, rollout, data and reward options, batch
+sizes (global mini-batch vs per-GPU micro-batches, or token budgets), and the algorithm recipes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridflow.config import Config
+    from hybridflow.model_config import ModelConfig
+
+
+def _one_of(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not one of {sorted(allowed)}")
+
+
+def _positive(key: str, value) -> None:
+    if value is None or value <= 0:
+        raise ValueError(f"{key}={value!r} must be a positive number")
+
+
+def validate_model(cfg: ModelConfig, *, tp: int, pp: int, prefix: str = "model") -> None:
+    for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+              "num_query_groups", "vocab_size"):
+        _positive(f"{prefix}.{k}", getattr(cfg, k))
+    _one_of(f"{prefix}.attention_backend", cfg.attention_backend, {"auto", "sdpa", "te", "local"})
+    if cfg.num_attention_heads % cfg.num_query_groups:
+        raise ValueError(
+            f"{prefix}.num_query_groups={cfg.num_query_groups} must divide "
+            f"{prefix}.num_attention_heads={cfg.num_attention_heads}")
+    if cfg.kv_channels is None and cfg.hidden_size % cfg.num_attention_heads:
+        raise ValueError(f"{prefix}.hidden_size={cfg.hidden_size} is not divisible by "
+                         f"{prefix}.num_attention_heads={cfg.num_attention_heads}; set kv_channels")
+    for k in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        if getattr(cfg, k) % tp:
+            raise ValueError(f"parallel.tensor_parallel_size={tp} must divide {prefix}.{k}="
+                             f"{getattr(cfg, k)}")
+    if cfg.num_layers % pp:
+        raise ValueError(f"parallel.pipeline_parallel_size={pp} must divide "
+                         f"{prefix}.num_layers={cfg.num_layers}")
+
+
+def validate(cfg: Config, *, world_size: int) -> None:
+    """Cross-field checks; raises ValueError naming the offending key."""
+    p = cfg.parallel
+    _positive("parallel.tensor_parallel_size", p.tensor_parallel_size)
+    _positive("parallel.pipeline_parallel_size", p.pipeline_parallel_size)
+    mp = p.tensor_parallel_size * p.pipeline_parallel_size
+    if world_size % mp:
+        raise ValueError(
+            f"world size {world_size} is not divisible by parallel.tensor_parallel_size="
+            f"{p.tensor_parallel_size} x parallel.pipeline_parallel_size={p.pipeline_parallel_size}")
+    if p.sequence_parallel and p.tensor_parallel_size == 1:
+        raise ValueError("parallel.sequence_parallel=true needs parallel.tensor_parallel_size > 1")
+    validate_model(cfg.model, tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size)
+    if cfg.critic_model is not None:
+        validate_model(cfg.critic_model, tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size,
+                       prefix="critic_model")
+    dp = world_size // mp
+
+    r = cfg.rollout
+    tp_g = r.tensor_parallel_size or p.tensor_parallel_size
+    if p.tensor_parallel_size % tp_g:
+        raise ValueError(f"rollout.tensor_parallel_size={tp_g} must divide "
+                         f"parallel.tensor_parallel_size={p.tensor_parallel_size}")
+    _positive("rollout.max_new_tokens", r.max_new_tokens)
+    _positive("rollout.n", r.n)
+    if r.temperature < 0:
+        raise ValueError(f"rollout.temperature={r.temperature} must be >= 0 (0 means greedy)")
+    if not 0.0 < r.top_p <= 1.0:
+        raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+
+    if cfg.reward.fn is None and cfg.reward.model_path is None:
+        raise ValueError("reward.fn is null and reward.model_path is not set: nothing would score "
+                         "the responses")
+    t, d = cfg.trainer, cfg.data
+    if t.val_every < 0:
+        raise ValueError(f"trainer.val_every={t.val_every} must be >= 0 (0: no validation during "
+                         "training)")
+    if (t.val_every or t.val_before_train) and d.val_files is None:
+        raise ValueError("trainer.val_every / trainer.val_before_train need data.val_files (a "
+                         ".jsonl/.parquet of held-out prompts)")
+    if t.val_max_new_tokens is not None:
+        _positive("trainer.val_max_new_tokens", t.val_max_new_tokens)
+    if (d.val_files is not None or cfg.reward.val_fns) and cfg.reward.fn is None:
+        raise ValueError("validation scores with rule rewards: set reward.fn (data.val_files or "
+                         "reward.val_fns is set while reward.fn is null)")
+    if (d.train_files is None) == (d.synthetic is None):
+        raise ValueError("set exactly one of data.train_files (a .jsonl/.parquet path) and "
+                         "data.synthetic (a built-in task name)")
+    _one_of("data.truncation", d.truncation, {"error", "left", "right"})
+    if d.prompts_per_step % dp:
+        raise ValueError(f"data.prompts_per_step={d.prompts_per_step} must be divisible by the "
+                         f"data-parallel size {dp}")
+
+    a = cfg.algo
+    from hybridflow.algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES  # registries live with them
+
+    _one_of("algo.adv_estimator", a.adv_estimator, set(ADVANTAGE_ESTIMATORS))
+    _one_of("algo.policy_loss", a.policy_loss, set(POLICY_LOSSES))
+    if a.clip_ratio_c is not None and a.clip_ratio_c <= 1.0:
+        raise ValueError(f"algo.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip bound) or null")
+    _validate_recipes(cfg)
+    _one_of("algo.kl_ctrl", a.kl_ctrl, {"fixed", "adaptive"})
+    for key in ("kl_penalty", "kl_loss_type"):
+        _one_of(f"algo.{key}", getattr(a, key), {"k1", "k2", "k3", "abs"})
+    if a.adv_estimator != "gae" and r.n < 2 and a.adv_estimator != "reinforce_plus_plus":
+        raise ValueError(f"algo.adv_estimator={a.adv_estimator} compares samples of one prompt: "
+                         f"set rollout.n >= 2 (got {r.n})")
+    for key in ("ppo_mini_batch_size", "micro_batch_size_per_gpu", "ppo_epochs"):
+        _positive(f"algo.{key}", getattr(a, key))
+    _positive("data.prompts_per_step", d.prompts_per_step)
+    seqs = d.prompts_per_step * r.n
+    if seqs % a.ppo_mini_batch_size:
+        raise ValueError(f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} (global) must divide "
+                         f"the sequences per step data.prompts_per_step x rollout.n = {seqs}")
+    if a.use_dynamic_bsz:  # micro-batches by tokens: the row counts of _validate_micro_batches unused
+        _validate_dynamic_bsz(cfg, dp=dp)
+    else:
+        _validate_micro_batches(cfg, dp=dp)
+    for name in ("actor_optim", "critic_optim"):
+        _one_of(f"{name}.lr_decay_style", getattr(cfg, name).lr_decay_style,
+                {"constant", "linear", "cosine"})
+    _one_of("trainer.precision", cfg.trainer.precision, {"fp32", "bf16"})
+    _positive("trainer.total_steps", cfg.trainer.total_steps)
+    _positive("trainer.collective_timeout_s", cfg.trainer.collective_timeout_s)
+    if cfg.trainer.time_budget_s < 0:
+        raise ValueError(f"trainer.time_budget_s={cfg.trainer.time_budget_s} must be >= 0 "
+                         "(0: no limit)")
+    if cfg.trainer.gc_interval < 0:
+        raise ValueError(f"trainer.gc_interval={cfg.trainer.gc_interval} must be >= 0 "
+                         "(0: Python's automatic GC)")
+
+
+def _validate_micro_batches(cfg: Config, *, dp: int) -> None:
+    """Fixed micro-batches of rows: each size divides the rows it splits."""
+    a, d, p = cfg.algo, cfg.data, cfg.parallel
+    mbs = a.micro_batch_size_per_gpu
+    pp_uneven = p.pipeline_parallel_size > 1 and (d.prompts_per_step // dp) % mbs
+    if cfg.trainer.sft_warmup_steps > 0 and pp_uneven:  # PP sends fixed-size micro-batches
+        raise ValueError(f"algo.micro_batch_size_per_gpu={mbs} (per GPU) must divide the warm-up "
+                         f"batch per DP rank data.prompts_per_step / DP = {d.prompts_per_step} / "
+                         f"{dp} when parallel.pipeline_parallel_size > 1")
+    seqs = d.prompts_per_step * cfg.rollout.n
+    fmbs = a.forward_micro_batch_size_per_gpu
+    if fmbs is not None and (fmbs <= 0 or (seqs // dp) % fmbs):
+        raise ValueError(f"algo.forward_micro_batch_size_per_gpu={fmbs} (per GPU) must divide the "
+                         f"sequences per DP rank data.prompts_per_step x rollout.n / DP = "
+                         f"{seqs} / {dp} = {seqs // dp}")
+    if a.ppo_mini_batch_size % dp or (a.ppo_mini_batch_size // dp) % mbs:
+        raise ValueError(f"algo.micro_batch_size_per_gpu={mbs} (per GPU) must divide the "
+                         f"mini-batch per DP rank algo.ppo_mini_batch_size / DP = "
+                         f"{a.ppo_mini_batch_size} / {dp} (ppo_mini_batch_size is global)")
+
+
+def _validate_dynamic_bsz(cfg: Config, *, dp: int) -> None:
+    """Token budgets: pipelines are refused; each budget must hold the longest row a step makes."""
+    a, p = cfg.algo, cfg.parallel
+    if a.ppo_mini_batch_size % dp:
+        raise ValueError(f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} (global) must be "
+                         f"divisible by the data-parallel size {dp}")
+    if p.pipeline_parallel_size > 1:
+        raise ValueError(f"algo.use_dynamic_bsz=true needs parallel.pipeline_parallel_size=1 (got "
+                         f"{p.pipeline_parallel_size}): pipeline stages exchange micro-batches of "
+                         f"one fixed shape; use algo.micro_batch_size_per_gpu with PP")
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    how = f"data.max_prompt_length + rollout.max_new_tokens = {cfg.data.max_prompt_length} + " \
+          f"{cfg.rollout.max_new_tokens}"
+    tp = p.tensor_parallel_size
+    if p.sequence_parallel:  # a micro-batch's length is rounded up to a multiple of TP
+        longest = -(-longest // tp) * tp
+        how += f" rounded up to a multiple of TP={tp} (sequence parallel)"
+    for key in ("max_tokens_per_micro_batch_per_gpu", "forward_max_tokens_per_micro_batch_per_gpu"):
+        value = getattr(a, key)
+        if value is not None and value < longest:
+            raise ValueError(f"algo.{key}={value} (tokens per micro-batch, per GPU) must hold the "
+                             f"longest row of a step, {how} = {longest}")
+
+
+def _validate_recipes(cfg: Config) -> None:
+    """Loss aggregation, clip ranges, TIS, dynamic sampling and overlong shaping (DAPO, GSPO, Dr.GRPO)."""
+    from hybridflow.algo import AGG_MODES
+
+    a, r = cfg.algo, cfg.rollout
+    _one_of("algo.loss_agg_mode", a.loss_agg_mode, set(AGG_MODES))
+    if a.loss_scale_factor is not None and a.loss_scale_factor <= 0:
+        raise ValueError(f"algo.loss_scale_factor={a.loss_scale_factor} must be > 0 (the constant "
+                         f"normaliser of seq-mean-token-sum-norm) or null (rollout.max_new_tokens)")
+    if not 0.0 <= a.clip_ratio_low < 1.0:
+        raise ValueError(f"algo.clip_ratio_low={a.clip_ratio_low} must be in [0, 1): the ratio's "
+                         f"lower bound is 1 - clip_ratio_low")
+    if a.clip_ratio_high < 0:
+        raise ValueError(f"algo.clip_ratio_high={a.clip_ratio_high} must be >= 0")
+    if a.tis_imp_ratio_cap is not None:
+        if a.tis_imp_ratio_cap <= 0:
+            raise ValueError(f"algo.tis_imp_ratio_cap={a.tis_imp_ratio_cap} must be > 0 (e.g. 2.0) "
+                             f"or null (TIS off)")
+        if not r.return_logprobs:
+            raise ValueError("algo.tis_imp_ratio_cap is set: TIS weighs by pi_old / pi_rollout and "
+                             "needs the generator's log-probs; set rollout.return_logprobs=true")
+    ds = a.dynamic_sampling
+    if ds.enable:
+        _positive("algo.dynamic_sampling.max_rounds", ds.max_rounds)
+        if r.n < 2:
+            raise ValueError(f"algo.dynamic_sampling.enable=true keeps prompts whose samples score "
+                             f"differently: set rollout.n >= 2 (got {r.n})")
+    ob = cfg.reward.overlong_buffer
+    if ob.enable:
+        if not 0 < ob.len < r.max_new_tokens:
+            raise ValueError(f"reward.overlong_buffer.len={ob.len} must be in (0, rollout.max_new_tokens="
+                             f"{r.max_new_tokens}): the penalty ramps over the last `len` tokens "
+                             f"(DAPO: 4096 of 20480)")
+        if ob.penalty_factor < 0:
+            raise ValueError(f"reward.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
