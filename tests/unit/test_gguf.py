@@ -53,46 +53,22 @@ def write_gguf(path, hf_dir, tok):
     """A llama GGUF (F32 tensors) with llama.cpp's names, q/k permutation and tokenizer metadata."""
     import json
 
-    from safetensors.torch import load_file
+    from tests.gguf_writer import finish, gguf_writer, hf_tensors
 
     c = json.load(open(os.path.join(hf_dir, "config.json")))
     heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
-    w = gguf.GGUFWriter(path, arch="llama")
-    w.add_block_count(c["num_hidden_layers"])
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    vocab = tok.get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    w.add_token_merges([" ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]])
+    w = gguf_writer(path, arch="llama", hf_dir=hf_dir, tok=tok, pre="gpt2",
+                    token_type=lambda t: 3 if t.startswith("<|") else 1)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    rename = {v: k for k, v in hg._GLOBAL.items()}
-    layer = {v: k for k, v in hg._LAYER.items()}
-    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+    for gname, name, a in hf_tensors(hf_dir):
         if "q_proj" in name:
-            t = llama_cpp_permute(t, heads)
+            a = llama_cpp_permute(torch.from_numpy(a), heads).numpy()
         elif "k_proj" in name:
-            t = llama_cpp_permute(t, kv)
-        if name in rename:
-            gname = rename[name]
-        else:
-            _, _, i, *mid, kind = name.split(".")
-            gname = f"blk.{i}.{layer['.'.join(mid)]}.{kind}"
-        w.add_tensor(gname, t.numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            a = llama_cpp_permute(torch.from_numpy(a), kv).numpy()
+        w.add_tensor(gname, a)
+    finish(w)
 
 
 def test_synthetic_gguf_matches_transformers(tmp_path):
@@ -199,31 +175,16 @@ def _q4_k_bytes(rows: int, cols: int, seed: int):
 def write_qwen2_gguf(path, hf_dir, tok):
     """A qwen2 GGUF as llama.cpp writes one (no q/k permutation, Q/K/V biases, tied embedding),
     with quantised tensors: Q8_0 attention, Q5_0 gate/up, Q4_K down, F32 norms and biases."""
-    import json
-
     import numpy as np
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import quantize
-    from safetensors.torch import load_file
 
-    c = json.load(open(os.path.join(hf_dir, "config.json")))
-    w = gguf.GGUFWriter(path, arch="qwen2")
+    from tests.gguf_writer import finish, gguf_writer, hf_tensors
+
+    w = gguf_writer(path, arch="qwen2", hf_dir=hf_dir, tok=tok, pre="qwen2", rope_base=1000000.0,
+                    token_type=lambda t: 3 if t.startswith("<|") else 4 if t == "<tool_call>" else 1)
     w.add_name("tiny qwen2")
-    w.add_block_count(c["num_hidden_layers"])
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
-    w.add_rope_freq_base(1000000.0)
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     vocab = tok.get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t.startswith("<|") else 4 if t == "<tool_call>" else 1 for t in tokens])
-    w.add_token_merges([" ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]])
     w.add_bos_token_id(vocab["<|endoftext|>"])
     w.add_eos_token_id(vocab["<|im_end|>"])
     w.add_pad_token_id(vocab["<|endoftext|>"])
@@ -231,17 +192,9 @@ def write_qwen2_gguf(path, hf_dir, tok):
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
                         "{% endif %}")
-    rename = {v: k for k, v in hg._GLOBAL.items()}
-    layer = {v: k for k, v in hg._LAYER.items()}
-    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+    for gname, name, a in hf_tensors(hf_dir):
         if name == "lm_head.weight":
             continue  # tied
-        if name in rename:
-            gname = rename[name]
-        else:
-            _, _, i, *mid, kind = name.split(".")
-            gname = f"blk.{i}.{layer['.'.join(mid)]}.{kind}"
-        a = t.numpy()
         if gname.endswith("ffn_down.weight"):
             w.add_tensor(gname, _q4_k_bytes(*a.shape, seed=len(gname)), raw_dtype=Q.Q4_K)
         elif a.ndim == 2:
@@ -249,10 +202,7 @@ def write_qwen2_gguf(path, hf_dir, tok):
             w.add_tensor(gname, quantize(a.astype(np.float32), qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 def test_synthetic_qwen2_k_quants_match_transformers_gguf(tmp_path):

@@ -37,12 +37,6 @@ QUESTIONS = [("Tom has 3 apples and buys 4 more. How many apples?", "7"),
              ("A box holds 6 eggs. How many eggs in 5 boxes?", "30"),
              ("Sam had 10 coins and lost 2. How many are left?", "8")]
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
-GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-              "lm_head.weight": "output.weight"}
-GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-              "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
 
 
 def record(question: str, answer: str) -> dict:
@@ -53,38 +47,17 @@ def record(question: str, answer: str) -> dict:
 
 def write_qwen2_gguf(path: Path, hf_dir: str, tok) -> None:
     """A qwen2 GGUF (F32, llama.cpp tensor names, no q/k permutation: convert_hf_to_gguf's Qwen2Model)."""
-    from safetensors.torch import load_file
+    from tests.gguf_writer import finish, gguf_writer, hf_tensors
 
-    c = json.loads(Path(hf_dir, "config.json").read_text())
-    w = gguf.GGUFWriter(str(path), arch="qwen2")
-    w.add_block_count(c["num_hidden_layers"])
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
-    w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w = gguf_writer(path, arch="qwen2", hf_dir=hf_dir, tok=tok, pre="qwen2",
+                    token_type=lambda t: 3 if t in SPECIALS else 1)
     vocab = tok.get_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(sorted(vocab, key=vocab.get))
-    w.add_token_types([3 if t in SPECIALS else 1 for t in sorted(vocab, key=vocab.get)])
-    w.add_token_merges([" ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]])
     for add in (w.add_bos_token_id, w.add_eos_token_id, w.add_pad_token_id):
         add(vocab["<|endoftext|>"])
     w.add_chat_template(TEMPLATE)
-    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
-        if name in GGUF_NAMES:
-            gname = GGUF_NAMES[name]
-        else:
-            _, _, i, *mid, kind = name.split(".")
-            gname = f"blk.{i}.{GGUF_LAYER['.'.join(mid)]}.{kind}"
-        w.add_tensor(gname, t.numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    for gname, _, a in hf_tensors(hf_dir):
+        w.add_tensor(gname, a)
+    finish(w)
 
 
 @pytest.fixture(scope="module")
