@@ -30,7 +30,7 @@ class Validator:
         t = cfg.trainer
         r = cfg.rollout
         self.gen_cfg = dataclasses.replace(
-            r, n=1, temperature=0.0, top_k=0, top_p=1.0, ignore_eos=False,
+            r, n=1, temperature=0.0, top_k=0, top_p=1.0, ignore_eos=False, return_logprobs=False,
             max_new_tokens=t.val_max_new_tokens or r.max_new_tokens)
         self.rules = {}
         if cfg.reward.fn is not None:
