@@ -33,7 +33,13 @@ data_file() {  # data_file SPLIT -> DATA/SPLIT.parquet or DATA/SPLIT.jsonl
 
 python3 benchmarks/install_peer_wheels.py "$WHEELS" --target "$SITE"
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python3 -c "import trl, datasets, gguf, transformers, torch; print('trl', trl.__version__, 'datasets', datasets.__version__, 'gguf ok', 'transformers', transformers.__version__, 'torch', torch.__version__)"
+mods="gguf transformers torch"
+[[ " $PHASES " == *" trl "* ]] && mods="$mods trl datasets"
+# shellcheck disable=SC2086  # a list of module names
+python3 - $mods <<'EOF'  # fail here, in seconds, rather than after the eval
+import importlib, sys
+print(" ".join(f"{m} {getattr(importlib.import_module(m), '__version__', '?')}" for m in sys.argv[1:]))
+EOF
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 
 VAL=$(data_file val)
@@ -45,10 +51,11 @@ if [[ " $PHASES " == *" eval "* ]]; then
 fi
 
 if [[ " $PHASES " == *" trl "* ]]; then
+  TRAIN=$(data_file train)
   budget=$((TOTAL_S - SECONDS - 10))
   echo "TRL time budget ${budget}s"
   # shellcheck disable=SC2086  # TRL_ARGS is a list of options
-  python3 benchmarks/trl_gsm8k.py --model "$MODEL" --train "$(data_file train)" --val "$VAL" \
+  python3 benchmarks/trl_gsm8k.py --model "$MODEL" --train "$TRAIN" --val "$VAL" \
     --out "$OUT/trl_gsm8k.json" --max-steps "${TRL_STEPS:-20}" --time-budget-s "$budget" \
     --val-at "${TRL_VAL_AT:-}" ${TRL_VAL_SIZE:+--val-size "$TRL_VAL_SIZE"} --val-batch-size "${TRL_VAL_BS:-64}" \
     --workdir /tmp/trl_gsm8k ${TRL_ARGS:-}

@@ -17,8 +17,8 @@ Choices (each one an option; the defaults are ours):
   pure-bf16 Adam would lose 1e-6 updates to rounding, and our trainer keeps fp32 master weights too.
   With `beta` > 0 TRL loads its reference model from `config._name_or_path`, so the rebuilt model is
   first saved (fp32 safetensors) under `--workdir`/hf_from_gguf and its config pointed there.
-- Stop tokens: `generation_config.eos_token_id = [<|im_end|>, tokenizer EOS]`; TRL stops at and masks
-  after every id listed there, as our rollout does.
+- Stop tokens: `generation_config.eos_token_id = [<|im_end|>, <|endoftext|>]` (+ the tokenizer's
+  EOS); TRL stops at, and masks after, every id listed there, as our rollout stops at its EOS.
 - Batch: TRL counts completions, not prompts: `per_device_train_batch_size` = `--micro-batch`
   completions, `gradient_accumulation_steps` = prompts x samples / micro-batch, so one optimizer step
   consumes one generation batch of prompts x samples completions (as one of our steps does).

@@ -129,27 +129,34 @@ def test_records_from_jsonl_and_parquet_agree(files):
         ev.load_records(files / "nope.jsonl")
 
 
-def test_gguf_tokenizer_stops_and_plain_rebuild(files):
-    path = str(files / "tiny.gguf")
-    tok = ev.load_tokenizer(path)
+def test_gguf_tokenizer_and_stop_tokens(files):
+    tok = ev.load_tokenizer(str(files / "tiny.gguf"))
     vocab = tok.get_vocab()
-    assert tok.eos_token == "<|endoftext|>"  # as transformers reports for the real file
+    assert tok.eos_token == "<|endoftext|>"  # as transformers 5.17 reports for the real file
     assert ev.stop_token_ids(tok) == [vocab["<|im_end|>"], vocab["<|endoftext|>"]]
     assert tok.pad_token_id == vocab["<|endoftext|>"] and tok.padding_side == "left"
-    gguf_model = ev.load_model(path, dtype=torch.float32, device="cpu")
-    assert gguf_model.is_quantized  # why the TRL side needs the rebuild
-    plain = ev.load_model(path, dtype=torch.float32, device="cpu", trainable=True)
-    assert not getattr(plain, "is_quantized", False) and getattr(plain, "hf_quantizer", None) is None
+
+
+@pytest.mark.parametrize("explicit_dequantize", [True, False])
+def test_gguf_model_is_trainable_and_exact(files, monkeypatch, explicit_dequantize):
+    """Loaded with GgufConfig(dequantize=True) the model is plain; without it (older transformers,
+    or where the config is missing) transformers marks it quantized and `trainable` rebuilds it."""
     from transformers.trainer_utils import validate_quantization_for_training
 
-    validate_quantization_for_training(plain)  # raises for the GGUF-loaded one
-    with pytest.raises(ValueError, match="purely quantized"):
-        validate_quantization_for_training(gguf_model)
-    ids = torch.randint(0, len(vocab), (2, 7), generator=torch.Generator().manual_seed(0))
+    path = str(files / "tiny.gguf")
+    if not explicit_dequantize:
+        monkeypatch.setattr(ev, "_dequantize_config", lambda: {})
+        marked = ev.load_model(path, dtype=torch.float32, device="cpu")
+        assert marked.is_quantized
+        with pytest.raises(ValueError, match="purely quantized"):
+            validate_quantization_for_training(marked)
+    model = ev.load_model(path, dtype=torch.float32, device="cpu", trainable=True)
+    assert not getattr(model, "is_quantized", False) and getattr(model, "hf_quantizer", None) is None
+    validate_quantization_for_training(model)
     hf = ev.load_model(str(files / "hf"), dtype=torch.float32, device="cpu")
+    ids = torch.randint(0, hf.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(plain(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(gguf_model(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_evaluate_matches_one_prompt_greedy(files):
