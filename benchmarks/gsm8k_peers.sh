@@ -13,6 +13,9 @@
 #   EVAL_ARGS (more gsm8k_hf_eval.py options, e.g. "--max-new-tokens 512");
 #   TRL_STEPS (20); TRL_VAL_AT (e.g. 0,10,20; empty: none); TRL_VAL_SIZE (all); TRL_VAL_BS (64);
 #   TRL_ARGS (more trl_gsm8k.py options, e.g. "--prompts-per-step 16 --micro-batch 64");
+#   TRL_RESUME=1: continue the TRL run checkpointed in /tmp/trl_gsm8k by the previous call (the machine
+#   must have stayed warm) and checkpoint again if the budget stops it; e.g. 20 steps over 3 calls:
+#   PHASES=trl TRL_RESUME=1 TRL_STEPS=20 TRL_VAL_AT=0,5,10,15,20 TRL_ARGS="--prompts-per-step 16", 3 times;
 #   TOTAL_S (560: the call is capped at 600 s); DATA (.gsm8k); WHEELS (.whl_bench); SITE (/tmp/site).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +61,6 @@ if [[ " $PHASES " == *" trl "* ]]; then
   python3 benchmarks/trl_gsm8k.py --model "$MODEL" --train "$TRAIN" --val "$VAL" \
     --out "$OUT/trl_gsm8k.json" --max-steps "${TRL_STEPS:-20}" --time-budget-s "$budget" \
     --val-at "${TRL_VAL_AT:-}" ${TRL_VAL_SIZE:+--val-size "$TRL_VAL_SIZE"} --val-batch-size "${TRL_VAL_BS:-64}" \
-    --workdir /tmp/trl_gsm8k ${TRL_ARGS:-}
+    --workdir /tmp/trl_gsm8k ${TRL_RESUME:+--resume} ${TRL_ARGS:-}
 fi
 ls -la "$OUT"

@@ -233,14 +233,14 @@ def test_step_timer_budget_and_json(tmp_path):
     from transformers import TrainerControl
 
     out = tmp_path / "r.json"
-    result = {"step_s": [], "step_s_median": None, "val_accuracy": [], "val": [], "logs": []}
+    result = {"step_s": [], "step_s_median": None, "first_steps": [], "val_accuracy": [], "val": [], "logs": []}
     calls = []
 
     def val_fn(model):
         calls.append(model)
         return {"accuracy": {"math_exact": 0.25, "gsm8k_strict": 0.125}, "seconds": 0.0}
 
-    cb = trl_gsm8k.make_callback(result=result, out=str(out), val_at=[0, 2], val_fn=val_fn, budget_s=1e9)
+    cb = trl_gsm8k.make_callback(result=result, outs=[out], val_at=[0, 2], val_fn=val_fn, budget_s=1e9)
     state, control = SimpleNamespace(global_step=0, max_steps=5), TrainerControl()
     cb.on_train_begin(None, state, control, model="m")
     for step in (1, 2):
@@ -251,11 +251,14 @@ def test_step_timer_budget_and_json(tmp_path):
     assert result["val_accuracy"] == [[0, 0.25], [2, 0.25]] and calls == ["m", "m"]
     assert result["val_accuracy_strict"] == [[0, 0.125], [2, 0.125]]
     assert result["step_s_median"] == result["step_s"][1] and not control.should_training_stop
-    stop = trl_gsm8k.make_callback(result=result, out=str(out), val_at=[], val_fn=val_fn, budget_s=0.0)
+    assert result["first_steps"] == [1]
+    stop = trl_gsm8k.make_callback(result=result, outs=[out], val_at=[], val_fn=val_fn, budget_s=0.0,
+                                   save_on_stop=True)
     stop.on_step_begin(None, state, control)
     state.global_step = 3
     stop.on_step_end(None, state, control, model="m")
-    assert control.should_training_stop and json.loads(out.read_text())["stopped_by_budget"]
+    assert control.should_training_stop and control.should_save
+    assert json.loads(out.read_text())["stopped_by_budget"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None,
@@ -284,3 +287,28 @@ def test_driver_runs_eval_and_two_trl_steps(files, tmp_path):
     assert [log["step"] for log in r["logs"] if "reward" in log] == [1, 2]
     for key in ("machine", "versions", "command", "total_s"):
         assert key in r, key
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None,
+                    reason="trl and datasets are not installed")
+def test_trl_resume_across_processes(files, tmp_path):
+    """A run the budget stops after step 1 saves a checkpoint; the next --resume run does steps 2-3 and
+    continues the same results (val at 0 not repeated, first step of each process out of the median)."""
+    out1, out2, work = tmp_path / "1.json", tmp_path / "2.json", tmp_path / "work"
+    base = [sys.executable, str(ROOT / "benchmarks" / "trl_gsm8k.py"), "--model", str(files / "tiny.gguf"),
+            "--train", str(files / "train.jsonl"), "--val", str(files / "val.jsonl"), "--prompts-per-step", "2",
+            "--samples", "2", "--micro-batch", "4", "--max-new-tokens", "4", "--max-steps", "3",
+            "--val-at", "0,2", "--val-size", "2", "--val-batch-size", "2", "--workdir", str(work), "--resume"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for cmd in (base + ["--out", str(out1), "--time-budget-s", "1"], base + ["--out", str(out2)]):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    r1, r2 = json.loads(out1.read_text()), json.loads(out2.read_text())
+    assert r1["steps_done"] == 1 and r1["stopped_by_budget"] and r1["resumed_from"] is None
+    assert (work / "checkpoint-1").is_dir()
+    assert r2["resumed_from"].endswith("checkpoint-1") and r2["calls"] == 2 and not r2["stopped_by_budget"]
+    assert r2["steps_done"] == 3 and len(r2["step_s"]) == 3 and r2["first_steps"] == [1, 2]
+    assert r2["step_s"][0] == r1["step_s"][0] and r2["step_s_median"] == r2["step_s"][2]
+    assert [s for s, _ in r2["val_accuracy"]] == [0, 2]
+    assert [log["step"] for log in r2["logs"] if "reward" in log] == [1, 2, 3]
+    assert json.loads((work / "result.json").read_text()) == r2
