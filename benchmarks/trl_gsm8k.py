@@ -11,9 +11,10 @@ so a run cut by the time budget, or killed, still leaves its numbers.
   # smaller matched run for accuracy per step: --prompts-per-step 16 --samples 8 --micro-batch 64
 
 Choices (each one an option; the defaults are ours):
-- The model: a GGUF file is loaded by transformers and rebuilt as a plain model of the same class
-  (transformers refuses to fine-tune a GGUF-loaded model, which it marks as quantized); `--model` may
-  also be an HF directory (our exporter's output). Weights stay fp32 with bf16 autocast (`bf16=True`):
+- The model: a GGUF file is loaded by transformers with `GgufConfig(dequantize=True)` (a plain dense
+  model); where transformers still marks it quantized (and so refuses to fine-tune it) it is rebuilt
+  as a plain model of the same class (`gsm8k_hf_eval.load_model`). `--model` may also be an HF
+  directory (our exporter's output). Weights stay fp32 with bf16 autocast (`bf16=True`):
   pure-bf16 Adam would lose 1e-6 updates to rounding, and our trainer keeps fp32 master weights too.
   With `beta` > 0 TRL loads its reference model from `config._name_or_path`, so the rebuilt model is
   first saved (fp32 safetensors) under `--workdir`/hf_from_gguf and its config pointed there.
@@ -22,12 +23,13 @@ Choices (each one an option; the defaults are ours):
 - Batch: TRL counts completions, not prompts: `per_device_train_batch_size` = `--micro-batch`
   completions, `gradient_accumulation_steps` = prompts x samples / micro-batch, so one optimizer step
   consumes one generation batch of prompts x samples completions (as one of our steps does).
-- Loss: TRL's `dapo` (token mean over the batch, like our `token-mean`), clip 0.2, k3 KL loss with
+- Loss: TRL's `dapo` (token mean over the batch, like our `token-mean`), group-std-normalised
+  advantages (`scale_rewards="group"`, our `norm_adv_by_std`), clip 0.2, k3 KL loss with
   `beta`, constant LR without warm-up, grad-norm clip 1.0, gradient checkpointing on (TRL's default;
   the measured 56 s/step setting).
 - Reward: hybridflow's `math_exact` on the completion text against `reward_model.ground_truth`.
 - Step time: `on_step_begin` -> `on_step_end` with CUDA synchronised (generation, scoring, forward,
-  backward and optimizer of one optimizer step); `step_s_median` is over the steps after the first.
+  backward and optimizer of one optimizer step); `step_s_median` leaves out the first step.
   Validation runs in `on_step_end` after the timer stops (and before training for step 0), greedy,
   through `benchmarks/gsm8k_hf_eval.evaluate`.
 - `--time-budget-s` (from process start): training stops before a step (plus its validation) that the
@@ -111,13 +113,14 @@ def resumed_result(result: dict, prior_path: Path, step: int) -> dict:
     if differs:
         raise ValueError(f"--resume: options differ from the saved run's {differs} (saved, now); "
                          "drop --resume or use another --workdir")
-    keep = lambda rows, key: [r for r in rows if r[key] <= step]  # noqa: E731  a step saved after the checkpoint is redone
+    # rows of steps after the checkpoint (a process killed before it saved again) are redone: drop them
     result.update(step_s=prior["step_s"][:step], first_steps=[s for s in prior["first_steps"] if s <= step],
-                  val_accuracy=[r for r in prior["val_accuracy"] if r[0] <= step],
-                  val=keep(prior["val"], "step"), logs=keep(prior["logs"], "step"),
+                  val=[r for r in prior["val"] if r["step"] <= step],
+                  logs=[r for r in prior["logs"] if r["step"] <= step],
                   calls=prior.get("calls", 1) + 1, steps_done=step)
-    if "val_accuracy_strict" in prior:
-        result["val_accuracy_strict"] = [r for r in prior["val_accuracy_strict"] if r[0] <= step]
+    for key in ("val_accuracy", "val_accuracy_strict"):
+        if key in prior:
+            result[key] = [r for r in prior[key] if r[0] <= step]
     result["step_s_median"] = median_later_steps(result)
     return result
 
