@@ -115,9 +115,9 @@ def bench_model(name: str, *, tp: int, precision: str, iters: int, warmup: int,
 
     world = dist.get_world_size()
     cfg = _load_cfg(name, tp)
-    groups.init_model_parallel(tp=tp, pp=1, seed=0)
+    ctx = groups.init_model_parallel(tp=tp, pp=1, seed=0)
     t0 = time.perf_counter()
-    src = build_model(cfg, role="actor", tp=tp, pp=1, precision=precision)
+    src = build_model(cfg, role="actor", ctx=ctx, precision=precision)
     tp_group = ps.get_tensor_model_parallel_group()
     params = dict(src.named_parameters())
     res = {"model": name, "params": sum(p.numel() for p in params.values()) * tp,
@@ -204,9 +204,9 @@ def _bench_megatron(src, cfg, ref, *, precision: str, iters: int, warmup: int) -
     from hybridflow.models.build import build_model
 
     backend = "nccl" if CUDA else "gloo"
-    groups.init_model_parallel(tp=1, pp=1, seed=0)  # the target model's groups (src keeps its own)
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=0)  # the target model's groups (src keeps its own)
     with _Mem() as resident:
-        dst = build_model(cfg, role="actor", tp=1, pp=1, precision=precision)
+        dst = build_model(cfg, role="actor", ctx=ctx, precision=precision)
     t0 = time.perf_counter()
     swap_model_weights(src, dst, backend)  # first call builds and caches the plan
     plan_s = time.perf_counter() - t0

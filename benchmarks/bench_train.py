@@ -76,7 +76,7 @@ def bench_ours(model_cfg, variant: str, ids, iters, warmup, profile_path=None):
                                                                        RowParallelLinear)
         build.LeanOutputLinear = types.SimpleNamespace(adopt=lambda layer: layer)
     try:
-        model = build.build_model(cfg, role="actor", tp=1, pp=1, precision="bf16").cuda()
+        model = build.build_model(cfg, role="actor", ctx=ctx, precision="bf16").cuda()
     finally:
         build.LeanColumnParallelLinear, build.LeanRowParallelLinear, build.LeanOutputLinear = lean
     b, s = ids.shape
@@ -161,7 +161,7 @@ def main():
     from hybridflow.parallel import groups
 
     groups.init_distributed()
-    groups.init_model_parallel(tp=1, pp=1, seed=1)
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=1)
     with open(os.path.join(os.path.dirname(__file__), "..", "conf", "model", f"{args.model}.yaml")) as f:
         model_cfg = ModelConfig(**yaml.safe_load(f))
     torch.manual_seed(0)

@@ -36,11 +36,11 @@ def main():
     from hybridflow.parallel import groups
 
     groups.init_distributed()
-    groups.init_model_parallel(tp=args.tp, pp=1, seed=1)
+    ctx = groups.init_model_parallel(tp=args.tp, pp=1, seed=1)
     with open(os.path.join(os.path.dirname(__file__), "..", "conf", "model", f"{args.model}.yaml")) as f:
         cfg = ModelConfig(**yaml.safe_load(f))
     par = ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel=args.sp)
-    eng = Engine(role="ref", model_cfg=cfg, parallel=par, precision="bf16")
+    eng = Engine(role="ref", model_cfg=cfg, ctx=ctx, parallel=par, precision="bf16")
     b, p, r = args.batch, 128, 256
     g = torch.Generator().manual_seed(0)
     batch = RolloutBatch(prompt_ids=torch.randint(0, min(1000, cfg.vocab_size), (b, p), generator=g),

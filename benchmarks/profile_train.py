@@ -27,11 +27,11 @@ def main():
     from hybridflow.parallel import groups
 
     groups.init_distributed()
-    groups.init_model_parallel(tp=1, pp=1, seed=1)
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=1)
     with open(os.path.join(os.path.dirname(__file__), "..", "conf", "model", f"{args.model}.yaml")) as f:
         cfg = ModelConfig(**yaml.safe_load(f), )
     cfg.attention_backend = args.backend
-    model = build_model(cfg, role="actor", tp=1, pp=1, precision="bf16").cuda()
+    model = build_model(cfg, role="actor", ctx=ctx, precision="bf16").cuda()
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda")
     pos = torch.arange(args.seq, device="cuda").expand(args.batch, args.seq)
 

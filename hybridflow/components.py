@@ -11,12 +11,12 @@ import dataclasses
 import os
 
 import torch
-from megatron.core import parallel_state as ps
 
 from hybridflow.config import Config, ModelConfig
 from hybridflow.data import PromptDataset, PromptSampler, load_tokenizer, train_sentencepiece
 from hybridflow.data.synthetic import make_task, tokenizer_corpus
 from hybridflow.engine import Engine
+from hybridflow.parallel.context import ParallelContext
 
 
 def build_tokenizer_and_dataset(cfg: Config):
@@ -62,10 +62,41 @@ def _demo_tokenizer(cfg: Config, records) -> str:
     return prefix + ".model"
 
 
-def build_sampler(cfg: Config, dataset) -> PromptSampler:
+def build_sampler(cfg: Config, ctx: ParallelContext, dataset) -> PromptSampler:
     return PromptSampler(len(dataset), batch_size=cfg.data.prompts_per_step,
-                         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                         dp_rank=ctx.train.dp, dp_size=ctx.dp_size,
                          seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+
+
+def build_validator(cfg: Config, ctx: ParallelContext, *, rollout, tokenizer):
+    """The validation stage over data.val_files (None without them)."""
+    if cfg.data.val_files is None:
+        return None
+    from hybridflow.validation import Validator
+
+    d = cfg.data
+    dataset = PromptDataset.from_file(d.val_files, tokenizer=tokenizer, prompt_key=d.prompt_key,
+                                      max_prompt_length=d.max_prompt_length, truncation=d.truncation)
+    if len(dataset) < ctx.dp_size:
+        raise ValueError(f"data.val_files={d.val_files} has {len(dataset)} prompts, fewer than the "
+                         f"{ctx.dp_size} data-parallel replicas that share them")
+    return Validator(cfg, ctx, rollout=rollout, dataset=dataset)
+
+
+def build_step_consumers(cfg: Config, *, start_step: int) -> list:
+    """Consumers of each step's metrics besides the logger (`on_step(step, metrics) -> stop?`,
+    `on_end()`, `save_on_stop`): the probe (trainer.probe_steps) that measures a few steps and
+    forecasts the run, and the time budget (trainer.time_budget_s)."""
+    consumers = []
+    if cfg.trainer.time_budget_s > 0:
+        from hybridflow.metrics import TimeBudget
+
+        consumers.append(TimeBudget(cfg.trainer.time_budget_s))
+    if cfg.trainer.probe_steps:
+        from hybridflow.probe import Probe
+
+        consumers.append(Probe(cfg, start_step=start_step))
+    return consumers
 
 
 def updates_per_step(cfg: Config) -> int:
@@ -73,9 +104,9 @@ def updates_per_step(cfg: Config) -> int:
     return cfg.algo.ppo_epochs * (seqs // cfg.algo.ppo_mini_batch_size)
 
 
-def build_engines(cfg: Config) -> dict[str, Engine]:
+def build_engines(cfg: Config, ctx: ParallelContext) -> dict[str, Engine]:
     total = cfg.trainer.total_steps * updates_per_step(cfg)  # warm-up steps do not use the schedule
-    common = dict(parallel=cfg.parallel, precision=cfg.trainer.precision)
+    common = dict(ctx=ctx, parallel=cfg.parallel, precision=cfg.trainer.precision)
     engines = {"actor": Engine(role="actor", model_cfg=cfg.model, optim=cfg.actor_optim,
                                total_updates=total, **common)}
     load_pretrained(engines["actor"], cfg.model)
@@ -118,10 +149,9 @@ def finalize_engines(engines: dict[str, Engine], tokenizer) -> None:
 def load_pretrained(engine: Engine, model_cfg: ModelConfig) -> None:
     if model_cfg.hf_path is None and model_cfg.gguf_path is None:
         return
-    kw = dict(tp_rank=ps.get_tensor_model_parallel_rank(),
-              tp_size=ps.get_tensor_model_parallel_world_size(),
-              pp_rank=ps.get_pipeline_model_parallel_rank(),
-              pp_size=ps.get_pipeline_model_parallel_world_size(), role=engine.role)
+    c, ctx = engine.ctx.train, engine.ctx
+    kw = dict(tp_rank=c.tp, tp_size=ctx.tp_size, pp_rank=c.pp, pp_size=ctx.pp_size,
+              role=engine.role)
     if model_cfg.hf_path is not None:
         from hybridflow.models.hf import load_hf_weights
 

@@ -5,38 +5,20 @@ silently ignored typo. `load_config(overrides)` composes `conf/ppo.yaml` with co
 merges it onto the schema and returns a `Config`; `validate(cfg, world_size)` checks the cross-field
 rules (parallel sizes against world size and model shape, algorithm options) and raises `ValueError`
 naming the key, the value and what was expected.
+conf/ is read as the package `hybridflow.conf` (`CONF_PACKAGE`: inside a wheel, or through the
+hybridflow/conf link in a checkout), never by a path beside the source, so an installed package runs
+from any directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+from hybridflow.model_config import ModelConfig  # the model group's schema, with its derived counts
 
-
-@dataclass
-class ModelConfig:
-    name: str = "tiny"
-    num_layers: int = 2
-    hidden_size: int = 64
-    ffn_hidden_size: int = 128
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    kv_channels: Optional[int] = None  # head dim; None: hidden_size // num_attention_heads
-    vocab_size: int = 64
-    max_position_embeddings: int = 256
-    rotary_base: float = 10000.0
-    rope_scaling: Optional[dict] = None  # HF-style rope_scaling (llama3) when loaded from a checkpoint
-    norm_epsilon: float = 1e-6
-    add_qkv_bias: bool = False
-    tie_word_embeddings: bool = False
-    hf_path: Optional[str] = None  # HF checkpoint dir (safetensors + config.json)
-    gguf_path: Optional[str] = None  # GGUF file (llama.cpp); see hybridflow.models.gguf
-    hf_architecture: Optional[str] = None  # e.g. Qwen2ForCausalLM: kept for the HF export
-    attention_backend: str = "auto"  # auto | sdpa | te | local
+CONF_PACKAGE = "hybridflow.conf"
 
 
 @dataclass
@@ -77,6 +59,15 @@ class DataConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong penalty (verl's reward_model.overlong_buffer): the score of a response
+    longer than rollout.max_new_tokens - len falls linearly, to -penalty_factor at max_new_tokens."""
+    enable: bool = False
+    len: int = 0  # tokens before the maximum where the penalty ramps (DAPO: 4096 of 20480)
+    penalty_factor: float = 1.0
+
+
+@dataclass
 class RewardConfig:
     fn: Optional[str] = "default"  # registered name, `module:function`, `/path/file.py:function`;
     # null: no rule reward (reward model only)
@@ -84,6 +75,18 @@ class RewardConfig:
     model_weight: float = 1.0  # score = rule score + model_weight * reward-model score
     # rule rewards reported on validation beside `fn` (e.g. [gsm8k_strict]); they do not train
     val_fns: list = field(default_factory=list)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups): drop the groups whose scores are all
+    equal and generate more until data.prompts_per_step informative groups are found, at most
+    max_rounds generation rounds per step (verl's max_num_gen_batches). When the cap is hit the step
+    trains anyway, topped up with uninformative groups (verl raises instead; see
+    hybridflow/rollout/dynamic_sampling.py)."""
+    enable: bool = False
+    max_rounds: int = 10
 
 
 @dataclass
@@ -92,11 +95,18 @@ class AlgoConfig:
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std: bool = True
-    policy_loss: str = "vanilla"
+    policy_loss: str = "vanilla"  # vanilla | gspo | gspo_token
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)
     loss_agg_mode: str = "token-mean"
+    # the constant of seq-mean-token-sum-norm (verl's loss_scale_factor); None: rollout.max_new_tokens
+    loss_scale_factor: Optional[float] = None
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: Optional[float] = 3.0
+    # truncated importance sampling: policy loss x min(pi_old / pi_rollout, cap) per token (verl's
+    # actor.tis_imp_ratio_cap; e.g. 2.0); needs rollout.return_logprobs. None: off
+    tis_imp_ratio_cap: Optional[float] = None
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     cliprange_value: float = 0.5
     entropy_coeff: float = 0.0
     use_kl_in_reward: bool = False
@@ -144,6 +154,9 @@ class TrainerConfig:
     save_final: bool = True  # checkpoint when training ends
     resume: bool = True  # continue from <output_dir>/checkpoints/latest when present
     probe_steps: int = 0  # >0: run N steps, write probe.json (time/cost forecast), stop
+    # >0: stop cleanly, with a checkpoint, before a step would end past this many seconds of
+    # training (a SLURM or device time limit); `trainer.resume=true` continues from there
+    time_budget_s: float = 0.0
     price_per_gpu_hour: Optional[float] = None  # for the probe's cost; None: the GPU's default
     offload_ref: bool = False
     # Python GC: N > 0 turns automatic collection off during training and collects every N steps
@@ -241,7 +254,18 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if cfg.reward.fn is None and cfg.reward.model_path is None:
         raise ValueError("reward.fn is null and reward.model_path is not set: nothing would score "
                          "the responses")
-    d = cfg.data
+    t, d = cfg.trainer, cfg.data
+    if t.val_every < 0:
+        raise ValueError(f"trainer.val_every={t.val_every} must be >= 0 (0: no validation during "
+                         "training)")
+    if (t.val_every or t.val_before_train) and d.val_files is None:
+        raise ValueError("trainer.val_every / trainer.val_before_train need data.val_files (a "
+                         ".jsonl/.parquet of held-out prompts)")
+    if t.val_max_new_tokens is not None:
+        _positive("trainer.val_max_new_tokens", t.val_max_new_tokens)
+    if (d.val_files is not None or cfg.reward.val_fns) and cfg.reward.fn is None:
+        raise ValueError("validation scores with rule rewards: set reward.fn (data.val_files or "
+                         "reward.val_fns is set while reward.fn is null)")
     if (d.train_files is None) == (d.synthetic is None):
         raise ValueError("set exactly one of data.train_files (a .jsonl/.parquet path) and "
                          "data.synthetic (a built-in task name)")
@@ -257,8 +281,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
     _one_of("algo.policy_loss", a.policy_loss, set(POLICY_LOSSES))
     if a.clip_ratio_c is not None and a.clip_ratio_c <= 1.0:
         raise ValueError(f"algo.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip bound) or null")
-    _one_of("algo.loss_agg_mode", a.loss_agg_mode,
-            {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean"})
+    _validate_recipes(cfg)
     _one_of("algo.kl_ctrl", a.kl_ctrl, {"fixed", "adaptive"})
     for key in ("kl_penalty", "kl_loss_type"):
         _one_of(f"algo.{key}", getattr(a, key), {"k1", "k2", "k3", "abs"})
@@ -292,9 +315,49 @@ def validate(cfg: Config, *, world_size: int) -> None:
                 {"constant", "linear", "cosine"})
     _one_of("trainer.precision", cfg.trainer.precision, {"fp32", "bf16"})
     _positive("trainer.total_steps", cfg.trainer.total_steps)
+    if cfg.trainer.time_budget_s < 0:
+        raise ValueError(f"trainer.time_budget_s={cfg.trainer.time_budget_s} must be >= 0 "
+                         "(0: no limit)")
     if cfg.trainer.gc_interval < 0:
         raise ValueError(f"trainer.gc_interval={cfg.trainer.gc_interval} must be >= 0 "
                          "(0: Python's automatic GC)")
+
+
+def _validate_recipes(cfg: Config) -> None:
+    """Loss aggregation, clip ranges, TIS, dynamic sampling and overlong shaping (DAPO, GSPO, Dr.GRPO)."""
+    from hybridflow.algo import AGG_MODES
+
+    a, r = cfg.algo, cfg.rollout
+    _one_of("algo.loss_agg_mode", a.loss_agg_mode, set(AGG_MODES))
+    if a.loss_scale_factor is not None and a.loss_scale_factor <= 0:
+        raise ValueError(f"algo.loss_scale_factor={a.loss_scale_factor} must be > 0 (the constant "
+                         f"normaliser of seq-mean-token-sum-norm) or null (rollout.max_new_tokens)")
+    if not 0.0 <= a.clip_ratio_low < 1.0:
+        raise ValueError(f"algo.clip_ratio_low={a.clip_ratio_low} must be in [0, 1): the ratio's "
+                         f"lower bound is 1 - clip_ratio_low")
+    if a.clip_ratio_high < 0:
+        raise ValueError(f"algo.clip_ratio_high={a.clip_ratio_high} must be >= 0")
+    if a.tis_imp_ratio_cap is not None:
+        if a.tis_imp_ratio_cap <= 0:
+            raise ValueError(f"algo.tis_imp_ratio_cap={a.tis_imp_ratio_cap} must be > 0 (e.g. 2.0) "
+                             f"or null (TIS off)")
+        if not r.return_logprobs:
+            raise ValueError("algo.tis_imp_ratio_cap is set: TIS weighs by pi_old / pi_rollout and "
+                             "needs the generator's log-probs; set rollout.return_logprobs=true")
+    ds = a.dynamic_sampling
+    if ds.enable:
+        _positive("algo.dynamic_sampling.max_rounds", ds.max_rounds)
+        if r.n < 2:
+            raise ValueError(f"algo.dynamic_sampling.enable=true keeps prompts whose samples score "
+                             f"differently: set rollout.n >= 2 (got {r.n})")
+    ob = cfg.reward.overlong_buffer
+    if ob.enable:
+        if not 0 < ob.len < r.max_new_tokens:
+            raise ValueError(f"reward.overlong_buffer.len={ob.len} must be in (0, rollout.max_new_tokens="
+                             f"{r.max_new_tokens}): the penalty ramps over the last `len` tokens "
+                             f"(DAPO: 4096 of 20480)")
+        if ob.penalty_factor < 0:
+            raise ValueError(f"reward.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
 
 
 def load_config(overrides: list[str], *, config_name: str = "ppo") -> Config:
@@ -302,7 +365,7 @@ def load_config(overrides: list[str], *, config_name: str = "ppo") -> Config:
 
     Raises ValueError with a one-line message for unknown keys, bad values or bad override syntax.
     """
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
     from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -310,7 +373,7 @@ def load_config(overrides: list[str], *, config_name: str = "ppo") -> Config:
 
     ConfigStore.instance().store(name="hybridflow_schema", node=Config)  # conf/ppo.yaml's base
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        with initialize_config_module(config_module=CONF_PACKAGE, version_base=None):
             raw = compose(config_name=config_name, overrides=list(overrides))
         schema = OmegaConf.structured(Config)
         merged = OmegaConf.merge(schema, raw)

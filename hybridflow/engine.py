@@ -12,23 +12,24 @@ gradient is then exactly the full mini-batch loss's gradient, however the batch 
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.transformer.module import Float16Module
 
 from hybridflow.config import ModelConfig, OptimConfig, ParallelConfig
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.models.build import LM_ROLES, build_model
 from hybridflow.models.logprob import vocab_parallel_logprobs
-from hybridflow.parallel.groups import device
+from hybridflow.parallel.context import ParallelContext
 
 LossFn = Callable[[dict, RolloutBatch], tuple[torch.Tensor, dict]]
 
@@ -47,15 +48,16 @@ def attention_mask(token_mask: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 class Engine:
-    def __init__(self, *, role: str, model_cfg: ModelConfig, parallel: ParallelConfig,
-                 precision: str, optim: Optional[OptimConfig] = None, total_updates: int = 1):
+    def __init__(self, *, role: str, model_cfg: ModelConfig, ctx: ParallelContext,
+                 parallel: ParallelConfig, precision: str, optim: Optional[OptimConfig] = None,
+                 total_updates: int = 1):
         self.role = role
+        self.ctx = ctx
         self.model_cfg = model_cfg
         # ids >= vocab_limit are never sampled nor scored (vocab padding, ids the tokenizer lacks)
         self.vocab_limit = model_cfg.vocab_size
         self.trainable = optim is not None
-        model = build_model(model_cfg, role=role, tp=parallel.tensor_parallel_size,
-                            pp=parallel.pipeline_parallel_size,
+        model = build_model(model_cfg, role=role, ctx=ctx,
                             sequence_parallel=parallel.sequence_parallel, precision=precision)
         self.module = model  # the bare GPTModel (for reshard, checkpoint import/export)
         self.tcfg = model.config
@@ -63,11 +65,11 @@ class Engine:
             model = Float16Module(self.tcfg, model)
         self.optimizer = self.scheduler = None
         if self.trainable:
-            dist_opt = parallel.use_distributed_optimizer and ps.get_data_parallel_world_size() > 1
+            dist_opt = parallel.use_distributed_optimizer and ctx.dp_size > 1
             ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                     overlap_grad_reduce=False,
                                                     use_distributed_optimizer=dist_opt)
-            model = DDP(self.tcfg, ddp_cfg, model)
+            model = DDP(self.tcfg, ddp_cfg, model, pg_collection=ctx.pgs)
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr,
                                 weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
@@ -75,7 +77,7 @@ class Engine:
                                 clip_grad=optim.clip_grad, bf16=precision == "bf16",
                                 params_dtype=self.tcfg.params_dtype,
                                 use_distributed_optimizer=dist_opt),
-                [model], use_gloo_process_groups=False)
+                [model], use_gloo_process_groups=False, pg_collection=ctx.pgs)
             self.scheduler = OptimizerParamScheduler(
                 self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
                 max_lr=optim.lr, min_lr=optim.min_lr, lr_warmup_steps=optim.lr_warmup_steps,
@@ -86,14 +88,16 @@ class Engine:
                 # on resume the config's schedule wins (e.g. a longer run); the step count is restored
                 use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
             self.tcfg.no_sync_func = model.no_sync
-            self.tcfg.finalize_model_grads_func = finalize_model_grads
+            self.tcfg.finalize_model_grads_func = functools.partial(finalize_model_grads,
+                                                                    pg_collection=ctx.pgs)
             self.tcfg.grad_scale_func = self.optimizer.scale_loss
         else:
             for p in model.parameters():
                 p.requires_grad_(False)
             model.eval()
         self.model = model
-        self.device = device()
+        self.device = ctx.device
+        self._p2p = P2PCommunicator(pp_group=ctx.pp_group, config=self.tcfg)
 
     # ------------------------------------------------------------------ placement
     def offload(self) -> None:
@@ -110,11 +114,11 @@ class Engine:
     def _run(self, batch: RolloutBatch, *, micro_batch_size: int, forward_only: bool,
              loss_fn: Optional[LossFn], temperature: float, need_entropy: bool):
         if self.tcfg.sequence_parallel:  # the sequence is split over TP: its length must divide
-            batch = batch.padded_to(ps.get_tensor_model_parallel_world_size())
+            batch = batch.padded_to(self.ctx.tp_size)
         micro = [mb.to(self.device) for mb in batch.split(micro_batch_size)]
         p, seq_len = batch.prompt_len, batch.input_ids().shape[1]
-        tp_group = ps.get_tensor_model_parallel_group()
-        dp = ps.get_data_parallel_world_size()
+        tp_group = self.ctx.tp_group
+        dp = self.ctx.dp_size
         n_micro = len(micro)
 
         def forward_step(data_iter, model):
@@ -142,10 +146,11 @@ class Engine:
         else:
             self.model.eval()
         with torch.set_grad_enabled(not forward_only):
-            return get_forward_backward_func()(
+            return get_forward_backward_func(pp_size=self.ctx.pp_size)(
                 forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
                 num_microbatches=n_micro, seq_length=seq_len, micro_batch_size=micro_batch_size,
-                forward_only=forward_only)
+                forward_only=forward_only, p2p_communicator=self._p2p,
+                pg_collection=self.ctx.pgs)
 
     def compute_logprobs(self, batch: RolloutBatch, *, micro_batch_size: int,
                          temperature: float = 1.0) -> torch.Tensor:
@@ -185,7 +190,7 @@ class Engine:
                 g["lr"] = value
         elif ok:
             self.scheduler.step(increment=1)
-        metrics = _sum_metrics(out, self.device)
+        metrics = _sum_metrics(out, self.ctx)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = used_lr
         return metrics
@@ -193,16 +198,16 @@ class Engine:
     def _from_last_stage(self, outs: list, key: str, batch: RolloutBatch) -> torch.Tensor:
         """Concatenate per-micro-batch results and broadcast them from the last PP stage."""
         width = batch.response_ids.shape[1]
+        ctx = self.ctx
         if self.tcfg.sequence_parallel:
-            width = batch.padded_to(ps.get_tensor_model_parallel_world_size()).response_ids.shape[1]
+            width = batch.padded_to(ctx.tp_size).response_ids.shape[1]
         shape = (batch.batch_size, width)
-        if ps.is_pipeline_last_stage():
+        if ctx.is_pp_last_stage:
             t = torch.cat([o[key] for o in outs], dim=0).float().contiguous()
         else:
             t = torch.empty(shape, dtype=torch.float32, device=self.device)
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(),
-                           group=ps.get_pipeline_model_parallel_group())
+        if ctx.pp_size > 1:
+            dist.broadcast(t, src=ctx.pp_last_rank, group=ctx.pp_group)
         return t[:, :batch.response_ids.shape[1]].cpu()
 
 
@@ -215,16 +220,16 @@ def _lm_head(pred, mb, *, tp_group, temperature, true_vocab, entropy):
     return {"logprobs": res}
 
 
-def _sum_metrics(outs: list, dev: torch.device) -> dict:
+def _sum_metrics(outs: list, ctx: ParallelContext) -> dict:
     """Per-micro-batch metric contributions summed over micro-batches and DP ranks (last stage),
     then shared with the other PP stages."""
+    dev = ctx.device
     keys = sorted(outs[0].keys()) if outs else []
     vec = torch.tensor([sum(float(o[k]) for o in outs) for k in keys], dtype=torch.float64,
                        device=dev)
     n = torch.tensor([len(keys)], dtype=torch.int64, device=dev)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        src = ps.get_pipeline_model_parallel_last_rank()
-        group = ps.get_pipeline_model_parallel_group()
+    if ctx.pp_size > 1:
+        src, group = ctx.pp_last_rank, ctx.pp_group
         dist.broadcast(n, src=src, group=group)
         obj = [keys]
         dist.broadcast_object_list(obj, src=src, group=group)
@@ -232,6 +237,6 @@ def _sum_metrics(outs: list, dev: torch.device) -> dict:
         if vec.numel() != int(n):
             vec = torch.zeros(int(n), dtype=torch.float64, device=dev)
         dist.broadcast(vec, src=src, group=group)
-    if ps.get_data_parallel_world_size() > 1:
-        dist.all_reduce(vec, group=ps.get_data_parallel_group())
+    if ctx.dp_size > 1:
+        dist.all_reduce(vec, group=ctx.dp_group)
     return dict(zip(keys, vec.tolist()))

@@ -120,3 +120,32 @@ class MetricsLogger:
             self.bar.close()
         if self.file is not None:
             self.file.close()
+
+
+class TimeBudget:
+    """A step consumer that ends the run before a step would finish past `seconds` after it was
+    built (the next step, validation included, is assumed to take as long as the longest so far).
+    Rank 0's clock decides and every rank follows, so all stop at the same step; the trainer then
+    checkpoints."""
+
+    save_on_stop = True
+
+    def __init__(self, seconds: float):
+        self.seconds, self.start, self.longest = seconds, time.monotonic(), 0.0
+
+    def on_step(self, step: int, metrics: dict) -> bool:
+        import torch.distributed as dist
+
+        self.longest = max(self.longest, metrics.get("timing_s/step", 0.0)
+                           + metrics.get("timing_s/val", 0.0))
+        stop = time.monotonic() - self.start + self.longest > self.seconds
+        flag = [stop]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(flag, src=0)
+        if flag[0] and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"trainer.time_budget_s={self.seconds:g} reached after step {step}: "
+                  "saving and stopping (resume continues from here)", flush=True)
+        return bool(flag[0])
+
+    def on_end(self) -> None:
+        pass

@@ -34,19 +34,14 @@ def _gpu_name() -> str | None:
 
 
 def _prediction(cfg, gpu: str, world: int) -> dict:
-    from hybridflow.cost import estimate_memory, estimate_step_time
+    from hybridflow.cost import Plan, estimate_memory, estimate_step_time
+    from hybridflow.parallel.layout import Layout
 
     p = cfg.parallel
-    layout = {"tp": p.tensor_parallel_size, "pp": p.pipeline_parallel_size,
-              "dp": world // (p.tensor_parallel_size * p.pipeline_parallel_size),
-              "tp_gen": cfg.rollout.tensor_parallel_size or p.tensor_parallel_size,
-              "offload_ref": cfg.trainer.offload_ref, "recompute": False}
+    layout = Layout(world_size=world, tp_t=p.tensor_parallel_size, pp_t=p.pipeline_parallel_size,
+                    tp_g=cfg.rollout.tensor_parallel_size or p.tensor_parallel_size)
     seqs = cfg.data.prompts_per_step * cfg.rollout.n
     seq_len = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    model = {k: getattr(cfg.model, k) for k in (
-        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-        "kv_channels", "vocab_size", "tie_word_embeddings")}
-    model["name"] = cfg.model.name
     workload = dict(algorithm=_ALGO.get(cfg.algo.adv_estimator, "reinforce_plus_plus"),
                     prompts_per_step=cfg.data.prompts_per_step, samples_per_prompt=cfg.rollout.n,
                     prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens,
@@ -57,7 +52,8 @@ def _prediction(cfg, gpu: str, world: int) -> dict:
                                                 or cfg.algo.micro_batch_size_per_gpu) * seq_len,
                     use_reference=cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward,
                     dtype="bf16" if cfg.trainer.precision == "bf16" else "fp32")
-    kw = dict(model=model, gpu=gpu, num_gpus=world, layout=layout, **workload)
+    kw = dict(model=cfg.model, gpu=gpu, num_gpus=world,
+              layout=Plan(layout, offload_ref=cfg.trainer.offload_ref), **workload)
     mem = estimate_memory(**kw)
     timing = {(k if k.startswith("timing_s/") else f"timing_s/{k}"): v
               for k, v in estimate_step_time(**kw).items()}
@@ -114,3 +110,24 @@ def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = 
         print(f"  full run: {cfg.trainer.total_steps} steps ({todo} to go) ~ {full['hours']:.2f} h, "
               f"{full['gpu_hours']:.2f} GPU-h" + (f", ${full['cost']:.2f}" if "cost" in full else ""))
     return record
+
+
+class Probe:
+    """A step consumer: records `trainer.probe_steps` steps from `start_step`, asks the run to stop
+    there, and writes probe.json at the end (forecasting the steps the run still had to do)."""
+
+    save_on_stop = False  # a probe measures; it leaves no checkpoint behind
+
+    def __init__(self, cfg, *, start_step: int):
+        self.cfg, self.start = cfg, start_step
+        self.stop_at = min(cfg.trainer.total_steps, start_step + cfg.trainer.probe_steps)
+        self.history: list[dict] = []
+
+    def on_step(self, step: int, metrics: dict) -> bool:
+        self.history.append(metrics)
+        return step >= self.stop_at
+
+    def on_end(self) -> None:
+        t = self.cfg.trainer
+        write_probe(self.cfg, self.history, price_per_gpu_hour=t.price_per_gpu_hour,
+                    remaining_steps=t.total_steps - self.start)

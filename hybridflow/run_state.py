@@ -30,7 +30,8 @@ class Checkpointer:
         configs = {role: e.model_cfg for role, e in t.engines.items()}
         return save_checkpoint(self.root, step=t.step, models=models, optimizers=optimizers,
                                schedulers=schedulers, trainer_state=t.state_dict(),
-                               model_configs=configs, tokenizer_dir=tok_dir)
+                               model_configs=configs, tokenizer_dir=tok_dir,
+                               layout=t.ctx.layout)
 
     def maybe_resume(self) -> bool:
         if not self.trainer.cfg.trainer.resume or not os.path.isdir(self.root):
@@ -39,7 +40,7 @@ class Checkpointer:
 
         models, optimizers, schedulers = self._parts()
         state = load_checkpoint(self.root, models=models, optimizers=optimizers,
-                                schedulers=schedulers)
+                                schedulers=schedulers, layout=self.trainer.ctx.layout)
         if state is None:
             return False
         self.trainer.load_state_dict(state)

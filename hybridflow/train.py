@@ -71,11 +71,13 @@ def main(argv: list[str] | None = None) -> int:
 
     groups.init_distributed()
     try:
-        groups.init_model_parallel(tp=cfg.parallel.tensor_parallel_size,
-                                   pp=cfg.parallel.pipeline_parallel_size, seed=cfg.trainer.seed)
+        ctx = groups.init_model_parallel(tp=cfg.parallel.tensor_parallel_size,
+                                         pp=cfg.parallel.pipeline_parallel_size,
+                                         tp_gen=cfg.rollout.tensor_parallel_size,
+                                         seed=cfg.trainer.seed)
         from hybridflow.trainer import Trainer
 
-        Trainer(cfg).train()
+        Trainer(cfg, ctx).train()
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e), collective=int(os.environ.get("WORLD_SIZE", "1")) == 1)
     finally:

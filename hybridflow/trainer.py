@@ -1,7 +1,10 @@
 """The RL step as a list of stages, each under its named timer (verl's names):
 
-  prompts -> reshard (train -> gen layout) -> gen -> old_log_prob -> ref -> values -> reward -> adv
-          -> update_critic -> update_actor -> metrics / checkpoint
+  prompts -> reshard (train -> gen layout) -> gen -> reward -> old_log_prob -> ref -> values -> adv
+          -> update_critic -> update_actor -> metrics / checkpoint -> val (every trainer.val_every)
+
+With dynamic sampling (DAPO) the first three repeat on fresh prompts until enough groups have scores
+that differ (hybridflow/rollout/dynamic_sampling.py); the overlong penalty is added after that filter.
 
 Every rank runs this same code. Each DP rank generates for its own prompts; ranks of one
 model-parallel group generate identical samples (same seed) so the batch they train on agrees.
@@ -13,34 +16,40 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
-from hybridflow import components, rollout_stage
+from hybridflow import components
+from hybridflow.parallel.context import ParallelContext
+from hybridflow.rollout.stage import RolloutStage
 from hybridflow.run_state import Checkpointer
-from hybridflow.algo import apply_kl_penalty, build_kl_controller, get_advantage_estimator
+from hybridflow.algo import (apply_kl_penalty, build_kl_controller, get_advantage_estimator,
+                             overlong_penalty, rollout_mismatch_metrics)
 from hybridflow.algo.objectives import actor_objective, critic_objective, sft_objective
 from hybridflow.config import Config
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.metrics import MetricsLogger, StageTimer, memory_metrics
 from hybridflow.parallel.dp import all_gather_batch, dp_sum
+from hybridflow.rollout.dynamic_sampling import fill_informative
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, ctx: ParallelContext):
+        self.cfg, self.ctx = cfg, ctx
         self.tokenizer, self.dataset, self.tokenizer_path = components.build_tokenizer_and_dataset(cfg)
-        self.sampler = components.build_sampler(cfg, self.dataset)
-        self.engines = components.build_engines(cfg)
+        self.sampler = components.build_sampler(cfg, ctx, self.dataset)
+        self.engines = components.build_engines(cfg, ctx)
         components.finalize_engines(self.engines, self.tokenizer)
         self.actor = self.engines["actor"]
         self.ref, self.critic = self.engines.get("ref"), self.engines.get("critic")
         if self.ref is not None and cfg.trainer.offload_ref:
             self.ref.offload()
-        self.rollout = rollout_stage.RolloutStage(cfg, self.actor, self.tokenizer,
-                                                  reward_engine=self.engines.get("reward"))
+        self.rollout = RolloutStage(cfg, ctx, self.actor, self.tokenizer,
+                                    reward_engine=self.engines.get("reward"))
+        self.validator = components.build_validator(cfg, ctx, rollout=self.rollout,
+                                                    tokenizer=self.tokenizer)
         a = cfg.algo
         self.kl_ctrl = build_kl_controller(a.kl_ctrl, kl_coef=a.kl_coef, target_kl=a.target_kl,
                                            horizon=a.kl_horizon)
@@ -57,6 +66,8 @@ class Trainer:
                                     enabled=dist.get_rank() == 0,
                                     tensorboard=cfg.trainer.tensorboard,
                                     progress_bar=cfg.trainer.progress_bar, start_step=self.step)
+        # consumers of every step's metrics besides the logger; on_step returning True ends the run
+        self.step_consumers = components.build_step_consumers(cfg, start_step=self.step)
 
     # ----------------------------------------------------------------- loop
     def train(self) -> list[dict]:
@@ -64,26 +75,37 @@ class Trainer:
         if not self.sft_done:
             self.sft_warmup()
         t = self.cfg.trainer
-        last = t.total_steps if not t.probe_steps else min(t.total_steps, self.step + t.probe_steps)
+        if self.step == 0 and self.validator is not None and self.validator.due(0):
+            self.logger.log(0, self.validate())
+        stopped, save = False, t.save_final
         with manual_gc(t.gc_interval > 0):
-            while self.step < last:
+            while self.step < t.total_steps and not stopped:
                 metrics = self.train_step()
                 self.step += 1
+                if self.validator is not None and self.validator.due(self.step):
+                    metrics.update(self.validate())
                 self.logger.log(self.step, metrics)
                 history.append(metrics)
-                final = self.step == last and t.save_final and not t.probe_steps  # saved below
+                stoppers = [c for c in self.step_consumers if c.on_step(self.step, metrics)]
+                stopped = bool(stoppers)
+                if stopped:
+                    save = all(c.save_on_stop for c in stoppers)
+                final = (self.step == t.total_steps or stopped) and save  # saved below
                 if t.save_every and self.step % t.save_every == 0 and not final:
                     self.checkpointer.save()
-        if t.probe_steps:
-            from hybridflow.probe import write_probe
-
-            write_probe(self.cfg, history, price_per_gpu_hour=t.price_per_gpu_hour,
-                        remaining_steps=t.total_steps - (self.step - len(history)))
-        elif t.save_final:
+        for c in self.step_consumers:
+            c.on_end()
+        if save:
             self.checkpointer.save()
         self.logger.summary(history)
         self.logger.close()
         return history
+
+    def validate(self) -> dict:
+        timer = StageTimer()
+        with timer("val"):
+            metrics = self.validator.run(step=self.step, timer=StageTimer())
+        return {**metrics, **timer.metrics()}
 
     def train_step(self) -> dict:
         cfg, timer = self.cfg, StageTimer()
@@ -92,8 +114,7 @@ class Trainer:
             if gc_every > 0 and self.step % gc_every == 0:
                 with timer("gc"):
                     gc.collect()
-            items = [self.dataset[i] for i in self.sampler.next_batch()]
-            batch = self.rollout.generate(items, step=self.step, timer=timer)
+            batch, reward_metrics = self.generate_and_score(timer)
             batch = batch.trimmed()
             mbs = cfg.algo.forward_micro_batch_size_per_gpu or cfg.algo.micro_batch_size_per_gpu
             with timer("old_log_prob"):
@@ -110,8 +131,6 @@ class Trainer:
             if self.critic is not None:
                 with timer("values"):
                     batch.values = self.critic.compute_values(batch, micro_batch_size=mbs)
-            with timer("reward"):
-                batch.scores, reward_metrics = self.rollout.score(items, batch)
             with timer("adv"):
                 batch, adv_metrics = self.compute_advantages(batch)
             update_metrics = {}
@@ -127,9 +146,42 @@ class Trainer:
         return metrics
 
     # ----------------------------------------------------------------- stages
+    def generate_and_score(self, timer) -> tuple[RolloutBatch, dict]:
+        """New prompts -> gen -> reward; with dynamic sampling, rounds of that until the step holds
+        data.prompts_per_step informative groups; then the overlong penalty (DAPO)."""
+        cfg, rounds = self.cfg, itertools.count()
+
+        def one_round():
+            items = [self.dataset[i] for i in self.sampler.next_batch()]
+            batch = self.rollout.generate(items, step=self.step, round_index=next(rounds), timer=timer)
+            with timer("reward"):
+                batch.scores, metrics = self.rollout.score(items, batch)
+            return batch, metrics
+
+        ds = cfg.algo.dynamic_sampling
+        if not ds.enable:
+            batch, metrics = one_round()
+        else:
+            batch, metrics = fill_informative(
+                one_round, num_groups=self.sampler.local_batch_size, group_size=cfg.rollout.n,
+                max_rounds=ds.max_rounds, dp_group=self.ctx.dp_group, pad_id=self.tokenizer.pad_id)
+            if metrics["dynamic_sampling/cap_hit"]:
+                self.logger.print(f"step {self.step + 1}: dynamic sampling found too few informative "
+                                  f"groups in {ds.max_rounds} rounds; training with "
+                                  f"{metrics['dynamic_sampling/filler_groups']:.0f} uninformative ones")
+        ob = cfg.reward.overlong_buffer
+        if ob.enable:
+            penalty = overlong_penalty(batch.response_mask.sum(1), max_len=cfg.rollout.max_new_tokens,
+                                       buffer_len=ob.len, penalty_factor=ob.penalty_factor)
+            batch.scores = batch.scores + penalty
+            metrics["reward/overlong_penalty/mean"] = (
+                dp_sum(float(penalty.mean()), group=self.ctx.dp_group) / self.ctx.dp_size)
+        return batch, metrics
+
     def compute_advantages(self, batch: RolloutBatch):
         a = self.cfg.algo
-        full = all_gather_batch(batch)  # global batch, same order on every rank
+        # global batch, same order on every rank
+        full = all_gather_batch(batch, group=self.ctx.dp_group, pad_id=self.tokenizer.pad_id)
         mask = full.response_mask.float()
         token_scores = torch.zeros_like(mask)
         last = (mask.sum(1).long() - 1).clamp(min=0)
@@ -155,13 +207,19 @@ class Trainer:
             "critic/returns/mean": float((ret * mask).sum() / n)})
         if full.values is not None:
             metrics["critic/values/mean"] = float((full.values * mask).sum() / n)
+        if full.rollout_logprobs is not None:  # generator vs training forward (bf16 decode, kernels)
+            metrics.update(rollout_mismatch_metrics(
+                old_logprobs=full.old_logprobs, rollout_logprobs=full.rollout_logprobs,
+                response_mask=mask, cap=a.tis_imp_ratio_cap))
         lengths = mask.sum(1)
         metrics.update({"response_length/mean": float(lengths.mean()),
                         "response_length/max": float(lengths.max()),
                         "response_length/min": float(lengths.min()),
                         "response_length/clip_ratio": float(
                             (lengths >= self.cfg.rollout.max_new_tokens).float().mean())})
-        rows, width = _local_rows(batch.batch_size), batch.response_ids.shape[1]
+        r = self.ctx.train.dp
+        rows = slice(r * batch.batch_size, (r + 1) * batch.batch_size)
+        width = batch.response_ids.shape[1]
         batch.token_rewards, batch.advantages, batch.returns = (
             t[rows, :width].contiguous() for t in (token_rewards, adv, ret))
         return batch, metrics
@@ -169,16 +227,17 @@ class Trainer:
     def update(self, engine, batch: RolloutBatch, objective) -> dict:
         """ppo_epochs x mini-batches of optimizer steps; metrics averaged over the updates."""
         a = self.cfg.algo
-        local_mini = a.ppo_mini_batch_size // ps.get_data_parallel_world_size()
+        local_mini = a.ppo_mini_batch_size // self.ctx.dp_size
         sums, count = {}, 0
         for epoch in range(a.ppo_epochs):
             gen = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.step * 31 + epoch)
             order = torch.randperm(batch.batch_size, generator=gen)
             for i in range(0, batch.batch_size, local_mini):
                 mb = batch.select(order[i:i + local_mini])
-                num_tokens = int(dp_sum(float(mb.response_mask.sum())))
+                num_tokens = int(dp_sum(float(mb.response_mask.sum()), group=self.ctx.dp_group))
+                scale = a.loss_scale_factor or self.cfg.rollout.max_new_tokens  # seq-mean-token-sum-norm
                 loss_fn = objective(a, num_tokens=max(num_tokens, 1),
-                                    num_seqs=a.ppo_mini_batch_size)
+                                    num_seqs=a.ppo_mini_batch_size, loss_scale_factor=scale)
                 m = engine.train_step(mb, loss_fn, micro_batch_size=a.micro_batch_size_per_gpu,
                                       temperature=self.temperature,
                                       need_entropy=engine.role == "actor")
@@ -196,7 +255,7 @@ class Trainer:
         for s in range(steps):
             items = [self.dataset[i] for i in self.sampler.next_batch()]
             batch = self.rollout.sft_batch(items)
-            num_tokens = int(dp_sum(float(batch.response_mask.sum())))
+            num_tokens = int(dp_sum(float(batch.response_mask.sum()), group=self.ctx.dp_group))
             m = self.actor.train_step(batch, sft_objective(num_tokens=num_tokens),
                                       micro_batch_size=self.cfg.algo.micro_batch_size_per_gpu, lr=lr)
             if (s + 1) % 10 == 0 or s + 1 == steps:
@@ -205,7 +264,7 @@ class Trainer:
 
     def throughput(self, batch: RolloutBatch, step_s: float) -> dict:
         # every model-parallel replica holds its DP share; count each token once
-        tokens = dp_sum(float(batch.token_mask().sum()))
+        tokens = dp_sum(float(batch.token_mask().sum()), group=self.ctx.dp_group)
         world = dist.get_world_size()
         return {"perf/total_num_tokens": tokens, "perf/throughput": tokens / (step_s * world)}
 
@@ -220,11 +279,6 @@ class Trainer:
         self.sft_done = state["sft_done"]
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-
-
-def _local_rows(local_size: int) -> slice:
-    r = ps.get_data_parallel_rank()
-    return slice(r * local_size, (r + 1) * local_size)
 
 
 @contextlib.contextmanager

@@ -100,9 +100,9 @@ def single_rank_megatron():
 
     saved = dict(os.environ)
     groups.init_distributed()
-    groups.init_model_parallel(tp=1, pp=1, seed=0)
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=0)
     try:
-        yield
+        yield ctx
     finally:
         groups.destroy()
         os.environ.clear()

@@ -75,7 +75,8 @@ def _complete_steps(root_dir: str) -> list[int]:
 # ---------------------------------------------------------------------------------------- save
 def save_checkpoint(root_dir: str, *, step: int, models: dict, optimizers: dict = {},
                     schedulers: dict = {}, trainer_state: dict = {}, model_configs: dict = {},
-                    tokenizer_dir: Optional[str] = None, keep_last: Optional[int] = None) -> str:
+                    tokenizer_dir: Optional[str] = None, keep_last: Optional[int] = None,
+                    layout=None) -> str:
     """Write `<root_dir>/step_<step>` atomically on every rank; return its path.
 
     models: role -> list of model chunks (DDP-wrapped or bare); optimizers / schedulers: role ->
@@ -113,7 +114,8 @@ def save_checkpoint(root_dir: str, *, step: int, models: dict, optimizers: dict 
     state.save_rng(tmp)
     if rank == 0:
         state.write_rank0_files(tmp, step=step, roles=list(models), trainer_state=trainer_state,
-                                model_configs=model_configs, tokenizer_dir=tokenizer_dir)
+                                model_configs=model_configs, tokenizer_dir=tokenizer_dir,
+                                layout=layout)
     dist.barrier()
     if rank == 0:
         _publish(root_dir, tmp, final, step)
@@ -141,12 +143,13 @@ def _publish(root_dir: str, tmp: str, final: str, step: int) -> None:
 # ---------------------------------------------------------------------------------------- load
 def load_checkpoint(root_dir: str, *, models: dict, optimizers: dict = {}, schedulers: dict = {},
                     step: Optional[int] = None, load_optimizer: bool = True,
-                    load_rng: bool = True) -> Optional[dict]:
+                    load_rng: bool = True, layout=None) -> Optional[dict]:
     """Load a checkpoint into the given models (and optimizers, schedulers), in any layout.
 
     step=None loads the latest one and returns None when there is none. Returns the trainer state
     dict (with "step"). load_optimizer=False keeps the optimizers' fresh state (main weights are
-    refreshed from the loaded model). RNG states come back only in the layout that saved them.
+    refreshed from the loaded model). RNG states come back only in the layout that saved them
+    (`layout`, the current hybridflow.parallel.layout.Layout; None compares the world size only).
     Missing step/role dirs raise FileNotFoundError; shapes that do not match the checkpoint raise
     ValueError naming the tensor."""
     if step is None:
@@ -183,7 +186,7 @@ def load_checkpoint(root_dir: str, *, models: dict, optimizers: dict = {}, sched
                                  f"configured one: {e}") from None
 
     if load_rng:
-        state.restore_rng(path)
+        state.restore_rng(path, layout)
     return state.read_trainer_state(path)
 
 

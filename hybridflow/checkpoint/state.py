@@ -18,7 +18,6 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -40,7 +39,7 @@ def sync_writer_shims() -> None:
 
 
 def write_rank0_files(tmp: str, *, step: int, roles: list, trainer_state: dict,
-                      model_configs: dict, tokenizer_dir: Optional[str]) -> None:
+                      model_configs: dict, tokenizer_dir: Optional[str], layout=None) -> None:
     state, extra = {}, {}
     for key, value in trainer_state.items():
         try:
@@ -55,7 +54,7 @@ def write_rank0_files(tmp: str, *, step: int, roles: list, trainer_state: dict,
     for role, cfg in model_configs.items():
         write_json(os.path.join(tmp, f"model_config_{role}.json"), dataclasses.asdict(cfg))
     write_json(os.path.join(tmp, "meta.json"), {
-        "format_version": FORMAT_VERSION, "step": step, "roles": roles, **layout()})
+        "format_version": FORMAT_VERSION, "step": step, "roles": roles, **layout_record(layout)})
     if tokenizer_dir is not None:
         if not os.path.isdir(tokenizer_dir):
             raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir} is not a directory")
@@ -80,13 +79,12 @@ def read_model_config(step_path: str, role: str = "actor") -> ModelConfig:
     return ModelConfig(**{k: v for k, v in data.items() if k in fields})
 
 
-def layout() -> dict:
-    world = dist.get_world_size()
-    if not ps.model_parallel_is_initialized():
-        return {"world_size": world}
-    return {"world_size": world, "tp": ps.get_tensor_model_parallel_world_size(),
-            "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size()}
+def layout_record(layout) -> dict:
+    """meta.json's record of the saving layout (a hybridflow.parallel.layout.Layout, or None)."""
+    if layout is None:
+        return {"world_size": dist.get_world_size()}
+    return {"world_size": layout.world_size, "tp": layout.tp_t, "pp": layout.pp_t,
+            "dp": layout.dp_t}
 
 
 def save_rng(path: str) -> None:
@@ -97,11 +95,13 @@ def save_rng(path: str) -> None:
     torch.save(state, os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt"))
 
 
-def restore_rng(path: str) -> bool:
-    """Restore this rank's RNG states when the checkpoint was saved in the current layout."""
+def restore_rng(path: str, layout=None) -> bool:
+    """Restore this rank's RNG states when the checkpoint was saved in the current layout (`layout`;
+    None: only the world size is compared)."""
     rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
     meta = read_json(os.path.join(path, "meta.json"))
-    if not os.path.exists(rng_file) or any(meta.get(k) != v for k, v in layout().items()):
+    if not os.path.exists(rng_file) or any(meta.get(k) != v
+                                           for k, v in layout_record(layout).items()):
         return False
     state = torch.load(rng_file, weights_only=False)
     random.setstate(state["python"])

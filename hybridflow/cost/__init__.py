@@ -2,7 +2,8 @@
 parallel layout to use. CLI: `python -m hybridflow.cost --help`; fitting the efficiencies to
 measured runs: `python -m hybridflow.cost.calibrate --help`.
 
-Files: gpus (GPU table), shapes (model shapes), workload (batch + layout inputs), flops, memory,
+Files: gpus (GPU table), shapes (the model: a config.ModelConfig from a name, YAML or config.json),
+workload (batch inputs, and the Plan: parallel.layout.Layout + memory options), flops, memory,
 timing (seconds per stage from `efficiency.Calibration`), search (layout search), estimate (entry points),
 report (CostReport), calibrate (fit the efficiencies from measured runs), validate (its per-config
 leave-one-out summary)."""
@@ -11,8 +12,9 @@ from hybridflow.cost.estimate import estimate_cost, estimate_memory, estimate_st
 from hybridflow.cost.gpus import GPUS, get_gpu
 from hybridflow.cost.memory import MemoryEstimate
 from hybridflow.cost.report import CostReport
-from hybridflow.cost.shapes import ModelShape, load_shape
+from hybridflow.cost.shapes import load_shape
+from hybridflow.cost.workload import Plan, Workload
 
 __all__ = ["estimate_cost", "estimate_memory", "estimate_step_time", "CostReport", "Calibration",
-           "MemoryEstimate", "ModelShape", "GPUS", "get_gpu", "load_calibration", "load_shape",
+           "MemoryEstimate", "Plan", "Workload", "GPUS", "get_gpu", "load_calibration", "load_shape",
            "shipped_calibration"]

@@ -8,7 +8,7 @@ Files with a top-level "calibration" or "validation" key (this tool's outputs) a
 
     {"name": "qwen2_0_5b-1xH200-grpo",                # optional label for the tables
      "config": {"model": "qwen2_0_5b",                # conf/model name, HF config path, or a dict
-                                                      # of ModelShape fields
+                                                      # of ModelConfig fields
                 "gpu": "H200", "num_gpus": 1,
                 "layout": {"tp": 1, "pp": 1, "dp": 1, "tp_gen": 1,
                            "offload_ref": false, "recompute": false},
@@ -54,10 +54,11 @@ import numpy as np
 from hybridflow.cost.efficiency import Calibration, load_calibration
 from hybridflow.cost.gpus import GPU, get_gpu
 from hybridflow.cost.memory import memory_for
-from hybridflow.cost.shapes import ModelShape, load_shape
+from hybridflow.cost.shapes import load_shape
 from hybridflow.cost.timing import stage_terms
 from hybridflow.cost.validate import format_validation, validation
-from hybridflow.cost.workload import Layout, Workload, make_layout
+from hybridflow.cost.workload import Plan, Workload, make_plan
+from hybridflow.model_config import ModelConfig
 
 MEMORY_KEY = "perf/max_memory_allocated_gb"
 STEP_KEY = "timing_s/step"
@@ -72,9 +73,9 @@ GROUPS = [(("reshard",), ("inv_comm_eff",)),
 @dataclass
 class Run:
     name: str
-    shape: ModelShape
+    shape: ModelConfig
     gpu: GPU
-    layout: Layout
+    plan: Plan
     workload: Workload
     metrics: dict[str, float]
 
@@ -88,12 +89,12 @@ def parse_record(rec: dict, default_name: str = "run") -> Run:
             raise ValueError(f"record {rec.get('name', default_name)!r}: config lacks {key!r}")
     fields = Workload.__dataclass_fields__
     work = Workload(**{k: v for k, v in cfg.items() if k in fields})
-    layout = make_layout(cfg["layout"], int(cfg["num_gpus"]))
     metrics = rec.get("metrics", rec)
     metrics = {k: float(v) for k, v in metrics.items()
                if (k.startswith("timing_s/") or k == MEMORY_KEY) and isinstance(v, (int, float))}
-    return Run(str(rec.get("name", default_name)), load_shape(cfg["model"]), get_gpu(cfg["gpu"]),
-               layout, work, metrics)
+    shape = load_shape(cfg["model"])
+    return Run(str(rec.get("name", default_name)), shape, get_gpu(cfg["gpu"]),
+               make_plan(cfg["layout"], int(cfg["num_gpus"]), shape), work, metrics)
 
 
 def load_records(paths: list[str | Path]) -> list[dict]:
@@ -221,11 +222,11 @@ def fit(records: list[dict], base: Calibration | None = None) -> Calibration:
     base = base or Calibration()
     runs = [parse_record(r, f"run{i}") for i, r in enumerate(records)]
     unit = replace(base, memory_scale=1.0)
-    pairs = [(memory_for(r.shape, r.gpu, r.layout, r.workload, unit).peak_gib, r.metrics[MEMORY_KEY])
+    pairs = [(memory_for(r.shape, r.gpu, r.plan, r.workload, unit).peak_gib, r.metrics[MEMORY_KEY])
              for r in runs if MEMORY_KEY in r.metrics]
     den = sum(p * p for p, _ in pairs)
     calib = replace(base, memory_scale=sum(p * m for p, m in pairs) / den) if den else base
-    terms = [stage_terms(r.shape, r.gpu, r.layout, r.workload, calib) for r in runs]
+    terms = [stage_terms(r.shape, r.gpu, r.plan, r.workload, calib) for r in runs]
     runs = [_with_other(r, t) for r, t in zip(runs, terms)]
     coefs = calib.coefs()
     for stages, unknowns in GROUPS:
@@ -239,9 +240,9 @@ def predict(run: Run, calib: Calibration) -> dict[str, float]:
     """Predicted `timing_s/<stage>`, `timing_s/step` (their sum) and peak memory of one run."""
     coefs = calib.coefs()
     out = {f"timing_s/{k}": t.seconds(coefs)
-           for k, t in stage_terms(run.shape, run.gpu, run.layout, run.workload, calib).items()}
+           for k, t in stage_terms(run.shape, run.gpu, run.plan, run.workload, calib).items()}
     out[STEP_KEY] = sum(out.values())
-    out[MEMORY_KEY] = memory_for(run.shape, run.gpu, run.layout, run.workload, calib).peak_gib
+    out[MEMORY_KEY] = memory_for(run.shape, run.gpu, run.plan, run.workload, calib).peak_gib
     return out
 
 

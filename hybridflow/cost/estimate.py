@@ -11,23 +11,21 @@ from hybridflow.cost.report import CostReport
 from hybridflow.cost.search import Evaluation, evaluate, reason, runners_up, search, suggest
 from hybridflow.cost.shapes import load_shape
 from hybridflow.cost.timing import actor_model_flops, step_seconds
-from hybridflow.cost.workload import Workload, make_layout
+from hybridflow.cost.workload import Plan, Workload, make_plan
 
 
 def _fixed(model, gpu, num_gpus, layout, calibration, workload: dict):
     shape, gpu_, calib = load_shape(model), get_gpu(gpu), load_calibration(calibration)
-    lay = make_layout(layout, num_gpus)
-    lay.check(shape, num_gpus)
-    return shape, gpu_, lay, Workload(**workload), calib
+    return shape, gpu_, make_plan(layout, num_gpus, shape), Workload(**workload), calib
 
 
-def estimate_memory(*, model, gpu, num_gpus: int, layout: dict, calibration=None,
+def estimate_memory(*, model, gpu, num_gpus: int, layout: dict | Plan, calibration=None,
                     **workload) -> MemoryEstimate:
     """Peak memory per GPU by phase and component for one layout; `workload`: Workload's fields."""
     return memory_for(*_fixed(model, gpu, num_gpus, layout, calibration, workload))
 
 
-def estimate_step_time(*, model, gpu, num_gpus: int, layout: dict, calibration=None,
+def estimate_step_time(*, model, gpu, num_gpus: int, layout: dict | Plan, calibration=None,
                        **workload) -> dict[str, float]:
     """Seconds per stage (`timing_s/<stage>` names) and "step" for one layout."""
     return step_seconds(*_fixed(model, gpu, num_gpus, layout, calibration, workload))
@@ -71,14 +69,13 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                     use_reference=use_reference, dtype=dtype)
     num_steps, steps_note = _num_steps(steps, epochs, dataset_size, prompts_per_step)
     if layout is not None:
-        lay = make_layout(layout, num_gpus)
-        lay.check(shape, num_gpus)
-        ranked = [evaluate(shape, gpu_, lay, work, calib)]
+        ranked = [evaluate(shape, gpu_, make_plan(layout, num_gpus, shape), work, calib)]
     else:
         ranked = search(shape, gpu_, num_gpus, work, calib)
         if not ranked:
             raise ValueError(f"no layout of {num_gpus} GPUs suits {shape.name}: TP must divide "
-                             f"{shape.num_query_groups} KV groups and PP {shape.num_layers} layers")
+                             f"{shape.num_attention_heads} heads, {shape.num_query_groups} KV groups "
+                             f"and FFN width {shape.ffn_hidden_size}, PP {shape.num_layers} layers")
     return _report(shape, gpu_, num_gpus, work, calib, ranked, num_steps, price_per_gpu_hour,
                    notes=[steps_note] if steps_note else [], forced=layout is not None)
 
@@ -100,7 +97,7 @@ def _report(shape, gpu, num_gpus, work, calib: Calibration, ranked: list[Evaluat
         model=shape.name, num_params=shape.num_params, gpu=gpu.name, num_gpus=num_gpus,
         algorithm=work.algorithm,
         workload={k: getattr(work, k) for k in work.__dataclass_fields__},
-        fits=best.fits, layout=best.layout.to_dict(),
+        fits=best.fits, layout=best.plan.to_dict(),
         reason=reason(best, best, forced),
         memory_gib=mem.components_gib, peak_memory_gib=mem.peak_gib, peak_phase=mem.peak_phase,
         memory_capacity_gib=mem.capacity_gib,
@@ -112,7 +109,7 @@ def _report(shape, gpu, num_gpus, work, calib: Calibration, ranked: list[Evaluat
         throughput=work.tokens_per_step / (best.step * num_gpus),
         mfu_actor=actor_model_flops(shape, work) / (stages["update_actor"] * num_gpus
                                                     * gpu.bf16_tflops * 1e12),
-        runners_up=[{"layout": ev.layout.to_dict(), "step_seconds": ev.step,
+        runners_up=[{"layout": ev.plan.to_dict(), "step_seconds": ev.step,
                      "peak_memory_gib": ev.memory.peak_gib, "fits": ev.fits, "reason": reason(ev, best)}
                     for ev in runners_up(ranked)],
         overflow=None if best.fits else best.overflow(),

@@ -1,6 +1,6 @@
 """FLOPs per token and bytes per token: the counts every timing formula starts from.
 
-N is `ModelShape.num_dense_params`: the weights that take part in a matmul for every token, i.e. the
+N is `ModelConfig.num_dense_params`: the weights that take part in a matmul for every token, i.e. the
 layers' QKV, output, gate, up and down projections plus the LM head (V x h); biases, norms and the
 embedding lookup are left out (for the critic, the LM head is replaced by its h x 1 value head).
 A matmul costs 2 FLOPs per weight per token forward and 4 backward, hence 2N forward and 6N fwd+bwd.
@@ -15,43 +15,43 @@ from __future__ import annotations
 
 import math
 
-from hybridflow.cost.shapes import ModelShape
+from hybridflow.model_config import ModelConfig
 
 BYTES_PER_PARAM = 2     # bf16 / fp16 weights
 
 
-def dense_params(shape: ModelShape, role: str = "actor") -> int:
+def dense_params(shape: ModelConfig, role: str = "actor") -> int:
     if role == "critic":
         return shape.num_layers * shape.layer_matmul_params + shape.hidden_size
     return shape.num_dense_params
 
 
-def forward_flops_per_token(shape: ModelShape, seq_len: int, role: str = "actor") -> float:
+def forward_flops_per_token(shape: ModelConfig, seq_len: int, role: str = "actor") -> float:
     return 2 * dense_params(shape, role) + 2 * shape.num_layers * seq_len * shape.q_dim
 
 
-def train_flops_per_token(shape: ModelShape, seq_len: int, role: str = "actor",
+def train_flops_per_token(shape: ModelConfig, seq_len: int, role: str = "actor",
                           recompute: bool = False) -> float:
     passes = 4 if recompute else 3     # fwd + bwd (2x fwd) [+ recomputed fwd]
     return passes * forward_flops_per_token(shape, seq_len, role)
 
 
-def decode_flops_per_token(shape: ModelShape, context: float) -> float:
+def decode_flops_per_token(shape: ModelConfig, context: float) -> float:
     """One generated token attending to `context` cached positions."""
     return 2 * shape.num_dense_params + 4 * shape.num_layers * shape.q_dim * context
 
 
-def kv_heads_per_gpu(shape: ModelShape, tp: int) -> int:
+def kv_heads_per_gpu(shape: ModelConfig, tp: int) -> int:
     # TP shards the KV groups; with more TP ranks than groups each rank keeps a replica of one.
     return math.ceil(shape.num_query_groups / tp)
 
 
-def kv_bytes_per_token(shape: ModelShape, tp: int = 1) -> int:
+def kv_bytes_per_token(shape: ModelConfig, tp: int = 1) -> int:
     """K and V of every layer for one cached token, on one of `tp` ranks."""
     return 2 * shape.num_layers * kv_heads_per_gpu(shape, tp) * shape.head_dim * BYTES_PER_PARAM
 
 
-def activation_bytes_per_token_layer(shape: ModelShape) -> int:
+def activation_bytes_per_token_layer(shape: ModelConfig) -> int:
     """bf16 tensors one layer keeps for backward per token (no dropout, flash attention: no scores).
 
     norm input h + QKV input h + Q,K,V (q + 2kv) + attention output q + MLP norm input h + fc1 input h

@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass
 from hybridflow.cost.efficiency import Calibration
 from hybridflow.cost.flops import BYTES_PER_PARAM, activation_bytes_per_token_layer, kv_bytes_per_token
 from hybridflow.cost.gpus import GPU
-from hybridflow.cost.shapes import ModelShape
-from hybridflow.cost.workload import Layout, Workload
+from hybridflow.cost.workload import Plan, Workload
+from hybridflow.model_config import ModelConfig
+from hybridflow.parallel.layout import Layout
 
 GIB = 2 ** 30
 LOGIT_BYTES = 8        # per vocab entry per token: fp32 logits + fp32 log-softmax (or its grad)
@@ -69,69 +70,73 @@ def phases_to_run(workload: Workload) -> list[str]:
     return phases + ["update_actor"]
 
 
-def _resident(shape: ModelShape, layout: Layout, workload: Workload) -> dict[str, float]:
-    shard = layout.tp * layout.pp
+def _resident(shape: ModelConfig, plan: Plan, workload: Workload) -> dict[str, float]:
+    lay = plan.layout
+    shard = lay.tp_t * lay.pp_t
     p, pc = shape.num_params, shape.num_critic_params
-    ref = BYTES_PER_PARAM * p / shard if workload.use_reference and not layout.offload_ref else 0.0
-    critic = pc * (BYTES_PER_PARAM + 4 + 12 / layout.dp) / shard if workload.has_critic else 0.0
+    ref = BYTES_PER_PARAM * p / shard if workload.use_reference and not plan.offload_ref else 0.0
+    critic = pc * (BYTES_PER_PARAM + 4 + 12 / lay.dp_t) / shard if workload.has_critic else 0.0
     return {"actor_weights": BYTES_PER_PARAM * p / shard, "actor_grads": 4 * p / shard,
-            "actor_optimizer": 12 * p / (shard * layout.dp), "critic": critic, "reference": ref}
+            "actor_optimizer": 12 * p / (shard * lay.dp_t), "critic": critic, "reference": ref}
 
 
-def reshard_buffer_bytes(shape: ModelShape, layout: Layout) -> float:
-    if layout.tp_gen == layout.tp and layout.pp == 1:
+def reshard_buffer_bytes(shape: ModelConfig, layout: Layout) -> float:
+    if not layout.needs_reshard:
         return 0.0     # generation reads the training weights in place
-    return BYTES_PER_PARAM * shape.num_params * (1 / layout.tp_gen - 1 / (layout.tp * layout.pp))
+    return BYTES_PER_PARAM * shape.num_params * (1 / layout.tp_g - 1 / (layout.tp_t * layout.pp_t))
 
 
-def _gen_bytes_per_seq(shape: ModelShape, layout: Layout, workload: Workload) -> tuple[float, float]:
+def _gen_bytes_per_seq(shape: ModelConfig, layout: Layout, workload: Workload) -> tuple[float, float]:
     """(KV cache, scratch) bytes per sequence of a generation wave."""
-    kv = workload.seq_len * kv_bytes_per_token(shape, layout.tp_gen)
+    kv = workload.seq_len * kv_bytes_per_token(shape, layout.tp_g)
     scratch = (workload.prompt_len * activation_bytes_per_token_layer(shape)
-               + shape.vocab_size * LOGIT_BYTES) / layout.tp_gen
+               + shape.vocab_size * LOGIT_BYTES) / layout.tp_g
     return kv, scratch
 
 
-def gen_batch_size(shape: ModelShape, gpu: GPU, layout: Layout, workload: Workload,
+def gen_batch_size(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
                    calib: Calibration) -> tuple[int, int]:
     """(sequences per wave, waves) for one gen replica: as many as the free memory holds."""
-    per_replica = math.ceil(workload.num_sequences / layout.dp_gen)
-    used = sum(_resident(shape, layout, workload).values()) + reshard_buffer_bytes(shape, layout)
+    lay = plan.layout
+    per_replica = math.ceil(workload.num_sequences / lay.dp_g)
+    used = sum(_resident(shape, plan, workload).values()) + reshard_buffer_bytes(shape, lay)
     free = (gpu.memory_gib - calib.memory_headroom_gib) * GIB / calib.memory_scale - used
-    batch = min(per_replica, max(1, int(free // sum(_gen_bytes_per_seq(shape, layout, workload)))))
+    batch = min(per_replica, max(1, int(free // sum(_gen_bytes_per_seq(shape, lay, workload)))))
     return batch, math.ceil(per_replica / batch)
 
 
-def _activations(shape: ModelShape, layout: Layout, workload: Workload, phase: str) -> float:
-    tp, micro_tokens = layout.tp, workload.seqs_per_micro_batch * workload.seq_len
+def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str) -> float:
+    lay = plan.layout
+    tp, micro_tokens = lay.tp_t, workload.seqs_per_micro_batch * workload.seq_len
     layer = activation_bytes_per_token_layer(shape)
     logits = 0 if phase in ("values", "update_critic") else shape.vocab_size * LOGIT_BYTES / tp
     if phase in ("old_log_prob", "ref", "values"):
         return workload.seqs_per_forward_micro_batch * workload.seq_len * (layer / tp + logits)
-    in_flight = min(layout.pp, workload.num_micro_batches(layout.dp))
-    layers_kept = shape.num_layers // layout.pp * in_flight
-    if layout.recompute:
+    in_flight = min(lay.pp_t, workload.num_micro_batches(lay.dp_t))
+    layers_kept = shape.num_layers // lay.pp_t * in_flight
+    if plan.recompute:
         kept = layers_kept * BYTES_PER_PARAM * shape.hidden_size / tp + layer / tp
     else:
         kept = layers_kept * layer / tp
     return micro_tokens * (kept + logits)
 
 
-def memory_for(shape: ModelShape, gpu: GPU, layout: Layout, workload: Workload,
+def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
                calib: Calibration) -> MemoryEstimate:
-    resident = _resident(shape, layout, workload)
-    batch, waves = gen_batch_size(shape, gpu, layout, workload, calib)
+    lay = plan.layout
+    resident = _resident(shape, plan, workload)
+    batch, waves = gen_batch_size(shape, gpu, plan, workload, calib)
     phases = {}
     for phase in phases_to_run(workload):
         c = dict.fromkeys(COMPONENTS, 0.0) | resident
         if phase == "gen":
-            kv, scratch = _gen_bytes_per_seq(shape, layout, workload)
-            c |= {"reshard_buffer": reshard_buffer_bytes(shape, layout), "kv_cache": batch * kv,
+            kv, scratch = _gen_bytes_per_seq(shape, lay, workload)
+            c |= {"reshard_buffer": reshard_buffer_bytes(shape, lay), "kv_cache": batch * kv,
                   "activations": batch * scratch}
         else:
-            c["activations"] = _activations(shape, layout, workload, phase)
+            c["activations"] = _activations(shape, plan, workload, phase)
         if phase == "ref" and workload.use_reference:
-            c["reference"] = BYTES_PER_PARAM * shape.num_params / (layout.tp * layout.pp)
+            c["reference"] = BYTES_PER_PARAM * shape.num_params / (lay.tp_t * lay.pp_t)
         phases[phase] = {k: v * calib.memory_scale / GIB for k, v in c.items()}
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
     return MemoryEstimate(phases_gib=phases, peak_phase=peak_phase,

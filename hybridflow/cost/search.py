@@ -1,8 +1,9 @@
 """Layout search: every layout megatron-core can build on the GPUs, ranked by predicted step time.
 
-Candidates: TP dividing the GPU count, within one node (TP all-reduces every layer), dividing the
-attention heads and KV groups; PP dividing the rest and the layer count; DP the remainder; gen TP_g
-any divisor of TP; the reference offloaded or not; full activation recompute or not. Layouts that fit
+Candidates: TP dividing the GPU count, within one node (TP all-reduces every layer); PP dividing the
+rest; DP the remainder; the model split as the trainer accepts it (`workload.check_model_split`: TP
+divides the heads, KV groups and FFN width, PP the layers); gen TP_g any divisor of TP; the reference
+offloaded or not; full activation recompute or not. Layouts that fit
 rank by step seconds (ties: no offload, no recompute first); when none fits, by peak / capacity, and
 `suggest` searches what would fit: more GPUs (doubling), a GPU with more memory, smaller micro-batches.
 """
@@ -13,14 +14,15 @@ from dataclasses import dataclass, replace
 from hybridflow.cost.efficiency import Calibration
 from hybridflow.cost.gpus import GPU, GPUS
 from hybridflow.cost.memory import MemoryEstimate, memory_for
-from hybridflow.cost.shapes import ModelShape
 from hybridflow.cost.timing import stage_breakdown
-from hybridflow.cost.workload import Layout, Workload
+from hybridflow.cost.workload import Plan, Workload, check_model_split
+from hybridflow.model_config import ModelConfig
+from hybridflow.parallel.layout import Layout
 
 
 @dataclass
 class Evaluation:
-    layout: Layout
+    plan: Plan
     memory: MemoryEstimate
     breakdown: dict[str, dict[str, float]]    # stage -> part -> seconds
 
@@ -39,7 +41,7 @@ class Evaluation:
 
     def rank_key(self) -> tuple:
         size = self.step if self.fits else self.memory.peak_gib / self.memory.capacity_gib
-        return (not self.fits, size, self.layout.offload_ref, self.layout.recompute, self.layout.pp)
+        return (not self.fits, size, self.plan.offload_ref, self.plan.recompute, self.plan.layout.pp_t)
 
     def overflow(self) -> dict:
         m = self.memory
@@ -52,33 +54,41 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(shape: ModelShape, gpu: GPU, num_gpus: int, use_reference: bool) -> list[Layout]:
+def _splits(shape: ModelConfig, num_gpus: int, tp: int, pp: int) -> bool:
+    try:
+        check_model_split(shape, Layout(world_size=num_gpus, tp_t=tp, pp_t=pp, tp_g=tp))
+    except ValueError:
+        return False
+    return True
+
+
+def candidate_plans(shape: ModelConfig, gpu: GPU, num_gpus: int, use_reference: bool) -> list[Plan]:
     out = []
     for tp in _divisors(num_gpus):
-        if tp > gpu.gpus_per_node or shape.num_query_groups % tp or shape.num_attention_heads % tp:
+        if tp > gpu.gpus_per_node:
             continue
         for pp in _divisors(num_gpus // tp):
-            if shape.num_layers % pp:
+            if not _splits(shape, num_gpus, tp, pp):
                 continue
             for tp_gen in _divisors(tp):
+                layout = Layout(world_size=num_gpus, tp_t=tp, pp_t=pp, tp_g=tp_gen)
                 for offload in ((False, True) if use_reference else (False,)):
                     for recompute in (False, True):
-                        out.append(Layout(tp=tp, pp=pp, dp=num_gpus // (tp * pp), tp_gen=tp_gen,
-                                          offload_ref=offload, recompute=recompute))
+                        out.append(Plan(layout, offload_ref=offload, recompute=recompute))
     return out
 
 
-def evaluate(shape: ModelShape, gpu: GPU, layout: Layout, workload: Workload,
+def evaluate(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
              calib: Calibration) -> Evaluation:
-    return Evaluation(layout, memory_for(shape, gpu, layout, workload, calib),
-                      stage_breakdown(shape, gpu, layout, workload, calib))
+    return Evaluation(plan, memory_for(shape, gpu, plan, workload, calib),
+                      stage_breakdown(shape, gpu, plan, workload, calib))
 
 
-def search(shape: ModelShape, gpu: GPU, num_gpus: int, workload: Workload,
+def search(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Workload,
            calib: Calibration) -> list[Evaluation]:
     """All candidates, best first. Empty when no layout can be built (e.g. TP cannot divide heads)."""
-    evals = [evaluate(shape, gpu, lay, workload, calib)
-             for lay in candidate_layouts(shape, gpu, num_gpus, workload.use_reference)]
+    evals = [evaluate(shape, gpu, plan, workload, calib)
+             for plan in candidate_plans(shape, gpu, num_gpus, workload.use_reference)]
     return sorted(evals, key=Evaluation.rank_key)
 
 
@@ -101,10 +111,10 @@ def reason(ev: Evaluation, best: Evaluation, forced: bool = False) -> str:
 
 def runners_up(ranked: list[Evaluation], num: int = 3) -> list[Evaluation]:
     """The next best with a distinct (TP, PP, TP_g): variants of one split say little."""
-    seen = {(ranked[0].layout.tp, ranked[0].layout.pp, ranked[0].layout.tp_gen)}
+    seen = {ranked[0].plan.layout}
     out = []
     for ev in ranked[1:]:
-        key = (ev.layout.tp, ev.layout.pp, ev.layout.tp_gen)
+        key = ev.plan.layout
         if key not in seen and len(out) < num:
             seen.add(key)
             out.append(ev)
@@ -116,7 +126,7 @@ def _first_fit(shape, gpu, num_gpus, workload, calib) -> Evaluation | None:
     return ranked[0] if ranked and ranked[0].fits else None
 
 
-def suggest(shape: ModelShape, gpu: GPU, num_gpus: int, workload: Workload, calib: Calibration,
+def suggest(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Workload, calib: Calibration,
             max_doublings: int = 10) -> list[str]:
     """What would fit when nothing does on `num_gpus` x `gpu`."""
     out = [f"searched TP <= {min(gpu.gpus_per_node, num_gpus)}, every PP, gen TP_g, "
@@ -125,17 +135,17 @@ def suggest(shape: ModelShape, gpu: GPU, num_gpus: int, workload: Workload, cali
         ev = _first_fit(shape, gpu, num_gpus * 2 ** k, workload, calib)
         if ev:
             waves = f", {ev.memory.gen_waves} generation waves" if ev.memory.gen_waves > 1 else ""
-            out.append(f"more GPUs: {num_gpus * 2 ** k} x {gpu.name} with {ev.layout.short()} "
+            out.append(f"more GPUs: {num_gpus * 2 ** k} x {gpu.name} with {ev.plan.short()} "
                        f"(peak {ev.memory.peak_gib:.1f} of {ev.memory.capacity_gib:.1f} GiB, "
                        f"{ev.step:.1f} s/step{waves})")
             break
     for other in sorted(GPUS.values(), key=lambda g: g.memory_gib):
         if other.memory_gib > gpu.memory_gib and (ev := _first_fit(shape, other, num_gpus, workload, calib)):
-            out.append(f"bigger GPU: {num_gpus} x {other.name} with {ev.layout.short()}")
+            out.append(f"bigger GPU: {num_gpus} x {other.name} with {ev.plan.short()}")
             break
     if workload.seqs_per_micro_batch > 1:
         small = replace(workload, micro_batch_tokens=workload.seq_len)
         if ev := _first_fit(shape, gpu, num_gpus, small, calib):
             out.append(f"one sequence per micro-batch (micro_batch_tokens={small.seq_len}) with "
-                       f"{ev.layout.short()}")
+                       f"{ev.plan.short()}")
     return out

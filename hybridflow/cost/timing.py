@@ -47,8 +47,9 @@ from hybridflow.cost.flops import (BYTES_PER_PARAM, decode_flops_per_token,
                                    forward_flops_per_token, kv_bytes_per_token, train_flops_per_token)
 from hybridflow.cost.gpus import GPU
 from hybridflow.cost.memory import gen_batch_size, reshard_buffer_bytes
-from hybridflow.cost.shapes import ModelShape
-from hybridflow.cost.workload import Layout, Workload
+from hybridflow.cost.workload import Plan, Workload
+from hybridflow.model_config import ModelConfig
+from hybridflow.parallel.layout import Layout
 
 # Adam's HBM traffic per parameter of the optimizer's shard: fp32 grad read, fp32 master, m and v read
 # and written, bf16 param written.
@@ -149,7 +150,7 @@ def _link(gpu: GPU, group_span: int) -> tuple[float, float]:
     return gpu.ib_gbps * 1e9, IB_LATENCY_S
 
 
-def _tp_comm(t: StageTerms, shape: ModelShape, gpu: GPU, tp: int, layers: int, tokens: float, *,
+def _tp_comm(t: StageTerms, shape: ModelConfig, gpu: GPU, tp: int, layers: int, tokens: float, *,
              all_reduces: int, num_collectives: float, fitted_latency: bool) -> None:
     """TP traffic: per layer over `tokens` tokens the bytes of `all_reduces` all-reduces; and
     `num_collectives` collectives in all, each paying the link's fixed latency (CUDA-graph replays)
@@ -165,10 +166,10 @@ def _tp_comm(t: StageTerms, shape: ModelShape, gpu: GPU, tp: int, layers: int, t
         t.add("latency", None, num_collectives * lat)
 
 
-def _gen(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, calib: Calibration) -> StageTerms:
-    t, tp_g = StageTerms(overlap="decode"), layout.tp_gen
-    per_replica = math.ceil(w.num_sequences / layout.dp_gen)
-    batch, waves = gen_batch_size(shape, gpu, layout, w, calib)
+def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibration) -> StageTerms:
+    t, tp_g = StageTerms(overlap="decode"), plan.layout.tp_g
+    per_replica = math.ceil(w.num_sequences / plan.layout.dp_g)
+    batch, waves = gen_batch_size(shape, gpu, plan, w, calib)
     steps, context = waves * w.response_len, w.prompt_len + w.response_len / 2
     peak = gpu.bf16_tflops * 1e12
     prefill = per_replica * w.prompt_len * forward_flops_per_token(shape, w.prompt_len) / tp_g
@@ -185,23 +186,23 @@ def _gen(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, calib: Calibr
     return t
 
 
-def _reshard(shape: ModelShape, gpu: GPU, layout: Layout) -> StageTerms:
+def _reshard(shape: ModelConfig, gpu: GPU, layout: Layout) -> StageTerms:
     t = StageTerms()
     received = reshard_buffer_bytes(shape, layout)
     if received > 0:
-        bw, lat = _link(gpu, layout.tp * layout.pp)
+        bw, lat = _link(gpu, layout.tp_t * layout.pp_t)
         t.add("reshard_comm", "inv_comm_eff", received / bw)
         t.add("latency", None, lat)
     return t
 
 
-def _passes(t: StageTerms, shape: ModelShape, gpu: GPU, layout: Layout, *, ideal: float, coef: str,
+def _passes(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, *, ideal: float, coef: str,
             tokens: float, micro: int, flushes: int, layer_passes: int) -> None:
     """Compute, fixed per-layer cost, PP bubble and TP traffic of `micro` micro-batches in `flushes`
     pipeline flushes (optimizer steps), each micro-batch run through the stage's layers
     `layer_passes` times (1: forward, 3: fwd+bwd, 4: fwd+bwd with recompute)."""
-    layers = shape.num_layers // layout.pp
-    bubble = (layout.pp - 1) * flushes / micro
+    layers = shape.num_layers // layout.pp_t
+    bubble = (layout.pp_t - 1) * flushes / micro
     overhead = layers * micro * layer_passes
     t.add("compute", coef, ideal)
     t.add("layer_overhead", "layer_pass_overhead_s", overhead)
@@ -210,13 +211,13 @@ def _passes(t: StageTerms, shape: ModelShape, gpu: GPU, layout: Layout, *, ideal
     # SP: a layer's forward all-gathers twice and reduce-scatters twice (the bytes of 2 all-reduces);
     # backward mirrors it (twice the launches, the same collectives), recompute repeats the forward.
     comm_passes = max(1, layer_passes - 1)
-    _tp_comm(t, shape, gpu, layout.tp, layers, tokens, all_reduces=2 * comm_passes,
+    _tp_comm(t, shape, gpu, layout.tp_t, layers, tokens, all_reduces=2 * comm_passes,
              num_collectives=4 * comm_passes * layers * micro, fitted_latency=True)
 
 
-def _forward(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, role: str) -> StageTerms:
-    t, shard = StageTerms(overlap="pass"), layout.tp * layout.pp
-    seqs = math.ceil(w.num_sequences / layout.dp)
+def _forward(shape: ModelConfig, gpu: GPU, layout: Layout, w: Workload, role: str) -> StageTerms:
+    t, shard = StageTerms(overlap="pass"), layout.tp_t * layout.pp_t
+    seqs = math.ceil(w.num_sequences / layout.dp_t)
     micro = math.ceil(seqs / w.seqs_per_forward_micro_batch)
     flops = seqs * w.seq_len * forward_flops_per_token(shape, w.seq_len, role) / shard
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef="inv_forward_mfu",
@@ -224,61 +225,63 @@ def _forward(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, role: str
     return t
 
 
-def _update(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload, role: str) -> StageTerms:
-    t, shard = StageTerms(overlap="pass"), layout.tp * layout.pp
+def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) -> StageTerms:
+    layout = plan.layout
+    t, shard = StageTerms(overlap="pass"), layout.tp_t * layout.pp_t
     opt_steps = w.ppo_epochs * w.mini_batches
-    micro = w.num_micro_batches(layout.dp)                 # per optimizer step
-    seqs = opt_steps * math.ceil(w.num_sequences / w.mini_batches / layout.dp)
-    flops = seqs * w.seq_len * train_flops_per_token(shape, w.seq_len, role, layout.recompute) / shard
+    micro = w.num_micro_batches(layout.dp_t)                 # per optimizer step
+    seqs = opt_steps * math.ceil(w.num_sequences / w.mini_batches / layout.dp_t)
+    flops = seqs * w.seq_len * train_flops_per_token(shape, w.seq_len, role, plan.recompute) / shard
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef="inv_train_mfu",
             tokens=seqs * w.seq_len, micro=opt_steps * micro, flushes=opt_steps,
-            layer_passes=4 if layout.recompute else 3)
+            layer_passes=4 if plan.recompute else 3)
     t.add("optimizer", "optimizer_step_s", opt_steps)
     params = shape.num_params if role == "actor" else shape.num_critic_params
-    t.add("optimizer", None, opt_steps * ADAM_BYTES_PER_PARAM * params / (shard * layout.dp)
+    t.add("optimizer", None, opt_steps * ADAM_BYTES_PER_PARAM * params / (shard * layout.dp_t)
           / (gpu.hbm_gbps * 1e9))
-    if layout.dp > 1:
-        bw, lat = _link(gpu, layout.num_gpus)
-        volume = opt_steps * (4 + BYTES_PER_PARAM) * params / shard * (layout.dp - 1) / layout.dp
+    if layout.dp_t > 1:
+        bw, lat = _link(gpu, layout.world_size)
+        volume = opt_steps * (4 + BYTES_PER_PARAM) * params / shard * (layout.dp_t - 1) / layout.dp_t
         t.add("dp_comm", "inv_comm_eff", volume / bw)
         t.add("latency", None, 2 * opt_steps * lat)
     return t
 
 
-def stage_terms(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload,
+def stage_terms(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
                 calib: Calibration) -> dict[str, StageTerms]:
     """The linear terms of every stage the step runs, in the trainer's order."""
-    stages = {"reshard": _reshard(shape, gpu, layout), "gen": _gen(shape, gpu, layout, w, calib),
+    layout = plan.layout
+    stages = {"reshard": _reshard(shape, gpu, layout), "gen": _gen(shape, gpu, plan, w, calib),
               "old_log_prob": _forward(shape, gpu, layout, w, "actor")}
     if w.use_reference:
         stages["ref"] = _forward(shape, gpu, layout, w, "actor")
-        if layout.offload_ref:
+        if plan.offload_ref:
             stages["ref"].add("pcie", None, BYTES_PER_PARAM * shape.num_params
-                              / (layout.tp * layout.pp) / (gpu.pcie_gbps * 1e9))
+                              / (layout.tp_t * layout.pp_t) / (gpu.pcie_gbps * 1e9))
     if w.has_critic:
         stages["values"] = _forward(shape, gpu, layout, w, "critic")
-        stages["update_critic"] = _update(shape, gpu, layout, w, "critic")
-    stages["update_actor"] = _update(shape, gpu, layout, w, "actor")
+        stages["update_critic"] = _update(shape, gpu, plan, w, "critic")
+    stages["update_actor"] = _update(shape, gpu, plan, w, "actor")
     stages["other"] = StageTerms([("step_overhead", "step_overhead_s", 1.0)])
     return stages
 
 
-def stage_breakdown(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload,
+def stage_breakdown(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
                     calib: Calibration) -> dict[str, dict[str, float]]:
     """stage -> part label (compute, pp_bubble, tp_comm, ...) -> seconds."""
     coefs = calib.coefs()
-    return {k: t.breakdown(coefs) for k, t in stage_terms(shape, gpu, layout, w, calib).items()}
+    return {k: t.breakdown(coefs) for k, t in stage_terms(shape, gpu, plan, w, calib).items()}
 
 
-def step_seconds(shape: ModelShape, gpu: GPU, layout: Layout, w: Workload,
+def step_seconds(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
                  calib: Calibration) -> dict[str, float]:
     """Seconds per stage (keys as the trainer's `timing_s/<stage>`; "other": reward, advantages,
     bookkeeping), plus their sum under "step"."""
-    out = {k: sum(parts.values()) for k, parts in stage_breakdown(shape, gpu, layout, w, calib).items()}
+    out = {k: sum(parts.values()) for k, parts in stage_breakdown(shape, gpu, plan, w, calib).items()}
     out["step"] = sum(out.values())
     return out
 
 
-def actor_model_flops(shape: ModelShape, w: Workload) -> float:
+def actor_model_flops(shape: ModelConfig, w: Workload) -> float:
     """Useful FLOPs of the actor update in one step (no recompute), for MFU."""
     return w.ppo_epochs * w.tokens_per_step * train_flops_per_token(shape, w.seq_len)

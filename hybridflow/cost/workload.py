@@ -1,10 +1,13 @@
-"""What one RL step does (`Workload`) and where it runs (`Layout`): validated inputs of the cost model."""
+"""What one RL step does (`Workload`) and where it runs (`Plan`: the trainer's parallel `Layout` plus
+the cost model's memory options): validated inputs of the cost model."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from hybridflow.cost.shapes import ModelShape
+from hybridflow.config import validate_model
+from hybridflow.model_config import ModelConfig
+from hybridflow.parallel.layout import Layout
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_plus_plus")
 DTYPES = ("bf16", "fp16")
@@ -70,53 +73,48 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    tp_gen: int = 1
+class Plan:
+    """Where the step runs: the actor's training and generation layout (the trainer's own `Layout`:
+    world size, TP_t, PP_t, TP_g; DP derived), plus two memory options of the cost model."""
+    layout: Layout
     offload_ref: bool = False   # reference weights live on the host, copied in for the ref pass
     recompute: bool = False     # full activation recompute in the update phases
 
-    @property
-    def num_gpus(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def dp_gen(self) -> int:
-        return self.num_gpus // self.tp_gen
-
     def to_dict(self) -> dict:
-        return asdict(self)
+        lay = self.layout
+        return {"tp": lay.tp_t, "pp": lay.pp_t, "dp": lay.dp_t, "tp_gen": lay.tp_g,
+                "offload_ref": self.offload_ref, "recompute": self.recompute}
 
     def short(self) -> str:
-        s = f"tp={self.tp} pp={self.pp} dp={self.dp} tp_gen={self.tp_gen}"
+        lay = self.layout
+        s = f"tp={lay.tp_t} pp={lay.pp_t} dp={lay.dp_t} tp_gen={lay.tp_g}"
         return s + (" offload_ref" if self.offload_ref else "") + (" recompute" if self.recompute else "")
 
-    def check(self, shape: ModelShape, num_gpus: int) -> None:
-        """ValueError unless megatron-core can build this layout for `shape` on `num_gpus`."""
-        if min(self.tp, self.pp, self.dp, self.tp_gen) < 1:
-            raise ValueError(f"layout {self.short()}: sizes must be >= 1")
-        if self.num_gpus != num_gpus:
-            raise ValueError(f"layout {self.short()}: tp*pp*dp = {self.num_gpus} != num_gpus {num_gpus}")
-        if self.tp % self.tp_gen:
-            raise ValueError(f"layout {self.short()}: tp_gen must divide tp")
-        if shape.num_query_groups % self.tp or shape.num_attention_heads % self.tp:
-            raise ValueError(f"layout {self.short()}: tp must divide num_query_groups "
-                             f"({shape.num_query_groups}) and num_attention_heads")
-        if shape.num_layers % self.pp:
-            raise ValueError(f"layout {self.short()}: pp must divide num_layers ({shape.num_layers})")
+
+def check_model_split(model: ModelConfig, layout: Layout) -> None:
+    """ValueError unless megatron-core can split `model` by the layout's TP and PP: the trainer's
+    own check (`config.validate_model`); `Layout` itself checks world size, TP and TP_g."""
+    validate_model(model, tp=layout.tp_t, pp=layout.pp_t)
 
 
-def make_layout(layout: dict | Layout, num_gpus: int) -> Layout:
-    """A Layout from a dict of tp, pp, dp (default: the rest), tp_gen (default tp), offload_ref, recompute."""
-    if isinstance(layout, Layout):
-        return layout
-    unknown = set(layout) - {"tp", "pp", "dp", "tp_gen", "offload_ref", "recompute"}
-    if unknown:
-        raise ValueError(f"layout: unknown keys {sorted(unknown)}")
-    tp, pp = int(layout.get("tp", 1)), int(layout.get("pp", 1))
-    dp = int(layout.get("dp") or max(1, num_gpus // (tp * pp)))
-    return Layout(tp=tp, pp=pp, dp=dp, tp_gen=int(layout.get("tp_gen") or tp),
-                  offload_ref=bool(layout.get("offload_ref", False)),
-                  recompute=bool(layout.get("recompute", False)))
+def make_plan(layout: dict | Plan, num_gpus: int, model: ModelConfig) -> Plan:
+    """A checked Plan from a dict of tp, pp, dp (default: the rest), tp_gen (default tp),
+    offload_ref, recompute."""
+    if isinstance(layout, Plan):
+        plan = layout
+    else:
+        unknown = set(layout) - {"tp", "pp", "dp", "tp_gen", "offload_ref", "recompute"}
+        if unknown:
+            raise ValueError(f"layout: unknown keys {sorted(unknown)}")
+        tp, pp = int(layout.get("tp", 1)), int(layout.get("pp", 1))
+        dp = layout.get("dp")
+        if dp is not None and int(dp) * tp * pp != num_gpus:
+            raise ValueError(f"layout: tp={tp} x pp={pp} x dp={dp} != num_gpus {num_gpus}")
+        plan = Plan(Layout(world_size=num_gpus, tp_t=tp, pp_t=pp, tp_g=int(layout.get("tp_gen") or tp)),
+                    offload_ref=bool(layout.get("offload_ref", False)),
+                    recompute=bool(layout.get("recompute", False)))
+    if plan.layout.world_size != num_gpus:
+        raise ValueError(f"layout {plan.short()}: world size {plan.layout.world_size} != num_gpus "
+                         f"{num_gpus}")
+    check_model_split(model, plan.layout)
+    return plan

@@ -25,6 +25,9 @@ class RolloutBatch:
     response_mask: torch.Tensor  # (B, R) 0/1, 1 up to and including EOS
     group_ids: torch.Tensor  # (B,) int64, rows sampled from the same prompt share an id
     indices: torch.Tensor  # (B,) int64, dataset index of each row's prompt
+    # (B, R) log-prob of each sampled token under the generator (bf16 decode); None unless
+    # rollout.return_logprobs. Compared with old_logprobs it measures the rollout/training mismatch.
+    rollout_logprobs: Optional[torch.Tensor] = None
     # --- actor / reference / critic ---
     old_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_old(a_t | s_t)
     ref_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_ref(a_t | s_t)
@@ -73,6 +76,29 @@ class RolloutBatch:
         out = {k: torch.nn.functional.pad(v, (0, extra)) for k, v in self._tensors().items()
                if v.dim() == 2 and not k.startswith("prompt_")}
         return dataclasses.replace(self, **out)
+
+    @staticmethod
+    def cat(batches: list["RolloutBatch"], *, pad_id: int) -> "RolloutBatch":
+        """Rows of `batches` in order, of any widths: prompts left-padded and responses right-padded
+        to the widest (ids with `pad_id`, masks and per-token values with 0). Every batch must have
+        the same fields set."""
+        assert batches, "cat needs at least one batch"
+        p = max(b.prompt_len for b in batches)
+        r = max(b.response_ids.shape[1] for b in batches)
+        out = {}
+        for f in dataclasses.fields(RolloutBatch):
+            parts = [getattr(b, f.name) for b in batches]
+            if all(t is None for t in parts):
+                out[f.name] = None
+                continue
+            assert all(t is not None for t in parts), f"field {f.name} is set in only some batches"
+            fill = pad_id if f.name in ("prompt_ids", "response_ids") else 0
+            if f.name.startswith("prompt_"):
+                parts = [torch.nn.functional.pad(t, (p - t.shape[1], 0), value=fill) for t in parts]
+            elif parts[0].dim() == 2:
+                parts = [torch.nn.functional.pad(t, (0, r - t.shape[1]), value=fill) for t in parts]
+            out[f.name] = torch.cat(parts)
+        return RolloutBatch(**out)
 
     def trimmed(self) -> "RolloutBatch":
         """Drop columns that are padding in every row (common left prompt pad, right response pad)."""

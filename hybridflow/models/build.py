@@ -19,7 +19,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -102,15 +101,15 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
     return spec
 
 
-def build_model(cfg: ModelConfig, *, role: str, tp: int, pp: int, sequence_parallel: bool = False,
-                precision: str = "fp32", pp_rank: Optional[int] = None) -> GPTModel:
-    """One pipeline stage of the model for `role` on this rank (megatron groups must exist)."""
+def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = False,
+                precision: str = "fp32") -> GPTModel:
+    """One pipeline stage of the model for `role` on this rank, in the training layout of the
+    `ParallelContext` `ctx` (its groups are the model's)."""
     if role not in LM_ROLES + SCALAR_ROLES:
         raise ValueError(f"role={role!r} is not one of {LM_ROLES + SCALAR_ROLES}")
+    tp, pp, pp_rank = ctx.tp_size, ctx.pp_size, ctx.train.pp
     tcfg = transformer_config(cfg, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
                               precision=precision)
-    if pp_rank is None:
-        pp_rank = ps.get_pipeline_model_parallel_rank()
     spec = layer_spec(cfg)
     block = TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(tcfg, None, pp_rank),
@@ -128,12 +127,12 @@ def build_model(cfg: ModelConfig, *, role: str, tp: int, pp: int, sequence_paral
         share_embeddings_and_output_weights=cfg.tie_word_embeddings and not scalar,
         position_embedding_type="rope", rotary_base=int(cfg.rotary_base),
         rope_scaling=rope_scaling.get("rope_type") == "llama3",
-        rope_scaling_factor=float(rope_scaling.get("factor", 8.0)),
+        rope_scaling_factor=float(rope_scaling.get("factor", 8.0)), pg_collection=ctx.pgs,
     )
     model.role = role
     model.true_vocab_size = cfg.vocab_size
     if scalar and post:
-        model.output_layer = ValueHead(tcfg)
+        model.output_layer = ValueHead(tcfg, tp_group=ctx.tp_group)
     elif post and spec.submodules.self_attention.submodules.linear_qkv is LeanColumnParallelLinear:
         LeanOutputLinear.adopt(model.output_layer)  # batch-major logits: no transpose copies
     return model

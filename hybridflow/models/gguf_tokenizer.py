@@ -3,20 +3,26 @@
 GGUF files of BPE models (`tokenizer.ggml.model == "gpt2"`) carry the byte-level token strings, the
 merges and the token types; llama.cpp names the pre-tokenizer regex (`tokenizer.ggml.pre`). We rebuild
 the equivalent `tokenizers` pipeline: the pre-tokenizer for that name, byte-level BPE, a byte-level
-decoder, and control tokens (type 3) as special added tokens. `tokenizer_config.json` gets the chat
-template and the BOS/EOS/PAD/UNK strings from their ids, and `add_bos_token` from
-`tokenizer.ggml.add_bos_token`, so `hybridflow.data.load_tokenizer(dir)` reads it like a HF one.
-The directory is cached under `~/.cache/hybridflow/gguf_tokenizers/<file>-<key>` (key: path, size,
-mtime), written to a temporary folder and renamed into place.
+decoder, control tokens (type 3) as special added tokens and user-defined ones (type 4, e.g. Qwen's
+`<tool_call>`) as plain added tokens, matched whole as llama.cpp and transformers do. No normalizer:
+llama.cpp and transformers' GGUF tokenizer apply none (Qwen2's own tokenizer.json applies NFC, which
+leaves NFC text such as GSM8K unchanged). `tokenizer_config.json` gets the chat template and the
+BOS/EOS/PAD/UNK strings from their ids (Qwen2.5 instruct files: EOS `<|im_end|>`, BOS and PAD
+`<|endoftext|>`), and `add_bos_token` from `tokenizer.ggml.add_bos_token`, so
+`hybridflow.data.load_tokenizer(dir)` reads it like a HF one.
+The directory is cached in `gguf_file.cache_dir("gguf_tokenizers")` as `<file>-<key>` (key: path,
+size, mtime), written to a temporary folder and renamed into place.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import tempfile
+
+from hybridflow.models.gguf_file import cache_dir as _cache_dir
+from hybridflow.models.gguf_file import field, file_key, open_gguf, resolve_gguf_path
 
 # llama.cpp pre-tokenizer names -> HF pre-tokenizers (regexes as in the models' tokenizer.json)
 _GPT2 = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
@@ -38,19 +44,11 @@ PRE_TOKENIZERS = {
     "llama-bpe": _split_then_bytes(_LLAMA3_RE),
     "qwen2": _split_then_bytes(_QWEN2_RE),
 }
-_CONTROL = 3  # llama.cpp token type of control (special) tokens
-
-
-def _cache_key(path: str) -> str:
-    st = os.stat(path)
-    raw = f"{os.path.abspath(path)}:{st.st_size}:{int(st.st_mtime)}"
-    return hashlib.sha1(raw.encode()).hexdigest()[:12]
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types: special / added but not special
 
 
 def build_tokenizer_files(reader, path: str) -> tuple[dict, dict]:
     """(tokenizer.json, tokenizer_config.json) contents for the GGUF `reader` of file `path`."""
-    from hybridflow.models.gguf import field
-
     kind = field(reader, "tokenizer.ggml.model", path=path)
     if kind != "gpt2":
         raise ValueError(f"{path}: tokenizer.ggml.model={kind!r} is not supported (only gpt2 BPE)")
@@ -58,12 +56,13 @@ def build_tokenizer_files(reader, path: str) -> tuple[dict, dict]:
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported; known: "
                          f"{sorted(PRE_TOKENIZERS)}")
+    arch = field(reader, "general.architecture", path=path)
     tokens = list(field(reader, "tokenizer.ggml.tokens", path=path))
     types = list(field(reader, "tokenizer.ggml.token_type", [1] * len(tokens), path=path))
     merges = list(field(reader, "tokenizer.ggml.merges", path=path))
     added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True}
-             for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL]
+              "normalized": False, "special": ty == _CONTROL}
+             for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (_CONTROL, _USER_DEFINED)]
     tok_json = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
         "normalizer": None, "pre_tokenizer": PRE_TOKENIZERS[pre],
@@ -79,7 +78,7 @@ def build_tokenizer_files(reader, path: str) -> tuple[dict, dict]:
     }
     config = {"add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", False,
                                           path=path)),
-              "model_max_length": int(field(reader, "llama.context_length", 4096, path=path))}
+              "model_max_length": int(field(reader, f"{arch}.context_length", 4096, path=path))}
     for key, meta in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
                       ("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
         f = reader.fields.get(f"tokenizer.ggml.{meta}")
@@ -90,19 +89,16 @@ def build_tokenizer_files(reader, path: str) -> tuple[dict, dict]:
     return tok_json, config
 
 
-def write_gguf_tokenizer(path: str, *, cache_dir: str | None = None) -> str:
+def gguf_tokenizer_dir(path: str, *, cache_dir: str | None = None) -> str:
     """Directory with tokenizer.json + tokenizer_config.json for GGUF file `path` (cached)."""
-    from hybridflow.models.gguf import open_gguf
-
-    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "hybridflow",
-                                          "gguf_tokenizers")
+    path = resolve_gguf_path(path)
+    folder = _cache_dir("gguf_tokenizers", cache_dir)
     stem = os.path.splitext(os.path.basename(path))[0]
-    out = os.path.join(cache_dir, f"{stem}-{_cache_key(path)}")
+    out = os.path.join(folder, f"{stem}-{file_key(path)}")
     if os.path.isfile(os.path.join(out, "tokenizer_config.json")):
         return out
     tok_json, config = build_tokenizer_files(open_gguf(path), path)
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=cache_dir, prefix=f".{stem}-")
+    tmp = tempfile.mkdtemp(dir=folder, prefix=f".{stem}-")
     try:
         for name, data in (("tokenizer.json", tok_json), ("tokenizer_config.json", config)):
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:

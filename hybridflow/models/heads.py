@@ -11,14 +11,14 @@ Output (s, b, 1) becomes (b, s, 1) in GPTModel.forward.
 from __future__ import annotations
 
 import torch
-from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 
 
 class ValueHead(MegatronModule):
-    def __init__(self, config):
+    def __init__(self, config, *, tp_group):
         super().__init__(config=config)
+        self.tp_group = tp_group
         self.sequence_parallel = config.sequence_parallel
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.linear = torch.nn.Linear(config.hidden_size, 1, bias=True, dtype=torch.float32,
@@ -32,7 +32,7 @@ class ValueHead(MegatronModule):
             # it (tensor_parallel_output_grad=False), not sum it over TP
             hidden_states = gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False,
-                group=ps.get_tensor_model_parallel_group())
+                group=self.tp_group)
         # fp32 even when Float16Module has cast the module to bf16: values feed GAE and scores
         w, b = self.linear.weight.float(), self.linear.bias.float()
         return torch.nn.functional.linear(hidden_states.float(), w, b), None

@@ -20,7 +20,8 @@ its vocab rows, its columns of o_proj/down_proj. Every model parameter must be f
 tensor or a wrong shape raises a `ValueError` naming the file and the tensor.
 Critic/reward models skip the LM head (their scalar head stays freshly initialised) unless the
 checkpoint is a 1-label `*ForSequenceClassification` reward model, whose `score.weight` is loaded
-(bias 0). Saving to HF lives in `hf_save.py`.
+(bias 0). The name maps and the Megatron -> HF rename of full tensors live in `hf_names.py`, saving
+an HF directory in `hf_save.py`; this module re-exports both.
 """
 
 from __future__ import annotations
@@ -35,27 +36,13 @@ import torch
 from hybridflow.config import ModelConfig
 from hybridflow.models.build import padded_vocab_size
 from hybridflow.models.hf_config import check_tokenizer_vocab, load_json, read_hf_config
+from hybridflow.models.hf_names import (LAYER_HF, TE_ALIASES, dims, megatron_param_names,
+                                        megatron_to_hf_state_dict)
 from hybridflow.models.hf_save import save_hf_checkpoint
 from hybridflow.parallel import param_rules as pr
 
 __all__ = ["read_hf_config", "hf_to_megatron_state_dict", "megatron_to_hf_state_dict",
            "load_hf_weights", "load_hf_state_dict", "save_hf_checkpoint", "megatron_param_names"]
-
-_LAYER_HF = {  # Megatron layer suffix -> HF layer suffix, for tensors copied without repacking
-    "input_layernorm.weight": "input_layernorm.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-}
-_TE_ALIASES = {  # transformer-engine spec fuses the norms into the next linear
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-}
-
-
-def _dims(cfg: ModelConfig):
-    hd = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
-    return hd, cfg.num_attention_heads // cfg.num_query_groups
 
 
 class _DictSource:
@@ -141,7 +128,7 @@ def _param_shard(gname: str, src, cfg: ModelConfig, *, tp_rank: int, tp_size: in
                  vpad: int) -> torch.Tensor | None:
     """This TP rank's shard of Megatron parameter `gname` (global layer index) from HF tensors."""
     H, F, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
-    hd, hpg = _dims(cfg)
+    hd, hpg = dims(cfg)
     G, heads = cfg.num_query_groups, cfg.num_attention_heads
     rd = lambda n, shape, **kw: _read(src, n, shape, needed_for=gname, **kw)  # noqa: E731
     if gname in ("embedding.word_embeddings.weight", "output_layer.weight"):
@@ -165,10 +152,10 @@ def _param_shard(gname: str, src, cfg: ModelConfig, *, tp_rank: int, tp_size: in
     if layer is None:
         raise ValueError(f"no Hugging Face tensor maps to Megatron parameter {gname!r}")
     suffix = gname.split(f"decoder.layers.{layer}.", 1)[1]
-    suffix = _TE_ALIASES.get(suffix, suffix)
+    suffix = TE_ALIASES.get(suffix, suffix)
     p = f"model.layers.{layer}."
     if suffix in ("input_layernorm.weight", "pre_mlp_layernorm.weight"):
-        return rd(p + _LAYER_HF[suffix], (H,))
+        return rd(p + LAYER_HF[suffix], (H,))
     if suffix == "self_attention.linear_proj.weight":  # row parallel: split columns
         per = heads * hd // tp_size
         return rd(p + "self_attn.o_proj.weight", (H, heads * hd),
@@ -196,62 +183,12 @@ def _param_shard(gname: str, src, cfg: ModelConfig, *, tp_rank: int, tp_size: in
     raise ValueError(f"no Hugging Face tensor maps to Megatron parameter {gname!r}")
 
 
-def megatron_param_names(cfg: ModelConfig) -> list[str]:
-    """Global names of the full LM (PP=1) in GPTModel order; output_layer only when untied."""
-    layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight",
-             *(["self_attention.linear_qkv.bias"] if cfg.add_qkv_bias else []),
-             "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
-             "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
-    return (["embedding.word_embeddings.weight"]
-            + [f"decoder.layers.{i}.{s}" for i in range(cfg.num_layers) for s in layer]
-            + ["decoder.final_layernorm.weight"]
-            + ([] if cfg.tie_word_embeddings else ["output_layer.weight"]))
-
-
 def hf_to_megatron_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig, *,
                               tp: int = 1) -> dict[str, torch.Tensor]:
     """Full (unsharded) Megatron tensors under global names; vocab padded for TP=`tp`."""
     src, vpad = _DictSource(hf_sd), padded_vocab_size(cfg.vocab_size, tp)
     return {n: _param_shard(n, src, cfg, tp_rank=0, tp_size=1, vpad=vpad)
             for n in megatron_param_names(cfg)}
-
-
-def megatron_to_hf_state_dict(full_sd: Mapping[str, torch.Tensor],
-                              cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Inverse of `hf_to_megatron_state_dict`: HF names, vocab padding stripped, no lm_head when
-    tied (transformers re-ties it on load)."""
-    hd, hpg = _dims(cfg)
-    G, V = cfg.num_query_groups, cfg.vocab_size
-    out = {}
-    for name, t in full_sd.items():
-        layer = pr.layer_index(name)
-        if name == "embedding.word_embeddings.weight":
-            out["model.embed_tokens.weight"] = t[:V]
-        elif name == "output_layer.weight":
-            if not cfg.tie_word_embeddings:
-                out["lm_head.weight"] = t[:V]
-        elif name == "decoder.final_layernorm.weight":
-            out["model.norm.weight"] = t
-        elif layer is None:
-            raise ValueError(f"cannot export Megatron parameter {name!r} to Hugging Face "
-                             "(scalar value heads are not exported)")
-        else:
-            suffix = name.split(f"decoder.layers.{layer}.", 1)[1]
-            suffix = _TE_ALIASES.get(suffix, suffix)
-            p = f"model.layers.{layer}."
-            if suffix in _LAYER_HF:
-                out[p + _LAYER_HF[suffix]] = t
-            elif suffix == "mlp.linear_fc1.weight":
-                out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = t.chunk(2, 0)
-            elif suffix.startswith("self_attention.linear_qkv."):
-                kind = suffix.rsplit(".", 1)[1]
-                grouped = t.reshape(G, (hpg + 2) * hd, *t.shape[1:])
-                q, k, v = grouped.split([hpg * hd, hd, hd], dim=1)
-                for n, x in zip("qkv", (q, k, v)):
-                    out[p + f"self_attn.{n}_proj.{kind}"] = x.reshape(-1, *t.shape[1:])
-            else:
-                raise ValueError(f"cannot export Megatron parameter {name!r} to Hugging Face")
-    return out
 
 
 def _load(model, src, cfg: ModelConfig, *, tp_rank: int, tp_size: int, pp_rank: int,

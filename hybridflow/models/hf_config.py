@@ -2,7 +2,9 @@
 
 `read_hf_config(path)` accepts what our one GPTModel architecture (RoPE, RMSNorm, SwiGLU, GQA,
 optional QKV bias, tied or untied embeddings) computes exactly, and refuses the rest with a
-`ValueError` naming config.json and the field. Choices:
+`ValueError` naming config.json and the field; `hf_to_model_config(dict)` is the same for
+config.json contents in memory. The only config.json reader: training, export and the cost model
+(`hybridflow.cost.shapes`) all use it. Choices:
 - RoPE: plain, or llama3 scaling. Megatron's llama3 scaling takes only `factor`; its low/high
   frequency factors (1, 4) and original context (8192) are fixed, so a config.json with other values
   is refused rather than silently computed differently. Both transformers v4 (`rope_theta` +
@@ -56,10 +58,18 @@ def config_path(path: str) -> str:
 def read_hf_config(path: str) -> ModelConfig:
     """`ModelConfig` of the checkpoint directory (or config.json file) `path`."""
     cfg_file = config_path(path)
-    c = load_json(cfg_file)
+    hf_dir = os.path.dirname(os.path.abspath(cfg_file))
+    cfg = hf_to_model_config(load_json(cfg_file), source=str(cfg_file),
+                             name=os.path.basename(hf_dir), hf_path=hf_dir)
+    check_tokenizer_vocab(hf_dir, cfg.vocab_size)
+    return cfg
+
+
+def hf_to_model_config(c: dict, *, source: str, name: str, hf_path: str | None = None) -> ModelConfig:
+    """`ModelConfig` of the config.json contents `c`; errors name `source` (the file) and the field."""
 
     def bad(field: str, why: str) -> ValueError:
-        return ValueError(f"{cfg_file}: {field}={c.get(field)!r} is not supported: {why}")
+        return ValueError(f"{source}: {field}={c.get(field)!r} is not supported: {why}")
 
     model_type = c.get("model_type")
     if model_type not in MODEL_TYPES:
@@ -85,18 +95,16 @@ def read_hf_config(path: str) -> ModelConfig:
         raise bad("num_attention_heads", f"does not divide hidden_size={c['hidden_size']}")
     max_pos = int(c.get("max_position_embeddings", 4096))
     _check_sliding_window(c, max_pos, bad)
-    theta, scaling = _rope(c, cfg_file, bad)
-    check_tokenizer_vocab(os.path.dirname(os.path.abspath(cfg_file)), c["vocab_size"])
+    theta, scaling = _rope(c, source, bad)
     return ModelConfig(
-        name=os.path.basename(os.path.dirname(os.path.abspath(cfg_file))),
-        num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
+        name=name, num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
         ffn_hidden_size=c["intermediate_size"], num_attention_heads=heads,
         num_query_groups=c.get("num_key_value_heads") or heads, kv_channels=head_dim,
         vocab_size=c["vocab_size"], max_position_embeddings=max_pos, rotary_base=theta,
         rope_scaling=scaling, norm_epsilon=float(c.get("rms_norm_eps", 1e-6)),
         add_qkv_bias=model_type == "qwen2",
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        hf_path=os.path.dirname(os.path.abspath(cfg_file)), hf_architecture=arch)
+        hf_path=hf_path, hf_architecture=arch)
 
 
 def _check_sliding_window(c: dict, max_pos: int, bad) -> None:
@@ -147,7 +155,7 @@ def write_hf_config(cfg: ModelConfig, *, dtype: str = "float32") -> dict:
     if cfg.add_qkv_bias != (model_type == "qwen2"):
         raise ValueError(f"model.add_qkv_bias={cfg.add_qkv_bias} cannot be written as {arch}: "
                          "Q/K/V biases exist exactly in Qwen2")
-    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = cfg.head_dim
     rope = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
     if cfg.rope_scaling:
         rope = {**cfg.rope_scaling, "rope_theta": float(cfg.rotary_base)}

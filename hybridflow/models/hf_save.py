@@ -21,6 +21,7 @@ import torch
 
 from hybridflow.config import ModelConfig
 from hybridflow.models.hf_config import load_json, write_hf_config
+from hybridflow.models.hf_names import megatron_to_hf_state_dict
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -77,8 +78,6 @@ def save_hf_checkpoint(out_dir: str, full_sd: Mapping[str, torch.Tensor], cfg: M
                        tokenizer_dir: Optional[str] = None, max_shard_bytes: int = 2**30) -> None:
     """Write `full_sd` (Megatron global names or HF names) as an HF checkpoint at `out_dir`."""
     from safetensors.torch import save_file
-
-    from hybridflow.models.hf import megatron_to_hf_state_dict  # hf.py re-exports this function
 
     hf_sd = dict(full_sd) if _is_hf_named(full_sd) else megatron_to_hf_state_dict(full_sd, cfg)
     if tokenizer_dir is not None and not os.path.isdir(tokenizer_dir):

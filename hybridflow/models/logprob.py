@@ -22,35 +22,11 @@ Two implementations of the same math:
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import sys
-
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-
-def _load_kernels():
-    """`hybridflow.kernels` (the repo's top-level kernels/, as pyproject maps it); from a source
-    checkout or a stale editable install, the file next to the package."""
-    try:
-        return importlib.import_module("hybridflow.kernels.logprob")
-    except ImportError:
-        pass
-    name = "hybridflow.kernels.logprob"
-    if name not in sys.modules:
-        path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__)))), "kernels", "logprob.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[name] = module
-    return sys.modules[name]
-
-
-_k = _load_kernels()
+from hybridflow.kernels import logprob as _k  # the repo's kernels/, shipped as hybridflow.kernels
 
 _NEG = -1e4  # exp(-1e4) == 0 and 0 * -1e4 == 0: padded ids vanish without NaNs
 IMPLS = ("auto", "fused", "reference")

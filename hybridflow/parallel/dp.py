@@ -1,8 +1,11 @@
-"""Small collectives over the data-parallel group: sums and gathering a RolloutBatch.
+"""Small collectives over a group of ranks: sums, and gathering RolloutBatches.
 
-Each DP rank holds its share of the step's batch (possibly trimmed to different widths). Gathering
-pads prompts on the left and responses on the right to the widest rank, then concatenates in DP-rank
-order, so global row r*B_local + i is rank r's row i on every rank.
+The one way to gather batches: every member may hold a different number of rows and widths (a DP
+rank's trimmed share, a gen replica's chunk). `gather_batches` pads prompts on the LEFT and
+responses on the RIGHT to the widest member (ids with the pad id, masks and per-token values with 0),
+all-gathers every field and returns one batch per member, in group-rank order, each with its own
+rows and the common widths. `all_gather_batch` concatenates them: global row r*B_local + i is
+member r's row i on every rank.
 """
 
 from __future__ import annotations
@@ -12,43 +15,60 @@ import dataclasses
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import parallel_state as ps
 
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.parallel.groups import device
 
+_ID_FIELDS = ("prompt_ids", "response_ids")
 
-def dp_sum(x: float) -> float:
-    if ps.get_data_parallel_world_size() == 1:
+
+def dp_sum(x: float, *, group) -> float:
+    if dist.get_world_size(group) == 1:
         return x
     t = torch.tensor([x], dtype=torch.float64, device=device())
-    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    dist.all_reduce(t, group=group)
     return float(t.item())
 
 
-def _dp_max(x: int) -> int:
-    t = torch.tensor([x], dtype=torch.int64, device=device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
-    return int(t.item())
-
-
-def all_gather_batch(batch: RolloutBatch) -> RolloutBatch:
-    dp = ps.get_data_parallel_world_size()
-    if dp == 1:
-        return batch
-    p, r = _dp_max(batch.prompt_len), _dp_max(batch.response_ids.shape[1])
+def gather_batches(batch: RolloutBatch, *, group, pad_id: int) -> list[RolloutBatch]:
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [batch]
+    dims = torch.tensor([batch.batch_size, batch.prompt_len, batch.response_ids.shape[1]],
+                        dtype=torch.int64, device=device())
+    all_dims = [torch.empty_like(dims) for _ in range(size)]
+    dist.all_gather(all_dims, dims, group=group)
+    rows = [int(d[0]) for d in all_dims]
+    b, p, r = (max(int(d[k]) for d in all_dims) for k in range(3))
     out = {}
     for f in dataclasses.fields(batch):
         t = getattr(batch, f.name)
         if t is None:
             out[f.name] = None
             continue
+        fill = pad_id if f.name in _ID_FIELDS else 0
         if f.name.startswith("prompt_"):
-            t = F.pad(t, (p - t.shape[1], 0))
+            t = F.pad(t, (p - t.shape[1], 0), value=fill)
         elif t.dim() == 2:
-            t = F.pad(t, (0, r - t.shape[1]))
+            t = F.pad(t, (0, r - t.shape[1]), value=fill)
+        t = F.pad(t, (0, 0) * (t.dim() - 1) + (0, b - t.shape[0]))  # rows, to the most
         t = t.to(device()).contiguous()
-        parts = [torch.empty_like(t) for _ in range(dp)]
-        dist.all_gather(parts, t, group=ps.get_data_parallel_group())
-        out[f.name] = torch.cat(parts).cpu()
-    return RolloutBatch(**out)
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t, group=group)
+        out[f.name] = [part[:n].cpu() for part, n in zip(parts, rows)]
+    return [RolloutBatch(**{k: (v[i] if v is not None else None) for k, v in out.items()})
+            for i in range(size)]
+
+
+def cat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
+    """Row-concatenate batches of equal widths (as `gather_batches` returns them)."""
+    first = batches[0]
+    return RolloutBatch(**{f.name: (None if getattr(first, f.name) is None else
+                                    torch.cat([getattr(b, f.name) for b in batches]))
+                           for f in dataclasses.fields(first)})
+
+
+def all_gather_batch(batch: RolloutBatch, *, group, pad_id: int) -> RolloutBatch:
+    if dist.get_world_size(group) == 1:
+        return batch
+    return cat_batches(gather_batches(batch, group=group, pad_id=pad_id))

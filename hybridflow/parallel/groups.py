@@ -2,36 +2,23 @@
 
 `init_distributed()` starts torch.distributed from torchrun's environment (or as a 1-rank job when run
 without torchrun), choosing NCCL when CUDA is present and gloo otherwise. `init_model_parallel()`
-builds Megatron's TP/PP/DP groups (rank order tp-cp-ep-dp-pp: TP ranks are consecutive) and seeds the
-model-parallel RNG. On a machine without CUDA it first installs the megatron CPU shims.
-Other modules receive groups as arguments; they never create them.
+builds Megatron's TP/PP/DP groups (rank order tp-cp-ep-dp-pp: TP ranks are consecutive), the
+generation layout's reshard groups, seeds the model-parallel RNG and returns the one
+`ParallelContext` that every other module receives. On a machine without CUDA it first installs the
+megatron CPU shims. Other modules receive groups as arguments; they never create them.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class ParallelDims:
-    world_size: int
-    tp: int
-    pp: int
-
-    def __post_init__(self):
-        if self.world_size % (self.tp * self.pp):
-            raise ValueError(f"world size {self.world_size} is not divisible by "
-                             f"TP={self.tp} x PP={self.pp}")
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+from hybridflow.parallel.context import ParallelContext, ReshardGroups
+from hybridflow.parallel.layout import Layout
 
 
 def device() -> torch.device:
@@ -70,19 +57,31 @@ def init_distributed(*, timeout_minutes: int = 30) -> None:
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
 
 
-def init_model_parallel(*, tp: int, pp: int, seed: int) -> ParallelDims:
-    """Build Megatron's parallel groups and seed every RNG (data, model-parallel, torch)."""
+def init_model_parallel(*, tp: int, pp: int, seed: int, tp_gen: Optional[int] = None
+                        ) -> ParallelContext:
+    """Build Megatron's parallel groups and the reshard groups of the gen layout (TP_g = `tp_gen`,
+    default `tp`), seed every RNG (data, model-parallel, torch) and return the context."""
     from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    dims = ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp)
+    layout = Layout(world_size=dist.get_world_size(), tp_t=tp, pp_t=pp, tp_g=tp_gen or tp)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  create_gloo_process_groups=False)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    return dims
+    # megatron-core still keeps its groups in globals; we take them once, here, as a collection
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    rank = dist.get_rank()
+    c = layout.train_coord(rank)
+    for axis, group, want in (("tp", pgs.tp, (tp, c.tp)), ("pp", pgs.pp, (pp, c.pp)),
+                              ("dp", pgs.dp, (layout.dp_t, c.dp))):
+        got = (dist.get_world_size(group), dist.get_rank(group))
+        assert got == want, f"megatron's {axis} group (size, rank) {got} != the layout's {want}"
+    reshard = new_reshard_groups(layout) if layout.needs_reshard else None
+    return ParallelContext(layout=layout, rank=rank, pgs=pgs, reshard=reshard, device=device())
 
 
 def new_subgroups(groups_of_ranks: list[list[int]]):
@@ -104,15 +103,6 @@ def destroy() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-@dataclass
-class ReshardGroups:
-    """This rank's groups for the train -> gen reshard and for generation (None: a 1-rank group)."""
-
-    micro_dp: Optional[dist.ProcessGroup]  # gathers the m training shards of one gen shard
-    pp: Optional[dist.ProcessGroup]        # gathers the stages' layers when PP_t > 1
-    gen_tp: Optional[dist.ProcessGroup]    # the generation TP group
 
 
 def new_reshard_groups(layout) -> ReshardGroups:

@@ -68,6 +68,17 @@ class Layout:
     def dp_g(self) -> int:
         return self.world_size // self.tp_g
 
+    @property
+    def needs_reshard(self) -> bool:
+        """False when generation can use the training parameters as they are."""
+        return self.tp_g != self.tp_t or self.pp_t > 1
+
+    @property
+    def replicas_per_model_parallel_group(self) -> int:
+        """Gen replicas inside one training model-parallel group (the TP_t x PP_t ranks of a DP
+        replica): PP_t * m."""
+        return self.pp_t * self.micro_dp
+
     # ----- coordinates -----
     def train_coord(self, rank: int) -> TrainCoord:
         self._check_rank(rank)
@@ -83,6 +94,12 @@ class Layout:
         c = self.train_coord(rank)
         m = self.micro_dp
         return GenCoord(tp=c.tp // m, dp=(c.pp * self.dp_t + c.dp) * m + c.tp % m)
+
+    def replica_in_model_parallel_group(self, rank: int) -> int:
+        """Index (0 .. PP_t * m - 1) of the rank's gen replica among those of its training
+        model-parallel group, ordered by (pp, tp_t % m) as the gen DP ranks of that group are."""
+        c = self.train_coord(rank)
+        return c.pp * self.micro_dp + c.tp % self.micro_dp
 
     def gen_rank(self, *, tp: int, dp: int) -> int:
         if not (0 <= tp < self.tp_g and 0 <= dp < self.dp_g):

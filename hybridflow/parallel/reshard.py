@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from hybridflow.parallel.groups import ReshardGroups
+from hybridflow.parallel.context import ReshardGroups
 from hybridflow.parallel.layout import Layout
 from hybridflow.parallel.reshard_plan import ParamMeta, Plan, build_plan
 

@@ -11,6 +11,11 @@ Built-ins:
   normalised (whitespace, commas, `$`, markdown `*`, a trailing `.`, `\\frac{a}{b}` -> a/b) and compared
   as exact rationals when both parse as numbers ("42.0" == "42", "0.5" == "1/2"), else as strings.
   A list ground truth accepts any of its answers.
+- `gsm8k_strict`: verl's GSM8K rule (verl/utils/reward_score/gsm8k.py, method "strict"), kept exact
+  so numbers compare with verl's: within the last 300 characters, the last `#### <number>` (the
+  number is `-?[0-9.,]+` right after "#### "), commas and `$` removed, equal as a string to the
+  ground truth -> 1.0, else 0.0. So "#### 18.0" or "#### 18." is wrong for 18, and "#### $18" or
+  "####18" has no answer at all; `math_exact` is the lenient reading of the same responses.
 - `format`: 1.0 when the response matches `pattern` (default: `#### <something>`), else 0.0.
 - `math_with_format`: 1.0 correct; 0.1 well formatted but wrong; 0.0 otherwise. A correct answer in
   another format still gets 1.0: correctness is what we optimise, the bonus only bootstraps format.
@@ -151,6 +156,20 @@ def answers_match(answer: str, ground_truth: Any) -> bool:
 def math_exact(prompt: str, response: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     answer = extract_answer(response)
     return 1.0 if answer is not None and answers_match(answer, ground_truth) else 0.0
+
+
+_GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_GSM8K_CLIP_CHARS = 300  # verl searches only the tail: long responses, slow regexes
+
+
+@register_reward("gsm8k_strict")
+def gsm8k_strict(prompt: str, response: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    found = _GSM8K_STRICT.findall(response[-_GSM8K_CLIP_CHARS:])
+    if not found:
+        return 0.0
+    answer = found[-1].replace(",", "").replace("$", "")
+    truths = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
+    return 1.0 if any(answer == str(t) for t in truths) else 0.0
 
 
 @register_reward("format")

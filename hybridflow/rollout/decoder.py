@@ -119,7 +119,7 @@ def load_weights(cfg: ModelConfig, params: dict, *, group, true_vocab_size: int,
     have the device and dtype)."""
     tp = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
-    hd = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    hd = cfg.head_dim
     heads, groups, ffn = (cfg.num_attention_heads // tp, cfg.num_query_groups // tp,
                           cfg.ffn_hidden_size // tp)
     D = cfg.hidden_size

@@ -15,9 +15,9 @@ from tests.dist.launcher import run_ranks
 def _logprobs_before_after(backend: str):
     from hybridflow.engine import Engine
 
-    groups.init_model_parallel(tp=1, pp=1, seed=0)
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=0)
     cfg = dataclasses.replace(ModelConfig(), attention_backend=backend)
-    eng = Engine(role="ref", model_cfg=cfg, parallel=ParallelConfig(), precision="fp32")
+    eng = Engine(role="ref", model_cfg=cfg, ctx=ctx, parallel=ParallelConfig(), precision="fp32")
     g = torch.Generator().manual_seed(0)
     prompt_mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])  # row 0 is left-padded
     response_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])

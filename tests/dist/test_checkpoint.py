@@ -41,10 +41,10 @@ def _build(*, tp: int, dist_opt: bool, seed: int, cfg=None):
     from hybridflow.models.build import build_model
     from hybridflow.parallel import groups
 
-    groups.init_model_parallel(tp=tp, pp=1, seed=seed)
+    ctx = groups.init_model_parallel(tp=tp, pp=1, seed=seed)
     out = {}
     for role in ROLES:
-        model = build_model(cfg or _cfg(), role=role, tp=tp, pp=1)
+        model = build_model(cfg or _cfg(), role=role, ctx=ctx)
         ddp = DDP(model.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=dist_opt), model)
         opt = get_megatron_optimizer(OptimizerConfig(
@@ -176,8 +176,8 @@ def save_and_reshard_2ranks(root: str, root_dist: str):
     from hybridflow.parallel import groups
     from hybridflow.parallel.param_rules import global_name
 
-    groups.init_model_parallel(tp=1, pp=2, seed=11)
-    tied = build_model(_cfg(tie_word_embeddings=True), role="actor", tp=1, pp=2)
+    ctx = groups.init_model_parallel(tp=1, pp=2, seed=11)
+    tied = build_model(_cfg(tie_word_embeddings=True), role="actor", ctx=ctx)
     save_checkpoint(os.path.join(root_dist, "pp"), step=1, models={"actor": [tied]},
                     model_configs={"actor": _cfg(tie_word_embeddings=True)})
     res["pp_params"] = {global_name(n, pp_rank=torch.distributed.get_rank(), num_layers=2,

@@ -42,11 +42,11 @@ def _ranks_fn(paths, ids):
 
     out = {}
     for tp, pp in ((2, 1), (1, 2)):
-        groups.init_model_parallel(tp=tp, pp=pp, seed=0)
+        ctx = groups.init_model_parallel(tp=tp, pp=pp, seed=0)
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         for kind, path in paths.items():
             cfg = read_hf_config(path)
-            model = build_model(cfg, role="actor", tp=tp, pp=pp).eval()
+            model = build_model(cfg, role="actor", ctx=ctx).eval()
             read = load_hf_weights(model, path, cfg, tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank,
                                    pp_size=pp)
             with torch.no_grad():

@@ -45,11 +45,11 @@ def _worker(tp: int, pp: int, dp_expected: int, dist_opt: bool, sp: bool = True,
             role: str = "actor"):
     from hybridflow.engine import Engine
 
-    groups.init_model_parallel(tp=tp, pp=pp, seed=3)
+    ctx = groups.init_model_parallel(tp=tp, pp=pp, seed=3)
     assert ps.get_data_parallel_world_size() == dp_expected
     par = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                          sequence_parallel=sp and tp > 1, use_distributed_optimizer=dist_opt)
-    eng = Engine(role=role, model_cfg=MODEL, parallel=par, precision="fp32",
+    eng = Engine(role=role, model_cfg=MODEL, ctx=ctx, parallel=par, precision="fp32",
                  optim=OptimConfig(lr=1e-3, clip_grad=0.0), total_updates=1)
     fill_deterministic(eng.module, num_layers=MODEL.num_layers)
     if dist_opt:  # the distributed optimizer keeps its own fp32 copy: refresh it from the model

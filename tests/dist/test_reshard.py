@@ -144,9 +144,9 @@ def _setup(*, tp, pp, tied):
 
     from hybridflow.models.build import build_model, padded_vocab_size
 
-    groups.init_model_parallel(tp=tp, pp=pp, seed=0)
+    ctx = groups.init_model_parallel(tp=tp, pp=pp, seed=0)
     cfg = _cfg(tied)
-    model = build_model(cfg, role="actor", tp=tp, pp=pp).eval()
+    model = build_model(cfg, role="actor", ctx=ctx).eval()
     full = _full_state(cfg, padded_vocab_size(cfg.vocab_size, tp))
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     with torch.no_grad():

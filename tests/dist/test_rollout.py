@@ -1,6 +1,6 @@
 """Generator against Megatron's GPTModel (TP=1) and TP_g=2 against TP_g=1, in one 2-rank spawn.
 
-Per rank: build the tiny actor with `build_model(tp=1, pp=1)` (weights re-drawn with a larger scale
+Per rank: build the tiny actor with `build_model` (TP=PP=1) (weights re-drawn with a larger scale
 so greedy choices are clear-cut), greedy-decode with the GPTModel itself (full forward per step) and
 with our Generator over `dict(model.named_parameters())`; then re-initialise TP=2 and run the
 Generator over `param_rules.shard_tensor` shards of the same full dict (vocab padded with rows of
@@ -47,8 +47,8 @@ def _ranks_fn():
     from hybridflow.models.build import build_model
     from hybridflow.parallel import groups, param_rules
 
-    groups.init_model_parallel(tp=1, pp=1, seed=0)
-    model = build_model(CFG, role="actor", tp=1, pp=1).eval()
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=0)
+    model = build_model(CFG, role="actor", ctx=ctx).eval()
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -69,7 +69,7 @@ def _ranks_fn():
     out = gen1.generate(SAME_LEN, cfg=_greedy(), eos_id=-1, pad_id=0, seed=0)
     P = len(SAME_LEN[0])
     mg_lp = torch.log_softmax(mg_logits[:, P - 1:-1], -1).gather(2, seq[:, P:, None])[..., 0]
-    res["mg"] = dict(mg_tokens=seq[:, P:], tokens=out.response_ids, lp=out.logprobs, mg_lp=mg_lp,
+    res["mg"] = dict(mg_tokens=seq[:, P:], tokens=out.response_ids, lp=out.rollout_logprobs, mg_lp=mg_lp,
                      mg_logits=mg_logits, logits=_our_logits(gen1, seq))
 
     # (2) TP=2 over shards of the same weights, vocab padded 63 -> 64 with huge-logit rows
@@ -79,7 +79,7 @@ def _ranks_fn():
     sampled = RolloutConfig(max_new_tokens=STEPS, temperature=1.0, top_k=20, top_p=0.9, n=2,
                             return_logprobs=True)
     ref = _gen(full, None)
-    groups.init_model_parallel(tp=2, pp=1, seed=0)
+    ctx = groups.init_model_parallel(tp=2, pp=1, seed=0)
     group = ps.get_tensor_model_parallel_group()
     rank = dist.get_rank(group)
     shards = {n: param_rules.shard_tensor(n, t, tp_rank=rank, tp_size=2).contiguous()
@@ -105,9 +105,9 @@ def test_generator_matches_megatron_and_tp2_matches_tp1():
         tp1, tp2 = r0[name]["tp1"], r0[name]["tp2"]
         assert torch.equal(tp1.response_ids, tp2.response_ids), name
         assert torch.equal(tp1.response_mask, tp2.response_mask), name
-        assert torch.allclose(tp1.logprobs, tp2.logprobs, atol=1e-5, rtol=0), name
+        assert torch.allclose(tp1.rollout_logprobs, tp2.rollout_logprobs, atol=1e-5, rtol=0), name
         assert tp2.response_ids.max() < CFG.vocab_size  # the padded id (logit 50) never drawn
         # every TP_g rank drew the same tokens
         assert torch.equal(r1[name]["tp2"].response_ids, tp2.response_ids), name
-    assert r0["greedy"]["tp2"].response_lengths[0] == 4  # eos stops row 0 at step 4
+    assert r0["greedy"]["tp2"].response_mask.sum(1)[0] == 4  # eos stops row 0 at step 4
     assert torch.allclose(r0["logits"]["tp1"], r0["logits"]["tp2"], atol=1e-5, rtol=0)

@@ -21,8 +21,8 @@ def model():
     from hybridflow.parallel import groups
 
     groups.init_distributed()
-    groups.init_model_parallel(tp=1, pp=1, seed=0)
-    yield build_model(CFG, role="actor", tp=1, pp=1, precision="fp32").cuda()
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=0)
+    yield build_model(CFG, role="actor", ctx=ctx, precision="fp32").cuda()
     groups.destroy()
 
 

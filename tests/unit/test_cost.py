@@ -1,4 +1,5 @@
 """Unit tests of the analytic cost model (hybridflow.cost): counts by hand, search, CLI, calibration."""
+import itertools
 import json
 import math
 import subprocess
@@ -14,7 +15,12 @@ from hybridflow.cost import (Calibration, estimate_cost, estimate_memory, estima
 from hybridflow.cost.calibrate import fit, main as calibrate_main, parse_record, predict, predict_vs_measured
 from hybridflow.cost.flops import forward_flops_per_token, train_flops_per_token
 from hybridflow.cost.memory import COMPONENTS, GIB, memory_for
+from hybridflow.config import load_config, validate
+from hybridflow.cost import get_gpu
+from hybridflow.cost.search import candidate_plans
+from hybridflow.cost.shapes import known_models
 from hybridflow.cost.timing import OVERLAP_P, stage_breakdown, stage_terms
+from hybridflow.models.hf_config import read_hf_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -233,7 +239,7 @@ def test_launch_and_tp_terms_by_hand():
     def terms(num_gpus, layout):
         run = parse_record({"config": {"model": "tiny", "gpu": "H200", "num_gpus": num_gpus,
                                        "layout": layout, **TINY_WORK, "algorithm": "ppo"}})
-        return stage_terms(run.shape, run.gpu, run.layout, run.workload, calib)
+        return stage_terms(run.shape, run.gpu, run.plan, run.workload, calib)
 
     one = terms(1, {"tp": 1})
     assert one["old_log_prob"].x["layer_pass_overhead_s"] == 2 * 2                  # L x micro
@@ -258,18 +264,18 @@ def test_stage_and_optimizer_terms_by_hand():
     work = TINY_WORK | {"ppo_epochs": 2, "mini_batches": 2, "forward_micro_batch_tokens": 4 * 32}
     run = parse_record({"config": {"model": "tiny", "gpu": "H200", "num_gpus": 1, "layout": {"tp": 1},
                                    **work, "algorithm": "ppo"}})
-    terms = stage_terms(run.shape, run.gpu, run.layout, run.workload, calib)
+    terms = stage_terms(run.shape, run.gpu, run.plan, run.workload, calib)
     assert "optimizer_step_s" not in terms["old_log_prob"].x
     assert terms["update_actor"].x["optimizer_step_s"] == 4
     assert terms["old_log_prob"].x["layer_pass_overhead_s"] == 2 * 1          # L x 1 micro-batch
     assert terms["update_actor"].x["layer_pass_overhead_s"] == 2 * 4 * 1 * 3  # L x 4 x 1 x fwd+bwd
-    parts = stage_breakdown(run.shape, run.gpu, run.layout, run.workload, calib)
+    parts = stage_breakdown(run.shape, run.gpu, run.plan, run.workload, calib)
     adam = 30 * run.shape.num_params / (run.gpu.hbm_gbps * 1e9)                 # bytes / HBM peak
     assert parts["update_actor"]["optimizer"] == pytest.approx(4 * (0.02 + adam))  # serial: no overlap
     # the forward passes' activations follow their own micro-batch: 4 sequences, not 2
-    mem = memory_for(run.shape, run.gpu, run.layout, run.workload, Calibration())
+    mem = memory_for(run.shape, run.gpu, run.plan, run.workload, Calibration())
     small = replace(run.workload, forward_micro_batch_tokens=None)
-    mem2 = memory_for(run.shape, run.gpu, run.layout, small, Calibration())
+    mem2 = memory_for(run.shape, run.gpu, run.plan, small, Calibration())
     assert mem.phases_gib["old_log_prob"]["activations"] == pytest.approx(
         2 * mem2.phases_gib["old_log_prob"]["activations"])
 
@@ -280,7 +286,7 @@ def test_overlap_of_host_and_gpu_parts_by_hand():
     calib = Calibration(layer_pass_overhead_s=1e-3, forward_mfu=0.5)
     run = parse_record({"config": {"model": "qwen2_0_5b", "gpu": "H200", "num_gpus": 1,
                                    "layout": {"tp": 1}, **TINY_WORK}})
-    t = stage_terms(run.shape, run.gpu, run.layout, run.workload, calib)["old_log_prob"]
+    t = stage_terms(run.shape, run.gpu, run.plan, run.workload, calib)["old_log_prob"]
     coefs = calib.coefs()
     host = t.x["layer_pass_overhead_s"] * 1e-3
     gpu = t.x["inv_forward_mfu"] * 2.0
@@ -290,7 +296,7 @@ def test_overlap_of_host_and_gpu_parts_by_hand():
     assert max(host, gpu) < t.seconds(coefs) < host + gpu
     assert sum(t.breakdown(coefs).values()) == pytest.approx(t.seconds(coefs))
     # decode: its FLOPs overlap its HBM reads; prefill FLOPs and the per-layer cost add
-    g = stage_terms(run.shape, run.gpu, run.layout, run.workload, calib)["gen"]
+    g = stage_terms(run.shape, run.gpu, run.plan, run.workload, calib)["gen"]
     sides = g.sides(coefs)
     assert sides["a"] > 0 and sides["b"] > 0 and sides["serial"] > 0
     assert g.seconds(coefs) == pytest.approx(
@@ -341,3 +347,47 @@ def test_estimator_defaults_to_the_shipped_h200_fit():
     assert shipped == load_calibration(ROOT / "benchmarks" / "results" / "calibration.json")
     r = estimate_cost(model="qwen2_0_5b", gpu="H200", num_gpus=1, steps=1)
     assert "calibration: the shipped H200 fit" in r.notes
+
+
+# --- one model type, one config.json reader, one layout type with the trainer ---------------------
+
+@pytest.mark.parametrize("name", known_models())
+def test_cost_model_reads_the_trainers_model_config(name):
+    # load_shape reads conf/model/<name>.yaml itself; Hydra composes it over the schema
+    assert load_shape(name) == load_config([f"model={name}"]).model
+
+
+def test_config_json_read_as_the_trainer_reads_it(tmp_path):
+    llama = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    assert load_shape(str(tmp_path)) == read_hf_config(str(tmp_path))
+    assert not load_shape(str(tmp_path)).add_qkv_bias
+    # Llama's attention_bias also biases o_proj, which the trainer cannot build: refused by both
+    (tmp_path / "config.json").write_text(json.dumps(llama | {"attention_bias": True}))
+    with pytest.raises(ValueError, match="attention_bias"):
+        load_shape(str(tmp_path))
+
+
+def test_search_offers_the_layouts_the_trainer_accepts():
+    # 8 heads in 4 KV groups would allow TP=4, the FFN width 4098 = 2 x 2049 does not (Megatron
+    # splits it over TP): the search must agree with config.validate on every (TP, PP, TP_g).
+    shape = load_shape({"name": "odd", "num_layers": 6, "hidden_size": 256, "ffn_hidden_size": 4098,
+                        "num_attention_heads": 8, "num_query_groups": 4, "vocab_size": 1000})
+    base = load_config(["algo.micro_batch_size_per_gpu=1", "algo.forward_micro_batch_size_per_gpu=1"])
+    base = replace(base, model=shape)
+    accepted = set()
+    for tp, pp, tp_g in itertools.product(range(1, 9), repeat=3):
+        cfg = replace(base, parallel=replace(base.parallel, tensor_parallel_size=tp,
+                                             pipeline_parallel_size=pp),
+                      rollout=replace(base.rollout, tensor_parallel_size=tp_g))
+        try:
+            validate(cfg, world_size=8)
+        except ValueError:
+            continue
+        accepted.add((tp, pp, tp_g))
+    plans = candidate_plans(shape, get_gpu("H200"), 8, use_reference=True)
+    assert {(p.layout.tp_t, p.layout.pp_t, p.layout.tp_g) for p in plans} == accepted
+    assert {tp for tp, _, _ in accepted} == {1, 2}
+    with pytest.raises(ValueError, match="ffn_hidden_size"):
+        estimate_cost(model=shape, gpu="H200", num_gpus=8, layout={"tp": 4})

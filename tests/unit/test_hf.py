@@ -22,10 +22,14 @@ IDS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
 POS = torch.arange(IDS.shape[1]).expand_as(IDS)
 
 
+ctx = None  # the 1-rank ParallelContext, set by the fixture below
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_rank():
-    with single_rank_megatron():
-        yield
+    global ctx
+    with single_rank_megatron() as ctx:
+        yield ctx
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +41,7 @@ def ckpts(tmp_path_factory):
 
 def load(path, role="actor", cfg=None):
     cfg = cfg or read_hf_config(path)
-    model = build_model(cfg, role=role, tp=1, pp=1).eval()
+    model = build_model(cfg, role=role, ctx=ctx).eval()
     read = load_hf_weights(model, path, cfg, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, role=role)
     return model, cfg, read
 
@@ -140,7 +144,7 @@ def test_missing_dir(tmp_path):
         read_hf_config(str(tmp_path / "nope"))
     assert str(tmp_path / "nope") in one_line(e)
     cfg = read_hf_config(make_checkpoint("qwen2", str(tmp_path / "q")))
-    model = build_model(cfg, role="actor", tp=1, pp=1)
+    model = build_model(cfg, role="actor", ctx=ctx)
     with pytest.raises(FileNotFoundError) as e:
         load_hf_weights(model, str(tmp_path / "gone"), cfg, tp_rank=0, tp_size=1, pp_rank=0,
                         pp_size=1)

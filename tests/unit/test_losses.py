@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hybridflow.algo import (
+    AGG_MODES,
     agg_loss,
     entropy_loss,
     get_policy_loss,
@@ -27,9 +28,18 @@ MASK = torch.tensor([[1, 1, 1], [1, 0, 0]])
     ("token-mean", (1 + 2 + 3 + 4) / 4),
     ("seq-mean-token-sum", ((1 + 2 + 3) + 4) / 2),
     ("seq-mean-token-mean", ((1 + 2 + 3) / 3 + 4 / 1) / 2),
+    ("seq-mean-token-sum-norm", ((1 + 2 + 3) + 4) / (2 * 5)),  # C = 5, not the width 3
 ])
 def test_agg_modes_by_hand(mode, expected):
-    torch.testing.assert_close(agg_loss(LOSS, MASK, mode), torch.tensor(expected))
+    torch.testing.assert_close(agg_loss(LOSS, MASK, mode, loss_scale_factor=5),
+                               torch.tensor(expected))
+
+
+def test_agg_sum_norm_needs_a_constant():
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        agg_loss(LOSS, MASK, "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", loss_scale_factor=0)
 
 
 def test_agg_unknown_mode():
@@ -47,19 +57,39 @@ def test_agg_skips_empty_rows_and_given_denominators():
         agg_loss(loss, mask, "seq-mean-token-sum", num_seqs=0)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def reference_agg(loss, lengths, mode, scale=7.0):
+    """Plain-Python aggregation of rows `loss` (lists) over their first `lengths` entries."""
+    rows = [r[:n] for r, n in zip(loss, lengths)]
+    seqs = [r for r in rows if r]
+    if mode == "token-mean":
+        return sum(map(sum, seqs)) / sum(map(len, seqs))
+    if mode == "seq-mean-token-sum":
+        return sum(map(sum, seqs)) / len(seqs)
+    if mode == "seq-mean-token-mean":
+        return sum(sum(r) / len(r) for r in seqs) / len(seqs)
+    return sum(map(sum, seqs)) / (len(seqs) * scale)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
 def test_micro_batches_sum_to_full_batch(mode):
+    """Uneven masks over three micro-batches: with the global normalisers the micro-batch losses
+    (and their gradients) sum to the full batch's, which matches a plain-Python reference."""
     gen = torch.Generator().manual_seed(0)
-    loss = torch.randn(5, 6, generator=gen)
-    lengths = torch.tensor([6, 1, 4, 0, 3])  # ragged, one empty row
-    mask = (torch.arange(6)[None, :] < lengths[:, None]).long()
-    full = agg_loss(loss, mask, mode)
-    num_tokens, num_seqs = int(mask.sum()), int((lengths > 0).sum())
-    parts = [agg_loss(loss[s], mask[s], mode, num_tokens=num_tokens, num_seqs=num_seqs)
-             for s in (slice(0, 2), slice(2, 5))]
-    torch.testing.assert_close(parts[0] + parts[1], full)
-    # Without the global denominators the two halves do not add up.
-    local = agg_loss(loss[:2], mask[:2], mode) + agg_loss(loss[2:], mask[2:], mode)
+    loss = torch.randn(7, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    lengths = [6, 1, 4, 0, 3, 2, 5]  # ragged, one empty row
+    mask = (torch.arange(6)[None, :] < torch.tensor(lengths)[:, None]).long()
+    norm = dict(num_tokens=int(mask.sum()), num_seqs=sum(n > 0 for n in lengths),
+                loss_scale_factor=7.0)
+    full = agg_loss(loss, mask, mode, loss_scale_factor=7.0)
+    assert abs(full.item() - reference_agg(loss.tolist(), lengths, mode)) < 1e-12
+    (g_full,) = torch.autograd.grad(full, loss)
+    parts = [agg_loss(loss[s], mask[s], mode, **norm) for s in (slice(0, 2), slice(2, 5), slice(5, 7))]
+    torch.testing.assert_close(sum(parts), full)
+    (g_parts,) = torch.autograd.grad(sum(parts), loss)
+    torch.testing.assert_close(g_parts, g_full)
+    # Without the global normalisers the micro-batches do not add up.
+    local = sum(agg_loss(loss[s], mask[s], mode, loss_scale_factor=7.0)
+                for s in (slice(0, 2), slice(2, 5), slice(5, 7)))
     assert not torch.allclose(local, full)
 
 
@@ -196,3 +226,70 @@ def test_masked_helpers():
     torch.testing.assert_close(w, torch.tensor([[-s, 0.0, 0.0], [s, 0.0, 0.0]]))
     w = masked_whiten(x, mask, shift_mean=False)
     torch.testing.assert_close(w, torch.tensor([[2 - s, 2.0, 0.0], [2 + s, 0.0, 0.0]]))
+
+
+# ---------------------------------------------------------------- TIS weights in the policy loss
+def test_vanilla_rollout_is_weights_by_hand():
+    # Per-token weights multiply the table's token losses; masked junk weights never count.
+    w = torch.tensor([[0.5, 2.0, 1.0, 0.25], [1.5, 1.0, JUNK, JUNK]])
+    loss, m, logprobs = run_vanilla(rollout_is_weights=w)
+    ws = [0.5, 2.0, 1.0, 0.25, 1.5, 1.0]
+    torch.testing.assert_close(loss, torch.tensor(sum(a * b for a, b in zip(ws, TOKEN_LOSS)) / 6))
+    loss.backward()  # the weights scale the gradient of the unclipped tokens a, e, f; no grad to w
+    expected = torch.tensor([[-1.1 * 0.5, 0.0, 0.0, 0.0], [-1.0 * 1.5, 2.4, 0.0, 0.0]]) / 6
+    torch.testing.assert_close(logprobs.grad, expected)
+    _, m_plain, _ = run_vanilla()
+    assert all(torch.equal(m[k], m_plain[k]) for k in m)  # metrics describe the ratio, not w
+
+
+# ---------------------------------------------------------------- the actor objective
+def test_actor_objective_combines_the_registered_losses_by_hand():
+    """pg - entropy_coeff * entropy + kl_coef * kl, each aggregated with the global normalisers."""
+    from hybridflow.algo.objectives import actor_objective
+    from hybridflow.config import AlgoConfig
+    from hybridflow.data.batch import RolloutBatch
+
+    cfg = AlgoConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, entropy_coeff=0.1,
+                     use_kl_loss=True, kl_loss_type="k1", kl_loss_coef=0.5)
+    logprobs = torch.log(torch.tensor(RATIOS, dtype=torch.float64)).float()
+    ref = logprobs - torch.tensor([[1.0, 0.0, -1.0, 2.0], [0.5, 0.5, JUNK, JUNK]])  # k1 = these
+    entropy = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, JUNK, JUNK]])
+    mb = RolloutBatch(prompt_ids=torch.zeros(2, 1, dtype=torch.long),
+                      prompt_mask=torch.ones(2, 1, dtype=torch.long),
+                      response_ids=torch.zeros(2, 4, dtype=torch.long), response_mask=PMASK,
+                      group_ids=torch.arange(2), indices=torch.arange(2),
+                      old_logprobs=torch.zeros(2, 4), ref_logprobs=ref, advantages=ADV)
+    # this micro-batch is part of a mini-batch of 12 tokens
+    loss, m = actor_objective(cfg, num_tokens=12, num_seqs=4)({"logprobs": logprobs,
+                                                               "entropy": entropy}, mb)
+    pg, ent, kl = sum(TOKEN_LOSS) / 12, 21.0 / 12, (1 + 0 - 1 + 2 + 0.5 + 0.5) / 12
+    torch.testing.assert_close(loss, torch.tensor(pg - 0.1 * ent + 0.5 * kl))
+    torch.testing.assert_close(m["actor/pg_loss"], torch.tensor(pg))
+    torch.testing.assert_close(m["actor/kl_loss"], torch.tensor(kl))
+    torch.testing.assert_close(m["actor/entropy"], torch.tensor(ent))
+    torch.testing.assert_close(m["actor/pg_clipfrac"], torch.tensor(2 / 6 * 6 / 12))
+
+
+# ---------------------------------------------------------------- Dr.GRPO end to end
+def test_dr_grpo_estimator_and_sum_norm_by_hand():
+    """Dr.GRPO = advantages s_i - mean_g(s) (no std) + seq-mean-token-sum-norm (no 1/|o_i|).
+    On-policy (r = 1) the gradient on every valid token of row i is -A_i / (N_seqs * C)."""
+    from hybridflow.algo import get_advantage_estimator
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    token_rewards = torch.zeros(4, 4)
+    token_rewards[torch.arange(4), mask.sum(1) - 1] = scores
+    groups = torch.tensor([0, 0, 1, 1])
+    adv, _ = get_advantage_estimator("grpo")(token_rewards=token_rewards, response_mask=mask,
+                                            group_ids=groups, norm_by_std=False)
+    a = [0.5, -0.5, -0.5, 0.5]  # group means 0.5 and 0.5; no division by the std (0.707)
+    torch.testing.assert_close(adv, torch.tensor(a)[:, None] * mask)
+    logprobs = torch.full((4, 4), -1.0, requires_grad=True)
+    loss, _ = get_policy_loss("vanilla")(logprobs=logprobs, old_logprobs=logprobs.detach(),
+                                         advantages=adv, response_mask=mask,
+                                         agg_mode="seq-mean-token-sum-norm", loss_scale_factor=8)
+    lengths = [3, 1, 4, 2]
+    torch.testing.assert_close(loss, torch.tensor(-sum(x * n for x, n in zip(a, lengths)) / (4 * 8)))
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, -torch.tensor(a)[:, None] * mask / 32)

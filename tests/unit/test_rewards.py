@@ -30,6 +30,52 @@ def test_math_exact(response, truth, score):
     assert get_reward_fn("math_exact")("q", response, truth, None) == score
 
 
+def verl_gsm8k_compute_score(solution_str, ground_truth):
+    """verl/utils/reward_score/gsm8k.py (method="strict", format_score=0, score=1), verbatim logic."""
+    import re
+
+    if len(solution_str) > 300:
+        solution_str = solution_str[-300:]
+    solutions = re.findall("#### (\\-?[0-9\\.\\,]+)", solution_str)
+    if len(solutions) == 0:
+        return 0
+    final_answer = solutions[-1].replace(",", "").replace("$", "")
+    return 1.0 if final_answer == ground_truth else 0
+
+
+# (response, ground truth, math_exact, gsm8k_strict)
+GSM8K_CASES = [
+    ("She sold 48 + 24 = 72 clips.\n#### 72", "72", 1.0, 1.0),
+    ("#### 1,234", "1234", 1.0, 1.0),  # commas
+    ("#### 1,234.", "1234", 1.0, 0.0),  # trailing period: strict keeps it in the number
+    ("so 12 + 6 = 18.\n#### 18.", "18", 1.0, 0.0),
+    ("#### -5", "-5", 1.0, 1.0),  # negative
+    ("#### - 5", "-5", 1.0, 0.0),  # strict needs the sign on the number
+    ("#### $18", "18", 1.0, 0.0),  # strict: "$" right after "#### " is no number
+    ("#### 18.0", "18", 1.0, 0.0),  # decimals: lenient compares numbers, strict strings
+    ("#### 18.50", "18.5", 1.0, 0.0),
+    ("####18", "18", 1.0, 0.0),  # strict needs the space
+    ("The answer is 18.", "18", 1.0, 0.0),  # no ####: lenient takes the last number
+    ("The answer is \\boxed{18}", "18", 1.0, 0.0),
+    ("#### 17\nwait, no: #### 18", "18", 1.0, 1.0),  # the last ####
+    ("#### 18\nwait, no: #### 17", "18", 0.0, 0.0),
+    ("#### 18\n" + "filler " * 50, "18", 1.0, 0.0),  # verl reads only the last 300 characters
+    ("no answer here", "18", 0.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("response, truth, lenient, strict", GSM8K_CASES)
+def test_gsm8k_rules(response, truth, lenient, strict):
+    assert get_reward_fn("math_exact")("q", response, truth, None) == lenient
+    assert get_reward_fn("gsm8k_strict")("q", response, truth, None) == strict
+    assert strict == verl_gsm8k_compute_score(response, truth)  # the reference agrees with the table
+
+
+def test_gsm8k_strict_list_ground_truth():
+    assert get_reward_fn("gsm8k_strict")("q", "#### 5", ["4", "5"], None) == 1.0
+    assert get_reward_fn("gsm8k_strict")("q", "#### 6", ["4", "5"], None) == 0.0
+
+
 def test_extract_answer_order():
     assert extract_answer("\\boxed{1} #### 2") == "2"
     assert extract_answer("3 \\boxed{1} 4") == "1"

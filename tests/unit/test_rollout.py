@@ -70,7 +70,7 @@ def test_cache_matches_recompute_on_ragged_batch():
         assert out.prompt_ids[i, 7 - len(p):].tolist() == p  # left padded
         toks, lps = recompute_greedy(gen, p, 9)
         assert out.response_ids[i].tolist() == toks
-        assert torch.allclose(out.logprobs[i], lps, atol=1e-5)
+        assert torch.allclose(out.rollout_logprobs[i], lps, atol=1e-5)
         alone = gen.generate([p], cfg=rc(), eos_id=-1, pad_id=0, seed=0)  # padding changes nothing
         assert torch.equal(alone.response_ids[0], out.response_ids[i])
     assert out.response_ids.max() < CFG.vocab_size  # padded vocab (logit 100) never chosen
@@ -96,23 +96,23 @@ def test_eos_stop_tokens_and_masks():
         row = free[i].tolist()
         hits = [j for j, t in enumerate(row) if t in (eos, stop)]
         n = hits[0] + 1 if hits else 9
-        assert out.response_lengths[i] == n
+        assert out.response_mask.sum(1)[i] == n
         assert out.response_mask[i].tolist() == [1] * n + [0] * (out.response_mask.shape[1] - n)
         assert out.response_ids[i, :n].tolist() == row[:n]
-        assert (out.response_ids[i, n:] == 99).all() and (out.logprobs[i, n:] == 0).all()
-    assert out.response_ids.shape[1] == int(out.response_lengths.max())  # R = longest produced
+        assert (out.response_ids[i, n:] == 99).all() and (out.rollout_logprobs[i, n:] == 0).all()
+    assert out.response_ids.shape[1] == int(out.response_mask.sum(1).max())  # R = longest produced
     assert (out.prompt_ids[out.prompt_mask == 0] == 99).all()
 
 
 def test_early_exit_when_all_rows_finished(monkeypatch):
-    from hybridflow.rollout import engine
+    from hybridflow.rollout import generator
 
-    monkeypatch.setattr(engine, "CHECK_EVERY", 2)
+    monkeypatch.setattr(generator, "CHECK_EVERY", 2)
     gen = make()
     free = gen.generate(PROMPTS, cfg=rc(), eos_id=-1, pad_id=0, seed=0).response_ids
     out = gen.generate(PROMPTS, cfg=rc(max_new_tokens=40, stop_token_ids=free[:, 1].tolist()),
                        eos_id=-1, pad_id=0, seed=0)
-    assert out.response_lengths.max() <= 2 and out.response_ids.shape[1] <= 2
+    assert out.response_mask.sum(1).max() <= 2 and out.response_ids.shape[1] <= 2
     buf, _ = next(v for k, v in gen._steps.items() if k[1] == 40)  # stopped long before 40
     assert int(buf.step) <= 1 + 3 * 2
 
@@ -127,7 +127,7 @@ def test_n_ordering_seeding_and_chunking():
     assert not torch.equal(a.response_ids[0], a.response_ids[1])  # the samples differ
     b = gen.generate(PROMPTS, cfg=cfg, eos_id=-1, pad_id=0, seed=5)
     c = gen.generate(PROMPTS, cfg=cfg, eos_id=-1, pad_id=0, seed=6)
-    assert torch.equal(a.response_ids, b.response_ids) and torch.allclose(a.logprobs, b.logprobs)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.allclose(a.rollout_logprobs, b.rollout_logprobs)
     assert not torch.equal(a.response_ids, c.response_ids)
     greedy = rc(n=2)
     whole = gen.generate(PROMPTS, cfg=greedy, eos_id=-1, pad_id=0, seed=0)

@@ -3,6 +3,7 @@
     gen = Generator(model_cfg=..., params=gen_layout_params, tp_group=tp_g_group, device=...,
                     dtype=torch.bfloat16, true_vocab_size=V)
     out = gen.generate(prompts, cfg=rollout_cfg, eos_id=eos, pad_id=pad, seed=step_seed)
+    batch = gen.generate(...)  # a RolloutBatch (hybridflow.data.batch) of prompts + responses
     gen.release()   # KV cache, graphs, static buffers gone; the training phases get the memory back
 
 Every rank of a TP_g group must call `generate` with the same prompts and seed: the ranks hold
@@ -26,12 +27,12 @@ Prefills of the n copies of a prompt are not shared (each row is prefilled; a la
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from hybridflow.config import ModelConfig, RolloutConfig
+from hybridflow.data.batch import RolloutBatch
 from hybridflow.rollout import decoder
 from hybridflow.rollout.cuda_graph import GraphedStep, StopPoller, bucket_for, free_workspaces
 from hybridflow.rollout.kv_cache import KVCache
@@ -40,20 +41,6 @@ from hybridflow.rollout.sampling import sample
 CHECK_EVERY = 16  # decode steps between stop polls
 PREFILL_TOKENS = 16384  # prompt tokens per prefill sub-batch (bounds activation memory)
 LENGTH_MULTIPLE = 64  # cache length rounding: fewer re-captures, aligned attention masks
-
-
-@dataclass
-class GenerationOutput:
-    """B = len(prompts) * n rows, ordered [p0s0, p0s1, ..., p1s0, ...]; tensors on the device."""
-    prompt_ids: torch.Tensor  # (B, P) int64, LEFT-padded with pad_id; P = longest prompt
-    prompt_mask: torch.Tensor  # (B, P) int64 0/1, 1 on real prompt tokens
-    response_ids: torch.Tensor  # (B, R) int64, right-padded with pad_id; R = longest response
-    response_mask: torch.Tensor  # (B, R) int64 0/1, 1 up to and including the EOS/stop token
-    response_lengths: torch.Tensor  # (B,) int64, = response_mask.sum(1)
-    # (B, R) fp32 log-prob of each sampled token under log_softmax(logits / T) (T = 1 when greedy),
-    # before top-k/top-p filtering (as verl's old-log-prob pass); 0 on padding. None unless
-    # cfg.return_logprobs.
-    logprobs: Optional[torch.Tensor] = None
 
 
 class _Buffers:
@@ -110,7 +97,14 @@ class Generator:
 
     # ---- public -------------------------------------------------------------------------------
     def generate(self, prompts: list, *, cfg: RolloutConfig, eos_id: int, pad_id: int,
-                 seed: int) -> GenerationOutput:
+                 seed: int) -> RolloutBatch:
+        """Sample `cfg.n` responses per prompt. Returns the rows as the trainer consumes them, on
+        the device: B = len(prompts) * n rows [p0s0, p0s1, ..., p1s0, ...], prompts LEFT-padded to
+        the longest (pad_id), responses right-padded to the longest produced, masks 1 up to and
+        including the stop token, `group_ids` = `indices` = the prompt's position in `prompts`
+        (callers map them to global ids), `rollout_logprobs` (B, R) when cfg.return_logprobs: each
+        sampled token's log-prob under log_softmax(logits / T) (T = 1 when greedy), before
+        top-k/top-p filtering (as verl's), 0 on padding."""
         self._check(prompts, cfg)
         rows = [list(p) for p in prompts for _ in range(cfg.n)]
         N, P, R = len(rows), max(len(p) for p in rows), cfg.max_new_tokens
@@ -145,10 +139,11 @@ class Generator:
         logprobs = None
         if cfg.return_logprobs:
             logprobs = torch.cat([o[1] for o in outs])[:, :width] * resp_mask
-        return GenerationOutput(prompt_ids=ids, prompt_mask=mask,
-                                response_ids=tokens[:, :width].masked_fill(resp_mask == 0, pad_id),
-                                response_mask=resp_mask, response_lengths=lengths,
-                                logprobs=logprobs)
+        prompt_of_row = torch.arange(len(prompts), device=self.device).repeat_interleave(cfg.n)
+        return RolloutBatch(prompt_ids=ids, prompt_mask=mask,
+                            response_ids=tokens[:, :width].masked_fill(resp_mask == 0, pad_id),
+                            response_mask=resp_mask, group_ids=prompt_of_row,
+                            indices=prompt_of_row.clone(), rollout_logprobs=logprobs)
 
     def release(self) -> None:
         """Free the KV cache, captured graphs and static buffers (not the weights)."""

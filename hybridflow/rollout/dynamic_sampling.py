@@ -1,0 +1,96 @@
+"""DAPO's dynamic sampling as a stage: generate rounds until the step has enough informative groups.
+
+`fill_informative(next_round, ...)` calls `next_round()` (new prompts -> generate -> score; each
+call returns this rank's RolloutBatch with `scores` set, groups of `group_size` consecutive rows,
+and that round's reward metrics), keeps the groups whose scores are not all equal
+(hybridflow.algo.informative_groups), and stops once the informative groups found on all DP ranks
+together reach the target (`num_groups` per rank x DP) or after `max_rounds` rounds.
+
+Choices:
+- Groups are pooled over DP: every rank runs the same number of rounds (the rounds' collectives
+  stay aligned), the kept groups of all ranks are gathered (in rank order, then round order) and
+  rank r trains on groups [r * num_groups, (r + 1) * num_groups) of the pool; extra groups are
+  dropped. So a rank that drew hard prompts does not hold the others back.
+- Cap hit (fewer informative groups than the target after max_rounds): the step still trains, on all
+  informative groups found, topped up with uninformative ones so the batch keeps its size (mini- and
+  micro-batch sizes, pipeline micro-batches stay valid). Uninformative groups have zero advantage
+  under group-baseline estimators, so they add no policy gradient (only tokens to a token-mean
+  normaliser and KL/entropy terms). `dynamic_sampling/cap_hit` says it happened. verl raises here
+  instead; a long run should not die on one hard batch, and the metric makes it visible.
+- Group ids are renumbered to the pooled position (rank r's groups are r * num_groups + j), the
+  convention of a batch without dynamic sampling.
+Metrics: dynamic_sampling/rounds (generation rounds this step; verl's train/num_gen_batches),
+kept_fraction (informative / generated groups), cap_hit (0/1), filler_groups (uninformative groups
+trained on), score_mean (mean score of ALL generated samples: the policy's score before the filter,
+which critic/score/mean, taken on the kept batch, is not).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.algo.dapo import informative_groups
+from hybridflow.data.batch import RolloutBatch
+from hybridflow.parallel.dp import dp_sum, gather_batches
+
+
+def _sums(values: list[float], group) -> list[float]:
+    return values if group is None else [dp_sum(float(v), group=group) for v in values]
+
+
+def _gather(batch: RolloutBatch, group, pad_id: int) -> list[RolloutBatch]:
+    return [batch] if group is None else gather_batches(batch, group=group, pad_id=pad_id)
+
+
+def _groups(batch: RolloutBatch, group_size: int) -> list[RolloutBatch]:
+    return [batch.select(slice(i, i + group_size)) for i in range(0, batch.batch_size, group_size)]
+
+
+def fill_informative(next_round: Callable[[], tuple[RolloutBatch, dict]], *, num_groups: int,
+                     group_size: int, max_rounds: int,
+                     dp_group: Optional[dist.ProcessGroup] = None,
+                     pad_id: int = 0) -> tuple[RolloutBatch, dict]:
+    """This rank's `num_groups` groups (see module doc) and the stage's metrics. `dp_group` None:
+    a single process (no collectives)."""
+    if max_rounds < 1:
+        raise ValueError(f"max_rounds={max_rounds} must be >= 1")
+    dp = 1 if dp_group is None else dist.get_world_size(dp_group)
+    rank = 0 if dp_group is None else dist.get_rank(dp_group)
+    target = num_groups * dp
+    kept, spare, round_metrics = [], [], []
+    generated = found = 0
+    score_sum = 0.0
+    for rounds in range(1, max_rounds + 1):
+        batch, metrics = next_round()
+        round_metrics.append(metrics)
+        keep = informative_groups(batch.scores, batch.group_ids)  # (B,)
+        kept.append(batch.select(keep))
+        spare.append(batch.select(~keep))
+        rows, kept_rows, scores = _sums([batch.batch_size, int(keep.sum()),
+                                         float(batch.scores.sum())], dp_group)
+        generated += round(rows) // group_size
+        found += round(kept_rows) // group_size
+        score_sum += scores
+        if found >= target:
+            break
+    pool = []
+    if found:  # (no empty all-gathers)
+        pool = [g for b in _gather(RolloutBatch.cat(kept, pad_id=pad_id), dp_group, pad_id)
+                for g in _groups(b, group_size)]
+    fillers = max(target - len(pool), 0)
+    if fillers:
+        pool += [g for b in _gather(RolloutBatch.cat(spare, pad_id=pad_id), dp_group, pad_id)
+                 for g in _groups(b, group_size)][:fillers]
+    assert len(pool) >= target, "each round generates the target number of groups"
+    mine = RolloutBatch.cat(pool[rank * num_groups:(rank + 1) * num_groups], pad_id=pad_id)
+    mine.group_ids = (rank * num_groups + torch.arange(num_groups)).repeat_interleave(group_size)
+    metrics = {k: sum(m[k] for m in round_metrics) / len(round_metrics) for k in round_metrics[0]}
+    metrics.update({"dynamic_sampling/rounds": float(rounds),
+                    "dynamic_sampling/kept_fraction": found / max(generated, 1),
+                    "dynamic_sampling/cap_hit": float(found < target),
+                    "dynamic_sampling/filler_groups": float(fillers),
+                    "dynamic_sampling/score_mean": score_sum / max(generated * group_size, 1)})
+    return mine, metrics

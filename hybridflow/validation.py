@@ -1,0 +1,108 @@
+"""Validation during training (verl's `trainer.test_freq`): greedy decoding over the held-out prompts.
+
+Every `trainer.val_every` steps (and at step 0 with `trainer.val_before_train`) the actor generates
+one greedy response (temperature 0) per prompt of `data.val_files`, in the generation layout, through
+the same rollout stage as training (reshard, batched generation, gen-replica split). Each DP replica
+takes every DP-th prompt. The responses are scored with the training rule `reward.fn` and every rule
+of `reward.val_fns`; per data source, the means over the whole val set are reported with verl's
+names: `val-core/<data_source>/reward/mean@1` for `reward.fn`, `val-aux/<data_source>/<fn>/mean@1`
+for the others, plus `val-aux/response_length/{mean,max,clip_ratio}`. Rank 0 appends the first
+`trainer.val_log_generations` of its rows to `<output_dir>/val_generations.jsonl`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.config import Config
+from hybridflow.parallel.context import ParallelContext
+from hybridflow.reward import get_reward_fn
+
+
+class Validator:
+    def __init__(self, cfg: Config, ctx: ParallelContext, *, rollout, dataset):
+        self.cfg, self.ctx, self.rollout, self.dataset = cfg, ctx, rollout, dataset
+        t = cfg.trainer
+        r = cfg.rollout
+        self.gen_cfg = dataclasses.replace(
+            r, n=1, temperature=0.0, top_k=0, top_p=1.0, ignore_eos=False,
+            max_new_tokens=t.val_max_new_tokens or r.max_new_tokens)
+        self.rules = {}
+        if cfg.reward.fn is not None:
+            self.rules["reward"] = get_reward_fn(cfg.reward.fn)
+        for name in cfg.reward.val_fns:
+            self.rules[name] = get_reward_fn(name)
+        # this DP replica's share: every DP-th prompt (the last shares may be one shorter)
+        self.items = [dataset[i] for i in range(ctx.train.dp, len(dataset), ctx.dp_size)]
+
+    def due(self, step: int) -> bool:
+        t = self.cfg.trainer
+        if step == 0:
+            return t.val_before_train
+        return t.val_every > 0 and (step % t.val_every == 0 or step == t.total_steps)
+
+    @torch.no_grad()
+    def run(self, *, step: int, timer) -> dict:
+        batch = self.rollout.generate(self.items, step=step, timer=timer,
+                                      rollout_cfg=self.gen_cfg, seed=self.cfg.trainer.seed)
+        scores = {name: self.rollout.rule_scores(self.items, batch, fn=fn)[0]
+                  for name, fn in self.rules.items()}
+        lengths = batch.response_mask.sum(1)
+        # per data source: [sum per rule..., count]; summed over the DP replicas
+        local: dict[str, list[float]] = {}
+        for i, it in enumerate(self.items):
+            acc = local.setdefault(it.data_source or "unknown", [0.0] * (len(self.rules) + 1))
+            for k, name in enumerate(self.rules):
+                acc[k] += float(scores[name][i])
+            acc[-1] += 1
+        totals = self._sum_over_dp(local)
+        stats = torch.tensor([float(lengths.sum()), float(lengths.max()), float(
+            (lengths >= self.gen_cfg.max_new_tokens).sum()), float(len(self.items))],
+            dtype=torch.float64)
+        all_stats = [None] * self.ctx.dp_size
+        dist.all_gather_object(all_stats, stats, group=self.ctx.dp_group)
+        s = torch.stack(all_stats)
+        n = float(s[:, 3].sum())
+        metrics = {"val-aux/response_length/mean": float(s[:, 0].sum()) / n,
+                   "val-aux/response_length/max": float(s[:, 1].max()),
+                   "val-aux/response_length/clip_ratio": float(s[:, 2].sum()) / n}
+        for source, acc in sorted(totals.items()):
+            for k, name in enumerate(self.rules):
+                group = "val-core" if name == "reward" else "val-aux"
+                metrics[f"{group}/{source}/{name}/mean@1"] = acc[k] / acc[-1]
+        if self.ctx.rank == 0:
+            self._log_generations(step, batch, scores)
+        return metrics
+
+    def _sum_over_dp(self, local: dict) -> dict:
+        parts = [None] * self.ctx.dp_size
+        dist.all_gather_object(parts, local, group=self.ctx.dp_group)
+        out: dict[str, list[float]] = {}
+        for part in parts:
+            for source, acc in part.items():
+                cur = out.setdefault(source, [0.0] * len(acc))
+                out[source] = [a + b for a, b in zip(cur, acc)]
+        return out
+
+    def _log_generations(self, step: int, batch, scores: dict) -> None:
+        count = min(self.cfg.trainer.val_log_generations, len(self.items))
+        if count <= 0:
+            return
+        tok = self.rollout.tok
+        lines = []
+        for i in range(count):
+            it, n = self.items[i], int(batch.response_mask[i].sum())
+            row = {"step": step, "index": it.index, "data_source": it.data_source,
+                   "prompt": it.prompt_text, "response": tok.decode(batch.response_ids[i, :n].tolist()),
+                   "ground_truth": it.ground_truth}
+            row.update({f"score/{name}": float(v[i]) for name, v in scores.items()})
+            lines.append(json.dumps(row, ensure_ascii=False))
+        out = self.cfg.trainer.output_dir
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "val_generations.jsonl"), "a") as f:
+            f.write("\n".join(lines) + "\n")  # one write per validation

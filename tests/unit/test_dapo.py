@@ -1,0 +1,110 @@
+"""DAPO's group filter, overlong penalty and the dynamic-sampling stage (single process)."""
+
+import pytest
+import torch
+
+from hybridflow.algo import informative_groups, overlong_penalty
+from hybridflow.data.batch import RolloutBatch
+from hybridflow.rollout.dynamic_sampling import fill_informative
+
+
+def test_informative_groups_by_hand():
+    # ids 5: all 0; 9: all 1; 2: mixed; 7: alone; 4: mixed, rows not adjacent; 3: equal non-binary
+    ids = torch.tensor([5, 5, 5, 9, 9, 2, 2, 7, 4, 3, 4, 3])
+    scores = torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.5, 0.3, 0.25, 0.3])
+    expected = [False] * 5 + [True, True] + [False] + [True, False, True, False]
+    assert informative_groups(scores, ids).tolist() == expected
+
+
+def test_informative_groups_shapes():
+    with pytest.raises(ValueError, match=r"\(B,\)"):
+        informative_groups(torch.zeros(4), torch.zeros(3, dtype=torch.long))
+    assert informative_groups(torch.zeros(0), torch.zeros(0, dtype=torch.long)).tolist() == []
+
+
+def test_overlong_penalty_by_hand():
+    # max 10, buffer 4: free up to 6, then -1/4 per token, -1 at 10 (times penalty_factor 0.5).
+    lengths = torch.tensor([3, 6, 7, 8, 10])
+    got = overlong_penalty(lengths, max_len=10, buffer_len=4, penalty_factor=0.5)
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5]))
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_penalty(lengths, max_len=10, buffer_len=0, penalty_factor=1.0)
+
+
+# ---------------------------------------------------------------- the stage
+N = 2  # samples per prompt
+
+
+def make_round(tag: int, group_scores: list[list[float]], width: int = 3) -> RolloutBatch:
+    """One round's batch: group g's rows have response ids tag*100 + g*10 + sample; responses of
+    group g are g + 1 tokens long (so rounds' widths differ); scores as given."""
+    rows = len(group_scores) * N
+    resp = torch.tensor([[tag * 100 + g * 10 + k] * width for g in range(len(group_scores))
+                         for k in range(N)])
+    lengths = torch.tensor([min(g + 1, width) for g in range(len(group_scores)) for _ in range(N)])
+    mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    return RolloutBatch(prompt_ids=torch.full((rows, 2), tag), prompt_mask=torch.ones(rows, 2).long(),
+                        response_ids=resp * mask, response_mask=mask,
+                        group_ids=torch.arange(len(group_scores)).repeat_interleave(N),
+                        indices=torch.arange(rows) + tag * 1000,
+                        scores=torch.tensor([s for g in group_scores for s in g]))
+
+
+def scripted(rounds):
+    calls = []
+
+    def next_round():
+        calls.append(len(calls))
+        tag = len(calls)
+        return make_round(tag, rounds[tag - 1], width=2 + tag), {"reward/x/mean": float(tag)}
+
+    return next_round, calls
+
+
+def group_tags(batch):
+    return [int(batch.response_ids[i, 0]) // 10 for i in range(0, batch.batch_size, N)]
+
+
+def test_fills_with_mixed_groups_only():
+    # round 1: all-0, mixed, all-1, mixed; round 2: mixed, all-0, all-0, mixed. Target 3 groups.
+    nxt, calls = scripted([[[0, 0], [1, 0], [1, 1], [0, 1]], [[1, 0], [0, 0], [0, 0], [0, 1]]])
+    batch, m = fill_informative(nxt, num_groups=3, group_size=N, max_rounds=5, pad_id=99)
+    assert len(calls) == 2
+    assert group_tags(batch) == [11, 13, 20]  # round 1 groups 1, 3; round 2 group 0
+    assert informative_groups(batch.scores, batch.group_ids).all()
+    assert batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
+    assert batch.response_ids.shape[1] == 4 and batch.prompt_len == 2  # widths padded on cat
+    # round 1's rows (width 3) gain a column: pad id in the ids, 0 in the mask
+    assert batch.response_ids[:4, 3].tolist() == [99] * 4 and batch.response_mask[:4, 3].sum() == 0
+    assert m["dynamic_sampling/rounds"] == 2 and m["dynamic_sampling/cap_hit"] == 0
+    assert m["dynamic_sampling/kept_fraction"] == 4 / 8
+    assert m["dynamic_sampling/filler_groups"] == 0
+    assert m["dynamic_sampling/score_mean"] == 6 / 16
+    assert m["reward/x/mean"] == 1.5  # averaged over the rounds
+
+
+def test_cap_hit_trains_on_what_there_is():
+    all_equal = [[0, 0], [1, 1], [0, 0]]
+    nxt, calls = scripted([all_equal, [[0, 0], [1, 0], [1, 1]], all_equal, all_equal])
+    batch, m = fill_informative(nxt, num_groups=3, group_size=N, max_rounds=3)
+    assert len(calls) == 3  # bounded by max_rounds
+    assert group_tags(batch) == [21, 10, 11]  # the informative group first, then fillers
+    assert m["dynamic_sampling/cap_hit"] == 1 and m["dynamic_sampling/filler_groups"] == 2
+    assert m["dynamic_sampling/rounds"] == 3
+    assert m["dynamic_sampling/kept_fraction"] == 1 / 9
+
+
+def test_random_rounds_bounded_and_mixed():
+    gen = torch.Generator().manual_seed(0)
+    state = {"tag": 0}
+
+    def next_round():
+        state["tag"] += 1
+        scores = (torch.rand(8, N, generator=gen) < 0.3).float().tolist()
+        return make_round(state["tag"], scores), {}
+
+    batch, m = fill_informative(next_round, num_groups=8, group_size=N, max_rounds=6)
+    assert 1 <= state["tag"] <= 6 and m["dynamic_sampling/rounds"] == state["tag"]
+    keep = informative_groups(batch.scores, batch.group_ids)
+    assert batch.batch_size == 8 * N
+    assert int(keep.sum()) // N == 8 - m["dynamic_sampling/filler_groups"]
