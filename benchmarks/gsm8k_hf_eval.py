@@ -6,8 +6,9 @@ tokenizer's chat template with the generation prompt, greedy decoding, scored wi
 reward rules.
 
   # on the GPU machine (bf16 weights, batch 64, up to 1,024 new tokens)
-  python benchmarks/gsm8k_hf_eval.py --model /tmp/model/qwen_coder.gguf --val DATA/val.parquet \
-      --out $OUT/gsm8k_hf_eval.json --generations $OUT/gsm8k_hf_generations.jsonl
+  python benchmarks/gsm8k_hf_eval.py --model /tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
+      --val .gsm8k/val.parquet --out $OUT/gsm8k_hf_eval.json --generations $OUT/gsm8k_hf_generations.jsonl
+  # batch 320 = the whole val set in one generate call (fastest; a batch runs to its longest answer)
   # an HF directory (our exporter's output) works the same: --model /path/to/hf_dir
 
 Choices:

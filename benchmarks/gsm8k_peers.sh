@@ -6,9 +6,10 @@
 # Here, once (.whl_bench/ and .gsm8k/ are git-ignored, so `carry` can name them):
 #   cp -r /work/cache/whl_bench .whl_bench            # trl, datasets, dill, multiprocess, gguf (+ fallback/)
 #   python -m hybridflow.data.prepare gsm8k --out .gsm8k   # train.parquet / val.parquet (or .jsonl)
-# The model reassembled on the machine beforehand (see shared/gpu/README.md, chunked carry), then one
-# device call with carry [".whl_bench", ".gsm8k"]:
-#   MODEL=/tmp/xfer/qwen_coder.gguf bash benchmarks/gsm8k_peers.sh
+# The model reassembled on the machine beforehand (`bash benchmarks/gsm8k_h200.sh setup`, after the
+# chunked carry of shared/gpu/README.md), then one device call with carry [".whl_bench", ".gsm8k"]:
+#   MODEL=/tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf bash benchmarks/gsm8k_peers.sh
+# (SITE is /tmp/site as for gsm8k_h200.sh: only missing dependencies of the carried wheels are added.)
 # Knobs (environment): PHASES="eval trl" | "eval" | "trl"; EVAL_BS (64); EVAL_LIMIT (all);
 #   EVAL_ARGS (more gsm8k_hf_eval.py options, e.g. "--max-new-tokens 512");
 #   TRL_STEPS (20); TRL_VAL_AT (e.g. 0,10,20; empty: none); TRL_VAL_SIZE (all); TRL_VAL_BS (64);
@@ -43,7 +44,7 @@ python3 - $mods <<'EOF'  # fail here, in seconds, rather than after the eval
 import importlib, sys
 print(" ".join(f"{m} {getattr(importlib.import_module(m), '__version__', '?')}" for m in sys.argv[1:]))
 EOF
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 
 VAL=$(data_file val)
 if [[ " $PHASES " == *" eval "* ]]; then
