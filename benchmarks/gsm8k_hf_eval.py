@@ -6,13 +6,15 @@ tokenizer's chat template with the generation prompt, greedy decoding, scored wi
 reward rules.
 
   # on the GPU machine (bf16 weights, batch 64, up to 1,024 new tokens)
-  python benchmarks/gsm8k_hf_eval.py --model /tmp/model/qwen_coder.gguf --val DATA/val.parquet \
-      --out $OUT/gsm8k_hf_eval.json --generations $OUT/gsm8k_hf_generations.jsonl
+  python benchmarks/gsm8k_hf_eval.py --model /tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
+      --val .gsm8k/val.parquet --out $OUT/gsm8k_hf_eval.json --generations $OUT/gsm8k_hf_generations.jsonl
+  # batch 320 = the whole val set in one generate call (fastest; a batch runs to its longest answer)
   # an HF directory (our exporter's output) works the same: --model /path/to/hf_dir
 
 Choices:
-- Stop tokens: `<|im_end|>` AND the tokenizer's EOS (a GGUF tokenizer may report `<|endoftext|>`),
-  both handed to `generate` as `eos_token_id`, so both sides stop at the end of the assistant turn.
+- Stop tokens: `<|im_end|>`, `<|endoftext|>` and the tokenizer's EOS (a GGUF tokenizer reports one
+  or the other as EOS depending on the transformers version), all handed to `generate` as
+  `eos_token_id`, so generation stops at the end of the assistant turn whichever it reports.
 - Left padding with a real pad token (the tokenizer's, else `<|endoftext|>`, else EOS); prompts are
   sorted by length before batching (less padding) and results put back in file order.
 - A response is cut after its first stop token; its length counts the generated tokens up to and
@@ -108,6 +110,8 @@ def load_model(path: str, *, dtype: torch.dtype, device: str | torch.device, tra
     from transformers import AutoModelForCausalLM
 
     folder, kw = _split_model_path(path)
+    if "gguf_file" in kw:
+        kw.update(_dequantize_config())
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
     if trainable and getattr(model, "is_quantized", False):
         config = model.config
@@ -121,11 +125,33 @@ def load_model(path: str, *, dtype: torch.dtype, device: str | torch.device, tra
     return model.to(device).eval()
 
 
+def _dequantize_config() -> dict:
+    """`quantization_config=GgufConfig(dequantize=True)` where transformers has it (5.x).
+
+    Without it transformers 5.17+ first tries to fetch a packed-GGUF matmul kernel from the Hub and
+    keeps the weights in their quantized blocks when it gets one; dense dequantised weights are what
+    our loader computes with, and what a trainer needs.
+    """
+    import inspect
+
+    try:
+        from transformers.utils.quantization_config import GgufConfig
+    except ImportError:
+        return {}
+    if "dequantize" not in inspect.signature(GgufConfig).parameters:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
 def stop_token_ids(tokenizer) -> list[int]:
-    """`<|im_end|>` (when the vocabulary has it) and the tokenizer's EOS, without duplicates."""
+    """`<|im_end|>`, `<|endoftext|>` (those the vocabulary has) and the tokenizer's EOS, no duplicates.
+
+    Which of the two a GGUF tokenizer reports as EOS differs between transformers versions (5.17:
+    `<|endoftext|>`, 5.23: `<|im_end|>`); listing both keeps the stop set the same on either.
+    """
     ids = []
     vocab = tokenizer.get_vocab()
-    for tid in (vocab.get(END_OF_TURN), tokenizer.eos_token_id):
+    for tid in (vocab.get(END_OF_TURN), vocab.get(END_OF_TEXT), tokenizer.eos_token_id):
         if tid is not None and tid not in ids:
             ids.append(tid)
     if not ids:

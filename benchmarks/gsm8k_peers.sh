@@ -6,13 +6,17 @@
 # Here, once (.whl_bench/ and .gsm8k/ are git-ignored, so `carry` can name them):
 #   cp -r /work/cache/whl_bench .whl_bench            # trl, datasets, dill, multiprocess, gguf (+ fallback/)
 #   python -m hybridflow.data.prepare gsm8k --out .gsm8k   # train.parquet / val.parquet (or .jsonl)
-# The model reassembled on the machine beforehand (see shared/gpu/README.md, chunked carry), then one
-# device call with carry [".whl_bench", ".gsm8k"]:
-#   MODEL=/tmp/xfer/qwen_coder.gguf bash benchmarks/gsm8k_peers.sh
+# The model reassembled on the machine beforehand (`bash benchmarks/gsm8k_h200.sh setup`, after the
+# chunked carry of shared/gpu/README.md), then one device call with carry [".whl_bench", ".gsm8k"]:
+#   MODEL=/tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf bash benchmarks/gsm8k_peers.sh
+# (SITE is /tmp/site as for gsm8k_h200.sh: only missing dependencies of the carried wheels are added.)
 # Knobs (environment): PHASES="eval trl" | "eval" | "trl"; EVAL_BS (64); EVAL_LIMIT (all);
 #   EVAL_ARGS (more gsm8k_hf_eval.py options, e.g. "--max-new-tokens 512");
 #   TRL_STEPS (20); TRL_VAL_AT (e.g. 0,10,20; empty: none); TRL_VAL_SIZE (all); TRL_VAL_BS (64);
 #   TRL_ARGS (more trl_gsm8k.py options, e.g. "--prompts-per-step 16 --micro-batch 64");
+#   TRL_RESUME=1: continue the TRL run checkpointed in /tmp/trl_gsm8k by the previous call (the machine
+#   must have stayed warm) and checkpoint again if the budget stops it; e.g. 20 steps over 3 calls:
+#   PHASES=trl TRL_RESUME=1 TRL_STEPS=20 TRL_VAL_AT=0,5,10,15,20 TRL_ARGS="--prompts-per-step 16", 3 times;
 #   TOTAL_S (560: the call is capped at 600 s); DATA (.gsm8k); WHEELS (.whl_bench); SITE (/tmp/site).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,8 +37,14 @@ data_file() {  # data_file SPLIT -> DATA/SPLIT.parquet or DATA/SPLIT.jsonl
 
 python3 benchmarks/install_peer_wheels.py "$WHEELS" --target "$SITE"
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python3 -c "import trl, datasets, gguf, transformers, torch; print('trl', trl.__version__, 'datasets', datasets.__version__, 'gguf ok', 'transformers', transformers.__version__, 'torch', torch.__version__)"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+mods="gguf transformers torch"
+[[ " $PHASES " == *" trl "* ]] && mods="$mods trl datasets"
+# shellcheck disable=SC2086  # a list of module names
+python3 - $mods <<'EOF'  # fail here, in seconds, rather than after the eval
+import importlib, sys
+print(" ".join(f"{m} {getattr(importlib.import_module(m), '__version__', '?')}" for m in sys.argv[1:]))
+EOF
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 
 VAL=$(data_file val)
 if [[ " $PHASES " == *" eval "* ]]; then
@@ -45,12 +55,13 @@ if [[ " $PHASES " == *" eval "* ]]; then
 fi
 
 if [[ " $PHASES " == *" trl "* ]]; then
+  TRAIN=$(data_file train)
   budget=$((TOTAL_S - SECONDS - 10))
   echo "TRL time budget ${budget}s"
   # shellcheck disable=SC2086  # TRL_ARGS is a list of options
-  python3 benchmarks/trl_gsm8k.py --model "$MODEL" --train "$(data_file train)" --val "$VAL" \
+  python3 benchmarks/trl_gsm8k.py --model "$MODEL" --train "$TRAIN" --val "$VAL" \
     --out "$OUT/trl_gsm8k.json" --max-steps "${TRL_STEPS:-20}" --time-budget-s "$budget" \
     --val-at "${TRL_VAL_AT:-}" ${TRL_VAL_SIZE:+--val-size "$TRL_VAL_SIZE"} --val-batch-size "${TRL_VAL_BS:-64}" \
-    --workdir /tmp/trl_gsm8k ${TRL_ARGS:-}
+    --workdir /tmp/trl_gsm8k ${TRL_RESUME:+--resume} ${TRL_ARGS:-}
 fi
 ls -la "$OUT"

@@ -38,10 +38,15 @@ def pip_install(wheels: list[Path], target: str) -> None:
                     "--no-cache-dir", "--upgrade", "--target", target, *map(str, wheels)], check=True)
 
 
-def unmet(target: str, paths: list[str]) -> list[Requirement]:
-    """Requirements (no extras) of the distributions in `target` that `paths` do not satisfy."""
+def unmet(target: str, paths: list[str], names: set[str]) -> list[Requirement]:
+    """Requirements (no extras) of the distributions `names` in `target` that `paths` do not satisfy.
+
+    Only the carried wheels' own requirements are checked: the folder may also hold other packages
+    (megatron-core, hydra, ...) whose requirements are not ours to fill."""
     out = []
     for dist in md.distributions(path=[target]):
+        if canonicalize_name(dist.metadata["Name"] or "") not in names:
+            continue
         for text in dist.requires or []:
             req = Requirement(text)
             if req.marker is not None and not req.marker.evaluate({"extra": ""}):
@@ -60,9 +65,10 @@ def main(argv=None) -> int:
     Path(args.target).mkdir(parents=True, exist_ok=True)
     paths = [args.target, *sys.path]
 
-    core = []
+    core, names = [], set()
     for whl in sorted(Path(args.wheels).glob("*.whl")):
         name, version, _, _ = parse_wheel_filename(whl.name)
+        names.add(canonicalize_name(name))
         if installed_version(name, [args.target]) != str(version):
             core.append(whl)
     if core:
@@ -76,12 +82,13 @@ def main(argv=None) -> int:
     tried = set()
     while True:
         fill, missing = [], []
-        for req in unmet(args.target, paths):
+        for req in unmet(args.target, paths, names):
             name = canonicalize_name(req.name)
             version, whl = fallback.get(name, (None, None))
             if whl is not None and name not in tried and req.specifier.contains(version, prereleases=True):
                 fill.append(whl)
                 tried.add(name)
+                names.add(name)
             elif re.sub(r"\s", "", str(req)) not in missing:
                 missing.append(re.sub(r"\s", "", str(req)))
         if not fill:

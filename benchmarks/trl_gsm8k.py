@@ -6,37 +6,50 @@ samples per prompt, max new tokens, temperature, learning rate and KL coefficien
 so a run cut by the time budget, or killed, still leaves its numbers.
 
   # on the GPU machine (after benchmarks/gsm8k_peers.sh installed trl/datasets into /tmp/site)
-  python benchmarks/trl_gsm8k.py --model /tmp/model/qwen_coder.gguf --train DATA/train.parquet \
-      --val DATA/val.parquet --out $OUT/trl_gsm8k.json --max-steps 20 --time-budget-s 500 --val-at 0,10,20
+  python benchmarks/trl_gsm8k.py --model /tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
+      --train .gsm8k/train.parquet --val .gsm8k/val.parquet --out $OUT/trl_gsm8k.json --max-steps 20 --time-budget-s 500 --val-at 0,10,20
   # smaller matched run for accuracy per step: --prompts-per-step 16 --samples 8 --micro-batch 64
 
 Choices (each one an option; the defaults are ours):
-- The model: a GGUF file is loaded by transformers and rebuilt as a plain model of the same class
-  (transformers refuses to fine-tune a GGUF-loaded model, which it marks as quantized); `--model` may
-  also be an HF directory (our exporter's output). Weights stay fp32 with bf16 autocast (`bf16=True`):
+- The model: a GGUF file is loaded by transformers with `GgufConfig(dequantize=True)` (a plain dense
+  model); where transformers still marks it quantized (and so refuses to fine-tune it) it is rebuilt
+  as a plain model of the same class (`gsm8k_hf_eval.load_model`). `--model` may also be an HF
+  directory (our exporter's output). Weights stay fp32 with bf16 autocast (`bf16=True`):
   pure-bf16 Adam would lose 1e-6 updates to rounding, and our trainer keeps fp32 master weights too.
   With `beta` > 0 TRL loads its reference model from `config._name_or_path`, so the rebuilt model is
   first saved (fp32 safetensors) under `--workdir`/hf_from_gguf and its config pointed there.
-- Stop tokens: `generation_config.eos_token_id = [<|im_end|>, tokenizer EOS]`; TRL stops at and masks
-  after every id listed there, as our rollout does.
+- Stop tokens: `generation_config.eos_token_id = [<|im_end|>, <|endoftext|>]` (+ the tokenizer's
+  EOS); TRL stops at, and masks after, every id listed there, as our rollout stops at its EOS.
 - Batch: TRL counts completions, not prompts: `per_device_train_batch_size` = `--micro-batch`
   completions, `gradient_accumulation_steps` = prompts x samples / micro-batch, so one optimizer step
   consumes one generation batch of prompts x samples completions (as one of our steps does).
-- Loss: TRL's `dapo` (token mean over the batch, like our `token-mean`), clip 0.2, k3 KL loss with
+- Loss: TRL's `dapo` (token mean over the batch, like our `token-mean`), group-std-normalised
+  advantages (`scale_rewards="group"`, our `norm_adv_by_std`), clip 0.2, k3 KL loss with
   `beta`, constant LR without warm-up, grad-norm clip 1.0, gradient checkpointing on (TRL's default;
   the measured 56 s/step setting).
 - Reward: hybridflow's `math_exact` on the completion text against `reward_model.ground_truth`.
 - Step time: `on_step_begin` -> `on_step_end` with CUDA synchronised (generation, scoring, forward,
-  backward and optimizer of one optimizer step); `step_s_median` is over the steps after the first.
+  backward and optimizer of one optimizer step); `step_s_median` leaves out the first step.
   Validation runs in `on_step_end` after the timer stops (and before training for step 0), greedy,
   through `benchmarks/gsm8k_hf_eval.evaluate`.
 - `--time-budget-s` (from process start): training stops before a step (plus its validation) that the
   last step's time says would not fit.
+- `--resume` spans device calls (the machine keeps /tmp while warm): a run stopped by the budget saves
+  a Trainer checkpoint (weights, optimizer, scheduler, RNG, data position; 30 s of the budget are kept
+  for it) under `--workdir` beside a copy of the results JSON; the next run with `--resume` continues
+  from it and appends to that JSON. The first step of every process is left out of the median.
+  Without `--resume`, checkpoints left in `--workdir` are removed first.
+
+  # two calls of 10 minutes for 20 steps at a smaller batch, validating every 5 steps
+  python benchmarks/trl_gsm8k.py ... --prompts-per-step 16 --max-steps 20 --val-at 0,5,10,15,20 \
+      --time-budget-s 540 --resume      # the same command again in the next call
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import statistics
 import sys
 import time
@@ -78,10 +91,50 @@ def parse_steps(text: str) -> list[int]:
         raise ValueError(f"--val-at must be comma-separated step numbers, got {text!r}") from None
 
 
-def make_callback(*, result: dict, out: str, val_at: list[int], val_fn, budget_s: float | None):
+# options that must match for --resume to continue a run
+RESUME_KEYS = ("model", "train", "prompts_per_step", "samples", "micro_batch", "max_new_tokens", "temperature",
+               "lr", "beta", "loss_type", "gradient_checkpointing", "bf16", "seed")
+SAVE_RESERVE_S = 30.0  # budget kept for writing the checkpoint (fp32 weights + Adam: ~6 GB at 0.5B)
+
+
+def median_later_steps(result: dict) -> float | None:
+    """Median step time leaving out the first step of every process (warm-up, allocator, graphs)."""
+    later = [t for i, t in enumerate(result["step_s"], start=1) if i not in result["first_steps"]]
+    return statistics.median(later) if later else None
+
+
+def resumed_result(result: dict, prior_path: Path, step: int) -> dict:
+    """`result` continued from the saved results of the run whose checkpoint is at `step`."""
+    if not prior_path.is_file():
+        raise ValueError(f"--resume: checkpoint at step {step} but no {prior_path} to continue")
+    prior = json.loads(prior_path.read_text())
+    differs = {k: (prior["config"].get(k), result["config"][k]) for k in RESUME_KEYS
+               if prior["config"].get(k) != result["config"][k]}
+    if differs:
+        raise ValueError(f"--resume: options differ from the saved run's {differs} (saved, now); "
+                         "drop --resume or use another --workdir")
+    # rows of steps after the checkpoint (a process killed before it saved again) are redone: drop them
+    result.update(step_s=prior["step_s"][:step], first_steps=[s for s in prior["first_steps"] if s <= step],
+                  val=[r for r in prior["val"] if r["step"] <= step],
+                  logs=[r for r in prior["logs"] if r["step"] <= step],
+                  calls=prior.get("calls", 1) + 1, steps_done=step)
+    for key in ("val_accuracy", "val_accuracy_strict"):
+        if key in prior:
+            result[key] = [r for r in prior[key] if r[0] <= step]
+    result["step_s_median"] = median_later_steps(result)
+    return result
+
+
+def make_callback(*, result: dict, outs: list, val_at: list[int], val_fn, budget_s: float | None,
+                  save_on_stop: bool = False):
     from transformers import TrainerCallback
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    reserve = SAVE_RESERVE_S if save_on_stop else 0.0
+
+    def save():
+        for out in outs:
+            write_json(out, result)
 
     class StepTimer(TrainerCallback):
         """Times each optimizer step, validates at chosen steps, keeps the budget, saves the JSON."""
@@ -94,10 +147,11 @@ def make_callback(*, result: dict, out: str, val_at: list[int], val_fn, budget_s
             result["val"].append({"step": step, **val})
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            if 0 in val_at:
+            if state.global_step == 0 and 0 in val_at:
                 self._validate(0, model)
+            result["first_steps"].append(state.global_step + 1)
             result["train_start_s"] = time.perf_counter() - START
-            write_json(out, result)
+            save()
 
         def on_step_begin(self, args, state, control, **kwargs):
             sync()
@@ -106,22 +160,22 @@ def make_callback(*, result: dict, out: str, val_at: list[int], val_fn, budget_s
         def on_step_end(self, args, state, control, model=None, **kwargs):
             sync()
             result["step_s"].append(time.perf_counter() - self.t0)
-            later = result["step_s"][1:]
-            result["step_s_median"] = statistics.median(later) if later else None
+            result["step_s_median"] = median_later_steps(result)
             if torch.cuda.is_available():
                 result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
             step = state.global_step
             if step in val_at:
                 self._validate(step, model)
             result["steps_done"] = step
-            write_json(out, result)
+            result["stopped_by_budget"] = False
             if budget_s is not None and step < state.max_steps:
                 elapsed = time.perf_counter() - START
                 next_val = result["val"][-1]["seconds"] if (step + 1) in val_at and result["val"] else 0.0
-                if elapsed + result["step_s"][-1] + next_val > budget_s:
+                if elapsed + result["step_s"][-1] + next_val + reserve > budget_s:
                     result["stopped_by_budget"] = True
                     control.should_training_stop = True
-                    write_json(out, result)
+                    control.should_save = save_on_stop  # Trainer saves right after this callback
+            save()
             return control
 
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -155,7 +209,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--val-max-new-tokens", type=int, default=None, help="default: --max-new-tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--workdir", default="/tmp/trl_gsm8k", help="TRL's output_dir (nothing is saved there)")
+    ap.add_argument("--workdir", default="/tmp/trl_gsm8k",
+                    help="TRL's output_dir: the reference model's HF copy, checkpoints with --resume")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the checkpoint in --workdir if any; save one when the budget stops the run")
     args = ap.parse_args(argv)
 
     completions = args.prompts_per_step * args.samples
@@ -166,14 +223,22 @@ def main(argv=None) -> dict:
         raise ValueError("--val-at needs --val")
     on_gpu = args.device.startswith("cuda")
 
+    from transformers.trainer_utils import get_last_checkpoint
     from trl import GRPOConfig, GRPOTrainer
 
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    checkpoint = get_last_checkpoint(str(workdir)) if args.resume else None
+    if not args.resume:
+        for old in workdir.glob("checkpoint-*"):
+            shutil.rmtree(old)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=torch.float32, device=args.device, trainable=True)
     if args.model.endswith(".gguf") and args.beta != 0.0:
         # TRL builds its reference model with from_pretrained(config._name_or_path): give it a plain copy
-        hf_dir = Path(args.workdir) / "hf_from_gguf"
-        model.save_pretrained(hf_dir)
+        hf_dir = workdir / "hf_from_gguf"
+        if checkpoint is None or not (hf_dir / "config.json").is_file():
+            model.save_pretrained(hf_dir)
         model.config._name_or_path = str(hf_dir)
     stops = stop_token_ids(tokenizer)
     model.generation_config.eos_token_id = stops
@@ -196,11 +261,16 @@ def main(argv=None) -> dict:
                   time_budget_s=args.time_budget_s, val_at=val_at, val_size=len(val_records),
                   val_batch_size=args.val_batch_size, val_max_new_tokens=val_tokens, stop_token_ids=stops,
                   seed=args.seed, weights="fp32 master, bf16 autocast" if on_gpu else "fp32")
-    result = {"benchmark": "trl_gsm8k", "config": config, "step_s": [], "step_s_median": None,
-              "val_accuracy": [], "val": [], "logs": [], "steps_done": 0, "stopped_by_budget": False,
-              "load_s": time.perf_counter() - START, "machine": machine(),
+    result = {"benchmark": "trl_gsm8k", "config": config, "step_s": [], "step_s_median": None, "first_steps": [],
+              "val_accuracy": [], "val": [], "logs": [], "steps_done": 0, "stopped_by_budget": False, "calls": 1,
+              "resumed_from": checkpoint, "load_s": time.perf_counter() - START, "machine": machine(),
               "versions": versions("trl", "datasets"), "command": " ".join([sys.executable, *sys.argv])}
-    write_json(args.out, result)
+    mirror = workdir / "result.json"  # what the next --resume call continues
+    if checkpoint is not None:
+        resumed_result(result, mirror, int(checkpoint.rsplit("-", 1)[1]))
+    outs = [args.out, mirror]
+    for out in outs:
+        write_json(out, result)
 
     grpo = GRPOConfig(
         output_dir=args.workdir, max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant",
@@ -209,16 +279,17 @@ def main(argv=None) -> dict:
         gradient_accumulation_steps=completions // args.micro_batch, max_completion_length=args.max_new_tokens,
         temperature=args.temperature, top_p=1.0, top_k=0, bf16=on_gpu, use_cpu=not on_gpu,
         gradient_checkpointing=not args.no_grad_ckpt, use_vllm=False, logging_steps=1, save_strategy="no",
-        report_to="none", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
+        save_total_limit=1, report_to="none", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
         disable_tqdm=True)
     trainer = GRPOTrainer(model=model, reward_funcs=[math_exact_reward()], args=grpo, train_dataset=train,
                           processing_class=tokenizer,
-                          callbacks=[make_callback(result=result, out=args.out, val_at=val_at, val_fn=val_fn,
-                                                   budget_s=args.time_budget_s)])
+                          callbacks=[make_callback(result=result, outs=outs, val_at=val_at, val_fn=val_fn,
+                                                   budget_s=args.time_budget_s, save_on_stop=args.resume)])
     result["config"]["trl_eos_token_ids"] = list(trainer.eos_token_ids)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=checkpoint)
     result["total_s"] = time.perf_counter() - START
-    write_json(args.out, result)
+    for out in outs:
+        write_json(out, result)
     print({k: result[k] for k in ("steps_done", "step_s", "step_s_median", "val_accuracy", "stopped_by_budget")})
     return result
 

@@ -102,27 +102,34 @@ def test_records_from_jsonl_and_parquet_agree(files):
         ev.load_records(files / "nope.jsonl")
 
 
-def test_gguf_tokenizer_stops_and_plain_rebuild(files):
-    path = str(files / "tiny.gguf")
-    tok = ev.load_tokenizer(path)
+def test_gguf_tokenizer_and_stop_tokens(files):
+    tok = ev.load_tokenizer(str(files / "tiny.gguf"))
     vocab = tok.get_vocab()
-    assert tok.eos_token == "<|endoftext|>"  # as transformers reports for the real file
+    assert tok.eos_token == "<|endoftext|>"  # as transformers 5.17 reports for the real file
     assert ev.stop_token_ids(tok) == [vocab["<|im_end|>"], vocab["<|endoftext|>"]]
     assert tok.pad_token_id == vocab["<|endoftext|>"] and tok.padding_side == "left"
-    gguf_model = ev.load_model(path, dtype=torch.float32, device="cpu")
-    assert gguf_model.is_quantized  # why the TRL side needs the rebuild
-    plain = ev.load_model(path, dtype=torch.float32, device="cpu", trainable=True)
-    assert not getattr(plain, "is_quantized", False) and getattr(plain, "hf_quantizer", None) is None
+
+
+@pytest.mark.parametrize("explicit_dequantize", [True, False])
+def test_gguf_model_is_trainable_and_exact(files, monkeypatch, explicit_dequantize):
+    """Loaded with GgufConfig(dequantize=True) the model is plain; without it (older transformers,
+    or where the config is missing) transformers marks it quantized and `trainable` rebuilds it."""
     from transformers.trainer_utils import validate_quantization_for_training
 
-    validate_quantization_for_training(plain)  # raises for the GGUF-loaded one
-    with pytest.raises(ValueError, match="purely quantized"):
-        validate_quantization_for_training(gguf_model)
-    ids = torch.randint(0, len(vocab), (2, 7), generator=torch.Generator().manual_seed(0))
+    path = str(files / "tiny.gguf")
+    if not explicit_dequantize:
+        monkeypatch.setattr(ev, "_dequantize_config", lambda: {})
+        marked = ev.load_model(path, dtype=torch.float32, device="cpu")
+        assert marked.is_quantized
+        with pytest.raises(ValueError, match="purely quantized"):
+            validate_quantization_for_training(marked)
+    model = ev.load_model(path, dtype=torch.float32, device="cpu", trainable=True)
+    assert not getattr(model, "is_quantized", False) and getattr(model, "hf_quantizer", None) is None
+    validate_quantization_for_training(model)
     hf = ev.load_model(str(files / "hf"), dtype=torch.float32, device="cpu")
+    ids = torch.randint(0, hf.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(plain(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(gguf_model(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_evaluate_matches_one_prompt_greedy(files):
@@ -199,14 +206,14 @@ def test_step_timer_budget_and_json(tmp_path):
     from transformers import TrainerControl
 
     out = tmp_path / "r.json"
-    result = {"step_s": [], "step_s_median": None, "val_accuracy": [], "val": [], "logs": []}
+    result = {"step_s": [], "step_s_median": None, "first_steps": [], "val_accuracy": [], "val": [], "logs": []}
     calls = []
 
     def val_fn(model):
         calls.append(model)
         return {"accuracy": {"math_exact": 0.25, "gsm8k_strict": 0.125}, "seconds": 0.0}
 
-    cb = trl_gsm8k.make_callback(result=result, out=str(out), val_at=[0, 2], val_fn=val_fn, budget_s=1e9)
+    cb = trl_gsm8k.make_callback(result=result, outs=[out], val_at=[0, 2], val_fn=val_fn, budget_s=1e9)
     state, control = SimpleNamespace(global_step=0, max_steps=5), TrainerControl()
     cb.on_train_begin(None, state, control, model="m")
     for step in (1, 2):
@@ -217,11 +224,14 @@ def test_step_timer_budget_and_json(tmp_path):
     assert result["val_accuracy"] == [[0, 0.25], [2, 0.25]] and calls == ["m", "m"]
     assert result["val_accuracy_strict"] == [[0, 0.125], [2, 0.125]]
     assert result["step_s_median"] == result["step_s"][1] and not control.should_training_stop
-    stop = trl_gsm8k.make_callback(result=result, out=str(out), val_at=[], val_fn=val_fn, budget_s=0.0)
+    assert result["first_steps"] == [1]
+    stop = trl_gsm8k.make_callback(result=result, outs=[out], val_at=[], val_fn=val_fn, budget_s=0.0,
+                                   save_on_stop=True)
     stop.on_step_begin(None, state, control)
     state.global_step = 3
     stop.on_step_end(None, state, control, model="m")
-    assert control.should_training_stop and json.loads(out.read_text())["stopped_by_budget"]
+    assert control.should_training_stop and control.should_save
+    assert json.loads(out.read_text())["stopped_by_budget"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None,
@@ -250,3 +260,28 @@ def test_driver_runs_eval_and_two_trl_steps(files, tmp_path):
     assert [log["step"] for log in r["logs"] if "reward" in log] == [1, 2]
     for key in ("machine", "versions", "command", "total_s"):
         assert key in r, key
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None,
+                    reason="trl and datasets are not installed")
+def test_trl_resume_across_processes(files, tmp_path):
+    """A run the budget stops after step 1 saves a checkpoint; the next --resume run does steps 2-3 and
+    continues the same results (val at 0 not repeated, first step of each process out of the median)."""
+    out1, out2, work = tmp_path / "1.json", tmp_path / "2.json", tmp_path / "work"
+    base = [sys.executable, str(ROOT / "benchmarks" / "trl_gsm8k.py"), "--model", str(files / "tiny.gguf"),
+            "--train", str(files / "train.jsonl"), "--val", str(files / "val.jsonl"), "--prompts-per-step", "2",
+            "--samples", "2", "--micro-batch", "4", "--max-new-tokens", "4", "--max-steps", "3",
+            "--val-at", "0,2", "--val-size", "2", "--val-batch-size", "2", "--workdir", str(work), "--resume"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for cmd in (base + ["--out", str(out1), "--time-budget-s", "1"], base + ["--out", str(out2)]):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    r1, r2 = json.loads(out1.read_text()), json.loads(out2.read_text())
+    assert r1["steps_done"] == 1 and r1["stopped_by_budget"] and r1["resumed_from"] is None
+    assert (work / "checkpoint-1").is_dir()
+    assert r2["resumed_from"].endswith("checkpoint-1") and r2["calls"] == 2 and not r2["stopped_by_budget"]
+    assert r2["steps_done"] == 3 and len(r2["step_s"]) == 3 and r2["first_steps"] == [1, 2]
+    assert r2["step_s"][0] == r1["step_s"][0] and r2["step_s_median"] == r2["step_s"][2]
+    assert [s for s, _ in r2["val_accuracy"]] == [0, 2]
+    assert [log["step"] for log in r2["logs"] if "reward" in log] == [1, 2, 3]
+    assert json.loads((work / "result.json").read_text()) == r2
