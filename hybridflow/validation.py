@@ -60,13 +60,16 @@ class Validator:
             for k, name in enumerate(self.rules):
                 acc[k] += float(scores[name][i])
             acc[-1] += 1
-        totals = self._sum_over_dp(local)
-        stats = torch.tensor([float(lengths.sum()), float(lengths.max()), float(
-            (lengths >= self.gen_cfg.max_new_tokens).sum()), float(len(self.items))],
-            dtype=torch.float64)
-        all_stats = [None] * self.ctx.dp_size
-        dist.all_gather_object(all_stats, stats, group=self.ctx.dp_group)
-        s = torch.stack(all_stats)
+        lengths_stats = [float(lengths.sum()), float(lengths.max()),
+                         float((lengths >= self.gen_cfg.max_new_tokens).sum()), float(len(self.items))]
+        parts = [None] * self.ctx.dp_size  # one gather: (per-source sums, length stats) per replica
+        dist.all_gather_object(parts, (local, lengths_stats), group=self.ctx.dp_group)
+        totals: dict[str, list[float]] = {}
+        for part, _ in parts:
+            for source, acc in part.items():
+                cur = totals.setdefault(source, [0.0] * len(acc))
+                totals[source] = [a + b for a, b in zip(cur, acc)]
+        s = torch.tensor([st for _, st in parts], dtype=torch.float64)  # (DP, 4)
         n = float(s[:, 3].sum())
         metrics = {"val-aux/response_length/mean": float(s[:, 0].sum()) / n,
                    "val-aux/response_length/max": float(s[:, 1].max()),
@@ -78,16 +81,6 @@ class Validator:
         if self.ctx.rank == 0:
             self._log_generations(step, batch, scores)
         return metrics
-
-    def _sum_over_dp(self, local: dict) -> dict:
-        parts = [None] * self.ctx.dp_size
-        dist.all_gather_object(parts, local, group=self.ctx.dp_group)
-        out: dict[str, list[float]] = {}
-        for part in parts:
-            for source, acc in part.items():
-                cur = out.setdefault(source, [0.0] * len(acc))
-                out[source] = [a + b for a, b in zip(cur, acc)]
-        return out
 
     def _log_generations(self, step: int, batch, scores: dict) -> None:
         count = min(self.cfg.trainer.val_log_generations, len(self.items))

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hybridflow.parallel.layout import GenCoord, Layout, TrainCoord
+from hybridflow.parallel.layout import Layout, TrainCoord
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,6 @@ class ParallelContext:
         return self.layout.train_rank(tp=c.tp, pp=self.layout.pp_t - 1, dp=c.dp)
 
     # ----- generation layout -----
-    @property
-    def gen(self) -> GenCoord:
-        return self.layout.gen_coord(self.rank)
-
     @property
     def gen_tp_group(self) -> Optional[dist.ProcessGroup]:
         return self.pgs.tp if self.reshard is None else self.reshard.gen_tp
