@@ -180,6 +180,10 @@ class TrainerConfig:
     # >0: stop cleanly, with a checkpoint, before a step would end past this many seconds of
     # training (a SLURM or device time limit); `trainer.resume=true` continues from there
     time_budget_s: float = 0.0
+    # an optimizer step with an inf/NaN gradient is skipped (weights unchanged), said on stdout and
+    # in `<role>/update_skipped`, and its mini-batch is saved under <output_dir>/nonfinite/ for
+    # replay; this many steps in a row with every update skipped end the run (0: never)
+    max_skipped_steps: int = 3
     price_per_gpu_hour: Optional[float] = None  # for the probe's cost; None: the GPU's default
     offload_ref: bool = False
     # Python GC: N > 0 turns automatic collection off during training and collects every N steps

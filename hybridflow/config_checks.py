@@ -131,6 +131,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if cfg.trainer.time_budget_s < 0:
         raise ValueError(f"trainer.time_budget_s={cfg.trainer.time_budget_s} must be >= 0 "
                          "(0: no limit)")
+    if cfg.trainer.max_skipped_steps < 0:
+        raise ValueError(f"trainer.max_skipped_steps={cfg.trainer.max_skipped_steps} must be >= 0 "
+                         "(0: never stop for skipped updates)")
     if cfg.trainer.gc_interval < 0:
         raise ValueError(f"trainer.gc_interval={cfg.trainer.gc_interval} must be >= 0 "
                          "(0: Python's automatic GC)")

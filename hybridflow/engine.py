@@ -213,7 +213,9 @@ class Engine:
                    temperature: float = 1.0, need_entropy: bool = False,
                    lr: Optional[float] = None, max_tokens: Optional[int] = None) -> dict:
         """One optimizer step on `batch` (this rank's share of a mini-batch). With `lr`, the step
-        uses that fixed rate and leaves the LR schedule where it is (supervised warm-up)."""
+        uses that fixed rate and leaves the LR schedule where it is (supervised warm-up). When any
+        gradient is inf/NaN on any rank the weights, optimizer state and schedule stay as they were
+        and the metrics say `update_skipped` = 1 (the caller decides whether to go on)."""
         assert self.trainable
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -225,7 +227,10 @@ class Engine:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
         used_lr = self.optimizer.param_groups[0]["lr"]
-        ok, grad_norm, _ = self.optimizer.step()
+        finite = self._grads_finite()
+        # bf16 has no loss scaler to catch inf/NaN: Megatron's clip then skips clipping (a NaN norm
+        # fails `coeff < 1`) and Adam writes NaN into every weight. Skip the step instead.
+        ok, grad_norm, _ = self.optimizer.step() if finite else (False, None, None)
         if lr is not None:
             for g, value in zip(self.optimizer.param_groups, scheduled):
                 g["lr"] = value
@@ -234,7 +239,19 @@ class Engine:
         metrics = _sum_metrics(out, self.ctx)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = used_lr
+        metrics["update_skipped"] = 0.0 if finite else 1.0
         return metrics
+
+    def _grads_finite(self) -> bool:
+        """Whether every gradient is finite on every rank: one flag all-reduced (MIN) over the
+        world, since TP/PP ranks hold different shards and DP ranks must skip a step together."""
+        bufs = self.model.buffers + self.model.expert_parallel_buffers
+        flag = torch.ones(1, device=self.device)
+        for b in bufs:
+            flag.mul_(torch.isfinite(b.grad_data).all())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _from_last_stage(self, outs: list, key: str, batch: RolloutBatch,
                          rows: Optional[torch.Tensor]) -> torch.Tensor:

@@ -31,6 +31,7 @@ from hybridflow.algo.objectives import actor_objective, critic_objective, sft_ob
 from hybridflow.config import Config, micro_batching
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.metrics import MetricsLogger, StageTimer, memory_metrics
+from hybridflow.nonfinite import SkippedUpdates
 from hybridflow.parallel.dp import all_gather_batch, dp_sum
 from hybridflow.rollout.dynamic_sampling import fill_informative
 
@@ -58,6 +59,8 @@ class Trainer:
         self.temperature = cfg.rollout.temperature or 1.0
         self.step = 0
         self.sft_done = cfg.trainer.sft_warmup_steps == 0
+        self.skipped = SkippedUpdates(output_dir=cfg.trainer.output_dir, rank=dist.get_rank(),
+                                      max_skipped_steps=cfg.trainer.max_skipped_steps)
         self.checkpointer = Checkpointer(self)
         if self.checkpointer.maybe_resume() and dist.get_rank() == 0:
             print(f"resumed from {self.checkpointer.root} at step {self.step} of "
@@ -140,6 +143,7 @@ class Trainer:
             if self.step >= cfg.trainer.critic_warmup:
                 with timer("update_actor"):
                     update_metrics.update(self.update(self.actor, batch, actor_objective))
+            self.skipped.end_step(self.step + 1)
         metrics = {**reward_metrics, **adv_metrics, **update_metrics,
                    **timer.metrics(), **memory_metrics()}
         metrics.update(self.throughput(batch, metrics["timing_s/step"]))
@@ -225,10 +229,11 @@ class Trainer:
         return batch, metrics
 
     def update(self, engine, batch: RolloutBatch, objective) -> dict:
-        """ppo_epochs x mini-batches of optimizer steps; metrics averaged over the updates."""
+        """ppo_epochs x mini-batches of optimizer steps; each metric averaged over the updates that
+        report it (grad_norm over the updates taken; `<role>/update_skipped`: the skipped share)."""
         a = self.cfg.algo
         local_mini = a.ppo_mini_batch_size // self.ctx.dp_size
-        sums, count = {}, 0
+        sums, counts = {}, {}
         for epoch in range(a.ppo_epochs):
             gen = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.step * 31 + epoch)
             order = torch.randperm(batch.batch_size, generator=gen)
@@ -242,11 +247,15 @@ class Trainer:
                                       need_entropy=engine.role == "actor",
                                       **micro_batching(a, forward=False))
                 prefix = "actor" if engine.role == "actor" else "critic"
-                m[f"{prefix}/grad_norm"], m[f"{prefix}/lr"] = m.pop("grad_norm"), m.pop("lr")
+                skipped = m["update_skipped"] > 0
+                self.skipped.record(step=self.step + 1, role=prefix, epoch=epoch,
+                                    index=i // local_mini, batch=mb, skipped=skipped)
+                m = {f"{prefix}/{k}" if k in ("grad_norm", "lr", "update_skipped") else k: v
+                     for k, v in m.items() if not (skipped and k == "grad_norm")}
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
-                count += 1
-        return {k: v / max(count, 1) for k, v in sums.items()}
+                    counts[k] = counts.get(k, 0) + 1
+        return {k: v / counts[k] for k, v in sums.items()}
 
     def sft_warmup(self) -> None:
         """Supervised steps on each record's `extra_info.sft_response` (synthetic tasks)."""

@@ -79,12 +79,16 @@ _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
 
 def failure_kind(e: BaseException) -> Optional[str]:
-    """'oom', 'timeout', 'peer failure', or None (not a failure this module explains)."""
+    """'oom', 'non-finite', 'timeout', 'peer failure', or None (not a failure this module explains)."""
     import torch
     import torch.distributed as dist
 
+    from hybridflow.nonfinite import NonFiniteGradients
+
     if isinstance(e, torch.OutOfMemoryError):
         return "oom"
+    if isinstance(e, NonFiniteGradients):
+        return "non-finite"
     if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and _COLLECTIVE.search(str(e))):
         return "timeout" if _TIMEOUT.search(str(e)) else "peer failure"
     return None
@@ -96,6 +100,8 @@ def failure_line(e: BaseException, *, rank: int) -> Optional[str]:
     if kind is None:
         return None
     name, secs = getattr(e, "hybridflow_stage", None) or current()
+    if kind == "non-finite":
+        return f"rank {rank}: stage {name}: {e}"
     if kind == "oom":
         return f"rank {rank}: stage {name}: CUDA out of memory after {secs:.1f} s: " \
                f"{_oom_amounts(str(e))}; {oom_hint(name)}"

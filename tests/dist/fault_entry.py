@@ -7,6 +7,8 @@ injected, chosen by the environment variable HYBRIDFLOW_TEST_FAULT="<rank>:<wher
   <rank>:<stage>:error     raise a ValueError on entering the stage (a user error one rank finds)
   0:<step>:crash_publish   exit (code 9) after step_<step> is renamed into place, before `latest`
                            is rewritten (the window of issue 14, item 3)
+  <rank>:<step>:nan_grad   from step <step> on, this rank's actor loss is multiplied by NaN (every
+                           gradient inf/NaN: the skipped-update path of hybridflow.nonfinite)
 
 Only the test suite runs this; hybridflow itself has no fault hooks.
 """
@@ -56,6 +58,26 @@ elif action == "crash_publish":
         real_write_latest(root_dir, step)
 
     checkpoint._write_latest = write_latest
+elif action == "nan_grad":
+    from hybridflow import trainer as tr
+
+    real_update, real_objective = tr.Trainer.update, tr.actor_objective
+
+    def poisoned(*args, **kwargs):
+        loss_fn = real_objective(*args, **kwargs)
+
+        def nan_loss(out, mb):
+            loss, metrics = loss_fn(out, mb)
+            return loss * float("nan"), metrics
+
+        return nan_loss
+
+    def update(self, engine, batch, objective):
+        if me and objective is real_objective and self.step + 1 >= int(where):
+            objective = poisoned
+        return real_update(self, engine, batch, objective)
+
+    tr.Trainer.update = update
 else:
     raise SystemExit(f"unknown fault action {action!r}")
 

@@ -144,3 +144,41 @@ def test_hung_peer_times_out_with_a_line_on_both_ranks(tmp_path):
     assert any(re.fullmatch(r"hybridflow: error: rank 1: stage adv: peer failure after [\d.]+ s "
                             r"\(SIGTERM: .+\)", ln) for ln in lines[1:]), lines
     assert len(lines) == 2 and _no_rank_traceback(out), out[-3000:]
+
+
+def test_nonfinite_gradients_skip_the_update_then_stop_the_run(tmp_path):
+    """Rank 1's actor gradient is NaN from step 2 on: both ranks skip those updates together (said
+    once per update, the mini-batch saved per rank), and after trainer.max_skipped_steps=2 such steps
+    the run ends with a line naming the cause (each rank that prints it), exit 1, no traceback."""
+    out, _ = _fault_run("1:2:nan_grad", tmp_path, "trainer.total_steps=6",
+                        "trainer.max_skipped_steps=2", "trainer.collective_timeout_s=120")
+    assert re.search(r"exitcode\s*:\s*1 ", out), out[-3000:]
+    warnings = [ln for ln in out.splitlines() if ln.startswith("hybridflow: warning:")]
+    # 16 rows, mini-batches of 8: two updates per step
+    assert [ln.split(":")[2].strip() for ln in warnings] == ["step 2"] * 2 + ["step 3"] * 2, \
+        out[-3000:]
+    assert [ln.split(":")[3].split(" skipped")[0].strip() for ln in warnings] == \
+        ["actor update 0 of epoch 0", "actor update 1 of epoch 0"] * 2, warnings
+    assert all("skipped: inf/NaN gradient (weights unchanged)" in ln for ln in warnings)
+    lines = _error_lines(out)
+    # every rank reaches the same verdict; whichever prints first, torchrun may stop the other
+    assert 1 <= len(lines) <= 2 and all(re.fullmatch(
+        r"hybridflow: error: rank [01]: stage \w+: non-finite gradients: every actor update of "
+        r"the last 2 steps \(to step 3\) was skipped \(trainer.max_skipped_steps=2\); the "
+        r"weights are those of step 1; the mini-batches are in .*nonfinite", ln)
+        for ln in lines), lines
+    assert _no_rank_traceback(out), out[-3000:]
+    saved = sorted(os.listdir(tmp_path / "nonfinite"))
+    assert saved == sorted(f"step{s}_actor_e0_mb{i}_rank{r}.pt"
+                           for s in (2, 3) for i in (0, 1) for r in (0, 1)), saved
+
+    import json
+
+    from hybridflow.nonfinite import replay_batch
+
+    rows = [json.loads(ln) for ln in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["actor/update_skipped"] == 0.0 and "actor/grad_norm" in rows[0]
+    assert rows[1]["actor/update_skipped"] == 1.0 and "actor/grad_norm" not in rows[1]
+    batch = replay_batch(str(tmp_path / "nonfinite" / "step2_actor_e0_mb0_rank1.pt"))
+    assert batch.batch_size == 4 and batch.advantages is not None  # this rank's half of 8 rows
