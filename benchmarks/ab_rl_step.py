@@ -44,12 +44,14 @@ def main():
     args = ap.parse_args()
     sides = {"before": os.path.abspath(args.before), "after": ROOT}
     runs: dict[str, list[dict]] = {"before": [], "after": []}
+    run_order: list[str] = []
     with tempfile.TemporaryDirectory() as work:
         for r in range(args.rounds):
             order = list(sides.items()) if r % 2 == 0 else list(sides.items())[::-1]
             for side, tree in order:
                 out = os.path.join(work, f"{side}{r}.json")
                 runs[side].append(bench(tree, args.algos, args.steps, out, args.extra))
+                run_order.append(side)
     table = {}
     for algo in args.algos.split(","):
         table[algo] = {}
@@ -74,7 +76,7 @@ def main():
               "before": os.path.relpath(sides["before"], ROOT), "after": "working tree",
               "machine": first.get("machine"), "versions": first.get("versions"),
               "torch": torch.__version__, "command": " ".join(["python"] + sys.argv),
-              "stages": table, "runs": runs}
+              "run_order": run_order, "stages": table, "runs": runs}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".tmp", "w") as f:
         json.dump(record, f, indent=2)
