@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -64,17 +65,20 @@ from gsm8k_hf_eval import (default_dtype, evaluate, load_model, load_records, lo
                            machine, stop_token_ids, versions, write_json)
 
 
-def math_exact_reward():
-    """A TRL reward function: hybridflow's `math_exact` of each completion against its ground truth."""
+def rule_reward(name: str = "math_exact"):
+    """A TRL reward function: hybridflow's rule `name` (registry name or module:function) of each
+    completion against its ground truth."""
     from hybridflow.reward import get_reward_fn
 
-    rule = get_reward_fn("math_exact")
+    rule = get_reward_fn(name)
 
-    def math_exact(completions, ground_truth, **kwargs) -> list[float]:
+    def reward(completions, ground_truth, **kwargs) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # chat or plain
         return [float(rule("", t, gt, None)) for t, gt in zip(texts, ground_truth)]
 
-    return math_exact
+    reward.__name__ = name.rsplit(":", 1)[-1]  # TRL logs rewards/<__name__>/mean
+    return reward
+
 
 
 def train_dataset(records):
@@ -84,16 +88,35 @@ def train_dataset(records):
                                "ground_truth": str(r["reward_model"]["ground_truth"])} for r in records])
 
 
-def parse_steps(text: str) -> list[int]:
+def parse_steps(text: str, *, option: str = "--val-at") -> list[int]:
     try:
-        return sorted({int(s) for s in text.split(",") if s.strip()})
+        steps = sorted({int(s) for s in text.split(",") if s.strip()})
     except ValueError:
-        raise ValueError(f"--val-at must be comma-separated step numbers, got {text!r}") from None
+        raise ValueError(f"{option} must be comma-separated step numbers, got {text!r}") from None
+    if steps and steps[0] < 0:
+        raise ValueError(f"{option}: steps must be >= 0, got {text!r}")
+    return steps
+
+
+def save_snapshot(model, tokenizer, *, root: Path, step: int) -> Path:
+    """`model` and `tokenizer` as an HF directory `root`/step_<step>, written to a temporary folder
+    and renamed into place: a reader sees a whole snapshot or none. One left by a process killed
+    before its next Trainer checkpoint (so that step is trained again) is replaced."""
+    final, tmp, old = (root / f"{p}step_{step}{s}" for p, s in (("", ""), (".", ".tmp"), (".", ".old")))
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    model.save_pretrained(tmp)  # weights as held (fp32), config.json, generation_config.json (stop ids)
+    tokenizer.save_pretrained(tmp)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 # options that must match for --resume to continue a run
 RESUME_KEYS = ("model", "train", "prompts_per_step", "samples", "micro_batch", "max_new_tokens", "temperature",
-               "lr", "beta", "loss_type", "gradient_checkpointing", "bf16", "seed")
+               "lr", "beta", "loss_type", "reward", "gradient_checkpointing", "bf16", "seed")
 SAVE_RESERVE_S = 30.0  # budget kept for writing the checkpoint (fp32 weights + Adam: ~6 GB at 0.5B)
 
 
@@ -118,7 +141,7 @@ def resumed_result(result: dict, prior_path: Path, step: int) -> dict:
                   val=[r for r in prior["val"] if r["step"] <= step],
                   logs=[r for r in prior["logs"] if r["step"] <= step],
                   calls=prior.get("calls", 1) + 1, steps_done=step)
-    for key in ("val_accuracy", "val_accuracy_strict"):
+    for key in ("val_accuracy", "val_accuracy_strict", "snapshots"):
         if key in prior:
             result[key] = [r for r in prior[key] if r[0] <= step]
     result["step_s_median"] = median_later_steps(result)
@@ -126,7 +149,7 @@ def resumed_result(result: dict, prior_path: Path, step: int) -> dict:
 
 
 def make_callback(*, result: dict, outs: list, val_at: list[int], val_fn, budget_s: float | None,
-                  save_on_stop: bool = False):
+                  save_on_stop: bool = False, save_at: tuple[int, ...] = (), snapshot_fn=None):
     from transformers import TrainerCallback
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -137,7 +160,16 @@ def make_callback(*, result: dict, outs: list, val_at: list[int], val_fn, budget
             write_json(out, result)
 
     class StepTimer(TrainerCallback):
-        """Times each optimizer step, validates at chosen steps, keeps the budget, saves the JSON."""
+        """Times each optimizer step, validates and snapshots at chosen steps, keeps the budget,
+        saves the JSON."""
+
+        snapshot_s = 0.0  # the last snapshot's seconds: what the next one is budgeted at
+
+        def _snapshot(self, step: int, model):
+            t0 = time.perf_counter()
+            path = str(snapshot_fn(step, model))
+            self.snapshot_s = time.perf_counter() - t0
+            result["snapshots"] = [r for r in result.get("snapshots", []) if r[0] != step] + [[step, path]]
 
         def _validate(self, step: int, model):
             val = val_fn(model)  # {"accuracy": {rule: acc}, "seconds", ...}
@@ -149,6 +181,8 @@ def make_callback(*, result: dict, outs: list, val_at: list[int], val_fn, budget
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             if state.global_step == 0 and 0 in val_at:
                 self._validate(0, model)
+            if state.global_step == 0 and 0 in save_at:
+                self._snapshot(0, model)
             result["first_steps"].append(state.global_step + 1)
             result["train_start_s"] = time.perf_counter() - START
             save()
@@ -166,11 +200,14 @@ def make_callback(*, result: dict, outs: list, val_at: list[int], val_fn, budget
             step = state.global_step
             if step in val_at:
                 self._validate(step, model)
+            if step in save_at:
+                self._snapshot(step, model)
             result["steps_done"] = step
             result["stopped_by_budget"] = False
             if budget_s is not None and step < state.max_steps:
                 elapsed = time.perf_counter() - START
                 next_val = result["val"][-1]["seconds"] if (step + 1) in val_at and result["val"] else 0.0
+                next_val += self.snapshot_s if (step + 1) in save_at else 0.0
                 if elapsed + result["step_s"][-1] + next_val + reserve > budget_s:
                     result["stopped_by_budget"] = True
                     control.should_training_stop = True
@@ -204,6 +241,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-steps", type=int, default=20)
     ap.add_argument("--time-budget-s", type=float, default=None, help="stop before a step that would end past this")
     ap.add_argument("--val-at", default="", help="steps to validate at, e.g. 0,10,20")
+    ap.add_argument("--save-at", default="",
+                    help="steps to save the policy at as an HF dir --workdir/snapshots/step_N, e.g. 0,5,10")
+    ap.add_argument("--reward", default="math_exact",
+                    help="hybridflow reward rule: a registry name or module:function")
     ap.add_argument("--val-size", type=int, default=None, help="first N val records (default all)")
     ap.add_argument("--val-batch-size", type=int, default=64)
     ap.add_argument("--val-max-new-tokens", type=int, default=None, help="default: --max-new-tokens")
@@ -219,6 +260,7 @@ def main(argv=None) -> dict:
     if completions % args.micro_batch:
         raise ValueError(f"--micro-batch {args.micro_batch} must divide prompts x samples = {completions}")
     val_at = parse_steps(args.val_at)
+    save_at = parse_steps(args.save_at, option="--save-at")
     if val_at and not args.val:
         raise ValueError("--val-at needs --val")
     on_gpu = args.device.startswith("cuda")
@@ -229,9 +271,10 @@ def main(argv=None) -> dict:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     checkpoint = get_last_checkpoint(str(workdir)) if args.resume else None
-    if not args.resume:
-        for old in workdir.glob("checkpoint-*"):
-            shutil.rmtree(old)
+    snapshots = workdir / "snapshots"
+    if not args.resume:  # a fresh run: nothing of an earlier one may be mistaken for its own
+        for old in [*workdir.glob("checkpoint-*"), snapshots]:
+            shutil.rmtree(old, ignore_errors=True)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=torch.float32, device=args.device, trainable=True)
     if args.model.endswith(".gguf") and args.beta != 0.0:
@@ -257,13 +300,14 @@ def main(argv=None) -> dict:
                   samples=args.samples, micro_batch=args.micro_batch,
                   grad_accum=completions // args.micro_batch, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, lr=args.lr, beta=args.beta, loss_type=args.loss_type,
+                  reward=args.reward, save_at=save_at,
                   gradient_checkpointing=not args.no_grad_ckpt, bf16=on_gpu, max_steps=args.max_steps,
                   time_budget_s=args.time_budget_s, val_at=val_at, val_size=len(val_records),
                   val_batch_size=args.val_batch_size, val_max_new_tokens=val_tokens, stop_token_ids=stops,
                   seed=args.seed, weights="fp32 master, bf16 autocast" if on_gpu else "fp32")
     result = {"benchmark": "trl_gsm8k", "config": config, "step_s": [], "step_s_median": None, "first_steps": [],
-              "val_accuracy": [], "val": [], "logs": [], "steps_done": 0, "stopped_by_budget": False, "calls": 1,
-              "resumed_from": checkpoint, "load_s": time.perf_counter() - START, "machine": machine(),
+              "val_accuracy": [], "val": [], "snapshots": [], "logs": [], "steps_done": 0,
+              "stopped_by_budget": False, "calls": 1, "resumed_from": checkpoint, "load_s": time.perf_counter() - START, "machine": machine(),
               "versions": versions("trl", "datasets"), "command": " ".join([sys.executable, *sys.argv])}
     mirror = workdir / "result.json"  # what the next --resume call continues
     if checkpoint is not None:
@@ -281,10 +325,14 @@ def main(argv=None) -> dict:
         gradient_checkpointing=not args.no_grad_ckpt, use_vllm=False, logging_steps=1, save_strategy="no",
         save_total_limit=1, report_to="none", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
         disable_tqdm=True)
-    trainer = GRPOTrainer(model=model, reward_funcs=[math_exact_reward()], args=grpo, train_dataset=train,
+    def snapshot_fn(step, m):
+        return save_snapshot(m, tokenizer, root=snapshots, step=step)
+
+    trainer = GRPOTrainer(model=model, reward_funcs=[rule_reward(args.reward)], args=grpo, train_dataset=train,
                           processing_class=tokenizer,
                           callbacks=[make_callback(result=result, outs=outs, val_at=val_at, val_fn=val_fn,
-                                                   budget_s=args.time_budget_s, save_on_stop=args.resume)])
+                                                   budget_s=args.time_budget_s, save_on_stop=args.resume,
+                                                   save_at=save_at, snapshot_fn=snapshot_fn)])
     result["config"]["trl_eos_token_ids"] = list(trainer.eos_token_ids)
     trainer.train(resume_from_checkpoint=checkpoint)
     result["total_s"] = time.perf_counter() - START

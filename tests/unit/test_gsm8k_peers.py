@@ -187,7 +187,7 @@ def test_trl_reward_wraps_math_exact():
     import trl_gsm8k
     from hybridflow.reward.rules import math_exact
 
-    reward = trl_gsm8k.math_exact_reward()
+    reward = trl_gsm8k.rule_reward("math_exact")
     texts = ["3 + 4 = 7\n#### 7", "so it is 41", "#### 42", "the answer is \\boxed{30}"]
     truths = ["7", "42", "42", "30"]
     expected = [math_exact("", t, g) for t, g in zip(texts, truths)]
@@ -266,12 +266,14 @@ def test_driver_runs_eval_and_two_trl_steps(files, tmp_path):
                     reason="trl and datasets are not installed")
 def test_trl_resume_across_processes(files, tmp_path):
     """A run the budget stops after step 1 saves a checkpoint; the next --resume run does steps 2-3 and
-    continues the same results (val at 0 not repeated, first step of each process out of the median)."""
+    continues the same results (val at 0 not repeated, first step of each process out of the median,
+    snapshots of both processes listed)."""
     out1, out2, work = tmp_path / "1.json", tmp_path / "2.json", tmp_path / "work"
     base = [sys.executable, str(ROOT / "benchmarks" / "trl_gsm8k.py"), "--model", str(files / "tiny.gguf"),
             "--train", str(files / "train.jsonl"), "--val", str(files / "val.jsonl"), "--prompts-per-step", "2",
             "--samples", "2", "--micro-batch", "4", "--max-new-tokens", "4", "--max-steps", "3",
-            "--val-at", "0,2", "--val-size", "2", "--val-batch-size", "2", "--workdir", str(work), "--resume"]
+            "--val-at", "0,2", "--val-size", "2", "--val-batch-size", "2", "--workdir", str(work), "--resume",
+            "--save-at", "0,1,3"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     for cmd in (base + ["--out", str(out1), "--time-budget-s", "1"], base + ["--out", str(out2)]):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -285,3 +287,7 @@ def test_trl_resume_across_processes(files, tmp_path):
     assert [s for s, _ in r2["val_accuracy"]] == [0, 2]
     assert [log["step"] for log in r2["logs"] if "reward" in log] == [1, 2, 3]
     assert json.loads((work / "result.json").read_text()) == r2
+    # snapshots of both processes, each saved once (step 0 not again on resume)
+    assert r1["snapshots"] == [[s, str(work / "snapshots" / f"step_{s}")] for s in (0, 1)]
+    assert r2["snapshots"] == r1["snapshots"] + [[3, str(work / "snapshots" / "step_3")]]
+    assert sorted(p.name for p in (work / "snapshots").iterdir()) == ["step_0", "step_1", "step_3"]
