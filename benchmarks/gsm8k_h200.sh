@@ -8,18 +8,25 @@
 #   bash benchmarks/gsm8k_h200.sh hf_eval               # transformers' greedy accuracy on the val set
 #   bash benchmarks/gsm8k_h200.sh train SECONDS [k=v..] # GRPO with validation; stops (checkpoint)
 #                                                         before SECONDS; run again to resume
-# Everything lands in $OUT (metrics.jsonl, val_generations.jsonl, hf_eval.json, logs).
+#   bash benchmarks/gsm8k_h200.sh score DIR... [-- k=v..] # our validation of HF snapshots (TRL's,
+#                                                         trl_gsm8k.py --save-at) in one process
+# Everything lands in $OUT (metrics.jsonl, val_generations.jsonl, hf_eval.json, trl_scores.json, logs).
+# Environment: OUT, DATA (.gsm8k), SITE (/tmp/site), RUN_DIR (/tmp/gsm8k_run: train's output_dir and
+# checkpoints; another dir for another run), SCORE_DIR (/tmp/gsm8k_score: emptied by each score).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gsm8k_out}
 mkdir -p "$OUT"
 GGUF=/tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
-RUN_DIR=/tmp/gsm8k_run
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+DATA=${DATA:-.gsm8k}
+SITE=${SITE:-/tmp/site}
+RUN_DIR=${RUN_DIR:-/tmp/gsm8k_run}
+SCORE_DIR=${SCORE_DIR:-/tmp/gsm8k_score}
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 
 setup() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
+    --target "$SITE" .whl/*.whl
   if [ ! -f "$GGUF" ]; then
     cat /tmp/xfer/parts/* > "$GGUF.tmp"
     echo "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  $GGUF.tmp" | sha256sum -c
@@ -29,17 +36,30 @@ setup() {
 }
 
 hf_eval() {
-  python3 benchmarks/gsm8k_hf_eval.py --model "$GGUF" --val .gsm8k/val.parquet \
+  python3 benchmarks/gsm8k_hf_eval.py --model "$GGUF" --val "$DATA/val.parquet" \
     --out "$OUT/hf_eval.json" "$@" 2>&1 | tee "$OUT/hf_eval.log"
 }
 
 train() {
   local budget=$1; shift
   python3 -m hybridflow.train experiment=gsm8k_qwen_coder_0_5b model.gguf_path="$GGUF" \
-    data.train_files=.gsm8k/train.parquet data.val_files=.gsm8k/val.parquet \
+    data.train_files="$DATA/train.parquet" data.val_files="$DATA/val.parquet" \
     trainer.output_dir="$RUN_DIR" trainer.progress_bar=false trainer.time_budget_s="$budget" "$@" \
     2>&1 | tee -a "$OUT/train.log"
   cp "$RUN_DIR/metrics.jsonl" "$RUN_DIR/val_generations.jsonl" "$OUT/" 2>/dev/null || true
+}
+
+score() {  # the experiment's validation (prompts, template, greedy, stops, rules) of each snapshot
+  local dirs=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do dirs+=("$1"); shift; done
+  [ $# -gt 0 ] && shift  # the "--"
+  [ ${#dirs[@]} -gt 0 ] || { echo "score: no snapshot directories given" >&2; exit 1; }
+  rm -rf "$SCORE_DIR"
+  python3 benchmarks/score_snapshots.py "${dirs[@]}" --out "$OUT/trl_scores.json" --run-dir "$SCORE_DIR" -- \
+    experiment=gsm8k_qwen_coder_0_5b data.train_files="$DATA/train.parquet" data.val_files="$DATA/val.parquet" \
+    trainer.progress_bar=false "$@" 2>&1 | tee -a "$OUT/score.log"
+  cp "$SCORE_DIR/metrics.jsonl" "$OUT/trl_score_metrics.jsonl"
+  cp "$SCORE_DIR/val_generations.jsonl" "$OUT/trl_score_val_generations.jsonl" 2>/dev/null || true
 }
 
 "$@"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GSM8K peer baselines of issue 16 in one device call: transformers' greedy val accuracy of the
 # GGUF file (benchmarks/gsm8k_hf_eval.py), then TRL's GRPOTrainer for up to TRL_STEPS steps within
-# what is left of TOTAL_S (benchmarks/trl_gsm8k.py). JSON (and the eval generations) go to $OUT.
+# what is left of TOTAL_S (benchmarks/trl_gsm8k.py), then (phase "score") our validation of the
+# policy snapshots TRL saved (benchmarks/gsm8k_h200.sh score). JSON (and generations) go to $OUT.
 #
 # Here, once (.whl_bench/ and .gsm8k/ are git-ignored, so `carry` can name them):
 #   cp -r /work/cache/whl_bench .whl_bench            # trl, datasets, dill, multiprocess, gguf (+ fallback/)
@@ -10,35 +11,72 @@
 # chunked carry of shared/gpu/README.md), then one device call with carry [".whl_bench", ".gsm8k"]:
 #   MODEL=/tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf bash benchmarks/gsm8k_peers.sh
 # (SITE is /tmp/site as for gsm8k_h200.sh: only missing dependencies of the carried wheels are added.)
-# Knobs (environment): PHASES="eval trl" | "eval" | "trl"; EVAL_BS (64); EVAL_LIMIT (all);
-#   EVAL_ARGS (more gsm8k_hf_eval.py options, e.g. "--max-new-tokens 512");
+# Knobs (environment): PHASES="eval trl" | "eval" | "trl" | "trl score" | "score"; EVAL_BS (64);
+#   EVAL_LIMIT (all); EVAL_ARGS (more gsm8k_hf_eval.py options, e.g. "--max-new-tokens 512");
 #   TRL_STEPS (20); TRL_VAL_AT (e.g. 0,10,20; empty: none); TRL_VAL_SIZE (all); TRL_VAL_BS (64);
+#   TRL_SAVE_AT (e.g. 0,5,10: HF snapshots in TRL_WORKDIR/snapshots/step_N; empty: none);
 #   TRL_ARGS (more trl_gsm8k.py options, e.g. "--prompts-per-step 16 --micro-batch 64");
-#   TRL_RESUME=1: continue the TRL run checkpointed in /tmp/trl_gsm8k by the previous call (the machine
-#   must have stayed warm) and checkpoint again if the budget stops it; e.g. 20 steps over 3 calls:
-#   PHASES=trl TRL_RESUME=1 TRL_STEPS=20 TRL_VAL_AT=0,5,10,15,20 TRL_ARGS="--prompts-per-step 16", 3 times;
+#   TRL_RESUME=1: continue the TRL run checkpointed in TRL_WORKDIR (/tmp/trl_gsm8k) by the previous
+#   call (the machine must have stayed warm) and checkpoint again if the budget stops it;
+#   SCORE_S (180 with phase score after trl: kept from TRL's budget for the scoring);
 #   TOTAL_S (560: the call is capped at 600 s); DATA (.gsm8k); WHEELS (.whl_bench); SITE (/tmp/site).
+#
+# Accuracy per step of TRL beside ours, like for like (issue 16): TRL saves its policy at chosen
+# steps (fp32 HF dirs, ~2 GB each) and OUR validation scores them (same 319 prompts, template,
+# greedy decoding, stops, rules; ~7 s each + one model load) instead of TRL's own `--val-at`
+# (transformers generate, ~2 device minutes per point). tests/unit/test_trl_snapshots.py shows on
+# CPU that the step-0 snapshot scores exactly like the GGUF file in our run. Recipe, one warm
+# machine (it goes back after 30 minutes held: /tmp, the checkpoint and the snapshots with it):
+#   0. carry the GGUF parts (shared/gpu/README.md), then with carry [".whl", ".gsm8k"]:
+#        bash benchmarks/gsm8k_h200.sh setup                                          (~1 min)
+#   1. TRL, matched short run; carry [".whl_bench", ".gsm8k"]; the same command each call until its
+#      JSON says steps_done == TRL_STEPS; the last call adds the scoring (PHASES="trl score"):
+#        MODEL=/tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf PHASES=trl TRL_RESUME=1 \
+#          TRL_STEPS=20 TRL_SAVE_AT=0,5,10,15,20 TRL_ARGS="--prompts-per-step 16 --samples 8 --lr 3e-6" \
+#          bash benchmarks/gsm8k_peers.sh
+#      (scoring alone, once TRL is done; carry [".gsm8k"]:
+#        bash benchmarks/gsm8k_h200.sh score /tmp/trl_gsm8k/snapshots/step_*               )
+#   2. ours, matched (16 prompts x 8 samples, one optimizer step of 128 sequences per step like TRL,
+#      lr 3e-6, no weight decay like TRL, val every 5 steps from step 0); carry [".whl", ".gsm8k"]:
+#        RUN_DIR=/tmp/gsm8k_matched bash benchmarks/gsm8k_h200.sh train 540 data.prompts_per_step=16 \
+#          algo.ppo_mini_batch_size=128 actor_optim.lr=3e-6 actor_optim.weight_decay=0.0 \
+#          trainer.total_steps=20 trainer.val_every=5 trainer.save_every=0
+#   Check first: TRL's step-0 score must equal our run's step-0 val (same weights, same code).
+# Device minutes, from the measurements (TRL 64x8: 141 s first step, 93 s after, 62 s load;
+# ours 64x8: 20.9 s/step of which gen 8.6, val 7.3 s, ~60-75 s per trainer start):
+#   TRL 16x8: ~45-80 s/step (generation, most of a step, runs to the longest completion, ~1,024
+#     tokens, at any batch); a 560 s call = ~1.3 min load + snapshots (~10 s each) + 6-9 steps +
+#     ~0.5 min checkpoint: 20 steps = 3 calls, ~25 min; 10 steps (TRL_SAVE_AT=0,5,10) = 2 calls, ~13 min.
+#   scoring 5 snapshots: ~1.2 min start + 5 x (~5 s load + ~7 s val) = ~2.5 min (1.5 for 3).
+#   ours 16x8, 20 steps: ~1.2 min start + 20 x ~9 s + 5 x 7.3 s = ~5 min, one call (10 steps: ~3).
+#   20 steps of each then need ~35 device minutes with setup, more than one session's 30: run 10
+#   (TRL_STEPS=10 TRL_SAVE_AT=0,5,10, trainer.total_steps=10), ~20 minutes, unless T1 measures
+#   TRL below ~45 s/step; snapshots already saved stay scoreable when TRL is cut short.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MODEL=${MODEL:?set MODEL to the .gguf file (or an HF directory)}
+MODEL=${MODEL:-}
 DATA=${DATA:-.gsm8k}
 WHEELS=${WHEELS:-.whl_bench}
 SITE=${SITE:-/tmp/site}
 OUT=${OUT:-/tmp/gsm8k_peers_out}
 PHASES=${PHASES:-eval trl}
 TOTAL_S=${TOTAL_S:-560}
+TRL_WORKDIR=${TRL_WORKDIR:-/tmp/trl_gsm8k}
 mkdir -p "$OUT"
 
 data_file() {  # data_file SPLIT -> DATA/SPLIT.parquet or DATA/SPLIT.jsonl
   for ext in parquet jsonl; do [ -f "$DATA/$1.$ext" ] && { echo "$DATA/$1.$ext"; return; }; done
   echo "no $DATA/$1.parquet or $DATA/$1.jsonl" >&2; exit 1
 }
-[ -e "$MODEL" ] || { echo "MODEL=$MODEL does not exist" >&2; exit 1; }
+if [[ " $PHASES " == *" eval "* || " $PHASES " == *" trl "* ]]; then
+  [ -e "$MODEL" ] || { echo "MODEL=$MODEL: set it to the .gguf file (or an HF directory)" >&2; exit 1; }
+fi
 
 python3 benchmarks/install_peer_wheels.py "$WHEELS" --target "$SITE"
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mods="gguf transformers torch"
 [[ " $PHASES " == *" trl "* ]] && mods="$mods trl datasets"
+[[ " $PHASES " == *" score "* ]] && mods="$mods megatron.core hydra"  # installed by gsm8k_h200.sh setup
 # shellcheck disable=SC2086  # a list of module names
 python3 - $mods <<'EOF'  # fail here, in seconds, rather than after the eval
 import importlib, sys
@@ -57,11 +95,20 @@ fi
 if [[ " $PHASES " == *" trl "* ]]; then
   TRAIN=$(data_file train)
   budget=$((TOTAL_S - SECONDS - 10))
+  [[ " $PHASES " == *" score "* ]] && budget=$((budget - ${SCORE_S:-180}))
   echo "TRL time budget ${budget}s"
   # shellcheck disable=SC2086  # TRL_ARGS is a list of options
   python3 benchmarks/trl_gsm8k.py --model "$MODEL" --train "$TRAIN" --val "$VAL" \
     --out "$OUT/trl_gsm8k.json" --max-steps "${TRL_STEPS:-20}" --time-budget-s "$budget" \
     --val-at "${TRL_VAL_AT:-}" ${TRL_VAL_SIZE:+--val-size "$TRL_VAL_SIZE"} --val-batch-size "${TRL_VAL_BS:-64}" \
-    --workdir /tmp/trl_gsm8k ${TRL_RESUME:+--resume} ${TRL_ARGS:-}
+    --save-at "${TRL_SAVE_AT:-}" --workdir "$TRL_WORKDIR" ${TRL_RESUME:+--resume} ${TRL_ARGS:-}
+fi
+
+if [[ " $PHASES " == *" score "* ]]; then
+  shopt -s nullglob
+  snaps=("$TRL_WORKDIR"/snapshots/step_*)
+  [ ${#snaps[@]} -gt 0 ] || { echo "no snapshots in $TRL_WORKDIR/snapshots (TRL_SAVE_AT)" >&2; exit 1; }
+  # shellcheck disable=SC2086  # SCORE_ARGS is a list of overrides
+  OUT="$OUT" DATA="$DATA" SITE="$SITE" bash benchmarks/gsm8k_h200.sh score "${snaps[@]}" -- ${SCORE_ARGS:-}
 fi
 ls -la "$OUT"

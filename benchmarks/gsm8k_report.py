@@ -2,11 +2,14 @@
 
 Inputs are the files the device calls wrote: our run's metrics.jsonl (every step, validation rows
 included, accumulated across resumed calls), transformers' greedy eval (gsm8k_hf_eval.py JSON) and
-TRL's run (trl_gsm8k.py JSON). Step times are medians over steps 2.. (step 1 captures CUDA graphs),
+TRL's run (trl_gsm8k.py JSON), and optionally our validation of TRL's snapshots (score_snapshots.py
+JSON, `--trl-scores`): then `trl.val_accuracy` / `trl.val_accuracy_strict` are those scores, the
+same validation as ours. Step times are medians over steps 2.. (step 1 captures CUDA graphs),
 leaving out `--exclude-steps` (steps that shared the GPU with another process).
 
   python benchmarks/gsm8k_report.py --metrics M.jsonl --hf-eval hf_eval.json --trl trl.json \
-      --exclude-steps 12-16 --out benchmarks/results/gsm8k_h200.json --png benchmarks/results/gsm8k_h200.png
+      [--trl-scores trl_scores.json] --exclude-steps 12-16 --out benchmarks/results/gsm8k_h200.json \
+      --png benchmarks/results/gsm8k_h200.png
 """
 
 import argparse
@@ -59,6 +62,10 @@ def plot(summary: dict, path: str) -> None:
                        ("val_accuracy_strict", "val gsm8k_strict (####)")):
         xs, ys = zip(*summary[key]) if summary[key] else ((), ())
         ax[0].plot(xs, ys, marker="o", label=label)
+    trl = summary.get("trl", {}).get("val_accuracy")
+    if trl:
+        xs, ys = zip(*trl)
+        ax[0].plot(xs, ys, marker="s", label="TRL val math_exact (greedy)")
     hf = summary.get("transformers_val_accuracy")
     if hf is not None:
         ax[0].axhline(hf, color="gray", ls="--", label="transformers greedy, step 0")
@@ -86,6 +93,7 @@ def main():
     ap.add_argument("--metrics", required=True)
     ap.add_argument("--hf-eval", required=True)
     ap.add_argument("--trl", required=True)
+    ap.add_argument("--trl-scores", help="score_snapshots.py JSON: our validation of TRL's snapshots")
     ap.add_argument("--exclude-steps", default="", help="e.g. 12-16: steps that shared the GPU")
     ap.add_argument("--command", default="", help="the run's command, recorded in the JSON")
     ap.add_argument("--out", required=True)
@@ -103,6 +111,11 @@ def main():
                       "val_accuracy": trl["val_accuracy"], "config": trl["config"],
                       "peak_memory_gb": trl.get("peak_memory_gb"), "command": trl["command"],
                       "versions": trl["versions"]}
+    if args.trl_scores:
+        scores = json.load(open(args.trl_scores))
+        summary["trl"].update(val_accuracy=scores["val_accuracy"], val_accuracy_strict=scores["val_accuracy_strict"],
+                              val_scored_by="hybridflow's validation of TRL's snapshots (score_snapshots.py)",
+                              val_command=scores["command"])
     summary.update(machine=hf["machine"], versions=hf["versions"], command=args.command,
                    excluded_steps=sorted(_steps(args.exclude_steps)))
     tmp = args.out + ".tmp"

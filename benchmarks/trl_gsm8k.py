@@ -10,6 +10,15 @@ so a run cut by the time budget, or killed, still leaves its numbers.
       --train .gsm8k/train.parquet --val .gsm8k/val.parquet --out $OUT/trl_gsm8k.json --max-steps 20 --time-budget-s 500 --val-at 0,10,20
   # smaller matched run for accuracy per step: --prompts-per-step 16 --samples 8 --micro-batch 64
 
+Accuracy per step, cheaply and like for like: `--save-at 0,5,10` saves the policy at those optimizer
+steps (0: before training) as HF directories `--workdir`/snapshots/step_<N> (fp32 safetensors,
+config.json, generation_config.json with the stop ids, tokenizer.json / tokenizer_config.json /
+chat_template.jinja), each written to a temporary folder and renamed into place, listed in the JSON as
+`snapshots` [[step, path], ...]; then `bash benchmarks/gsm8k_h200.sh score DIR...` (one process,
+benchmarks/score_snapshots.py) scores them with OUR validation, the one our own run reports, in
+seconds each, instead of `--val-at` (transformers generate, ~2 device minutes per point on the H200).
+The device-call recipe and its device minutes: the top of benchmarks/gsm8k_peers.sh.
+
 Choices (each one an option; the defaults are ours):
 - The model: a GGUF file is loaded by transformers with `GgufConfig(dequantize=True)` (a plain dense
   model); where transformers still marks it quantized (and so refuses to fine-tune it) it is rebuilt
@@ -27,21 +36,24 @@ Choices (each one an option; the defaults are ours):
   advantages (`scale_rewards="group"`, our `norm_adv_by_std`), clip 0.2, k3 KL loss with
   `beta`, constant LR without warm-up, grad-norm clip 1.0, gradient checkpointing on (TRL's default;
   the measured 56 s/step setting).
-- Reward: hybridflow's `math_exact` on the completion text against `reward_model.ground_truth`.
+- Reward: hybridflow's `math_exact` (`--reward`: any hybridflow rule, a registry name or
+  module:function) on the completion text against `reward_model.ground_truth`.
 - Step time: `on_step_begin` -> `on_step_end` with CUDA synchronised (generation, scoring, forward,
   backward and optimizer of one optimizer step); `step_s_median` leaves out the first step.
   Validation runs in `on_step_end` after the timer stops (and before training for step 0), greedy,
   through `benchmarks/gsm8k_hf_eval.evaluate`.
 - `--time-budget-s` (from process start): training stops before a step (plus its validation) that the
-  last step's time says would not fit.
+  last step's time (plus the next validation and snapshot, as the last ones took) says would not fit.
 - `--resume` spans device calls (the machine keeps /tmp while warm): a run stopped by the budget saves
   a Trainer checkpoint (weights, optimizer, scheduler, RNG, data position; 30 s of the budget are kept
   for it) under `--workdir` beside a copy of the results JSON; the next run with `--resume` continues
   from it and appends to that JSON. The first step of every process is left out of the median.
-  Without `--resume`, checkpoints left in `--workdir` are removed first.
+  Snapshots of steps up to the checkpoint stay listed; one of a later step (a process killed before
+  it checkpointed) is saved again when that step is redone. Without `--resume`, checkpoints and
+  snapshots left in `--workdir` are removed first.
 
-  # two calls of 10 minutes for 20 steps at a smaller batch, validating every 5 steps
-  python benchmarks/trl_gsm8k.py ... --prompts-per-step 16 --max-steps 20 --val-at 0,5,10,15,20 \
+  # calls of 10 minutes for 20 steps at a smaller batch, a snapshot every 5 steps
+  python benchmarks/trl_gsm8k.py ... --prompts-per-step 16 --max-steps 20 --save-at 0,5,10,15,20 \
       --time-budget-s 540 --resume      # the same command again in the next call
 """
 

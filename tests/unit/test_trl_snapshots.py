@@ -40,9 +40,10 @@ MAX_NEW = 12
 PARITY = "def parity(prompt, response, ground_truth, extra_info=None):\n    return float(len(response) % 2)\n"
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+def _run(cmd: list[str], **env_extra) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=os.pathsep.join([str(Path(sys.executable).parent),
+                                                                      os.environ["PATH"]]),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **env_extra)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -50,31 +51,46 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
-def _overrides(files: Path) -> list[str]:
-    """The experiment at a tiny scale; everything else (prompts, template, rules) as on the GPU."""
-    return ["experiment=gsm8k_qwen_coder_0_5b", f"data.train_files={files / 'train.jsonl'}",
-            f"data.val_files={files / 'val.jsonl'}", "data.prompts_per_step=2", "rollout.n=2",
-            "algo.ppo_mini_batch_size=4", "algo.micro_batch_size_per_gpu=2",
-            "algo.forward_micro_batch_size_per_gpu=4", f"rollout.max_new_tokens={MAX_NEW}",
-            "trainer.precision=fp32", "trainer.val_log_generations=4", "trainer.tensorboard=false",
-            "trainer.progress_bar=false"]
+# the experiment at a tiny scale; prompts, template, greedy decoding and rules as on the GPU
+SCALE = ["data.prompts_per_step=2", "rollout.n=2", "algo.ppo_mini_batch_size=4", "algo.micro_batch_size_per_gpu=2",
+         "algo.forward_micro_batch_size_per_gpu=4", f"rollout.max_new_tokens={MAX_NEW}", "trainer.precision=fp32",
+         "trainer.val_log_generations=4", "trainer.tensorboard=false", "trainer.progress_bar=false"]
+
+
+def _experiment(data: Path) -> list[str]:
+    return ["experiment=gsm8k_qwen_coder_0_5b", f"data.train_files={data / 'train.parquet'}",
+            f"data.val_files={data / 'val.parquet'}"]
 
 
 @pytest.fixture(scope="module")
 def trl_run(files, tmp_path_factory):
+    """The last call of the GPU recipe: gsm8k_peers.sh PHASES="trl score" (TRL 2 steps saving at 0
+    and 2, then our scoring of both). -> (dir, TRL's JSON, the scores JSON)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     d = tmp_path_factory.mktemp("trl_snapshots")
+    data = d / "data"
+    data.mkdir()
+    for split in ("train", "val"):
+        records = [json.loads(line) for line in open(files / f"{split}.jsonl")]
+        pq.write_table(pa.Table.from_pylist(records), data / f"{split}.parquet")
     (d / "parity.py").write_text(PARITY)
-    _run([sys.executable, str(ROOT / "benchmarks" / "trl_gsm8k.py"), "--model", str(files / "tiny.gguf"),
-          "--train", str(files / "train.jsonl"), "--out", str(d / "trl.json"), "--prompts-per-step", "2",
-          "--samples", "4", "--micro-batch", "8", "--max-new-tokens", "8", "--max-steps", "2", "--lr", "1e-2",
-          "--reward", f"{d / 'parity.py'}:parity", "--save-at", "0,2", "--workdir", str(d / "work")])
-    return d, json.loads((d / "trl.json").read_text())
+    (d / "wheels").mkdir()
+    _run(["bash", str(ROOT / "benchmarks" / "gsm8k_peers.sh")], MODEL=str(files / "tiny.gguf"), DATA=str(data),
+         WHEELS=str(d / "wheels"), SITE=str(d / "site"), OUT=str(d / "out"), PHASES="trl score",
+         TRL_WORKDIR=str(d / "work"), TRL_STEPS="2", TRL_SAVE_AT="0,2", SCORE_DIR=str(d / "score_driver"),
+         TRL_ARGS=f"--prompts-per-step 2 --samples 4 --micro-batch 8 --max-new-tokens 8 --lr 1e-2 "
+                  f"--reward {d / 'parity.py'}:parity", SCORE_ARGS=" ".join(SCALE))
+    return d, json.loads((d / "out" / "trl_gsm8k.json").read_text()), \
+        json.loads((d / "out" / "trl_scores.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def scored(files, trl_run, tmp_path_factory):
-    """(GGUF val_only metrics, its generations, scorer JSON, scorer metrics by step, generations by step)."""
-    d, result = trl_run
+    """Our val_only on the GGUF file, and gsm8k_h200.sh score on [zeroed, step 2, step 0] in one
+    process. -> (GGUF metrics, GGUF generations, scores JSON, metrics by step, generations by step)."""
+    d, result, _ = trl_run
     snaps = dict(result["snapshots"])
     zeroed = tmp_path_factory.mktemp("zeroed") / "step_7"
     shutil.copytree(snaps[0], zeroed)
@@ -83,24 +99,25 @@ def scored(files, trl_run, tmp_path_factory):
     sd = load_file(zeroed / "model.safetensors")
     sd["model.norm.weight"].zero_()
     save_file(sd, zeroed / "model.safetensors", metadata={"format": "pt"})
-    gguf_out, score_out = d / "gguf_val", d / "score_run"
+    gguf_out, score_out, out = d / "gguf_val", d / "score_run", d / "out_score"
     # our run on the GGUF file: the real file's EOS is <|im_end|> and the experiment adds
     # <|endoftext|>; the tiny file's EOS is <|endoftext|>, so both ids are named here
-    _run([sys.executable, "-m", "hybridflow.train", *_overrides(files), f"model.gguf_path={files / 'tiny.gguf'}",
-          "trainer.val_only=true", "trainer.resume=false", f"trainer.output_dir={gguf_out}",
-          "rollout.stop_token_ids=[0,1]"])
-    _run([sys.executable, str(ROOT / "benchmarks" / "score_snapshots.py"), str(zeroed), snaps[2], snaps[0],
-          "--out", str(d / "scores.json"), "--run-dir", str(score_out), "--", *_overrides(files)])
+    _run([sys.executable, "-m", "hybridflow.train", *_experiment(d / "data"), *SCALE,
+          f"model.gguf_path={files / 'tiny.gguf'}", "trainer.val_only=true", "trainer.resume=false",
+          f"trainer.output_dir={gguf_out}", "rollout.stop_token_ids=[0,1]"])
+    _run(["bash", str(ROOT / "benchmarks" / "gsm8k_h200.sh"), "score", str(zeroed), snaps[2], snaps[0], "--", *SCALE],
+         OUT=str(out), DATA=str(d / "data"), SITE=str(d / "site"), SCORE_DIR=str(score_out))
 
     def rows(path):
         return [json.loads(line) for line in open(path)]
 
     (gguf_metrics,) = rows(gguf_out / "metrics.jsonl")
+    assert rows(out / "trl_score_metrics.jsonl") == rows(score_out / "metrics.jsonl")
     by_step = {r["step"]: r for r in rows(score_out / "metrics.jsonl")}
     gens = {}
     for g in rows(score_out / "val_generations.jsonl"):
         gens.setdefault(g["step"], []).append(g)
-    return (gguf_metrics, rows(gguf_out / "val_generations.jsonl"), json.loads((d / "scores.json").read_text()),
+    return (gguf_metrics, rows(gguf_out / "val_generations.jsonl"), json.loads((out / "trl_scores.json").read_text()),
             by_step, gens)
 
 
@@ -109,7 +126,7 @@ def test_trl_saves_snapshots_at_steps(files, trl_run):
 
     from hybridflow.models.gguf import read_gguf
 
-    d, r = trl_run
+    d, r, _ = trl_run
     work = d / "work" / "snapshots"
     assert r["steps_done"] == 2 and r["config"]["save_at"] == [0, 2]
     assert r["snapshots"] == [[0, str(work / "step_0")], [2, str(work / "step_2")]]
@@ -167,6 +184,14 @@ def test_scorer_stops_at_im_end_and_scores_the_trained_snapshot(trl_run, scored)
     assert result["reward_fn"] == "math_exact" and result["build_s"] > 0
 
 
+def test_driver_trains_then_scores(trl_run, scored):
+    """PHASES="trl score" scored the snapshots TRL had just saved, as the separate call did."""
+    _, r, driver = trl_run
+    result = scored[2]
+    assert driver["snapshots"] == r["snapshots"]
+    assert driver["scores"] == [row for row in result["scores"] if row[0] in (0, 2)]
+
+
 def test_scorer_refuses_mismatched_snapshots(files, trl_run, tmp_path):
     import score_snapshots as ss
 
@@ -175,7 +200,7 @@ def test_scorer_refuses_mismatched_snapshots(files, trl_run, tmp_path):
         ss.snapshot_step(str(Path(snap[0]).parent))
     with pytest.raises(ValueError, match="model.hf_path"):
         ss.build_config(snap[0], str(tmp_path / "run"), ["model.hf_path=x"])
-    cfg, fixed = ss.build_config(snap[0], str(tmp_path / "run"), _overrides(files))
+    cfg, fixed = ss.build_config(snap[0], str(tmp_path / "run"), [*_experiment(trl_run[0] / "data"), *SCALE])
     assert "rollout.stop_token_ids=[0,1]" in fixed and cfg.model.hf_path == snap[0]
     ss.check_like_first(snap[2], first=snap[0], model_cfg=cfg.model)
     for name, edit in (("config.json", lambda c: {**c, "num_hidden_layers": 1}),
@@ -185,3 +210,27 @@ def test_scorer_refuses_mismatched_snapshots(files, trl_run, tmp_path):
         (other / name).write_text(json.dumps(edit(json.loads((other / name).read_text()))))
         with pytest.raises(ValueError, match="shape differs" if name == "config.json" else "tokenizer files"):
             ss.check_like_first(str(other), first=snap[0], model_cfg=cfg.model)
+
+
+def test_report_takes_trl_accuracy_from_the_scores(trl_run, tmp_path, monkeypatch):
+    import gsm8k_report
+
+    d, _, scores = trl_run
+    rows = [{"step": 0, "val-core/openai/gsm8k/reward/mean@1": 0.25}]
+    rows += [{"step": s, "timing_s/step": 10.0 + s, "timing_s/gen": 5.0, "critic/score/mean": 0.1 * s,
+              "response_length/mean": 100.0, "training/rollout_probs_diff_mean": 0.01,
+              "training/rollout_probs_diff_max": 0.1, "rollout_corr/kl": 1e-4} for s in (1, 2, 3)]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hf = {"accuracy": {"math_exact": 0.24}, "n": 4, "machine": {"gpu": "cpu"}, "versions": {}}
+    (tmp_path / "hf.json").write_text(json.dumps(hf))
+    out = tmp_path / "summary.json"
+    base = ["gsm8k_report.py", "--metrics", str(tmp_path / "m.jsonl"), "--hf-eval", str(tmp_path / "hf.json"),
+            "--trl", str(d / "out" / "trl_gsm8k.json"), "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", base)
+    gsm8k_report.main()
+    assert json.loads(out.read_text())["trl"]["val_accuracy"] == []  # TRL's own --val-at: none here
+    monkeypatch.setattr(sys, "argv", [*base, "--trl-scores", str(d / "out" / "trl_scores.json")])
+    gsm8k_report.main()
+    trl = json.loads(out.read_text())["trl"]
+    assert trl["val_accuracy"] == scores["val_accuracy"] and [s for s, _ in trl["val_accuracy"]] == [0, 2]
+    assert trl["val_accuracy_strict"] == scores["val_accuracy_strict"] and "score_snapshots" in trl["val_scored_by"]
