@@ -41,6 +41,10 @@ class RolloutConfig:
     max_batch_size: int = 256  # sequences per generate call on a rank; larger batches are chunked
     stop_token_ids: list = field(default_factory=list)  # besides the tokenizer's EOS
     cuda_graphs: bool = True  # capture the decode step on GPU
+    # move the unfinished rows to a smaller batch bucket as rows stop, so a long tail of response
+    # lengths does not hold the whole batch (rollout/compaction.py). Greedy output is unchanged;
+    # sampled output stays seeded-reproducible but draws a different (equally valid) sample.
+    compact_finished_rows: bool = True
     return_logprobs: bool = False
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
 
