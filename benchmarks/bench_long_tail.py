@@ -2,7 +2,7 @@
 
 RL rollouts stop at very different steps (GSM8K, Qwen2.5-0.5B: mean ~300 tokens, ~0.5-1% of rows
 at the 1,024 cap), and a static decode batch runs every row until the longest stops. This times
-`Generator.generate` with `rollout.compact_finished_rows` on and off (hybridflow/rollout/compaction.py).
+`Generator.generate` with `rollout.compact_finished_rows` on and off (rollout/compaction.py).
 
 Lengths: random-init weights (Qwen2-0.5B shape, bf16, as bench_generate.py) give a near-uniform
 next-token distribution, so sampling at T = 1 with k = V / --tail-mean random stop ids stops a row
