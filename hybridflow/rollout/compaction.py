@@ -85,7 +85,7 @@ def compact(src, dst, cache, row_map: torch.Tensor, *, columns: int) -> torch.Te
     so far (the rest is masked out by key_valid and never read)."""
     old_b, new_b = src.finished.shape[0], dst.finished.shape[0]
     assert new_b < old_b, (new_b, old_b)
-    order = torch.argsort(src.finished.to(torch.uint8), stable=True)[:new_b]  # live rows first
+    order = torch.argsort(src.finished.int(), stable=True)[:new_b]  # live rows first
     for name in ("tokens", "positions", "finished", "key_valid", "out_tokens", "out_logprobs"):
         getattr(dst, name).copy_(getattr(src, name).index_select(0, order))
     dst.cur.copy_(src.cur)
