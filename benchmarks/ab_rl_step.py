@@ -1,13 +1,16 @@
 """Before/after timing of one RL step on the same GPU, in one call (issue: the structure rework).
 
-Runs `benchmarks/bench_rl_step.py` of two trees alternately (A B A B ...: drift of the machine hits
-both), each its own `python -m hybridflow.train`, and writes one JSON with both sides' per-stage
-medians and min/max over the later steps of every run, plus the relative difference of the medians.
+Runs `benchmarks/bench_rl_step.py` of two trees alternately in ABBA order (A B, B A, A B, ...: a
+linear drift of the machine over the call, seen on the H200 as +25% from the first run to the
+fourth, hits both sides alike), each its own `python -m hybridflow.train`, and writes one JSON with
+both sides' per-stage medians and min/max over the later steps of every run, plus the relative
+difference of the medians of the run medians.
 
   git archive e956f27 hybridflow kernels conf benchmarks | (mkdir -p .before && tar -x -C .before)
   python benchmarks/ab_rl_step.py --before .before --out benchmarks/results/structure_ab_h200.json
 
-Each round is `--algos` (GRPO and PPO by default) for `--steps` steps; `--rounds` rounds per side.
+Each round is `--algos` (GRPO and PPO by default) for `--steps` steps; `--rounds` rounds per side
+(an even number keeps the order balanced).
 """
 
 import argparse
@@ -35,17 +38,20 @@ def main():
     ap.add_argument("--before", required=True, help="tree of the earlier commit (git archive)")
     ap.add_argument("--algos", default="grpo,ppo")
     ap.add_argument("--steps", type=int, default=7)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", required=True)
     ap.add_argument("extra", nargs="*", help="arguments passed to both bench_rl_step.py runs")
     args = ap.parse_args()
     sides = {"before": os.path.abspath(args.before), "after": ROOT}
     runs: dict[str, list[dict]] = {"before": [], "after": []}
+    run_order: list[str] = []
     with tempfile.TemporaryDirectory() as work:
         for r in range(args.rounds):
-            for side, tree in sides.items():
+            order = list(sides.items()) if r % 2 == 0 else list(sides.items())[::-1]
+            for side, tree in order:
                 out = os.path.join(work, f"{side}{r}.json")
                 runs[side].append(bench(tree, args.algos, args.steps, out, args.extra))
+                run_order.append(side)
     table = {}
     for algo in args.algos.split(","):
         table[algo] = {}
@@ -70,7 +76,7 @@ def main():
               "before": os.path.relpath(sides["before"], ROOT), "after": "working tree",
               "machine": first.get("machine"), "versions": first.get("versions"),
               "torch": torch.__version__, "command": " ".join(["python"] + sys.argv),
-              "stages": table, "runs": runs}
+              "run_order": run_order, "stages": table, "runs": runs}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".tmp", "w") as f:
         json.dump(record, f, indent=2)

@@ -198,6 +198,10 @@ class TrainerConfig:
     # validation (verl's trainer.test_freq): greedy decoding over data.val_files every N steps
     val_every: int = 0  # 0: never during training
     val_before_train: bool = False  # score the starting model (step 0) first
+    # score the model once (greedy over data.val_files) and stop: no training, nothing saved. The
+    # model is the config's (model.hf_path / gguf_path) or, with trainer.resume, the newest checkpoint
+    # in output_dir; e.g. a peer's HF snapshots scored by the same validation as ours
+    val_only: bool = False
     val_max_new_tokens: Optional[int] = None  # None: rollout.max_new_tokens
     val_log_generations: int = 8  # rows appended to <output_dir>/val_generations.jsonl per validation
     progress_bar: bool = True

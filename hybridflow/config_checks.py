@@ -81,9 +81,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if t.val_every < 0:
         raise ValueError(f"trainer.val_every={t.val_every} must be >= 0 (0: no validation during "
                          "training)")
-    if (t.val_every or t.val_before_train) and d.val_files is None:
-        raise ValueError("trainer.val_every / trainer.val_before_train need data.val_files (a "
-                         ".jsonl/.parquet of held-out prompts)")
+    if (t.val_every or t.val_before_train or t.val_only) and d.val_files is None:
+        raise ValueError("trainer.val_every / trainer.val_before_train / trainer.val_only need "
+                         "data.val_files (a .jsonl/.parquet of held-out prompts)")
     if t.val_max_new_tokens is not None:
         _positive("trainer.val_max_new_tokens", t.val_max_new_tokens)
     if (d.val_files is not None or cfg.reward.val_fns) and cfg.reward.fn is None:

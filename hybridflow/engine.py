@@ -46,11 +46,16 @@ from hybridflow.parallel.context import ParallelContext
 LossFn = Callable[[dict, RolloutBatch], tuple[torch.Tensor, dict]]
 
 
-def attention_mask(token_mask: torch.Tensor) -> Optional[torch.Tensor]:
+def attention_mask(token_mask: torch.Tensor, *, padded: Optional[bool] = None
+                   ) -> Optional[torch.Tensor]:
     """(B, S) 0/1 -> Megatron bool mask (B, 1, S, S), True = masked; None when nothing is padded.
     The mask is complete (causal AND key-valid): Megatron's own softmax adds the causal part only
-    when no mask is given. Padded queries attend to themselves so no softmax row is empty."""
-    if bool(token_mask.all()):
+    when no mask is given. Padded queries attend to themselves so no softmax row is empty.
+    `padded`: whether any token is padding, when the caller knows it (else read from the mask: on
+    a GPU that read is a stream sync)."""
+    if padded is None:
+        padded = not bool(token_mask.all())
+    if not padded:
         return None
     s = token_mask.shape[1]
     eye = torch.eye(s, dtype=torch.bool, device=token_mask.device)
@@ -124,22 +129,25 @@ class Engine:
 
     # ------------------------------------------------------------------ passes
     def _micro_batches(self, batch: RolloutBatch, *, micro_batch_size: int,
-                       max_tokens: Optional[int]) -> tuple[list[RolloutBatch], Optional[torch.Tensor]]:
-        """The micro-batches on the device, and (token budgets only) `rows` (B,): result row k
-        belongs to batch row rows[k]."""
+                       max_tokens: Optional[int]
+                       ) -> tuple[list[tuple[RolloutBatch, bool]], Optional[torch.Tensor]]:
+        """The micro-batches on the device, each with whether it holds padding (read on the host,
+        before the copy, so the schedule never waits on the GPU for it), and (token budgets only)
+        `rows` (B,): result row k belongs to batch row rows[k]."""
         # under sequence parallel the sequence is split over TP: its length must divide
         multiple = self.ctx.tp_size if self.tcfg.sequence_parallel else 1
+        rows = None
         if max_tokens is None:
             micro = batch.padded_to(multiple).split(micro_batch_size)
-            return [mb.to(self.device) for mb in micro], None
-        if self.ctx.pp_size > 1:
-            raise ValueError("algo.use_dynamic_bsz=true needs parallel.pipeline_parallel_size=1: "
-                             "pipeline stages exchange micro-batches of one fixed shape")
-        groups = token_budget_groups(batch.prompt_mask.sum(1), batch.response_mask.sum(1),
-                                     max_tokens=max_tokens, multiple=multiple)
-        micro = [batch.select(torch.tensor(g)).trimmed().padded_to(multiple).to(self.device)
-                 for g in groups]
-        return micro, torch.tensor([i for g in groups for i in g])
+        else:
+            if self.ctx.pp_size > 1:
+                raise ValueError("algo.use_dynamic_bsz=true needs parallel.pipeline_parallel_size=1: "
+                                 "pipeline stages exchange micro-batches of one fixed shape")
+            groups = token_budget_groups(batch.prompt_mask.sum(1), batch.response_mask.sum(1),
+                                         max_tokens=max_tokens, multiple=multiple)
+            micro = [batch.select(torch.tensor(g)).trimmed().padded_to(multiple) for g in groups]
+            rows = torch.tensor([i for g in groups for i in g])
+        return [(mb.to(self.device), not bool(mb.token_mask().all())) for mb in micro], rows
 
     def _run(self, batch: RolloutBatch, *, micro_batch_size: int, forward_only: bool,
              loss_fn: Optional[LossFn], temperature: float, need_entropy: bool,
@@ -147,14 +155,15 @@ class Engine:
         micro, rows = self._micro_batches(batch, micro_batch_size=micro_batch_size,
                                           max_tokens=max_tokens)
         # shapes for the pipeline schedules (PP > 1 runs only fixed micro-batches, all alike)
-        seq_len = max(mb.input_ids().shape[1] for mb in micro)
+        seq_len = max(mb.prompt_len + mb.response_ids.shape[1] for mb, _ in micro)
         tp_group = self.ctx.tp_group
         dp = self.ctx.dp_size
         n_micro = len(micro)
 
         def forward_step(data_iter, model):
-            mb = next(data_iter)
-            out = model(mb.input_ids(), mb.position_ids(), attention_mask(mb.token_mask()))
+            mb, padded = next(data_iter)
+            out = model(mb.input_ids(), mb.position_ids(),
+                        attention_mask(mb.token_mask(), padded=padded))
 
             def loss_func(output):
                 # outputs that predict response tokens; a reward model reads each token's own state
@@ -182,7 +191,7 @@ class Engine:
             outs = get_forward_backward_func(pp_size=self.ctx.pp_size)(
                 forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
                 num_microbatches=n_micro, seq_length=seq_len,
-                micro_batch_size=max(mb.batch_size for mb in micro),
+                micro_batch_size=max(mb.batch_size for mb, _ in micro),
                 forward_only=forward_only, p2p_communicator=self._p2p,
                 pg_collection=self.ctx.pgs)
         return outs, rows

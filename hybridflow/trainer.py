@@ -81,9 +81,14 @@ class Trainer:
     # ----------------------------------------------------------------- loop
     def train(self) -> list[dict]:
         history = []
+        t = self.cfg.trainer
+        if t.val_only:  # score this model as it is (see TrainerConfig.val_only)
+            metrics = self.validate()
+            self.logger.log(self.step, metrics)
+            self.logger.close()
+            return [metrics]
         if not self.sft_done:
             self.sft_warmup()
-        t = self.cfg.trainer
         if self.step == 0 and self.validator is not None and self.validator.due(0):
             self.logger.log(0, self.validate())
         stopped, save = False, t.save_final

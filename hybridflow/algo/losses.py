@@ -42,12 +42,14 @@ register_policy_loss = POLICY_LOSSES.register
 get_policy_loss = POLICY_LOSSES.lookup
 
 
-def _denominator(local: Tensor, given: Optional[float], name: str) -> Tensor:
+def _denominator(local: Tensor, given: Optional[float], name: str) -> Tensor | float:
     if given is None:
         return local.clamp_min(1)
     if given <= 0:
         raise ValueError(f"{name} must be > 0, got {given}")
-    return local.new_tensor(float(given))
+    # a Python float, not a new device tensor: building one from a host scalar is a blocking copy,
+    # i.e. a stream sync per micro-batch that stops the host from queueing ahead of the GPU
+    return float(given)
 
 
 def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, *, num_tokens: Optional[float] = None,

@@ -41,3 +41,23 @@ def test_scaleout_driver_pp2_on_cpu(tmp_path):
     later = r["steps"]["steps"][1]
     assert r["tokens_per_s_per_gpu"] == later["perf/total_num_tokens"] / (later["timing_s/step"] * 2)
     assert r["prediction"]["step_s"] > 0 and "caveat" in r["prediction"]
+
+
+def test_ab_rl_step_alternates_abba_and_compares_medians(tmp_path):
+    """The before/after driver on CPU with the tiny model, this tree on both sides: ABBA order,
+    every run's later-step medians kept, and the stage table computed from them."""
+    out = tmp_path / "ab.json"
+    subprocess.run([sys.executable, "benchmarks/ab_rl_step.py", "--before", ROOT, "--algos", "grpo",
+                    "--steps", "2", "--rounds", "2", "--out", str(out), "--", "--model", "tiny",
+                    "--response", "4", "--prompts", "2", "--samples", "2", "--micro", "2",
+                    "--override", "trainer.precision=fp32"],
+                   check=True, cwd=ROOT, env=ENV, capture_output=True)
+    r = json.loads(out.read_text())
+    assert r["run_order"] == ["before", "after", "after", "before"]
+    step = r["stages"]["grpo"]["step"]
+    for side in ("before", "after"):
+        meds = [run["results"]["grpo"]["median_later_steps"]["timing_s/step"] for run in r["runs"][side]]
+        assert len(meds) == 2 and step[side]["run_medians"] == meds
+        assert step[side]["median_of_runs"] == statistics.median(meds)
+    b, a = step["before"]["median_of_runs"], step["after"]["median_of_runs"]
+    assert step["after_vs_before"] == (a - b) / b

@@ -4,7 +4,8 @@ A short supervised warm-up gives the tiny model a non-zero greedy accuracy; then
 before training and every 2 steps. Checked: the metric names (verl's), the steps they appear at,
 that the reported accuracy is the mean of the per-prompt scores written to val_generations.jsonl
 (every val row is logged here), the strict extra rule beside the training rule, and that the same
-validation at DP=2 (each replica scores half of the prompts) reports exactly what DP=1 reports.
+validation at DP=2 (each replica scores half of the prompts) reports exactly what DP=1 reports;
+`trainer.val_only` on the run's checkpoint reproduces its last validation.
 """
 
 import json
@@ -53,7 +54,7 @@ def _args(out, val_file):
             "algo.micro_batch_size_per_gpu=8", "trainer.sft_warmup_steps=30",
             "trainer.total_steps=4", "trainer.val_every=2", "trainer.val_before_train=true",
             f"trainer.val_log_generations={NUM_VAL}", "reward.fn=math_exact",
-            "reward.val_fns=[math_with_format]", "trainer.save_final=false", "trainer.tensorboard=false",
+            "reward.val_fns=[math_with_format]", "trainer.save_final=true", "trainer.tensorboard=false",
             "trainer.progress_bar=false", f"trainer.output_dir={out}"]
 
 
@@ -81,6 +82,15 @@ def test_validation_metrics_generations_and_dp2(tmp_path, val_file):
         mean = sum(g["score/reward"] for g in mine) / NUM_VAL
         assert val[step][key] == pytest.approx(mean)
     assert val[0][key] > 0  # the warm-up taught something: a real accuracy was measured
+
+    # trainer.val_only on the finished run's checkpoint scores its weights exactly as the step-4
+    # validation did, trains nothing and saves nothing
+    ckpts = sorted(os.listdir(out1 / "checkpoints"))
+    proc = _run([*_args(out1, val_file), "trainer.val_only=true"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(open(out1 / "metrics.jsonl").readlines()[-1])
+    assert last["step"] == 4 and last[key] == val[4][key] and "timing_s/update_actor" not in last
+    assert sorted(os.listdir(out1 / "checkpoints")) == ckpts
 
     out2 = tmp_path / "dp2"
     proc = _run(_args(out2, val_file), world_size=2)

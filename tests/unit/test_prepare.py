@@ -160,3 +160,24 @@ def test_experiment_reads_the_prepared_files(tmp_path, monkeypatch):
     for name in [cfg.reward.fn, *cfg.reward.val_fns]:
         get_reward_fn(name)
     assert cfg.reward.val_fns == ["gsm8k_strict"] and cfg.trainer.val_before_train
+
+
+def test_experiment_leaves_the_recipe_to_the_algo_group(tmp_path, monkeypatch):
+    """`experiment=gsm8k_qwen_coder_0_5b algo=X` runs X's recipe: the experiment's own keys come
+    after the algo group, so any recipe key it set would silently win (DAPO kept GRPO's KL loss)."""
+    from hybridflow.config import load_config
+
+    monkeypatch.setenv("GSM8K_DIR", str(tmp_path))
+    monkeypatch.setenv("HYBRIDFLOW_QWEN_GGUF", str(tmp_path / "q.gguf"))
+    for algo in ("grpo", "dapo", "gspo", "drgrpo"):
+        alone = load_config([f"algo={algo}"]).algo
+        with_exp = load_config(["experiment=gsm8k_qwen_coder_0_5b", f"algo={algo}"]).algo
+        batch_keys = {"ppo_mini_batch_size", "micro_batch_size_per_gpu",
+                      "forward_micro_batch_size_per_gpu"}
+        differ = {k for k in vars(alone) if k not in batch_keys
+                  and getattr(alone, k) != getattr(with_exp, k)}
+        assert not differ, (algo, differ)
+    grpo = load_config(["experiment=gsm8k_qwen_coder_0_5b"]).algo
+    assert (grpo.adv_estimator, grpo.use_kl_loss, grpo.kl_loss_type, grpo.kl_loss_coef) == \
+        ("grpo", True, "k3", 0.001)
+    assert load_config(["experiment=gsm8k_qwen_coder_0_5b", "algo=dapo"]).algo.use_kl_loss is False
