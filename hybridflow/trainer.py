@@ -17,7 +17,6 @@ not depend on the DP size.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import itertools
 
@@ -29,7 +28,7 @@ from hybridflow.parallel.context import ParallelContext
 from hybridflow.rollout.stage import RolloutStage
 from hybridflow.run_state import Checkpointer
 from hybridflow.algo import (apply_kl_penalty, build_kl_controller, get_advantage_estimator,
-                             overlong_penalty, rollout_mismatch_metrics)
+                             overlong_penalty, batch_mismatch_metrics)
 from hybridflow.algo.objectives import actor_objective, critic_objective, sft_objective
 from hybridflow.algo.on_policy import old_log_prob_note, skip_old_log_prob
 from hybridflow.config import Config, micro_batching
@@ -159,9 +158,7 @@ class Trainer:
                                                       on_policy=skip_old))
             if skip_old and batch.rollout_logprobs is not None:  # from update_actor's forward
                 full = all_gather_batch(batch, group=self.ctx.dp_group, pad_id=self.tokenizer.pad_id)
-                update_metrics.update(rollout_mismatch_metrics(
-                    old_logprobs=full.old_logprobs, rollout_logprobs=full.rollout_logprobs,
-                    response_mask=full.response_mask, cap=cfg.algo.tis_imp_ratio_cap))
+                update_metrics.update(batch_mismatch_metrics(full, cap=cfg.algo.tis_imp_ratio_cap))
             self.skipped.end_step(self.step + 1)
         update_metrics["actor/old_log_prob_skipped"] = float(skip_old)
         metrics = {**reward_metrics, **adv_metrics, **update_metrics,
@@ -231,11 +228,8 @@ class Trainer:
             "critic/returns/mean": float((ret * mask).sum() / n)})
         if full.values is not None:
             metrics["critic/values/mean"] = float((full.values * mask).sum() / n)
-        # generator vs training forward (bf16 decode, kernels); without old_log_prob: after the update
-        if full.rollout_logprobs is not None and full.old_logprobs is not None:
-            metrics.update(rollout_mismatch_metrics(
-                old_logprobs=full.old_logprobs, rollout_logprobs=full.rollout_logprobs,
-                response_mask=mask, cap=a.tis_imp_ratio_cap))
+        if full.old_logprobs is not None:  # generator vs training forward; else after the update
+            metrics.update(batch_mismatch_metrics(full, cap=a.tis_imp_ratio_cap))
         lengths = mask.sum(1)
         metrics.update({"response_length/mean": float(lengths.mean()),
                         "response_length/max": float(lengths.max()),
@@ -258,7 +252,6 @@ class Trainer:
         sums, counts = {}, {}
         if on_policy:
             assert a.ppo_epochs == 1 and local_mini == batch.batch_size, "on_policy needs one update"
-            objective = functools.partial(objective, old_is_current=True)
             old_logprobs = torch.zeros(batch.response_ids.shape)  # (B, R)
         for epoch in range(a.ppo_epochs):
             gen = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.step * 31 + epoch)
@@ -268,7 +261,8 @@ class Trainer:
                 num_tokens = int(dp_sum(float(mb.response_mask.sum()), group=self.ctx.dp_group))
                 scale = a.loss_scale_factor or self.cfg.rollout.max_new_tokens  # seq-mean-token-sum-norm
                 loss_fn = objective(a, num_tokens=max(num_tokens, 1),
-                                    num_seqs=a.ppo_mini_batch_size, loss_scale_factor=scale)
+                                    num_seqs=a.ppo_mini_batch_size, loss_scale_factor=scale,
+                                    **({"old_is_current": True} if on_policy else {}))
                 m = engine.train_step(mb, loss_fn, temperature=self.temperature,
                                       need_entropy=engine.role == "actor", keep_logprobs=on_policy,
                                       **micro_batching(a, forward=False))

@@ -36,7 +36,8 @@ BASE = ["algo=grpo", "trainer.sft_warmup_steps=0", f"trainer.total_steps={STEPS}
 TOKEN_BUDGETS = ["algo.use_dynamic_bsz=true", "algo.max_tokens_per_micro_batch_per_gpu=30"]
 OFF = ["algo.skip_redundant_old_log_prob=false"]
 RUNS = {"off": OFF, "on": [], "off_token_budgets": OFF + TOKEN_BUDGETS,
-        "on_token_budgets": TOKEN_BUDGETS, "off_pp2": OFF + ["parallel=pp2"], "on_pp2": ["parallel=pp2"],
+        "on_token_budgets": TOKEN_BUDGETS,
+        "off_pp2": OFF + ["parallel=pp2"], "on_pp2": ["parallel=pp2"],
         "two_mini_batches": ["algo.ppo_mini_batch_size=8", "trainer.total_steps=1"]}
 
 
