@@ -125,6 +125,11 @@ class AlgoConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"
     ppo_epochs: int = 1
+    # leave out the old_log_prob pass when it is provably redundant: one epoch of ONE mini-batch per
+    # step (ppo_mini_batch_size = prompts_per_step x rollout.n), no KL in the reward, the actor
+    # updating; pi_old is then the update's own forward (ratio 1, as verl and TRL do). Decided by
+    # hybridflow.algo.on_policy.skip_old_log_prob; metric actor/old_log_prob_skipped
+    skip_redundant_old_log_prob: bool = True
     # Batch sizes as verl names them: the mini-batch is GLOBAL (sequences per optimizer step, over
     # all DP ranks); micro-batches are PER GPU (sequences per forward/backward on one rank).
     ppo_mini_batch_size: int = 8
