@@ -44,7 +44,8 @@ class RolloutConfig:
     # move the unfinished rows to a smaller batch bucket as rows stop, so a long tail of response
     # lengths does not hold the whole batch (rollout/compaction.py). Greedy output is unchanged;
     # sampled output stays seeded-reproducible but draws a different (equally valid) sample.
-    compact_finished_rows: bool = True
+    # Off by default until timed on a GPU (benchmarks/bench_long_tail.py, the GSM8K run).
+    compact_finished_rows: bool = False
     return_logprobs: bool = False
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
 

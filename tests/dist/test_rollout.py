@@ -104,7 +104,8 @@ def _compaction(ref, gen2) -> dict:
 
     generator.CHECK_EVERY = 2  # this spawned process only
     prompts, R = random_prompts(12, vocab=CFG.vocab_size), 24
-    greedy = dataclasses.replace(_greedy(), max_new_tokens=R, max_batch_size=8)
+    greedy = dataclasses.replace(_greedy(), max_new_tokens=R, max_batch_size=8,
+                                 compact_finished_rows=True)
     free = ref.generate(prompts, cfg=greedy, eos_id=-1, pad_id=0, seed=0).response_ids
     stops = uneven_stops(free, [2, 7], CFG.vocab_size)  # rows 2 and 7 never stop
     greedy = dataclasses.replace(greedy, stop_token_ids=stops)

@@ -81,7 +81,8 @@ def test_compaction_under_graphs(monkeypatch):
                         eos_id=-1, pad_id=0, seed=0).response_ids
     stops = uneven_stops(free, [0, 5, 14], CFG.vocab_size)
     cfg = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=20,
-                        return_logprobs=True, stop_token_ids=stops)  # chunks 20 and 4
+                        return_logprobs=True, stop_token_ids=stops,
+                        compact_finished_rows=True)  # chunks 20 and 4
     on = gpu.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
     assert gpu.stats["compactions"] >= 1
     off = gpu.generate(prompts, cfg=dataclasses.replace(cfg, compact_finished_rows=False),

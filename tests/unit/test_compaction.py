@@ -93,7 +93,8 @@ def test_greedy_equal_with_and_without_compaction(monkeypatch, max_batch_size, c
     prompts = random_prompts(24, vocab=CFG.vocab_size)
     free = gen.generate(prompts, cfg=rc(max_new_tokens=R), eos_id=-1, pad_id=0, seed=0)
     stops = uneven_stops(free.response_ids, [0, 5, 14], CFG.vocab_size)
-    cfg = rc(max_new_tokens=R, stop_token_ids=stops[1:], max_batch_size=max_batch_size)
+    cfg = rc(max_new_tokens=R, stop_token_ids=stops[1:], max_batch_size=max_batch_size,
+             compact_finished_rows=True)
     on = gen.generate(prompts, cfg=cfg, eos_id=stops[0], pad_id=99, seed=0)
     stats = dict(gen.stats)
     off = gen.generate(prompts, cfg=dataclasses.replace(cfg, compact_finished_rows=False),
@@ -119,7 +120,7 @@ def test_sampling_through_compaction(monkeypatch):
     # top_k=1: the sampling path (temperature 1, random draws) whose draw cannot change the token:
     # row identity and stop handling through compaction equal the uncompacted run's
     topk1 = rc(max_new_tokens=R, n=3, temperature=1.0, top_k=1, stop_token_ids=stops,
-               max_batch_size=10)
+               max_batch_size=10, compact_finished_rows=True)
     a = gen.generate(prompts, cfg=topk1, eos_id=-1, pad_id=0, seed=4)
     assert gen.stats["compactions"] >= 1
     b = gen.generate(prompts, cfg=dataclasses.replace(topk1, compact_finished_rows=False),
