@@ -11,6 +11,8 @@ records in the cost model's calibration format (hybridflow/cost/calibrate.py).
 `--dynamic-bsz TOKENS` runs micro-batches by token budget (algo.use_dynamic_bsz, TOKENS per training
 micro-batch; `--dynamic-bsz-forward TOKENS` for forward-only passes, default the same) instead of
 `--micro` / `--fmicro` sequences; the record's micro-batch tokens are then the budgets.
+The old_log_prob pass runs and is timed unless `--skip-old-log-prob` (with one mini-batch per step
+the trainer would skip it by default: algo.skip_redundant_old_log_prob).
 """
 
 import argparse
@@ -47,6 +49,8 @@ def run(algo: str, args, workdir: str) -> list[dict]:
         if args.dynamic_bsz_forward:
             overrides.append(
                 f"algo.forward_max_tokens_per_micro_batch_per_gpu={args.dynamic_bsz_forward}")
+    if not args.skip_old_log_prob:  # every stage timed, as the cost model's records expect
+        overrides.append("algo.skip_redundant_old_log_prob=false")
     overrides += [f"trainer.gc_interval={args.gc_interval}", *args.override]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     launcher = [sys.executable]
@@ -85,6 +89,9 @@ def main():
     ap.add_argument("--dynamic-bsz-forward", dest="dynamic_bsz_forward", type=int, default=None,
                     metavar="TOKENS", help="token budget of forward-only passes (default: "
                     "--dynamic-bsz)")
+    ap.add_argument("--skip-old-log-prob", dest="skip_old_log_prob", action="store_true",
+                    help="let the trainer skip the redundant old_log_prob pass (one mini-batch per "
+                    "step: algo.skip_redundant_old_log_prob); default: run and time it")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--tp-gen", dest="tp_gen", type=int, default=None)
     ap.add_argument("--gc-interval", dest="gc_interval", type=int, default=1)
@@ -117,7 +124,7 @@ def main():
                 "samples_per_prompt": args.samples, "prompt_len": 128,
                 "response_len": args.response, "ppo_epochs": 1, "mini_batches": 1,
                 "micro_batch_tokens": train_tokens, "forward_micro_batch_tokens": fwd_tokens,
-                "dynamic_bsz": bool(args.dynamic_bsz),
+                "dynamic_bsz": bool(args.dynamic_bsz), "skip_old_log_prob": args.skip_old_log_prob,
                 "use_reference": algo == "grpo"}, "metrics": m})
     import torch
 

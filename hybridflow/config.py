@@ -41,6 +41,11 @@ class RolloutConfig:
     max_batch_size: int = 256  # sequences per generate call on a rank; larger batches are chunked
     stop_token_ids: list = field(default_factory=list)  # besides the tokenizer's EOS
     cuda_graphs: bool = True  # capture the decode step on GPU
+    # move the unfinished rows to a smaller batch bucket as rows stop, so a long tail of response
+    # lengths does not hold the whole batch (rollout/compaction.py). Greedy output is unchanged;
+    # sampled output stays seeded-reproducible but draws a different (equally valid) sample.
+    # Off by default until timed on a GPU (benchmarks/bench_long_tail.py, the GSM8K run).
+    compact_finished_rows: bool = False
     return_logprobs: bool = False
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
 
@@ -121,6 +126,11 @@ class AlgoConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"
     ppo_epochs: int = 1
+    # leave out the old_log_prob pass when it is provably redundant: one epoch of ONE mini-batch per
+    # step (ppo_mini_batch_size = prompts_per_step x rollout.n), no KL in the reward, the actor
+    # updating; pi_old is then the update's own forward (ratio 1, as verl and TRL do). Decided by
+    # hybridflow.algo.on_policy.skip_old_log_prob; metric actor/old_log_prob_skipped
+    skip_redundant_old_log_prob: bool = True
     # Batch sizes as verl names them: the mini-batch is GLOBAL (sequences per optimizer step, over
     # all DP ranks); micro-batches are PER GPU (sequences per forward/backward on one rank).
     ppo_mini_batch_size: int = 8

@@ -151,7 +151,7 @@ class Engine:
 
     def _run(self, batch: RolloutBatch, *, micro_batch_size: int, forward_only: bool,
              loss_fn: Optional[LossFn], temperature: float, need_entropy: bool,
-             max_tokens: Optional[int] = None):
+             max_tokens: Optional[int] = None, keep_logprobs: bool = False):
         micro, rows = self._micro_batches(batch, micro_batch_size=micro_batch_size,
                                           max_tokens=max_tokens)
         # shapes for the pipeline schedules (PP > 1 runs only fixed micro-batches, all alike)
@@ -178,7 +178,8 @@ class Engine:
                     zero = output.sum() * 0.0
                     return zero, {k: v.detach() for k, v in res.items()}
                 loss, metrics = loss_fn(res, mb)
-                return loss * (n_micro * dp), {k: v.detach() for k, v in metrics.items()}
+                kept = {"logprobs": res["logprobs"]} if keep_logprobs else {}
+                return loss * (n_micro * dp), {k: v.detach() for k, v in {**metrics, **kept}.items()}
 
             return out, loss_func
 
@@ -220,17 +221,22 @@ class Engine:
 
     def train_step(self, batch: RolloutBatch, loss_fn: LossFn, *, micro_batch_size: int,
                    temperature: float = 1.0, need_entropy: bool = False,
-                   lr: Optional[float] = None, max_tokens: Optional[int] = None) -> dict:
+                   lr: Optional[float] = None, max_tokens: Optional[int] = None,
+                   keep_logprobs: bool = False) -> dict:
         """One optimizer step on `batch` (this rank's share of a mini-batch). With `lr`, the step
         uses that fixed rate and leaves the LR schedule where it is (supervised warm-up). When any
         gradient is inf/NaN on any rank the weights, optimizer state and schedule stay as they were
-        and the metrics say `update_skipped` = 1 (the caller decides whether to go on)."""
+        and the metrics say `update_skipped` = 1 (the caller decides whether to go on).
+        `keep_logprobs`: also return the forward's detached log-probs, (B, R) in `batch`'s row
+        order, as metrics["logprobs"] (the old policy's when this is the step's only update)."""
         assert self.trainable
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        out, _ = self._run(batch, micro_batch_size=micro_batch_size, forward_only=False,
-                           loss_fn=loss_fn, temperature=temperature, need_entropy=need_entropy,
-                           max_tokens=max_tokens)
+        out, rows = self._run(batch, micro_batch_size=micro_batch_size, forward_only=False,
+                              loss_fn=loss_fn, temperature=temperature, need_entropy=need_entropy,
+                              max_tokens=max_tokens, keep_logprobs=keep_logprobs)
+        logprobs = self._from_last_stage(out, "logprobs", batch, rows) if keep_logprobs else None
+        out = [{k: v for k, v in o.items() if k != "logprobs"} for o in out]
         scheduled = [g["lr"] for g in self.optimizer.param_groups]
         if lr is not None:
             for g in self.optimizer.param_groups:
@@ -249,6 +255,8 @@ class Engine:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = used_lr
         metrics["update_skipped"] = 0.0 if finite else 1.0
+        if logprobs is not None:
+            metrics["logprobs"] = logprobs
         return metrics
 
     def _grads_finite(self) -> bool:

@@ -42,6 +42,7 @@ def _micro_tokens(cfg, seq_len: int, *, forward: bool) -> int:
 
 
 def _prediction(cfg, gpu: str, world: int) -> dict:
+    from hybridflow.algo.on_policy import skip_old_log_prob
     from hybridflow.cost import Plan, estimate_memory, estimate_step_time
     from hybridflow.parallel.layout import Layout
 
@@ -58,6 +59,7 @@ def _prediction(cfg, gpu: str, world: int) -> dict:
                     micro_batch_tokens=_micro_tokens(cfg, seq_len, forward=False),
                     forward_micro_batch_tokens=_micro_tokens(cfg, seq_len, forward=True),
                     use_reference=cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward,
+                    skip_old_log_prob=skip_old_log_prob(cfg, step=cfg.trainer.critic_warmup)[0],
                     dtype="bf16" if cfg.trainer.precision == "bf16" else "fp32")
     kw = dict(model=cfg.model, gpu=gpu, num_gpus=world,
               layout=Plan(layout, offload_ref=cfg.trainer.offload_ref), **workload)

@@ -5,6 +5,8 @@
 
 With dynamic sampling (DAPO) the first three repeat on fresh prompts until enough groups have scores
 that differ (hybridflow/rollout/dynamic_sampling.py); the overlong penalty is added after that filter.
+old_log_prob is left out (no timer; actor/old_log_prob_skipped = 1) when one actor update is the step's
+only one (hybridflow.algo.on_policy): its forward gives pi_old and, afterwards, the mismatch metrics.
 
 Every rank runs this same code. Each DP rank generates for its own prompts; ranks of one
 model-parallel group generate identical samples (same seed) so the batch they train on agrees.
@@ -26,8 +28,9 @@ from hybridflow.parallel.context import ParallelContext
 from hybridflow.rollout.stage import RolloutStage
 from hybridflow.run_state import Checkpointer
 from hybridflow.algo import (apply_kl_penalty, build_kl_controller, get_advantage_estimator,
-                             overlong_penalty, rollout_mismatch_metrics)
+                             overlong_penalty, batch_mismatch_metrics)
 from hybridflow.algo.objectives import actor_objective, critic_objective, sft_objective
+from hybridflow.algo.on_policy import old_log_prob_note, skip_old_log_prob
 from hybridflow.config import Config, micro_batching
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.metrics import MetricsLogger, StageTimer, memory_metrics
@@ -71,6 +74,8 @@ class Trainer:
                                     progress_bar=cfg.trainer.progress_bar, start_step=self.step)
         # consumers of every step's metrics besides the logger; on_step returning True ends the run
         self.step_consumers = components.build_step_consumers(cfg, start_step=self.step)
+        if cfg.algo.skip_redundant_old_log_prob:
+            self.logger.print(old_log_prob_note(cfg, start_step=self.step))
 
     # ----------------------------------------------------------------- loop
     def train(self) -> list[dict]:
@@ -125,9 +130,11 @@ class Trainer:
             batch, reward_metrics = self.generate_and_score(timer)
             batch = batch.trimmed()
             fwd = micro_batching(cfg.algo, forward=True)
-            with timer("old_log_prob"):
-                batch.old_logprobs = self.actor.compute_logprobs(
-                    batch, temperature=self.temperature, **fwd)
+            skip_old, _ = skip_old_log_prob(cfg, step=self.step)  # then set by update_actor
+            if not skip_old:
+                with timer("old_log_prob"):
+                    batch.old_logprobs = self.actor.compute_logprobs(
+                        batch, temperature=self.temperature, **fwd)
             if self.ref is not None:
                 with timer("ref"):
                     if cfg.trainer.offload_ref:
@@ -147,8 +154,13 @@ class Trainer:
                     update_metrics.update(self.update(self.critic, batch, critic_objective))
             if self.step >= cfg.trainer.critic_warmup:
                 with timer("update_actor"):
-                    update_metrics.update(self.update(self.actor, batch, actor_objective))
+                    update_metrics.update(self.update(self.actor, batch, actor_objective,
+                                                      on_policy=skip_old))
+            if skip_old and batch.rollout_logprobs is not None:  # from update_actor's forward
+                full = all_gather_batch(batch, group=self.ctx.dp_group, pad_id=self.tokenizer.pad_id)
+                update_metrics.update(batch_mismatch_metrics(full, cap=cfg.algo.tis_imp_ratio_cap))
             self.skipped.end_step(self.step + 1)
+        update_metrics["actor/old_log_prob_skipped"] = float(skip_old)
         metrics = {**reward_metrics, **adv_metrics, **update_metrics,
                    **timer.metrics(), **memory_metrics()}
         metrics.update(self.throughput(batch, metrics["timing_s/step"]))
@@ -216,10 +228,8 @@ class Trainer:
             "critic/returns/mean": float((ret * mask).sum() / n)})
         if full.values is not None:
             metrics["critic/values/mean"] = float((full.values * mask).sum() / n)
-        if full.rollout_logprobs is not None:  # generator vs training forward (bf16 decode, kernels)
-            metrics.update(rollout_mismatch_metrics(
-                old_logprobs=full.old_logprobs, rollout_logprobs=full.rollout_logprobs,
-                response_mask=mask, cap=a.tis_imp_ratio_cap))
+        if full.old_logprobs is not None:  # generator vs training forward; else after the update
+            metrics.update(batch_mismatch_metrics(full, cap=a.tis_imp_ratio_cap))
         lengths = mask.sum(1)
         metrics.update({"response_length/mean": float(lengths.mean()),
                         "response_length/max": float(lengths.max()),
@@ -233,12 +243,16 @@ class Trainer:
             t[rows, :width].contiguous() for t in (token_rewards, adv, ret))
         return batch, metrics
 
-    def update(self, engine, batch: RolloutBatch, objective) -> dict:
+    def update(self, engine, batch: RolloutBatch, objective, *, on_policy: bool = False) -> dict:
         """ppo_epochs x mini-batches of optimizer steps; each metric averaged over the updates that
-        report it (grad_norm over the updates taken; `<role>/update_skipped`: the skipped share)."""
+        report it (grad_norm over the updates taken; `<role>/update_skipped`: the skipped share).
+        on_policy (no old_log_prob pass): pi_old is the one update's forward -> batch.old_logprobs"""
         a = self.cfg.algo
         local_mini = a.ppo_mini_batch_size // self.ctx.dp_size
         sums, counts = {}, {}
+        if on_policy:
+            assert a.ppo_epochs == 1 and local_mini == batch.batch_size, "on_policy needs one update"
+            old_logprobs = torch.zeros(batch.response_ids.shape)  # (B, R)
         for epoch in range(a.ppo_epochs):
             gen = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.step * 31 + epoch)
             order = torch.randperm(batch.batch_size, generator=gen)
@@ -247,10 +261,13 @@ class Trainer:
                 num_tokens = int(dp_sum(float(mb.response_mask.sum()), group=self.ctx.dp_group))
                 scale = a.loss_scale_factor or self.cfg.rollout.max_new_tokens  # seq-mean-token-sum-norm
                 loss_fn = objective(a, num_tokens=max(num_tokens, 1),
-                                    num_seqs=a.ppo_mini_batch_size, loss_scale_factor=scale)
+                                    num_seqs=a.ppo_mini_batch_size, loss_scale_factor=scale,
+                                    **({"old_is_current": True} if on_policy else {}))
                 m = engine.train_step(mb, loss_fn, temperature=self.temperature,
-                                      need_entropy=engine.role == "actor",
+                                      need_entropy=engine.role == "actor", keep_logprobs=on_policy,
                                       **micro_batching(a, forward=False))
+                if on_policy:
+                    old_logprobs[order[i:i + local_mini]] = m.pop("logprobs")
                 prefix = "actor" if engine.role == "actor" else "critic"
                 skipped = m["update_skipped"] > 0
                 self.skipped.record(step=self.step + 1, role=prefix, epoch=epoch,
@@ -260,6 +277,8 @@ class Trainer:
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
                     counts[k] = counts.get(k, 0) + 1
+        if on_policy:
+            batch.old_logprobs = old_logprobs
         return {k: v / counts[k] for k, v in sums.items()}
 
     def sft_warmup(self) -> None:

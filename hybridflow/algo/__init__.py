@@ -29,12 +29,12 @@ from hybridflow.algo.losses import (
     value_loss,
 )
 from hybridflow.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from hybridflow.algo.rollout_corr import rollout_mismatch_metrics, tis_weights
+from hybridflow.algo.rollout_corr import batch_mismatch_metrics, rollout_mismatch_metrics, tis_weights
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGG_MODES", "KL_KINDS", "POLICY_LOSSES",
     "AdaptiveKLController", "FixedKLController",
-    "agg_loss", "apply_kl_penalty", "build_kl_controller", "entropy_loss",
+    "agg_loss", "apply_kl_penalty", "batch_mismatch_metrics", "build_kl_controller", "entropy_loss",
     "get_advantage_estimator", "get_policy_loss", "informative_groups", "kl_estimate", "kl_loss",
     "masked_mean", "masked_sum", "masked_var", "masked_whiten", "overlong_penalty",
     "register_advantage_estimator", "register_policy_loss", "rollout_mismatch_metrics",

@@ -8,6 +8,9 @@ micro-batch losses equal the mini-batch loss. Metrics are returned as each micro
 mini-batch mean (weighted by its tokens), so the engine's sum over micro-batches and DP ranks is the
 mini-batch mean. With `algo.tis_imp_ratio_cap` the policy loss is weighted per token by
 min(pi_old / pi_rollout, cap) (hybridflow.algo.rollout_corr).
+`old_is_current=True` (the trainer skipped the old_log_prob pass: hybridflow.algo.on_policy) takes
+pi_old as the forward's own detached log-probs, so the ratio is exactly 1 and TIS compares the
+training forward with the generator as before.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from hybridflow.config import AlgoConfig
 
 
 def actor_objective(cfg: AlgoConfig, *, num_tokens: int, num_seqs: int,
-                    loss_scale_factor: Optional[float] = None):
+                    loss_scale_factor: Optional[float] = None, old_is_current: bool = False):
     policy_loss = get_policy_loss(cfg.policy_loss)
     norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor)
     agg = cfg.loss_agg_mode
@@ -30,7 +33,12 @@ def actor_objective(cfg: AlgoConfig, *, num_tokens: int, num_seqs: int,
         dev = logprobs.device
         mask = mb.response_mask.to(logprobs.dtype)
         share = mask.sum() / num_tokens  # this micro-batch's weight in token means
-        old = mb.old_logprobs.to(dev)
+        if old_is_current:  # one update on the weights that generated the batch: pi_old = pi
+            assert mb.old_logprobs is None, "old_is_current, yet the batch has old log-probs"
+            old = logprobs.detach()
+        else:
+            assert mb.old_logprobs is not None, "the batch has no old log-probs (old_log_prob pass)"
+            old = mb.old_logprobs.to(dev)
         is_weights = None
         if cfg.tis_imp_ratio_cap is not None:
             if mb.rollout_logprobs is None:

@@ -59,3 +59,12 @@ def rollout_mismatch_metrics(*, old_logprobs: Tensor, rollout_logprobs: Tensor,
         out["rollout_corr/rollout_is_mean"] = masked_mean(w, mask)
         out["rollout_corr/rollout_is_ratio_fraction_high"] = masked_mean((d.exp() > cap).double(), mask)
     return {k: float(v) for k, v in out.items()}
+
+
+def batch_mismatch_metrics(batch, *, cap: Optional[float] = None) -> dict:
+    """The metrics above for a RolloutBatch: old_logprobs vs rollout_logprobs ({} without them)."""
+    if batch.rollout_logprobs is None:
+        return {}
+    return rollout_mismatch_metrics(old_logprobs=batch.old_logprobs,
+                                    rollout_logprobs=batch.rollout_logprobs,
+                                    response_mask=batch.response_mask, cap=cap)

@@ -52,7 +52,7 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                   layout: dict | None = None, ppo_epochs: int = 1, mini_batches: int = 1,
                   micro_batch_tokens: int = 8192, forward_micro_batch_tokens: int | None = None,
                   dtype: str = "bf16", use_reference: bool = True,
-                  calibration=None) -> CostReport:
+                  skip_old_log_prob: bool = False, calibration=None) -> CostReport:
     """Memory, seconds per stage, GPU-hours and money of an RL run, and the layout to run it in.
 
     `layout` forces one layout (dict of tp, pp, dp, tp_gen, offload_ref, recompute); otherwise every
@@ -66,7 +66,8 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                     response_len=response_len, ppo_epochs=ppo_epochs, mini_batches=mini_batches,
                     micro_batch_tokens=micro_batch_tokens,
                     forward_micro_batch_tokens=forward_micro_batch_tokens,
-                    use_reference=use_reference, dtype=dtype)
+                    use_reference=use_reference, dtype=dtype,
+                    skip_old_log_prob=skip_old_log_prob)
     num_steps, steps_note = _num_steps(steps, epochs, dataset_size, prompts_per_step)
     if layout is not None:
         ranked = [evaluate(shape, gpu_, make_plan(layout, num_gpus, shape), work, calib)]

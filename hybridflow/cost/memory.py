@@ -64,7 +64,7 @@ class MemoryEstimate:
 
 
 def phases_to_run(workload: Workload) -> list[str]:
-    phases = ["gen", "old_log_prob"]
+    phases = ["gen"] + ([] if workload.skip_old_log_prob else ["old_log_prob"])
     phases += ["ref"] if workload.use_reference else []
     phases += ["values", "update_critic"] if workload.has_critic else []
     return phases + ["update_actor"]

@@ -251,8 +251,9 @@ def stage_terms(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
                 calib: Calibration) -> dict[str, StageTerms]:
     """The linear terms of every stage the step runs, in the trainer's order."""
     layout = plan.layout
-    stages = {"reshard": _reshard(shape, gpu, layout), "gen": _gen(shape, gpu, plan, w, calib),
-              "old_log_prob": _forward(shape, gpu, layout, w, "actor")}
+    stages = {"reshard": _reshard(shape, gpu, layout), "gen": _gen(shape, gpu, plan, w, calib)}
+    if not w.skip_old_log_prob:
+        stages["old_log_prob"] = _forward(shape, gpu, layout, w, "actor")
     if w.use_reference:
         stages["ref"] = _forward(shape, gpu, layout, w, "actor")
         if plan.offload_ref:

@@ -28,12 +28,18 @@ class Workload:
     forward_micro_batch_tokens: int | None = None
     use_reference: bool = True
     dtype: str = "bf16"
+    # the trainer leaves out the old_log_prob pass (one epoch of one mini-batch: the update's own
+    # forward is the old policy, hybridflow.algo.on_policy; algo.skip_redundant_old_log_prob)
+    skip_old_log_prob: bool = False
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm {self.algorithm!r}: expected one of {ALGORITHMS}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: expected one of {DTYPES}")
+        if self.skip_old_log_prob and (self.ppo_epochs, self.mini_batches) != (1, 1):
+            raise ValueError(f"skip_old_log_prob needs ppo_epochs=1 and mini_batches=1 (got "
+                             f"{self.ppo_epochs}, {self.mini_batches}): later updates need pi_old")
         for f in ("prompts_per_step", "samples_per_prompt", "prompt_len", "response_len",
                   "ppo_epochs", "mini_batches", "micro_batch_tokens", "forward_micro_batch_tokens"):
             v = getattr(self, f)

@@ -63,32 +63,34 @@ def free_workspaces() -> None:
 
 
 class StopPoller:
-    """Reads a device flag (1,) bool every few steps without stalling the GPU.
+    """Reads a device count (a 1-element int64, e.g. the live rows) every few steps without
+    stalling the GPU.
 
-    Each `poll()` snapshots the flag into pinned memory asynchronously and then decides on the
-    snapshot of the PREVIOUS poll, waiting only for that older event. The CPU thus runs at most two
-    periods ahead of the GPU, the GPU queue never drains, and the decision is deterministic (the
-    same on every TP rank, which must issue the same number of collective-bearing replays).
-    On CPU the flag is read directly (ops are synchronous there).
+    Each `poll(count)` snapshots `count` into pinned memory asynchronously and then returns the
+    snapshot of the PREVIOUS poll (None at the first), waiting only for that older event. The CPU
+    thus runs at most two periods ahead of the GPU, the GPU queue never drains, and the value is
+    deterministic (the same on every TP rank, which must issue the same number of
+    collective-bearing replays and take the same compaction decisions). For a count that only
+    falls (live rows) the stale value is an upper bound of the current one.
+    On CPU the count is read directly (ops are synchronous there).
     """
 
-    def __init__(self, flag: torch.Tensor):
-        self.flag = flag
-        self.cuda = flag.is_cuda
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
         if self.cuda:
-            self.host = [torch.zeros(1, dtype=torch.bool, pin_memory=True) for _ in range(2)]
+            self.host = [torch.zeros(1, dtype=torch.long, pin_memory=True) for _ in range(2)]
             self.events = [torch.cuda.Event() for _ in range(2)]
         self.count = 0
 
-    def poll(self) -> bool:
+    def poll(self, count: torch.Tensor) -> int | None:
         if not self.cuda:
-            return bool(self.flag.item())
+            return int(count)
         i = self.count % 2
-        self.host[i].copy_(self.flag, non_blocking=True)
+        self.host[i].copy_(count.reshape(1), non_blocking=True)
         self.events[i].record()
         self.count += 1
         if self.count < 2:
-            return False
+            return None
         prev = 1 - i
         self.events[prev].synchronize()
-        return bool(self.host[prev].item())
+        return int(self.host[prev].item())

@@ -19,9 +19,11 @@ Layout of a call:
   the prompt, K/V into the static cache, first token sampled from the last column), then one decode
   step per new token: a CUDA-graph replay on GPU (bucketed batch sizes, see cuda_graph.py), the same
   function eagerly on CPU or with `cfg.cuda_graphs=False`.
-- Stopping: a row finishes at EOS, any `cfg.stop_token_ids`, or `max_new_tokens`; finished rows stay
-  in the batch and emit pad (masked, not re-batched). The loop ends early once every row finished,
-  polled asynchronously every CHECK_EVERY steps (no host sync per step).
+- Stopping: a row finishes at EOS, any `cfg.stop_token_ids`, or `max_new_tokens`; finished rows
+  emit pad. Every CHECK_EVERY steps the live-row count is polled asynchronously (no host sync per
+  step): the loop ends once every row finished, and with `cfg.compact_finished_rows` the live rows
+  move to a smaller bucket once they fit in half the current one (compaction.py), so a long tail
+  of response lengths does not hold the whole batch.
 Prefills of the n copies of a prompt are not shared (each row is prefilled; a later optimisation).
 """
 
@@ -33,8 +35,9 @@ import torch
 
 from hybridflow.config import ModelConfig, RolloutConfig
 from hybridflow.data.batch import RolloutBatch
-from hybridflow.rollout import decoder
-from hybridflow.rollout.cuda_graph import GraphedStep, StopPoller, bucket_for, free_workspaces
+from hybridflow.rollout import compaction, decoder
+from hybridflow.rollout.cuda_graph import (GraphedStep, StopPoller, bucket_for, bucket_sizes,
+                                           free_workspaces)
 from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.sampling import sample
 
@@ -51,7 +54,7 @@ class _Buffers:
         self.tokens, self.positions = z(rows), z(rows)  # (b,) last sampled token, its position
         self.cur, self.step = z(1), z(1)  # cache column / output column of the next token
         self.key_valid = z(rows, length, dt=torch.bool)  # (b, T) cache slots a query may see
-        self.finished, self.done = z(rows, dt=torch.bool), z(1, dt=torch.bool)
+        self.finished = z(rows, dt=torch.bool)
         self.out_tokens = z(rows, max_new)  # (b, R)
         self.out_logprobs = z(rows, max_new, dt=torch.float32)
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
@@ -69,7 +72,6 @@ class _Buffers:
             self.out_logprobs[:B, 0] = lp
         self.finished.fill_(True)  # bucket rows beyond B are finished from the start
         self.finished[:B] = self.is_stop(tok)
-        self.done.copy_(self.finished.all())
         self.tokens.zero_()
         self.tokens[:B] = tok
         self.positions.zero_()
@@ -94,6 +96,9 @@ class Generator:
         self._tables = None  # rope (cos, sin) for the cache length
         self._steps: dict = {}  # (rows, max_new, sampling key, graphed) -> (buffers, step fn)
         self._pool = self._side = None  # graph memory pool, warm-up stream
+        # host-side counts of the last generate call (no sync): decode row-steps run, what the
+        # same steps would have cost without compaction, compactions
+        self.stats = {"decode_row_steps": 0, "decode_row_steps_uncompacted": 0, "compactions": 0}
 
     # ---- public -------------------------------------------------------------------------------
     def generate(self, prompts: list, *, cfg: RolloutConfig, eos_id: int, pad_id: int,
@@ -117,6 +122,10 @@ class Generator:
         bucket = {c: bucket_for(c[1] - c[0], mbs) if graphed else c[1] - c[0] for c in chunks}
         stop_ids = [eos_id, *cfg.stop_token_ids]
         key = (cfg.temperature, cfg.top_k, cfg.top_p, cfg.return_logprobs, tuple(stop_ids), pad_id)
+        targets = []  # compaction buckets (ascending), each below some chunk's bucket
+        if cfg.compact_finished_rows and R > 1:
+            targets = [b for b in compaction.ladder(bucket_sizes(mbs), graphed=graphed)
+                       if b < max(bucket.values())]
         ids = torch.full((N, P), pad_id, dtype=torch.long)
         mask = torch.zeros((N, P), dtype=torch.long)
         for i, p in enumerate(rows):
@@ -126,10 +135,13 @@ class Generator:
         with torch.no_grad():
             length = -(-(P + R) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
             self._ensure_cache(rows=max(bucket.values()), length=length)
-            steps = {b: self._step(b, R, key, cfg, graphed) for b in set(bucket.values())}
+            # every bucket a chunk may use, captured up front: warm-ups write the cache/buffers
+            sizes = sorted(set(bucket.values()), reverse=True) + targets[::-1]
+            steps = {b: self._step(b, R, key, cfg, graphed) for b in dict.fromkeys(sizes)}
             self._rng.manual_seed(seed)  # after any capture: warm-up runs consume randomness
-            outs = [self._run_chunk(*steps[bucket[c]], ids[c[0]:c[1]], mask[c[0]:c[1]], cfg,
-                                    pad_id) for c in chunks]
+            self.stats = dict.fromkeys(self.stats, 0)
+            outs = [self._run_chunk(steps, bucket[c], ids[c[0]:c[1]], mask[c[0]:c[1]], cfg,
+                                    pad_id, targets) for c in chunks]
         tokens = torch.cat([o[0] for o in outs])  # (N, R)
         stop = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
         is_stop = (tokens[..., None] == stop).any(-1)  # the first stop is the real one
@@ -201,7 +213,6 @@ class Generator:
             if lp is not None:
                 buf.out_logprobs.index_copy_(1, buf.step, lp.masked_fill(buf.finished, 0)[:, None])
             buf.finished |= buf.is_stop(tok)
-            buf.done.copy_(buf.finished.all())
             buf.tokens.copy_(tok)  # finished rows feed their (valid) sample, never pad_id
             buf.positions.add_(1)
             buf.cur.add_(1)
@@ -215,9 +226,12 @@ class Generator:
         self._steps[k] = (buf, fn)
         return buf, fn
 
-    def _run_chunk(self, buf: _Buffers, step, ids, mask, cfg: RolloutConfig, pad_id: int):
-        """Prefill + decode rows ids (B, P) -> (tokens (B, R), logprobs (B, R)) before trimming."""
+    def _run_chunk(self, steps: dict, b: int, ids, mask, cfg: RolloutConfig, pad_id: int,
+                   targets: list):
+        """Prefill + decode rows ids (B, P) in bucket b (compacting into `targets`) -> (tokens
+        (B, R), logprobs (B, R)) before trimming."""
         B, P = ids.shape
+        R = cfg.max_new_tokens
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         cos, sin = self._tables
         per = max(1, PREFILL_TOKENS // P)
@@ -227,10 +241,27 @@ class Generator:
                           for r in range(0, B, per)])  # (B, V)
         tok, lp = sample(last, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                          generator=self._rng, need_logprobs=cfg.return_logprobs)
+        buf, step = steps[b]
         buf.reset(tok=tok, lp=lp, lengths=mask.sum(1), mask=mask, pad_id=pad_id)
-        poller = StopPoller(buf.done)
-        for s in range(1, cfg.max_new_tokens):
+        out_tok = torch.full((B + 1, R), pad_id, dtype=torch.long, device=self.device)  # row B:
+        out_lp = torch.zeros((B + 1, R), dtype=torch.float32, device=self.device)  # bucket pad
+        row_map = torch.arange(b, device=self.device).clamp_(max=B)  # (b,) bucket row -> chunk row
+        poller, full_b = StopPoller(self.device), b
+        for s in range(1, R):
             step()
-            if s % CHECK_EVERY == 0 and poller.poll():
+            self.stats["decode_row_steps"] += b
+            self.stats["decode_row_steps_uncompacted"] += full_b
+            if s % CHECK_EVERY:
+                continue
+            live = poller.poll((~buf.finished).sum())  # an upper bound of the rows live now
+            if live == 0:
                 break
-        return buf.out_tokens[:B].clone(), buf.out_logprobs[:B].clone()
+            new_b = None if live is None else compaction.target_bucket(live, b, targets)
+            if new_b is not None:
+                compaction.flush(buf, row_map, out_tok, out_lp)
+                row_map = compaction.compact(buf, steps[new_b][0], self._cache, row_map,
+                                             columns=P + s)
+                (buf, step), b = steps[new_b], new_b
+                self.stats["compactions"] += 1
+        compaction.flush(buf, row_map, out_tok, out_lp)
+        return out_tok[:B], out_lp[:B]

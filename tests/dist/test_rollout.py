@@ -4,7 +4,9 @@ Per rank: build the tiny actor with `build_model` (TP=PP=1) (weights re-drawn wi
 so greedy choices are clear-cut), greedy-decode with the GPTModel itself (full forward per step) and
 with our Generator over `dict(model.named_parameters())`; then re-initialise TP=2 and run the
 Generator over `param_rules.shard_tensor` shards of the same full dict (vocab padded with rows of
-huge logits, which must never be sampled), greedy and sampled, beside the TP=1 Generator.
+huge logits, which must never be sampled), greedy and sampled, beside the TP=1 Generator; and with
+row compaction at every other step over very uneven stop lengths: TP_g=2 compacted == TP_g=1
+uncompacted (greedy), TP_g=2 == TP_g=1 compacted (sampled), the same decisions on both ranks.
 """
 
 import dataclasses
@@ -92,7 +94,31 @@ def _ranks_fn():
                          tp2=gen2.generate(RAGGED, cfg=cfg, eos_id=eos, pad_id=0, seed=3))
     ids = torch.tensor([RAGGED[1]])
     res["logits"] = dict(tp1=_our_logits(ref, ids), tp2=_our_logits(gen2, ids))
+    res["compact"] = _compaction(ref, gen2)
     return res
+
+
+def _compaction(ref, gen2) -> dict:
+    from hybridflow.rollout import generator
+    from tests.unit.test_compaction import random_prompts, uneven_stops
+
+    generator.CHECK_EVERY = 2  # this spawned process only
+    prompts, R = random_prompts(12, vocab=CFG.vocab_size), 24
+    greedy = dataclasses.replace(_greedy(), max_new_tokens=R, max_batch_size=8,
+                                 compact_finished_rows=True)
+    free = ref.generate(prompts, cfg=greedy, eos_id=-1, pad_id=0, seed=0).response_ids
+    stops = uneven_stops(free, [2, 7], CFG.vocab_size)  # rows 2 and 7 never stop
+    greedy = dataclasses.replace(greedy, stop_token_ids=stops)
+    sampled = dataclasses.replace(greedy, temperature=1.0, top_p=0.9, n=2,
+                                  stop_token_ids=stops[:10])
+    off = dataclasses.replace(greedy, compact_finished_rows=False)
+    out = {"tp1_off": ref.generate(prompts, cfg=off, eos_id=-1, pad_id=0, seed=0)}
+    out["tp2_on"] = gen2.generate(prompts, cfg=greedy, eos_id=-1, pad_id=0, seed=0)
+    out["tp2_stats"] = dict(gen2.stats)
+    out["tp1_sampled"] = ref.generate(prompts, cfg=sampled, eos_id=-1, pad_id=0, seed=5)
+    out["tp2_sampled"] = gen2.generate(prompts, cfg=sampled, eos_id=-1, pad_id=0, seed=5)
+    out["tp2_sampled_stats"] = dict(gen2.stats)
+    return out
 
 
 def test_generator_matches_megatron_and_tp2_matches_tp1():
@@ -111,3 +137,16 @@ def test_generator_matches_megatron_and_tp2_matches_tp1():
         assert torch.equal(r1[name]["tp2"].response_ids, tp2.response_ids), name
     assert r0["greedy"]["tp2"].response_mask.sum(1)[0] == 4  # eos stops row 0 at step 4
     assert torch.allclose(r0["logits"]["tp1"], r0["logits"]["tp2"], atol=1e-5, rtol=0)
+    c, c1 = r0["compact"], r1["compact"]
+    lengths = c["tp1_off"].response_mask.sum(1)
+    assert (lengths == 24).sum() == 2 and (lengths < 8).sum() >= 6  # a long tail
+    for stats in ("tp2_stats", "tp2_sampled_stats"):
+        assert c[stats]["compactions"] >= 1 and c[stats] == c1[stats], stats  # same decisions
+    assert torch.equal(c["tp1_off"].response_ids, c["tp2_on"].response_ids)
+    assert torch.equal(c["tp1_off"].response_mask, c["tp2_on"].response_mask)
+    assert torch.allclose(c["tp1_off"].rollout_logprobs, c["tp2_on"].rollout_logprobs, atol=1e-5,
+                          rtol=0)
+    for name in ("tp2_on", "tp2_sampled"):
+        assert torch.equal(c[name].response_ids, c1[name].response_ids), name
+    assert torch.equal(c["tp1_sampled"].response_ids, c["tp2_sampled"].response_ids)
+    assert torch.equal(c["tp1_sampled"].response_mask, c["tp2_sampled"].response_mask)

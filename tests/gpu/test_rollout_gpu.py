@@ -1,5 +1,6 @@
 """Generator on a GPU: CUDA-graph decode == eager decode == the CPU path; buckets and chunking;
-asynchronous early exit; seeded sampling under graphs; release() gives the memory back."""
+asynchronous early exit; row compaction under graphs (== uncompacted, == CPU); seeded sampling under
+graphs; release() gives the memory back."""
 
 import dataclasses
 
@@ -38,9 +39,9 @@ def test_graphs_match_eager_and_cpu():
 
 
 def test_early_exit_on_gpu(monkeypatch):
-    from hybridflow.rollout import engine
+    from hybridflow.rollout import generator
 
-    monkeypatch.setattr(engine, "CHECK_EVERY", 2)
+    monkeypatch.setattr(generator, "CHECK_EVERY", 2)
     gen = _gen("cuda")
     free = gen.generate(PROMPTS, cfg=RolloutConfig(max_new_tokens=4, temperature=0.0),
                         eos_id=-1, pad_id=0, seed=0).response_ids
@@ -66,3 +67,33 @@ def test_seeded_sampling_under_graphs_and_release():
     assert torch.cuda.memory_allocated() > before + weights  # cache and graph pool held
     gen.release()
     assert torch.cuda.memory_allocated() <= before + weights  # (cuBLAS workspaces freed too)
+
+
+def test_compaction_under_graphs(monkeypatch):
+    from hybridflow.rollout import compaction, generator
+    from tests.unit.test_compaction import random_prompts, uneven_stops
+
+    monkeypatch.setattr(generator, "CHECK_EVERY", 2)
+    monkeypatch.setattr(compaction, "MIN_GRAPHED_BUCKET", 1)  # tiny buckets: graphs down to 1 row
+    cpu, gpu = _gen("cpu"), _gen("cuda")
+    prompts, R = random_prompts(24, vocab=CFG.vocab_size), 40
+    free = cpu.generate(prompts, cfg=RolloutConfig(max_new_tokens=R, temperature=0.0),
+                        eos_id=-1, pad_id=0, seed=0).response_ids
+    stops = uneven_stops(free, [0, 5, 14], CFG.vocab_size)
+    cfg = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=20,
+                        return_logprobs=True, stop_token_ids=stops,
+                        compact_finished_rows=True)  # chunks 20 and 4
+    on = gpu.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
+    assert gpu.stats["compactions"] >= 1
+    off = gpu.generate(prompts, cfg=dataclasses.replace(cfg, compact_finished_rows=False),
+                       eos_id=-1, pad_id=0, seed=0)
+    ref = cpu.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
+    for other in (off, ref):
+        assert torch.equal(on.response_ids.cpu(), other.response_ids.cpu())
+        assert torch.equal(on.response_mask.cpu(), other.response_mask.cpu())
+        assert torch.allclose(on.rollout_logprobs.cpu(), other.rollout_logprobs.cpu(), atol=1e-4)
+    sampled = dataclasses.replace(cfg, temperature=1.0, top_p=0.95, stop_token_ids=stops[:6])
+    a = gpu.generate(prompts, cfg=sampled, eos_id=-1, pad_id=0, seed=3)
+    assert gpu.stats["compactions"] >= 1
+    b = gpu.generate(prompts, cfg=sampled, eos_id=-1, pad_id=0, seed=3)
+    assert torch.equal(a.response_ids, b.response_ids)

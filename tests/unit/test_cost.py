@@ -391,3 +391,20 @@ def test_search_offers_the_layouts_the_trainer_accepts():
     assert {tp for tp, _, _ in accepted} == {1, 2}
     with pytest.raises(ValueError, match="ffn_hidden_size"):
         estimate_cost(model=shape, gpu="H200", num_gpus=8, layout={"tp": 4})
+
+
+def test_skipped_old_log_prob_pass_is_not_predicted():
+    """One epoch of one mini-batch: the trainer leaves the old_log_prob pass out (algo.
+    skip_redundant_old_log_prob), so the forecast has no such stage and its step is shorter by
+    exactly that stage; the skip is refused where it would not be exact."""
+    kw = dict(model="qwen2_0_5b", gpu="H200", num_gpus=1, layout={"tp": 1}, prompts_per_step=8,
+              samples_per_prompt=8, prompt_len=128, response_len=256)
+    kept = estimate_step_time(**kw)
+    skipped = estimate_step_time(**kw, skip_old_log_prob=True)
+    assert "old_log_prob" in kept and "old_log_prob" not in skipped
+    assert {k: v for k, v in kept.items() if k not in ("old_log_prob", "step")} == \
+        {k: v for k, v in skipped.items() if k != "step"}
+    assert skipped["step"] == pytest.approx(kept["step"] - kept["old_log_prob"])
+    assert "old_log_prob" not in estimate_memory(**kw, skip_old_log_prob=True).phases_gib
+    with pytest.raises(ValueError, match="skip_old_log_prob needs ppo_epochs=1 and mini_batches=1"):
+        estimate_step_time(**kw, mini_batches=2, skip_old_log_prob=True)

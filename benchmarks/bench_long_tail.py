@@ -1,0 +1,114 @@
+"""Generation with a long tail of response lengths: row compaction on vs off (issue #12 "Speed").
+
+RL rollouts stop at very different steps (GSM8K, Qwen2.5-0.5B: mean ~300 tokens, ~0.5-1% of rows
+at the 1,024 cap), and a static decode batch runs every row until the longest stops. This times
+`Generator.generate` with `rollout.compact_finished_rows` on and off (rollout/compaction.py).
+
+Lengths: random-init weights (Qwen2-0.5B shape, bf16, as bench_generate.py) give a near-uniform
+next-token distribution, so sampling at T = 1 with k = V / --tail-mean random stop ids stops a row
+with probability ~1/--tail-mean per step: geometric lengths of mean ~--tail-mean cut at
+--new-tokens (mean 300, cap 1,024: ~3% at the cap, so a batch of 512 always runs to the end). The
+measured lengths are recorded per side: the sampled streams differ with compaction on (the batch
+size changes the Philox offsets), so the sides draw different, equally distributed, lengths.
+
+    python benchmarks/bench_long_tail.py --out benchmarks/results/generate_long_tail_h200.json
+    python benchmarks/bench_long_tail.py --model conf/model/tiny.yaml --device cpu --batches 16 \\
+        --prompt-len 8 --new-tokens 64 --tail-mean 16 --out /tmp/lt.json    # CPU smoke run
+
+Per batch size and side: `first_s`, a call on a released Generator (cache allocation and graph
+capture: what every RL step pays, since the trainer builds a Generator per step; compaction
+captures the ladder buckets too), then --reps calls alternating on/off (drift hits both sides),
+median `s`. JSON: results[B][on|off] = {first_s, s, s_all, stats (decode row-steps run, the same
+steps uncompacted, compactions), lengths}; speedup_first / speedup = off / on.
+The real-workload check is the GSM8K run's `timing_s/gen` with rollout.compact_finished_rows=true
+against =false.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_generate import hf_model, machine, timed, to_megatron  # noqa: E402
+from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
+from hybridflow.rollout import Generator  # noqa: E402
+
+
+def lengths(out, cap: int) -> dict:
+    n = out.response_mask.sum(1).float()
+    q = torch.quantile(n, torch.tensor([0.5, 0.9, 0.99], device=n.device)).tolist()
+    return {"mean": float(n.mean()), "p50": q[0], "p90": q[1], "p99": q[2], "max": int(n.max()),
+            "frac_at_cap": float((n == cap).float().mean())}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="conf/model/qwen2_0_5b.yaml")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", type=int, nargs="+", default=[512, 128])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=1024)
+    ap.add_argument("--tail-mean", type=float, default=300.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/generate_long_tail_h200.json")
+    args = ap.parse_args()
+    if args.reps < 3:
+        raise ValueError(f"--reps={args.reps}: medians need >= 3 timed calls")
+    device = torch.device(args.device)
+    with open(args.model) as f:
+        cfg = ModelConfig(**yaml.safe_load(f))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    params = {n: t.clone() for n, t in
+              to_megatron(hf_model(cfg, device=device, dtype=dtype).state_dict(), cfg).items()}
+    gen = Generator(model_cfg=cfg, params=params, tp_group=None, device=device, dtype=dtype,
+                    true_vocab_size=cfg.vocab_size)
+    V, R = cfg.vocab_size, args.new_tokens
+    k = max(1, round(V / args.tail_mean))
+    stop = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:k].tolist()
+    report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
+              "model": cfg.name, "prompt_len": args.prompt_len, "new_tokens": R,
+              "tail_mean": args.tail_mean, "num_stop_ids": k, "results": {}}
+    for B in args.batches:
+        prompts = torch.randint(0, V, (B, args.prompt_len)).tolist()
+        rc = {on: RolloutConfig(max_new_tokens=R, temperature=1.0, max_batch_size=B,
+                                stop_token_ids=stop, compact_finished_rows=on)
+              for on in (True, False)}
+        run = lambda on: gen.generate(prompts, cfg=rc[on], eos_id=-1, pad_id=0, seed=0)  # noqa
+        res = {}
+        for on in (True, False):
+            gen.release()
+            first_s, out = timed(lambda: run(on), device, 1)
+            res["on" if on else "off"] = {"first_s": first_s, "s_all": [],
+                                          "stats": dict(gen.stats), "lengths": lengths(out, R)}
+        for _ in range(args.reps):
+            for on in (True, False):
+                timed(lambda: run(on), device, 1, res["on" if on else "off"]["s_all"])
+        again = run(True)
+        res["on"]["reproducible"] = bool(torch.equal(again.response_ids, run(True).response_ids))
+        for side in ("on", "off"):
+            res[side]["s"] = statistics.median(res[side]["s_all"])
+        res["speedup"] = res["off"]["s"] / res["on"]["s"]
+        res["speedup_first"] = res["off"]["first_s"] / res["on"]["first_s"]
+        report["results"][str(B)] = res
+        print(json.dumps({B: res}, indent=1), flush=True)
+    gen.release()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    for B, r in report["results"].items():
+        print(f"B={B}: off {r['off']['s']:.3f} s, on {r['on']['s']:.3f} s (x{r['speedup']:.2f}); "
+              f"first call off {r['off']['first_s']:.3f} s, on {r['on']['first_s']:.3f} s; "
+              f"row-steps on/off {r['on']['stats']['decode_row_steps']}/"
+              f"{r['off']['stats']['decode_row_steps']}")
+
+
+if __name__ == "__main__":
+    main()
