@@ -319,8 +319,8 @@ def main(argv=None) -> dict:
                   seed=args.seed, weights="fp32 master, bf16 autocast" if on_gpu else "fp32")
     result = {"benchmark": "trl_gsm8k", "config": config, "step_s": [], "step_s_median": None, "first_steps": [],
               "val_accuracy": [], "val": [], "snapshots": [], "logs": [], "steps_done": 0,
-              "stopped_by_budget": False, "calls": 1, "resumed_from": checkpoint, "load_s": time.perf_counter() - START, "machine": machine(),
-              "versions": versions("trl", "datasets"), "command": " ".join([sys.executable, *sys.argv])}
+              "stopped_by_budget": False, "calls": 1, "resumed_from": checkpoint,
+              "load_s": time.perf_counter() - START, "machine": machine(), "versions": versions("trl", "datasets"), "command": " ".join([sys.executable, *sys.argv])}
     mirror = workdir / "result.json"  # what the next --resume call continues
     if checkpoint is not None:
         resumed_result(result, mirror, int(checkpoint.rsplit("-", 1)[1]))

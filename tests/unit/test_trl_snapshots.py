@@ -1,5 +1,6 @@
 """TRL's policy snapshots (benchmarks/trl_gsm8k.py --save-at) scored by our validation
-(benchmarks/score_snapshots.py), on CPU with the tiny qwen2 GGUF of test_gsm8k_peers.
+(benchmarks/score_snapshots.py), on CPU with the tiny qwen2 GGUF of test_gsm8k_peers, through the
+scripts the GPU calls run: gsm8k_peers.sh PHASES="trl score" and gsm8k_h200.sh score.
 
 The like-for-like proof: the step-0 snapshot is the GGUF file dequantised by transformers and saved
 as an HF directory (weights, config, tokenizer, chat template), so our validation of it must give
