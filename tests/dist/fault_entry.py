@@ -72,10 +72,10 @@ elif action == "nan_grad":
 
         return nan_loss
 
-    def update(self, engine, batch, objective):
+    def update(self, engine, batch, objective, **kwargs):
         if me and objective is real_objective and self.step + 1 >= int(where):
             objective = poisoned
-        return real_update(self, engine, batch, objective)
+        return real_update(self, engine, batch, objective, **kwargs)
 
     tr.Trainer.update = update
 else:
