@@ -11,6 +11,15 @@ Masks follow Megatron's convention: `attention_mask` is boolean with True meanin
 shape broadcastable to (b, 1, sq, sk). With a causal mask type and sq < sk (decoding or chunked
 prefill against a KV cache) the causal diagonal is aligned to the bottom-right, i.e. query i sits at
 absolute position sk - sq + i.
+
+One kernel is routed around: torch 2.11's default cuDNN SDPA backward on H100/H200 returns NaN in dQ
+when an explicit mask is given, the sequence length is 64 mod 128 and a query row's logsumexp is
+below ln(FLT_MAX) ~ -88.7 (pytorch/pytorch#196678; Qwen2.5's massive-activation heads make such
+rows). Fixed micro-batches rarely have such widths; token-budget micro-batches (trimmed to their
+own longest row) do, and gave an inf/NaN gradient in 4 of 35 GSM8K steps on an H200
+(benchmarks/results/gsm8k_token_budget_h200.json). Those calls, and only those, run the
+memory-efficient kernel (K/V heads expanded, as it takes no `enable_gqa`); the forward-only
+passes and every other shape keep the default dispatch.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class SDPAttention(MegatronModule):
@@ -59,10 +69,14 @@ class SDPAttention(MegatronModule):
                 is_causal = True
             else:
                 attn_mask = _causal(sq, sk, q.device)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-            dropout_p=self.dropout_p if self.training else 0.0, scale=self.softmax_scale,
-            enable_gqa=k.shape[1] != nh)
+        dropout_p = self.dropout_p if self.training else 0.0
+        if cudnn_backward_unsafe(q, sq, sk, attn_mask):
+            out = sdpa_without_cudnn(q, k, v, attn_mask, dropout_p=dropout_p,
+                                     scale=self.softmax_scale)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
+                scale=self.softmax_scale, enable_gqa=k.shape[1] != nh)
         # [b, h, sq, d] -> [sq, b, h*d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, nh * hd)
 
@@ -70,3 +84,23 @@ class SDPAttention(MegatronModule):
 def _causal(sq: int, sk: int, device) -> torch.Tensor:
     """(sq, sk) bool, True where query i (absolute position sk - sq + i) may attend key j."""
     return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq)
+
+
+def cudnn_backward_unsafe(q: torch.Tensor, sq: int, sk: int, attn_mask: Optional[torch.Tensor]) -> bool:
+    """Whether this call would meet the cuDNN backward bug (see the module docstring): a CUDA call
+    that will be differentiated, with an explicit mask and a length of 64 mod 128."""
+    return (attn_mask is not None and q.is_cuda and q.requires_grad and torch.is_grad_enabled()
+            and (sq % 128 == 64 or sk % 128 == 64))
+
+
+_NO_CUDNN = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_without_cudnn(q, k, v, attn_mask, *, dropout_p: float, scale: float) -> torch.Tensor:
+    """SDPA on the memory-efficient kernel (math as its fallback), GQA by expanded K/V heads."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    with sdpa_kernel(_NO_CUDNN):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              scale=scale)
