@@ -46,6 +46,11 @@ class RolloutConfig:
     # sampled output stays seeded-reproducible but draws a different (equally valid) sample.
     # Off by default until timed on a GPU (benchmarks/bench_long_tail.py, the GSM8K run).
     compact_finished_rows: bool = False
+    # verl's name: free the generator's KV cache, captured decode graphs and static buffers after
+    # each generation. false keeps them across steps (no re-capture per step; costs their memory
+    # during training) where generation uses the training weights in place (TP_g == TP, PP == 1);
+    # with resharding the gathered weights move every step and the generator is rebuilt anyway.
+    free_cache_engine: bool = True
     return_logprobs: bool = False
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
 

@@ -108,6 +108,7 @@ class Trainer:
                     self.checkpointer.save()
         for c in self.step_consumers:
             c.on_end()
+        self.rollout.release()  # a generator kept across steps (rollout.free_cache_engine=false)
         if save:
             self.checkpointer.save()
         self.logger.summary(history, first_step=self.step - len(history) + 1)

@@ -86,7 +86,8 @@ def _causal(sq: int, sk: int, device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq)
 
 
-def cudnn_backward_unsafe(q: torch.Tensor, sq: int, sk: int, attn_mask: Optional[torch.Tensor]) -> bool:
+def cudnn_backward_unsafe(q: torch.Tensor, sq: int, sk: int,
+                          attn_mask: Optional[torch.Tensor]) -> bool:
     """Whether this call would meet the cuDNN backward bug (see the module docstring): a CUDA call
     that will be differentiated, with an explicit mask and a length of 64 mod 128."""
     return (attn_mask is not None and q.is_cuda and q.requires_grad and torch.is_grad_enabled()

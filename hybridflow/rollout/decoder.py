@@ -161,6 +161,15 @@ def load_weights(cfg: ModelConfig, params: dict, *, group, true_vocab_size: int,
                    output=output, inv_freq=rope_inv_freq(cfg, hd), group=group)
 
 
+def weight_tensors(w: Weights) -> list:
+    """Every tensor the decoder reads from `w` (not the RoPE frequencies, computed at load)."""
+    out = [w.embed, w.final_ln, w.output]
+    for layer in w.layers:
+        out += [t for t in (layer.ln1, layer.qkv_w, layer.qkv_b, layer.proj, layer.ln2, layer.fc1,
+                            layer.fc2) if t is not None]
+    return out
+
+
 def _norm(x, weight, eps):
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 

@@ -91,6 +91,11 @@ class Generator:
         self.w = decoder.load_weights(model_cfg, params, group=tp_group,
                                       true_vocab_size=true_vocab_size, device=self.device,
                                       dtype=dtype)
+        # the storage of every given tensor, when the weights alias it (no dtype/device copy):
+        # then in-place updates of `params` are what the next call generates with (`reusable`)
+        self._param_ptrs = {n: t.data_ptr() for n, t in params.items()}
+        ptrs = set(self._param_ptrs.values())
+        self._aliased = all(t.data_ptr() in ptrs for t in decoder.weight_tensors(self.w))
         self._rng = torch.Generator(device=self.device)
         self._cache: Optional[KVCache] = None
         self._tables = None  # rope (cos, sin) for the cache length
@@ -156,6 +161,12 @@ class Generator:
                             response_ids=tokens[:, :width].masked_fill(resp_mask == 0, pad_id),
                             response_mask=resp_mask, group_ids=prompt_of_row,
                             indices=prompt_of_row.clone(), rollout_logprobs=logprobs)
+
+    def reusable(self, params: dict) -> bool:
+        """Whether a later call may keep this generator (and its KV cache and captured graphs) for
+        `params`: its weights alias exactly these tensors' storage, so updates made in place since
+        (the optimizer step) are seen and the graphs' addresses are still valid."""
+        return self._aliased and self._param_ptrs == {n: t.data_ptr() for n, t in params.items()}
 
     def release(self) -> None:
         """Free the KV cache, captured graphs and static buffers (not the weights)."""

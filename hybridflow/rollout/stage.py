@@ -46,6 +46,12 @@ class RolloutStage:
             from hybridflow.parallel.reshard import Resharder
 
             self.resharder = Resharder(actor.module, layout=ctx.layout, groups=ctx.reshard)
+        self._kept: Generator | None = None  # across steps with rollout.free_cache_engine=false
+        if not cfg.rollout.free_cache_engine and self.resharder is not None and ctx.rank == 0:
+            print("hybridflow: warning: rollout.free_cache_engine=false has no effect with "
+                  "resharding (rollout.tensor_parallel_size != parallel.tensor_parallel_size or "
+                  "PP > 1): the gathered weights move every step, so the generator is rebuilt",
+                  flush=True)
 
     def _gen_params(self):
         if self.resharder is None:
@@ -74,15 +80,13 @@ class RolloutStage:
             params = self._gen_params()
         try:
             with timer("gen"):
-                gen = Generator(model_cfg=self.actor.model_cfg, params=params,
-                                tp_group=ctx.gen_tp_group, device=self.actor.device,
-                                dtype=self.actor.tcfg.params_dtype,
-                                true_vocab_size=self.actor.vocab_limit)
+                gen = self._generator(params)
                 with torch.no_grad():
                     batch = gen.generate([it.prompt_ids for it in mine], cfg=r,
                                          eos_id=-1 if r.ignore_eos else self.tok.eos_id,
                                          pad_id=self.tok.pad_id, seed=seed)
-                gen.release()
+                if self._kept is not gen:
+                    gen.release()
                 del gen
                 batch = batch.to("cpu")
                 if split:
@@ -94,6 +98,27 @@ class RolloutStage:
         group_ids = (first + torch.arange(len(items))).repeat_interleave(r.n)
         indices = torch.tensor([it.index for it in items]).repeat_interleave(r.n)
         return dataclasses.replace(batch, group_ids=group_ids, indices=indices)
+
+    def _generator(self, params: dict) -> Generator:
+        """A new Generator over `params`, or with rollout.free_cache_engine=false the one kept from
+        an earlier step when it still aliases these weights (its cache and graphs stay valid)."""
+        if self._kept is not None:
+            if self._kept.reusable(params):
+                return self._kept
+            self._kept.release()
+            self._kept = None
+        gen = Generator(model_cfg=self.actor.model_cfg, params=params,
+                        tp_group=self.ctx.gen_tp_group, device=self.actor.device,
+                        dtype=self.actor.tcfg.params_dtype, true_vocab_size=self.actor.vocab_limit)
+        if not self.cfg.rollout.free_cache_engine and gen.reusable(params):
+            self._kept = gen
+        return gen
+
+    def release(self) -> None:
+        """Free a generator kept across steps (rollout.free_cache_engine=false)."""
+        if self._kept is not None:
+            self._kept.release()
+            self._kept = None
 
     def _gather_replicas(self, batch: RolloutBatch) -> RolloutBatch:
         """Concatenate the gen replicas' chunks, in replica order, on every model-parallel rank.
