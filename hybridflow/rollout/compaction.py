@@ -90,8 +90,5 @@ def compact(src, dst, cache, row_map: torch.Tensor, *, columns: int) -> torch.Te
         getattr(dst, name).copy_(getattr(src, name).index_select(0, order))
     dst.cur.copy_(src.cur)
     dst.step.copy_(src.step)
-    for kv in (cache.k, cache.v):  # (L, rows, G, T, hd)
-        for layer in kv:
-            moved = layer[:old_b, :, :columns].index_select(0, order)  # a copy: rows overlap
-            layer[:new_b, :, :columns].copy_(moved)
+    cache.gather_rows(order, columns=columns)
     return row_map.index_select(0, order)

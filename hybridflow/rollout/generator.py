@@ -19,12 +19,17 @@ Layout of a call:
   the prompt, K/V into the static cache, first token sampled from the last column), then one decode
   step per new token: a CUDA-graph replay on GPU (bucketed batch sizes, see cuda_graph.py), the same
   function eagerly on CPU or with `cfg.cuda_graphs=False`.
+- The prefill runs once per distinct prompt of a chunk (a chunk may cut a prompt's run of n copies:
+  that prompt is prefilled in both chunks), into the cache's first rows; its K/V columns 0..P-1 are
+  then copied to the rows of its copies and its last-column logits expanded to them, so each of the
+  n rows draws its own first token from the same distribution. The first draw has the (B, V) shape
+  of a per-row prefill, so the random stream, hence the output, is that of prefilling every row (up
+  to a matmul's batch-size-dependent rounding, see compaction.py).
 - Stopping: a row finishes at EOS, any `cfg.stop_token_ids`, or `max_new_tokens`; finished rows
   emit pad. Every CHECK_EVERY steps the live-row count is polled asynchronously (no host sync per
   step): the loop ends once every row finished, and with `cfg.compact_finished_rows` the live rows
   move to a smaller bucket once they fit in half the current one (compaction.py), so a long tail
   of response lengths does not hold the whole batch.
-Prefills of the n copies of a prompt are not shared (each row is prefilled; a later optimisation).
 """
 
 from __future__ import annotations
@@ -116,8 +121,7 @@ class Generator:
         sampled token's log-prob under log_softmax(logits / T) (T = 1 when greedy), before
         top-k/top-p filtering (as verl's), 0 on padding."""
         self._check(prompts, cfg)
-        rows = [list(p) for p in prompts for _ in range(cfg.n)]
-        N, P, R = len(rows), max(len(p) for p in rows), cfg.max_new_tokens
+        N, P, R = len(prompts) * cfg.n, max(len(p) for p in prompts), cfg.max_new_tokens
         if P + R > self.cfg.max_position_embeddings:
             raise ValueError(f"longest prompt {P} + rollout.max_new_tokens={R} exceeds "
                              f"model.max_position_embeddings={self.cfg.max_position_embeddings}")
@@ -131,12 +135,15 @@ class Generator:
         if cfg.compact_finished_rows and R > 1:
             targets = [b for b in compaction.ladder(bucket_sizes(mbs), graphed=graphed)
                        if b < max(bucket.values())]
-        ids = torch.full((N, P), pad_id, dtype=torch.long)
-        mask = torch.zeros((N, P), dtype=torch.long)
-        for i, p in enumerate(rows):
-            ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)  # one row per prompt
+        mask = torch.zeros((len(prompts), P), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
             mask[i, P - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids_p, mask_p = ids.to(self.device), mask.to(self.device)  # (len(prompts), P)
+        prompt_of_row = torch.arange(len(prompts), device=self.device).repeat_interleave(cfg.n)
+        # a chunk's rows s..e-1 are copies of prompts s // n .. (e - 1) // n
+        runs = {c: (c[0] // cfg.n, (c[1] - 1) // cfg.n + 1) for c in chunks}
         with torch.no_grad():
             length = -(-(P + R) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
             self._ensure_cache(rows=max(bucket.values()), length=length)
@@ -145,8 +152,10 @@ class Generator:
             steps = {b: self._step(b, R, key, cfg, graphed) for b in dict.fromkeys(sizes)}
             self._rng.manual_seed(seed)  # after any capture: warm-up runs consume randomness
             self.stats = dict.fromkeys(self.stats, 0)
-            outs = [self._run_chunk(steps, bucket[c], ids[c[0]:c[1]], mask[c[0]:c[1]], cfg,
-                                    pad_id, targets) for c in chunks]
+            outs = [self._run_chunk(steps, bucket[c], ids_p[runs[c][0]:runs[c][1]],
+                                    mask_p[runs[c][0]:runs[c][1]],
+                                    prompt_of_row[c[0]:c[1]] - runs[c][0], cfg, pad_id, targets)
+                    for c in chunks]
         tokens = torch.cat([o[0] for o in outs])  # (N, R)
         stop = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
         is_stop = (tokens[..., None] == stop).any(-1)  # the first stop is the real one
@@ -156,8 +165,8 @@ class Generator:
         logprobs = None
         if cfg.return_logprobs:
             logprobs = torch.cat([o[1] for o in outs])[:, :width] * resp_mask
-        prompt_of_row = torch.arange(len(prompts), device=self.device).repeat_interleave(cfg.n)
-        return RolloutBatch(prompt_ids=ids, prompt_mask=mask,
+        return RolloutBatch(prompt_ids=ids_p.index_select(0, prompt_of_row),
+                            prompt_mask=mask_p.index_select(0, prompt_of_row),
                             response_ids=tokens[:, :width].masked_fill(resp_mask == 0, pad_id),
                             response_mask=resp_mask, group_ids=prompt_of_row,
                             indices=prompt_of_row.clone(), rollout_logprobs=logprobs)
@@ -237,11 +246,12 @@ class Generator:
         self._steps[k] = (buf, fn)
         return buf, fn
 
-    def _run_chunk(self, steps: dict, b: int, ids, mask, cfg: RolloutConfig, pad_id: int,
-                   targets: list):
-        """Prefill + decode rows ids (B, P) in bucket b (compacting into `targets`) -> (tokens
+    def _run_chunk(self, steps: dict, b: int, ids, mask, copy_of, cfg: RolloutConfig,
+                   pad_id: int, targets: list):
+        """Prefill the chunk's distinct prompts ids, mask (U, P) once each, then decode their copies
+        copy_of (B,) (chunk row -> row of ids) in bucket b (compacting into `targets`) -> (tokens
         (B, R), logprobs (B, R)) before trimming."""
-        B, P = ids.shape
+        (U, P), B = ids.shape, copy_of.shape[0]
         R = cfg.max_new_tokens
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         cos, sin = self._tables
@@ -249,7 +259,10 @@ class Generator:
         last = torch.cat([decoder.forward(self.w, ids[r:r + per], positions[r:r + per],
                                           mask[r:r + per].bool(), cos_tab=cos, sin_tab=sin,
                                           cache=self._cache, cache_row0=r, last_only=True)
-                          for r in range(0, B, per)])  # (B, V)
+                          for r in range(0, U, per)])  # (U, V), K/V in cache rows 0..U-1
+        if U < B:  # each copy gets its prompt's K/V and logits (n = 1: nothing to share)
+            self._cache.gather_rows(copy_of, columns=P)
+            last, mask = last.index_select(0, copy_of), mask.index_select(0, copy_of)  # (B, ...)
         tok, lp = sample(last, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                          generator=self._rng, need_logprobs=cfg.return_logprobs)
         buf, step = steps[b]

@@ -39,3 +39,12 @@ class KVCache:
     def layer(self, index: int, stop: int, start: int = 0):
         """(k, v) views (stop - start, groups, length, head_dim) of one layer's rows start..stop-1."""
         return self.k[index, start:stop], self.v[index, start:stop]
+
+    def gather_rows(self, index: torch.Tensor, *, columns: int) -> None:
+        """Rows 0..len(index)-1 := rows `index` (n,), over the first `columns` columns of every
+        layer. Source and destination rows may overlap, so each layer goes through a temporary
+        (one layer at a time: bounds it)."""
+        n = index.shape[0]
+        for kv in (self.k, self.v):  # (L, rows, G, T, hd)
+            for layer in kv:
+                layer[:n, :, :columns].copy_(layer[:, :, :columns].index_select(0, index))

@@ -1,5 +1,6 @@
 """Generator on CPU (TP_g = 1, random weights under Megatron names): cache vs recompute, ragged
-left padding, EOS/stop handling and masks, padded vocab, n > 1 ordering, chunking, seeding."""
+left padding, EOS/stop handling and masks, padded vocab, n > 1 ordering, chunking, seeding, one
+prefill per prompt for its n copies."""
 
 import dataclasses
 
@@ -139,6 +140,87 @@ def test_n_ordering_seeding_and_chunking():
     assert gen._cache is None and not gen._steps
     again = gen.generate(PROMPTS, cfg=greedy, eos_id=-1, pad_id=0, seed=0)  # usable after release
     assert torch.equal(again.response_ids, whole.response_ids)
+
+
+
+def prefill_rows(monkeypatch):
+    """Record the batch size of every prefill (decoder.forward) call."""
+    calls, forward = [], decoder.forward
+
+    def recording(w, ids, *args, **kw):
+        calls.append(ids.shape[0])
+        return forward(w, ids, *args, **kw)
+
+    monkeypatch.setattr(decoder, "forward", recording)
+    return calls
+
+
+def per_row_prefill(gen, prompts, cfg, **kw):
+    """The reference: each prompt repeated n times as n = 1 prompts, the same rows
+    [p0s0, p0s1, ..., p1s0, ...] with every row prefilled on its own."""
+    return gen.generate([p for p in prompts for _ in range(cfg.n)],
+                        cfg=dataclasses.replace(cfg, n=1), **kw)
+
+
+def assert_same_rows(a, b):
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    # bit-equal on CPU fp32 as well; allclose leaves room for a BLAS that rounds by batch size
+    assert torch.allclose(a.rollout_logprobs, b.rollout_logprobs, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_prefill_shared_by_n_copies_matches_per_row_prefill(monkeypatch, temperature):
+    gen = make()
+    cfg = rc(n=4, temperature=temperature, top_p=0.9, max_new_tokens=12)
+    calls = prefill_rows(monkeypatch)
+    ref = per_row_prefill(gen, PROMPTS, cfg, eos_id=-1, pad_id=0, seed=3)
+    assert calls == [16]  # the reference does prefill every row
+    calls.clear()
+    out = gen.generate(PROMPTS, cfg=cfg, eos_id=-1, pad_id=0, seed=3)
+    assert calls == [4]  # once per prompt
+    # the first draw has the same (B, V) shape as with per-row prefill: same random stream, so
+    # sampled outputs are identical too, not only equally distributed
+    assert_same_rows(out, ref)
+    assert out.group_ids.tolist() == [i for i in range(4) for _ in range(4)]
+    if temperature:  # the n copies still sample independently
+        assert len({tuple(r) for r in out.response_ids[:4].tolist()}) > 1
+    else:
+        assert (out.response_ids == out.response_ids[::4].repeat_interleave(4, 0)).all()
+
+
+def test_prefill_sharing_across_a_chunk_boundary(monkeypatch):
+    """n = 3, max_batch_size = 4: chunks [p0 p0 p0 p1] [p1 p1 p2 p2] [p2 p3 p3 p3] cut p1 and p2."""
+    from hybridflow.rollout import generator
+
+    monkeypatch.setattr(generator, "CHECK_EVERY", 2)
+    gen = make()
+    calls = prefill_rows(monkeypatch)
+    for temperature in (0.0, 1.0):
+        cfg = rc(n=3, max_batch_size=4, temperature=temperature, max_new_tokens=12,
+                 compact_finished_rows=True)
+        ref = per_row_prefill(gen, PROMPTS, cfg, eos_id=5, pad_id=0, seed=4)
+        calls.clear()
+        out = gen.generate(PROMPTS, cfg=cfg, eos_id=5, pad_id=0, seed=4)
+        assert calls == [2, 2, 2]  # each chunk prefills its two distinct prompts
+        assert gen.stats["compactions"] > 0  # compaction moves the copied K/V rows as any others
+        assert_same_rows(out, ref)
+        assert out.group_ids.tolist() == [i for i in range(4) for _ in range(3)]
+    whole = gen.generate(PROMPTS, cfg=rc(n=3), eos_id=-1, pad_id=0, seed=0)
+    chunked = gen.generate(PROMPTS, cfg=rc(n=3, max_batch_size=4), eos_id=-1, pad_id=0, seed=0)
+    assert torch.equal(whole.response_ids, chunked.response_ids)
+
+
+def test_prefill_sub_batches_count_distinct_prompts(monkeypatch):
+    from hybridflow.rollout import generator
+
+    monkeypatch.setattr(generator, "PREFILL_TOKENS", 2 * 7)  # longest prompt 7: 2 rows a batch
+    gen = make()
+    calls = prefill_rows(monkeypatch)
+    out = gen.generate(PROMPTS, cfg=rc(n=5), eos_id=-1, pad_id=0, seed=0)
+    assert calls == [2, 2]  # 4 distinct prompts, not 20 rows
+    ref = per_row_prefill(gen, PROMPTS, rc(n=5), eos_id=-1, pad_id=0, seed=0)
+    assert_same_rows(out, ref)
 
 
 def test_user_errors():
