@@ -2,7 +2,9 @@
 
 RL rollouts stop at very different steps (GSM8K, Qwen2.5-0.5B: mean ~300 tokens, ~0.5-1% of rows
 at the 1,024 cap), and a static decode batch runs every row until the longest stops. This times
-`Generator.generate` with `rollout.compact_finished_rows` on and off (rollout/compaction.py).
+`Generator.generate` with `rollout.compact_finished_rows` on and off (rollout/compaction.py), and
+with `--kv-window W` also `rollout.decode_kv_window=W` alone and with compaction (decode attends
+over the written part of the cache only).
 
 Lengths: random-init weights (Qwen2-0.5B shape, bf16, as bench_generate.py) give a near-uniform
 next-token distribution, so sampling at T = 1 with k = V / --tail-mean random stop ids stops a row
@@ -57,6 +59,9 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--tail-mean", type=float, default=300.0)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--kv-window", type=int, default=0,
+                    help="also time rollout.decode_kv_window=W, alone ('window') and with "
+                         "compaction ('on_window')")
     ap.add_argument("--out", default="benchmarks/results/generate_long_tail_h200.json")
     args = ap.parse_args()
     if args.reps < 3:
@@ -78,23 +83,31 @@ def main():
               "tail_mean": args.tail_mean, "num_stop_ids": k, "results": {}}
     for B in args.batches:
         prompts = torch.randint(0, V, (B, args.prompt_len)).tolist()
-        rc = {on: RolloutConfig(max_new_tokens=R, temperature=1.0, max_batch_size=B,
-                                stop_token_ids=stop, compact_finished_rows=on)
-              for on in (True, False)}
-        run = lambda on: gen.generate(prompts, cfg=rc[on], eos_id=-1, pad_id=0, seed=0)  # noqa
+        sides = {"on": dict(compact_finished_rows=True), "off": {}}
+        if args.kv_window:
+            sides.update(window=dict(decode_kv_window=args.kv_window),
+                         on_window=dict(compact_finished_rows=True, decode_kv_window=args.kv_window))
+        rc = {side: RolloutConfig(max_new_tokens=R, temperature=1.0, max_batch_size=B,
+                                  stop_token_ids=stop, **kw) for side, kw in sides.items()}
+        run = lambda side: gen.generate(prompts, cfg=rc[side], eos_id=-1, pad_id=0,  # noqa
+                                        seed=0)
         res = {}
-        for on in (True, False):
+        for side in sides:
             gen.release()
-            first_s, out = timed(lambda: run(on), device, 1)
-            res["on" if on else "off"] = {"first_s": first_s, "s_all": [],
-                                          "stats": dict(gen.stats), "lengths": lengths(out, R)}
+            first_s, out = timed(lambda: run(side), device, 1)
+            res[side] = {"first_s": first_s, "s_all": [], "stats": dict(gen.stats),
+                         "lengths": lengths(out, R)}
         for _ in range(args.reps):
-            for on in (True, False):
-                timed(lambda: run(on), device, 1, res["on" if on else "off"]["s_all"])
-        again = run(True)
-        res["on"]["reproducible"] = bool(torch.equal(again.response_ids, run(True).response_ids))
-        for side in ("on", "off"):
+            for side in sides:
+                timed(lambda: run(side), device, 1, res[side]["s_all"])
+        again = run("on")
+        res["on"]["reproducible"] = bool(torch.equal(again.response_ids, run("on").response_ids))
+        for side in sides:
             res[side]["s"] = statistics.median(res[side]["s_all"])
+        for side in sides:
+            if side != "off":
+                res[side]["speedup"] = res["off"]["s"] / res[side]["s"]
+                res[side]["speedup_first"] = res["off"]["first_s"] / res[side]["first_s"]
         res["speedup"] = res["off"]["s"] / res["on"]["s"]
         res["speedup_first"] = res["off"]["first_s"] / res["on"]["first_s"]
         report["results"][str(B)] = res
@@ -108,6 +121,10 @@ def main():
               f"first call off {r['off']['first_s']:.3f} s, on {r['on']['first_s']:.3f} s; "
               f"row-steps on/off {r['on']['stats']['decode_row_steps']}/"
               f"{r['off']['stats']['decode_row_steps']}")
+        for side in ("window", "on_window"):
+            if side in r:
+                print(f"  {side}: {r[side]['s']:.3f} s (x{r[side]['speedup']:.2f}), first call "
+                      f"{r[side]['first_s']:.3f} s")
 
 
 if __name__ == "__main__":

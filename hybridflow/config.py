@@ -51,6 +51,11 @@ class RolloutConfig:
     # during training) where generation uses the training weights in place (TP_g == TP, PP == 1);
     # with resharding the gathered weights move every step and the generator is rebuilt anyway.
     free_cache_engine: bool = True
+    # decode attends over the first multiple of this many cache columns that holds every written
+    # slot (a CUDA graph per window), not the whole prompt + max_new_tokens cache: early steps of a
+    # long budget read a fraction of the KV cache. 0: the whole cache. A multiple of 64. Each window
+    # is a graph per batch bucket: pair with free_cache_engine=false (captured once). Off until timed.
+    decode_kv_window: int = 0
     return_logprobs: bool = False
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
 

@@ -69,6 +69,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
                          f"parallel.tensor_parallel_size={p.tensor_parallel_size}")
     _positive("rollout.max_new_tokens", r.max_new_tokens)
     _positive("rollout.n", r.n)
+    if r.decode_kv_window < 0 or r.decode_kv_window % 64:
+        raise ValueError(f"rollout.decode_kv_window={r.decode_kv_window} must be 0 (attend over the "
+                         f"whole KV cache) or a positive multiple of 64")
     if r.temperature < 0:
         raise ValueError(f"rollout.temperature={r.temperature} must be >= 0 (0 means greedy)")
     if not 0.0 < r.top_p <= 1.0:

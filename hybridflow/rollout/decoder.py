@@ -16,6 +16,7 @@ The math follows Megatron's local spec exactly (so logits match `GPTModel` to fp
   memory-efficient kernel takes the mask). Decode: the heads of one query group are folded into the
   query-length axis, so (B, groups, heads_per_group, hd) queries attend to the cached
   (B, groups, T, hd) keys with no K/V copy; an additive mask hides padding and unwritten slots.
+  With `kv_len` the keys are the first kv_len columns (a strided view, no copy).
 - MLP: SwiGLU from fc1 = [gate; up] (per shard); row-parallel proj/fc2 then all-reduce over TP_g.
 - Embedding: vocab-parallel masked lookup + all-reduce. Output: vocab-parallel matmul, all-gather
   over TP_g, padded vocab ids (>= true vocab) dropped; fp32 logits out.
@@ -257,18 +258,22 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
 
 
 def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: torch.Tensor,
-                key_valid: torch.Tensor, *, cache, cos_tab: torch.Tensor, sin_tab: torch.Tensor):
+                key_valid: torch.Tensor, *, cache, cos_tab: torch.Tensor, sin_tab: torch.Tensor,
+                kv_len: Optional[int] = None):
     """One token per row against the static cache; graph-capturable (no host sync, static shapes).
 
     tokens, positions (B,) int64; cur (1,) int64: the cache column this token is written to;
-    key_valid (B, T) bool, updated in place (column `cur` becomes valid). Returns logits (B, V) fp32.
+    key_valid (B, T) bool, updated in place (column `cur` becomes valid). `kv_len`: attend over
+    cache columns 0..kv_len-1 only (the caller keeps cur < kv_len; None: all T). Returns logits
+    (B, V) fp32.
     """
     d = w.dims
     B = tokens.shape[0]
     hpg, hd = d.heads_per_group, d.head_dim
     key_valid.index_fill_(1, cur, True)
-    bias = torch.zeros(key_valid.shape, dtype=cos_tab.dtype, device=tokens.device)
-    bias = bias.masked_fill_(~key_valid, float("-inf"))[:, None, None, :]  # (B, 1, 1, T)
+    seen = key_valid if kv_len is None else key_valid[:, :kv_len]
+    bias = torch.zeros(seen.shape, dtype=cos_tab.dtype, device=tokens.device)
+    bias = bias.masked_fill_(~seen, float("-inf"))[:, None, None, :]  # (B, 1, 1, kv_len)
     cos = cos_tab.index_select(0, positions)[:, None, None, :]  # (B, 1, 1, hd)
     sin = sin_tab.index_select(0, positions)[:, None, None, :]
     x = embed(w, tokens)  # (B, D)
@@ -280,6 +285,8 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
         kc, vc = cache.layer(i, B)
         kc.index_copy_(2, cur, qk[:, :, hpg:])
         vc.index_copy_(2, cur, qkv[:, :, hpg + 1:])
+        if kv_len is not None:
+            kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
         # the heads of a group act as hpg query positions sharing that group's K/V
         a = F.scaled_dot_product_attention(qk[:, :, :hpg], kc, vc, attn_mask=bias)
         x = _row_parallel_add(x, a.reshape(B, d.heads * hd), layer.proj, w)

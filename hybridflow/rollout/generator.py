@@ -19,6 +19,11 @@ Layout of a call:
   the prompt, K/V into the static cache, first token sampled from the last column), then one decode
   step per new token: a CUDA-graph replay on GPU (bucketed batch sizes, see cuda_graph.py), the same
   function eagerly on CPU or with `cfg.cuda_graphs=False`.
+- Attention windows (`cfg.decode_kv_window` W > 0): a decode step attends over the first multiple of
+  W cache columns that holds every written slot, not the whole P + R cache (`kv_windows`): a graph
+  per window and bucket, all on the bucket's buffers; the host picks one per step from the step
+  index (no sync). Early steps of a long budget, when the batch is fullest, read a fraction of the
+  cache. The output is the whole-cache output (the columns left out are masked there).
 - The prefill runs once per distinct prompt of a chunk (a chunk may cut a prompt's run of n copies:
   that prompt is prefilled in both chunks), into the cache's first rows; its K/V columns 0..P-1 are
   then copied to the rows of its copies and its last-column logits expanded to them, so each of the
@@ -147,9 +152,11 @@ class Generator:
         with torch.no_grad():
             length = -(-(P + R) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
             self._ensure_cache(rows=max(bucket.values()), length=length)
+            windows = kv_windows(self._cache.length, cfg.decode_kv_window)
             # every bucket a chunk may use, captured up front: warm-ups write the cache/buffers
             sizes = sorted(set(bucket.values()), reverse=True) + targets[::-1]
-            steps = {b: self._step(b, R, key, cfg, graphed) for b in dict.fromkeys(sizes)}
+            steps = {b: self._step(b, R, key, cfg, graphed, windows)
+                     for b in dict.fromkeys(sizes)}
             self._rng.manual_seed(seed)  # after any capture: warm-up runs consume randomness
             self.stats = dict.fromkeys(self.stats, 0)
             outs = [self._run_chunk(steps, bucket[c], ids_p[runs[c][0]:runs[c][1]],
@@ -216,16 +223,34 @@ class Generator:
         self._tables = decoder.rope_tables(self.w.inv_freq, length, dtype=self.dtype,
                                            device=self.device)
 
-    def _step(self, rows: int, max_new: int, key, cfg: RolloutConfig, graphed: bool):
-        k = (rows, max_new, key, graphed)
+    def _step(self, rows: int, max_new: int, key, cfg: RolloutConfig, graphed: bool,
+              windows: list):
+        """(buffers, {kv_len: step}) of one batch bucket: a decode step per attention window
+        (`kv_windows`), all on the same buffers."""
+        k = (rows, max_new, key, graphed, tuple(windows))
         if k in self._steps:
             return self._steps[k]
         buf = _Buffers(rows, self._cache.length, max_new, list(key[4]), self.device)
-        cache, (cos, sin), w, pad = self._cache, self._tables, self.w, key[5]
+        fns = {kv_len: self._capture(self._step_fn(buf, cfg, key[5], kv_len), buf,
+                                     graphed and max_new > 1) for kv_len in windows}
+        self._steps[k] = (buf, fns)
+        return buf, fns
+
+    def _capture(self, fn, buf: _Buffers, graphed: bool):
+        if not graphed:
+            return fn
+        if self._pool is None:
+            self._pool, self._side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        buf.cur.zero_()  # warm-up runs advance these: keep them inside every window
+        buf.positions.zero_()
+        return GraphedStep(fn, pool=self._pool, side=self._side, generator=self._rng)
+
+    def _step_fn(self, buf: _Buffers, cfg: RolloutConfig, pad: int, kv_len):
+        cache, (cos, sin), w = self._cache, self._tables, self.w
 
         def step():
             logits = decoder.decode_step(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
-                                         cache=cache, cos_tab=cos, sin_tab=sin)
+                                         cache=cache, cos_tab=cos, sin_tab=sin, kv_len=kv_len)
             tok, lp = sample(logits, temperature=cfg.temperature, top_k=cfg.top_k,
                              top_p=cfg.top_p, generator=self._rng,
                              need_logprobs=cfg.return_logprobs)
@@ -238,13 +263,7 @@ class Generator:
             buf.cur.add_(1)
             buf.step.add_(1)
 
-        fn = step
-        if graphed and max_new > 1:
-            if self._pool is None:
-                self._pool, self._side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
-            fn = GraphedStep(step, pool=self._pool, side=self._side, generator=self._rng)
-        self._steps[k] = (buf, fn)
-        return buf, fn
+        return step
 
     def _run_chunk(self, steps: dict, b: int, ids, mask, copy_of, cfg: RolloutConfig,
                    pad_id: int, targets: list):
@@ -265,14 +284,14 @@ class Generator:
             last, mask = last.index_select(0, copy_of), mask.index_select(0, copy_of)  # (B, ...)
         tok, lp = sample(last, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                          generator=self._rng, need_logprobs=cfg.return_logprobs)
-        buf, step = steps[b]
+        buf, fns = steps[b]
         buf.reset(tok=tok, lp=lp, lengths=mask.sum(1), mask=mask, pad_id=pad_id)
         out_tok = torch.full((B + 1, R), pad_id, dtype=torch.long, device=self.device)  # row B:
         out_lp = torch.zeros((B + 1, R), dtype=torch.float32, device=self.device)  # bucket pad
         row_map = torch.arange(b, device=self.device).clamp_(max=B)  # (b,) bucket row -> chunk row
         poller, full_b = StopPoller(self.device), b
         for s in range(1, R):
-            step()
+            fns[window_for(fns, P + s)]()  # the token of step s goes to cache column P + s - 1
             self.stats["decode_row_steps"] += b
             self.stats["decode_row_steps_uncompacted"] += full_b
             if s % CHECK_EVERY:
@@ -285,7 +304,22 @@ class Generator:
                 compaction.flush(buf, row_map, out_tok, out_lp)
                 row_map = compaction.compact(buf, steps[new_b][0], self._cache, row_map,
                                              columns=P + s)
-                (buf, step), b = steps[new_b], new_b
+                (buf, fns), b = steps[new_b], new_b
                 self.stats["compactions"] += 1
         compaction.flush(buf, row_map, out_tok, out_lp)
         return out_tok[:B], out_lp[:B]
+
+
+def kv_windows(length: int, window: int) -> list:
+    """The attention lengths of the decode steps over a cache of `length` columns: the multiples of
+    `window` below it and `length` itself, or [None] (the whole cache, unsliced) for window 0."""
+    if not window or window >= length:
+        return [None]
+    return [*range(window, length, window), length]
+
+
+def window_for(fns: dict, columns: int):
+    """The key of the shortest window holding `columns` cache columns."""
+    if None in fns:
+        return None
+    return min(w for w in fns if w >= columns)

@@ -26,6 +26,22 @@ def test_bench_generate_warms_up_and_takes_median(tmp_path):
     assert bad.returncode != 0 and "--hf-reps=1" in bad.stderr
 
 
+def test_bench_long_tail_times_every_variant(tmp_path):
+    """The GPU session's generation A/B: compaction and the decode KV window, alone and together,
+    each a first call (capture) and the median of >= 3, on the same sampled lengths' distribution."""
+    out = tmp_path / "lt.json"
+    subprocess.run([sys.executable, "benchmarks/bench_long_tail.py", "--model", "conf/model/tiny.yaml",
+                    "--device", "cpu", "--batches", "8", "--prompt-len", "8", "--new-tokens", "80",
+                    "--tail-mean", "16", "--kv-window", "64", "--out", str(out)],
+                   check=True, cwd=ROOT, env=ENV, capture_output=True)
+    res = json.loads(out.read_text())["results"]["8"]
+    assert set(res) >= {"on", "off", "window", "on_window", "speedup"}
+    for side in ("on", "off", "window", "on_window"):
+        assert len(res[side]["s_all"]) == 3 and res[side]["s"] == statistics.median(res[side]["s_all"])
+    assert res["on"]["stats"]["compactions"] > 0 and res["on"]["reproducible"]
+    assert res["window"]["stats"]["compactions"] == 0
+
+
 def test_scaleout_driver_pp2_on_cpu(tmp_path):
     env = dict(ENV, OUT_DIR=str(tmp_path), STEPS="2", PYTHON=sys.executable)
     subprocess.run(["bash", "benchmarks/scaleout_8b.sh", "2", "pp2", "model=tiny",

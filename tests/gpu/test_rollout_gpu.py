@@ -97,3 +97,32 @@ def test_compaction_under_graphs(monkeypatch):
     assert gpu.stats["compactions"] >= 1
     b = gpu.generate(prompts, cfg=sampled, eos_id=-1, pad_id=0, seed=3)
     assert torch.equal(a.response_ids, b.response_ids)
+
+
+def test_decode_windows_under_graphs(monkeypatch):
+    """rollout.decode_kv_window: a graph per window and bucket (with compaction), the same greedy
+    output as the whole-cache graphs and the CPU path; the generator kept for a second call (as
+    rollout.free_cache_engine=false does) replays the same graphs."""
+    from hybridflow.rollout import compaction, generator
+    from tests.unit.test_compaction import random_prompts, uneven_stops
+
+    monkeypatch.setattr(generator, "CHECK_EVERY", 2)
+    monkeypatch.setattr(compaction, "MIN_GRAPHED_BUCKET", 1)
+    cpu, gpu = _gen("cpu"), _gen("cuda")
+    prompts, R = random_prompts(24, vocab=CFG.vocab_size), 150  # cache 192 columns (or more)
+    free = cpu.generate(prompts, cfg=RolloutConfig(max_new_tokens=R, temperature=0.0),
+                        eos_id=-1, pad_id=0, seed=0).response_ids
+    stops = uneven_stops(free, [0, 5, 14], CFG.vocab_size)
+    cfg = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=20, return_logprobs=True,
+                        stop_token_ids=stops[:2], compact_finished_rows=True)
+    whole = gpu.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
+    windowed = dataclasses.replace(cfg, decode_kv_window=64)
+    first = gpu.generate(prompts, cfg=windowed, eos_id=-1, pad_id=0, seed=0)
+    captured = len(gpu._steps)
+    again = gpu.generate(prompts, cfg=windowed, eos_id=-1, pad_id=0, seed=0)
+    assert len(gpu._steps) == captured  # nothing re-captured
+    ref = cpu.generate(prompts, cfg=windowed, eos_id=-1, pad_id=0, seed=0)
+    for other in (first, again, ref):
+        assert torch.equal(whole.response_ids.cpu(), other.response_ids.cpu())
+        assert torch.allclose(whole.rollout_logprobs.cpu(), other.rollout_logprobs.cpu(),
+                              atol=1e-4)
