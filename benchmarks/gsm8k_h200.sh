@@ -3,6 +3,10 @@
 # The GGUF file travels in parts (../shared/gpu/split_for_carry.sh) to /tmp/xfer/parts; the wheels
 # (.whl: megatron-core, hydra, omegaconf, antlr4, gguf) and the prepared data (.gsm8k: output of
 # `python -m hybridflow.data.prepare gsm8k --out .gsm8k`) are carried with the call.
+# On a fresh checkout, once: `bash ../shared/gpu/fetch_wheels.sh .whl gguf==0.19.0`,
+# `bash launch/fetch_qwen_coder.sh DIR` then `bash ../shared/gpu/split_for_carry.sh DIR/<file>.gguf`
+# (.xfer/00..08), and the data command above (list .whl/ .whl_bench/ .gsm8k/ .xfer/ .before/ in
+# .git/info/exclude).
 #
 #   bash benchmarks/gsm8k_h200.sh setup                  # install wheels, assemble + verify the GGUF
 #   bash benchmarks/gsm8k_h200.sh hf_eval               # transformers' greedy accuracy on the val set

@@ -5,7 +5,7 @@
 # policy snapshots TRL saved (benchmarks/gsm8k_h200.sh score). JSON (and generations) go to $OUT.
 #
 # Here, once (.whl_bench/ and .gsm8k/ are git-ignored, so `carry` can name them):
-#   cp -r /work/cache/whl_bench .whl_bench            # trl, datasets, dill, multiprocess, gguf (+ fallback/)
+#   bash benchmarks/fetch_peer_wheels.sh .whl_bench   # trl, datasets, dill, multiprocess, gguf (+ fallback/)
 #   python -m hybridflow.data.prepare gsm8k --out .gsm8k   # train.parquet / val.parquet (or .jsonl)
 # The model reassembled on the machine beforehand (`bash benchmarks/gsm8k_h200.sh setup`, after the
 # chunked carry of shared/gpu/README.md), then one device call with carry [".whl_bench", ".gsm8k"]:

@@ -193,6 +193,9 @@ class TrainerConfig:
     save_final: bool = True  # checkpoint when training ends
     resume: bool = True  # continue from the newest checkpoint in <output_dir>/checkpoints
     resume_allow_vocab_resize: bool = False  # resume with another model.vocab_size (rows kept/zeroed)
+    # re-deal the step's rows over the DP ranks by tokens after generation (verl's name; each rank
+    # otherwise trains on its own prompts' groups); hybridflow/parallel/balance.py. Off until timed.
+    balance_batch: bool = False
     # seconds a collective of any process group waits for a peer before the rank ends with a
     # stage/timeout line; longer than anything one rank does while the others wait (loading, saving)
     collective_timeout_s: float = 1800.0

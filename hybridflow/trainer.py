@@ -35,6 +35,7 @@ from hybridflow.config import Config, micro_batching
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.metrics import MetricsLogger, StageTimer, memory_metrics
 from hybridflow.nonfinite import SkippedUpdates
+from hybridflow.parallel.balance import balance_rows
 from hybridflow.parallel.dp import all_gather_batch, dp_sum
 from hybridflow.rollout.dynamic_sampling import fill_informative
 
@@ -129,6 +130,12 @@ class Trainer:
                 with timer("gc"):
                     gc.collect()
             batch, reward_metrics = self.generate_and_score(timer)
+            if cfg.trainer.balance_batch and self.ctx.dp_size > 1:
+                with timer("balance"):
+                    batch, balance_metrics = balance_rows(
+                        batch, group=self.ctx.dp_group, rank=self.ctx.train.dp,
+                        parts=self.ctx.dp_size, pad_id=self.tokenizer.pad_id)
+                reward_metrics.update(balance_metrics)
             batch = batch.trimmed()
             fwd = micro_batching(cfg.algo, forward=True)
             skip_old, _ = skip_old_log_prob(cfg, step=self.step)  # then set by update_actor
