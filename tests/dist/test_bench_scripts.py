@@ -2,6 +2,7 @@
 transformers after a warm-up as the median of >= 3 calls (issue 12), and the issue-15 driver
 benchmarks/scaleout_8b.sh runs PP=2 end to end on 2 gloo ranks with the tiny model."""
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -77,3 +78,34 @@ def test_ab_rl_step_alternates_abba_and_compares_medians(tmp_path):
         assert step[side]["median_of_runs"] == statistics.median(meds)
     b, a = step["before"]["median_of_runs"], step["after"]["median_of_runs"]
     assert step["after_vs_before"] == (a - b) / b
+
+
+def test_bench_vs_trl_times_both_sides_and_copies_gsm8k(tmp_path):
+    """The issue-"Speed" driver on CPU with the tiny model: our GRPO step and TRL's GRPOTrainer step on
+    the same forced-length workload, per-stage MFU of ours, and the GSM8K numbers copied from the
+    committed results files."""
+    out = tmp_path / "v.json"
+    subprocess.run([sys.executable, "benchmarks/bench_vs_trl.py", "--workloads", "w1_0_5b", "--model-yaml",
+                    "conf/model/tiny.yaml", "--device", "cpu", "--prompt-len", "16", "--response", "8",
+                    "--prompts", "2", "--samples", "2", "--steps", "3", "--trl-steps", "3", "--out", str(out),
+                    "--workdir", str(tmp_path / "work")], check=True, cwd=ROOT, env=ENV, capture_output=True)
+    r = json.loads(out.read_text())
+    assert r["peak_tflops"] == 790.0 and r["machine"]["gpu"] == "cpu" and r["versions"]["trl"]
+    w = r["workloads"]["w1_0_5b"]
+    assert w["ours_step_s"] > 0 and w["trl_step_s"] > 0
+    assert len(w["trl_step_s_all"]) == 3 and w["trl_step_s"] == statistics.median(w["trl_step_s_all"][1:])
+    assert w["ratio"] == w["trl_step_s"] / w["ours_step_s"]
+    assert w["trl_completion_lengths"] == [[8, 8]] * 3  # forced: every completion 8 tokens
+    assert w["ours_tokens"] == {"prompt_len": 16, "response_len": 8}
+    assert set(w["ours_mfu"]) == {"gen", "ref", "update_actor", "step"}  # old_log_prob skipped
+    for stage, mfu in w["ours_mfu"].items():
+        assert math.isfinite(mfu) and mfu > 0
+        assert mfu == w["ours_flops"][stage] / (w["ours_stages_s"][stage] * 790e12)
+    g = r["workloads"]["gsm8k"]
+    ours = json.load(open(os.path.join(ROOT, "benchmarks/results/gsm8k_token_budget_h200.json")))["runs"]["lr3e-6"]
+    trl = json.load(open(os.path.join(ROOT, "benchmarks/results/gsm8k_h200.json")))["trl"]
+    assert g["ours_step_s"] == ours["ours_step_s"] and g["trl_step_s"] == trl["step_s_median"]
+    assert g["ratio"] == trl["step_s_median"] / ours["ours_step_s"] and "ours_mfu" not in g
+    bad = subprocess.run([sys.executable, "benchmarks/bench_vs_trl.py", "--trl-steps", "2", "--device", "cpu"],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert bad.returncode != 0 and "--trl-steps 2" in bad.stderr

@@ -1,0 +1,352 @@
+r"""Our GRPO step vs TRL 1.16's GRPOTrainer step on the same synthetic workload, one run (issue "Speed").
+
+Workloads (random-init weights of our model shape, 8 prompts x 8 samples, ~128-token prompts, exactly
+256 response tokens, no early stop, temperature 1, KL loss coefficient 0.001, lr 1e-6):
+  w1_0_5b  conf/model/qwen2_0_5b.yaml      w1_1_5b  conf/model/qwen2_1_5b.yaml
+  gsm8k    not run: copied from benchmarks/results/gsm8k_token_budget_h200.json (ours, runs.lr3e-6)
+           and benchmarks/results/gsm8k_h200.json (trl); no MFU (variable response lengths).
+
+Each side runs in its own process, one after the other (ours, then TRL), so neither holds GPU memory
+while the other runs and each peak-memory number is its own process's:
+- ours: benchmarks/bench_rl_step.py --algos grpo --skip-old-log-prob (one mini-batch per step: the
+  trainer's default skips the old-log-prob pass, and TRL has none either), bf16, the `copy` task with
+  `data.synthetic_length` = prompt length - 8 (its prompts are that many letters + 8 tokens).
+  Step and stage times are medians of the steps after the first.
+- TRL: this file with `--trl-side` (a hidden option): the HF Qwen2 of the same shape
+  (bench_generate.hf_model) loaded in fp32 and trained under bf16 autocast (`bf16=True`) as
+  trl_gsm8k.py does (pure-bf16 Adam would lose 1e-6 updates; ours keeps fp32 master weights too);
+  a WordLevel tokenizer whose words "t0".."t{V-1}" are the model's ids (eos = pad = the last id,
+  never in a prompt) and 8 prompts of prompt-length random words; num_generations 8,
+  per_device_train_batch_size `--trl-micro` completions and gradient accumulation so one optimizer
+  step consumes the 64 completions of 8 prompts (trl_gsm8k's convention); `min_new_tokens` =
+  `max_completion_length` in generation_kwargs forces every completion to full length (checked from
+  TRL's logged completion lengths); loss `dapo`, scale_rewards "group", beta 0.001 (so both sides run
+  a reference forward: TRL loads it from the random weights saved to `--workdir`), gradient
+  checkpointing on (TRL's default, the setting of the measured GSM8K runs), a random reward per
+  completion (non-zero advantages). Step time: on_step_begin -> on_step_end with CUDA synchronised;
+  `trl_step_s` is the median of the steps after the first.
+MFU of our stages = stage FLOPs / (stage seconds x `--peak-tflops`), FLOPs from hybridflow/cost/flops.py
+at the measured tokens: gen = prefill of each distinct prompt once (our generator shares it between
+the n samples) + decode at mean context P + R/2; ref and old_log_prob = 1 forward over P + R tokens
+per sequence; update_actor = 3 forwards (fwd + bwd; our trainer has no activation recompute);
+step = their sum over the step's seconds. On CPU the MFU numbers are meaningless, computed alike.
+
+CPU smoke (tiny model, a few tokens; tests/dist/test_bench_scripts.py):
+  python benchmarks/bench_vs_trl.py --workloads w1_0_5b --model-yaml conf/model/tiny.yaml \
+      --device cpu --prompt-len 16 --response 8 --prompts 2 --samples 2 --steps 3 --trl-steps 3 --out /tmp/v.json
+
+On the H200, one device call per workload (both in one call would need ~8 of its 10 minutes; the
+JSON is rewritten after each workload, so a cut call keeps the finished one). The second call adds
+its workload to the first's JSON with `--append` while the machine stays warm (/tmp survives);
+after a cold start it writes its own, to be merged by hand.
+Here, once (.whl/ and .whl_bench/ are git-ignored, so `carry` can name them):
+  bash ../shared/gpu/fetch_wheels.sh .whl                # megatron-core, hydra-core, omegaconf, antlr4
+  cp -r /work/cache/whl_bench .whl_bench                 # trl 1.16, datasets, dill, multiprocess (+ fallback/)
+Each call, carry [".whl", ".whl_bench"]:
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && python3 benchmarks/install_peer_wheels.py .whl_bench --target /tmp/site \
+    && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/bench_vs_trl.py --workloads w1_0_5b \
+       --out /tmp/vs_trl/vs_trl_h200.json; cp /tmp/vs_trl/vs_trl_h200.json $OUT/
+  (second call: the same with `--workloads w1_1_5b --append`)
+Device minutes, estimated (TRL not yet measured at this shape): wheels ~0.5; ours ~1.2 min trainer
+start + 6 steps of ~1.3 s (0.5B, rl_step_h200.json) / ~3 s (1.5B); TRL ~0.5 min load and weight save
++ 4 steps of ~10-25 s (transformers generate: 256 tokens at batch 64, launch-bound, plus the
+checkpointed update) => ~3-4 min per call, ~8 minutes for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gsm8k_hf_eval import machine, versions, write_json  # noqa: E402  (write_json: temp file + os.replace)
+
+WORKLOADS = {"w1_0_5b": "conf/model/qwen2_0_5b.yaml", "w1_1_5b": "conf/model/qwen2_1_5b.yaml"}
+GSM8K_OURS = ROOT / "benchmarks/results/gsm8k_token_budget_h200.json"  # runs.lr3e-6
+GSM8K_TRL = ROOT / "benchmarks/results/gsm8k_h200.json"                # trl
+FORWARD_STAGES = ("ref", "old_log_prob")
+
+
+def load_shape(path: str):
+    """(group name, ModelConfig) of a conf/model/*.yaml file: ours composes the model group by name."""
+    import yaml
+
+    from hybridflow.model_config import ModelConfig
+
+    p = (ROOT / path).resolve() if not os.path.isabs(path) else Path(path)
+    if p.parent != (ROOT / "conf/model").resolve() or not p.is_file():
+        raise ValueError(f"--model-yaml {path}: expected a file in {ROOT / 'conf/model'} (our trainer "
+                         "selects the model group by that name)")
+    return p.stem, ModelConfig(**yaml.safe_load(p.read_text()))
+
+
+# ----------------------------------------------------------------------------------------- ours
+def run_ours(args, *, model: str, workdir: Path) -> dict:
+    out = workdir / "ours.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/bench_rl_step.py"), "--model", model, "--algos", "grpo",
+           "--steps", str(args.steps), "--prompts", str(args.prompts), "--samples", str(args.samples),
+           "--response", str(args.response), "--micro", str(args.ours_micro), "--skip-old-log-prob",
+           "--override", f"data.synthetic_length={args.prompt_len - 8}",
+           "--override", f"actor_optim.lr={args.lr}", "--out", str(out)]
+    if args.device == "cpu":
+        cmd += ["--override", "trainer.precision=fp32"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+    return json.loads(out.read_text())["results"]["grpo"]
+
+
+def stage_flops(shape, *, prompts: int, samples: int, prompt_len: float, response: float,
+                stages) -> dict[str, float]:
+    """Model FLOPs of each of our timed stages (those in `stages`) for one step."""
+    from hybridflow.cost.flops import decode_flops_per_token, forward_flops_per_token, train_flops_per_token
+
+    seqs, seq_len = prompts * samples, prompt_len + response
+    out = {"gen": prompts * prompt_len * forward_flops_per_token(shape, prompt_len)
+           + seqs * response * decode_flops_per_token(shape, prompt_len + response / 2),
+           "update_actor": seqs * seq_len * train_flops_per_token(shape, seq_len, recompute=False)}
+    for s in FORWARD_STAGES:
+        out[s] = seqs * seq_len * forward_flops_per_token(shape, seq_len)
+    return {s: f for s, f in out.items() if s in stages}
+
+
+def ours_entry(summary: dict, *, shape, args) -> dict:
+    med = summary["median_later_steps"]
+    stages = {k.removeprefix("timing_s/"): v for k, v in med.items() if k.startswith("timing_s/")}
+    later = summary["steps"][1:]
+    lengths = {(r["response_length/min"], r["response_length/max"]) for r in summary["steps"]}
+    if lengths != {(args.response, args.response)}:
+        raise RuntimeError(f"our responses were not all {args.response} tokens: (min, max) {lengths}")
+    # the tokens actually run: every sequence is prompt + response (copy task, forced length)
+    seqs = args.prompts * args.samples
+    response = statistics.median(r["response_length/mean"] for r in later)
+    prompt_len = statistics.median(r["perf/total_num_tokens"] for r in later) / seqs - response
+    flops = stage_flops(shape, prompts=args.prompts, samples=args.samples, prompt_len=prompt_len,
+                        response=response, stages=stages)
+    flops["step"] = sum(flops.values())
+    peak = args.peak_tflops * 1e12
+    mems = [r["perf/max_memory_allocated_gb"] for r in summary["steps"] if "perf/max_memory_allocated_gb" in r]
+    return {"ours_step_s": stages["step"], "ours_step_s_all": [r["timing_s/step"] for r in summary["steps"]],
+            "ours_stages_s": stages, "ours_flops": flops,
+            "ours_mfu": {s: f / (stages[s] * peak) for s, f in flops.items()},
+            "ours_peak_memory_gb": max(mems) if mems else None,
+            "ours_tokens": {"prompt_len": prompt_len, "response_len": response}}
+
+
+# ------------------------------------------------------------------------------------------ TRL
+def run_trl(args, *, workdir: Path) -> dict:
+    out = workdir / "trl.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-side", str(out), "--workdir", str(workdir),
+           *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+             if k in ("model_yaml", "prompts", "samples", "prompt_len", "response", "trl_steps", "trl_micro",
+                      "lr", "beta", "seed", "device")]]
+    if args.trl_no_grad_ckpt:
+        cmd.append("--trl-no-grad-ckpt")
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return json.loads(out.read_text())
+
+
+def word_tokenizer(vocab_size: int):
+    """Words "t0".."t{V-1}" are the ids 0..V-1 (whitespace-separated); eos = pad = the last id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    eos = f"t{vocab_size - 1}"
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token=eos))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=eos, unk_token=eos)
+
+
+def trl_side(args) -> None:
+    """One TRL GRPOTrainer run of `--trl-steps` optimizer steps; writes its JSON to args.trl_side."""
+    import random
+
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from bench_generate import hf_model
+
+    _, shape = load_shape(args.model_yaml)
+    on_gpu = args.device.startswith("cuda")
+    rng = random.Random(args.seed)
+    tokenizer = word_tokenizer(shape.vocab_size)
+    prompts = [" ".join(f"t{rng.randrange(shape.vocab_size - 1)}" for _ in range(args.prompt_len))
+               for _ in range(args.prompts)]
+    model = hf_model(shape, device=args.device, dtype=torch.float32).train()
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    # beta > 0: TRL builds its reference model with from_pretrained(config._name_or_path)
+    init_dir = Path(args.workdir) / "trl_init"
+    model.save_pretrained(init_dir)
+    model.config._name_or_path = str(init_dir)
+
+    def random_reward(completions, **kwargs) -> list[float]:
+        return [rng.random() for _ in completions]
+
+    completions = args.prompts * args.samples
+    result = {"step_s": [], "logs": [], "machine": machine(), "versions": versions("trl", "datasets")}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            sync()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            sync()
+            result["step_s"].append(time.perf_counter() - self.t0)
+
+        def on_log(self, a, state, control, logs=None, **k):
+            result["logs"].append({"step": state.global_step, **{key: v for key, v in (logs or {}).items()
+                                                                  if isinstance(v, (int, float))}})
+
+    config = GRPOConfig(
+        output_dir=str(Path(args.workdir) / "trl_out"), max_steps=args.trl_steps, learning_rate=args.lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=args.beta,
+        loss_type="dapo", scale_rewards="group", num_generations=args.samples,
+        per_device_train_batch_size=args.trl_micro, gradient_accumulation_steps=completions // args.trl_micro,
+        max_completion_length=args.response, generation_kwargs={"min_new_tokens": args.response},
+        temperature=1.0, top_p=1.0, top_k=0, bf16=on_gpu, use_cpu=not on_gpu,
+        gradient_checkpointing=not args.trl_no_grad_ckpt, use_vllm=False, logging_steps=1, save_strategy="no",
+        report_to="none", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=[random_reward], args=config,
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+                          processing_class=tokenizer, callbacks=[StepTimer()])
+    trainer.train()
+    if torch.cuda.is_available():
+        result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    lengths = [(r["completions/min_length"], r["completions/max_length"]) for r in result["logs"]
+               if "completions/min_length" in r]
+    if not lengths or any(lo != args.response or hi != args.response for lo, hi in lengths):
+        raise RuntimeError(f"TRL completions were not all {args.response} tokens: (min, max) per step {lengths}")
+    result["completion_lengths"] = lengths
+    write_json(args.trl_side, result)
+
+
+# ------------------------------------------------------------------------------------- results
+def gsm8k_entry() -> dict:
+    ours = json.loads(GSM8K_OURS.read_text())["runs"]["lr3e-6"]
+    trl = json.loads(GSM8K_TRL.read_text())["trl"]
+    return {"ours_step_s": ours["ours_step_s"], "trl_step_s": trl["step_s_median"], "trl_step_s_all": trl["step_s"],
+            "ratio": trl["step_s_median"] / ours["ours_step_s"], "ours_stages_s": ours["ours_stages_s"],
+            "ours_peak_memory_gb": ours["ours_peak_memory_gb"], "trl_peak_memory_gb": trl.get("peak_memory_gb"),
+            "config": {"source": {"ours": f"{GSM8K_OURS.relative_to(ROOT)} runs.lr3e-6",
+                                  "trl": f"{GSM8K_TRL.relative_to(ROOT)} trl"},
+                       "trl_median_of": trl.get("step_s_median_of")},
+            "note": "copied, not run here; ours_mfu left out: response lengths vary per sequence"}
+
+
+def print_table(workloads: dict) -> None:
+    print(f"{'workload':10s}{'ours s':>9s}{'trl s':>9s}{'trl/ours':>9s}  ours MFU by stage")
+    for name, w in workloads.items():
+        mfu = " ".join(f"{s}={v:.1%}" for s, v in w.get("ours_mfu", {}).items())
+        print(f"{name:10s}{w['ours_step_s']:9.3f}{w['trl_step_s']:9.3f}{w['ratio']:9.2f}  {mfu}")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default="w1_0_5b,w1_1_5b", help=f"comma-separated: {', '.join(WORKLOADS)}")
+    ap.add_argument("--out", help="results JSON (written atomically after every workload)")
+    ap.add_argument("--append", action="store_true", help="keep the workloads already in --out")
+    ap.add_argument("--steps", type=int, default=6, help="our steps; the first is left out of the medians")
+    ap.add_argument("--trl-steps", type=int, default=4, help="TRL steps; the first is left out of the median")
+    ap.add_argument("--model-yaml", "--model-override", dest="model_yaml", default=None,
+                    help="a conf/model/*.yaml replacing every workload's model (the CPU smoke: tiny.yaml)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--response", type=int, default=256)
+    ap.add_argument("--ours-micro", type=int, default=None,
+                    help="our micro-batch in sequences (default: min(8, prompts x samples), bench_rl_step's 8)")
+    ap.add_argument("--trl-micro", type=int, default=None,
+                    help="TRL's per_device_train_batch_size in completions (default: min(64, prompts x samples))")
+    ap.add_argument("--trl-no-grad-ckpt", action="store_true", help="turn TRL's gradient checkpointing off")
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--beta", type=float, default=0.001, help="TRL's KL coefficient (ours: algo grpo's 0.001)")
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="MFU denominator (H200 bf16 matmul)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=None, help="TRL's device, cpu also makes ours fp32 (ours runs where "
+                    "the trainer puts it); default: cuda when there is one")
+    ap.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one)")
+    ap.add_argument("--trl-side", default=None, help=argparse.SUPPRESS)  # internal: run TRL, write here
+    args = ap.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    names = [w for w in args.workloads.split(",") if w]
+    if not names or any(w not in WORKLOADS for w in names):
+        raise ValueError(f"--workloads {args.workloads!r}: expected names among {', '.join(WORKLOADS)}")
+    if args.steps < 2:
+        raise ValueError(f"--steps {args.steps}: need >= 2 (the first is left out of the medians)")
+    if args.trl_steps < 3:
+        raise ValueError(f"--trl-steps {args.trl_steps}: need >= 3 (>= 2 timed steps after the first)")
+    args.ours_micro = args.ours_micro or min(8, args.prompts * args.samples)
+    args.trl_micro = args.trl_micro or min(64, args.prompts * args.samples)
+    if (args.prompts * args.samples) % args.trl_micro:
+        raise ValueError(f"--trl-micro {args.trl_micro} must divide prompts x samples = {args.prompts * args.samples}")
+    if not 9 <= args.prompt_len <= 160:
+        raise ValueError(f"--prompt-len {args.prompt_len}: expected 9..160 (copy task: letters + 8 tokens, "
+                         "bench_rl_step's data.max_prompt_length=160)")
+    return args, names
+
+
+def main(argv=None) -> dict:
+    args, names = parse_args(argv)
+    if args.trl_side:
+        trl_side(args)
+        return {}
+    record = {"benchmark": "our GRPO step vs TRL GRPOTrainer step", "command": " ".join(["python", *sys.argv]),
+              "peak_tflops": args.peak_tflops, "workloads": {}}
+    if args.append and args.out and Path(args.out).is_file():
+        record["workloads"] = json.loads(Path(args.out).read_text())["workloads"]
+    record["workloads"]["gsm8k"] = gsm8k_entry()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            model_yaml = args.model_yaml or WORKLOADS[name]
+            model, shape = load_shape(model_yaml)
+            workdir = Path(args.workdir or tmp) / name
+            workdir.mkdir(parents=True, exist_ok=True)
+            entry = ours_entry(run_ours(args, model=model, workdir=workdir), shape=shape, args=args)
+            trl = run_trl(argparse.Namespace(**{**vars(args), "model_yaml": model_yaml}), workdir=workdir)
+            later = trl["step_s"][1:]
+            if len(later) < 2:
+                raise RuntimeError(f"TRL timed {len(trl['step_s'])} steps; --trl-steps must give >= 2 after the first")
+            entry.update(trl_step_s=statistics.median(later), trl_step_s_all=trl["step_s"],
+                         trl_peak_memory_gb=trl.get("peak_memory_gb"),
+                         trl_completion_lengths=trl["completion_lengths"])
+            entry["ratio"] = entry["trl_step_s"] / entry["ours_step_s"]
+            entry["config"] = {
+                "model_yaml": model_yaml, "prompts": args.prompts, "samples": args.samples,
+                "prompt_len": args.prompt_len, "response_len": args.response, "forced_length": True,
+                "temperature": 1.0, "lr": args.lr, "kl_coef": args.beta, "device": args.device,
+                "ours": {"algo": "grpo", "steps": args.steps, "micro_batch": args.ours_micro,
+                         "precision": "fp32" if args.device == "cpu" else "bf16",
+                         "skip_old_log_prob": True, "activation_recompute": False},
+                "trl": {"steps": args.trl_steps, "per_device_train_batch_size": args.trl_micro,
+                        "gradient_accumulation_steps": args.prompts * args.samples // args.trl_micro,
+                        "loss_type": "dapo", "scale_rewards": "group",
+                        "gradient_checkpointing": not args.trl_no_grad_ckpt,
+                        "weights": "fp32 master, bf16 autocast" if args.device != "cpu" else "fp32"},
+                "processes": "ours then TRL, each in its own process"}
+            record["workloads"][name] = entry
+            record.update(machine=trl["machine"], versions=trl["versions"])
+            if args.out:
+                write_json(args.out, record)
+    print_table(record["workloads"])
+    return record
+
+
+if __name__ == "__main__":
+    main()
