@@ -41,7 +41,7 @@ its workload to the first's JSON with `--append` while the machine stays warm (/
 after a cold start it writes its own, to be merged by hand.
 Here, once (.whl/ and .whl_bench/ are git-ignored, so `carry` can name them):
   bash ../shared/gpu/fetch_wheels.sh .whl                # megatron-core, hydra-core, omegaconf, antlr4
-  cp -r /work/cache/whl_bench .whl_bench                 # trl 1.16, datasets, dill, multiprocess (+ fallback/)
+  bash benchmarks/fetch_peer_wheels.sh .whl_bench        # trl 1.16, datasets, dill, multiprocess (+ fallback/)
 Each call, carry [".whl", ".whl_bench"]:
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
     && python3 benchmarks/install_peer_wheels.py .whl_bench --target /tmp/site \
