@@ -186,9 +186,10 @@ class Generator:
 
     def release(self) -> None:
         """Free the KV cache, captured graphs and static buffers (not the weights)."""
-        for _, fn in self._steps.values():
-            if isinstance(fn, GraphedStep):
-                fn.graph.reset()
+        for _, fns in self._steps.values():
+            for fn in fns.values():
+                if isinstance(fn, GraphedStep):
+                    fn.graph.reset()
         self._steps.clear()
         self._cache = self._tables = self._pool = self._side = None
         self._rng = torch.Generator(device=self.device)  # drops graph-registered RNG state too

@@ -76,3 +76,24 @@ def test_window_must_be_a_multiple_of_64():
         with pytest.raises(ValueError, match="rollout.decode_kv_window"):
             validate(cfg, world_size=1)
     validate(load_config(["rollout.decode_kv_window=128"]), world_size=1)
+
+
+def test_release_resets_every_windows_graph():
+    """Each bucket holds a step per window: release() must reset all of their graphs."""
+    from hybridflow.rollout.cuda_graph import GraphedStep
+
+    class FakeGraph:
+        resets = 0
+
+        def reset(self):
+            FakeGraph.resets += 1
+
+    gen = make()
+    fns = {}
+    for w in (64, 128, 192):
+        step = GraphedStep.__new__(GraphedStep)
+        step.graph = FakeGraph()
+        fns[w] = step
+    gen._steps[("bucket",)] = (None, fns)
+    gen.release()
+    assert FakeGraph.resets == 3 and gen._steps == {}
