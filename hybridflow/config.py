@@ -155,16 +155,25 @@ class AlgoConfig:
     use_dynamic_bsz: bool = False
     max_tokens_per_micro_batch_per_gpu: int = 16384  # training passes (update_actor/critic, SFT)
     forward_max_tokens_per_micro_batch_per_gpu: Optional[int] = None  # forward-only; None: same
+    # Sequence packing (needs use_dynamic_bsz and PP=1): each token-budget micro-batch runs as ONE
+    # row of its rows' real tokens back to back (no padding computed), attention limited to each
+    # row's own tokens by a flex_attention block mask (hybridflow/data/packing.py); the budget then
+    # counts real tokens. Same results as unpacked; no explicit SDPA mask, so the cuDNN masked-
+    # backward bug routed around in models/attention.py does not arise. Needs SDPAttention
+    # (model.attention_backend sdpa, or auto without transformer-engine). Off until timed on a GPU.
+    pack_sequences: bool = False
 
 
 def micro_batching(a: AlgoConfig, *, forward: bool) -> dict:
-    """`micro_batch_size` and `max_tokens` (None: fixed micro-batches) for the Engine's passes."""
+    """`micro_batch_size`, `max_tokens` (None: fixed micro-batches) and `pack` (sequence packing)
+    for the Engine's passes."""
     rows = a.micro_batch_size_per_gpu
     tokens = a.max_tokens_per_micro_batch_per_gpu
     if forward:
         rows = a.forward_micro_batch_size_per_gpu or rows
         tokens = a.forward_max_tokens_per_micro_batch_per_gpu or tokens
-    return {"micro_batch_size": rows, "max_tokens": tokens if a.use_dynamic_bsz else None}
+    return {"micro_batch_size": rows, "max_tokens": tokens if a.use_dynamic_bsz else None,
+            "pack": a.pack_sequences and a.use_dynamic_bsz}
 
 
 @dataclass

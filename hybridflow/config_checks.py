@@ -121,6 +121,15 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if seqs % a.ppo_mini_batch_size:
         raise ValueError(f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} (global) must divide "
                          f"the sequences per step data.prompts_per_step x rollout.n = {seqs}")
+    if a.pack_sequences and (not a.use_dynamic_bsz or p.pipeline_parallel_size != 1):
+        raise ValueError(f"algo.pack_sequences=true needs algo.use_dynamic_bsz=true (got "
+                         f"{a.use_dynamic_bsz}) and parallel.pipeline_parallel_size=1 (got "
+                         f"{p.pipeline_parallel_size}): it packs each token-budget micro-batch "
+                         f"into one row of one shape per micro-batch")
+    if a.pack_sequences and cfg.model.attention_backend in ("te", "local"):
+        raise ValueError(f"algo.pack_sequences=true needs model.attention_backend=sdpa or auto "
+                         f"(got {cfg.model.attention_backend!r}): its block mask runs on "
+                         f"flex_attention in SDPAttention")
     if a.use_dynamic_bsz:  # micro-batches by tokens: the row counts of _validate_micro_batches unused
         _validate_dynamic_bsz(cfg, dp=dp)
     else:

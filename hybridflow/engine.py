@@ -10,6 +10,16 @@ with `max_tokens` (algo.use_dynamic_bsz), by token budget: rows grouped by lengt
 the per-row results scattered back to the batch's row order. Padding columns carry no loss weight, so
 both give the same results; the budget only changes how much padding is computed.
 
+Sequence packing (`pack`, algo.pack_sequences; off by default until timed on a GPU): each
+token-budget micro-batch runs as ONE row of its rows' real tokens back to back (no padding computed
+but the tail to a multiple of TP under sequence parallel), attention limited to each row's own
+tokens, causally, by a flex_attention block mask (hybridflow.data.packing,
+hybridflow.models.attention.document_causal_mask). The budget then counts real tokens. The loss still
+sees the padded micro-batch: per-token results over the packed row are gathered into its (b, R_mb)
+layout (`PackedRows.unpack`, differentiable). No explicit SDPA mask is passed, so the cuDNN
+masked-backward bug routed around in models/attention.py does not arise; the per-layer CUDA graphs
+(models/graphs.py) run only unmasked calls, so packed micro-batches run the eager layers.
+
 Loss scaling: loss functions (hybridflow.algo) normalise by *global* denominators (tokens or sequences
 of the whole mini-batch across micro-batches and DP ranks). Megatron divides each micro-batch loss by
 the number of micro-batches and DDP averages grads over DP, so the engine multiplies by both: the
@@ -39,6 +49,8 @@ from megatron.core.transformer.module import Float16Module
 from hybridflow.config import ModelConfig, OptimConfig, ParallelConfig
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.data.microbatch import token_budget_groups
+from hybridflow.data.packing import PackedRows, pack_rows
+from hybridflow.models.attention import SDPAttention, document_causal_mask
 from hybridflow.models.build import LM_ROLES, build_model
 from hybridflow.models.logprob import vocab_parallel_logprobs
 from hybridflow.parallel.context import ParallelContext
@@ -113,6 +125,7 @@ class Engine:
                 p.requires_grad_(False)
             model.eval()
         self.model = model
+        self.sdpa = any(isinstance(m, SDPAttention) for m in self.module.modules())
         self.device = ctx.device
         self._p2p = P2PCommunicator(pp_group=ctx.pp_group, config=self.tcfg)
 
@@ -129,11 +142,12 @@ class Engine:
 
     # ------------------------------------------------------------------ passes
     def _micro_batches(self, batch: RolloutBatch, *, micro_batch_size: int,
-                       max_tokens: Optional[int]
-                       ) -> tuple[list[tuple[RolloutBatch, bool]], Optional[torch.Tensor]]:
+                       max_tokens: Optional[int], pack: bool = False
+                       ) -> tuple[list[tuple[RolloutBatch, bool, Optional[PackedRows]]],
+                                  Optional[torch.Tensor]]:
         """The micro-batches on the device, each with whether it holds padding (read on the host,
-        before the copy, so the schedule never waits on the GPU for it), and (token budgets only)
-        `rows` (B,): result row k belongs to batch row rows[k]."""
+        before the copy, so the schedule never waits on the GPU for it) and (`pack`) its packed
+        row, and (token budgets only) `rows` (B,): result row k belongs to batch row rows[k]."""
         # under sequence parallel the sequence is split over TP: its length must divide
         multiple = self.ctx.tp_size if self.tcfg.sequence_parallel else 1
         rows = None
@@ -144,36 +158,57 @@ class Engine:
                 raise ValueError("algo.use_dynamic_bsz=true needs parallel.pipeline_parallel_size=1: "
                                  "pipeline stages exchange micro-batches of one fixed shape")
             groups = token_budget_groups(batch.prompt_mask.sum(1), batch.response_mask.sum(1),
-                                         max_tokens=max_tokens, multiple=multiple)
-            micro = [batch.select(torch.tensor(g)).trimmed().padded_to(multiple) for g in groups]
+                                         max_tokens=max_tokens, multiple=multiple, packed=pack)
+            micro = [batch.select(torch.tensor(g)).trimmed() for g in groups]
             rows = torch.tensor([i for g in groups for i in g])
-        return [(mb.to(self.device), not bool(mb.token_mask().all())) for mb in micro], rows
+        if pack:
+            if max_tokens is None:
+                raise ValueError("algo.pack_sequences=true needs algo.use_dynamic_bsz=true")
+            if not self.sdpa:
+                raise ValueError("algo.pack_sequences=true needs SDPAttention: set "
+                                 "model.attention_backend=sdpa (auto picked transformer-engine)")
+            own = self.role == "reward"
+            return [(mb.to(self.device), False,
+                     pack_rows(mb, multiple=multiple, own_position=own).to(self.device))
+                    for mb in micro], rows
+        micro = [mb.padded_to(multiple) for mb in micro] if max_tokens is not None else micro
+        return [(mb.to(self.device), not bool(mb.token_mask().all()), None) for mb in micro], rows
 
     def _run(self, batch: RolloutBatch, *, micro_batch_size: int, forward_only: bool,
              loss_fn: Optional[LossFn], temperature: float, need_entropy: bool,
-             max_tokens: Optional[int] = None, keep_logprobs: bool = False):
+             max_tokens: Optional[int] = None, keep_logprobs: bool = False, pack: bool = False):
         micro, rows = self._micro_batches(batch, micro_batch_size=micro_batch_size,
-                                          max_tokens=max_tokens)
+                                          max_tokens=max_tokens, pack=pack)
         # shapes for the pipeline schedules (PP > 1 runs only fixed micro-batches, all alike)
-        seq_len = max(mb.prompt_len + mb.response_ids.shape[1] for mb, _ in micro)
+        seq_len = max(mb.prompt_len + mb.response_ids.shape[1] for mb, _, _ in micro)
         tp_group = self.ctx.tp_group
         dp = self.ctx.dp_size
         n_micro = len(micro)
 
         def forward_step(data_iter, model):
-            mb, padded = next(data_iter)
-            out = model(mb.input_ids(), mb.position_ids(),
-                        attention_mask(mb.token_mask(), padded=padded))
+            mb, padded, packed = next(data_iter)
+            if packed is None:
+                out = model(mb.input_ids(), mb.position_ids(),
+                            attention_mask(mb.token_mask(), padded=padded))
+            else:  # one row (1, S); its results are gathered back into mb's (b, R_mb) below
+                out = model(packed.input_ids, packed.position_ids,
+                            document_causal_mask(packed.document_ids))
 
             def loss_func(output):
                 # outputs that predict response tokens; a reward model reads each token's own state
-                p = mb.prompt_len
-                pred = output[:, p:] if self.role == "reward" else output[:, p - 1:-1]
+                if packed is None:
+                    p = mb.prompt_len
+                    pred = output[:, p:] if self.role == "reward" else output[:, p - 1:-1]
+                    targets = mb.response_ids
+                else:  # every packed position; a row's last one predicts garbage, never gathered
+                    pred, targets = output, packed.targets
                 if self.role in LM_ROLES:
-                    res = _lm_head(pred, mb, tp_group=tp_group, temperature=temperature,
+                    res = _lm_head(pred, targets, tp_group=tp_group, temperature=temperature,
                                    true_vocab=self.vocab_limit, entropy=need_entropy)
                 else:
                     res = {"values": pred.squeeze(-1).float()}
+                if packed is not None:
+                    res = {k: packed.unpack(v) for k, v in res.items()}
                 if loss_fn is None:
                     zero = output.sum() * 0.0
                     return zero, {k: v.detach() for k, v in res.items()}
@@ -191,38 +226,40 @@ class Engine:
             outs = get_forward_backward_func(pp_size=self.ctx.pp_size)(
                 forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
                 num_microbatches=n_micro, seq_length=seq_len,
-                micro_batch_size=max(mb.batch_size for mb, _ in micro),
+                micro_batch_size=max(mb.batch_size for mb, _, _ in micro),
                 forward_only=forward_only, p2p_communicator=self._p2p,
                 pg_collection=self.ctx.pgs)
         return outs, rows
 
-    # `max_tokens` (below): micro-batches by token budget instead of `micro_batch_size` rows
+    # `max_tokens` (below): micro-batches by token budget instead of `micro_batch_size` rows;
+    # `pack`: each of them run as one packed row (see the module docstring)
     def compute_logprobs(self, batch: RolloutBatch, *, micro_batch_size: int,
-                         temperature: float = 1.0, max_tokens: Optional[int] = None) -> torch.Tensor:
+                         temperature: float = 1.0, max_tokens: Optional[int] = None,
+                         pack: bool = False) -> torch.Tensor:
         out, rows = self._run(batch, micro_batch_size=micro_batch_size, forward_only=True,
                               loss_fn=None, temperature=temperature, need_entropy=False,
-                              max_tokens=max_tokens)
+                              max_tokens=max_tokens, pack=pack)
         return self._from_last_stage(out, "logprobs", batch, rows)
 
     def compute_values(self, batch: RolloutBatch, *, micro_batch_size: int,
-                       max_tokens: Optional[int] = None) -> torch.Tensor:
+                       max_tokens: Optional[int] = None, pack: bool = False) -> torch.Tensor:
         out, rows = self._run(batch, micro_batch_size=micro_batch_size, forward_only=True,
                               loss_fn=None, temperature=1.0, need_entropy=False,
-                              max_tokens=max_tokens)
+                              max_tokens=max_tokens, pack=pack)
         return self._from_last_stage(out, "values", batch, rows)
 
     def compute_scores(self, batch: RolloutBatch, *, micro_batch_size: int,
-                       max_tokens: Optional[int] = None) -> torch.Tensor:
+                       max_tokens: Optional[int] = None, pack: bool = False) -> torch.Tensor:
         """Reward model: the scalar head at each row's last response token. (B,)"""
         values = self.compute_values(batch, micro_batch_size=micro_batch_size,
-                                     max_tokens=max_tokens)
+                                     max_tokens=max_tokens, pack=pack)
         last = (batch.response_mask.sum(1) - 1).clamp(min=0)
         return values[torch.arange(batch.batch_size), last]
 
     def train_step(self, batch: RolloutBatch, loss_fn: LossFn, *, micro_batch_size: int,
                    temperature: float = 1.0, need_entropy: bool = False,
                    lr: Optional[float] = None, max_tokens: Optional[int] = None,
-                   keep_logprobs: bool = False) -> dict:
+                   keep_logprobs: bool = False, pack: bool = False) -> dict:
         """One optimizer step on `batch` (this rank's share of a mini-batch). With `lr`, the step
         uses that fixed rate and leaves the LR schedule where it is (supervised warm-up). When any
         gradient is inf/NaN on any rank the weights, optimizer state and schedule stay as they were
@@ -234,7 +271,7 @@ class Engine:
         self.optimizer.zero_grad()
         out, rows = self._run(batch, micro_batch_size=micro_batch_size, forward_only=False,
                               loss_fn=loss_fn, temperature=temperature, need_entropy=need_entropy,
-                              max_tokens=max_tokens, keep_logprobs=keep_logprobs)
+                              max_tokens=max_tokens, keep_logprobs=keep_logprobs, pack=pack)
         logprobs = self._from_last_stage(out, "logprobs", batch, rows) if keep_logprobs else None
         out = [{k: v for k, v in o.items() if k != "logprobs"} for o in out]
         scheduled = [g["lr"] for g in self.optimizer.param_groups]
@@ -290,8 +327,8 @@ class Engine:
         return t.cpu()
 
 
-def _lm_head(pred, mb, *, tp_group, temperature, true_vocab, entropy):
-    res = vocab_parallel_logprobs(pred, mb.response_ids, tp_group=tp_group,
+def _lm_head(pred, targets, *, tp_group, temperature, true_vocab, entropy):
+    res = vocab_parallel_logprobs(pred, targets, tp_group=tp_group,
                                   true_vocab_size=true_vocab, temperature=temperature,
                                   with_entropy=entropy)
     if entropy:

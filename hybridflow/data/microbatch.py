@@ -33,40 +33,45 @@ def padded_tokens(prompt_len: int, response_len: int, rows: int, *, multiple: in
 
 
 def token_budget_groups(prompt_lens: torch.Tensor, response_lens: torch.Tensor, *, max_tokens: int,
-                        multiple: int = 1) -> list[list[int]]:
+                        multiple: int = 1, packed: bool = False) -> list[list[int]]:
     """Row indices of each micro-batch, longest rows first; together a permutation of range(B).
 
     prompt_lens, response_lens: (B,) real tokens of each row (prompt_mask / response_mask sums).
     A response is counted at least 1 long, as `RolloutBatch.trimmed` keeps one response column.
+    `packed`: a micro-batch costs its rows' real tokens (sequence packing, hybridflow.data.packing),
+    rounded up to `multiple`, instead of rows x its longest prompt + response.
     """
     assert prompt_lens.shape == response_lens.shape and prompt_lens.dim() == 1
     p = [int(x) for x in prompt_lens.tolist()]
     r = [max(int(x), 1) for x in response_lens.tolist()]
     by_total = sorted(range(len(p)), key=lambda i: (-(p[i] + r[i]), -r[i], i))
     by_response = sorted(range(len(p)), key=lambda i: (-r[i], -p[i], i))
-    candidates = [_next_fit(order, p, r, max_tokens=max_tokens, multiple=multiple)
+    candidates = [_next_fit(order, p, r, max_tokens=max_tokens, multiple=multiple, packed=packed)
                   for order in (by_total, by_response)]
 
     def cost(groups):
-        tokens = sum(padded_tokens(max(p[i] for i in g), max(r[i] for i in g), len(g),
-                                   multiple=multiple) for g in groups)
+        tokens = sum(_cost(g, p, r, multiple=multiple, packed=packed) for g in groups)
         return tokens, len(groups)
 
     return min(candidates, key=cost)  # the first on a tie
 
 
+def _cost(group: list[int], p: list[int], r: list[int], *, multiple: int, packed: bool) -> int:
+    if packed:
+        return -(-sum(p[i] + r[i] for i in group) // multiple) * multiple
+    return padded_tokens(max(p[i] for i in group), max(r[i] for i in group), len(group),
+                         multiple=multiple)
+
+
 def _next_fit(order: list[int], p: list[int], r: list[int], *, max_tokens: int,
-              multiple: int) -> list[list[int]]:
+              multiple: int, packed: bool = False) -> list[list[int]]:
     groups: list[list[int]] = []
     cur: list[int] = []
-    cur_p = cur_r = 0
     for i in order:
-        new_p, new_r = max(cur_p, p[i]), max(cur_r, r[i])
-        if cur and padded_tokens(new_p, new_r, len(cur) + 1, multiple=multiple) > max_tokens:
+        if cur and _cost(cur + [i], p, r, multiple=multiple, packed=packed) > max_tokens:
             groups.append(cur)
-            cur, new_p, new_r = [], p[i], r[i]
+            cur = []
         cur.append(i)
-        cur_p, cur_r = new_p, new_r
     if cur:
         groups.append(cur)
     return groups

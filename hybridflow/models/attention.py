@@ -20,10 +20,17 @@ own longest row) do, and gave an inf/NaN gradient in 4 of 35 GSM8K steps on an H
 (benchmarks/results/gsm8k_token_budget_h200.json). Those calls, and only those, run the
 memory-efficient kernel (K/V heads expanded, as it takes no `enable_gqa`); the forward-only
 passes and every other shape keep the default dispatch.
+
+Sequence packing (algo.pack_sequences, hybridflow/data/packing.py) passes a flex_attention
+`BlockMask` as `attention_mask` (Megatron hands it down untouched): attend within one document,
+causally, with no explicit dense mask. On CUDA it runs `torch.compile(flex_attention)` (compiled once,
+dynamic shapes); on CPU eager flex_attention when nothing will be differentiated, and SDPA with the
+same mask made dense otherwise (flex_attention has no CPU backward).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -33,6 +40,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
 class SDPAttention(MegatronModule):
@@ -58,6 +66,13 @@ class SDPAttention(MegatronModule):
         sk = key.shape[0]
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout_p = self.dropout_p if self.training else 0.0
+        if isinstance(attention_mask, BlockMask):
+            if dropout_p > 0 or sq != sk:
+                raise NotImplementedError("SDPAttention: a block mask (packed sequences) needs no "
+                                          "attention dropout and no KV cache")
+            out = packed_attention(q, k, v, attention_mask, scale=self.softmax_scale)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, nh * hd)
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         attn_mask, is_causal = None, False
         if attention_mask is not None:
@@ -69,7 +84,6 @@ class SDPAttention(MegatronModule):
                 is_causal = True
             else:
                 attn_mask = _causal(sq, sk, q.device)
-        dropout_p = self.dropout_p if self.training else 0.0
         if cudnn_backward_unsafe(q, sq, sk, attn_mask):
             out = sdpa_without_cudnn(q, k, v, attn_mask, dropout_p=dropout_p,
                                      scale=self.softmax_scale)
@@ -105,3 +119,32 @@ def sdpa_without_cudnn(q, k, v, attn_mask, *, dropout_p: float, scale: float) ->
     with sdpa_kernel(_NO_CUDNN):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                               scale=scale)
+
+
+def document_causal_mask(document_ids: torch.Tensor) -> BlockMask:
+    """(S,) document id of each packed position -> BlockMask: query q may attend key kv iff both
+    lie in the same document and kv <= q. Broadcast over batch (1 packed row) and heads."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (document_ids[q_idx] == document_ids[kv_idx]) & (q_idx >= kv_idx)
+
+    s = document_ids.shape[0]
+    return create_block_mask(mask_mod, None, None, s, s, device=document_ids.device)
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def packed_attention(q, k, v, block_mask: BlockMask, *, scale: float) -> torch.Tensor:
+    """q (b, h, s, d), k/v (b, h_kv, s, d) -> (b, h, s, d), attention allowed by `block_mask`."""
+    gqa = k.shape[1] != q.shape[1]
+    if q.is_cuda:
+        return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    sq, sk = q.shape[2], k.shape[2]
+    allowed = block_mask.mask_mod(0, 0, torch.arange(sq, device=q.device)[:, None],
+                                  torch.arange(sk, device=q.device)[None])  # (sq, sk)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                          enable_gqa=gqa)

@@ -77,7 +77,8 @@ def test_keys_default_off_and_micro_batching_reads_them():
     assert micro_batching(a, forward=True)["max_tokens"] is None
     a = _cfg("algo.use_dynamic_bsz=true", "algo.max_tokens_per_micro_batch_per_gpu=500",
              "algo.micro_batch_size_per_gpu=3").algo  # 3 divides nothing: unused with budgets
-    assert micro_batching(a, forward=False) == {"micro_batch_size": 3, "max_tokens": 500}
+    assert micro_batching(a, forward=False) == {"micro_batch_size": 3, "max_tokens": 500,
+                                                "pack": False}
     assert micro_batching(a, forward=True)["max_tokens"] == 500
     a = _cfg("algo.use_dynamic_bsz=true", "algo.forward_max_tokens_per_micro_batch_per_gpu=900").algo
     assert micro_batching(a, forward=True)["max_tokens"] == 900
@@ -100,3 +101,30 @@ def test_keys_default_off_and_micro_batching_reads_them():
 def test_bad_budgets_name_the_keys(overrides, world_size, match):
     with pytest.raises(ValueError, match=match):
         _cfg("algo.use_dynamic_bsz=true", *overrides, world_size=world_size)
+
+
+@pytest.mark.parametrize("overrides, world_size", [
+    ([], 1),  # token budgets off
+    (["algo.use_dynamic_bsz=true", "parallel.pipeline_parallel_size=2"], 2),
+])
+def test_pack_sequences_needs_budgets_and_no_pipeline(overrides, world_size):
+    with pytest.raises(ValueError, match=r"algo.pack_sequences=true needs algo.use_dynamic_bsz=true "
+                                         r".*parallel.pipeline_parallel_size=1"):
+        _cfg("algo.pack_sequences=true", *overrides, world_size=world_size)
+    with pytest.raises(ValueError, match=r"model.attention_backend=sdpa or auto \(got 'local'\)"):
+        _cfg("algo.pack_sequences=true", "algo.use_dynamic_bsz=true",
+             "model.attention_backend=local")
+    a = _cfg("algo.pack_sequences=true", "algo.use_dynamic_bsz=true").algo
+    assert micro_batching(a, forward=True)["pack"] is True
+
+
+@pytest.mark.parametrize("multiple", [1, 2])
+def test_packed_groups_count_real_tokens(multiple):
+    p, r = _lengths(200, 0)
+    budget = 8192
+    groups = token_budget_groups(p, r, max_tokens=budget, multiple=multiple, packed=True)
+    assert sorted(i for g in groups for i in g) == list(range(200))
+    real = [sum(int(p[i]) + max(int(r[i]), 1) for i in g) for g in groups]
+    assert all(-(-t // multiple) * multiple <= budget for t in real)
+    # fewer micro-batches than padded budgets need: packing fills the budget with real tokens
+    assert len(groups) < len(token_budget_groups(p, r, max_tokens=budget, multiple=multiple))

@@ -1,0 +1,69 @@
+"""Sequence packing: one micro-batch's rows as ONE row of their real tokens, built on the host.
+
+Row j of a micro-batch (prompt left-padded, response right-padded; masks are contiguous) becomes its
+p_j real prompt tokens followed by its r_j real response tokens, at offset off_j of the packed row;
+the rows follow each other in micro-batch order, and the packed length S is padded at the end to a
+multiple of `multiple` (TP under sequence parallel). Each row is its own "document" (id j), the tail
+padding one more (id b); attention stays within a document and is causal
+(hybridflow.models.attention.document_causal_mask). Megatron applies RoPE by absolute position
+0..S-1, and RoPE scores depend only on relative positions, so a row at an offset attends exactly as
+it does alone (the same reason left padding works).
+
+The loss side keeps the padded micro-batch: per-token results over the packed row, (1, S), are
+gathered into (b, R) by `PackedRows.unpack`. Response token k of row j sits at packed position
+off_j + p_j + k and is predicted by the output at the position before (`own_position`: the reward
+model reads each token's own state). Log-prob targets are the packed ids shifted by one: a row's last
+position predicts the next row's first token, which is never gathered. Entries past a row's
+response are 0 (masked by response_mask, as the padded path's are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.data.batch import RolloutBatch
+
+
+@dataclass
+class PackedRows:
+    input_ids: torch.Tensor  # (1, S) int64, rows' real tokens back to back, then 0s
+    position_ids: torch.Tensor  # (1, S) int64, 0 at each row's first token
+    targets: torch.Tensor  # (1, S) int64, the next packed token (0 at the end)
+    document_ids: torch.Tensor  # (S,) int64, row j -> j, tail padding -> b
+    gather: torch.Tensor  # (b, R) int64, packed position of each (row, response token)'s result
+    valid: torch.Tensor  # (b, R) bool, k < r_j
+
+    def to(self, device) -> "PackedRows":
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device)
+                                            for f in dataclasses.fields(self)})
+
+    def unpack(self, values: torch.Tensor) -> torch.Tensor:
+        """(1, S) per packed position -> (b, R) per response token; differentiable."""
+        out = values[0][self.gather]
+        return torch.where(self.valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def pack_rows(mb: RolloutBatch, *, multiple: int = 1, own_position: bool = False) -> PackedRows:
+    tokens = mb.token_mask().bool()  # (b, P + R)
+    p, r = mb.prompt_mask.sum(1), mb.response_mask.sum(1)  # (b,)
+    lengths = p + r
+    ids = mb.input_ids()[tokens]  # row-major: row 0's prompt + response, then row 1's, ...
+    real = ids.numel()
+    s = -(-max(real, 1) // multiple) * multiple
+    b = mb.batch_size
+    doc = torch.cat([torch.repeat_interleave(torch.arange(b), lengths),
+                     torch.full((s - real,), b, dtype=torch.long)])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])  # (b + 1,)
+    positions = torch.arange(s) - offsets[doc]  # the tail counts from 0 as well
+    ids = torch.nn.functional.pad(ids, (0, s - real))
+    targets = torch.cat([ids[1:], ids.new_zeros(1)])
+    k = torch.arange(mb.response_ids.shape[1])[None]  # (1, R)
+    valid = k < r[:, None]
+    gather = offsets[:-1, None] + p[:, None] + k - (0 if own_position else 1)
+    # past a row's response (and a prompt-less row's first token): any in-range index, masked
+    gather = torch.where(valid, gather, 0).clamp(min=0)
+    return PackedRows(input_ids=ids[None], position_ids=positions[None], targets=targets[None],
+                      document_ids=doc, gather=gather, valid=valid)

@@ -1,0 +1,93 @@
+"""Sequence packing gives the results of unpacked token-budget micro-batches, through the real Engine.
+
+The same batch as test_dynamic_bsz (rows of varied prompt and response lengths) runs with token
+budgets twice: unpacked (each micro-batch padded to its own widths; the reference) and packed (each
+micro-batch one row of real tokens, a flex_attention document mask). Packed micro-batches count real
+tokens, so they group the rows differently: the comparison also covers the row scatter. Compared,
+fp32: log-probs and entropies on real tokens (forward-only: eager flex_attention on CPU), critic
+values, reward-model scores, and one actor train step from identical weights (training: the dense
+form of the same mask on CPU): metrics, every gradient, the grad norm and the weights after Adam.
+Layouts: one rank (TP=1), and TP=2 with sequence parallel (packed length padded to a multiple of 2).
+"""
+
+import pytest
+import torch
+
+from hybridflow.algo.objectives import actor_objective
+from hybridflow.config import ParallelConfig, OptimConfig
+from hybridflow.parallel import groups
+from tests.dist.launcher import run_ranks
+from tests.dist.parity_util import fill_deterministic, gather_full
+from tests.dist.test_dynamic_bsz import ALGO, BUDGET, MODEL, _batch
+
+
+def _worker(tp: int, sp: bool):
+    from hybridflow.engine import Engine
+
+    ctx = groups.init_model_parallel(tp=tp, pp=1, seed=3)
+    par = ParallelConfig(tensor_parallel_size=tp, sequence_parallel=sp,
+                         use_distributed_optimizer=False)
+
+    def engine(role, trainable=True):
+        eng = Engine(role=role, model_cfg=MODEL, ctx=ctx, parallel=par, precision="fp32",
+                     optim=OptimConfig(lr=1e-3, clip_grad=0.0) if trainable else None,
+                     total_updates=1)
+        fill_deterministic(eng.module, num_layers=MODEL.num_layers)
+        return eng
+
+    batch = _batch()
+    actor, critic = engine("actor", trainable=False), engine("critic", trainable=False)
+    reward = engine("reward", trainable=False)
+    out = {"n_micro": len(actor._micro_batches(batch, micro_batch_size=2, max_tokens=BUDGET,
+                                               pack=True)[0])}
+    for name, pack in (("padded", False), ("packed", True)):
+        o, rows = actor._run(batch, micro_batch_size=2, forward_only=True, loss_fn=None,
+                             temperature=0.7, need_entropy=True, max_tokens=BUDGET, pack=pack)
+        out[name] = {"logprobs": actor._from_last_stage(o, "logprobs", batch, rows),
+                     "entropy": actor._from_last_stage(o, "entropy", batch, rows),
+                     "logprobs_api": actor.compute_logprobs(batch, micro_batch_size=2,
+                                                            temperature=0.7, max_tokens=BUDGET,
+                                                            pack=pack),
+                     "values": critic.compute_values(batch, micro_batch_size=2, max_tokens=BUDGET,
+                                                     pack=pack),
+                     "scores": reward.compute_scores(batch, micro_batch_size=2, max_tokens=BUDGET,
+                                                     pack=pack)}
+        eng = engine("actor")
+        loss_fn = actor_objective(ALGO, num_tokens=int(batch.response_mask.sum()),
+                                  num_seqs=batch.batch_size)
+        metrics = eng.train_step(batch, loss_fn, micro_batch_size=2, temperature=0.7,
+                                 need_entropy=True, max_tokens=BUDGET, pack=pack)
+        grads = {k: p.main_grad for k, p in eng.module.named_parameters()}
+        out[name].update(metrics=metrics, grads=gather_full(grads, num_layers=MODEL.num_layers),
+                         weights=gather_full(dict(eng.module.named_parameters()),
+                                             num_layers=MODEL.num_layers))
+    out["mask"] = batch.response_mask.bool()
+    return out
+
+
+@pytest.mark.parametrize("world,tp,sp", [(1, 1, False), (2, 2, True)], ids=["tp1", "tp2_sp"])
+def test_packed_matches_padded_token_budgets(world, tp, sp):
+    results = run_ranks(_worker, world, tp, sp)
+    for res in results:
+        padded, packed, mask = res["padded"], res["packed"], res["mask"]
+        assert res["n_micro"] > 1
+        diffs = {}
+        for key in ("logprobs", "entropy", "logprobs_api", "values"):
+            assert packed[key].shape == padded[key].shape
+            torch.testing.assert_close(packed[key][mask], padded[key][mask], atol=1e-5, rtol=1e-5,
+                                       msg=key)
+            assert (packed[key][~mask] == 0).all(), key  # past a row's response: 0
+            diffs[key] = float((packed[key][mask] - padded[key][mask]).abs().max())
+        torch.testing.assert_close(packed["scores"], padded["scores"], atol=1e-5, rtol=1e-5)
+        assert padded["logprobs"][mask].abs().min() > 0 and padded["values"][mask].abs().sum() > 0
+        for key, value in padded["metrics"].items():
+            if key != "lr":
+                assert abs(packed["metrics"][key] - value) < 1e-5 * max(1.0, abs(value)), key
+        assert padded["metrics"]["grad_norm"] > 0
+        assert set(packed["grads"]) == set(padded["grads"]) and padded["grads"]
+        for name, g in padded["grads"].items():
+            torch.testing.assert_close(packed["grads"][name], g, atol=1e-6, rtol=1e-5, msg=name)
+        for name, w in padded["weights"].items():
+            torch.testing.assert_close(packed["weights"][name], w, atol=1e-5, rtol=1e-4, msg=name)
+        print("max |packed - padded|:", diffs,
+              "grad_norm", packed["metrics"]["grad_norm"] - padded["metrics"]["grad_norm"])
