@@ -92,11 +92,13 @@ DYNAMIC_BSZ = ("algo.use_dynamic_bsz=true", "algo.max_tokens_per_micro_batch_per
                "algo.forward_max_tokens_per_micro_batch_per_gpu=150")
 
 
-@pytest.mark.parametrize("algo, dp2_extra", [("ppo", ()), ("grpo", ()), ("ppo", DYNAMIC_BSZ)],
-                         ids=["ppo", "grpo", "ppo_dynamic_bsz"])
+@pytest.mark.parametrize("algo, dp2_extra", [("ppo", ()), ("grpo", ()), ("ppo", DYNAMIC_BSZ),
+                                             ("ppo", DYNAMIC_BSZ + ("algo.pack_sequences=true",))],
+                         ids=["ppo", "grpo", "ppo_dynamic_bsz", "ppo_packed"])
 def test_step_at_dp2_equals_dp1(algo, dp2_extra, tmp_path):
     """ppo_dynamic_bsz: DP=2 with micro-batches by token budget in every pass (old/ref log-probs,
-    values, critic and actor updates) against DP=1 with fixed micro-batches."""
+    values, critic and actor updates) against DP=1 with fixed micro-batches; ppo_packed: the same
+    budgets, each micro-batch run as one packed row (algo.pack_sequences)."""
     ref = run_ranks(one_step, 1, algo, str(tmp_path / "dp1"))[0]
     dp2 = run_ranks(one_step, 2, algo, str(tmp_path / "dp2"), dp2_extra)
     # every DP rank holds its contiguous half of the global batch's rows
