@@ -15,14 +15,7 @@ import pytest
 import torch
 
 from tests.dist.launcher import run_ranks
-
-STEPS = 3
-BASE = ["algo=grpo", "trainer.sft_warmup_steps=0", f"trainer.total_steps={STEPS}",
-        "trainer.save_final=false", "trainer.tensorboard=false", "trainer.progress_bar=false",
-        "data.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=6",
-        "algo.ppo_mini_batch_size=16", "algo.micro_batch_size_per_gpu=4",
-        "algo.forward_micro_batch_size_per_gpu=8", "actor_optim.lr=1e-3",
-        "reward.fn=tests.dist.test_skip_old_log_prob:digit_count"]
+from tests.dist.test_free_cache_engine import BASE, STEPS  # the same short GRPO run
 RUNS = {"off": [], "on": ["trainer.balance_batch=true"]}
 
 
