@@ -50,28 +50,36 @@ def token_budget_groups(prompt_lens: torch.Tensor, response_lens: torch.Tensor, 
                   for order in (by_total, by_response)]
 
     def cost(groups):
-        tokens = sum(_cost(g, p, r, multiple=multiple, packed=packed) for g in groups)
+        tokens = sum(_cost(len(g), max(p[i] for i in g), max(r[i] for i in g),
+                           sum(p[i] + r[i] for i in g), multiple=multiple, packed=packed)
+                     for g in groups)
         return tokens, len(groups)
 
     return min(candidates, key=cost)  # the first on a tie
 
 
-def _cost(group: list[int], p: list[int], r: list[int], *, multiple: int, packed: bool) -> int:
+def _cost(rows: int, longest_p: int, longest_r: int, real: int, *, multiple: int,
+          packed: bool) -> int:
+    """Tokens a micro-batch computes: its `real` tokens packed (rounded up to `multiple`), or
+    `rows` rows padded to its longest prompt + response."""
     if packed:
-        return -(-sum(p[i] + r[i] for i in group) // multiple) * multiple
-    return padded_tokens(max(p[i] for i in group), max(r[i] for i in group), len(group),
-                         multiple=multiple)
+        return -(-real // multiple) * multiple
+    return padded_tokens(longest_p, longest_r, rows, multiple=multiple)
 
 
 def _next_fit(order: list[int], p: list[int], r: list[int], *, max_tokens: int,
               multiple: int, packed: bool = False) -> list[list[int]]:
     groups: list[list[int]] = []
     cur: list[int] = []
+    cur_p = cur_r = cur_real = 0
     for i in order:
-        if cur and _cost(cur + [i], p, r, multiple=multiple, packed=packed) > max_tokens:
+        new_p, new_r, new_real = max(cur_p, p[i]), max(cur_r, r[i]), cur_real + p[i] + r[i]
+        if cur and _cost(len(cur) + 1, new_p, new_r, new_real, multiple=multiple,
+                         packed=packed) > max_tokens:
             groups.append(cur)
-            cur = []
+            cur, new_p, new_r, new_real = [], p[i], r[i], p[i] + r[i]
         cur.append(i)
+        cur_p, cur_r, cur_real = new_p, new_r, new_real
     if cur:
         groups.append(cur)
     return groups

@@ -46,7 +46,8 @@ def _batch() -> RolloutBatch:
         advantages=torch.randn(b, 1, generator=g) * response_mask)
 
 
-def _worker(tp: int, sp: bool):
+def engines(tp: int, sp: bool):
+    """The parallel context and a factory of Engines of MODEL with deterministic weights."""
     from hybridflow.engine import Engine
 
     ctx = groups.init_model_parallel(tp=tp, pp=1, seed=3)
@@ -60,6 +61,11 @@ def _worker(tp: int, sp: bool):
         fill_deterministic(eng.module, num_layers=MODEL.num_layers)
         return eng
 
+    return ctx, engine
+
+
+def _worker(tp: int, sp: bool):
+    ctx, engine = engines(tp, sp)
     full = _batch()
     dp, rank = ctx.dp_size, ctx.train.dp
     n = full.batch_size // dp

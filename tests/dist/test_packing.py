@@ -14,27 +14,13 @@ import pytest
 import torch
 
 from hybridflow.algo.objectives import actor_objective
-from hybridflow.config import ParallelConfig, OptimConfig
-from hybridflow.parallel import groups
 from tests.dist.launcher import run_ranks
-from tests.dist.parity_util import fill_deterministic, gather_full
-from tests.dist.test_dynamic_bsz import ALGO, BUDGET, MODEL, _batch
+from tests.dist.parity_util import gather_full
+from tests.dist.test_dynamic_bsz import ALGO, BUDGET, MODEL, _batch, engines
 
 
 def _worker(tp: int, sp: bool):
-    from hybridflow.engine import Engine
-
-    ctx = groups.init_model_parallel(tp=tp, pp=1, seed=3)
-    par = ParallelConfig(tensor_parallel_size=tp, sequence_parallel=sp,
-                         use_distributed_optimizer=False)
-
-    def engine(role, trainable=True):
-        eng = Engine(role=role, model_cfg=MODEL, ctx=ctx, parallel=par, precision="fp32",
-                     optim=OptimConfig(lr=1e-3, clip_grad=0.0) if trainable else None,
-                     total_updates=1)
-        fill_deterministic(eng.module, num_layers=MODEL.num_layers)
-        return eng
-
+    _, engine = engines(tp, sp)
     batch = _batch()
     actor, critic = engine("actor", trainable=False), engine("critic", trainable=False)
     reward = engine("reward", trainable=False)
