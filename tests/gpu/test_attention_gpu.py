@@ -46,7 +46,12 @@ def test_masked_backward_is_finite(L):
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
     ref = sdpa_without_cudnn(q2, k2, v2, ~masked_out, dropout_p=0.0, scale=1 / 8)
     ref_grads = torch.autograd.grad(ref.permute(2, 0, 1, 3).reshape(out.shape), (q2, k2, v2), g)
-    for a, b in zip(grads, ref_grads):
+    # dQ's channel 0 is exactly 0 in exact arithmetic (every key carries the same -120*sqrt(D) there,
+    # and sum_j P_ij (dP_ij - D_i) = 0) but each kernel returns 960 x its own rounding of that
+    # sum: up to ~1.9 apart at 1,181 between two correct kernels (measured on an H200). Compare the
+    # other channels; channel 0 only has to be finite (checked above).
+    torch.testing.assert_close(grads[0][..., 1:], ref_grads[0][..., 1:], atol=2e-2, rtol=2e-2)
+    for a, b in zip(grads[1:], ref_grads[1:]):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
     q3, k3, v3 = (t.detach().clone().requires_grad_() for t in (q, k, v))
     raw = F.scaled_dot_product_attention(q3, k3, v3, attn_mask=~masked_out, enable_gqa=True)

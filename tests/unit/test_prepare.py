@@ -172,10 +172,11 @@ def test_experiment_leaves_the_recipe_to_the_algo_group(tmp_path, monkeypatch):
     for algo in ("grpo", "dapo", "gspo", "drgrpo"):
         alone = load_config([f"algo={algo}"]).algo
         with_exp = load_config(["experiment=gsm8k_qwen_coder_0_5b", f"algo={algo}"]).algo
+        # the batch shape and how micro-batches run (packing changes no result), not the recipe
         batch_keys = {"ppo_mini_batch_size", "micro_batch_size_per_gpu",
                       "forward_micro_batch_size_per_gpu", "use_dynamic_bsz",
                       "max_tokens_per_micro_batch_per_gpu",
-                      "forward_max_tokens_per_micro_batch_per_gpu"}
+                      "forward_max_tokens_per_micro_batch_per_gpu", "pack_sequences"}
         differ = {k for k in vars(alone) if k not in batch_keys
                   and getattr(alone, k) != getattr(with_exp, k)}
         assert not differ, (algo, differ)
