@@ -3,13 +3,15 @@ r"""Our GRPO step vs TRL 1.16's GRPOTrainer step on the same synthetic workload,
 Workloads (random-init weights of our model shape, 8 prompts x 8 samples, ~128-token prompts, exactly
 256 response tokens, no early stop, temperature 1, KL loss coefficient 0.001, lr 1e-6):
   w1_0_5b  conf/model/qwen2_0_5b.yaml      w1_1_5b  conf/model/qwen2_1_5b.yaml
-  gsm8k    not run: copied from benchmarks/results/gsm8k_token_budget_h200.json (ours, runs.lr3e-6)
-           and benchmarks/results/gsm8k_h200.json (trl); no MFU (variable response lengths).
+  gsm8k    not run: copied from benchmarks/results/gsm8k_h200.json (ours: its top level, the
+           experiment's run; trl); no MFU (variable response lengths).
 
 Each side runs in its own process, one after the other (ours, then TRL), so neither holds GPU memory
 while the other runs and each peak-memory number is its own process's:
 - ours: benchmarks/bench_rl_step.py --algos grpo --skip-old-log-prob (one mini-batch per step: the
-  trainer's default skips the old-log-prob pass, and TRL has none either), bf16, the `copy` task with
+  trainer's default skips the old-log-prob pass, and TRL has none either), TRL's micro-batch
+  (`--ours-micro`, default `--trl-micro`'s: all 64 sequences in one pass; at bench_rl_step's 8 the
+  passes are bound by kernel launches, ~0.83 ms per layer per micro-batch), bf16, the `copy` task with
   `data.synthetic_length` = prompt length - 8 (its prompts are that many letters + 8 tokens).
   Step and stage times are medians of the steps after the first.
 - TRL: this file with `--trl-side` (a hidden option): the HF Qwen2 of the same shape
@@ -72,8 +74,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from gsm8k_hf_eval import machine, versions, write_json  # noqa: E402  (write_json: temp file + os.replace)
 
 WORKLOADS = {"w1_0_5b": "conf/model/qwen2_0_5b.yaml", "w1_1_5b": "conf/model/qwen2_1_5b.yaml"}
-GSM8K_OURS = ROOT / "benchmarks/results/gsm8k_token_budget_h200.json"  # runs.lr3e-6
-GSM8K_TRL = ROOT / "benchmarks/results/gsm8k_h200.json"                # trl
+GSM8K = ROOT / "benchmarks/results/gsm8k_h200.json"  # ours (top level) and trl
 FORWARD_STAGES = ("ref", "old_log_prob")
 
 
@@ -95,7 +96,8 @@ def run_ours(args, *, model: str, workdir: Path) -> dict:
     out = workdir / "ours.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/bench_rl_step.py"), "--model", model, "--algos", "grpo",
            "--steps", str(args.steps), "--prompts", str(args.prompts), "--samples", str(args.samples),
-           "--response", str(args.response), "--micro", str(args.ours_micro), "--skip-old-log-prob",
+           "--response", str(args.response), "--micro", str(args.ours_micro),
+           "--fmicro", str(args.ours_micro), "--skip-old-log-prob",
            "--override", f"data.synthetic_length={args.prompt_len - 8}",
            "--override", f"actor_optim.lr={args.lr}", "--out", str(out)]
     if args.device == "cpu":
@@ -236,13 +238,13 @@ def trl_side(args) -> None:
 
 # ------------------------------------------------------------------------------------- results
 def gsm8k_entry() -> dict:
-    ours = json.loads(GSM8K_OURS.read_text())["runs"]["lr3e-6"]
-    trl = json.loads(GSM8K_TRL.read_text())["trl"]
+    ours = json.loads(GSM8K.read_text())
+    trl = ours["trl"]
     return {"ours_step_s": ours["ours_step_s"], "trl_step_s": trl["step_s_median"], "trl_step_s_all": trl["step_s"],
             "ratio": trl["step_s_median"] / ours["ours_step_s"], "ours_stages_s": ours["ours_stages_s"],
             "ours_peak_memory_gb": ours["ours_peak_memory_gb"], "trl_peak_memory_gb": trl.get("peak_memory_gb"),
-            "config": {"source": {"ours": f"{GSM8K_OURS.relative_to(ROOT)} runs.lr3e-6",
-                                  "trl": f"{GSM8K_TRL.relative_to(ROOT)} trl"},
+            "config": {"source": {"ours": f"{GSM8K.relative_to(ROOT)} (top level: {ours['command']})",
+                                  "trl": f"{GSM8K.relative_to(ROOT)} trl"},
                        "trl_median_of": trl.get("step_s_median_of")},
             "note": "copied, not run here; ours_mfu left out: response lengths vary per sequence"}
 
@@ -268,7 +270,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--response", type=int, default=256)
     ap.add_argument("--ours-micro", type=int, default=None,
-                    help="our micro-batch in sequences (default: min(8, prompts x samples), bench_rl_step's 8)")
+                    help="our micro-batch in sequences, update and forward passes (default: TRL's, "
+                         "min(64, prompts x samples): the same micro-batch on both sides)")
     ap.add_argument("--trl-micro", type=int, default=None,
                     help="TRL's per_device_train_batch_size in completions (default: min(64, prompts x samples))")
     ap.add_argument("--trl-no-grad-ckpt", action="store_true", help="turn TRL's gradient checkpointing off")
@@ -292,8 +295,8 @@ def parse_args(argv=None):
         raise ValueError(f"--steps {args.steps}: need >= 2 (the first is left out of the medians)")
     if args.trl_steps < 3:
         raise ValueError(f"--trl-steps {args.trl_steps}: need >= 3 (>= 2 timed steps after the first)")
-    args.ours_micro = args.ours_micro or min(8, args.prompts * args.samples)
     args.trl_micro = args.trl_micro or min(64, args.prompts * args.samples)
+    args.ours_micro = args.ours_micro or args.trl_micro
     if (args.prompts * args.samples) % args.trl_micro:
         raise ValueError(f"--trl-micro {args.trl_micro} must divide prompts x samples = {args.prompts * args.samples}")
     if not 9 <= args.prompt_len <= 160:

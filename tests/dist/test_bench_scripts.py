@@ -97,13 +97,15 @@ def test_bench_vs_trl_times_both_sides_and_copies_gsm8k(tmp_path):
     assert w["ratio"] == w["trl_step_s"] / w["ours_step_s"]
     assert w["trl_completion_lengths"] == [[8, 8]] * 3  # forced: every completion 8 tokens
     assert w["ours_tokens"] == {"prompt_len": 16, "response_len": 8}
+    # the same micro-batch on both sides: all 4 sequences in one pass
+    assert w["config"]["ours"]["micro_batch"] == w["config"]["trl"]["per_device_train_batch_size"] == 4
     assert set(w["ours_mfu"]) == {"gen", "ref", "update_actor", "step"}  # old_log_prob skipped
     for stage, mfu in w["ours_mfu"].items():
         assert math.isfinite(mfu) and mfu > 0
         assert mfu == w["ours_flops"][stage] / (w["ours_stages_s"][stage] * 790e12)
     g = r["workloads"]["gsm8k"]
-    ours = json.load(open(os.path.join(ROOT, "benchmarks/results/gsm8k_token_budget_h200.json")))["runs"]["lr3e-6"]
-    trl = json.load(open(os.path.join(ROOT, "benchmarks/results/gsm8k_h200.json")))["trl"]
+    ours = json.load(open(os.path.join(ROOT, "benchmarks/results/gsm8k_h200.json")))
+    trl = ours["trl"]
     assert g["ours_step_s"] == ours["ours_step_s"] and g["trl_step_s"] == trl["step_s_median"]
     assert g["ratio"] == trl["step_s_median"] / ours["ours_step_s"] and "ours_mfu" not in g
     bad = subprocess.run([sys.executable, "benchmarks/bench_vs_trl.py", "--trl-steps", "2", "--device", "cpu"],
