@@ -11,7 +11,8 @@ the time goes. Per stage (per GPU; the work is assumed split evenly, ceil() wher
 divide by DP):
 - reshard: bytes each GPU receives to build its gen TP_g shard (the shard minus the training shard it
   already holds) over NVLink (IB when the TP x PP group spans nodes), at bus bandwidth x comm eff.
-- gen: prefill (2N + attention FLOPs per prompt token) at peak x prefill eff; decode FLOPs at the
+- gen: prefill (2N + attention FLOPs per prompt token, each prompt once: its n samples share it) at
+  peak x prefill eff; decode FLOPs at the
   same rate overlapped (OVERLAP_P) with each decode step's reads of the gen weight shard and the
   wave's KV cache at HBM bandwidth x decode eff; plus a fixed cost per layer per decode step
   (`decode_layer_overhead_s`: the CUDA graph's small kernels, with sampling folded in); plus TP_g
@@ -172,7 +173,9 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
     batch, waves = gen_batch_size(shape, gpu, plan, w, calib)
     steps, context = waves * w.response_len, w.prompt_len + w.response_len / 2
     peak = gpu.bf16_tflops * 1e12
-    prefill = per_replica * w.prompt_len * forward_flops_per_token(shape, w.prompt_len) / tp_g
+    prefilled = math.ceil(w.prompts_per_step / plan.layout.dp_g) if w.prefill_once_per_prompt \
+        else per_replica  # rows run through the prefill (a prompt group stays on one replica)
+    prefill = prefilled * w.prompt_len * forward_flops_per_token(shape, w.prompt_len) / tp_g
     decode = per_replica * w.response_len * decode_flops_per_token(shape, context) / tp_g
     t.add("compute", "inv_prefill_eff", prefill / peak)
     t.add("decode_compute", "inv_prefill_eff", decode / peak)

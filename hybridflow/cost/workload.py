@@ -31,6 +31,10 @@ class Workload:
     # the trainer leaves out the old_log_prob pass (one epoch of one mini-batch: the update's own
     # forward is the old policy, hybridflow.algo.on_policy; algo.skip_redundant_old_log_prob)
     skip_old_log_prob: bool = False
+    # the generator prefills each prompt once and copies its K/V to the prompt's n sample rows
+    # (hybridflow.rollout.generator); records measured before it did (the 2026 H200 calibration
+    # records) say false: every sample row was prefilled
+    prefill_once_per_prompt: bool = True
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:

@@ -408,3 +408,25 @@ def test_skipped_old_log_prob_pass_is_not_predicted():
     assert "old_log_prob" not in estimate_memory(**kw, skip_old_log_prob=True).phases_gib
     with pytest.raises(ValueError, match="skip_old_log_prob needs ppo_epochs=1 and mini_batches=1"):
         estimate_step_time(**kw, mini_batches=2, skip_old_log_prob=True)
+
+
+def test_prefill_is_charged_once_per_prompt_on_each_replica():
+    """The generator prefills each prompt once for its n samples: the gen stage's prefill FLOPs are
+    those of the replica's prompts, n times fewer than one per sample row (the old generator, which
+    the calibration records were measured with and say so: prefill_once_per_prompt false)."""
+    for dp in (1, 2):
+        work = dict(TINY_WORK, prompts_per_step=8, samples_per_prompt=4)
+        runs = {once: parse_record({"config": {"model": "qwen2_0_5b", "gpu": "H200", "num_gpus": dp,
+                                               "layout": {"tp": 1, "dp": dp}, **work,
+                                               "prefill_once_per_prompt": once}})
+                for once in (True, False)}
+        flops = {once: stage_terms(r.shape, r.gpu, r.plan, r.workload, Calibration())["gen"]
+                 .x["inv_prefill_eff"] for once, r in runs.items()}
+        r = runs[True]
+        one_row = 16 * forward_flops_per_token(r.shape, 16) / (r.gpu.bf16_tflops * 1e12)
+        # one row per prompt against one per sample row: 8/dp and 32/dp rows per replica
+        assert flops[False] - flops[True] == pytest.approx((32 - 8) // dp * one_row)
+        assert flops[True] > 8 // dp * one_row  # the decode FLOPs come on top
+    records = [json.loads(p.read_text()) for p in (ROOT / "benchmarks/results/cost").glob("*.json")]
+    configs = [r["config"] for rec in records for r in rec.get("records", [])]
+    assert configs and all(c["prefill_once_per_prompt"] is False for c in configs)
