@@ -29,29 +29,27 @@
 # machine (it goes back after 30 minutes held: /tmp, the checkpoint and the snapshots with it):
 #   0. carry the GGUF parts (shared/gpu/README.md), then with carry [".whl", ".gsm8k"]:
 #        bash benchmarks/gsm8k_h200.sh setup                                          (~1 min)
-#   1. TRL, matched short run; carry [".whl_bench", ".gsm8k"]; the same command each call until its
-#      JSON says steps_done == TRL_STEPS; the last call adds the scoring (PHASES="trl score"):
+#   1. TRL at the experiment's own batch (64 prompts x 8, lr 3e-6, weight decay 0.01 as ours), so
+#      that our 124-step run (benchmarks/results/gsm8k_h200.json, val every 5 steps) is the matched
+#      side; carry [".whl_bench", ".gsm8k"]; the same command each call until its JSON says
+#      steps_done == TRL_STEPS; the last call adds the scoring (PHASES="trl score"):
 #        MODEL=/tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf PHASES=trl TRL_RESUME=1 \
-#          TRL_STEPS=20 TRL_SAVE_AT=0,5,10,15,20 TRL_ARGS="--prompts-per-step 16 --samples 8 --lr 3e-6" \
+#          TRL_STEPS=10 TRL_SAVE_AT=0,5,10 TRL_ARGS="--lr 3e-6 --weight-decay 0.01" \
 #          bash benchmarks/gsm8k_peers.sh
 #      (scoring alone, once TRL is done; carry [".gsm8k"]:
 #        bash benchmarks/gsm8k_h200.sh score /tmp/trl_gsm8k/snapshots/step_*               )
-#   2. ours, matched (16 prompts x 8 samples, one optimizer step of 128 sequences per step like TRL,
-#      lr 3e-6, no weight decay like TRL, val every 5 steps from step 0); carry [".whl", ".gsm8k"]:
+#   2. (a smaller matched pair instead, 16 prompts x 8 on both sides: TRL_ARGS="--prompts-per-step 16
+#      --samples 8 --lr 3e-6 --weight-decay 0.01" and ours
 #        RUN_DIR=/tmp/gsm8k_matched bash benchmarks/gsm8k_h200.sh train 540 data.prompts_per_step=16 \
-#          algo.ppo_mini_batch_size=128 actor_optim.lr=3e-6 actor_optim.weight_decay=0.0 \
-#          trainer.total_steps=20 trainer.val_every=5 trainer.save_every=0
+#          algo.ppo_mini_batch_size=128 trainer.total_steps=20 trainer.val_every=5 trainer.save_every=0)
 #   Check first: TRL's step-0 score must equal our run's step-0 val (same weights, same code).
 # Device minutes, from the measurements (TRL 64x8: 141 s first step, 93 s after, 62 s load;
-# ours 64x8: 20.9 s/step of which gen 8.6, val 7.3 s, ~60-75 s per trainer start):
-#   TRL 16x8: ~45-80 s/step (generation, most of a step, runs to the longest completion, ~1,024
-#     tokens, at any batch); a 560 s call = ~1.3 min load + snapshots (~10 s each) + 6-9 steps +
-#     ~0.5 min checkpoint: 20 steps = 3 calls, ~25 min; 10 steps (TRL_SAVE_AT=0,5,10) = 2 calls, ~13 min.
-#   scoring 5 snapshots: ~1.2 min start + 5 x (~5 s load + ~7 s val) = ~2.5 min (1.5 for 3).
-#   ours 16x8, 20 steps: ~1.2 min start + 20 x ~9 s + 5 x 7.3 s = ~5 min, one call (10 steps: ~3).
-#   20 steps of each then need ~35 device minutes with setup, more than one session's 30: run 10
-#   (TRL_STEPS=10 TRL_SAVE_AT=0,5,10, trainer.total_steps=10), ~20 minutes, unless T1 measures
-#   TRL below ~45 s/step; snapshots already saved stay scoreable when TRL is cut short.
+# ours 64x8: 7.5 s/step, val 3.1 s, ~60-75 s per trainer start):
+#   TRL 64x8, 10 steps: ~1 min load + 141 + 9 x 93 s + 3 snapshots (~10 s each) + a checkpoint between
+#     the two calls (~0.5 min) = 2 calls, ~18 min; TRL 16x8: ~45-80 s/step (generation, most of a
+#     step, runs to the longest completion at any batch), so a smaller batch buys little.
+#   scoring 3 snapshots: ~1.2 min start + 3 x (~5 s load + ~3 s val) = ~1.5 min.
+#   So one session's 30 minutes hold setup + TRL's 10 steps + scoring (~21 min) and ~8 minutes more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-}

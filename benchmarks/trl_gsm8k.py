@@ -128,7 +128,7 @@ def save_snapshot(model, tokenizer, *, root: Path, step: int) -> Path:
 
 # options that must match for --resume to continue a run
 RESUME_KEYS = ("model", "train", "prompts_per_step", "samples", "micro_batch", "max_new_tokens", "temperature",
-               "lr", "beta", "loss_type", "reward", "gradient_checkpointing", "bf16", "seed")
+               "lr", "weight_decay", "beta", "loss_type", "reward", "gradient_checkpointing", "bf16", "seed")
 SAVE_RESERVE_S = 30.0  # budget kept for writing the checkpoint (fp32 weights + Adam: ~6 GB at 0.5B)
 
 
@@ -248,6 +248,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--beta", type=float, default=0.001, help="KL loss coefficient (k3)")
+    ap.add_argument("--weight-decay", type=float, default=0.0,
+                    help="AdamW weight decay (TRL's default 0; our GSM8K experiment's 0.01)")
     ap.add_argument("--loss-type", default="dapo")
     ap.add_argument("--no-grad-ckpt", action="store_true", help="turn TRL's gradient checkpointing off")
     ap.add_argument("--max-steps", type=int, default=20)
@@ -311,8 +313,8 @@ def main(argv=None) -> dict:
     config = dict(model=args.model, train=args.train, val=args.val, prompts_per_step=args.prompts_per_step,
                   samples=args.samples, micro_batch=args.micro_batch,
                   grad_accum=completions // args.micro_batch, max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, lr=args.lr, beta=args.beta, loss_type=args.loss_type,
-                  reward=args.reward, save_at=save_at,
+                  temperature=args.temperature, lr=args.lr, weight_decay=args.weight_decay, beta=args.beta,
+                  loss_type=args.loss_type, reward=args.reward, save_at=save_at,
                   gradient_checkpointing=not args.no_grad_ckpt, bf16=on_gpu, max_steps=args.max_steps,
                   time_budget_s=args.time_budget_s, val_at=val_at, val_size=len(val_records),
                   val_batch_size=args.val_batch_size, val_max_new_tokens=val_tokens, stop_token_ids=stops,
@@ -330,7 +332,7 @@ def main(argv=None) -> dict:
 
     grpo = GRPOConfig(
         output_dir=args.workdir, max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=args.beta, loss_type=args.loss_type,
+        warmup_steps=0, weight_decay=args.weight_decay, max_grad_norm=1.0, beta=args.beta, loss_type=args.loss_type,
         num_generations=args.samples, per_device_train_batch_size=args.micro_batch,
         gradient_accumulation_steps=completions // args.micro_batch, max_completion_length=args.max_new_tokens,
         temperature=args.temperature, top_p=1.0, top_k=0, bf16=on_gpu, use_cpu=not on_gpu,
