@@ -24,6 +24,7 @@ The math follows Megatron's local spec exactly (so logits match `GPTModel` to fp
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -292,3 +293,13 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
         x = _row_parallel_add(x, a.reshape(B, d.heads * hd), layer.proj, w)
         x = _mlp(x, layer, w)
     return logits(w, _norm(x, w.final_ln, d.eps))
+
+
+@functools.cache
+def compiled_decode_step(backend: str = "inductor"):
+    """`decode_step` through torch.compile (rollout.compile_decode): compiled once for dynamic batch
+    and window sizes (a graph per distinct kv_len None/int kind at most); the weights, cache and
+    buffers stay inputs, so rebuilt weights of the same shapes reuse it. `backend`: inductor (what
+    runs); the CPU tests check dynamo's tracing of the in-place cache writes with aot_eager, which
+    skips inductor's minutes-long C++ builds of CPU kernels (tests/gpu compiles for real)."""
+    return torch.compile(decode_step, dynamic=True, backend=backend)

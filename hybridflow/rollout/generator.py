@@ -211,6 +211,9 @@ class Generator:
                         ("top_p", 0 < cfg.top_p <= 1)):
             if not ok:
                 raise ValueError(f"rollout.{key}={getattr(cfg, key)!r} is out of range")
+        if cfg.compile_decode and self.w.dims.tp_size > 1:
+            raise ValueError(f"rollout.compile_decode=true needs a generation TP of 1 (got "
+                             f"{self.w.dims.tp_size}): the compiled step has no TP all-reduces")
 
     def _ensure_cache(self, *, rows: int, length: int) -> None:
         if self._cache is not None and self._cache.fits(rows=rows, length=length):
@@ -228,7 +231,7 @@ class Generator:
               windows: list):
         """(buffers, {kv_len: step}) of one batch bucket: a decode step per attention window
         (`kv_windows`), all on the same buffers."""
-        k = (rows, max_new, key, graphed, tuple(windows))
+        k = (rows, max_new, key, graphed, tuple(windows), cfg.compile_decode)
         if k in self._steps:
             return self._steps[k]
         buf = _Buffers(rows, self._cache.length, max_new, list(key[4]), self.device)
@@ -248,9 +251,10 @@ class Generator:
 
     def _step_fn(self, buf: _Buffers, cfg: RolloutConfig, pad: int, kv_len):
         cache, (cos, sin), w = self._cache, self._tables, self.w
+        decode = decoder.compiled_decode_step() if cfg.compile_decode else decoder.decode_step
 
         def step():
-            logits = decoder.decode_step(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
+            logits = decode(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
                                          cache=cache, cos_tab=cos, sin_tab=sin, kv_len=kv_len)
             tok, lp = sample(logits, temperature=cfg.temperature, top_k=cfg.top_k,
                              top_p=cfg.top_p, generator=self._rng,

@@ -1,0 +1,41 @@
+"""rollout.compile_decode on CPU: the decode step traced by torch.compile (dynamo + AOT autograd's
+functionalization of the in-place KV-cache and mask writes, the aot_eager backend: inductor's CPU
+kernels take minutes to build here; tests/gpu/test_rollout_gpu.py runs inductor under CUDA graphs)
+generates what the eager step generates, with the options it runs beside on a GPU (windows,
+compaction, sampling), one trace for every batch bucket and window; and a clear error where it
+does not apply (TP_g > 1)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from hybridflow.rollout import decoder, generator
+from tests.unit.test_rollout import PROMPTS, make, rc
+
+
+def test_compiled_decode_generates_what_eager_does(monkeypatch):
+    monkeypatch.setattr(generator, "CHECK_EVERY", 4)
+    real = decoder.compiled_decode_step
+    monkeypatch.setattr(decoder, "compiled_decode_step", lambda: real("aot_eager"))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    gen = make()
+    kw = dict(n=3, temperature=1.0, max_new_tokens=150, compact_finished_rows=True,
+              decode_kv_window=64)
+    ref = gen.generate(PROMPTS, cfg=rc(**kw), eos_id=5, pad_id=0, seed=7)
+    out = gen.generate(PROMPTS, cfg=rc(**kw, compile_decode=True), eos_id=5, pad_id=0, seed=7)
+    assert gen.stats["compactions"] > 0  # several batch sizes and windows went through it
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"):
+        assert torch.equal(getattr(out, name), getattr(ref, name)), name
+    torch.testing.assert_close(out.rollout_logprobs, ref.rollout_logprobs, atol=1e-5, rtol=1e-5)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= 3, graphs  # dynamic shapes: not a compile per bucket and window
+
+
+def test_compiled_decode_needs_generation_tp_1():
+    gen = make()
+    gen.w = dataclasses.replace(gen.w, dims=dataclasses.replace(gen.w.dims, tp_size=2))
+    with pytest.raises(ValueError, match="rollout.compile_decode=true needs a generation TP of 1"):
+        gen.generate(PROMPTS, cfg=rc(compile_decode=True), eos_id=5, pad_id=0, seed=0)
+    assert decoder.compiled_decode_step() is decoder.compiled_decode_step()  # compiled once
