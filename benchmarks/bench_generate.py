@@ -20,6 +20,7 @@ one full-length generate), then the median of >= 3 calls (--reps, --hf-reps).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -167,6 +168,10 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--hf-reps", type=int, default=3,
                     help="timed transformers calls after one full-length warm-up (median; >= 3)")
+    ap.add_argument("--compile-decode", action="store_true",
+                    help="also time rollout.compile_decode=true (first call: compile + capture)")
+    ap.add_argument("--skip-checks", action="store_true",
+                    help="leave out the eager, sampling and profile extras of the first batch")
     ap.add_argument("--out", default="benchmarks/results/generate_h200.json")
     args = ap.parse_args()
     if args.hf_reps < 3 or args.reps < 3:
@@ -232,7 +237,16 @@ def main():
         res.update(ours_s=ours_s, ours_first_call_s=first_s, ours_tok_s=B * R / ours_s,
                    floor_s=weight_bytes / COPY_BW * R,
                    floor_with_kv_s=(weight_bytes * R + kv_bytes) / COPY_BW)
-        if B == args.batches[0]:
+        if args.compile_decode:  # after the eager-step timings: the same prompts and greedy config
+            ccfg = dataclasses.replace(rcfg, compile_decode=True)
+            res["ours_compiled_first_call_s"], _ = timed(lambda: run(ccfg), device, 1)
+            res["ours_compiled_s"], out_c = timed(lambda: run(ccfg), device, args.reps)
+            res["ours_compiled_tok_s"] = B * R / res["ours_compiled_s"]
+            # bf16: fusion reorders roundings, so greedy paths may part after a near-tie
+            res["compiled_vs_eager_step_greedy"] = agreement(out_c.response_ids, out.response_ids,
+                                                             16)
+            gen.release()
+        if B == args.batches[0] and not args.skip_checks:
             eager = RolloutConfig(max_new_tokens=R, temperature=0.0, cuda_graphs=False,
                                   max_batch_size=B)
             res["ours_eager_s"], out_e = timed(lambda: run(eager), device, 1)
@@ -254,7 +268,11 @@ def main():
             hf_all = []
             hf_s, theirs = timed(lambda: hf_generate(hf, ids, R), device, args.hf_reps, hf_all)
         res.update(hf_s=hf_s, hf_all_s=hf_all, hf_warmup_calls=1, hf_tok_s=B * R / hf_s, speedup_vs_hf=hf_s / ours_s,
-                   ours_over_floor=ours_s / res["floor_s"])
+                   ours_over_floor=ours_s / res["floor_s"],
+                   floor_with_kv_fraction=res["floor_with_kv_s"] / ours_s)
+        if "ours_compiled_s" in res:
+            res.update(speedup_vs_hf_compiled=hf_s / res["ours_compiled_s"],
+                       floor_with_kv_fraction_compiled=res["floor_with_kv_s"] / res["ours_compiled_s"])
         res["bf16_greedy_vs_hf"] = agreement(out.response_ids, theirs, 4)
         report["results"][str(B)] = res
         print(json.dumps({B: res}, indent=1), flush=True)
