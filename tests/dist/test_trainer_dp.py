@@ -114,6 +114,11 @@ def test_step_at_dp2_equals_dp1(algo, dp2_extra, tmp_path):
     for k in keys:
         for r in range(2):
             assert dp2[r]["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-4, abs=1e-6), k
+    # Adam's first step moves each weight by lr * g / (|g| + eps) (lr 1e-5, eps 1e-8): ~lr * sign(g)
+    # wherever |g| >> eps, so it amplifies rounding only for the few weights whose gradient is
+    # itself at the 1e-8 level (the packed path rounds attention differently: one element of 16k
+    # moved 2.3e-6 = 0.23 lr apart). Up to lr / 2 apart then; a wrong gradient sign is 2 lr apart,
+    # and the gradient's size is checked by grad_norm above.
     for name, w in ref["weights"].items():
         for r in range(2):
-            assert torch.allclose(dp2[r]["weights"][name], w, atol=1e-6, rtol=1e-5), name
+            assert torch.allclose(dp2[r]["weights"][name], w, atol=5e-6, rtol=1e-5), name

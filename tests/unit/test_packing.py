@@ -50,6 +50,50 @@ def test_unpack_is_differentiable():
     assert x.grad.sum() == sum(RESPONSE_LENS)  # each gathered position once
 
 
+@pytest.mark.parametrize("lengths", [[5, 7, 3, 1], [128, 128], [300, 17, 450, 1], [1000],
+                                     [129, 127, 256, 2, 254, 1], [64] * 9])
+def test_document_mask_blocks_equal_create_block_mask(lengths):
+    """The block lists built from the documents' spans are those create_block_mask derives from
+    the dense mask: partial and full blocks, per query block and (for the backward) per key block;
+    lengths on and off the 128 grid, one document, many, a ragged last block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    s = doc.numel()
+    ours = document_causal_mask(doc)
+    ref = create_block_mask(lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), None, None, s, s,
+                            device="cpu")
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+    for name, count in (("kv_indices", "kv_num_blocks"), ("full_kv_indices", "full_kv_num_blocks"),
+                        ("q_indices", "q_num_blocks"), ("full_q_indices", "full_q_num_blocks")):
+        n = getattr(ref, count)[0, 0]
+        a, b = getattr(ours, name)[0, 0], getattr(ref, name)[0, 0]
+        for row in range(n.shape[0]):  # the listed blocks; what follows them is never read
+            assert torch.equal(a[row, :n[row]], b[row, :n[row]]), (name, row)
+    assert ours.seq_lengths == (s, s)
+    if max(lengths) >= 384:  # a document holding two whole blocks: a full pair exists, and the
+        # kernel skips mask_mod there, so they must be right
+        assert int(ours.full_kv_num_blocks.sum()) > 0
+
+
+def test_packed_attention_over_many_blocks_equals_each_row_alone():
+    lengths = [300, 17, 450, 1]  # full and partial 128-blocks, a ragged end
+    doc = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))
+    s, g = doc.numel(), torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, s, 8, generator=g)
+    k, v = (torch.randn(1, 2, s, 8, generator=g) for _ in range(2))
+    out = packed_attention(q, k, v, document_causal_mask(doc), scale=0.3)
+    start = 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        ref = F.scaled_dot_product_attention(q[:, :, sl], k[:, :, sl].repeat_interleave(2, 1),
+                                             v[:, :, sl].repeat_interleave(2, 1), is_causal=True,
+                                             scale=0.3)
+        torch.testing.assert_close(out[:, :, sl], ref, atol=1e-5, rtol=1e-5)
+        start += n
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["flex_eager", "dense_fallback"])
 def test_packed_attention_equals_each_row_alone(grad):
     lengths = [5, 7, 3, 1]  # the last: SP tail padding, its own document
