@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-reference", action="store_false", dest="use_reference")
     p.add_argument("--skip-old-log-prob", action="store_true",
                    help="the trainer skips the old_log_prob pass (one epoch of one mini-batch)")
+    p.add_argument("--keep-generator", action="store_true",
+                   help="rollout.free_cache_engine=false: the KV cache stays through training")
     p.add_argument("--calibration", help="JSON written by python -m hybridflow.cost.calibrate")
     g = p.add_argument_group("force a layout (else searched)")
     g.add_argument("--tp", type=int)
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             ppo_epochs=a.ppo_epochs, mini_batches=a.mini_batches,
             micro_batch_tokens=a.micro_batch_tokens,
             forward_micro_batch_tokens=a.forward_micro_batch_tokens, use_reference=a.use_reference,
-            skip_old_log_prob=a.skip_old_log_prob, calibration=a.calibration)
+            skip_old_log_prob=a.skip_old_log_prob, keep_generator=a.keep_generator,
+            calibration=a.calibration)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

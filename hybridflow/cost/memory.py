@@ -13,6 +13,8 @@ Per phase, on top:
   when TP_g = TP and PP = 1), the KV cache of one generation wave, prefill scratch (one layer of the
   wave's prompts) and last-position logits. Sequences that do not fit run in several waves;
 - old_log_prob / ref / values: one layer's activations for a micro-batch and its fp32 logits;
+- with `keep_generator` (rollout.free_cache_engine=false, no reshard) the gen wave's KV cache stays
+  through every later phase too;
 - update_actor / update_critic: stored activations (`flops.activation_bytes_per_token_layer`; with
   full recompute only each layer's bf16 input plus one layer's working set), 1F1B keeping
   min(PP, micro-batches) micro-batches in flight on the first stage, plus fp32 logits and their grad.
@@ -127,14 +129,15 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
     resident = _resident(shape, plan, workload)
     batch, waves = gen_batch_size(shape, gpu, plan, workload, calib)
     phases = {}
+    kv, scratch = _gen_bytes_per_seq(shape, lay, workload)
+    kept_kv = batch * kv if workload.keep_generator and not lay.needs_reshard else 0.0
     for phase in phases_to_run(workload):
         c = dict.fromkeys(COMPONENTS, 0.0) | resident
         if phase == "gen":
-            kv, scratch = _gen_bytes_per_seq(shape, lay, workload)
             c |= {"reshard_buffer": reshard_buffer_bytes(shape, lay), "kv_cache": batch * kv,
                   "activations": batch * scratch}
         else:
-            c["activations"] = _activations(shape, plan, workload, phase)
+            c |= {"kv_cache": kept_kv, "activations": _activations(shape, plan, workload, phase)}
         if phase == "ref" and workload.use_reference:
             c["reference"] = BYTES_PER_PARAM * shape.num_params / (lay.tp_t * lay.pp_t)
         phases[phase] = {k: v * calib.memory_scale / GIB for k, v in c.items()}

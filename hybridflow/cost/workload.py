@@ -35,6 +35,9 @@ class Workload:
     # (hybridflow.rollout.generator); records measured before it did (the 2026 H200 calibration
     # records) say false: every sample row was prefilled
     prefill_once_per_prompt: bool = True
+    # rollout.free_cache_engine=false: the generator's KV cache (and graphs) stay allocated through
+    # the training phases where generation reads the training weights in place (no reshard)
+    keep_generator: bool = False
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:

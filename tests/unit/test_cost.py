@@ -430,3 +430,18 @@ def test_prefill_is_charged_once_per_prompt_on_each_replica():
     records = [json.loads(p.read_text()) for p in (ROOT / "benchmarks/results/cost").glob("*.json")]
     configs = [r["config"] for rec in records for r in rec.get("records", [])]
     assert configs and all(c["prefill_once_per_prompt"] is False for c in configs)
+
+
+def test_kept_generator_holds_its_kv_cache_through_training():
+    """rollout.free_cache_engine=false: every phase after gen carries the gen wave's KV cache, where
+    generation uses the training weights in place; with a reshard the generator is rebuilt anyway."""
+    base = dict(model="qwen2_0_5b", gpu="H200", **TINY_WORK)
+    for layout, kept in (({"tp": 1}, True), ({"tp": 2, "tp_gen": 1}, False)):
+        n = 2 if layout["tp"] == 2 else 1
+        freed = estimate_memory(num_gpus=n, layout=layout, **base)
+        held = estimate_memory(num_gpus=n, layout=layout, keep_generator=True, **base)
+        kv = freed.phases_gib["gen"]["kv_cache"]
+        assert kv > 0 and held.phases_gib["gen"] == freed.phases_gib["gen"]
+        for phase in ("ref", "update_actor"):
+            assert held.phases_gib[phase]["kv_cache"] == pytest.approx(kv if kept else 0.0)
+            assert freed.phases_gib[phase]["kv_cache"] == 0.0
