@@ -56,10 +56,11 @@ class RolloutConfig:
     # long budget read a fraction of the KV cache. 0: the whole cache. A multiple of 64. Each window
     # is a graph per batch bucket: pair with free_cache_engine=false (captured once). Off until timed.
     decode_kv_window: int = 0
-    # run the decode step through torch.compile (one compile with dynamic batch/window sizes, then
+    # run each layer's pure parts of the decode step (norm + QKV + RoPE; out-projection + MLP) through
+    # torch.compile (dynamic batch size; the KV writes and attention stay eager between them; all
     # captured in the CUDA graphs as before): fuses the RMSNorm, RoPE, SwiGLU and residual
-    # element-wise kernels of each layer, which bound decode at small batches (a ~0.5B model's
-    # step is ~550 kernel launches). TP_g = 1 only; the first step pays the compile. Off until timed.
+    # element-wise kernels, which bound decode at small batches (a ~0.5B model's step is ~550
+    # kernel launches). TP_g = 1 only; the first step pays the compile. Off until timed.
     compile_decode: bool = False
     return_logprobs: bool = False
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)

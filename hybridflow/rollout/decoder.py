@@ -260,13 +260,13 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
 
 def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: torch.Tensor,
                 key_valid: torch.Tensor, *, cache, cos_tab: torch.Tensor, sin_tab: torch.Tensor,
-                kv_len: Optional[int] = None):
+                kv_len: Optional[int] = None, compiled: bool = False):
     """One token per row against the static cache; graph-capturable (no host sync, static shapes).
 
     tokens, positions (B,) int64; cur (1,) int64: the cache column this token is written to;
     key_valid (B, T) bool, updated in place (column `cur` becomes valid). `kv_len`: attend over
-    cache columns 0..kv_len-1 only (the caller keeps cur < kv_len; None: all T). Returns logits
-    (B, V) fp32.
+    cache columns 0..kv_len-1 only (the caller keeps cur < kv_len; None: all T). `compiled`: run
+    each layer's pure parts compiled (rollout.compile_decode, TP_g = 1). Returns logits (B, V) fp32.
     """
     d = w.dims
     B = tokens.shape[0]
@@ -277,29 +277,50 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     bias = bias.masked_fill_(~seen, float("-inf"))[:, None, None, :]  # (B, 1, 1, kv_len)
     cos = cos_tab.index_select(0, positions)[:, None, None, :]  # (B, 1, 1, hd)
     sin = sin_tab.index_select(0, positions)[:, None, None, :]
+    attn_in, attn_out = _compiled(COMPILE_BACKEND) if compiled else (_attn_in, _attn_out)
     x = embed(w, tokens)  # (B, D)
     for i, layer in enumerate(w.layers):
-        h = _norm(x, layer.ln1, d.eps)
-        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(B, d.groups, hpg + 2, hd)
-        qk = qkv[:, :, :hpg + 1]
-        qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # (B, G, hpg+1, hd)
+        qk, v = attn_in(x, layer.ln1, layer.qkv_w, layer.qkv_b, cos, sin, d.eps, (d.groups, hpg, hd))
         kc, vc = cache.layer(i, B)
         kc.index_copy_(2, cur, qk[:, :, hpg:])
-        vc.index_copy_(2, cur, qkv[:, :, hpg + 1:])
+        vc.index_copy_(2, cur, v)
         if kv_len is not None:
             kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
         # the heads of a group act as hpg query positions sharing that group's K/V
         a = F.scaled_dot_product_attention(qk[:, :, :hpg], kc, vc, attn_mask=bias)
-        x = _row_parallel_add(x, a.reshape(B, d.heads * hd), layer.proj, w)
-        x = _mlp(x, layer, w)
+        a = a.reshape(B, d.heads * hd)
+        if d.tp_size == 1:
+            x = attn_out(x, a, layer.proj, layer.ln2, layer.fc1, layer.fc2, d.eps)
+        else:
+            x = _mlp(_row_parallel_add(x, a, layer.proj, w), layer, w)
     return logits(w, _norm(x, w.final_ln, d.eps))
 
 
+def _attn_in(x, ln1, qkv_w, qkv_b, cos, sin, eps: float, shape: tuple):
+    """x (B, D) -> (RoPE'd [q heads; k] (B, G, hpg + 1, hd), v (B, G, 1, hd)) of one layer."""
+    groups, hpg, hd = shape
+    qkv = F.linear(_norm(x, ln1, eps), qkv_w, qkv_b).view(x.shape[0], groups, hpg + 2, hd)
+    qk = qkv[:, :, :hpg + 1]
+    return torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin), qkv[:, :, hpg + 1:]
+
+
+def _attn_out(x, a, proj, ln2, fc1, fc2, eps: float):
+    """TP = 1: x + a @ proj.T, then the SwiGLU MLP with its residual (as _row_parallel_add and
+    _mlp compute them at TP = 1)."""
+    x = torch.addmm(x, a, proj.t())
+    gate, up = F.linear(_norm(x, ln2, eps), fc1).chunk(2, dim=-1)
+    return torch.addmm(x, F.silu(gate) * up, fc2.t())
+
+
+# rollout.compile_decode: the two pure parts of each layer's decode step (no cache writes, no
+# collectives: those stay eager between them) through torch.compile, dynamic batch size; inductor
+# fuses the RMSNorm, RoPE, SwiGLU and residual element-wise work around the GEMMs. The CPU tests
+# set "aot_eager" (dynamo's trace without inductor's minutes of C++ builds); tests/gpu compiles.
+COMPILE_BACKEND = "inductor"
+
+
 @functools.cache
-def compiled_decode_step(backend: str = "inductor"):
-    """`decode_step` through torch.compile (rollout.compile_decode): compiled once for dynamic batch
-    and window sizes (a graph per distinct kv_len None/int kind at most); the weights, cache and
-    buffers stay inputs, so rebuilt weights of the same shapes reuse it. `backend`: inductor (what
-    runs); the CPU tests check dynamo's tracing of the in-place cache writes with aot_eager, which
-    skips inductor's minutes-long C++ builds of CPU kernels (tests/gpu compiles for real)."""
-    return torch.compile(decode_step, dynamic=True, backend=backend)
+def _compiled(backend: str):
+    return (torch.compile(_attn_in, dynamic=True, backend=backend),
+            torch.compile(_attn_out, dynamic=True, backend=backend))
+

@@ -251,11 +251,12 @@ class Generator:
 
     def _step_fn(self, buf: _Buffers, cfg: RolloutConfig, pad: int, kv_len):
         cache, (cos, sin), w = self._cache, self._tables, self.w
-        decode = decoder.compiled_decode_step() if cfg.compile_decode else decoder.decode_step
+        compiled = cfg.compile_decode
 
         def step():
-            logits = decode(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
-                                         cache=cache, cos_tab=cos, sin_tab=sin, kv_len=kv_len)
+            logits = decoder.decode_step(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
+                                         cache=cache, cos_tab=cos, sin_tab=sin, kv_len=kv_len,
+                                         compiled=compiled)
             tok, lp = sample(logits, temperature=cfg.temperature, top_k=cfg.top_k,
                              top_p=cfg.top_p, generator=self._rng,
                              need_logprobs=cfg.return_logprobs)

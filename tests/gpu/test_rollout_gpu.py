@@ -129,9 +129,9 @@ def test_decode_windows_under_graphs(monkeypatch):
 
 
 def test_compiled_decode_under_graphs(monkeypatch):
-    """rollout.compile_decode: the inductor-compiled decode step captured per bucket and window
-    gives the eager graphs' greedy output (fp32, so fusion's reordering stays below any argmax
-    margin), compiled once across buckets and windows."""
+    """rollout.compile_decode: each layer's inductor-compiled parts, captured per bucket and window,
+    give the eager graphs' greedy output (fp32, so fusion's reordering stays below any argmax
+    margin), compiled once across buckets, windows and layers."""
     from hybridflow.rollout import compaction, generator
     from tests.unit.test_compaction import random_prompts, uneven_stops
 
@@ -152,4 +152,4 @@ def test_compiled_decode_under_graphs(monkeypatch):
     assert torch.allclose(eager.rollout_logprobs, compiled.rollout_logprobs, atol=1e-4)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     print(f"compiled decode: {graphs} dynamo graphs")
-    assert 1 <= graphs <= 3
+    assert graphs in (2, 4)  # two parts x (batch >= 2, and batch 1 where compaction reaches it)
