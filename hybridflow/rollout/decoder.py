@@ -280,7 +280,8 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     attn_in, attn_out = _compiled(COMPILE_BACKEND) if compiled else (_attn_in, _attn_out)
     x = embed(w, tokens)  # (B, D)
     for i, layer in enumerate(w.layers):
-        qk, v = attn_in(x, layer.ln1, layer.qkv_w, layer.qkv_b, cos, sin, d.eps, (d.groups, hpg, hd))
+        qk, v = attn_in(x, layer.ln1, layer.qkv_w, layer.qkv_b, cos, sin, d.eps,
+                        (d.groups, hpg, hd))
         kc, vc = cache.layer(i, B)
         kc.index_copy_(2, cur, qk[:, :, hpg:])
         vc.index_copy_(2, cur, v)
@@ -323,4 +324,3 @@ COMPILE_BACKEND = "inductor"
 def _compiled(backend: str):
     return (torch.compile(_attn_in, dynamic=True, backend=backend),
             torch.compile(_attn_out, dynamic=True, backend=backend))
-
