@@ -102,23 +102,27 @@ def test_token_budget_matches_fixed_micro_batches(tp, sp):
     else:  # TP ranks share rows and must agree on the micro-batches
         assert results[0]["n_micro"] == results[1]["n_micro"] > 1
     for res in results:
-        fixed, dyn, mask = res["fixed"], res["dyn"], res["mask"]
-        for key in ("logprobs", "entropy", "logprobs_api", "values"):
-            torch.testing.assert_close(dyn[key][mask], fixed[key][mask], atol=1e-6, rtol=1e-5,
-                                       msg=key)
-            assert dyn[key].shape == fixed[key].shape
-        assert fixed["logprobs"][mask].abs().min() > 0 and fixed["values"][mask].abs().sum() > 0
-        for key, value in fixed["metrics"].items():
-            if key != "lr":
-                assert abs(dyn["metrics"][key] - value) < 1e-6 * max(1.0, abs(value)), key
-        assert fixed["metrics"]["grad_norm"] > 0
-        assert set(dyn["grads"]) == set(fixed["grads"]) and fixed["grads"]
-        for name, g in fixed["grads"].items():
-            torch.testing.assert_close(dyn["grads"][name], g, atol=1e-6, rtol=1e-5, msg=name)
-        # Adam's first step is lr x g / (|g| + eps): grads of ~1e-8, equal to fp32 rounding, still
-        # move weights by ~1e-6 differently; the tolerance of test_parallel_parity's weights
-        for name, w in fixed["weights"].items():
-            torch.testing.assert_close(dyn["weights"][name], w, atol=1e-5, rtol=1e-4, msg=name)
+        assert_same_results(res["dyn"], res["fixed"], res["mask"], atol=1e-6)
+
+
+def assert_same_results(got: dict, ref: dict, mask, *, atol: float) -> None:
+    """Two runs of the same engine calls (a worker's result dicts): per-token results under `mask`
+    (atol), the update's metrics (atol, relative above 1), gradients and the updated weights."""
+    for key in ("logprobs", "entropy", "logprobs_api", "values"):
+        assert got[key].shape == ref[key].shape
+        torch.testing.assert_close(got[key][mask], ref[key][mask], atol=atol, rtol=1e-5, msg=key)
+    assert ref["logprobs"][mask].abs().min() > 0 and ref["values"][mask].abs().sum() > 0
+    for key, value in ref["metrics"].items():
+        if key != "lr":
+            assert abs(got["metrics"][key] - value) < atol * max(1.0, abs(value)), key
+    assert ref["metrics"]["grad_norm"] > 0
+    assert set(got["grads"]) == set(ref["grads"]) and ref["grads"]
+    for name, g in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][name], g, atol=1e-6, rtol=1e-5, msg=name)
+    # Adam's first step is lr x g / (|g| + eps): grads of ~1e-8, equal to fp32 rounding, still
+    # move weights by ~1e-6 differently; the tolerance of test_parallel_parity's weights
+    for name, w in ref["weights"].items():
+        torch.testing.assert_close(got["weights"][name], w, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_bench_rl_step_dynamic_bsz_smoke(tmp_path):
