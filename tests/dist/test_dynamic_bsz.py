@@ -64,6 +64,30 @@ def engines(tp: int, sp: bool):
     return ctx, engine
 
 
+def engine_results(engine, batch, *, max_tokens, num_tokens: int, num_seqs: int,
+                   pack: bool = False, scores: bool = False) -> dict:
+    """Fresh engines' per-token results over `batch` (log-probs and entropy from the pass itself
+    and through compute_logprobs, critic values, with `scores` the reward model's) and one actor
+    update (its metrics, the gradients and the updated weights, gathered over TP)."""
+    kw = dict(micro_batch_size=2, max_tokens=max_tokens, pack=pack)
+    actor, critic = engine("actor", trainable=False), engine("critic", trainable=False)
+    o, rows = actor._run(batch, forward_only=True, loss_fn=None, temperature=0.7,
+                         need_entropy=True, **kw)
+    out = {"logprobs": actor._from_last_stage(o, "logprobs", batch, rows),
+           "entropy": actor._from_last_stage(o, "entropy", batch, rows),
+           "logprobs_api": actor.compute_logprobs(batch, temperature=0.7, **kw),
+           "values": critic.compute_values(batch, **kw)}
+    if scores:
+        out["scores"] = engine("reward", trainable=False).compute_scores(batch, **kw)
+    eng = engine("actor")
+    loss_fn = actor_objective(ALGO, num_tokens=num_tokens, num_seqs=num_seqs)
+    metrics = eng.train_step(batch, loss_fn, temperature=0.7, need_entropy=True, **kw)
+    grads = {k: p.main_grad for k, p in eng.module.named_parameters()}
+    return {**out, "metrics": metrics, "grads": gather_full(grads, num_layers=MODEL.num_layers),
+            "weights": gather_full(dict(eng.module.named_parameters()),
+                                   num_layers=MODEL.num_layers)}
+
+
 def _worker(tp: int, sp: bool):
     ctx, engine = engines(tp, sp)
     full = _batch()
@@ -72,24 +96,10 @@ def _worker(tp: int, sp: bool):
     batch = full.select(slice(rank * n, (rank + 1) * n))
     out = {"n_micro": len(token_budget_groups(batch.prompt_mask.sum(1), batch.response_mask.sum(1),
                                               max_tokens=BUDGET, multiple=tp if sp else 1))}
-    actor, critic = engine("actor", trainable=False), engine("critic", trainable=False)
+    num_tokens = int(dp_sum(float(batch.response_mask.sum()), group=ctx.dp_group))
     for name, tokens in (("fixed", None), ("dyn", BUDGET)):
-        o, rows = actor._run(batch, micro_batch_size=2, forward_only=True, loss_fn=None,
-                             temperature=0.7, need_entropy=True, max_tokens=tokens)
-        out[name] = {"logprobs": actor._from_last_stage(o, "logprobs", batch, rows),
-                     "entropy": actor._from_last_stage(o, "entropy", batch, rows),
-                     "logprobs_api": actor.compute_logprobs(batch, micro_batch_size=2,
-                                                            temperature=0.7, max_tokens=tokens),
-                     "values": critic.compute_values(batch, micro_batch_size=2, max_tokens=tokens)}
-        eng = engine("actor")
-        num_tokens = int(dp_sum(float(batch.response_mask.sum()), group=ctx.dp_group))
-        loss_fn = actor_objective(ALGO, num_tokens=num_tokens, num_seqs=full.batch_size)
-        metrics = eng.train_step(batch, loss_fn, micro_batch_size=2, temperature=0.7,
-                                 need_entropy=True, max_tokens=tokens)
-        grads = {k: p.main_grad for k, p in eng.module.named_parameters()}
-        out[name].update(metrics=metrics, grads=gather_full(grads, num_layers=MODEL.num_layers),
-                         weights=gather_full(dict(eng.module.named_parameters()),
-                                             num_layers=MODEL.num_layers))
+        out[name] = engine_results(engine, batch, max_tokens=tokens, num_tokens=num_tokens,
+                                   num_seqs=full.batch_size)
     out["mask"] = batch.response_mask.bool()
     return out
 

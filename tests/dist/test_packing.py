@@ -13,40 +13,20 @@ Layouts: one rank (TP=1), and TP=2 with sequence parallel (packed length padded 
 import pytest
 import torch
 
-from hybridflow.algo.objectives import actor_objective
 from tests.dist.launcher import run_ranks
-from tests.dist.parity_util import gather_full
-from tests.dist.test_dynamic_bsz import ALGO, BUDGET, MODEL, _batch, assert_same_results, engines
+from tests.dist.test_dynamic_bsz import BUDGET, _batch, assert_same_results, engine_results, engines
 
 
 def _worker(tp: int, sp: bool):
     _, engine = engines(tp, sp)
     batch = _batch()
-    actor, critic = engine("actor", trainable=False), engine("critic", trainable=False)
-    reward = engine("reward", trainable=False)
+    actor = engine("actor", trainable=False)
     out = {"n_micro": len(actor._micro_batches(batch, micro_batch_size=2, max_tokens=BUDGET,
                                                pack=True)[0])}
     for name, pack in (("padded", False), ("packed", True)):
-        o, rows = actor._run(batch, micro_batch_size=2, forward_only=True, loss_fn=None,
-                             temperature=0.7, need_entropy=True, max_tokens=BUDGET, pack=pack)
-        out[name] = {"logprobs": actor._from_last_stage(o, "logprobs", batch, rows),
-                     "entropy": actor._from_last_stage(o, "entropy", batch, rows),
-                     "logprobs_api": actor.compute_logprobs(batch, micro_batch_size=2,
-                                                            temperature=0.7, max_tokens=BUDGET,
-                                                            pack=pack),
-                     "values": critic.compute_values(batch, micro_batch_size=2, max_tokens=BUDGET,
-                                                     pack=pack),
-                     "scores": reward.compute_scores(batch, micro_batch_size=2, max_tokens=BUDGET,
-                                                     pack=pack)}
-        eng = engine("actor")
-        loss_fn = actor_objective(ALGO, num_tokens=int(batch.response_mask.sum()),
-                                  num_seqs=batch.batch_size)
-        metrics = eng.train_step(batch, loss_fn, micro_batch_size=2, temperature=0.7,
-                                 need_entropy=True, max_tokens=BUDGET, pack=pack)
-        grads = {k: p.main_grad for k, p in eng.module.named_parameters()}
-        out[name].update(metrics=metrics, grads=gather_full(grads, num_layers=MODEL.num_layers),
-                         weights=gather_full(dict(eng.module.named_parameters()),
-                                             num_layers=MODEL.num_layers))
+        out[name] = engine_results(engine, batch, max_tokens=BUDGET, pack=pack, scores=True,
+                                   num_tokens=int(batch.response_mask.sum()),
+                                   num_seqs=batch.batch_size)
     out["mask"] = batch.response_mask.bool()
     return out
 
