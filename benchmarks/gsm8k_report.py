@@ -9,7 +9,7 @@ leaving out `--exclude-steps` (steps that shared the GPU with another process).
 
   python benchmarks/gsm8k_report.py --metrics M.jsonl --hf-eval hf_eval.json --trl trl.json \
       [--trl-scores trl_scores.json] --exclude-steps 12-16 --out benchmarks/results/gsm8k_h200.json \
-      --png benchmarks/results/gsm8k_h200.png
+      --png benchmarks/results/gsm8k_h200.png --table benchmarks/results/gsm8k_h200.md
 """
 
 import argparse
@@ -49,7 +49,8 @@ def summarise(rows: list[dict], *, exclude: set[int]) -> dict:
         "ours_steps_timed": len(timed),
         "ours_peak_memory_gb": max(r.get("perf/max_memory_allocated_gb", 0.0) for r in train),
         "per_step": {k: [[r["step"], r[k]] for r in train if k in r] for k in SERIES},
-        "rollout_training_mismatch_median": {k: med(k) for k in SERIES[6:9]},
+        "rollout_training_mismatch_median": {k: med(k) for k in SERIES[6:9]  # return_logprobs
+                                             if any(k in r for r in timed)},
     }
 
 
@@ -69,6 +70,33 @@ def val_summary(curve: list[list], last: int = 10) -> dict:
         out["first_step_plus_10_points"] = next((s for s, a in curve if a - step0 >= 0.1 - 1e-9),
                                                 None)
     return out
+
+
+def table(summary: dict) -> str:
+    """Markdown: one row per validation step (val accuracy by both rules; mean training reward,
+    response length and entropy over the steps since the previous validation), then the stage
+    medians."""
+    per = {k: dict(per_step) for k, per_step in summary["per_step"].items()}
+    strict = dict(summary["val_accuracy_strict"])
+
+    def avg(key, steps, fmt):
+        vals = [per[key][s] for s in steps if s in per[key]]
+        return format(statistics.mean(vals), fmt) if vals else ""
+
+    lines = ["| step | val math_exact % | val strict (####) % | train reward | response length "
+             "| entropy |", "| --- | --- | --- | --- | --- | --- |"]
+    prev = 0
+    for step, acc in summary["val_accuracy"]:
+        since = range(prev + 1, step + 1)
+        st = f"{100 * strict[step]:.1f}" if step in strict else ""
+        lines.append(f"| {step} | {100 * acc:.1f} | {st} | {avg('critic/score/mean', since, '.3f')} "
+                     f"| {avg('response_length/mean', since, '.0f')} "
+                     f"| {avg('actor/entropy', since, '.3f')} |")
+        prev = step
+    lines += ["", "Training columns: means over the steps since the previous validation (samples "
+              "at T = 1).", "", "| stage | median s |", "| --- | --- |"]
+    lines += [f"| {k} | {v:.3f} |" for k, v in summary["ours_stages_s"].items()]
+    return "\n".join(lines) + "\n"
 
 
 def plot(summary: dict, path: str) -> None:
@@ -117,6 +145,7 @@ def main():
     ap.add_argument("--command", default="", help="the run's command, recorded in the JSON")
     ap.add_argument("--out", required=True)
     ap.add_argument("--png")
+    ap.add_argument("--table", help="Markdown table of the val curve, training curves and stages")
     args = ap.parse_args()
     rows = [json.loads(line) for line in open(args.metrics)]
     summary = summarise(rows, exclude=_steps(args.exclude_steps))
@@ -144,6 +173,10 @@ def main():
     os.replace(tmp, args.out)
     if args.png:
         plot(summary, args.png)
+    if args.table:
+        with open(args.table + ".tmp", "w") as f:
+            f.write(table(summary))
+        os.replace(args.table + ".tmp", args.table)
     print(json.dumps({k: summary[k] for k in ("val_summary", "ours_step_s", "ours_stages_s",
                                               "ours_vs_trl_step_ratio",
                                               "transformers_val_accuracy")}, indent=1))
