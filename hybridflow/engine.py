@@ -10,10 +10,10 @@ with `max_tokens` (algo.use_dynamic_bsz), by token budget: rows grouped by lengt
 the per-row results scattered back to the batch's row order. Padding columns carry no loss weight, so
 both give the same results; the budget only changes how much padding is computed.
 
-Sequence packing (`pack`, algo.pack_sequences; off by default until timed on a GPU): each
-token-budget micro-batch runs as ONE row of its rows' real tokens back to back (no padding computed
-but the tail to a multiple of TP under sequence parallel), attention limited to each row's own
-tokens, causally, by a flex_attention block mask (hybridflow.data.packing,
+Sequence packing (`pack`, algo.pack_sequences; off by default, on in the GSM8K experiment where it
+was timed): each token-budget micro-batch runs as ONE row of its rows' real tokens back to back (no
+padding computed but the tail to a multiple of TP under sequence parallel), attention limited to
+each row's own tokens, causally, by a flex_attention block mask (hybridflow.data.packing,
 hybridflow.models.attention.document_causal_mask). The budget then counts real tokens. The loss still
 sees the padded micro-batch: per-token results over the packed row are gathered into its (b, R_mb)
 layout (`PackedRows.unpack`, differentiable). No explicit SDPA mask is passed, so the cuDNN

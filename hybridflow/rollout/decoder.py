@@ -213,10 +213,13 @@ def logits(w: Weights, h: torch.Tensor) -> torch.Tensor:
     return local[:, :d.true_vocab].float()
 
 
+def _swiglu(h, fc1):
+    gate, up = F.linear(h, fc1).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _mlp(x, layer: Layer, w: Weights):
-    h = _norm(x, layer.ln2, w.dims.eps)
-    gate, up = F.linear(h, layer.fc1).chunk(2, dim=-1)
-    return _row_parallel_add(x, F.silu(gate) * up, layer.fc2, w)
+    return _row_parallel_add(x, _swiglu(_norm(x, layer.ln2, w.dims.eps), layer.fc1), layer.fc2, w)
 
 
 def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *,
@@ -309,8 +312,7 @@ def _attn_out(x, a, proj, ln2, fc1, fc2, eps: float):
     """TP = 1: x + a @ proj.T, then the SwiGLU MLP with its residual (as _row_parallel_add and
     _mlp compute them at TP = 1)."""
     x = torch.addmm(x, a, proj.t())
-    gate, up = F.linear(_norm(x, ln2, eps), fc1).chunk(2, dim=-1)
-    return torch.addmm(x, F.silu(gate) * up, fc2.t())
+    return torch.addmm(x, _swiglu(_norm(x, ln2, eps), fc1), fc2.t())
 
 
 # rollout.compile_decode: the two pure parts of each layer's decode step (no cache writes, no
