@@ -190,7 +190,7 @@ def user_error(msg: str, *, rank: int, world_size: int, shared: bool) -> int:
     shared: process groups exist, so ranks compare messages first."""
     line = msg
     if shared and world_size > 1:
-        _pending.append(msg)
+        _pending.append((msg, world_size))
         if not _all_agree(msg, rank=rank, world_size=world_size):
             line = f"rank {rank}: {msg}"
     if not _watching:
@@ -202,14 +202,14 @@ def user_error(msg: str, *, rank: int, world_size: int, shared: bool) -> int:
     return 2
 
 
-def _all_agree(msg: str, *, rank: int, world_size: int) -> bool:
+def _all_agree(msg: str, *, rank: int, world_size: int, wait_s: float = AGREE_S) -> bool:
     import torch.distributed as dist
 
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(f"hybridflow/error/{rank}", msg)
         keys = [f"hybridflow/error/{r}" for r in range(world_size)]
-        deadline = time.monotonic() + AGREE_S
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if store.check(keys):
                 return all(store.get(k).decode() == msg for k in keys)
@@ -240,8 +240,10 @@ def _watch(read_fd: int, rank: int) -> None:
     while signal.SIGTERM not in os.read(read_fd, 64):  # other signals with Python handlers
         pass
     name, secs = current()
-    if _pending:
-        die(f"rank {rank}: {_pending[0]}", 2)
+    if _pending:  # the main thread is comparing messages: a peer that agreed may exit first
+        msg, world_size = _pending[0]
+        agreed = _all_agree(msg, rank=rank, world_size=world_size, wait_s=0.2)
+        die(msg if agreed else f"rank {rank}: {msg}", 2)
     die(f"rank {rank}: stage {name}: peer failure after {secs:.1f} s (SIGTERM: the launcher "
         "stops every rank once one exits, or the job was cancelled)", 143)
 
