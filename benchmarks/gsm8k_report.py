@@ -72,6 +72,12 @@ def val_summary(curve: list[list], last: int = 10) -> dict:
     return out
 
 
+def matched(ours: list[list], trl: list[list]) -> list[list]:
+    """[step, ours, TRL, ours - TRL in points] at the steps both validated."""
+    mine = dict(ours)
+    return [[s, mine[s], a, 100 * (mine[s] - a)] for s, a in trl if s in mine]
+
+
 def table(summary: dict) -> str:
     """Markdown: one row per validation step (val accuracy by both rules; mean training reward,
     response length and entropy over the steps since the previous validation), then the stage
@@ -83,15 +89,17 @@ def table(summary: dict) -> str:
         vals = [per[key][s] for s in steps if s in per[key]]
         return format(statistics.mean(vals), fmt) if vals else ""
 
-    lines = ["| step | val math_exact % | val strict (####) % | train reward | response length "
-             "| entropy |", "| --- | --- | --- | --- | --- | --- |"]
+    trl = dict(summary.get("trl", {}).get("val_accuracy") or [])
+    head = "| step | val math_exact % | val strict (####) % | train reward | response length | entropy |"
+    lines = [head + (" TRL val math_exact % |" if trl else ""), "|" + " --- |" * (6 + bool(trl))]
     prev = 0
     for step, acc in summary["val_accuracy"]:
         since = range(prev + 1, step + 1)
         st = f"{100 * strict[step]:.1f}" if step in strict else ""
+        tr = (f" {100 * trl[step]:.1f} |" if step in trl else " |") if trl else ""
         lines.append(f"| {step} | {100 * acc:.1f} | {st} | {avg('critic/score/mean', since, '.3f')} "
                      f"| {avg('response_length/mean', since, '.0f')} "
-                     f"| {avg('actor/entropy', since, '.3f')} |")
+                     f"| {avg('actor/entropy', since, '.3f')} |{tr}")
         prev = step
     lines += ["", "Training columns: means over the steps since the previous validation (samples "
               "at T = 1).", "", "| stage | median s |", "| --- | --- |"]
@@ -138,7 +146,9 @@ def plot(summary: dict, path: str) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--metrics", required=True)
-    ap.add_argument("--hf-eval", required=True)
+    ap.add_argument("--hf-eval", required=True, action="append",
+                    help="gsm8k_hf_eval.py JSON; repeat for several evals (the first is the one "
+                         "compared with step 0: run it in the same device session)")
     ap.add_argument("--trl", required=True)
     ap.add_argument("--trl-scores", help="score_snapshots.py JSON: our validation of TRL's snapshots")
     ap.add_argument("--exclude-steps", default="", help="e.g. 12-16: steps that shared the GPU")
@@ -146,27 +156,50 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--png")
     ap.add_argument("--table", help="Markdown table of the val curve, training curves and stages")
+    ap.add_argument("--keep", default="",
+                    help="comma-separated keys carried over from the existing --out (e.g. "
+                         "earlier_runs,what,raw: notes this script does not compute)")
     args = ap.parse_args()
+    kept = {}
+    if args.keep and os.path.exists(args.out):
+        old = json.load(open(args.out))
+        missing = [k for k in args.keep.split(",") if k not in old]
+        if missing:
+            raise SystemExit(f"--keep: {args.out} has no key(s) {missing}; it has {sorted(old)}")
+        kept = {k: old[k] for k in args.keep.split(",")}
     rows = [json.loads(line) for line in open(args.metrics)]
     summary = summarise(rows, exclude=_steps(args.exclude_steps))
-    hf, trl = json.load(open(args.hf_eval)), json.load(open(args.trl))
+    hfs = [json.load(open(p)) for p in args.hf_eval]
+    hf, trl = hfs[0], json.load(open(args.trl))
     summary["transformers_val_accuracy"] = hf["accuracy"]["math_exact"]
     summary["transformers_val_accuracy_strict"] = hf["accuracy"].get("gsm8k_strict")
     summary["transformers_eval"] = {k: hf[k] for k in ("n", "accuracy", "mean_response_length",
                                                        "seconds", "batch_size", "dtype",
                                                        "stop_token_ids", "command") if k in hf}
+    if len(hfs) > 1:  # bf16 batched greedy moves with the batch's padding layout: show the spread
+        summary["transformers_val_accuracy_runs"] = [
+            {"math_exact": h["accuracy"]["math_exact"], "batch_size": h.get("batch_size"),
+             "file": p} for h, p in zip(hfs, args.hf_eval)]
     summary["trl"] = {"step_s": trl["step_s"], "step_s_median": trl["step_s_median"],
                       "val_accuracy": trl["val_accuracy"], "config": trl["config"],
                       "peak_memory_gb": trl.get("peak_memory_gb"), "command": trl["command"],
                       "versions": trl["versions"]}
     summary["ours_vs_trl_step_ratio"] = trl["step_s_median"] / summary["ours_step_s"]
+    trl_reward = [[r["step"], r["reward"]] for r in trl.get("logs", []) if "reward" in r]
+    if trl_reward:  # the training reward of the same step's 512 samples (T = 1), both sides
+        pairs = matched(summary["per_step"]["critic/score/mean"], trl_reward)
+        summary["train_reward_per_step_vs_trl"] = {
+            "steps": pairs, "ours_mean": statistics.mean(p[1] for p in pairs) if pairs else None,
+            "trl_mean": statistics.mean(p[2] for p in pairs) if pairs else None}
     if args.trl_scores:
         scores = json.load(open(args.trl_scores))
         summary["trl"].update(val_accuracy=scores["val_accuracy"], val_accuracy_strict=scores["val_accuracy_strict"],
                               val_scored_by="hybridflow's validation of TRL's snapshots (score_snapshots.py)",
                               val_command=scores["command"])
+    summary["accuracy_per_step_vs_trl"] = matched(summary["val_accuracy"], summary["trl"]["val_accuracy"])
     summary.update(machine=hf["machine"], versions=hf["versions"], command=args.command,
                    excluded_steps=sorted(_steps(args.exclude_steps)))
+    summary.update(kept)
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(summary, f, indent=1)
@@ -178,8 +211,9 @@ def main():
             f.write(table(summary))
         os.replace(args.table + ".tmp", args.table)
     print(json.dumps({k: summary[k] for k in ("val_summary", "ours_step_s", "ours_stages_s",
-                                              "ours_vs_trl_step_ratio",
-                                              "transformers_val_accuracy")}, indent=1))
+                                              "ours_vs_trl_step_ratio", "transformers_val_accuracy",
+                                              "accuracy_per_step_vs_trl",
+                                              "train_reward_per_step_vs_trl") if k in summary}, indent=1))
 
 
 if __name__ == "__main__":

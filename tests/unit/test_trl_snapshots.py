@@ -235,3 +235,41 @@ def test_report_takes_trl_accuracy_from_the_scores(trl_run, tmp_path, monkeypatc
     trl = json.loads(out.read_text())["trl"]
     assert trl["val_accuracy"] == scores["val_accuracy"] and [s for s, _ in trl["val_accuracy"]] == [0, 2]
     assert trl["val_accuracy_strict"] == scores["val_accuracy_strict"] and "score_snapshots" in trl["val_scored_by"]
+
+
+def test_report_matches_steps_keeps_notes_and_lists_evals(trl_run, tmp_path, monkeypatch):
+    import gsm8k_report
+
+    d, _, scores = trl_run
+    rows = [{"step": s, "val-core/openai/gsm8k/reward/mean@1": 0.25 + 0.01 * s} for s in (0, 2)]
+    rows += [{"step": s, "timing_s/step": 10.0, "critic/score/mean": 0.1, "response_length/mean": 100.0}
+             for s in (1, 2, 3)]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name, acc, bs in (("hf.json", 0.24, 64), ("hf_old.json", 0.22, 320)):
+        (tmp_path / name).write_text(json.dumps({"accuracy": {"math_exact": acc}, "batch_size": bs,
+                                                 "machine": {}, "versions": {}}))
+    out = tmp_path / "summary.json"
+    out.write_text(json.dumps({"what": "a note", "earlier_runs": [1], "val_accuracy": "stale"}))
+    monkeypatch.setattr(sys, "argv", [
+        "gsm8k_report.py", "--metrics", str(tmp_path / "m.jsonl"), "--hf-eval", str(tmp_path / "hf.json"),
+        "--hf-eval", str(tmp_path / "hf_old.json"), "--trl", str(d / "out" / "trl_gsm8k.json"),
+        "--trl-scores", str(d / "out" / "trl_scores.json"), "--out", str(out), "--keep", "what,earlier_runs",
+        "--table", str(tmp_path / "t.md")])
+    gsm8k_report.main()
+    got = json.loads(out.read_text())
+    assert got["what"] == "a note" and got["earlier_runs"] == [1]  # kept; computed keys recomputed
+    assert got["val_accuracy"] == [[0, 0.25], [2, 0.27]]
+    assert got["transformers_val_accuracy"] == 0.24
+    assert [(r["math_exact"], r["batch_size"]) for r in got["transformers_val_accuracy_runs"]] == [(0.24, 64), (0.22, 320)]
+    trl = dict(scores["val_accuracy"])
+    assert got["accuracy_per_step_vs_trl"] == [[s, a, trl[s], pytest.approx(100 * (a - trl[s]))]
+                                               for s, a in ((0, 0.25), (2, 0.27))]
+    rew = got["train_reward_per_step_vs_trl"]
+    trl_logs = {r["step"]: r["reward"] for r in trl_run[1]["logs"] if "reward" in r}
+    assert [p[0] for p in rew["steps"]] == sorted(set(trl_logs) & {1, 2, 3}) != []
+    assert all(p[1] == 0.1 and p[2] == trl_logs[p[0]] for p in rew["steps"]) and rew["ours_mean"] == 0.1
+    md = (tmp_path / "t.md").read_text()
+    assert "TRL val math_exact %" in md and f"| {100 * trl[2]:.1f} |" in md
+    monkeypatch.setattr(sys, "argv", [*sys.argv[:-4], "--keep", "raw"])
+    with pytest.raises(SystemExit, match="no key"):
+        gsm8k_report.main()
