@@ -125,7 +125,8 @@ def main():
                 "response_len": args.response, "ppo_epochs": 1, "mini_batches": 1,
                 "micro_batch_tokens": train_tokens, "forward_micro_batch_tokens": fwd_tokens,
                 "dynamic_bsz": bool(args.dynamic_bsz), "skip_old_log_prob": args.skip_old_log_prob,
-                "use_reference": algo == "grpo", "prefill_once_per_prompt": True},
+                "use_reference": algo == "grpo", "prefill_once_per_prompt": True,
+                "response_logits_only": True},
             "metrics": m})
     import torch
 

@@ -113,11 +113,13 @@ def stage_flops(shape, *, prompts: int, samples: int, prompt_len: float, respons
     from hybridflow.cost.flops import decode_flops_per_token, forward_flops_per_token, train_flops_per_token
 
     seqs, seq_len = prompts * samples, prompt_len + response
+    head = response / seq_len  # logits only where they are scored (hybridflow.engine)
     out = {"gen": prompts * prompt_len * forward_flops_per_token(shape, prompt_len)
            + seqs * response * decode_flops_per_token(shape, prompt_len + response / 2),
-           "update_actor": seqs * seq_len * train_flops_per_token(shape, seq_len, recompute=False)}
+           "update_actor": seqs * seq_len * train_flops_per_token(shape, seq_len, recompute=False,
+                                                                  head_fraction=head)}
     for s in FORWARD_STAGES:
-        out[s] = seqs * seq_len * forward_flops_per_token(shape, seq_len)
+        out[s] = seqs * seq_len * forward_flops_per_token(shape, seq_len, head_fraction=head)
     return {s: f for s, f in out.items() if s in stages}
 
 

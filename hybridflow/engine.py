@@ -52,6 +52,7 @@ from hybridflow.data.microbatch import token_budget_groups
 from hybridflow.data.packing import PackedRows, pack_rows
 from hybridflow.models.attention import SDPAttention, document_causal_mask
 from hybridflow.models.build import LM_ROLES, build_model
+from hybridflow.models.linear import LeanOutputLinear
 from hybridflow.models.logprob import vocab_parallel_logprobs
 from hybridflow.parallel.context import ParallelContext
 
@@ -126,6 +127,14 @@ class Engine:
             model.eval()
         self.model = model
         self.sdpa = any(isinstance(m, SDPAttention) for m in self.module.modules())
+        # LM roles on the last stage compute logits only where they are scored (the positions that
+        # predict response tokens: LeanOutputLinear.select), not over the prompt; the results are
+        # the same (tests/dist/test_response_logits.py). None: every position (Megatron's own
+        # output layer under the transformer-engine spec; scalar heads, cheap anyway). Set it to
+        # None to compare.
+        head = getattr(self.module, "output_layer", None) if self.module.post_process else None
+        self._response_head = head if role in LM_ROLES and isinstance(head, LeanOutputLinear) \
+            else None
         self.device = ctx.device
         self._p2p = P2PCommunicator(pp_group=ctx.pp_group, config=self.tcfg)
 
@@ -187,19 +196,32 @@ class Engine:
 
         def forward_step(data_iter, model):
             mb, padded, packed = next(data_iter)
-            if packed is None:
-                out = model(mb.input_ids(), mb.position_ids(),
-                            attention_mask(mb.token_mask(), padded=padded))
-            else:  # one row (1, S); its results are gathered back into mb's (b, R_mb) below
-                out = model(packed.input_ids, packed.position_ids,
-                            document_causal_mask(packed.document_ids))
+            # the LM head only at the positions that predict response tokens (see __init__)
+            select = self._response_head is not None and (packed is None or packed.scored.numel())
+            if select:
+                p = mb.prompt_len
+                self._response_head.select = ((lambda x: x[p - 1:-1]) if packed is None else
+                                              (lambda x: x[packed.scored]))
+            try:
+                if packed is None:
+                    out = model(mb.input_ids(), mb.position_ids(),
+                                attention_mask(mb.token_mask(), padded=padded))
+                else:  # one row (1, S); its results are gathered back into mb's (b, R_mb) below
+                    out = model(packed.input_ids, packed.position_ids,
+                                document_causal_mask(packed.document_ids))
+            finally:
+                if select:
+                    self._response_head.select = None
 
             def loss_func(output):
                 # outputs that predict response tokens; a reward model reads each token's own state
                 if packed is None:
                     p = mb.prompt_len
-                    pred = output[:, p:] if self.role == "reward" else output[:, p - 1:-1]
+                    pred = output if select else (
+                        output[:, p:] if self.role == "reward" else output[:, p - 1:-1])
                     targets = mb.response_ids
+                elif select:  # (1, n): the scored positions only
+                    pred, targets = output, packed.targets[:, packed.scored]
                 else:  # every packed position; a row's last one predicts garbage, never gathered
                     pred, targets = output, packed.targets
                 if self.role in LM_ROLES:
@@ -208,7 +230,8 @@ class Engine:
                 else:
                     res = {"values": pred.squeeze(-1).float()}
                 if packed is not None:
-                    res = {k: packed.unpack(v) for k, v in res.items()}
+                    unpack = packed.unpack_scored if select else packed.unpack
+                    res = {k: unpack(v) for k, v in res.items()}
                 if loss_fn is None:
                     zero = output.sum() * 0.0
                     return zero, {k: v.detach() for k, v in res.items()}

@@ -26,14 +26,19 @@ def dense_params(shape: ModelConfig, role: str = "actor") -> int:
     return shape.num_dense_params
 
 
-def forward_flops_per_token(shape: ModelConfig, seq_len: int, role: str = "actor") -> float:
-    return 2 * dense_params(shape, role) + 2 * shape.num_layers * seq_len * shape.q_dim
+def forward_flops_per_token(shape: ModelConfig, seq_len: int, role: str = "actor",
+                            head_fraction: float = 1.0) -> float:
+    """`head_fraction`: the share of the tokens whose LM head (V x h) is computed. The engine
+    computes logits only at the positions that predict response tokens (response_len / seq_len
+    of them; `Workload.head_fraction`); the generator's prefill needs the last position only."""
+    head = 0 if role == "critic" else shape.embedding_params * (1.0 - head_fraction)
+    return 2 * (dense_params(shape, role) - head) + 2 * shape.num_layers * seq_len * shape.q_dim
 
 
 def train_flops_per_token(shape: ModelConfig, seq_len: int, role: str = "actor",
-                          recompute: bool = False) -> float:
+                          recompute: bool = False, head_fraction: float = 1.0) -> float:
     passes = 4 if recompute else 3     # fwd + bwd (2x fwd) [+ recomputed fwd]
-    return passes * forward_flops_per_token(shape, seq_len, role)
+    return passes * forward_flops_per_token(shape, seq_len, role, head_fraction)
 
 
 def decode_flops_per_token(shape: ModelConfig, context: float) -> float:

@@ -12,7 +12,8 @@ Per phase, on top:
 - gen: the reshard buffer (the gen TP_g shard of the actor minus the training shard it contains; zero
   when TP_g = TP and PP = 1), the KV cache of one generation wave, prefill scratch (one layer of the
   wave's prompts) and last-position logits. Sequences that do not fit run in several waves;
-- old_log_prob / ref / values: one layer's activations for a micro-batch and its fp32 logits;
+- old_log_prob / ref / values: one layer's activations for a micro-batch and its fp32 logits (at the
+  response positions only: `Workload.head_fraction`);
 - with `keep_generator` (rollout.free_cache_engine=false, no reshard) the gen wave's KV cache stays
   through every later phase too;
 - update_actor / update_critic: stored activations (`flops.activation_bytes_per_token_layer`; with
@@ -111,7 +112,8 @@ def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str)
     lay = plan.layout
     tp, micro_tokens = lay.tp_t, workload.seqs_per_micro_batch * workload.seq_len
     layer = activation_bytes_per_token_layer(shape)
-    logits = 0 if phase in ("values", "update_critic") else shape.vocab_size * LOGIT_BYTES / tp
+    logits = 0 if phase in ("values", "update_critic") else \
+        shape.vocab_size * LOGIT_BYTES / tp * workload.head_fraction
     if phase in ("old_log_prob", "ref", "values"):
         return workload.seqs_per_forward_micro_batch * workload.seq_len * (layer / tp + logits)
     in_flight = min(lay.pp_t, workload.num_micro_batches(lay.dp_t))

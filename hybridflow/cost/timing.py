@@ -222,7 +222,8 @@ def _forward(shape: ModelConfig, gpu: GPU, layout: Layout, w: Workload, role: st
     t, shard = StageTerms(overlap="pass"), layout.tp_t * layout.pp_t
     seqs = math.ceil(w.num_sequences / layout.dp_t)
     micro = math.ceil(seqs / w.seqs_per_forward_micro_batch)
-    flops = seqs * w.seq_len * forward_flops_per_token(shape, w.seq_len, role) / shard
+    flops = seqs * w.seq_len * forward_flops_per_token(shape, w.seq_len, role,
+                                                       w.head_fraction) / shard
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef="inv_forward_mfu",
             tokens=seqs * w.seq_len, micro=micro, flushes=1, layer_passes=1)
     return t
@@ -234,7 +235,8 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
     opt_steps = w.ppo_epochs * w.mini_batches
     micro = w.num_micro_batches(layout.dp_t)                 # per optimizer step
     seqs = opt_steps * math.ceil(w.num_sequences / w.mini_batches / layout.dp_t)
-    flops = seqs * w.seq_len * train_flops_per_token(shape, w.seq_len, role, plan.recompute) / shard
+    flops = seqs * w.seq_len * train_flops_per_token(shape, w.seq_len, role, plan.recompute,
+                                                     w.head_fraction) / shard
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef="inv_train_mfu",
             tokens=seqs * w.seq_len, micro=opt_steps * micro, flushes=opt_steps,
             layer_passes=4 if plan.recompute else 3)
@@ -288,4 +290,5 @@ def step_seconds(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
 
 def actor_model_flops(shape: ModelConfig, w: Workload) -> float:
     """Useful FLOPs of the actor update in one step (no recompute), for MFU."""
-    return w.ppo_epochs * w.tokens_per_step * train_flops_per_token(shape, w.seq_len)
+    return w.ppo_epochs * w.tokens_per_step * train_flops_per_token(
+        shape, w.seq_len, head_fraction=w.head_fraction)

@@ -38,6 +38,9 @@ class Workload:
     # rollout.free_cache_engine=false: the generator's KV cache (and graphs) stay allocated through
     # the training phases where generation reads the training weights in place (no reshard)
     keep_generator: bool = False
+    # the training-side passes compute logits only at the positions that predict response tokens
+    # (hybridflow.engine, LeanOutputLinear.select); records measured before they did say false
+    response_logits_only: bool = True
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -66,6 +69,11 @@ class Workload:
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.response_len
+
+    @property
+    def head_fraction(self) -> float:
+        """The share of a sequence's tokens whose LM head the training-side passes compute."""
+        return self.response_len / self.seq_len if self.response_logits_only else 1.0
 
     @property
     def tokens_per_step(self) -> int:

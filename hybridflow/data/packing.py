@@ -10,11 +10,12 @@ padding one more (id b); attention stays within a document and is causal
 it does alone (the same reason left padding works).
 
 The loss side keeps the padded micro-batch: per-token results over the packed row, (1, S), are
-gathered into (b, R) by `PackedRows.unpack`. Response token k of row j sits at packed position
-off_j + p_j + k and is predicted by the output at the position before (`own_position`: the reward
-model reads each token's own state). Log-prob targets are the packed ids shifted by one: a row's last
-position predicts the next row's first token, which is never gathered. Entries past a row's
-response are 0 (masked by response_mask, as the padded path's are).
+gathered into (b, R) by `PackedRows.unpack` (or, when the LM head ran only at the `scored`
+positions, scattered by `PackedRows.unpack_scored`). Response token k of row j sits at packed
+position off_j + p_j + k and is predicted by the output at the position before (`own_position`:
+the reward model reads each token's own state). Log-prob targets are the packed ids shifted by one:
+a row's last position predicts the next row's first token, which is never gathered. Entries past a
+row's response are 0 (masked by response_mask, as the padded path's are).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class PackedRows:
     document_ids: torch.Tensor  # (S,) int64, row j -> j, tail padding -> b
     gather: torch.Tensor  # (b, R) int64, packed position of each (row, response token)'s result
     valid: torch.Tensor  # (b, R) bool, k < r_j
+    scored: torch.Tensor  # (n,) int64, gather[valid]: the positions whose results are kept
 
     def to(self, device) -> "PackedRows":
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device)
@@ -44,6 +46,11 @@ class PackedRows:
         """(1, S) per packed position -> (b, R) per response token; differentiable."""
         out = values[0][self.gather]
         return torch.where(self.valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+    def unpack_scored(self, values: torch.Tensor) -> torch.Tensor:
+        """(1, n) per `scored` position (in its order: row-major over `valid`) -> (b, R), 0 past
+        each row's response; differentiable."""
+        return values.new_zeros(self.valid.shape).masked_scatter(self.valid, values[0])
 
 
 def pack_rows(mb: RolloutBatch, *, multiple: int = 1, own_position: bool = False) -> PackedRows:
@@ -66,4 +73,4 @@ def pack_rows(mb: RolloutBatch, *, multiple: int = 1, own_position: bool = False
     # past a row's response (and a prompt-less row's first token): any in-range index, masked
     gather = torch.where(valid, gather, 0).clamp(min=0)
     return PackedRows(input_ids=ids[None], position_ids=positions[None], targets=targets[None],
-                      document_ids=doc, gather=gather, valid=valid)
+                      document_ids=doc, gather=gather, valid=valid, scored=gather[valid])

@@ -82,6 +82,12 @@ def test_flops_per_token_is_6n_plus_causal_attention():
     assert forward_flops_per_token(shape, s) == 2 * n + 2 * L * s * q        # causal: mean context s/2
     assert train_flops_per_token(shape, s) == 6 * n + 6 * L * s * q
     assert train_flops_per_token(shape, s, recompute=True) == 8 * n + 8 * L * s * q
+    # the LM head (V x h) at a share of the tokens only (the engine's response positions)
+    assert forward_flops_per_token(shape, s, head_fraction=0.25) == \
+        pytest.approx(2 * (n - 0.75 * V * h) + 2 * L * s * q)
+    assert train_flops_per_token(shape, s, head_fraction=0.0) == 6 * (n - V * h) + 6 * L * s * q
+    assert forward_flops_per_token(shape, s, "critic", head_fraction=0.25) == \
+        forward_flops_per_token(shape, s, "critic")  # its head is h x 1
 
 
 # --- memory -------------------------------------------------------------------------------------
@@ -101,8 +107,12 @@ def test_memory_components_by_hand_tiny():
     assert up["reference"] == pytest.approx(2 * p)
     assert up["critic"] == up["kv_cache"] == up["reshard_buffer"] == 0
     # 2 sequences of 32 tokens per micro-batch; per token per layer 2 bytes x (4h + 2q + 2kv + 3f)
-    # = 2 x (256 + 128 + 64 + 384) = 1664 bytes, 2 layers; fp32 logits + log-softmax: 8 bytes x V.
-    assert up["activations"] == pytest.approx(64 * (2 * 1664 + 64 * 8))
+    # = 2 x (256 + 128 + 64 + 384) = 1664 bytes, 2 layers; fp32 logits + log-softmax: 8 bytes x V
+    # at the 16 response positions of each 32-token sequence (the engine scores only those).
+    assert up["activations"] == pytest.approx(64 * (2 * 1664) + 32 * 64 * 8)
+    whole = estimate_memory(model="tiny", gpu="H200", num_gpus=1, layout={"tp": 1}, **TINY_WORK,
+                            calibration=Calibration(), response_logits_only=False)
+    assert whole.phases_gib["update_actor"]["activations"] * GIB == pytest.approx(64 * (2 * 1664 + 64 * 8))
     gen = {k: v * GIB for k, v in m.phases_gib["gen"].items()}
     # all 4 sequences in one wave; K and V: 2 x 2 layers x 2 groups x 16 dims x 2 bytes per token
     assert (m.gen_batch, m.gen_waves) == (4, 1)

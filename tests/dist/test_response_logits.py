@@ -1,0 +1,63 @@
+"""The LM head at the scored positions only (LeanOutputLinear.select) gives the results of the full
+head, through the real Engine.
+
+The same batch as test_dynamic_bsz (rows of varied prompt and response lengths) runs through fresh
+engines twice: with the engine's default (logits only at the positions that predict response
+tokens) and with `_response_head = None` (logits over every position, the path before). Compared,
+fp32: log-probs and entropies (from the pass and through compute_logprobs), critic values and one
+actor train step (metrics, every gradient, the grad norm, the weights after Adam). Three micro-batch
+forms: fixed micro-batches padded to the batch's widths, token-budget micro-batches trimmed to
+their own widths, and packed rows. Layouts: one rank, and TP=2 with sequence parallel (the selection
+applies after the output layer's sequence gather, whose backward reduce-scatters the zero-filled
+gradient). The output layer's row counts are recorded, so the test fails if nothing was selected.
+"""
+
+import pytest
+import torch
+
+from tests.dist.launcher import run_ranks
+from tests.dist.test_dynamic_bsz import BUDGET, _batch, assert_same_results, engine_results, engines
+
+MODES = {"fixed": dict(max_tokens=None), "budget": dict(max_tokens=BUDGET),
+         "packed": dict(max_tokens=BUDGET, pack=True)}
+
+
+def _worker(tp: int, sp: bool):
+    _, engine = engines(tp, sp)
+    batch = _batch()
+    out = {"mask": batch.response_mask.bool(), "rows": {}}
+
+    for mode, kw in MODES.items():
+        for selected in (True, False):
+            rows = []
+
+            def counted(role, trainable=True, selected=selected, rows=rows):
+                eng = engine(role, trainable)
+                if role in ("actor", "ref"):
+                    assert eng._response_head is not None  # the lean output layer: selectable
+                    eng._response_head.register_forward_hook(
+                        lambda mod, args, res: rows.append(res[0].shape[0] * res[0].shape[1]))
+                    if not selected:
+                        eng._response_head = None
+                return eng
+
+            out[mode, selected] = engine_results(counted, batch, num_tokens=int(batch.response_mask.sum()),
+                                                 num_seqs=batch.batch_size, **kw)
+            out["rows"][mode, selected] = sum(rows)
+    return out
+
+
+@pytest.mark.parametrize("world,tp,sp", [(1, 1, False), (2, 2, True)], ids=["tp1", "tp2_sp"])
+def test_response_logits_match_full_head(world, tp, sp):
+    results = run_ranks(_worker, world, tp, sp)
+    for res in results:
+        mask = res["mask"]
+        for mode in MODES:
+            got, ref = res[mode, True], res[mode, False]
+            assert_same_results(got, ref, mask, atol=1e-6)
+            if mode == "packed":
+                assert all((got[k][~mask] == 0).all() for k in ("logprobs", "entropy", "logprobs_api"))
+            full, selected = res["rows"][mode, False], res["rows"][mode, True]
+            assert 0 < selected < full, (mode, selected, full)
+        # packed: exactly the real response tokens (3 passes: forward, compute_logprobs, train)
+        assert res["rows"]["packed", True] == 3 * int(mask.sum())
