@@ -43,13 +43,15 @@
 #        RUN_DIR=/tmp/gsm8k_matched bash benchmarks/gsm8k_h200.sh train 540 data.prompts_per_step=16 \
 #          algo.ppo_mini_batch_size=128 trainer.total_steps=20 trainer.val_every=5 trainer.save_every=0)
 #   Check first: TRL's step-0 score must equal our run's step-0 val (same weights, same code).
-# Device minutes, from the measurements (TRL 64x8: 141 s first step, 93 s after, 62 s load;
-# ours 64x8: 7.5 s/step, val 3.1 s, ~60-75 s per trainer start):
-#   TRL 64x8, 10 steps: ~1 min load + 141 + 9 x 93 s + 3 snapshots (~10 s each) + a checkpoint between
-#     the two calls (~0.5 min) = 2 calls, ~18 min; TRL 16x8: ~45-80 s/step (generation, most of a
-#     step, runs to the longest completion at any batch), so a smaller batch buys little.
-#   scoring 3 snapshots: ~1.2 min start + 3 x (~5 s load + ~3 s val) = ~1.5 min.
-#   So one session's 30 minutes hold setup + TRL's 10 steps + scoring (~21 min) and ~8 minutes more.
+# Device minutes, measured (2026-12-01, one H200; benchmarks/results/gsm8k_trl_matched/):
+#   transformers' greedy eval of the 319 val prompts at EVAL_BS=64: 245 s (+69 s load), at 320: 114 s;
+#   TRL 64x8: ~85 s load, then the FIRST step of every call 148-165 s (warm-up), later steps 85-95 s;
+#   a checkpoint for the next call ~10 s; scoring 2 snapshots with our validation ~1.5 min.
+#   What ran: call 1 PHASES="eval trl" (eval, TRL step 1), call 2 PHASES=trl (steps 2-4), call 3
+#   PHASES="trl score" TRL_STEPS=5 TRL_SAVE_AT=0,5 TOTAL_S=540 SCORE_S=200 (step 5, scoring), all with
+#   TRL_RESUME=1 TRL_ARGS="--lr 3e-6 --weight-decay 0.01": 23.7 device minutes for 5 steps. Ten steps
+#   need ~35 minutes: more than one session holds with the GGUF carry; split the eval into its own
+#   session or run it at EVAL_BS=320 (faster; its accuracy moves with the batch's padding, 22.3 vs 25.7).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-}
