@@ -129,9 +129,8 @@ class Engine:
         self.sdpa = any(isinstance(m, SDPAttention) for m in self.module.modules())
         # LM roles on the last stage compute logits only where they are scored (the positions that
         # predict response tokens: LeanOutputLinear.select), not over the prompt; the results are
-        # the same (tests/dist/test_response_logits.py). None: every position (Megatron's own
-        # output layer under the transformer-engine spec; scalar heads, cheap anyway). Set it to
-        # None to compare.
+        # the same (tests/dist/test_response_logits.py). None (scalar heads, cheap anyway; set it
+        # to None to compare): every position.
         head = getattr(self.module, "output_layer", None) if self.module.post_process else None
         self._response_head = head if role in LM_ROLES and isinstance(head, LeanOutputLinear) \
             else None

@@ -133,6 +133,6 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
     model.true_vocab_size = cfg.vocab_size
     if scalar and post:
         model.output_layer = ValueHead(tcfg, tp_group=ctx.tp_group)
-    elif post and spec.submodules.self_attention.submodules.linear_qkv is LeanColumnParallelLinear:
-        LeanOutputLinear.adopt(model.output_layer)  # batch-major logits: no transpose copies
+    elif post:  # batch-major logits (no transpose copies), computed where they are scored
+        LeanOutputLinear.adopt(model.output_layer)  # (its `select`) under every layer spec
     return model

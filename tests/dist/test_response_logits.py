@@ -61,3 +61,27 @@ def test_response_logits_match_full_head(world, tp, sp):
             assert 0 < selected < full, (mode, selected, full)
         # packed: exactly the real response tokens (3 passes: forward, compute_logprobs, train)
         assert res["rows"]["packed", True] == 3 * int(mask.sum())
+
+
+def _local_backend():
+    import dataclasses
+
+    from hybridflow.config import ParallelConfig
+    from hybridflow.engine import Engine
+    from hybridflow.parallel import groups
+    from tests.dist.test_dynamic_bsz import MODEL
+
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=0)
+    eng = Engine(role="ref", model_cfg=dataclasses.replace(MODEL, attention_backend="local"),
+                 ctx=ctx, parallel=ParallelConfig(), precision="fp32")
+    assert eng._response_head is not None  # Megatron's own layers, the lean output layer
+    batch = _batch()
+    selected = eng.compute_logprobs(batch, micro_batch_size=4)
+    eng._response_head = None
+    return selected, eng.compute_logprobs(batch, micro_batch_size=4), batch.response_mask.bool()
+
+
+def test_response_logits_with_megatron_local_layers():
+    selected, full, mask = run_ranks(_local_backend, 1)[0]
+    torch.testing.assert_close(selected[mask], full[mask], atol=1e-6, rtol=1e-5)
+    assert full[mask].abs().min() > 0
