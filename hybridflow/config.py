@@ -110,6 +110,13 @@ class DynamicSamplingConfig:
     hybridflow/rollout/dynamic_sampling.py)."""
     enable: bool = False
     max_rounds: int = 10
+    # prompt batches (data.prompts_per_step each) per generation round: verl's data.gen_batch_size
+    # over data.train_batch_size (its DAPO recipe: 3); the informative groups past the step's
+    # need are dropped
+    batches_per_round: int = 1
+    # size each round from the kept fraction seen so far (the previous step's for a first round),
+    # from 1 to batches_per_round batches
+    adaptive: bool = False
 
 
 @dataclass

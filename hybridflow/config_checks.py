@@ -220,6 +220,11 @@ def _validate_recipes(cfg: Config) -> None:
     ds = a.dynamic_sampling
     if ds.enable:
         _positive("algo.dynamic_sampling.max_rounds", ds.max_rounds)
+        _positive("algo.dynamic_sampling.batches_per_round", ds.batches_per_round)
+        if ds.adaptive and ds.batches_per_round < 2:
+            raise ValueError(f"algo.dynamic_sampling.adaptive=true sizes each round between 1 and "
+                             f"algo.dynamic_sampling.batches_per_round batches: set it >= 2 (got "
+                             f"{ds.batches_per_round})")
         if r.n < 2:
             raise ValueError(f"algo.dynamic_sampling.enable=true keeps prompts whose samples score "
                              f"differently: set rollout.n >= 2 (got {r.n})")

@@ -63,6 +63,8 @@ class Trainer:
         self.temperature = cfg.rollout.temperature or 1.0
         self.step = 0
         self.sft_done = cfg.trainer.sft_warmup_steps == 0
+        # dynamic sampling's informative fraction of the last step (sizes adaptive rounds)
+        self.kept_estimate = None
         self.skipped = SkippedUpdates(output_dir=cfg.trainer.output_dir, rank=dist.get_rank(),
                                       max_skipped_steps=cfg.trainer.max_skipped_steps)
         self.checkpointer = Checkpointer(self)
@@ -180,8 +182,8 @@ class Trainer:
         data.prompts_per_step informative groups; then the overlong penalty (DAPO)."""
         cfg, rounds = self.cfg, itertools.count()
 
-        def one_round():
-            items = [self.dataset[i] for i in self.sampler.next_batch()]
+        def one_round(num_batches: int = 1):
+            items = [self.dataset[i] for _ in range(num_batches) for i in self.sampler.next_batch()]
             batch = self.rollout.generate(items, step=self.step, round_index=next(rounds), timer=timer)
             with timer("reward"):
                 batch.scores, metrics = self.rollout.score(items, batch)
@@ -193,7 +195,10 @@ class Trainer:
         else:
             batch, metrics = fill_informative(
                 one_round, num_groups=self.sampler.local_batch_size, group_size=cfg.rollout.n,
-                max_rounds=ds.max_rounds, dp_group=self.ctx.dp_group, pad_id=self.tokenizer.pad_id)
+                max_rounds=ds.max_rounds, dp_group=self.ctx.dp_group, pad_id=self.tokenizer.pad_id,
+                batches_per_round=ds.batches_per_round, adaptive=ds.adaptive,
+                kept_estimate=self.kept_estimate)
+            self.kept_estimate = metrics["dynamic_sampling/kept_fraction"]
             if metrics["dynamic_sampling/cap_hit"]:
                 self.logger.print(f"step {self.step + 1}: dynamic sampling found too few informative "
                                   f"groups in {ds.max_rounds} rounds; training with "
@@ -313,13 +318,15 @@ class Trainer:
     def state_dict(self) -> dict:
         # RNG states are per rank: hybridflow.checkpoint saves and restores them itself
         return {"step": self.step, "sft_done": self.sft_done,
-                "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
+                "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "kept_estimate": self.kept_estimate}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
         self.sft_done = state["sft_done"]
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.kept_estimate = state.get("kept_estimate")  # absent in checkpoints before it
 
 
 @contextlib.contextmanager

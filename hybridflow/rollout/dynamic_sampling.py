@@ -1,10 +1,20 @@
 """DAPO's dynamic sampling as a stage: generate rounds until the step has enough informative groups.
 
-`fill_informative(next_round, ...)` calls `next_round()` (new prompts -> generate -> score; each
-call returns this rank's RolloutBatch with `scores` set, groups of `group_size` consecutive rows,
-and that round's reward metrics), keeps the groups whose scores are not all equal
+`fill_informative(next_round, ...)` calls `next_round(k)` (k batches of new prompts -> generate ->
+score; each call returns this rank's RolloutBatch with `scores` set, groups of `group_size`
+consecutive rows, and that round's reward metrics), keeps the groups whose scores are not all equal
 (hybridflow.algo.informative_groups), and stops once the informative groups found on all DP ranks
 together reach the target (`num_groups` per rank x DP) or after `max_rounds` rounds.
+
+Round size (k prompt batches of `num_groups` per rank): `batches_per_round` (verl's
+data.gen_batch_size / data.train_batch_size; its DAPO recipe generates 3x). A round pays the long
+tail of response lengths once whatever its size (decode is bound by kernel launches, not rows), so
+one round of 2 batches costs far less than two rounds of one. With `adaptive`, k is sized from the
+kept fraction measured so far: `kept_estimate` (the earlier steps', from the caller) for the first
+round, this step's for later ones; k = ceil(missing groups / (fraction x groups per batch)), between
+1 and `batches_per_round` (the cap; the cap itself when nothing is known yet). Every rank computes
+k from DP-summed counts, so all ranks draw the same number of batches. Informative groups beyond
+the target are dropped (as verl does).
 
 Choices:
 - Groups are pooled over DP: every rank runs the same number of rounds (the rounds' collectives
@@ -19,14 +29,15 @@ Choices:
   instead; a long run should not die on one hard batch, and the metric makes it visible.
 - Group ids are renumbered to the pooled position (rank r's groups are r * num_groups + j), the
   convention of a batch without dynamic sampling.
-Metrics: dynamic_sampling/rounds (generation rounds this step; verl's train/num_gen_batches),
-kept_fraction (informative / generated groups), cap_hit (0/1), filler_groups (uninformative groups
-trained on), score_mean (mean score of ALL generated samples: the policy's score before the filter,
+Metrics: dynamic_sampling/rounds (generation rounds this step), batches (prompt batches generated:
+verl's train/num_gen_batches x its gen/train batch ratio), kept_fraction (informative / generated
+groups), cap_hit (0/1), filler_groups (uninformative groups trained on), score_mean (mean score of ALL generated samples: the policy's score before the filter,
 which critic/score/mean, taken on the kept batch, is not).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -49,22 +60,38 @@ def _groups(batch: RolloutBatch, group_size: int) -> list[RolloutBatch]:
     return [batch.select(slice(i, i + group_size)) for i in range(0, batch.batch_size, group_size)]
 
 
-def fill_informative(next_round: Callable[[], tuple[RolloutBatch, dict]], *, num_groups: int,
+def round_batches(missing: int, target: int, kept_fraction: Optional[float], cap: int) -> int:
+    """Prompt batches (`target` groups each, over all ranks) for a round that should find `missing`
+    informative groups when a fraction `kept_fraction` of groups is informative; 1..cap."""
+    if not kept_fraction or kept_fraction <= 0:
+        return cap
+    return max(1, min(cap, math.ceil(missing / (kept_fraction * target) - 1e-9)))
+
+
+def fill_informative(next_round: Callable[[int], tuple[RolloutBatch, dict]], *, num_groups: int,
                      group_size: int, max_rounds: int,
                      dp_group: Optional[dist.ProcessGroup] = None,
-                     pad_id: int = 0) -> tuple[RolloutBatch, dict]:
+                     pad_id: int = 0, batches_per_round: int = 1, adaptive: bool = False,
+                     kept_estimate: Optional[float] = None) -> tuple[RolloutBatch, dict]:
     """This rank's `num_groups` groups (see module doc) and the stage's metrics. `dp_group` None:
     a single process (no collectives)."""
     if max_rounds < 1:
         raise ValueError(f"max_rounds={max_rounds} must be >= 1")
+    if batches_per_round < 1:
+        raise ValueError(f"batches_per_round={batches_per_round} must be >= 1")
     dp = 1 if dp_group is None else dist.get_world_size(dp_group)
     rank = 0 if dp_group is None else dist.get_rank(dp_group)
     target = num_groups * dp
     kept, spare, round_metrics = [], [], []
-    generated = found = 0
+    generated = found = batches = 0
     score_sum = 0.0
     for rounds in range(1, max_rounds + 1):
-        batch, metrics = next_round()
+        k = batches_per_round
+        if adaptive:
+            k = round_batches(target - found, target,
+                              found / generated if generated else kept_estimate, batches_per_round)
+        batches += k
+        batch, metrics = next_round(k)
         round_metrics.append(metrics)
         keep = informative_groups(batch.scores, batch.group_ids)  # (B,)
         kept.append(batch.select(keep))
@@ -89,6 +116,7 @@ def fill_informative(next_round: Callable[[], tuple[RolloutBatch, dict]], *, num
     mine.group_ids = (rank * num_groups + torch.arange(num_groups)).repeat_interleave(group_size)
     metrics = {k: sum(m[k] for m in round_metrics) / len(round_metrics) for k in round_metrics[0]}
     metrics.update({"dynamic_sampling/rounds": float(rounds),
+                    "dynamic_sampling/batches": float(batches),
                     "dynamic_sampling/kept_fraction": found / max(generated, 1),
                     "dynamic_sampling/cap_hit": float(found < target),
                     "dynamic_sampling/filler_groups": float(fillers),

@@ -17,7 +17,8 @@ def _fill(ctx, max_rounds: int):
     rank = ctx.train.dp
     calls = []
 
-    def next_round():
+    def next_round(k=1):
+        assert k == 1
         calls.append(1)
         tag = 10 * rank + len(calls)
         return make_round(tag, ROUNDS[rank][len(calls) - 1]), {"reward/x/mean": float(len(calls))}
@@ -49,3 +50,62 @@ def test_pooled_over_dp_and_cap_hit():
     assert r0["tags"] == [11, 120] and r1["tags"] == [121, 10]
     assert r0["metrics"]["dynamic_sampling/cap_hit"] == 1
     assert r0["metrics"]["dynamic_sampling/filler_groups"] == 1
+
+
+# --- the real Trainer, 2 DP ranks: adaptive rounds and their estimate across a resume ------------
+
+STEPS = 3
+BASE = ["algo=dapo", "reward.overlong_buffer.len=2", "trainer.sft_warmup_steps=0",
+        "trainer.tensorboard=false", "trainer.progress_bar=false", "data.prompts_per_step=4",
+        "rollout.n=4", "rollout.max_new_tokens=6", "algo.ppo_mini_batch_size=16",
+        "algo.micro_batch_size_per_gpu=4", "algo.forward_micro_batch_size_per_gpu=8",
+        "algo.dynamic_sampling.batches_per_round=3", "algo.dynamic_sampling.adaptive=true",
+        "reward.fn=tests.dist.test_skip_old_log_prob:digit_count"]
+
+
+def _trainer_runs(out_dir):
+    import json
+
+    import torch.distributed as dist
+
+    from hybridflow.config import load_config, validate
+    from hybridflow.parallel import groups
+    from hybridflow.trainer import Trainer
+
+    def run(name, steps, *extra):
+        cfg = load_config(BASE + [f"trainer.output_dir={out_dir}/{name}",
+                                  f"trainer.total_steps={steps}", *extra])
+        validate(cfg, world_size=dist.get_world_size())
+        ctx = groups.init_model_parallel(tp=1, pp=1, seed=cfg.trainer.seed)
+        trainer = Trainer(cfg, ctx)
+        asked = []
+        one = trainer.sampler.next_batch
+        trainer.sampler.next_batch = lambda: asked.append(1) or one()  # count the batches drawn
+        history = trainer.train()
+        return history, trainer.kept_estimate, len(asked)
+
+    whole = run("whole", STEPS, "trainer.save_final=false")
+    first = run("resumed", 2, "trainer.save_final=true")
+    state = json.load(open(f"{out_dir}/resumed/checkpoints/step_2/trainer_state.json"))
+    second = run("resumed", STEPS, "trainer.save_final=false")
+    return {"whole": whole, "first": first, "second": second, "state": state}
+
+
+def test_adaptive_rounds_through_the_trainer_and_resume(tmp_path):
+    results = run_ranks(_trainer_runs, 2, str(tmp_path))
+    for r in results:
+        history, estimate, drawn = r["whole"]
+        ds = [{k[len("dynamic_sampling/"):]: v for k, v in m.items() if k.startswith("dynamic_sampling/")}
+              for m in history]
+        assert len(ds) == STEPS and drawn == sum(d["batches"] for d in ds)
+        assert all(d["batches"] >= d["rounds"] and d["cap_hit"] == 0 for d in ds)
+        assert ds[0]["batches"] >= 3  # nothing measured yet: the first round draws the cap
+        assert estimate == ds[-1]["kept_fraction"] > 0
+        # the estimate is saved with the step and restored: the resumed step 3 is the same step
+        assert r["state"]["kept_estimate"] == r["first"][0][-1]["dynamic_sampling/kept_fraction"]
+        resumed = r["second"][0][-1]
+        for key in ("dynamic_sampling/batches", "dynamic_sampling/rounds",
+                    "dynamic_sampling/kept_fraction", "dynamic_sampling/score_mean"):
+            assert resumed[key] == history[-1][key], key
+    # every rank drew the same number of batches each step (sized from DP-summed counts)
+    assert len({tuple(m["dynamic_sampling/batches"] for m in r["whole"][0]) for r in results}) == 1

@@ -53,7 +53,8 @@ def make_round(tag: int, group_scores: list[list[float]], width: int = 3) -> Rol
 def scripted(rounds):
     calls = []
 
-    def next_round():
+    def next_round(k=1):
+        assert k == 1
         calls.append(len(calls))
         tag = len(calls)
         return make_round(tag, rounds[tag - 1], width=2 + tag), {"reward/x/mean": float(tag)}
@@ -98,7 +99,8 @@ def test_random_rounds_bounded_and_mixed():
     gen = torch.Generator().manual_seed(0)
     state = {"tag": 0}
 
-    def next_round():
+    def next_round(k=1):
+        assert k == 1
         state["tag"] += 1
         scores = (torch.rand(8, N, generator=gen) < 0.3).float().tolist()
         return make_round(state["tag"], scores), {}
@@ -108,3 +110,48 @@ def test_random_rounds_bounded_and_mixed():
     keep = informative_groups(batch.scores, batch.group_ids)
     assert batch.batch_size == 8 * N
     assert int(keep.sum()) // N == 8 - m["dynamic_sampling/filler_groups"]
+
+
+def test_round_batches_by_hand():
+    from hybridflow.rollout.dynamic_sampling import round_batches
+
+    assert round_batches(8, 8, None, 3) == 3  # nothing known yet: the cap
+    assert round_batches(8, 8, 0.0, 3) == 3  # none kept so far: the cap
+    assert round_batches(8, 8, 0.5, 3) == 2  # 8 / (0.5 x 8)
+    assert round_batches(8, 8, 0.4, 3) == 3  # 2.5 -> 3
+    assert round_batches(8, 8, 0.1, 3) == 3  # capped
+    assert round_batches(2, 8, 0.5, 3) == 1  # 0.5 -> 1
+    assert round_batches(8, 8, 1.0, 3) == 1
+
+
+def test_batches_per_round_fixed_and_adaptive():
+    """Fixed: every round draws batches_per_round batches. Adaptive: the first round from the
+    caller's estimate, later ones from this step's kept fraction; `batches` counts them all."""
+    def rounds_of(kept_per_batch, **kw):
+        asked = []
+
+        def next_round(k):
+            asked.append(k)
+            # per batch of 4 groups: the first `kept` informative ([0, 1]), the rest all-zero
+            scores = [[0.0, 1.0] if g < kept_per_batch[len(asked) - 1] else [0.0, 0.0]
+                      for _ in range(k) for g in range(4)]
+            return make_round(len(asked), scores), {}
+
+        batch, m = fill_informative(next_round, num_groups=4, group_size=N, max_rounds=4, **kw)
+        assert informative_groups(batch.scores, batch.group_ids).all()  # target reached
+        assert m["dynamic_sampling/batches"] == sum(asked) and m["dynamic_sampling/rounds"] == len(asked)
+        return asked, m
+
+    # fixed 2 per round, 1 informative group per batch: 2 found per round, 2 rounds
+    assert rounds_of([1, 1, 1], batches_per_round=2)[0] == [2, 2]
+    # adaptive, estimate 0.5: 4 missing / (0.5 x 4) = 2 batches, each with 2 kept: one round
+    asked, m = rounds_of([2, 2], batches_per_round=3, adaptive=True, kept_estimate=0.5)
+    assert asked == [2] and m["dynamic_sampling/kept_fraction"] == 0.5
+    # adaptive without an estimate: the cap (3) first; then 1 missing at 1/4 kept: 1 batch
+    asked, _ = rounds_of([1, 1], batches_per_round=3, adaptive=True)
+    assert asked == [3, 1]
+    # adaptive, estimate too optimistic (1.0 -> 1 batch): then this step's 1/4 -> 3 missing -> 3
+    asked, _ = rounds_of([1, 1], batches_per_round=3, adaptive=True, kept_estimate=1.0)
+    assert asked == [1, 3]
+    with pytest.raises(ValueError, match="batches_per_round=0"):
+        fill_informative(lambda k: None, num_groups=1, group_size=N, max_rounds=1, batches_per_round=0)
