@@ -91,8 +91,15 @@ class Engine:
                             sequence_parallel=parallel.sequence_parallel, precision=precision)
         self.module = model  # the bare GPTModel (for reshard, checkpoint import/export)
         self.tcfg = model.config
+        # bf16: Megatron's wrapper would upcast the last stage's output to fp32, a full fp32 copy of
+        # the (tokens x vocab) logits per micro-batch (25 GB at 40,960 tokens x 152k) that the
+        # log-prob pass then reads and, in training, keeps for backward; the log-prob kernels read
+        # bf16 logits and compute in fp32 themselves (models/logprob.py), and the value head
+        # returns fp32 anyway: keep the output in bf16
+        self._out_kw = {}
         if precision == "bf16":
             model = Float16Module(self.tcfg, model)
+            self._out_kw = {"fp32_output": False}
         self.optimizer = self.scheduler = None
         if self.trainable:
             dist_opt = parallel.use_distributed_optimizer and ctx.dp_size > 1
@@ -204,10 +211,10 @@ class Engine:
             try:
                 if packed is None:
                     out = model(mb.input_ids(), mb.position_ids(),
-                                attention_mask(mb.token_mask(), padded=padded))
+                                attention_mask(mb.token_mask(), padded=padded), **self._out_kw)
                 else:  # one row (1, S); its results are gathered back into mb's (b, R_mb) below
                     out = model(packed.input_ids, packed.position_ids,
-                                document_causal_mask(packed.document_ids))
+                                document_causal_mask(packed.document_ids), **self._out_kw)
             finally:
                 if select:
                     self._response_head.select = None

@@ -12,13 +12,13 @@ Per phase, on top:
 - gen: the reshard buffer (the gen TP_g shard of the actor minus the training shard it contains; zero
   when TP_g = TP and PP = 1), the KV cache of one generation wave, prefill scratch (one layer of the
   wave's prompts) and last-position logits. Sequences that do not fit run in several waves;
-- old_log_prob / ref / values: one layer's activations for a micro-batch and its fp32 logits (at the
-  response positions only: `Workload.head_fraction`);
+- old_log_prob / ref / values: one layer's activations for a micro-batch and its logits (at the
+  response positions only: `Workload.head_fraction`; bf16, or fp32 with `bf16_logits` false);
 - with `keep_generator` (rollout.free_cache_engine=false, no reshard) the gen wave's KV cache stays
   through every later phase too;
 - update_actor / update_critic: stored activations (`flops.activation_bytes_per_token_layer`; with
   full recompute only each layer's bf16 input plus one layer's working set), 1F1B keeping
-  min(PP, micro-batches) micro-batches in flight on the first stage, plus fp32 logits and their grad.
+  min(PP, micro-batches) micro-batches in flight on the first stage, plus the logits and their grad.
 Not modelled: Megatron's vocab padding, optimizer-step temporaries, allocator fragmentation (folded
 into `Calibration.memory_headroom_gib` and `memory_scale`).
 """
@@ -36,6 +36,7 @@ from hybridflow.parallel.layout import Layout
 
 GIB = 2 ** 30
 LOGIT_BYTES = 8        # per vocab entry per token: fp32 logits + fp32 log-softmax (or its grad)
+LOGIT_BYTES_BF16 = 4   # the same kept in bf16 (the engine's bf16 output, Workload.bf16_logits)
 COMPONENTS = ("actor_weights", "actor_grads", "actor_optimizer", "critic", "reference",
               "reshard_buffer", "kv_cache", "activations")
 
@@ -112,8 +113,9 @@ def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str)
     lay = plan.layout
     tp, micro_tokens = lay.tp_t, workload.seqs_per_micro_batch * workload.seq_len
     layer = activation_bytes_per_token_layer(shape)
+    per_entry = LOGIT_BYTES_BF16 if workload.bf16_logits else LOGIT_BYTES
     logits = 0 if phase in ("values", "update_critic") else \
-        shape.vocab_size * LOGIT_BYTES / tp * workload.head_fraction
+        shape.vocab_size * per_entry / tp * workload.head_fraction
     if phase in ("old_log_prob", "ref", "values"):
         return workload.seqs_per_forward_micro_batch * workload.seq_len * (layer / tp + logits)
     in_flight = min(lay.pp_t, workload.num_micro_batches(lay.dp_t))

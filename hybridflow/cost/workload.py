@@ -41,6 +41,9 @@ class Workload:
     # the training-side passes compute logits only at the positions that predict response tokens
     # (hybridflow.engine, LeanOutputLinear.select); records measured before they did say false
     response_logits_only: bool = True
+    # the logits stay bf16 into the log-prob kernels (no fp32 upcast of tokens x vocab); records
+    # measured before say false
+    bf16_logits: bool = True
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:

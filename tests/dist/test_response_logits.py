@@ -85,3 +85,43 @@ def test_response_logits_with_megatron_local_layers():
     selected, full, mask = run_ranks(_local_backend, 1)[0]
     torch.testing.assert_close(selected[mask], full[mask], atol=1e-6, rtol=1e-5)
     assert full[mask].abs().min() > 0
+
+
+def _bf16_output():
+    import hybridflow.engine as engine_mod
+    from hybridflow.algo.objectives import actor_objective
+    from hybridflow.config import AlgoConfig, OptimConfig, ParallelConfig
+    from hybridflow.parallel import groups
+    from tests.dist.parity_util import fill_deterministic
+    from tests.dist.test_dynamic_bsz import MODEL
+
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=0)
+    batch = _batch()
+    dtypes, head = [], engine_mod._lm_head
+    engine_mod._lm_head = lambda pred, *a, **kw: dtypes.append(pred.dtype) or head(pred, *a, **kw)
+    out = {}
+    for upcast in (False, True):
+        eng = engine_mod.Engine(role="actor", model_cfg=MODEL, ctx=ctx, precision="bf16",
+                                parallel=ParallelConfig(use_distributed_optimizer=False),
+                                optim=OptimConfig(lr=1e-3), total_updates=2)
+        fill_deterministic(eng.module, num_layers=MODEL.num_layers)
+        if upcast:
+            eng._out_kw = {}  # Megatron's default: the wrapper upcasts the logits to fp32
+        lp = eng.compute_logprobs(batch, micro_batch_size=4)
+        loss_fn = actor_objective(AlgoConfig(), num_tokens=int(batch.response_mask.sum()),
+                                  num_seqs=batch.batch_size)
+        m = eng.train_step(batch, loss_fn, micro_batch_size=4, temperature=1.0, need_entropy=True)
+        out[upcast] = {"logprobs": lp, "grad_norm": m["grad_norm"], "dtypes": dtypes[:],
+                       "grads": {k: p.main_grad.clone() for k, p in eng.module.named_parameters()}}
+        dtypes.clear()
+    return out
+
+
+def test_bf16_logits_reach_the_head_in_bf16():
+    """bf16 engines keep the logits in bf16 (no fp32 copy of tokens x vocab per micro-batch); the
+    head computes in fp32 from them, so results equal Megatron's fp32 upcast bit for bit (CPU)."""
+    out = run_ranks(_bf16_output, 1)[0]
+    kept, upcast = out[False], out[True]
+    assert set(kept["dtypes"]) == {torch.bfloat16} and set(upcast["dtypes"]) == {torch.float32}
+    assert torch.equal(kept["logprobs"], upcast["logprobs"]) and kept["grad_norm"] == upcast["grad_norm"] > 0
+    assert all(torch.equal(g, upcast["grads"][k]) for k, g in kept["grads"].items())

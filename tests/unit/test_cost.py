@@ -107,11 +107,12 @@ def test_memory_components_by_hand_tiny():
     assert up["reference"] == pytest.approx(2 * p)
     assert up["critic"] == up["kv_cache"] == up["reshard_buffer"] == 0
     # 2 sequences of 32 tokens per micro-batch; per token per layer 2 bytes x (4h + 2q + 2kv + 3f)
-    # = 2 x (256 + 128 + 64 + 384) = 1664 bytes, 2 layers; fp32 logits + log-softmax: 8 bytes x V
+    # = 2 x (256 + 128 + 64 + 384) = 1664 bytes, 2 layers; bf16 logits + their grad: 4 bytes x V
     # at the 16 response positions of each 32-token sequence (the engine scores only those).
-    assert up["activations"] == pytest.approx(64 * (2 * 1664) + 32 * 64 * 8)
+    assert up["activations"] == pytest.approx(64 * (2 * 1664) + 32 * 64 * 4)
+    # as measured before (the calibration records): fp32 logits + log-softmax at every position
     whole = estimate_memory(model="tiny", gpu="H200", num_gpus=1, layout={"tp": 1}, **TINY_WORK,
-                            calibration=Calibration(), response_logits_only=False)
+                            calibration=Calibration(), response_logits_only=False, bf16_logits=False)
     assert whole.phases_gib["update_actor"]["activations"] * GIB == pytest.approx(64 * (2 * 1664 + 64 * 8))
     gen = {k: v * GIB for k, v in m.phases_gib["gen"].items()}
     # all 4 sequences in one wave; K and V: 2 x 2 layers x 2 groups x 16 dims x 2 bytes per token
