@@ -5,7 +5,8 @@ Measured: peak memory per GPU, seconds per stage (median over the probe steps af
 pays for CUDA-graph capture and allocator warm-up), the reward trend. Extrapolated: the full run's
 time (total_steps x median step), GPU-hours and money (`trainer.price_per_gpu_hour`, or the cost
 model's default for this GPU). Beside the measurement: the cost model's prediction for the same
-config and layout (hybridflow.cost), when the GPU is in its table (on CPU there is no prediction).
+config and layout (hybridflow.cost) at the lengths the probe steps had (mean prompt, mean and
+longest response), when the GPU is in its table (on CPU there is no prediction).
 """
 
 from __future__ import annotations
@@ -41,7 +42,23 @@ def _micro_tokens(cfg, seq_len: int, *, forward: bool) -> int:
     return mb["max_tokens"] or mb["micro_batch_size"] * seq_len
 
 
-def _prediction(cfg, gpu: str, world: int) -> dict:
+def _lengths(cfg, history: list[dict]) -> dict:
+    """The workload's lengths as the probe steps measured them (mean prompt, mean and longest
+    response: the cost model decodes until the longest row ends), else the config's maxima."""
+    def med(key):
+        vals = [h[key] for h in history if key in h]
+        return max(1, round(statistics.median(vals))) if vals else None
+
+    longest = max((h["response_length/max"] for h in history if "response_length/max" in h),
+                  default=None)
+    mean = med("response_length/mean")
+    if mean is None:  # responses as long as allowed
+        return dict(prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens)
+    return dict(prompt_len=med("prompt_length/mean") or cfg.data.max_prompt_length,
+                response_len=mean, response_len_max=max(mean, round(longest)))
+
+
+def _prediction(cfg, gpu: str, world: int, history: list[dict] = ()) -> dict:
     from hybridflow.algo.on_policy import skip_old_log_prob
     from hybridflow.cost import Plan, estimate_memory, estimate_step_time
     from hybridflow.parallel.layout import Layout
@@ -53,8 +70,7 @@ def _prediction(cfg, gpu: str, world: int) -> dict:
     seq_len = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     workload = dict(algorithm=_ALGO.get(cfg.algo.adv_estimator, "reinforce_plus_plus"),
                     prompts_per_step=cfg.data.prompts_per_step, samples_per_prompt=cfg.rollout.n,
-                    prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens,
-                    ppo_epochs=cfg.algo.ppo_epochs,
+                    **_lengths(cfg, list(history)), ppo_epochs=cfg.algo.ppo_epochs,
                     mini_batches=max(1, seqs // cfg.algo.ppo_mini_batch_size),
                     micro_batch_tokens=_micro_tokens(cfg, seq_len, forward=False),
                     forward_micro_batch_tokens=_micro_tokens(cfg, seq_len, forward=True),
@@ -97,7 +113,7 @@ def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = 
         record["full_run"]["cost"] = hours * world * price
         record["full_run"]["price_per_gpu_hour"] = price
         try:
-            record["predicted"] = _prediction(cfg, gpu, world)
+            record["predicted"] = _prediction(cfg, gpu, world, history)
         except (ValueError, KeyError) as e:  # a model the cost model cannot describe
             record["predicted"] = {"error": str(e)}
     if dist.get_rank() == 0:

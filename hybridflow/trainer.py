@@ -243,8 +243,10 @@ class Trainer:
             metrics["critic/values/mean"] = float((full.values * mask).sum() / n)
         if full.old_logprobs is not None:  # generator vs training forward; else after the update
             metrics.update(batch_mismatch_metrics(full, cap=a.tis_imp_ratio_cap))
-        lengths = mask.sum(1)
-        metrics.update({"response_length/mean": float(lengths.mean()),
+        lengths, prompts = mask.sum(1), full.prompt_mask.sum(1).float()
+        metrics.update({"prompt_length/mean": float(prompts.mean()),
+                        "prompt_length/max": float(prompts.max()),
+                        "response_length/mean": float(lengths.mean()),
                         "response_length/max": float(lengths.max()),
                         "response_length/min": float(lengths.min()),
                         "response_length/clip_ratio": float(

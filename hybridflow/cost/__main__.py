@@ -18,7 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts-per-step", type=int, default=128)
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--response-len", type=int, default=1024)
+    p.add_argument("--response-len", type=int, default=1024,
+                   help="mean response length (every response, unless --response-len-max)")
+    p.add_argument("--response-len-max", type=int,
+                   help="the longest response of a step (rollout.max_new_tokens when some hit it): "
+                        "generation decodes until it ends")
     p.add_argument("--steps", type=int)
     p.add_argument("--epochs", type=float)
     p.add_argument("--dataset-size", type=int)
@@ -50,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         report = estimate_cost(
             model=a.model, gpu=a.gpu, num_gpus=a.num_gpus, algorithm=a.algorithm,
             prompts_per_step=a.prompts_per_step, samples_per_prompt=a.samples_per_prompt,
-            prompt_len=a.prompt_len, response_len=a.response_len, steps=a.steps, epochs=a.epochs,
+            prompt_len=a.prompt_len, response_len=a.response_len,
+            response_len_max=a.response_len_max, steps=a.steps, epochs=a.epochs,
             dataset_size=a.dataset_size, price_per_gpu_hour=a.price_per_gpu_hour, layout=layout,
             ppo_epochs=a.ppo_epochs, mini_batches=a.mini_batches,
             micro_batch_tokens=a.micro_batch_tokens,

@@ -47,6 +47,7 @@ def _num_steps(steps, epochs, dataset_size, prompts_per_step) -> tuple[int, str 
 
 def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_step: int = 128,
                   samples_per_prompt: int = 8, prompt_len: int = 512, response_len: int = 1024,
+                  response_len_max: int | None = None,
                   algorithm: str = "grpo", steps: int | None = None, epochs: float | None = None,
                   dataset_size: int | None = None, price_per_gpu_hour: float | None = None,
                   layout: dict | None = None, ppo_epochs: int = 1, mini_batches: int = 1,
@@ -64,7 +65,8 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
         raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
     work = Workload(algorithm=algorithm, prompts_per_step=prompts_per_step,
                     samples_per_prompt=samples_per_prompt, prompt_len=prompt_len,
-                    response_len=response_len, ppo_epochs=ppo_epochs, mini_batches=mini_batches,
+                    response_len=response_len, response_len_max=response_len_max,
+                    ppo_epochs=ppo_epochs, mini_batches=mini_batches,
                     micro_batch_tokens=micro_batch_tokens,
                     forward_micro_batch_tokens=forward_micro_batch_tokens,
                     use_reference=use_reference, dtype=dtype,
@@ -88,8 +90,11 @@ def _report(shape, gpu, num_gpus, work, calib: Calibration, ranked: list[Evaluat
     price = gpu.price_per_hour if price is None else float(price)
     gpu_hours = num_steps * best.step * num_gpus / 3600
     stages = {k: v for k, v in best.seconds.items() if k != "step"}
-    notes = notes + ["every response runs to response_len; reward, advantages and bookkeeping are one "
-                     "fitted constant per step (stage 'other')",
+    lengths = ("every response runs to response_len" if work.response_len_max is None else
+               f"responses average {work.response_len} tokens and generation decodes until the "
+               f"longest ({work.response_len_max}) ends")
+    notes = notes + [f"{lengths}; reward, advantages and bookkeeping are one fitted constant per "
+                     "step (stage 'other')",
                      "calibration: " + ("the shipped H200 fit" if calib == shipped_calibration()
                                         else "priors (no fit)" if calib == Calibration() else "given")]
     if mem.gen_waves > 1:

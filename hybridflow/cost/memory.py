@@ -91,8 +91,9 @@ def reshard_buffer_bytes(shape: ModelConfig, layout: Layout) -> float:
 
 
 def _gen_bytes_per_seq(shape: ModelConfig, layout: Layout, workload: Workload) -> tuple[float, float]:
-    """(KV cache, scratch) bytes per sequence of a generation wave."""
-    kv = workload.seq_len * kv_bytes_per_token(shape, layout.tp_g)
+    """(KV cache, scratch) bytes per sequence of a generation wave (the cache holds the longest
+    response)."""
+    kv = (workload.prompt_len + workload.longest_response) * kv_bytes_per_token(shape, layout.tp_g)
     scratch = (workload.prompt_len * activation_bytes_per_token_layer(shape)
                + shape.vocab_size * LOGIT_BYTES) / layout.tp_g
     return kv, scratch

@@ -51,7 +51,9 @@ class CostReport:
             f"hybridflow cost estimate: {self.model} ({self.num_params / 1e9:.2f}B params), "
             f"{self.algorithm}, {self.num_gpus} x {self.gpu}",
             f"  batch: {w['prompts_per_step']} prompts x {w['samples_per_prompt']} samples, "
-            f"prompt {w['prompt_len']} + response {w['response_len']} tokens, "
+            f"prompt {w['prompt_len']} + response {w['response_len']}"
+            + (f" (mean; longest {w['response_len_max']})" if w.get("response_len_max") else "")
+            + " tokens, "
             f"{self.tokens_per_step:,} tokens/step",
             "",
             ("layout: " if self.fits else "WON'T FIT; least-overflowing layout: ") + _fmt_layout(self.layout),

@@ -171,7 +171,9 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
     t, tp_g = StageTerms(overlap="decode"), plan.layout.tp_g
     per_replica = math.ceil(w.num_sequences / plan.layout.dp_g)
     batch, waves = gen_batch_size(shape, gpu, plan, w, calib)
-    steps, context = waves * w.response_len, w.prompt_len + w.response_len / 2
+    # per-step costs (the weight read, launches) until each wave's longest row ends; per-row
+    # costs (FLOPs, the KV read) at the mean length
+    steps, context = waves * w.longest_response, w.prompt_len + w.response_len / 2
     peak = gpu.bf16_tflops * 1e12
     prefilled = math.ceil(w.prompts_per_step / plan.layout.dp_g) if w.prefill_once_per_prompt \
         else per_replica  # rows run through the prefill (a prompt group stays on one replica)
@@ -184,7 +186,7 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
     t.add("hbm_read", "inv_decode_bw_eff", (steps * weights + kv) / (gpu.hbm_gbps * 1e9))
     t.add("decode_overhead", "decode_layer_overhead_s", steps * shape.num_layers)
     _tp_comm(t, shape, gpu, tp_g, shape.num_layers, per_replica * w.seq_len,
-             all_reduces=2, num_collectives=2 * shape.num_layers * waves * (1 + w.response_len),
+             all_reduces=2, num_collectives=2 * shape.num_layers * waves * (1 + w.longest_response),
              fitted_latency=False)
     return t
 

@@ -19,7 +19,10 @@ class Workload:
     prompts_per_step: int = 128
     samples_per_prompt: int = 8
     prompt_len: int = 512
-    response_len: int = 1024      # every response is assumed to run to this length
+    response_len: int = 1024      # the mean response length (every response, by default)
+    # the longest response of a step (decode runs until it ends: every step pays the per-step
+    # weight read and launches); None: every response runs to response_len (forced lengths)
+    response_len_max: int | None = None
     ppo_epochs: int = 1
     mini_batches: int = 1         # optimizer steps per PPO epoch
     micro_batch_tokens: int = 8192  # tokens per micro-batch in the update phases
@@ -54,12 +57,16 @@ class Workload:
             raise ValueError(f"skip_old_log_prob needs ppo_epochs=1 and mini_batches=1 (got "
                              f"{self.ppo_epochs}, {self.mini_batches}): later updates need pi_old")
         for f in ("prompts_per_step", "samples_per_prompt", "prompt_len", "response_len",
-                  "ppo_epochs", "mini_batches", "micro_batch_tokens", "forward_micro_batch_tokens"):
+                  "ppo_epochs", "mini_batches", "micro_batch_tokens", "forward_micro_batch_tokens",
+                  "response_len_max"):
             v = getattr(self, f)
-            if f == "forward_micro_batch_tokens" and v is None:   # None: as micro_batch_tokens
+            if f in ("forward_micro_batch_tokens", "response_len_max") and v is None:  # defaults
                 continue
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{f} must be a positive integer, got {v!r}")
+        if self.response_len_max is not None and self.response_len_max < self.response_len:
+            raise ValueError(f"response_len_max={self.response_len_max} is below the mean "
+                             f"response_len={self.response_len}")
 
     @property
     def has_critic(self) -> bool:
@@ -72,6 +79,11 @@ class Workload:
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.response_len
+
+    @property
+    def longest_response(self) -> int:
+        """Decode steps of a generation wave: until its longest response ends."""
+        return self.response_len_max or self.response_len
 
     @property
     def head_fraction(self) -> float:

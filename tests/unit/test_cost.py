@@ -456,3 +456,29 @@ def test_kept_generator_holds_its_kv_cache_through_training():
         for phase in ("ref", "update_actor"):
             assert held.phases_gib[phase]["kv_cache"] == pytest.approx(kv if kept else 0.0)
             assert freed.phases_gib[phase]["kv_cache"] == 0.0
+
+
+def test_longest_response_sets_the_decode_steps_and_the_cache():
+    """A long tail: mean response_len, decode until response_len_max. Per-step costs (weight read,
+    per-layer decode overhead) scale with the longest response, per-row costs (FLOPs, KV read) and
+    the training passes stay at the mean; the KV cache holds the longest."""
+    kw = dict(model="qwen2_0_5b", gpu="H200", num_gpus=1, layout={"tp": 1}, algorithm="grpo",
+              prompts_per_step=8, samples_per_prompt=8, prompt_len=128, response_len=256)
+    runs = {m: parse_record({"config": {"model": "qwen2_0_5b", "gpu": "H200", "num_gpus": 1,
+                                        "layout": {"tp": 1}, **{k: v for k, v in kw.items()
+                                                                if k not in ("model", "gpu", "num_gpus", "layout")},
+                                        "response_len_max": m}})
+            for m in (None, 1024)}
+    terms = {m: stage_terms(r.shape, r.gpu, r.plan, r.workload, Calibration()) for m, r in runs.items()}
+    gen = {m: {label: x for label, _, x in t["gen"].parts} for m, t in terms.items()}
+    assert gen[1024]["decode_overhead"] == pytest.approx(4 * gen[None]["decode_overhead"])
+    assert gen[1024]["decode_compute"] == gen[None]["decode_compute"]
+    assert gen[1024]["hbm_read"] > gen[None]["hbm_read"]  # 4x the weight reads, the same KV reads
+    assert terms[1024]["update_actor"].parts == terms[None]["update_actor"].parts
+    short, tail = (estimate_memory(**kw, calibration=Calibration(), response_len_max=m) for m in (None, 1024))
+    assert tail.phases_gib["gen"]["kv_cache"] == pytest.approx(
+        short.phases_gib["gen"]["kv_cache"] * (128 + 1024) / (128 + 256))
+    t = estimate_step_time(**kw, response_len_max=1024)
+    assert t["gen"] > estimate_step_time(**kw)["gen"]
+    with pytest.raises(ValueError, match="response_len_max=128 is below the mean response_len=256"):
+        estimate_step_time(**kw, response_len_max=128)
