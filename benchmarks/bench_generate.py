@@ -172,6 +172,10 @@ def main():
                     help="also time rollout.compile_decode=true (first call: compile + capture)")
     ap.add_argument("--skip-checks", action="store_true",
                     help="leave out the eager, sampling and profile extras of the first batch")
+    ap.add_argument("--kv-window", type=int, default=None,
+                    help="rollout.decode_kv_window for the timed runs (a multiple of 64): each "
+                         "decode step reads the cache's written columns rounded up to it instead "
+                         "of prompt + new tokens (the floor counts only written columns)")
     ap.add_argument("--out", default="benchmarks/results/generate_h200.json")
     args = ap.parse_args()
     if args.hf_reps < 3 or args.reps < 3:
@@ -183,7 +187,8 @@ def main():
     torch.manual_seed(0)
     P, R = args.prompt_len, args.new_tokens
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
-              "model": cfg.name, "prompt_len": P, "new_tokens": R, "results": {},
+              "model": cfg.name, "prompt_len": P, "new_tokens": R, "kv_window": args.kv_window,
+              "results": {},
               "timing": {"ours": f"first call (cache allocation, graph capture) reported apart as "
                                  f"ours_first_call_s; ours_s = median of the next {args.reps}",
                          "transformers": f"one warm-up generate at the timed shape ({R} new "
@@ -215,7 +220,8 @@ def main():
     for B in args.batches:
         ids = torch.randint(0, cfg.vocab_size, (B, P), device=device)
         prompts = ids.tolist()
-        rcfg = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=max(args.batches))
+        rcfg = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=max(args.batches),
+                             decode_kv_window=args.kv_window)
         run = lambda c=rcfg: gen.generate(prompts, cfg=c, eos_id=-1, pad_id=0, seed=0)  # noqa
         res = {}
         if device.type == "cuda":

@@ -16,9 +16,11 @@ def test_bench_generate_warms_up_and_takes_median(tmp_path):
     out = tmp_path / "g.json"
     subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--model", "conf/model/tiny.yaml",
                     "--device", "cpu", "--batches", "4", "--prompt-len", "8", "--new-tokens", "8",
-                    "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
+                    "--kv-window", "64", "--out", str(out)], check=True, cwd=ROOT, env=ENV,
+                   capture_output=True)
     r = json.loads(out.read_text())
     res = r["results"]["4"]
+    assert r["kv_window"] == 64
     assert len(res["hf_all_s"]) == 3 and res["hf_warmup_calls"] == 1
     assert res["hf_s"] == statistics.median(res["hf_all_s"])
     assert "median" in r["timing"]["transformers"] and "median" in r["timing"]["ours"]
