@@ -63,7 +63,7 @@ def test_response_logits_match_full_head(world, tp, sp):
         assert res["rows"]["packed", True] == 3 * int(mask.sum())
 
 
-def _local_backend():
+def _local_backend(tied: bool):
     import dataclasses
 
     from hybridflow.config import ParallelConfig
@@ -72,8 +72,9 @@ def _local_backend():
     from tests.dist.test_dynamic_bsz import MODEL
 
     ctx = groups.init_model_parallel(tp=1, pp=1, seed=0)
-    eng = Engine(role="ref", model_cfg=dataclasses.replace(MODEL, attention_backend="local"),
-                 ctx=ctx, parallel=ParallelConfig(), precision="fp32")
+    cfg = dataclasses.replace(MODEL, attention_backend="local", tie_word_embeddings=tied)
+    eng = Engine(role="ref", model_cfg=cfg, ctx=ctx, parallel=ParallelConfig(), precision="fp32")
+    assert (eng._response_head.weight is None) == tied  # tied: the embedding's weight is passed in
     assert eng._response_head is not None  # Megatron's own layers, the lean output layer
     batch = _batch()
     selected = eng.compute_logprobs(batch, micro_batch_size=4)
@@ -81,8 +82,9 @@ def _local_backend():
     return selected, eng.compute_logprobs(batch, micro_batch_size=4), batch.response_mask.bool()
 
 
-def test_response_logits_with_megatron_local_layers():
-    selected, full, mask = run_ranks(_local_backend, 1)[0]
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_embeddings"])
+def test_response_logits_with_megatron_local_layers(tied):
+    selected, full, mask = run_ranks(_local_backend, 1, tied)[0]
     torch.testing.assert_close(selected[mask], full[mask], atol=1e-6, rtol=1e-5)
     assert full[mask].abs().min() > 0
 
