@@ -37,7 +37,7 @@ from hybridflow.metrics import MetricsLogger, StageTimer, memory_metrics
 from hybridflow.nonfinite import SkippedUpdates
 from hybridflow.parallel.balance import balance_rows
 from hybridflow.parallel.dp import all_gather_batch, dp_sum
-from hybridflow.rollout.dynamic_sampling import fill_informative
+from hybridflow.rollout.dynamic_sampling import chunking_warning, fill_informative
 
 
 class Trainer:
@@ -79,6 +79,13 @@ class Trainer:
         self.step_consumers = components.build_step_consumers(cfg, start_step=self.step)
         if cfg.algo.skip_redundant_old_log_prob:
             self.logger.print(old_log_prob_note(cfg, start_step=self.step))
+        ds = cfg.algo.dynamic_sampling
+        note = ds.enable and chunking_warning(
+            batches_per_round=ds.batches_per_round, local_prompts=self.sampler.local_batch_size,
+            n=cfg.rollout.n, gen_replicas=ctx.num_gen_replicas,
+            max_batch_size=cfg.rollout.max_batch_size)
+        if note:
+            self.logger.print(note)
 
     # ----------------------------------------------------------------- loop
     def train(self) -> list[dict]:

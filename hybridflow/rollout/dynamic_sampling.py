@@ -60,6 +60,21 @@ def _groups(batch: RolloutBatch, group_size: int) -> list[RolloutBatch]:
     return [batch.select(slice(i, i + group_size)) for i in range(0, batch.batch_size, group_size)]
 
 
+def chunking_warning(*, batches_per_round: int, local_prompts: int, n: int, gen_replicas: int,
+                     max_batch_size: int) -> Optional[str]:
+    """A start-up warning when a round's rows per generate call exceed rollout.max_batch_size: the
+    generator then runs them in chunks one after another, each paying the long tail again, which
+    undoes what a larger round buys."""
+    rows = math.ceil(batches_per_round * local_prompts * n / gen_replicas)
+    if batches_per_round < 2 or rows <= max_batch_size:
+        return None
+    return (f"hybridflow: warning: a dynamic-sampling round generates up to {rows} rows per call "
+            f"(algo.dynamic_sampling.batches_per_round={batches_per_round} x {local_prompts} "
+            f"prompts x rollout.n={n}) in chunks of rollout.max_batch_size={max_batch_size}, one "
+            f"after another: each chunk pays the long tail of response lengths again; set "
+            f"rollout.max_batch_size={rows} where memory allows")
+
+
 def round_batches(missing: int, target: int, kept_fraction: Optional[float], cap: int) -> int:
     """Prompt batches (`target` groups each, over all ranks) for a round that should find `missing`
     informative groups when a fraction `kept_fraction` of groups is informative; 1..cap."""

@@ -155,3 +155,16 @@ def test_batches_per_round_fixed_and_adaptive():
     assert asked == [1, 3]
     with pytest.raises(ValueError, match="batches_per_round=0"):
         fill_informative(lambda k: None, num_groups=1, group_size=N, max_rounds=1, batches_per_round=0)
+
+
+def test_chunking_warning_names_the_keys():
+    from hybridflow.rollout.dynamic_sampling import chunking_warning
+
+    kw = dict(local_prompts=64, n=8, gen_replicas=1)
+    assert chunking_warning(batches_per_round=1, max_batch_size=512, **kw) is None  # 512 rows
+    assert chunking_warning(batches_per_round=3, max_batch_size=1536, **kw) is None
+    assert chunking_warning(batches_per_round=3, max_batch_size=768, local_prompts=64, n=8,
+                            gen_replicas=2) is None  # two gen replicas split the round
+    msg = chunking_warning(batches_per_round=3, max_batch_size=512, **kw)
+    assert "up to 1536 rows" in msg and "rollout.max_batch_size=512" in msg
+    assert msg.endswith("set rollout.max_batch_size=1536 where memory allows")
