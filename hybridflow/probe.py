@@ -55,7 +55,8 @@ def _lengths(cfg, history: list[dict]) -> dict:
     if mean is None:  # responses as long as allowed
         return dict(prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens)
     return dict(prompt_len=med("prompt_length/mean") or cfg.data.max_prompt_length,
-                response_len=mean, response_len_max=max(mean, round(longest)))
+                response_len=mean,
+                response_len_max=None if longest is None else max(mean, round(longest)))
 
 
 def _prediction(cfg, gpu: str, world: int, history: list[dict] = ()) -> dict:

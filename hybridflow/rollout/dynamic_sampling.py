@@ -31,8 +31,9 @@ Choices:
   convention of a batch without dynamic sampling.
 Metrics: dynamic_sampling/rounds (generation rounds this step), batches (prompt batches generated:
 verl's train/num_gen_batches x its gen/train batch ratio), kept_fraction (informative / generated
-groups), cap_hit (0/1), filler_groups (uninformative groups trained on), score_mean (mean score of ALL generated samples: the policy's score before the filter,
-which critic/score/mean, taken on the kept batch, is not).
+groups), cap_hit (0/1), filler_groups (uninformative groups trained on), score_mean (mean score of
+ALL generated samples: the policy's score before the filter, which critic/score/mean, taken on the
+kept batch, is not).
 """
 
 from __future__ import annotations
