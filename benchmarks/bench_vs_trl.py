@@ -12,7 +12,10 @@ while the other runs and each peak-memory number is its own process's:
   trainer's default skips the old-log-prob pass, and TRL has none either), TRL's micro-batch
   (`--ours-micro`, default `--trl-micro`'s: all 64 sequences in one pass; at bench_rl_step's 8 the
   passes are bound by kernel launches, ~0.83 ms per layer per micro-batch), bf16, the `copy` task with
-  `data.synthetic_length` = prompt length - 8 (its prompts are that many letters + 8 tokens).
+  `data.synthetic_length` = prompt length - 8 (its prompts are that many letters + 8 tokens), and
+  `--ours-options` (default: the generator and its CUDA graphs kept across steps, the decode over
+  the written KV columns in 64-column windows: the GSM8K experiment's options that apply at forced
+  lengths; recorded under config.ours.options).
   Step and stage times are medians of the steps after the first.
 - TRL: this file with `--trl-side` (a hidden option): the HF Qwen2 of the same shape
   (bench_generate.hf_model) loaded in fp32 and trained under bf16 autocast (`bf16=True`) as
@@ -92,6 +95,11 @@ def load_shape(path: str):
 
 
 # ----------------------------------------------------------------------------------------- ours
+# compaction does nothing at forced lengths; compile_decode is left to --ours-options until the
+# trainer-side run has been timed with it
+OURS_OPTIONS = "rollout.free_cache_engine=false rollout.decode_kv_window=64"
+
+
 def run_ours(args, *, model: str, workdir: Path) -> dict:
     out = workdir / "ours.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/bench_rl_step.py"), "--model", model, "--algos", "grpo",
@@ -100,6 +108,8 @@ def run_ours(args, *, model: str, workdir: Path) -> dict:
            "--fmicro", str(args.ours_micro), "--skip-old-log-prob",
            "--override", f"data.synthetic_length={args.prompt_len - 8}",
            "--override", f"actor_optim.lr={args.lr}", "--out", str(out)]
+    for o in args.ours_options.split():
+        cmd += ["--override", o]
     if args.device == "cpu":
         cmd += ["--override", "trainer.precision=fp32"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -277,6 +287,11 @@ def parse_args(argv=None):
     ap.add_argument("--trl-micro", type=int, default=None,
                     help="TRL's per_device_train_batch_size in completions (default: min(64, prompts x samples))")
     ap.add_argument("--trl-no-grad-ckpt", action="store_true", help="turn TRL's gradient checkpointing off")
+    ap.add_argument("--ours-options", default=OURS_OPTIONS,
+                    help="our trainer's overrides for the run, space-separated (default: the "
+                         "generation options of the GSM8K experiment that apply to forced lengths: "
+                         "the generator and its graphs kept across steps, the decode over the "
+                         "written KV columns in 64-column windows); '' for the trainer's defaults")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--beta", type=float, default=0.001, help="TRL's KL coefficient (ours: algo grpo's 0.001)")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="MFU denominator (H200 bf16 matmul)")
@@ -338,7 +353,8 @@ def main(argv=None) -> dict:
                 "temperature": 1.0, "lr": args.lr, "kl_coef": args.beta, "device": args.device,
                 "ours": {"algo": "grpo", "steps": args.steps, "micro_batch": args.ours_micro,
                          "precision": "fp32" if args.device == "cpu" else "bf16",
-                         "skip_old_log_prob": True, "activation_recompute": False},
+                         "skip_old_log_prob": True, "activation_recompute": False,
+                         "options": args.ours_options.split()},
                 "trl": {"steps": args.trl_steps, "per_device_train_batch_size": args.trl_micro,
                         "gradient_accumulation_steps": args.prompts * args.samples // args.trl_micro,
                         "loss_type": "dapo", "scale_rewards": "group",

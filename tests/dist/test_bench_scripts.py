@@ -101,6 +101,9 @@ def test_bench_vs_trl_times_both_sides_and_copies_gsm8k(tmp_path):
     assert w["ours_tokens"] == {"prompt_len": 16, "response_len": 8}
     # the same micro-batch on both sides: all 4 sequences in one pass
     assert w["config"]["ours"]["micro_batch"] == w["config"]["trl"]["per_device_train_batch_size"] == 4
+    # our generation options for forced lengths: the kept generator, the windowed decode
+    assert w["config"]["ours"]["options"] == ["rollout.free_cache_engine=false",
+                                              "rollout.decode_kv_window=64"]
     assert set(w["ours_mfu"]) == {"gen", "ref", "update_actor", "step"}  # old_log_prob skipped
     for stage, mfu in w["ours_mfu"].items():
         assert math.isfinite(mfu) and mfu > 0
