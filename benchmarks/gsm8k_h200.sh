@@ -14,7 +14,8 @@
 #                                                         before SECONDS; run again to resume
 #   bash benchmarks/gsm8k_h200.sh score DIR... [-- k=v..] # our validation of HF snapshots (TRL's,
 #                                                         trl_gsm8k.py --save-at) in one process
-# Everything lands in $OUT (metrics.jsonl, val_generations.jsonl, hf_eval.json, trl_scores.json, logs).
+# Everything lands in $OUT (metrics.jsonl, val_generations.jsonl, val_scores.jsonl, hf_eval.json,
+# trl_scores.json, trl_score_val_scores.jsonl, logs).
 # Environment: OUT, DATA (.gsm8k), SITE (/tmp/site), RUN_DIR (/tmp/gsm8k_run: train's output_dir and
 # checkpoints; another dir for another run), SCORE_DIR (/tmp/gsm8k_score: emptied by each score).
 set -euo pipefail
@@ -50,7 +51,8 @@ train() {
     data.train_files="$DATA/train.parquet" data.val_files="$DATA/val.parquet" \
     trainer.output_dir="$RUN_DIR" trainer.progress_bar=false trainer.time_budget_s="$budget" "$@" \
     2>&1 | tee -a "$OUT/train.log"
-  cp "$RUN_DIR/metrics.jsonl" "$RUN_DIR/val_generations.jsonl" "$OUT/" 2>/dev/null || true
+  cp "$RUN_DIR/metrics.jsonl" "$RUN_DIR/val_generations.jsonl" "$RUN_DIR/val_scores.jsonl" "$OUT/" \
+    2>/dev/null || true
 }
 
 score() {  # the experiment's validation (prompts, template, greedy, stops, rules) of each snapshot
@@ -64,6 +66,7 @@ score() {  # the experiment's validation (prompts, template, greedy, stops, rule
     trainer.progress_bar=false "$@" 2>&1 | tee -a "$OUT/score.log"
   cp "$SCORE_DIR/metrics.jsonl" "$OUT/trl_score_metrics.jsonl"
   cp "$SCORE_DIR/val_generations.jsonl" "$OUT/trl_score_val_generations.jsonl" 2>/dev/null || true
+  cp "$SCORE_DIR/val_scores.jsonl" "$OUT/trl_score_val_scores.jsonl" 2>/dev/null || true
 }
 
 "$@"

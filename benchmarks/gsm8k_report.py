@@ -8,7 +8,8 @@ same validation as ours. Step times are medians over steps 2.. (step 1 captures 
 leaving out `--exclude-steps` (steps that shared the GPU with another process).
 
   python benchmarks/gsm8k_report.py --metrics M.jsonl --hf-eval hf_eval.json --trl trl.json \
-      [--trl-scores trl_scores.json] --exclude-steps 12-16 --out benchmarks/results/gsm8k_h200.json \
+      [--trl-scores trl_scores.json] [--val-scores val_scores.jsonl --trl-val-scores \
+      trl_score_val_scores.jsonl] --exclude-steps 12-16 --out benchmarks/results/gsm8k_h200.json \
       --png benchmarks/results/gsm8k_h200.png --table benchmarks/results/gsm8k_h200.md
 """
 
@@ -16,6 +17,9 @@ import argparse
 import json
 import os
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # hybridflow
 
 CORE = "val-core/openai/gsm8k/reward/mean@1"
 STRICT = "val-aux/openai/gsm8k/gsm8k_strict/mean@1"
@@ -76,6 +80,26 @@ def matched(ours: list[list], trl: list[list]) -> list[list]:
     """[step, ours, TRL, ours - TRL in points] at the steps both validated."""
     mine = dict(ours)
     return [[s, mine[s], a, 100 * (mine[s] - a)] for s, a in trl if s in mine]
+
+
+def paired_by_step(ours_path: str, theirs_path: str, rule: str = "reward") -> list[dict]:
+    """Problem by problem at every step both validated (validation.paired_comparison: a = ours,
+    b = TRL): discordant counts and McNemar's exact p-value."""
+    from hybridflow.validation import paired_comparison
+
+    def by_step(path):
+        rows = [json.loads(line) for line in open(path) if line.strip()]
+        return {r["step"]: dict(zip(r["index"], r["scores"][rule])) for r in rows}
+
+    ours, theirs = by_step(ours_path), by_step(theirs_path)
+    out = []
+    for step in sorted(set(ours) & set(theirs)):
+        if set(ours[step]) != set(theirs[step]):
+            raise ValueError(f"step {step}: {ours_path} and {theirs_path} scored different problems")
+        idx = sorted(ours[step])
+        out.append({"step": step, **paired_comparison([ours[step][i] for i in idx],
+                                                      [theirs[step][i] for i in idx])})
+    return out
 
 
 def table(summary: dict) -> str:
@@ -156,6 +180,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--png")
     ap.add_argument("--table", help="Markdown table of the val curve, training curves and stages")
+    ap.add_argument("--val-scores", help="our run's val_scores.jsonl (every problem's score)")
+    ap.add_argument("--trl-val-scores", help="val_scores.jsonl of our validation of TRL's snapshots")
     ap.add_argument("--keep", default="",
                     help="comma-separated keys carried over from the existing --out (e.g. "
                          "earlier_runs,what,raw: notes this script does not compute)")
@@ -197,6 +223,8 @@ def main():
                               val_scored_by="hybridflow's validation of TRL's snapshots (score_snapshots.py)",
                               val_command=scores["command"])
     summary["accuracy_per_step_vs_trl"] = matched(summary["val_accuracy"], summary["trl"]["val_accuracy"])
+    if args.val_scores and args.trl_val_scores:
+        summary["accuracy_per_step_vs_trl_paired"] = paired_by_step(args.val_scores, args.trl_val_scores)
     summary.update(machine=hf["machine"], versions=hf["versions"], command=args.command,
                    excluded_steps=sorted(_steps(args.exclude_steps)))
     summary.update(kept)
@@ -213,6 +241,7 @@ def main():
     print(json.dumps({k: summary[k] for k in ("val_summary", "ours_step_s", "ours_stages_s",
                                               "ours_vs_trl_step_ratio", "transformers_val_accuracy",
                                               "accuracy_per_step_vs_trl",
+                                              "accuracy_per_step_vs_trl_paired",
                                               "train_reward_per_step_vs_trl") if k in summary}, indent=1))
 
 

@@ -7,7 +7,10 @@ takes every DP-th prompt. The responses are scored with the training rule `rewar
 of `reward.val_fns`; per data source, the means over the whole val set are reported with verl's
 names: `val-core/<data_source>/reward/mean@1` for `reward.fn`, `val-aux/<data_source>/<fn>/mean@1`
 for the others, plus `val-aux/response_length/{mean,max,clip_ratio}`. Rank 0 appends the first
-`trainer.val_log_generations` of its rows to `<output_dir>/val_generations.jsonl`.
+`trainer.val_log_generations` of its rows to `<output_dir>/val_generations.jsonl`, and one line per
+validation to `<output_dir>/val_scores.jsonl`: every prompt's score by every rule, in dataset-index
+order (`{"step", "index": [...], "scores": {rule: [...]}}`), so that two runs (or a run and a peer's
+snapshot scored the same way) can be compared problem by problem (`paired_comparison`).
 """
 
 from __future__ import annotations
@@ -62,14 +65,17 @@ class Validator:
             acc[-1] += 1
         lengths_stats = [float(lengths.sum()), float(lengths.max()),
                          float((lengths >= self.gen_cfg.max_new_tokens).sum()), float(len(self.items))]
-        parts = [None] * self.ctx.dp_size  # one gather: (per-source sums, length stats) per replica
-        dist.all_gather_object(parts, (local, lengths_stats), group=self.ctx.dp_group)
+        per_prompt = [(it.index, [float(scores[name][i]) for name in self.rules])
+                      for i, it in enumerate(self.items)]
+        # one gather: (per-source sums, length stats, per-prompt scores) per replica
+        parts = [None] * self.ctx.dp_size
+        dist.all_gather_object(parts, (local, lengths_stats, per_prompt), group=self.ctx.dp_group)
         totals: dict[str, list[float]] = {}
-        for part, _ in parts:
+        for part, _, _ in parts:
             for source, acc in part.items():
                 cur = totals.setdefault(source, [0.0] * len(acc))
                 totals[source] = [a + b for a, b in zip(cur, acc)]
-        s = torch.tensor([st for _, st in parts], dtype=torch.float64)  # (DP, 4)
+        s = torch.tensor([st for _, st, _ in parts], dtype=torch.float64)  # (DP, 4)
         n = float(s[:, 3].sum())
         metrics = {"val-aux/response_length/mean": float(s[:, 0].sum()) / n,
                    "val-aux/response_length/max": float(s[:, 1].max()),
@@ -80,7 +86,16 @@ class Validator:
                 metrics[f"{group}/{source}/{name}/mean@1"] = acc[k] / acc[-1]
         if self.ctx.rank == 0:
             self._log_generations(step, batch, scores)
+            self._log_scores(step, sorted(row for _, _, rows in parts for row in rows))
         return metrics
+
+    def _log_scores(self, step: int, rows: list) -> None:
+        record = {"step": step, "index": [i for i, _ in rows],
+                  "scores": {name: [v[k] for _, v in rows] for k, name in enumerate(self.rules)}}
+        out = self.cfg.trainer.output_dir
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "val_scores.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")  # one write per validation
 
     def _log_generations(self, step: int, batch, scores: dict) -> None:
         count = min(self.cfg.trainer.val_log_generations, len(self.items))
@@ -99,3 +114,22 @@ class Validator:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "val_generations.jsonl"), "a") as f:
             f.write("\n".join(lines) + "\n")  # one write per validation
+
+
+def paired_comparison(a: list[float], b: list[float]) -> dict:
+    """Two greedy validations of the same prompts (0/1 scores, same order): accuracies, the
+    discordant counts (a right and b wrong, and the reverse) and McNemar's exact two-sided p-value,
+    the chance of a split at least this uneven of the discordant problems if a and b were equally
+    good. Paired, it resolves smaller differences than comparing the two accuracies alone."""
+    import math
+
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_comparison needs two equally long, non-empty score lists "
+                         f"(got {len(a)} and {len(b)})")
+    only_a = sum(1 for x, y in zip(a, b) if x > 0.5 >= y)
+    only_b = sum(1 for x, y in zip(a, b) if y > 0.5 >= x)
+    n, k = only_a + only_b, min(only_a, only_b)
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+    return {"n": len(a), "accuracy_a": sum(x > 0.5 for x in a) / len(a),
+            "accuracy_b": sum(y > 0.5 for y in b) / len(b), "only_a": only_a, "only_b": only_b,
+            "mcnemar_p": p}

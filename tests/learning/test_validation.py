@@ -3,8 +3,9 @@
 A short supervised warm-up gives the tiny model a non-zero greedy accuracy; then validation runs
 before training and every 2 steps. Checked: the metric names (verl's), the steps they appear at,
 that the reported accuracy is the mean of the per-prompt scores written to val_generations.jsonl
-(every val row is logged here), the strict extra rule beside the training rule, and that the same
-validation at DP=2 (each replica scores half of the prompts) reports exactly what DP=1 reports;
+(every val row is logged here) and to val_scores.jsonl, the strict extra rule beside the training
+rule, and that the same validation at DP=2 (each replica scores half of the prompts) reports exactly
+what DP=1 reports, problem by problem;
 `trainer.val_only` on the run's checkpoint reproduces its last validation.
 """
 
@@ -82,6 +83,13 @@ def test_validation_metrics_generations_and_dp2(tmp_path, val_file):
         mean = sum(g["score/reward"] for g in mine) / NUM_VAL
         assert val[step][key] == pytest.approx(mean)
     assert val[0][key] > 0  # the warm-up taught something: a real accuracy was measured
+    # every prompt's score, in index order, one line per validation: the metrics are their means
+    scores = [json.loads(line) for line in open(out1 / "val_scores.jsonl")]
+    assert [r["step"] for r in scores] == [0, 2, 4]
+    for r in scores:
+        assert r["index"] == sorted(g["index"] for g in gens if g["step"] == r["step"])
+        assert set(r["scores"]) == {"reward", "math_with_format"}
+        assert sum(r["scores"]["reward"]) / NUM_VAL == pytest.approx(val[r["step"]][key])
 
     # trainer.val_only on the finished run's checkpoint scores its weights exactly as the step-4
     # validation did, trains nothing and saves nothing
@@ -97,4 +105,6 @@ def test_validation_metrics_generations_and_dp2(tmp_path, val_file):
     assert proc.returncode == 0, proc.stderr[-3000:]
     val2 = _val_rows(out2)
     assert val2[0][key] == pytest.approx(val[0][key])
+    # each replica scored half of the prompts; gathered, the step-0 line is DP=1's, problem by problem
+    assert json.loads(open(out2 / "val_scores.jsonl").readline()) == scores[0]
     assert val2[0]["val-aux/synthetic_arith/math_with_format/mean@1"] == pytest.approx(val[0]["val-aux/synthetic_arith/math_with_format/mean@1"])

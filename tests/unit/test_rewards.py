@@ -185,3 +185,17 @@ def test_inconsistent_extras_and_length_mismatch():
     with pytest.raises(ValueError, match="2 responses"):
         compute_rule_rewards(boom, prompts=["p"], responses=["r", "r"], ground_truths=["g"] * 2,
                              extra_infos=[None] * 2, indices=[0, 1])
+
+
+def test_paired_comparison_by_hand():
+    from hybridflow.validation import paired_comparison
+
+    r = paired_comparison([1, 1, 1, 0, 0, 1], [1, 0, 0, 0, 1, 1])
+    assert (r["only_a"], r["only_b"], r["n"]) == (2, 1, 6)
+    assert r["accuracy_a"] == 4 / 6 and r["accuracy_b"] == 3 / 6
+    assert r["mcnemar_p"] == 1.0  # 2 vs 1 discordant: 2 x P(X <= 1 | 3, 1/2) = 1
+    lopsided = paired_comparison([1] * 10 + [0] * 5, [0] * 10 + [0] * 5)
+    assert lopsided["only_a"] == 10 and lopsided["mcnemar_p"] == pytest.approx(2 / 2 ** 10)
+    assert paired_comparison([1, 0], [1, 0])["mcnemar_p"] == 1.0  # no discordant problem
+    with pytest.raises(ValueError, match="equally long"):
+        paired_comparison([1], [1, 0])

@@ -270,6 +270,19 @@ def test_report_matches_steps_keeps_notes_and_lists_evals(trl_run, tmp_path, mon
     assert all(p[1] == 0.1 and p[2] == trl_logs[p[0]] for p in rew["steps"]) and rew["ours_mean"] == 0.1
     md = (tmp_path / "t.md").read_text()
     assert "TRL val math_exact %" in md and f"| {100 * trl[2]:.1f} |" in md
-    monkeypatch.setattr(sys, "argv", [*sys.argv[:-4], "--keep", "raw"])
+    # problem by problem: our val_scores.jsonl against our scoring of TRL's snapshots, common steps
+    for name, rows in (("ours.jsonl", {0: [1, 0, 1, 1], 2: [1, 1, 1, 0], 4: [1, 1, 1, 1]}),
+                       ("theirs.jsonl", {0: [1, 0, 1, 1], 2: [0, 0, 1, 1]})):
+        (tmp_path / name).write_text("".join(
+            json.dumps({"step": st, "index": [13, 11, 12, 10][::-1], "scores": {"reward": v[::-1]}}) + "\n"
+            for st, v in rows.items()))
+    monkeypatch.setattr(sys, "argv", [*sys.argv, "--val-scores", str(tmp_path / "ours.jsonl"),
+                                      "--trl-val-scores", str(tmp_path / "theirs.jsonl")])
+    gsm8k_report.main()
+    paired = json.loads(out.read_text())["accuracy_per_step_vs_trl_paired"]
+    assert [p["step"] for p in paired] == [0, 2]
+    assert (paired[0]["only_a"], paired[0]["only_b"], paired[0]["mcnemar_p"]) == (0, 0, 1.0)
+    assert (paired[1]["only_a"], paired[1]["only_b"]) == (2, 1) and paired[1]["accuracy_a"] == 0.75
+    monkeypatch.setattr(sys, "argv", [*sys.argv[:-8], "--keep", "raw"])
     with pytest.raises(SystemExit, match="no key"):
         gsm8k_report.main()
