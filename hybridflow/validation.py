@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import torch
@@ -56,26 +57,22 @@ class Validator:
         scores = {name: self.rollout.rule_scores(self.items, batch, fn=fn)[0]
                   for name, fn in self.rules.items()}
         lengths = batch.response_mask.sum(1)
-        # per data source: [sum per rule..., count]; summed over the DP replicas
-        local: dict[str, list[float]] = {}
-        for i, it in enumerate(self.items):
-            acc = local.setdefault(it.data_source or "unknown", [0.0] * (len(self.rules) + 1))
-            for k, name in enumerate(self.rules):
-                acc[k] += float(scores[name][i])
-            acc[-1] += 1
         lengths_stats = [float(lengths.sum()), float(lengths.max()),
                          float((lengths >= self.gen_cfg.max_new_tokens).sum()), float(len(self.items))]
-        per_prompt = [(it.index, [float(scores[name][i]) for name in self.rules])
+        per_prompt = [(it.index, it.data_source or "unknown",
+                       [float(scores[name][i]) for name in self.rules])
                       for i, it in enumerate(self.items)]
-        # one gather: (per-source sums, length stats, per-prompt scores) per replica
+        # one gather: (length stats, per-prompt scores) per replica; per-source means follow
         parts = [None] * self.ctx.dp_size
-        dist.all_gather_object(parts, (local, lengths_stats, per_prompt), group=self.ctx.dp_group)
-        totals: dict[str, list[float]] = {}
-        for part, _, _ in parts:
-            for source, acc in part.items():
-                cur = totals.setdefault(source, [0.0] * len(acc))
-                totals[source] = [a + b for a, b in zip(cur, acc)]
-        s = torch.tensor([st for _, st, _ in parts], dtype=torch.float64)  # (DP, 4)
+        dist.all_gather_object(parts, (lengths_stats, per_prompt), group=self.ctx.dp_group)
+        rows = sorted(row for _, mine in parts for row in mine)  # every prompt, index order
+        totals: dict[str, list[float]] = {}  # per data source: [sum per rule..., count]
+        for _, source, vals in rows:
+            acc = totals.setdefault(source, [0.0] * (len(self.rules) + 1))
+            for k, v in enumerate(vals):
+                acc[k] += v
+            acc[-1] += 1
+        s = torch.tensor([st for st, _ in parts], dtype=torch.float64)  # (DP, 4)
         n = float(s[:, 3].sum())
         metrics = {"val-aux/response_length/mean": float(s[:, 0].sum()) / n,
                    "val-aux/response_length/max": float(s[:, 1].max()),
@@ -86,16 +83,19 @@ class Validator:
                 metrics[f"{group}/{source}/{name}/mean@1"] = acc[k] / acc[-1]
         if self.ctx.rank == 0:
             self._log_generations(step, batch, scores)
-            self._log_scores(step, sorted(row for _, _, rows in parts for row in rows))
+            self._log_scores(step, rows)
         return metrics
 
     def _log_scores(self, step: int, rows: list) -> None:
-        record = {"step": step, "index": [i for i, _ in rows],
-                  "scores": {name: [v[k] for _, v in rows] for k, name in enumerate(self.rules)}}
+        record = {"step": step, "index": [i for i, _, _ in rows],
+                  "scores": {name: [v[k] for _, _, v in rows] for k, name in enumerate(self.rules)}}
+        self._append("val_scores.jsonl", [json.dumps(record)])
+
+    def _append(self, name: str, lines: list[str]) -> None:
         out = self.cfg.trainer.output_dir
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "val_scores.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")  # one write per validation
+        with open(os.path.join(out, name), "a") as f:
+            f.write("\n".join(lines) + "\n")  # one write per validation
 
     def _log_generations(self, step: int, batch, scores: dict) -> None:
         count = min(self.cfg.trainer.val_log_generations, len(self.items))
@@ -110,10 +110,7 @@ class Validator:
                    "ground_truth": it.ground_truth}
             row.update({f"score/{name}": float(v[i]) for name, v in scores.items()})
             lines.append(json.dumps(row, ensure_ascii=False))
-        out = self.cfg.trainer.output_dir
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "val_generations.jsonl"), "a") as f:
-            f.write("\n".join(lines) + "\n")  # one write per validation
+        self._append("val_generations.jsonl", lines)
 
 
 def paired_comparison(a: list[float], b: list[float]) -> dict:
@@ -121,8 +118,6 @@ def paired_comparison(a: list[float], b: list[float]) -> dict:
     discordant counts (a right and b wrong, and the reverse) and McNemar's exact two-sided p-value,
     the chance of a split at least this uneven of the discordant problems if a and b were equally
     good. Paired, it resolves smaller differences than comparing the two accuracies alone."""
-    import math
-
     if len(a) != len(b) or not a:
         raise ValueError(f"paired_comparison needs two equally long, non-empty score lists "
                          f"(got {len(a)} and {len(b)})")

@@ -30,7 +30,8 @@ def forward_flops_per_token(shape: ModelConfig, seq_len: int, role: str = "actor
                             head_fraction: float = 1.0) -> float:
     """`head_fraction`: the share of the tokens whose LM head (V x h) is computed. The engine
     computes logits only at the positions that predict response tokens (response_len / seq_len
-    of them; `Workload.head_fraction`); the generator's prefill needs the last position only."""
+    of them; `Workload.head_fraction`). The generator's prefill needs the last position only but is
+    still charged the full head (timing._gen; the calibration was fitted so)."""
     head = 0 if role == "critic" else shape.embedding_params * (1.0 - head_fraction)
     return 2 * (dense_params(shape, role) - head) + 2 * shape.num_layers * seq_len * shape.q_dim
 
