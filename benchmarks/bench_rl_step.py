@@ -126,7 +126,8 @@ def main():
                 "micro_batch_tokens": train_tokens, "forward_micro_batch_tokens": fwd_tokens,
                 "dynamic_bsz": bool(args.dynamic_bsz), "skip_old_log_prob": args.skip_old_log_prob,
                 "use_reference": algo == "grpo", "prefill_once_per_prompt": True,
-                "response_logits_only": True, "bf16_logits": True},
+                "response_logits_only": True, "bf16_logits": True,
+                "keep_generator": "rollout.free_cache_engine=false" in args.override},
             "metrics": m})
     import torch
 

@@ -2,6 +2,7 @@
 # The H200 configurations behind the cost model's calibration and its leave-one-out check
 # (benchmarks/results/cost/rl_*.json; README "Cost model validation"). Run on a 2-GPU machine:
 #   bash benchmarks/cost_matrix.sh x1 DIR     # 1-GPU configs, one after another on GPU 0
+#   bash benchmarks/cost_matrix.sh x1kv DIR   # 1-GPU configs with the trainer's current options
 #   bash benchmarks/cost_matrix.sh x2 DIR     # 2-GPU configs (DP=2, TP=2)
 # One config at a time: the passes are host-bound at these sizes and a neighbour's host load would
 # show in them (a first pass ran 1-GPU configs two side by side; its numbers are not used).
@@ -29,6 +30,16 @@ x1)
   one rl_0_5b_x1_p16r512 --algos grpo --prompts 16 --response 512 --micro 4
   one rl_1_5b_x1_p16n4r128 --model qwen2_1_5b --algos ppo --prompts 16 --samples 4 --response 128
   ;;
+x1kv)  # today's trainer options (bench_vs_trl.py's ours side: generator kept, KV window 64, no
+       # old_log_prob pass), 16- and 64-sequence update micro-batches
+  for m in 0_5b 1_5b; do
+    for mb in 16 64; do
+      one rl_${m}_x1_mb${mb}f64_kv64 --model qwen2_$m --algos grpo --micro $mb --fmicro 64 \
+        --skip-old-log-prob --override data.synthetic_length=120 --override actor_optim.lr=1e-6 \
+        --override rollout.free_cache_engine=false --override rollout.decode_kv_window=64
+    done
+  done
+  ;;
 x2)
   two rl_0_5b_x2_dp2_mb8 --algos grpo
   two rl_0_5b_x2_dp2_mb16f32 --algos grpo --micro 16 --fmicro 32
@@ -44,6 +55,6 @@ x2tpg)  # generation at TP_g = 2 (NCCL all-reduces inside the decode CUDA graphs
 x2big)  # a GPU-bound model: Qwen2-7B at TP=2 (84 GiB of 141 per GPU)
   two rl_7b_x2_tp2g1_mb8 --model qwen2_7b --algos grpo --tp 2 --tp-gen 1 --steps 4
   ;;
-*) echo "part: x1 | x2 | x2tpg | x2big"; exit 2;;
+*) echo "part: x1 | x1kv | x2 | x2tpg | x2big"; exit 2;;
 esac
 for f in "$out"/*.log; do echo "== $f"; tail -n 13 "$f" | grep -v "^values\|^update_critic\|^reward\|^adv"; done

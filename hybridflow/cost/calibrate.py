@@ -21,8 +21,9 @@ Files with a top-level "calibration" or "validation" key (this tool's outputs) a
 `metrics` may instead sit flat in the record (as the trainer's JSONL lines do); any subset of the
 stages may be present. Keys of config that are not inputs of the model are ignored.
 
-The fit (each part of a stage is linear in one coefficient, see timing.py): memory_scale = the
-least-squares ratio of measured to predicted peak; then per group of stages, least squares of
+The fit (each part of a stage is linear in one coefficient, see timing.py): memory_scale and
+activation_memory_scale = least squares of the measured peak on the predicted peak phase's
+(non-activation, activation) parts (one common ratio when the records cannot separate them); then per group of stages, least squares of
 (measured - known terms) on the ideal times of the group's unknown coefficients, in this order:
 reshard -> 1/comm_eff; gen -> 1/prefill_eff, 1/decode_bw_eff, seconds per layer per decode step;
 old_log_prob/ref/values and update_actor/update_critic jointly -> 1/forward_mfu, 1/train_mfu,
@@ -217,15 +218,44 @@ def _with_other(run: Run, stages) -> Run:
     return replace(run, metrics=run.metrics | {"timing_s/other": other})
 
 
+def _memory_parts(run: Run, calib: Calibration) -> tuple[float, float]:
+    """(everything but activations, activations) of the predicted peak phase, unscaled GiB."""
+    comp = memory_for(run.shape, run.gpu, run.plan, run.workload, calib).components_gib
+    act = comp["activations"] / (calib.memory_scale * calib.activation_memory_scale)
+    return sum(comp.values()) / calib.memory_scale - act * calib.activation_memory_scale, act
+
+
+def _fit_memory(runs: list[Run], base: Calibration) -> Calibration:
+    """memory_scale and activation_memory_scale by least squares of the measured peaks on the
+    predicted peak phase's (rest, activations); the peak phase depends on the scales, so the fit
+    is repeated until it settles. When the two columns cannot be told apart (one record, or
+    activations in a fixed ratio to the rest) or a scale comes out <= 0: one common scale
+    (activation_memory_scale 1), the least-squares ratio of measured to predicted peak."""
+    measured = [r for r in runs if MEMORY_KEY in r.metrics]
+    calib = replace(base, memory_scale=1.0, activation_memory_scale=1.0)
+    if not measured:
+        return replace(base, memory_scale=base.memory_scale)
+    y = np.array([r.metrics[MEMORY_KEY] for r in measured])
+    for _ in range(8):
+        A = np.array([_memory_parts(r, calib) for r in measured])
+        (a, c), *_ = np.linalg.lstsq(A, y, rcond=None)
+        if np.linalg.matrix_rank(A, tol=1e-6 * np.abs(A).max()) < 2 or a <= 0 or c <= 0 \
+                or np.linalg.cond(A) > 1e3:
+            p = A.sum(axis=1)
+            return replace(base, memory_scale=float(p @ y / (p @ p)), activation_memory_scale=1.0)
+        new = replace(calib, memory_scale=float(a), activation_memory_scale=float(c / a))
+        if (abs(new.memory_scale - calib.memory_scale) < 1e-6
+                and abs(new.activation_memory_scale - calib.activation_memory_scale) < 1e-6):
+            break
+        calib = new
+    return new
+
+
 def fit(records: list[dict], base: Calibration | None = None) -> Calibration:
     """Calibration fitted to `records` (see the module docstring); `base` supplies the priors."""
     base = base or Calibration()
     runs = [parse_record(r, f"run{i}") for i, r in enumerate(records)]
-    unit = replace(base, memory_scale=1.0)
-    pairs = [(memory_for(r.shape, r.gpu, r.plan, r.workload, unit).peak_gib, r.metrics[MEMORY_KEY])
-             for r in runs if MEMORY_KEY in r.metrics]
-    den = sum(p * p for p, _ in pairs)
-    calib = replace(base, memory_scale=sum(p * m for p, m in pairs) / den) if den else base
+    calib = _fit_memory(runs, base)
     terms = [stage_terms(r.shape, r.gpu, r.plan, r.workload, calib) for r in runs]
     runs = [_with_other(r, t) for r, t in zip(runs, terms)]
     coefs = calib.coefs()

@@ -44,6 +44,10 @@ when no record informs it), and why (fit your own with `python -m hybridflow.cos
 - step_overhead_s 0.02: seconds per step outside the modelled stages (the stage "other"): reward,
   advantages, metrics, host syncs between stages; the H200 records average 0.03 s.
 - memory_scale 1.0: multiplies the predicted allocated peak (fit to perf/max_memory_allocated_gb).
+- activation_memory_scale 1.0: multiplies the activation component (stored activations, logits, the
+  prefill scratch) before memory_scale: what the counted tensors miss per token (framework copies,
+  kernel workspaces) grows with the micro-batch, the rest does not. Fitted jointly with
+  memory_scale when the records' micro-batches differ enough to separate the two.
 - memory_headroom_gib 4.0: memory a GPU loses to the CUDA context, NCCL buffers and allocator
   fragmentation; a layout fits when scaled peak <= memory_gib - headroom.
 """
@@ -68,6 +72,7 @@ class Calibration:
     optimizer_step_s: float = 0.02
     step_overhead_s: float = 0.02
     memory_scale: float = 1.0
+    activation_memory_scale: float = 1.0
     memory_headroom_gib: float = 4.0
 
     def __post_init__(self):

@@ -12,15 +12,18 @@ Per phase, on top:
 - gen: the reshard buffer (the gen TP_g shard of the actor minus the training shard it contains; zero
   when TP_g = TP and PP = 1), the KV cache of one generation wave, prefill scratch (one layer of the
   wave's prompts) and last-position logits. Sequences that do not fit run in several waves;
-- old_log_prob / ref / values: one layer's activations for a micro-batch and its logits (at the
-  response positions only: `Workload.head_fraction`; bf16, or fp32 with `bf16_logits` false);
+- old_log_prob / ref / values: one layer's activations for a micro-batch, and its logits (component
+  `logits`: at the response positions only, `Workload.head_fraction`; bf16, or fp32 with
+  `bf16_logits` false);
 - with `keep_generator` (rollout.free_cache_engine=false, no reshard) the gen wave's KV cache stays
   through every later phase too;
 - update_actor / update_critic: stored activations (`flops.activation_bytes_per_token_layer`; with
   full recompute only each layer's bf16 input plus one layer's working set), 1F1B keeping
-  min(PP, micro-batches) micro-batches in flight on the first stage, plus the logits and their grad.
+  min(PP, micro-batches) micro-batches in flight on the first stage, plus the logits and their grad
+  (component `logits`).
 Not modelled: Megatron's vocab padding, optimizer-step temporaries, allocator fragmentation (folded
-into `Calibration.memory_headroom_gib` and `memory_scale`).
+into `Calibration.memory_headroom_gib` and `memory_scale`; `activation_memory_scale` scales the
+activation component alone: what grows with the micro-batch beyond the counted tensors).
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ GIB = 2 ** 30
 LOGIT_BYTES = 8        # per vocab entry per token: fp32 logits + fp32 log-softmax (or its grad)
 LOGIT_BYTES_BF16 = 4   # the same kept in bf16 (the engine's bf16 output, Workload.bf16_logits)
 COMPONENTS = ("actor_weights", "actor_grads", "actor_optimizer", "critic", "reference",
-              "reshard_buffer", "kv_cache", "activations")
+              "reshard_buffer", "kv_cache", "activations", "logits")
 
 
 @dataclass
@@ -106,11 +109,13 @@ def gen_batch_size(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
     per_replica = math.ceil(workload.num_sequences / lay.dp_g)
     used = sum(_resident(shape, plan, workload).values()) + reshard_buffer_bytes(shape, lay)
     free = (gpu.memory_gib - calib.memory_headroom_gib) * GIB / calib.memory_scale - used
-    batch = min(per_replica, max(1, int(free // sum(_gen_bytes_per_seq(shape, lay, workload)))))
+    kv, scratch = _gen_bytes_per_seq(shape, lay, workload)
+    batch = min(per_replica, max(1, int(free // (kv + scratch * calib.activation_memory_scale))))
     return batch, math.ceil(per_replica / batch)
 
 
-def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str) -> float:
+def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str) -> tuple[float, float]:
+    """(stored layer activations, logits and their grad) of one phase, bytes."""
     lay = plan.layout
     tp, micro_tokens = lay.tp_t, workload.seqs_per_micro_batch * workload.seq_len
     layer = activation_bytes_per_token_layer(shape)
@@ -118,14 +123,15 @@ def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str)
     logits = 0 if phase in ("values", "update_critic") else \
         shape.vocab_size * per_entry / tp * workload.head_fraction
     if phase in ("old_log_prob", "ref", "values"):
-        return workload.seqs_per_forward_micro_batch * workload.seq_len * (layer / tp + logits)
+        tokens = workload.seqs_per_forward_micro_batch * workload.seq_len
+        return tokens * layer / tp, tokens * logits
     in_flight = min(lay.pp_t, workload.num_micro_batches(lay.dp_t))
     layers_kept = shape.num_layers // lay.pp_t * in_flight
     if plan.recompute:
         kept = layers_kept * BYTES_PER_PARAM * shape.hidden_size / tp + layer / tp
     else:
         kept = layers_kept * layer / tp
-    return micro_tokens * (kept + logits)
+    return micro_tokens * kept, micro_tokens * logits
 
 
 def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
@@ -142,9 +148,11 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
             c |= {"reshard_buffer": reshard_buffer_bytes(shape, lay), "kv_cache": batch * kv,
                   "activations": batch * scratch}
         else:
-            c |= {"kv_cache": kept_kv, "activations": _activations(shape, plan, workload, phase)}
+            act, logits = _activations(shape, plan, workload, phase)
+            c |= {"kv_cache": kept_kv, "activations": act, "logits": logits}
         if phase == "ref" and workload.use_reference:
             c["reference"] = BYTES_PER_PARAM * shape.num_params / (lay.tp_t * lay.pp_t)
+        c["activations"] *= calib.activation_memory_scale
         phases[phase] = {k: v * calib.memory_scale / GIB for k, v in c.items()}
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
     return MemoryEstimate(phases_gib=phases, peak_phase=peak_phase,
