@@ -116,3 +116,20 @@ def test_bench_vs_trl_times_both_sides_and_copies_gsm8k(tmp_path):
     bad = subprocess.run([sys.executable, "benchmarks/bench_vs_trl.py", "--trl-steps", "2", "--device", "cpu"],
                          cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert bad.returncode != 0 and "--trl-steps 2" in bad.stderr
+
+
+def test_profile_decode_sums_kernel_time_by_kind(tmp_path):
+    """The decode profile the next GPU session reads: per case, time per step by kind adds up to
+    the total, the kinds are the script's, and the floor fraction is floor / measured."""
+    out = tmp_path / "p.json"
+    subprocess.run([sys.executable, "benchmarks/profile_decode.py", "--models", "conf/model/tiny.yaml",
+                    "--device", "cpu", "--batches", "2", "--prompt-len", "8", "--steps", "4",
+                    "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
+    (case,) = json.loads(out.read_text())["cases"]
+    assert (case["model"], case["batch"], case["compiled"]) == ("tiny", 2, False)
+    by_kind = case["us_per_step_by_kind"]
+    assert math.isclose(sum(by_kind.values()), case["us_per_step"], rel_tol=1e-9)
+    assert {"gemm", "attention"} <= set(by_kind) <= {"attention", "gemm", "norm", "kv_write",
+                                                     "sampling", "elementwise", "other"}
+    assert case["floor_fraction"] == case["floor_us_per_step"] / case["us_per_step"]
+    assert case["top"] and all(t["kind"] in by_kind for t in case["top"])

@@ -1,0 +1,145 @@
+"""Where a decode step's device time goes: kernel time per step by kind, for each model x batch x
+eager/compiled decode (issue "Speed": generation at batch 256 >= 25% of the weight+KV read floor).
+
+Random-init weights of the model shape (bench_generate's transformers model converted to Megatron
+names), bf16, prompt --prompt-len tokens, greedy, CUDA graphs on. Each case: one call to allocate and
+capture, then profiled calls of --steps and 2 x --steps new tokens: their difference over --steps
+is one decode step's kernel time (the prefill and per-call work cancel), summed by kind (gemm,
+attention, norm, elementwise, kv_write, sampling, other). Also printed: kernels per step and the weight+KV read
+floor of one step at the measured copy bandwidth.
+
+    python benchmarks/profile_decode.py --models conf/model/qwen2_0_5b.yaml conf/model/qwen2_1_5b.yaml \
+        --batches 64 256 --compile --out benchmarks/results/decode_profile_h200.json
+    python benchmarks/profile_decode.py --models conf/model/tiny.yaml --device cpu --batches 2 \
+        --prompt-len 8 --steps 4 --out /tmp/p.json                      # CPU smoke (CPU op times)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_generate import COPY_BW, hf_model, machine, to_megatron  # noqa: E402
+from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
+from hybridflow.rollout import Generator  # noqa: E402
+
+# first match wins; matched against the lower-cased kernel (or op) name
+KINDS = (
+    ("attention", ("sdpa", "fmha", "flash", "attention", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "addmm", "aten::mm", "matmul", "linear")),
+    ("norm", ("layer_norm", "rms_norm", "norm_kernel")),
+    ("kv_write", ("index_copy", "index_put", "scatter")),
+    ("sampling", ("argmax", "softmax", "exponential", "topk", "sort", "reduce", "max_kernel")),
+    ("elementwise", ("elementwise", "vectorized", "triton", "copy", "fill", "cat", "roll", "mul",
+                     "add", "silu")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
+
+
+def _profiled(gen, prompts, *, steps: int, compiled: bool, device) -> dict:
+    """kernel (or aten op) name -> (time us, calls) of one generate call of `steps` new tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = RolloutConfig(max_new_tokens=steps, temperature=0.0, max_batch_size=len(prompts),
+                        compile_decode=compiled)
+    run = lambda: gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)  # noqa: E731
+    run()  # allocate, capture (and compile)
+    acts = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    timeof = ((lambda e: getattr(e, "device_time_total", 0)) if device.type == "cuda" else
+              (lambda e: e.self_cpu_time_total))
+    events = [e for e in prof.key_averages() if timeof(e) > 0]
+    if device.type != "cuda":  # CPU: aten ops only (their self time), not the Python frames
+        events = [e for e in events if e.key.startswith("aten::")]
+    return {e.key: (timeof(e), e.count) for e in events}
+
+
+def profile_case(gen, prompts, *, steps: int, compiled: bool, device) -> dict:
+    """Per decode step: the difference of a call of 2 x steps and one of steps new tokens, over
+    steps (the prefill and the per-call work cancel)."""
+    short = _profiled(gen, prompts, steps=steps, compiled=compiled, device=device)
+    long = _profiled(gen, prompts, steps=2 * steps, compiled=compiled, device=device)
+    per = {k: ((t - short.get(k, (0, 0))[0]) / steps, (n - short.get(k, (0, 0))[1]) / steps)
+           for k, (t, n) in long.items()}
+    per = {k: v for k, v in per.items() if v[0] > 0}
+    by_kind, count = collections.Counter(), collections.Counter()
+    for k, (t, n) in per.items():
+        by_kind[kind_of(k)] += t
+        count[kind_of(k)] += n
+    top = sorted(per.items(), key=lambda kv: kv[1][0], reverse=True)[:15]
+    return {"us_per_step": sum(by_kind.values()), "kernels_per_step": sum(count.values()),
+            "us_per_step_by_kind": dict(by_kind.most_common()),
+            "kernels_per_step_by_kind": {k: count[k] for k, _ in by_kind.most_common()},
+            "top": [{"kernel": k[:100], "kind": kind_of(k), "us_per_step": t, "calls_per_step": n}
+                    for k, (t, n) in top]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["conf/model/qwen2_0_5b.yaml"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=32, help="new tokens of the profiled call")
+    ap.add_argument("--compile", action="store_true", help="also profile rollout.compile_decode")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
+              "prompt_len": args.prompt_len, "steps": args.steps, "cases": []}
+    for path in args.models:
+        with open(path) as f:
+            cfg = ModelConfig(**yaml.safe_load(f))
+        torch.manual_seed(0)
+        hf = hf_model(cfg, device=device, dtype=dtype)
+        params = {n: t.clone() for n, t in to_megatron(hf.state_dict(), cfg).items()}
+        del hf
+        weight_bytes = sum(t.numel() * t.element_size() for t in params.values())
+        hd = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+        gen = Generator(model_cfg=cfg, params=params, tp_group=None, device=device, dtype=dtype,
+                        true_vocab_size=cfg.vocab_size)
+        for B in args.batches:
+            prompts = torch.randint(0, cfg.vocab_size, (B, args.prompt_len)).tolist()
+            # K and V of every layer at the mean context of the steps measured
+            ctx = args.prompt_len + 1.5 * args.steps  # the mean context of the later steps
+            kv_bytes = 2 * cfg.num_layers * B * cfg.num_query_groups * hd * ctx * 2
+            floor_us = (weight_bytes + kv_bytes) / COPY_BW * 1e6
+            for compiled in ([False, True] if args.compile else [False]):
+                res = profile_case(gen, prompts, steps=args.steps, compiled=compiled, device=device)
+                res.update(model=cfg.name, batch=B, compiled=compiled,
+                           floor_us_per_step=floor_us,
+                           floor_fraction=floor_us / res["us_per_step"])
+                report["cases"].append(res)
+                print(f"{cfg.name} B={B} compiled={compiled}: {res['us_per_step']:.0f} us/step, "
+                      f"{res['kernels_per_step']:.0f} kernels, floor {floor_us:.0f} us "
+                      f"({100 * res['floor_fraction']:.0f}%)  " +
+                      ", ".join(f"{k} {v:.0f}" for k, v in res["us_per_step_by_kind"].items()),
+                      flush=True)
+            gen.release()
+        del gen
+    tmp = args.out + ".tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, args.out)
+
+
+if __name__ == "__main__":
+    main()
