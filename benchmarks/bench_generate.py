@@ -176,6 +176,8 @@ def main():
                     help="rollout.decode_kv_window for the timed runs (a multiple of 64): each "
                          "decode step reads the cache's written columns rounded up to it instead "
                          "of prompt + new tokens (the floor counts only written columns)")
+    ap.add_argument("--decode-kernels", default="torch", choices=["torch", "triton"],
+                    help="rollout.decode_kernels for our timed runs")
     ap.add_argument("--out", default="benchmarks/results/generate_h200.json")
     args = ap.parse_args()
     if args.hf_reps < 3 or args.reps < 3:
@@ -188,6 +190,7 @@ def main():
     P, R = args.prompt_len, args.new_tokens
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
               "model": cfg.name, "prompt_len": P, "new_tokens": R, "kv_window": args.kv_window,
+              "decode_kernels": args.decode_kernels,
               "results": {},
               "timing": {"ours": f"first call (cache allocation, graph capture) reported apart as "
                                  f"ours_first_call_s; ours_s = median of the next {args.reps}",
@@ -221,7 +224,7 @@ def main():
         ids = torch.randint(0, cfg.vocab_size, (B, P), device=device)
         prompts = ids.tolist()
         rcfg = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=max(args.batches),
-                             decode_kv_window=args.kv_window)
+                             decode_kv_window=args.kv_window, decode_kernels=args.decode_kernels)
         run = lambda c=rcfg: gen.generate(prompts, cfg=c, eos_id=-1, pad_id=0, seed=0)  # noqa
         res = {}
         if device.type == "cuda":

@@ -9,7 +9,7 @@ attention, norm, elementwise, kv_write, sampling, other). Also printed: kernels 
 floor of one step at the measured copy bandwidth.
 
     python benchmarks/profile_decode.py --models conf/model/qwen2_0_5b.yaml conf/model/qwen2_1_5b.yaml \
-        --batches 64 256 --compile --out benchmarks/results/decode_profile_h200.json
+        --batches 64 256 --compile [--kernels torch triton] --out benchmarks/results/decode_profile_h200.json
     python benchmarks/profile_decode.py --models conf/model/tiny.yaml --device cpu --batches 2 \
         --prompt-len 8 --steps 4 --out /tmp/p.json                      # CPU smoke (CPU op times)
 """
@@ -49,12 +49,12 @@ def kind_of(name: str) -> str:
     return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
 
 
-def _profiled(gen, prompts, *, steps: int, compiled: bool, device) -> dict:
+def _profiled(gen, prompts, *, steps: int, compiled: bool, kernels: str, device) -> dict:
     """kernel (or aten op) name -> (time us, calls) of one generate call of `steps` new tokens."""
     from torch.profiler import ProfilerActivity, profile
 
     cfg = RolloutConfig(max_new_tokens=steps, temperature=0.0, max_batch_size=len(prompts),
-                        compile_decode=compiled)
+                        compile_decode=compiled, decode_kernels=kernels)
     run = lambda: gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)  # noqa: E731
     run()  # allocate, capture (and compile)
     acts = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
@@ -70,11 +70,12 @@ def _profiled(gen, prompts, *, steps: int, compiled: bool, device) -> dict:
     return {e.key: (timeof(e), e.count) for e in events}
 
 
-def profile_case(gen, prompts, *, steps: int, compiled: bool, device) -> dict:
+def profile_case(gen, prompts, *, steps: int, compiled: bool, device, kernels: str = "torch") -> dict:
     """Per decode step: the difference of a call of 2 x steps and one of steps new tokens, over
     steps (the prefill and the per-call work cancel)."""
-    short = _profiled(gen, prompts, steps=steps, compiled=compiled, device=device)
-    long = _profiled(gen, prompts, steps=2 * steps, compiled=compiled, device=device)
+    short = _profiled(gen, prompts, steps=steps, compiled=compiled, kernels=kernels, device=device)
+    long = _profiled(gen, prompts, steps=2 * steps, compiled=compiled, kernels=kernels,
+                     device=device)
     per = {k: ((t - short.get(k, (0, 0))[0]) / steps, (n - short.get(k, (0, 0))[1]) / steps)
            for k, (t, n) in long.items()}
     per = {k: v for k, v in per.items() if v[0] > 0}
@@ -97,6 +98,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32, help="new tokens of the profiled call")
     ap.add_argument("--compile", action="store_true", help="also profile rollout.compile_decode")
+    ap.add_argument("--kernels", nargs="+", default=["torch"], choices=["torch", "triton"],
+                    help="rollout.decode_kernels values to profile (each with and without --compile)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -121,13 +124,16 @@ def main():
             ctx = args.prompt_len + 1.5 * args.steps  # the mean context of the later steps
             kv_bytes = 2 * cfg.num_layers * B * cfg.num_query_groups * hd * ctx * 2
             floor_us = (weight_bytes + kv_bytes) / COPY_BW * 1e6
-            for compiled in ([False, True] if args.compile else [False]):
-                res = profile_case(gen, prompts, steps=args.steps, compiled=compiled, device=device)
-                res.update(model=cfg.name, batch=B, compiled=compiled,
+            for kernels, compiled in [(k, c) for k in args.kernels
+                                      for c in ([False, True] if args.compile else [False])]:
+                res = profile_case(gen, prompts, steps=args.steps, compiled=compiled, device=device,
+                                   kernels=kernels)
+                res.update(model=cfg.name, batch=B, compiled=compiled, kernels=kernels,
                            floor_us_per_step=floor_us,
                            floor_fraction=floor_us / res["us_per_step"])
                 report["cases"].append(res)
-                print(f"{cfg.name} B={B} compiled={compiled}: {res['us_per_step']:.0f} us/step, "
+                print(f"{cfg.name} B={B} kernels={kernels} compiled={compiled}: "
+                      f"{res['us_per_step']:.0f} us/step, "
                       f"{res['kernels_per_step']:.0f} kernels, floor {floor_us:.0f} us "
                       f"({100 * res['floor_fraction']:.0f}%)  " +
                       ", ".join(f"{k} {v:.0f}" for k, v in res["us_per_step_by_kind"].items()),

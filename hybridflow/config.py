@@ -62,6 +62,12 @@ class RolloutConfig:
     # element-wise kernels, which bound decode at small batches (a ~0.5B model's step is ~550
     # kernel launches). TP_g = 1 only; the first step pays the compile. Off until timed.
     compile_decode: bool = False
+    # "triton": each decode layer's RoPE and both KV-cache writes as one kernel and its attention as
+    # split-KV ("flash-decoding") kernels over the query groups (hybridflow/kernels/decode.py), in
+    # place of 5 element-wise/index kernels and cuDNN's SDPA, whose tiles fit long query blocks (a
+    # decode step has heads/groups query rows per group). Needs CUDA and triton; power-of-two
+    # head_dim. "torch": PyTorch ops. Off until timed.
+    decode_kernels: str = "torch"
     return_logprobs: bool = False
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
 

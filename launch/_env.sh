@@ -8,6 +8,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${HYBRIDFLOW_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 TORCH_CPU_PIN="torch==2.13.0"
+TRITON_CPU_PIN="triton==3.5.0"
 
 if [ ! -x "$VENV/bin/python" ]; then
   if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -21,7 +22,9 @@ WANT="$(cat "$ROOT/pyproject.toml" | sha1sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
   if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-    "${PIP[@]}" "$TORCH_CPU_PIN"
+    # triton beside the CPU torch: its interpreter (TRITON_INTERPRET=1) runs our Triton kernels in
+    # the CPU tests; CUDA builds of torch bring their own triton
+    "${PIP[@]}" "$TORCH_CPU_PIN" "$TRITON_CPU_PIN"
   fi
   TORCH_VER="$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
   CONSTRAINTS="$VENV/constraints.txt"

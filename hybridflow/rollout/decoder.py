@@ -16,7 +16,9 @@ The math follows Megatron's local spec exactly (so logits match `GPTModel` to fp
   memory-efficient kernel takes the mask). Decode: the heads of one query group are folded into the
   query-length axis, so (B, groups, heads_per_group, hd) queries attend to the cached
   (B, groups, T, hd) keys with no K/V copy; an additive mask hides padding and unwritten slots.
-  With `kv_len` the keys are the first kv_len columns (a strided view, no copy).
+  With `kv_len` the keys are the first kv_len columns (a strided view, no copy). With
+  rollout.decode_kernels=triton the decode step's RoPE + KV writes run as one kernel and the
+  attention as split-KV Triton kernels (hybridflow/kernels/decode.py; same math, PyTorch twins).
 - MLP: SwiGLU from fc1 = [gate; up] (per shard); row-parallel proj/fc2 then all-reduce over TP_g.
 - Embedding: vocab-parallel masked lookup + all-reduce. Output: vocab-parallel matmul, all-gather
   over TP_g, padded vocab ids (>= true vocab) dropped; fp32 logits out.
@@ -263,19 +265,24 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
 
 def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: torch.Tensor,
                 key_valid: torch.Tensor, *, cache, cos_tab: torch.Tensor, sin_tab: torch.Tensor,
-                kv_len: Optional[int] = None, compiled: bool = False):
+                kv_len: Optional[int] = None, compiled: bool = False, kernels: str = "torch"):
     """One token per row against the static cache; graph-capturable (no host sync, static shapes).
 
     tokens, positions (B,) int64; cur (1,) int64: the cache column this token is written to;
     key_valid (B, T) bool, updated in place (column `cur` becomes valid). `kv_len`: attend over
     cache columns 0..kv_len-1 only (the caller keeps cur < kv_len; None: all T). `compiled`: run
-    each layer's pure parts compiled (rollout.compile_decode, TP_g = 1). Returns logits (B, V) fp32.
+    each layer's pure parts compiled (rollout.compile_decode, TP_g = 1). `kernels`: "torch" (RoPE,
+    KV writes and SDPA as PyTorch ops) or "triton" (rollout.decode_kernels: the fused kernels of
+    hybridflow/kernels/decode.py). Returns logits (B, V) fp32.
     """
     d = w.dims
     B = tokens.shape[0]
     hpg, hd = d.heads_per_group, d.head_dim
     key_valid.index_fill_(1, cur, True)
     seen = key_valid if kv_len is None else key_valid[:, :kv_len]
+    if kernels == "triton":
+        return _decode_step_fused(w, tokens, positions, cur, seen, cache=cache, cos_tab=cos_tab,
+                                  sin_tab=sin_tab, kv_len=kv_len, compiled=compiled)
     bias = torch.zeros(seen.shape, dtype=cos_tab.dtype, device=tokens.device)
     bias = bias.masked_fill_(~seen, float("-inf"))[:, None, None, :]  # (B, 1, 1, kv_len)
     cos = cos_tab.index_select(0, positions)[:, None, None, :]  # (B, 1, 1, hd)
@@ -298,6 +305,38 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
         else:
             x = _mlp(_row_parallel_add(x, a, layer.proj, w), layer, w)
     return logits(w, _norm(x, w.final_ln, d.eps))
+
+
+def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_tab, sin_tab,
+                       kv_len, compiled: bool):
+    """decode_step with RoPE + the KV writes in one kernel and split-KV attention (kernels.decode,
+    impl "triton": on CPU only under TRITON_INTERPRET=1, the tests' way)."""
+    from hybridflow.kernels import decode as kern
+
+    d = w.dims
+    B = tokens.shape[0]
+    hpg, hd = d.heads_per_group, d.head_dim
+    cos = cos_tab.index_select(0, positions)  # (B, hd)
+    sin = sin_tab.index_select(0, positions)
+    qkv_fn, attn_out = _compiled_fused(COMPILE_BACKEND) if compiled else (_qkv, _attn_out)
+    x = embed(w, tokens)  # (B, D)
+    for i, layer in enumerate(w.layers):
+        qkv = qkv_fn(x, layer.ln1, layer.qkv_w, layer.qkv_b, d.eps, (d.groups, hpg + 2, hd))
+        kc, vc = cache.layer(i, B)
+        q = kern.rope_kv_write(qkv, cos, sin, kc, vc, cur, hpg=hpg, impl="triton")
+        if kv_len is not None:
+            kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
+        a = kern.decode_attention(q, kc, vc, seen, impl="triton").reshape(B, d.heads * hd)
+        if d.tp_size == 1:
+            x = attn_out(x, a, layer.proj, layer.ln2, layer.fc1, layer.fc2, d.eps)
+        else:
+            x = _mlp(_row_parallel_add(x, a, layer.proj, w), layer, w)
+    return logits(w, _norm(x, w.final_ln, d.eps))
+
+
+def _qkv(x, ln1, qkv_w, qkv_b, eps: float, shape: tuple):
+    """x (B, D) -> the layer's QKV projection (B, G, hpg + 2, hd), before RoPE."""
+    return F.linear(_norm(x, ln1, eps), qkv_w, qkv_b).view(x.shape[0], *shape)
 
 
 def _attn_in(x, ln1, qkv_w, qkv_b, cos, sin, eps: float, shape: tuple):
@@ -325,4 +364,10 @@ COMPILE_BACKEND = "inductor"
 @functools.cache
 def _compiled(backend: str):
     return (torch.compile(_attn_in, dynamic=True, backend=backend),
+            torch.compile(_attn_out, dynamic=True, backend=backend))
+
+
+@functools.cache
+def _compiled_fused(backend: str):  # with rollout.decode_kernels=triton: RoPE is in the kernel
+    return (torch.compile(_qkv, dynamic=True, backend=backend),
             torch.compile(_attn_out, dynamic=True, backend=backend))

@@ -39,6 +39,7 @@ Layout of a call:
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -211,6 +212,11 @@ class Generator:
                         ("top_p", 0 < cfg.top_p <= 1)):
             if not ok:
                 raise ValueError(f"rollout.{key}={getattr(cfg, key)!r} is out of range")
+        if cfg.decode_kernels not in ("torch", "triton"):
+            raise ValueError(f"rollout.decode_kernels={cfg.decode_kernels!r}: expected 'torch' or "
+                             "'triton'")
+        if cfg.decode_kernels == "triton":
+            _check_decode_kernels(self.device, self.w.dims.head_dim)
         if cfg.compile_decode and self.w.dims.tp_size > 1:
             raise ValueError(f"rollout.compile_decode=true needs a generation TP of 1 (got "
                              f"{self.w.dims.tp_size}): the compiled step has no TP all-reduces")
@@ -231,7 +237,7 @@ class Generator:
               windows: list):
         """(buffers, {kv_len: step}) of one batch bucket: a decode step per attention window
         (`kv_windows`), all on the same buffers."""
-        k = (rows, max_new, key, graphed, tuple(windows), cfg.compile_decode)
+        k = (rows, max_new, key, graphed, tuple(windows), cfg.compile_decode, cfg.decode_kernels)
         if k in self._steps:
             return self._steps[k]
         buf = _Buffers(rows, self._cache.length, max_new, list(key[4]), self.device)
@@ -251,12 +257,12 @@ class Generator:
 
     def _step_fn(self, buf: _Buffers, cfg: RolloutConfig, pad: int, kv_len):
         cache, (cos, sin), w = self._cache, self._tables, self.w
-        compiled = cfg.compile_decode
+        compiled, kernels = cfg.compile_decode, cfg.decode_kernels
 
         def step():
             logits = decoder.decode_step(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
                                          cache=cache, cos_tab=cos, sin_tab=sin, kv_len=kv_len,
-                                         compiled=compiled)
+                                         compiled=compiled, kernels=kernels)
             tok, lp = sample(logits, temperature=cfg.temperature, top_k=cfg.top_k,
                              top_p=cfg.top_p, generator=self._rng,
                              need_logprobs=cfg.return_logprobs)
@@ -314,6 +320,22 @@ class Generator:
                 self.stats["compactions"] += 1
         compaction.flush(buf, row_map, out_tok, out_lp)
         return out_tok[:B], out_lp[:B]
+
+
+def _check_decode_kernels(device: torch.device, head_dim: int) -> None:
+    """rollout.decode_kernels=triton: triton, a CUDA device (or its CPU interpreter,
+    TRITON_INTERPRET=1, as the tests run it) and a power-of-two head_dim >= 16."""
+    from hybridflow.kernels import decode as kern
+
+    if not kern.HAVE_TRITON:
+        raise ValueError("rollout.decode_kernels=triton needs the triton package (it ships with "
+                         "CUDA builds of torch); set rollout.decode_kernels=torch")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"rollout.decode_kernels=triton needs a CUDA device (generation runs on "
+                         f"{device.type}); set rollout.decode_kernels=torch")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"rollout.decode_kernels=triton needs a power-of-two head_dim >= 16 "
+                         f"(the model has {head_dim}); set rollout.decode_kernels=torch")
 
 
 def kv_windows(length: int, window: int) -> list:

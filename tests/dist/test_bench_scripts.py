@@ -126,7 +126,7 @@ def test_profile_decode_sums_kernel_time_by_kind(tmp_path):
                     "--device", "cpu", "--batches", "2", "--prompt-len", "8", "--steps", "4",
                     "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
     (case,) = json.loads(out.read_text())["cases"]
-    assert (case["model"], case["batch"], case["compiled"]) == ("tiny", 2, False)
+    assert (case["model"], case["batch"], case["compiled"], case["kernels"]) == ("tiny", 2, False, "torch")
     by_kind = case["us_per_step_by_kind"]
     assert math.isclose(sum(by_kind.values()), case["us_per_step"], rel_tol=1e-9)
     assert {"gemm", "attention"} <= set(by_kind) <= {"attention", "gemm", "norm", "kv_write",

@@ -1,0 +1,214 @@
+"""Fused kernels of one decode step (rollout.decode_kernels=triton), in Triton, with PyTorch twins.
+
+A decode step of a ~0.5B model at batch 256 spends ~24 us per layer in cuDNN's SDPA for ~6 us of
+K/V reads (its tiles are built for long query blocks; a decode step has hpg query rows per KV group)
+and ~10 us in RoPE's element-wise kernels and the two KV-cache writes
+(benchmarks/results/decode_profile_h200.json). Two kernels replace them:
+
+- `rope_kv_write(qkv, cos, sin, k_cache, v_cache, cur, hpg)`: one program per (row, KV group) reads
+  the group's projected rows [q heads (hpg); k; v] once, rotates q and k (RoPE, rotate-half, the
+  signed sin table of hybridflow/rollout/decoder.rope_tables), writes k and v into cache column
+  `cur` (a device tensor: the step stays graph-capturable) and returns the rotated queries. The
+  twin is the decoder's eager code (x cos + roll(x, hd/2) sin, rounded as PyTorch's bf16 ops round:
+  the product x cos first, then the multiply-add).
+- `decode_attention(q, k_cache, v_cache, key_valid, scale)`: split-KV ("flash-decoding") attention
+  for grouped queries: program (row, group, split) scores the group's hpg queries against one block
+  of BLOCK_T cache columns (tl.dot, fp32 accumulation, masked columns -inf), keeps its block's
+  max, sum of exp and P @ V in fp32 scratch; a second kernel combines the splits of each
+  (row, group) (online-softmax rescaling) and writes the output in q's dtype. Columns with
+  key_valid false (left padding, unwritten slots) get no weight. Every query row has at least one
+  valid column (its own token). The twin is the decoder's SDPA call with an additive mask.
+
+Shapes: qkv (B, G, hpg + 2, hd) (a view of the QKV projection, rows grouped per KV group as in
+Megatron's packed layout); cos, sin (B, hd); k_cache, v_cache (B, G, T, hd) strided views of the KV
+cache (the last dimension contiguous); key_valid (B, T) bool; q (B, G, hpg, hd); head_dim a power
+of two >= 16. `impl`: "auto" takes Triton for CUDA tensors, "triton" forces it (on CPU only under
+TRITON_INTERPRET=1, how the CPU tests run it), "torch" the twin.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs: the PyTorch twins serve
+    HAVE_TRITON = False
+
+BLOCK_T = 64  # cache columns per attention split
+_M0 = -1e30  # a block's max when none of its columns is valid: finite, so exp(m - M) is 0, not NaN
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, cur_ptr, q_ptr, G, HPG,
+                        s_xb, s_xg, s_xr, s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt,
+                        s_qb, s_qg, s_qr, R_PAD: tl.constexpr, HD: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        b, g = pid // G, pid % G
+        r = tl.arange(0, R_PAD)[:, None]
+        d = tl.arange(0, HD)[None, :]
+        rows = r < HPG + 1  # the q heads and k: rotated
+        base = qkv_ptr + b * s_xb + g * s_xg
+        x = tl.load(base + r * s_xr + d, mask=rows, other=0.0)
+        xr = tl.load(base + r * s_xr + (d + HD // 2) % HD, mask=rows, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + b * s_cb + d).to(tl.float32)
+        s = tl.load(sin_ptr + b * s_cb + d).to(tl.float32)
+        # as the twin rounds in the weights' dtype: x * cos, then + roll(x) * sin
+        xc = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
+        y = (xc + xr * s).to(x.dtype)
+        tl.store(q_ptr + b * s_qb + g * s_qg + r * s_qr + d, y, mask=r < HPG)
+        cur = tl.load(cur_ptr)
+        tl.store(kc_ptr + b * s_kb + g * s_kg + cur * s_kt + d + 0 * r, y, mask=r == HPG)
+        v = tl.load(base + (HPG + 1) * s_xr + d)
+        tl.store(vc_ptr + b * s_vb + g * s_vg + cur * s_vt + d, v)
+
+    @triton.jit
+    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, G, HPG, kv_len,
+                           scale, s_qb, s_qg, s_qh, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt, s_mb, s_vt2,
+                           NSPLIT: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr,
+                           BLOCK: tl.constexpr, IEEE: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        b, g = pid // G, pid % G
+        h = tl.arange(0, H_PAD)
+        d = tl.arange(0, HD)
+        t = split * BLOCK + tl.arange(0, BLOCK)
+        in_range = t < kv_len
+        q = tl.load(q_ptr + b * s_qb + g * s_qg + h[:, None] * s_qh + d[None, :],
+                    mask=h[:, None] < HPG, other=0.0)
+        k = tl.load(k_ptr + b * s_kb + g * s_kg + t[:, None] * s_kt + d[None, :],
+                    mask=in_range[:, None], other=0.0)
+        valid = tl.load(valid_ptr + b * s_mb + t * s_vt2, mask=in_range, other=0) != 0
+        if IEEE:  # fp32 inputs: full-precision products (the default would be TF32 on the GPU)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale  # (H_PAD, BLOCK) fp32
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m = tl.maximum(tl.max(scores, 1), -1e30)
+        p = tl.exp(scores - m[:, None])  # 0 on masked columns
+        v = tl.load(v_ptr + b * s_vb + g * s_vg + t[:, None] * s_vt + d[None, :],
+                    mask=in_range[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v)  # (H_PAD, HD) fp32
+        row = pid * NSPLIT + split
+        tl.store(m_ptr + row * H_PAD + h, m)
+        tl.store(l_ptr + row * H_PAD + h, tl.sum(p, 1))
+        tl.store(acc_ptr + (row * H_PAD + h[:, None]) * HD + d[None, :], acc)
+
+    @triton.jit
+    def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, G, HPG, s_ob, s_og, s_oh,
+                             NSPLIT: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        b, g = pid // G, pid % G
+        h = tl.arange(0, H_PAD)
+        d = tl.arange(0, HD)
+        big_m = tl.full([H_PAD], -1e30, tl.float32)
+        big_l = tl.zeros([H_PAD], tl.float32)
+        o = tl.zeros([H_PAD, HD], tl.float32)
+        for split in range(0, NSPLIT):
+            row = pid * NSPLIT + split
+            m = tl.load(m_ptr + row * H_PAD + h)
+            new_m = tl.maximum(big_m, m)
+            alpha = tl.exp(big_m - new_m)
+            beta = tl.exp(m - new_m)
+            big_l = big_l * alpha + tl.load(l_ptr + row * H_PAD + h) * beta
+            o = o * alpha[:, None] + tl.load(acc_ptr + (row * H_PAD + h[:, None]) * HD
+                                             + d[None, :]) * beta[:, None]
+            big_m = new_m
+        o = o / big_l[:, None]
+        tl.store(out_ptr + b * s_ob + g * s_og + h[:, None] * s_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=h[:, None] < HPG)
+
+
+def _use_triton(t: torch.Tensor, impl: str) -> bool:
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl={impl!r} is not one of auto/triton/torch")
+    if impl == "triton" and not HAVE_TRITON:
+        raise ValueError("impl='triton' needs the triton package")
+    return impl == "triton" or (impl == "auto" and HAVE_TRITON and t.is_cuda)
+
+
+def _check_head_dim(hd: int) -> None:
+    if hd < 16 or hd & (hd - 1):
+        raise ValueError(f"decode kernels need a power-of-two head_dim >= 16, got {hd}")
+
+
+def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, cur: torch.Tensor, *, hpg: int,
+                  impl: str = "auto") -> torch.Tensor:
+    """RoPE on the q heads and k of every (row, group), k and v written at cache column `cur`;
+    returns the rotated q (B, G, hpg, hd), contiguous."""
+    B, G, R, hd = qkv.shape
+    if R != hpg + 2:
+        raise ValueError(f"qkv has {R} rows per group, expected hpg + 2 = {hpg + 2}")
+    if not _use_triton(qkv, impl):
+        return _rope_kv_torch(qkv, cos, sin, k_cache, v_cache, cur, hpg=hpg)
+    _check_head_dim(hd)
+    if qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        raise ValueError("rope_kv_write needs qkv, cos and sin contiguous in the last dimension "
+                         "and cos, sin of the same strides")
+    q = torch.empty((B, G, hpg, hd), dtype=qkv.dtype, device=qkv.device)
+    if B:
+        _rope_kv_kernel[(B * G,)](
+            qkv, cos, sin, k_cache, v_cache, cur, q, G, hpg, *qkv.stride()[:3], cos.stride(0),
+            *k_cache.stride()[:3], *v_cache.stride()[:3], *q.stride()[:3],
+            R_PAD=triton.next_power_of_2(hpg + 1), HD=hd, num_warps=2)
+    return q
+
+
+def _rope_kv_torch(qkv, cos, sin, k_cache, v_cache, cur, *, hpg: int) -> torch.Tensor:
+    hd = qkv.shape[-1]
+    qk = qkv[:, :, :hpg + 1]
+    qk = torch.addcmul(qk * cos[:, None, None], qk.roll(hd // 2, -1), sin[:, None, None])
+    k_cache.index_copy_(2, cur, qk[:, :, hpg:])
+    v_cache.index_copy_(2, cur, qkv[:, :, hpg + 1:])
+    return qk[:, :, :hpg].contiguous()
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     key_valid: torch.Tensor, *, scale: float | None = None,
+                     impl: str = "auto") -> torch.Tensor:
+    """softmax(q k^T * scale, over the valid columns) v for the hpg queries of each (row, group):
+    q (B, G, hpg, hd), caches (B, G, T, hd), key_valid (B, T) -> (B, G, hpg, hd) in q's dtype."""
+    B, G, hpg, hd = q.shape
+    T = k_cache.shape[2]
+    if key_valid.shape != (B, T):
+        raise ValueError(f"key_valid has shape {tuple(key_valid.shape)}, expected {(B, T)}")
+    scale = 1.0 / math.sqrt(hd) if scale is None else scale
+    if not _use_triton(q, impl):
+        return _attention_torch(q, k_cache, v_cache, key_valid, scale=scale)
+    _check_head_dim(hd)
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("decode_attention needs q and the caches contiguous in the last dimension")
+    nsplit = triton.cdiv(T, BLOCK_T)
+    h_pad = max(16, triton.next_power_of_2(hpg))
+    m = torch.empty((B * G * nsplit, h_pad), dtype=torch.float32, device=q.device)
+    lsum = torch.empty_like(m)
+    acc = torch.empty((B * G * nsplit, h_pad, hd), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if B:
+        valid = key_valid.view(torch.uint8) if key_valid.dtype == torch.bool else key_valid
+        _attn_split_kernel[(B * G, nsplit)](
+            q, k_cache, v_cache, valid, m, lsum, acc, G, hpg, T, scale, *q.stride()[:3],
+            *k_cache.stride()[:3], *v_cache.stride()[:3], valid.stride(0), valid.stride(1),
+            NSPLIT=nsplit, H_PAD=h_pad, HD=hd, BLOCK=BLOCK_T, IEEE=q.dtype == torch.float32,
+            num_warps=4)
+        # the split count is a compile-time constant: one kernel per attention window length
+        _attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, *out.stride()[:3],
+                                       NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4)
+    return out
+
+
+def _attention_torch(q, k_cache, v_cache, key_valid, *, scale: float) -> torch.Tensor:
+    bias = torch.zeros(key_valid.shape, dtype=q.dtype, device=q.device)
+    bias = bias.masked_fill_(~key_valid, float("-inf"))[:, None, None, :]  # (B, 1, 1, T)
+    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias, scale=scale)

@@ -1,0 +1,81 @@
+"""rollout.decode_kernels=triton on a GPU: the compiled Triton kernels against their PyTorch twins in
+bf16 (RoPE + KV writes: the twin's roundings, so within one bf16 ulp; attention: within bf16
+rounding of the output) and fp32, and the generator under CUDA graphs (buckets, attention windows, compaction,
+compiled decode): fp32 greedy tokens equal the torch path's, nothing re-captured on a second call.
+The speed is measured by benchmarks/profile_decode.py and bench_generate.py, not here."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from hybridflow.config import ModelConfig, RolloutConfig
+from hybridflow.kernels import decode as kern
+from hybridflow.rollout import Generator
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+if not kern.HAVE_TRITON:
+    pytest.skip("needs triton", allow_module_level=True)
+
+
+def _tables(hd, length=512):
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    f = torch.outer(torch.arange(length).float(), inv)
+    return torch.cat([f.cos(), f.cos()], -1), torch.cat([-f.sin(), f.sin()], -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B,G,hpg,hd,T,kv", [(256, 2, 7, 64, 384, 320), (64, 2, 6, 128, 384, 384),
+                                             (3, 4, 7, 128, 1280, 77)])
+def test_kernels_match_twins(dtype, B, G, hpg, hd, T, kv):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache = torch.randn(2, 2, B, G, T, hd, generator=g, device="cuda").to(dtype)
+    kc, vc = cache[0, 1], cache[1, 1]
+    kc2, vc2 = kc.clone(), vc.clone()
+    qkv = torch.randn(B, G, hpg + 2, hd, generator=g, device="cuda").to(dtype)
+    cos_t, sin_t = (t.cuda().to(dtype) for t in _tables(hd))
+    pos = torch.randint(0, 512, (B,), generator=g, device="cuda")
+    cur = torch.tensor([kv - 1], device="cuda")
+    q = kern.rope_kv_write(qkv, cos_t[pos], sin_t[pos], kc, vc, cur, hpg=hpg, impl="triton")
+    q2 = kern.rope_kv_write(qkv, cos_t[pos], sin_t[pos], kc2, vc2, cur, hpg=hpg, impl="torch")
+    # the twin's roundings (x cos, then the multiply-add); an FMA may move the last bit
+    one_ulp = dict(atol=1e-6, rtol=2 ** -7) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
+    for got, want in ((q, q2), (kc, kc2), (vc, vc2)):
+        torch.testing.assert_close(got.float(), want.float(), **one_ulp)
+    valid = torch.rand(B, T, generator=g, device="cuda") < 0.7
+    valid[:, kv - 1] = True
+    a = kern.decode_attention(q, kc[:, :, :kv], vc[:, :, :kv], valid[:, :kv], impl="triton")
+    a2 = kern.decode_attention(q, kc[:, :, :kv], vc[:, :, :kv], valid[:, :kv], impl="torch")
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(a.float(), a2.float(), atol=tol, rtol=tol)
+
+
+def test_generator_with_kernels_under_graphs(monkeypatch):
+    from hybridflow.rollout import compaction, generator
+    from tests.unit.test_compaction import random_prompts, uneven_stops
+    from tests.unit.test_rollout import random_params
+
+    monkeypatch.setattr(generator, "CHECK_EVERY", 2)
+    monkeypatch.setattr(compaction, "MIN_GRAPHED_BUCKET", 1)
+    cfg_m = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=192, num_attention_heads=4,
+                        num_query_groups=2, vocab_size=37, add_qkv_bias=True)  # head_dim 32
+    gen = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
+                    device=torch.device("cuda"), dtype=torch.float32, true_vocab_size=37)
+    prompts, R = random_prompts(24, vocab=37), 150
+    free = gen.generate(prompts, cfg=RolloutConfig(max_new_tokens=R, temperature=0.0),
+                        eos_id=-1, pad_id=0, seed=0).response_ids
+    stops = uneven_stops(free.cpu(), [0, 5, 14], 37)
+    cfg = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=20, return_logprobs=True,
+                        stop_token_ids=stops[:2], compact_finished_rows=True, decode_kv_window=64)
+    ref = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
+    fused = dataclasses.replace(cfg, decode_kernels="triton")
+    for variant in (fused, dataclasses.replace(fused, compile_decode=True)):
+        out = gen.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)
+        captured = len(gen._steps)
+        again = gen.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)
+        assert len(gen._steps) == captured
+        for o in (out, again):
+            assert torch.equal(o.response_ids, ref.response_ids)
+            assert torch.allclose(o.rollout_logprobs, ref.rollout_logprobs, atol=1e-4)

@@ -1,0 +1,83 @@
+"""Run by tests/unit/test_decode_kernels.py in a fresh interpreter with TRITON_INTERPRET=1 (Triton's
+CPU interpreter reads the variable when the kernels are defined, so it must be set before the first
+import of hybridflow.kernels.decode in the process). Prints one JSON object of results."""
+
+import dataclasses
+import json
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from hybridflow.config import ModelConfig  # noqa: E402
+from hybridflow.kernels import decode as kern  # noqa: E402
+from hybridflow.rollout import decoder, generator  # noqa: E402
+from tests.unit.test_rollout import PROMPTS, make, rc  # noqa: E402
+
+
+def tables(hd, length=256):
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    f = torch.outer(torch.arange(length).float(), inv)
+    return torch.cat([f.cos(), f.cos()], -1), torch.cat([-f.sin(), f.sin()], -1)
+
+
+def kernel_cases():
+    """Both kernels against their twins; the caches are strided views of a (layer, row, ...) cache."""
+    out = []
+    g = torch.Generator().manual_seed(0)
+    # (rows, groups, hpg, head_dim, cache columns, attended columns kv_len)
+    for B, G, hpg, hd, T, kv in [(3, 2, 7, 64, 200, 150), (2, 4, 6, 128, 64, 64),
+                                 (5, 1, 1, 16, 70, 70), (2, 2, 14, 32, 130, 65)]:
+        cache = torch.randn(2, 3, B + 1, G, T, hd, generator=g)  # (k/v, layer, rows, G, T, hd)
+        kc, vc = cache[0, 1, :B], cache[1, 1, :B]
+        kc2, vc2 = kc.clone(), vc.clone()
+        before = cache.clone()
+        qkv = torch.randn(B, G, hpg + 2, hd, generator=g)
+        cos_t, sin_t = tables(hd)
+        pos = torch.randint(0, 256, (B,), generator=g)
+        cur = torch.tensor([kv - 1])
+        q = kern.rope_kv_write(qkv, cos_t[pos], sin_t[pos], kc, vc, cur, hpg=hpg, impl="triton")
+        q2 = kern.rope_kv_write(qkv, cos_t[pos], sin_t[pos], kc2, vc2, cur, hpg=hpg, impl="torch")
+        valid = torch.rand(B, T, generator=g) < 0.5
+        valid[:, kv - 1] = True  # the current token
+        valid[0, :kv - 1] = False  # a row whose only key is its own token
+        a = kern.decode_attention(q, kc[:, :, :kv], vc[:, :, :kv], valid[:, :kv], impl="triton")
+        a2 = kern.decode_attention(q, kc[:, :, :kv], vc[:, :, :kv], valid[:, :kv], impl="torch")
+        out.append({"shape": [B, G, hpg, hd, T, kv],
+                    "q_err": (q - q2).abs().max().item(),
+                    "cache_err": max((kc - kc2).abs().max().item(), (vc - vc2).abs().max().item()),
+                    # column kv - 1 of this layer's rows changed, and nothing else in the cache
+                    "only_column_written": bool(torch.equal(
+                        (cache != before).nonzero()[:, [1, 4]].unique(dim=0),
+                        torch.tensor([[1, kv - 1]]))),
+                    "attn_err": (a - a2).abs().max().item(),
+                    "row0_is_its_value": (a[0] - vc[0, :, kv - 1][:, None]).abs().max().item()})
+    return out
+
+
+def generation_cases():
+    """The generator with decode_kernels=triton against torch: greedy tokens equal, log-probs close
+    (fp32), with KV windows and compaction, and with n samples per prompt at T = 1."""
+    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                      num_query_groups=2, vocab_size=37, add_qkv_bias=True)  # head_dim 16, hpg 2
+    generator.CHECK_EVERY = 4
+    out = {}
+    for name, kw in {"greedy_window_compaction": dict(max_new_tokens=90, decode_kv_window=64,
+                                                      compact_finished_rows=True),
+                     "sampled_n3": dict(n=3, temperature=1.0, max_new_tokens=20)}.items():
+        gen = make(cfg)
+        ref = gen.generate(PROMPTS, cfg=rc(**kw), eos_id=5, pad_id=0, seed=7)
+        got = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=7)
+        out[name] = {"tokens_equal": bool(torch.equal(ref.response_ids, got.response_ids)),
+                     "mask_equal": bool(torch.equal(ref.response_mask, got.response_mask)),
+                     "logprob_err": (ref.rollout_logprobs - got.rollout_logprobs).abs().max().item(),
+                     "compactions": gen.stats["compactions"],
+                     "tokens": int(ref.response_mask.sum())}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps({"kernels": kernel_cases(), "generation": generation_cases()}))

@@ -1,0 +1,68 @@
+"""rollout.decode_kernels=triton on CPU, through Triton's interpreter (TRITON_INTERPRET=1, in a fresh
+process: tests/unit/decode_kernels_check.py): the fused RoPE + KV-write kernel and the split-KV
+decode attention equal their PyTorch twins (fp32; several group sizes, head dims 16-128, attention
+windows shorter than the cache, strided cache views, left-padded keys, a row whose only key is its
+own token), writing only the current column of the given layer; the generator with the kernels
+generates the torch path's tokens, greedy with windows and compaction and sampled with n = 3.
+bf16 and CUDA graphs: tests/gpu/test_decode_kernels_gpu.py. Also: clear errors where the kernels
+do not apply."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hybridflow.config import ModelConfig
+from hybridflow.kernels import decode as kern
+from tests.unit.test_rollout import PROMPTS, make, rc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def checked():
+    if not kern.HAVE_TRITON:
+        pytest.skip("needs the triton package (its CPU interpreter)")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    run = subprocess.run([sys.executable, "tests/unit/decode_kernels_check.py"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_kernels_equal_their_twins(checked):
+    assert len(checked["kernels"]) == 4
+    for case in checked["kernels"]:
+        assert case["q_err"] < 1e-5 and case["cache_err"] < 1e-5, case
+        assert case["only_column_written"], case
+        assert case["attn_err"] < 1e-5, case
+        assert case["row0_is_its_value"] < 1e-6, case  # one valid key: its value, exactly
+
+
+def test_generation_with_the_kernels_equals_torch(checked):
+    for name, case in checked["generation"].items():
+        assert case["tokens_equal"] and case["mask_equal"], (name, case)
+        assert case["logprob_err"] < 1e-4, (name, case)
+        assert case["tokens"] > 50, (name, case)
+    assert checked["generation"]["greedy_window_compaction"]["compactions"] > 0
+
+
+def test_decode_kernels_errors_name_the_key(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gen = make(ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                           num_query_groups=2, vocab_size=37))
+    with pytest.raises(ValueError, match="rollout.decode_kernels='cuda': expected 'torch' or 'triton'"):
+        gen.generate(PROMPTS, cfg=rc(decode_kernels="cuda"), eos_id=5, pad_id=0, seed=0)
+    if kern.HAVE_TRITON:
+        match = "rollout.decode_kernels=triton needs a CUDA device"
+    else:
+        match = "rollout.decode_kernels=triton needs the triton package"
+    with pytest.raises(ValueError, match=match):
+        gen.generate(PROMPTS, cfg=rc(decode_kernels="triton"), eos_id=5, pad_id=0, seed=0)
+    if kern.HAVE_TRITON:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        small = make()  # head_dim 8
+        with pytest.raises(ValueError, match="power-of-two head_dim >= 16 \\(the model has 8\\)"):
+            small.generate(PROMPTS, cfg=rc(decode_kernels="triton"), eos_id=5, pad_id=0, seed=0)
