@@ -167,6 +167,18 @@ def plot(summary: dict, path: str) -> None:
     fig.savefig(path, dpi=90)
 
 
+def kept_keys(out: str, keep: str) -> dict:
+    """The comma-separated `keep` keys of the existing JSON `out` (notes a report does not compute),
+    {} when `out` does not exist yet; a key it lacks is an error that lists the keys it has."""
+    if not keep or not os.path.exists(out):
+        return {}
+    old = json.load(open(out))
+    missing = [k for k in keep.split(",") if k not in old]
+    if missing:
+        raise SystemExit(f"--keep: {out} has no key(s) {missing}; it has {sorted(old)}")
+    return {k: old[k] for k in keep.split(",")}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--metrics", required=True)
@@ -186,13 +198,7 @@ def main():
                     help="comma-separated keys carried over from the existing --out (e.g. "
                          "earlier_runs,what,raw: notes this script does not compute)")
     args = ap.parse_args()
-    kept = {}
-    if args.keep and os.path.exists(args.out):
-        old = json.load(open(args.out))
-        missing = [k for k in args.keep.split(",") if k not in old]
-        if missing:
-            raise SystemExit(f"--keep: {args.out} has no key(s) {missing}; it has {sorted(old)}")
-        kept = {k: old[k] for k in args.keep.split(",")}
+    kept = kept_keys(args.out, args.keep)
     rows = [json.loads(line) for line in open(args.metrics)]
     summary = summarise(rows, exclude=_steps(args.exclude_steps))
     hfs = [json.load(open(p)) for p in args.hf_eval]

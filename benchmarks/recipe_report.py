@@ -29,7 +29,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gsm8k_report import CORE, summarise, val_summary  # noqa: E402
+from gsm8k_report import CORE, kept_keys, summarise, val_summary  # noqa: E402
 
 DS = "dynamic_sampling/"
 
@@ -138,13 +138,7 @@ def main():
     ap.add_argument("--keep", default="", help="comma-separated keys carried over from --out")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    kept = {}
-    if args.keep and os.path.exists(args.out):
-        old = json.load(open(args.out))
-        missing = [k for k in args.keep.split(",") if k not in old]
-        if missing:
-            raise SystemExit(f"--keep: {args.out} has no key(s) {missing}; it has {sorted(old)}")
-        kept = {k: old[k] for k in args.keep.split(",")}
+    kept = kept_keys(args.out, args.keep)
     summary = {"benchmark": f"{args.recipe} on GSM8K beside the GRPO run (issue: RL recipes)",
                "recipe": args.recipe, "command": args.command, "probe_command": args.probe_command,
                **compare(_rows(args.metrics), _rows(args.baseline),

@@ -33,6 +33,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ._dispatch import use_triton
+
 try:
     import triton
     import triton.language as tl
@@ -129,14 +131,6 @@ if HAVE_TRITON:
                  o.to(out_ptr.dtype.element_ty), mask=h[:, None] < HPG)
 
 
-def _use_triton(t: torch.Tensor, impl: str) -> bool:
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"impl={impl!r} is not one of auto/triton/torch")
-    if impl == "triton" and not HAVE_TRITON:
-        raise ValueError("impl='triton' needs the triton package")
-    return impl == "triton" or (impl == "auto" and HAVE_TRITON and t.is_cuda)
-
-
 def _check_head_dim(hd: int) -> None:
     if hd < 16 or hd & (hd - 1):
         raise ValueError(f"decode kernels need a power-of-two head_dim >= 16, got {hd}")
@@ -150,7 +144,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     B, G, R, hd = qkv.shape
     if R != hpg + 2:
         raise ValueError(f"qkv has {R} rows per group, expected hpg + 2 = {hpg + 2}")
-    if not _use_triton(qkv, impl):
+    if not use_triton(qkv, impl):
         return _rope_kv_torch(qkv, cos, sin, k_cache, v_cache, cur, hpg=hpg)
     _check_head_dim(hd)
     if qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride():
@@ -184,7 +178,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if key_valid.shape != (B, T):
         raise ValueError(f"key_valid has shape {tuple(key_valid.shape)}, expected {(B, T)}")
     scale = 1.0 / math.sqrt(hd) if scale is None else scale
-    if not _use_triton(q, impl):
+    if not use_triton(q, impl):
         return _attention_torch(q, k_cache, v_cache, key_valid, scale=scale)
     _check_head_dim(hd)
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from ._dispatch import use_triton
+
 try:
     import triton
     import triton.language as tl
@@ -91,14 +93,6 @@ if HAVE_TRITON:
             tl.store(out + cols, (g * inv_temp).to(g_ptr.dtype.element_ty), mask=cols < v_local)
 
 
-def _use_triton(logits: torch.Tensor, impl: str) -> bool:
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"impl={impl!r} is not one of auto/triton/torch")
-    if impl == "triton" and not HAVE_TRITON:
-        raise ValueError("impl='triton' needs the triton package")
-    return impl == "triton" or (impl == "auto" and HAVE_TRITON and logits.is_cuda)
-
-
 def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, *, start: int, v_valid: int,
                   inv_temp: float = 1.0, with_entropy: bool = False, impl: str = "auto"):
     """logits (B, T, V/TP) this shard (any dtype, last dim contiguous); targets (B, T) global ids;
@@ -108,7 +102,7 @@ def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, *, start: int, v_
     bsz, seq, v_local = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    if not _use_triton(logits, impl):
+    if not use_triton(logits, impl):
         return _stats_torch(logits, targets, start=start, v_valid=v_valid, inv_temp=inv_temp,
                             with_entropy=with_entropy)
     m, s, t, xt = torch.empty(4, bsz, seq, dtype=torch.float32, device=logits.device)
@@ -128,7 +122,7 @@ def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
     bsz, seq, v_local = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    if not _use_triton(logits, impl):
+    if not use_triton(logits, impl):
         return _grad_torch(logits, targets, lse, ex, grad_logprobs, grad_entropy, start=start,
                            v_valid=v_valid, inv_temp=inv_temp)
     grad = torch.empty(bsz, seq, v_local, dtype=logits.dtype, device=logits.device)
