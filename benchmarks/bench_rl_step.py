@@ -51,6 +51,8 @@ def run(algo: str, args, workdir: str) -> list[dict]:
                 f"algo.forward_max_tokens_per_micro_batch_per_gpu={args.dynamic_bsz_forward}")
     if not args.skip_old_log_prob:  # every stage timed, as the cost model's records expect
         overrides.append("algo.skip_redundant_old_log_prob=false")
+    if args.recompute:
+        overrides.append("parallel.activation_checkpointing=true")
     overrides += [f"trainer.gc_interval={args.gc_interval}", *args.override]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     launcher = [sys.executable]
@@ -96,6 +98,8 @@ def main():
     ap.add_argument("--tp-gen", dest="tp_gen", type=int, default=None)
     ap.add_argument("--gc-interval", dest="gc_interval", type=int, default=1)
     ap.add_argument("--port", type=int, default=29517)
+    ap.add_argument("--recompute", action="store_true",
+                    help="parallel.activation_checkpointing=true (the cost model's recompute layouts)")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -108,7 +112,7 @@ def main():
             seq_len = 128 + args.response
             train_tokens = args.micro * seq_len
             fwd_tokens = (args.fmicro or args.micro) * seq_len
-            tag += f"-p{args.prompts}n{args.samples}r{args.response}"
+            tag += f"-p{args.prompts}n{args.samples}r{args.response}" + ("-rc" if args.recompute else "")
             if args.dynamic_bsz:
                 train_tokens = args.dynamic_bsz
                 fwd_tokens = args.dynamic_bsz_forward or args.dynamic_bsz
@@ -119,7 +123,7 @@ def main():
                 "model": args.model, "gpu": "H200", "num_gpus": args.nproc,
                 "layout": {"tp": args.tp, "pp": 1, "dp": args.nproc // args.tp,
                            "tp_gen": args.tp_gen or args.tp, "offload_ref": False,
-                           "recompute": False},
+                           "recompute": args.recompute},
                 "algorithm": algo, "prompts_per_step": args.prompts,
                 "samples_per_prompt": args.samples, "prompt_len": 128,
                 "response_len": args.response, "ppo_epochs": 1, "mini_batches": 1,

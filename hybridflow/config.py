@@ -28,6 +28,11 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True  # only takes effect when DP > 1
+    # full activation recompute, per decoder layer (NeMo-RL's name; Megatron's
+    # recompute_granularity=full, uniform, 1 layer; verl's enable_gradient_checkpointing): the
+    # training passes keep each layer's input only and recompute the layer in backward, ~1/3 more
+    # compute for the activation memory of one layer (the cost model's `recompute` layouts)
+    activation_checkpointing: bool = False
 
 
 @dataclass

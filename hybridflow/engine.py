@@ -88,7 +88,8 @@ class Engine:
         self.vocab_limit = model_cfg.vocab_size
         self.trainable = optim is not None
         model = build_model(model_cfg, role=role, ctx=ctx,
-                            sequence_parallel=parallel.sequence_parallel, precision=precision)
+                            sequence_parallel=parallel.sequence_parallel, precision=precision,
+                            activation_checkpointing=parallel.activation_checkpointing)
         self.module = model  # the bare GPTModel (for reshard, checkpoint import/export)
         self.tcfg = model.config
         # bf16: Megatron's wrapper would upcast the last stage's output to fp32, a full fp32 copy of

@@ -80,7 +80,8 @@ def _prediction(cfg, gpu: str, world: int, history: list[dict] = ()) -> dict:
                     keep_generator=not cfg.rollout.free_cache_engine,
                     dtype="bf16" if cfg.trainer.precision == "bf16" else "fp32")
     kw = dict(model=cfg.model, gpu=gpu, num_gpus=world,
-              layout=Plan(layout, offload_ref=cfg.trainer.offload_ref), **workload)
+              layout=Plan(layout, offload_ref=cfg.trainer.offload_ref,
+                          recompute=p.activation_checkpointing), **workload)
     mem = estimate_memory(**kw)
     timing = {(k if k.startswith("timing_s/") else f"timing_s/{k}"): v
               for k, v in estimate_step_time(**kw).items()}

@@ -96,4 +96,4 @@ class CostReport:
 def _fmt_layout(layout: dict) -> str:
     s = f"TP={layout['tp']} PP={layout['pp']} DP={layout['dp']} | gen TP={layout['tp_gen']}"
     return s + (" | ref offloaded" if layout["offload_ref"] else "") + \
-        (" | recompute" if layout["recompute"] else "")
+        (" | recompute (parallel.activation_checkpointing)" if layout["recompute"] else "")

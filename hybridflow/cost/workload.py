@@ -115,6 +115,7 @@ class Plan:
     layout: Layout
     offload_ref: bool = False   # reference weights live on the host, copied in for the ref pass
     recompute: bool = False     # full activation recompute in the update phases
+    #                             (the trainer's parallel.activation_checkpointing)
 
     def to_dict(self) -> dict:
         lay = self.layout

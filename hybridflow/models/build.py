@@ -102,9 +102,10 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
 
 
 def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = False,
-                precision: str = "fp32") -> GPTModel:
+                precision: str = "fp32", activation_checkpointing: bool = False) -> GPTModel:
     """One pipeline stage of the model for `role` on this rank, in the training layout of the
-    `ParallelContext` `ctx` (its groups are the model's)."""
+    `ParallelContext` `ctx` (its groups are the model's). `activation_checkpointing`: every
+    decoder layer recomputes its forward in backward (`checkpoint_layers`)."""
     if role not in LM_ROLES + SCALAR_ROLES:
         raise ValueError(f"role={role!r} is not one of {LM_ROLES + SCALAR_ROLES}")
     tp, pp, pp_rank = ctx.tp_size, ctx.pp_size, ctx.train.pp
@@ -135,4 +136,25 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
         model.output_layer = ValueHead(tcfg, tp_group=ctx.tp_group)
     elif post:  # batch-major logits (no transpose copies), computed where they are scored
         LeanOutputLinear.adopt(model.output_layer)  # (its `select`) under every layer spec
+    if activation_checkpointing:
+        checkpoint_layers(model)
     return model
+
+
+def checkpoint_layers(model: GPTModel) -> None:
+    """Full activation recompute, one layer at a time (parallel.activation_checkpointing; Megatron's
+    recompute_granularity=full, method uniform, 1 layer): in training, each decoder layer keeps only
+    its input for backward and runs its forward again there (torch's non-reentrant checkpoint, so
+    any arguments and the layer's TP/SP collectives re-run as they ran). Forward-only passes (eval
+    mode or no grad) run the layer as it is. No RNG state is saved: the layers have no dropout
+    (transformer_config sets 0). Megatron's own recompute saves CUDA RNG states, which fails on CPU
+    builds of torch."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.decoder.layers:
+        def forward(*args, _layer=layer, _fwd=layer.forward, **kwargs):
+            if not (_layer.training and torch.is_grad_enabled()):
+                return _fwd(*args, **kwargs)
+            return checkpoint(_fwd, *args, use_reentrant=False, preserve_rng_state=False,
+                              **kwargs)
+        layer.forward = forward
