@@ -12,12 +12,14 @@ and ~10 us in RoPE's element-wise kernels and the two KV-cache writes
   twin is the decoder's eager code (x cos + roll(x, hd/2) sin, rounded as PyTorch's bf16 ops round:
   the product x cos first, then the multiply-add).
 - `decode_attention(q, k_cache, v_cache, key_valid, scale)`: split-KV ("flash-decoding") attention
-  for grouped queries: program (row, group, split) scores the group's hpg queries against one block
-  of BLOCK_T cache columns (tl.dot, fp32 accumulation, masked columns -inf), keeps its block's
-  max, sum of exp and P @ V in fp32 scratch; a second kernel combines the splits of each
-  (row, group) (online-softmax rescaling) and writes the output in q's dtype. Columns with
-  key_valid false (left padding, unwritten slots) get no weight. Every query row has at least one
-  valid column (its own token). The twin is the decoder's SDPA call with an additive mask.
+  for grouped queries: program (row, group, split) scores the group's hpg queries against its
+  share of the attended columns, BLOCK_T at a time (tl.dot, fp32 accumulation, online softmax,
+  masked columns -inf). With as many (row, group) programs as fill the device there is one split
+  and the program writes the output; otherwise each split keeps its max, sum of exp and P @ V in
+  fp32 scratch and a second kernel combines the splits (online-softmax rescaling) into the output
+  in q's dtype. Columns with key_valid false (left padding, unwritten slots) get no weight; every
+  query row has at least one valid column (its own token). The twin is the decoder's SDPA call
+  with an additive mask.
 
 Shapes: qkv (B, G, hpg + 2, hd) (a view of the QKV projection, rows grouped per KV group as in
 Megatron's packed layout); cos, sin (B, hd); k_cache, v_cache (B, G, T, hd) strided views of the KV
@@ -43,7 +45,8 @@ try:
 except ImportError:  # CPU-only installs: the PyTorch twins serve
     HAVE_TRITON = False
 
-BLOCK_T = 64  # cache columns per attention split
+BLOCK_T = 64  # cache columns per attention block (one tl.dot)
+TARGET_PROGRAMS = 0  # 0: 4 x the device's SMs (a test may set it to force a split count)
 _M0 = -1e30  # a block's max when none of its columns is valid: finite, so exp(m - M) is 0, not NaN
 
 if HAVE_TRITON:
@@ -72,39 +75,52 @@ if HAVE_TRITON:
         tl.store(vc_ptr + b * s_vb + g * s_vg + cur * s_vt + d, v)
 
     @triton.jit
-    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, G, HPG, kv_len,
-                           scale, s_qb, s_qg, s_qh, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt, s_mb, s_vt2,
-                           NSPLIT: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr,
+    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, G, HPG,
+                           kv_len, scale, s_qb, s_qg, s_qh, s_kb, s_kg, s_kt, s_vb, s_vg,
+                           s_vt, s_mb, s_mt, s_ob, s_og, s_oh, NSPLIT: tl.constexpr,
+                           BLOCKS: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr,
                            BLOCK: tl.constexpr, IEEE: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         b, g = pid // G, pid % G
         h = tl.arange(0, H_PAD)
         d = tl.arange(0, HD)
-        t = split * BLOCK + tl.arange(0, BLOCK)
-        in_range = t < kv_len
-        q = tl.load(q_ptr + b * s_qb + g * s_qg + h[:, None] * s_qh + d[None, :],
-                    mask=h[:, None] < HPG, other=0.0)
-        k = tl.load(k_ptr + b * s_kb + g * s_kg + t[:, None] * s_kt + d[None, :],
-                    mask=in_range[:, None], other=0.0)
-        valid = tl.load(valid_ptr + b * s_mb + t * s_vt2, mask=in_range, other=0) != 0
-        if IEEE:  # fp32 inputs: full-precision products (the default would be TF32 on the GPU)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale  # (H_PAD, BLOCK) fp32
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m = tl.maximum(tl.max(scores, 1), -1e30)
-        p = tl.exp(scores - m[:, None])  # 0 on masked columns
-        v = tl.load(v_ptr + b * s_vb + g * s_vg + t[:, None] * s_vt + d[None, :],
-                    mask=in_range[:, None], other=0.0)
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v)  # (H_PAD, HD) fp32
-        row = pid * NSPLIT + split
-        tl.store(m_ptr + row * H_PAD + h, m)
-        tl.store(l_ptr + row * H_PAD + h, tl.sum(p, 1))
-        tl.store(acc_ptr + (row * H_PAD + h[:, None]) * HD + d[None, :], acc)
+        rows = h[:, None] < HPG
+        q = tl.load(q_ptr + b * s_qb + g * s_qg + h[:, None] * s_qh + d[None, :], mask=rows,
+                    other=0.0)
+        m = tl.full([H_PAD], -1e30, tl.float32)
+        lsum = tl.zeros([H_PAD], tl.float32)
+        acc = tl.zeros([H_PAD, HD], tl.float32)
+        for i in range(0, BLOCKS):  # this split's BLOCKS blocks (the last split's may run past)
+            t = (split * BLOCKS + i) * BLOCK + tl.arange(0, BLOCK)
+            in_range = t < kv_len
+            k = tl.load(k_ptr + b * s_kb + g * s_kg + t[:, None] * s_kt + d[None, :],
+                        mask=in_range[:, None], other=0.0)
+            valid = tl.load(valid_ptr + b * s_mb + t * s_mt, mask=in_range, other=0) != 0
+            if IEEE:  # fp32 inputs: full-precision products (the default would be TF32 on the GPU)
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                sc = tl.dot(q, tl.trans(k)) * scale  # (H_PAD, BLOCK) fp32
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            new_m = tl.maximum(m, tl.max(sc, 1))  # stays finite: m starts at -1e30
+            alpha = tl.exp(m - new_m)
+            p = tl.exp(sc - new_m[:, None])  # 0 on masked columns
+            lsum = lsum * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + b * s_vb + g * s_vg + t[:, None] * s_vt + d[None, :],
+                        mask=in_range[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = new_m
+        if NSPLIT == 1:  # the whole row in one program: normalise and write the output
+            tl.store(out_ptr + b * s_ob + g * s_og + h[:, None] * s_oh + d[None, :],
+                     (acc / lsum[:, None]).to(out_ptr.dtype.element_ty), mask=rows)
+        else:  # this split's max, sum of exp and P @ V, for the combine kernel (q rows only)
+            row = pid * NSPLIT + split
+            tl.store(m_ptr + row * H_PAD + h, m)
+            tl.store(l_ptr + row * H_PAD + h, lsum)
+            tl.store(acc_ptr + (row * H_PAD + h[:, None]) * HD + d[None, :], acc, mask=rows)
 
     @triton.jit
     def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, G, HPG, s_ob, s_og, s_oh,
@@ -113,6 +129,7 @@ if HAVE_TRITON:
         b, g = pid // G, pid % G
         h = tl.arange(0, H_PAD)
         d = tl.arange(0, HD)
+        rows = h[:, None] < HPG
         big_m = tl.full([H_PAD], -1e30, tl.float32)
         big_l = tl.zeros([H_PAD], tl.float32)
         o = tl.zeros([H_PAD, HD], tl.float32)
@@ -123,12 +140,28 @@ if HAVE_TRITON:
             alpha = tl.exp(big_m - new_m)
             beta = tl.exp(m - new_m)
             big_l = big_l * alpha + tl.load(l_ptr + row * H_PAD + h) * beta
-            o = o * alpha[:, None] + tl.load(acc_ptr + (row * H_PAD + h[:, None]) * HD
-                                             + d[None, :]) * beta[:, None]
+            part = tl.load(acc_ptr + (row * H_PAD + h[:, None]) * HD + d[None, :], mask=rows,
+                           other=0.0)
+            o = o * alpha[:, None] + part * beta[:, None]
             big_m = new_m
-        o = o / big_l[:, None]
         tl.store(out_ptr + b * s_ob + g * s_og + h[:, None] * s_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=h[:, None] < HPG)
+                 (o / big_l[:, None]).to(out_ptr.dtype.element_ty), mask=rows)
+
+
+def _target_programs(device: torch.device) -> int:
+    """Programs that fill the device a few times over: the split count aims at it."""
+    if TARGET_PROGRAMS:
+        return TARGET_PROGRAMS
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 528
+
+
+def num_splits(rows_x_groups: int, columns: int, device: torch.device) -> int:
+    """Splits of the attended columns per (row, group): 1 when the (row, group) programs alone fill
+    the device (no scratch, no combine), else up to one per BLOCK_T columns."""
+    blocks = -(-columns // BLOCK_T)
+    return max(1, min(blocks, -(-_target_programs(device) // max(1, rows_x_groups))))
 
 
 def _check_head_dim(hd: int) -> None:
@@ -183,22 +216,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _check_head_dim(hd)
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("decode_attention needs q and the caches contiguous in the last dimension")
-    nsplit = triton.cdiv(T, BLOCK_T)
+    nsplit = num_splits(B * G, T, q.device)
+    blocks = -(-T // (nsplit * BLOCK_T))  # blocks of BLOCK_T columns per split
     h_pad = max(16, triton.next_power_of_2(hpg))
-    m = torch.empty((B * G * nsplit, h_pad), dtype=torch.float32, device=q.device)
-    lsum = torch.empty_like(m)
-    acc = torch.empty((B * G * nsplit, h_pad, hd), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if nsplit > 1:
+        m = torch.empty((B * G * nsplit, h_pad), dtype=torch.float32, device=q.device)
+        lsum = torch.empty_like(m)
+        acc = torch.empty((B * G * nsplit, h_pad, hd), dtype=torch.float32, device=q.device)
+    else:
+        m = lsum = acc = out  # unused: the split kernel writes the output itself
     if B:
         valid = key_valid.view(torch.uint8) if key_valid.dtype == torch.bool else key_valid
         _attn_split_kernel[(B * G, nsplit)](
-            q, k_cache, v_cache, valid, m, lsum, acc, G, hpg, T, scale, *q.stride()[:3],
-            *k_cache.stride()[:3], *v_cache.stride()[:3], valid.stride(0), valid.stride(1),
-            NSPLIT=nsplit, H_PAD=h_pad, HD=hd, BLOCK=BLOCK_T, IEEE=q.dtype == torch.float32,
-            num_warps=4)
-        # the split count is a compile-time constant: one kernel per attention window length
-        _attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, *out.stride()[:3],
-                                       NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4)
+            q, k_cache, v_cache, valid, m, lsum, acc, out, G, hpg, T, scale,
+            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], valid.stride(0),
+            valid.stride(1), *out.stride()[:3], NSPLIT=nsplit, BLOCKS=blocks, H_PAD=h_pad, HD=hd,
+            BLOCK=BLOCK_T,
+            IEEE=q.dtype == torch.float32, num_warps=4)
+        if nsplit > 1:  # the split count is a compile-time constant: one kernel per value
+            _attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, *out.stride()[:3],
+                                           NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4)
     return out
 
 

@@ -44,8 +44,15 @@ def kernel_cases():
         valid = torch.rand(B, T, generator=g) < 0.5
         valid[:, kv - 1] = True  # the current token
         valid[0, :kv - 1] = False  # a row whose only key is its own token
-        a = kern.decode_attention(q, kc[:, :, :kv], vc[:, :, :kv], valid[:, :kv], impl="triton")
         a2 = kern.decode_attention(q, kc[:, :, :kv], vc[:, :, :kv], valid[:, :kv], impl="torch")
+        attn_err, splits = 0.0, []
+        # one split (the program writes the output), two (the last runs past kv_len), one per block
+        for target in (1, 2 * B * G, 10_000):
+            kern.TARGET_PROGRAMS = target
+            splits.append(kern.num_splits(B * G, kv, q.device))
+            a = kern.decode_attention(q, kc[:, :, :kv], vc[:, :, :kv], valid[:, :kv], impl="triton")
+            attn_err = max(attn_err, (a - a2).abs().max().item())
+        kern.TARGET_PROGRAMS = 0
         out.append({"shape": [B, G, hpg, hd, T, kv],
                     "q_err": (q - q2).abs().max().item(),
                     "cache_err": max((kc - kc2).abs().max().item(), (vc - vc2).abs().max().item()),
@@ -53,7 +60,7 @@ def kernel_cases():
                     "only_column_written": bool(torch.equal(
                         (cache != before).nonzero()[:, [1, 4]].unique(dim=0),
                         torch.tensor([[1, kv - 1]]))),
-                    "attn_err": (a - a2).abs().max().item(),
+                    "attn_err": attn_err, "splits": splits,
                     "row0_is_its_value": (a[0] - vc[0, :, kv - 1][:, None]).abs().max().item()})
     return out
 

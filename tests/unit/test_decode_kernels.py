@@ -34,10 +34,12 @@ def checked():
 
 def test_kernels_equal_their_twins(checked):
     assert len(checked["kernels"]) == 4
+    assert any(c["splits"][1] == 2 for c in checked["kernels"])  # a split running past kv_len
     for case in checked["kernels"]:
         assert case["q_err"] < 1e-5 and case["cache_err"] < 1e-5, case
         assert case["only_column_written"], case
         assert case["attn_err"] < 1e-5, case
+        assert case["splits"][0] == 1 and case["splits"][-1] == -(-case["shape"][5] // kern.BLOCK_T)
         assert case["row0_is_its_value"] < 1e-6, case  # one valid key: its value, exactly
 
 
