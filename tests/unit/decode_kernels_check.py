@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from hybridflow.config import ModelConfig  # noqa: E402
 from hybridflow.kernels import decode as kern  # noqa: E402
 from hybridflow.rollout import decoder, generator  # noqa: E402
-from tests.unit.test_rollout import PROMPTS, make, rc  # noqa: E402
+from tests.unit.test_rollout import PROMPTS, make, random_params, rc  # noqa: E402
 
 
 def tables(hd, length=256):
@@ -65,11 +65,15 @@ def kernel_cases():
     return out
 
 
+# head_dim 16, hpg 2, 2 query groups (1 per rank at TP_g = 2); test_rollout's vocabulary
+CFG16 = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                    num_query_groups=2, vocab_size=37, add_qkv_bias=True)
+
+
 def generation_cases():
     """The generator with decode_kernels=triton against torch: greedy tokens equal, log-probs close
     (fp32), with KV windows and compaction, and with n samples per prompt at T = 1."""
-    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-                      num_query_groups=2, vocab_size=37, add_qkv_bias=True)  # head_dim 16, hpg 2
+    cfg = CFG16
     generator.CHECK_EVERY = 4
     out = {}
     for name, kw in {"greedy_window_compaction": dict(max_new_tokens=90, decode_kv_window=64,
@@ -86,5 +90,40 @@ def generation_cases():
     return out
 
 
+def _tp2_rank():
+    """One rank of TP_g = 2 (gloo): the same shards generate with both decode_kernels values."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from hybridflow.parallel import groups, param_rules
+    from hybridflow.rollout import Generator
+    generator.CHECK_EVERY = 2
+    full = random_params(CFG16)  # vocab padded to 40 rows: 20 per TP rank
+    groups.init_model_parallel(tp=2, pp=1, seed=0)
+    group = ps.get_tensor_model_parallel_group()
+    rank = dist.get_rank(group)
+    shards = {n: param_rules.shard_tensor(n, t, tp_rank=rank, tp_size=2).contiguous()
+              for n, t in full.items()}
+    gen = Generator(model_cfg=CFG16, params=shards, tp_group=group, device=torch.device("cpu"),
+                    dtype=torch.float32, true_vocab_size=CFG16.vocab_size)
+    out = {}
+    for name, kw in {"greedy": dict(max_new_tokens=40, decode_kv_window=64,
+                                    compact_finished_rows=True),
+                     "sampled": dict(n=2, temperature=1.0, top_p=0.9, max_new_tokens=12)}.items():
+        ref = gen.generate(PROMPTS, cfg=rc(**kw), eos_id=5, pad_id=0, seed=3)
+        got = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=3)
+        out[name] = {"tokens_equal": bool(torch.equal(ref.response_ids, got.response_ids)),
+                     "logprob_err": (ref.rollout_logprobs - got.rollout_logprobs).abs().max().item(),
+                     "tokens": int(ref.response_mask.sum())}
+    return out
+
+
+def tp2_cases():
+    from tests.dist.launcher import run_ranks
+
+    return run_ranks(_tp2_rank, 2)
+
+
 if __name__ == "__main__":
-    print(json.dumps({"kernels": kernel_cases(), "generation": generation_cases()}))
+    print(json.dumps({"kernels": kernel_cases(), "generation": generation_cases(),
+                      "tp2": tp2_cases()}))

@@ -2,8 +2,9 @@
 process: tests/unit/decode_kernels_check.py): the fused RoPE + KV-write kernel and the split-KV
 decode attention equal their PyTorch twins (fp32; several group sizes, head dims 16-128, attention
 windows shorter than the cache, strided cache views, left-padded keys, a row whose only key is its
-own token), writing only the current column of the given layer; the generator with the kernels
-generates the torch path's tokens, greedy with windows and compaction and sampled with n = 3.
+own token; 1, 2 and one-per-block attention splits), writing only the current column of the given
+layer; the generator with the kernels generates the torch path's tokens, greedy with windows and
+compaction and sampled with n = 3, at TP_g = 1 and (2 gloo ranks) TP_g = 2.
 bf16 and CUDA graphs: tests/gpu/test_decode_kernels_gpu.py. Also: clear errors where the kernels
 do not apply."""
 
@@ -49,6 +50,15 @@ def test_generation_with_the_kernels_equals_torch(checked):
         assert case["logprob_err"] < 1e-4, (name, case)
         assert case["tokens"] > 50, (name, case)
     assert checked["generation"]["greedy_window_compaction"]["compactions"] > 0
+
+
+def test_generation_with_the_kernels_at_tp2(checked):
+    """TP_g = 2 (2 gloo ranks, one query group each): both ranks generate the torch path's tokens."""
+    assert len(checked["tp2"]) == 2
+    for rank in checked["tp2"]:
+        for name, case in rank.items():
+            assert case["tokens_equal"] and case["logprob_err"] < 1e-4, (name, case)
+            assert case["tokens"] > 20, (name, case)
 
 
 def test_decode_kernels_errors_name_the_key(monkeypatch):
