@@ -11,26 +11,14 @@ the autograd graph holds for backward after one training forward, counted by a s
 import pytest
 import torch
 
-from hybridflow.config import OptimConfig, ParallelConfig
+from hybridflow.config import ParallelConfig
 from hybridflow.parallel import groups
 from tests.dist.launcher import run_ranks
-from tests.dist.parity_util import fill_deterministic
-from tests.dist.test_dynamic_bsz import BUDGET, MODEL, _batch, assert_same_results, engine_results
+from tests.dist.test_dynamic_bsz import (BUDGET, _batch, assert_same_results, engine_factory,
+                                         engine_results)
 
 MODES = {"fixed": dict(max_tokens=None), "budget": dict(max_tokens=BUDGET),
          "packed": dict(max_tokens=BUDGET, pack=True)}
-
-
-def _factory(ctx, par):
-    from hybridflow.engine import Engine
-
-    def engine(role, trainable=True):
-        eng = Engine(role=role, model_cfg=MODEL, ctx=ctx, parallel=par, precision="fp32",
-                     optim=OptimConfig(lr=1e-3, clip_grad=0.0) if trainable else None,
-                     total_updates=1)
-        fill_deterministic(eng.module, num_layers=MODEL.num_layers)
-        return eng
-    return engine
 
 
 def _saved_bytes(eng, batch) -> int:
@@ -64,7 +52,7 @@ def _worker(tp: int, sp: bool):
     for ckpt in (False, True):
         par = ParallelConfig(tensor_parallel_size=tp, sequence_parallel=sp,
                              use_distributed_optimizer=False, activation_checkpointing=ckpt)
-        engine = _factory(ctx, par)
+        engine = engine_factory(ctx, par)
         for mode, kw in MODES.items():
             out[mode, ckpt] = engine_results(engine, batch, num_tokens=int(batch.response_mask.sum()),
                                              num_seqs=batch.batch_size, **kw)

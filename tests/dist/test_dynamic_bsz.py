@@ -48,11 +48,14 @@ def _batch() -> RolloutBatch:
 
 def engines(tp: int, sp: bool):
     """The parallel context and a factory of Engines of MODEL with deterministic weights."""
-    from hybridflow.engine import Engine
-
     ctx = groups.init_model_parallel(tp=tp, pp=1, seed=3)
-    par = ParallelConfig(tensor_parallel_size=tp, sequence_parallel=sp,
-                         use_distributed_optimizer=False)
+    return ctx, engine_factory(ctx, ParallelConfig(tensor_parallel_size=tp, sequence_parallel=sp,
+                                                   use_distributed_optimizer=False))
+
+
+def engine_factory(ctx, par: ParallelConfig):
+    """role, trainable -> a fresh Engine of MODEL under `par` with deterministic weights."""
+    from hybridflow.engine import Engine
 
     def engine(role, trainable=True):
         eng = Engine(role=role, model_cfg=MODEL, ctx=ctx, parallel=par, precision="fp32",
@@ -61,7 +64,7 @@ def engines(tp: int, sp: bool):
         fill_deterministic(eng.module, num_layers=MODEL.num_layers)
         return eng
 
-    return ctx, engine
+    return engine
 
 
 def engine_results(engine, batch, *, max_tokens, num_tokens: int, num_seqs: int,
