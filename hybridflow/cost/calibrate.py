@@ -23,10 +23,10 @@ stages may be present. Keys of config that are not inputs of the model are ignor
 
 The fit (each part of a stage is linear in one coefficient, see timing.py): memory_scale and
 activation_memory_scale = least squares of the measured peak on the predicted peak phase's
-(non-activation, activation) parts (one common ratio when the records cannot separate them); then per group of stages, least squares of
-(measured - known terms) on the ideal times of the group's unknown coefficients, in this order:
-reshard -> 1/comm_eff; gen -> 1/prefill_eff, 1/decode_bw_eff, seconds per layer per decode step;
-old_log_prob/ref/values and update_actor/update_critic jointly -> 1/forward_mfu, 1/train_mfu,
+(non-activation, activation) parts (one common ratio when the records cannot separate them);
+then per group of stages, least squares of (measured - known terms) on the ideal times of the
+group's unknown coefficients, in this order: reshard -> 1/comm_eff; gen -> 1/prefill_eff,
+1/decode_bw_eff, seconds per layer per decode step; old_log_prob/ref/values and update_actor/update_critic jointly -> 1/forward_mfu, 1/train_mfu,
 layer_pass_overhead_s, tp_collective_s, optimizer_step_s (joint because the fixed costs are shared:
 a layer pass costs the same launches in either, fwd+bwd counting 3 passes; only updates step the
 optimizer); other -> step_overhead_s, where "other" is measured as timing_s/step minus the measured
@@ -234,7 +234,7 @@ def _fit_memory(runs: list[Run], base: Calibration) -> Calibration:
     measured = [r for r in runs if MEMORY_KEY in r.metrics]
     calib = replace(base, memory_scale=1.0, activation_memory_scale=1.0)
     if not measured:
-        return replace(base, memory_scale=base.memory_scale)
+        return base
     y = np.array([r.metrics[MEMORY_KEY] for r in measured])
     for _ in range(8):
         A = np.array([_memory_parts(r, calib) for r in measured])
