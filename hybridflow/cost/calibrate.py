@@ -26,8 +26,9 @@ activation_memory_scale = least squares of the measured peak on the predicted pe
 (non-activation, activation) parts (one common ratio when the records cannot separate them);
 then per group of stages, least squares of (measured - known terms) on the ideal times of the
 group's unknown coefficients, in this order: reshard -> 1/comm_eff; gen -> 1/prefill_eff,
-1/decode_bw_eff, seconds per layer per decode step; old_log_prob/ref/values and update_actor/update_critic jointly -> 1/forward_mfu, 1/train_mfu,
-layer_pass_overhead_s, tp_collective_s, optimizer_step_s (joint because the fixed costs are shared:
+1/decode_bw_eff, seconds per layer per decode step; old_log_prob/ref/values and
+update_actor/update_critic jointly -> 1/forward_mfu, 1/train_mfu, layer_pass_overhead_s,
+tp_collective_s, optimizer_step_s (joint because the fixed costs are shared:
 a layer pass costs the same launches in either, fwd+bwd counting 3 passes; only updates step the
 optimizer); other -> step_overhead_s, where "other" is measured as timing_s/step minus the measured
 modelled stages (reward, advantages, gaps). A coefficient that no measured stage depends on
