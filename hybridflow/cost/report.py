@@ -58,6 +58,10 @@ class CostReport:
             "",
             ("layout: " if self.fits else "WON'T FIT; least-overflowing layout: ") + _fmt_layout(self.layout),
             f"  {self.reason}",
+        ]
+        if self.fits:
+            lines.append(f"  trainer overrides (world size {self.num_gpus}): {layout_overrides(self.layout)}")
+        lines += [
             "",
             f"memory per GPU at peak ({self.peak_phase}), GiB:",
         ]
@@ -91,6 +95,18 @@ class CostReport:
         if self.notes:
             lines += ["", "assumptions:"] + [f"  - {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def layout_overrides(layout: dict) -> str:
+    """The trainer's Hydra overrides for a cost-model layout (DP follows from the world size)."""
+    out = [f"parallel.tensor_parallel_size={layout['tp']}",
+           f"parallel.pipeline_parallel_size={layout['pp']}",
+           f"rollout.tensor_parallel_size={layout['tp_gen']}"]
+    if layout["offload_ref"]:
+        out.append("trainer.offload_ref=true")
+    if layout["recompute"]:
+        out.append("parallel.activation_checkpointing=true")
+    return " ".join(out)
 
 
 def _fmt_layout(layout: dict) -> str:

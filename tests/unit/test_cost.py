@@ -498,3 +498,26 @@ def test_longest_response_sets_the_decode_steps_and_the_cache():
     assert t["gen"] > estimate_step_time(**kw)["gen"]
     with pytest.raises(ValueError, match="response_len_max=128 is below the mean response_len=256"):
         estimate_step_time(**kw, response_len_max=128)
+
+
+def test_layout_overrides_name_the_trainer_keys():
+    """The estimate says how to run its layout: each override is a field of the trainer's config."""
+    import dataclasses
+
+    from hybridflow.config import Config
+    from hybridflow.cost.report import layout_overrides
+
+    layout = {"tp": 2, "pp": 4, "dp": 2, "tp_gen": 1, "offload_ref": True, "recompute": True}
+    got = layout_overrides(layout)
+    assert got == ("parallel.tensor_parallel_size=2 parallel.pipeline_parallel_size=4 "
+                   "rollout.tensor_parallel_size=1 trainer.offload_ref=true "
+                   "parallel.activation_checkpointing=true")
+    for item in got.split():
+        group, key = item.split("=")[0].split(".")
+        section = next(f for f in dataclasses.fields(Config) if f.name == group)
+        cls = section.default_factory().__class__
+        assert key in {f.name for f in dataclasses.fields(cls)}, item
+    plain = layout_overrides(dict(layout, offload_ref=False, recompute=False))
+    assert "offload_ref" not in plain and "activation_checkpointing" not in plain
+    r = estimate_cost(model="tiny", gpu="H200", num_gpus=1)
+    assert r.fits and f"trainer overrides (world size 1): {layout_overrides(r.layout)}" in str(r)
