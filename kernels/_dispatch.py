@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs: the PyTorch twins serve
+    HAVE_TRITON = False
 
 
 def use_triton(t: torch.Tensor, impl: str) -> bool:

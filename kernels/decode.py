@@ -35,19 +35,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import use_triton
+from ._dispatch import HAVE_TRITON, use_triton
 
-try:
+if HAVE_TRITON:  # CPU-only installs: the PyTorch twins serve
     import triton
     import triton.language as tl
 
-    HAVE_TRITON = True
-except ImportError:  # CPU-only installs: the PyTorch twins serve
-    HAVE_TRITON = False
-
 BLOCK_T = 64  # cache columns per attention block (one tl.dot)
 TARGET_PROGRAMS = 0  # 0: 4 x the device's SMs (a test may set it to force a split count)
-_M0 = -1e30  # a block's max when none of its columns is valid: finite, so exp(m - M) is 0, not NaN
 
 if HAVE_TRITON:
 

@@ -21,15 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import use_triton
+from ._dispatch import HAVE_TRITON, use_triton
 
-try:
+if HAVE_TRITON:  # CPU-only installs: the PyTorch twin serves
     import triton
     import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # CPU-only installs: the PyTorch twin serves
-    HAVE_TRITON = False
 
 _M0 = -1e30  # running max before any id: finite, so exp(m - m_new) never sees inf - inf
 BLOCK = 4096
