@@ -129,6 +129,8 @@ def test_profile_decode_sums_kernel_time_by_kind(tmp_path):
     assert (case["model"], case["batch"], case["compiled"], case["kernels"]) == ("tiny", 2, False, "torch")
     by_kind = case["us_per_step_by_kind"]
     assert math.isclose(sum(by_kind.values()), case["us_per_step"], rel_tol=1e-9)
+    # the kinds of the kernels each decode step launches (by call count: CPU op times are noisy)
+    assert set(by_kind) == set(case["kernels_per_step_by_kind"])
     assert {"gemm", "attention"} <= set(by_kind) <= {"attention", "gemm", "norm", "kv_write",
                                                      "sampling", "elementwise", "other"}
     assert case["floor_fraction"] == case["floor_us_per_step"] / case["us_per_step"]
