@@ -34,10 +34,10 @@ from hybridflow.rollout import Generator  # noqa: E402
 
 # first match wins; matched against the lower-cased kernel (or op) name
 KINDS = (
-    ("attention", ("sdpa", "fmha", "flash", "attention", "cudnn")),
+    ("attention", ("sdpa", "fmha", "flash", "attention", "cudnn", "_attn_")),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "addmm", "aten::mm", "matmul", "linear")),
     ("norm", ("layer_norm", "rms_norm", "norm_kernel")),
-    ("kv_write", ("index_copy", "index_put", "scatter")),
+    ("kv_write", ("index_copy", "index_put", "scatter", "_rope_kv")),  # + RoPE in the kernel
     ("sampling", ("argmax", "softmax", "exponential", "topk", "sort", "reduce", "max_kernel")),
     ("elementwise", ("elementwise", "vectorized", "triton", "copy", "fill", "cat", "roll", "mul",
                      "add", "silu")),

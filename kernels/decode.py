@@ -42,7 +42,9 @@ if HAVE_TRITON:  # CPU-only installs: the PyTorch twins serve
     import triton.language as tl
 
 BLOCK_T = 64  # cache columns per attention block (one tl.dot)
-TARGET_PROGRAMS = 0  # 0: 4 x the device's SMs (a test may set it to force a split count)
+TARGET_PROGRAMS = 0  # 0: PROGRAMS_PER_SM x the SMs (a test may set it to force a split count)
+PROGRAMS_PER_SM = 4
+ATTN_WARPS, ATTN_STAGES = 4, 3  # the split kernel's launch (benchmarks/bench_decode_attention.py)
 
 if HAVE_TRITON:
 
@@ -148,7 +150,7 @@ def _target_programs(device: torch.device) -> int:
     if TARGET_PROGRAMS:
         return TARGET_PROGRAMS
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     return 528
 
 
@@ -228,7 +230,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], valid.stride(0),
             valid.stride(1), *out.stride()[:3], NSPLIT=nsplit, BLOCKS=blocks, H_PAD=h_pad, HD=hd,
             BLOCK=BLOCK_T,
-            IEEE=q.dtype == torch.float32, num_warps=4)
+            IEEE=q.dtype == torch.float32, num_warps=ATTN_WARPS, num_stages=ATTN_STAGES)
         if nsplit > 1:  # the split count is a compile-time constant: one kernel per value
             _attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, *out.stride()[:3],
                                            NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4)

@@ -202,8 +202,9 @@ def embed(w: Weights, ids: torch.Tensor) -> torch.Tensor:
     return _all_reduce(out, w)
 
 
-def logits(w: Weights, h: torch.Tensor) -> torch.Tensor:
-    """h (N, D) normed -> fp32 logits (N, true_vocab), gathered over TP_g."""
+def logits(w: Weights, h: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:
+    """h (N, D) normed -> logits (N, true_vocab), gathered over TP_g; fp32, or (fp32=False) in the
+    weights' dtype (a decode step's: the sampler reads them once, no fp32 copy of (N, V))."""
     d = w.dims
     local = F.linear(h, w.output)  # (N, V_local)
     if d.tp_size > 1:
@@ -212,7 +213,8 @@ def logits(w: Weights, h: torch.Tensor) -> torch.Tensor:
         dist.all_gather_into_tensor(full, local.contiguous(), group=w.group)
         local = full.view(d.tp_size, h.shape[0], d.vocab_local).transpose(0, 1).reshape(
             h.shape[0], d.tp_size * d.vocab_local)
-    return local[:, :d.true_vocab].float()
+    local = local[:, :d.true_vocab]
+    return local.float() if fp32 else local
 
 
 def _swiglu(h, fc1):
@@ -273,7 +275,12 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     cache columns 0..kv_len-1 only (the caller keeps cur < kv_len; None: all T). `compiled`: run
     each layer's pure parts compiled (rollout.compile_decode, TP_g = 1). `kernels`: "torch" (RoPE,
     KV writes and SDPA as PyTorch ops) or "triton" (rollout.decode_kernels: the fused kernels of
-    hybridflow/kernels/decode.py). Returns logits (B, V) fp32.
+    hybridflow/kernels/decode.py). Returns logits (B, V) in the weights' dtype.
+
+    At TP = 1 a layer runs as two parts (`_layer_parts`): eager, each residual add happens inside
+    its GEMM, in place on the step's own hidden state (cuBLAS adds into it: no copy of x first, as
+    an out-of-place addmm makes); compiled, the MLP's output y is handed to the next layer's part,
+    which adds it inside its RMSNorm kernel.
     """
     d = w.dims
     B = tokens.shape[0]
@@ -287,11 +294,11 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     bias = bias.masked_fill_(~seen, float("-inf"))[:, None, None, :]  # (B, 1, 1, kv_len)
     cos = cos_tab.index_select(0, positions)[:, None, None, :]  # (B, 1, 1, hd)
     sin = sin_tab.index_select(0, positions)[:, None, None, :]
-    attn_in, attn_out = _compiled(COMPILE_BACKEND) if compiled else (_attn_in, _attn_out)
-    x = embed(w, tokens)  # (B, D)
+    attn_in, attn_out = _layer_parts(compiled, fused=False)
+    x, y = embed(w, tokens), None  # (B, D); the layer input is x + y (y None: x)
     for i, layer in enumerate(w.layers):
-        qk, v = attn_in(x, layer.ln1, layer.qkv_w, layer.qkv_b, cos, sin, d.eps,
-                        (d.groups, hpg, hd))
+        x, qk, v = attn_in(x, y, layer.ln1, layer.qkv_w, layer.qkv_b, cos, sin, d.eps,
+                           (d.groups, hpg, hd))
         kc, vc = cache.layer(i, B)
         kc.index_copy_(2, cur, qk[:, :, hpg:])
         vc.index_copy_(2, cur, v)
@@ -301,10 +308,10 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
         a = F.scaled_dot_product_attention(qk[:, :, :hpg], kc, vc, attn_mask=bias)
         a = a.reshape(B, d.heads * hd)
         if d.tp_size == 1:
-            x = attn_out(x, a, layer.proj, layer.ln2, layer.fc1, layer.fc2, d.eps)
+            x, y = attn_out(x, a, layer.proj, layer.ln2, layer.fc1, layer.fc2, d.eps)
         else:
             x = _mlp(_row_parallel_add(x, a, layer.proj, w), layer, w)
-    return logits(w, _norm(x, w.final_ln, d.eps))
+    return logits(w, _norm(x if y is None else x + y, w.final_ln, d.eps), fp32=False)
 
 
 def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_tab, sin_tab,
@@ -318,40 +325,56 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     hpg, hd = d.heads_per_group, d.head_dim
     cos = cos_tab.index_select(0, positions)  # (B, hd)
     sin = sin_tab.index_select(0, positions)
-    qkv_fn, attn_out = _compiled_fused(COMPILE_BACKEND) if compiled else (_qkv, _attn_out)
-    x = embed(w, tokens)  # (B, D)
+    qkv_fn, attn_out = _layer_parts(compiled, fused=True)
+    x, y = embed(w, tokens), None  # (B, D)
     for i, layer in enumerate(w.layers):
-        qkv = qkv_fn(x, layer.ln1, layer.qkv_w, layer.qkv_b, d.eps, (d.groups, hpg + 2, hd))
+        x, qkv = qkv_fn(x, y, layer.ln1, layer.qkv_w, layer.qkv_b, d.eps, (d.groups, hpg + 2, hd))
         kc, vc = cache.layer(i, B)
         q = kern.rope_kv_write(qkv, cos, sin, kc, vc, cur, hpg=hpg, impl="triton")
         if kv_len is not None:
             kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
         a = kern.decode_attention(q, kc, vc, seen, impl="triton").reshape(B, d.heads * hd)
         if d.tp_size == 1:
-            x = attn_out(x, a, layer.proj, layer.ln2, layer.fc1, layer.fc2, d.eps)
+            x, y = attn_out(x, a, layer.proj, layer.ln2, layer.fc1, layer.fc2, d.eps)
         else:
             x = _mlp(_row_parallel_add(x, a, layer.proj, w), layer, w)
-    return logits(w, _norm(x, w.final_ln, d.eps))
+    return logits(w, _norm(x if y is None else x + y, w.final_ln, d.eps), fp32=False)
 
 
-def _qkv(x, ln1, qkv_w, qkv_b, eps: float, shape: tuple):
-    """x (B, D) -> the layer's QKV projection (B, G, hpg + 2, hd), before RoPE."""
-    return F.linear(_norm(x, ln1, eps), qkv_w, qkv_b).view(x.shape[0], *shape)
+def _qkv(x, y, ln1, qkv_w, qkv_b, eps: float, shape: tuple):
+    """Layer input x + y (y None: x) -> (it, its QKV projection (B, G, hpg + 2, hd) before RoPE)."""
+    x = x if y is None else x + y
+    return x, F.linear(_norm(x, ln1, eps), qkv_w, qkv_b).view(x.shape[0], *shape)
 
 
-def _attn_in(x, ln1, qkv_w, qkv_b, cos, sin, eps: float, shape: tuple):
-    """x (B, D) -> (RoPE'd [q heads; k] (B, G, hpg + 1, hd), v (B, G, 1, hd)) of one layer."""
+def _attn_in(x, y, ln1, qkv_w, qkv_b, cos, sin, eps: float, shape: tuple):
+    """Layer input x + y -> (it, RoPE'd [q heads; k] (B, G, hpg + 1, hd), v (B, G, 1, hd))."""
     groups, hpg, hd = shape
-    qkv = F.linear(_norm(x, ln1, eps), qkv_w, qkv_b).view(x.shape[0], groups, hpg + 2, hd)
+    x, qkv = _qkv(x, y, ln1, qkv_w, qkv_b, eps, (groups, hpg + 2, hd))
     qk = qkv[:, :, :hpg + 1]
-    return torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin), qkv[:, :, hpg + 1:]
+    return x, torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin), qkv[:, :, hpg + 1:]
 
 
 def _attn_out(x, a, proj, ln2, fc1, fc2, eps: float):
-    """TP = 1: x + a @ proj.T, then the SwiGLU MLP with its residual (as _row_parallel_add and
-    _mlp compute them at TP = 1)."""
-    x = torch.addmm(x, a, proj.t())
-    return torch.addmm(x, _swiglu(_norm(x, ln2, eps), fc1), fc2.t())
+    """Eager, TP = 1: (x + a @ proj.T, then + the SwiGLU MLP of it; None), both residual adds
+    inside their GEMMs, in place on x (the step's own hidden state; as _row_parallel_add and _mlp
+    compute them at TP = 1)."""
+    x = x.addmm_(a, proj.t())
+    return x.addmm_(_swiglu(_norm(x, ln2, eps), fc1), fc2.t()), None
+
+
+def _attn_out_split(x, a, proj, ln2, fc1, fc2, eps: float):
+    """Compiled, TP = 1: (h = x + a @ proj.T, the MLP's output of h): the layer's output is their
+    sum, added by the next part inside its norm (no in-place update of a compiled input)."""
+    x = x + F.linear(a, proj)
+    return x, F.linear(_swiglu(_norm(x, ln2, eps), fc1), fc2)
+
+
+def _layer_parts(compiled: bool, *, fused: bool):
+    """(attention-in part, attention-out + MLP part) of a TP = 1 decode layer."""
+    if compiled:
+        return _compiled(COMPILE_BACKEND, fused)
+    return (_qkv if fused else _attn_in), _attn_out
 
 
 # rollout.compile_decode: the two pure parts of each layer's decode step (no cache writes, no
@@ -362,12 +385,6 @@ COMPILE_BACKEND = "inductor"
 
 
 @functools.cache
-def _compiled(backend: str):
-    return (torch.compile(_attn_in, dynamic=True, backend=backend),
-            torch.compile(_attn_out, dynamic=True, backend=backend))
-
-
-@functools.cache
-def _compiled_fused(backend: str):  # with rollout.decode_kernels=triton: RoPE is in the kernel
-    return (torch.compile(_qkv, dynamic=True, backend=backend),
-            torch.compile(_attn_out, dynamic=True, backend=backend))
+def _compiled(backend: str, fused: bool):  # fused: rollout.decode_kernels=triton (RoPE in-kernel)
+    return (torch.compile(_qkv if fused else _attn_in, dynamic=True, backend=backend),
+            torch.compile(_attn_out_split, dynamic=True, backend=backend))

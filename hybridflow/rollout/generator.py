@@ -265,7 +265,8 @@ class Generator:
                                          compiled=compiled, kernels=kernels)
             tok, lp = sample(logits, temperature=cfg.temperature, top_k=cfg.top_k,
                              top_p=cfg.top_p, generator=self._rng,
-                             need_logprobs=cfg.return_logprobs)
+                             need_logprobs=cfg.return_logprobs,
+                             compile_backend=decoder.COMPILE_BACKEND if compiled else None)
             buf.out_tokens.index_copy_(1, buf.step, torch.where(buf.finished, pad, tok)[:, None])
             if lp is not None:
                 buf.out_logprobs.index_copy_(1, buf.step, lp.masked_fill(buf.finished, 0)[:, None])

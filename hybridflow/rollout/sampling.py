@@ -8,9 +8,14 @@ Choices:
 - top-k keeps the k largest logits (`torch.topk`, sorted); top-p then keeps the smallest prefix of
   the sorted tokens whose mass reaches p (a token is dropped when the mass BEFORE it is >= p; the
   top token always stays). Without top-k, top-p sorts the whole vocabulary.
-- The draw is the exponential race (equivalent to Gumbel-max): argmax(p_i / E_i) with E_i ~ Exp(1)
-  from a seeded `torch.Generator`. Every op has a static shape and there is no host sync, so the
-  sampler runs inside a captured CUDA graph (the generator is registered with the graph).
+- The draw is the exponential race (Gumbel-max): argmax(p_i / E_i) with E_i ~ Exp(1) from a
+  seeded `torch.Generator`. Without top-k/top-p that is argmax(z_i / T - log E_i) (log p_i differs
+  from z_i / T by a constant of the row), computed without the softmax; with `compile_backend` (a
+  decode step under rollout.compile_decode) the scaling, the log and the argmax are one fused
+  reduction over the logits (bf16 from a decode step: read once, never copied to fp32), as is the
+  log-prob of the drawn token. Greedy takes the argmax in the logits' own dtype. Every op has a
+  static shape and there is no host sync, so the sampler runs inside a captured CUDA graph (the
+  generator is registered with the graph).
 - Log-probs (when asked) are those of the sampled token under the temperature-scaled distribution
   BEFORE top-k/top-p filtering: log_softmax(logits / T) (T = 1 for greedy). That is what verl's
   old-log-prob pass recomputes (it divides the logits by the rollout temperature), so the two can be
@@ -19,6 +24,7 @@ Choices:
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -41,16 +47,39 @@ def filter_logits(scaled: torch.Tensor, *, top_k: int, top_p: float):
     return values, ids
 
 
+def _race_argmax(logits, race, inv_temp: float):
+    """argmax(z / T - log E) per row: the exponential race without the softmax."""
+    tiny = torch.finfo(torch.float32).tiny  # a 0 draw (fp32 resolution): finite, the row's winner
+    return torch.argmax(logits.float() * inv_temp - race.clamp_min(tiny).log(), dim=-1)
+
+
+def _token_logprobs(logits, tokens, inv_temp: float):
+    """log_softmax(z / T) at `tokens`, per row."""
+    scaled = logits.float() * inv_temp
+    return scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+
+
+@functools.cache
+def _compiled(backend: str):
+    return (torch.compile(_race_argmax, dynamic=True, backend=backend),
+            torch.compile(_token_logprobs, dynamic=True, backend=backend))
+
+
 def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
-           generator: Optional[torch.Generator] = None, need_logprobs: bool = False):
-    """logits (B, V) over the true vocabulary -> (tokens (B,) int64, logprobs (B,) fp32 or None)."""
-    logits = logits.float()
+           generator: Optional[torch.Generator] = None, need_logprobs: bool = False,
+           compile_backend: Optional[str] = None):
+    """logits (B, V) over the true vocabulary, any float dtype -> (tokens (B,) int64, logprobs (B,)
+    fp32 or None). `compile_backend`: run the race and the log-probs through torch.compile."""
+    race_argmax, token_logprobs = (_compiled(compile_backend) if compile_backend else
+                                   (_race_argmax, _token_logprobs))
+    inv_temp = 1.0 if temperature == 0.0 else 1.0 / temperature
     if temperature == 0.0:
-        tokens = torch.argmax(logits, dim=-1)  # (B,)
-        scaled = logits
+        tokens = torch.argmax(logits, dim=-1)  # (B,); an fp32 copy would change no order
+    elif top_k == 0 and top_p >= 1.0:
+        race = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        tokens = race_argmax(logits, race.exponential_(generator=generator), inv_temp)
     else:
-        scaled = logits / temperature
-        values, ids = filter_logits(scaled, top_k=top_k, top_p=top_p)
+        values, ids = filter_logits(logits.float() * inv_temp, top_k=top_k, top_p=top_p)
         probs = torch.softmax(values, dim=-1)  # (B, K); 0 where filtered
         race = torch.empty_like(probs).exponential_(generator=generator)
         # a 0 draw (possible at fp32 resolution) must not turn 0/0 into NaN for filtered tokens
@@ -58,5 +87,4 @@ def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: f
         tokens = choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
     if not need_logprobs:
         return tokens, None
-    logprobs = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return tokens, logprobs
+    return tokens, token_logprobs(logits, tokens, inv_temp)

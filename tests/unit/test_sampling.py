@@ -76,3 +76,19 @@ def test_seeded_reproducibility_and_top1():
     assert torch.equal(a, b) and not torch.equal(a, c)
     k1, _ = sample(logits, temperature=2.0, top_k=1, generator=torch.Generator())
     assert torch.equal(k1, logits.argmax(-1))
+
+
+def test_bf16_logits_and_the_compiled_race_draw_what_fp32_eager_draws():
+    """A decode step hands bf16 logits to the sampler (no fp32 copy): greedy and the race on them
+    equal the fp32 ones of the same values, eager or through torch.compile (aot_eager here)."""
+    logits = torch.randn(32, 300, generator=torch.Generator().manual_seed(5)).bfloat16()
+    ref = logits.float()
+    assert torch.equal(sample(logits, temperature=0.0)[0], ref.argmax(-1))
+    kw = dict(temperature=0.8, need_logprobs=True)
+    tok, lp = sample(ref, generator=torch.Generator().manual_seed(9), **kw)
+    for backend in (None, "aot_eager"):
+        t, p = sample(logits, generator=torch.Generator().manual_seed(9), compile_backend=backend,
+                      **kw)
+        assert torch.equal(t, tok)
+        torch.testing.assert_close(p, lp)
+    torch.testing.assert_close(lp, torch.log_softmax(ref / 0.8, -1).gather(1, tok[:, None])[:, 0])
