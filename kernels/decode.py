@@ -43,8 +43,10 @@ if HAVE_TRITON:  # CPU-only installs: the PyTorch twins serve
 
 BLOCK_T = 64  # cache columns per attention block (one tl.dot)
 TARGET_PROGRAMS = 0  # 0: PROGRAMS_PER_SM x the SMs (a test may set it to force a split count)
-PROGRAMS_PER_SM = 4
-ATTN_WARPS, ATTN_STAGES = 4, 3  # the split kernel's launch (benchmarks/bench_decode_attention.py)
+# the split kernel's launch: the best sum over the speed issue's four decode shapes in
+# benchmarks/results/decode_attention_h200.json (49 us against 61 us for 64 / 4 / 4 warps / 3 stages)
+PROGRAMS_PER_SM = 2
+ATTN_WARPS, ATTN_STAGES = 4, 2
 
 if HAVE_TRITON:
 

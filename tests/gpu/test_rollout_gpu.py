@@ -152,4 +152,6 @@ def test_compiled_decode_under_graphs(monkeypatch):
     assert torch.allclose(eager.rollout_logprobs, compiled.rollout_logprobs, atol=1e-4)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     print(f"compiled decode: {graphs} dynamo graphs")
-    assert graphs in (2, 4)  # two parts x (batch >= 2, and batch 1 where compaction reaches it)
+    # 4 functions (a layer's first part with and without the previous MLP output to add, its
+    # second part, the sampler's log-prob) x (batch >= 2, and batch 1 where compaction reaches it)
+    assert 4 <= graphs <= 8, graphs
