@@ -75,6 +75,12 @@ def summarize(rows: list[dict]) -> dict:
             "median_later_steps": med, "min_max_later_steps": spread, "steps": rows}
 
 
+
+def _override_int(overrides: list, key: str, default: int = 0) -> int:
+    """The value of `key=N` among the Hydra overrides (the last one wins), else `default`."""
+    vals = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key]
+    return int(vals[-1]) if vals else default
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2_0_5b")
@@ -113,6 +119,8 @@ def main():
             train_tokens = args.micro * seq_len
             fwd_tokens = (args.fmicro or args.micro) * seq_len
             tag += f"-p{args.prompts}n{args.samples}r{args.response}" + ("-rc" if args.recompute else "")
+            chunk = _override_int(args.override, "parallel.lm_head_chunk_tokens")
+            tag += f"-lmc{chunk}" if chunk else ""
             if args.dynamic_bsz:
                 train_tokens = args.dynamic_bsz
                 fwd_tokens = args.dynamic_bsz_forward or args.dynamic_bsz
@@ -131,7 +139,8 @@ def main():
                 "dynamic_bsz": bool(args.dynamic_bsz), "skip_old_log_prob": args.skip_old_log_prob,
                 "use_reference": algo == "grpo", "prefill_once_per_prompt": True,
                 "response_logits_only": True, "bf16_logits": True,
-                "keep_generator": "rollout.free_cache_engine=false" in args.override},
+                "keep_generator": "rollout.free_cache_engine=false" in args.override,
+                "lm_head_chunk_tokens": chunk},
             "metrics": m})
     import torch
 

@@ -33,6 +33,11 @@ class ParallelConfig:
     # training passes keep each layer's input only and recompute the layer in backward, ~1/3 more
     # compute for the activation memory of one layer (the cost model's `recompute` layouts)
     activation_checkpointing: bool = False
+    # LM head + log-prob pass in chunks of this many positions per micro-batch (verl's fused
+    # linear-for-PPO, Liger's fused linear cross-entropy): the (positions x vocab) logits and
+    # their gradient are never held whole; backward makes each chunk's logits again (one more
+    # LM-head GEMM). 0: the whole logits of a micro-batch at once
+    lm_head_chunk_tokens: int = 0
 
 
 @dataclass

@@ -56,6 +56,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
             f"{p.tensor_parallel_size} x parallel.pipeline_parallel_size={p.pipeline_parallel_size}")
     if p.sequence_parallel and p.tensor_parallel_size == 1:
         raise ValueError("parallel.sequence_parallel=true needs parallel.tensor_parallel_size > 1")
+    if p.lm_head_chunk_tokens < 0:
+        raise ValueError(f"parallel.lm_head_chunk_tokens={p.lm_head_chunk_tokens}: expected 0 (off) "
+                         "or a positive number of positions")
     validate_model(cfg.model, tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size)
     if cfg.critic_model is not None:
         validate_model(cfg.critic_model, tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size,

@@ -52,7 +52,7 @@ from hybridflow.data.microbatch import token_budget_groups
 from hybridflow.data.packing import PackedRows, pack_rows
 from hybridflow.models.attention import SDPAttention, document_causal_mask
 from hybridflow.models.build import LM_ROLES, build_model
-from hybridflow.models.linear import LeanOutputLinear
+from hybridflow.models.linear import LeanOutputLinear, LogprobSpec
 from hybridflow.models.logprob import vocab_parallel_logprobs
 from hybridflow.parallel.context import ParallelContext
 
@@ -90,6 +90,10 @@ class Engine:
         model = build_model(model_cfg, role=role, ctx=ctx,
                             sequence_parallel=parallel.sequence_parallel, precision=precision,
                             activation_checkpointing=parallel.activation_checkpointing)
+        if parallel.lm_head_chunk_tokens < 0:
+            raise ValueError(f"parallel.lm_head_chunk_tokens={parallel.lm_head_chunk_tokens}: "
+                             "expected 0 (off) or a positive number of positions")
+        self._lm_chunk = parallel.lm_head_chunk_tokens
         self.module = model  # the bare GPTModel (for reshard, checkpoint import/export)
         self.tcfg = model.config
         # bf16: Megatron's wrapper would upcast the last stage's output to fp32, a full fp32 copy of
@@ -209,6 +213,13 @@ class Engine:
                 p = mb.prompt_len
                 self._response_head.select = ((lambda x: x[p - 1:-1]) if packed is None else
                                               (lambda x: x[packed.scored]))
+                if self._lm_chunk:  # the head returns log-probs (and entropy), not logits
+                    targets = (mb.response_ids if packed is None else
+                               packed.targets[:, packed.scored])
+                    self._response_head.logprobs = LogprobSpec(
+                        targets=targets.t(), true_vocab_size=self.vocab_limit,
+                        temperature=temperature, with_entropy=need_entropy,
+                        chunk_tokens=self._lm_chunk)
             try:
                 if packed is None:
                     out = model(mb.input_ids(), mb.position_ids(),
@@ -218,7 +229,7 @@ class Engine:
                                 document_causal_mask(packed.document_ids), **self._out_kw)
             finally:
                 if select:
-                    self._response_head.select = None
+                    self._response_head.select = self._response_head.logprobs = None
 
             def loss_func(output):
                 # outputs that predict response tokens; a reward model reads each token's own state
@@ -231,7 +242,11 @@ class Engine:
                     pred, targets = output, packed.targets[:, packed.scored]
                 else:  # every packed position; a row's last one predicts garbage, never gathered
                     pred, targets = output, packed.targets
-                if self.role in LM_ROLES:
+                if select and self._lm_chunk:  # (b, R, 1 or 2): the head's log-probs
+                    res = {"logprobs": output[..., 0]}
+                    if need_entropy:
+                        res["entropy"] = output[..., 1]
+                elif self.role in LM_ROLES:
                     res = _lm_head(pred, targets, tp_group=tp_group, temperature=temperature,
                                    true_vocab=self.vocab_limit, entropy=need_entropy)
                 else:

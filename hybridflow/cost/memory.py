@@ -13,8 +13,8 @@ Per phase, on top:
   when TP_g = TP and PP = 1), the KV cache of one generation wave, prefill scratch (one layer of the
   wave's prompts) and last-position logits. Sequences that do not fit run in several waves;
 - old_log_prob / ref / values: one layer's activations for a micro-batch, and its logits (component
-  `logits`: at the response positions only, `Workload.head_fraction`; bf16, or fp32 with
-  `bf16_logits` false);
+  `logits`: at the response positions only, `Workload.head_fraction`, or one chunk of them with
+  `lm_head_chunk_tokens`; bf16, or fp32 with `bf16_logits` false);
 - with `keep_generator` (rollout.free_cache_engine=false, no reshard) the gen wave's KV cache stays
   through every later phase too;
 - update_actor / update_critic: stored activations (`flops.activation_bytes_per_token_layer`; with
@@ -120,18 +120,23 @@ def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str)
     tp, micro_tokens = lay.tp_t, workload.seqs_per_micro_batch * workload.seq_len
     layer = activation_bytes_per_token_layer(shape)
     per_entry = LOGIT_BYTES_BF16 if workload.bf16_logits else LOGIT_BYTES
-    logits = 0 if phase in ("values", "update_critic") else \
-        shape.vocab_size * per_entry / tp * workload.head_fraction
+    logits = 0 if phase in ("values", "update_critic") else shape.vocab_size * per_entry / tp
+
+    def head(tokens):  # logits (and their grad) held at once: the scored positions, or one chunk
+        scored = tokens * workload.head_fraction
+        chunk = workload.lm_head_chunk_tokens
+        return (min(scored, chunk) if chunk else scored) * logits
+
     if phase in ("old_log_prob", "ref", "values"):
         tokens = workload.seqs_per_forward_micro_batch * workload.seq_len
-        return tokens * layer / tp, tokens * logits
+        return tokens * layer / tp, head(tokens)
     in_flight = min(lay.pp_t, workload.num_micro_batches(lay.dp_t))
     layers_kept = shape.num_layers // lay.pp_t * in_flight
     if plan.recompute:
         kept = layers_kept * BYTES_PER_PARAM * shape.hidden_size / tp + layer / tp
     else:
         kept = layers_kept * layer / tp
-    return micro_tokens * kept, micro_tokens * logits
+    return micro_tokens * kept, head(micro_tokens)
 
 
 def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,

@@ -239,6 +239,8 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
     seqs = opt_steps * math.ceil(w.num_sequences / w.mini_batches / layout.dp_t)
     flops = seqs * w.seq_len * train_flops_per_token(shape, w.seq_len, role, plan.recompute,
                                                      w.head_fraction) / shard
+    if w.lm_head_chunk_tokens and role != "critic":  # each chunk's logits made again in backward
+        flops += seqs * w.seq_len * w.head_fraction * 2 * shape.embedding_params / shard
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef="inv_train_mfu",
             tokens=seqs * w.seq_len, micro=opt_steps * micro, flushes=opt_steps,
             layer_passes=4 if plan.recompute else 3)

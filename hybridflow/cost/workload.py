@@ -47,6 +47,9 @@ class Workload:
     # the logits stay bf16 into the log-prob kernels (no fp32 upcast of tokens x vocab); records
     # measured before say false
     bf16_logits: bool = True
+    # parallel.lm_head_chunk_tokens: the LM head + log-prob pass this many positions at a time
+    # (logits of one chunk held, one more LM-head GEMM in the update's backward); 0: whole
+    lm_head_chunk_tokens: int = 0
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -64,6 +67,9 @@ class Workload:
                 continue
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{f} must be a positive integer, got {v!r}")
+        if not isinstance(self.lm_head_chunk_tokens, int) or self.lm_head_chunk_tokens < 0:
+            raise ValueError(f"lm_head_chunk_tokens must be 0 (off) or a positive integer, got "
+                             f"{self.lm_head_chunk_tokens!r}")
         if self.response_len_max is not None and self.response_len_max < self.response_len:
             raise ValueError(f"response_len_max={self.response_len_max} is below the mean "
                              f"response_len={self.response_len}")

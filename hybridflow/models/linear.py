@@ -23,6 +23,7 @@ all-gather fewer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -33,6 +34,8 @@ from megatron.core.tensor_parallel.mappings import (gather_from_sequence_paralle
                                                     reduce_from_tensor_model_parallel_region,
                                                     reduce_scatter_to_sequence_parallel_region,
                                                     scatter_to_tensor_model_parallel_region)
+
+from hybridflow.models.logprob import chunked_linear_logprobs
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -116,9 +119,15 @@ class LeanOutputLinear(LeanColumnParallelLinear):
     that only the positions that predict response tokens pay for the vocab-wide matmul and the
     log-prob pass over it (prompt positions are ~30% of a GSM8K step's tokens, the LM head ~27% of
     a Qwen2-0.5B forward's FLOPs). Under sequence parallel it applies after the gather, whose
-    backward reduce-scatters the (zero-filled) full-sequence gradient as before."""
+    backward reduce-scatters the (zero-filled) full-sequence gradient as before.
+
+    `logprobs` (None, or a LogprobSpec; parallel.lm_head_chunk_tokens): instead of logits, the
+    layer returns the log-probs of `targets` at the kept positions, and the entropy with
+    `with_entropy`, as (s', b', 1 or 2) fp32, computed `chunk_tokens` positions at a time
+    (models/logprob.chunked_linear_logprobs): the vocab-wide logits are never held whole."""
 
     select = None
+    logprobs = None
 
     @classmethod
     def adopt(cls, layer: ColumnParallelLinear) -> "LeanOutputLinear":
@@ -137,9 +146,39 @@ class LeanOutputLinear(LeanColumnParallelLinear):
         if self.select is not None:
             x = self.select(x)
         bias = None if self.skip_bias_add else self.bias
+        if self.logprobs is not None:
+            return self._logprobs(x, weight, bias), None
         out = F.linear(x.transpose(0, 1), weight, bias)  # (b, s, V/tp) contiguous
         out, out_bias = self._finish(out, runtime_gather_output)
         return out.transpose(0, 1), out_bias  # (s, b, V/tp) view
+
+
+    def _logprobs(self, x, weight, bias):
+        spec = self.logprobs
+        if self.gather_output and self._tp > 1:
+            raise ValueError("parallel.lm_head_chunk_tokens needs a vocab-parallel output layer "
+                             "(parallel_output=True)")
+        s, b, h = x.shape
+        if spec.targets.shape != (s, b):
+            raise ValueError(f"log-prob targets of shape {tuple(spec.targets.shape)} for "
+                             f"{(s, b)} kept positions")
+        res = chunked_linear_logprobs(
+            x.reshape(s * b, h), weight, spec.targets.reshape(-1), bias=bias,
+            tp_group=self.tp_group if self._tp > 1 else None,
+            true_vocab_size=spec.true_vocab_size, temperature=spec.temperature,
+            with_entropy=spec.with_entropy, chunk_tokens=spec.chunk_tokens)
+        res = res if spec.with_entropy else (res,)
+        return torch.stack(res, -1).view(s, b, len(res))  # (s', b', 1 or 2)
+
+
+@dataclass(frozen=True)
+class LogprobSpec:
+    """What LeanOutputLinear.logprobs scores: targets (s', b') global ids of the kept positions."""
+    targets: torch.Tensor
+    true_vocab_size: int
+    temperature: float
+    with_entropy: bool
+    chunk_tokens: int
 
 
 class LeanRowParallelLinear(RowParallelLinear):

@@ -126,3 +126,91 @@ def _reference(logits, targets, *, tp_group, true_vocab_size, temperature, with_
         ez = reduce_from_tensor_model_parallel_region(ez, group=tp_group)
     entropy = lse - ez / sum_e
     return logprobs, entropy
+
+
+def chunked_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                            tp_group, true_vocab_size: int, temperature: float = 1.0,
+                            with_entropy: bool = False, chunk_tokens: int,
+                            bias: torch.Tensor | None = None, impl: str = "auto"):
+    """The LM head and the log-prob pass together, `chunk_tokens` positions at a time
+    (parallel.lm_head_chunk_tokens): logits (N, V/TP) are never held whole; each chunk's are made,
+    reduced to their per-position statistics and dropped, and the backward makes them again (one
+    more LM-head GEMM) to form d/dlogits, then d/dhidden and this shard's weight gradient (summed
+    over chunks in fp32). verl's fused linear-for-PPO and Liger's fused linear cross-entropy do
+    the same to the vocab-sized activations: at 16k response positions x 152k vocab they are 5 GB
+    of bf16 logits kept for backward plus 5 GB of their gradient.
+
+    hidden (N, H) the LM head's input (this rank's, after any TP/SP copy or gather); weight
+    (V/TP, H) this shard; targets (N,) global ids. Returns logprobs (N,) float32 and, with
+    `with_entropy`, entropy (N,): the values vocab_parallel_logprobs gives on the full logits."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens}: expected a positive number of positions")
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+    kernels = "torch" if impl == "reference" else "auto"
+    inv_temp = 1.0 / temperature if temperature not in (0.0, 1.0) else 1.0
+    logprobs, entropy = _ChunkedLinearLogprobs.apply(hidden, weight, bias, targets, tp_group,
+                                                     true_vocab_size, inv_temp, with_entropy,
+                                                     chunk_tokens, kernels)
+    return (logprobs, entropy) if with_entropy else logprobs
+
+
+class _ChunkedLinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, tp_group, true_vocab_size, inv_temp,
+                with_entropy, chunk, kernels):
+        tp_size, tp_rank = _tp(tp_group)
+        v_local = weight.shape[0]
+        start = tp_rank * v_local
+        v_valid = max(0, min(v_local, true_vocab_size - start))
+        args = dict(start=start, v_valid=v_valid, inv_temp=inv_temp, impl=kernels)
+        stats = []
+        for i in range(0, hidden.shape[0], chunk):
+            logits = torch.nn.functional.linear(hidden[i:i + chunk], weight, bias)  # (c, V/TP)
+            stats.append(torch.stack(_k.logprob_stats(
+                logits[None], targets[None, i:i + chunk], with_entropy=with_entropy,
+                **args))[:, 0])  # (4, c)
+            del logits
+        m, s, t, xt = torch.cat(stats, 1) if stats else hidden.new_zeros(4, 0, dtype=torch.float32)
+        if tp_size > 1:
+            m_all = m.clone()
+            dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=tp_group)
+            scale = (m - m_all).exp()
+            sums = torch.stack([s * scale, t * scale, xt])
+            dist.all_reduce(sums, group=tp_group)
+            s, t, xt = sums.unbind(0)
+            m = m_all
+        lse = m + s.log()
+        ex = t / s
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ex)
+        ctx.args, ctx.chunk, ctx.with_entropy = args, chunk, with_entropy
+        ctx.set_materialize_grads(False)
+        return xt - lse, lse - ex
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, targets, lse, ex = ctx.saved_tensors
+        if not ctx.with_entropy:
+            grad_entropy = None
+        if grad_logprobs is None and grad_entropy is None:
+            return (None,) * 10
+        chunk = ctx.chunk
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32,
+                                                          device=bias.device)
+        for i in range(0, hidden.shape[0], chunk):
+            h = hidden[i:i + chunk]
+            sl = slice(i, i + h.shape[0])
+            logits = torch.nn.functional.linear(h, weight, bias)
+            g = _k.logprob_grad(logits[None], targets[None, sl], lse[None, sl], ex[None, sl],
+                                None if grad_logprobs is None else grad_logprobs[None, sl],
+                                None if grad_entropy is None else grad_entropy[None, sl],
+                                **ctx.args)[0]  # (c, V/TP) in the logits' dtype
+            del logits
+            torch.matmul(g, weight, out=grad_hidden[sl])
+            grad_weight.add_(g.t() @ h)
+            if grad_bias is not None:
+                grad_bias.add_(g.sum(0, dtype=torch.float32))
+        # autograd casts the fp32 sums to the parameters' dtype once
+        return grad_hidden, grad_weight, grad_bias, *(None,) * 7

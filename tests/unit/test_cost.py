@@ -116,6 +116,17 @@ def test_memory_components_by_hand_tiny():
                             calibration=Calibration(), response_logits_only=False, bf16_logits=False)
     assert whole.phases_gib["update_actor"]["activations"] * GIB == pytest.approx(64 * 2 * 1664)
     assert whole.phases_gib["update_actor"]["logits"] * GIB == pytest.approx(64 * 64 * 8)
+    # parallel.lm_head_chunk_tokens=5: one chunk of 5 positions' logits held, in every LM pass;
+    # the update pays one more LM-head GEMM (2 x V x h per scored position)
+    kw = dict(model="tiny", gpu="H200", num_gpus=1, layout={"tp": 1}, **TINY_WORK,
+              calibration=Calibration())
+    chunked = estimate_memory(**kw, lm_head_chunk_tokens=5)
+    for phase in ("update_actor", "ref"):
+        assert chunked.phases_gib[phase]["logits"] * GIB == pytest.approx(5 * 64 * 4)
+    t0, t1 = estimate_step_time(**kw), estimate_step_time(**kw, lm_head_chunk_tokens=5)
+    assert t1["update_actor"] > t0["update_actor"] and t1["ref"] == t0["ref"]
+    with pytest.raises(ValueError, match="lm_head_chunk_tokens must be 0"):
+        estimate_memory(**kw, lm_head_chunk_tokens=-2)
     gen = {k: v * GIB for k, v in m.phases_gib["gen"].items()}
     # all 4 sequences in one wave; K and V: 2 x 2 layers x 2 groups x 16 dims x 2 bytes per token
     assert (m.gen_batch, m.gen_waves) == (4, 1)
