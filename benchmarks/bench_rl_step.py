@@ -76,10 +76,14 @@ def summarize(rows: list[dict]) -> dict:
 
 
 
-def _override_int(overrides: list, key: str, default: int = 0) -> int:
-    """The value of `key=N` among the Hydra overrides (the last one wins), else `default`."""
+def _override(overrides: list, key: str, default: str) -> str:
+    """The value of `key=...` among the Hydra overrides (the last one wins), else `default`."""
     vals = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key]
-    return int(vals[-1]) if vals else default
+    return vals[-1] if vals else default
+
+
+def _override_int(overrides: list, key: str, default: int = 0) -> int:
+    return int(_override(overrides, key, str(default)))
 
 def main():
     ap = argparse.ArgumentParser()
@@ -140,7 +144,9 @@ def main():
                 "use_reference": algo == "grpo", "prefill_once_per_prompt": True,
                 "response_logits_only": True, "bf16_logits": True,
                 "keep_generator": "rollout.free_cache_engine=false" in args.override,
-                "lm_head_chunk_tokens": chunk},
+                "lm_head_chunk_tokens": chunk,
+                "decode_kernels": _override(args.override, "rollout.decode_kernels", "torch"),
+                "compile_decode": "rollout.compile_decode=true" in args.override},
             "metrics": m})
     import torch
 

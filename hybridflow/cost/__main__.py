@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the trainer skips the old_log_prob pass (one epoch of one mini-batch)")
     p.add_argument("--keep-generator", action="store_true",
                    help="rollout.free_cache_engine=false: the KV cache stays through training")
+    p.add_argument("--lm-head-chunk-tokens", type=int, default=0,
+                   help="parallel.lm_head_chunk_tokens: the LM head + log-probs this many "
+                        "positions at a time (0: whole)")
+    p.add_argument("--decode-kernels", choices=("torch", "triton"), default="torch",
+                   help="rollout.decode_kernels (triton: fitted with compile_decode on)")
     p.add_argument("--calibration", help="JSON written by python -m hybridflow.cost.calibrate")
     g = p.add_argument_group("force a layout (else searched)")
     g.add_argument("--tp", type=int)
@@ -61,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             micro_batch_tokens=a.micro_batch_tokens,
             forward_micro_batch_tokens=a.forward_micro_batch_tokens, use_reference=a.use_reference,
             skip_old_log_prob=a.skip_old_log_prob, keep_generator=a.keep_generator,
+            lm_head_chunk_tokens=a.lm_head_chunk_tokens, decode_kernels=a.decode_kernels,
             calibration=a.calibration)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -66,7 +66,8 @@ MEMORY_KEY = "perf/max_memory_allocated_gb"
 STEP_KEY = "timing_s/step"
 PASS_STAGES = ("old_log_prob", "ref", "values", "update_actor", "update_critic")
 GROUPS = [(("reshard",), ("inv_comm_eff",)),
-          (("gen",), ("inv_prefill_eff", "inv_decode_bw_eff", "decode_layer_overhead_s")),
+          (("gen",), ("inv_prefill_eff", "inv_decode_bw_eff", "decode_layer_overhead_s",
+                      "fused_decode_layer_overhead_s")),
           (PASS_STAGES, ("inv_forward_mfu", "inv_train_mfu", "layer_pass_overhead_s", "tp_collective_s",
                          "optimizer_step_s")),
           (("other",), ("step_overhead_s",))]

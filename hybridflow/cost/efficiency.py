@@ -18,6 +18,9 @@ when no record informs it), and why (fit your own with `python -m hybridflow.cos
   decode steps (0.5B 24 layers ~2.1 ms, 1.5B and 7B 28 layers 3.3 / 6.4 ms at batch 32-64) leave
   a residual after the weight reads that grows with depth, not a constant. The plain megatron
   KV-cache loop without graphs measured ~0.05 s per step at 0.5B: use ~2e-3 for such an engine.
+- fused_decode_layer_overhead_s 5e-5: decode_layer_overhead_s of the decode step with the Triton
+  decode kernels (rollout.decode_kernels=triton: RoPE + KV writes in one kernel, split-KV
+  attention; Workload.decode_kernels), the H200 records of which also ran compile_decode=true.
 - comm_efficiency 0.66: fraction of link bandwidth a collective reaches; measured all_gather bus
   bandwidth on 2 H200s over NVLink was 297 of 450 GB/s.
 - layer_pass_overhead_s 0.0005: fixed seconds per transformer layer per pass over one micro-batch in
@@ -66,6 +69,7 @@ class Calibration:
     prefill_efficiency: float = 0.50
     decode_bw_efficiency: float = 0.60
     decode_layer_overhead_s: float = 1e-4
+    fused_decode_layer_overhead_s: float = 5e-5
     comm_efficiency: float = 0.66
     layer_pass_overhead_s: float = 0.0005
     tp_collective_s: float = 5e-5
@@ -90,6 +94,7 @@ class Calibration:
                 "inv_prefill_eff": 1 / self.prefill_efficiency,
                 "inv_decode_bw_eff": 1 / self.decode_bw_efficiency,
                 "decode_layer_overhead_s": self.decode_layer_overhead_s,
+                "fused_decode_layer_overhead_s": self.fused_decode_layer_overhead_s,
                 "inv_comm_eff": 1 / self.comm_efficiency,
                 "layer_pass_overhead_s": self.layer_pass_overhead_s,
                 "tp_collective_s": self.tp_collective_s,

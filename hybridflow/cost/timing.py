@@ -184,7 +184,8 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
     weights = BYTES_PER_PARAM * shape.num_dense_params / tp_g
     kv = per_replica * w.response_len * context * kv_bytes_per_token(shape, tp_g)
     t.add("hbm_read", "inv_decode_bw_eff", (steps * weights + kv) / (gpu.hbm_gbps * 1e9))
-    t.add("decode_overhead", "decode_layer_overhead_s", steps * shape.num_layers)
+    t.add("decode_overhead", "fused_decode_layer_overhead_s" if w.decode_kernels == "triton"
+          else "decode_layer_overhead_s", steps * shape.num_layers)
     _tp_comm(t, shape, gpu, tp_g, shape.num_layers, per_replica * w.seq_len,
              all_reduces=2, num_collectives=2 * shape.num_layers * waves * (1 + w.longest_response),
              fitted_latency=False)

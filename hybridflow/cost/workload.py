@@ -50,6 +50,9 @@ class Workload:
     # parallel.lm_head_chunk_tokens: the LM head + log-prob pass this many positions at a time
     # (logits of one chunk held, one more LM-head GEMM in the update's backward); 0: whole
     lm_head_chunk_tokens: int = 0
+    # rollout.decode_kernels: "triton" (the fused decode kernels; the records that measured them
+    # also ran rollout.compile_decode) has its own fitted per-layer decode cost
+    decode_kernels: str = "torch"
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -67,6 +70,8 @@ class Workload:
                 continue
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{f} must be a positive integer, got {v!r}")
+        if self.decode_kernels not in ("torch", "triton"):
+            raise ValueError(f"decode_kernels {self.decode_kernels!r}: expected 'torch' or 'triton'")
         if not isinstance(self.lm_head_chunk_tokens, int) or self.lm_head_chunk_tokens < 0:
             raise ValueError(f"lm_head_chunk_tokens must be 0 (off) or a positive integer, got "
                              f"{self.lm_head_chunk_tokens!r}")

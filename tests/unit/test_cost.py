@@ -463,11 +463,15 @@ def test_prefill_is_charged_once_per_prompt_on_each_replica():
         assert flops[False] - flops[True] == pytest.approx((32 - 8) // dp * one_row)
         assert flops[True] > 8 // dp * one_row  # the decode FLOPs come on top
     # every calibration record states which generator it measured: the first 17 the old one, the
-    # four of today's trainer options (*_kv64.json) the current one
+    # seven of the speed runs' trainer options (*_kv64.json; *_tk.json with the decode kernels)
+    # the current one
     records = {p.name: json.loads(p.read_text()) for p in (ROOT / "benchmarks/results/cost").glob("*.json")}
     configs = [(name, r["config"]) for name, rec in records.items() for r in rec.get("records", [])]
-    assert len(configs) == 21
-    assert all(c["prefill_once_per_prompt"] is name.endswith("_kv64.json") for name, c in configs)
+    assert len(configs) == 24
+    assert all(c["prefill_once_per_prompt"] is name.endswith(("_kv64.json", "_tk.json"))
+               for name, c in configs)
+    assert all((c.get("decode_kernels", "torch") == "triton") is name.endswith("_tk.json")
+               for name, c in configs)
 
 
 def test_kept_generator_holds_its_kv_cache_through_training():
@@ -532,3 +536,21 @@ def test_layout_overrides_name_the_trainer_keys():
     assert "offload_ref" not in plain and "activation_checkpointing" not in plain
     r = estimate_cost(model="tiny", gpu="H200", num_gpus=1)
     assert r.fits and f"trainer overrides (world size 1): {layout_overrides(r.layout)}" in str(r)
+
+
+def test_fused_decode_kernels_have_their_own_per_layer_cost():
+    """Workload.decode_kernels="triton" (rollout.decode_kernels) charges the decode steps'
+    per-layer cost to fused_decode_layer_overhead_s instead of decode_layer_overhead_s, the same
+    count; the shipped fit has it below the torch step's."""
+    runs = {k: parse_record({"config": {"model": "qwen2_0_5b", "gpu": "H200", "num_gpus": 1,
+                                        "layout": {"tp": 1}, **TINY_WORK, "decode_kernels": k}})
+            for k in ("torch", "triton")}
+    x = {k: stage_terms(r.shape, r.gpu, r.plan, r.workload, Calibration())["gen"].x
+         for k, r in runs.items()}
+    assert x["triton"]["fused_decode_layer_overhead_s"] == x["torch"]["decode_layer_overhead_s"] > 0
+    assert "decode_layer_overhead_s" not in x["triton"]
+    cal = shipped_calibration()
+    assert 0 < cal.fused_decode_layer_overhead_s < cal.decode_layer_overhead_s
+    with pytest.raises(ValueError, match="decode_kernels 'cuda'"):
+        parse_record({"config": {"model": "tiny", "gpu": "H200", "num_gpus": 1, "layout": {"tp": 1},
+                                 **TINY_WORK, "decode_kernels": "cuda"}})
