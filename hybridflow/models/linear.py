@@ -152,7 +152,6 @@ class LeanOutputLinear(LeanColumnParallelLinear):
         out, out_bias = self._finish(out, runtime_gather_output)
         return out.transpose(0, 1), out_bias  # (s, b, V/tp) view
 
-
     def _logprobs(self, x, weight, bias):
         spec = self.logprobs
         if self.gather_output and self._tp > 1:

@@ -21,7 +21,8 @@ The math follows Megatron's local spec exactly (so logits match `GPTModel` to fp
   attention as split-KV Triton kernels (hybridflow/kernels/decode.py; same math, PyTorch twins).
 - MLP: SwiGLU from fc1 = [gate; up] (per shard); row-parallel proj/fc2 then all-reduce over TP_g.
 - Embedding: vocab-parallel masked lookup + all-reduce. Output: vocab-parallel matmul, all-gather
-  over TP_g, padded vocab ids (>= true vocab) dropped; fp32 logits out.
+  over TP_g, padded vocab ids (>= true vocab) dropped; fp32 logits out (a decode step's stay in
+  the weights' dtype for the sampler).
 """
 
 from __future__ import annotations

@@ -8,14 +8,16 @@ Compared, fp32: log-probs, entropies, values (forward-only passes: unaffected by
 one actor train step (metrics, every gradient, the weights after Adam). The memory side: the bytes
 the autograd graph holds for backward after one training forward, counted by a saved-tensors hook."""
 
+import functools
+
 import pytest
 import torch
 
 from hybridflow.config import ParallelConfig
 from hybridflow.parallel import groups
 from tests.dist.launcher import run_ranks
-from tests.dist.test_dynamic_bsz import (BUDGET, _batch, assert_same_results, engine_factory,
-                                         engine_results)
+from tests.dist.test_dynamic_bsz import (BUDGET, MODEL, _batch, assert_same_results,
+                                         engine_factory, engine_results)
 
 MODES = {"fixed": dict(max_tokens=None), "budget": dict(max_tokens=BUDGET),
          "packed": dict(max_tokens=BUDGET, pack=True)}
@@ -45,26 +47,76 @@ def _saved_bytes(eng, batch) -> int:
     return total[0]
 
 
+def _vocab_wide_saved(eng, batch) -> int:
+    """Elements of the vocab-wide tensors (last dim = the output layer's rows) autograd saves in a
+    training forward and log-prob pass with the response head (as the engine runs them: response
+    positions only; parallel.lm_head_chunk_tokens, tests/dist/test_lm_head_chunks.py)."""
+    from hybridflow.models.linear import LogprobSpec
+    from hybridflow.models.logprob import vocab_parallel_logprobs
+
+    total, head = [0], eng._response_head
+    vocab, p = head.weight.shape[0], batch.prompt_len
+    head.select = lambda x: x[p - 1:-1]
+    if eng._lm_chunk:
+        head.logprobs = LogprobSpec(targets=batch.response_ids.t(), true_vocab_size=MODEL.vocab_size,
+                                    temperature=1.0, with_entropy=False, chunk_tokens=eng._lm_chunk)
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    eng.model.train()
+
+    def pack(t):
+        if t.dim() and t.shape[-1] == vocab and not isinstance(t, torch.nn.Parameter):
+            total[0] += t.numel()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = eng.model(ids, pos, None)
+            if not eng._lm_chunk:  # then the log-prob pass over the logits
+                vocab_parallel_logprobs(out, batch.response_ids, tp_group=None,
+                                        true_vocab_size=MODEL.vocab_size)
+    finally:
+        head.select = head.logprobs = None
+    return total[0]
+
+
+# the memory options against the plain pass, in one launch per layout (their tests share it)
+VARIANTS = {"plain": {}, "ckpt": dict(activation_checkpointing=True),
+            "lm_chunk": dict(lm_head_chunk_tokens=3)}
+
+
 def _worker(tp: int, sp: bool):
     ctx = groups.init_model_parallel(tp=tp, pp=1, seed=3)
     batch = _batch()
     out = {"mask": batch.response_mask.bool()}
-    for ckpt in (False, True):
+    for name, kw in VARIANTS.items():
         par = ParallelConfig(tensor_parallel_size=tp, sequence_parallel=sp,
-                             use_distributed_optimizer=False, activation_checkpointing=ckpt)
+                             use_distributed_optimizer=False, **kw)
         engine = engine_factory(ctx, par)
-        for mode, kw in MODES.items():
-            out[mode, ckpt] = engine_results(engine, batch, num_tokens=int(batch.response_mask.sum()),
-                                             num_seqs=batch.batch_size, **kw)
-        out["saved", ckpt] = _saved_bytes(engine("actor"), batch)
+        for mode, mkw in MODES.items():
+            out[mode, name] = engine_results(engine, batch, num_seqs=batch.batch_size,
+                                             num_tokens=int(batch.response_mask.sum()), **mkw)
+        out["saved", name] = _saved_bytes(engine("actor"), batch)
+        if tp == 1:
+            out["vocab_wide", name] = _vocab_wide_saved(engine("actor"), batch)
     return out
 
 
-@pytest.mark.parametrize("world,tp,sp", [(1, 1, False), (2, 2, True)], ids=["tp1", "tp2_sp"])
+@functools.cache
+def variant_results(world: int, tp: int, sp: bool) -> list:
+    """Every rank's results of each VARIANTS entry, computed once per pytest process."""
+    return run_ranks(_worker, world, tp, sp)
+
+
+LAYOUTS = pytest.mark.parametrize("world,tp,sp", [(1, 1, False), (2, 2, True)],
+                                  ids=["tp1", "tp2_sp"])
+
+
+@LAYOUTS
 def test_checkpointed_layers_give_the_same_results(world, tp, sp):
-    for res in run_ranks(_worker, world, tp, sp):
+    for res in variant_results(world, tp, sp):
         for mode in MODES:
-            assert_same_results(res[mode, True], res[mode, False], res["mask"], atol=1e-6)
+            assert_same_results(res[mode, "ckpt"], res[mode, "plain"], res["mask"], atol=1e-6)
         # two layers: each keeps its input only; the rest (embedding, head) as before
-        assert res["saved", True] < 0.25 * res["saved", False], (res["saved", True],
-                                                                 res["saved", False])
+        assert res["saved", "ckpt"] < 0.25 * res["saved", "plain"], (res["saved", "ckpt"],
+                                                                     res["saved", "plain"])
