@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--cache", type=int, default=384, help="cache columns (T of the buffer)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode_attention.py times Triton kernels in CUDA graphs: it needs a GPU")
     dev = torch.device("cuda")
     default = (kern.BLOCK_T, kern.ATTN_WARPS, kern.ATTN_STAGES, kern.PROGRAMS_PER_SM)
     results = {}
