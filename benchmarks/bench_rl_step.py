@@ -75,7 +75,6 @@ def summarize(rows: list[dict]) -> dict:
             "median_later_steps": med, "min_max_later_steps": spread, "steps": rows}
 
 
-
 def _override(overrides: list, key: str, default: str) -> str:
     """The value of `key=...` among the Hydra overrides (the last one wins), else `default`."""
     vals = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key]
@@ -84,6 +83,7 @@ def _override(overrides: list, key: str, default: str) -> str:
 
 def _override_int(overrides: list, key: str, default: int = 0) -> int:
     return int(_override(overrides, key, str(default)))
+
 
 def main():
     ap = argparse.ArgumentParser()

@@ -59,24 +59,33 @@ def _tp(tp_group) -> tuple[int, int]:
     return dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
 
+def _shard(tp_group, v_local: int, true_vocab_size: int) -> tuple[int, int]:
+    """(start, v_valid) of this rank's vocab slice: its first global id and its real ids."""
+    start = _tp(tp_group)[1] * v_local
+    return start, max(0, min(v_local, true_vocab_size - start))
+
+
+def _combine(m, s, t, xt, tp_group):
+    """Per-shard max / sum-exp / sum p x / target logit -> (lse, E_p[x], target logit) over the
+    whole vocabulary: one MAX and one SUM all-reduce over TP."""
+    if _tp(tp_group)[0] > 1:
+        m_all = m.clone()
+        dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=tp_group)
+        scale = (m - m_all).exp()
+        sums = torch.stack([s * scale, t * scale, xt])  # (3, ...)
+        dist.all_reduce(sums, group=tp_group)
+        s, t, xt = sums.unbind(0)
+        m = m_all
+    return m + s.log(), t / s, xt
+
+
 class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, tp_group, true_vocab_size, inv_temp, with_entropy):
-        tp_size, tp_rank = _tp(tp_group)
-        start = tp_rank * logits.shape[-1]
-        v_valid = max(0, min(logits.shape[-1], true_vocab_size - start))
-        m, s, t, xt = _k.logprob_stats(logits, targets, start=start, v_valid=v_valid,
-                                       inv_temp=inv_temp, with_entropy=with_entropy)  # (B, T) x4
-        if tp_size > 1:
-            m_all = m.clone()
-            dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=tp_group)
-            scale = (m - m_all).exp()
-            sums = torch.stack([s * scale, t * scale, xt])  # (3, B, T)
-            dist.all_reduce(sums, group=tp_group)
-            s, t, xt = sums.unbind(0)
-            m = m_all
-        lse = m + s.log()
-        ex = t / s  # E_p[x]
+        start, v_valid = _shard(tp_group, logits.shape[-1], true_vocab_size)
+        stats = _k.logprob_stats(logits, targets, start=start, v_valid=v_valid, inv_temp=inv_temp,
+                                 with_entropy=with_entropy)  # (B, T) x4
+        lse, ex, xt = _combine(*stats, tp_group)  # ex: E_p[x]
         ctx.save_for_backward(logits, targets, lse, ex)
         ctx.args = dict(start=start, v_valid=v_valid, inv_temp=inv_temp)
         ctx.with_entropy = with_entropy
@@ -159,10 +168,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, tp_group, true_vocab_size, inv_temp,
                 with_entropy, chunk, kernels):
-        tp_size, tp_rank = _tp(tp_group)
-        v_local = weight.shape[0]
-        start = tp_rank * v_local
-        v_valid = max(0, min(v_local, true_vocab_size - start))
+        start, v_valid = _shard(tp_group, weight.shape[0], true_vocab_size)
         args = dict(start=start, v_valid=v_valid, inv_temp=inv_temp, impl=kernels)
         stats = []
         for i in range(0, hidden.shape[0], chunk):
@@ -171,17 +177,8 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
                 logits[None], targets[None, i:i + chunk], with_entropy=with_entropy,
                 **args))[:, 0])  # (4, c)
             del logits
-        m, s, t, xt = torch.cat(stats, 1) if stats else hidden.new_zeros(4, 0, dtype=torch.float32)
-        if tp_size > 1:
-            m_all = m.clone()
-            dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=tp_group)
-            scale = (m - m_all).exp()
-            sums = torch.stack([s * scale, t * scale, xt])
-            dist.all_reduce(sums, group=tp_group)
-            s, t, xt = sums.unbind(0)
-            m = m_all
-        lse = m + s.log()
-        ex = t / s
+        stats = torch.cat(stats, 1) if stats else hidden.new_zeros(4, 0, dtype=torch.float32)
+        lse, ex, xt = _combine(*stats, tp_group)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ex)
         ctx.args, ctx.chunk, ctx.with_entropy = args, chunk, with_entropy
         ctx.set_materialize_grads(False)
