@@ -5,7 +5,8 @@ Random-init weights of the model shape (bench_generate's transformers model conv
 names), bf16, prompt --prompt-len tokens, greedy, CUDA graphs on. Each case: one call to allocate and
 capture, then profiled calls of --steps and 2 x --steps new tokens: their difference over --steps
 is one decode step's kernel time (the prefill and per-call work cancel), summed by kind (gemm,
-attention, norm, elementwise, kv_write, sampling, other). Also printed: kernels per step and the weight+KV read
+attention, norm, elementwise, kv_write, sampling, other); the same difference of unprofiled wall
+times (median of 3) is `wall_us_per_step`: kernel time plus the gaps between kernels. Also printed: kernels per step and the weight+KV read
 floor of one step at the measured copy bandwidth.
 
     python benchmarks/profile_decode.py --models conf/model/qwen2_0_5b.yaml conf/model/qwen2_1_5b.yaml \
@@ -30,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_generate import COPY_BW, hf_model, machine, to_megatron  # noqa: E402
 from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
-from hybridflow.rollout import Generator  # noqa: E402
+from hybridflow.rollout import Generator, decoder  # noqa: E402
 
 # first match wins; matched against the lower-cased kernel (or op) name
 KINDS = (
@@ -70,6 +71,26 @@ def _profiled(gen, prompts, *, steps: int, compiled: bool, kernels: str, device)
     return {e.key: (timeof(e), e.count) for e in events}
 
 
+def _wall_s(gen, prompts, *, steps: int, compiled: bool, kernels: str, device) -> float:
+    """Median wall seconds of 3 generate calls of `steps` new tokens (after one warm call)."""
+    import statistics
+    import time
+
+    cfg = RolloutConfig(max_new_tokens=steps, temperature=0.0, max_batch_size=len(prompts),
+                        compile_decode=compiled, decode_kernels=kernels)
+    times = []
+    for i in range(4):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def profile_case(gen, prompts, *, steps: int, compiled: bool, device, kernels: str = "torch") -> dict:
     """Per decode step: the difference of a call of 2 x steps and one of steps new tokens, over
     steps (the prefill and the per-call work cancel)."""
@@ -86,7 +107,11 @@ def profile_case(gen, prompts, *, steps: int, compiled: bool, device, kernels: s
         by_kind[kind_of(k)] += t
         count[kind_of(k)] += n
     top = sorted(per.items(), key=lambda kv: kv[1][0], reverse=True)[:15]
+    # wall time of a step the same way (no profiler): kernel time + the gaps between kernels
+    wall = [_wall_s(gen, prompts, steps=n, compiled=compiled, kernels=kernels, device=device)
+            for n in (steps, 2 * steps)]
     return {"us_per_step": sum(by_kind.values()), "kernels_per_step": sum(count.values()),
+            "wall_us_per_step": (wall[1] - wall[0]) / steps * 1e6,
             "us_per_step_by_kind": dict(by_kind.most_common()),
             "kernels_per_step_by_kind": {k: count[k] for k, _ in by_kind.most_common()},
             "top": [{"kernel": k[:100], "kind": kind_of(k), "us_per_step": t, "calls_per_step": n}
@@ -102,10 +127,15 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also profile rollout.compile_decode")
     ap.add_argument("--kernels", nargs="+", default=["torch"], choices=["torch", "triton"],
                     help="rollout.decode_kernels values to profile (each with and without --compile)")
+    ap.add_argument("--compile-mode", default=None,
+                    help="torch.compile mode of the compiled decode parts (decoder.COMPILE_MODE), "
+                         "e.g. max-autotune-no-cudagraphs")
+    ap.add_argument("--no-eager", action="store_true", help="with --compile: the compiled cases only")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     device = torch.device(args.device)
+    decoder.COMPILE_MODE = args.compile_mode
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
               "prompt_len": args.prompt_len, "steps": args.steps, "cases": []}
@@ -127,15 +157,17 @@ def main():
             kv_bytes = 2 * cfg.num_layers * B * cfg.num_query_groups * hd * ctx * 2
             floor_us = (weight_bytes + kv_bytes) / COPY_BW * 1e6
             for kernels, compiled in [(k, c) for k in args.kernels
-                                      for c in ([False, True] if args.compile else [False])]:
+                                      for c in ([True] if args.no_eager else [False, True])
+                                      if c in ([False, True] if args.compile else [False])]:
                 res = profile_case(gen, prompts, steps=args.steps, compiled=compiled, device=device,
                                    kernels=kernels)
                 res.update(model=cfg.name, batch=B, compiled=compiled, kernels=kernels,
+                           compile_mode=args.compile_mode if compiled else None,
                            floor_us_per_step=floor_us,
                            floor_fraction=floor_us / res["us_per_step"])
                 report["cases"].append(res)
                 print(f"{cfg.name} B={B} kernels={kernels} compiled={compiled}: "
-                      f"{res['us_per_step']:.0f} us/step, "
+                      f"{res['us_per_step']:.0f} us/step ({res['wall_us_per_step']:.0f} wall), "
                       f"{res['kernels_per_step']:.0f} kernels, floor {floor_us:.0f} us "
                       f"({100 * res['floor_fraction']:.0f}%)  " +
                       ", ".join(f"{k} {v:.0f}" for k, v in res["us_per_step_by_kind"].items()),

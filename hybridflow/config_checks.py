@@ -152,6 +152,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if cfg.trainer.gc_interval < 0:
         raise ValueError(f"trainer.gc_interval={cfg.trainer.gc_interval} must be >= 0 "
                          "(0: Python's automatic GC)")
+    if cfg.trainer.gc_full_interval < 1:
+        raise ValueError(f"trainer.gc_full_interval={cfg.trainer.gc_full_interval} must be >= 1 "
+                         "(1: every collection is a full one)")
 
 
 def _validate_micro_batches(cfg: Config, *, dp: int) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -134,10 +135,11 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, timer = self.cfg, StageTimer()
         with timer("step"):
-            gc_every = cfg.trainer.gc_interval
-            if gc_every > 0 and self.step % gc_every == 0:
+            generation = gc_generation(self.step, cfg.trainer.gc_interval,
+                                       cfg.trainer.gc_full_interval)
+            if generation is not None:
                 with timer("gc"):
-                    gc.collect()
+                    gc.collect(generation)
             batch, reward_metrics = self.generate_and_score(timer)
             if cfg.trainer.balance_batch and self.ctx.dp_size > 1:
                 with timer("balance"):
@@ -336,6 +338,15 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.kept_estimate = state.get("kept_estimate")  # absent in checkpoints before it
+
+
+def gc_generation(step: int, interval: int, full_interval: int) -> Optional[int]:
+    """The generation `gc.collect` takes at the start of `step` (None: no collection): every
+    `interval` steps (0: never, automatic GC), the young ones (1: objects made since the last
+    collection) unless the step is a multiple of `full_interval` (2: everything not frozen)."""
+    if interval <= 0 or step % interval:
+        return None
+    return 2 if step % full_interval == 0 else 1
 
 
 @contextlib.contextmanager

@@ -52,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
     layout = None
+    forced = [f for f, on in (("--pp", a.pp != 1), ("--tp-gen", a.tp_gen is not None),
+                              ("--offload-ref", a.offload_ref), ("--recompute", a.recompute)) if on]
+    if forced and a.tp is None:
+        p.error(f"{', '.join(forced)} force a layout and need --tp too (without --tp the "
+                "layout is searched)")
     if a.tp is not None:
         layout = {"tp": a.tp, "pp": a.pp, "tp_gen": a.tp_gen, "offload_ref": a.offload_ref,
                   "recompute": a.recompute}

@@ -371,21 +371,25 @@ def _attn_out_split(x, a, proj, ln2, fc1, fc2, eps: float):
     return x, F.linear(_swiglu(_norm(x, ln2, eps), fc1), fc2)
 
 
-def _layer_parts(compiled: bool, *, fused: bool):
-    """(attention-in part, attention-out + MLP part) of a TP = 1 decode layer."""
-    if compiled:
-        return _compiled(COMPILE_BACKEND, fused)
-    return (_qkv if fused else _attn_in), _attn_out
-
-
 # rollout.compile_decode: the two pure parts of each layer's decode step (no cache writes, no
 # collectives: those stay eager between them) through torch.compile, dynamic batch size; inductor
 # fuses the RMSNorm, RoPE, SwiGLU and residual element-wise work around the GEMMs. The CPU tests
 # set "aot_eager" (dynamo's trace without inductor's minutes of C++ builds); tests/gpu compiles.
 COMPILE_BACKEND = "inductor"
+# torch.compile's mode for them (None: the default); benchmarks/profile_decode.py --compile-mode
+# tries others (e.g. "max-autotune-no-cudagraphs": inductor's Triton GEMM templates with the
+# SwiGLU / norm work fused into their epilogues, against cuBLAS)
+COMPILE_MODE: Optional[str] = None
+
+
+def _layer_parts(compiled: bool, *, fused: bool):
+    """(attention-in part, attention-out + MLP part) of a TP = 1 decode layer."""
+    if compiled:
+        return _compiled(COMPILE_BACKEND, fused, COMPILE_MODE)
+    return (_qkv if fused else _attn_in), _attn_out
 
 
 @functools.cache
-def _compiled(backend: str, fused: bool):  # fused: rollout.decode_kernels=triton (RoPE in-kernel)
-    return (torch.compile(_qkv if fused else _attn_in, dynamic=True, backend=backend),
-            torch.compile(_attn_out_split, dynamic=True, backend=backend))
+def _compiled(backend: str, fused: bool, mode: Optional[str]):  # fused: decode_kernels=triton
+    kw = dict(dynamic=True, backend=backend, mode=mode)
+    return (torch.compile(_qkv if fused else _attn_in, **kw), torch.compile(_attn_out_split, **kw))
