@@ -112,9 +112,26 @@ def profile_case(gen, prompts, *, steps: int, compiled: bool, device, kernels: s
             for n in (steps, 2 * steps)]
     return {"us_per_step": sum(by_kind.values()), "kernels_per_step": sum(count.values()),
             "wall_us_per_step": (wall[1] - wall[0]) / steps * 1e6,
+            # a call less its decode steps: the prefill, first draw and per-call work
+            "wall_call_rest_us": (2 * wall[0] - wall[1]) * 1e6,
             "us_per_step_by_kind": dict(by_kind.most_common()),
             "kernels_per_step_by_kind": {k: count[k] for k, _ in by_kind.most_common()},
             "top": [{"kernel": k[:100], "kind": kind_of(k), "us_per_step": t, "calls_per_step": n}
+                    for k, (t, n) in top]}
+
+
+def profile_prefill(gen, prompts, *, compiled: bool, device, kernels: str) -> dict:
+    """A call of one new token: the prefill, the first draw and the per-call work (kernel time by
+    kind, the top kernels, and its unprofiled wall time)."""
+    per = _profiled(gen, prompts, steps=1, compiled=compiled, kernels=kernels, device=device)
+    by_kind = collections.Counter()
+    for k, (t, _) in per.items():
+        by_kind[kind_of(k)] += t
+    top = sorted(per.items(), key=lambda kv: kv[1][0], reverse=True)[:15]
+    wall = _wall_s(gen, prompts, steps=1, compiled=compiled, kernels=kernels, device=device)
+    return {"us": sum(by_kind.values()), "wall_us": wall * 1e6, "kernels": sum(n for _, n in per.values()),
+            "us_by_kind": dict(by_kind.most_common()),
+            "top": [{"kernel": k[:100], "kind": kind_of(k), "us": t, "calls": n}
                     for k, (t, n) in top]}
 
 
@@ -131,6 +148,8 @@ def main():
                     help="torch.compile mode of the compiled decode parts (decoder.COMPILE_MODE), "
                          "e.g. max-autotune-no-cudagraphs")
     ap.add_argument("--no-eager", action="store_true", help="with --compile: the compiled cases only")
+    ap.add_argument("--prefill", action="store_true",
+                    help="also profile a call of one new token (the prefill) per model x batch")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -167,11 +186,22 @@ def main():
                            floor_fraction=floor_us / res["us_per_step"])
                 report["cases"].append(res)
                 print(f"{cfg.name} B={B} kernels={kernels} compiled={compiled}: "
-                      f"{res['us_per_step']:.0f} us/step ({res['wall_us_per_step']:.0f} wall), "
+                      f"{res['us_per_step']:.0f} us/step ({res['wall_us_per_step']:.0f} wall, "
+                      f"{res['wall_call_rest_us']:.0f} us rest of a call), "
                       f"{res['kernels_per_step']:.0f} kernels, floor {floor_us:.0f} us "
                       f"({100 * res['floor_fraction']:.0f}%)  " +
                       ", ".join(f"{k} {v:.0f}" for k, v in res["us_per_step_by_kind"].items()),
                       flush=True)
+            if args.prefill:
+                res = profile_prefill(gen, prompts, compiled=args.compile, device=device,
+                                      kernels=args.kernels[-1])
+                res.update(model=cfg.name, batch=B, prompt_tokens=B * args.prompt_len)
+                report.setdefault("prefill", []).append(res)
+                print(f"{cfg.name} B={B} prefill call: {res['us']:.0f} us kernels "
+                      f"({res['wall_us']:.0f} wall), {res['kernels']:.0f} kernels  " +
+                      ", ".join(f"{k} {v:.0f}" for k, v in res["us_by_kind"].items()), flush=True)
+                for t in res["top"][:10]:
+                    print(f"    {t['us']:8.0f} us {t['calls']:4.0f}x {t['kernel']}", flush=True)
             gen.release()
         del gen
     tmp = args.out + ".tmp"
