@@ -70,9 +70,7 @@ class RolloutConfig:
     # torch.compile (dynamic batch size; the KV writes and attention stay eager between them; all
     # captured in the CUDA graphs as before): fuses the RMSNorm, RoPE, SwiGLU and residual
     # element-wise kernels, which bound decode at small batches (a ~0.5B model's step is ~550
-    # kernel launches). The prefill's layers likewise (there the unfused element-wise work was half
-    # the kernel time: 0.5B, 256 x 128 prompt tokens, H200). TP_g = 1 only; the first step pays the
-    # compile. Off until timed.
+    # kernel launches). TP_g = 1 only; the first step pays the compile. Off until timed.
     compile_decode: bool = False
     # "triton": each decode layer's RoPE and both KV-cache writes as one kernel and its attention as
     # split-KV ("flash-decoding") kernels over the query groups (hybridflow/kernels/decode.py), in

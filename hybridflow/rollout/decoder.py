@@ -229,37 +229,37 @@ def _mlp(x, layer: Layer, w: Weights):
 
 def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *,
             cos_tab: torch.Tensor, sin_tab: torch.Tensor, cache=None, cache_row0: int = 0,
-            last_only: bool = False, compiled: bool = False):
+            last_only: bool = False):
     """Full causal forward over left-padded rows (prefill, or the no-cache reference).
 
     ids, positions (B, S) int64, valid (B, S) bool (False = left padding). With `cache`, K/V land in
     columns 0..S-1 of cache rows cache_row0.. Returns fp32 logits (B, S, V) or, with last_only, (B, V).
-    `compiled` (rollout.compile_decode): each layer's pure parts through torch.compile, as a decode
-    step's (the norms, RoPE, K/V expansion, SwiGLU and residual adds fused around the GEMMs: unfused
-    they took half of an H200 prefill's kernel time); attention and collectives stay eager.
     """
     d = w.dims
     B, S = ids.shape
+    hpg, hd = d.heads_per_group, d.head_dim
     x = embed(w, ids.masked_fill(~valid, 0)).reshape(B * S, d.hidden)
     cos = cos_tab[positions][:, :, None, None]  # (B, S, 1, 1, hd)
     sin = sin_tab[positions][:, :, None, None]
     causal = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril()
     eye = torch.eye(S, dtype=torch.bool, device=ids.device)
     mask = ((causal & valid[:, None, :]) | eye)[:, None]  # (B, 1, S, S); pad rows see themselves
-    attn_in, attn_out = _prefill_parts(compiled and d.tp_size == 1)
     for i, layer in enumerate(w.layers):
-        q, k, v, k_rep, v_rep = attn_in(x, layer.ln1, layer.qkv_w, layer.qkv_b, cos, sin, d.eps,
-                                        d.groups)
+        h = _norm(x, layer.ln1, d.eps)
+        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(B, S, d.groups, hpg + 2, hd)
+        qk = qkv[:, :, :, :hpg + 1]
+        qk = qk * cos + qk.roll(hd // 2, -1) * sin  # (B, S, G, hpg+1, hd)
+        q = qk[:, :, :, :hpg].flatten(2, 3).transpose(1, 2)  # (B, H, S, hd)
+        k = qk[:, :, :, hpg].transpose(1, 2)  # (B, G, S, hd)
+        v = qkv[:, :, :, hpg + 1].transpose(1, 2)
         if cache is not None:
             kc, vc = cache.layer(i, cache_row0 + B, cache_row0)
             kc[:, :, :S].copy_(k)
             vc[:, :, :S].copy_(v)
-        a = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask)
-        a = a.transpose(1, 2).reshape(B * S, d.heads * d.head_dim)
-        if d.tp_size == 1:
-            x = attn_out(x, a, layer.proj, layer.ln2, layer.fc1, layer.fc2, d.eps)
-        else:
-            x = _mlp(_row_parallel_add(x, a, layer.proj, w), layer, w)
+        a = F.scaled_dot_product_attention(q, k.repeat_interleave(hpg, 1),
+                                           v.repeat_interleave(hpg, 1), attn_mask=mask)
+        x = _row_parallel_add(x, a.transpose(1, 2).reshape(B * S, d.heads * hd), layer.proj, w)
+        x = _mlp(x, layer, w)
     x = x.view(B, S, d.hidden)
     if last_only:
         return logits(w, _norm(x[:, -1], w.final_ln, d.eps))
@@ -342,32 +342,6 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     return logits(w, _norm(x if y is None else x + y, w.final_ln, d.eps), fp32=False)
 
 
-def _prefill_in(x, ln1, qkv_w, qkv_b, cos, sin, eps: float, groups: int):
-    """Prefill layer input x (B*S, D), RoPE tables cos, sin (B, S, 1, 1, hd) -> q (B, H, S, hd),
-    k, v (B, G, S, hd), and k, v repeated per query head (B, H, S, hd) for SDPA's mask path."""
-    B, S, hd = cos.shape[0], cos.shape[1], cos.shape[-1]
-    qkv = F.linear(_norm(x, ln1, eps), qkv_w, qkv_b).view(B, S, groups, -1, hd)
-    hpg = qkv.shape[3] - 2
-    qk = qkv[:, :, :, :hpg + 1]
-    qk = qk * cos + qk.roll(hd // 2, -1) * sin  # (B, S, G, hpg+1, hd)
-    q = qk[:, :, :, :hpg].flatten(2, 3).transpose(1, 2)  # (B, H, S, hd)
-    k = qk[:, :, :, hpg].transpose(1, 2)  # (B, G, S, hd)
-    v = qkv[:, :, :, hpg + 1].transpose(1, 2)
-    return q, k, v, k.repeat_interleave(hpg, 1), v.repeat_interleave(hpg, 1)
-
-
-def _prefill_out(x, a, proj, ln2, fc1, fc2, eps: float):
-    """TP = 1: h = x + a @ proj.T, then h + the SwiGLU MLP of h."""
-    h = torch.addmm(x, a, proj.t())
-    return torch.addmm(h, _swiglu(_norm(h, ln2, eps), fc1), fc2.t())
-
-
-def _prefill_parts(compiled: bool):
-    if compiled:
-        return _compiled_prefill(COMPILE_BACKEND, COMPILE_MODE)
-    return _prefill_in, _prefill_out
-
-
 def _qkv(x, y, ln1, qkv_w, qkv_b, eps: float, shape: tuple):
     """Layer input x + y (y None: x) -> (it, its QKV projection (B, G, hpg + 2, hd) before RoPE)."""
     x = x if y is None else x + y
@@ -419,9 +393,3 @@ def _layer_parts(compiled: bool, *, fused: bool):
 def _compiled(backend: str, fused: bool, mode: Optional[str]):  # fused: decode_kernels=triton
     kw = dict(dynamic=True, backend=backend, mode=mode)
     return (torch.compile(_qkv if fused else _attn_in, **kw), torch.compile(_attn_out_split, **kw))
-
-
-@functools.cache
-def _compiled_prefill(backend: str, mode: Optional[str]):
-    kw = dict(dynamic=True, backend=backend, mode=mode)
-    return torch.compile(_prefill_in, **kw), torch.compile(_prefill_out, **kw)

@@ -13,8 +13,7 @@ Choices:
   from z_i / T by a constant of the row), computed without the softmax; with `compile_backend` (a
   decode step under rollout.compile_decode) the scaling, the log and the argmax are one fused
   reduction over the logits (bf16 from a decode step: read once, never copied to fp32), as is the
-  log-prob of the drawn token. Greedy takes the argmax in the logits' own dtype (compiled too: one
-  split reduction where eager's single pass of 256 rows took 53 us on an H200). Every op has a
+  log-prob of the drawn token. Greedy takes the argmax in the logits' own dtype. Every op has a
   static shape and there is no host sync, so the sampler runs inside a captured CUDA graph (the
   generator is registered with the graph).
 - Log-probs (when asked) are those of the sampled token under the temperature-scaled distribution
@@ -60,15 +59,10 @@ def _token_logprobs(logits, tokens, inv_temp: float):
     return scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
 
 
-def _greedy(logits):
-    """argmax per row in the logits' own dtype (an fp32 copy would change no order)."""
-    return torch.argmax(logits, dim=-1)
-
-
 @functools.cache
 def _compiled(backend: str):
-    return tuple(torch.compile(fn, dynamic=True, backend=backend)
-                 for fn in (_greedy, _race_argmax, _token_logprobs))
+    return (torch.compile(_race_argmax, dynamic=True, backend=backend),
+            torch.compile(_token_logprobs, dynamic=True, backend=backend))
 
 
 def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
@@ -76,11 +70,11 @@ def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: f
            compile_backend: Optional[str] = None):
     """logits (B, V) over the true vocabulary, any float dtype -> (tokens (B,) int64, logprobs (B,)
     fp32 or None). `compile_backend`: run the race and the log-probs through torch.compile."""
-    greedy, race_argmax, token_logprobs = (_compiled(compile_backend) if compile_backend else
-                                           (_greedy, _race_argmax, _token_logprobs))
+    race_argmax, token_logprobs = (_compiled(compile_backend) if compile_backend else
+                                   (_race_argmax, _token_logprobs))
     inv_temp = 1.0 if temperature == 0.0 else 1.0 / temperature
     if temperature == 0.0:
-        tokens = greedy(logits)  # (B,)
+        tokens = torch.argmax(logits, dim=-1)  # (B,); an fp32 copy would change no order
     elif top_k == 0 and top_p >= 1.0:
         race = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         tokens = race_argmax(logits, race.exponential_(generator=generator), inv_temp)

@@ -1,8 +1,8 @@
 """rollout.compile_decode on CPU: the decode step with each layer's two pure parts traced by
 torch.compile (dynamo with the aot_eager backend: inductor's CPU kernels take minutes to build
 here; tests/gpu/test_rollout_gpu.py runs inductor under CUDA graphs) generates what the eager step
-generates, with the options it runs beside on a GPU (windows, compaction, sampling; the prefill's
-layers compiled too), two traces for every batch bucket, window and layer; and a clear error where it does not apply (TP_g > 1)."""
+generates, with the options it runs beside on a GPU (windows, compaction, sampling), two traces
+for every batch bucket, window and layer; and a clear error where it does not apply (TP_g > 1)."""
 
 import dataclasses
 
@@ -29,14 +29,12 @@ def test_compiled_decode_generates_what_eager_does(monkeypatch):
     torch.testing.assert_close(out.rollout_logprobs, ref.rollout_logprobs, atol=1e-5, rtol=1e-5)
     # each compiled function traced once for every batch size >= 2 and once for 1 (dynamo
     # specialises sizes 0/1; compaction reaches a 1-row bucket here), a layer's first part also
-    # with and without the previous MLP output to add (layer 0): not per bucket, window or layer;
-    # the prefill's parts likewise (a chunk of one prompt and of several)
+    # with and without the previous MLP output to add (layer 0): not per bucket, window or layer
     entries = {fn.__name__: len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
                for fn in (decoder._attn_in, decoder._attn_out_split, sampling._race_argmax,
-                          sampling._token_logprobs, decoder._prefill_in, decoder._prefill_out)}
+                          sampling._token_logprobs)}
     assert entries == {"_attn_in": 4, "_attn_out_split": 2, "_race_argmax": 2,
-                       "_token_logprobs": 2, "_prefill_in": 2, "_prefill_out": 2}, (
-        entries, torch._dynamo.utils.counters["stats"])
+                       "_token_logprobs": 2}, (entries, torch._dynamo.utils.counters["stats"])
 
 
 def test_compiled_decode_needs_generation_tp_1():
