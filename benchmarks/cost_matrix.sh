@@ -4,6 +4,7 @@
 #   bash benchmarks/cost_matrix.sh x1 DIR     # 1-GPU configs, one after another on GPU 0
 #   bash benchmarks/cost_matrix.sh x1kv DIR   # 1-GPU configs with the trainer's current options
 #   bash benchmarks/cost_matrix.sh x1tk DIR   # ... plus the fused decode kernels, and recompute
+#   bash benchmarks/cost_matrix.sh x1ch DIR   # ... plus the chunked LM head
 #   bash benchmarks/cost_matrix.sh x2 DIR     # 2-GPU configs (DP=2, TP=2)
 # One config at a time: the passes are host-bound at these sizes and a neighbour's host load would
 # show in them (a first pass ran 1-GPU configs two side by side; its numbers are not used).
@@ -51,6 +52,15 @@ x1tk)  # + the fused decode kernels (rollout.decode_kernels=triton, compile_deco
   one rl_0_5b_x1_mb64f64_kv64_rc_tk --model qwen2_0_5b --micro 64 --recompute $tk
   one rl_1_5b_x1_mb32f64_kv64_tk --model qwen2_1_5b --micro 32 $tk
   ;;
+x1ch)  # x1tk's options + the LM head in 4,096-token chunks (parallel.lm_head_chunk_tokens)
+  ch="--algos grpo --fmicro 64 --skip-old-log-prob --override data.synthetic_length=120
+      --override actor_optim.lr=1e-6 --override rollout.free_cache_engine=false
+      --override rollout.decode_kv_window=64 --override rollout.decode_kernels=triton
+      --override rollout.compile_decode=true --override parallel.lm_head_chunk_tokens=4096"
+  one rl_1_5b_x1_mb64f64_kv64_rc_tk_ch4k --model qwen2_1_5b --micro 64 --recompute $ch
+  one rl_0_5b_x1_mb64f64_kv64_rc_tk_ch4k --model qwen2_0_5b --micro 64 --recompute $ch
+  one rl_1_5b_x1_mb64f64_kv64_tk_ch4k --model qwen2_1_5b --micro 64 $ch
+  ;;
 x2)
   two rl_0_5b_x2_dp2_mb8 --algos grpo
   two rl_0_5b_x2_dp2_mb16f32 --algos grpo --micro 16 --fmicro 32
@@ -66,6 +76,6 @@ x2tpg)  # generation at TP_g = 2 (NCCL all-reduces inside the decode CUDA graphs
 x2big)  # a GPU-bound model: Qwen2-7B at TP=2 (84 GiB of 141 per GPU)
   two rl_7b_x2_tp2g1_mb8 --model qwen2_7b --algos grpo --tp 2 --tp-gen 1 --steps 4
   ;;
-*) echo "part: x1 | x1kv | x1tk | x2 | x2tpg | x2big"; exit 2;;
+*) echo "part: x1 | x1kv | x1tk | x1ch | x2 | x2tpg | x2big"; exit 2;;
 esac
 for f in "$out"/*.log; do echo "== $f"; tail -n 13 "$f" | grep -v "^values\|^update_critic\|^reward\|^adv"; done
