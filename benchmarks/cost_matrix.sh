@@ -57,9 +57,9 @@ x1ch)  # x1tk's options + the LM head in 4,096-token chunks (parallel.lm_head_ch
       --override actor_optim.lr=1e-6 --override rollout.free_cache_engine=false
       --override rollout.decode_kv_window=64 --override rollout.decode_kernels=triton
       --override rollout.compile_decode=true --override parallel.lm_head_chunk_tokens=4096"
-  one rl_1_5b_x1_mb64f64_kv64_rc_tk_ch4k --model qwen2_1_5b --micro 64 --recompute $ch
-  one rl_0_5b_x1_mb64f64_kv64_rc_tk_ch4k --model qwen2_0_5b --micro 64 --recompute $ch
-  one rl_1_5b_x1_mb64f64_kv64_tk_ch4k --model qwen2_1_5b --micro 64 $ch
+  one rl_1_5b_x1_mb64f64_kv64_rc_ch4k_tk --model qwen2_1_5b --micro 64 --recompute $ch
+  one rl_0_5b_x1_mb64f64_kv64_rc_ch4k_tk --model qwen2_0_5b --micro 64 --recompute $ch
+  one rl_1_5b_x1_mb64f64_kv64_ch4k_tk --model qwen2_1_5b --micro 64 $ch
   ;;
 x2)
   two rl_0_5b_x2_dp2_mb8 --algos grpo

@@ -463,11 +463,11 @@ def test_prefill_is_charged_once_per_prompt_on_each_replica():
         assert flops[False] - flops[True] == pytest.approx((32 - 8) // dp * one_row)
         assert flops[True] > 8 // dp * one_row  # the decode FLOPs come on top
     # every calibration record states which generator it measured: the first 17 the old one, the
-    # seven of the speed runs' trainer options (*_kv64.json; *_tk.json with the decode kernels)
+    # ten of the speed runs' trainer options (*_kv64.json; *_tk.json with the decode kernels)
     # the current one
     records = {p.name: json.loads(p.read_text()) for p in (ROOT / "benchmarks/results/cost").glob("*.json")}
     configs = [(name, r["config"]) for name, rec in records.items() for r in rec.get("records", [])]
-    assert len(configs) == 24
+    assert len(configs) == 27
     assert all(c["prefill_once_per_prompt"] is name.endswith(("_kv64.json", "_tk.json"))
                for name, c in configs)
     assert all((c.get("decode_kernels", "torch") == "triton") is name.endswith("_tk.json")
