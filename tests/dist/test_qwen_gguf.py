@@ -72,8 +72,9 @@ def _assert_logits_close(ours, ref):
     assert torch.equal(ours[0].argmax(-1), ref[0].argmax(-1))
 
 
-def _logits(ids_list, tp: int):
-    """Our model on each prompt; logits gathered over TP ranks (rank 0 returns them)."""
+def _logits(ids_list, tp: int, keep_model: bool = False):
+    """Our model on each prompt; logits gathered over TP ranks (rank 0 returns them, and with
+    keep_model the model too)."""
     import torch.distributed as dist
 
     from hybridflow.models.build import build_model
@@ -96,16 +97,37 @@ def _logits(ids_list, tp: int):
                 dist.all_gather(parts, local.contiguous(), group=ctx.tp_group)
                 local = torch.cat(parts, -1)
             out.append(local[..., : cfg.vocab_size])
-    return (cfg, out) if not dist.is_initialized() or dist.get_rank() == 0 else None
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    return (cfg, out, model) if keep_model else (cfg, out)
 
 
-def test_config_and_logits_match_transformers_tp1(hf):
-    from hybridflow.config import load_config
+@pytest.fixture(scope="module")
+def ours_tp1(hf):
+    """One build of our model at TP=1 from the file (as components.load_pretrained does): its
+    config, its logits on the prompts, and the Generator's greedy continuations of them over the
+    same weights (the path validation and rollouts run: prefill, KV cache, decode)."""
+    from hybridflow.config import RolloutConfig
+    from hybridflow.rollout import Generator
     from tests.hf_models import single_rank_megatron
 
-    _, ids, ref, _ = hf
+    _, ids, _, _ = hf
     with single_rank_megatron():
-        cfg, logits = _logits(ids, tp=1)
+        cfg, logits, model = _logits(ids, tp=1, keep_model=True)
+        gen = Generator(model_cfg=cfg, params=dict(model.named_parameters()), tp_group=None,
+                        device=torch.device("cpu"), dtype=torch.float32,
+                        true_vocab_size=cfg.vocab_size)
+        out = gen.generate(ids, cfg=RolloutConfig(max_new_tokens=GREEDY, temperature=0.0,
+                                                  stop_token_ids=[STOPS[1]]),
+                           eos_id=STOPS[0], pad_id=STOPS[1], seed=0)
+    return cfg, logits, out
+
+
+def test_config_and_logits_match_transformers_tp1(hf, ours_tp1):
+    from hybridflow.config import load_config
+
+    _, _, ref, _ = hf
+    cfg, logits, _ = ours_tp1
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups,
             cfg.vocab_size, cfg.rotary_base, cfg.add_qkv_bias) == (24, 896, 14, 2, 151936, 1e6, True)
     assert cfg.hf_architecture == "Qwen2ForCausalLM" and not cfg.tie_word_embeddings
@@ -124,30 +146,12 @@ def test_logits_match_transformers_tp2(hf):
         _assert_logits_close(ours, r)
 
 
-def test_generator_greedy_equals_transformers_generate(hf):
-    """The generation path validation and rollouts run (the Generator over the training weights:
-    prefill, KV cache, decode) continues each prompt greedily as transformers' generate does, fp32
-    (the bf16 runs on a GPU may part after a near-tie; their step-0 accuracies are compared in
-    benchmarks/results/gsm8k_h200.json)."""
-    from hybridflow.config import RolloutConfig
-    from hybridflow.models.build import build_model
-    from hybridflow.models.gguf import read_gguf
-    from hybridflow.models.hf import load_hf_state_dict
-    from hybridflow.rollout import Generator
-    from tests.hf_models import single_rank_megatron
-
-    _, ids, _, ref = hf
-    with single_rank_megatron() as ctx:
-        cfg, hf_sd = read_gguf(PATH)
-        model = build_model(cfg, role="actor", ctx=ctx).eval()
-        load_hf_state_dict(model, hf_sd, cfg, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
-        del hf_sd
-        gen = Generator(model_cfg=cfg, params=dict(model.named_parameters()), tp_group=None,
-                        device=torch.device("cpu"), dtype=torch.float32,
-                        true_vocab_size=cfg.vocab_size)
-        out = gen.generate(ids, cfg=RolloutConfig(max_new_tokens=GREEDY, temperature=0.0,
-                                                  stop_token_ids=[STOPS[1]]),
-                           eos_id=STOPS[0], pad_id=STOPS[1], seed=0)
+def test_generator_greedy_equals_transformers_generate(hf, ours_tp1):
+    """The Generator over the training weights continues each prompt greedily as transformers'
+    generate does, fp32 (the bf16 runs on a GPU may part after a near-tie; their step-0 accuracies
+    are compared in benchmarks/results/gsm8k_h200.json)."""
+    _, _, _, ref = hf
+    out = ours_tp1[2]
     for row, n, want in zip(out.response_ids, out.response_mask.sum(1), ref):
         want = want.tolist()
         want = want[:next((k + 1 for k, t in enumerate(want) if t in STOPS), len(want))]
