@@ -20,7 +20,10 @@ Per phase, on top:
 - update_actor / update_critic: stored activations (`flops.activation_bytes_per_token_layer`; with
   full recompute only each layer's bf16 input plus one layer's working set), 1F1B keeping
   min(PP, micro-batches) micro-batches in flight on the first stage, plus the logits and their grad
-  (component `logits`).
+  (component `logits`); with `lm_head_chunk_tokens` one chunk of them plus the chunked backward's
+  output-weight gradient: its fp32 sum over the chunks and one chunk's bf16 product
+  (`HEAD_GRAD_BYTES` per weight entry; measured on an H200 at 1.5B with recompute: 39.6 GiB where
+  the chunk alone predicted 37.4).
 Not modelled: Megatron's vocab padding, optimizer-step temporaries, allocator fragmentation (folded
 into `Calibration.memory_headroom_gib` and `memory_scale`; `activation_memory_scale` scales the
 activation component alone: what grows with the micro-batch beyond the counted tensors).
@@ -40,6 +43,7 @@ from hybridflow.parallel.layout import Layout
 GIB = 2 ** 30
 LOGIT_BYTES = 8        # per vocab entry per token: fp32 logits + fp32 log-softmax (or its grad)
 LOGIT_BYTES_BF16 = 4   # the same kept in bf16 (the engine's bf16 output, Workload.bf16_logits)
+HEAD_GRAD_BYTES = 6    # per output-weight entry, chunked LM-head backward: fp32 sum + bf16 product
 COMPONENTS = ("actor_weights", "actor_grads", "actor_optimizer", "critic", "reference",
               "reshard_buffer", "kv_cache", "activations", "logits")
 
@@ -136,7 +140,10 @@ def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str)
         kept = layers_kept * BYTES_PER_PARAM * shape.hidden_size / tp + layer / tp
     else:
         kept = layers_kept * layer / tp
-    return micro_tokens * kept, head(micro_tokens)
+    head_grad = 0.0
+    if workload.lm_head_chunk_tokens and phase == "update_actor":
+        head_grad = shape.vocab_size / tp * shape.hidden_size * HEAD_GRAD_BYTES
+    return micro_tokens * kept, head(micro_tokens) + head_grad
 
 
 def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,

@@ -117,12 +117,14 @@ def test_memory_components_by_hand_tiny():
     assert whole.phases_gib["update_actor"]["activations"] * GIB == pytest.approx(64 * 2 * 1664)
     assert whole.phases_gib["update_actor"]["logits"] * GIB == pytest.approx(64 * 64 * 8)
     # parallel.lm_head_chunk_tokens=5: one chunk of 5 positions' logits held, in every LM pass;
-    # the update pays one more LM-head GEMM (2 x V x h per scored position)
+    # the update also holds the output weight's gradient summed over the chunks (fp32) and one
+    # chunk's bf16 product (V x h x 6 bytes), and pays one more LM-head GEMM (2 x V x h per position)
     kw = dict(model="tiny", gpu="H200", num_gpus=1, layout={"tp": 1}, **TINY_WORK,
               calibration=Calibration())
     chunked = estimate_memory(**kw, lm_head_chunk_tokens=5)
-    for phase in ("update_actor", "ref"):
-        assert chunked.phases_gib[phase]["logits"] * GIB == pytest.approx(5 * 64 * 4)
+    assert chunked.phases_gib["ref"]["logits"] * GIB == pytest.approx(5 * 64 * 4)
+    assert chunked.phases_gib["update_actor"]["logits"] * GIB == pytest.approx(5 * 64 * 4
+                                                                                + 64 * 64 * 6)
     t0, t1 = estimate_step_time(**kw), estimate_step_time(**kw, lm_head_chunk_tokens=5)
     assert t1["update_actor"] > t0["update_actor"] and t1["ref"] == t0["ref"]
     with pytest.raises(ValueError, match="lm_head_chunk_tokens must be 0"):
