@@ -6,8 +6,10 @@ names), bf16, prompt --prompt-len tokens, greedy, CUDA graphs on. Each case: one
 capture, then profiled calls of --steps and 2 x --steps new tokens: their difference over --steps
 is one decode step's kernel time (the prefill and per-call work cancel), summed by kind (gemm,
 attention, norm, elementwise, kv_write, sampling, other); the same difference of unprofiled wall
-times (median of 3) is `wall_us_per_step`: kernel time plus the gaps between kernels. Also printed: kernels per step and the weight+KV read
-floor of one step at the measured copy bandwidth.
+times (median of 3) is `wall_us_per_step`: kernel time plus the gaps between kernels. Also
+printed: kernels per step and the weight+KV read floor of one step at the measured copy bandwidth.
+`--prefill` adds a profile of a one-token call (the prefill); `--compile-mode` tries another
+torch.compile mode for the compiled decode parts.
 
     python benchmarks/profile_decode.py --models conf/model/qwen2_0_5b.yaml conf/model/qwen2_1_5b.yaml \
         --batches 64 256 --compile [--kernels torch triton] --out benchmarks/results/decode_profile_h200.json
@@ -154,6 +156,9 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.no_eager and not args.compile:
+        ap.error("--no-eager profiles the compiled cases only: it needs --compile")
+    modes = ([True] if args.no_eager else [False, True]) if args.compile else [False]
     decoder.COMPILE_MODE = args.compile_mode
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
@@ -175,9 +180,7 @@ def main():
             ctx = args.prompt_len + 1.5 * args.steps  # the mean context of the later steps
             kv_bytes = 2 * cfg.num_layers * B * cfg.num_query_groups * hd * ctx * 2
             floor_us = (weight_bytes + kv_bytes) / COPY_BW * 1e6
-            for kernels, compiled in [(k, c) for k in args.kernels
-                                      for c in ([True] if args.no_eager else [False, True])
-                                      if c in ([False, True] if args.compile else [False])]:
+            for kernels, compiled in [(k, c) for k in args.kernels for c in modes]:
                 res = profile_case(gen, prompts, steps=args.steps, compiled=compiled, device=device,
                                    kernels=kernels)
                 res.update(model=cfg.name, batch=B, compiled=compiled, kernels=kernels,

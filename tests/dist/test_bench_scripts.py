@@ -120,12 +120,20 @@ def test_bench_vs_trl_times_both_sides_and_copies_gsm8k(tmp_path):
 
 def test_profile_decode_sums_kernel_time_by_kind(tmp_path):
     """The decode profile the next GPU session reads: per case, time per step by kind adds up to
-    the total, the kinds are the script's, and the floor fraction is floor / measured."""
+    the total, the kinds are the script's, and the floor fraction is floor / measured; the wall
+    time per step beside it, and (--prefill) a one-token call's profile."""
     out = tmp_path / "p.json"
     subprocess.run([sys.executable, "benchmarks/profile_decode.py", "--models", "conf/model/tiny.yaml",
                     "--device", "cpu", "--batches", "2", "--prompt-len", "8", "--steps", "4",
-                    "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
-    (case,) = json.loads(out.read_text())["cases"]
+                    "--prefill", "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
+    report = json.loads(out.read_text())
+    (case,) = report["cases"]
+    # a difference of two medians: finite (its sign is noise's on a busy 2-core CPU)
+    assert math.isfinite(case["wall_us_per_step"]) and math.isfinite(case["wall_call_rest_us"])
+    (pre,) = report["prefill"]
+    assert (pre["model"], pre["batch"], pre["prompt_tokens"]) == ("tiny", 2, 16)
+    assert pre["wall_us"] > 0 and math.isclose(sum(pre["us_by_kind"].values()), pre["us"],
+                                                rel_tol=1e-9)
     assert (case["model"], case["batch"], case["compiled"], case["kernels"]) == ("tiny", 2, False, "torch")
     by_kind = case["us_per_step_by_kind"]
     assert math.isclose(sum(by_kind.values()), case["us_per_step"], rel_tol=1e-9)
