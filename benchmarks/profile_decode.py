@@ -73,6 +73,15 @@ def _profiled(gen, prompts, *, steps: int, compiled: bool, kernels: str, device)
     return {e.key: (timeof(e), e.count) for e in events}
 
 
+def _by_kind(per: dict):
+    """kernel -> (time, calls) summed by kind: (time by kind, calls by kind, the 15 longest)."""
+    by_kind, count = collections.Counter(), collections.Counter()
+    for k, (t, n) in per.items():
+        by_kind[kind_of(k)] += t
+        count[kind_of(k)] += n
+    return by_kind, count, sorted(per.items(), key=lambda kv: kv[1][0], reverse=True)[:15]
+
+
 def _wall_s(gen, prompts, *, steps: int, compiled: bool, kernels: str, device) -> float:
     """Median wall seconds of 3 generate calls of `steps` new tokens (after one warm call)."""
     import statistics
@@ -104,11 +113,7 @@ def profile_case(gen, prompts, *, steps: int, compiled: bool, device, kernels: s
     per = {k: (max(0.0, (t - short.get(k, (0, 0))[0]) / steps), (n - short.get(k, (0, 0))[1]) / steps)
            for k, (t, n) in long.items()}
     per = {k: v for k, v in per.items() if v[1] > 0}
-    by_kind, count = collections.Counter(), collections.Counter()
-    for k, (t, n) in per.items():
-        by_kind[kind_of(k)] += t
-        count[kind_of(k)] += n
-    top = sorted(per.items(), key=lambda kv: kv[1][0], reverse=True)[:15]
+    by_kind, count, top = _by_kind(per)
     # wall time of a step the same way (no profiler): kernel time + the gaps between kernels
     wall = [_wall_s(gen, prompts, steps=n, compiled=compiled, kernels=kernels, device=device)
             for n in (steps, 2 * steps)]
@@ -126,12 +131,9 @@ def profile_prefill(gen, prompts, *, compiled: bool, device, kernels: str) -> di
     """A call of one new token: the prefill, the first draw and the per-call work (kernel time by
     kind, the top kernels, and its unprofiled wall time)."""
     per = _profiled(gen, prompts, steps=1, compiled=compiled, kernels=kernels, device=device)
-    by_kind = collections.Counter()
-    for k, (t, _) in per.items():
-        by_kind[kind_of(k)] += t
-    top = sorted(per.items(), key=lambda kv: kv[1][0], reverse=True)[:15]
+    by_kind, count, top = _by_kind(per)
     wall = _wall_s(gen, prompts, steps=1, compiled=compiled, kernels=kernels, device=device)
-    return {"us": sum(by_kind.values()), "wall_us": wall * 1e6, "kernels": sum(n for _, n in per.values()),
+    return {"us": sum(by_kind.values()), "wall_us": wall * 1e6, "kernels": sum(count.values()),
             "us_by_kind": dict(by_kind.most_common()),
             "top": [{"kernel": k[:100], "kind": kind_of(k), "us": t, "calls": n}
                     for k, (t, n) in top]}

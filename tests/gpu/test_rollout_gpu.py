@@ -151,8 +151,8 @@ def test_compiled_decode_under_graphs(monkeypatch):
     assert torch.equal(eager.response_ids, compiled.response_ids)
     assert torch.allclose(eager.rollout_logprobs, compiled.rollout_logprobs, atol=1e-4)
     from hybridflow.rollout import decoder, sampling
-    entries = {fn.__name__: len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
-               for fn in (decoder._attn_in, decoder._attn_out_split, sampling._token_logprobs)}
+    from tests.unit.test_compile_decode import traces
+    entries = traces(decoder._attn_in, decoder._attn_out_split, sampling._token_logprobs)
     print(f"compiled decode: traces per function {entries}")
     # per function: batch >= 2, and batch 1 where compaction reaches it; a layer's first part also
     # with and without the previous MLP output to add. Not per bucket, window or layer

@@ -13,6 +13,13 @@ from hybridflow.rollout import decoder, generator, sampling
 from tests.unit.test_rollout import PROMPTS, make, rc
 
 
+def traces(*fns) -> dict:
+    """name -> dynamo traces (cache entries) of each compiled function: unrelated compiles
+    elsewhere in the process cannot change them (tests/gpu counts the same way)."""
+    return {fn.__name__: len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
+            for fn in fns}
+
+
 def test_compiled_decode_generates_what_eager_does(monkeypatch):
     monkeypatch.setattr(generator, "CHECK_EVERY", 4)
     monkeypatch.setattr(decoder, "COMPILE_BACKEND", "aot_eager")
@@ -30,9 +37,8 @@ def test_compiled_decode_generates_what_eager_does(monkeypatch):
     # each compiled function traced once for every batch size >= 2 and once for 1 (dynamo
     # specialises sizes 0/1; compaction reaches a 1-row bucket here), a layer's first part also
     # with and without the previous MLP output to add (layer 0): not per bucket, window or layer
-    entries = {fn.__name__: len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
-               for fn in (decoder._attn_in, decoder._attn_out_split, sampling._race_argmax,
-                          sampling._token_logprobs)}
+    entries = traces(decoder._attn_in, decoder._attn_out_split, sampling._race_argmax,
+                     sampling._token_logprobs)
     assert entries == {"_attn_in": 4, "_attn_out_split": 2, "_race_argmax": 2,
                        "_token_logprobs": 2}, (entries, torch._dynamo.utils.counters["stats"])
 
