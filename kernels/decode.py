@@ -51,24 +51,27 @@ ATTN_WARPS, ATTN_STAGES = 4, 2
 if HAVE_TRITON:
 
     @triton.jit
-    def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, cur_ptr, q_ptr, G, HPG,
+    def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, cur_ptr, q_ptr, G, HPG, S,
                         s_xb, s_xg, s_xr, s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt,
                         s_qb, s_qg, s_qr, R_PAD: tl.constexpr, HD: tl.constexpr):
+        # program (token, group); token = (cache row, position in it) = (bs // S, bs % S): decode
+        # has S = 1 (one token per row), the prefill S prompt tokens per row
         pid = tl.program_id(0).to(tl.int64)
-        b, g = pid // G, pid % G
+        bs, g = pid // G, pid % G
+        b, col = bs // S, bs % S
         r = tl.arange(0, R_PAD)[:, None]
         d = tl.arange(0, HD)[None, :]
         rows = r < HPG + 1  # the q heads and k: rotated
-        base = qkv_ptr + b * s_xb + g * s_xg
+        base = qkv_ptr + bs * s_xb + g * s_xg
         x = tl.load(base + r * s_xr + d, mask=rows, other=0.0)
         xr = tl.load(base + r * s_xr + (d + HD // 2) % HD, mask=rows, other=0.0).to(tl.float32)
-        c = tl.load(cos_ptr + b * s_cb + d).to(tl.float32)
-        s = tl.load(sin_ptr + b * s_cb + d).to(tl.float32)
+        c = tl.load(cos_ptr + bs * s_cb + d).to(tl.float32)
+        s = tl.load(sin_ptr + bs * s_cb + d).to(tl.float32)
         # as the twin rounds in the weights' dtype: x * cos, then + roll(x) * sin
         xc = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
         y = (xc + xr * s).to(x.dtype)
-        tl.store(q_ptr + b * s_qb + g * s_qg + r * s_qr + d, y, mask=r < HPG)
-        cur = tl.load(cur_ptr)
+        tl.store(q_ptr + bs * s_qb + g * s_qg + r * s_qr + d, y, mask=r < HPG)
+        cur = tl.load(cur_ptr) + col
         tl.store(kc_ptr + b * s_kb + g * s_kg + cur * s_kt + d + 0 * r, y, mask=r == HPG)
         v = tl.load(base + (HPG + 1) * s_xr + d)
         tl.store(vc_ptr + b * s_vb + g * s_vg + cur * s_vt + d, v)
@@ -185,7 +188,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     q = torch.empty((B, G, hpg, hd), dtype=qkv.dtype, device=qkv.device)
     if B:
         _rope_kv_kernel[(B * G,)](
-            qkv, cos, sin, k_cache, v_cache, cur, q, G, hpg, *qkv.stride()[:3], cos.stride(0),
+            qkv, cos, sin, k_cache, v_cache, cur, q, G, hpg, 1, *qkv.stride()[:3], cos.stride(0),
             *k_cache.stride()[:3], *v_cache.stride()[:3], *q.stride()[:3],
             R_PAD=triton.next_power_of_2(hpg + 1), HD=hd, num_warps=2)
     return q
@@ -198,6 +201,40 @@ def _rope_kv_torch(qkv, cos, sin, k_cache, v_cache, cur, *, hpg: int) -> torch.T
     k_cache.index_copy_(2, cur, qk[:, :, hpg:])
     v_cache.index_copy_(2, cur, qkv[:, :, hpg + 1:])
     return qk[:, :, :hpg].contiguous()
+
+
+def rope_kv_prefill(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, *, hpg: int,
+                    impl: str = "auto") -> torch.Tensor:
+    """The prefill's rope_kv_write: qkv (B, S, G, hpg + 2, hd), cos, sin (B, S, hd) -> the rotated
+    q (B, S, G, hpg, hd), contiguous; k and v of token s written to cache column s (columns
+    0..S-1 of each row). One pass over the projection instead of PyTorch's RoPE element-wise
+    kernels (a strided multiply, a roll copy, a multiply-add) and two cache copies."""
+    B, S, G, R, hd = qkv.shape
+    if R != hpg + 2:
+        raise ValueError(f"qkv has {R} rows per group, expected hpg + 2 = {hpg + 2}")
+    if not use_triton(qkv, impl):
+        qk = qkv[:, :, :, :hpg + 1]
+        qk = torch.addcmul(qk * cos[:, :, None, None], qk.roll(hd // 2, -1),
+                           sin[:, :, None, None])
+        k_cache[:, :, :S].copy_(qk[:, :, :, hpg].transpose(1, 2))
+        v_cache[:, :, :S].copy_(qkv[:, :, :, hpg + 1].transpose(1, 2))
+        return qk[:, :, :, :hpg].contiguous()
+    _check_head_dim(hd)
+    flat = qkv.reshape(B * S, G, R, hd)  # a view for the projection's (B*S, G*R*hd) output
+    cos2, sin2 = cos.reshape(B * S, hd), sin.reshape(B * S, hd)
+    if flat.stride(-1) != 1 or cos2.stride(-1) != 1 or sin2.stride() != cos2.stride():
+        raise ValueError("rope_kv_prefill needs qkv, cos and sin contiguous in the last dimension "
+                         "and cos, sin of the same strides")
+    q = torch.empty((B, S, G, hpg, hd), dtype=qkv.dtype, device=qkv.device)
+    if B * S:
+        zero = torch.zeros(1, dtype=torch.long, device=qkv.device)
+        qf = q.view(B * S, G, hpg, hd)
+        _rope_kv_kernel[(B * S * G,)](
+            flat, cos2, sin2, k_cache, v_cache, zero, qf, G, hpg, S, *flat.stride()[:3],
+            cos2.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *qf.stride()[:3],
+            R_PAD=triton.next_power_of_2(hpg + 1), HD=hd, num_warps=2)
+    return q
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

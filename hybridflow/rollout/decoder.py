@@ -12,8 +12,8 @@ The math follows Megatron's local spec exactly (so logits match `GPTModel` to fp
 - RoPE: non-interleaved (rotate-half), base `rotary_base`, frequencies in fp32, applied in the
   weight dtype; llama3 `rope_scaling` supported (its factors read from the dict with Megatron's
   defaults), other scaling types raise NotImplementedError. Positions are per row (left padding).
-- Attention: SDPA. Prefill: causal + key-padding mask over the prompt (K/V repeated per head so the
-  memory-efficient kernel takes the mask). Decode: the heads of one query group are folded into the
+- Attention: SDPA. Prefill: causal + key-padding mask over the prompt, grouped K/V
+  (`enable_gqa`); with rollout.decode_kernels=triton its RoPE + K/V writes are one kernel too. Decode: the heads of one query group are folded into the
   query-length axis, so (B, groups, heads_per_group, hd) queries attend to the cached
   (B, groups, T, hd) keys with no K/V copy; an additive mask hides padding and unwritten slots.
   With `kv_len` the keys are the first kv_len columns (a strided view, no copy). With
@@ -229,35 +229,50 @@ def _mlp(x, layer: Layer, w: Weights):
 
 def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *,
             cos_tab: torch.Tensor, sin_tab: torch.Tensor, cache=None, cache_row0: int = 0,
-            last_only: bool = False):
+            last_only: bool = False, kernels: str = "torch"):
     """Full causal forward over left-padded rows (prefill, or the no-cache reference).
 
     ids, positions (B, S) int64, valid (B, S) bool (False = left padding). With `cache`, K/V land in
-    columns 0..S-1 of cache rows cache_row0.. Returns fp32 logits (B, S, V) or, with last_only, (B, V).
+    columns 0..S-1 of cache rows cache_row0.. `kernels` "triton" (rollout.decode_kernels, with a
+    cache): RoPE and the K/V writes as one kernel (kernels.decode.rope_kv_prefill), the attention
+    reading K/V from the cache. Returns fp32 logits (B, S, V) or, with last_only, (B, V).
     """
     d = w.dims
     B, S = ids.shape
     hpg, hd = d.heads_per_group, d.head_dim
+    fused = kernels == "triton" and cache is not None
     x = embed(w, ids.masked_fill(~valid, 0)).reshape(B * S, d.hidden)
-    cos = cos_tab[positions][:, :, None, None]  # (B, S, 1, 1, hd)
-    sin = sin_tab[positions][:, :, None, None]
+    if fused:
+        from hybridflow.kernels import decode as kern
+
+        cos, sin = cos_tab[positions], sin_tab[positions]  # (B, S, hd)
+    else:
+        cos = cos_tab[positions][:, :, None, None]  # (B, S, 1, 1, hd)
+        sin = sin_tab[positions][:, :, None, None]
     causal = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril()
     eye = torch.eye(S, dtype=torch.bool, device=ids.device)
     mask = ((causal & valid[:, None, :]) | eye)[:, None]  # (B, 1, S, S); pad rows see themselves
     for i, layer in enumerate(w.layers):
         h = _norm(x, layer.ln1, d.eps)
         qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(B, S, d.groups, hpg + 2, hd)
-        qk = qkv[:, :, :, :hpg + 1]
-        qk = qk * cos + qk.roll(hd // 2, -1) * sin  # (B, S, G, hpg+1, hd)
-        q = qk[:, :, :, :hpg].flatten(2, 3).transpose(1, 2)  # (B, H, S, hd)
-        k = qk[:, :, :, hpg].transpose(1, 2)  # (B, G, S, hd)
-        v = qkv[:, :, :, hpg + 1].transpose(1, 2)
-        if cache is not None:
+        if fused:
             kc, vc = cache.layer(i, cache_row0 + B, cache_row0)
-            kc[:, :, :S].copy_(k)
-            vc[:, :, :S].copy_(v)
-        a = F.scaled_dot_product_attention(q, k.repeat_interleave(hpg, 1),
-                                           v.repeat_interleave(hpg, 1), attn_mask=mask)
+            q = kern.rope_kv_prefill(qkv, cos, sin, kc, vc, hpg=hpg, impl="triton")
+            q = q.view(B, S, d.heads, hd).transpose(1, 2)  # (B, H, S, hd)
+            k, v = kc[:, :, :S], vc[:, :, :S]  # (B, G, S, hd)
+        else:
+            qk = qkv[:, :, :, :hpg + 1]
+            qk = qk * cos + qk.roll(hd // 2, -1) * sin  # (B, S, G, hpg+1, hd)
+            q = qk[:, :, :, :hpg].flatten(2, 3).transpose(1, 2)  # (B, H, S, hd)
+            k = qk[:, :, :, hpg].transpose(1, 2)  # (B, G, S, hd)
+            v = qkv[:, :, :, hpg + 1].transpose(1, 2)
+            if cache is not None:
+                kc, vc = cache.layer(i, cache_row0 + B, cache_row0)
+                kc[:, :, :S].copy_(k)
+                vc[:, :, :S].copy_(v)
+        # query head j reads K/V group j // hpg (no per-head K/V copy: half the attention time of
+        # repeat_interleave + SDPA at 64-256 x 128 tokens, benchmarks/results/fused_linear_h200.json)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hpg > 1)
         x = _row_parallel_add(x, a.transpose(1, 2).reshape(B * S, d.heads * hd), layer.proj, w)
         x = _mlp(x, layer, w)
     x = x.view(B, S, d.hidden)

@@ -290,7 +290,8 @@ class Generator:
         per = max(1, PREFILL_TOKENS // P)
         last = torch.cat([decoder.forward(self.w, ids[r:r + per], positions[r:r + per],
                                           mask[r:r + per].bool(), cos_tab=cos, sin_tab=sin,
-                                          cache=self._cache, cache_row0=r, last_only=True)
+                                          cache=self._cache, cache_row0=r, last_only=True,
+                                          kernels=cfg.decode_kernels)
                           for r in range(0, U, per)])  # (U, V), K/V in cache rows 0..U-1
         if U < B:  # each copy gets its prompt's K/V and logits (n = 1: nothing to share)
             self._cache.gather_rows(copy_of, columns=P)

@@ -65,6 +65,38 @@ def kernel_cases():
     return out
 
 
+def prefill_cases():
+    """rope_kv_prefill against its twin and against the decoder's own prefill RoPE (x cos +
+    roll(x) sin; equal in fp32): q, and cache columns 0..S-1 of the given rows only."""
+    out = []
+    g = torch.Generator().manual_seed(1)
+    for B, S, G, hpg, hd, T in [(3, 5, 2, 7, 64, 12), (2, 9, 1, 1, 16, 9), (2, 4, 4, 2, 32, 30)]:
+        cache = torch.randn(2, 2, B + 2, G, T, hd, generator=g)  # (k/v, layer, rows, G, T, hd)
+        before = cache.clone()
+        kc, vc = cache[0, 1, 1:B + 1], cache[1, 1, 1:B + 1]  # rows 1..B of layer 1
+        kc2, vc2 = kc.clone(), vc.clone()
+        qkv = torch.randn(B, S, G, hpg + 2, hd, generator=g)
+        cos_t, sin_t = tables(hd)
+        pos = torch.randint(0, 200, (B, S), generator=g)
+        cos, sin = cos_t[pos], sin_t[pos]
+        q = kern.rope_kv_prefill(qkv, cos, sin, kc, vc, hpg=hpg, impl="triton")
+        q2 = kern.rope_kv_prefill(qkv, cos, sin, kc2, vc2, hpg=hpg, impl="torch")
+        qk = qkv[:, :, :, :hpg + 1]  # the decoder's torch prefill
+        qk = qk * cos[:, :, None, None] + qk.roll(hd // 2, -1) * sin[:, :, None, None]
+        changed = (cache != before).nonzero()
+        out.append({"shape": [B, S, G, hpg, hd, T],
+                    "q_err": (q - q2).abs().max().item(),
+                    "q_vs_decoder": (q - qk[:, :, :, :hpg]).abs().max().item(),
+                    "cache_err": max((kc - kc2).abs().max().item(), (vc - vc2).abs().max().item()),
+                    "k_vs_decoder": (kc[:, :, :S] - qk[:, :, :, hpg].transpose(1, 2)).abs().max()
+                    .item(),
+                    "only_prefix_written": bool(
+                        (changed[:, 1] == 1).all() and (changed[:, 2] >= 1).all()
+                        and (changed[:, 2] <= B).all() and (changed[:, 4] < S).all()
+                        and len(changed) > 0)})
+    return out
+
+
 # head_dim 16, hpg 2, 2 query groups (1 per rank at TP_g = 2); test_rollout's vocabulary
 CFG16 = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
                     num_query_groups=2, vocab_size=37, add_qkv_bias=True)
@@ -125,5 +157,6 @@ def tp2_cases():
 
 
 if __name__ == "__main__":
-    print(json.dumps({"kernels": kernel_cases(), "generation": generation_cases(),
+    print(json.dumps({"kernels": kernel_cases(), "prefill": prefill_cases(),
+                      "generation": generation_cases(),
                       "tp2": tp2_cases()}))

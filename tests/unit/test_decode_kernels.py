@@ -1,5 +1,6 @@
 """rollout.decode_kernels=triton on CPU, through Triton's interpreter (TRITON_INTERPRET=1, in a fresh
-process: tests/unit/decode_kernels_check.py): the fused RoPE + KV-write kernel and the split-KV
+process: tests/unit/decode_kernels_check.py): the fused RoPE + KV-write kernel (decode, and the
+prefill's S tokens per row) and the split-KV
 decode attention equal their PyTorch twins (fp32; several group sizes, head dims 16-128, attention
 windows shorter than the cache, strided cache views, left-padded keys, a row whose only key is its
 own token; 1, 2 and one-per-block attention splits), writing only the current column of the given
@@ -42,6 +43,16 @@ def test_kernels_equal_their_twins(checked):
         assert case["attn_err"] < 1e-5, case
         assert case["splits"][0] == 1 and case["splits"][-1] == -(-case["shape"][5] // kern.BLOCK_T)
         assert case["row0_is_its_value"] < 1e-6, case  # one valid key: its value, exactly
+
+
+def test_prefill_kernel_equals_its_twin_and_the_decoders_rope(checked):
+    """rope_kv_prefill (the prefill's RoPE + K/V writes, rollout.decode_kernels=triton): the twin's
+    q and cache, the decoder's own RoPE, and only columns 0..S-1 of the given rows written."""
+    assert len(checked["prefill"]) == 3
+    for case in checked["prefill"]:
+        assert case["q_err"] < 1e-5 and case["cache_err"] < 1e-5, case
+        assert case["q_vs_decoder"] < 1e-5 and case["k_vs_decoder"] < 1e-5, case
+        assert case["only_prefix_written"], case
 
 
 def test_generation_with_the_kernels_equals_torch(checked):
