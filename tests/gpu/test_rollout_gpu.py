@@ -137,6 +137,7 @@ def test_compiled_decode_under_graphs(monkeypatch):
 
     monkeypatch.setattr(generator, "CHECK_EVERY", 2)
     monkeypatch.setattr(compaction, "MIN_GRAPHED_BUCKET", 1)
+    torch._dynamo.reset()  # traces are counted per function: none from earlier tests (bf16 ones)
     torch._dynamo.utils.counters.clear()
     gpu = _gen("cuda")
     prompts, R = random_prompts(24, vocab=CFG.vocab_size), 150
