@@ -57,8 +57,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_decode_attention.py times Triton kernels in CUDA graphs: it needs a GPU")
     dev = torch.device("cuda")
-    default = (kern.BLOCK_T, kern.BLOCK_T_SPLIT, kern.ATTN_WARPS, kern.ATTN_STAGES,
-               kern.PROGRAMS_PER_SM)
+    default = (kern.BLOCK_T, kern.ATTN_WARPS, kern.ATTN_STAGES, kern.PROGRAMS_PER_SM)
     results = {}
     for name, B, G, hpg, hd in SHAPES:
         kc = torch.randn(B, G, args.cache, hd, device=dev, dtype=torch.bfloat16)
@@ -68,13 +67,10 @@ def main() -> None:
         k, v = kc[:, :, :args.columns], vc[:, :, :args.columns]
         ref = kern.decode_attention(q, k, v, valid, impl="torch")
         read = 2 * B * G * args.columns * hd * 2  # K and V bytes
-        # the module's own launch for this shape (its block size depends on the split)
-        mine = (kern.block_columns(B * G, dev), kern.ATTN_WARPS, kern.ATTN_STAGES,
-                kern.PROGRAMS_PER_SM)
         rows = []
         for bt, warps, stages, per_sm in itertools.product(*GRID.values()):
-            kern.BLOCK_T, kern.BLOCK_T_SPLIT, kern.ATTN_WARPS, kern.ATTN_STAGES, \
-                kern.PROGRAMS_PER_SM = bt, bt, warps, stages, per_sm
+            kern.BLOCK_T, kern.ATTN_WARPS, kern.ATTN_STAGES, kern.PROGRAMS_PER_SM = \
+                bt, warps, stages, per_sm
             try:
                 out = kern.decode_attention(q, k, v, valid, impl="triton")
                 err = float((out.float() - ref.float()).abs().max())
@@ -85,9 +81,8 @@ def main() -> None:
                 continue
             rows.append(dict(block_t=bt, warps=warps, stages=stages, per_sm=per_sm, us=us,
                              max_abs_err=err, splits=kern.num_splits(B * G, args.columns, dev),
-                             default=(bt, warps, stages, per_sm) == mine))
-        kern.BLOCK_T, kern.BLOCK_T_SPLIT, kern.ATTN_WARPS, kern.ATTN_STAGES, \
-            kern.PROGRAMS_PER_SM = default
+                             default=(bt, warps, stages, per_sm) == default))
+        kern.BLOCK_T, kern.ATTN_WARPS, kern.ATTN_STAGES, kern.PROGRAMS_PER_SM = default
         ok = [r for r in rows if "us" in r]
         best = min(ok, key=lambda r: r["us"])
         dflt = next(r for r in ok if r["default"])

@@ -13,7 +13,7 @@ and ~10 us in RoPE's element-wise kernels and the two KV-cache writes
   the product x cos first, then the multiply-add).
 - `decode_attention(q, k_cache, v_cache, key_valid, scale)`: split-KV ("flash-decoding") attention
   for grouped queries: program (row, group, split) scores the group's hpg queries against its
-  share of the attended columns, a block at a time (tl.dot, fp32 accumulation, online softmax,
+  share of the attended columns, BLOCK_T at a time (tl.dot, fp32 accumulation, online softmax,
   masked columns -inf). With as many (row, group) programs as fill the device there is one split
   and the program writes the output; otherwise each split keeps its max, sum of exp and P @ V in
   fp32 scratch and a second kernel combines the splits (online-softmax rescaling) into the output
@@ -41,12 +41,7 @@ if HAVE_TRITON:  # CPU-only installs: the PyTorch twins serve
     import triton
     import triton.language as tl
 
-BLOCK_T = 64  # cache columns per attention block (one tl.dot) ...
-# ... and where the (row, group) programs do not fill the device (the attention is split): per
-# benchmarks/results/decode_attention_h200.json, 128-column blocks in 2 splits beat 64-column
-# blocks in 3 at 64 rows (Qwen2-1.5B 10.0 -> 8.4 us per layer, 0.5B 7.7 -> 6.7); with one split
-# (256 rows) 64 is as good or better (1.5B: 21.3 against 26.1 us)
-BLOCK_T_SPLIT = 128
+BLOCK_T = 64  # cache columns per attention block (one tl.dot)
 TARGET_PROGRAMS = 0  # 0: PROGRAMS_PER_SM x the SMs (a test may set it to force a split count)
 # the split kernel's launch: the best sum over the speed issue's four decode shapes in
 # benchmarks/results/decode_attention_h200.json (49 us against 61 us for 64 / 4 / 4 warps / 3 stages)
@@ -164,22 +159,10 @@ def _target_programs(device: torch.device) -> int:
     return 528
 
 
-def _fills(rows_x_groups: int, device: torch.device) -> bool:
-    return rows_x_groups >= _target_programs(device)
-
-
-def block_columns(rows_x_groups: int, device: torch.device) -> int:
-    """Cache columns per attention block: BLOCK_T when the (row, group) programs fill the device,
-    else BLOCK_T_SPLIT."""
-    return BLOCK_T if _fills(rows_x_groups, device) else BLOCK_T_SPLIT
-
-
 def num_splits(rows_x_groups: int, columns: int, device: torch.device) -> int:
     """Splits of the attended columns per (row, group): 1 when the (row, group) programs alone fill
-    the device (no scratch, no combine), else up to one per block of columns."""
-    if _fills(rows_x_groups, device):
-        return 1
-    blocks = -(-columns // block_columns(rows_x_groups, device))
+    the device (no scratch, no combine), else up to one per BLOCK_T columns."""
+    blocks = -(-columns // BLOCK_T)
     return max(1, min(blocks, -(-_target_programs(device) // max(1, rows_x_groups))))
 
 
@@ -270,8 +253,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("decode_attention needs q and the caches contiguous in the last dimension")
     nsplit = num_splits(B * G, T, q.device)
-    block = block_columns(B * G, q.device)
-    blocks = -(-T // (nsplit * block))  # blocks of `block` columns per split
+    blocks = -(-T // (nsplit * BLOCK_T))  # blocks of BLOCK_T columns per split
     h_pad = max(16, triton.next_power_of_2(hpg))
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if nsplit > 1:
@@ -286,7 +268,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q, k_cache, v_cache, valid, m, lsum, acc, out, G, hpg, T, scale,
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], valid.stride(0),
             valid.stride(1), *out.stride()[:3], NSPLIT=nsplit, BLOCKS=blocks, H_PAD=h_pad, HD=hd,
-            BLOCK=block,
+            BLOCK=BLOCK_T,
             IEEE=q.dtype == torch.float32, num_warps=ATTN_WARPS, num_stages=ATTN_STAGES)
         if nsplit > 1:  # the split count is a compile-time constant: one kernel per value
             _attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, *out.stride()[:3],

@@ -45,19 +45,14 @@ def kernel_cases():
         valid[:, kv - 1] = True  # the current token
         valid[0, :kv - 1] = False  # a row whose only key is its own token
         a2 = kern.decode_attention(q, kc[:, :, :kv], vc[:, :, :kv], valid[:, :kv], impl="torch")
-        attn_err, splits, splits_default = 0.0, [], kern.BLOCK_T_SPLIT
-        # one split (the program writes the output), two (the last runs past kv_len), one per
-        # block; split blocks of BLOCK_T_SPLIT (the default) and of 64 columns
-        for split_block in (kern.BLOCK_T_SPLIT, 64):
-            kern.BLOCK_T_SPLIT = split_block
-            for target in (1, 2 * B * G, 10_000):
-                kern.TARGET_PROGRAMS = target
-                if split_block != 64:
-                    splits.append(kern.num_splits(B * G, kv, q.device))
-                a = kern.decode_attention(q, kc[:, :, :kv], vc[:, :, :kv], valid[:, :kv],
-                                          impl="triton")
-                attn_err = max(attn_err, (a - a2).abs().max().item())
-        kern.TARGET_PROGRAMS, kern.BLOCK_T_SPLIT = 0, splits_default
+        attn_err, splits = 0.0, []
+        # one split (the program writes the output), two (the last runs past kv_len), one per block
+        for target in (1, 2 * B * G, 10_000):
+            kern.TARGET_PROGRAMS = target
+            splits.append(kern.num_splits(B * G, kv, q.device))
+            a = kern.decode_attention(q, kc[:, :, :kv], vc[:, :, :kv], valid[:, :kv], impl="triton")
+            attn_err = max(attn_err, (a - a2).abs().max().item())
+        kern.TARGET_PROGRAMS = 0
         out.append({"shape": [B, G, hpg, hd, T, kv],
                     "q_err": (q - q2).abs().max().item(),
                     "cache_err": max((kc - kc2).abs().max().item(), (vc - vc2).abs().max().item()),
