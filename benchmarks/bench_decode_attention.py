@@ -6,8 +6,9 @@ a cache of prompt 128 + 256 new columns attended over its first --columns, each 
 the mean ranked), for every combination of BLOCK_T, warps, pipeline stages and programs per SM.
 Rank by the columns a decode attends: one count misleads (a sweep at 256 columns alone favoured
 128-column blocks, which lost in the decode itself, decode_profile_h200_block128_tried.json; likely
-because its 64-column windows leave a 128-column block half empty at 192 or 320 columns). Prints the best per shape and its
-K/V read bandwidth; the JSON keeps every timing. The module's defaults are the row marked `default`.
+because its 64-column windows leave a 128-column block half empty at 192 or 320 columns). Prints
+the best per shape and its K/V read bandwidth; the JSON keeps every timing. The module's defaults
+are the row marked `default`.
 
     python benchmarks/bench_decode_attention.py --out benchmarks/results/decode_attention_h200.json
 """

@@ -13,9 +13,10 @@ The math follows Megatron's local spec exactly (so logits match `GPTModel` to fp
   weight dtype; llama3 `rope_scaling` supported (its factors read from the dict with Megatron's
   defaults), other scaling types raise NotImplementedError. Positions are per row (left padding).
 - Attention: SDPA. Prefill: causal + key-padding mask over the prompt, grouped K/V
-  (`enable_gqa`); with rollout.decode_kernels=triton its RoPE + K/V writes are one kernel too. Decode: the heads of one query group are folded into the
-  query-length axis, so (B, groups, heads_per_group, hd) queries attend to the cached
-  (B, groups, T, hd) keys with no K/V copy; an additive mask hides padding and unwritten slots.
+  (`enable_gqa`); with rollout.decode_kernels=triton its RoPE + K/V writes are one kernel too.
+  Decode: the heads of one query group are folded into the query-length axis, so
+  (B, groups, heads_per_group, hd) queries attend to the cached (B, groups, T, hd) keys with no
+  K/V copy; an additive mask hides padding and unwritten slots.
   With `kv_len` the keys are the first kv_len columns (a strided view, no copy). With
   rollout.decode_kernels=triton the decode step's RoPE + KV writes run as one kernel and the
   attention as split-KV Triton kernels (hybridflow/kernels/decode.py; same math, PyTorch twins).
@@ -271,7 +272,8 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
                 kc[:, :, :S].copy_(k)
                 vc[:, :, :S].copy_(v)
         # query head j reads K/V group j // hpg (no per-head K/V copy: half the attention time of
-        # repeat_interleave + SDPA at 64-256 x 128 tokens, benchmarks/results/fused_linear_h200.json)
+        # repeat_interleave + SDPA at 64-256 x 128 tokens; benchmarks/results/fused_linear_h200.json
+        # "prefill_attention")
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hpg > 1)
         x = _row_parallel_add(x, a.transpose(1, 2).reshape(B * S, d.heads * hd), layer.proj, w)
         x = _mlp(x, layer, w)
