@@ -67,6 +67,11 @@ def main() -> None:
     dev = torch.device("cuda")
     default = (kern.BLOCK_T, kern.ATTN_WARPS, kern.ATTN_STAGES, kern.PROGRAMS_PER_SM)
     results = {}
+    # rewritten after every shape: a sweep cut off by a device call's time limit keeps its shapes
+    record = dict(benchmark="split-KV decode attention launch sweep", columns=args.columns,
+                  cache=args.cache, grid=GRID, default=default, shapes=results,
+                  machine=machine(dev),
+                  command=" ".join([os.path.basename(sys.executable)] + sys.argv))
     for name, B, G, hpg, hd in SHAPES:
         kc = torch.randn(B, G, args.cache, hd, device=dev, dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
@@ -108,13 +113,14 @@ def main() -> None:
               f"{dflt['us']:6.1f}  best {best['us']:6.1f} ({best['block_t']}, {best['warps']}w, "
               f"{best['stages']}s, {best['per_sm']}/SM)  err {best['max_abs_err']:.3g}",
               flush=True)
-    tmp = args.out + ".tmp"
+        write(args.out, record)
+
+
+def write(path: str, record: dict) -> None:
+    tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(dict(benchmark="split-KV decode attention launch sweep", columns=args.columns,
-                       cache=args.cache, grid=GRID, default=default, shapes=results,
-                       machine=machine(dev), command=" ".join([os.path.basename(sys.executable)]
-                                                           + sys.argv)), f, indent=1)
-    os.replace(tmp, args.out)
+        json.dump(record, f, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
