@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -25,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_generate import COPY_BW, machine  # noqa: E402
+from gsm8k_hf_eval import write_json  # noqa: E402  (temp file + os.replace)
 from hybridflow.kernels import decode as kern  # noqa: E402
 
 # (name, rows, query groups, heads per group, head_dim)
@@ -113,14 +113,7 @@ def main() -> None:
               f"{dflt['us']:6.1f}  best {best['us']:6.1f} ({best['block_t']}, {best['warps']}w, "
               f"{best['stages']}s, {best['per_sm']}/SM)  err {best['max_abs_err']:.3g}",
               flush=True)
-        write(args.out, record)
-
-
-def write(path: str, record: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, path)
+        write_json(args.out, record)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_generate import machine  # noqa: E402
+from gsm8k_hf_eval import write_json  # noqa: E402  (temp file + os.replace)
 import fused_linear_triton as lin  # noqa: E402
 from hybridflow.rollout import decoder  # noqa: E402
 
@@ -180,18 +180,11 @@ def main() -> None:
     for c in args.cases:  # the file is rewritten after each case (a cut-off run keeps its cases)
         model, rows = c.split(":")
         res["cases"].append(case(model, int(rows)))
-        write(res, args.out)
+        write_json(args.out, res)
     if args.prefill:
         res["prefill_attention"] = [prefill_attention(64, 128, 14, 2, 64),
                                     prefill_attention(256, 128, 14, 2, 64)]
-        write(res, args.out)
-
-
-def write(res: dict, path: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(tmp, path)
+        write_json(args.out, res)
 
 
 if __name__ == "__main__":
