@@ -21,6 +21,10 @@ and ~10 us in RoPE's element-wise kernels and the two KV-cache writes
   query row has at least one valid column (its own token). The twin is the decoder's SDPA call
   with an additive mask.
 
+The prefill (hybridflow/rollout/decoder.forward with decode_kernels=triton) also takes
+`rope_kv_prefill` (the same RoPE + KV-write kernel over S tokens per row) and `silu_mul` (the
+SwiGLU of fc1's output in one pass instead of PyTorch's strided silu and multiply).
+
 Shapes: qkv (B, G, hpg + 2, hd) (a view of the QKV projection, rows grouped per KV group as in
 Megatron's packed layout); cos, sin (B, hd); k_cache, v_cache (B, G, T, hd) strided views of the KV
 cache (the last dimension contiguous); key_valid (B, T) bool; q (B, G, hpg, hd); head_dim a power
@@ -150,6 +154,21 @@ if HAVE_TRITON:
                  (o / big_l[:, None]).to(out_ptr.dtype.element_ty), mask=rows)
 
 
+if HAVE_TRITON:
+
+    @triton.jit
+    def _silu_mul_kernel(z_ptr, out_ptr, F, s_z, s_o, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = col < F
+        gate = tl.load(z_ptr + row * s_z + col, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(z_ptr + row * s_z + F + col, mask=ok, other=0.0).to(tl.float32)
+        # as PyTorch's F.silu(gate) * up rounds: silu in fp32 rounded to the input dtype, then the
+        # product rounded
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * s_o + col, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
 def _target_programs(device: torch.device) -> int:
     """Programs that fill the device a few times over: the split count aims at it."""
     if TARGET_PROGRAMS:
@@ -235,6 +254,27 @@ def rope_kv_prefill(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             cos2.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *qf.stride()[:3],
             R_PAD=triton.next_power_of_2(hpg + 1), HD=hd, num_warps=2)
     return q
+
+
+def silu_mul(z: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    """SwiGLU of fc1's output z (N, 2F) = [gate | up] -> silu(gate) * up (N, F) in one pass (the
+    prefill's: PyTorch runs a strided silu and a strided multiply, ~0.43 ms per layer and 16k
+    tokens of Qwen2-0.5B on the H200, benchmarks/results/prefill_profile_h200_gqa.json)."""
+    N, two_f = z.shape
+    if two_f % 2:
+        raise ValueError(f"silu_mul: z has {two_f} columns, expected [gate | up] (an even count)")
+    if not use_triton(z, impl):
+        gate, up = z.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if z.stride(-1) != 1:
+        raise ValueError("silu_mul needs z contiguous in the last dimension")
+    f = two_f // 2
+    out = torch.empty((N, f), dtype=z.dtype, device=z.device)
+    if N and f:
+        block = min(1024, triton.next_power_of_2(f))
+        _silu_mul_kernel[(N, triton.cdiv(f, block))](z, out, f, z.stride(0), out.stride(0),
+                                                     BLOCK=block, num_warps=4)
+    return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -219,13 +219,19 @@ def logits(w: Weights, h: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:
     return local.float() if fp32 else local
 
 
-def _swiglu(h, fc1):
-    gate, up = F.linear(h, fc1).chunk(2, dim=-1)
+def _swiglu(h, fc1, silu_mul=None):
+    """silu(gate) * up of fc1 = [gate; up]; `silu_mul`: a one-pass kernel for it (the prefill's,
+    kernels.decode.silu_mul) instead of PyTorch's ops."""
+    z = F.linear(h, fc1)
+    if silu_mul is not None:
+        return silu_mul(z)
+    gate, up = z.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def _mlp(x, layer: Layer, w: Weights):
-    return _row_parallel_add(x, _swiglu(_norm(x, layer.ln2, w.dims.eps), layer.fc1), layer.fc2, w)
+def _mlp(x, layer: Layer, w: Weights, silu_mul=None):
+    h = _norm(x, layer.ln2, w.dims.eps)
+    return _row_parallel_add(x, _swiglu(h, layer.fc1, silu_mul), layer.fc2, w)
 
 
 def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *,
@@ -236,17 +242,19 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
     ids, positions (B, S) int64, valid (B, S) bool (False = left padding). With `cache`, K/V land in
     columns 0..S-1 of cache rows cache_row0.. `kernels` "triton" (rollout.decode_kernels, with a
     cache): RoPE and the K/V writes as one kernel (kernels.decode.rope_kv_prefill), the attention
-    reading K/V from the cache. Returns fp32 logits (B, S, V) or, with last_only, (B, V).
+    reading K/V from the cache, the SwiGLU in one pass (kernels.decode.silu_mul). Returns fp32 logits (B, S, V) or, with last_only, (B, V).
     """
     d = w.dims
     B, S = ids.shape
     hpg, hd = d.heads_per_group, d.head_dim
     fused = kernels == "triton" and cache is not None
     x = embed(w, ids.masked_fill(~valid, 0)).reshape(B * S, d.hidden)
+    silu_mul = None
     if fused:
         from hybridflow.kernels import decode as kern
 
         cos, sin = cos_tab[positions], sin_tab[positions]  # (B, S, hd)
+        silu_mul = functools.partial(kern.silu_mul, impl="triton")
     else:
         cos = cos_tab[positions][:, :, None, None]  # (B, S, 1, 1, hd)
         sin = sin_tab[positions][:, :, None, None]
@@ -276,7 +284,7 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
         # "prefill_attention")
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hpg > 1)
         x = _row_parallel_add(x, a.transpose(1, 2).reshape(B * S, d.heads * hd), layer.proj, w)
-        x = _mlp(x, layer, w)
+        x = _mlp(x, layer, w, silu_mul)
     x = x.view(B, S, d.hidden)
     if last_only:
         return logits(w, _norm(x[:, -1], w.final_ln, d.eps))

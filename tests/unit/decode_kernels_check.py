@@ -97,6 +97,18 @@ def prefill_cases():
     return out
 
 
+def silu_mul_cases():
+    """silu_mul against its twin (F.silu(gate) * up): widths below, at and above one block, and a
+    strided row view."""
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for N, f in [(7, 37), (3, 1024), (2, 1500)]:
+        z = torch.randn(N, 2 * f + 6, generator=g)[:, 3:2 * f + 3]  # rows of stride 2f + 6
+        out.append({"shape": [N, f], "err": (kern.silu_mul(z, impl="triton")
+                                             - kern.silu_mul(z, impl="torch")).abs().max().item()})
+    return out
+
+
 # head_dim 16, hpg 2, 2 query groups (1 per rank at TP_g = 2); test_rollout's vocabulary
 CFG16 = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
                     num_query_groups=2, vocab_size=37, add_qkv_bias=True)
@@ -158,5 +170,6 @@ def tp2_cases():
 
 if __name__ == "__main__":
     print(json.dumps({"kernels": kernel_cases(), "prefill": prefill_cases(),
+                      "silu_mul": silu_mul_cases(),
                       "generation": generation_cases(),
                       "tp2": tp2_cases()}))
