@@ -87,8 +87,18 @@ def build_validator(cfg: Config, ctx: ParallelContext, *, rollout, tokenizer):
 def build_step_consumers(cfg: Config, *, start_step: int) -> list:
     """Consumers of each step's metrics besides the logger (`on_step(step, metrics) -> stop?`,
     `on_end()`, `save_on_stop`): the probe (trainer.probe_steps) that measures a few steps and
-    forecasts the run, and the time budget (trainer.time_budget_s)."""
+    forecasts the run, the time budget (trainer.time_budget_s) and the step profiler
+    (trainer.profile_steps)."""
     consumers = []
+    t = cfg.trainer
+    if t.profile_steps:
+        import torch.distributed as dist
+
+        from hybridflow.profiling import StepProfiler
+
+        consumers.append(StepProfiler(
+            t.profile_steps, t.profile_dir or os.path.join(t.output_dir, "profile"),
+            start_step=start_step, rank=dist.get_rank() if dist.is_initialized() else 0))
     if cfg.trainer.time_budget_s > 0:
         from hybridflow.metrics import TimeBudget
 

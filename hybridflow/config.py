@@ -267,6 +267,11 @@ class TrainerConfig:
     val_log_generations: int = 8  # rows appended to <output_dir>/val_generations.jsonl per validation
     progress_bar: bool = True
     tensorboard: bool = True
+    # torch.profiler around these steps (1-based, as logged): per rank a trace, a per-stage kernel
+    # summary and an operator table under profile_dir (default <output_dir>/profile);
+    # hybridflow/profiling.py
+    profile_steps: list = field(default_factory=list)
+    profile_dir: Optional[str] = None
 
 
 @dataclass

@@ -152,6 +152,10 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if cfg.trainer.gc_interval < 0:
         raise ValueError(f"trainer.gc_interval={cfg.trainer.gc_interval} must be >= 0 "
                          "(0: Python's automatic GC)")
+    for step in cfg.trainer.profile_steps:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"trainer.profile_steps={list(cfg.trainer.profile_steps)}: expected "
+                             f"step numbers >= 1 (as logged), got {step!r}")
     if cfg.trainer.gc_full_interval < 1:
         raise ValueError(f"trainer.gc_full_interval={cfg.trainer.gc_full_interval} must be >= 1 "
                          "(1: every collection is a full one)")

@@ -28,7 +28,7 @@ class StageTimer:
 
     @contextmanager
     def __call__(self, name: str):
-        with watchdog.stage(name):
+        with watchdog.stage(name), torch.profiler.record_function(f"stage/{name}"):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             t0 = time.perf_counter()

@@ -161,7 +161,9 @@ def read_hf_parquet_dir(folder: str) -> dict[str, list[dict]]:
 
 # ---- writing -----------------------------------------------------------------------------------
 
-def _atomic_write(path: str, write) -> None:
+def atomic_write(path: str, write) -> None:
+    """write(tmp) to a temporary name beside `path`, then rename it onto `path` (a reader never
+    sees a partial file; a failed write leaves no temporary behind)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
@@ -179,8 +181,8 @@ def write_split(records: list[dict], out_dir: str, name: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
-    _atomic_write(os.path.join(out_dir, f"{name}.jsonl"), jsonl)
-    _atomic_write(os.path.join(out_dir, f"{name}.parquet"),
+    atomic_write(os.path.join(out_dir, f"{name}.jsonl"), jsonl)
+    atomic_write(os.path.join(out_dir, f"{name}.parquet"),
                   lambda tmp: pq.write_table(pa.Table.from_pylist(records), tmp))
 
 

@@ -3,9 +3,11 @@
 - bad configs exit with code 2 and one line naming the problem (no traceback);
 - a run from a Hugging Face checkpoint directory with a verl-format .jsonl dataset and a user reward
   function from a file: trains, checkpoints atomically, resumes where it stopped, and exports back to
-  a Hugging Face directory that transformers loads.
+  a Hugging Face directory that transformers loads;
+- a probe run with a reward model writes probe.json, and trainer.profile_steps its step's profile.
 """
 
+import gzip
 import json
 import os
 import subprocess
@@ -33,6 +35,7 @@ def _run(*args, world_size=None):
     (["model.num_attention_heads=3"], "model.num_query_groups=2 must divide model.num_attention_heads=3"),
     (["algo=nope"], "Could not find 'algo/nope'"),
     (["algo.adv_estimator=xyz"], "algo.adv_estimator='xyz' is not one of"),
+    (["trainer.profile_steps=[0]"], "trainer.profile_steps=[0]: expected step numbers >= 1"),
 ])
 def test_bad_config_is_one_line(overrides, expected):
     proc = _run("-m", "hybridflow.train", *overrides)
@@ -110,7 +113,8 @@ def test_reward_model_scores_and_probe_forecast(tmp_path):
     rm_dir = make_checkpoint("qwen2", str(tmp_path / "rm"), seed=1, sequence_classification=True)
     out = tmp_path / "run"
     proc = _run(*_toy_run_args(tmp_path, model_dir, out), "reward.fn=null",
-                f"reward.model_path={rm_dir}", "trainer.total_steps=5", "trainer.probe_steps=2")
+                f"reward.model_path={rm_dir}", "trainer.total_steps=5", "trainer.probe_steps=2",
+                "trainer.profile_steps=[2]")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert len(rows) == 2  # the probe stops after 2 steps
@@ -121,6 +125,17 @@ def test_reward_model_scores_and_probe_forecast(tmp_path):
     assert probe["measured"]["timing_s"]["timing_s/step"] > 0
     assert len(probe["measured"]["reward_trend"]) == 2
     assert "probe:" in proc.stdout and "full run: 5 steps" in proc.stdout
+    # trainer.profile_steps=[2]: step 2's trace, per-stage summary and operator table, nothing else
+    prof = out / "profile"
+    assert sorted(os.listdir(prof)) == ["step2_rank0.json", "step2_rank0.trace.json.gz",
+                                        "step2_rank0.txt"]
+    summary = json.loads((prof / "step2_rank0.json").read_text())
+    stages = summary["stages"]
+    assert {"step", "gen", "reward", "update_actor"} <= set(stages), stages
+    assert 0 < stages["update_actor"]["wall_s"] < stages["step"]["wall_s"]
+    with gzip.open(prof / "step2_rank0.trace.json.gz", "rt") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert {"stage/step", "stage/gen", "stage/update_actor"} <= names
 
 
 def test_print_config():

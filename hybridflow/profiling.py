@@ -1,0 +1,128 @@
+"""trainer.profile_steps: torch.profiler around chosen training steps (torchtitan's
+`profiling.profile_freq`, verl's per-step profiler), as a step consumer.
+
+Each profiled step writes, per rank, under `trainer.profile_dir` (default <output_dir>/profile):
+- `step<N>_rank<R>.trace.json.gz`: the Chrome / Perfetto trace (CPU ops, CUDA kernels, and one
+  `stage/<name>` range per StageTimer stage: gen, ref, update_actor, ...);
+- `step<N>_rank<R>.json`: per stage its wall seconds, the seconds of device kernels that ran inside
+  it and their count, and its top kernels; the stages synchronise the device at their edges
+  (StageTimer), so a kernel belongs to the stage whose range holds it. kernel_s / wall_s says
+  whether a stage is bound by the device (near 1) or by the host launching it;
+- `step<N>_rank<R>.txt`: torch's operator table, sorted by device time (CPU time on CPU).
+All files are written to a temporary name and renamed. Steps are counted as the logger counts
+them (the first step is 1); a profile starts after the previous step's logging and validation.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hybridflow.data.prepare import atomic_write
+
+STAGE_PREFIX = "stage/"
+
+
+class StepProfiler:
+    """Step consumer: profiles the steps in `steps` (1-based, as logged)."""
+
+    save_on_stop = True
+
+    def __init__(self, steps, out_dir: str, *, start_step: int, rank: int, top: int = 12):
+        self.steps, self.out_dir, self.rank, self.top = set(steps), out_dir, rank, top
+        self.prof = None
+        self.step = None
+        self._maybe_start(start_step + 1)
+
+    def _maybe_start(self, step: int) -> None:
+        if step not in self.steps:
+            return
+        acts = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(ProfilerActivity.CUDA)
+        self.prof, self.step = profile(activities=acts), step
+        self.prof.start()
+
+    def on_step(self, step: int, metrics: dict) -> bool:
+        if self.prof is not None and step == self.step:
+            self._finish()
+        self._maybe_start(step + 1)
+        return False
+
+    def on_end(self) -> None:
+        if self.prof is not None:  # the run stopped inside a profiled step's window
+            self._finish()
+
+    def _finish(self) -> None:
+        prof, step = self.prof, self.step
+        self.prof = self.step = None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        prof.stop()
+        os.makedirs(self.out_dir, exist_ok=True)
+        base = os.path.join(self.out_dir, f"step{step}_rank{self.rank}")
+        atomic_write(base + ".trace.json.gz", lambda p: _gzipped_trace(prof, p))
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90)
+        atomic_write(base + ".txt", lambda p: _write(p, table))
+        summary = {"step": step, "rank": self.rank, "device": _device(),
+                   "stages": stage_summary(prof.events(), top=self.top)}
+        atomic_write(base + ".json", lambda p: _write(p, json.dumps(summary, indent=1)))
+
+
+def stage_summary(events, *, top: int = 12) -> dict:
+    """{stage: {wall_s, kernel_s, kernels, top: [{kernel, s, calls}]}} from profiler events: the
+    `stage/<name>` CPU ranges and the device kernels inside each (by their device timestamps)."""
+    stages, kernels = [], []
+    for e in events:
+        if e.name.startswith(STAGE_PREFIX):
+            stages.append((e.name[len(STAGE_PREFIX):], e.time_range.start, e.time_range.end))
+        elif _is_kernel(e):
+            kernels.append((e.time_range.start, e.time_range.end, e.name))
+    out: dict = {}
+    for name, start, end in stages:
+        s = out.setdefault(name, {"wall_s": 0.0, "kernel_s": 0.0, "kernels": 0,
+                                  "_by": defaultdict(lambda: [0.0, 0])})
+        s["wall_s"] += (end - start) / 1e6
+        for k0, k1, kname in kernels:
+            if start <= k0 and k1 <= end:
+                s["kernel_s"] += (k1 - k0) / 1e6
+                s["kernels"] += 1
+                s["_by"][kname][0] += (k1 - k0) / 1e6
+                s["_by"][kname][1] += 1
+    for s in out.values():
+        by = s.pop("_by")
+        s["top"] = [{"kernel": k[:120], "s": v[0], "calls": v[1]}
+                    for k, v in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]]
+    return out
+
+
+def _is_kernel(e) -> bool:
+    dev = getattr(e, "device_type", None)
+    return dev is not None and dev != torch.autograd.DeviceType.CPU
+
+
+def _device() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _gzipped_trace(prof, path: str) -> None:
+    plain = path + ".json"
+    try:
+        prof.export_chrome_trace(plain)
+        with open(plain, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    finally:
+        if os.path.exists(plain):
+            os.remove(plain)

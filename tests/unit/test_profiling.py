@@ -1,0 +1,38 @@
+"""trainer.profile_steps' per-stage summary (hybridflow/profiling.py): a device kernel counts
+toward every stage whose range holds it (stages nest: `step` holds the others), by its device
+timestamps."""
+
+from types import SimpleNamespace
+
+import torch
+
+from hybridflow.profiling import stage_summary
+
+CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+
+def _ev(name, start, end, dev=CPU):
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end),
+                           device_type=dev)
+
+
+def test_kernels_are_attributed_to_the_stages_that_hold_them():
+    events = [
+        _ev("stage/step", 0, 1000), _ev("stage/gen", 10, 400), _ev("stage/update_actor", 500, 990),
+        _ev("aten::mm", 20, 30),  # a CPU op: not a kernel
+        _ev("gemm", 50, 150, CUDA), _ev("gemm", 200, 260, CUDA),  # in gen
+        _ev("adam", 600, 900, CUDA),  # in update_actor
+        _ev("late", 995, 1005, CUDA),  # ends after every stage: in none
+    ]
+    s = stage_summary(events)
+    assert s["gen"]["kernels"] == 2 and abs(s["gen"]["kernel_s"] - 160e-6) < 1e-12
+    assert s["gen"]["top"] == [{"kernel": "gemm", "s": 160e-6, "calls": 2}]
+    assert abs(s["gen"]["wall_s"] - 390e-6) < 1e-12
+    assert s["update_actor"]["kernels"] == 1 and s["update_actor"]["top"][0]["kernel"] == "adam"
+    assert s["step"]["kernels"] == 3 and abs(s["step"]["kernel_s"] - 460e-6) < 1e-12
+
+
+def test_a_stage_entered_twice_sums():
+    events = [_ev("stage/gen", 0, 100), _ev("stage/gen", 200, 250), _ev("k", 210, 220, CUDA)]
+    s = stage_summary(events)
+    assert abs(s["gen"]["wall_s"] - 150e-6) < 1e-12 and s["gen"]["kernels"] == 1
