@@ -117,7 +117,10 @@ def case(model: str, M: int) -> dict:
         out["gemms"][name] = r
         print(f"{model} M={M} {name:5s} fused {r['best_us']:7.2f} us  cuBLAS bare "
               f"{r['cublas_linear_us']:7.2f} us  best {r['best']}", flush=True)
-    qkv_fn, attn_out = decoder._compiled("inductor", True, None)
+    # the decode layer of that session (rollout.compile_decode's inductor parts around cuBLAS);
+    # since then decode_kernels=triton runs kernels.decode's norm / SwiGLU kernels instead
+    qkv_fn, attn_out = (torch.compile(f, dynamic=True)
+                        for f in (decoder._qkv, decoder._attn_out_split))
     shape = (G, H // G + 2, hd)
     today = lambda: (qkv_fn(x, y, ln1, qkv_w, qkv_b, eps, shape),  # noqa: E731
                      attn_out(x, a, proj, ln2, fc1, fc2, eps))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import os
 import sys
 
@@ -32,6 +31,7 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_generate import COPY_BW, hf_model, machine, to_megatron  # noqa: E402
+from gsm8k_hf_eval import write_json  # noqa: E402
 from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
 from hybridflow.rollout import Generator, decoder  # noqa: E402
 
@@ -197,6 +197,7 @@ def main():
                       f"({100 * res['floor_fraction']:.0f}%)  " +
                       ", ".join(f"{k} {v:.0f}" for k, v in res["us_per_step_by_kind"].items()),
                       flush=True)
+                write_json(args.out, report)  # after every case: a call cut off keeps what it measured
             if args.prefill:
                 res = profile_prefill(gen, prompts, compiled=args.compile, device=device,
                                       kernels=args.kernels[-1])
@@ -209,11 +210,7 @@ def main():
                     print(f"    {t['us']:8.0f} us {t['calls']:4.0f}x {t['kernel']}", flush=True)
             gen.release()
         del gen
-    tmp = args.out + ".tmp"
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, args.out)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

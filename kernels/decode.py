@@ -169,6 +169,25 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * s_o + col, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+if HAVE_TRITON:
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, D, eps, s_x, s_y, s_h, s_o,
+                             HAS_Y: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.arange(0, BLOCK)
+        ok = col < D
+        h = tl.load(x_ptr + row * s_x + col, mask=ok, other=0.0)
+        if HAS_Y:  # the residual sum, rounded to the stream's dtype as x + y rounds, and kept
+            h = (h.to(tl.float32) + tl.load(y_ptr + row * s_y + col, mask=ok, other=0.0)
+                 .to(tl.float32)).to(h.dtype)
+            tl.store(h_ptr + row * s_h + col, h, mask=ok)
+        hf = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / D + eps)
+        w = tl.load(w_ptr + col, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * s_o + col, (hf * rstd * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
 def _target_programs(device: torch.device) -> int:
     """Programs that fill the device a few times over: the split count aims at it."""
     if TARGET_PROGRAMS:
@@ -275,6 +294,28 @@ def silu_mul(z: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
         _silu_mul_kernel[(N, triton.cdiv(f, block))](z, out, f, z.stride(0), out.stride(0),
                                                      BLOCK=block, num_warps=4)
     return out
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+                 impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode layer's residual sum and RMSNorm in one pass: x, y (N, D) -> (h = x + y,
+    rms_norm(h) * weight), both (N, D) in x's dtype; y None: h is x itself (not copied). The norm
+    is computed in fp32 from h as rounded and rounded once (F.rms_norm's fp32 upcast)."""
+    N, D = x.shape
+    if not use_triton(x, impl):
+        h = x if y is None else x + y
+        return h, F.rms_norm(h.float(), (D,), weight.float(), eps).to(x.dtype)
+    if x.stride(-1) != 1 or (y is not None and y.stride(-1) != 1) or weight.stride(-1) != 1:
+        raise ValueError("add_rms_norm needs x, y and weight contiguous in the last dimension")
+    h = x if y is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if N:
+        block = triton.next_power_of_2(D)
+        _add_rms_norm_kernel[(N,)](x, x if y is None else y, weight, h, out, D, eps, x.stride(0),
+                                   0 if y is None else y.stride(0), h.stride(0), out.stride(0),
+                                   HAS_Y=y is not None, BLOCK=block,
+                                   num_warps=4 if block <= 2048 else 8)
+    return h, out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -242,7 +242,8 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
     ids, positions (B, S) int64, valid (B, S) bool (False = left padding). With `cache`, K/V land in
     columns 0..S-1 of cache rows cache_row0.. `kernels` "triton" (rollout.decode_kernels, with a
     cache): RoPE and the K/V writes as one kernel (kernels.decode.rope_kv_prefill), the attention
-    reading K/V from the cache, the SwiGLU in one pass (kernels.decode.silu_mul). Returns fp32 logits (B, S, V) or, with last_only, (B, V).
+    reading K/V from the cache, the SwiGLU in one pass (kernels.decode.silu_mul). Returns fp32
+    logits (B, S, V) or, with last_only, (B, V).
     """
     d = w.dims
     B, S = ids.shape
@@ -320,7 +321,7 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     bias = bias.masked_fill_(~seen, float("-inf"))[:, None, None, :]  # (B, 1, 1, kv_len)
     cos = cos_tab.index_select(0, positions)[:, None, None, :]  # (B, 1, 1, hd)
     sin = sin_tab.index_select(0, positions)[:, None, None, :]
-    attn_in, attn_out = _layer_parts(compiled, fused=False)
+    attn_in, attn_out = _layer_parts(compiled)
     x, y = embed(w, tokens), None  # (B, D); the layer input is x + y (y None: x)
     for i, layer in enumerate(w.layers):
         x, qk, v = attn_in(x, y, layer.ln1, layer.qkv_w, layer.qkv_b, cos, sin, d.eps,
@@ -342,8 +343,15 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
 
 def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_tab, sin_tab,
                        kv_len, compiled: bool):
-    """decode_step with RoPE + the KV writes in one kernel and split-KV attention (kernels.decode,
-    impl "triton": on CPU only under TRITON_INTERPRET=1, the tests' way)."""
+    """decode_step with the layer as Triton kernels and cuBLAS (kernels.decode, impl "triton": on
+    CPU only under TRITON_INTERPRET=1, the tests' way): the residual sum + RMSNorm as one kernel
+    (add_rms_norm), RoPE + the KV writes as one (rope_kv_write), split-KV attention, the attention
+    output's projection accumulated in place into the layer's residual sum (cuBLAS's beta = 1;
+    an out-of-place addmm, as inductor makes, first copies the residual) and the SwiGLU as one
+    kernel (silu_mul). Per op 1.3-3.3x faster than rollout.compile_decode's inductor kernels for
+    the same work and 4.8-8% off the whole step (benchmarks/results/decode_parts_h200.json,
+    decode_profile_h200_fused_layer.json), so `compiled` changes nothing here (the sampler is
+    compiled by the caller)."""
     from hybridflow.kernels import decode as kern
 
     d = w.dims
@@ -351,20 +359,23 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     hpg, hd = d.heads_per_group, d.head_dim
     cos = cos_tab.index_select(0, positions)  # (B, hd)
     sin = sin_tab.index_select(0, positions)
-    qkv_fn, attn_out = _layer_parts(compiled, fused=True)
-    x, y = embed(w, tokens), None  # (B, D)
+    x, y = embed(w, tokens), None  # (B, D); the layer input is x + y (y None: x)
     for i, layer in enumerate(w.layers):
-        x, qkv = qkv_fn(x, y, layer.ln1, layer.qkv_w, layer.qkv_b, d.eps, (d.groups, hpg + 2, hd))
+        x, h = kern.add_rms_norm(x, y, layer.ln1, d.eps, impl="triton")
+        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(B, d.groups, hpg + 2, hd)
         kc, vc = cache.layer(i, B)
         q = kern.rope_kv_write(qkv, cos, sin, kc, vc, cur, hpg=hpg, impl="triton")
         if kv_len is not None:
             kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
         a = kern.decode_attention(q, kc, vc, seen, impl="triton").reshape(B, d.heads * hd)
-        if d.tp_size == 1:
-            x, y = attn_out(x, a, layer.proj, layer.ln2, layer.fc1, layer.fc2, d.eps)
+        if d.tp_size == 1:  # x is this step's own buffer (add_rms_norm's sum, or the embedding)
+            x = x.addmm_(a, layer.proj.t())
         else:
-            x = _mlp(_row_parallel_add(x, a, layer.proj, w), layer, w)
-    return logits(w, _norm(x if y is None else x + y, w.final_ln, d.eps), fp32=False)
+            x = _row_parallel_add(x, a, layer.proj, w)
+        h = kern.add_rms_norm(x, None, layer.ln2, d.eps, impl="triton")[1]
+        act = kern.silu_mul(F.linear(h, layer.fc1), impl="triton")
+        y = _all_reduce(F.linear(act, layer.fc2), w)  # added by the next add_rms_norm
+    return logits(w, kern.add_rms_norm(x, y, w.final_ln, d.eps, impl="triton")[1], fp32=False)
 
 
 def _qkv(x, y, ln1, qkv_w, qkv_b, eps: float, shape: tuple):
@@ -407,14 +418,14 @@ COMPILE_BACKEND = "inductor"
 COMPILE_MODE: Optional[str] = None
 
 
-def _layer_parts(compiled: bool, *, fused: bool):
+def _layer_parts(compiled: bool):
     """(attention-in part, attention-out + MLP part) of a TP = 1 decode layer."""
     if compiled:
-        return _compiled(COMPILE_BACKEND, fused, COMPILE_MODE)
-    return (_qkv if fused else _attn_in), _attn_out
+        return _compiled(COMPILE_BACKEND, COMPILE_MODE)
+    return _attn_in, _attn_out
 
 
 @functools.cache
-def _compiled(backend: str, fused: bool, mode: Optional[str]):  # fused: decode_kernels=triton
+def _compiled(backend: str, mode: Optional[str]):
     kw = dict(dynamic=True, backend=backend, mode=mode)
-    return (torch.compile(_qkv if fused else _attn_in, **kw), torch.compile(_attn_out_split, **kw))
+    return torch.compile(_attn_in, **kw), torch.compile(_attn_out_split, **kw)

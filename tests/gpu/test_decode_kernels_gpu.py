@@ -52,6 +52,25 @@ def test_kernels_match_twins(dtype, B, G, hpg, hd, T, kv):
     torch.testing.assert_close(a.float(), a2.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N,D,F", [(64, 1536, 8960), (256, 896, 4864), (3, 200, 37)])
+def test_norm_and_swiglu_kernels_match_twins(dtype, N, D, F):
+    """add_rms_norm (with and without the residual) and silu_mul: equal to their twins up to one
+    rounding of the output (an FMA or exp2 may move the last bit)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x, y = (torch.randn(N, D, generator=g, device="cuda").to(dtype) for _ in range(2))
+    w = (torch.rand(D, generator=g, device="cuda") + 0.5).to(dtype)
+    one_ulp = dict(atol=1e-6, rtol=2 ** -7) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    for res in (y, None):
+        h, out = kern.add_rms_norm(x, res, w, 1e-6, impl="triton")
+        h2, out2 = kern.add_rms_norm(x, res, w, 1e-6, impl="torch")
+        assert torch.equal(h, h2)
+        torch.testing.assert_close(out.float(), out2.float(), **one_ulp)
+    z = torch.randn(N, 2 * F, generator=g, device="cuda").to(dtype)
+    torch.testing.assert_close(kern.silu_mul(z, impl="triton").float(),
+                               kern.silu_mul(z, impl="torch").float(), **one_ulp)
+
+
 def test_generator_with_kernels_under_graphs(monkeypatch):
     from hybridflow.rollout import compaction, generator
     from tests.unit.test_compaction import random_prompts, uneven_stops

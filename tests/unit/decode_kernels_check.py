@@ -109,6 +109,23 @@ def silu_mul_cases():
     return out
 
 
+def add_rms_norm_cases():
+    """add_rms_norm against its twin (x + y, then F.rms_norm): with and without the residual y,
+    widths below and not a power of two, strided row views; the y-less call returns x itself."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for N, D, with_y in [(5, 64, True), (3, 96, True), (4, 200, False)]:
+        x = torch.randn(N, D + 8, generator=g)[:, 4:D + 4]  # rows of stride D + 8
+        y = torch.randn(N, D, generator=g) if with_y else None
+        w = torch.rand(D, generator=g) + 0.5
+        hk, ok = kern.add_rms_norm(x, y, w, 1e-6, impl="triton")
+        ht, ot = kern.add_rms_norm(x, y, w, 1e-6, impl="torch")
+        out.append({"shape": [N, D], "with_y": with_y, "h_err": (hk - ht).abs().max().item(),
+                    "err": (ok - ot).abs().max().item(),
+                    "h_is_x": hk.data_ptr() == x.data_ptr()})
+    return out
+
+
 # head_dim 16, hpg 2, 2 query groups (1 per rank at TP_g = 2); test_rollout's vocabulary
 CFG16 = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
                     num_query_groups=2, vocab_size=37, add_qkv_bias=True)
@@ -170,6 +187,6 @@ def tp2_cases():
 
 if __name__ == "__main__":
     print(json.dumps({"kernels": kernel_cases(), "prefill": prefill_cases(),
-                      "silu_mul": silu_mul_cases(),
+                      "silu_mul": silu_mul_cases(), "add_rms_norm": add_rms_norm_cases(),
                       "generation": generation_cases(),
                       "tp2": tp2_cases()}))

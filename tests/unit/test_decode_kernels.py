@@ -1,6 +1,6 @@
 """rollout.decode_kernels=triton on CPU, through Triton's interpreter (TRITON_INTERPRET=1, in a fresh
 process: tests/unit/decode_kernels_check.py): the fused RoPE + KV-write kernel (decode, and the
-prefill's S tokens per row), the prefill's one-pass SwiGLU and the split-KV
+prefill's S tokens per row), the one-pass SwiGLU, the residual sum + RMSNorm and the split-KV
 decode attention equal their PyTorch twins (fp32; several group sizes, head dims 16-128, attention
 windows shorter than the cache, strided cache views, left-padded keys, a row whose only key is its
 own token; 1, 2 and one-per-block attention splits), writing only the current column of the given
@@ -59,6 +59,14 @@ def test_silu_mul_equals_its_twin(checked):
     assert [c["shape"] for c in checked["silu_mul"]] == [[7, 37], [3, 1024], [2, 1500]]
     for case in checked["silu_mul"]:
         assert case["err"] < 1e-6, case
+
+
+def test_add_rms_norm_equals_its_twin(checked):
+    cases = checked["add_rms_norm"]
+    assert [c["shape"] for c in cases] == [[5, 64], [3, 96], [4, 200]]
+    for case in cases:
+        assert case["err"] < 1e-5 and case["h_err"] == 0.0, case
+        assert case["h_is_x"] == (not case["with_y"]), case
 
 
 def test_generation_with_the_kernels_equals_torch(checked):
