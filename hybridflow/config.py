@@ -38,6 +38,10 @@ class ParallelConfig:
     # their gradient are never held whole; backward makes each chunk's logits again (one more
     # LM-head GEMM). 0: the whole logits of a micro-batch at once
     lm_head_chunk_tokens: int = 0
+    # on CUDA, the training passes' RoPE and SwiGLU as fused kernels (torch.compile of Megatron's
+    # own functions: its bias_activation_fusion SwiGLU keeps only fc1's output for backward);
+    # hybridflow/models/fused.py. CPU runs are unchanged either way
+    fused_elementwise: bool = True
 
 
 @dataclass

@@ -46,6 +46,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.transformer.module import Float16Module
 
+from hybridflow.checkpoint.optim import use_fused_adam
 from hybridflow.config import ModelConfig, OptimConfig, ParallelConfig
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.data.microbatch import token_budget_groups
@@ -89,7 +90,8 @@ class Engine:
         self.trainable = optim is not None
         model = build_model(model_cfg, role=role, ctx=ctx,
                             sequence_parallel=parallel.sequence_parallel, precision=precision,
-                            activation_checkpointing=parallel.activation_checkpointing)
+                            activation_checkpointing=parallel.activation_checkpointing,
+                            fused_elementwise=parallel.fused_elementwise)
         if parallel.lm_head_chunk_tokens < 0:
             raise ValueError(f"parallel.lm_head_chunk_tokens={parallel.lm_head_chunk_tokens}: "
                              "expected 0 (off) or a positive number of positions")
@@ -325,6 +327,7 @@ class Engine:
                 g["lr"] = lr
         used_lr = self.optimizer.param_groups[0]["lr"]
         finite = self._grads_finite()
+        use_fused_adam(self.optimizer)
         # bf16 has no loss scaler to catch inf/NaN: Megatron's clip then skips clipping (a NaN norm
         # fails `coeff < 1`) and Adam writes NaN into every weight. Skip the step instead.
         ok, grad_norm, _ = self.optimizer.step() if finite else (False, None, None)

@@ -50,7 +50,8 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
 
 
 def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, sequence_parallel: bool,
-                       precision: str) -> TransformerConfig:
+                       precision: str, fused_elementwise: bool = False) -> TransformerConfig:
+    """`fused_elementwise` (with CUDA): Megatron's fused SwiGLU (models/fused.py)."""
     bf16 = precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     return TransformerConfig(
@@ -62,7 +63,7 @@ def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, sequence_parallel:
         add_qkv_bias=cfg.add_qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel, params_dtype=dtype, bf16=bf16, pipeline_dtype=dtype,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_activation_fusion=fused_elementwise and torch.cuda.is_available(), masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
         attention_softmax_in_fp32=True, init_method_std=0.02,
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -102,15 +103,21 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
 
 
 def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = False,
-                precision: str = "fp32", activation_checkpointing: bool = False) -> GPTModel:
+                precision: str = "fp32", activation_checkpointing: bool = False,
+                fused_elementwise: bool = False) -> GPTModel:
     """One pipeline stage of the model for `role` on this rank, in the training layout of the
     `ParallelContext` `ctx` (its groups are the model's). `activation_checkpointing`: every
-    decoder layer recomputes its forward in backward (`checkpoint_layers`)."""
+    decoder layer recomputes its forward in backward (`checkpoint_layers`).
+    `fused_elementwise` (parallel.fused_elementwise): RoPE and SwiGLU as fused kernels on CUDA
+    (models/fused.py)."""
     if role not in LM_ROLES + SCALAR_ROLES:
         raise ValueError(f"role={role!r} is not one of {LM_ROLES + SCALAR_ROLES}")
     tp, pp, pp_rank = ctx.tp_size, ctx.pp_size, ctx.train.pp
     tcfg = transformer_config(cfg, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
-                              precision=precision)
+                              precision=precision, fused_elementwise=fused_elementwise)
+    from hybridflow.models.fused import use_fused_rope
+
+    use_fused_rope(fused_elementwise)  # process-wide: the last model built sets it
     spec = layer_spec(cfg)
     block = TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(tcfg, None, pp_rank),

@@ -31,7 +31,10 @@ def init_distributed(*, timeout_minutes: float = 30) -> None:
     """Initialise torch.distributed once: from torchrun's env, or as a single-rank job."""
     if dist.is_initialized():
         return
-    single = "RANK" not in os.environ  # plain `python -m hybridflow.train`: a 1-rank world
+    # plain `python -m hybridflow.train`: a 1-rank world; also a second init in one process after
+    # destroy() (the first set RANK and WORLD_SIZE=1 but no rendezvous address)
+    single = "RANK" not in os.environ or (os.environ.get("WORLD_SIZE") == "1"
+                                          and "MASTER_ADDR" not in os.environ)
     if single:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     device_id = None

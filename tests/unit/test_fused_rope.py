@@ -1,0 +1,27 @@
+"""parallel.fused_elementwise's RoPE (hybridflow/models/fused.py): the table form it compiles on
+CUDA is Megatron's unfused bshd RoPE exactly (fp32, CPU: eager), and CPU tensors, interleaved and
+partial rotations go to Megatron's own function. The CUDA kernels: tests/gpu/test_fused_elementwise_gpu.py."""
+
+import torch
+
+from hybridflow.models import fused
+
+
+def test_table_form_is_megatrons_rope():
+    g = torch.Generator().manual_seed(0)
+    t, freqs = torch.randn(7, 2, 3, 16, generator=g), torch.randn(7, 1, 1, 16, generator=g)
+    for mscale in (1.0, 0.7):
+        cos, sin = torch.cos(freqs) * mscale, torch.sin(freqs) * mscale
+        assert torch.equal(fused._rope_from_tables(t, cos, sin),
+                           fused._UNFUSED_ROPE(t, freqs, mscale=mscale))
+
+
+def test_cpu_interleaved_and_partial_use_megatrons(monkeypatch):
+    calls = []
+    monkeypatch.setattr(fused, "_compiled_rope", lambda: calls.append(1))
+    t, freqs = torch.randn(5, 1, 2, 8), torch.randn(5, 1, 1, 8)
+    for kw in ({}, {"rotary_interleaved": True}):
+        assert torch.equal(fused._fused_rope(t, freqs, **kw), fused._UNFUSED_ROPE(t, freqs, **kw))
+    half = torch.randn(5, 1, 1, 4)
+    assert torch.equal(fused._fused_rope(t, half), fused._UNFUSED_ROPE(t, half))
+    assert not calls
