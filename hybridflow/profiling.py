@@ -9,6 +9,7 @@ Each profiled step writes, per rank, under `trainer.profile_dir` (default <outpu
   (StageTimer), so a kernel belongs to the stage whose range holds it. kernel_s / wall_s says
   whether a stage is bound by the device (near 1) or by the host launching it;
 - `step<N>_rank<R>.txt`: torch's operator table, sorted by device time (CPU time on CPU).
+`python -m hybridflow.profiling <trace>` prints the per-stage summary of a saved trace.
 All files are written to a temporary name and renamed. Steps are counted as the logger counts
 them (the first step is 1); a profile starts after the previous step's logging and validation.
 """
@@ -81,10 +82,30 @@ def stage_summary(events, *, top: int = 12) -> dict:
     `stage/<name>` CPU ranges and the device kernels inside each (by their device timestamps)."""
     stages, kernels = [], []
     for e in events:
-        if e.name.startswith(STAGE_PREFIX):
-            stages.append((e.name[len(STAGE_PREFIX):], e.time_range.start, e.time_range.end))
+        if e.name.startswith(STAGE_PREFIX) and not _on_device(e):  # its CPU range, not the
+            stages.append((e.name[len(STAGE_PREFIX):], e.time_range.start,  # GPU-track copy
+                           e.time_range.end))
         elif _is_kernel(e):
             kernels.append((e.time_range.start, e.time_range.end, e.name))
+    return _summarise(stages, kernels, top=top)
+
+
+def trace_summary(trace: dict, *, top: int = 12) -> dict:
+    """stage_summary from a saved Chrome trace (`traceEvents`: the stages' `user_annotation`
+    ranges, the `kernel` / `gpu_memcpy` / `gpu_memset` events); `python -m hybridflow.profiling
+    TRACE` prints it."""
+    stages, kernels = [], []
+    for e in trace["traceEvents"]:
+        cat, name = e.get("cat"), e.get("name", "")
+        if cat == "user_annotation" and name.startswith(STAGE_PREFIX):
+            stages.append((name[len(STAGE_PREFIX):], e["ts"], e["ts"] + e["dur"]))
+        elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append((e["ts"], e["ts"] + e["dur"], name))
+    return _summarise(stages, kernels, top=top)
+
+
+def _summarise(stages, kernels, *, top: int) -> dict:
+    """stages [(name, start, end)], kernels [(start, end, name)], times in microseconds."""
     out: dict = {}
     for name, start, end in stages:
         s = out.setdefault(name, {"wall_s": 0.0, "kernel_s": 0.0, "kernels": 0,
@@ -103,9 +124,14 @@ def stage_summary(events, *, top: int = 12) -> dict:
     return out
 
 
+def _on_device(e) -> bool:
+    return e.device_type != torch.autograd.DeviceType.CPU
+
+
 def _is_kernel(e) -> bool:
-    dev = getattr(e, "device_type", None)
-    return dev is not None and dev != torch.autograd.DeviceType.CPU
+    """A device kernel, memcpy or memset; not a GPU-track copy of a record_function range (the
+    stages', the optimizer's)."""
+    return _on_device(e) and not getattr(e, "is_user_annotation", False)
 
 
 def _device() -> str:
@@ -126,3 +152,26 @@ def _gzipped_trace(prof, path: str) -> None:
     finally:
         if os.path.exists(plain):
             os.remove(plain)
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m hybridflow.profiling",
+                                 description="per-stage kernel summary of a saved step trace")
+    ap.add_argument("trace", help="a step<N>_rank<R>.trace.json.gz (or plain .json)")
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args(argv)
+    opener = gzip.open if args.trace.endswith(".gz") else open
+    with opener(args.trace, "rt") as f:
+        summary = trace_summary(json.load(f), top=args.top)
+    for name, st in summary.items():
+        busy = st["kernel_s"] / st["wall_s"] if st["wall_s"] else 0.0
+        print(f"{name:14s} wall {st['wall_s'] * 1e3:9.2f} ms  kernels {st['kernel_s'] * 1e3:9.2f} ms "
+              f"({100 * busy:3.0f}% busy, {st['kernels']} launches)")
+        for k in st["top"]:
+            print(f"    {k['s'] * 1e3:8.2f} ms {k['calls']:6d}x  {k['kernel'][:90]}")
+
+
+if __name__ == "__main__":
+    main()
