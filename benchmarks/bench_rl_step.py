@@ -131,6 +131,10 @@ def main():
                 tag += f"-dyn{train_tokens}f{fwd_tokens}"
             else:
                 tag += f"-mb{args.micro}f{args.fmicro or args.micro}"
+            kernels = _override(args.override, "rollout.decode_kernels", "torch")
+            tag += "-tk" if kernels == "triton" else ""
+            tag += "" if _override(args.override, "parallel.fused_elementwise", "true") == "true" \
+                else "-unfused"
             records.append({"name": f"{args.model}-{args.nproc}xH200-{algo}{tag}", "config": {
                 "model": args.model, "gpu": "H200", "num_gpus": args.nproc,
                 "layout": {"tp": args.tp, "pp": 1, "dp": args.nproc // args.tp,
@@ -146,6 +150,8 @@ def main():
                 "keep_generator": "rollout.free_cache_engine=false" in args.override,
                 "lm_head_chunk_tokens": chunk,
                 "decode_kernels": _override(args.override, "rollout.decode_kernels", "torch"),
+                "fused_elementwise": _override(args.override, "parallel.fused_elementwise",
+                                               "true") == "true",
                 "compile_decode": "rollout.compile_decode=true" in args.override},
             "metrics": m})
     import torch

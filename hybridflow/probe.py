@@ -80,6 +80,7 @@ def _prediction(cfg, gpu: str, world: int, history: list[dict] = ()) -> dict:
                     keep_generator=not cfg.rollout.free_cache_engine,
                     lm_head_chunk_tokens=p.lm_head_chunk_tokens,
                     decode_kernels=cfg.rollout.decode_kernels,
+                    fused_elementwise=p.fused_elementwise,
                     dtype="bf16" if cfg.trainer.precision == "bf16" else "fp32")
     kw = dict(model=cfg.model, gpu=gpu, num_gpus=world,
               layout=Plan(layout, offload_ref=cfg.trainer.offload_ref,

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
                         "positions at a time (0: whole)")
     p.add_argument("--decode-kernels", choices=("torch", "triton"), default="torch",
                    help="rollout.decode_kernels (triton: fitted with compile_decode on)")
+    p.add_argument("--unfused-elementwise", action="store_false", dest="fused_elementwise",
+                   help="parallel.fused_elementwise=false: Megatron's unfused RoPE and SwiGLU")
     p.add_argument("--calibration", help="JSON written by python -m hybridflow.cost.calibrate")
     g = p.add_argument_group("force a layout (else searched)")
     g.add_argument("--tp", type=int)
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             forward_micro_batch_tokens=a.forward_micro_batch_tokens, use_reference=a.use_reference,
             skip_old_log_prob=a.skip_old_log_prob, keep_generator=a.keep_generator,
             lm_head_chunk_tokens=a.lm_head_chunk_tokens, decode_kernels=a.decode_kernels,
-            calibration=a.calibration)
+            fused_elementwise=a.fused_elementwise, calibration=a.calibration)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -27,7 +27,8 @@ activation_memory_scale = least squares of the measured peak on the predicted pe
 then per group of stages, least squares of (measured - known terms) on the ideal times of the
 group's unknown coefficients, in this order: reshard -> 1/comm_eff; gen -> 1/prefill_eff,
 1/decode_bw_eff, seconds per layer per decode step; old_log_prob/ref/values and
-update_actor/update_critic jointly -> 1/forward_mfu, 1/train_mfu, layer_pass_overhead_s,
+update_actor/update_critic jointly -> 1/forward_mfu, 1/train_mfu (and their fused_elementwise
+twins), layer_pass_overhead_s,
 tp_collective_s, optimizer_step_s (joint because the fixed costs are shared:
 a layer pass costs the same launches in either, fwd+bwd counting 3 passes; only updates step the
 optimizer); other -> step_overhead_s, where "other" is measured as timing_s/step minus the measured
@@ -68,7 +69,8 @@ PASS_STAGES = ("old_log_prob", "ref", "values", "update_actor", "update_critic")
 GROUPS = [(("reshard",), ("inv_comm_eff",)),
           (("gen",), ("inv_prefill_eff", "inv_decode_bw_eff", "decode_layer_overhead_s",
                       "fused_decode_layer_overhead_s")),
-          (PASS_STAGES, ("inv_forward_mfu", "inv_train_mfu", "layer_pass_overhead_s", "tp_collective_s",
+          (PASS_STAGES, ("inv_forward_mfu", "inv_train_mfu", "inv_fused_forward_mfu",
+                         "inv_fused_train_mfu", "layer_pass_overhead_s", "tp_collective_s",
                          "optimizer_step_s")),
           (("other",), ("step_overhead_s",))]
 
@@ -114,6 +116,12 @@ def load_records(paths: list[str | Path]) -> list[dict]:
         data = data.get("records", [data]) if isinstance(data, dict) else data
         out += [{"machine": machine, **r, "name": r.get("name", f"{path.stem}[{i}]"),
                  "source": str(path)} for i, r in enumerate(data)]
+    seen: dict[str, int] = {}
+    for r in out:  # the validation is keyed by name: a repeated one gets its file's name too
+        seen[r["name"]] = seen.get(r["name"], 0) + 1
+    for r in out:
+        if seen[r["name"]] > 1:
+            r["name"] = f"{r['name']}@{Path(r['source']).stem}"
     return out
 
 

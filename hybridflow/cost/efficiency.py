@@ -8,6 +8,10 @@ when no record informs it), and why (fit your own with `python -m hybridflow.cos
   apart and overlaps the FLOP time (timing.OVERLAP_P); the 17 H200 records fit 0.62 train, 0.45
   forward (0.5-7B models at RL micro-batch sizes).
 - forward_mfu 0.40: the same for forward-only passes (old_log_prob, ref, values).
+- fused_train_mfu 0.45, fused_forward_mfu 0.50: train_mfu / forward_mfu of the passes with
+  parallel.fused_elementwise (Workload.fused_elementwise: RoPE and SwiGLU fused; the trainer's
+  default since 2026-12-02): at Qwen2-1.5B, 64 x 384 tokens on an H200 the unfused element-wise
+  kernels took ~35% of a forward pass (benchmarks/results/rl_step_fused_elementwise_h200.json).
 - prefill_efficiency 0.50: fraction of peak FLOP/s in generation's matmuls (prefill and the compute
   part of decode); the measured ceiling for a large bf16 matmul on H200 is 790/989 = 0.80.
 - decode_bw_efficiency 0.60: fraction of HBM bandwidth when a decode step reads its weight shard and
@@ -66,6 +70,8 @@ from pathlib import Path
 class Calibration:
     train_mfu: float = 0.35
     forward_mfu: float = 0.40
+    fused_train_mfu: float = 0.45
+    fused_forward_mfu: float = 0.50
     prefill_efficiency: float = 0.50
     decode_bw_efficiency: float = 0.60
     decode_layer_overhead_s: float = 1e-4
@@ -91,6 +97,8 @@ class Calibration:
     def coefs(self) -> dict[str, float]:
         """Coefficients of the linear time model: stage seconds = const + sum(x[k] * coef[k])."""
         return {"inv_train_mfu": 1 / self.train_mfu, "inv_forward_mfu": 1 / self.forward_mfu,
+                "inv_fused_train_mfu": 1 / self.fused_train_mfu,
+                "inv_fused_forward_mfu": 1 / self.fused_forward_mfu,
                 "inv_prefill_eff": 1 / self.prefill_efficiency,
                 "inv_decode_bw_eff": 1 / self.decode_bw_efficiency,
                 "decode_layer_overhead_s": self.decode_layer_overhead_s,
@@ -103,6 +111,8 @@ class Calibration:
     def with_coefs(self, **coefs: float) -> "Calibration":
         """The inverse of coefs(): a copy with the named coefficients replaced."""
         names = {"inv_train_mfu": "train_mfu", "inv_forward_mfu": "forward_mfu",
+                 "inv_fused_train_mfu": "fused_train_mfu",
+                 "inv_fused_forward_mfu": "fused_forward_mfu",
                  "inv_prefill_eff": "prefill_efficiency", "inv_decode_bw_eff": "decode_bw_efficiency",
                  "inv_comm_eff": "comm_efficiency"}
         return replace(self, **{names.get(k, k): (1 / v if k in names else v) for k, v in coefs.items()})

@@ -55,7 +55,7 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                   dtype: str = "bf16", use_reference: bool = True,
                   skip_old_log_prob: bool = False, keep_generator: bool = False,
                   lm_head_chunk_tokens: int = 0, decode_kernels: str = "torch",
-                  calibration=None) -> CostReport:
+                  fused_elementwise: bool = True, calibration=None) -> CostReport:
     """Memory, seconds per stage, GPU-hours and money of an RL run, and the layout to run it in.
 
     `layout` forces one layout (dict of tp, pp, dp, tp_gen, offload_ref, recompute); otherwise every
@@ -72,7 +72,8 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                     forward_micro_batch_tokens=forward_micro_batch_tokens,
                     use_reference=use_reference, dtype=dtype,
                     skip_old_log_prob=skip_old_log_prob, keep_generator=keep_generator,
-                    lm_head_chunk_tokens=lm_head_chunk_tokens, decode_kernels=decode_kernels)
+                    lm_head_chunk_tokens=lm_head_chunk_tokens, decode_kernels=decode_kernels,
+                    fused_elementwise=fused_elementwise)
     num_steps, steps_note = _num_steps(steps, epochs, dataset_size, prompts_per_step)
     if layout is not None:
         ranked = [evaluate(shape, gpu_, make_plan(layout, num_gpus, shape), work, calib)]

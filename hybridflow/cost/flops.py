@@ -57,11 +57,14 @@ def kv_bytes_per_token(shape: ModelConfig, tp: int = 1) -> int:
     return 2 * shape.num_layers * kv_heads_per_gpu(shape, tp) * shape.head_dim * BYTES_PER_PARAM
 
 
-def activation_bytes_per_token_layer(shape: ModelConfig) -> int:
+def activation_bytes_per_token_layer(shape: ModelConfig, *, fused_swiglu: bool = True) -> int:
     """bf16 tensors one layer keeps for backward per token (no dropout, flash attention: no scores).
 
     norm input h + QKV input h + Q,K,V (q + 2kv) + attention output q + MLP norm input h + fc1 input h
     + gate,up 2f + SwiGLU output f  =  4h + 2q + 2kv + 3f elements (Korthikanti et al. 2022, redone
-    for GQA + SwiGLU). Sequence parallelism shards all of it over TP."""
+    for GQA + SwiGLU). Megatron's unfused SwiGLU (`fused_swiglu` false) also keeps silu(gate) and
+    its copy of `up` (+ glu_linear_offset): 2f more. Sequence parallelism shards all of it over
+    TP."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
-    return BYTES_PER_PARAM * (4 * h + 2 * shape.q_dim + 2 * shape.kv_dim + 3 * f)
+    return BYTES_PER_PARAM * (4 * h + 2 * shape.q_dim + 2 * shape.kv_dim
+                              + (3 if fused_swiglu else 5) * f)

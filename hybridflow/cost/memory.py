@@ -17,7 +17,8 @@ Per phase, on top:
   `lm_head_chunk_tokens`; bf16, or fp32 with `bf16_logits` false);
 - with `keep_generator` (rollout.free_cache_engine=false, no reshard) the gen wave's KV cache stays
   through every later phase too;
-- update_actor / update_critic: stored activations (`flops.activation_bytes_per_token_layer`; with
+- update_actor / update_critic: stored activations (`flops.activation_bytes_per_token_layer`, the
+  unfused SwiGLU's two extra tensors without `fused_elementwise`; with
   full recompute only each layer's bf16 input plus one layer's working set), 1F1B keeping
   min(PP, micro-batches) micro-batches in flight on the first stage, plus the logits and their grad
   (component `logits`); with `lm_head_chunk_tokens` one chunk of them plus the chunked backward's
@@ -122,7 +123,7 @@ def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str)
     """(stored layer activations, logits and their grad) of one phase, bytes."""
     lay = plan.layout
     tp, micro_tokens = lay.tp_t, workload.seqs_per_micro_batch * workload.seq_len
-    layer = activation_bytes_per_token_layer(shape)
+    layer = activation_bytes_per_token_layer(shape, fused_swiglu=workload.fused_elementwise)
     per_entry = LOGIT_BYTES_BF16 if workload.bf16_logits else LOGIT_BYTES
     logits = 0 if phase in ("values", "update_critic") else shape.vocab_size * per_entry / tp
 

@@ -227,7 +227,8 @@ def _forward(shape: ModelConfig, gpu: GPU, layout: Layout, w: Workload, role: st
     micro = math.ceil(seqs / w.seqs_per_forward_micro_batch)
     flops = seqs * w.seq_len * forward_flops_per_token(shape, w.seq_len, role,
                                                        w.head_fraction) / shard
-    _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef="inv_forward_mfu",
+    coef = "inv_fused_forward_mfu" if w.fused_elementwise else "inv_forward_mfu"
+    _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
             tokens=seqs * w.seq_len, micro=micro, flushes=1, layer_passes=1)
     return t
 
@@ -242,7 +243,8 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
                                                      w.head_fraction) / shard
     if w.lm_head_chunk_tokens and role != "critic":  # each chunk's logits made again in backward
         flops += seqs * w.seq_len * w.head_fraction * 2 * shape.embedding_params / shard
-    _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef="inv_train_mfu",
+    coef = "inv_fused_train_mfu" if w.fused_elementwise else "inv_train_mfu"
+    _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
             tokens=seqs * w.seq_len, micro=opt_steps * micro, flushes=opt_steps,
             layer_passes=4 if plan.recompute else 3)
     t.add("optimizer", "optimizer_step_s", opt_steps)

@@ -56,9 +56,9 @@ def validation(records: list[dict], loo_rows: list[dict], *, command: str,
 
 def format_validation(summary: dict) -> str:
     summary = summary["validation"]
-    lines = [f"{'config':<46} {'step s':>7} {'pred':>7} {'err':>7}   {'peak GiB':>8} {'pred':>7} {'err':>7}"]
+    lines = [f"{'config':<62} {'step s':>7} {'pred':>7} {'err':>7}   {'peak GiB':>8} {'pred':>7} {'err':>7}"]
     for c in summary["configs"]:
-        lines.append(f"{c['name'][:46]:<46} {c.get('measured_step_s', float('nan')):>7.3f} "
+        lines.append(f"{c['name'][:62]:<62} {c.get('measured_step_s', float('nan')):>7.3f} "
                      f"{c.get('predicted_step_s', float('nan')):>7.3f} "
                      f"{c.get('step_s_error_pct', float('nan')):>6.1f}%   "
                      f"{c.get('measured_peak_gib', float('nan')):>8.2f} "

@@ -53,6 +53,10 @@ class Workload:
     # rollout.decode_kernels: "triton" (the fused decode kernels; the records that measured them
     # also ran rollout.compile_decode) has its own fitted per-layer decode cost
     decode_kernels: str = "torch"
+    # parallel.fused_elementwise (the trainer's default): the training passes' RoPE and SwiGLU as
+    # fused kernels (own fitted MFUs; the unfused SwiGLU also keeps two more ffn-wide tensors per
+    # token and layer); records measured before it existed say false
+    fused_elementwise: bool = True
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:

@@ -204,7 +204,8 @@ def test_cli_prints_table_and_json():
 
 # --- calibration --------------------------------------------------------------------------------
 
-TRUTH = Calibration(train_mfu=0.28, forward_mfu=0.45, prefill_efficiency=0.55, decode_bw_efficiency=0.7,
+TRUTH = Calibration(train_mfu=0.28, forward_mfu=0.45, fused_train_mfu=0.38, fused_forward_mfu=0.6,
+                    prefill_efficiency=0.55, decode_bw_efficiency=0.7,
                     decode_layer_overhead_s=2e-4, comm_efficiency=0.6, layer_pass_overhead_s=7e-4,
                     tp_collective_s=3e-4, optimizer_step_s=0.05,
                     step_overhead_s=0.04, memory_scale=1.1, activation_memory_scale=1.3)
@@ -220,11 +221,11 @@ CONFIGS = [
 
 def synthetic_records(calib=TRUTH):
     out = []
-    for model, n, layout, algo, prompts, samples, plen, rlen in CONFIGS:
+    for i, (model, n, layout, algo, prompts, samples, plen, rlen) in enumerate(CONFIGS):
         rec = {"name": f"{model}-{n}gpu-{algo}", "config": {
             "model": model, "gpu": "H200", "num_gpus": n, "layout": layout, "algorithm": algo,
             "prompts_per_step": prompts, "samples_per_prompt": samples, "prompt_len": plen,
-            "response_len": rlen}}
+            "response_len": rlen, "fused_elementwise": i % 2 == 1}}
         metrics = predict(parse_record(rec), calib)
         other = metrics.pop("timing_s/other")     # the trainer times reward and adv, not "other"
         rec["metrics"] = metrics | {"timing_s/reward": other / 2, "timing_s/adv": other / 2}
@@ -322,7 +323,7 @@ def test_overlap_of_host_and_gpu_parts_by_hand():
     # add; the breakdown scales the overlapped parts so the labels still sum to the stage.
     calib = Calibration(layer_pass_overhead_s=1e-3, forward_mfu=0.5)
     run = parse_record({"config": {"model": "qwen2_0_5b", "gpu": "H200", "num_gpus": 1,
-                                   "layout": {"tp": 1}, **TINY_WORK}})
+                                   "layout": {"tp": 1}, **TINY_WORK, "fused_elementwise": False}})
     t = stage_terms(run.shape, run.gpu, run.plan, run.workload, calib)["old_log_prob"]
     coefs = calib.coefs()
     host = t.x["layer_pass_overhead_s"] * 1e-3
@@ -464,16 +465,18 @@ def test_prefill_is_charged_once_per_prompt_on_each_replica():
         # one row per prompt against one per sample row: 8/dp and 32/dp rows per replica
         assert flops[False] - flops[True] == pytest.approx((32 - 8) // dp * one_row)
         assert flops[True] > 8 // dp * one_row  # the decode FLOPs come on top
-    # every calibration record states which generator it measured: the first 17 the old one, the
-    # ten of the speed runs' trainer options (*_kv64.json; *_tk.json with the decode kernels)
-    # the current one
+    # every calibration record states which generator and training passes it measured: the first
+    # 17 the old generator, the speed runs' trainer options (*_kv64.json; *_tk*.json with the
+    # decode kernels) the current one; *_fe.json the fused RoPE / SwiGLU (parallel.fused_elementwise)
     records = {p.name: json.loads(p.read_text()) for p in (ROOT / "benchmarks/results/cost").glob("*.json")}
     configs = [(name, r["config"]) for name, rec in records.items() for r in rec.get("records", [])]
-    assert len(configs) == 27
-    assert all(c["prefill_once_per_prompt"] is name.endswith(("_kv64.json", "_tk.json"))
+    assert len(configs) == 30
+    assert all(c["prefill_once_per_prompt"] is name.endswith(("_kv64.json", "_tk.json", "_tk_fl.json",
+                                                             "_tk_fe.json"))
                for name, c in configs)
-    assert all((c.get("decode_kernels", "torch") == "triton") is name.endswith("_tk.json")
+    assert all((c.get("decode_kernels", "torch") == "triton") is ("_tk" in name)
                for name, c in configs)
+    assert all(c["fused_elementwise"] is name.endswith("_fe.json") for name, c in configs)
 
 
 def test_kept_generator_holds_its_kv_cache_through_training():
@@ -538,6 +541,30 @@ def test_layout_overrides_name_the_trainer_keys():
     assert "offload_ref" not in plain and "activation_checkpointing" not in plain
     r = estimate_cost(model="tiny", gpu="H200", num_gpus=1)
     assert r.fits and f"trainer overrides (world size 1): {layout_overrides(r.layout)}" in str(r)
+
+
+def test_fused_elementwise_has_its_own_mfu_and_keeps_less():
+    """Workload.fused_elementwise (parallel.fused_elementwise): the forward / update passes' FLOP
+    time goes to fused_forward_mfu / fused_train_mfu, the same ideal seconds; the update keeps 2 x
+    ffn fewer bf16 elements per token and layer (Megatron's unfused SwiGLU keeps silu(gate) and a
+    copy of up); the shipped fit has the fused passes faster."""
+    runs = {f: parse_record({"config": {"model": "qwen2_0_5b", "gpu": "H200", "num_gpus": 1,
+                                        "layout": {"tp": 1}, **TINY_WORK, "fused_elementwise": f}})
+            for f in (False, True)}
+    terms = {f: stage_terms(r.shape, r.gpu, r.plan, r.workload, Calibration())
+             for f, r in runs.items()}
+    for stage, coef in (("ref", "forward_mfu"), ("update_actor", "train_mfu")):
+        assert terms[True][stage].x[f"inv_fused_{coef}"] == terms[False][stage].x[f"inv_{coef}"] > 0
+        assert f"inv_{coef}" not in terms[True][stage].x
+    mem = {f: estimate_memory(model="qwen2_0_5b", gpu="H200", num_gpus=1, layout={"tp": 1},
+                              **TINY_WORK, fused_elementwise=f) for f in (False, True)}
+    shape, tokens = runs[True].shape, 64  # a micro-batch: 2 sequences of 16 + 16 tokens
+    saved = tokens * shape.num_layers * 2 * shape.ffn_hidden_size * 2 / 2**30
+    cal = shipped_calibration()  # estimate_memory's scales
+    assert (mem[False].phases_gib["update_actor"]["activations"]
+            - mem[True].phases_gib["update_actor"]["activations"]) == pytest.approx(
+                saved * cal.activation_memory_scale * cal.memory_scale)
+    assert cal.fused_train_mfu > cal.train_mfu and cal.fused_forward_mfu > cal.forward_mfu
 
 
 def test_fused_decode_kernels_have_their_own_per_layer_cost():
