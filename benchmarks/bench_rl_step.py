@@ -131,7 +131,11 @@ def main():
                 tag += f"-dyn{train_tokens}f{fwd_tokens}"
             else:
                 tag += f"-mb{args.micro}f{args.fmicro or args.micro}"
-            kernels = _override(args.override, "rollout.decode_kernels", "torch")
+            kernels = _override(args.override, "rollout.decode_kernels", "auto")
+            if kernels == "auto":  # the generator's resolution (these models' head_dim: 64, 128)
+                import torch
+
+                kernels = "triton" if torch.cuda.is_available() else "torch"
             tag += "-tk" if kernels == "triton" else ""
             tag += "" if _override(args.override, "parallel.fused_elementwise", "true") == "true" \
                 else "-unfused"
@@ -149,7 +153,7 @@ def main():
                 "response_logits_only": True, "bf16_logits": True,
                 "keep_generator": "rollout.free_cache_engine=false" in args.override,
                 "lm_head_chunk_tokens": chunk,
-                "decode_kernels": _override(args.override, "rollout.decode_kernels", "torch"),
+                "decode_kernels": kernels,
                 "fused_elementwise": _override(args.override, "parallel.fused_elementwise",
                                                "true") == "true",
                 "compile_decode": "rollout.compile_decode=true" in args.override},

@@ -74,14 +74,16 @@ class RolloutConfig:
     # torch.compile (dynamic batch size; the KV writes and attention stay eager between them; all
     # captured in the CUDA graphs as before): fuses the RMSNorm, RoPE, SwiGLU and residual
     # element-wise kernels, which bound decode at small batches (a ~0.5B model's step is ~550
-    # kernel launches). TP_g = 1 only; the first step pays the compile. Off until timed.
+    # kernel launches). TP_g = 1 only; the first step pays the compile. With decode_kernels=triton
+    # the layers run its kernels instead (faster per op) and this compiles the sampler only.
     compile_decode: bool = False
-    # "triton": each decode layer's RoPE and both KV-cache writes as one kernel and its attention as
-    # split-KV ("flash-decoding") kernels over the query groups (hybridflow/kernels/decode.py), in
-    # place of 5 element-wise/index kernels and cuDNN's SDPA, whose tiles fit long query blocks (a
-    # decode step has heads/groups query rows per group). Needs CUDA and triton; power-of-two
-    # head_dim. "torch": PyTorch ops. Off until timed.
-    decode_kernels: str = "torch"
+    # "triton": each decode layer as Triton kernels + cuBLAS (hybridflow/kernels/decode.py): the
+    # residual sum + RMSNorm, RoPE + both KV-cache writes, split-KV ("flash-decoding") attention over
+    # the query groups and the SwiGLU each one kernel, the attention projection accumulated in place;
+    # the prefill's RoPE + KV writes and SwiGLU too. Needs CUDA and triton; power-of-two head_dim.
+    # "torch": PyTorch ops (with compile_decode: inductor's). "auto": triton where it applies, else
+    # torch (CPU runs: torch). Measured on an H200: README "Measured on H200"
+    decode_kernels: str = "auto"
     return_logprobs: bool = False
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
 

@@ -141,6 +141,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
         _one_of(f"{name}.lr_decay_style", getattr(cfg, name).lr_decay_style,
                 {"constant", "linear", "cosine"})
     _one_of("trainer.precision", cfg.trainer.precision, {"fp32", "bf16"})
+    _one_of("rollout.decode_kernels", cfg.rollout.decode_kernels, {"auto", "torch", "triton"})
     _positive("trainer.total_steps", cfg.trainer.total_steps)
     _positive("trainer.collective_timeout_s", cfg.trainer.collective_timeout_s)
     if cfg.trainer.time_budget_s < 0:

@@ -79,7 +79,7 @@ def _prediction(cfg, gpu: str, world: int, history: list[dict] = ()) -> dict:
                     skip_old_log_prob=skip_old_log_prob(cfg, step=cfg.trainer.critic_warmup)[0],
                     keep_generator=not cfg.rollout.free_cache_engine,
                     lm_head_chunk_tokens=p.lm_head_chunk_tokens,
-                    decode_kernels=cfg.rollout.decode_kernels,
+                    decode_kernels=_decode_kernels(cfg),
                     fused_elementwise=p.fused_elementwise,
                     dtype="bf16" if cfg.trainer.precision == "bf16" else "fp32")
     kw = dict(model=cfg.model, gpu=gpu, num_gpus=world,
@@ -162,3 +162,12 @@ class Probe:
         t = self.cfg.trainer
         write_probe(self.cfg, self.history, price_per_gpu_hour=t.price_per_gpu_hour,
                     remaining_steps=t.total_steps - self.start)
+
+
+def _decode_kernels(cfg) -> str:
+    """The cost model's decode path for rollout.decode_kernels ("auto": triton on a GPU; the
+    model's head_dim is not checked here)."""
+    value = cfg.rollout.decode_kernels
+    if value == "auto":
+        return "triton" if torch.cuda.is_available() else "torch"
+    return value

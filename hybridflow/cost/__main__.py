@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lm-head-chunk-tokens", type=int, default=0,
                    help="parallel.lm_head_chunk_tokens: the LM head + log-probs this many "
                         "positions at a time (0: whole)")
-    p.add_argument("--decode-kernels", choices=("torch", "triton"), default="torch",
-                   help="rollout.decode_kernels (triton: fitted with compile_decode on)")
+    p.add_argument("--decode-kernels", choices=("torch", "triton"), default="triton",
+                   help="rollout.decode_kernels as generation runs it (the default auto: triton on "
+                        "a GPU with a power-of-two head_dim)")
     p.add_argument("--unfused-elementwise", action="store_false", dest="fused_elementwise",
                    help="parallel.fused_elementwise=false: Megatron's unfused RoPE and SwiGLU")
     p.add_argument("--calibration", help="JSON written by python -m hybridflow.cost.calibrate")

@@ -54,7 +54,7 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                   micro_batch_tokens: int = 8192, forward_micro_batch_tokens: int | None = None,
                   dtype: str = "bf16", use_reference: bool = True,
                   skip_old_log_prob: bool = False, keep_generator: bool = False,
-                  lm_head_chunk_tokens: int = 0, decode_kernels: str = "torch",
+                  lm_head_chunk_tokens: int = 0, decode_kernels: str = "triton",
                   fused_elementwise: bool = True, calibration=None) -> CostReport:
     """Memory, seconds per stage, GPU-hours and money of an RL run, and the layout to run it in.
 

@@ -50,9 +50,10 @@ class Workload:
     # parallel.lm_head_chunk_tokens: the LM head + log-prob pass this many positions at a time
     # (logits of one chunk held, one more LM-head GEMM in the update's backward); 0: whole
     lm_head_chunk_tokens: int = 0
-    # rollout.decode_kernels: "triton" (the fused decode kernels; the records that measured them
-    # also ran rollout.compile_decode) has its own fitted per-layer decode cost
-    decode_kernels: str = "torch"
+    # rollout.decode_kernels: "triton" (the fused decode kernels, what the trainer's default "auto"
+    # runs on a GPU; the records that measured them also ran rollout.compile_decode) has its own
+    # fitted per-layer decode cost; records of the PyTorch decode say "torch"
+    decode_kernels: str = "triton"
     # parallel.fused_elementwise (the trainer's default): the training passes' RoPE and SwiGLU as
     # fused kernels (own fitted MFUs; the unfused SwiGLU also keeps two more ffn-wide tensors per
     # token and layer); records measured before it existed say false

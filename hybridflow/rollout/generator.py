@@ -39,6 +39,7 @@ Layout of a call:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -126,6 +127,8 @@ class Generator:
         (callers map them to global ids), `rollout_logprobs` (B, R) when cfg.return_logprobs: each
         sampled token's log-prob under log_softmax(logits / T) (T = 1 when greedy), before
         top-k/top-p filtering (as verl's), 0 on padding."""
+        cfg = dataclasses.replace(cfg, decode_kernels=resolve_decode_kernels(
+            cfg.decode_kernels, self.device, self.w.dims.head_dim))
         self._check(prompts, cfg)
         N, P, R = len(prompts) * cfg.n, max(len(p) for p in prompts), cfg.max_new_tokens
         if P + R > self.cfg.max_position_embeddings:
@@ -212,9 +215,6 @@ class Generator:
                         ("top_p", 0 < cfg.top_p <= 1)):
             if not ok:
                 raise ValueError(f"rollout.{key}={getattr(cfg, key)!r} is out of range")
-        if cfg.decode_kernels not in ("torch", "triton"):
-            raise ValueError(f"rollout.decode_kernels={cfg.decode_kernels!r}: expected 'torch' or "
-                             "'triton'")
         if cfg.decode_kernels == "triton":
             _check_decode_kernels(self.device, self.w.dims.head_dim)
         if cfg.compile_decode and self.w.dims.tp_size > 1:
@@ -322,6 +322,20 @@ class Generator:
                 self.stats["compactions"] += 1
         compaction.flush(buf, row_map, out_tok, out_lp)
         return out_tok[:B], out_lp[:B]
+
+
+def resolve_decode_kernels(value: str, device: torch.device, head_dim: int) -> str:
+    """rollout.decode_kernels as generation runs it: "auto" (the default) is "triton" on a CUDA
+    device with triton and a power-of-two head_dim >= 16, else "torch"; "triton" and "torch" are
+    taken as given (triton's requirements checked by the generator)."""
+    if value not in ("auto", "torch", "triton"):
+        raise ValueError(f"rollout.decode_kernels={value!r}: expected 'auto', 'torch' or 'triton'")
+    if value != "auto":
+        return value
+    from hybridflow.kernels import decode as kern
+
+    pow2 = head_dim >= 16 and not head_dim & (head_dim - 1)
+    return "triton" if kern.HAVE_TRITON and device.type == "cuda" and pow2 else "torch"
 
 
 def _check_decode_kernels(device: torch.device, head_dim: int) -> None:

@@ -14,6 +14,11 @@ from hybridflow.kernels import decode as kern
 from hybridflow.rollout import Generator
 
 pytestmark = pytest.mark.gpu
+
+
+def _torch_path(**kw) -> RolloutConfig:
+    """The PyTorch decode path (rollout.decode_kernels=auto would take the Triton kernels here)."""
+    return RolloutConfig(decode_kernels="torch", **kw)
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 if not kern.HAVE_TRITON:
@@ -60,7 +65,8 @@ def test_norm_and_swiglu_kernels_match_twins(dtype, N, D, F):
     g = torch.Generator(device="cuda").manual_seed(1)
     x, y = (torch.randn(N, D, generator=g, device="cuda").to(dtype) for _ in range(2))
     w = (torch.rand(D, generator=g, device="cuda") + 0.5).to(dtype)
-    one_ulp = dict(atol=1e-6, rtol=2 ** -7) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    one_ulp = (dict(atol=1e-6, rtol=2 ** -7) if dtype == torch.bfloat16
+               else dict(atol=1e-5, rtol=1e-5))
     for res in (y, None):
         h, out = kern.add_rms_norm(x, res, w, 1e-6, impl="triton")
         h2, out2 = kern.add_rms_norm(x, res, w, 1e-6, impl="torch")
@@ -83,10 +89,10 @@ def test_generator_with_kernels_under_graphs(monkeypatch):
     gen = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
                     device=torch.device("cuda"), dtype=torch.float32, true_vocab_size=37)
     prompts, R = random_prompts(24, vocab=37), 150
-    free = gen.generate(prompts, cfg=RolloutConfig(max_new_tokens=R, temperature=0.0),
+    free = gen.generate(prompts, cfg=_torch_path(max_new_tokens=R, temperature=0.0),
                         eos_id=-1, pad_id=0, seed=0).response_ids
     stops = uneven_stops(free.cpu(), [0, 5, 14], 37)
-    cfg = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=20, return_logprobs=True,
+    cfg = _torch_path(max_new_tokens=R, temperature=0.0, max_batch_size=20, return_logprobs=True,
                         stop_token_ids=stops[:2], compact_finished_rows=True, decode_kv_window=64)
     ref = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
     fused = dataclasses.replace(cfg, decode_kernels="triton")

@@ -14,6 +14,11 @@ from tests.unit.test_rollout import CFG, PROMPTS, random_params
 pytestmark = pytest.mark.gpu
 
 
+def _torch_path(**kw) -> RolloutConfig:
+    """The PyTorch decode path (rollout.decode_kernels=auto would take the Triton kernels here)."""
+    return RolloutConfig(decode_kernels="torch", **kw)
+
+
 def _gen(device):
     return Generator(model_cfg=CFG, params=random_params(CFG), tp_group=None,
                      device=torch.device(device), dtype=torch.float32,
@@ -22,9 +27,9 @@ def _gen(device):
 
 def test_graphs_match_eager_and_cpu():
     cpu, gpu = _gen("cpu"), _gen("cuda")
-    free = cpu.generate(PROMPTS, cfg=RolloutConfig(max_new_tokens=12, temperature=0.0),
+    free = cpu.generate(PROMPTS, cfg=_torch_path(max_new_tokens=12, temperature=0.0),
                         eos_id=-1, pad_id=0, seed=0).response_ids
-    cfg = RolloutConfig(max_new_tokens=12, temperature=0.0, n=2, max_batch_size=3,
+    cfg = _torch_path(max_new_tokens=12, temperature=0.0, n=2, max_batch_size=3,
                         return_logprobs=True, stop_token_ids=[int(free[1, 5])])
     eos = int(free[0, 3])
     ref = cpu.generate(PROMPTS, cfg=cfg, eos_id=eos, pad_id=0, seed=0)
@@ -43,9 +48,9 @@ def test_early_exit_on_gpu(monkeypatch):
 
     monkeypatch.setattr(generator, "CHECK_EVERY", 2)
     gen = _gen("cuda")
-    free = gen.generate(PROMPTS, cfg=RolloutConfig(max_new_tokens=4, temperature=0.0),
+    free = gen.generate(PROMPTS, cfg=_torch_path(max_new_tokens=4, temperature=0.0),
                         eos_id=-1, pad_id=0, seed=0).response_ids
-    out = gen.generate(PROMPTS, cfg=RolloutConfig(max_new_tokens=100, temperature=0.0,
+    out = gen.generate(PROMPTS, cfg=_torch_path(max_new_tokens=100, temperature=0.0,
                                                   stop_token_ids=free[:, 1].tolist()),
                        eos_id=-1, pad_id=0, seed=0)
     assert out.response_ids.shape[1] <= 2
@@ -57,7 +62,7 @@ def test_seeded_sampling_under_graphs_and_release():
     before = torch.cuda.memory_allocated()
     gen = _gen("cuda")
     weights = torch.cuda.memory_allocated() - before
-    cfg = RolloutConfig(max_new_tokens=10, temperature=1.0, top_k=20, top_p=0.9, n=4)
+    cfg = _torch_path(max_new_tokens=10, temperature=1.0, top_k=20, top_p=0.9, n=4)
     a = gen.generate(PROMPTS, cfg=cfg, eos_id=-1, pad_id=0, seed=11)
     b = gen.generate(PROMPTS, cfg=cfg, eos_id=-1, pad_id=0, seed=11)
     c = gen.generate(PROMPTS, cfg=cfg, eos_id=-1, pad_id=0, seed=12)
@@ -77,10 +82,10 @@ def test_compaction_under_graphs(monkeypatch):
     monkeypatch.setattr(compaction, "MIN_GRAPHED_BUCKET", 1)  # tiny buckets: graphs down to 1 row
     cpu, gpu = _gen("cpu"), _gen("cuda")
     prompts, R = random_prompts(24, vocab=CFG.vocab_size), 40
-    free = cpu.generate(prompts, cfg=RolloutConfig(max_new_tokens=R, temperature=0.0),
+    free = cpu.generate(prompts, cfg=_torch_path(max_new_tokens=R, temperature=0.0),
                         eos_id=-1, pad_id=0, seed=0).response_ids
     stops = uneven_stops(free, [0, 5, 14], CFG.vocab_size)
-    cfg = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=20,
+    cfg = _torch_path(max_new_tokens=R, temperature=0.0, max_batch_size=20,
                         return_logprobs=True, stop_token_ids=stops,
                         compact_finished_rows=True)  # chunks 20 and 4
     on = gpu.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
@@ -110,10 +115,10 @@ def test_decode_windows_under_graphs(monkeypatch):
     monkeypatch.setattr(compaction, "MIN_GRAPHED_BUCKET", 1)
     cpu, gpu = _gen("cpu"), _gen("cuda")
     prompts, R = random_prompts(24, vocab=CFG.vocab_size), 150  # cache 192 columns (or more)
-    free = cpu.generate(prompts, cfg=RolloutConfig(max_new_tokens=R, temperature=0.0),
+    free = cpu.generate(prompts, cfg=_torch_path(max_new_tokens=R, temperature=0.0),
                         eos_id=-1, pad_id=0, seed=0).response_ids
     stops = uneven_stops(free, [0, 5, 14], CFG.vocab_size)
-    cfg = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=20, return_logprobs=True,
+    cfg = _torch_path(max_new_tokens=R, temperature=0.0, max_batch_size=20, return_logprobs=True,
                         stop_token_ids=stops[:2], compact_finished_rows=True)
     whole = gpu.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
     windowed = dataclasses.replace(cfg, decode_kv_window=64)
@@ -141,10 +146,10 @@ def test_compiled_decode_under_graphs(monkeypatch):
     torch._dynamo.utils.counters.clear()
     gpu = _gen("cuda")
     prompts, R = random_prompts(24, vocab=CFG.vocab_size), 150
-    free = gpu.generate(prompts, cfg=RolloutConfig(max_new_tokens=R, temperature=0.0),
+    free = gpu.generate(prompts, cfg=_torch_path(max_new_tokens=R, temperature=0.0),
                         eos_id=-1, pad_id=0, seed=0).response_ids
     stops = uneven_stops(free.cpu(), [0, 5, 14], CFG.vocab_size)
-    cfg = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=20, return_logprobs=True,
+    cfg = _torch_path(max_new_tokens=R, temperature=0.0, max_batch_size=20, return_logprobs=True,
                         stop_token_ids=stops[:2], compact_finished_rows=True, decode_kv_window=64)
     eager = gpu.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
     compiled = gpu.generate(prompts, cfg=dataclasses.replace(cfg, compile_decode=True), eos_id=-1,

@@ -206,7 +206,8 @@ def test_cli_prints_table_and_json():
 
 TRUTH = Calibration(train_mfu=0.28, forward_mfu=0.45, fused_train_mfu=0.38, fused_forward_mfu=0.6,
                     prefill_efficiency=0.55, decode_bw_efficiency=0.7,
-                    decode_layer_overhead_s=2e-4, comm_efficiency=0.6, layer_pass_overhead_s=7e-4,
+                    decode_layer_overhead_s=2e-4, fused_decode_layer_overhead_s=9e-5,
+                    comm_efficiency=0.6, layer_pass_overhead_s=7e-4,
                     tp_collective_s=3e-4, optimizer_step_s=0.05,
                     step_overhead_s=0.04, memory_scale=1.1, activation_memory_scale=1.3)
 CONFIGS = [
@@ -225,7 +226,8 @@ def synthetic_records(calib=TRUTH):
         rec = {"name": f"{model}-{n}gpu-{algo}", "config": {
             "model": model, "gpu": "H200", "num_gpus": n, "layout": layout, "algorithm": algo,
             "prompts_per_step": prompts, "samples_per_prompt": samples, "prompt_len": plen,
-            "response_len": rlen, "fused_elementwise": i % 2 == 1}}
+            "response_len": rlen, "fused_elementwise": i % 2 == 1,
+            "decode_kernels": "torch" if i < 3 else "triton"}}
         metrics = predict(parse_record(rec), calib)
         other = metrics.pop("timing_s/other")     # the trainer times reward and adv, not "other"
         rec["metrics"] = metrics | {"timing_s/reward": other / 2, "timing_s/adv": other / 2}

@@ -15,8 +15,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from hybridflow.config import ModelConfig
+from hybridflow.config import ModelConfig, RolloutConfig
 from hybridflow.kernels import decode as kern
 from tests.unit.test_rollout import PROMPTS, make, rc
 
@@ -86,11 +87,28 @@ def test_generation_with_the_kernels_at_tp2(checked):
             assert case["tokens"] > 20, (name, case)
 
 
+def test_auto_takes_triton_only_where_it_applies():
+    """rollout.decode_kernels=auto (the default): triton on CUDA with triton installed and a
+    power-of-two head_dim >= 16; torch on CPU (also under the interpreter) and for other head_dims;
+    explicit values as given."""
+    from hybridflow.rollout.generator import resolve_decode_kernels
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_decode_kernels("auto", cpu, 64) == "torch"
+    assert resolve_decode_kernels("auto", cuda, 64) == ("triton" if kern.HAVE_TRITON else "torch")
+    assert resolve_decode_kernels("auto", cuda, 80) == "torch"
+    assert resolve_decode_kernels("auto", cuda, 8) == "torch"
+    assert resolve_decode_kernels("triton", cpu, 8) == "triton"  # the generator then says why not
+    assert resolve_decode_kernels("torch", cuda, 64) == "torch"
+    assert RolloutConfig().decode_kernels == "auto"
+
+
 def test_decode_kernels_errors_name_the_key(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gen = make(ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
                            num_query_groups=2, vocab_size=37))
-    with pytest.raises(ValueError, match="rollout.decode_kernels='cuda': expected 'torch' or 'triton'"):
+    with pytest.raises(ValueError, match="rollout.decode_kernels='cuda': expected 'auto', 'torch' "
+                                         "or 'triton'"):
         gen.generate(PROMPTS, cfg=rc(decode_kernels="cuda"), eos_id=5, pad_id=0, seed=0)
     if kern.HAVE_TRITON:
         match = "rollout.decode_kernels=triton needs a CUDA device"
