@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_fused_linear import timed  # noqa: E402
 from bench_generate import machine  # noqa: E402
 from gsm8k_hf_eval import write_json  # noqa: E402
 from hybridflow.kernels import decode as kern  # noqa: E402
@@ -36,26 +36,7 @@ CALLS, REPLAYS = 20, 7
 
 def graph_us(fn) -> float:
     """Microseconds per call of fn, captured CALLS times in one graph, median over REPLAYS."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times)
+    return timed(fn, reps=CALLS, replays=REPLAYS)
 
 
 def _add_norm(x, y, w):
