@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hybridflow.config import ModelConfig
 from hybridflow.models.attention import SDPAttention
+from hybridflow.models.fused import use_fused_rope
 from hybridflow.models.heads import ValueHead
 from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear,
                                       LeanRowParallelLinear)
@@ -63,7 +64,8 @@ def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, sequence_parallel:
         add_qkv_bias=cfg.add_qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel, params_dtype=dtype, bf16=bf16, pipeline_dtype=dtype,
-        bias_activation_fusion=fused_elementwise and torch.cuda.is_available(), masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_activation_fusion=fused_elementwise and torch.cuda.is_available(),
+        masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
         attention_softmax_in_fp32=True, init_method_std=0.02,
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -115,8 +117,6 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
     tp, pp, pp_rank = ctx.tp_size, ctx.pp_size, ctx.train.pp
     tcfg = transformer_config(cfg, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
                               precision=precision, fused_elementwise=fused_elementwise)
-    from hybridflow.models.fused import use_fused_rope
-
     use_fused_rope(fused_elementwise)  # process-wide: the last model built sets it
     spec = layer_spec(cfg)
     block = TransformerBlockSubmodules(

@@ -19,8 +19,10 @@ The math follows Megatron's local spec exactly (so logits match `GPTModel` to fp
   K/V copy; an additive mask hides padding and unwritten slots.
   With `kv_len` the keys are the first kv_len columns (a strided view, no copy). With
   rollout.decode_kernels=triton the decode step's RoPE + KV writes run as one kernel and the
-  attention as split-KV Triton kernels (hybridflow/kernels/decode.py; same math, PyTorch twins).
+  attention as split-KV Triton kernels, and the rest of the layer is Triton kernels + cuBLAS too
+  (`_decode_step_fused`; hybridflow/kernels/decode.py: same math, PyTorch twins).
 - MLP: SwiGLU from fc1 = [gate; up] (per shard); row-parallel proj/fc2 then all-reduce over TP_g.
+  With decode_kernels=triton the SwiGLU is one kernel (kernels.decode.silu_mul), prefill too.
 - Embedding: vocab-parallel masked lookup + all-reduce. Output: vocab-parallel matmul, all-gather
   over TP_g, padded vocab ids (>= true vocab) dropped; fp32 logits out (a decode step's stay in
   the weights' dtype for the sampler).
