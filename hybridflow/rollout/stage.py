@@ -48,9 +48,10 @@ class RolloutStage:
             self.resharder = Resharder(actor.module, layout=ctx.layout, groups=ctx.reshard)
         self._kept: Generator | None = None  # across steps with rollout.free_cache_engine=false
         if not cfg.rollout.free_cache_engine and self.resharder is not None and ctx.rank == 0:
-            print("hybridflow: warning: rollout.free_cache_engine=false has no effect with "
+            print("hybridflow: warning: rollout.free_cache_engine=false does little with "
                   "resharding (rollout.tensor_parallel_size != parallel.tensor_parallel_size or "
-                  "PP > 1): the gathered weights move every step, so the generator is rebuilt",
+                  "PP > 1): the gathered weights are re-allocated every step, and the generator "
+                  "is kept only for a step whose weights come back at the same addresses",
                   flush=True)
 
     def _gen_params(self):

@@ -6,7 +6,10 @@ step, released after it) against the kept one. The kept generator aliases the tr
 so the optimizer's in-place updates must be what the next step generates with: equal histories and
 weights after 3 steps, with weights that moved, show that it does (a generator on stale weights
 samples other responses from step 2 on). With TP=2 and generation at TP_g=1 (resharding) the
-gathered weights move every step, so the generator is rebuilt each step and the run is unchanged.
+gathered weights are re-allocated every step (the resharder frees its buffers after generation):
+the kept generator is reused only for a step whose buffers come back at the same addresses (it
+then reads them, the same storage), rebuilt otherwise (the allocator decides which), and the run
+is unchanged either way.
 """
 
 import pytest
@@ -93,7 +96,7 @@ def test_generator_built_once_and_released_at_the_end(runs):
         assert (rank["keep"]["built"], rank["keep"]["released"]) == (1, 1)  # at the end of train
 
 
-def test_resharding_rebuilds_every_step(runs):
-    for rank in runs:
-        assert rank["keep_tp2"]["built"] == STEPS
-        assert rank["keep_tp2"]["released"] == STEPS
+def test_resharding_rebuilds_unless_the_weights_stay_put(runs):
+    for rank in runs:  # every generator built is released once (at a rebuild or at the end)
+        built = rank["keep_tp2"]["built"]
+        assert 1 <= built <= STEPS and rank["keep_tp2"]["released"] == built
