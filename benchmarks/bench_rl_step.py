@@ -114,6 +114,8 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results, records = {}, []
+    kernels = _override(args.override, "rollout.decode_kernels", "auto")
+    fused = _override(args.override, "parallel.fused_elementwise", "true") == "true"
     with tempfile.TemporaryDirectory() as work:
         for algo in args.algos.split(","):
             results[algo] = summarize(run(algo, args, work))
@@ -131,14 +133,11 @@ def main():
                 tag += f"-dyn{train_tokens}f{fwd_tokens}"
             else:
                 tag += f"-mb{args.micro}f{args.fmicro or args.micro}"
-            kernels = _override(args.override, "rollout.decode_kernels", "auto")
-            if kernels == "auto":  # the generator's resolution (these models' head_dim: 64, 128)
-                import torch
+            if kernels == "auto":  # the generator's resolution (these models' head_dim: 64, 128),
+                import torch  # after the runs (this process touches no GPU before them)
 
                 kernels = "triton" if torch.cuda.is_available() else "torch"
-            tag += "-tk" if kernels == "triton" else ""
-            tag += "" if _override(args.override, "parallel.fused_elementwise", "true") == "true" \
-                else "-unfused"
+            tag += ("-tk" if kernels == "triton" else "") + ("" if fused else "-unfused")
             records.append({"name": f"{args.model}-{args.nproc}xH200-{algo}{tag}", "config": {
                 "model": args.model, "gpu": "H200", "num_gpus": args.nproc,
                 "layout": {"tp": args.tp, "pp": 1, "dp": args.nproc // args.tp,
@@ -154,8 +153,7 @@ def main():
                 "keep_generator": "rollout.free_cache_engine=false" in args.override,
                 "lm_head_chunk_tokens": chunk,
                 "decode_kernels": kernels,
-                "fused_elementwise": _override(args.override, "parallel.fused_elementwise",
-                                               "true") == "true",
+                "fused_elementwise": fused,
                 "compile_decode": "rollout.compile_decode=true" in args.override},
             "metrics": m})
     import torch

@@ -204,8 +204,13 @@ def num_splits(rows_x_groups: int, columns: int, device: torch.device) -> int:
     return max(1, min(blocks, -(-_target_programs(device) // max(1, rows_x_groups))))
 
 
+def head_dim_supported(hd: int) -> bool:
+    """The kernels' head_dim: a power of two >= 16 (a tl.arange extent and a tl.dot dimension)."""
+    return hd >= 16 and not hd & (hd - 1)
+
+
 def _check_head_dim(hd: int) -> None:
-    if hd < 16 or hd & (hd - 1):
+    if not head_dim_supported(hd):
         raise ValueError(f"decode kernels need a power-of-two head_dim >= 16, got {hd}")
 
 

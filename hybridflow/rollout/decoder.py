@@ -318,7 +318,7 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     seen = key_valid if kv_len is None else key_valid[:, :kv_len]
     if kernels == "triton":
         return _decode_step_fused(w, tokens, positions, cur, seen, cache=cache, cos_tab=cos_tab,
-                                  sin_tab=sin_tab, kv_len=kv_len, compiled=compiled)
+                                  sin_tab=sin_tab, kv_len=kv_len)
     bias = torch.zeros(seen.shape, dtype=cos_tab.dtype, device=tokens.device)
     bias = bias.masked_fill_(~seen, float("-inf"))[:, None, None, :]  # (B, 1, 1, kv_len)
     cos = cos_tab.index_select(0, positions)[:, None, None, :]  # (B, 1, 1, hd)
@@ -344,7 +344,7 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
 
 
 def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_tab, sin_tab,
-                       kv_len, compiled: bool):
+                       kv_len):
     """decode_step with the layer as Triton kernels and cuBLAS (kernels.decode, impl "triton": on
     CPU only under TRITON_INTERPRET=1, the tests' way): the residual sum + RMSNorm as one kernel
     (add_rms_norm), RoPE + the KV writes as one (rope_kv_write), split-KV attention, the attention
@@ -352,8 +352,8 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     an out-of-place addmm, as inductor makes, first copies the residual) and the SwiGLU as one
     kernel (silu_mul). Per op 1.3-3.3x faster than rollout.compile_decode's inductor kernels for
     the same work and 4.8-8% off the whole step (benchmarks/results/decode_parts_h200.json,
-    decode_profile_h200_fused_layer.json), so `compiled` changes nothing here (the sampler is
-    compiled by the caller)."""
+    decode_profile_h200_fused_layer.json), so rollout.compile_decode changes nothing here (the
+    sampler is compiled by the caller)."""
     from hybridflow.kernels import decode as kern
 
     d = w.dims

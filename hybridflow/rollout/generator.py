@@ -334,8 +334,8 @@ def resolve_decode_kernels(value: str, device: torch.device, head_dim: int) -> s
         return value
     from hybridflow.kernels import decode as kern
 
-    pow2 = head_dim >= 16 and not head_dim & (head_dim - 1)
-    return "triton" if kern.HAVE_TRITON and device.type == "cuda" and pow2 else "torch"
+    usable = kern.HAVE_TRITON and device.type == "cuda" and kern.head_dim_supported(head_dim)
+    return "triton" if usable else "torch"
 
 
 def _check_decode_kernels(device: torch.device, head_dim: int) -> None:
@@ -349,7 +349,7 @@ def _check_decode_kernels(device: torch.device, head_dim: int) -> None:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"rollout.decode_kernels=triton needs a CUDA device (generation runs on "
                          f"{device.type}); set rollout.decode_kernels=torch")
-    if head_dim < 16 or head_dim & (head_dim - 1):
+    if not kern.head_dim_supported(head_dim):
         raise ValueError(f"rollout.decode_kernels=triton needs a power-of-two head_dim >= 16 "
                          f"(the model has {head_dim}); set rollout.decode_kernels=torch")
 
