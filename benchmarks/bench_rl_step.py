@@ -116,6 +116,7 @@ def main():
     results, records = {}, []
     kernels = _override(args.override, "rollout.decode_kernels", "auto")
     fused = _override(args.override, "parallel.fused_elementwise", "true") == "true"
+    graphs = _override(args.override, "parallel.train_cuda_graphs", "false") == "true"
     with tempfile.TemporaryDirectory() as work:
         for algo in args.algos.split(","):
             results[algo] = summarize(run(algo, args, work))
@@ -138,6 +139,7 @@ def main():
 
                 kernels = "triton" if torch.cuda.is_available() else "torch"
             tag += ("-tk" if kernels == "triton" else "") + ("" if fused else "-unfused")
+            tag += "-graphs" if graphs else ""
             records.append({"name": f"{args.model}-{args.nproc}xH200-{algo}{tag}", "config": {
                 "model": args.model, "gpu": "H200", "num_gpus": args.nproc,
                 "layout": {"tp": args.tp, "pp": 1, "dp": args.nproc // args.tp,
@@ -154,6 +156,7 @@ def main():
                 "lm_head_chunk_tokens": chunk,
                 "decode_kernels": kernels,
                 "fused_elementwise": fused,
+                "train_cuda_graphs": graphs,
                 "compile_decode": "rollout.compile_decode=true" in args.override},
             "metrics": m})
     import torch

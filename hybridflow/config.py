@@ -42,6 +42,17 @@ class ParallelConfig:
     # own functions: its bias_activation_fusion SwiGLU keeps only fc1's output for backward);
     # hybridflow/models/fused.py. CPU runs are unchanged either way
     fused_elementwise: bool = True
+    # on CUDA, each decoder layer's training forward and backward replayed as one CUDA graph
+    # (models/graphs.py: torch.cuda.make_graphed_callables), captured once at the shape of the
+    # first update's most common micro-batch; micro-batches of another shape, with left-padded
+    # prompts (an attention mask) or packed run the eager layers (`<role>/graphed_micro_batch_frac`
+    # says the share that replayed). Without TE a layer is ~75 kernel launches forward and
+    # backward, ~50 us of host time each: small micro-batches are bound by the host (1.5B, 8 rows
+    # x 384 tokens: 0.76 s per update eager vs 0.41 s at 64 rows, benchmarks/results/
+    # rl_step_train_graphs_h200.json). The graphs' pool keeps one micro-batch's activations and
+    # the layers' weight gradients (bf16) allocated for the run. PP = 1, no activation
+    # recompute; CPU runs are unchanged
+    train_cuda_graphs: bool = False
 
 
 @dataclass

@@ -33,6 +33,7 @@ with PP > 1.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from typing import Callable, Optional
 
 import torch
@@ -53,6 +54,7 @@ from hybridflow.data.microbatch import token_budget_groups
 from hybridflow.data.packing import PackedRows, pack_rows
 from hybridflow.models.attention import SDPAttention, document_causal_mask
 from hybridflow.models.build import LM_ROLES, build_model
+from hybridflow.models.graphs import graph_layers
 from hybridflow.models.linear import LeanOutputLinear, LogprobSpec
 from hybridflow.models.logprob import vocab_parallel_logprobs
 from hybridflow.parallel.context import ParallelContext
@@ -82,6 +84,14 @@ class Engine:
     def __init__(self, *, role: str, model_cfg: ModelConfig, ctx: ParallelContext,
                  parallel: ParallelConfig, precision: str, optim: Optional[OptimConfig] = None,
                  total_updates: int = 1):
+        if parallel.train_cuda_graphs and parallel.activation_checkpointing:
+            raise ValueError("parallel.train_cuda_graphs=true and parallel.activation_checkpointing"
+                             "=true: a graphed layer replays its saved activations, it cannot "
+                             "recompute them; set one of them to false")
+        if parallel.train_cuda_graphs and ctx.pp_size > 1:
+            raise ValueError("parallel.train_cuda_graphs=true needs parallel.pipeline_parallel_size"
+                             f"=1, got {ctx.pp_size}: 1F1B keeps several micro-batches in flight "
+                             "and a layer's graph holds one")
         self.role = role
         self.ctx = ctx
         self.model_cfg = model_cfg
@@ -96,6 +106,12 @@ class Engine:
             raise ValueError(f"parallel.lm_head_chunk_tokens={parallel.lm_head_chunk_tokens}: "
                              "expected 0 (off) or a positive number of positions")
         self._lm_chunk = parallel.lm_head_chunk_tokens
+        # parallel.train_cuda_graphs (CUDA only; _capture_graphs): the (seq_len, rows) the layers
+        # were captured at, None until the first training pass
+        self._want_graphs = (parallel.train_cuda_graphs and optim is not None
+                             and ctx.device.type == "cuda")
+        self._graph_shape: Optional[tuple[int, int]] = None
+        self.graphed = 0  # micro-batches of the last training pass that replayed the graphs
         self.module = model  # the bare GPTModel (for reshard, checkpoint import/export)
         self.tcfg = model.config
         # bf16: Megatron's wrapper would upcast the last stage's output to fp32, a full fp32 copy of
@@ -267,6 +283,7 @@ class Engine:
 
         if self.trainable and not forward_only:
             self.model.train()
+            self.graphed = self._capture_graphs(micro) if self._want_graphs else 0
         else:
             self.model.eval()
         with torch.set_grad_enabled(not forward_only):
@@ -277,6 +294,28 @@ class Engine:
                 forward_only=forward_only, p2p_communicator=self._p2p,
                 pg_collection=self.ctx.pgs)
         return outs, rows
+
+    def _capture_graphs(self, micro: list) -> int:
+        """parallel.train_cuda_graphs: capture the layers at the shape of this pass's most common
+        unmasked, unpacked micro-batch (once: later passes reuse it); returns how many of `micro`
+        replay them."""
+        shapes = [(mb.prompt_len + mb.response_ids.shape[1], mb.batch_size)
+                  for mb, padded, packed in micro if packed is None and not padded]
+        if self._graph_shape is None and shapes:
+            seq_len, rows = Counter(shapes).most_common(1)[0][0]
+            # Megatron's DDP keeps each parameter's gradient accumulator node (its grad hook
+            # hangs there), made on the default stream at wrap time; the capture's backward runs
+            # on a side stream and would sync with it (cudaErrorStreamCaptureImplicit). Drop
+            # those nodes for the capture and hook fresh ones after, as DDP's __init__ does.
+            self.model.grad_accs.clear()
+            graph_layers(self.module, micro_batch_size=rows, seq_len=seq_len)
+            for p in self.model.module.parameters():
+                if p.requires_grad:
+                    acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                    acc.register_hook(self.model._make_backward_post_hook(p))
+                    self.model.grad_accs.append(acc)
+            self._graph_shape = (seq_len, rows)
+        return shapes.count(self._graph_shape)
 
     # `max_tokens` (below): micro-batches by token budget instead of `micro_batch_size` rows;
     # `pack`: each of them run as one packed row (see the module docstring)
@@ -340,6 +379,8 @@ class Engine:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = used_lr
         metrics["update_skipped"] = 0.0 if finite else 1.0
+        if self._want_graphs:
+            metrics["graphed_micro_batch_frac"] = self.graphed / max(len(out), 1)
         if logprobs is not None:
             metrics["logprobs"] = logprobs
         return metrics

@@ -40,6 +40,9 @@ from hybridflow.parallel.balance import balance_rows
 from hybridflow.parallel.dp import all_gather_batch, dp_sum
 from hybridflow.rollout.dynamic_sampling import chunking_warning, fill_informative
 
+# Engine.train_step metrics logged under the role (`actor/grad_norm`, ...); the rest carry their own
+ROLE_METRICS = ("grad_norm", "lr", "update_skipped", "graphed_micro_batch_frac")
+
 
 class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext):
@@ -296,7 +299,7 @@ class Trainer:
                 skipped = m["update_skipped"] > 0
                 self.skipped.record(step=self.step + 1, role=prefix, epoch=epoch,
                                     index=i // local_mini, batch=mb, skipped=skipped)
-                m = {f"{prefix}/{k}" if k in ("grad_norm", "lr", "update_skipped") else k: v
+                m = {f"{prefix}/{k}" if k in ROLE_METRICS else k: v
                      for k, v in m.items() if not (skipped and k == "grad_norm")}
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
                         "a GPU with a power-of-two head_dim)")
     p.add_argument("--unfused-elementwise", action="store_false", dest="fused_elementwise",
                    help="parallel.fused_elementwise=false: Megatron's unfused RoPE and SwiGLU")
+    p.add_argument("--train-cuda-graphs", action="store_true",
+                   help="parallel.train_cuda_graphs=true: the update's layers as CUDA graphs (PP = 1, "
+                        "no recompute)")
     p.add_argument("--calibration", help="JSON written by python -m hybridflow.cost.calibrate")
     g = p.add_argument_group("force a layout (else searched)")
     g.add_argument("--tp", type=int)
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             forward_micro_batch_tokens=a.forward_micro_batch_tokens, use_reference=a.use_reference,
             skip_old_log_prob=a.skip_old_log_prob, keep_generator=a.keep_generator,
             lm_head_chunk_tokens=a.lm_head_chunk_tokens, decode_kernels=a.decode_kernels,
-            fused_elementwise=a.fused_elementwise, calibration=a.calibration)
+            fused_elementwise=a.fused_elementwise, train_cuda_graphs=a.train_cuda_graphs,
+            calibration=a.calibration)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -70,7 +70,8 @@ GROUPS = [(("reshard",), ("inv_comm_eff",)),
           (("gen",), ("inv_prefill_eff", "inv_decode_bw_eff", "decode_layer_overhead_s",
                       "fused_decode_layer_overhead_s")),
           (PASS_STAGES, ("inv_forward_mfu", "inv_train_mfu", "inv_fused_forward_mfu",
-                         "inv_fused_train_mfu", "layer_pass_overhead_s", "tp_collective_s",
+                         "inv_fused_train_mfu", "layer_pass_overhead_s", "graphed_layer_pass_s",
+                         "tp_collective_s",
                          "optimizer_step_s")),
           (("other",), ("step_overhead_s",))]
 

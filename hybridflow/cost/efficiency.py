@@ -35,6 +35,12 @@ when no record informs it), and why (fit your own with `python -m hybridflow.cos
   20-30 layers it cannot be told apart from it. Source: the 0.5B actor's fwd+bwd of 8 x 1024 tokens
   took 70 ms of host time (benchmarks/results/train_fwd_bwd_h200.json), ~1 ms per layer pass with
   the LM head and loss; the H200 RL records fit 0.83 ms (benchmarks/results/calibration.json).
+- graphed_layer_pass_s 5e-5: layer_pass_overhead_s of the update passes with
+  parallel.train_cuda_graphs (Workload.train_cuda_graphs): a layer's forward or backward is one
+  graph replay (~10-20 us of host time), and the micro-batch's eager work outside the layers
+  (embedding, LM head chunks, loss: a few hundred launches) is folded in per layer as above. On the
+  H200 the eager 8-row micro-batches of a 0.5-1.5B model took ~95 ms of host time each, the
+  graphed ones ~15 ms (benchmarks/results/rl_step_train_graphs_h200.json).
 - tp_collective_s 5e-5: fixed seconds per TP collective in the forward/update stages (4 per layer
   per forward pass under sequence parallelism: 2 all-gathers, 2 reduce-scatters; 8 for fwd+bwd):
   NCCL launch and latency, ~20-50 us on NVLink. Bytes are charged apart, at link bandwidth x
@@ -78,6 +84,7 @@ class Calibration:
     fused_decode_layer_overhead_s: float = 5e-5
     comm_efficiency: float = 0.66
     layer_pass_overhead_s: float = 0.0005
+    graphed_layer_pass_s: float = 5e-5
     tp_collective_s: float = 5e-5
     optimizer_step_s: float = 0.02
     step_overhead_s: float = 0.02
@@ -105,6 +112,7 @@ class Calibration:
                 "fused_decode_layer_overhead_s": self.fused_decode_layer_overhead_s,
                 "inv_comm_eff": 1 / self.comm_efficiency,
                 "layer_pass_overhead_s": self.layer_pass_overhead_s,
+                "graphed_layer_pass_s": self.graphed_layer_pass_s,
                 "tp_collective_s": self.tp_collective_s,
                 "optimizer_step_s": self.optimizer_step_s, "step_overhead_s": self.step_overhead_s}
 

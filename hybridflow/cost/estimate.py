@@ -8,7 +8,8 @@ from hybridflow.cost.efficiency import Calibration, load_calibration, shipped_ca
 from hybridflow.cost.gpus import get_gpu
 from hybridflow.cost.memory import MemoryEstimate, memory_for
 from hybridflow.cost.report import CostReport
-from hybridflow.cost.search import Evaluation, evaluate, reason, runners_up, search, suggest
+from hybridflow.cost.search import (Evaluation, evaluate, graphs_compatible, reason, runners_up,
+                                    search, suggest)
 from hybridflow.cost.shapes import load_shape
 from hybridflow.cost.timing import actor_model_flops, step_seconds
 from hybridflow.cost.workload import Plan, Workload, make_plan
@@ -55,7 +56,8 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                   dtype: str = "bf16", use_reference: bool = True,
                   skip_old_log_prob: bool = False, keep_generator: bool = False,
                   lm_head_chunk_tokens: int = 0, decode_kernels: str = "triton",
-                  fused_elementwise: bool = True, calibration=None) -> CostReport:
+                  fused_elementwise: bool = True, train_cuda_graphs: bool = False,
+                  calibration=None) -> CostReport:
     """Memory, seconds per stage, GPU-hours and money of an RL run, and the layout to run it in.
 
     `layout` forces one layout (dict of tp, pp, dp, tp_gen, offload_ref, recompute); otherwise every
@@ -73,10 +75,15 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                     use_reference=use_reference, dtype=dtype,
                     skip_old_log_prob=skip_old_log_prob, keep_generator=keep_generator,
                     lm_head_chunk_tokens=lm_head_chunk_tokens, decode_kernels=decode_kernels,
-                    fused_elementwise=fused_elementwise)
+                    fused_elementwise=fused_elementwise, train_cuda_graphs=train_cuda_graphs)
     num_steps, steps_note = _num_steps(steps, epochs, dataset_size, prompts_per_step)
     if layout is not None:
-        ranked = [evaluate(shape, gpu_, make_plan(layout, num_gpus, shape), work, calib)]
+        plan = make_plan(layout, num_gpus, shape)
+        if not graphs_compatible(plan, work):
+            raise ValueError("train_cuda_graphs needs pp=1 and no recompute (parallel."
+                             "train_cuda_graphs with parallel.pipeline_parallel_size > 1 or "
+                             "parallel.activation_checkpointing=true is refused by the trainer)")
+        ranked = [evaluate(shape, gpu_, plan, work, calib)]
     else:
         ranked = search(shape, gpu_, num_gpus, work, calib)
         if not ranked:

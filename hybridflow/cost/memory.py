@@ -25,6 +25,12 @@ Per phase, on top:
   output-weight gradient: its fp32 sum over the chunks and one chunk's bf16 product
   (`HEAD_GRAD_BYTES` per weight entry; measured on an H200 at 1.5B with recompute: 39.6 GiB where
   the chunk alone predicted 37.4).
+- with `train_cuda_graphs` (parallel.train_cuda_graphs) the graphs' static outputs stay allocated
+  through every phase (component `graph_pool`): the layers' weight gradients in bf16. The peak is
+  set in the update phase of the first step, when the capture holds one micro-batch's activations
+  as live tensors, as an eager update does; after it, the replayed activations live in the graphs'
+  private pool (reserved memory, not counted as allocated: perf/max_memory_allocated_gb is the
+  run's maximum, from the start).
 Not modelled: Megatron's vocab padding, optimizer-step temporaries, allocator fragmentation (folded
 into `Calibration.memory_headroom_gib` and `memory_scale`; `activation_memory_scale` scales the
 activation component alone: what grows with the micro-batch beyond the counted tensors).
@@ -46,7 +52,7 @@ LOGIT_BYTES = 8        # per vocab entry per token: fp32 logits + fp32 log-softm
 LOGIT_BYTES_BF16 = 4   # the same kept in bf16 (the engine's bf16 output, Workload.bf16_logits)
 HEAD_GRAD_BYTES = 6    # per output-weight entry, chunked LM-head backward: fp32 sum + bf16 product
 COMPONENTS = ("actor_weights", "actor_grads", "actor_optimizer", "critic", "reference",
-              "reshard_buffer", "kv_cache", "activations", "logits")
+              "reshard_buffer", "kv_cache", "activations", "logits", "graph_pool")
 
 
 @dataclass
@@ -147,6 +153,13 @@ def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str)
     return micro_tokens * kept, head(micro_tokens) + head_grad
 
 
+def _graph_pool(shape: ModelConfig, plan: Plan) -> float:
+    """Bytes of the training CUDA graphs' static weight gradients (bf16, every layer), live from
+    the capture on."""
+    lay = plan.layout
+    return BYTES_PER_PARAM * shape.num_layers * shape.layer_params / (lay.tp_t * lay.pp_t)
+
+
 def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
                calib: Calibration) -> MemoryEstimate:
     lay = plan.layout
@@ -166,6 +179,8 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
         if phase == "ref" and workload.use_reference:
             c["reference"] = BYTES_PER_PARAM * shape.num_params / (lay.tp_t * lay.pp_t)
         c["activations"] *= calib.activation_memory_scale
+        if workload.train_cuda_graphs:
+            c["graph_pool"] = _graph_pool(shape, plan)
         phases[phase] = {k: v * calib.memory_scale / GIB for k, v in c.items()}
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
     return MemoryEstimate(phases_gib=phases, peak_phase=peak_phase,

@@ -78,6 +78,12 @@ def candidate_plans(shape: ModelConfig, gpu: GPU, num_gpus: int, use_reference: 
     return out
 
 
+def graphs_compatible(plan: Plan, workload: Workload) -> bool:
+    """parallel.train_cuda_graphs runs with PP = 1 and without activation recompute (the trainer
+    refuses the others)."""
+    return not workload.train_cuda_graphs or (plan.layout.pp_t == 1 and not plan.recompute)
+
+
 def evaluate(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
              calib: Calibration) -> Evaluation:
     return Evaluation(plan, memory_for(shape, gpu, plan, workload, calib),
@@ -88,7 +94,8 @@ def search(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Workload,
            calib: Calibration) -> list[Evaluation]:
     """All candidates, best first. Empty when no layout can be built (e.g. TP cannot divide heads)."""
     evals = [evaluate(shape, gpu, plan, workload, calib)
-             for plan in candidate_plans(shape, gpu, num_gpus, workload.use_reference)]
+             for plan in candidate_plans(shape, gpu, num_gpus, workload.use_reference)
+             if graphs_compatible(plan, workload)]
     return sorted(evals, key=Evaluation.rank_key)
 
 

@@ -25,7 +25,8 @@ divide by DP):
   host-to-device copy over PCIe. Host parts (layer and collective launches) overlap GPU parts.
 - update_actor / update_critic: ppo_epochs passes of fwd+bwd (6N + 6 L s q_dim per token; 8N + 8 L s
   q_dim with recompute) at peak x train MFU, plus 3 layer passes (4 with recompute) of fixed cost
-  per layer per micro-batch, times (1 + PP bubble); TP traffic twice the forward's (3x with
+  per layer per micro-batch (`graphed_layer_pass_s` instead with parallel.train_cuda_graphs: one
+  graph replay per layer pass), times (1 + PP bubble); TP traffic twice the forward's (3x with
   recompute); per optimizer step a DP reduce-scatter of fp32 grads and all-gather of bf16 params.
   The critic's passes use its value head instead of the LM head (flops.dense_params).
 - updates also pay per optimizer step `optimizer_step_s` plus Adam's HBM traffic (30 bytes per
@@ -69,8 +70,9 @@ IB_LATENCY_S = 30e-6       # per collective across nodes
 # 0.99 / 0.64 (p = 1) to 0.62 / 0.45 (p = 1.5): the most physical p of the equally good ones, which
 # matters when extrapolating to larger, GPU-bound models.
 OVERLAP_P = 1.5
-HOST_COEFS = frozenset({"layer_pass_overhead_s", "tp_collective_s"})
-GPU_COEFS = frozenset({"inv_forward_mfu", "inv_train_mfu"})
+HOST_COEFS = frozenset({"layer_pass_overhead_s", "graphed_layer_pass_s", "tp_collective_s"})
+GPU_COEFS = frozenset({"inv_forward_mfu", "inv_train_mfu", "inv_fused_forward_mfu",
+                       "inv_fused_train_mfu"})
 
 
 def _side(rule: str | None, label: str, coef: str | None) -> str:
@@ -203,17 +205,20 @@ def _reshard(shape: ModelConfig, gpu: GPU, layout: Layout) -> StageTerms:
 
 
 def _passes(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, *, ideal: float, coef: str,
-            tokens: float, micro: int, flushes: int, layer_passes: int) -> None:
+            tokens: float, micro: int, flushes: int, layer_passes: int,
+            graphed: bool = False) -> None:
     """Compute, fixed per-layer cost, PP bubble and TP traffic of `micro` micro-batches in `flushes`
     pipeline flushes (optimizer steps), each micro-batch run through the stage's layers
-    `layer_passes` times (1: forward, 3: fwd+bwd, 4: fwd+bwd with recompute)."""
+    `layer_passes` times (1: forward, 3: fwd+bwd, 4: fwd+bwd with recompute); `graphed`: the layer
+    passes are CUDA graph replays (parallel.train_cuda_graphs, PP = 1: no bubble)."""
     layers = shape.num_layers // layout.pp_t
     bubble = (layout.pp_t - 1) * flushes / micro
     overhead = layers * micro * layer_passes
+    per_layer = "graphed_layer_pass_s" if graphed else "layer_pass_overhead_s"
     t.add("compute", coef, ideal)
-    t.add("layer_overhead", "layer_pass_overhead_s", overhead)
+    t.add("layer_overhead", per_layer, overhead)
     t.add("pp_bubble", coef, ideal * bubble)
-    t.add("pp_bubble", "layer_pass_overhead_s", overhead * bubble)
+    t.add("pp_bubble", per_layer, overhead * bubble)
     # SP: a layer's forward all-gathers twice and reduce-scatters twice (the bytes of 2 all-reduces);
     # backward mirrors it (twice the launches, the same collectives), recompute repeats the forward.
     comm_passes = max(1, layer_passes - 1)
@@ -246,7 +251,7 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
     coef = "inv_fused_train_mfu" if w.fused_elementwise else "inv_train_mfu"
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
             tokens=seqs * w.seq_len, micro=opt_steps * micro, flushes=opt_steps,
-            layer_passes=4 if plan.recompute else 3)
+            layer_passes=4 if plan.recompute else 3, graphed=w.train_cuda_graphs)
     t.add("optimizer", "optimizer_step_s", opt_steps)
     params = shape.num_params if role == "actor" else shape.num_critic_params
     t.add("optimizer", None, opt_steps * ADAM_BYTES_PER_PARAM * params / (shard * layout.dp_t)

@@ -58,6 +58,11 @@ class Workload:
     # fused kernels (own fitted MFUs; the unfused SwiGLU also keeps two more ffn-wide tensors per
     # token and layer); records measured before it existed say false
     fused_elementwise: bool = True
+    # parallel.train_cuda_graphs: the update passes replay each layer's forward and backward as
+    # CUDA graphs (one launch per layer pass: its own fitted per-layer cost, the micro-batch's
+    # eager LM head and loss folded in; forward-only passes stay eager). The graphs' pool keeps the
+    # layers' weight gradients (bf16) allocated for the run
+    train_cuda_graphs: bool = False
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:

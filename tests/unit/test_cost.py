@@ -469,16 +469,19 @@ def test_prefill_is_charged_once_per_prompt_on_each_replica():
         assert flops[True] > 8 // dp * one_row  # the decode FLOPs come on top
     # every calibration record states which generator and training passes it measured: the first
     # 17 the old generator, the speed runs' trainer options (*_kv64.json; *_tk*.json with the
-    # decode kernels) the current one; *_fe.json the fused RoPE / SwiGLU (parallel.fused_elementwise)
+    # decode kernels) the current one; *_fe.json the fused RoPE / SwiGLU (parallel.fused_elementwise),
+    # *_fe_g.json with the update's per-layer CUDA graphs too (parallel.train_cuda_graphs)
     records = {p.name: json.loads(p.read_text()) for p in (ROOT / "benchmarks/results/cost").glob("*.json")}
     configs = [(name, r["config"]) for name, rec in records.items() for r in rec.get("records", [])]
-    assert len(configs) == 30
+    assert len(configs) == 37
     assert all(c["prefill_once_per_prompt"] is name.endswith(("_kv64.json", "_tk.json", "_tk_fl.json",
-                                                             "_tk_fe.json"))
+                                                             "_tk_fe.json", "_tk_fe_g.json"))
                for name, c in configs)
     assert all((c.get("decode_kernels", "torch") == "triton") is ("_tk" in name)
                for name, c in configs)
-    assert all(c["fused_elementwise"] is name.endswith("_fe.json") for name, c in configs)
+    assert all(c["fused_elementwise"] is name.endswith(("_fe.json", "_fe_g.json"))
+               for name, c in configs)
+    assert all(c.get("train_cuda_graphs", False) is name.endswith("_g.json") for name, c in configs)
 
 
 def test_kept_generator_holds_its_kv_cache_through_training():
@@ -585,3 +588,41 @@ def test_fused_decode_kernels_have_their_own_per_layer_cost():
     with pytest.raises(ValueError, match="decode_kernels 'cuda'"):
         parse_record({"config": {"model": "tiny", "gpu": "H200", "num_gpus": 1, "layout": {"tp": 1},
                                  **TINY_WORK, "decode_kernels": "cuda"}})
+
+
+def test_train_cuda_graphs_replace_the_update_launch_cost():
+    """parallel.train_cuda_graphs: the update's layer passes pay `graphed_layer_pass_s` instead of
+    the eager launch cost (forward-only passes stay eager), on the host side of the overlap; the
+    graphs' static bf16 weight gradients are resident in every phase."""
+    base = dict(model="qwen2_1_5b", gpu="H200", num_gpus=1, layout={"tp": 1}, **TINY_WORK)
+    r = {g: parse_record({"config": {"model": "qwen2_1_5b", "gpu": "H200", "num_gpus": 1,
+                                     "layout": {"tp": 1}, **TINY_WORK, "train_cuda_graphs": g}})
+         for g in (False, True)}
+    terms = {g: stage_terms(x.shape, x.gpu, x.plan, x.workload, Calibration()) for g, x in r.items()}
+    eager, graphed = terms[False]["update_actor"].x, terms[True]["update_actor"].x
+    assert graphed["graphed_layer_pass_s"] == eager["layer_pass_overhead_s"] > 0
+    assert "layer_pass_overhead_s" not in graphed and "graphed_layer_pass_s" not in eager
+    assert terms[True]["ref"].x == terms[False]["ref"].x
+    cal = Calibration(layer_pass_overhead_s=1e-3, graphed_layer_pass_s=1e-5)
+    t = {g: estimate_step_time(**base, calibration=cal, train_cuda_graphs=g) for g in (False, True)}
+    assert t[True]["update_actor"] < t[False]["update_actor"]
+    assert t[True]["ref"] == t[False]["ref"]
+    shape = load_shape("qwen2_1_5b")
+    mem = {g: estimate_memory(**base, calibration=Calibration(), train_cuda_graphs=g)
+           for g in (False, True)}
+    grads = 2 * shape.num_layers * shape.layer_params / GIB * Calibration().memory_scale
+    for phase, comps in mem[True].phases_gib.items():
+        assert comps["graph_pool"] == pytest.approx(grads)
+        assert sum(comps.values()) == pytest.approx(sum(mem[False].phases_gib[phase].values()) + grads)
+
+
+def test_train_cuda_graphs_layouts_are_pp1_without_recompute():
+    """The trainer refuses train_cuda_graphs with PP > 1 or recompute: the search leaves those
+    layouts out, a forced one is an error naming the options."""
+    kw = dict(model="qwen2_7b", gpu="H200", num_gpus=4, prompts_per_step=8, samples_per_prompt=8,
+              prompt_len=128, response_len=256, train_cuda_graphs=True)
+    rep = estimate_cost(**kw)
+    layouts = [rep.layout] + [r["layout"] for r in rep.runners_up]
+    assert all(lay["pp"] == 1 and not lay["recompute"] for lay in layouts)
+    with pytest.raises(ValueError, match="train_cuda_graphs needs pp=1 and no recompute"):
+        estimate_cost(**kw, layout={"tp": 2, "pp": 2})
