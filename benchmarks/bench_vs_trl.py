@@ -3,8 +3,14 @@ r"""Our GRPO step vs TRL 1.16's GRPOTrainer step on the same synthetic workload,
 Workloads (random-init weights of our model shape, 8 prompts x 8 samples, ~128-token prompts, exactly
 256 response tokens, no early stop, temperature 1, KL loss coefficient 0.001, lr 1e-6):
   w1_0_5b  conf/model/qwen2_0_5b.yaml      w1_1_5b  conf/model/qwen2_1_5b.yaml
-  gsm8k    not run: copied from benchmarks/results/gsm8k_h200.json (ours: its top level, the
-           experiment's run; trl); no MFU (variable response lengths).
+  gsm8k    the GSM8K experiment (Qwen2.5-Coder-0.5B-Instruct, 64 prompts x 8 samples, up to 1,024
+           tokens): not run by this script (both sides take minutes per step of TRL's: device
+           calls of their own, below); with `--gsm8k-ours METRICS.jsonl --gsm8k-trl TRL.json
+           [--gsm8k-ours-overrides "k=v ..."]` its entry is made from those runs (medians: ours over
+           steps 2.., TRL over the steps after the first of each process; at least 3 timed on each
+           side; the two configs checked to be the same workload), else copied from
+           benchmarks/results/gsm8k_h200.json (ours: its top level, the experiment's run; trl).
+           No MFU (variable response lengths).
 
 Each side runs in its own process, one after the other (ours, then TRL), so neither holds GPU memory
 while the other runs and each peak-memory number is its own process's:
@@ -57,6 +63,20 @@ Device minutes, estimated (TRL not yet measured at this shape): wheels ~0.5; our
 start + 6 steps of ~1.3 s (0.5B, rl_step_h200.json) / ~3 s (1.5B); TRL ~0.5 min load and weight save
 + 4 steps of ~10-25 s (transformers generate: 256 tokens at batch 64, launch-bound, plus the
 checkpointed update) => ~3-4 min per call, ~8 minutes for both.
+
+GSM8K in consecutive calls of one warm machine (the GGUF carried in parts and assembled first:
+benchmarks/gsm8k_h200.sh setup; carry [".whl", ".whl_bench", ".gsm8k"]), ours with the trainer
+options of the speed runs that apply (the experiment's own generation options are already its):
+  1. RUN_DIR=/tmp/gsm8k_vs bash benchmarks/gsm8k_h200.sh train 240 trainer.total_steps=10 \
+       trainer.val_every=0 trainer.save_every=0 rollout.decode_kernels=triton rollout.compile_decode=true
+     (~3 min: model load, 10 steps of ~7 s), then in the same call
+     MODEL=/tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf PHASES=trl TRL_RESUME=1 TRL_STEPS=4 \
+       TRL_ARGS="--lr 3e-6 --weight-decay 0.01" TOTAL_S=330 bash benchmarks/gsm8k_peers.sh
+  2. the TRL command again (resumes; each call's first step is its warm-up) until its JSON holds 3
+     timed steps (TRL: ~85 s load, 150-165 s for a call's first step, 85-95 s after);
+  3. python benchmarks/bench_vs_trl.py --workloads "" --append --out benchmarks/results/vs_trl_h200.json \
+       --gsm8k-ours $OUT/metrics.jsonl --gsm8k-trl $OUT/trl_gsm8k.json \
+       --gsm8k-ours-overrides "trainer.total_steps=10 trainer.val_every=0 rollout.decode_kernels=triton ..."
 """
 
 from __future__ import annotations
@@ -249,6 +269,56 @@ def trl_side(args) -> None:
 
 
 # ------------------------------------------------------------------------------------- results
+GSM8K_EXPERIMENT = "experiment=gsm8k_qwen_coder_0_5b"
+# TRL's config key (trl_gsm8k.py) -> ours (the experiment's resolved config), equal on one workload
+GSM8K_SAME = {"prompts_per_step": "data.prompts_per_step", "samples": "rollout.n",
+              "max_new_tokens": "rollout.max_new_tokens", "temperature": "rollout.temperature",
+              "lr": "actor_optim.lr", "weight_decay": "actor_optim.weight_decay",
+              "beta": "algo.kl_loss_coef"}
+
+
+def gsm8k_run_entry(ours_metrics: str, trl_json: str, ours_overrides: list[str]) -> dict:
+    """The gsm8k workload from runs of this session: our trainer's metrics.jsonl (the experiment
+    with `ours_overrides`) and trl_gsm8k.py's JSON. ValueError when they are not the same workload
+    or either side timed fewer than 3 steps."""
+    from gsm8k_report import summarise
+
+    from hybridflow.config import load_config
+
+    rows = [json.loads(line) for line in Path(ours_metrics).read_text().splitlines() if line.strip()]
+    ours = summarise(rows, exclude=set())
+    trl = json.loads(Path(trl_json).read_text())
+    cfg = load_config([GSM8K_EXPERIMENT, *ours_overrides])
+    diff = []
+    for key, path in GSM8K_SAME.items():
+        value = cfg
+        for part in path.split("."):
+            value = getattr(value, part)
+        if key not in trl["config"] or float(trl["config"][key]) != float(value):
+            diff.append(f"TRL {key}={trl['config'].get(key)!r} vs ours {path}={value!r}")
+    if diff:
+        raise ValueError(f"--gsm8k-ours and --gsm8k-trl are not the same workload: {'; '.join(diff)}")
+    firsts = set(trl.get("first_steps", [1]))
+    trl_timed = [t for i, t in enumerate(trl["step_s"], start=1) if i not in firsts]
+    if ours["ours_steps_timed"] < 3 or len(trl_timed) < 3:
+        raise ValueError(f"gsm8k: {ours['ours_steps_timed']} timed steps of ours ({ours_metrics}) and "
+                         f"{len(trl_timed)} of TRL ({trl_json}): need >= 3 on each side")
+    trl_s = statistics.median(trl_timed)
+    return {"ours_step_s": ours["ours_step_s"], "ours_first_step_s": ours["ours_first_step_s"],
+            "ours_step_s_all": [r["timing_s/step"] for r in rows if "timing_s/step" in r],
+            "ours_stages_s": ours["ours_stages_s"], "ours_peak_memory_gb": ours["ours_peak_memory_gb"],
+            "ours_response_length_mean": ours["per_step"].get("response_length/mean", []),
+            "trl_step_s": trl_s, "trl_step_s_all": trl["step_s"], "trl_first_steps": sorted(firsts),
+            "trl_peak_memory_gb": trl.get("peak_memory_gb"), "ratio": trl_s / ours["ours_step_s"],
+            "config": {"ours": {"experiment": GSM8K_EXPERIMENT, "overrides": ours_overrides,
+                                "metrics": str(ours_metrics)},
+                       "trl": {"command": trl.get("command"), "config": trl["config"],
+                               "calls": trl.get("calls")}},
+            "note": "run on one machine in consecutive device calls: ours steps 2.. (step 1 captures "
+                    "the CUDA graphs), TRL's steps after the first of each process; no MFU "
+                    "(response lengths vary per sequence)"}
+
+
 def gsm8k_entry() -> dict:
     ours = json.loads(GSM8K.read_text())
     trl = ours["trl"]
@@ -301,6 +371,12 @@ def parse_args(argv=None):
     ap.add_argument("--device", default=None, help="TRL's device, cpu also makes ours fp32 (ours runs where "
                     "the trainer puts it); default: cuda when there is one")
     ap.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one)")
+    ap.add_argument("--gsm8k-ours", default=None, metavar="METRICS_JSONL",
+                    help="our GSM8K run's metrics.jsonl: the gsm8k entry from runs of this session "
+                         "(with --gsm8k-trl) instead of a copy of gsm8k_h200.json")
+    ap.add_argument("--gsm8k-trl", default=None, metavar="TRL_JSON", help="trl_gsm8k.py's JSON of the same workload")
+    ap.add_argument("--gsm8k-ours-overrides", default="",
+                    help="the Hydra overrides our GSM8K run used besides the experiment (space-separated)")
     ap.add_argument("--trl-side", default=None, help=argparse.SUPPRESS)  # internal: run TRL, write here
     args = ap.parse_args(argv)
     if args.device is None:
@@ -308,7 +384,9 @@ def parse_args(argv=None):
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     names = [w for w in args.workloads.split(",") if w]
-    if not names or any(w not in WORKLOADS for w in names):
+    if (args.gsm8k_ours is None) != (args.gsm8k_trl is None):
+        raise ValueError("--gsm8k-ours and --gsm8k-trl go together")
+    if (not names and args.gsm8k_ours is None) or any(w not in WORKLOADS for w in names):
         raise ValueError(f"--workloads {args.workloads!r}: expected names among {', '.join(WORKLOADS)}")
     if args.steps < 2:
         raise ValueError(f"--steps {args.steps}: need >= 2 (the first is left out of the medians)")
@@ -333,7 +411,11 @@ def main(argv=None) -> dict:
               "peak_tflops": args.peak_tflops, "workloads": {}}
     if args.append and args.out and Path(args.out).is_file():
         record["workloads"] = json.loads(Path(args.out).read_text())["workloads"]
-    record["workloads"]["gsm8k"] = gsm8k_entry()
+    if args.gsm8k_ours is not None:
+        record["workloads"]["gsm8k"] = gsm8k_run_entry(args.gsm8k_ours, args.gsm8k_trl,
+                                                       args.gsm8k_ours_overrides.split())
+    elif "trl_first_steps" not in record["workloads"].get("gsm8k", {}):  # a run entry survives --append
+        record["workloads"]["gsm8k"] = gsm8k_entry()
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             model_yaml = args.model_yaml or WORKLOADS[name]
@@ -355,7 +437,9 @@ def main(argv=None) -> dict:
                 "temperature": 1.0, "lr": args.lr, "kl_coef": args.beta, "device": args.device,
                 "ours": {"algo": "grpo", "steps": args.steps, "micro_batch": args.ours_micro,
                          "precision": "fp32" if args.device == "cpu" else "bf16",
-                         "skip_old_log_prob": True, "activation_recompute": False,
+                         "skip_old_log_prob": True,
+                         "activation_recompute": "parallel.activation_checkpointing=true"
+                                                 in args.ours_options.split(),
                          "options": args.ours_options.split()},
                 "trl": {"steps": args.trl_steps, "per_device_train_batch_size": args.trl_micro,
                         "gradient_accumulation_steps": args.prompts * args.samples // args.trl_micro,
@@ -367,9 +451,14 @@ def main(argv=None) -> dict:
             record.update(machine=trl["machine"], versions=trl["versions"])
             if args.out:
                 write_json(args.out, record)
+    if args.out:
+        write_json(args.out, record)
     print_table(record["workloads"])
     return record
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # bad arguments or inputs: one line, no traceback
+        sys.exit(f"bench_vs_trl.py: error: {e}")
