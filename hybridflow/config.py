@@ -263,6 +263,9 @@ class TrainerConfig:
     # replay; this many steps in a row with every update skipped end the run (0: never)
     max_skipped_steps: int = 3
     price_per_gpu_hour: Optional[float] = None  # for the probe's cost; None: the GPU's default
+    # the reference model's weights live in (pinned) host memory between its passes: copied to the
+    # GPU once per step, from the end of generation on, on a side stream behind the next stages
+    # (Engine.onload(prefetch=True)), and dropped after the ref pass (nothing is copied back)
     offload_ref: bool = False
     # Python GC: N > 0 turns automatic collection off during training and collects every N steps
     # (at the start of the step, timed as timing_s/gc), as Megatron's --manual-gc: automatic

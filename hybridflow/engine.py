@@ -165,18 +165,64 @@ class Engine:
         self._response_head = head if role in LM_ROLES and isinstance(head, LeanOutputLinear) \
             else None
         self.device = ctx.device
+        self._host: Optional[list] = None  # offload(): the weights' host copy (pinned on CUDA)
+        self._onload_done = None           # onload(prefetch=True): the copy's CUDA event
+        self._copy_stream = None
         self._p2p = P2PCommunicator(pp_group=ctx.pp_group, config=self.tcfg)
 
     # ------------------------------------------------------------------ placement
     def offload(self) -> None:
-        """Move a frozen model's weights to host memory (the reference between its passes)."""
+        """A frozen model's weights to host memory (trainer.offload_ref: the reference between its
+        passes). The host copy is made once (pinned on CUDA, for asynchronous copies back); later
+        offloads only drop the device copy: frozen weights never change on the device, so nothing
+        is copied back. While offloaded the parameters are the host tensors (a checkpoint load
+        writes there)."""
         assert not self.trainable, "only frozen roles are offloaded"
-        for p in self.model.parameters():
-            p.data = p.data.to("cpu", non_blocking=True)
+        params = list(self.model.parameters())
+        if self._host is None:
+            self._host = [_host_copy(p.data) for p in params]
+        self.wait_onload()  # a prefetch still copying into the device tensors dropped here
+        for p, h in zip(params, self._host):
+            p.data = h
 
-    def onload(self) -> None:
-        for p in self.model.parameters():
-            p.data = p.data.to(self.device, non_blocking=True)
+    def onload(self, *, prefetch: bool = False) -> None:
+        """The weights back on the device: one host-to-device copy per tensor from the pinned host
+        copy. `prefetch`: the copies run on a side stream and this returns at once; the next
+        `onload()` (or `wait_onload()`) makes the current stream wait for them. Allocated on the
+        current stream, so the memory is held from the call on."""
+        params = list(self.model.parameters())
+        if not params or params[0].device == self.device:  # already there (or prefetched)
+            if not prefetch:
+                self.wait_onload()
+            return
+        host = [_host_copy(p.data) if p.data.device.type == "cpu" and self.device.type == "cuda"
+                and not p.data.is_pinned() else p.data for p in params]
+        self._host = host
+        if self.device.type != "cuda":
+            dev = [h.to(self.device) for h in host]
+        else:
+            dev = [torch.empty_like(h, device=self.device) for h in host]
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(device=self.device)
+            stream = self._copy_stream
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for d, h in zip(dev, host):
+                    d.copy_(h, non_blocking=True)
+                    d.record_stream(stream)
+                done = torch.cuda.Event()
+                done.record(stream)
+            self._onload_done = done
+        for p, d in zip(params, dev):
+            p.data = d
+        if not prefetch:
+            self.wait_onload()
+
+    def wait_onload(self) -> None:
+        """The current stream waits for a prefetching `onload` (no-op without one)."""
+        if self._onload_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._onload_done)
+            self._onload_done = None
 
     # ------------------------------------------------------------------ passes
     def _micro_batches(self, batch: RolloutBatch, *, micro_batch_size: int,
@@ -414,6 +460,14 @@ class Engine:
         if ctx.pp_size > 1:
             dist.broadcast(t, src=ctx.pp_last_rank, group=ctx.pp_group)
         return t.cpu()
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t` in host memory, pinned when CUDA is there (asynchronous copies back)."""
+    if not torch.cuda.is_available():
+        return t.detach().to("cpu")
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t.detach())
 
 
 def _lm_head(pred, targets, *, tp_group, temperature, true_vocab, entropy):

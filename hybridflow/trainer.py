@@ -144,6 +144,8 @@ class Trainer:
                 with timer("gc"):
                     gc.collect(generation)
             batch, reward_metrics = self.generate_and_score(timer)
+            if self.ref is not None and cfg.trainer.offload_ref:  # after dynamic sampling's rounds
+                self.ref.onload(prefetch=True)
             if cfg.trainer.balance_batch and self.ctx.dp_size > 1:
                 with timer("balance"):
                     batch, balance_metrics = balance_rows(
@@ -193,15 +195,19 @@ class Trainer:
         """New prompts -> gen -> reward; with dynamic sampling, rounds of that until the step holds
         data.prompts_per_step informative groups; then the overlong penalty (DAPO)."""
         cfg, rounds = self.cfg, itertools.count()
+        ds = cfg.algo.dynamic_sampling
+        # an offloaded reference starts its copy to the GPU behind the scoring of the (only) round
+        prefetch_ref = self.ref is not None and cfg.trainer.offload_ref and not ds.enable
 
         def one_round(num_batches: int = 1):
             items = [self.dataset[i] for _ in range(num_batches) for i in self.sampler.next_batch()]
             batch = self.rollout.generate(items, step=self.step, round_index=next(rounds), timer=timer)
+            if prefetch_ref:
+                self.ref.onload(prefetch=True)
             with timer("reward"):
                 batch.scores, metrics = self.rollout.score(items, batch)
             return batch, metrics
 
-        ds = cfg.algo.dynamic_sampling
         if not ds.enable:
             batch, metrics = one_round()
         else:

@@ -22,7 +22,8 @@ divide by DP):
   passes are launch-bound, not FLOP-bound), both times (1 + PP bubble); plus TP traffic under
   sequence parallelism (2 all-gathers + 2 reduce-scatters per layer: the bytes of 2 all-reduces at
   link bandwidth x comm eff, and `tp_collective_s` per collective); an offloaded reference adds its
-  host-to-device copy over PCIe. Host parts (layer and collective launches) overlap GPU parts.
+  host-to-device copy over PCIe (from pinned memory; the trainer starts it behind the scoring, which
+  this does not credit). Host parts (layer and collective launches) overlap GPU parts.
 - update_actor / update_critic: ppo_epochs passes of fwd+bwd (6N + 6 L s q_dim per token; 8N + 8 L s
   q_dim with recompute) at peak x train MFU, plus 3 layer passes (4 with recompute) of fixed cost
   per layer per micro-batch (`graphed_layer_pass_s` instead with parallel.train_cuda_graphs: one
