@@ -49,9 +49,10 @@ class ParallelConfig:
     # says the share that replayed). Without TE a layer is ~75 kernel launches forward and
     # backward, ~50 us of host time each: small micro-batches are bound by the host (1.5B, 8 rows
     # x 384 tokens: 0.76 s per update eager vs 0.41 s at 64 rows, benchmarks/results/
-    # rl_step_train_graphs_h200.json). The graphs' pool keeps one micro-batch's activations and
-    # the layers' weight gradients (bf16) allocated for the run. PP = 1, no activation
-    # recompute; CPU runs are unchanged
+    # rl_step_train_graphs_h200.json). Each layer's backward graph adds its weight gradients into
+    # DDP's main_grad; the graphs' pool keeps one micro-batch's activations reserved and their
+    # static inputs and outputs allocated for the run. PP = 1, no activation recompute; CPU runs
+    # are unchanged
     train_cuda_graphs: bool = False
 
 

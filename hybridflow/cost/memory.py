@@ -25,8 +25,10 @@ Per phase, on top:
   output-weight gradient: its fp32 sum over the chunks and one chunk's bf16 product
   (`HEAD_GRAD_BYTES` per weight entry; measured on an H200 at 1.5B with recompute: 39.6 GiB where
   the chunk alone predicted 37.4).
-- with `train_cuda_graphs` (parallel.train_cuda_graphs) the graphs' static outputs stay allocated
-  through every phase (component `graph_pool`): the layers' weight gradients in bf16. The peak is
+- with `train_cuda_graphs` (parallel.train_cuda_graphs) the graphs' static tensors stay allocated
+  through every phase (component `graph_pool`): per layer one micro-batch's input, output and
+  their gradients (and, in records of the first version, `graph_weight_grads_held`, the layers'
+  bf16 weight gradients). The peak is
   set in the update phase of the first step, when the capture holds one micro-batch's activations
   as live tensors, as an eager update does; after it, the replayed activations live in the graphs'
   private pool (reserved memory, not counted as allocated: perf/max_memory_allocated_gb is the
@@ -153,11 +155,17 @@ def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str)
     return micro_tokens * kept, head(micro_tokens) + head_grad
 
 
-def _graph_pool(shape: ModelConfig, plan: Plan) -> float:
-    """Bytes of the training CUDA graphs' static weight gradients (bf16, every layer), live from
-    the capture on."""
+def _graph_pool(shape: ModelConfig, plan: Plan, workload: Workload) -> float:
+    """Bytes the training CUDA graphs keep allocated from their capture on: per layer the static
+    input, output and their two gradients of one micro-batch (bf16, the sequence split over TP
+    under sequence parallelism), and with `graph_weight_grads_held` the layers' bf16 weight
+    gradients."""
     lay = plan.layout
-    return BYTES_PER_PARAM * shape.num_layers * shape.layer_params / (lay.tp_t * lay.pp_t)
+    layers = shape.num_layers // lay.pp_t
+    tokens = workload.seqs_per_micro_batch * workload.seq_len
+    static = 4 * BYTES_PER_PARAM * tokens * shape.hidden_size / lay.tp_t * layers
+    grads = BYTES_PER_PARAM * layers * shape.layer_params / lay.tp_t
+    return static + (grads if workload.graph_weight_grads_held else 0.0)
 
 
 def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
@@ -180,7 +188,7 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
             c["reference"] = BYTES_PER_PARAM * shape.num_params / (lay.tp_t * lay.pp_t)
         c["activations"] *= calib.activation_memory_scale
         if workload.train_cuda_graphs:
-            c["graph_pool"] = _graph_pool(shape, plan)
+            c["graph_pool"] = _graph_pool(shape, plan, workload)
         phases[phase] = {k: v * calib.memory_scale / GIB for k, v in c.items()}
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
     return MemoryEstimate(phases_gib=phases, peak_phase=peak_phase,

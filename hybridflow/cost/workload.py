@@ -60,9 +60,13 @@ class Workload:
     fused_elementwise: bool = True
     # parallel.train_cuda_graphs: the update passes replay each layer's forward and backward as
     # CUDA graphs (one launch per layer pass: its own fitted per-layer cost, the micro-batch's
-    # eager LM head and loss folded in; forward-only passes stay eager). The graphs' pool keeps the
-    # layers' weight gradients (bf16) allocated for the run
+    # eager LM head and loss folded in; forward-only passes stay eager); their static inputs,
+    # outputs and gradients stay allocated for the run
     train_cuda_graphs: bool = False
+    # records of train_cuda_graphs measured before the graphs added the weight gradients into
+    # DDP's main_grad themselves (2026-12-02, fourth session) say true: those graphs also held
+    # the layers' weight gradients (bf16) as static outputs for the run
+    graph_weight_grads_held: bool = False
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:

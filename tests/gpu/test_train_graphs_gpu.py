@@ -1,7 +1,8 @@
 """parallel.train_cuda_graphs through the real Engine (Megatron DDP, optimizer, the trainer's actor
 objective) on a GPU: the graphed layers give the eager run's loss metrics, gradients and updated
 weights, step after step (the graphs replay on new inputs and new weights), while micro-batches of
-another shape and masked (left-padded) ones run the eager layers, as the metric says."""
+another shape and masked (left-padded) ones run the eager layers, as the metric says; and the
+weight gradients go into DDP's main_grad inside the graphs: no static copy of them stays allocated."""
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-MODEL = ModelConfig(num_layers=3, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+MODEL = ModelConfig(num_layers=3, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4,
                     num_query_groups=2, vocab_size=100, add_qkv_bias=True)
 ALGO = AlgoConfig(loss_agg_mode="token-mean", entropy_coeff=0.01, use_kl_loss=True,
                   kl_loss_type="k3", kl_loss_coef=0.1)
@@ -59,10 +60,12 @@ def _run(ctx, precision: str, graphs: bool, batches) -> list[dict]:
     out = []
     for batch in batches:
         loss_fn = actor_objective(ALGO, num_tokens=int(batch.response_mask.sum()), num_seqs=ROWS)
+        held = torch.cuda.memory_allocated()
         m = eng.train_step(batch, loss_fn, micro_batch_size=MICRO, temperature=0.7,
                            need_entropy=True)
         out.append({"metrics": m, "weights": {n: p.detach().float().clone()
-                                              for n, p in eng.module.named_parameters()}})
+                                              for n, p in eng.module.named_parameters()},
+                    "step_allocated": torch.cuda.memory_allocated() - held})
     return out
 
 
@@ -84,6 +87,11 @@ def test_graphed_updates_match_eager(ctx, precision):
         assert e["metrics"]["grad_norm"] > 0
         for name, w in e["weights"].items():
             torch.testing.assert_close(g["weights"][name], w, **tol, msg=f"step {step}: {name}")
+    # what the first step left allocated (Adam's states, and with graphs their static tensors):
+    # the graphs keep no copy of the layers' weight gradients (make_graphed_callables would)
+    layer_bytes = sum(p.numel() for n, p in eager[0]["weights"].items() if ".layers." in n) * (
+        4 if precision == "fp32" else 2)
+    assert graphed[0]["step_allocated"] - eager[0]["step_allocated"] < layer_bytes / 2
     # the weights moved: the graphs replayed on the updated parameters, not on stale copies
     first, last = eager[0]["weights"], eager[-1]["weights"]
     assert any(not torch.equal(first[n], last[n]) for n in first)

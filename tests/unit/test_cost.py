@@ -593,7 +593,9 @@ def test_fused_decode_kernels_have_their_own_per_layer_cost():
 def test_train_cuda_graphs_replace_the_update_launch_cost():
     """parallel.train_cuda_graphs: the update's layer passes pay `graphed_layer_pass_s` instead of
     the eager launch cost (forward-only passes stay eager), on the host side of the overlap; the
-    graphs' static bf16 weight gradients are resident in every phase."""
+    graphs' static tensors (per layer a micro-batch's input, output and their gradients; the
+    layers' bf16 weight gradients too in records of the first version) are resident in every
+    phase."""
     base = dict(model="qwen2_1_5b", gpu="H200", num_gpus=1, layout={"tp": 1}, **TINY_WORK)
     r = {g: parse_record({"config": {"model": "qwen2_1_5b", "gpu": "H200", "num_gpus": 1,
                                      "layout": {"tp": 1}, **TINY_WORK, "train_cuda_graphs": g}})
@@ -610,10 +612,15 @@ def test_train_cuda_graphs_replace_the_update_launch_cost():
     shape = load_shape("qwen2_1_5b")
     mem = {g: estimate_memory(**base, calibration=Calibration(), train_cuda_graphs=g)
            for g in (False, True)}
-    grads = 2 * shape.num_layers * shape.layer_params / GIB * Calibration().memory_scale
+    held = estimate_memory(**base, calibration=Calibration(), train_cuda_graphs=True,
+                           graph_weight_grads_held=True)
+    tokens = 2 * 32  # a micro-batch: 64 // 32 sequences of 16 + 16 tokens
+    static = 4 * 2 * tokens * shape.hidden_size * shape.num_layers / GIB
+    grads = 2 * shape.num_layers * shape.layer_params / GIB
     for phase, comps in mem[True].phases_gib.items():
-        assert comps["graph_pool"] == pytest.approx(grads)
-        assert sum(comps.values()) == pytest.approx(sum(mem[False].phases_gib[phase].values()) + grads)
+        assert comps["graph_pool"] == pytest.approx(static)
+        assert held.phases_gib[phase]["graph_pool"] == pytest.approx(static + grads)
+        assert sum(comps.values()) == pytest.approx(sum(mem[False].phases_gib[phase].values()) + static)
 
 
 def test_train_cuda_graphs_layouts_are_pp1_without_recompute():
