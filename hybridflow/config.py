@@ -43,7 +43,7 @@ class ParallelConfig:
     # hybridflow/models/fused.py. CPU runs are unchanged either way
     fused_elementwise: bool = True
     # on CUDA, each decoder layer's training forward and backward replayed as one CUDA graph
-    # (models/graphs.py: torch.cuda.make_graphed_callables), captured once at the shape of the
+    # (models/graphs.py, as torch.cuda.make_graphed_callables), captured once at the shape of the
     # first update's most common micro-batch; micro-batches of another shape, with left-padded
     # prompts (an attention mask) or packed run the eager layers (`<role>/graphed_micro_batch_frac`
     # says the share that replayed). Without TE a layer is ~75 kernel launches forward and
