@@ -16,43 +16,38 @@ MODEL = ModelConfig(num_layers=3, hidden_size=256, ffn_hidden_size=512, num_atte
                     num_query_groups=2, vocab_size=1000, add_qkv_bias=True)
 
 
-def test_prefetched_reference_matches_a_resident_one():
+def test_prefetched_reference_matches_a_resident_one(single_rank_ctx):
     from hybridflow.engine import Engine
-    from hybridflow.parallel import groups
     from tests.dist.parity_util import fill_deterministic
 
-    groups.init_distributed()
-    ctx = groups.init_model_parallel(tp=1, pp=1, seed=0)
-    try:
-        engines = []
-        for _ in range(2):
-            eng = Engine(role="ref", model_cfg=MODEL, ctx=ctx, parallel=ParallelConfig(),
-                         precision="bf16")
-            fill_deterministic(eng.module, num_layers=MODEL.num_layers)
-            engines.append(eng)
-        resident, offloaded = engines
-        g = torch.Generator().manual_seed(0)
-        ones = torch.ones(8, 16, dtype=torch.long)
-        batch = RolloutBatch(prompt_ids=torch.randint(1, 1000, (8, 16), generator=g), prompt_mask=ones,
-                             response_ids=torch.randint(1, 1000, (8, 16), generator=g),
-                             response_mask=ones, group_ids=torch.arange(8) // 2,
-                             indices=torch.arange(8))
-        want = resident.compute_logprobs(batch, micro_batch_size=4)
+    ctx = single_rank_ctx
+    engines = []
+    for _ in range(2):
+        eng = Engine(role="ref", model_cfg=MODEL, ctx=ctx, parallel=ParallelConfig(),
+                     precision="bf16")
+        fill_deterministic(eng.module, num_layers=MODEL.num_layers)
+        engines.append(eng)
+    resident, offloaded = engines
+    g = torch.Generator().manual_seed(0)
+    ones = torch.ones(8, 16, dtype=torch.long)
+    batch = RolloutBatch(prompt_ids=torch.randint(1, 1000, (8, 16), generator=g), prompt_mask=ones,
+                         response_ids=torch.randint(1, 1000, (8, 16), generator=g),
+                         response_mask=ones, group_ids=torch.arange(8) // 2,
+                         indices=torch.arange(8))
+    want = resident.compute_logprobs(batch, micro_batch_size=4)
+    offloaded.offload()
+    host = list(offloaded._host)
+    assert all(h.is_pinned() for h in host)
+    assert all(p.device.type == "cpu" for p in offloaded.module.parameters())
+    weights = sum(h.numel() * h.element_size() for h in host)
+    for _ in range(2):
+        free = torch.cuda.memory_allocated()
+        offloaded.onload(prefetch=True)
+        assert torch.cuda.memory_allocated() - free >= weights  # held from the call on
+        offloaded.onload()
+        got = offloaded.compute_logprobs(batch, micro_batch_size=4)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        held = torch.cuda.memory_allocated()
         offloaded.offload()
-        host = list(offloaded._host)
-        assert all(h.is_pinned() for h in host)
-        assert all(p.device.type == "cpu" for p in offloaded.module.parameters())
-        weights = sum(h.numel() * h.element_size() for h in host)
-        for _ in range(2):
-            free = torch.cuda.memory_allocated()
-            offloaded.onload(prefetch=True)
-            assert torch.cuda.memory_allocated() - free >= weights  # held from the call on
-            offloaded.onload()
-            got = offloaded.compute_logprobs(batch, micro_batch_size=4)
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-            held = torch.cuda.memory_allocated()
-            offloaded.offload()
-            assert held - torch.cuda.memory_allocated() >= weights  # the device copy is freed
-            assert all(a is b for a, b in zip(offloaded._host, host))  # no new host copy
-    finally:
-        groups.destroy()
+        assert held - torch.cuda.memory_allocated() >= weights  # the device copy is freed
+        assert all(a is b for a, b in zip(offloaded._host, host))  # no new host copy

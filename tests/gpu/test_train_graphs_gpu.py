@@ -23,12 +23,8 @@ ROWS, MICRO, P, R = 10, 4, 6, 10  # micro-batches of 4, 4 and 2 rows: the last o
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    from hybridflow.parallel import groups
-
-    groups.init_distributed()
-    yield groups.init_model_parallel(tp=1, pp=1, seed=0)
-    groups.destroy()
+def ctx(single_rank_ctx):
+    return single_rank_ctx
 
 
 def _batch(seed: int, *, left_pad: bool = False) -> RolloutBatch:

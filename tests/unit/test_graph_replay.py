@@ -58,12 +58,8 @@ def _fake_graphs(layer, shape):
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    from hybridflow.parallel import groups
-
-    groups.init_distributed()
-    yield groups.init_model_parallel(tp=1, pp=1, seed=0)
-    groups.destroy()
+def ctx(single_rank_ctx):
+    return single_rank_ctx
 
 
 def _step(ctx, fake: bool):

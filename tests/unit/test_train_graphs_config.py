@@ -27,33 +27,28 @@ def test_refused_combinations(parallel, pp, match):
                optim=OptimConfig(lr=1e-3))
 
 
-def test_cpu_runs_eager():
+def test_cpu_runs_eager(single_rank_ctx):
     from hybridflow.algo.objectives import actor_objective
     from hybridflow.config import AlgoConfig
     from hybridflow.data.batch import RolloutBatch
     from hybridflow.engine import Engine
-    from hybridflow.parallel import groups
     from tests.dist.parity_util import fill_deterministic
 
-    groups.init_distributed()
-    ctx = groups.init_model_parallel(tp=1, pp=1, seed=0)
-    try:
-        g = torch.Generator().manual_seed(0)
-        ones = torch.ones(4, 5, dtype=torch.long)
-        batch = RolloutBatch(prompt_ids=torch.randint(1, 50, (4, 5), generator=g), prompt_mask=ones,
-                             response_ids=torch.randint(1, 50, (4, 5), generator=g),
-                             response_mask=ones, group_ids=torch.arange(4) // 2,
-                             indices=torch.arange(4), old_logprobs=torch.full((4, 5), -3.9),
-                             advantages=torch.randn(4, 1, generator=g))
-        results = []
-        for graphs in (False, True):
-            eng = Engine(role="actor", model_cfg=MODEL, ctx=ctx, precision="fp32",
-                         parallel=ParallelConfig(train_cuda_graphs=graphs),
-                         optim=OptimConfig(lr=1e-3))
-            fill_deterministic(eng.module, num_layers=MODEL.num_layers)
-            loss_fn = actor_objective(AlgoConfig(), num_tokens=20, num_seqs=4)
-            results.append(eng.train_step(batch, loss_fn, micro_batch_size=2))
-        assert "graphed_micro_batch_frac" not in results[1]
-        assert results[1] == results[0]
-    finally:
-        groups.destroy()
+    ctx = single_rank_ctx
+    g = torch.Generator().manual_seed(0)
+    ones = torch.ones(4, 5, dtype=torch.long)
+    batch = RolloutBatch(prompt_ids=torch.randint(1, 50, (4, 5), generator=g), prompt_mask=ones,
+                         response_ids=torch.randint(1, 50, (4, 5), generator=g),
+                         response_mask=ones, group_ids=torch.arange(4) // 2,
+                         indices=torch.arange(4), old_logprobs=torch.full((4, 5), -3.9),
+                         advantages=torch.randn(4, 1, generator=g))
+    results = []
+    for graphs in (False, True):
+        eng = Engine(role="actor", model_cfg=MODEL, ctx=ctx, precision="fp32",
+                     parallel=ParallelConfig(train_cuda_graphs=graphs),
+                     optim=OptimConfig(lr=1e-3))
+        fill_deterministic(eng.module, num_layers=MODEL.num_layers)
+        loss_fn = actor_objective(AlgoConfig(), num_tokens=20, num_seqs=4)
+        results.append(eng.train_step(batch, loss_fn, micro_batch_size=2))
+    assert "graphed_micro_batch_frac" not in results[1]
+    assert results[1] == results[0]
