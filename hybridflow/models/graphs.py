@@ -150,6 +150,10 @@ def _capture_into_main_grad(calls, samples, params, num_warmup_iters: int) -> li
         g.grad_out = torch.empty_like(g.out)
         with torch.cuda.graph(g.bwd, pool=pool):
             g.grad_in = _layer_backward(g.out, g.x, ps, g.grad_out)
+        # keep the storage, drop the captured autograd graph: it held the parameters' gradient
+        # accumulator nodes made on the capture stream, which eager passes (other shapes) would
+        # then use across streams
+        g.out = g.out.detach()
     return graphs
 
 
