@@ -20,7 +20,7 @@ Weight gradients, two ways:
   `main_grad.add_(grad)`), and only the input gradient leaves the graph. The bf16 gradients are
   then temporaries of the capture, whose memory the next layers' captures reuse from the shared
   pool, instead of static outputs held for the run (the layers' weights over again in bf16: 2.4
-  GiB at Qwen2-1.5B, 14 GiB at 8B). DDP's hooks do not fire for these parameters (they are not
+  GiB at Qwen2-1.5B, 13 GiB at 8B). DDP's hooks do not fire for these parameters (they are not
   inputs of the replaying autograd function); its grad reduction after backward
   (`finalize_model_grads`, overlap_grad_reduce off) reads `main_grad` as before.
 - plain parameters: `torch.cuda.make_graphed_callables`, whose backward returns the weight
