@@ -117,6 +117,9 @@ def main():
     kernels = _override(args.override, "rollout.decode_kernels", "auto")
     fused = _override(args.override, "parallel.fused_elementwise", "true") == "true"
     graphs = _override(args.override, "parallel.train_cuda_graphs", "false") == "true"
+    offload_ref = _override(args.override, "trainer.offload_ref", "false") == "true"
+    recompute = args.recompute or _override(args.override, "parallel.activation_checkpointing",
+                                            "false") == "true"
     with tempfile.TemporaryDirectory() as work:
         for algo in args.algos.split(","):
             results[algo] = summarize(run(algo, args, work))
@@ -125,7 +128,7 @@ def main():
             seq_len = 128 + args.response
             train_tokens = args.micro * seq_len
             fwd_tokens = (args.fmicro or args.micro) * seq_len
-            tag += f"-p{args.prompts}n{args.samples}r{args.response}" + ("-rc" if args.recompute else "")
+            tag += f"-p{args.prompts}n{args.samples}r{args.response}" + ("-rc" if recompute else "")
             chunk = _override_int(args.override, "parallel.lm_head_chunk_tokens")
             tag += f"-lmc{chunk}" if chunk else ""
             if args.dynamic_bsz:
@@ -139,12 +142,12 @@ def main():
 
                 kernels = "triton" if torch.cuda.is_available() else "torch"
             tag += ("-tk" if kernels == "triton" else "") + ("" if fused else "-unfused")
-            tag += "-graphs" if graphs else ""
+            tag += ("-graphs" if graphs else "") + ("-offref" if offload_ref else "")
             records.append({"name": f"{args.model}-{args.nproc}xH200-{algo}{tag}", "config": {
                 "model": args.model, "gpu": "H200", "num_gpus": args.nproc,
                 "layout": {"tp": args.tp, "pp": 1, "dp": args.nproc // args.tp,
-                           "tp_gen": args.tp_gen or args.tp, "offload_ref": False,
-                           "recompute": args.recompute},
+                           "tp_gen": args.tp_gen or args.tp, "offload_ref": offload_ref,
+                           "recompute": recompute},
                 "algorithm": algo, "prompts_per_step": args.prompts,
                 "samples_per_prompt": args.samples, "prompt_len": 128,
                 "response_len": args.response, "ppo_epochs": 1, "mini_batches": 1,

@@ -141,7 +141,8 @@ def assert_same_results(got: dict, ref: dict, mask, *, atol: float) -> None:
 def test_bench_rl_step_dynamic_bsz_smoke(tmp_path):
     """The GPU session's measurement: bench_rl_step.py --dynamic-bsz runs (tiny model, CPU) and its
     calibration record names the token budgets; with --recompute the trainer runs with
-    parallel.activation_checkpointing and the record's layout says so."""
+    parallel.activation_checkpointing and the record's layout says so, as it says an offloaded
+    reference given as an override."""
     import json
     import os
     import subprocess
@@ -152,13 +153,14 @@ def test_bench_rl_step_dynamic_bsz_smoke(tmp_path):
     subprocess.run([sys.executable, "benchmarks/bench_rl_step.py", "--model", "tiny", "--prompts",
                     "2", "--samples", "4", "--response", "8", "--steps", "2", "--algos", "grpo",
                     "--dynamic-bsz", "400", "--dynamic-bsz-forward", "800", "--recompute",
-                    "--out", str(out)],
+                    "--override", "trainer.offload_ref=true", "--out", str(out)],
                    check=True, cwd=root, capture_output=True,
                    env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"))
     r = json.loads(out.read_text())
     rec = r["records"][0]
-    assert rec["name"].endswith("-rc-dyn400f800") and rec["config"]["dynamic_bsz"] is True
-    assert rec["config"]["layout"]["recompute"] is True
+    assert rec["name"].endswith("-offref") and "-rc-dyn400f800" in rec["name"]
+    assert rec["config"]["dynamic_bsz"] is True
+    assert rec["config"]["layout"]["recompute"] is True and rec["config"]["layout"]["offload_ref"] is True
     assert (rec["config"]["micro_batch_tokens"], rec["config"]["forward_micro_batch_tokens"]) == \
         (400, 800)
     assert len(r["results"]["grpo"]["steps"]) == 2
