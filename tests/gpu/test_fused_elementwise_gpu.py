@@ -17,12 +17,8 @@ CFG = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=384, num_attent
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    from hybridflow.parallel import groups
-
-    groups.init_distributed()
-    yield groups.init_model_parallel(tp=1, pp=1, seed=0)
-    groups.destroy()
+def ctx(single_rank_ctx):
+    return single_rank_ctx
 
 
 def _build(ctx, fused, precision):

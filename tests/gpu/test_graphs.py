@@ -16,14 +16,10 @@ B, S = 2, 16
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(single_rank_ctx):
     from hybridflow.models.build import build_model
-    from hybridflow.parallel import groups
 
-    groups.init_distributed()
-    ctx = groups.init_model_parallel(tp=1, pp=1, seed=0)
-    yield build_model(CFG, role="actor", ctx=ctx, precision="fp32").cuda()
-    groups.destroy()
+    return build_model(CFG, role="actor", ctx=single_rank_ctx, precision="fp32").cuda()
 
 
 def _step(model, ids):
