@@ -195,24 +195,22 @@ class Engine:
             if not prefetch:
                 self.wait_onload()
             return
-        host = [_host_copy(p.data) if p.data.device.type == "cpu" and self.device.type == "cuda"
-                and not p.data.is_pinned() else p.data for p in params]
+        # off the device only after offload(): host tensors, on a CUDA device (a checkpoint load
+        # may have put unpinned ones there)
+        host = [p.data if p.data.is_pinned() else _host_copy(p.data) for p in params]
         self._host = host
-        if self.device.type != "cuda":
-            dev = [h.to(self.device) for h in host]
-        else:
-            dev = [torch.empty_like(h, device=self.device) for h in host]
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(device=self.device)
-            stream = self._copy_stream
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for d, h in zip(dev, host):
-                    d.copy_(h, non_blocking=True)
-                    d.record_stream(stream)
-                done = torch.cuda.Event()
-                done.record(stream)
-            self._onload_done = done
+        dev = [torch.empty_like(h, device=self.device) for h in host]
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for d, h in zip(dev, host):
+                d.copy_(h, non_blocking=True)
+                d.record_stream(stream)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._onload_done = done
         for p, d in zip(params, dev):
             p.data = d
         if not prefetch:
