@@ -42,6 +42,11 @@ class ParallelConfig:
     # own functions: its bias_activation_fusion SwiGLU keeps only fc1's output for backward);
     # hybridflow/models/fused.py. CPU runs are unchanged either way
     fused_elementwise: bool = True
+    # the decoder layers' weight gradients added into DDP's fp32 main_grad by their backward GEMM
+    # (Megatron's gradient_accumulation_fusion, without apex: models/linear.py accumulate_wgrad)
+    # instead of a bf16 gradient that DDP's hook then adds in a second pass; trainable roles, the
+    # local layer spec (not transformer-engine's)
+    gradient_accumulation_fusion: bool = True
     # on CUDA, each decoder layer's training forward and backward replayed as one CUDA graph
     # (models/graphs.py, as torch.cuda.make_graphed_callables), captured once at the shape of the
     # first update's most common micro-batch; micro-batches of another shape, with left-padded

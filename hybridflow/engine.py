@@ -55,7 +55,8 @@ from hybridflow.data.packing import PackedRows, pack_rows
 from hybridflow.models.attention import SDPAttention, document_causal_mask
 from hybridflow.models.build import LM_ROLES, build_model
 from hybridflow.models.graphs import graph_layers
-from hybridflow.models.linear import LeanOutputLinear, LogprobSpec
+from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear,
+                                      LeanRowParallelLinear, LogprobSpec)
 from hybridflow.models.logprob import vocab_parallel_logprobs
 from hybridflow.parallel.context import ParallelContext
 
@@ -130,6 +131,10 @@ class Engine:
                                                     overlap_grad_reduce=False,
                                                     use_distributed_optimizer=dist_opt)
             model = DDP(self.tcfg, ddp_cfg, model, pg_collection=ctx.pgs)
+            if parallel.gradient_accumulation_fusion:  # needs the main_grad DDP just made
+                for linear in self.module.modules():
+                    if type(linear) in (LeanColumnParallelLinear, LeanRowParallelLinear):
+                        linear.fuse_wgrad = True
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr,
                                 weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
@@ -353,6 +358,8 @@ class Engine:
             # those nodes for the capture and hook fresh ones after, as DDP's __init__ does.
             self.model.grad_accs.clear()
             graph_layers(self.module, micro_batch_size=rows, seq_len=seq_len)
+            # the warm-up passes' weight gradients went into main_grad (fused accumulation)
+            self.model.zero_grad_buffer()
             for p in self.model.module.parameters():
                 if p.requires_grad:
                     acc = p.expand_as(p).grad_fn.next_functions[0][0]
