@@ -82,6 +82,9 @@ class _LinearWgradIntoMainGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
+        # the buffer itself, not through the saved weight: activation recompute hands backward a
+        # recomputed copy of the saved tensors, without the parameter's attributes
+        ctx.main_grad = weight.main_grad
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
@@ -90,7 +93,7 @@ class _LinearWgradIntoMainGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_in = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         grad2d = grad.reshape(-1, grad.shape[-1])
-        accumulate_wgrad(weight.main_grad, grad2d, x.reshape(-1, x.shape[-1]))
+        accumulate_wgrad(ctx.main_grad, grad2d, x.reshape(-1, x.shape[-1]))
         return grad_in, None, grad2d.sum(0) if ctx.has_bias else None
 
 
