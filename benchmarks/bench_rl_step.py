@@ -117,6 +117,8 @@ def main():
     kernels = _override(args.override, "rollout.decode_kernels", "auto")
     fused = _override(args.override, "parallel.fused_elementwise", "true") == "true"
     graphs = _override(args.override, "parallel.train_cuda_graphs", "false") == "true"
+    wgrad_fusion = _override(args.override, "parallel.gradient_accumulation_fusion",
+                             "true") == "true"
     offload_ref = _override(args.override, "trainer.offload_ref", "false") == "true"
     recompute = args.recompute or _override(args.override, "parallel.activation_checkpointing",
                                             "false") == "true"
@@ -160,6 +162,7 @@ def main():
                 "decode_kernels": kernels,
                 "fused_elementwise": fused,
                 "train_cuda_graphs": graphs,
+                "gradient_accumulation_fusion": wgrad_fusion,
                 "compile_decode": "rollout.compile_decode=true" in args.override},
             "metrics": m})
     import torch

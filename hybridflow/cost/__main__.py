@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-cuda-graphs", action="store_true",
                    help="parallel.train_cuda_graphs=true: the update's layers as CUDA graphs (PP = 1, "
                         "no recompute)")
+    p.add_argument("--no-grad-accum-fusion", action="store_false",
+                   dest="gradient_accumulation_fusion",
+                   help="parallel.gradient_accumulation_fusion=false: the layers' weight gradients "
+                        "reach DDP's main_grad through a bf16 gradient and a second pass")
     p.add_argument("--calibration", help="JSON written by python -m hybridflow.cost.calibrate")
     g = p.add_argument_group("force a layout (else searched)")
     g.add_argument("--tp", type=int)
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             skip_old_log_prob=a.skip_old_log_prob, keep_generator=a.keep_generator,
             lm_head_chunk_tokens=a.lm_head_chunk_tokens, decode_kernels=a.decode_kernels,
             fused_elementwise=a.fused_elementwise, train_cuda_graphs=a.train_cuda_graphs,
+            gradient_accumulation_fusion=a.gradient_accumulation_fusion,
             calibration=a.calibration)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

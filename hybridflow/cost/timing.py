@@ -30,7 +30,10 @@ divide by DP):
   graph replay per layer pass), times (1 + PP bubble); TP traffic twice the forward's (3x with
   recompute); per optimizer step a DP reduce-scatter of fp32 grads and all-gather of bf16 params.
   The critic's passes use its value head instead of the LM head (flops.dense_params).
-- updates also pay per optimizer step `optimizer_step_s` plus Adam's HBM traffic (30 bytes per
+- updates also pay per micro-batch DDP's gradient accumulation of the parameters autograd hands a
+  bf16 gradient (all of them; with gradient_accumulation_fusion all but the layers' matmul
+  weights): GRAD_ACCUM_BYTES_PER_PARAM at HBM bandwidth x GRAD_ACCUM_BW_EFF (measured, not fitted),
+  on the GPU side; and per optimizer step `optimizer_step_s` plus Adam's HBM traffic (30 bytes per
   parameter of the DP shard, at peak bandwidth).
 - other: `step_overhead_s` per step (reward, advantages, bookkeeping), so the stages sum to the step.
 PP bubble of 1F1B: (PP - 1) / micro-batches. Ring collectives move 2 (n-1)/n of the data per GPU for
@@ -57,6 +60,15 @@ from hybridflow.parallel.layout import Layout
 # Adam's HBM traffic per parameter of the optimizer's shard: fp32 grad read, fp32 master, m and v read
 # and written, bf16 param written.
 ADAM_BYTES_PER_PARAM = 4 + 3 * 8 + 2
+# Megatron DDP's gradient accumulation per micro-batch, where autograd hands a parameter its bf16
+# gradient: bf16 gradient written by its GEMM and read, fp32 main_grad read and written; the add is
+# an unvectorised mixed-dtype kernel, measured at ~2.2 TB/s of the H200's 4.8 (46%; Qwen2-1.5B,
+# 1.54e9 parameters in ~7 ms per micro-batch, benchmarks/results/rl_step_wgrad_fusion_h200.json).
+# With parallel.gradient_accumulation_fusion the decoder layers' matmul weights skip it (their
+# backward GEMM reads and writes main_grad itself, hidden behind its FLOPs); the embedding / LM
+# head, norms and biases still pay it.
+GRAD_ACCUM_BYTES_PER_PARAM = 2 + 2 + 4 + 4
+GRAD_ACCUM_BW_EFF = 0.46
 NVLINK_LATENCY_S = 10e-6   # per collective inside a node
 IB_LATENCY_S = 30e-6       # per collective across nodes
 
@@ -81,7 +93,7 @@ def _side(rule: str | None, label: str, coef: str | None) -> str:
     if rule == "pass":
         if coef in HOST_COEFS:
             return "a"
-        if coef in GPU_COEFS or label == "tp_comm":
+        if coef in GPU_COEFS or label in ("tp_comm", "grad_accum"):
             return "b"
     elif rule == "decode":
         if label == "decode_compute":
@@ -253,8 +265,12 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
             tokens=seqs * w.seq_len, micro=opt_steps * micro, flushes=opt_steps,
             layer_passes=4 if plan.recompute else 3, graphed=w.train_cuda_graphs)
-    t.add("optimizer", "optimizer_step_s", opt_steps)
     params = shape.num_params if role == "actor" else shape.num_critic_params
+    accumulated = params - (shape.num_layers * shape.layer_matmul_params
+                            if w.gradient_accumulation_fusion else 0)
+    t.add("grad_accum", None, opt_steps * micro * GRAD_ACCUM_BYTES_PER_PARAM * accumulated / shard
+          / (gpu.hbm_gbps * 1e9 * GRAD_ACCUM_BW_EFF))
+    t.add("optimizer", "optimizer_step_s", opt_steps)
     t.add("optimizer", None, opt_steps * ADAM_BYTES_PER_PARAM * params / (shard * layout.dp_t)
           / (gpu.hbm_gbps * 1e9))
     if layout.dp_t > 1:

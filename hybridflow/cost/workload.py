@@ -67,6 +67,10 @@ class Workload:
     # DDP's main_grad themselves (2026-12-02, fourth session) say true: those graphs also held
     # the layers' weight gradients (bf16) as static outputs for the run
     graph_weight_grads_held: bool = False
+    # parallel.gradient_accumulation_fusion (the trainer's default): the decoder layers' weight
+    # gradients go into DDP's main_grad inside their backward GEMM, not through a bf16 gradient and
+    # a second pass per micro-batch (timing.GRAD_ACCUM_*); records measured before say false
+    gradient_accumulation_fusion: bool = True
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:

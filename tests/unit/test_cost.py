@@ -467,21 +467,23 @@ def test_prefill_is_charged_once_per_prompt_on_each_replica():
         # one row per prompt against one per sample row: 8/dp and 32/dp rows per replica
         assert flops[False] - flops[True] == pytest.approx((32 - 8) // dp * one_row)
         assert flops[True] > 8 // dp * one_row  # the decode FLOPs come on top
-    # every calibration record states which generator and training passes it measured: the first
-    # 17 the old generator, the speed runs' trainer options (*_kv64.json; *_tk*.json with the
-    # decode kernels) the current one; *_fe.json the fused RoPE / SwiGLU (parallel.fused_elementwise),
-    # *_fe_g.json with the update's per-layer CUDA graphs too (parallel.train_cuda_graphs)
-    records = {p.name: json.loads(p.read_text()) for p in (ROOT / "benchmarks/results/cost").glob("*.json")}
-    configs = [(name, r["config"]) for name, rec in records.items() for r in rec.get("records", [])]
-    assert len(configs) == 37
-    assert all(c["prefill_once_per_prompt"] is name.endswith(("_kv64.json", "_tk.json", "_tk_fl.json",
-                                                             "_tk_fe.json", "_tk_fe_g.json"))
-               for name, c in configs)
-    assert all((c.get("decode_kernels", "torch") == "triton") is ("_tk" in name)
-               for name, c in configs)
-    assert all(c["fused_elementwise"] is name.endswith(("_fe.json", "_fe_g.json"))
-               for name, c in configs)
-    assert all(c.get("train_cuda_graphs", False) is name.endswith("_g.json") for name, c in configs)
+    # every calibration record states which generator and training passes it measured, and its file
+    # name says it in tokens: the first 17 the old generator, the speed runs' trainer options (kv64;
+    # tk with the decode kernels) the current one; fe the fused RoPE / SwiGLU
+    # (parallel.fused_elementwise), g the update's per-layer CUDA graphs (parallel.train_cuda_graphs;
+    # ig: graphs that add the weight gradients into main_grad, not hold them), wf the weight
+    # gradients accumulated in their GEMM (parallel.gradient_accumulation_fusion)
+    records = {p.stem: json.loads(p.read_text()) for p in (ROOT / "benchmarks/results/cost").glob("*.json")}
+    configs = [(set(name.split("_")), r["config"]) for name, rec in records.items()
+               for r in rec.get("records", [])]
+    assert len(configs) == 39
+    for tokens, c in configs:
+        assert c["prefill_once_per_prompt"] is ("kv64" in tokens)
+        assert (c.get("decode_kernels", "torch") == "triton") is ("tk" in tokens)
+        assert c["fused_elementwise"] is ("fe" in tokens)
+        assert c.get("train_cuda_graphs", False) is ("g" in tokens)
+        assert c.get("graph_weight_grads_held", False) is ("g" in tokens and "ig" not in tokens)
+        assert c["gradient_accumulation_fusion"] is ("wf" in tokens)
 
 
 def test_kept_generator_holds_its_kv_cache_through_training():
@@ -621,6 +623,30 @@ def test_train_cuda_graphs_replace_the_update_launch_cost():
         assert comps["graph_pool"] == pytest.approx(static)
         assert held.phases_gib[phase]["graph_pool"] == pytest.approx(static + grads)
         assert sum(comps.values()) == pytest.approx(sum(mem[False].phases_gib[phase].values()) + static)
+
+
+def test_gradient_accumulation_fusion_leaves_the_layer_weights_out_of_the_accumulation():
+    """Each update micro-batch pays DDP's accumulation of the bf16 gradients autograd hands out, on
+    the GPU side of the overlap: every parameter without parallel.gradient_accumulation_fusion, all
+    but the layers' matmul weights with it (their backward GEMM adds into main_grad itself)."""
+    from hybridflow.cost.timing import GRAD_ACCUM_BW_EFF, GRAD_ACCUM_BYTES_PER_PARAM, _side
+
+    shape = load_shape("qwen2_1_5b")
+    r = {f: parse_record({"config": {"model": "qwen2_1_5b", "gpu": "H200", "num_gpus": 1,
+                                     "layout": {"tp": 1}, **TINY_WORK,
+                                     "gradient_accumulation_fusion": f}}) for f in (False, True)}
+    x = {f: dict((label, v) for label, coef, v in stage_terms(run.shape, run.gpu, run.plan,
+                                                              run.workload, Calibration())
+                 ["update_actor"].parts if label == "grad_accum") for f, run in r.items()}
+    micro = r[True].workload.num_micro_batches(1)
+    per_param = GRAD_ACCUM_BYTES_PER_PARAM / (r[True].gpu.hbm_gbps * 1e9 * GRAD_ACCUM_BW_EFF)
+    assert x[False]["grad_accum"] == pytest.approx(micro * shape.num_params * per_param)
+    assert x[True]["grad_accum"] == pytest.approx(
+        micro * (shape.num_params - shape.num_layers * shape.layer_matmul_params) * per_param)
+    assert _side("pass", "grad_accum", None) == "b"
+    t = {f: estimate_step_time(model="qwen2_1_5b", gpu="H200", num_gpus=1, layout={"tp": 1},
+                               **TINY_WORK, gradient_accumulation_fusion=f) for f in (False, True)}
+    assert t[True]["update_actor"] < t[False]["update_actor"] and t[True]["ref"] == t[False]["ref"]
 
 
 def test_train_cuda_graphs_layouts_are_pp1_without_recompute():
