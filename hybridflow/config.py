@@ -270,9 +270,13 @@ class TrainerConfig:
     max_skipped_steps: int = 3
     price_per_gpu_hour: Optional[float] = None  # for the probe's cost; None: the GPU's default
     # the reference model's weights live in (pinned) host memory between its passes: copied to the
-    # GPU once per step, from the end of generation on, on a side stream behind the next stages
-    # (Engine.onload(prefetch=True)), and dropped after the ref pass (nothing is copied back)
+    # GPU once per step and dropped after the ref pass (nothing is copied back)
     offload_ref: bool = False
+    # with offload_ref: the copy starts at the top of the step on a side stream and runs behind
+    # generation (PCIe beside HBM-bound decoding; Engine.onload(prefetch=True)), so the weights sit
+    # on the GPU through generation (whose wave sizing sees them) but not through the update;
+    # false: copied at the start of the ref pass, on the GPU only there
+    offload_ref_prefetch: bool = True
     # Python GC: N > 0 turns automatic collection off during training and collects every N steps
     # (at the start of the step, timed as timing_s/gc), as Megatron's --manual-gc: automatic
     # collections at random points stall every rank of a collective; 0: Python's default.

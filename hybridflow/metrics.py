@@ -3,10 +3,11 @@
 Metric names follow verl's (shared/DESIGN.md) so dashboards compare: `timing_s/<stage>`,
 `perf/throughput` (tokens / (step seconds x GPUs)), `perf/max_memory_allocated_gb`, `actor/*`,
 `critic/*`, `response_length/*`. Only global rank 0 writes; every rank times (the stages are
-collective, so their times agree up to skew). On GPU, timers synchronize the device at stage
-boundaries so a stage's time is its own. A timed stage is also the stage the watchdog names when
-something fails in it. The sinks open their files at start-up: an OSError there names the file
-and errno (tensorboard missing is only a note).
+collective, so their times agree up to skew). On GPU, timers wait for the current stream at stage
+boundaries so a stage's time is its own (side streams, such as the reference's prefetch, run on).
+A timed stage is also the stage the watchdog names when something fails in it. The sinks open
+their files at start-up: an OSError there names the file and errno (tensorboard missing is only a
+note).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from hybridflow import watchdog
 
 
 class StageTimer:
+    """Seconds per stage. On CUDA a stage waits for the current stream's work at its edges (not the
+    whole device: a side stream's copy, such as the reference's prefetch, runs on across stages
+    until something waits for it)."""
+
     def __init__(self):
         self.times: dict[str, float] = {}
 
@@ -30,13 +35,13 @@ class StageTimer:
     def __call__(self, name: str):
         with watchdog.stage(name), torch.profiler.record_function(f"stage/{name}"):
             if torch.cuda.is_available():
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
             t0 = time.perf_counter()
             try:
                 yield
             finally:
                 if torch.cuda.is_available():
-                    torch.cuda.synchronize()
+                    torch.cuda.current_stream().synchronize()
                 self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
     def metrics(self) -> dict[str, float]:

@@ -83,6 +83,7 @@ def _prediction(cfg, gpu: str, world: int, history: list[dict] = ()) -> dict:
                     fused_elementwise=p.fused_elementwise,
                     train_cuda_graphs=p.train_cuda_graphs,
                     gradient_accumulation_fusion=p.gradient_accumulation_fusion,
+                    offload_ref_prefetch=cfg.trainer.offload_ref_prefetch,
                     dtype="bf16" if cfg.trainer.precision == "bf16" else "fp32")
     kw = dict(model=cfg.model, gpu=gpu, num_gpus=world,
               layout=Plan(layout, offload_ref=cfg.trainer.offload_ref,

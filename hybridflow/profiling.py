@@ -5,7 +5,7 @@ Each profiled step writes, per rank, under `trainer.profile_dir` (default <outpu
 - `step<N>_rank<R>.trace.json.gz`: the Chrome / Perfetto trace (CPU ops, CUDA kernels, and one
   `stage/<name>` range per StageTimer stage: gen, ref, update_actor, ...);
 - `step<N>_rank<R>.json`: per stage its wall seconds, the seconds of device kernels that ran inside
-  it and their count, and its top kernels; the stages synchronise the device at their edges
+  it and their count, and its top kernels; the stages wait for the current stream at their edges
   (StageTimer), so a kernel belongs to the stage whose range holds it. kernel_s / wall_s says
   whether a stage is bound by the device (near 1) or by the host launching it;
 - `step<N>_rank<R>.txt`: torch's operator table, sorted by device time (CPU time on CPU).

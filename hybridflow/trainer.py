@@ -138,14 +138,15 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, timer = self.cfg, StageTimer()
         with timer("step"):
+            tr = cfg.trainer
+            if self.ref is not None and tr.offload_ref and tr.offload_ref_prefetch:
+                self.ref.onload(prefetch=True)  # behind generation; the ref pass waits for it
             generation = gc_generation(self.step, cfg.trainer.gc_interval,
                                        cfg.trainer.gc_full_interval)
             if generation is not None:
                 with timer("gc"):
                     gc.collect(generation)
             batch, reward_metrics = self.generate_and_score(timer)
-            if self.ref is not None and cfg.trainer.offload_ref:  # after dynamic sampling's rounds
-                self.ref.onload(prefetch=True)
             if cfg.trainer.balance_batch and self.ctx.dp_size > 1:
                 with timer("balance"):
                     batch, balance_metrics = balance_rows(
@@ -196,14 +197,10 @@ class Trainer:
         data.prompts_per_step informative groups; then the overlong penalty (DAPO)."""
         cfg, rounds = self.cfg, itertools.count()
         ds = cfg.algo.dynamic_sampling
-        # an offloaded reference starts its copy to the GPU behind the scoring of the (only) round
-        prefetch_ref = self.ref is not None and cfg.trainer.offload_ref and not ds.enable
 
         def one_round(num_batches: int = 1):
             items = [self.dataset[i] for _ in range(num_batches) for i in self.sampler.next_batch()]
             batch = self.rollout.generate(items, step=self.step, round_index=next(rounds), timer=timer)
-            if prefetch_ref:
-                self.ref.onload(prefetch=True)
             with timer("reward"):
                 batch.scores, metrics = self.rollout.score(items, batch)
             return batch, metrics

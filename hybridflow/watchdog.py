@@ -137,9 +137,10 @@ _UPDATE = ("lower algo.micro_batch_size_per_gpu (with algo.use_dynamic_bsz: "
            "parallel.tensor_parallel_size / pipeline_parallel_size)")
 _OOM_HINTS = {
     "reshard": "the gen layout gathers TP_g shards: raise rollout.tensor_parallel_size (TP_g), "
-               "or set trainer.offload_ref=true",
+               "or set trainer.offload_ref=true trainer.offload_ref_prefetch=false",
     "gen": "lower rollout.max_batch_size (sequences per generate call), raise "
-           "rollout.tensor_parallel_size, or set trainer.offload_ref=true",
+           "rollout.tensor_parallel_size, or set trainer.offload_ref=true "
+           "trainer.offload_ref_prefetch=false",
     "old_log_prob": _FWD,
     "ref": _FWD + " or set trainer.offload_ref=true",
     "values": _FWD,

@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
                    dest="gradient_accumulation_fusion",
                    help="parallel.gradient_accumulation_fusion=false: the layers' weight gradients "
                         "reach DDP's main_grad through a bf16 gradient and a second pass")
+    p.add_argument("--no-ref-prefetch", action="store_false", dest="offload_ref_prefetch",
+                   help="trainer.offload_ref_prefetch=false: an offloaded reference is copied "
+                        "in the ref stage, not behind generation")
     p.add_argument("--calibration", help="JSON written by python -m hybridflow.cost.calibrate")
     g = p.add_argument_group("force a layout (else searched)")
     g.add_argument("--tp", type=int)
@@ -84,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             lm_head_chunk_tokens=a.lm_head_chunk_tokens, decode_kernels=a.decode_kernels,
             fused_elementwise=a.fused_elementwise, train_cuda_graphs=a.train_cuda_graphs,
             gradient_accumulation_fusion=a.gradient_accumulation_fusion,
+            offload_ref_prefetch=a.offload_ref_prefetch,
             calibration=a.calibration)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

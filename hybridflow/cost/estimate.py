@@ -57,7 +57,8 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                   skip_old_log_prob: bool = False, keep_generator: bool = False,
                   lm_head_chunk_tokens: int = 0, decode_kernels: str = "triton",
                   fused_elementwise: bool = True, train_cuda_graphs: bool = False,
-                  gradient_accumulation_fusion: bool = True, calibration=None) -> CostReport:
+                  gradient_accumulation_fusion: bool = True, offload_ref_prefetch: bool = True,
+                  calibration=None) -> CostReport:
     """Memory, seconds per stage, GPU-hours and money of an RL run, and the layout to run it in.
 
     `layout` forces one layout (dict of tp, pp, dp, tp_gen, offload_ref, recompute); otherwise every
@@ -76,7 +77,8 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                     skip_old_log_prob=skip_old_log_prob, keep_generator=keep_generator,
                     lm_head_chunk_tokens=lm_head_chunk_tokens, decode_kernels=decode_kernels,
                     fused_elementwise=fused_elementwise, train_cuda_graphs=train_cuda_graphs,
-                    gradient_accumulation_fusion=gradient_accumulation_fusion)
+                    gradient_accumulation_fusion=gradient_accumulation_fusion,
+                    offload_ref_prefetch=offload_ref_prefetch)
     num_steps, steps_note = _num_steps(steps, epochs, dataset_size, prompts_per_step)
     if layout is not None:
         plan = make_plan(layout, num_gpus, shape)

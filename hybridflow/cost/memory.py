@@ -7,7 +7,8 @@ Resident through the whole step (DESIGN.md: actor and critic state stays on the 
 - actor optimizer: fp32 master copy + Adam m and v, 12 bytes/param over TP x PP, and over DP too (the
   distributed optimizer is on whenever DP > 1);
 - critic (PPO only): the same three for the critic (value head instead of LM head);
-- reference: bf16 weights in the training layout, unless offloaded (then present in its own phase only).
+- reference: bf16 weights in the training layout, unless offloaded (then present in its own phase,
+  and in generation's too when prefetched behind it: `offload_ref_prefetch`, the trainer's default).
 Per phase, on top:
 - gen: the reshard buffer (the gen TP_g shard of the actor minus the training shard it contains; zero
   when TP_g = TP and PP = 1), the KV cache of one generation wave, prefill scratch (one layer of the
@@ -100,6 +101,13 @@ def _resident(shape: ModelConfig, plan: Plan, workload: Workload) -> dict[str, f
             "actor_optimizer": 12 * p / (shard * lay.dp_t), "critic": critic, "reference": ref}
 
 
+def _prefetched_reference(shape: ModelConfig, plan: Plan, workload: Workload) -> float:
+    """The offloaded reference's weights in generation, where the trainer prefetches them."""
+    if not (workload.use_reference and plan.offload_ref and workload.offload_ref_prefetch):
+        return 0.0
+    return BYTES_PER_PARAM * shape.num_params / (plan.layout.tp_t * plan.layout.pp_t)
+
+
 def reshard_buffer_bytes(shape: ModelConfig, layout: Layout) -> float:
     if not layout.needs_reshard:
         return 0.0     # generation reads the training weights in place
@@ -120,7 +128,8 @@ def gen_batch_size(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
     """(sequences per wave, waves) for one gen replica: as many as the free memory holds."""
     lay = plan.layout
     per_replica = math.ceil(workload.num_sequences / lay.dp_g)
-    used = sum(_resident(shape, plan, workload).values()) + reshard_buffer_bytes(shape, lay)
+    used = (sum(_resident(shape, plan, workload).values()) + reshard_buffer_bytes(shape, lay)
+            + _prefetched_reference(shape, plan, workload))
     free = (gpu.memory_gib - calib.memory_headroom_gib) * GIB / calib.memory_scale - used
     kv, scratch = _gen_bytes_per_seq(shape, lay, workload)
     batch = min(per_replica, max(1, int(free // (kv + scratch * calib.activation_memory_scale))))
@@ -181,6 +190,7 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
         if phase == "gen":
             c |= {"reshard_buffer": reshard_buffer_bytes(shape, lay), "kv_cache": batch * kv,
                   "activations": batch * scratch}
+            c["reference"] += _prefetched_reference(shape, plan, workload)
         else:
             act, logits = _activations(shape, plan, workload, phase)
             c |= {"kv_cache": kept_kv, "activations": act, "logits": logits}

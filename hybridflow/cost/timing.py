@@ -21,9 +21,10 @@ divide by DP):
   micro-batch (`layer_pass_overhead_s`: kernel launches; at RL micro-batch sizes a small model's
   passes are launch-bound, not FLOP-bound), both times (1 + PP bubble); plus TP traffic under
   sequence parallelism (2 all-gathers + 2 reduce-scatters per layer: the bytes of 2 all-reduces at
-  link bandwidth x comm eff, and `tp_collective_s` per collective); an offloaded reference adds its
-  host-to-device copy over PCIe (from pinned memory; the trainer starts it behind the scoring, which
-  this does not credit). Host parts (layer and collective launches) overlap GPU parts.
+  link bandwidth x comm eff, and `tp_collective_s` per collective); an offloaded reference copied in
+  the ref stage (`offload_ref_prefetch` false) adds its host-to-device copy over PCIe (from pinned
+  memory); prefetched (the default) the copy runs behind generation and is not charged. Host parts
+  (layer and collective launches) overlap GPU parts.
 - update_actor / update_critic: ppo_epochs passes of fwd+bwd (6N + 6 L s q_dim per token; 8N + 8 L s
   q_dim with recompute) at peak x train MFU, plus 3 layer passes (4 with recompute) of fixed cost
   per layer per micro-batch (`graphed_layer_pass_s` instead with parallel.train_cuda_graphs: one
@@ -290,7 +291,7 @@ def stage_terms(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
         stages["old_log_prob"] = _forward(shape, gpu, layout, w, "actor")
     if w.use_reference:
         stages["ref"] = _forward(shape, gpu, layout, w, "actor")
-        if plan.offload_ref:
+        if plan.offload_ref and not w.offload_ref_prefetch:  # else hidden behind generation
             stages["ref"].add("pcie", None, BYTES_PER_PARAM * shape.num_params
                               / (layout.tp_t * layout.pp_t) / (gpu.pcie_gbps * 1e9))
     if w.has_critic:

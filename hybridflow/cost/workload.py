@@ -71,6 +71,10 @@ class Workload:
     # gradients go into DDP's main_grad inside their backward GEMM, not through a bf16 gradient and
     # a second pass per micro-batch (timing.GRAD_ACCUM_*); records measured before say false
     gradient_accumulation_fusion: bool = True
+    # trainer.offload_ref_prefetch (the default), for layouts with offload_ref: the reference's
+    # weights are copied back behind generation, so they sit on the GPU through generation too
+    # (memory) and their PCIe copy is hidden (timing); false: copied in the ref stage
+    offload_ref_prefetch: bool = True
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:

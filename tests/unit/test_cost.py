@@ -145,10 +145,26 @@ def test_memory_sharding_tiny():
     assert gen["actor_weights"] == pytest.approx(2 * p / 2)
     assert gen["actor_optimizer"] == pytest.approx(12 * p / 4)        # distributed optimizer over DP
     assert gen["reshard_buffer"] == pytest.approx(2 * p * (1 - 1 / 2))  # TP2 -> TP1: the other half
-    assert gen["reference"] == 0                                       # offloaded ...
-    assert m.phases_gib["ref"]["reference"] * GIB == pytest.approx(p)  # ... but present for its pass
+    # offloaded: present for its pass, and prefetched behind generation
+    # (trainer.offload_ref_prefetch)
+    assert m.phases_gib["ref"]["reference"] * GIB == pytest.approx(p)
+    assert gen["reference"] == pytest.approx(p)
+    assert m.phases_gib["update_actor"]["reference"] == 0
     critic = load_shape("tiny").num_critic_params
     assert gen["critic"] == pytest.approx(critic * (2 + 4 + 12 / 2) / 2)
+    late = estimate_memory(model="tiny", gpu="H200", num_gpus=4, algorithm="ppo",
+                           layout={"tp": 2, "dp": 2, "tp_gen": 1, "offload_ref": True},
+                           offload_ref_prefetch=False, calibration=Calibration(),
+                           **{k: v for k, v in TINY_WORK.items() if k != "algorithm"})
+    assert late.phases_gib["gen"]["reference"] == 0
+    assert late.phases_gib["ref"]["reference"] * GIB == pytest.approx(p)
+    # the copy: hidden behind generation when prefetched, paid in the ref stage otherwise
+    kw = dict(model="qwen2_1_5b", gpu="H200", num_gpus=1, calibration=Calibration(), **TINY_WORK)
+    t = {f: estimate_step_time(layout={"tp": 1, "offload_ref": True}, offload_ref_prefetch=f, **kw)
+         for f in (True, False)}
+    resident = estimate_step_time(layout={"tp": 1}, **kw)
+    assert t[True]["ref"] == pytest.approx(resident["ref"])
+    assert t[False]["ref"] > t[True]["ref"]
 
 
 # --- search and report --------------------------------------------------------------------------
