@@ -142,6 +142,9 @@ def _capture_into_main_grad(calls, samples, params, num_warmup_iters: int) -> li
             for _ in range(num_warmup_iters):
                 out = call(x, rotary)
                 torch.autograd.grad(out, (x, *ps), torch.empty_like(out), allow_unused=True)
+        # the last warm-up graph would keep its layer's gradient-accumulator nodes, made on the
+        # warm-up stream, alive into that layer's capture on another stream
+        out = None
     torch.cuda.synchronize()
     pool = torch.cuda.graph_pool_handle()
     graphs = [_LayerGraphs(x, rotary) for x, rotary in samples]
