@@ -138,8 +138,8 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, timer = self.cfg, StageTimer()
         with timer("step"):
-            tr = cfg.trainer
-            if self.ref is not None and tr.offload_ref and tr.offload_ref_prefetch:
+            if (self.ref is not None and cfg.trainer.offload_ref
+                    and cfg.trainer.offload_ref_prefetch):
                 self.ref.onload(prefetch=True)  # behind generation; the ref pass waits for it
             generation = gc_generation(self.step, cfg.trainer.gc_interval,
                                        cfg.trainer.gc_full_interval)

@@ -95,17 +95,22 @@ def _resident(shape: ModelConfig, plan: Plan, workload: Workload) -> dict[str, f
     lay = plan.layout
     shard = lay.tp_t * lay.pp_t
     p, pc = shape.num_params, shape.num_critic_params
-    ref = BYTES_PER_PARAM * p / shard if workload.use_reference and not plan.offload_ref else 0.0
+    ref = _reference_bytes(shape, lay) if workload.use_reference and not plan.offload_ref else 0.0
     critic = pc * (BYTES_PER_PARAM + 4 + 12 / lay.dp_t) / shard if workload.has_critic else 0.0
     return {"actor_weights": BYTES_PER_PARAM * p / shard, "actor_grads": 4 * p / shard,
             "actor_optimizer": 12 * p / (shard * lay.dp_t), "critic": critic, "reference": ref}
+
+
+def _reference_bytes(shape: ModelConfig, layout: Layout) -> float:
+    """The reference's bf16 weights in the training layout."""
+    return BYTES_PER_PARAM * shape.num_params / (layout.tp_t * layout.pp_t)
 
 
 def _prefetched_reference(shape: ModelConfig, plan: Plan, workload: Workload) -> float:
     """The offloaded reference's weights in generation, where the trainer prefetches them."""
     if not (workload.use_reference and plan.offload_ref and workload.offload_ref_prefetch):
         return 0.0
-    return BYTES_PER_PARAM * shape.num_params / (plan.layout.tp_t * plan.layout.pp_t)
+    return _reference_bytes(shape, plan.layout)
 
 
 def reshard_buffer_bytes(shape: ModelConfig, layout: Layout) -> float:
@@ -195,7 +200,7 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
             act, logits = _activations(shape, plan, workload, phase)
             c |= {"kv_cache": kept_kv, "activations": act, "logits": logits}
         if phase == "ref" and workload.use_reference:
-            c["reference"] = BYTES_PER_PARAM * shape.num_params / (lay.tp_t * lay.pp_t)
+            c["reference"] = _reference_bytes(shape, lay)
         c["activations"] *= calib.activation_memory_scale
         if workload.train_cuda_graphs:
             c["graph_pool"] = _graph_pool(shape, plan, workload)

@@ -19,8 +19,8 @@ Weight gradients, two ways:
   adds its weight gradients into `main_grad` itself (what DDP's hook does eagerly, the same
   `main_grad.add_(grad)`; linears with fused accumulation, models/linear.py, have done it in their
   backward GEMM and give no gradient), and only the input gradient leaves the graph. The warm-up
-  passes before the capture run that backward for real: the caller zeroes `main_grad` after. The bf16 gradients are
-  then temporaries of the capture, whose memory the next layers' captures reuse from the shared
+  passes before the capture run that backward for real: the caller zeroes `main_grad` after. The
+  bf16 gradients are then temporaries of the capture, whose memory the next layers' captures reuse from the shared
   pool, instead of static outputs held for the run (the layers' weights over again in bf16: 2.4
   GiB at Qwen2-1.5B, 13 GiB at 8B). DDP's hooks do not fire for these parameters (they are not
   inputs of the replaying autograd function); its grad reduction after backward

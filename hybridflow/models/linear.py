@@ -23,9 +23,9 @@ does not fire for it (overlap_grad_reduce is off; the reduction reads `main_grad
 gradient lands in `param.grad` by plain autograd and DDP's hook adds it into `main_grad`: a bf16
 copy of the weight gradient written, read again and added in a second, mixed-dtype pass (Qwen2-1.5B,
 8-row micro-batches: ~7 ms per micro-batch, 12% of the update's kernel time; with the fusion the
-update is 5% faster, benchmarks/results/rl_step_wgrad_fusion_h200.json). Megatron's own gradient_accumulation_fusion stays off (it needs
-apex). One difference from
-Megatron under sequence parallelism: the column linear keeps the gathered (full-sequence) input for
+update is 5% faster, benchmarks/results/rl_step_wgrad_fusion_h200.json). Megatron's own
+gradient_accumulation_fusion stays off (it needs apex). One difference from Megatron under
+sequence parallelism: the column linear keeps the gathered (full-sequence) input for
 its weight gradient instead of re-gathering it in backward: more activation memory, one
 all-gather fewer.
 """
