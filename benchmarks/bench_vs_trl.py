@@ -313,7 +313,8 @@ def gsm8k_run_entry(ours_metrics: str, trl_json: str, ours_overrides: list[str])
             "config": {"ours": {"experiment": GSM8K_EXPERIMENT, "overrides": ours_overrides,
                                 "metrics": str(ours_metrics)},
                        "trl": {"command": trl.get("command"), "config": trl["config"],
-                               "calls": trl.get("calls")}},
+                               "calls": trl.get("calls")},
+                       "machine": trl.get("machine"), "versions": trl.get("versions")},
             "note": "run on one machine in consecutive device calls: ours steps 2.. (step 1 captures "
                     "the CUDA graphs), TRL's steps after the first of each process; no MFU "
                     "(response lengths vary per sequence)"}
@@ -407,13 +408,19 @@ def main(argv=None) -> dict:
     if args.trl_side:
         trl_side(args)
         return {}
-    record = {"benchmark": "our GRPO step vs TRL GRPOTrainer step", "command": " ".join(["python", *sys.argv]),
+    command = " ".join(["python", *sys.argv])
+    record = {"benchmark": "our GRPO step vs TRL GRPOTrainer step", "command": command,
               "peak_tflops": args.peak_tflops, "workloads": {}}
     if args.append and args.out and Path(args.out).is_file():
-        record["workloads"] = json.loads(Path(args.out).read_text())["workloads"]
+        # the kept workloads keep the machine, versions, note and commands they were measured with
+        prev = json.loads(Path(args.out).read_text())
+        record.update({k: prev[k] for k in ("machine", "versions", "note") if k in prev},
+                      workloads=prev["workloads"])
+        record["earlier_commands"] = prev.get("earlier_commands", []) + [prev["command"]]
     if args.gsm8k_ours is not None:
         record["workloads"]["gsm8k"] = gsm8k_run_entry(args.gsm8k_ours, args.gsm8k_trl,
                                                        args.gsm8k_ours_overrides.split())
+        record["workloads"]["gsm8k"]["config"]["assembled_by"] = command
     elif "trl_first_steps" not in record["workloads"].get("gsm8k", {}):  # a run entry survives --append
         record["workloads"]["gsm8k"] = gsm8k_entry()
     with tempfile.TemporaryDirectory() as tmp:

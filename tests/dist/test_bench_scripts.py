@@ -143,3 +143,25 @@ def test_profile_decode_sums_kernel_time_by_kind(tmp_path):
                                                      "sampling", "elementwise", "other"}
     assert case["floor_fraction"] == case["floor_us_per_step"] / case["us_per_step"]
     assert case["top"] and all(t["kind"] in by_kind for t in case["top"])
+
+
+def test_bench_decode_gemm_times_every_way_and_sums_a_step(tmp_path):
+    """The decode-GEMM comparison on CPU (tiny shapes; "autotune" is dynamo's aot_eager there): every
+    GEMM timed every way with its outputs equal to the first way's, the floors from the shape, and
+    one step's GEMM time = the layers' GEMMs x layers + the LM head (fc2_acc, in place, outside it)."""
+    out = tmp_path / "g.json"
+    subprocess.run([sys.executable, "benchmarks/bench_decode_gemm.py", "--device", "cpu", "--models", "tiny",
+                    "--rows", "4", "--ways", "cublas", "autotune", "--gemms", "qkv", "fc2", "fc2_acc",
+                    "lm_head", "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
+    (case,) = json.loads(out.read_text())["cases"]
+    assert (case["model"], case["rows"]) == ("tiny", 4)
+    g = case["gemms"]
+    assert set(g) == {"qkv", "fc2", "fc2_acc", "lm_head"}
+    assert g["lm_head"]["gflop"] == 2 * 4 * 64 * 512 / 1e9
+    for name, res in g.items():
+        assert res["best"] in ("cublas", "autotune") and all(res[w]["us"] > 0 for w in ("cublas", "autotune"))
+        if name != "fc2_acc":
+            assert res["autotune"]["rel_err"] < 1e-6
+    for way in ("cublas", "autotune"):
+        assert math.isclose(case[f"{way}_step_us"], 2 * (g["qkv"][way]["us"] + g["fc2"][way]["us"])
+                            + g["lm_head"][way]["us"], rel_tol=1e-9)

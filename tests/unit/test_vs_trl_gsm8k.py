@@ -67,3 +67,25 @@ def test_refused(tmp_path, lr, trl_steps, match):
     assert proc.returncode != 0 and match in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def test_append_keeps_the_earlier_record(tmp_path):
+    """--append adds the gsm8k entry beside the workloads already measured and keeps their machine,
+    versions, note and command (the assembling call runs on CPU: its own machine is not theirs)."""
+    metrics, trl, _ = _inputs(tmp_path, trl_steps=[160.0, 90.0, 150.0, 88.0, 95.0])
+    out = tmp_path / "v.json"
+    earlier = {"benchmark": "b", "command": "python benchmarks/bench_vs_trl.py --workloads w1_0_5b",
+               "peak_tflops": 790.0, "machine": {"gpu": "NVIDIA H200"}, "versions": {"trl": "1.16.0"},
+               "note": "measured in one call",
+               "workloads": {"w1_0_5b": {"ours_step_s": 0.6, "trl_step_s": 7.2, "ratio": 12.0}}}
+    out.write_text(json.dumps(earlier))
+    proc = subprocess.run([sys.executable, "benchmarks/bench_vs_trl.py", "--workloads", "", "--device", "cpu",
+                           "--append", "--gsm8k-ours", str(metrics), "--gsm8k-trl", str(trl),
+                           "--gsm8k-ours-overrides", OVERRIDES, "--out", str(out)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert {k: r[k] for k in ("machine", "versions", "note")} == {k: earlier[k] for k in ("machine", "versions", "note")}
+    assert r["earlier_commands"] == [earlier["command"]] and "--append" in r["command"]
+    assert r["workloads"]["w1_0_5b"] == earlier["workloads"]["w1_0_5b"]
+    assert "--gsm8k-ours" in r["workloads"]["gsm8k"]["config"]["assembled_by"]
