@@ -8,8 +8,10 @@ is one decode step's kernel time (the prefill and per-call work cancel), summed 
 attention, norm, elementwise, kv_write, sampling, other); the same difference of unprofiled wall
 times (median of 3) is `wall_us_per_step`: kernel time plus the gaps between kernels. Also
 printed: kernels per step and the weight+KV read floor of one step at the measured copy bandwidth.
-`--prefill` adds a profile of a one-token call (the prefill); `--compile-mode` tries another
-torch.compile mode for the compiled decode parts.
+`--prefill` adds a profile of a one-token call (the prefill); `--timeline` a trace of one call (host
+ranges and kernels): the GPU's idle time by the generator's phase labels (generate.setup, .prefill,
+.decode, .finish) and the longest idle gaps with what the host ran then (`--trace-dir`: Chrome
+traces); `--compile-mode` tries another torch.compile mode for the compiled decode parts.
 
     python benchmarks/profile_decode.py --models conf/model/qwen2_0_5b.yaml conf/model/qwen2_1_5b.yaml \
         --batches 64 256 --compile [--kernels torch triton] --out benchmarks/results/decode_profile_h200.json
@@ -139,6 +141,87 @@ def profile_prefill(gen, prompts, *, compiled: bool, device, kernels: str) -> di
                     for k, (t, n) in top]}
 
 
+def gpu_idle(kernels: list, ranges: list, *, min_gap_us: float = 20.0, top: int = 10) -> dict:
+    """Where the GPU sat idle during a traced call: `kernels` [(start, end)] of the device's work,
+    `ranges` [(start, end, name)] of the host thread's ranges (the generator's "generate.*"
+    phase labels, aten ops, CUDA runtime calls), all in us on the profiler's common clock. The
+    window runs from the first phase label's start to the last kernel's (or label's) end; idle time
+    is the window less the union of the kernels. Each gap of at least `min_gap_us` is split among
+    the phases by overlap (what the host was doing while the GPU ran dry; "none" outside every
+    label); the `top` longest are listed with the phase and the innermost host range at their start."""
+    labels = [r for r in ranges if r[2].startswith("generate.")]
+    if not labels:
+        return {"window_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "idle_by_phase_us": {},
+                "phase_us": {}, "gaps": []}
+    start = min(r[0] for r in labels)
+    end = max([r[1] for r in labels] + [k[1] for k in kernels])
+    busy, gaps, t = 0.0, [], start  # t: the end of the device's work so far
+    for a, b in sorted(kernels):
+        if b <= t:
+            continue
+        if a > t:
+            gaps.append((t, a))
+        busy += b - max(a, t)
+        t = b
+    if end > t:
+        gaps.append((t, end))
+
+    def covering(x, among):  # the innermost (shortest) range holding x, or None
+        held = [r for r in among if r[0] <= x < r[1]]
+        return min(held, key=lambda r: r[1] - r[0]) if held else None
+
+    by_phase, listed = collections.Counter(), []
+    for a, b in gaps:
+        if b - a < min_gap_us:
+            continue
+        covered = 0.0  # the labels do not nest: a gap's time goes to each by overlap
+        for la, lb, name in labels:
+            part = max(0.0, min(b, lb) - max(a, la))
+            by_phase[name] += part
+            covered += part
+        if b - a - covered > 0:
+            by_phase["none"] += b - a - covered
+        listed.append((a, b, covering(a, labels)))
+    listed.sort(key=lambda g: g[1] - g[0], reverse=True)
+    phase_us = collections.Counter()
+    for a, b, name in labels:
+        phase_us[name] += b - a
+    return {"window_us": end - start, "busy_us": busy,
+            "idle_us": sum(b - a for a, b in gaps),
+            "idle_by_phase_us": dict(by_phase.most_common()), "phase_us": dict(phase_us),
+            "gaps": [{"at_us": a - start, "us": b - a, "phase": p[2] if p else "none",
+                      "host": (covering(a, ranges) or (0, 0, "none"))[2]}
+                     for a, b, p in listed[:top]]}
+
+
+def profile_timeline(gen, prompts, *, steps: int, compiled: bool, device, kernels: str,
+                     trace: str | None = None) -> dict:
+    """One traced generate call of `steps` new tokens (host ranges and device kernels): the GPU's
+    idle time by the generator's phase (gpu_idle); `trace`: also a Chrome trace file."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = RolloutConfig(max_new_tokens=steps, temperature=0.0, max_batch_size=len(prompts),
+                        compile_decode=compiled, decode_kernels=kernels)
+    run = lambda: gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)  # noqa: E731
+    run()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
+    kern, host = [], []
+    for e in prof.events():
+        span = (e.time_range.start, e.time_range.end)
+        if e.device_type == DeviceType.CUDA:
+            kern.append(span)
+        elif e.device_type == DeviceType.CPU:
+            host.append((*span, e.name))
+    return gpu_idle(kern, host)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["conf/model/qwen2_0_5b.yaml"])
@@ -152,6 +235,10 @@ def main():
                     help="torch.compile mode of the compiled decode parts (decoder.COMPILE_MODE), "
                          "e.g. max-autotune-no-cudagraphs")
     ap.add_argument("--no-eager", action="store_true", help="with --compile: the compiled cases only")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also trace one call of --steps new tokens per model x batch: the GPU's "
+                         "idle time by generator phase (setup, prefill, decode, finish)")
+    ap.add_argument("--trace-dir", default=None, help="with --timeline: Chrome traces here")
     ap.add_argument("--prefill", action="store_true",
                     help="also profile a call of one new token (the prefill) per model x batch")
     ap.add_argument("--device", default="cuda")
@@ -208,6 +295,22 @@ def main():
                       ", ".join(f"{k} {v:.0f}" for k, v in res["us_by_kind"].items()), flush=True)
                 for t in res["top"][:10]:
                     print(f"    {t['us']:8.0f} us {t['calls']:4.0f}x {t['kernel']}", flush=True)
+            if args.timeline:
+                trace = (os.path.join(args.trace_dir, f"{cfg.name}_b{B}.json") if args.trace_dir
+                         else None)
+                if trace:
+                    os.makedirs(args.trace_dir, exist_ok=True)
+                res = profile_timeline(gen, prompts, steps=args.steps, compiled=args.compile,
+                                       device=device, kernels=args.kernels[-1], trace=trace)
+                res.update(model=cfg.name, batch=B, steps=args.steps)
+                report.setdefault("timeline", []).append(res)
+                write_json(args.out, report)
+                print(f"{cfg.name} B={B} timeline of a {args.steps}-token call: {res['window_us']:.0f} us, "
+                      f"GPU idle {res['idle_us']:.0f} us: " +
+                      ", ".join(f"{k} {v:.0f}" for k, v in res["idle_by_phase_us"].items()), flush=True)
+                for g in res["gaps"]:
+                    print(f"    {g['us']:8.0f} us idle at {g['at_us']:9.0f} us ({g['phase']}; host: "
+                          f"{g['host'][:80]})", flush=True)
             gen.release()
         del gen
     write_json(args.out, report)

@@ -44,6 +44,7 @@ import os
 from typing import Optional
 
 import torch
+from torch.profiler import record_function
 
 from hybridflow.config import ModelConfig, RolloutConfig
 from hybridflow.data.batch import RolloutBatch
@@ -144,38 +145,43 @@ class Generator:
         if cfg.compact_finished_rows and R > 1:
             targets = [b for b in compaction.ladder(bucket_sizes(mbs), graphed=graphed)
                        if b < max(bucket.values())]
-        ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)  # one row per prompt
-        mask = torch.zeros((len(prompts), P), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
-            mask[i, P - len(p):] = 1
-        ids_p, mask_p = ids.to(self.device), mask.to(self.device)  # (len(prompts), P)
-        prompt_of_row = torch.arange(len(prompts), device=self.device).repeat_interleave(cfg.n)
-        # a chunk's rows s..e-1 are copies of prompts s // n .. (e - 1) // n
-        runs = {c: (c[0] // cfg.n, (c[1] - 1) // cfg.n + 1) for c in chunks}
+        # the phases carry profiler labels (generate.setup / .prefill / .decode / .finish): a trace
+        # (benchmarks/profile_decode.py --timeline) attributes the GPU's idle time to them
+        with record_function("generate.setup"):
+            ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)  # one row per prompt
+            mask = torch.zeros((len(prompts), P), dtype=torch.long)
+            for i, p in enumerate(prompts):
+                ids[i, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
+                mask[i, P - len(p):] = 1
+            ids_p, mask_p = ids.to(self.device), mask.to(self.device)  # (len(prompts), P)
+            prompt_of_row = torch.arange(len(prompts), device=self.device).repeat_interleave(cfg.n)
+            # a chunk's rows s..e-1 are copies of prompts s // n .. (e - 1) // n
+            runs = {c: (c[0] // cfg.n, (c[1] - 1) // cfg.n + 1) for c in chunks}
         with torch.no_grad():
-            length = -(-(P + R) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
-            self._ensure_cache(rows=max(bucket.values()), length=length)
-            windows = kv_windows(self._cache.length, cfg.decode_kv_window)
-            # every bucket a chunk may use, captured up front: warm-ups write the cache/buffers
-            sizes = sorted(set(bucket.values()), reverse=True) + targets[::-1]
-            steps = {b: self._step(b, R, key, cfg, graphed, windows)
-                     for b in dict.fromkeys(sizes)}
-            self._rng.manual_seed(seed)  # after any capture: warm-up runs consume randomness
-            self.stats = dict.fromkeys(self.stats, 0)
+            with record_function("generate.setup"):
+                length = -(-(P + R) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+                self._ensure_cache(rows=max(bucket.values()), length=length)
+                windows = kv_windows(self._cache.length, cfg.decode_kv_window)
+                # every bucket a chunk may use, captured up front: warm-ups write the cache/buffers
+                sizes = sorted(set(bucket.values()), reverse=True) + targets[::-1]
+                steps = {b: self._step(b, R, key, cfg, graphed, windows)
+                         for b in dict.fromkeys(sizes)}
+                self._rng.manual_seed(seed)  # after any capture: warm-up runs consume randomness
+                self.stats = dict.fromkeys(self.stats, 0)
             outs = [self._run_chunk(steps, bucket[c], ids_p[runs[c][0]:runs[c][1]],
                                     mask_p[runs[c][0]:runs[c][1]],
                                     prompt_of_row[c[0]:c[1]] - runs[c][0], cfg, pad_id, targets)
                     for c in chunks]
-        tokens = torch.cat([o[0] for o in outs])  # (N, R)
-        stop = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
-        is_stop = (tokens[..., None] == stop).any(-1)  # the first stop is the real one
-        lengths = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, R)  # (N,)
-        width = max(int(lengths.max()), 1)
-        resp_mask = (torch.arange(width, device=self.device) < lengths[:, None]).long()
-        logprobs = None
-        if cfg.return_logprobs:
-            logprobs = torch.cat([o[1] for o in outs])[:, :width] * resp_mask
+        with record_function("generate.finish"):
+            tokens = torch.cat([o[0] for o in outs])  # (N, R)
+            stop = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
+            is_stop = (tokens[..., None] == stop).any(-1)  # the first stop is the real one
+            lengths = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, R)  # (N,)
+            width = max(int(lengths.max()), 1)
+            resp_mask = (torch.arange(width, device=self.device) < lengths[:, None]).long()
+            logprobs = None
+            if cfg.return_logprobs:
+                logprobs = torch.cat([o[1] for o in outs])[:, :width] * resp_mask
         return RolloutBatch(prompt_ids=ids_p.index_select(0, prompt_of_row),
                             prompt_mask=mask_p.index_select(0, prompt_of_row),
                             response_ids=tokens[:, :width].masked_fill(resp_mask == 0, pad_id),
@@ -285,42 +291,44 @@ class Generator:
         (B, R), logprobs (B, R)) before trimming."""
         (U, P), B = ids.shape, copy_of.shape[0]
         R = cfg.max_new_tokens
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        cos, sin = self._tables
-        per = max(1, PREFILL_TOKENS // P)
-        last = torch.cat([decoder.forward(self.w, ids[r:r + per], positions[r:r + per],
-                                          mask[r:r + per].bool(), cos_tab=cos, sin_tab=sin,
-                                          cache=self._cache, cache_row0=r, last_only=True,
-                                          kernels=cfg.decode_kernels)
-                          for r in range(0, U, per)])  # (U, V), K/V in cache rows 0..U-1
-        if U < B:  # each copy gets its prompt's K/V and logits (n = 1: nothing to share)
-            self._cache.gather_rows(copy_of, columns=P)
-            last, mask = last.index_select(0, copy_of), mask.index_select(0, copy_of)  # (B, ...)
-        tok, lp = sample(last, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                         generator=self._rng, need_logprobs=cfg.return_logprobs)
-        buf, fns = steps[b]
-        buf.reset(tok=tok, lp=lp, lengths=mask.sum(1), mask=mask, pad_id=pad_id)
-        out_tok = torch.full((B + 1, R), pad_id, dtype=torch.long, device=self.device)  # row B:
-        out_lp = torch.zeros((B + 1, R), dtype=torch.float32, device=self.device)  # bucket pad
-        row_map = torch.arange(b, device=self.device).clamp_(max=B)  # (b,) bucket row -> chunk row
-        poller, full_b = StopPoller(self.device), b
-        for s in range(1, R):
-            fns[window_for(fns, P + s)]()  # the token of step s goes to cache column P + s - 1
-            self.stats["decode_row_steps"] += b
-            self.stats["decode_row_steps_uncompacted"] += full_b
-            if s % CHECK_EVERY:
-                continue
-            live = poller.poll((~buf.finished).sum())  # an upper bound of the rows live now
-            if live == 0:
-                break
-            new_b = None if live is None else compaction.target_bucket(live, b, targets)
-            if new_b is not None:
-                compaction.flush(buf, row_map, out_tok, out_lp)
-                row_map = compaction.compact(buf, steps[new_b][0], self._cache, row_map,
-                                             columns=P + s)
-                (buf, fns), b = steps[new_b], new_b
-                self.stats["compactions"] += 1
-        compaction.flush(buf, row_map, out_tok, out_lp)
+        with record_function("generate.prefill"):
+            positions = (mask.cumsum(1) - 1).clamp(min=0)
+            cos, sin = self._tables
+            per = max(1, PREFILL_TOKENS // P)
+            last = torch.cat([decoder.forward(self.w, ids[r:r + per], positions[r:r + per],
+                                              mask[r:r + per].bool(), cos_tab=cos, sin_tab=sin,
+                                              cache=self._cache, cache_row0=r, last_only=True,
+                                              kernels=cfg.decode_kernels)
+                              for r in range(0, U, per)])  # (U, V), K/V in cache rows 0..U-1
+            if U < B:  # each copy gets its prompt's K/V and logits (n = 1: nothing to share)
+                self._cache.gather_rows(copy_of, columns=P)
+                last, mask = last.index_select(0, copy_of), mask.index_select(0, copy_of)
+            tok, lp = sample(last, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                             generator=self._rng, need_logprobs=cfg.return_logprobs)
+            buf, fns = steps[b]
+            buf.reset(tok=tok, lp=lp, lengths=mask.sum(1), mask=mask, pad_id=pad_id)
+            out_tok = torch.full((B + 1, R), pad_id, dtype=torch.long, device=self.device)  # row B:
+            out_lp = torch.zeros((B + 1, R), dtype=torch.float32, device=self.device)  # bucket pad
+            row_map = torch.arange(b, device=self.device).clamp_(max=B)  # bucket row -> chunk row
+            poller, full_b = StopPoller(self.device), b
+        with record_function("generate.decode"):
+            for s in range(1, R):
+                fns[window_for(fns, P + s)]()  # the token of step s goes to cache column P + s - 1
+                self.stats["decode_row_steps"] += b
+                self.stats["decode_row_steps_uncompacted"] += full_b
+                if s % CHECK_EVERY:
+                    continue
+                live = poller.poll((~buf.finished).sum())  # an upper bound of the rows live now
+                if live == 0:
+                    break
+                new_b = None if live is None else compaction.target_bucket(live, b, targets)
+                if new_b is not None:
+                    compaction.flush(buf, row_map, out_tok, out_lp)
+                    row_map = compaction.compact(buf, steps[new_b][0], self._cache, row_map,
+                                                 columns=P + s)
+                    (buf, fns), b = steps[new_b], new_b
+                    self.stats["compactions"] += 1
+            compaction.flush(buf, row_map, out_tok, out_lp)
         return out_tok[:B], out_lp[:B]
 
 

@@ -121,13 +121,19 @@ def test_bench_vs_trl_times_both_sides_and_copies_gsm8k(tmp_path):
 def test_profile_decode_sums_kernel_time_by_kind(tmp_path):
     """The decode profile the next GPU session reads: per case, time per step by kind adds up to
     the total, the kinds are the script's, and the floor fraction is floor / measured; the wall
-    time per step beside it, and (--prefill) a one-token call's profile."""
+    time per step beside it, (--prefill) a one-token call's profile and (--timeline) a traced
+    call's idle time by generator phase."""
     out = tmp_path / "p.json"
     subprocess.run([sys.executable, "benchmarks/profile_decode.py", "--models", "conf/model/tiny.yaml",
                     "--device", "cpu", "--batches", "2", "--prompt-len", "8", "--steps", "4",
-                    "--prefill", "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
+                    "--prefill", "--timeline", "--out", str(out)], check=True, cwd=ROOT, env=ENV,
+                   capture_output=True)
     report = json.loads(out.read_text())
     (case,) = report["cases"]
+    # --timeline: the generator's phase labels in the trace (on CPU no kernels: all of it is idle)
+    (tl,) = report["timeline"]
+    assert set(tl["phase_us"]) == {"generate.setup", "generate.prefill", "generate.decode", "generate.finish"}
+    assert tl["busy_us"] == 0 and math.isclose(tl["idle_us"], tl["window_us"], rel_tol=1e-9)
     # a difference of two medians: finite (its sign is noise's on a busy 2-core CPU)
     assert math.isfinite(case["wall_us_per_step"]) and math.isfinite(case["wall_call_rest_us"])
     (pre,) = report["prefill"]

@@ -1,0 +1,47 @@
+"""benchmarks/profile_decode.gpu_idle: the GPU's idle time of a traced generate call, from the
+device's kernel intervals and the host's ranges (the generator's phase labels, ops)."""
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from profile_decode import gpu_idle  # noqa: E402
+
+# the host: setup 0-100, prefill 100-300 (a sync op 250-300 inside), decode 300-900, finish 900-1000
+HOST = [(0, 100, "generate.setup"), (100, 300, "generate.prefill"), (250, 300, "cudaStreamSynchronize"),
+        (300, 900, "generate.decode"), (900, 1000, "generate.finish"), (920, 950, "aten::item")]
+
+
+def test_idle_is_the_window_less_the_union_of_kernels_split_by_phase():
+    # overlapping kernels (two streams) count once; gaps: 0-120 (setup 100 + prefill 20),
+    # 240-330 (prefill 60 + decode 30), 600-610 (below min_gap: idle but not attributed), 880-1000
+    kernels = [(120, 200), (150, 240), (330, 600), (610, 880)]
+    r = gpu_idle(kernels, HOST, min_gap_us=20)
+    assert r["window_us"] == 1000 and r["busy_us"] == 120 + 270 + 270
+    assert r["idle_us"] == 1000 - r["busy_us"] == 120 + 90 + 10 + 120
+    assert r["idle_by_phase_us"] == {"generate.setup": 100, "generate.prefill": 80,
+                                     "generate.decode": 50, "generate.finish": 100, }
+    assert r["phase_us"] == {"generate.setup": 100, "generate.prefill": 200, "generate.decode": 600,
+                             "generate.finish": 100}
+    # the longest first, with the phase and the innermost host range at their start
+    assert [(g["at_us"], g["us"], g["phase"], g["host"]) for g in r["gaps"]] == [
+        (0, 120, "generate.setup", "generate.setup"), (880, 120, "generate.decode", "generate.decode"),
+        (240, 90, "generate.prefill", "generate.prefill")]
+
+
+def test_window_ends_with_the_last_kernel_and_time_outside_labels_is_none():
+    kernels = [(0, 50), (1000, 1100)]  # the device still busy after the host's last label
+    r = gpu_idle(kernels, HOST, min_gap_us=0, top=1)
+    assert r["window_us"] == 1100 and r["idle_us"] == 950
+    assert r["idle_by_phase_us"]["generate.setup"] == 50 and "none" not in r["idle_by_phase_us"]
+    assert r["gaps"] == [{"at_us": 50, "us": 950, "phase": "generate.setup", "host": "generate.setup"}]
+    gapped = gpu_idle([(0, 50), (1200, 1300)], HOST, min_gap_us=0)
+    assert gapped["idle_by_phase_us"]["none"] == pytest.approx(200)  # 1000-1200: no label
+
+
+def test_no_labels_no_window():
+    r = gpu_idle([(0, 10)], [(0, 10, "aten::mm")])
+    assert r == {"window_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "idle_by_phase_us": {},
+                 "phase_us": {}, "gaps": []}
