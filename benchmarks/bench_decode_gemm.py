@@ -42,7 +42,7 @@ WAYS = ("cublas", "cublaslt", "autotune")
 
 
 def gemms(model: str, rows: int, device, dtype):
-    """name -> (fn(*args), args, flops, weight bytes): the decode layer's calls (decoder._decode_step_fused)."""
+    """name -> (fn, its args, multiply-adds): the calls of decoder._decode_step_fused."""
     D, H, G, hd, F_, V, _ = MODELS[model]
     g = torch.Generator(device="cpu").manual_seed(0)
 

@@ -235,6 +235,9 @@ def main():
                     help="torch.compile mode of the compiled decode parts (decoder.COMPILE_MODE), "
                          "e.g. max-autotune-no-cudagraphs")
     ap.add_argument("--no-eager", action="store_true", help="with --compile: the compiled cases only")
+    ap.add_argument("--fuse-rope-attention", action="store_true",
+                    help="the triton cases with RoPE + K/V write + attention as one kernel "
+                         "(hybridflow.rollout.decoder.FUSE_ROPE_ATTENTION)")
     ap.add_argument("--timeline", action="store_true",
                     help="also trace one call of --steps new tokens per model x batch: the GPU's "
                          "idle time by generator phase (setup, prefill, decode, finish)")
@@ -249,9 +252,11 @@ def main():
         ap.error("--no-eager profiles the compiled cases only: it needs --compile")
     modes = ([True] if args.no_eager else [False, True]) if args.compile else [False]
     decoder.COMPILE_MODE = args.compile_mode
+    decoder.FUSE_ROPE_ATTENTION = args.fuse_rope_attention
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
-              "prompt_len": args.prompt_len, "steps": args.steps, "cases": []}
+              "prompt_len": args.prompt_len, "steps": args.steps,
+              "fuse_rope_attention": args.fuse_rope_attention, "cases": []}
     for path in args.models:
         with open(path) as f:
             cfg = ModelConfig(**yaml.safe_load(f))

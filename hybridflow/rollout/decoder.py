@@ -355,6 +355,7 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     decode_profile_h200_fused_layer.json), so rollout.compile_decode changes nothing here (the
     sampler is compiled by the caller)."""
     from hybridflow.kernels import decode as kern
+    from hybridflow.kernels.rope_attention import rope_attention
 
     d = w.dims
     B = tokens.shape[0]
@@ -366,10 +367,16 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
         x, h = kern.add_rms_norm(x, y, layer.ln1, d.eps, impl="triton")
         qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(B, d.groups, hpg + 2, hd)
         kc, vc = cache.layer(i, B)
-        q = kern.rope_kv_write(qkv, cos, sin, kc, vc, cur, hpg=hpg, impl="triton")
-        if kv_len is not None:
-            kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
-        a = kern.decode_attention(q, kc, vc, seen, impl="triton").reshape(B, d.heads * hd)
+        if FUSE_ROPE_ATTENTION:  # RoPE, the K/V write and the attention as one kernel
+            if kv_len is not None:
+                kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
+            a = rope_attention(qkv, cos, sin, kc, vc, cur, seen, hpg=hpg, impl="triton")
+        else:
+            q = kern.rope_kv_write(qkv, cos, sin, kc, vc, cur, hpg=hpg, impl="triton")
+            if kv_len is not None:
+                kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
+            a = kern.decode_attention(q, kc, vc, seen, impl="triton")
+        a = a.reshape(B, d.heads * hd)
         if d.tp_size == 1:  # x is this step's own buffer (add_rms_norm's sum, or the embedding)
             x = x.addmm_(a, layer.proj.t())
         else:
@@ -408,6 +415,11 @@ def _attn_out_split(x, a, proj, ln2, fc1, fc2, eps: float):
     x = x + F.linear(a, proj)
     return x, F.linear(_swiglu(_norm(x, ln2, eps), fc1), fc2)
 
+
+# decode_kernels=triton: RoPE + the K/V write and the attention as one kernel
+# (kernels/rope_attention.py) instead of two; off until an H200 A/B (bench_generate.py and
+# profile_decode.py --fuse-rope-attention) shows it pays
+FUSE_ROPE_ATTENTION = False
 
 # rollout.compile_decode: the two pure parts of each layer's decode step (no cache writes, no
 # collectives: those stay eager between them) through torch.compile, dynamic batch size; inductor

@@ -1,7 +1,8 @@
 """rollout.decode_kernels=triton on a GPU: the compiled Triton kernels against their PyTorch twins in
 bf16 (RoPE + KV writes: the twin's roundings, so within one bf16 ulp; attention: within bf16
 rounding of the output) and fp32, and the generator under CUDA graphs (buckets, attention windows, compaction,
-compiled decode): fp32 greedy tokens equal the torch path's, nothing re-captured on a second call.
+compiled decode, RoPE + K/V write + attention as one kernel): fp32 greedy tokens equal the torch
+path's, nothing re-captured on a second call.
 The speed is measured by benchmarks/profile_decode.py and bench_generate.py, not here."""
 
 import dataclasses
@@ -58,6 +59,35 @@ def test_kernels_match_twins(dtype, B, G, hpg, hd, T, kv):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B,G,hpg,hd,T,kv", [(256, 2, 7, 64, 384, 320), (64, 2, 6, 128, 384, 384),
+                                             (3, 4, 7, 128, 1280, 77)])
+def test_rope_attention_matches_the_two_kernels(dtype, B, G, hpg, hd, T, kv):
+    """kernels/rope_attention.py against rope_kv_write + decode_attention (Triton): the same cache
+    (bitwise: the same roundings) and the same output within the rounding of a different summation
+    order; the shapes of test_kernels_match_twins (one split at 256 x 2, several at 3 x 4)."""
+    from hybridflow.kernels.rope_attention import rope_attention
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    cache = torch.randn(2, 2, B, G, T, hd, generator=g, device="cuda").to(dtype)
+    cache2 = cache.clone()
+    qkv = torch.randn(B, G, hpg + 2, hd, generator=g, device="cuda").to(dtype)
+    cos_t, sin_t = (t.cuda().to(dtype) for t in _tables(hd))
+    pos = torch.randint(0, 512, (B,), generator=g, device="cuda")
+    cos, sin = cos_t[pos], sin_t[pos]
+    cur = torch.tensor([kv - 3], device="cuda")
+    valid = torch.rand(B, T, generator=g, device="cuda") < 0.7
+    valid[:, kv - 3] = True
+    kc, vc = cache[0, 1, :, :, :kv], cache[1, 1, :, :, :kv]
+    kc2, vc2 = cache2[0, 1, :, :, :kv], cache2[1, 1, :, :, :kv]
+    a = rope_attention(qkv, cos, sin, kc, vc, cur, valid[:, :kv], hpg=hpg, impl="triton")
+    q = kern.rope_kv_write(qkv, cos, sin, kc2, vc2, cur, hpg=hpg, impl="triton")
+    a2 = kern.decode_attention(q, kc2, vc2, valid[:, :kv], impl="triton")
+    assert torch.equal(cache, cache2)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(a.float(), a2.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("N,D,F", [(64, 1536, 8960), (256, 896, 4864), (3, 200, 37)])
 def test_norm_and_swiglu_kernels_match_twins(dtype, N, D, F):
     """add_rms_norm (with and without the residual) and silu_mul: equal to their twins up to one
@@ -78,7 +108,7 @@ def test_norm_and_swiglu_kernels_match_twins(dtype, N, D, F):
 
 
 def test_generator_with_kernels_under_graphs(monkeypatch):
-    from hybridflow.rollout import compaction, generator
+    from hybridflow.rollout import compaction, decoder, generator
     from tests.unit.test_compaction import random_prompts, uneven_stops
     from tests.unit.test_rollout import random_params
 
@@ -96,11 +126,18 @@ def test_generator_with_kernels_under_graphs(monkeypatch):
                         stop_token_ids=stops[:2], compact_finished_rows=True, decode_kv_window=64)
     ref = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
     fused = dataclasses.replace(cfg, decode_kernels="triton")
-    for variant in (fused, dataclasses.replace(fused, compile_decode=True)):
-        out = gen.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)
-        captured = len(gen._steps)
-        again = gen.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)
-        assert len(gen._steps) == captured
+    one = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
+                    device=torch.device("cuda"), dtype=torch.float32, true_vocab_size=37)
+    for g_, variant, one_kernel in ((gen, fused, False),
+                                    (gen, dataclasses.replace(fused, compile_decode=True), False),
+                                    (one, fused, True)):
+        # the last: RoPE + K/V write + attention as one kernel (a Generator of its own: the
+        # captured graphs are keyed by the config, not by decoder.FUSE_ROPE_ATTENTION)
+        monkeypatch.setattr(decoder, "FUSE_ROPE_ATTENTION", one_kernel)
+        out = g_.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)
+        captured = len(g_._steps)
+        again = g_.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)
+        assert len(g_._steps) == captured
         for o in (out, again):
             assert torch.equal(o.response_ids, ref.response_ids)
             assert torch.allclose(o.rollout_logprobs, ref.rollout_logprobs, atol=1e-4)

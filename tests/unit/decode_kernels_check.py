@@ -14,6 +14,7 @@ import torch  # noqa: E402
 
 from hybridflow.config import ModelConfig  # noqa: E402
 from hybridflow.kernels import decode as kern  # noqa: E402
+from hybridflow.kernels import rope_attention as fused  # noqa: E402
 from hybridflow.rollout import decoder, generator  # noqa: E402
 from tests.unit.test_rollout import PROMPTS, make, random_params, rc  # noqa: E402
 
@@ -62,6 +63,48 @@ def kernel_cases():
                         torch.tensor([[1, kv - 1]]))),
                     "attn_err": attn_err, "splits": splits,
                     "row0_is_its_value": (a[0] - vc[0, :, kv - 1][:, None]).abs().max().item()})
+    return out
+
+
+def rope_attention_cases():
+    """rope_attention (RoPE + K/V write + attention in one kernel) against rope_kv_write then
+    decode_attention, both twins: the output with 1, 2 and one-per-block splits (the current
+    column folded in by split 0), the cache written at column cur only, and a row whose only
+    valid key is its own token (its value, exactly)."""
+    out = []
+    g = torch.Generator().manual_seed(4)
+    for B, G, hpg, hd, T, kv in [(3, 2, 7, 64, 200, 150), (2, 4, 6, 128, 64, 64),
+                                 (5, 1, 1, 16, 70, 70), (2, 2, 14, 32, 130, 65)]:
+        cache = torch.randn(2, 3, B + 1, G, T, hd, generator=g)  # (k/v, layer, rows, G, T, hd)
+        before = cache.clone()
+        qkv = torch.randn(B, G, hpg + 2, hd, generator=g)
+        cos_t, sin_t = tables(hd)
+        pos = torch.randint(0, 256, (B,), generator=g)
+        cos, sin = cos_t[pos], sin_t[pos]
+        cur = torch.tensor([kv // 2])  # a column inside the window (a later split's, too)
+        valid = torch.rand(B, T, generator=g) < 0.5
+        valid[:, kv // 2] = True
+        valid[0, :kv] = False
+        valid[0, kv // 2] = True  # row 0: only its own token
+        ref_cache = cache.clone()
+        rk, rv = ref_cache[0, 1, :B, :, :kv], ref_cache[1, 1, :B, :, :kv]
+        ref = fused.rope_attention(qkv, cos, sin, rk, rv, cur, valid[:, :kv], hpg=hpg, impl="torch")
+        err, splits = 0.0, []
+        for target in (1, 2 * B * G, 10_000):
+            kern.TARGET_PROGRAMS = target
+            splits.append(kern.num_splits(B * G, kv, qkv.device))
+            cache.copy_(before)
+            kc, vc = cache[0, 1, :B, :, :kv], cache[1, 1, :B, :, :kv]
+            a = fused.rope_attention(qkv, cos, sin, kc, vc, cur, valid[:, :kv], hpg=hpg,
+                                     impl="triton")
+            err = max(err, (a - ref).abs().max().item())
+        kern.TARGET_PROGRAMS = 0
+        out.append({"shape": [B, G, hpg, hd, T, kv], "attn_err": err, "splits": splits,
+                    "cache_err": (cache - ref_cache).abs().max().item(),
+                    "only_column_written": bool(torch.equal(
+                        (cache != before).nonzero()[:, [1, 4]].unique(dim=0),
+                        torch.tensor([[1, kv // 2]]))),
+                    "row0_is_its_value": (a[0] - qkv[0, :, hpg + 1][:, None]).abs().max().item()})
     return out
 
 
@@ -143,9 +186,15 @@ def generation_cases():
         gen = make(cfg)
         ref = gen.generate(PROMPTS, cfg=rc(**kw), eos_id=5, pad_id=0, seed=7)
         got = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=7)
+        decoder.FUSE_ROPE_ATTENTION = True  # the one-kernel RoPE + K/V write + attention
+        fz = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=7)
+        decoder.FUSE_ROPE_ATTENTION = False
         out[name] = {"tokens_equal": bool(torch.equal(ref.response_ids, got.response_ids)),
                      "mask_equal": bool(torch.equal(ref.response_mask, got.response_mask)),
                      "logprob_err": (ref.rollout_logprobs - got.rollout_logprobs).abs().max().item(),
+                     "fused_tokens_equal": bool(torch.equal(ref.response_ids, fz.response_ids)),
+                     "fused_logprob_err": (ref.rollout_logprobs - fz.rollout_logprobs).abs().max()
+                     .item(),
                      "compactions": gen.stats["compactions"],
                      "tokens": int(ref.response_mask.sum())}
     return out
@@ -186,7 +235,8 @@ def tp2_cases():
 
 
 if __name__ == "__main__":
-    print(json.dumps({"kernels": kernel_cases(), "prefill": prefill_cases(),
+    print(json.dumps({"kernels": kernel_cases(), "rope_attention": rope_attention_cases(),
+                      "prefill": prefill_cases(),
                       "silu_mul": silu_mul_cases(), "add_rms_norm": add_rms_norm_cases(),
                       "generation": generation_cases(),
                       "tp2": tp2_cases()}))

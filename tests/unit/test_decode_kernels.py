@@ -46,6 +46,18 @@ def test_kernels_equal_their_twins(checked):
         assert case["row0_is_its_value"] < 1e-6, case  # one valid key: its value, exactly
 
 
+def test_rope_attention_equals_the_two_kernels_twins(checked):
+    """kernels/rope_attention.py: RoPE + K/V write + attention in one kernel equals rope_kv_write
+    then decode_attention (twins) with 1, 2 and one-per-block splits; only column cur written."""
+    cases = checked["rope_attention"]
+    assert len(cases) == 4 and any(c["splits"][1] == 2 for c in cases)
+    for case in cases:
+        assert case["attn_err"] < 1e-5 and case["cache_err"] < 1e-5, case
+        assert case["only_column_written"], case
+        assert case["splits"][0] == 1 and case["splits"][-1] == -(-case["shape"][5] // kern.BLOCK_T)
+        assert case["row0_is_its_value"] < 1e-6, case
+
+
 def test_prefill_kernel_equals_its_twin_and_the_decoders_rope(checked):
     """rope_kv_prefill (the prefill's RoPE + K/V writes, rollout.decode_kernels=triton): the twin's
     q and cache, the decoder's own RoPE, and only columns 0..S-1 of the given rows written."""
@@ -74,6 +86,7 @@ def test_generation_with_the_kernels_equals_torch(checked):
     for name, case in checked["generation"].items():
         assert case["tokens_equal"] and case["mask_equal"], (name, case)
         assert case["logprob_err"] < 1e-4, (name, case)
+        assert case["fused_tokens_equal"] and case["fused_logprob_err"] < 1e-4, (name, case)
         assert case["tokens"] > 50, (name, case)
     assert checked["generation"]["greedy_window_compaction"]["compactions"] > 0
 

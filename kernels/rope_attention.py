@@ -1,0 +1,151 @@
+"""RoPE + the K/V write + split-KV decode attention in one kernel (a decode step's attention block).
+
+`rope_attention(qkv, cos, sin, k_cache, v_cache, cur, key_valid, hpg)` computes what
+`decode.rope_kv_write` followed by `decode.decode_attention` computes, in one launch per layer
+instead of two: program (row, group, split) reads the group's projected rows [q heads (hpg); k; v],
+rotates q and k (RoPE, rounded as the twin rounds), and attends over the cached columns of its
+split with the current token's column left out; split 0 writes k and v into cache column `cur`
+and folds the current token in from registers (no program reads that column back, so no program
+waits on another's store). With one split per (row, group) the program writes the output, else the
+splits' max, sum of exp and P @ V go through `decode._attn_combine_kernel` as before. The sums run
+in another order than the two kernels' (the current column last), so results agree to rounding.
+
+Why: at Qwen2-0.5B and batch 256 the RoPE + K/V-write kernel is 58 us of a 1,434 us decode step
+(24 launches, ~2.4 us each, mostly launch latency: benchmarks/results/decode_profile_h200_fused_layer.json).
+Not yet measured on a GPU: `hybridflow.rollout.decoder.FUSE_ROPE_ATTENTION` (default False) selects
+it; benchmarks/bench_generate.py and profile_decode.py take `--fuse-rope-attention` for the A/B.
+
+Shapes: qkv (B, G, hpg + 2, hd) (the QKV projection's view, as for rope_kv_write); cos, sin (B, hd);
+k_cache, v_cache (B, G, T, hd) strided views of the attended columns 0..T-1 (cur < T); key_valid
+(B, T) bool with column `cur` already true; returns (B, G, hpg, hd) in qkv's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import decode
+from ._dispatch import HAVE_TRITON, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rope_attn_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, cur_ptr, valid_ptr, m_ptr,
+                          l_ptr, acc_ptr, out_ptr, G, HPG, kv_len, scale, s_xb, s_xg, s_xr, s_cb,
+                          s_kb, s_kg, s_kt, s_vb, s_vg, s_vt, s_mb, s_mt, s_ob, s_og, s_oh,
+                          NSPLIT: tl.constexpr, BLOCKS: tl.constexpr, H_PAD: tl.constexpr,
+                          HD: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        b, g = pid // G, pid % G
+        h = tl.arange(0, H_PAD)
+        d = tl.arange(0, HD)
+        rows = h[:, None] < HPG
+        rolled = (d + HD // 2) % HD
+        base = qkv_ptr + b * s_xb + g * s_xg
+        c = tl.load(cos_ptr + b * s_cb + d).to(tl.float32)
+        s = tl.load(sin_ptr + b * s_cb + d).to(tl.float32)
+        # RoPE as rope_kv_write rounds: x * cos in the weights' dtype, then + roll(x) * sin
+        qx = tl.load(base + h[:, None] * s_xr + d[None, :], mask=rows, other=0.0)
+        qr = tl.load(base + h[:, None] * s_xr + rolled[None, :], mask=rows, other=0.0)
+        q = ((qx.to(tl.float32) * c[None, :]).to(qx.dtype).to(tl.float32)
+             + qr.to(tl.float32) * s[None, :]).to(qx.dtype)
+        kx = tl.load(base + HPG * s_xr + d)
+        kr = tl.load(base + HPG * s_xr + rolled).to(tl.float32)
+        k_new = ((kx.to(tl.float32) * c).to(kx.dtype).to(tl.float32) + kr * s).to(kx.dtype)
+        v_new = tl.load(base + (HPG + 1) * s_xr + d)
+        cur = tl.load(cur_ptr)
+        if split == 0:
+            tl.store(kc_ptr + b * s_kb + g * s_kg + cur * s_kt + d, k_new)
+            tl.store(vc_ptr + b * s_vb + g * s_vg + cur * s_vt + d, v_new)
+        m = tl.full([H_PAD], -1e30, tl.float32)
+        lsum = tl.zeros([H_PAD], tl.float32)
+        acc = tl.zeros([H_PAD, HD], tl.float32)
+        for i in range(0, BLOCKS):
+            t = (split * BLOCKS + i) * BLOCK + tl.arange(0, BLOCK)
+            in_range = t < kv_len
+            k = tl.load(kc_ptr + b * s_kb + g * s_kg + t[:, None] * s_kt + d[None, :],
+                        mask=in_range[:, None], other=0.0)
+            valid = tl.load(valid_ptr + b * s_mb + t * s_mt, mask=in_range, other=0) != 0
+            valid = valid & (t != cur)  # the current column: folded in below, from registers
+            if IEEE:
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                sc = tl.dot(q, tl.trans(k)) * scale
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            new_m = tl.maximum(m, tl.max(sc, 1))
+            alpha = tl.exp(m - new_m)
+            p = tl.exp(sc - new_m[:, None])
+            lsum = lsum * alpha + tl.sum(p, 1)
+            v = tl.load(vc_ptr + b * s_vb + g * s_vg + t[:, None] * s_vt + d[None, :],
+                        mask=in_range[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = new_m
+        if split == 0:  # the current token, from registers (P rounded to v's dtype as in tl.dot)
+            sc = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+            new_m = tl.maximum(m, sc)
+            alpha = tl.exp(m - new_m)
+            p = tl.exp(sc - new_m)
+            lsum = lsum * alpha + p
+            acc = (acc * alpha[:, None]
+                   + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :])
+            m = new_m
+        if NSPLIT == 1:
+            tl.store(out_ptr + b * s_ob + g * s_og + h[:, None] * s_oh + d[None, :],
+                     (acc / lsum[:, None]).to(out_ptr.dtype.element_ty), mask=rows)
+        else:
+            row = pid * NSPLIT + split
+            tl.store(m_ptr + row * H_PAD + h, m)
+            tl.store(l_ptr + row * H_PAD + h, lsum)
+            tl.store(acc_ptr + (row * H_PAD + h[:, None]) * HD + d[None, :], acc, mask=rows)
+
+
+def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, cur: torch.Tensor, key_valid: torch.Tensor, *, hpg: int,
+                   scale: float | None = None, impl: str = "auto") -> torch.Tensor:
+    """decode.rope_kv_write then decode.decode_attention over the given cache columns, in one kernel
+    (the module docstring); "torch": those two twins."""
+    B, G, R, hd = qkv.shape
+    T = k_cache.shape[2]
+    if R != hpg + 2:
+        raise ValueError(f"qkv has {R} rows per group, expected hpg + 2 = {hpg + 2}")
+    if key_valid.shape != (B, T):
+        raise ValueError(f"key_valid has shape {tuple(key_valid.shape)}, expected {(B, T)}")
+    scale = 1.0 / math.sqrt(hd) if scale is None else scale
+    if not use_triton(qkv, impl):
+        q = decode.rope_kv_write(qkv, cos, sin, k_cache, v_cache, cur, hpg=hpg, impl="torch")
+        return decode.decode_attention(q, k_cache, v_cache, key_valid, scale=scale, impl="torch")
+    decode._check_head_dim(hd)
+    if (qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride()
+            or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
+        raise ValueError("rope_attention needs qkv, cos, sin and the caches contiguous in the last "
+                         "dimension and cos, sin of the same strides")
+    nsplit = decode.num_splits(B * G, T, qkv.device)
+    blocks = -(-T // (nsplit * decode.BLOCK_T))
+    h_pad = max(16, triton.next_power_of_2(hpg))
+    out = torch.empty((B, G, hpg, hd), dtype=qkv.dtype, device=qkv.device)
+    if nsplit > 1:
+        m = torch.empty((B * G * nsplit, h_pad), dtype=torch.float32, device=qkv.device)
+        lsum = torch.empty_like(m)
+        acc = torch.empty((B * G * nsplit, h_pad, hd), dtype=torch.float32, device=qkv.device)
+    else:
+        m = lsum = acc = out  # unused: the kernel writes the output itself
+    if B:
+        valid = key_valid.view(torch.uint8) if key_valid.dtype == torch.bool else key_valid
+        _rope_attn_kernel[(B * G, nsplit)](
+            qkv, cos, sin, k_cache, v_cache, cur, valid, m, lsum, acc, out, G, hpg, T, scale,
+            *qkv.stride()[:3], cos.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
+            valid.stride(0), valid.stride(1), *out.stride()[:3], NSPLIT=nsplit, BLOCKS=blocks,
+            H_PAD=h_pad, HD=hd, BLOCK=decode.BLOCK_T, IEEE=qkv.dtype == torch.float32,
+            num_warps=decode.ATTN_WARPS, num_stages=decode.ATTN_STAGES)
+        if nsplit > 1:
+            decode._attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, *out.stride()[:3],
+                                                  NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4)
+    return out
