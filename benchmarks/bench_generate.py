@@ -34,7 +34,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
-from hybridflow.rollout import Generator, decoder  # noqa: E402
+from hybridflow.rollout import Generator, decoder, sampling  # noqa: E402
 
 COPY_BW = 4.3e12  # B/s, device-to-device copy measured on the H200 (shared/DESIGN.md)
 
@@ -178,6 +178,9 @@ def main():
                          "of prompt + new tokens (the floor counts only written columns)")
     ap.add_argument("--decode-kernels", default="torch", choices=["torch", "triton"],
                     help="rollout.decode_kernels for our timed runs")
+    ap.add_argument("--triton-argmax", action="store_true",
+                    help="greedy draws by kernels/sampling.argmax_rows (hybridflow.rollout.sampling."
+                         "GREEDY_KERNEL) instead of torch.argmax")
     ap.add_argument("--fuse-rope-attention", action="store_true",
                     help="with --decode-kernels triton: RoPE + K/V write + attention as one kernel "
                          "(hybridflow.rollout.decoder.FUSE_ROPE_ATTENTION)")
@@ -186,6 +189,7 @@ def main():
     if args.fuse_rope_attention and args.decode_kernels != "triton":
         ap.error("--fuse-rope-attention needs --decode-kernels triton")
     decoder.FUSE_ROPE_ATTENTION = args.fuse_rope_attention
+    sampling.GREEDY_KERNEL = args.triton_argmax
     if args.hf_reps < 3 or args.reps < 3:
         raise ValueError(f"--reps={args.reps} / --hf-reps={args.hf_reps}: medians need >= 3 timed "
                          "calls each (issue 12: honest baselines)")
@@ -197,6 +201,7 @@ def main():
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
               "model": cfg.name, "prompt_len": P, "new_tokens": R, "kv_window": args.kv_window,
               "decode_kernels": args.decode_kernels, "fuse_rope_attention": args.fuse_rope_attention,
+              "triton_argmax": args.triton_argmax,
               "results": {},
               "timing": {"ours": f"first call (cache allocation, graph capture) reported apart as "
                                  f"ours_first_call_s; ours_s = median of the next {args.reps}",

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_generate import COPY_BW, hf_model, machine, to_megatron  # noqa: E402
 from gsm8k_hf_eval import write_json  # noqa: E402
 from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
-from hybridflow.rollout import Generator, decoder  # noqa: E402
+from hybridflow.rollout import Generator, decoder, sampling  # noqa: E402
 
 # first match wins; matched against the lower-cased kernel (or op) name
 KINDS = (
@@ -235,6 +235,9 @@ def main():
                     help="torch.compile mode of the compiled decode parts (decoder.COMPILE_MODE), "
                          "e.g. max-autotune-no-cudagraphs")
     ap.add_argument("--no-eager", action="store_true", help="with --compile: the compiled cases only")
+    ap.add_argument("--triton-argmax", action="store_true",
+                    help="greedy draws by kernels/sampling.argmax_rows (hybridflow.rollout.sampling."
+                         "GREEDY_KERNEL) instead of torch.argmax")
     ap.add_argument("--fuse-rope-attention", action="store_true",
                     help="the triton cases with RoPE + K/V write + attention as one kernel "
                          "(hybridflow.rollout.decoder.FUSE_ROPE_ATTENTION)")
@@ -253,10 +256,12 @@ def main():
     modes = ([True] if args.no_eager else [False, True]) if args.compile else [False]
     decoder.COMPILE_MODE = args.compile_mode
     decoder.FUSE_ROPE_ATTENTION = args.fuse_rope_attention
+    sampling.GREEDY_KERNEL = args.triton_argmax
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
               "prompt_len": args.prompt_len, "steps": args.steps,
-              "fuse_rope_attention": args.fuse_rope_attention, "cases": []}
+              "fuse_rope_attention": args.fuse_rope_attention, "triton_argmax": args.triton_argmax,
+              "cases": []}
     for path in args.models:
         with open(path) as f:
             cfg = ModelConfig(**yaml.safe_load(f))

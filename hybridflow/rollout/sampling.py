@@ -29,6 +29,10 @@ from typing import Optional
 
 import torch
 
+# greedy: the argmax as two Triton passes over vocabulary chunks (kernels/sampling.py) instead of
+# torch.argmax's one block per row; off until an H200 A/B (bench_generate.py and profile_decode.py
+# --triton-argmax) shows it pays
+GREEDY_KERNEL = False
 
 def filter_logits(scaled: torch.Tensor, *, top_k: int, top_p: float):
     """(values (B, K), ids (B, K) or None): candidate logits, sorted descending when filtered,
@@ -73,7 +77,11 @@ def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: f
     race_argmax, token_logprobs = (_compiled(compile_backend) if compile_backend else
                                    (_race_argmax, _token_logprobs))
     inv_temp = 1.0 if temperature == 0.0 else 1.0 / temperature
-    if temperature == 0.0:
+    if temperature == 0.0 and GREEDY_KERNEL and logits.is_cuda:
+        from hybridflow.kernels.sampling import argmax_rows
+
+        tokens = argmax_rows(logits)
+    elif temperature == 0.0:
         tokens = torch.argmax(logits, dim=-1)  # (B,); an fp32 copy would change no order
     elif top_k == 0 and top_p >= 1.0:
         race = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)

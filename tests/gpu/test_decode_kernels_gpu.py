@@ -88,6 +88,18 @@ def test_rope_attention_matches_the_two_kernels(dtype, B, G, hpg, hd, T, kv):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B,V", [(256, 151936), (64, 151936), (3, 37)])
+def test_argmax_kernel_equals_torch_argmax(dtype, B, V):
+    """kernels/sampling.argmax_rows: torch.argmax's ids exactly, ties (bf16 has many) included."""
+    from hybridflow.kernels.sampling import argmax_rows
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(B, V, generator=g, device="cuda") * 4).to(dtype)
+    x[0, [V // 3, V - 1]] = 100.0  # a tie across chunks: the first id
+    assert torch.equal(argmax_rows(x), torch.argmax(x, dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("N,D,F", [(64, 1536, 8960), (256, 896, 4864), (3, 200, 37)])
 def test_norm_and_swiglu_kernels_match_twins(dtype, N, D, F):
     """add_rms_norm (with and without the residual) and silu_mul: equal to their twins up to one
@@ -108,7 +120,7 @@ def test_norm_and_swiglu_kernels_match_twins(dtype, N, D, F):
 
 
 def test_generator_with_kernels_under_graphs(monkeypatch):
-    from hybridflow.rollout import compaction, decoder, generator
+    from hybridflow.rollout import compaction, decoder, generator, sampling
     from tests.unit.test_compaction import random_prompts, uneven_stops
     from tests.unit.test_rollout import random_params
 
@@ -131,9 +143,11 @@ def test_generator_with_kernels_under_graphs(monkeypatch):
     for g_, variant, one_kernel in ((gen, fused, False),
                                     (gen, dataclasses.replace(fused, compile_decode=True), False),
                                     (one, fused, True)):
-        # the last: RoPE + K/V write + attention as one kernel (a Generator of its own: the
-        # captured graphs are keyed by the config, not by decoder.FUSE_ROPE_ATTENTION)
+        # the last: RoPE + K/V write + attention as one kernel and the greedy draw by
+        # argmax_rows (a Generator of its own: the captured graphs are keyed by the config, not
+        # by these module switches)
         monkeypatch.setattr(decoder, "FUSE_ROPE_ATTENTION", one_kernel)
+        monkeypatch.setattr(sampling, "GREEDY_KERNEL", one_kernel)
         out = g_.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)
         captured = len(g_._steps)
         again = g_.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)

@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from hybridflow.config import ModelConfig  # noqa: E402
 from hybridflow.kernels import decode as kern  # noqa: E402
 from hybridflow.kernels import rope_attention as fused  # noqa: E402
+from hybridflow.kernels import sampling as ksampling  # noqa: E402
 from hybridflow.rollout import decoder, generator  # noqa: E402
 from tests.unit.test_rollout import PROMPTS, make, random_params, rc  # noqa: E402
 
@@ -105,6 +106,26 @@ def rope_attention_cases():
                         (cache != before).nonzero()[:, [1, 4]].unique(dim=0),
                         torch.tensor([[1, kv // 2]]))),
                     "row0_is_its_value": (a[0] - qkv[0, :, hpg + 1][:, None]).abs().max().item()})
+    return out
+
+
+def argmax_cases():
+    """argmax_rows (two passes over vocabulary chunks) against torch.argmax: a vocabulary that is
+    not a multiple of the chunk, ties inside a chunk, across chunks and across a chunk's lanes (the
+    first id wins), a row of one repeated value, a row whose maximum is the last id; fp32 and fp16."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for dtype in (torch.float32, torch.float16):
+        B, V = 6, 1000
+        x = torch.randn(B, V, generator=g).to(dtype)
+        x[1, [3, 700]] = 9.0  # a tie across chunks (chunk 256)
+        x[2, [10, 10 + 64]] = 9.0  # a tie across lanes of one block (block 64)
+        x[3] = 1.5  # all equal: id 0
+        x[4, V - 1] = 9.0  # the last id, in the short last chunk
+        x[5, [500, 260, 900]] = 9.0  # the first of three, in the middle chunk
+        got = ksampling.argmax_rows(x, chunk=256, block=64, impl="triton")
+        out.append({"dtype": str(dtype), "equal": bool(torch.equal(got, torch.argmax(x, dim=-1))),
+                    "tokens": got.tolist()})
     return out
 
 
@@ -236,6 +257,7 @@ def tp2_cases():
 
 if __name__ == "__main__":
     print(json.dumps({"kernels": kernel_cases(), "rope_attention": rope_attention_cases(),
+                      "argmax": argmax_cases(),
                       "prefill": prefill_cases(),
                       "silu_mul": silu_mul_cases(), "add_rms_norm": add_rms_norm_cases(),
                       "generation": generation_cases(),

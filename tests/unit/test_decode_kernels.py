@@ -58,6 +58,15 @@ def test_rope_attention_equals_the_two_kernels_twins(checked):
         assert case["row0_is_its_value"] < 1e-6, case
 
 
+def test_argmax_kernel_equals_torch_argmax(checked):
+    """kernels/sampling.argmax_rows: torch.argmax's ids, the first on ties (inside a chunk, across
+    chunks and across lanes), in fp32 and fp16."""
+    assert len(checked["argmax"]) == 2
+    for case in checked["argmax"]:
+        assert case["equal"], case
+        assert case["tokens"][1:] == [3, 10, 0, 999, 260], case
+
+
 def test_prefill_kernel_equals_its_twin_and_the_decoders_rope(checked):
     """rope_kv_prefill (the prefill's RoPE + K/V writes, rollout.decode_kernels=triton): the twin's
     q and cache, the decoder's own RoPE, and only columns 0..S-1 of the given rows written."""
