@@ -223,6 +223,19 @@ def test_prefill_sub_batches_count_distinct_prompts(monkeypatch):
     assert_same_rows(out, ref)
 
 
+def test_prompts_left_padded_from_any_int_sequences():
+    """The host-side packing of the prompts (numpy, one pass over the ids): lists, tuples, tensors
+    and arrays of different lengths, each ending at the last column, pad ids before it."""
+    import numpy as np
+
+    gen = make()
+    prompts = [[5, 6, 7], (8,), torch.tensor([9, 10]), np.array([11, 12, 13, 14])]
+    ids, mask = gen._padded_prompts(prompts, rc(), pad_id=3)
+    assert ids.tolist() == [[3, 5, 6, 7], [3, 3, 3, 8], [3, 3, 9, 10], [11, 12, 13, 14]]
+    assert mask.tolist() == [[0, 1, 1, 1], [0, 0, 0, 1], [0, 0, 1, 1], [1, 1, 1, 1]]
+    assert ids.dtype == mask.dtype == torch.long
+
+
 def test_user_errors():
     gen = make()
     with pytest.raises(ValueError, match="non-empty"):
