@@ -34,6 +34,7 @@ import torch
 # --triton-argmax) shows it pays
 GREEDY_KERNEL = False
 
+
 def filter_logits(scaled: torch.Tensor, *, top_k: int, top_p: float):
     """(values (B, K), ids (B, K) or None): candidate logits, sorted descending when filtered,
     with the ones outside top-k/top-p set to -inf. ids None means values index the vocab directly."""
