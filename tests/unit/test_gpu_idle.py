@@ -22,7 +22,7 @@ def test_idle_is_the_window_less_the_union_of_kernels_split_by_phase():
     assert r["window_us"] == 1000 and r["busy_us"] == 120 + 270 + 270
     assert r["idle_us"] == 1000 - r["busy_us"] == 120 + 90 + 10 + 120
     assert r["idle_by_phase_us"] == {"generate.setup": 100, "generate.prefill": 80,
-                                     "generate.decode": 50, "generate.finish": 100, }
+                                     "generate.decode": 50, "generate.finish": 100}
     assert r["phase_us"] == {"generate.setup": 100, "generate.prefill": 200, "generate.decode": 600,
                              "generate.finish": 100}
     # the longest first, with the phase and the innermost host range at their start
