@@ -36,6 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
 from hybridflow.rollout import Generator, decoder, sampling  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gsm8k_hf_eval import write_json  # noqa: E402  (temp file + os.replace)
+
 COPY_BW = 4.3e12  # B/s, device-to-device copy measured on the H200 (shared/DESIGN.md)
 
 
@@ -178,6 +181,9 @@ def main():
                          "of prompt + new tokens (the floor counts only written columns)")
     ap.add_argument("--decode-kernels", default="torch", choices=["torch", "triton"],
                     help="rollout.decode_kernels for our timed runs")
+    ap.add_argument("--no-hf", action="store_true",
+                    help="time ours only at the timed batches (the floor fractions; an A/B of our "
+                         "options in one call), no transformers generate")
     ap.add_argument("--triton-argmax", action="store_true",
                     help="greedy draws by kernels/sampling.argmax_rows (hybridflow.rollout.sampling."
                          "GREEDY_KERNEL) instead of torch.argmax")
@@ -201,7 +207,7 @@ def main():
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
               "model": cfg.name, "prompt_len": P, "new_tokens": R, "kv_window": args.kv_window,
               "decode_kernels": args.decode_kernels, "fuse_rope_attention": args.fuse_rope_attention,
-              "triton_argmax": args.triton_argmax,
+              "triton_argmax": args.triton_argmax, "no_hf": args.no_hf,
               "results": {},
               "timing": {"ours": f"first call (cache allocation, graph capture) reported apart as "
                                  f"ours_first_call_s; ours_s = median of the next {args.reps}",
@@ -283,31 +289,33 @@ def main():
             if device.type == "cuda":
                 res["decode_profile"] = profile_decode(run, B)
             gen.release()
-        with torch.no_grad():
-            hf_generate(hf, ids, R)  # warm-up: same shape and length as the timed calls
-            hf_all = []
-            hf_s, theirs = timed(lambda: hf_generate(hf, ids, R), device, args.hf_reps, hf_all)
-        res.update(hf_s=hf_s, hf_all_s=hf_all, hf_warmup_calls=1, hf_tok_s=B * R / hf_s, speedup_vs_hf=hf_s / ours_s,
-                   ours_over_floor=ours_s / res["floor_s"],
+        res.update(ours_over_floor=ours_s / res["floor_s"],
                    floor_with_kv_fraction=res["floor_with_kv_s"] / ours_s)
         if "ours_compiled_s" in res:
-            res.update(speedup_vs_hf_compiled=hf_s / res["ours_compiled_s"],
-                       floor_with_kv_fraction_compiled=res["floor_with_kv_s"] / res["ours_compiled_s"])
-        res["bf16_greedy_vs_hf"] = agreement(out.response_ids, theirs, 4)
+            res["floor_with_kv_fraction_compiled"] = res["floor_with_kv_s"] / res["ours_compiled_s"]
+        if not args.no_hf:
+            with torch.no_grad():
+                hf_generate(hf, ids, R)  # warm-up: same shape and length as the timed calls
+                hf_all = []
+                hf_s, theirs = timed(lambda: hf_generate(hf, ids, R), device, args.hf_reps, hf_all)
+            res.update(hf_s=hf_s, hf_all_s=hf_all, hf_warmup_calls=1, hf_tok_s=B * R / hf_s,
+                       speedup_vs_hf=hf_s / ours_s)
+            if "ours_compiled_s" in res:
+                res["speedup_vs_hf_compiled"] = hf_s / res["ours_compiled_s"]
+            res["bf16_greedy_vs_hf"] = agreement(out.response_ids, theirs, 4)
         report["results"][str(B)] = res
         print(json.dumps({B: res}, indent=1), flush=True)
     del gen
     report["memory_gb_after_all_released"] = mem_gb(device)
     report["memory_gb_before_generator"] = base0
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(args.out, report)  # temp file + os.replace
     print(f"\n{'batch':>6} {'ours s':>8} {'tok/s':>9} {'HF s':>7} {'HF tok/s':>9} {'x HF':>6} "
           f"{'floor s':>8} {'floor+kv':>8} {'peak GB':>8} {'after rel':>9}")
     for B, r in report["results"].items():
         m = r["memory_gb"]
-        print(f"{B:>6} {r['ours_s']:8.3f} {r['ours_tok_s']:9.0f} {r['hf_s']:7.2f} "
-              f"{r['hf_tok_s']:9.0f} {r['speedup_vs_hf']:6.1f} {r['floor_s']:8.3f} "
+        hf = {k: r.get(k, float("nan")) for k in ("hf_s", "hf_tok_s", "speedup_vs_hf")}  # --no-hf
+        print(f"{B:>6} {r['ours_s']:8.3f} {r['ours_tok_s']:9.0f} {hf['hf_s']:7.2f} "
+              f"{hf['hf_tok_s']:9.0f} {hf['speedup_vs_hf']:6.1f} {r['floor_s']:8.3f} "
               f"{r['floor_with_kv_s']:8.3f} {m['peak_during_generate']:8.2f} "
               f"{m['allocated_after_release']:9.2f}")
     print("sanity fp32:", report["sanity_fp32_16_steps"])

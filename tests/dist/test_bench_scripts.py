@@ -27,6 +27,17 @@ def test_bench_generate_warms_up_and_takes_median(tmp_path):
     bad = subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--hf-reps", "1"],
                          cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert bad.returncode != 0 and "--hf-reps=1" in bad.stderr
+    # --no-hf (an A/B of our options): ours and the floor fractions, no transformers timing
+    subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--model", "conf/model/tiny.yaml",
+                    "--device", "cpu", "--batches", "4", "--prompt-len", "8", "--new-tokens", "8",
+                    "--skip-checks", "--no-hf", "--out", str(out)], check=True, cwd=ROOT, env=ENV,
+                   capture_output=True)
+    r = json.loads(out.read_text())
+    res = r["results"]["4"]
+    assert r["no_hf"] and "hf_s" not in res and res["floor_with_kv_fraction"] > 0
+    bad = subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--triton-argmax",
+                          "--fuse-rope-attention"], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert bad.returncode != 0 and "--fuse-rope-attention needs --decode-kernels triton" in bad.stderr
 
 
 def test_bench_long_tail_times_every_variant(tmp_path):
