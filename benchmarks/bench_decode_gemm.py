@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_fused_linear import timed as graph_timed  # noqa: E402
 from bench_generate import COPY_BW, machine  # noqa: E402
 from gsm8k_hf_eval import write_json  # noqa: E402  (temp file + os.replace)
 
@@ -66,37 +67,18 @@ def gemms(model: str, rows: int, device, dtype):
 
 
 def timed(fn, device, reps: int = 20, replays: int = 5) -> float:
-    """us per call: on CUDA a graph of `reps` calls, median over `replays` replays; on CPU wall time."""
-    if device.type != "cuda":
-        fn()
-        t = []
-        for _ in range(replays):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            t.append((time.perf_counter() - t0) * 1e6 / reps)
-        return statistics.median(t)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    """us per call: on CUDA bench_fused_linear's (a graph of `reps` calls, median of `replays`
+    replays); on CPU the wall time of `reps` calls, median of `replays`."""
+    if device.type == "cuda":
+        return graph_timed(fn, reps, replays)
+    fn()
+    t = []
+    for _ in range(replays):
+        t0 = time.perf_counter()
         for _ in range(reps):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
+        t.append((time.perf_counter() - t0) * 1e6 / reps)
+    return statistics.median(t)
 
 
 def way_fn(way: str, fn, device):
