@@ -81,6 +81,40 @@ if HAVE_TRITON:
         tl.store(vc_ptr + b * s_vb + g * s_vg + cur * s_vt + d, v)
 
     @triton.jit
+    def _attend_blocks(q, k_base, v_base, valid_base, s_kt, s_vt, s_mt, kv_len, scale, split, skip,
+                       BLOCKS: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr,
+                       BLOCK: tl.constexpr, IEEE: tl.constexpr):
+        """Online softmax of one (row, group)'s queries q (H_PAD, HD) over split `split`'s BLOCKS
+        blocks of cache columns (the last split's may run past kv_len), column `skip` left out
+        (-1: none) -> (max, sum of exp, P @ V) in fp32."""
+        d = tl.arange(0, HD)
+        m = tl.full([H_PAD], -1e30, tl.float32)
+        lsum = tl.zeros([H_PAD], tl.float32)
+        acc = tl.zeros([H_PAD, HD], tl.float32)
+        for i in range(0, BLOCKS):
+            t = (split * BLOCKS + i) * BLOCK + tl.arange(0, BLOCK)
+            in_range = t < kv_len
+            k = tl.load(k_base + t[:, None] * s_kt + d[None, :], mask=in_range[:, None], other=0.0)
+            valid = tl.load(valid_base + t * s_mt, mask=in_range, other=0) != 0
+            valid = valid & (t != skip)
+            if IEEE:  # fp32 inputs: full-precision products (the default would be TF32 on the GPU)
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                sc = tl.dot(q, tl.trans(k)) * scale  # (H_PAD, BLOCK) fp32
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            new_m = tl.maximum(m, tl.max(sc, 1))  # stays finite: m starts at -1e30
+            alpha = tl.exp(m - new_m)
+            p = tl.exp(sc - new_m[:, None])  # 0 on masked columns
+            lsum = lsum * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + t[:, None] * s_vt + d[None, :], mask=in_range[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = new_m
+        return m, lsum, acc
+
+    @triton.jit
     def _attn_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, G, HPG,
                            kv_len, scale, s_qb, s_qg, s_qh, s_kb, s_kg, s_kt, s_vb, s_vg,
                            s_vt, s_mb, s_mt, s_ob, s_og, s_oh, NSPLIT: tl.constexpr,
@@ -94,31 +128,9 @@ if HAVE_TRITON:
         rows = h[:, None] < HPG
         q = tl.load(q_ptr + b * s_qb + g * s_qg + h[:, None] * s_qh + d[None, :], mask=rows,
                     other=0.0)
-        m = tl.full([H_PAD], -1e30, tl.float32)
-        lsum = tl.zeros([H_PAD], tl.float32)
-        acc = tl.zeros([H_PAD, HD], tl.float32)
-        for i in range(0, BLOCKS):  # this split's BLOCKS blocks (the last split's may run past)
-            t = (split * BLOCKS + i) * BLOCK + tl.arange(0, BLOCK)
-            in_range = t < kv_len
-            k = tl.load(k_ptr + b * s_kb + g * s_kg + t[:, None] * s_kt + d[None, :],
-                        mask=in_range[:, None], other=0.0)
-            valid = tl.load(valid_ptr + b * s_mb + t * s_mt, mask=in_range, other=0) != 0
-            if IEEE:  # fp32 inputs: full-precision products (the default would be TF32 on the GPU)
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            else:
-                sc = tl.dot(q, tl.trans(k)) * scale  # (H_PAD, BLOCK) fp32
-            sc = tl.where(valid[None, :], sc, float("-inf"))
-            new_m = tl.maximum(m, tl.max(sc, 1))  # stays finite: m starts at -1e30
-            alpha = tl.exp(m - new_m)
-            p = tl.exp(sc - new_m[:, None])  # 0 on masked columns
-            lsum = lsum * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + b * s_vb + g * s_vg + t[:, None] * s_vt + d[None, :],
-                        mask=in_range[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = new_m
+        m, lsum, acc = _attend_blocks(q, k_ptr + b * s_kb + g * s_kg, v_ptr + b * s_vb + g * s_vg,
+                                      valid_ptr + b * s_mb, s_kt, s_vt, s_mt, kv_len, scale, split,
+                                      -1, BLOCKS=BLOCKS, H_PAD=H_PAD, HD=HD, BLOCK=BLOCK, IEEE=IEEE)
         if NSPLIT == 1:  # the whole row in one program: normalise and write the output
             tl.store(out_ptr + b * s_ob + g * s_og + h[:, None] * s_oh + d[None, :],
                      (acc / lsum[:, None]).to(out_ptr.dtype.element_ty), mask=rows)

@@ -33,6 +33,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .decode import _attend_blocks  # the split's online softmax, column cur left out
+
     @triton.jit
     def _rope_attn_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, cur_ptr, valid_ptr, m_ptr,
                           l_ptr, acc_ptr, out_ptr, G, HPG, kv_len, scale, s_xb, s_xg, s_xr, s_cb,
@@ -62,32 +64,9 @@ if HAVE_TRITON:
         if split == 0:
             tl.store(kc_ptr + b * s_kb + g * s_kg + cur * s_kt + d, k_new)
             tl.store(vc_ptr + b * s_vb + g * s_vg + cur * s_vt + d, v_new)
-        m = tl.full([H_PAD], -1e30, tl.float32)
-        lsum = tl.zeros([H_PAD], tl.float32)
-        acc = tl.zeros([H_PAD, HD], tl.float32)
-        for i in range(0, BLOCKS):
-            t = (split * BLOCKS + i) * BLOCK + tl.arange(0, BLOCK)
-            in_range = t < kv_len
-            k = tl.load(kc_ptr + b * s_kb + g * s_kg + t[:, None] * s_kt + d[None, :],
-                        mask=in_range[:, None], other=0.0)
-            valid = tl.load(valid_ptr + b * s_mb + t * s_mt, mask=in_range, other=0) != 0
-            valid = valid & (t != cur)  # the current column: folded in below, from registers
-            if IEEE:
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            else:
-                sc = tl.dot(q, tl.trans(k)) * scale
-            sc = tl.where(valid[None, :], sc, float("-inf"))
-            new_m = tl.maximum(m, tl.max(sc, 1))
-            alpha = tl.exp(m - new_m)
-            p = tl.exp(sc - new_m[:, None])
-            lsum = lsum * alpha + tl.sum(p, 1)
-            v = tl.load(vc_ptr + b * s_vb + g * s_vg + t[:, None] * s_vt + d[None, :],
-                        mask=in_range[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = new_m
+        m, lsum, acc = _attend_blocks(q, kc_ptr + b * s_kb + g * s_kg, vc_ptr + b * s_vb + g * s_vg,
+                                      valid_ptr + b * s_mb, s_kt, s_vt, s_mt, kv_len, scale, split,
+                                      cur, BLOCKS=BLOCKS, H_PAD=H_PAD, HD=HD, BLOCK=BLOCK, IEEE=IEEE)
         if split == 0:  # the current token, from registers (P rounded to v's dtype as in tl.dot)
             sc = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
             new_m = tl.maximum(m, sc)
