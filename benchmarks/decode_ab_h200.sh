@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The generation goal of issue 12 (batch 256 >= 25% of the weight+KV read floor) in one device call:
-# the GPU tests of the decode kernels (the fused RoPE + attention and the chunked argmax included),
+# the GPU tests of the decode kernels and the generator (the fused RoPE + attention, the chunked
+# argmax and the shared attention loop of decode._attend_blocks included),
 # a traced batch-256 call (profile_decode.py --timeline: where the GPU idles, by generator phase)
 # and bench_generate.py --no-hf at batch 256 without and with the two prepared kernels, each its
 # own process (module switches), same machine, same call. JSON and logs land in $OUT.
@@ -18,7 +19,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   > "$OUT/pip.log" 2>&1
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout 300 python3 -m pytest -q tests/gpu/test_decode_kernels_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  timeout 400 python3 -m pytest -q tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_rollout_gpu.py \
+    > "$OUT/gpu_tests.log" 2>&1
   grep -E "^E |passed|failed" "$OUT/gpu_tests.log" | tail -15
 fi
 timeout 200 python3 benchmarks/profile_decode.py --models "$MODEL" --batches 256 --compile --no-eager \
