@@ -161,6 +161,21 @@ def machine(device) -> dict:
     return info
 
 
+def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
+    """The decode kernels still on trial (module switches, off by default), for an A/B in one call."""
+    ap.add_argument("--triton-argmax", action="store_true",
+                    help="greedy draws by kernels/sampling.argmax_rows (hybridflow.rollout.sampling."
+                         "GREEDY_KERNEL) instead of torch.argmax")
+    ap.add_argument("--fuse-rope-attention", action="store_true",
+                    help="with decode_kernels triton: RoPE + K/V write + attention as one kernel "
+                         "(hybridflow.rollout.decoder.FUSE_ROPE_ATTENTION)")
+
+
+def apply_kernel_switches(args) -> None:
+    decoder.FUSE_ROPE_ATTENTION = args.fuse_rope_attention
+    sampling.GREEDY_KERNEL = args.triton_argmax
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="conf/model/qwen2_0_5b.yaml")
@@ -184,18 +199,12 @@ def main():
     ap.add_argument("--no-hf", action="store_true",
                     help="time ours only at the timed batches (the floor fractions; an A/B of our "
                          "options in one call), no transformers generate")
-    ap.add_argument("--triton-argmax", action="store_true",
-                    help="greedy draws by kernels/sampling.argmax_rows (hybridflow.rollout.sampling."
-                         "GREEDY_KERNEL) instead of torch.argmax")
-    ap.add_argument("--fuse-rope-attention", action="store_true",
-                    help="with --decode-kernels triton: RoPE + K/V write + attention as one kernel "
-                         "(hybridflow.rollout.decoder.FUSE_ROPE_ATTENTION)")
+    add_kernel_switches(ap)
     ap.add_argument("--out", default="benchmarks/results/generate_h200.json")
     args = ap.parse_args()
     if args.fuse_rope_attention and args.decode_kernels != "triton":
         ap.error("--fuse-rope-attention needs --decode-kernels triton")
-    decoder.FUSE_ROPE_ATTENTION = args.fuse_rope_attention
-    sampling.GREEDY_KERNEL = args.triton_argmax
+    apply_kernel_switches(args)
     if args.hf_reps < 3 or args.reps < 3:
         raise ValueError(f"--reps={args.reps} / --hf-reps={args.hf_reps}: medians need >= 3 timed "
                          "calls each (issue 12: honest baselines)")

@@ -32,10 +32,11 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_generate import COPY_BW, hf_model, machine, to_megatron  # noqa: E402
+from bench_generate import (COPY_BW, add_kernel_switches, apply_kernel_switches,  # noqa: E402
+                            hf_model, machine, to_megatron)
 from gsm8k_hf_eval import write_json  # noqa: E402
 from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
-from hybridflow.rollout import Generator, decoder, sampling  # noqa: E402
+from hybridflow.rollout import Generator, decoder  # noqa: E402
 
 # first match wins; matched against the lower-cased kernel (or op) name
 KINDS = (
@@ -235,12 +236,7 @@ def main():
                     help="torch.compile mode of the compiled decode parts (decoder.COMPILE_MODE), "
                          "e.g. max-autotune-no-cudagraphs")
     ap.add_argument("--no-eager", action="store_true", help="with --compile: the compiled cases only")
-    ap.add_argument("--triton-argmax", action="store_true",
-                    help="greedy draws by kernels/sampling.argmax_rows (hybridflow.rollout.sampling."
-                         "GREEDY_KERNEL) instead of torch.argmax")
-    ap.add_argument("--fuse-rope-attention", action="store_true",
-                    help="the triton cases with RoPE + K/V write + attention as one kernel "
-                         "(hybridflow.rollout.decoder.FUSE_ROPE_ATTENTION)")
+    add_kernel_switches(ap)
     ap.add_argument("--timeline", action="store_true",
                     help="also trace one call of --steps new tokens per model x batch: the GPU's "
                          "idle time by generator phase (setup, prefill, decode, finish)")
@@ -255,8 +251,7 @@ def main():
         ap.error("--no-eager profiles the compiled cases only: it needs --compile")
     modes = ([True] if args.no_eager else [False, True]) if args.compile else [False]
     decoder.COMPILE_MODE = args.compile_mode
-    decoder.FUSE_ROPE_ATTENTION = args.fuse_rope_attention
-    sampling.GREEDY_KERNEL = args.triton_argmax
+    apply_kernel_switches(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
               "prompt_len": args.prompt_len, "steps": args.steps,

@@ -132,40 +132,41 @@ class Generator:
         top-k/top-p filtering (as verl's), 0 on padding."""
         cfg = dataclasses.replace(cfg, decode_kernels=resolve_decode_kernels(
             cfg.decode_kernels, self.device, self.w.dims.head_dim))
-        with record_function("generate.setup"):
-            ids, mask = self._padded_prompts(prompts, cfg, pad_id)
-        N, (_, P), R = len(prompts) * cfg.n, ids.shape, cfg.max_new_tokens
-        if P + R > self.cfg.max_position_embeddings:
-            raise ValueError(f"longest prompt {P} + rollout.max_new_tokens={R} exceeds "
-                             f"model.max_position_embeddings={self.cfg.max_position_embeddings}")
-        graphed = cfg.cuda_graphs and self.device.type == "cuda"
-        mbs = cfg.max_batch_size
-        chunks = [(s, min(s + mbs, N)) for s in range(0, N, mbs)]
-        bucket = {c: bucket_for(c[1] - c[0], mbs) if graphed else c[1] - c[0] for c in chunks}
-        stop_ids = [eos_id, *cfg.stop_token_ids]
-        key = (cfg.temperature, cfg.top_k, cfg.top_p, cfg.return_logprobs, tuple(stop_ids), pad_id)
-        targets = []  # compaction buckets (ascending), each below some chunk's bucket
-        if cfg.compact_finished_rows and R > 1:
-            targets = [b for b in compaction.ladder(bucket_sizes(mbs), graphed=graphed)
-                       if b < max(bucket.values())]
         # the phases carry profiler labels (generate.setup / .prefill / .decode / .finish): a trace
         # (benchmarks/profile_decode.py --timeline) attributes the GPU's idle time to them
-        with record_function("generate.setup"):
+        with torch.no_grad(), record_function("generate.setup"):
+            ids, mask = self._padded_prompts(prompts, cfg, pad_id)
+            N, (_, P), R = len(prompts) * cfg.n, ids.shape, cfg.max_new_tokens
+            if P + R > self.cfg.max_position_embeddings:
+                raise ValueError(f"longest prompt {P} + rollout.max_new_tokens={R} exceeds model."
+                                 f"max_position_embeddings={self.cfg.max_position_embeddings}")
+            graphed = cfg.cuda_graphs and self.device.type == "cuda"
+            mbs = cfg.max_batch_size
+            chunks = [(s, min(s + mbs, N)) for s in range(0, N, mbs)]
+            bucket = {c: bucket_for(c[1] - c[0], mbs) if graphed else c[1] - c[0]
+                      for c in chunks}
+            stop_ids = [eos_id, *cfg.stop_token_ids]
+            key = (cfg.temperature, cfg.top_k, cfg.top_p, cfg.return_logprobs, tuple(stop_ids),
+                   pad_id)
+            targets = []  # compaction buckets (ascending), each below some chunk's bucket
+            if cfg.compact_finished_rows and R > 1:
+                targets = [b for b in compaction.ladder(bucket_sizes(mbs), graphed=graphed)
+                           if b < max(bucket.values())]
             ids_p, mask_p = ids.to(self.device), mask.to(self.device)  # (len(prompts), P)
-            prompt_of_row = torch.arange(len(prompts), device=self.device).repeat_interleave(cfg.n)
+            prompt_of_row = torch.arange(len(prompts),
+                                         device=self.device).repeat_interleave(cfg.n)
             # a chunk's rows s..e-1 are copies of prompts s // n .. (e - 1) // n
             runs = {c: (c[0] // cfg.n, (c[1] - 1) // cfg.n + 1) for c in chunks}
+            length = -(-(P + R) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+            self._ensure_cache(rows=max(bucket.values()), length=length)
+            windows = kv_windows(self._cache.length, cfg.decode_kv_window)
+            # every bucket a chunk may use, captured up front: warm-ups write the cache/buffers
+            sizes = sorted(set(bucket.values()), reverse=True) + targets[::-1]
+            steps = {b: self._step(b, R, key, cfg, graphed, windows)
+                     for b in dict.fromkeys(sizes)}
+            self._rng.manual_seed(seed)  # after any capture: warm-up runs consume randomness
+            self.stats = dict.fromkeys(self.stats, 0)
         with torch.no_grad():
-            with record_function("generate.setup"):
-                length = -(-(P + R) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
-                self._ensure_cache(rows=max(bucket.values()), length=length)
-                windows = kv_windows(self._cache.length, cfg.decode_kv_window)
-                # every bucket a chunk may use, captured up front: warm-ups write the cache/buffers
-                sizes = sorted(set(bucket.values()), reverse=True) + targets[::-1]
-                steps = {b: self._step(b, R, key, cfg, graphed, windows)
-                         for b in dict.fromkeys(sizes)}
-                self._rng.manual_seed(seed)  # after any capture: warm-up runs consume randomness
-                self.stats = dict.fromkeys(self.stats, 0)
             outs = [self._run_chunk(steps, bucket[c], ids_p[runs[c][0]:runs[c][1]],
                                     mask_p[runs[c][0]:runs[c][1]],
                                     prompt_of_row[c[0]:c[1]] - runs[c][0], cfg, pad_id, targets)
