@@ -34,7 +34,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
-from hybridflow.rollout import Generator, decoder, sampling  # noqa: E402
+from hybridflow.rollout import Generator, decoder, generator, sampling  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gsm8k_hf_eval import write_json  # noqa: E402  (temp file + os.replace)
@@ -161,19 +161,59 @@ def machine(device) -> dict:
     return info
 
 
+# the decode kernels' module switches: flag -> (module, attribute, what it selects)
+SWITCHES = {
+    "triton-argmax": (sampling, "GREEDY_KERNEL", "greedy draws by kernels/sampling.argmax_rows"),
+    "fuse-rope-attention": (decoder, "FUSE_ROPE_ATTENTION",
+                            "RoPE + K/V write + attention as one kernel (kernels/rope_attention.py)"),
+    "step-kernel": (generator, "STEP_KERNEL",
+                    "a decode step's bookkeeping after the draw as one kernel"),
+    "prefill-swiglu-gemm": (decoder, "SWIGLU_GEMM_PREFILL",
+                            "the prefill's fc1 + SwiGLU as one Triton GEMM (kernels/gemm.py)"),
+}
+
+
 def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
-    """The decode kernels still on trial (module switches, off by default), for an A/B in one call."""
-    ap.add_argument("--triton-argmax", action="store_true",
-                    help="greedy draws by kernels/sampling.argmax_rows (hybridflow.rollout.sampling."
-                         "GREEDY_KERNEL) instead of torch.argmax")
-    ap.add_argument("--fuse-rope-attention", action="store_true",
-                    help="with decode_kernels triton: RoPE + K/V write + attention as one kernel "
-                         "(hybridflow.rollout.decoder.FUSE_ROPE_ATTENTION)")
+    """The decode kernels' module switches (decode_kernels triton), each on / off / left at the
+    module's default, for an A/B in one call."""
+    for flag, (mod, attr, what) in SWITCHES.items():
+        ap.add_argument(f"--{flag}", choices=["on", "off"], default=None,
+                        help=f"{what} ({mod.__name__}.{attr}; default: the module's)")
+    ap.add_argument("--triton-gemms", nargs="*", default=None, choices=["fc1", "qkv", "proj"],
+                    help="the decode step's GEMMs run by kernels/gemm.py with their neighbours in "
+                         "the epilogue (hybridflow.rollout.decoder.DECODE_TRITON_GEMMS; default: "
+                         "the module's)")
+    ap.add_argument("--attn-config", default=None, metavar="WARPS,STAGES,PROGRAMS_PER_SM",
+                    help="the split attention kernels' launch (hybridflow.kernels.decode.ATTN_WARPS, "
+                         "ATTN_STAGES, PROGRAMS_PER_SM; default: the module's)")
+    ap.add_argument("--gemm-configs", nargs="*", default=[], metavar="KIND=CFG",
+                    help="kernels/gemm.py tiles for decode's rows (<= 512), e.g. swiglu=64,64,64,4,3 "
+                         "linear=32,64,64,4,3 (block_m,block_n,block_k,warps,stages[,group_m])")
 
 
-def apply_kernel_switches(args) -> None:
-    decoder.FUSE_ROPE_ATTENTION = args.fuse_rope_attention
-    sampling.GREEDY_KERNEL = args.triton_argmax
+def apply_kernel_switches(args) -> dict:
+    """Set the switches given; returns every switch's value as the run uses it (for the report)."""
+    from hybridflow.kernels import gemm
+
+    for flag, (mod, attr, _) in SWITCHES.items():
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None:
+            setattr(mod, attr, value == "on")
+    if args.triton_gemms is not None:
+        decoder.DECODE_TRITON_GEMMS = frozenset(args.triton_gemms)
+    for item in args.gemm_configs:  # decode's rows only; more rows keep the table's
+        kind, _, cfg = item.partition("=")
+        if kind not in gemm.CONFIGS:
+            raise ValueError(f"--gemm-configs {item!r}: kind must be one of {sorted(gemm.CONFIGS)}")
+        gemm.CONFIGS[kind] = [(512, gemm.Config(*map(int, cfg.split(","))))] + gemm.CONFIGS[kind][1:]
+    from hybridflow.kernels import decode as kern
+
+    if args.attn_config:
+        kern.ATTN_WARPS, kern.ATTN_STAGES, kern.PROGRAMS_PER_SM = map(int, args.attn_config.split(","))
+    used = {attr: getattr(mod, attr) for mod, attr, _ in SWITCHES.values()}
+    used["attn_config"] = [kern.ATTN_WARPS, kern.ATTN_STAGES, kern.PROGRAMS_PER_SM]
+    return {**used, "DECODE_TRITON_GEMMS": sorted(decoder.DECODE_TRITON_GEMMS),
+            "gemm_configs": {k: [[b, list(c)] for b, c in v] for k, v in gemm.CONFIGS.items()}}
 
 
 def main():
@@ -202,9 +242,7 @@ def main():
     add_kernel_switches(ap)
     ap.add_argument("--out", default="benchmarks/results/generate_h200.json")
     args = ap.parse_args()
-    if args.fuse_rope_attention and args.decode_kernels != "triton":
-        ap.error("--fuse-rope-attention needs --decode-kernels triton")
-    apply_kernel_switches(args)
+    switches = apply_kernel_switches(args)  # they act with --decode-kernels triton only
     if args.hf_reps < 3 or args.reps < 3:
         raise ValueError(f"--reps={args.reps} / --hf-reps={args.hf_reps}: medians need >= 3 timed "
                          "calls each (issue 12: honest baselines)")
@@ -215,8 +253,8 @@ def main():
     P, R = args.prompt_len, args.new_tokens
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
               "model": cfg.name, "prompt_len": P, "new_tokens": R, "kv_window": args.kv_window,
-              "decode_kernels": args.decode_kernels, "fuse_rope_attention": args.fuse_rope_attention,
-              "triton_argmax": args.triton_argmax, "no_hf": args.no_hf,
+              "decode_kernels": args.decode_kernels, "kernel_switches": switches,
+              "no_hf": args.no_hf,
               "results": {},
               "timing": {"ours": f"first call (cache allocation, graph capture) reported apart as "
                                  f"ours_first_call_s; ours_s = median of the next {args.reps}",

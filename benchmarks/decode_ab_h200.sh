@@ -1,47 +1,71 @@
 #!/usr/bin/env bash
 # The generation goal of issue 12 (batch 256 >= 25% of the weight+KV read floor) in one device call:
-# the GPU tests of the decode kernels and the generator (the fused RoPE + attention, the chunked
-# argmax and the shared attention loop of decode._attend_blocks included),
-# a traced batch-256 call (profile_decode.py --timeline: where the GPU idles, by generator phase)
-# and bench_generate.py --no-hf at batch 256 without and with the two prepared kernels, each its
-# own process (module switches), same machine, same call. JSON and logs land in $OUT.
+# the GPU tests of the decode kernels, the Triton decode GEMMs' tile sweep (bench_triton_gemm.py at
+# 256 rows: its best configs are handed to the generate runs), then bench_generate.py --no-hf at
+# batch 256 for each variant of the decode kernels' module switches, each its own
+# process (module switches), same machine, same call. Everything lands in $WORK, packed as
+# $OUT/decode_ab.tgz (a device call returns at most 8 files); the summary prints.
 #
-#   bash benchmarks/decode_ab_h200.sh            # carry [".whl"]; ~6 minutes warm
-# Environment: OUT (/tmp/decode_ab), SITE (/tmp/site), MODEL (conf/model/qwen2_0_5b.yaml),
-# VARIANTS ("base fused argmax both"), SKIP_TESTS=1.
+#   bash benchmarks/decode_ab_h200.sh            # carry [".whl"]; ~8 minutes warm
+# Environment: OUT (/tmp/decode_ab), WORK (/tmp/decode_ab_work), SITE (/tmp/site), SKIP_TESTS=1,
+# SKIP_SWEEP=1, SWEEP_S (240: the sweep's time limit), SWEEP_GEMMS ("qkv proj"), VARIANTS (names
+# below, in order).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/decode_ab}
+WORK=${WORK:-/tmp/decode_ab_work}
 SITE=${SITE:-/tmp/site}
-MODEL=${MODEL:-conf/model/qwen2_0_5b.yaml}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$WORK"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
-  > "$OUT/pip.log" 2>&1
+  > "$WORK/pip.log" 2>&1
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout 400 python3 -m pytest -q tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_rollout_gpu.py \
-    > "$OUT/gpu_tests.log" 2>&1
-  grep -E "^E |passed|failed" "$OUT/gpu_tests.log" | tail -15
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py \
+    > "$WORK/gpu_tests.log" 2>&1
+  grep -E "^E |passed|failed" "$WORK/gpu_tests.log" | tail -15
 fi
-timeout 200 python3 benchmarks/profile_decode.py --models "$MODEL" --batches 256 --compile --no-eager \
-  --kernels triton --timeline --steps 32 --prefill --out "$OUT/timeline.json" > "$OUT/timeline.log" 2>&1
-grep -E "B=256|idle" "$OUT/timeline.log" | head -20
-for v in ${VARIANTS:-base fused argmax both}; do
+CONFIGS=()  # --gemm-configs from the sweep (decode's rows): swiglu=... linear=...
+if [ -z "${SKIP_SWEEP:-}" ]; then
+  timeout "${SWEEP_S:-240}" python3 benchmarks/bench_triton_gemm.py --gemms ${SWEEP_GEMMS:-qkv proj} \
+    --rows 256 --out "$WORK/triton_gemm.json" > "$WORK/triton_gemm.log" 2>&1
+  grep -E "M=" "$WORK/triton_gemm.log"
+  python3 - "$WORK/triton_gemm.json" > "$WORK/gemm_configs.txt" <<'EOF'
+import json, sys
+try:
+    cases = json.load(open(sys.argv[1]))["cases"]
+except (OSError, ValueError):
+    cases = []
+cfg = lambda b: ",".join(str(b[k]) for k in ("block_m", "block_n", "block_k", "warps", "stages", "group_m"))
+picks = {"fc1": "swiglu", "qkv": "linear"}  # proj shares the linear table with qkv: the qkv pick
+print(" ".join(f"{picks[c['gemm']]}={cfg(c['best'])}" for c in cases if c["gemm"] in picks))
+EOF
+  read -r -a CONFIGS < "$WORK/gemm_configs.txt"
+fi
+echo "gemm configs: ${CONFIGS[*]:-the module tables}"
+for v in ${VARIANTS:-defaults qkv proj qkv_proj}; do
   case $v in
-    base) flags=() ;;
-    fused) flags=(--fuse-rope-attention) ;;
-    argmax) flags=(--triton-argmax) ;;
-    both) flags=(--fuse-rope-attention --triton-argmax) ;;
+    off) flags=(--fuse-rope-attention off --triton-argmax off --step-kernel off --triton-gemms) ;;
+    defaults) flags=() ;;  # the module defaults as committed
+    qkv) flags=(--triton-gemms fc1 qkv) ;;
+    proj) flags=(--triton-gemms fc1 proj) ;;
+    qkv_proj) flags=(--triton-gemms fc1 qkv proj) ;;
+    prefill) flags=(--prefill-swiglu-gemm on) ;;
+    attn_*) IFS=_ read -r _ w st pp <<< "$v"; flags=(--attn-config "$w,$st,$pp") ;;  # attn_4_2_2
     *) echo "unknown variant $v" >&2; exit 2 ;;
   esac
+  [ ${#CONFIGS[@]} -gt 0 ] && flags+=(--gemm-configs "${CONFIGS[@]}")
   timeout 240 python3 benchmarks/bench_generate.py --batches 256 --compile-decode --kv-window 64 \
-    --skip-checks --no-hf --decode-kernels triton "${flags[@]}" --out "$OUT/generate_$v.json" \
-    > "$OUT/generate_$v.log" 2>&1
-  python3 - "$OUT/generate_$v.json" "$v" <<'EOF'
+    --skip-checks --no-hf --decode-kernels triton "${flags[@]}" \
+    --out "$WORK/generate_$v.json" > "$WORK/generate_$v.log" 2>&1
+  python3 - "$WORK/generate_$v.json" "$v" <<'EOF'
 import json, sys
-r = json.load(open(sys.argv[1]))["results"]["256"]
-print(f"{sys.argv[2]:7s} batch 256: ours {r['ours_s']:.4f} s (compiled {r.get('ours_compiled_s', float('nan')):.4f}), "
+try:
+    r = json.load(open(sys.argv[1]))["results"]["256"]
+except (OSError, KeyError, ValueError) as e:
+    print(f"{sys.argv[2]:8s} no result ({type(e).__name__}): see its log"); sys.exit(0)
+print(f"{sys.argv[2]:8s} batch 256: ours {r['ours_s']:.4f} s (compiled {r.get('ours_compiled_s', float('nan')):.4f}), "
       f"floor+kv fraction {r['floor_with_kv_fraction']:.3f} "
       f"({r.get('floor_with_kv_fraction_compiled', float('nan')):.3f} compiled)")
 EOF
 done
+tar czf "$OUT/decode_ab.tgz" -C "$WORK" .

@@ -251,12 +251,11 @@ def main():
         ap.error("--no-eager profiles the compiled cases only: it needs --compile")
     modes = ([True] if args.no_eager else [False, True]) if args.compile else [False]
     decoder.COMPILE_MODE = args.compile_mode
-    apply_kernel_switches(args)
+    switches = apply_kernel_switches(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
               "prompt_len": args.prompt_len, "steps": args.steps,
-              "fuse_rope_attention": args.fuse_rope_attention, "triton_argmax": args.triton_argmax,
-              "cases": []}
+              "kernel_switches": switches, "cases": []}
     for path in args.models:
         with open(path) as f:
             cfg = ModelConfig(**yaml.safe_load(f))

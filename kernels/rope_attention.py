@@ -12,8 +12,10 @@ in another order than the two kernels' (the current column last), so results agr
 
 Why: at Qwen2-0.5B and batch 256 the RoPE + K/V-write kernel is 58 us of a 1,434 us decode step
 (24 launches, ~2.4 us each, mostly launch latency: benchmarks/results/decode_profile_h200_fused_layer.json).
-Not yet measured on a GPU: `hybridflow.rollout.decoder.FUSE_ROPE_ATTENTION` (default False) selects
-it; benchmarks/bench_generate.py and profile_decode.py take `--fuse-rope-attention` for the A/B.
+`hybridflow.rollout.decoder.FUSE_ROPE_ATTENTION` (default True: -9 ms per 256-row, 256-token call on
+the H200, benchmarks/results/generate_h200_decode_ab.json) selects it; bench_generate.py and
+profile_decode.py take `--fuse-rope-attention on|off`. The decode step hands it the RoPE tables
+and the rows' positions (no gathered cos / sin copies).
 
 Shapes: qkv (B, G, hpg + 2, hd) (the QKV projection's view, as for rope_kv_write); cos, sin (B, hd);
 k_cache, v_cache (B, G, T, hd) strided views of the attended columns 0..T-1 (cur < T); key_valid
@@ -36,11 +38,12 @@ if HAVE_TRITON:
     from .decode import _attend_blocks  # the split's online softmax, column cur left out
 
     @triton.jit
-    def _rope_attn_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, cur_ptr, valid_ptr, m_ptr,
-                          l_ptr, acc_ptr, out_ptr, G, HPG, kv_len, scale, s_xb, s_xg, s_xr, s_cb,
-                          s_kb, s_kg, s_kt, s_vb, s_vg, s_vt, s_mb, s_mt, s_ob, s_og, s_oh,
+    def _rope_attn_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, cur_ptr, valid_ptr,
+                          m_ptr, l_ptr, acc_ptr, out_ptr, G, HPG, kv_len, scale, s_xb, s_xg, s_xr,
+                          s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt, s_mb, s_mt, s_ob, s_og, s_oh,
                           NSPLIT: tl.constexpr, BLOCKS: tl.constexpr, H_PAD: tl.constexpr,
-                          HD: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
+                          HD: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+                          TABLES: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         b, g = pid // G, pid % G
@@ -49,8 +52,9 @@ if HAVE_TRITON:
         rows = h[:, None] < HPG
         rolled = (d + HD // 2) % HD
         base = qkv_ptr + b * s_xb + g * s_xg
-        c = tl.load(cos_ptr + b * s_cb + d).to(tl.float32)
-        s = tl.load(sin_ptr + b * s_cb + d).to(tl.float32)
+        at = tl.load(pos_ptr + b) if TABLES else b  # the row's position in the RoPE tables
+        c = tl.load(cos_ptr + at * s_cb + d).to(tl.float32)
+        s = tl.load(sin_ptr + at * s_cb + d).to(tl.float32)
         # RoPE as rope_kv_write rounds: x * cos in the weights' dtype, then + roll(x) * sin
         qx = tl.load(base + h[:, None] * s_xr + d[None, :], mask=rows, other=0.0)
         qr = tl.load(base + h[:, None] * s_xr + rolled[None, :], mask=rows, other=0.0)
@@ -88,10 +92,14 @@ if HAVE_TRITON:
 
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, cur: torch.Tensor, key_valid: torch.Tensor, *, hpg: int,
-                   scale: float | None = None, impl: str = "auto") -> torch.Tensor:
+                   positions: torch.Tensor | None = None, scale: float | None = None,
+                   impl: str = "auto") -> torch.Tensor:
     """decode.rope_kv_write then decode.decode_attention over the given cache columns, in one kernel
-    (the module docstring); "torch": those two twins."""
+    (the module docstring); "torch": those two twins. With `positions` (B,) int64, cos and sin are
+    the RoPE tables (T_max, hd) and each row reads its position's entries (no gathered copy)."""
     B, G, R, hd = qkv.shape
+    if positions is not None and not use_triton(qkv, impl):
+        cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
     T = k_cache.shape[2]
     if R != hpg + 2:
         raise ValueError(f"qkv has {R} rows per group, expected hpg + 2 = {hpg + 2}")
@@ -119,11 +127,12 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     if B:
         valid = key_valid.view(torch.uint8) if key_valid.dtype == torch.bool else key_valid
         _rope_attn_kernel[(B * G, nsplit)](
-            qkv, cos, sin, k_cache, v_cache, cur, valid, m, lsum, acc, out, G, hpg, T, scale,
+            qkv, cos, sin, cur if positions is None else positions, k_cache, v_cache, cur, valid,
+            m, lsum, acc, out, G, hpg, T, scale,
             *qkv.stride()[:3], cos.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
             valid.stride(0), valid.stride(1), *out.stride()[:3], NSPLIT=nsplit, BLOCKS=blocks,
             H_PAD=h_pad, HD=hd, BLOCK=decode.BLOCK_T, IEEE=qkv.dtype == torch.float32,
-            num_warps=decode.ATTN_WARPS, num_stages=decode.ATTN_STAGES)
+            TABLES=positions is not None, num_warps=decode.ATTN_WARPS, num_stages=decode.ATTN_STAGES)
         if nsplit > 1:
             decode._attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, *out.stride()[:3],
                                                   NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4)

@@ -6,11 +6,15 @@ writes the chunk's max and its first id; pass 2 reduces a row's chunks the same 
 reduction gives each row to one block: at batch 256 and a 151,936-id vocabulary that is 54 us of a
 1,434 us decode step (benchmarks/results/decode_profile_h200_fused_layer.json) for 78 MB of
 logits, ~18 us at the copy bandwidth; the split spreads a row over ~19 programs.
-Not yet measured on a GPU: `hybridflow.rollout.sampling.GREEDY_KERNEL` (default False) selects it;
-benchmarks/bench_generate.py and profile_decode.py take `--triton-argmax` for the A/B.
+`hybridflow.rollout.sampling.GREEDY_KERNEL` (default True: -5.8 ms per 256-row, 256-token call on
+the H200, benchmarks/results/generate_h200_decode_ab.json) selects it; bench_generate.py and
+profile_decode.py take `--triton-argmax on|off`. `advance_rows`: a decode step's bookkeeping after
+the draw in one launch (hybridflow.rollout.generator.STEP_KERNEL), greedy's pass 2 folded in.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -51,26 +55,115 @@ if HAVE_TRITON:
         tl.store(out_ptr + row, tl.min(tl.where((v == m) & (i < V), i, V), 0).to(tl.int64))
 
 
-def argmax_rows(logits: torch.Tensor, *, chunk: int = 8192, block: int = 1024,
-                impl: str = "auto") -> torch.Tensor:
-    """torch.argmax(logits, dim=-1) for finite logits (B, V), last dimension contiguous -> (B,)
-    int64; `chunk` ids per program of pass 1 (a multiple of `block`)."""
+def _check_logits(logits: torch.Tensor, chunk: int, block: int) -> None:
     if logits.dim() != 2:
         raise ValueError(f"argmax_rows takes (B, V) logits, got shape {tuple(logits.shape)}")
-    if not use_triton(logits, impl):
-        return torch.argmax(logits, dim=-1)
     if logits.stride(-1) != 1:
         raise ValueError("argmax_rows needs logits contiguous in the last dimension")
     if chunk % block:
         raise ValueError(f"argmax_rows: chunk {chunk} is not a multiple of block {block}")
+
+
+def argmax_chunks(logits: torch.Tensor, *, chunk: int = 8192, block: int = 1024):
+    """Pass 1 of argmax_rows: (max (B, nchunk) fp32, its first id (B, nchunk) int32) per chunk of
+    `chunk` ids; `advance_rows(partials=...)` runs pass 2 in place of argmax_rows's."""
+    _check_logits(logits, chunk, block)
     B, V = logits.shape
     nchunk = triton.cdiv(V, chunk)
     val = torch.empty((B, nchunk), dtype=torch.float32, device=logits.device)
     idx = torch.empty((B, nchunk), dtype=torch.int32, device=logits.device)
-    out = torch.empty((B,), dtype=torch.long, device=logits.device)
     if B:
         _argmax_chunk_kernel[(B, nchunk)](logits, val, idx, V, logits.stride(0), nchunk, CHUNK=chunk,
                                           BLOCK=block, num_warps=4)
-        _argmax_final_kernel[(B,)](val, idx, out, V, nchunk,
+    return val, idx
+
+
+def argmax_rows(logits: torch.Tensor, *, chunk: int = 8192, block: int = 1024,
+                impl: str = "auto") -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) for finite logits (B, V), last dimension contiguous -> (B,)
+    int64; `chunk` ids per program of pass 1 (a multiple of `block`)."""
+    if not use_triton(logits, impl):
+        if logits.dim() != 2:
+            raise ValueError(f"argmax_rows takes (B, V) logits, got shape {tuple(logits.shape)}")
+        return torch.argmax(logits, dim=-1)
+    val, idx = argmax_chunks(logits, chunk=chunk, block=block)
+    B, nchunk = val.shape
+    out = torch.empty((B,), dtype=torch.long, device=logits.device)
+    if B:
+        _argmax_final_kernel[(B,)](val, idx, out, logits.shape[1], nchunk,
                                    N_PAD=max(16, triton.next_power_of_2(nchunk)), num_warps=1)
     return out
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _advance_kernel(tok_ptr, val_ptr, idx_ptr, lp_ptr, fin_ptr, out_tok_ptr, out_lp_ptr,
+                        stop_ptr, tokens_ptr, pos_ptr, cur_ptr, step_ptr, B, NSTOP, pad, V, NCHUNK,
+                        s_ot, s_ol, FROM_CHUNKS: tl.constexpr, HAS_LP: tl.constexpr,
+                        BLOCK: tl.constexpr, ROW_ITERS: tl.constexpr, N_PAD: tl.constexpr,
+                        STOP_PAD: tl.constexpr):
+        # one program: it reads `step` first and advances it after every row is done
+        step = tl.load(step_ptr)
+        s = tl.arange(0, STOP_PAD)
+        s_ok = s < NSTOP
+        stops = tl.load(stop_ptr + s, mask=s_ok, other=0)
+        for it in range(0, ROW_ITERS):
+            r = it * BLOCK + tl.arange(0, BLOCK)
+            ok = r < B
+            if FROM_CHUNKS:  # argmax_rows's pass 2: the max of the chunks' maxima, its first id
+                c = tl.arange(0, N_PAD)
+                at = r[:, None] * NCHUNK + c[None, :]
+                both = ok[:, None] & (c < NCHUNK)[None, :]
+                v = tl.load(val_ptr + at, mask=both, other=float("-inf"))
+                i = tl.load(idx_ptr + at, mask=both, other=V)
+                m = tl.max(v, 1)
+                tok = tl.min(tl.where((v == m[:, None]) & (i < V), i, V), 1).to(tl.int64)
+            else:
+                tok = tl.load(tok_ptr + r, mask=ok, other=0)
+            fin = tl.load(fin_ptr + r, mask=ok, other=1) != 0
+            tl.store(out_tok_ptr + r * s_ot + step, tl.where(fin, pad, tok), mask=ok)
+            if HAS_LP:
+                lp = tl.load(lp_ptr + r, mask=ok, other=0.0)
+                tl.store(out_lp_ptr + r * s_ol + step, tl.where(fin, 0.0, lp), mask=ok)
+            hit = tl.sum(((tok[:, None] == stops[None, :]) & s_ok[None, :]).to(tl.int32), 1) > 0
+            tl.store(fin_ptr + r, (fin | hit).to(tl.uint8), mask=ok)
+            tl.store(tokens_ptr + r, tok, mask=ok)
+            tl.store(pos_ptr + r, tl.load(pos_ptr + r, mask=ok, other=0) + 1, mask=ok)
+        tl.debug_barrier()  # every warp has read `step` before it moves
+        tl.store(step_ptr, step + 1)
+        tl.store(cur_ptr, tl.load(cur_ptr) + 1)
+
+
+def advance_rows(*, finished: torch.Tensor, out_tokens: torch.Tensor, stop_ids: torch.Tensor,
+                 tokens: torch.Tensor, positions: torch.Tensor, cur: torch.Tensor,
+                 step: torch.Tensor, pad: int, tok: Optional[torch.Tensor] = None,
+                 partials=None, vocab: int = 0, lp: Optional[torch.Tensor] = None,
+                 out_logprobs: Optional[torch.Tensor] = None) -> None:
+    """A decode step's bookkeeping after its draw as one kernel launch (~10 small PyTorch kernels
+    before): with the drawn tokens `tok` (B,) int64, or greedy's `partials` (argmax_chunks of
+    logits with `vocab` ids: their pass 2 runs here),
+        out_tokens[:, step] = pad where finished else tok   (out_logprobs[:, step]: 0 / lp)
+        finished |= tok in stop_ids;  tokens = tok;  positions += 1;  cur += 1;  step += 1
+    All on one device (a CUDA one, or CPU under TRITON_INTERPRET=1); finished (B,) bool,
+    out_tokens (B, R) int64, out_logprobs (B, R) fp32, cur and step (1,) int64."""
+    if (tok is None) == (partials is None):
+        raise ValueError("advance_rows takes the drawn tokens or argmax partials, one of them")
+    if (lp is None) != (out_logprobs is None):
+        raise ValueError("advance_rows: lp and out_logprobs come together")
+    B = finished.shape[0]
+    val, idx = partials if partials is not None else (finished, finished)  # unread without them
+    if partials is not None and (val.shape[0] != B or vocab <= 0):
+        raise ValueError(f"advance_rows: partials for {val.shape[0]} rows and vocab {vocab}, "
+                         f"expected {B} rows and a positive vocab")
+    nchunk = val.shape[1] if partials is not None else 1
+    block = min(256, max(16, triton.next_power_of_2(B)))
+    no_lp = out_logprobs is None
+    _advance_kernel[(1,)](
+        tokens if tok is None else tok, val, idx, out_tokens if no_lp else lp,
+        finished.view(torch.uint8), out_tokens, out_tokens if no_lp else out_logprobs, stop_ids,
+        tokens, positions, cur, step, B, stop_ids.numel(), pad, vocab, nchunk,
+        out_tokens.stride(0), 0 if no_lp else out_logprobs.stride(0),
+        FROM_CHUNKS=partials is not None, HAS_LP=not no_lp, BLOCK=block,
+        ROW_ITERS=triton.cdiv(B, block), N_PAD=max(16, triton.next_power_of_2(nchunk)),
+        STOP_PAD=max(2, triton.next_power_of_2(stop_ids.numel())), num_warps=4)

@@ -190,8 +190,8 @@ def _all_reduce(x, w: Weights):
 
 def _row_parallel_add(x, a, weight, w: Weights):
     """x + all_reduce(a @ weight.T); x, a 2-D. TP=1 fuses the residual add into the GEMM."""
-    if w.dims.tp_size == 1:
-        return torch.addmm(x, a, weight.t())
+    if w.dims.tp_size == 1:  # in place: an out-of-place addmm first copies x (the prefill's
+        return x.addmm_(a, weight.t())  # (B*S, D) twice per layer); x is the caller's own state
     return x + _all_reduce(a @ weight.t(), w)
 
 
@@ -221,9 +221,18 @@ def logits(w: Weights, h: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:
     return local.float() if fp32 else local
 
 
+def _swiglu_gemm(h, fc1):
+    """fc1 and the SwiGLU as one Triton GEMM (kernels/gemm.py)."""
+    from hybridflow.kernels.gemm import swiglu_linear
+
+    return swiglu_linear(h, fc1, impl="triton")
+
+
 def _swiglu(h, fc1, silu_mul=None):
     """silu(gate) * up of fc1 = [gate; up]; `silu_mul`: a one-pass kernel for it (the prefill's,
-    kernels.decode.silu_mul) instead of PyTorch's ops."""
+    kernels.decode.silu_mul) instead of PyTorch's ops, or `_swiglu_gemm` (the GEMM too)."""
+    if silu_mul is _swiglu_gemm:
+        return _swiglu_gemm(h, fc1)
     z = F.linear(h, fc1)
     if silu_mul is not None:
         return silu_mul(z)
@@ -258,6 +267,8 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
 
         cos, sin = cos_tab[positions], sin_tab[positions]  # (B, S, hd)
         silu_mul = functools.partial(kern.silu_mul, impl="triton")
+        if SWIGLU_GEMM_PREFILL:
+            silu_mul = _swiglu_gemm
     else:
         cos = cos_tab[positions][:, :, None, None]  # (B, S, 1, 1, hd)
         sin = sin_tab[positions][:, :, None, None]
@@ -355,22 +366,27 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     decode_profile_h200_fused_layer.json), so rollout.compile_decode changes nothing here (the
     sampler is compiled by the caller)."""
     from hybridflow.kernels import decode as kern
+    from hybridflow.kernels import gemm
     from hybridflow.kernels.rope_attention import rope_attention
 
+    tri = DECODE_TRITON_GEMMS
     d = w.dims
     B = tokens.shape[0]
     hpg, hd = d.heads_per_group, d.head_dim
-    cos = cos_tab.index_select(0, positions)  # (B, hd)
-    sin = sin_tab.index_select(0, positions)
+    if not FUSE_ROPE_ATTENTION:  # the fused kernel reads the tables at each row's position
+        cos = cos_tab.index_select(0, positions)  # (B, hd)
+        sin = sin_tab.index_select(0, positions)
     x, y = embed(w, tokens), None  # (B, D); the layer input is x + y (y None: x)
     for i, layer in enumerate(w.layers):
         x, h = kern.add_rms_norm(x, y, layer.ln1, d.eps, impl="triton")
-        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(B, d.groups, hpg + 2, hd)
+        qkv = (gemm.linear(h, layer.qkv_w, layer.qkv_b, impl="triton") if "qkv" in tri
+               else F.linear(h, layer.qkv_w, layer.qkv_b)).view(B, d.groups, hpg + 2, hd)
         kc, vc = cache.layer(i, B)
         if FUSE_ROPE_ATTENTION:  # RoPE, the K/V write and the attention as one kernel
             if kv_len is not None:
                 kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
-            a = rope_attention(qkv, cos, sin, kc, vc, cur, seen, hpg=hpg, impl="triton")
+            a = rope_attention(qkv, cos_tab, sin_tab, kc, vc, cur, seen, hpg=hpg,
+                               positions=positions, impl="triton")
         else:
             q = kern.rope_kv_write(qkv, cos, sin, kc, vc, cur, hpg=hpg, impl="triton")
             if kv_len is not None:
@@ -378,11 +394,15 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
             a = kern.decode_attention(q, kc, vc, seen, impl="triton")
         a = a.reshape(B, d.heads * hd)
         if d.tp_size == 1:  # x is this step's own buffer (add_rms_norm's sum, or the embedding)
-            x = x.addmm_(a, layer.proj.t())
+            x = (gemm.linear(a, layer.proj, out=x, impl="triton") if "proj" in tri
+                 else x.addmm_(a, layer.proj.t()))
         else:
             x = _row_parallel_add(x, a, layer.proj, w)
         h = kern.add_rms_norm(x, None, layer.ln2, d.eps, impl="triton")[1]
-        act = kern.silu_mul(F.linear(h, layer.fc1), impl="triton")
+        if "fc1" in tri:
+            act = _swiglu_gemm(h, layer.fc1)
+        else:
+            act = kern.silu_mul(F.linear(h, layer.fc1), impl="triton")
         y = _all_reduce(F.linear(act, layer.fc2), w)  # added by the next add_rms_norm
     return logits(w, kern.add_rms_norm(x, y, w.final_ln, d.eps, impl="triton")[1], fp32=False)
 
@@ -417,9 +437,17 @@ def _attn_out_split(x, a, proj, ln2, fc1, fc2, eps: float):
 
 
 # decode_kernels=triton: RoPE + the K/V write and the attention as one kernel
-# (kernels/rope_attention.py) instead of two; off until an H200 A/B (bench_generate.py and
-# profile_decode.py --fuse-rope-attention) shows it pays
-FUSE_ROPE_ATTENTION = False
+# (kernels/rope_attention.py) instead of two: 0.4638 -> 0.4548 s per 256-row, 256-token call of
+# Qwen2-0.5B on the H200 (benchmarks/results/generate_h200_decode_ab.json)
+FUSE_ROPE_ATTENTION = True
+# decode_kernels=triton: the decode step's GEMMs that run as Triton GEMMs with their neighbours in
+# the epilogue (kernels/gemm.py) instead of cuBLAS: "fc1" (+ the SwiGLU, no (B, 2F) product),
+# "qkv" (+ bias), "proj" (accumulated into the residual in place). fc1: 0.4452 -> 0.4318 s per
+# 256-row, 256-token call of Qwen2-0.5B on the H200 (benchmarks/results/generate_h200_decode_ab.json)
+DECODE_TRITON_GEMMS = frozenset({"fc1"})
+# the prefill's fc1 + SwiGLU as that one GEMM: as fast as cuBLAS + silu_mul at 16k tokens (0.99x,
+# benchmarks/results/swiglu_gemm_h200.json), so off; it would save the (M, 2F) product's memory
+SWIGLU_GEMM_PREFILL = False
 
 # rollout.compile_decode: the two pure parts of each layer's decode step (no cache writes, no
 # collectives: those stay eager between them) through torch.compile, dynamic batch size; inductor

@@ -35,9 +35,24 @@ def test_bench_generate_warms_up_and_takes_median(tmp_path):
     r = json.loads(out.read_text())
     res = r["results"]["4"]
     assert r["no_hf"] and "hf_s" not in res and res["floor_with_kv_fraction"] > 0
-    bad = subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--triton-argmax",
-                          "--fuse-rope-attention"], cwd=ROOT, env=ENV, capture_output=True, text=True)
-    assert bad.returncode != 0 and "--fuse-rope-attention needs --decode-kernels triton" in bad.stderr
+    # the kernel switches as the run used them: the module defaults unless a flag set one
+    from hybridflow.rollout import decoder
+
+    sw = r["kernel_switches"]
+    assert sw["FUSE_ROPE_ATTENTION"] == decoder.FUSE_ROPE_ATTENTION
+    assert sw["DECODE_TRITON_GEMMS"] == sorted(decoder.DECODE_TRITON_GEMMS)
+    subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--model", "conf/model/tiny.yaml",
+                    "--device", "cpu", "--batches", "4", "--prompt-len", "8", "--new-tokens", "8",
+                    "--skip-checks", "--no-hf", "--fuse-rope-attention", "off", "--step-kernel", "on",
+                    "--triton-gemms", "qkv", "proj", "--gemm-configs", "linear=32,64,64,4,3",
+                    "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
+    sw = json.loads(out.read_text())["kernel_switches"]
+    assert not sw["FUSE_ROPE_ATTENTION"] and sw["STEP_KERNEL"]
+    assert sw["DECODE_TRITON_GEMMS"] == ["proj", "qkv"]
+    assert sw["gemm_configs"]["linear"][0] == [512, [32, 64, 64, 4, 3, 8]]
+    bad = subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--gemm-configs",
+                          "qkv=32,64,64,4,3"], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert bad.returncode != 0 and "--gemm-configs 'qkv=32,64,64,4,3': kind must be one of" in bad.stderr
 
 
 def test_bench_long_tail_times_every_variant(tmp_path):

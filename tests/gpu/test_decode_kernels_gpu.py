@@ -122,6 +122,81 @@ def test_norm_and_swiglu_kernels_match_twins(dtype, N, D, F):
                                kern.silu_mul(z, impl="torch").float(), **one_ulp)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M,D,F", [(256, 896, 4864), (64, 1536, 8960), (1000, 896, 4864), (3, 200, 37)])
+def test_swiglu_gemm_matches_cublas_then_silu_mul(dtype, M, D, F):
+    """kernels/gemm.swiglu_linear (its default configs, decode's rows and a prefill's): equal to
+    cuBLAS's fc1 + silu_mul up to the GEMM's summation order (bf16: a rounding of gate / up)."""
+    from hybridflow.kernels.gemm import swiglu_linear
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    h = torch.randn(M, D, generator=g, device="cuda").to(dtype)
+    fc1 = (torch.randn(2 * F, D, generator=g, device="cuda") / D ** 0.5).to(dtype)
+    ref = kern.silu_mul(torch.nn.functional.linear(h, fc1), impl="triton").float()
+    got = swiglu_linear(h, fc1, impl="triton").float()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4  # TF32 off: fp32 dots are IEEE in both
+    assert (got - ref).abs().max() <= tol * ref.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M,K,N", [(256, 896, 1152), (256, 896, 896), (64, 1536, 2048), (3, 200, 37)])
+def test_linear_gemm_matches_cublas(dtype, M, K, N):
+    """kernels/gemm.linear with a bias (the QKV projection) and accumulated into the residual in
+    place (the attention output projection): cuBLAS's F.linear / addmm_ up to the summation order."""
+    from hybridflow.kernels.gemm import linear
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randn(M, K, generator=g, device="cuda").to(dtype)
+    w = (torch.randn(N, K, generator=g, device="cuda") / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=g, device="cuda").to(dtype)
+    res = torch.randn(M, N, generator=g, device="cuda").to(dtype)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    ref = torch.nn.functional.linear(a, w, b).float()
+    assert (linear(a, w, b, impl="triton").float() - ref).abs().max() <= tol * ref.abs().max()
+    acc = res.clone()
+    ref = res.clone().addmm_(a, w.t()).float()
+    assert linear(a, w, out=acc, impl="triton") is acc
+    assert (acc.float() - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_advance_rows_under_a_graph():
+    """kernels/sampling.advance_rows captured in a CUDA graph and replayed: each replay writes the
+    next output column and advances step / cur / positions, as the PyTorch bookkeeping does."""
+    from hybridflow.kernels.sampling import advance_rows, argmax_chunks
+
+    B, R, V = 256, 5, 151936
+    g = torch.Generator(device="cuda").manual_seed(4)
+    logits = torch.randn(B, V, generator=g, device="cuda").to(torch.bfloat16)
+    stops = torch.tensor([7, 11], device="cuda")
+    tok = torch.argmax(logits, dim=-1)
+    st = dict(finished=torch.zeros(B, dtype=torch.bool, device="cuda"),
+              out_tokens=torch.full((B, R), -1, dtype=torch.long, device="cuda"),
+              tokens=torch.zeros(B, dtype=torch.long, device="cuda"),
+              positions=torch.arange(B, device="cuda"), cur=torch.tensor([9], device="cuda"),
+              step=torch.tensor([1], device="cuda"))
+    st["finished"][::3] = True
+    fn = lambda: advance_rows(stop_ids=stops, pad=0, partials=argmax_chunks(logits), vocab=V,  # noqa
+                              **st)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles; step 1 -> 2
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()  # the capture runs nothing
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert int(st["step"]) == 4 and int(st["cur"]) == 12
+    assert torch.equal(st["positions"], torch.arange(B, device="cuda") + 3)
+    assert torch.equal(st["tokens"], tok)
+    expect = torch.where(torch.arange(B, device="cuda") % 3 == 0, 0, tok)
+    for col in (1, 2, 3):
+        assert torch.equal(st["out_tokens"][:, col], expect)
+    assert (st["out_tokens"][:, [0, 4]] == -1).all()
+
+
 def test_generator_with_kernels_under_graphs(monkeypatch):
     from hybridflow.rollout import compaction, decoder, generator, sampling
     from tests.unit.test_compaction import random_prompts, uneven_stops
@@ -143,18 +218,27 @@ def test_generator_with_kernels_under_graphs(monkeypatch):
     fused = dataclasses.replace(cfg, decode_kernels="triton")
     one = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
                     device=torch.device("cuda"), dtype=torch.float32, true_vocab_size=37)
+    no_lp = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
+                      device=torch.device("cuda"), dtype=torch.float32, true_vocab_size=37)
     for g_, variant, one_kernel in ((gen, fused, False),
                                     (gen, dataclasses.replace(fused, compile_decode=True), False),
-                                    (one, fused, True)):
-        # the last: RoPE + K/V write + attention as one kernel and the greedy draw by
-        # argmax_rows (a Generator of its own: the captured graphs are keyed by the config, not
-        # by these module switches)
-        monkeypatch.setattr(decoder, "FUSE_ROPE_ATTENTION", one_kernel)
-        monkeypatch.setattr(sampling, "GREEDY_KERNEL", one_kernel)
+                                    (one, fused, True),
+                                    (no_lp, dataclasses.replace(fused, return_logprobs=False),
+                                     True)):
+        # the last two: every trial switch (RoPE + K/V write + attention as one kernel, fc1 +
+        # SwiGLU as one GEMM, the bookkeeping kernel, the greedy draw by the argmax kernel; without
+        # log-probs its pass 2 inside the bookkeeping kernel), each a Generator of its own: the
+        # captured graphs are keyed by the config, not by these module switches
+        for mod, name in ((decoder, "FUSE_ROPE_ATTENTION"), (sampling, "GREEDY_KERNEL"),
+                          (decoder, "SWIGLU_GEMM_PREFILL"), (generator, "STEP_KERNEL")):
+            monkeypatch.setattr(mod, name, one_kernel)
+        monkeypatch.setattr(decoder, "DECODE_TRITON_GEMMS",
+                            frozenset({"fc1", "qkv", "proj"} if one_kernel else ()))
         out = g_.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)
         captured = len(g_._steps)
         again = g_.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)
         assert len(g_._steps) == captured
         for o in (out, again):
             assert torch.equal(o.response_ids, ref.response_ids)
-            assert torch.allclose(o.rollout_logprobs, ref.rollout_logprobs, atol=1e-4)
+            if variant.return_logprobs:
+                assert torch.allclose(o.rollout_logprobs, ref.rollout_logprobs, atol=1e-4)

@@ -11,12 +11,13 @@ assert os.environ.get("TRITON_INTERPRET") == "1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from hybridflow.config import ModelConfig  # noqa: E402
 from hybridflow.kernels import decode as kern  # noqa: E402
 from hybridflow.kernels import rope_attention as fused  # noqa: E402
 from hybridflow.kernels import sampling as ksampling  # noqa: E402
-from hybridflow.rollout import decoder, generator  # noqa: E402
+from hybridflow.rollout import decoder, generator, sampling  # noqa: E402
 from tests.unit.test_rollout import PROMPTS, make, random_params, rc  # noqa: E402
 
 
@@ -99,8 +100,17 @@ def rope_attention_cases():
             a = fused.rope_attention(qkv, cos, sin, kc, vc, cur, valid[:, :kv], hpg=hpg,
                                      impl="triton")
             err = max(err, (a - ref).abs().max().item())
+        tabled = cache.clone()  # the tables and positions in place of the gathered cos / sin
+        cache.copy_(before)  # (the last split count still set: the same sums as `a`)
+        kc, vc = cache[0, 1, :B, :, :kv], cache[1, 1, :B, :, :kv]
+        at = fused.rope_attention(qkv, cos_t, sin_t, kc, vc, cur, valid[:, :kv], hpg=hpg,
+                                  positions=pos, impl="triton")
         kern.TARGET_PROGRAMS = 0
+        at_twin = fused.rope_attention(qkv, cos_t, sin_t, rk.clone(), rv.clone(), cur,
+                                       valid[:, :kv], hpg=hpg, positions=pos, impl="torch")
         out.append({"shape": [B, G, hpg, hd, T, kv], "attn_err": err, "splits": splits,
+                    "tables_equal": bool(torch.equal(at, a) and torch.equal(cache, tabled)),
+                    "tables_twin_equal": bool(torch.equal(at_twin, ref)),
                     "cache_err": (cache - ref_cache).abs().max().item(),
                     "only_column_written": bool(torch.equal(
                         (cache != before).nonzero()[:, [1, 4]].unique(dim=0),
@@ -126,6 +136,92 @@ def argmax_cases():
         got = ksampling.argmax_rows(x, chunk=256, block=64, impl="triton")
         out.append({"dtype": str(dtype), "equal": bool(torch.equal(got, torch.argmax(x, dim=-1))),
                     "tokens": got.tolist()})
+    return out
+
+
+def swiglu_cases():
+    """kernels/gemm.swiglu_linear (fc1 + SwiGLU as one GEMM) against F.linear + the SwiGLU, fp32:
+    rows and columns not multiples of the tiles, a K that is not a multiple of block_k (masked
+    loads), grouped tile order over several m tiles, the default configs."""
+    from hybridflow.kernels.gemm import Config, swiglu_linear
+
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for M, D, f, cfg in [(5, 64, 48, Config(16, 16, 32, 4, 2, 2)), (70, 96, 80, Config(16, 32, 64, 4, 2, 2)),
+                         (3, 64, 96, None), (600, 32, 24, None)]:
+        h = torch.randn(M, D, generator=g)
+        fc1 = torch.randn(2 * f, D, generator=g) * 0.2
+        gate, up = F.linear(h, fc1).chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+        got = swiglu_linear(h, fc1, cfg=cfg, impl="triton")
+        out.append({"shape": [M, D, f], "err": (got - ref).abs().max().item(),
+                    "scale": ref.abs().max().item()})
+    return out
+
+
+def linear_cases():
+    """kernels/gemm.linear against F.linear (+ bias) and addmm_ (accumulated into out in place),
+    fp32: ragged tiles, a K needing masked loads, the default configs."""
+    from hybridflow.kernels.gemm import Config, linear
+
+    g = torch.Generator().manual_seed(12)
+    out = []
+    for M, K, N, cfg in [(5, 64, 48, Config(16, 16, 32, 4, 2, 2)), (70, 96, 80, Config(16, 32, 64, 4, 2, 2)),
+                         (3, 64, 96, None)]:
+        a, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) * 0.2
+        b, res = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
+        acc = res.clone()
+        got_acc = linear(a, w, out=acc, cfg=cfg, impl="triton")
+        out.append({"shape": [M, K, N],
+                    "bias_err": (linear(a, w, b, cfg=cfg, impl="triton") - F.linear(a, w, b))
+                    .abs().max().item(),
+                    "plain_err": (linear(a, w, cfg=cfg, impl="triton") - F.linear(a, w)).abs().max()
+                    .item(),
+                    "acc_err": (acc - torch.addmm(res, a, w.t())).abs().max().item(),
+                    "acc_in_place": got_acc.data_ptr() == acc.data_ptr()})
+    return out
+
+
+def advance_cases():
+    """kernels/sampling.advance_rows against the generator's PyTorch bookkeeping: drawn tokens with
+    and without log-probs, and greedy partials (the argmax's pass 2 in the kernel); finished rows
+    write pad / 0, stop tokens finish rows, more rows than one block (two row blocks)."""
+    g = torch.Generator().manual_seed(13)
+    out = []
+    for B, with_lp, from_partials in [(7, True, False), (300, False, False), (300, False, True),
+                                      (5, True, True)]:
+        R, V, stops = 6, 1000, torch.tensor([5, 17])
+        state = {"finished": torch.rand(B, generator=g) < 0.3,
+                 "out_tokens": torch.randint(0, V, (B, R), generator=g),
+                 "out_logprobs": torch.randn(B, R, generator=g),
+                 "tokens": torch.randint(0, V, (B,), generator=g),
+                 "positions": torch.randint(0, 50, (B,), generator=g),
+                 "cur": torch.tensor([40]), "step": torch.tensor([3])}
+        logits = torch.randn(B, V, generator=g)
+        logits[::4, 17] = 9.0  # some rows draw a stop token
+        tok = torch.argmax(logits, dim=-1)
+        lp = torch.randn(B, generator=g)
+        ref = {k: v.clone() for k, v in state.items()}  # the generator's ops
+        step = int(ref["step"])
+        ref["out_tokens"][:, step] = torch.where(ref["finished"], 0, tok)
+        if with_lp:
+            ref["out_logprobs"][:, step] = lp.masked_fill(ref["finished"], 0)
+        ref["finished"] |= (tok[:, None] == stops).any(1)
+        ref["tokens"].copy_(tok)
+        for k in ("positions", "cur", "step"):
+            ref[k] += 1
+        got = {k: v.clone() for k, v in state.items()}
+        kw = {k: got[k] for k in ("finished", "out_tokens", "tokens", "positions", "cur", "step")}
+        if from_partials:
+            kw.update(partials=ksampling.argmax_chunks(logits, chunk=256, block=64), vocab=V)
+        else:
+            kw.update(tok=tok)
+        if with_lp:
+            kw.update(lp=lp, out_logprobs=got["out_logprobs"])
+        ksampling.advance_rows(stop_ids=stops, pad=0, **kw)
+        out.append({"rows": B, "with_lp": with_lp, "from_partials": from_partials,
+                    "equal": {k: bool(torch.equal(got[k], ref[k])) for k in ref},
+                    "finished_now": int(got["finished"].sum())})
     return out
 
 
@@ -195,6 +291,21 @@ CFG16 = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attent
                     num_query_groups=2, vocab_size=37, add_qkv_bias=True)
 
 
+SWITCHES = [(decoder, "FUSE_ROPE_ATTENTION"), (decoder, "SWIGLU_GEMM_PREFILL"),
+            (decoder, "DECODE_TRITON_GEMMS"), (generator, "STEP_KERNEL"), (sampling, "GREEDY_KERNEL")]
+DEFAULTS = [getattr(m, a) for m, a in SWITCHES]
+
+
+def switches(on: bool):
+    """The decode kernels' module switches all on (every decode GEMM on kernels/gemm.py), or back
+    at their defaults."""
+    for (mod, attr), default in zip(SWITCHES, DEFAULTS):
+        value = default
+        if on:
+            value = frozenset({"fc1", "qkv", "proj"}) if attr == "DECODE_TRITON_GEMMS" else True
+        setattr(mod, attr, value)
+
+
 def generation_cases():
     """The generator with decode_kernels=triton against torch: greedy tokens equal, log-probs close
     (fp32), with KV windows and compaction, and with n samples per prompt at T = 1."""
@@ -207,10 +318,23 @@ def generation_cases():
         gen = make(cfg)
         ref = gen.generate(PROMPTS, cfg=rc(**kw), eos_id=5, pad_id=0, seed=7)
         got = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=7)
-        decoder.FUSE_ROPE_ATTENTION = True  # the one-kernel RoPE + K/V write + attention
+        fused_default = decoder.FUSE_ROPE_ATTENTION
+        decoder.FUSE_ROPE_ATTENTION = not fused_default  # the one-kernel RoPE + K/V write + attention
         fz = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=7)
-        decoder.FUSE_ROPE_ATTENTION = False
-        out[name] = {"tokens_equal": bool(torch.equal(ref.response_ids, got.response_ids)),
+        decoder.FUSE_ROPE_ATTENTION = fused_default
+        # every kernel switch on: + fc1/SwiGLU GEMM (decode and prefill) + the bookkeeping kernel
+        # + the greedy argmax kernel (its pass 2 inside the bookkeeping kernel without log-probs)
+        switches(True)
+        al = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=7)
+        nolp = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton", return_logprobs=False),
+                            eos_id=5, pad_id=0, seed=7)
+        switches(False)
+        out[name] = {"all_tokens_equal": bool(torch.equal(ref.response_ids, al.response_ids)),
+                     "all_logprob_err": (ref.rollout_logprobs - al.rollout_logprobs).abs().max()
+                     .item(),
+                     "all_no_logprobs_tokens_equal": bool(torch.equal(ref.response_ids,
+                                                                      nolp.response_ids)),
+                     "all_mask_equal": bool(torch.equal(ref.response_mask, al.response_mask)),"tokens_equal": bool(torch.equal(ref.response_ids, got.response_ids)),
                      "mask_equal": bool(torch.equal(ref.response_mask, got.response_mask)),
                      "logprob_err": (ref.rollout_logprobs - got.rollout_logprobs).abs().max().item(),
                      "fused_tokens_equal": bool(torch.equal(ref.response_ids, fz.response_ids)),
@@ -259,6 +383,8 @@ if __name__ == "__main__":
     print(json.dumps({"kernels": kernel_cases(), "rope_attention": rope_attention_cases(),
                       "argmax": argmax_cases(),
                       "prefill": prefill_cases(),
+                      "swiglu": swiglu_cases(), "linear": linear_cases(),
+                      "advance": advance_cases(),
                       "silu_mul": silu_mul_cases(), "add_rms_norm": add_rms_norm_cases(),
                       "generation": generation_cases(),
                       "tp2": tp2_cases()}))

@@ -56,6 +56,8 @@ def test_rope_attention_equals_the_two_kernels_twins(checked):
         assert case["only_column_written"], case
         assert case["splits"][0] == 1 and case["splits"][-1] == -(-case["shape"][5] // kern.BLOCK_T)
         assert case["row0_is_its_value"] < 1e-6, case
+        # the RoPE tables + positions (as the decode step passes them): the same bits
+        assert case["tables_equal"] and case["tables_twin_equal"], case
 
 
 def test_argmax_kernel_equals_torch_argmax(checked):
@@ -65,6 +67,36 @@ def test_argmax_kernel_equals_torch_argmax(checked):
     for case in checked["argmax"]:
         assert case["equal"], case
         assert case["tokens"][1:] == [3, 10, 0, 999, 260], case
+
+
+def test_swiglu_gemm_equals_fc1_then_swiglu(checked):
+    """kernels/gemm.swiglu_linear: F.linear + the SwiGLU (fp32), ragged tiles, a K needing masked
+    loads, grouped tile order, the default configs."""
+    cases = checked["swiglu"]
+    assert [c["shape"] for c in cases] == [[5, 64, 48], [70, 96, 80], [3, 64, 96], [600, 32, 24]]
+    for case in cases:
+        assert case["err"] < 1e-6 * max(1.0, case["scale"]) * 10, case
+
+
+def test_linear_gemm_equals_linear_and_addmm(checked):
+    """kernels/gemm.linear: F.linear with and without bias, and addmm_ into out (in place)."""
+    cases = checked["linear"]
+    assert [c["shape"] for c in cases] == [[5, 64, 48], [70, 96, 80], [3, 64, 96]]
+    for case in cases:
+        assert max(case["bias_err"], case["plain_err"], case["acc_err"]) < 1e-4, case
+        assert case["acc_in_place"], case
+
+
+def test_advance_rows_equals_the_generators_bookkeeping(checked):
+    """kernels/sampling.advance_rows: the output column (pad / 0 on finished rows), stop tokens
+    finishing rows, tokens / positions / cur / step advanced, from drawn tokens or greedy partials,
+    with and without log-probs, over one and two row blocks."""
+    cases = checked["advance"]
+    assert [(c["rows"], c["with_lp"], c["from_partials"]) for c in cases] == [
+        (7, True, False), (300, False, False), (300, False, True), (5, True, True)]
+    for case in cases:
+        assert all(case["equal"].values()), case
+        assert 0 < case["finished_now"] < case["rows"], case
 
 
 def test_prefill_kernel_equals_its_twin_and_the_decoders_rope(checked):
@@ -96,6 +128,10 @@ def test_generation_with_the_kernels_equals_torch(checked):
         assert case["tokens_equal"] and case["mask_equal"], (name, case)
         assert case["logprob_err"] < 1e-4, (name, case)
         assert case["fused_tokens_equal"] and case["fused_logprob_err"] < 1e-4, (name, case)
+        # every trial switch on (fc1/SwiGLU GEMM, bookkeeping kernel, argmax kernel), with and
+        # without log-probs (greedy without them: the argmax's pass 2 in the bookkeeping kernel)
+        assert case["all_tokens_equal"] and case["all_mask_equal"], (name, case)
+        assert case["all_logprob_err"] < 1e-4 and case["all_no_logprobs_tokens_equal"], (name, case)
         assert case["tokens"] > 50, (name, case)
     assert checked["generation"]["greedy_window_compaction"]["compactions"] > 0
 

@@ -1,0 +1,185 @@
+"""The decode layer's GEMMs in Triton with their neighbours in the epilogue: fc1 + SwiGLU, QKV + bias,
+the attention output projection accumulated into the residual.
+
+- `swiglu_linear(h, fc1)`: h (M, D), fc1 (2F, D) = [gate; up] (Megatron's fc1 layout, per TP
+  shard) -> silu(h @ gate^T) * (h @ up^T) (M, F) without the (M, 2F) product: program (m tile,
+  n tile) accumulates the gate tile (fc1 rows n..) and the up tile (rows F + n..) over the same A
+  tiles, rounds both to h's dtype (as F.linear returns them), takes the SiLU in fp32 rounded to
+  the dtype and the product rounded once: what `kernels.decode.silu_mul` does to F.linear's output,
+  up to the GEMM's summation order.
+- `linear(a, w, bias=None, out=None)`: a @ w^T (+ bias, added in fp32 and rounded once, as
+  cuBLAS's bias epilogue); with `out`, accumulated into it in place (out + a @ w^T in fp32, rounded
+  once: cuBLAS's addmm with beta = 1).
+
+Why: inside a decode step of Qwen2-0.5B at batch 256, cuBLAS's fc1 takes 11.1 us per layer and the
+SwiGLU kernel after it 2.3 us, reading the 5 MB (M, 2F) product back; the QKV GEMM with bias 5.4 us,
+the projection 5.0 us for ~0.5 GFLOP each (benchmarks/results/decode_profile_h200_fused_layer.json).
+fc1 + SwiGLU as one Triton GEMM took 0.4452 -> 0.4318 s off a 256-row, 256-token generate call
+(benchmarks/results/swiglu_gemm_h200.json, generate_h200_decode_ab.json). An earlier experiment
+(benchmarks/fused_linear_triton.py) lost to cuBLAS with the RMSNorm folded into the A tiles and
+split-K partials; these are plain tiled GEMMs (operands straight from memory into tl.dot,
+software-pipelined), the neighbours in the epilogue only.
+
+Tiles: a `Config` per call, or `config_for(kind, M)` from CONFIGS (measured by
+benchmarks/bench_triton_gemm.py). `impl`: "auto" (Triton on CUDA tensors), "triton" (on CPU only
+under TRITON_INTERPRET=1), "torch" (the PyTorch ops they replace).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._dispatch import HAVE_TRITON, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+
+class Config(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    group_m: int = 8
+
+
+# kind -> [(rows at most, config)]: the first entry whose bound holds M. swiglu: the H200 sweep's
+# best at 256 rows (decode) and 16k (a prefill sub-batch), benchmarks/results/swiglu_gemm_h200.json
+CONFIGS = {
+    "swiglu": [(512, Config(64, 64, 64, 4, 3)), (1 << 62, Config(128, 64, 64, 8, 3))],
+    "linear": [(512, Config(64, 64, 64, 4, 3)), (1 << 62, Config(128, 128, 64, 8, 3))],
+}
+
+
+def config_for(kind: str, M: int) -> Config:
+    return next(c for bound, c in CONFIGS[kind] if M <= bound)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _gemm_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, s_am, s_wn, s_om,
+                     K_ITERS: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
+                     BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     IEEE: tl.constexpr):
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        # grouped order: GROUP_M m tiles walk the n tiles together (their W tiles shared in L2)
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % size_m
+        pid_n = (pid % per_group) // size_m
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        # out-of-range rows / columns read row 0 (kept out by the store's mask): unmasked loads
+        rm_in = tl.where(rm < M, rm, 0).to(tl.int64)
+        rn_in = tl.where(rn < N, rn, 0).to(tl.int64)
+        a_ptrs = a_ptr + rm_in[:, None] * s_am + rk[None, :]
+        w_ptrs = w_ptr + rn_in[None, :] * s_wn + rk[:, None]  # (BLOCK_K, BLOCK_N) of W^T
+        u_ptrs = w_ptrs + N * s_wn  # SwiGLU: the up half's rows
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for i in range(0, K_ITERS):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                k_ok = rk < K - i * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            if IEEE:  # fp32 inputs: full-precision products (the default would be TF32)
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+            if SWIGLU:
+                if EVEN_K:
+                    u = tl.load(u_ptrs)
+                else:
+                    u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+                if IEEE:
+                    acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+                else:
+                    acc_u = tl.dot(a, u, acc_u)
+                u_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        dt = out_ptr.dtype.element_ty
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        o_ptrs = out_ptr + rm[:, None].to(tl.int64) * s_om + rn[None, :]
+        if BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if SWIGLU:
+            gate = acc.to(dt).to(tl.float32)  # as F.linear rounds its output
+            up = acc_u.to(dt).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # as F.silu rounds
+            acc = act * up
+        if ACCUMULATE:
+            acc += tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o_ptrs, acc.to(dt), mask=mask)
+
+
+def _launch(a, w, bias, out, n: int, *, swiglu: bool, accumulate: bool, cfg: Config) -> None:
+    M, K = a.shape
+    if M and n:
+        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+        _gemm_kernel[grid](a, w, out if bias is None else bias, out, M, n, K, a.stride(0),
+                           w.stride(0), out.stride(0), K_ITERS=triton.cdiv(K, cfg.block_k),
+                           EVEN_K=K % cfg.block_k == 0, SWIGLU=swiglu, BIAS=bias is not None,
+                           ACCUMULATE=accumulate, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                           BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, IEEE=a.dtype == torch.float32,
+                           num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+def _check(name: str, a: torch.Tensor, w: torch.Tensor) -> None:
+    if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
+        raise ValueError(f"{name}: a {tuple(a.shape)} and w {tuple(w.shape)} are not (M, K) and "
+                         f"(N, K)")
+
+
+def swiglu_linear(h: torch.Tensor, fc1: torch.Tensor, *, cfg: Optional[Config] = None,
+                  impl: str = "auto") -> torch.Tensor:
+    """silu(h @ gate^T) * (h @ up^T) for fc1 = [gate; up] (2F, D), h (M, D) -> (M, F) in h's
+    dtype; both contiguous in the last dimension."""
+    _check("swiglu_linear", h, fc1)
+    if fc1.shape[0] % 2:
+        raise ValueError(f"swiglu_linear: fc1 has {fc1.shape[0]} rows, expected [gate; up] (even)")
+    if not use_triton(h, impl):
+        gate, up = F.linear(h, fc1).chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if h.stride(-1) != 1 or fc1.stride(-1) != 1:
+        raise ValueError("swiglu_linear needs h and fc1 contiguous in the last dimension")
+    f = fc1.shape[0] // 2
+    out = torch.empty((h.shape[0], f), dtype=h.dtype, device=h.device)
+    _launch(h, fc1, None, out, f, swiglu=True, accumulate=False,
+            cfg=cfg or config_for("swiglu", h.shape[0]))
+    return out
+
+
+def linear(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+           out: Optional[torch.Tensor] = None, cfg: Optional[Config] = None,
+           impl: str = "auto") -> torch.Tensor:
+    """a @ w^T (+ bias) -> (M, N) in a's dtype; with `out` (M, N): out += a @ w^T in place (and
+    returned). a, w (and out) contiguous in the last dimension."""
+    _check("linear", a, w)
+    if out is not None and (tuple(out.shape) != (a.shape[0], w.shape[0]) or bias is not None):
+        raise ValueError(f"linear: out {tuple(out.shape)} must be (M, N) = "
+                         f"{(a.shape[0], w.shape[0])}, and without a bias")
+    if not use_triton(a, impl):
+        return F.linear(a, w, bias) if out is None else out.addmm_(a, w.t())
+    if a.stride(-1) != 1 or w.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
+        raise ValueError("linear needs a, w and out contiguous in the last dimension")
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty((a.shape[0], w.shape[0]), dtype=a.dtype, device=a.device)
+    _launch(a, w, bias, out, w.shape[0], swiglu=False, accumulate=accumulate,
+            cfg=cfg or config_for("linear", a.shape[0]))
+    return out
