@@ -123,6 +123,7 @@ class Generator:
         self._tables = None  # rope (cos, sin) for the cache length
         self._steps: dict = {}  # (rows, max_new, sampling key, graphed) -> (buffers, step fn)
         self._pool = self._side = None  # graph memory pool, warm-up stream
+        self._poller: Optional[StopPoller] = None
         # host-side counts of the last generate call (no sync): decode row-steps run, what the
         # same steps would have cost without compaction, compactions
         self.stats = {"decode_row_steps": 0, "decode_row_steps_uncompacted": 0, "compactions": 0}
@@ -350,7 +351,10 @@ class Generator:
             out_tok = torch.full((B + 1, R), pad_id, dtype=torch.long, device=self.device)  # row B:
             out_lp = torch.zeros((B + 1, R), dtype=torch.float32, device=self.device)  # bucket pad
             row_map = torch.arange(b, device=self.device).clamp_(max=B)  # bucket row -> chunk row
-            poller, full_b = StopPoller(self.device), b
+            if self._poller is None:  # kept across calls (pinned buffers)
+                self._poller = StopPoller(self.device)
+            poller, full_b = self._poller, b
+            poller.reset()
         with record_function("generate.decode"):
             for s in range(1, R):
                 fns[window_for(fns, P + s)]()  # the token of step s goes to cache column P + s - 1
