@@ -22,7 +22,8 @@ The math follows Megatron's local spec exactly (so logits match `GPTModel` to fp
   attention as split-KV Triton kernels, and the rest of the layer is Triton kernels + cuBLAS too
   (`_decode_step_fused`; hybridflow/kernels/decode.py: same math, PyTorch twins).
 - MLP: SwiGLU from fc1 = [gate; up] (per shard); row-parallel proj/fc2 then all-reduce over TP_g.
-  With decode_kernels=triton the SwiGLU is one kernel (kernels.decode.silu_mul), prefill too.
+  With decode_kernels=triton the prefill's SwiGLU is one kernel (kernels.decode.silu_mul) and the
+  decode step's fc1 + SwiGLU one Triton GEMM (kernels/gemm.py, `DECODE_TRITON_GEMMS`).
 - Embedding: vocab-parallel masked lookup + all-reduce. Output: vocab-parallel matmul, all-gather
   over TP_g, padded vocab ids (>= true vocab) dropped; fp32 logits out (a decode step's stay in
   the weights' dtype for the sampler).
@@ -253,7 +254,8 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
     ids, positions (B, S) int64, valid (B, S) bool (False = left padding). With `cache`, K/V land in
     columns 0..S-1 of cache rows cache_row0.. `kernels` "triton" (rollout.decode_kernels, with a
     cache): RoPE and the K/V writes as one kernel (kernels.decode.rope_kv_prefill), the attention
-    reading K/V from the cache, the SwiGLU in one pass (kernels.decode.silu_mul). Returns fp32
+    reading K/V from the cache, the SwiGLU in one pass (kernels.decode.silu_mul; or with fc1 as one
+    GEMM, SWIGLU_GEMM_PREFILL), the RMSNorms as kernels.decode.add_rms_norm. Returns fp32
     logits (B, S, V) or, with last_only, (B, V).
     """
     d = w.dims
@@ -362,8 +364,9 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     CPU only under TRITON_INTERPRET=1, the tests' way): the residual sum + RMSNorm as one kernel
     (add_rms_norm), RoPE + the KV writes as one (rope_kv_write), split-KV attention, the attention
     output's projection accumulated in place into the layer's residual sum (cuBLAS's beta = 1;
-    an out-of-place addmm, as inductor makes, first copies the residual) and the SwiGLU as one
-    kernel (silu_mul). Per op 1.3-3.3x faster than rollout.compile_decode's inductor kernels for
+    an out-of-place addmm, as inductor makes, first copies the residual) and fc1 + the SwiGLU as
+    one Triton GEMM (kernels/gemm.swiglu_linear; `DECODE_TRITON_GEMMS`, else cuBLAS + silu_mul),
+    RoPE + the K/V write + the attention as one kernel (`FUSE_ROPE_ATTENTION`). Per op 1.3-3.3x faster than rollout.compile_decode's inductor kernels for
     the same work and 4.8-8% off the whole step (benchmarks/results/decode_parts_h200.json,
     decode_profile_h200_fused_layer.json), so rollout.compile_decode changes nothing here (the
     sampler is compiled by the caller)."""
