@@ -179,7 +179,7 @@ def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
     for flag, (mod, attr, what) in SWITCHES.items():
         ap.add_argument(f"--{flag}", choices=["on", "off"], default=None,
                         help=f"{what} ({mod.__name__}.{attr}; default: the module's)")
-    ap.add_argument("--triton-gemms", nargs="*", default=None, choices=["fc1", "qkv", "proj"],
+    ap.add_argument("--triton-gemms", nargs="*", default=None, choices=["fc1", "qkv", "proj", "fc2"],
                     help="the decode step's GEMMs run by kernels/gemm.py with their neighbours in "
                          "the epilogue (hybridflow.rollout.decoder.DECODE_TRITON_GEMMS; default: "
                          "the module's)")
@@ -188,7 +188,8 @@ def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
                          "ATTN_STAGES, PROGRAMS_PER_SM; default: the module's)")
     ap.add_argument("--gemm-configs", nargs="*", default=[], metavar="KIND=CFG",
                     help="kernels/gemm.py tiles for decode's rows (<= 512), e.g. swiglu=64,64,64,4,3 "
-                         "linear=32,64,64,4,3 (block_m,block_n,block_k,warps,stages[,group_m])")
+                         "linear=32,64,64,4,3 linear_long_k=64,64,64,4,3,8,4 "
+                         "(block_m,block_n,block_k,warps,stages[,group_m[,split]])")
 
 
 def apply_kernel_switches(args) -> dict:

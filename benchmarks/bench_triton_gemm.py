@@ -3,7 +3,9 @@ against what the layer runs without them, per tile config:
 
 - fc1: swiglu_linear vs cuBLAS's fc1 (F.linear) + the SwiGLU kernel (kernels.decode.silu_mul);
 - qkv: linear with the bias vs F.linear with it;
-- proj: linear accumulated into the residual in place vs addmm_ (cuBLAS, beta = 1).
+- proj: linear accumulated into the residual in place vs addmm_ (cuBLAS, beta = 1);
+- fc2: linear with split-K (the reduction in the kernel) vs F.linear (cuBLAS: split-K + its
+  reduce kernel).
 
 Per model x rows M (decode batches; a prefill sub-batch of tokens for fc1): a grid of tile configs,
 each timed as a CUDA graph of 20 back-to-back calls (median of 5 replays, per call;
@@ -39,8 +41,15 @@ MODELS = {"qwen2_0_5b": (896, 14, 2, 64, 4864), "qwen2_1_5b": (1536, 12, 2, 128,
           "qwen2_7b": (3584, 28, 4, 128, 18944)}
 
 
-def grid(M: int):
-    """Tiles for decode's few rows (narrow tiles: enough programs) and for the prefill's many."""
+def grid(M: int, gemm: str = "fc1"):
+    """Tiles for decode's few rows (narrow tiles: enough programs) and for the prefill's many;
+    fc2 (K = the FFN width over few output tiles) with split-K."""
+    if gemm == "fc2":
+        tiles = [(32, 64), (64, 32), (64, 64), (64, 128), (128, 64)]
+        for (bm, bn), bk, (w, s), sp in itertools.product(tiles, [64, 128], [(4, 3), (4, 4)],
+                                                          [2, 4, 8]):
+            yield Config(bm, bn, bk, w, s, 8, sp)
+        return
     if M <= 512:
         tiles = [(32, 64), (64, 32), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128),
                  (256, 64)]
@@ -68,6 +77,10 @@ def calls(gemm: str, model: str, M: int):
         h, w, b = rnd(M, D), rnd(n, D, scale=0.03), rnd(n)
         return (lambda: F.linear(h, w, b), lambda c: linear(h, w, b, cfg=c, impl="triton"),
                 2 * M * D * n)
+    if gemm == "fc2":
+        act, fc2 = rnd(M, ffn), rnd(D, ffn, scale=0.01)
+        return (lambda: F.linear(act, fc2), lambda c: linear(act, fc2, cfg=c, impl="triton"),
+                2 * M * ffn * D)
     a, w, x = rnd(M, H * hd), rnd(D, H * hd, scale=0.03), rnd(M, D)
     # in place, as the decode step runs them: the residual drifts over the timed calls, harmless
     return (lambda: x.addmm_(a, w.t()), lambda c: linear(a, w, out=x, cfg=c, impl="triton"),
@@ -78,7 +91,7 @@ def case(gemm: str, model: str, M: int, configs) -> dict:
     today_fn, triton_fn, flop = calls(gemm, model, M)
     today = timed(today_fn)
     rows = []
-    for c in configs or grid(M):
+    for c in configs or grid(M, gemm):
         try:
             rows.append((timed(lambda: triton_fn(c)), c))
         except Exception as e:  # noqa: BLE001  (out of shared memory / registers: skip it)
@@ -101,11 +114,13 @@ def case(gemm: str, model: str, M: int, configs) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gemms", nargs="+", default=["fc1", "qkv", "proj"], choices=["fc1", "qkv", "proj"])
+    ap.add_argument("--gemms", nargs="+", default=["fc1", "qkv", "proj", "fc2"],
+                    choices=["fc1", "qkv", "proj", "fc2"])
     ap.add_argument("--models", nargs="+", default=["qwen2_0_5b"], choices=sorted(MODELS))
     ap.add_argument("--rows", type=int, nargs="+", default=[256])
     ap.add_argument("--configs", nargs="*", default=None,
-                    help="block_m,block_n,block_k,warps,stages[,group_m] each (default: the grid)")
+                    help="block_m,block_n,block_k,warps,stages[,group_m[,split]] each (default: the "
+                         "grid)")
     ap.add_argument("--out", default="benchmarks/results/triton_gemm_h200.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -8,7 +8,7 @@
 #
 #   bash benchmarks/decode_ab_h200.sh            # carry [".whl"]; ~8 minutes warm
 # Environment: OUT (/tmp/decode_ab), WORK (/tmp/decode_ab_work), SITE (/tmp/site), SKIP_TESTS=1,
-# SKIP_SWEEP=1, SWEEP_S (240: the sweep's time limit), SWEEP_GEMMS ("qkv proj"), VARIANTS (names
+# SKIP_SWEEP=1, SWEEP_S (240: the sweep's time limit), SWEEP_GEMMS ("fc2"), VARIANTS (names
 # below, in order).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 CONFIGS=()  # --gemm-configs from the sweep (decode's rows): swiglu=... linear=...
 if [ -z "${SKIP_SWEEP:-}" ]; then
-  timeout "${SWEEP_S:-240}" python3 benchmarks/bench_triton_gemm.py --gemms ${SWEEP_GEMMS:-qkv proj} \
+  timeout "${SWEEP_S:-240}" python3 benchmarks/bench_triton_gemm.py --gemms ${SWEEP_GEMMS:-fc2} \
     --rows 256 --out "$WORK/triton_gemm.json" > "$WORK/triton_gemm.log" 2>&1
   grep -E "M=" "$WORK/triton_gemm.log"
   python3 - "$WORK/triton_gemm.json" > "$WORK/gemm_configs.txt" <<'EOF'
@@ -35,20 +35,22 @@ try:
     cases = json.load(open(sys.argv[1]))["cases"]
 except (OSError, ValueError):
     cases = []
-cfg = lambda b: ",".join(str(b[k]) for k in ("block_m", "block_n", "block_k", "warps", "stages", "group_m"))
-picks = {"fc1": "swiglu", "qkv": "linear"}  # proj shares the linear table with qkv: the qkv pick
+cfg = lambda b: ",".join(str(b[k]) for k in ("block_m", "block_n", "block_k", "warps", "stages", "group_m",
+                                             "split"))
+picks = {"fc1": "swiglu", "qkv": "linear", "fc2": "linear_long_k"}  # proj: the qkv pick (one table)
 print(" ".join(f"{picks[c['gemm']]}={cfg(c['best'])}" for c in cases if c["gemm"] in picks))
 EOF
   read -r -a CONFIGS < "$WORK/gemm_configs.txt"
 fi
 echo "gemm configs: ${CONFIGS[*]:-the module tables}"
-for v in ${VARIANTS:-defaults qkv proj qkv_proj}; do
+for v in ${VARIANTS:-defaults fc2 defaults fc2}; do
   case $v in
     off) flags=(--fuse-rope-attention off --triton-argmax off --step-kernel off --triton-gemms) ;;
     defaults) flags=() ;;  # the module defaults as committed
     qkv) flags=(--triton-gemms fc1 qkv) ;;
     proj) flags=(--triton-gemms fc1 proj) ;;
     qkv_proj) flags=(--triton-gemms fc1 qkv proj) ;;
+    fc2) flags=(--triton-gemms fc1 fc2) ;;
     prefill) flags=(--prefill-swiglu-gemm on) ;;
     attn_*) IFS=_ read -r _ w st pp <<< "$v"; flags=(--attn-config "$w,$st,$pp") ;;  # attn_4_2_2
     *) echo "unknown variant $v" >&2; exit 2 ;;

@@ -9,7 +9,10 @@ the attention output projection accumulated into the residual.
   up to the GEMM's summation order.
 - `linear(a, w, bias=None, out=None)`: a @ w^T (+ bias, added in fp32 and rounded once, as
   cuBLAS's bias epilogue); with `out`, accumulated into it in place (out + a @ w^T in fp32, rounded
-  once: cuBLAS's addmm with beta = 1).
+  once: cuBLAS's addmm with beta = 1). With `Config.split` > 1 (split-K, for fc2's long K over few
+  output tiles) each of a tile's `split` programs stores its fp32 share and bumps the tile's
+  counter; the last to arrive sums the shares in split order (deterministic) and runs the
+  epilogue, then resets the counter: no second reduce kernel (cuBLAS's fc2 runs one).
 
 Why: inside a decode step of Qwen2-0.5B at batch 256, cuBLAS's fc1 takes 11.1 us per layer and the
 SwiGLU kernel after it 2.3 us, reading the 5 MB (M, 2F) product back; the QKV GEMM with bias 5.4 us,
@@ -46,6 +49,7 @@ class Config(NamedTuple):
     warps: int
     stages: int
     group_m: int = 8
+    split: int = 1  # split-K: programs sharing a tile's K (linear only), reduced in the kernel
 
 
 # kind -> [(rows at most, config)]: the first entry whose bound holds M. swiglu: the H200 sweep's
@@ -53,7 +57,11 @@ class Config(NamedTuple):
 CONFIGS = {
     "swiglu": [(512, Config(64, 64, 64, 4, 3)), (1 << 62, Config(128, 64, 64, 8, 3))],
     "linear": [(512, Config(64, 64, 64, 4, 3)), (1 << 62, Config(128, 128, 64, 8, 3))],
+    # fc2's long K (the FFN width) over few output tiles at decode's rows: split-K (a guess until
+    # an H200 sweep, bench_triton_gemm.py --gemms fc2)
+    "linear_long_k": [(512, Config(64, 64, 64, 4, 3, 8, 4)), (1 << 62, Config(128, 128, 64, 8, 3))],
 }
+MAX_TILES = 4096  # split-K tile counters kept per device
 
 
 def config_for(kind: str, M: int) -> Config:
@@ -63,12 +71,13 @@ def config_for(kind: str, M: int) -> Config:
 if HAVE_TRITON:
 
     @triton.jit
-    def _gemm_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, s_am, s_wn, s_om,
-                     K_ITERS: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
-                     BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     IEEE: tl.constexpr):
+    def _gemm_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, s_am, s_wn,
+                     s_om, K_ITERS: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
+                     BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, SPLIT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, IEEE: tl.constexpr):
         pid = tl.program_id(0)
+        split = tl.program_id(1)  # K_ITERS blocks of K from split * K_ITERS * BLOCK_K
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
         # grouped order: GROUP_M m tiles walk the n tiles together (their W tiles shared in L2)
@@ -79,12 +88,13 @@ if HAVE_TRITON:
         pid_n = (pid % per_group) // size_m
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = split * K_ITERS * BLOCK_K
         rk = tl.arange(0, BLOCK_K)
         # out-of-range rows / columns read row 0 (kept out by the store's mask): unmasked loads
         rm_in = tl.where(rm < M, rm, 0).to(tl.int64)
         rn_in = tl.where(rn < N, rn, 0).to(tl.int64)
-        a_ptrs = a_ptr + rm_in[:, None] * s_am + rk[None, :]
-        w_ptrs = w_ptr + rn_in[None, :] * s_wn + rk[:, None]  # (BLOCK_K, BLOCK_N) of W^T
+        a_ptrs = a_ptr + rm_in[:, None] * s_am + (k0 + rk)[None, :]
+        w_ptrs = w_ptr + rn_in[None, :] * s_wn + (k0 + rk)[:, None]  # (BLOCK_K, BLOCK_N) of W^T
         u_ptrs = w_ptrs + N * s_wn  # SwiGLU: the up half's rows
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -93,7 +103,7 @@ if HAVE_TRITON:
                 a = tl.load(a_ptrs)
                 w = tl.load(w_ptrs)
             else:
-                k_ok = rk < K - i * BLOCK_K
+                k_ok = rk < K - k0 - i * BLOCK_K
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
             if IEEE:  # fp32 inputs: full-precision products (the default would be TF32)
@@ -112,31 +122,70 @@ if HAVE_TRITON:
                 u_ptrs += BLOCK_K
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        dt = out_ptr.dtype.element_ty
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        o_ptrs = out_ptr + rm[:, None].to(tl.int64) * s_om + rn[None, :]
-        if BIAS:
-            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        if SWIGLU:
-            gate = acc.to(dt).to(tl.float32)  # as F.linear rounds its output
-            up = acc_u.to(dt).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # as F.silu rounds
-            acc = act * up
-        if ACCUMULATE:
-            acc += tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(o_ptrs, acc.to(dt), mask=mask)
+        last = True
+        if SPLIT > 1:  # this split's fp32 share; the tile's last program to arrive sums them
+            tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            tl.store(part_ptr + (pid * SPLIT + split).to(tl.int64) * BLOCK_M * BLOCK_N + tile_offs,
+                     acc)
+            tl.debug_barrier()  # every thread's share is stored before the release below
+            last = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel") == SPLIT - 1
+            if last:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in range(0, SPLIT):  # in split order, whichever program arrives last
+                    acc += tl.load(part_ptr + (pid * SPLIT + s).to(tl.int64) * BLOCK_M * BLOCK_N
+                                   + tile_offs, cache_modifier=".cg")
+                tl.atomic_xchg(lock_ptr + pid, 0)  # ready for the next launch (graph replays too)
+        if last:
+            dt = out_ptr.dtype.element_ty
+            mask = (rm[:, None] < M) & (rn[None, :] < N)
+            o_ptrs = out_ptr + rm[:, None].to(tl.int64) * s_om + rn[None, :]
+            if BIAS:
+                acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            if SWIGLU:
+                gate = acc.to(dt).to(tl.float32)  # as F.linear rounds its output
+                up = acc_u.to(dt).to(tl.float32)
+                act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # as F.silu rounds
+                acc = act * up
+            if ACCUMULATE:
+                acc += tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(o_ptrs, acc.to(dt), mask=mask)
+
+
+_LOCKS: dict = {}
+
+
+def _locks(device: torch.device) -> torch.Tensor:
+    """The split-K tile counters of `device`: zero between launches (the last program of a tile
+    resets its counter), made once, before any CUDA-graph capture (a decode step's warm-up)."""
+    t = _LOCKS.get(device)
+    if t is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("kernels.gemm: the split-K counters must be made before CUDA-graph "
+                               "capture (run the step once eagerly first)")
+        t = _LOCKS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return t
 
 
 def _launch(a, w, bias, out, n: int, *, swiglu: bool, accumulate: bool, cfg: Config) -> None:
     M, K = a.shape
     if M and n:
-        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-        _gemm_kernel[grid](a, w, out if bias is None else bias, out, M, n, K, a.stride(0),
-                           w.stride(0), out.stride(0), K_ITERS=triton.cdiv(K, cfg.block_k),
-                           EVEN_K=K % cfg.block_k == 0, SWIGLU=swiglu, BIAS=bias is not None,
-                           ACCUMULATE=accumulate, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                           BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, IEEE=a.dtype == torch.float32,
-                           num_warps=cfg.warps, num_stages=cfg.stages)
+        tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        k_iters = triton.cdiv(triton.cdiv(K, cfg.split), cfg.block_k)  # BLOCK_K steps per split
+        part = locks = out  # unused without split-K
+        if cfg.split > 1:
+            if swiglu or tiles > MAX_TILES:
+                raise ValueError(f"kernels.gemm: split-K {cfg.split} needs a plain linear of at most "
+                                 f"{MAX_TILES} output tiles (swiglu={swiglu}, {tiles} tiles)")
+            part = torch.empty(tiles * cfg.split * cfg.block_m * cfg.block_n, dtype=torch.float32,
+                               device=a.device)
+            locks = _locks(a.device)
+        _gemm_kernel[(tiles, cfg.split)](
+            a, w, out if bias is None else bias, out, part, locks, M, n, K, a.stride(0),
+            w.stride(0), out.stride(0), K_ITERS=k_iters,
+            EVEN_K=K == cfg.split * k_iters * cfg.block_k, SWIGLU=swiglu, BIAS=bias is not None,
+            ACCUMULATE=accumulate, SPLIT=cfg.split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, IEEE=a.dtype == torch.float32,
+            num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def _check(name: str, a: torch.Tensor, w: torch.Tensor) -> None:
@@ -166,9 +215,10 @@ def swiglu_linear(h: torch.Tensor, fc1: torch.Tensor, *, cfg: Optional[Config] =
 
 def linear(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
            out: Optional[torch.Tensor] = None, cfg: Optional[Config] = None,
-           impl: str = "auto") -> torch.Tensor:
+           kind: str = "linear", impl: str = "auto") -> torch.Tensor:
     """a @ w^T (+ bias) -> (M, N) in a's dtype; with `out` (M, N): out += a @ w^T in place (and
-    returned). a, w (and out) contiguous in the last dimension."""
+    returned). a, w (and out) contiguous in the last dimension. `kind`: the CONFIGS table when no
+    `cfg` ("linear_long_k": split-K tiles, fc2's)."""
     _check("linear", a, w)
     if out is not None and (tuple(out.shape) != (a.shape[0], w.shape[0]) or bias is not None):
         raise ValueError(f"linear: out {tuple(out.shape)} must be (M, N) = "
@@ -181,5 +231,5 @@ def linear(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     if out is None:
         out = torch.empty((a.shape[0], w.shape[0]), dtype=a.dtype, device=a.device)
     _launch(a, w, bias, out, w.shape[0], swiglu=False, accumulate=accumulate,
-            cfg=cfg or config_for("linear", a.shape[0]))
+            cfg=cfg or config_for(kind, a.shape[0]))
     return out

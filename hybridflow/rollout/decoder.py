@@ -408,7 +408,9 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
             act = _swiglu_gemm(h, layer.fc1)
         else:
             act = kern.silu_mul(F.linear(h, layer.fc1), impl="triton")
-        y = _all_reduce(F.linear(act, layer.fc2), w)  # added by the next add_rms_norm
+        y = (gemm.linear(act, layer.fc2, kind="linear_long_k", impl="triton") if "fc2" in tri
+             else F.linear(act, layer.fc2))
+        y = _all_reduce(y, w)  # added by the next add_rms_norm
     return logits(w, kern.add_rms_norm(x, y, w.final_ln, d.eps, impl="triton")[1], fp32=False)
 
 
@@ -447,7 +449,8 @@ def _attn_out_split(x, a, proj, ln2, fc1, fc2, eps: float):
 FUSE_ROPE_ATTENTION = True
 # decode_kernels=triton: the decode step's GEMMs that run as Triton GEMMs with their neighbours in
 # the epilogue (kernels/gemm.py) instead of cuBLAS: "fc1" (+ the SwiGLU, no (B, 2F) product),
-# "qkv" (+ bias), "proj" (accumulated into the residual in place). fc1: 0.4452 -> 0.4318 s per
+# "qkv" (+ bias), "proj" (accumulated into the residual in place), "fc2" (split-K reduced in the
+# kernel; not yet measured on a GPU). fc1: 0.4452 -> 0.4318 s per
 # 256-row, 256-token call of Qwen2-0.5B on the H200 (benchmarks/results/generate_h200_decode_ab.json)
 DECODE_TRITON_GEMMS = frozenset({"fc1"})
 # the prefill's fc1 + SwiGLU as that one GEMM: as fast as cuBLAS + silu_mul at 16k tokens (0.99x,

@@ -157,6 +157,16 @@ def test_linear_gemm_matches_cublas(dtype, M, K, N):
     ref = res.clone().addmm_(a, w.t()).float()
     assert linear(a, w, out=acc, impl="triton") is acc
     assert (acc.float() - ref).abs().max() <= tol * ref.abs().max()
+    # split-K (fc2's table): the reduction in the kernel, deterministic, counters reset
+    from hybridflow.kernels import gemm
+
+    ref = torch.nn.functional.linear(a, w).float()
+    for split in (2, 4, 8):
+        cfg = gemm.Config(64, 64, 64, 4, 3, 8, split)
+        got = linear(a, w, cfg=cfg, impl="triton")
+        assert (got.float() - ref).abs().max() <= tol * ref.abs().max()
+        assert torch.equal(got, linear(a, w, cfg=cfg, impl="triton"))
+    assert (gemm._locks(a.device) == 0).all()
 
 
 def test_advance_rows_under_a_graph():
@@ -233,7 +243,7 @@ def test_generator_with_kernels_under_graphs(monkeypatch):
                           (decoder, "SWIGLU_GEMM_PREFILL"), (generator, "STEP_KERNEL")):
             monkeypatch.setattr(mod, name, one_kernel)
         monkeypatch.setattr(decoder, "DECODE_TRITON_GEMMS",
-                            frozenset({"fc1", "qkv", "proj"} if one_kernel else ()))
+                            frozenset({"fc1", "qkv", "proj", "fc2"} if one_kernel else ()))
         out = g_.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)
         captured = len(g_._steps)
         again = g_.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)

@@ -162,12 +162,14 @@ def swiglu_cases():
 def linear_cases():
     """kernels/gemm.linear against F.linear (+ bias) and addmm_ (accumulated into out in place),
     fp32: ragged tiles, a K needing masked loads, the default configs."""
+    from hybridflow.kernels import gemm as gemm_mod
     from hybridflow.kernels.gemm import Config, linear
 
     g = torch.Generator().manual_seed(12)
     out = []
     for M, K, N, cfg in [(5, 64, 48, Config(16, 16, 32, 4, 2, 2)), (70, 96, 80, Config(16, 32, 64, 4, 2, 2)),
-                         (3, 64, 96, None)]:
+                         (3, 64, 96, None), (40, 200, 48, Config(16, 16, 32, 4, 2, 2, 3)),
+                         (9, 256, 40, Config(16, 16, 32, 4, 2, 8, 4))]:
         a, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) * 0.2
         b, res = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
         acc = res.clone()
@@ -178,7 +180,13 @@ def linear_cases():
                     "plain_err": (linear(a, w, cfg=cfg, impl="triton") - F.linear(a, w)).abs().max()
                     .item(),
                     "acc_err": (acc - torch.addmm(res, a, w.t())).abs().max().item(),
-                    "acc_in_place": got_acc.data_ptr() == acc.data_ptr()})
+                    "acc_in_place": got_acc.data_ptr() == acc.data_ptr(),
+                    # split-K: the tile counters back at 0 after every launch, the sums in split
+                    # order (the same bits again)
+                    "split": (cfg or Config(1, 1, 1, 1, 1)).split,
+                    "repeat_equal": bool(torch.equal(linear(a, w, cfg=cfg, impl="triton"),
+                                                     linear(a, w, cfg=cfg, impl="triton"))),
+                    "counters_zero": bool((gemm_mod._locks(a.device) == 0).all())})
     return out
 
 
@@ -302,7 +310,8 @@ def switches(on: bool):
     for (mod, attr), default in zip(SWITCHES, DEFAULTS):
         value = default
         if on:
-            value = frozenset({"fc1", "qkv", "proj"}) if attr == "DECODE_TRITON_GEMMS" else True
+            value = (frozenset({"fc1", "qkv", "proj", "fc2"}) if attr == "DECODE_TRITON_GEMMS"
+                     else True)
         setattr(mod, attr, value)
 
 

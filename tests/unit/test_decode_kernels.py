@@ -79,12 +79,15 @@ def test_swiglu_gemm_equals_fc1_then_swiglu(checked):
 
 
 def test_linear_gemm_equals_linear_and_addmm(checked):
-    """kernels/gemm.linear: F.linear with and without bias, and addmm_ into out (in place)."""
+    """kernels/gemm.linear: F.linear with and without bias, and addmm_ into out (in place); with
+    split-K the counters reset after each launch and a repeat gives the same bits."""
     cases = checked["linear"]
-    assert [c["shape"] for c in cases] == [[5, 64, 48], [70, 96, 80], [3, 64, 96]]
+    assert [c["shape"] for c in cases] == [[5, 64, 48], [70, 96, 80], [3, 64, 96], [40, 200, 48],
+                                           [9, 256, 40]]
+    assert [c["split"] for c in cases] == [1, 1, 1, 3, 4]  # split-K: a ragged and an even K
     for case in cases:
         assert max(case["bias_err"], case["plain_err"], case["acc_err"]) < 1e-4, case
-        assert case["acc_in_place"], case
+        assert case["acc_in_place"] and case["repeat_equal"] and case["counters_zero"], case
 
 
 def test_advance_rows_equals_the_generators_bookkeeping(checked):
@@ -128,7 +131,8 @@ def test_generation_with_the_kernels_equals_torch(checked):
         assert case["tokens_equal"] and case["mask_equal"], (name, case)
         assert case["logprob_err"] < 1e-4, (name, case)
         assert case["fused_tokens_equal"] and case["fused_logprob_err"] < 1e-4, (name, case)
-        # every trial switch on (fc1/SwiGLU GEMM, bookkeeping kernel, argmax kernel), with and
+        # every switch on (all four decode GEMMs on kernels/gemm.py, the bookkeeping and argmax
+        # kernels), with and
         # without log-probs (greedy without them: the argmax's pass 2 in the bookkeeping kernel)
         assert case["all_tokens_equal"] and case["all_mask_equal"], (name, case)
         assert case["all_logprob_err"] < 1e-4 and case["all_no_logprobs_tokens_equal"], (name, case)
