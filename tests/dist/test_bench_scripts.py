@@ -49,7 +49,7 @@ def test_bench_generate_warms_up_and_takes_median(tmp_path):
     sw = json.loads(out.read_text())["kernel_switches"]
     assert not sw["FUSE_ROPE_ATTENTION"] and sw["STEP_KERNEL"]
     assert sw["DECODE_TRITON_GEMMS"] == ["proj", "qkv"]
-    assert sw["gemm_configs"]["linear"][0] == [512, [32, 64, 64, 4, 3, 8]]
+    assert sw["gemm_configs"]["linear"][0] == [512, [32, 64, 64, 4, 3, 8, 1]]
     bad = subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--gemm-configs",
                           "qkv=32,64,64,4,3"], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert bad.returncode != 0 and "--gemm-configs 'qkv=32,64,64,4,3': kind must be one of" in bad.stderr
