@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.kernels._dispatch import HAVE_TRITON, use_triton
+# the split-K tile counters: the product's (zero between launches, each kernel resets its own)
+from hybridflow.kernels.gemm import MAX_TILES, _locks
 
 if HAVE_TRITON:
     import triton
@@ -145,20 +147,6 @@ if HAVE_TRITON:
 # kinds: "norm" (QKV: norm + bias), "swiglu" (fc1), "res" (fc2, the output projection)
 DEFAULT = {"norm": Config(64, 64, 64, 4, 4, 4), "swiglu": Config(64, 128, 64, 2, 4, 4),
            "res": Config(64, 64, 128, 4, 4, 3)}
-_LOCKS: dict = {}  # device -> int32 counters, zero between launches (each kernel resets its own)
-MAX_TILES = 1 << 14
-
-
-def _locks(device: torch.device) -> torch.Tensor:
-    t = _LOCKS.get(device)
-    if t is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fused_linear: the split-K counters must be made before CUDA-graph "
-                               "capture (run the step once eagerly first)")
-        t = _LOCKS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return t
-
-
 def fused_linear(a: torch.Tensor, w: torch.Tensor, *, norm_weight: Optional[torch.Tensor] = None,
                  eps: float = 1e-6, bias: Optional[torch.Tensor] = None,
                  residual: Optional[torch.Tensor] = None, swiglu: bool = False,

@@ -61,7 +61,7 @@ CONFIGS = {
     # an H200 sweep, bench_triton_gemm.py --gemms fc2)
     "linear_long_k": [(512, Config(64, 64, 64, 4, 3, 8, 4)), (1 << 62, Config(128, 128, 64, 8, 3))],
 }
-MAX_TILES = 4096  # split-K tile counters kept per device
+MAX_TILES = 1 << 14  # split-K tile counters kept per device
 
 
 def config_for(kind: str, M: int) -> Config:

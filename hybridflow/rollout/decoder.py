@@ -231,9 +231,7 @@ def _swiglu_gemm(h, fc1):
 
 def _swiglu(h, fc1, silu_mul=None):
     """silu(gate) * up of fc1 = [gate; up]; `silu_mul`: a one-pass kernel for it (the prefill's,
-    kernels.decode.silu_mul) instead of PyTorch's ops, or `_swiglu_gemm` (the GEMM too)."""
-    if silu_mul is _swiglu_gemm:
-        return _swiglu_gemm(h, fc1)
+    kernels.decode.silu_mul) instead of PyTorch's ops."""
     z = F.linear(h, fc1)
     if silu_mul is not None:
         return silu_mul(z)
@@ -241,9 +239,10 @@ def _swiglu(h, fc1, silu_mul=None):
     return F.silu(gate) * up
 
 
-def _mlp(x, layer: Layer, w: Weights, silu_mul=None, norm=None):
-    h = (norm or _norm)(x, layer.ln2, w.dims.eps)
-    return _row_parallel_add(x, _swiglu(h, layer.fc1, silu_mul), layer.fc2, w)
+def _mlp(x, layer: Layer, w: Weights, swiglu=_swiglu, norm=_norm):
+    """x + the MLP of x; `swiglu` (h, fc1) -> act and `norm` (x, weight, eps): the ops to use."""
+    h = norm(x, layer.ln2, w.dims.eps)
+    return _row_parallel_add(x, swiglu(h, layer.fc1), layer.fc2, w)
 
 
 def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *,
@@ -263,14 +262,13 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
     hpg, hd = d.heads_per_group, d.head_dim
     fused = kernels == "triton" and cache is not None
     x = embed(w, ids.masked_fill(~valid, 0)).reshape(B * S, d.hidden)
-    silu_mul, norm = None, _norm
+    swiglu, norm = _swiglu, _norm
     if fused:
         from hybridflow.kernels import decode as kern
 
         cos, sin = cos_tab[positions], sin_tab[positions]  # (B, S, hd)
-        silu_mul = functools.partial(kern.silu_mul, impl="triton")
-        if SWIGLU_GEMM_PREFILL:
-            silu_mul = _swiglu_gemm
+        swiglu = (_swiglu_gemm if SWIGLU_GEMM_PREFILL else
+                  functools.partial(_swiglu, silu_mul=functools.partial(kern.silu_mul, impl="triton")))
         # RMSNorm as the decode step's one-pass kernel (F.rms_norm: ~22 us per 16k x 896 call)
         norm = lambda t, weight, eps: kern.add_rms_norm(t, None, weight, eps, impl="triton")[1]  # noqa
     else:
@@ -302,7 +300,7 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
         # "prefill_attention")
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hpg > 1)
         x = _row_parallel_add(x, a.transpose(1, 2).reshape(B * S, d.heads * hd), layer.proj, w)
-        x = _mlp(x, layer, w, silu_mul, norm)
+        x = _mlp(x, layer, w, swiglu, norm)
     x = x.view(B, S, d.hidden)
     if last_only:
         return logits(w, _norm(x[:, -1], w.final_ln, d.eps))
@@ -366,8 +364,8 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     output's projection accumulated in place into the layer's residual sum (cuBLAS's beta = 1;
     an out-of-place addmm, as inductor makes, first copies the residual) and fc1 + the SwiGLU as
     one Triton GEMM (kernels/gemm.swiglu_linear; `DECODE_TRITON_GEMMS`, else cuBLAS + silu_mul),
-    RoPE + the K/V write + the attention as one kernel (`FUSE_ROPE_ATTENTION`). Per op 1.3-3.3x faster than rollout.compile_decode's inductor kernels for
-    the same work and 4.8-8% off the whole step (benchmarks/results/decode_parts_h200.json,
+    RoPE + the K/V write + the attention as one kernel (`FUSE_ROPE_ATTENTION`). Per op 1.3-3.3x
+    faster than rollout.compile_decode's inductor kernels for the same work and 4.8-8% off the whole step (benchmarks/results/decode_parts_h200.json,
     decode_profile_h200_fused_layer.json), so rollout.compile_decode changes nothing here (the
     sampler is compiled by the caller)."""
     from hybridflow.kernels import decode as kern

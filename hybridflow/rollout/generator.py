@@ -284,36 +284,33 @@ class Generator:
         cache, (cos, sin), w = self._cache, self._tables, self.w
         compiled, kernels = cfg.compile_decode, cfg.decode_kernels
 
-        # greedy without log-probs under STEP_KERNEL: the argmax's second pass runs in the
-        # bookkeeping kernel
-        argmax_in_step = (STEP_KERNEL and cfg.temperature == 0.0 and sampling.GREEDY_KERNEL
+        # the bookkeeping kernel (the switch as of the capture: graphs are keyed by the config);
+        # greedy without log-probs: the argmax's second pass runs in it
+        step_kernel = STEP_KERNEL and kernels == "triton"
+        argmax_in_step = (step_kernel and cfg.temperature == 0.0 and sampling.GREEDY_KERNEL
                           and not cfg.return_logprobs)
+        if step_kernel:
+            from hybridflow.kernels import sampling as ksampling
 
         def step():
             logits = decoder.decode_step(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
                                          cache=cache, cos_tab=cos, sin_tab=sin, kv_len=kv_len,
                                          compiled=compiled, kernels=kernels)
-            if STEP_KERNEL and kernels == "triton":
-                from hybridflow.kernels import sampling as ksampling
-
-                if argmax_in_step:
-                    tok, lp, partials = None, None, ksampling.argmax_chunks(logits)
-                else:
-                    partials = None
-                    tok, lp = sample(logits, temperature=cfg.temperature, top_k=cfg.top_k,
-                                     top_p=cfg.top_p, generator=self._rng,
-                                     need_logprobs=cfg.return_logprobs,
-                                     compile_backend=decoder.COMPILE_BACKEND if compiled else None)
+            tok = lp = partials = None
+            if argmax_in_step:
+                partials = ksampling.argmax_chunks(logits)
+            else:
+                tok, lp = sample(logits, temperature=cfg.temperature, top_k=cfg.top_k,
+                                 top_p=cfg.top_p, generator=self._rng,
+                                 need_logprobs=cfg.return_logprobs,
+                                 compile_backend=decoder.COMPILE_BACKEND if compiled else None)
+            if step_kernel:
                 ksampling.advance_rows(
                     finished=buf.finished, out_tokens=buf.out_tokens, stop_ids=buf.stop_ids,
                     tokens=buf.tokens, positions=buf.positions, cur=buf.cur, step=buf.step,
                     pad=pad, tok=tok, partials=partials, vocab=logits.shape[1], lp=lp,
                     out_logprobs=None if lp is None else buf.out_logprobs)
                 return
-            tok, lp = sample(logits, temperature=cfg.temperature, top_k=cfg.top_k,
-                             top_p=cfg.top_p, generator=self._rng,
-                             need_logprobs=cfg.return_logprobs,
-                             compile_backend=decoder.COMPILE_BACKEND if compiled else None)
             buf.out_tokens.index_copy_(1, buf.step, torch.where(buf.finished, pad, tok)[:, None])
             if lp is not None:
                 buf.out_logprobs.index_copy_(1, buf.step, lp.masked_fill(buf.finished, 0)[:, None])
