@@ -183,6 +183,9 @@ def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
                     help="the decode step's GEMMs run by kernels/gemm.py with their neighbours in "
                          "the epilogue (hybridflow.rollout.decoder.DECODE_TRITON_GEMMS; default: "
                          "the module's)")
+    ap.add_argument("--triton-gemm-min-rows", type=int, default=None,
+                    help="the fewest decode rows (graph bucket) that take them (hybridflow.rollout."
+                         "decoder.DECODE_TRITON_GEMM_MIN_ROWS; default: the module's)")
     ap.add_argument("--attn-config", default=None, metavar="WARPS,STAGES,PROGRAMS_PER_SM",
                     help="the split attention kernels' launch (hybridflow.kernels.decode.ATTN_WARPS, "
                          "ATTN_STAGES, PROGRAMS_PER_SM; default: the module's)")
@@ -202,6 +205,8 @@ def apply_kernel_switches(args) -> dict:
             setattr(mod, attr, value == "on")
     if args.triton_gemms is not None:
         decoder.DECODE_TRITON_GEMMS = frozenset(args.triton_gemms)
+    if args.triton_gemm_min_rows is not None:
+        decoder.DECODE_TRITON_GEMM_MIN_ROWS = args.triton_gemm_min_rows
     for item in args.gemm_configs:  # decode's rows only; more rows keep the table's
         kind, _, cfg = item.partition("=")
         if kind not in gemm.CONFIGS:
@@ -214,6 +219,7 @@ def apply_kernel_switches(args) -> dict:
     used = {attr: getattr(mod, attr) for mod, attr, _ in SWITCHES.values()}
     used["attn_config"] = [kern.ATTN_WARPS, kern.ATTN_STAGES, kern.PROGRAMS_PER_SM]
     return {**used, "DECODE_TRITON_GEMMS": sorted(decoder.DECODE_TRITON_GEMMS),
+            "DECODE_TRITON_GEMM_MIN_ROWS": decoder.DECODE_TRITON_GEMM_MIN_ROWS,
             "gemm_configs": {k: [[b, list(c)] for b, c in v] for k, v in gemm.CONFIGS.items()}}
 
 

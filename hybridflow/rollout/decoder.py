@@ -372,9 +372,9 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     from hybridflow.kernels import gemm
     from hybridflow.kernels.rope_attention import rope_attention
 
-    tri = DECODE_TRITON_GEMMS
     d = w.dims
     B = tokens.shape[0]
+    tri = DECODE_TRITON_GEMMS if B >= DECODE_TRITON_GEMM_MIN_ROWS else ()
     hpg, hd = d.heads_per_group, d.head_dim
     if not FUSE_ROPE_ATTENTION:  # the fused kernel reads the tables at each row's position
         cos = cos_tab.index_select(0, positions)  # (B, hd)
@@ -451,6 +451,10 @@ FUSE_ROPE_ATTENTION = True
 # kernel; not yet measured on a GPU). fc1: 0.4452 -> 0.4318 s per
 # 256-row, 256-token call of Qwen2-0.5B on the H200 (benchmarks/results/generate_h200_decode_ab.json)
 DECODE_TRITON_GEMMS = frozenset({"fc1"})
+# ... for decode batches (graph buckets) of at least this many rows: measured at 256 (and 16k
+# prefill tokens); at fewer rows the GEMMs read weights more than they compute (1.5B at 64 rows:
+# ~2.9 TB/s on cuBLAS) and these tiles are untested there, so cuBLAS keeps them
+DECODE_TRITON_GEMM_MIN_ROWS = 256
 # the prefill's fc1 + SwiGLU as that one GEMM: as fast as cuBLAS + silu_mul at 16k tokens (0.99x,
 # benchmarks/results/swiglu_gemm_h200.json), so off; it would save the (M, 2F) product's memory
 SWIGLU_GEMM_PREFILL = False

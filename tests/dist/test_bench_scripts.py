@@ -41,14 +41,16 @@ def test_bench_generate_warms_up_and_takes_median(tmp_path):
     sw = r["kernel_switches"]
     assert sw["FUSE_ROPE_ATTENTION"] == decoder.FUSE_ROPE_ATTENTION
     assert sw["DECODE_TRITON_GEMMS"] == sorted(decoder.DECODE_TRITON_GEMMS)
+    assert sw["DECODE_TRITON_GEMM_MIN_ROWS"] == decoder.DECODE_TRITON_GEMM_MIN_ROWS
     subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--model", "conf/model/tiny.yaml",
                     "--device", "cpu", "--batches", "4", "--prompt-len", "8", "--new-tokens", "8",
                     "--skip-checks", "--no-hf", "--fuse-rope-attention", "off", "--step-kernel", "on",
-                    "--triton-gemms", "qkv", "proj", "--gemm-configs", "linear=32,64,64,4,3",
+                    "--triton-gemms", "qkv", "proj", "--triton-gemm-min-rows", "0",
+                    "--gemm-configs", "linear=32,64,64,4,3",
                     "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
     sw = json.loads(out.read_text())["kernel_switches"]
     assert not sw["FUSE_ROPE_ATTENTION"] and sw["STEP_KERNEL"]
-    assert sw["DECODE_TRITON_GEMMS"] == ["proj", "qkv"]
+    assert sw["DECODE_TRITON_GEMMS"] == ["proj", "qkv"] and sw["DECODE_TRITON_GEMM_MIN_ROWS"] == 0
     assert sw["gemm_configs"]["linear"][0] == [512, [32, 64, 64, 4, 3, 8, 1]]
     bad = subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--gemm-configs",
                           "qkv=32,64,64,4,3"], cwd=ROOT, env=ENV, capture_output=True, text=True)

@@ -300,7 +300,8 @@ CFG16 = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attent
 
 
 SWITCHES = [(decoder, "FUSE_ROPE_ATTENTION"), (decoder, "SWIGLU_GEMM_PREFILL"),
-            (decoder, "DECODE_TRITON_GEMMS"), (generator, "STEP_KERNEL"), (sampling, "GREEDY_KERNEL")]
+            (decoder, "DECODE_TRITON_GEMMS"), (decoder, "DECODE_TRITON_GEMM_MIN_ROWS"),
+            (generator, "STEP_KERNEL"), (sampling, "GREEDY_KERNEL")]
 DEFAULTS = [getattr(m, a) for m, a in SWITCHES]
 
 
@@ -310,8 +311,8 @@ def switches(on: bool):
     for (mod, attr), default in zip(SWITCHES, DEFAULTS):
         value = default
         if on:
-            value = (frozenset({"fc1", "qkv", "proj", "fc2"}) if attr == "DECODE_TRITON_GEMMS"
-                     else True)
+            value = {"DECODE_TRITON_GEMMS": frozenset({"fc1", "qkv", "proj", "fc2"}),
+                     "DECODE_TRITON_GEMM_MIN_ROWS": 0}.get(attr, True)
         setattr(mod, attr, value)
 
 
