@@ -170,6 +170,11 @@ SWITCHES = {
                     "a decode step's bookkeeping after the draw as one kernel"),
     "prefill-swiglu-gemm": (decoder, "SWIGLU_GEMM_PREFILL",
                             "the prefill's fc1 + SwiGLU as one Triton GEMM (kernels/gemm.py)"),
+    "fold-small-launches": (decoder, "FOLD_SMALL_LAUNCHES",
+                            "the step's KV-valid mark and embedding lookup inside the first "
+                            "layer's attention / norm kernels"),
+    "fc2-into-residual": (decoder, "FC2_INTO_RESIDUAL",
+                          "cuBLAS's fc2 accumulated into the residual in place (no y)"),
 }
 
 

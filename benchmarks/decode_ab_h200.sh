@@ -52,6 +52,8 @@ for v in ${VARIANTS:-defaults fc2 defaults fc2}; do
     qkv_proj) flags=(--triton-gemms fc1 qkv proj) ;;
     fc2) flags=(--triton-gemms fc1 fc2) ;;
     prefill) flags=(--prefill-swiglu-gemm on) ;;
+    nofold) flags=(--fold-small-launches off) ;;
+    fc2res) flags=(--fc2-into-residual on) ;;
     attn_*) IFS=_ read -r _ w st pp <<< "$v"; flags=(--attn-config "$w,$st,$pp") ;;  # attn_4_2_2
     *) echo "unknown variant $v" >&2; exit 2 ;;
   esac

@@ -142,6 +142,32 @@ def profile_prefill(gen, prompts, *, compiled: bool, device, kernels: str) -> di
                     for k, (t, n) in top]}
 
 
+def launchers(gen, prompts, *, steps: int, device, kernels: str, match: tuple) -> dict:
+    """Which host ops launch the kernels whose name holds one of `match` (e.g. "Memcpy"): a call of
+    `steps` new tokens WITHOUT CUDA graphs (a replayed graph hides its launches), each such kernel
+    counted under its launching op's chain of enclosing ops (innermost last) -> {chain: calls}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = RolloutConfig(max_new_tokens=steps, temperature=0.0, max_batch_size=len(prompts),
+                        decode_kernels=kernels, cuda_graphs=False)
+    run = lambda: gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)  # noqa: E731
+    run()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    found = collections.Counter()
+    for e in prof.events():
+        for k in getattr(e, "kernels", []):
+            if any(m.lower() in k.name.lower() for m in match):
+                chain, p = [], e
+                while p is not None and len(chain) < 6:
+                    chain.append(p.name)
+                    p = p.cpu_parent
+                found[f"{k.name[:40]} <- " + " < ".join(chain)] += 1
+    return dict(found.most_common(30))
+
+
 def gpu_idle(kernels: list, ranges: list, *, min_gap_us: float = 20.0, top: int = 10) -> dict:
     """Where the GPU sat idle during a traced call: `kernels` [(start, end)] of the device's work,
     `ranges` [(start, end, name)] of the host thread's ranges (the generator's "generate.*"
@@ -243,6 +269,9 @@ def main():
     ap.add_argument("--trace-dir", default=None, help="with --timeline: Chrome traces here")
     ap.add_argument("--prefill", action="store_true",
                     help="also profile a call of one new token (the prefill) per model x batch")
+    ap.add_argument("--launchers", nargs="*", default=None, metavar="SUBSTRING",
+                    help="also list the host ops that launch the kernels named with these "
+                         "substrings (default Memcpy Memset), from a call without CUDA graphs")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -299,6 +328,17 @@ def main():
                       ", ".join(f"{k} {v:.0f}" for k, v in res["us_by_kind"].items()), flush=True)
                 for t in res["top"][:10]:
                     print(f"    {t['us']:8.0f} us {t['calls']:4.0f}x {t['kernel']}", flush=True)
+            if args.launchers is not None:
+                res = launchers(gen, prompts, steps=args.steps, device=device,
+                                kernels=args.kernels[-1],
+                                match=tuple(args.launchers) or ("Memcpy", "Memset"))
+                report.setdefault("launchers", []).append({"model": cfg.name, "batch": B,
+                                                           "steps": args.steps, "calls": res})
+                write_json(args.out, report)
+                print(f"{cfg.name} B={B} launchers of a {args.steps}-token call without graphs:",
+                      flush=True)
+                for chain, n in res.items():
+                    print(f"    {n:5d}x {chain}", flush=True)
             if args.timeline:
                 trace = (os.path.join(args.trace_dir, f"{cfg.name}_b{B}.json") if args.trace_dir
                          else None)

@@ -184,12 +184,16 @@ if HAVE_TRITON:
 if HAVE_TRITON:
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, D, eps, s_x, s_y, s_h, s_o,
-                             HAS_Y: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, idx_ptr, D, eps, s_x, s_y, s_h,
+                             s_o, HAS_Y: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         col = tl.arange(0, BLOCK)
         ok = col < D
-        h = tl.load(x_ptr + row * s_x + col, mask=ok, other=0.0)
+        if GATHER:  # x is a table: this row's input is its row idx[row] (an embedding lookup)
+            h = tl.load(x_ptr + tl.load(idx_ptr + row).to(tl.int64) * s_x + col, mask=ok, other=0.0)
+            tl.store(h_ptr + row * s_h + col, h, mask=ok)
+        else:
+            h = tl.load(x_ptr + row * s_x + col, mask=ok, other=0.0)
         if HAS_Y:  # the residual sum, rounded to the stream's dtype as x + y rounds, and kept
             h = (h.to(tl.float32) + tl.load(y_ptr + row * s_y + col, mask=ok, other=0.0)
                  .to(tl.float32)).to(h.dtype)
@@ -314,23 +318,33 @@ def silu_mul(z: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+                 rows: torch.Tensor | None = None,
                  impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The decode layer's residual sum and RMSNorm in one pass: x, y (N, D) -> (h = x + y,
     rms_norm(h) * weight), both (N, D) in x's dtype; y None: h is x itself (not copied). The norm
-    is computed in fp32 from h as rounded and rounded once (F.rms_norm's fp32 upcast)."""
-    N, D = x.shape
+    is computed in fp32 from h as rounded and rounded once (F.rms_norm's fp32 upcast).
+    `rows` (N,) int64: x is a table (V, D) and the input is x[rows] (the decode step's embedding
+    lookup in the first layer's norm: h is that gathered copy, one launch instead of two)."""
+    if rows is not None:
+        if rows.dim() != 1 or (y is not None and y.shape[0] != rows.shape[0]):
+            raise ValueError(f"add_rms_norm: rows {tuple(rows.shape)} must be (N,), y's rows")
+        if not use_triton(x, impl):
+            x = F.embedding(rows, x)
+    N, D = x.shape if rows is None else (rows.shape[0], x.shape[1])
     if not use_triton(x, impl):
         h = x if y is None else x + y
         return h, F.rms_norm(h.float(), (D,), weight.float(), eps).to(x.dtype)
     if x.stride(-1) != 1 or (y is not None and y.stride(-1) != 1) or weight.stride(-1) != 1:
         raise ValueError("add_rms_norm needs x, y and weight contiguous in the last dimension")
-    h = x if y is None else torch.empty_like(x, memory_format=torch.contiguous_format)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    h = (x if y is None and rows is None else
+         torch.empty((N, D), dtype=x.dtype, device=x.device))
+    out = torch.empty((N, D), dtype=x.dtype, device=x.device)
     if N:
         block = triton.next_power_of_2(D)
-        _add_rms_norm_kernel[(N,)](x, x if y is None else y, weight, h, out, D, eps, x.stride(0),
+        _add_rms_norm_kernel[(N,)](x, x if y is None else y, weight, h, out,
+                                   x if rows is None else rows, D, eps, x.stride(0),
                                    0 if y is None else y.stride(0), h.stride(0), out.stride(0),
-                                   HAS_Y=y is not None, BLOCK=block,
+                                   HAS_Y=y is not None, GATHER=rows is not None, BLOCK=block,
                                    num_warps=4 if block <= 2048 else 8)
     return h, out
 

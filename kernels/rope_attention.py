@@ -19,7 +19,7 @@ and the rows' positions (no gathered cos / sin copies).
 
 Shapes: qkv (B, G, hpg + 2, hd) (the QKV projection's view, as for rope_kv_write); cos, sin (B, hd);
 k_cache, v_cache (B, G, T, hd) strided views of the attended columns 0..T-1 (cur < T); key_valid
-(B, T) bool with column `cur` already true; returns (B, G, hpg, hd) in qkv's dtype.
+(B, T) bool (column `cur` is not read; `mark_valid` sets it); returns (B, G, hpg, hd) in qkv's dtype.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ if HAVE_TRITON:
                           s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt, s_mb, s_mt, s_ob, s_og, s_oh,
                           NSPLIT: tl.constexpr, BLOCKS: tl.constexpr, H_PAD: tl.constexpr,
                           HD: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
-                          TABLES: tl.constexpr):
+                          TABLES: tl.constexpr, MARK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         b, g = pid // G, pid % G
@@ -68,6 +68,9 @@ if HAVE_TRITON:
         if split == 0:
             tl.store(kc_ptr + b * s_kb + g * s_kg + cur * s_kt + d, k_new)
             tl.store(vc_ptr + b * s_vb + g * s_vg + cur * s_vt + d, v_new)
+            if MARK:  # column cur valid for later steps (no program of this launch reads it)
+                if g == 0:
+                    tl.store(valid_ptr + b * s_mb + cur * s_mt, 1)
         m, lsum, acc = _attend_blocks(q, kc_ptr + b * s_kb + g * s_kg, vc_ptr + b * s_vb + g * s_vg,
                                       valid_ptr + b * s_mb, s_kt, s_vt, s_mt, kv_len, scale, split,
                                       cur, BLOCKS=BLOCKS, H_PAD=H_PAD, HD=HD, BLOCK=BLOCK, IEEE=IEEE)
@@ -93,10 +96,12 @@ if HAVE_TRITON:
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, cur: torch.Tensor, key_valid: torch.Tensor, *, hpg: int,
                    positions: torch.Tensor | None = None, scale: float | None = None,
-                   impl: str = "auto") -> torch.Tensor:
+                   mark_valid: bool = False, impl: str = "auto") -> torch.Tensor:
     """decode.rope_kv_write then decode.decode_attention over the given cache columns, in one kernel
     (the module docstring); "torch": those two twins. With `positions` (B,) int64, cos and sin are
-    the RoPE tables (T_max, hd) and each row reads its position's entries (no gathered copy)."""
+    the RoPE tables (T_max, hd) and each row reads its position's entries (no gathered copy).
+    `mark_valid`: also set key_valid[:, cur] (the decode step's own column, which this kernel
+    never reads: it folds the token in from registers), so the step needs no fill of its own."""
     B, G, R, hd = qkv.shape
     if positions is not None and not use_triton(qkv, impl):
         cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
@@ -107,6 +112,8 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
         raise ValueError(f"key_valid has shape {tuple(key_valid.shape)}, expected {(B, T)}")
     scale = 1.0 / math.sqrt(hd) if scale is None else scale
     if not use_triton(qkv, impl):
+        if mark_valid:
+            key_valid.index_fill_(1, cur, True)
         q = decode.rope_kv_write(qkv, cos, sin, k_cache, v_cache, cur, hpg=hpg, impl="torch")
         return decode.decode_attention(q, k_cache, v_cache, key_valid, scale=scale, impl="torch")
     decode._check_head_dim(hd)
@@ -132,7 +139,7 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
             *qkv.stride()[:3], cos.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
             valid.stride(0), valid.stride(1), *out.stride()[:3], NSPLIT=nsplit, BLOCKS=blocks,
             H_PAD=h_pad, HD=hd, BLOCK=decode.BLOCK_T, IEEE=qkv.dtype == torch.float32,
-            TABLES=positions is not None, num_warps=decode.ATTN_WARPS, num_stages=decode.ATTN_STAGES)
+            TABLES=positions is not None, MARK=mark_valid, num_warps=decode.ATTN_WARPS, num_stages=decode.ATTN_STAGES)
         if nsplit > 1:
             decode._attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, *out.stride()[:3],
                                                   NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4)

@@ -327,7 +327,9 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     d = w.dims
     B = tokens.shape[0]
     hpg, hd = d.heads_per_group, d.head_dim
-    key_valid.index_fill_(1, cur, True)
+    fold = kernels == "triton" and FUSE_ROPE_ATTENTION and FOLD_SMALL_LAUNCHES and bool(w.layers)
+    if not fold:  # else the first layer's attention kernel marks the column
+        key_valid.index_fill_(1, cur, True)
     seen = key_valid if kv_len is None else key_valid[:, :kv_len]
     if kernels == "triton":
         return _decode_step_fused(w, tokens, positions, cur, seen, cache=cache, cos_tab=cos_tab,
@@ -379,9 +381,13 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     if not FUSE_ROPE_ATTENTION:  # the fused kernel reads the tables at each row's position
         cos = cos_tab.index_select(0, positions)  # (B, hd)
         sin = sin_tab.index_select(0, positions)
-    x, y = embed(w, tokens), None  # (B, D); the layer input is x + y (y None: x)
+    # (B, D); the layer input is x + y (y None: x). FOLD_SMALL_LAUNCHES at TP = 1: the embedding
+    # lookup runs in the first layer's norm kernel (x None until then)
+    fold = FOLD_SMALL_LAUNCHES and d.tp_size == 1 and bool(w.layers)
+    x, y = (None if fold else embed(w, tokens)), None
     for i, layer in enumerate(w.layers):
-        x, h = kern.add_rms_norm(x, y, layer.ln1, d.eps, impl="triton")
+        x, h = (kern.add_rms_norm(w.embed, None, layer.ln1, d.eps, rows=tokens, impl="triton")
+                if x is None else kern.add_rms_norm(x, y, layer.ln1, d.eps, impl="triton"))
         qkv = (gemm.linear(h, layer.qkv_w, layer.qkv_b, impl="triton") if "qkv" in tri
                else F.linear(h, layer.qkv_w, layer.qkv_b)).view(B, d.groups, hpg + 2, hd)
         kc, vc = cache.layer(i, B)
@@ -389,7 +395,8 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
             if kv_len is not None:
                 kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
             a = rope_attention(qkv, cos_tab, sin_tab, kc, vc, cur, seen, hpg=hpg,
-                               positions=positions, impl="triton")
+                               positions=positions, impl="triton",
+                               mark_valid=i == 0 and FOLD_SMALL_LAUNCHES)
         else:
             q = kern.rope_kv_write(qkv, cos, sin, kc, vc, cur, hpg=hpg, impl="triton")
             if kv_len is not None:
@@ -406,9 +413,12 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
             act = _swiglu_gemm(h, layer.fc1)
         else:
             act = kern.silu_mul(F.linear(h, layer.fc1), impl="triton")
-        y = (gemm.linear(act, layer.fc2, kind="linear_long_k", impl="triton") if "fc2" in tri
-             else F.linear(act, layer.fc2))
-        y = _all_reduce(y, w)  # added by the next add_rms_norm
+        if "fc2" in tri:  # y: added by the next add_rms_norm
+            y = _all_reduce(gemm.linear(act, layer.fc2, kind="linear_long_k", impl="triton"), w)
+        elif FC2_INTO_RESIDUAL and d.tp_size == 1:  # cuBLAS adds into x (beta = 1): no y
+            x, y = x.addmm_(act, layer.fc2.t()), None
+        else:
+            y = _all_reduce(F.linear(act, layer.fc2), w)
     return logits(w, kern.add_rms_norm(x, y, w.final_ln, d.eps, impl="triton")[1], fp32=False)
 
 
@@ -445,6 +455,14 @@ def _attn_out_split(x, a, proj, ln2, fc1, fc2, eps: float):
 # (kernels/rope_attention.py) instead of two: 0.4638 -> 0.4548 s per 256-row, 256-token call of
 # Qwen2-0.5B on the H200 (benchmarks/results/generate_h200_decode_ab.json)
 FUSE_ROPE_ATTENTION = True
+# decode_kernels=triton with FUSE_ROPE_ATTENTION: two small launches of each decode step folded
+# into kernels that run anyway: the KV-valid mark of the step's column into the first layer's
+# attention kernel (which never reads that column), and (TP = 1) the embedding lookup into the
+# first layer's norm kernel
+FOLD_SMALL_LAUNCHES = True
+# decode_kernels=triton, TP = 1, fc2 on cuBLAS: its product accumulated into the residual in place
+# (addmm_, beta = 1) instead of written out and added by the next layer's norm kernel
+FC2_INTO_RESIDUAL = False
 # decode_kernels=triton: the decode step's GEMMs that run as Triton GEMMs with their neighbours in
 # the epilogue (kernels/gemm.py) instead of cuBLAS: "fc1" (+ the SwiGLU, no (B, 2F) product),
 # "qkv" (+ bias), "proj" (accumulated into the residual in place), "fc2" (split-K reduced in the

@@ -105,12 +105,25 @@ def rope_attention_cases():
         kc, vc = cache[0, 1, :B, :, :kv], cache[1, 1, :B, :, :kv]
         at = fused.rope_attention(qkv, cos_t, sin_t, kc, vc, cur, valid[:, :kv], hpg=hpg,
                                   positions=pos, impl="triton")
+        # mark_valid: column cur becomes true (the kernel never reads it: cleared here first),
+        # the output unchanged (the same split count as `at`), no other column touched
+        marked = valid.clone()
+        marked[:, kv // 2] = False
+        kc, vc = cache[0, 1, :B, :, :kv].clone(), cache[1, 1, :B, :, :kv].clone()
+        am = fused.rope_attention(qkv, cos_t, sin_t, kc, vc, cur, marked[:, :kv], hpg=hpg,
+                                  positions=pos, mark_valid=True, impl="triton")
+        twin_marked = valid.clone()
+        twin_marked[:, kv // 2] = False
+        fused.rope_attention(qkv, cos_t, sin_t, rk.clone(), rv.clone(), cur, twin_marked[:, :kv],
+                             hpg=hpg, positions=pos, mark_valid=True, impl="torch")
         kern.TARGET_PROGRAMS = 0
         at_twin = fused.rope_attention(qkv, cos_t, sin_t, rk.clone(), rv.clone(), cur,
                                        valid[:, :kv], hpg=hpg, positions=pos, impl="torch")
         out.append({"shape": [B, G, hpg, hd, T, kv], "attn_err": err, "splits": splits,
                     "tables_equal": bool(torch.equal(at, a) and torch.equal(cache, tabled)),
                     "tables_twin_equal": bool(torch.equal(at_twin, ref)),
+                    "mark_equal": bool(torch.equal(am, at)), "marked": bool(
+                        torch.equal(marked, valid) and torch.equal(twin_marked, valid)),
                     "cache_err": (cache - ref_cache).abs().max().item(),
                     "only_column_written": bool(torch.equal(
                         (cache != before).nonzero()[:, [1, 4]].unique(dim=0),
@@ -288,9 +301,19 @@ def add_rms_norm_cases():
         w = torch.rand(D, generator=g) + 0.5
         hk, ok = kern.add_rms_norm(x, y, w, 1e-6, impl="triton")
         ht, ot = kern.add_rms_norm(x, y, w, 1e-6, impl="torch")
+        # rows gathered from a table (the decode step's embedding lookup in the first norm)
+        table = torch.randn(11, D + 8, generator=g)[:, 2:D + 2]
+        ids = torch.randint(0, 11, (N,), generator=g)
+        gk, gok = kern.add_rms_norm(table, y, w, 1e-6, rows=ids, impl="triton")
+        gt, got = kern.add_rms_norm(table[ids], y, w, 1e-6, impl="torch")
+        gtw, gotw = kern.add_rms_norm(table, y, w, 1e-6, rows=ids, impl="torch")
         out.append({"shape": [N, D], "with_y": with_y, "h_err": (hk - ht).abs().max().item(),
                     "err": (ok - ot).abs().max().item(),
-                    "h_is_x": hk.data_ptr() == x.data_ptr()})
+                    "h_is_x": hk.data_ptr() == x.data_ptr(),
+                    "gather_h_err": (gk - gt).abs().max().item(),
+                    "gather_err": (gok - got).abs().max().item(),
+                    "gather_twin_equal": bool(torch.equal(gtw, gt) and torch.equal(gotw, got)),
+                    "gather_h_is_copy": gk.data_ptr() != table.data_ptr()})
     return out
 
 
@@ -332,6 +355,11 @@ def generation_cases():
         decoder.FUSE_ROPE_ATTENTION = not fused_default  # the one-kernel RoPE + K/V write + attention
         fz = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=7)
         decoder.FUSE_ROPE_ATTENTION = fused_default
+        # the small launches unfolded (the embedding lookup and the KV-valid fill on their own)
+        # and cuBLAS's fc2 accumulated into the residual
+        decoder.FOLD_SMALL_LAUNCHES, decoder.FC2_INTO_RESIDUAL = False, True
+        fr = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=7)
+        decoder.FOLD_SMALL_LAUNCHES, decoder.FC2_INTO_RESIDUAL = True, False
         # every kernel switch on: + fc1/SwiGLU GEMM (decode and prefill) + the bookkeeping kernel
         # + the greedy argmax kernel (its pass 2 inside the bookkeeping kernel without log-probs)
         switches(True)
@@ -344,7 +372,12 @@ def generation_cases():
                      .item(),
                      "all_no_logprobs_tokens_equal": bool(torch.equal(ref.response_ids,
                                                                       nolp.response_ids)),
-                     "all_mask_equal": bool(torch.equal(ref.response_mask, al.response_mask)),"tokens_equal": bool(torch.equal(ref.response_ids, got.response_ids)),
+                     "all_mask_equal": bool(torch.equal(ref.response_mask, al.response_mask)),
+                     "unfolded_fc2_residual_tokens_equal": bool(torch.equal(ref.response_ids,
+                                                                            fr.response_ids)),
+                     "unfolded_fc2_residual_logprob_err": (ref.rollout_logprobs
+                                                           - fr.rollout_logprobs).abs().max().item(),
+                     "tokens_equal": bool(torch.equal(ref.response_ids, got.response_ids)),
                      "mask_equal": bool(torch.equal(ref.response_mask, got.response_mask)),
                      "logprob_err": (ref.rollout_logprobs - got.rollout_logprobs).abs().max().item(),
                      "fused_tokens_equal": bool(torch.equal(ref.response_ids, fz.response_ids)),

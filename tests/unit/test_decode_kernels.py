@@ -58,6 +58,8 @@ def test_rope_attention_equals_the_two_kernels_twins(checked):
         assert case["row0_is_its_value"] < 1e-6, case
         # the RoPE tables + positions (as the decode step passes them): the same bits
         assert case["tables_equal"] and case["tables_twin_equal"], case
+        # mark_valid (the decode step's KV-valid fill folded in): column cur set, nothing else
+        assert case["mark_equal"] and case["marked"], case
 
 
 def test_argmax_kernel_equals_torch_argmax(checked):
@@ -124,6 +126,9 @@ def test_add_rms_norm_equals_its_twin(checked):
     for case in cases:
         assert case["err"] < 1e-5 and case["h_err"] == 0.0, case
         assert case["h_is_x"] == (not case["with_y"]), case
+        # rows gathered from a table (the embedding lookup folded into the first norm)
+        assert case["gather_h_err"] == 0.0 and case["gather_err"] < 1e-5, case
+        assert case["gather_twin_equal"] and case["gather_h_is_copy"], case
 
 
 def test_generation_with_the_kernels_equals_torch(checked):
@@ -131,6 +136,9 @@ def test_generation_with_the_kernels_equals_torch(checked):
         assert case["tokens_equal"] and case["mask_equal"], (name, case)
         assert case["logprob_err"] < 1e-4, (name, case)
         assert case["fused_tokens_equal"] and case["fused_logprob_err"] < 1e-4, (name, case)
+        # FOLD_SMALL_LAUNCHES off and FC2_INTO_RESIDUAL on
+        assert case["unfolded_fc2_residual_tokens_equal"], (name, case)
+        assert case["unfolded_fc2_residual_logprob_err"] < 1e-4, (name, case)
         # every switch on (all four decode GEMMs on kernels/gemm.py, the bookkeeping and argmax
         # kernels), with and
         # without log-probs (greedy without them: the argmax's pass 2 in the bookkeeping kernel)
