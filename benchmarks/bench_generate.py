@@ -191,10 +191,6 @@ def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--triton-gemm-min-rows", type=int, default=None,
                     help="the fewest decode rows (graph bucket) that take them (hybridflow.rollout."
                          "decoder.DECODE_TRITON_GEMM_MIN_ROWS; default: the module's)")
-    ap.add_argument("--split-step-min-rows", type=int, default=None,
-                    help="decode buckets of at least this many rows run the layers as two halves on "
-                         "two CUDA streams (hybridflow.rollout.generator.SPLIT_STEP_MIN_ROWS; 0 "
-                         "off; default: the module's)")
     ap.add_argument("--attn-config", default=None, metavar="WARPS,STAGES,PROGRAMS_PER_SM",
                     help="the split attention kernels' launch (hybridflow.kernels.decode.ATTN_WARPS, "
                          "ATTN_STAGES, PROGRAMS_PER_SM; default: the module's)")
@@ -216,8 +212,6 @@ def apply_kernel_switches(args) -> dict:
         decoder.DECODE_TRITON_GEMMS = frozenset(args.triton_gemms)
     if args.triton_gemm_min_rows is not None:
         decoder.DECODE_TRITON_GEMM_MIN_ROWS = args.triton_gemm_min_rows
-    if args.split_step_min_rows is not None:
-        generator.SPLIT_STEP_MIN_ROWS = args.split_step_min_rows
     for item in args.gemm_configs:  # decode's rows only; more rows keep the table's
         kind, _, cfg = item.partition("=")
         if kind not in gemm.CONFIGS:
@@ -231,7 +225,6 @@ def apply_kernel_switches(args) -> dict:
     used["attn_config"] = [kern.ATTN_WARPS, kern.ATTN_STAGES, kern.PROGRAMS_PER_SM]
     return {**used, "DECODE_TRITON_GEMMS": sorted(decoder.DECODE_TRITON_GEMMS),
             "DECODE_TRITON_GEMM_MIN_ROWS": decoder.DECODE_TRITON_GEMM_MIN_ROWS,
-            "SPLIT_STEP_MIN_ROWS": generator.SPLIT_STEP_MIN_ROWS,
             "gemm_configs": {k: [[b, list(c)] for b, c in v] for k, v in gemm.CONFIGS.items()}}
 
 

@@ -54,8 +54,6 @@ for v in ${VARIANTS:-defaults fc2 defaults fc2}; do
     prefill) flags=(--prefill-swiglu-gemm on) ;;
     nofold) flags=(--fold-small-launches off) ;;
     fc2res) flags=(--fc2-into-residual on) ;;
-    split) flags=(--split-step-min-rows 256) ;;  # two streams, the Triton fc1 on the halves
-    splitcublas) flags=(--split-step-min-rows 256 --triton-gemm-min-rows 100000) ;;
     attn_*) IFS=_ read -r _ w st pp <<< "$v"; flags=(--attn-config "$w,$st,$pp") ;;  # attn_4_2_2
     *) echo "unknown variant $v" >&2; exit 2 ;;
   esac

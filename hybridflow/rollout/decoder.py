@@ -309,8 +309,7 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
 
 def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: torch.Tensor,
                 key_valid: torch.Tensor, *, cache, cos_tab: torch.Tensor, sin_tab: torch.Tensor,
-                kv_len: Optional[int] = None, compiled: bool = False, kernels: str = "torch",
-                row0: int = 0, hidden_only: bool = False, gemm_rows: Optional[int] = None):
+                kv_len: Optional[int] = None, compiled: bool = False, kernels: str = "torch"):
     """One token per row against the static cache; graph-capturable (no host sync, static shapes).
 
     tokens, positions (B,) int64; cur (1,) int64: the cache column this token is written to;
@@ -318,10 +317,7 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     cache columns 0..kv_len-1 only (the caller keeps cur < kv_len; None: all T). `compiled`: run
     each layer's pure parts compiled (rollout.compile_decode, TP_g = 1). `kernels`: "torch" (RoPE,
     KV writes and SDPA as PyTorch ops) or "triton" (rollout.decode_kernels: the fused kernels of
-    hybridflow/kernels/decode.py). Returns logits (B, V) in the weights' dtype, or with
-    `hidden_only` the final-normed hidden state (B, D) the LM head reads. `row0`: the rows are
-    cache rows row0..row0+B-1 (a part of a larger batch, as the generator's two-stream step runs
-    it; `gemm_rows`: that batch's rows, for the Triton-GEMM row gate).
+    hybridflow/kernels/decode.py). Returns logits (B, V) in the weights' dtype.
 
     At TP = 1 a layer runs as two parts (`_layer_parts`): eager, each residual add happens inside
     its GEMM, in place on the step's own hidden state (cuBLAS adds into it: no copy of x first, as
@@ -336,10 +332,8 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
         key_valid.index_fill_(1, cur, True)
     seen = key_valid if kv_len is None else key_valid[:, :kv_len]
     if kernels == "triton":
-        h = _decode_step_fused(w, tokens, positions, cur, seen, cache=cache, cos_tab=cos_tab,
-                               sin_tab=sin_tab, kv_len=kv_len, row0=row0,
-                               gemm_rows=gemm_rows or B)
-        return h if hidden_only else logits(w, h, fp32=False)
+        return _decode_step_fused(w, tokens, positions, cur, seen, cache=cache, cos_tab=cos_tab,
+                                  sin_tab=sin_tab, kv_len=kv_len)
     bias = torch.zeros(seen.shape, dtype=cos_tab.dtype, device=tokens.device)
     bias = bias.masked_fill_(~seen, float("-inf"))[:, None, None, :]  # (B, 1, 1, kv_len)
     cos = cos_tab.index_select(0, positions)[:, None, None, :]  # (B, 1, 1, hd)
@@ -349,7 +343,7 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     for i, layer in enumerate(w.layers):
         x, qk, v = attn_in(x, y, layer.ln1, layer.qkv_w, layer.qkv_b, cos, sin, d.eps,
                            (d.groups, hpg, hd))
-        kc, vc = cache.layer(i, row0 + B, row0)
+        kc, vc = cache.layer(i, B)
         kc.index_copy_(2, cur, qk[:, :, hpg:])
         vc.index_copy_(2, cur, v)
         if kv_len is not None:
@@ -361,12 +355,11 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
             x, y = attn_out(x, a, layer.proj, layer.ln2, layer.fc1, layer.fc2, d.eps)
         else:
             x = _mlp(_row_parallel_add(x, a, layer.proj, w), layer, w)
-    h = _norm(x if y is None else x + y, w.final_ln, d.eps)
-    return h if hidden_only else logits(w, h, fp32=False)
+    return logits(w, _norm(x if y is None else x + y, w.final_ln, d.eps), fp32=False)
 
 
 def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_tab, sin_tab,
-                       kv_len, row0: int, gemm_rows: int):
+                       kv_len):
     """decode_step with the layer as Triton kernels and cuBLAS (kernels.decode, impl "triton": on
     CPU only under TRITON_INTERPRET=1, the tests' way): the residual sum + RMSNorm as one kernel
     (add_rms_norm), RoPE + the KV writes as one (rope_kv_write), split-KV attention, the attention
@@ -376,14 +369,14 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     RoPE + the K/V write + the attention as one kernel (`FUSE_ROPE_ATTENTION`). Per op 1.3-3.3x
     faster than rollout.compile_decode's inductor kernels for the same work and 4.8-8% off the whole step (benchmarks/results/decode_parts_h200.json,
     decode_profile_h200_fused_layer.json), so rollout.compile_decode changes nothing here (the
-    sampler is compiled by the caller). Returns the final-normed hidden state (B, D)."""
+    sampler is compiled by the caller)."""
     from hybridflow.kernels import decode as kern
     from hybridflow.kernels import gemm
     from hybridflow.kernels.rope_attention import rope_attention
 
     d = w.dims
     B = tokens.shape[0]
-    tri = DECODE_TRITON_GEMMS if gemm_rows >= DECODE_TRITON_GEMM_MIN_ROWS else ()
+    tri = DECODE_TRITON_GEMMS if B >= DECODE_TRITON_GEMM_MIN_ROWS else ()
     hpg, hd = d.heads_per_group, d.head_dim
     if not FUSE_ROPE_ATTENTION:  # the fused kernel reads the tables at each row's position
         cos = cos_tab.index_select(0, positions)  # (B, hd)
@@ -397,7 +390,7 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
                 if x is None else kern.add_rms_norm(x, y, layer.ln1, d.eps, impl="triton"))
         qkv = (gemm.linear(h, layer.qkv_w, layer.qkv_b, impl="triton") if "qkv" in tri
                else F.linear(h, layer.qkv_w, layer.qkv_b)).view(B, d.groups, hpg + 2, hd)
-        kc, vc = cache.layer(i, row0 + B, row0)
+        kc, vc = cache.layer(i, B)
         if FUSE_ROPE_ATTENTION:  # RoPE, the K/V write and the attention as one kernel
             if kv_len is not None:
                 kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
@@ -426,7 +419,7 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
             x, y = x.addmm_(act, layer.fc2.t()), None
         else:
             y = _all_reduce(F.linear(act, layer.fc2), w)
-    return kern.add_rms_norm(x, y, w.final_ln, d.eps, impl="triton")[1]  # the LM head's input
+    return logits(w, kern.add_rms_norm(x, y, w.final_ln, d.eps, impl="triton")[1], fp32=False)
 
 
 def _qkv(x, y, ln1, qkv_w, qkv_b, eps: float, shape: tuple):

@@ -63,14 +63,6 @@ from hybridflow.rollout.sampling import sample
 # on the H200 (benchmarks/results/generate_h200_decode_ab.json)
 STEP_KERNEL = True
 
-# decode_kernels=triton, TP = 1: decode buckets of at least this many rows run each step's layers
-# as two halves of the rows, the second half on a second CUDA stream (two branches of the captured
-# graph), then the LM head and the draw over all rows: the halves' small GEMMs and attention leave
-# SMs idle that the other half's kernels fill. 0: off. Not with the split-K fc2 GEMM (its tile
-# counters are shared). On CPU the halves run one after the other (the tests' check of the rows'
-# offsets).
-SPLIT_STEP_MIN_ROWS = 0
-
 CHECK_EVERY = 16  # decode steps between stop polls
 PREFILL_TOKENS = 16384  # prompt tokens per prefill sub-batch (bounds activation memory)
 LENGTH_MULTIPLE = 64  # cache length rounding: fewer re-captures, aligned attention masks
@@ -131,7 +123,6 @@ class Generator:
         self._tables = None  # rope (cos, sin) for the cache length
         self._steps: dict = {}  # (rows, max_new, sampling key, graphed) -> (buffers, step fn)
         self._pool = self._side = None  # graph memory pool, warm-up stream
-        self._half = None  # the two-stream step's second stream (SPLIT_STEP_MIN_ROWS)
         self._poller: Optional[StopPoller] = None
         # host-side counts of the last generate call (no sync): decode row-steps run, what the
         # same steps would have cost without compaction, compactions
@@ -301,39 +292,10 @@ class Generator:
         if step_kernel:
             from hybridflow.kernels import sampling as ksampling
 
-        rows = buf.tokens.shape[0]
-        split = (SPLIT_STEP_MIN_ROWS and rows >= max(2, SPLIT_STEP_MIN_ROWS) and kernels == "triton"
-                 and w.dims.tp_size == 1 and "fc2" not in decoder.DECODE_TRITON_GEMMS)
-        if split and self.device.type == "cuda" and self._half is None:
-            self._half = torch.cuda.Stream(self.device)
-        second_stream = self._half if split and self.device.type == "cuda" else None
-
-        def layers(lo: int, hi: int):  # rows lo..hi-1 through the layers: their LM-head input
-            return decoder.decode_step(w, buf.tokens[lo:hi], buf.positions[lo:hi], buf.cur,
-                                       buf.key_valid[lo:hi], cache=cache, cos_tab=cos, sin_tab=sin,
-                                       kv_len=kv_len, compiled=compiled, kernels=kernels, row0=lo,
-                                       hidden_only=True, gemm_rows=rows)
-
-        def forward():
-            if not split:
-                return decoder.decode_step(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
-                                           cache=cache, cos_tab=cos, sin_tab=sin, kv_len=kv_len,
-                                           compiled=compiled, kernels=kernels)
-            half = rows // 2
-            if second_stream is None:  # CPU: one after the other
-                h = torch.cat([layers(0, half), layers(half, rows)])
-            else:
-                main = torch.cuda.current_stream(self.device)
-                second_stream.wait_stream(main)
-                with torch.cuda.stream(second_stream):
-                    second = layers(half, rows)
-                first = layers(0, half)
-                main.wait_stream(second_stream)
-                h = torch.cat([first, second])
-            return decoder.logits(w, h, fp32=False)
-
         def step():
-            logits = forward()
+            logits = decoder.decode_step(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
+                                         cache=cache, cos_tab=cos, sin_tab=sin, kv_len=kv_len,
+                                         compiled=compiled, kernels=kernels)
             tok = lp = partials = None
             if argmax_in_step:
                 partials = ksampling.argmax_chunks(logits)

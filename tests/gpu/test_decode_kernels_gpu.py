@@ -230,15 +230,11 @@ def test_generator_with_kernels_under_graphs(monkeypatch):
                     device=torch.device("cuda"), dtype=torch.float32, true_vocab_size=37)
     no_lp = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
                       device=torch.device("cuda"), dtype=torch.float32, true_vocab_size=37)
-    halves = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
-                       device=torch.device("cuda"), dtype=torch.float32, true_vocab_size=37)
-    for g_, variant, one_kernel, split in (
-            (gen, fused, False, 0), (gen, dataclasses.replace(fused, compile_decode=True), False, 0),
-            (one, fused, True, 0),
-            (no_lp, dataclasses.replace(fused, return_logprobs=False), True, 0),
-            # the two-stream step (SPLIT_STEP_MIN_ROWS): the layers over two halves of the rows,
-            # the second half on its own stream, captured as two branches of each graph
-            (halves, fused, True, 2)):
+    for g_, variant, one_kernel in ((gen, fused, False),
+                                    (gen, dataclasses.replace(fused, compile_decode=True), False),
+                                    (one, fused, True),
+                                    (no_lp, dataclasses.replace(fused, return_logprobs=False),
+                                     True)):
         # the last two: every trial switch (RoPE + K/V write + attention as one kernel, fc1 +
         # SwiGLU as one GEMM, the bookkeeping kernel, the greedy draw by the argmax kernel; without
         # log-probs its pass 2 inside the bookkeeping kernel), each a Generator of its own: the
@@ -249,9 +245,6 @@ def test_generator_with_kernels_under_graphs(monkeypatch):
         monkeypatch.setattr(decoder, "DECODE_TRITON_GEMMS",
                             frozenset({"fc1", "qkv", "proj", "fc2"} if one_kernel else ()))
         monkeypatch.setattr(decoder, "DECODE_TRITON_GEMM_MIN_ROWS", 0)  # this test's few rows
-        if split:
-            monkeypatch.setattr(decoder, "DECODE_TRITON_GEMMS", frozenset({"fc1"}))
-        monkeypatch.setattr(generator, "SPLIT_STEP_MIN_ROWS", split)
         out = g_.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)
         captured = len(g_._steps)
         again = g_.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)

@@ -360,11 +360,6 @@ def generation_cases():
         decoder.FOLD_SMALL_LAUNCHES, decoder.FC2_INTO_RESIDUAL = False, True
         fr = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=7)
         decoder.FOLD_SMALL_LAUNCHES, decoder.FC2_INTO_RESIDUAL = True, False
-        # the step's layers as two halves of the rows (the two-stream step; here one after the
-        # other): the cache rows' offsets
-        generator.SPLIT_STEP_MIN_ROWS = 2
-        sp = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=7)
-        generator.SPLIT_STEP_MIN_ROWS = 0
         # every kernel switch on: + fc1/SwiGLU GEMM (decode and prefill) + the bookkeeping kernel
         # + the greedy argmax kernel (its pass 2 inside the bookkeeping kernel without log-probs)
         switches(True)
@@ -382,9 +377,6 @@ def generation_cases():
                                                                             fr.response_ids)),
                      "unfolded_fc2_residual_logprob_err": (ref.rollout_logprobs
                                                            - fr.rollout_logprobs).abs().max().item(),
-                     "split_tokens_equal": bool(torch.equal(ref.response_ids, sp.response_ids)),
-                     "split_logprob_err": (ref.rollout_logprobs - sp.rollout_logprobs).abs().max()
-                     .item(),
                      "tokens_equal": bool(torch.equal(ref.response_ids, got.response_ids)),
                      "mask_equal": bool(torch.equal(ref.response_mask, got.response_mask)),
                      "logprob_err": (ref.rollout_logprobs - got.rollout_logprobs).abs().max().item(),
