@@ -277,6 +277,9 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
     causal = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril()
     eye = torch.eye(S, dtype=torch.bool, device=ids.device)
     mask = ((causal & valid[:, None, :]) | eye)[:, None]  # (B, 1, S, S); pad rows see themselves
+    # as the additive mask SDPA makes of a boolean one, once here (not once per layer)
+    mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask,
+                                                                                float("-inf"))
     for i, layer in enumerate(w.layers):
         h = norm(x, layer.ln1, d.eps)
         qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(B, S, d.groups, hpg + 2, hd)
@@ -408,10 +411,14 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
                  else x.addmm_(a, layer.proj.t()))
         else:
             x = _row_parallel_add(x, a, layer.proj, w)
-        h = kern.add_rms_norm(x, None, layer.ln2, d.eps, impl="triton")[1]
-        if "fc1" in tri:
-            act = _swiglu_gemm(h, layer.fc1)
+        if "fc1" in tri and NORM_IN_SWIGLU_GEMM:  # the RMSNorm inside the GEMM: no norm kernel
+            act = gemm.swiglu_linear(x, layer.fc1, norm_weight=layer.ln2, eps=d.eps,
+                                     impl="triton")
+        elif "fc1" in tri:
+            act = _swiglu_gemm(kern.add_rms_norm(x, None, layer.ln2, d.eps, impl="triton")[1],
+                               layer.fc1)
         else:
+            h = kern.add_rms_norm(x, None, layer.ln2, d.eps, impl="triton")[1]
             act = kern.silu_mul(F.linear(h, layer.fc1), impl="triton")
         if "fc2" in tri:  # y: added by the next add_rms_norm
             y = _all_reduce(gemm.linear(act, layer.fc2, kind="linear_long_k", impl="triton"), w)
@@ -463,6 +470,9 @@ FOLD_SMALL_LAUNCHES = True
 # decode_kernels=triton, TP = 1, fc2 on cuBLAS: its product accumulated into the residual in place
 # (addmm_, beta = 1) instead of written out and added by the next layer's norm kernel
 FC2_INTO_RESIDUAL = False
+# decode_kernels=triton with "fc1" in DECODE_TRITON_GEMMS: the MLP's RMSNorm computed inside the
+# fc1 + SwiGLU GEMM (kernels/gemm.swiglu_linear norm_weight=) instead of its own kernel
+NORM_IN_SWIGLU_GEMM = True
 # decode_kernels=triton: the decode step's GEMMs that run as Triton GEMMs with their neighbours in
 # the epilogue (kernels/gemm.py) instead of cuBLAS: "fc1" (+ the SwiGLU, no (B, 2F) product),
 # "qkv" (+ bias), "proj" (accumulated into the residual in place), "fc2" (split-K reduced in the

@@ -78,6 +78,9 @@ def test_swiglu_gemm_equals_fc1_then_swiglu(checked):
     assert [c["shape"] for c in cases] == [[5, 64, 48], [70, 96, 80], [3, 64, 96], [600, 32, 24]]
     for case in cases:
         assert case["err"] < 1e-6 * max(1.0, case["scale"]) * 10, case
+        # norm_weight: the RMSNorm inside the GEMM (rstd from the A tiles, in the epilogue)
+        assert case["norm_err"] < 1e-5 * max(1.0, case["norm_scale"]), case
+        assert case["norm_twin_err"] < 1e-5 * max(1.0, case["norm_scale"]), case
 
 
 def test_linear_gemm_equals_linear_and_addmm(checked):
