@@ -173,8 +173,6 @@ SWITCHES = {
     "fold-small-launches": (decoder, "FOLD_SMALL_LAUNCHES",
                             "the step's KV-valid mark and embedding lookup inside the first "
                             "layer's attention / norm kernels"),
-    "norm-in-swiglu-gemm": (decoder, "NORM_IN_SWIGLU_GEMM",
-                            "the MLP's RMSNorm inside fc1's Triton GEMM (no norm kernel)"),
     "fc2-into-residual": (decoder, "FC2_INTO_RESIDUAL",
                           "cuBLAS's fc2 accumulated into the residual in place (no y)"),
 }

@@ -54,7 +54,6 @@ for v in ${VARIANTS:-defaults fc2 defaults fc2}; do
     prefill) flags=(--prefill-swiglu-gemm on) ;;
     nofold) flags=(--fold-small-launches off) ;;
     fc2res) flags=(--fc2-into-residual on) ;;
-    nonorm) flags=(--norm-in-swiglu-gemm off) ;;
     attn_*) IFS=_ read -r _ w st pp <<< "$v"; flags=(--attn-config "$w,$st,$pp") ;;  # attn_4_2_2
     *) echo "unknown variant $v" >&2; exit 2 ;;
   esac

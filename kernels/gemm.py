@@ -71,12 +71,11 @@ def config_for(kind: str, M: int) -> Config:
 if HAVE_TRITON:
 
     @triton.jit
-    def _gemm_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, ln_ptr, eps, M, N, K,
-                     s_am, s_wn, s_om, K_ITERS: tl.constexpr, EVEN_K: tl.constexpr,
-                     SWIGLU: tl.constexpr, BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
-                     SPLIT: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     IEEE: tl.constexpr):
+    def _gemm_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, s_am, s_wn,
+                     s_om, K_ITERS: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
+                     BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, SPLIT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, IEEE: tl.constexpr):
         pid = tl.program_id(0)
         split = tl.program_id(1)  # K_ITERS blocks of K from split * K_ITERS * BLOCK_K
         num_m = tl.cdiv(M, BLOCK_M)
@@ -99,7 +98,6 @@ if HAVE_TRITON:
         u_ptrs = w_ptrs + N * s_wn  # SwiGLU: the up half's rows
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        sq = tl.zeros([BLOCK_M], tl.float32)  # NORM: the rows' sums of squares over K
         for i in range(0, K_ITERS):
             if EVEN_K:
                 a = tl.load(a_ptrs)
@@ -108,14 +106,6 @@ if HAVE_TRITON:
                 k_ok = rk < K - k0 - i * BLOCK_K
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-            if NORM:  # RMSNorm(a) @ W^T = rstd * ((a * ln) @ W^T): the rows' rstd from these tiles
-                af = a.to(tl.float32)
-                sq += tl.sum(af * af, 1)
-                if EVEN_K:
-                    ln = tl.load(ln_ptr + k0 + i * BLOCK_K + rk)
-                else:
-                    ln = tl.load(ln_ptr + k0 + i * BLOCK_K + rk, mask=k_ok, other=0.0)
-                a = (af * ln.to(tl.float32)[None, :]).to(a.dtype)
             if IEEE:  # fp32 inputs: full-precision products (the default would be TF32)
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
@@ -147,10 +137,6 @@ if HAVE_TRITON:
                 tl.atomic_xchg(lock_ptr + pid, 0)  # ready for the next launch (graph replays too)
         if last:
             dt = out_ptr.dtype.element_ty
-            if NORM:
-                rstd = 1.0 / tl.sqrt(sq / K + eps)
-                acc = acc * rstd[:, None]
-                acc_u = acc_u * rstd[:, None]
             mask = (rm[:, None] < M) & (rn[None, :] < N)
             o_ptrs = out_ptr + rm[:, None].to(tl.int64) * s_om + rn[None, :]
             if BIAS:
@@ -180,27 +166,24 @@ def _locks(device: torch.device) -> torch.Tensor:
     return t
 
 
-def _launch(a, w, bias, out, n: int, *, swiglu: bool, accumulate: bool, cfg: Config,
-            norm_weight=None, eps: float = 0.0) -> None:
+def _launch(a, w, bias, out, n: int, *, swiglu: bool, accumulate: bool, cfg: Config) -> None:
     M, K = a.shape
     if M and n:
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         k_iters = triton.cdiv(triton.cdiv(K, cfg.split), cfg.block_k)  # BLOCK_K steps per split
         part = locks = out  # unused without split-K
         if cfg.split > 1:
-            if swiglu or norm_weight is not None or tiles > MAX_TILES:
+            if swiglu or tiles > MAX_TILES:
                 raise ValueError(f"kernels.gemm: split-K {cfg.split} needs a plain linear of at most "
                                  f"{MAX_TILES} output tiles (swiglu={swiglu}, {tiles} tiles)")
             part = torch.empty(tiles * cfg.split * cfg.block_m * cfg.block_n, dtype=torch.float32,
                                device=a.device)
             locks = _locks(a.device)
         _gemm_kernel[(tiles, cfg.split)](
-            a, w, out if bias is None else bias, out, part, locks,
-            out if norm_weight is None else norm_weight, eps, M, n, K, a.stride(0),
+            a, w, out if bias is None else bias, out, part, locks, M, n, K, a.stride(0),
             w.stride(0), out.stride(0), K_ITERS=k_iters,
             EVEN_K=K == cfg.split * k_iters * cfg.block_k, SWIGLU=swiglu, BIAS=bias is not None,
-            ACCUMULATE=accumulate, SPLIT=cfg.split, NORM=norm_weight is not None,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            ACCUMULATE=accumulate, SPLIT=cfg.split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, IEEE=a.dtype == torch.float32,
             num_warps=cfg.warps, num_stages=cfg.stages)
 
@@ -212,32 +195,21 @@ def _check(name: str, a: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def swiglu_linear(h: torch.Tensor, fc1: torch.Tensor, *, cfg: Optional[Config] = None,
-                  norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
                   impl: str = "auto") -> torch.Tensor:
     """silu(h @ gate^T) * (h @ up^T) for fc1 = [gate; up] (2F, D), h (M, D) -> (M, F) in h's
-    dtype; both contiguous in the last dimension. `norm_weight` (D,): h is the un-normed input x
-    and the GEMM takes rms_norm(x) * norm_weight (eps) in its place, computed inside it (the rows'
-    rstd from the A tiles it reads anyway, applied in the epilogue; the A tiles scaled by the
-    weight and rounded to the dtype: agrees with the norm kernel + GEMM to rounding, not bits)."""
+    dtype; both contiguous in the last dimension."""
     _check("swiglu_linear", h, fc1)
     if fc1.shape[0] % 2:
         raise ValueError(f"swiglu_linear: fc1 has {fc1.shape[0]} rows, expected [gate; up] (even)")
-    if norm_weight is not None and tuple(norm_weight.shape) != (h.shape[1],):
-        raise ValueError(f"swiglu_linear: norm_weight {tuple(norm_weight.shape)}, expected "
-                         f"({h.shape[1]},)")
     if not use_triton(h, impl):
-        if norm_weight is not None:
-            h = F.rms_norm(h.float(), (h.shape[1],), norm_weight.float(), eps).to(h.dtype)
         gate, up = F.linear(h, fc1).chunk(2, dim=-1)
         return F.silu(gate) * up
     if h.stride(-1) != 1 or fc1.stride(-1) != 1:
         raise ValueError("swiglu_linear needs h and fc1 contiguous in the last dimension")
     f = fc1.shape[0] // 2
     out = torch.empty((h.shape[0], f), dtype=h.dtype, device=h.device)
-    if norm_weight is not None and norm_weight.stride(-1) != 1:
-        raise ValueError("swiglu_linear needs norm_weight contiguous")
     _launch(h, fc1, None, out, f, swiglu=True, accumulate=False,
-            cfg=cfg or config_for("swiglu", h.shape[0]), norm_weight=norm_weight, eps=eps)
+            cfg=cfg or config_for("swiglu", h.shape[0]))
     return out
 
 

@@ -277,9 +277,6 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
     causal = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril()
     eye = torch.eye(S, dtype=torch.bool, device=ids.device)
     mask = ((causal & valid[:, None, :]) | eye)[:, None]  # (B, 1, S, S); pad rows see themselves
-    # as the additive mask SDPA makes of a boolean one, once here (not once per layer)
-    mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask,
-                                                                                float("-inf"))
     for i, layer in enumerate(w.layers):
         h = norm(x, layer.ln1, d.eps)
         qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(B, S, d.groups, hpg + 2, hd)
@@ -411,14 +408,10 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
                  else x.addmm_(a, layer.proj.t()))
         else:
             x = _row_parallel_add(x, a, layer.proj, w)
-        if "fc1" in tri and NORM_IN_SWIGLU_GEMM:  # the RMSNorm inside the GEMM: no norm kernel
-            act = gemm.swiglu_linear(x, layer.fc1, norm_weight=layer.ln2, eps=d.eps,
-                                     impl="triton")
-        elif "fc1" in tri:
-            act = _swiglu_gemm(kern.add_rms_norm(x, None, layer.ln2, d.eps, impl="triton")[1],
-                               layer.fc1)
+        h = kern.add_rms_norm(x, None, layer.ln2, d.eps, impl="triton")[1]
+        if "fc1" in tri:
+            act = _swiglu_gemm(h, layer.fc1)
         else:
-            h = kern.add_rms_norm(x, None, layer.ln2, d.eps, impl="triton")[1]
             act = kern.silu_mul(F.linear(h, layer.fc1), impl="triton")
         if "fc2" in tri:  # y: added by the next add_rms_norm
             y = _all_reduce(gemm.linear(act, layer.fc2, kind="linear_long_k", impl="triton"), w)
@@ -462,17 +455,17 @@ def _attn_out_split(x, a, proj, ln2, fc1, fc2, eps: float):
 # (kernels/rope_attention.py) instead of two: 0.4638 -> 0.4548 s per 256-row, 256-token call of
 # Qwen2-0.5B on the H200 (benchmarks/results/generate_h200_decode_ab.json)
 FUSE_ROPE_ATTENTION = True
-# decode_kernels=triton with FUSE_ROPE_ATTENTION: two small launches of each decode step folded
-# into kernels that run anyway: the KV-valid mark of the step's column into the first layer's
-# attention kernel (which never reads that column), and (TP = 1) the embedding lookup into the
-# first layer's norm kernel
+# decode_kernels=triton: two small launches of each decode step folded into kernels that run
+# anyway: the KV-valid mark of the step's column into the first layer's fused attention kernel
+# (FUSE_ROPE_ATTENTION; that kernel never reads the column) and (TP = 1) the embedding lookup into
+# the first layer's norm kernel. H200, 256-row, 256-token call of Qwen2-0.5B, ABAB in one call:
+# 0.4305 / 0.4294 -> 0.4277 / 0.4276 s (benchmarks/results/generate_h200_decode_ab.json)
 FOLD_SMALL_LAUNCHES = True
 # decode_kernels=triton, TP = 1, fc2 on cuBLAS: its product accumulated into the residual in place
-# (addmm_, beta = 1) instead of written out and added by the next layer's norm kernel
-FC2_INTO_RESIDUAL = False
-# decode_kernels=triton with "fc1" in DECODE_TRITON_GEMMS: the MLP's RMSNorm computed inside the
-# fc1 + SwiGLU GEMM (kernels/gemm.swiglu_linear norm_weight=) instead of its own kernel
-NORM_IN_SWIGLU_GEMM = True
+# (addmm_, beta = 1; cuBLAS keeps its split-K) instead of written out and added by the next
+# layer's norm kernel. Same call, two machine instances: better in 6 of 8 pairs, ~1 ms (mean of
+# 4: 0.4290 -> 0.4279 s), within the calls' noise of 1-3 ms
+FC2_INTO_RESIDUAL = True
 # decode_kernels=triton: the decode step's GEMMs that run as Triton GEMMs with their neighbours in
 # the epilogue (kernels/gemm.py) instead of cuBLAS: "fc1" (+ the SwiGLU, no (B, 2F) product),
 # "qkv" (+ bias), "proj" (accumulated into the residual in place), "fc2" (split-K reduced in the
