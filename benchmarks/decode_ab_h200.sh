@@ -8,7 +8,7 @@
 #
 #   bash benchmarks/decode_ab_h200.sh            # carry [".whl"]; ~8 minutes warm
 # Environment: OUT (/tmp/decode_ab), WORK (/tmp/decode_ab_work), SITE (/tmp/site), SKIP_TESTS=1,
-# SKIP_SWEEP=1, SWEEP_S (240: the sweep's time limit), SWEEP_GEMMS ("fc2"), VARIANTS (names
+# SKIP_SWEEP=1, SWEEP_S (240: the sweep's time limit), SWEEP_GEMMS ("fc1"), VARIANTS (names
 # below, in order).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 CONFIGS=()  # --gemm-configs from the sweep (decode's rows): swiglu=... linear=...
 if [ -z "${SKIP_SWEEP:-}" ]; then
-  timeout "${SWEEP_S:-240}" python3 benchmarks/bench_triton_gemm.py --gemms ${SWEEP_GEMMS:-fc2} \
+  timeout "${SWEEP_S:-240}" python3 benchmarks/bench_triton_gemm.py --gemms ${SWEEP_GEMMS:-fc1} \
     --rows 256 --out "$WORK/triton_gemm.json" > "$WORK/triton_gemm.log" 2>&1
   grep -E "M=" "$WORK/triton_gemm.log"
   python3 - "$WORK/triton_gemm.json" > "$WORK/gemm_configs.txt" <<'EOF'
@@ -43,7 +43,9 @@ EOF
   read -r -a CONFIGS < "$WORK/gemm_configs.txt"
 fi
 echo "gemm configs: ${CONFIGS[*]:-the module tables}"
-for v in ${VARIANTS:-defaults fc2 defaults fc2}; do
+i=0
+for v in ${VARIANTS:-defaults nofold defaults nofold}; do
+  i=$((i + 1))  # each run its own JSON / log (a variant may repeat: ABAB)
   case $v in
     off) flags=(--fuse-rope-attention off --triton-argmax off --step-kernel off --triton-gemms) ;;
     defaults) flags=() ;;  # the module defaults as committed
@@ -53,15 +55,15 @@ for v in ${VARIANTS:-defaults fc2 defaults fc2}; do
     fc2) flags=(--triton-gemms fc1 fc2) ;;
     prefill) flags=(--prefill-swiglu-gemm on) ;;
     nofold) flags=(--fold-small-launches off) ;;
-    fc2res) flags=(--fc2-into-residual on) ;;
+    fc2out) flags=(--fc2-into-residual off) ;;  # fc2 written out, added by the next norm
     attn_*) IFS=_ read -r _ w st pp <<< "$v"; flags=(--attn-config "$w,$st,$pp") ;;  # attn_4_2_2
     *) echo "unknown variant $v" >&2; exit 2 ;;
   esac
   [ ${#CONFIGS[@]} -gt 0 ] && flags+=(--gemm-configs "${CONFIGS[@]}")
   timeout 240 python3 benchmarks/bench_generate.py --batches 256 --compile-decode --kv-window 64 \
     --skip-checks --no-hf --decode-kernels triton "${flags[@]}" \
-    --out "$WORK/generate_$v.json" > "$WORK/generate_$v.log" 2>&1
-  python3 - "$WORK/generate_$v.json" "$v" <<'EOF'
+    --out "$WORK/generate_${i}_$v.json" > "$WORK/generate_${i}_$v.log" 2>&1
+  python3 - "$WORK/generate_${i}_$v.json" "$v" <<'EOF'
 import json, sys
 try:
     r = json.load(open(sys.argv[1]))["results"]["256"]
