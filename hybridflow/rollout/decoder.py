@@ -327,13 +327,11 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     d = w.dims
     B = tokens.shape[0]
     hpg, hd = d.heads_per_group, d.head_dim
-    fold = kernels == "triton" and FUSE_ROPE_ATTENTION and FOLD_SMALL_LAUNCHES and bool(w.layers)
-    if not fold:  # else the first layer's attention kernel marks the column
-        key_valid.index_fill_(1, cur, True)
     seen = key_valid if kv_len is None else key_valid[:, :kv_len]
-    if kernels == "triton":
+    if kernels == "triton":  # it marks column cur valid itself
         return _decode_step_fused(w, tokens, positions, cur, seen, cache=cache, cos_tab=cos_tab,
                                   sin_tab=sin_tab, kv_len=kv_len)
+    key_valid.index_fill_(1, cur, True)
     bias = torch.zeros(seen.shape, dtype=cos_tab.dtype, device=tokens.device)
     bias = bias.masked_fill_(~seen, float("-inf"))[:, None, None, :]  # (B, 1, 1, kv_len)
     cos = cos_tab.index_select(0, positions)[:, None, None, :]  # (B, 1, 1, hd)
@@ -381,10 +379,13 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     if not FUSE_ROPE_ATTENTION:  # the fused kernel reads the tables at each row's position
         cos = cos_tab.index_select(0, positions)  # (B, hd)
         sin = sin_tab.index_select(0, positions)
-    # (B, D); the layer input is x + y (y None: x). FOLD_SMALL_LAUNCHES at TP = 1: the embedding
-    # lookup runs in the first layer's norm kernel (x None until then)
+    # FOLD_SMALL_LAUNCHES: the first layer's fused attention kernel marks column cur valid, and
+    # (TP = 1) its norm kernel does the embedding lookup (x None until then)
+    mark = FOLD_SMALL_LAUNCHES and FUSE_ROPE_ATTENTION and bool(w.layers)
+    if not mark:
+        seen.index_fill_(1, cur, True)
     fold = FOLD_SMALL_LAUNCHES and d.tp_size == 1 and bool(w.layers)
-    x, y = (None if fold else embed(w, tokens)), None
+    x, y = (None if fold else embed(w, tokens)), None  # the layer input is x + y (y None: x)
     for i, layer in enumerate(w.layers):
         x, h = (kern.add_rms_norm(w.embed, None, layer.ln1, d.eps, rows=tokens, impl="triton")
                 if x is None else kern.add_rms_norm(x, y, layer.ln1, d.eps, impl="triton"))
@@ -396,7 +397,7 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
                 kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
             a = rope_attention(qkv, cos_tab, sin_tab, kc, vc, cur, seen, hpg=hpg,
                                positions=positions, impl="triton",
-                               mark_valid=i == 0 and FOLD_SMALL_LAUNCHES)
+                               mark_valid=i == 0 and mark)
         else:
             q = kern.rope_kv_write(qkv, cos, sin, kc, vc, cur, hpg=hpg, impl="triton")
             if kv_len is not None:
