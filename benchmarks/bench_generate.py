@@ -34,6 +34,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
+from hybridflow.kernels import _dispatch  # noqa: E402
 from hybridflow.rollout import Generator, decoder, generator, sampling  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -175,6 +176,8 @@ SWITCHES = {
                             "layer's attention / norm kernels"),
     "fc2-into-residual": (decoder, "FC2_INTO_RESIDUAL",
                           "cuBLAS's fc2 accumulated into the residual in place (no y)"),
+    "pdl": (_dispatch, "PDL", "our Triton kernels launched with programmatic dependent launch "
+                              "(sm_90+: each waits for its predecessor's writes in-kernel)"),
 }
 
 

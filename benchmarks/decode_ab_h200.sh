@@ -44,7 +44,7 @@ EOF
 fi
 echo "gemm configs: ${CONFIGS[*]:-the module tables}"
 i=0
-for v in ${VARIANTS:-defaults nofold defaults nofold}; do
+for v in ${VARIANTS:-defaults nopdl defaults nopdl}; do
   i=$((i + 1))  # each run its own JSON / log (a variant may repeat: ABAB)
   case $v in
     off) flags=(--fuse-rope-attention off --triton-argmax off --step-kernel off --triton-gemms) ;;
@@ -56,6 +56,7 @@ for v in ${VARIANTS:-defaults nofold defaults nofold}; do
     prefill) flags=(--prefill-swiglu-gemm on) ;;
     nofold) flags=(--fold-small-launches off) ;;
     fc2out) flags=(--fc2-into-residual off) ;;  # fc2 written out, added by the next norm
+    nopdl) flags=(--pdl off) ;;  # Triton kernels launched plainly
     attn_*) IFS=_ read -r _ w st pp <<< "$v"; flags=(--attn-config "$w,$st,$pp") ;;  # attn_4_2_2
     *) echo "unknown variant $v" >&2; exit 2 ;;
   esac

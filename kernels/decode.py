@@ -39,11 +39,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import HAVE_TRITON, use_triton
+from ._dispatch import HAVE_TRITON, launch_opts, use_triton
 
 if HAVE_TRITON:  # CPU-only installs: the PyTorch twins serve
     import triton
     import triton.language as tl
+
+    from ._dispatch import pdl_enter
 
 BLOCK_T = 64  # cache columns per attention block (one tl.dot)
 TARGET_PROGRAMS = 0  # 0: PROGRAMS_PER_SM x the SMs (a test may set it to force a split count)
@@ -57,7 +59,9 @@ if HAVE_TRITON:
     @triton.jit
     def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, cur_ptr, q_ptr, G, HPG, S,
                         s_xb, s_xg, s_xr, s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt,
-                        s_qb, s_qg, s_qr, R_PAD: tl.constexpr, HD: tl.constexpr):
+                        s_qb, s_qg, s_qr, R_PAD: tl.constexpr, HD: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         # program (token, group); token = (cache row, position in it) = (bs // S, bs % S): decode
         # has S = 1 (one token per row), the prefill S prompt tokens per row
         pid = tl.program_id(0).to(tl.int64)
@@ -119,7 +123,8 @@ if HAVE_TRITON:
                            kv_len, scale, s_qb, s_qg, s_qh, s_kb, s_kg, s_kt, s_vb, s_vg,
                            s_vt, s_mb, s_mt, s_ob, s_og, s_oh, NSPLIT: tl.constexpr,
                            BLOCKS: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr,
-                           BLOCK: tl.constexpr, IEEE: tl.constexpr):
+                           BLOCK: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         pid = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         b, g = pid // G, pid % G
@@ -142,7 +147,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, G, HPG, s_ob, s_og, s_oh,
-                             NSPLIT: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr):
+                             NSPLIT: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         pid = tl.program_id(0).to(tl.int64)
         b, g = pid // G, pid % G
         h = tl.arange(0, H_PAD)
@@ -169,7 +176,9 @@ if HAVE_TRITON:
 if HAVE_TRITON:
 
     @triton.jit
-    def _silu_mul_kernel(z_ptr, out_ptr, F, s_z, s_o, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(z_ptr, out_ptr, F, s_z, s_o, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = col < F
@@ -185,7 +194,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, idx_ptr, D, eps, s_x, s_y, s_h,
-                             s_o, HAS_Y: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr):
+                             s_o, HAS_Y: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         col = tl.arange(0, BLOCK)
         ok = col < D
@@ -249,7 +260,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         _rope_kv_kernel[(B * G,)](
             qkv, cos, sin, k_cache, v_cache, cur, q, G, hpg, 1, *qkv.stride()[:3], cos.stride(0),
             *k_cache.stride()[:3], *v_cache.stride()[:3], *q.stride()[:3],
-            R_PAD=triton.next_power_of_2(hpg + 1), HD=hd, num_warps=2)
+            R_PAD=triton.next_power_of_2(hpg + 1), HD=hd, num_warps=2, **launch_opts(qkv))
     return q
 
 
@@ -292,7 +303,7 @@ def rope_kv_prefill(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         _rope_kv_kernel[(B * S * G,)](
             flat, cos2, sin2, k_cache, v_cache, zero, qf, G, hpg, S, *flat.stride()[:3],
             cos2.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *qf.stride()[:3],
-            R_PAD=triton.next_power_of_2(hpg + 1), HD=hd, num_warps=2)
+            R_PAD=triton.next_power_of_2(hpg + 1), HD=hd, num_warps=2, **launch_opts(flat))
     return q
 
 
@@ -313,7 +324,7 @@ def silu_mul(z: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
     if N and f:
         block = min(1024, triton.next_power_of_2(f))
         _silu_mul_kernel[(N, triton.cdiv(f, block))](z, out, f, z.stride(0), out.stride(0),
-                                                     BLOCK=block, num_warps=4)
+                                                     BLOCK=block, num_warps=4, **launch_opts(z))
     return out
 
 
@@ -345,7 +356,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
                                    x if rows is None else rows, D, eps, x.stride(0),
                                    0 if y is None else y.stride(0), h.stride(0), out.stride(0),
                                    HAS_Y=y is not None, GATHER=rows is not None, BLOCK=block,
-                                   num_warps=4 if block <= 2048 else 8)
+                                   num_warps=4 if block <= 2048 else 8, **launch_opts(x))
     return h, out
 
 
@@ -381,10 +392,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], valid.stride(0),
             valid.stride(1), *out.stride()[:3], NSPLIT=nsplit, BLOCKS=blocks, H_PAD=h_pad, HD=hd,
             BLOCK=BLOCK_T,
-            IEEE=q.dtype == torch.float32, num_warps=ATTN_WARPS, num_stages=ATTN_STAGES)
+            IEEE=q.dtype == torch.float32, num_warps=ATTN_WARPS, num_stages=ATTN_STAGES,
+            **launch_opts(q))
         if nsplit > 1:  # the split count is a compile-time constant: one kernel per value
             _attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, *out.stride()[:3],
-                                           NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4)
+                                           NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4,
+                                           **launch_opts(m))
     return out
 
 

@@ -35,11 +35,13 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import HAVE_TRITON, use_triton
+from ._dispatch import HAVE_TRITON, launch_opts, use_triton
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from ._dispatch import pdl_enter
 
 
 class Config(NamedTuple):
@@ -75,7 +77,8 @@ if HAVE_TRITON:
                      s_om, K_ITERS: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
                      BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, SPLIT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+                     GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         pid = tl.program_id(0)
         split = tl.program_id(1)  # K_ITERS blocks of K from split * K_ITERS * BLOCK_K
         num_m = tl.cdiv(M, BLOCK_M)
@@ -185,7 +188,7 @@ def _launch(a, w, bias, out, n: int, *, swiglu: bool, accumulate: bool, cfg: Con
             EVEN_K=K == cfg.split * k_iters * cfg.block_k, SWIGLU=swiglu, BIAS=bias is not None,
             ACCUMULATE=accumulate, SPLIT=cfg.split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, IEEE=a.dtype == torch.float32,
-            num_warps=cfg.warps, num_stages=cfg.stages)
+            num_warps=cfg.warps, num_stages=cfg.stages, **launch_opts(a))
 
 
 def _check(name: str, a: torch.Tensor, w: torch.Tensor) -> None:

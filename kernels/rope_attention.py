@@ -29,11 +29,13 @@ import math
 import torch
 
 from . import decode
-from ._dispatch import HAVE_TRITON, use_triton
+from ._dispatch import HAVE_TRITON, launch_opts, use_triton
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from ._dispatch import pdl_enter
 
     from .decode import _attend_blocks  # the split's online softmax, column cur left out
 
@@ -43,7 +45,8 @@ if HAVE_TRITON:
                           s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt, s_mb, s_mt, s_ob, s_og, s_oh,
                           NSPLIT: tl.constexpr, BLOCKS: tl.constexpr, H_PAD: tl.constexpr,
                           HD: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
-                          TABLES: tl.constexpr, MARK: tl.constexpr):
+                          TABLES: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         pid = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         b, g = pid // G, pid % G
@@ -139,8 +142,10 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
             *qkv.stride()[:3], cos.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
             valid.stride(0), valid.stride(1), *out.stride()[:3], NSPLIT=nsplit, BLOCKS=blocks,
             H_PAD=h_pad, HD=hd, BLOCK=decode.BLOCK_T, IEEE=qkv.dtype == torch.float32,
-            TABLES=positions is not None, MARK=mark_valid, num_warps=decode.ATTN_WARPS, num_stages=decode.ATTN_STAGES)
+            TABLES=positions is not None, MARK=mark_valid, num_warps=decode.ATTN_WARPS,
+            num_stages=decode.ATTN_STAGES, **launch_opts(qkv))
         if nsplit > 1:
             decode._attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, *out.stride()[:3],
-                                                  NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4)
+                                                  NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4,
+                                                  **launch_opts(m))
     return out

@@ -18,15 +18,18 @@ from typing import Optional
 
 import torch
 
-from ._dispatch import HAVE_TRITON, use_triton
+from ._dispatch import HAVE_TRITON, launch_opts, use_triton
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from ._dispatch import pdl_enter
+
     @triton.jit
     def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, s_x, NCHUNK, CHUNK: tl.constexpr,
-                             BLOCK: tl.constexpr):
+                             BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         best_v = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -45,7 +48,9 @@ if HAVE_TRITON:
         tl.store(idx_ptr + row * NCHUNK + c, first)
 
     @triton.jit
-    def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, V, NCHUNK, N_PAD: tl.constexpr):
+    def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, V, NCHUNK, N_PAD: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, N_PAD)
         ok = c < NCHUNK
@@ -74,7 +79,7 @@ def argmax_chunks(logits: torch.Tensor, *, chunk: int = 8192, block: int = 1024)
     idx = torch.empty((B, nchunk), dtype=torch.int32, device=logits.device)
     if B:
         _argmax_chunk_kernel[(B, nchunk)](logits, val, idx, V, logits.stride(0), nchunk, CHUNK=chunk,
-                                          BLOCK=block, num_warps=4)
+                                          BLOCK=block, num_warps=4, **launch_opts(logits))
     return val, idx
 
 
@@ -91,7 +96,8 @@ def argmax_rows(logits: torch.Tensor, *, chunk: int = 8192, block: int = 1024,
     out = torch.empty((B,), dtype=torch.long, device=logits.device)
     if B:
         _argmax_final_kernel[(B,)](val, idx, out, logits.shape[1], nchunk,
-                                   N_PAD=max(16, triton.next_power_of_2(nchunk)), num_warps=1)
+                                   N_PAD=max(16, triton.next_power_of_2(nchunk)), num_warps=1,
+                                   **launch_opts(val))
     return out
 
 
@@ -102,7 +108,8 @@ if HAVE_TRITON:
                         stop_ptr, tokens_ptr, pos_ptr, cur_ptr, step_ptr, B, NSTOP, pad, V, NCHUNK,
                         s_ot, s_ol, FROM_CHUNKS: tl.constexpr, HAS_LP: tl.constexpr,
                         BLOCK: tl.constexpr, ROW_ITERS: tl.constexpr, N_PAD: tl.constexpr,
-                        STOP_PAD: tl.constexpr):
+                        STOP_PAD: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         # one program: it reads `step` first and advances it after every row is done
         step = tl.load(step_ptr)
         s = tl.arange(0, STOP_PAD)
@@ -166,4 +173,5 @@ def advance_rows(*, finished: torch.Tensor, out_tokens: torch.Tensor, stop_ids: 
         out_tokens.stride(0), 0 if no_lp else out_logprobs.stride(0),
         FROM_CHUNKS=partials is not None, HAS_LP=not no_lp, BLOCK=block,
         ROW_ITERS=triton.cdiv(B, block), N_PAD=max(16, triton.next_power_of_2(nchunk)),
-        STOP_PAD=max(2, triton.next_power_of_2(stop_ids.numel())), num_warps=4)
+        STOP_PAD=max(2, triton.next_power_of_2(stop_ids.numel())), num_warps=4,
+        **launch_opts(tokens))

@@ -253,3 +253,74 @@ def test_generator_with_kernels_under_graphs(monkeypatch):
             assert torch.equal(o.response_ids, ref.response_ids)
             if variant.return_logprobs:
                 assert torch.allclose(o.rollout_logprobs, ref.rollout_logprobs, atol=1e-4)
+
+
+def _graphed(fn):
+    """fn captured into a CUDA graph (warmed on a side stream first); returns the graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def test_pdl_launches_keep_every_result(monkeypatch):
+    """Programmatic dependent launch (kernels/_dispatch.PDL, sm_90+): a chain of kernels each
+    reading its predecessor's output, eager and replayed from a CUDA graph, and a bf16 generation
+    with every decode kernel, bitwise equal to the plain launches'."""
+    from hybridflow.kernels import _dispatch
+    from hybridflow.kernels.gemm import swiglu_linear
+    from hybridflow.rollout import decoder
+    from tests.unit.test_compaction import random_prompts
+    from tests.unit.test_rollout import random_params
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    assert _dispatch.launch_opts(torch.empty(1, device="cuda")) == {"PDL": True, "launch_pdl": True}
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x0 = torch.randn(256, 896, generator=g, device="cuda").to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(896, generator=g, device="cuda")).to(torch.bfloat16)
+    fc1 = (0.05 * torch.randn(2 * 896, 896, generator=g, device="cuda")).to(torch.bfloat16)
+    x = x0.clone()
+
+    def chain():  # 40 dependent launches: norm -> SwiGLU GEMM -> (h, y) -> norm ...
+        h, y = x, x
+        for _ in range(20):
+            h, y = kern.add_rms_norm(h, y, w, 1e-6, impl="triton")
+            y = swiglu_linear(y, fc1, impl="triton")
+        x.copy_(h + y)
+
+    results = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(_dispatch, "PDL", pdl)
+        x.copy_(x0)
+        chain()
+        eager = x.clone()
+        x.copy_(x0)
+        graph = _graphed(chain)  # ran once on the side stream
+        x.copy_(x0)
+        graph.replay()
+        torch.cuda.synchronize()
+        results[pdl] = (eager, x.clone())
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
+    assert torch.equal(results[True][1], results[True][0])
+
+    cfg_m = ModelConfig(num_layers=3, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
+                        num_query_groups=2, vocab_size=37, add_qkv_bias=True)
+    monkeypatch.setattr(decoder, "DECODE_TRITON_GEMM_MIN_ROWS", 0)  # fc1's GEMM at 64 rows too
+    prompts = random_prompts(64, vocab=37)
+    cfg = RolloutConfig(decode_kernels="triton", max_new_tokens=48, temperature=0.0,
+                        return_logprobs=True, decode_kv_window=64)
+    outs = []
+    for pdl in (False, True):
+        monkeypatch.setattr(_dispatch, "PDL", pdl)
+        gen = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
+                        device=torch.device("cuda"), dtype=torch.bfloat16, true_vocab_size=37)
+        outs.append(gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0))
+    assert torch.equal(outs[0].response_ids, outs[1].response_ids)
+    assert torch.equal(outs[0].rollout_logprobs, outs[1].rollout_logprobs)
