@@ -191,6 +191,10 @@ def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
                     help="the decode step's GEMMs run by kernels/gemm.py with their neighbours in "
                          "the epilogue (hybridflow.rollout.decoder.DECODE_TRITON_GEMMS; default: "
                          "the module's)")
+    ap.add_argument("--prefetch-weights", nargs="*", default=None,
+                    choices=["qkv", "proj", "fc1", "fc2"],
+                    help="the decode GEMMs whose weights the kernel before them hints into L2 "
+                         "(hybridflow.rollout.decoder.PREFETCH_WEIGHTS; default: the module's)")
     ap.add_argument("--triton-gemm-min-rows", type=int, default=None,
                     help="the fewest decode rows (graph bucket) that take them (hybridflow.rollout."
                          "decoder.DECODE_TRITON_GEMM_MIN_ROWS; default: the module's)")
@@ -213,6 +217,8 @@ def apply_kernel_switches(args) -> dict:
             setattr(mod, attr, value == "on")
     if args.triton_gemms is not None:
         decoder.DECODE_TRITON_GEMMS = frozenset(args.triton_gemms)
+    if args.prefetch_weights is not None:
+        decoder.PREFETCH_WEIGHTS = frozenset(args.prefetch_weights)
     if args.triton_gemm_min_rows is not None:
         decoder.DECODE_TRITON_GEMM_MIN_ROWS = args.triton_gemm_min_rows
     for item in args.gemm_configs:  # decode's rows only; more rows keep the table's
@@ -228,6 +234,7 @@ def apply_kernel_switches(args) -> dict:
     used["attn_config"] = [kern.ATTN_WARPS, kern.ATTN_STAGES, kern.PROGRAMS_PER_SM]
     return {**used, "DECODE_TRITON_GEMMS": sorted(decoder.DECODE_TRITON_GEMMS),
             "DECODE_TRITON_GEMM_MIN_ROWS": decoder.DECODE_TRITON_GEMM_MIN_ROWS,
+            "PREFETCH_WEIGHTS": sorted(decoder.PREFETCH_WEIGHTS),
             "gemm_configs": {k: [[b, list(c)] for b, c in v] for k, v in gemm.CONFIGS.items()}}
 
 

@@ -57,6 +57,8 @@ for v in ${VARIANTS:-defaults nopdl defaults nopdl}; do
     nofold) flags=(--fold-small-launches off) ;;
     fc2out) flags=(--fc2-into-residual off) ;;  # fc2 written out, added by the next norm
     nopdl) flags=(--pdl off) ;;  # Triton kernels launched plainly
+    pf_*) IFS=_ read -r -a names <<< "${v#pf_}"  # pf_qkv_proj: those GEMMs' weights hinted; pf_none
+          [ "${names[*]}" = none ] && names=(); flags=(--prefetch-weights "${names[@]}") ;;
     attn_*) IFS=_ read -r _ w st pp <<< "$v"; flags=(--attn-config "$w,$st,$pp") ;;  # attn_4_2_2
     *) echo "unknown variant $v" >&2; exit 2 ;;
   esac

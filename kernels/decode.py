@@ -39,13 +39,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import HAVE_TRITON, launch_opts, use_triton
+from ._dispatch import HAVE_TRITON, launch_opts, prefetch_args, use_triton
 
 if HAVE_TRITON:  # CPU-only installs: the PyTorch twins serve
     import triton
     import triton.language as tl
 
-    from ._dispatch import pdl_enter
+    from ._dispatch import pdl_enter, prefetch_l2
 
 BLOCK_T = 64  # cache columns per attention block (one tl.dot)
 TARGET_PROGRAMS = 0  # 0: PROGRAMS_PER_SM x the SMs (a test may set it to force a split count)
@@ -193,9 +193,12 @@ if HAVE_TRITON:
 if HAVE_TRITON:
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, idx_ptr, D, eps, s_x, s_y, s_h,
-                             s_o, HAS_Y: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr,
+    def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, idx_ptr, pf_ptr, pf_bytes, D, eps,
+                             s_x, s_y, s_h, s_o, HAS_Y: tl.constexpr, GATHER: tl.constexpr,
+                             BLOCK: tl.constexpr, PREFETCH: tl.constexpr = False,
                              PDL: tl.constexpr = False):
+        if PREFETCH:  # the next GEMM's weights (no dependence on the previous kernel)
+            prefetch_l2(pf_ptr, pf_bytes, tl.program_id(0), tl.num_programs(0))
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         col = tl.arange(0, BLOCK)
@@ -329,13 +332,14 @@ def silu_mul(z: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
-                 rows: torch.Tensor | None = None,
+                 rows: torch.Tensor | None = None, prefetch: torch.Tensor | None = None,
                  impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The decode layer's residual sum and RMSNorm in one pass: x, y (N, D) -> (h = x + y,
     rms_norm(h) * weight), both (N, D) in x's dtype; y None: h is x itself (not copied). The norm
     is computed in fp32 from h as rounded and rounded once (F.rms_norm's fp32 upcast).
     `rows` (N,) int64: x is a table (V, D) and the input is x[rows] (the decode step's embedding
-    lookup in the first layer's norm: h is that gathered copy, one launch instead of two)."""
+    lookup in the first layer's norm: h is that gathered copy, one launch instead of two).
+    `prefetch`: a tensor (the next GEMM's weight) the kernel hints into L2 (sm_90+; else unused)."""
     if rows is not None:
         if rows.dim() != 1 or (y is not None and y.shape[0] != rows.shape[0]):
             raise ValueError(f"add_rms_norm: rows {tuple(rows.shape)} must be (N,), y's rows")
@@ -352,10 +356,12 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
     out = torch.empty((N, D), dtype=x.dtype, device=x.device)
     if N:
         block = triton.next_power_of_2(D)
+        pf, pf_bytes, pf_on = prefetch_args(x, prefetch)
         _add_rms_norm_kernel[(N,)](x, x if y is None else y, weight, h, out,
-                                   x if rows is None else rows, D, eps, x.stride(0),
+                                   x if rows is None else rows, pf, pf_bytes, D, eps, x.stride(0),
                                    0 if y is None else y.stride(0), h.stride(0), out.stride(0),
                                    HAS_Y=y is not None, GATHER=rows is not None, BLOCK=block,
+                                   PREFETCH=pf_on,
                                    num_warps=4 if block <= 2048 else 8, **launch_opts(x))
     return h, out
 

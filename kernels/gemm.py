@@ -35,13 +35,13 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import HAVE_TRITON, launch_opts, use_triton
+from ._dispatch import HAVE_TRITON, launch_opts, prefetch_args, use_triton
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from ._dispatch import pdl_enter
+    from ._dispatch import pdl_enter, prefetch_l2
 
 
 class Config(NamedTuple):
@@ -73,14 +73,17 @@ def config_for(kind: str, M: int) -> Config:
 if HAVE_TRITON:
 
     @triton.jit
-    def _gemm_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, s_am, s_wn,
-                     s_om, K_ITERS: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
-                     BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, SPLIT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
-        pdl_enter(PDL)
+    def _gemm_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, pf_ptr, pf_bytes, M, N,
+                     K, s_am, s_wn, s_om, K_ITERS: tl.constexpr, EVEN_K: tl.constexpr,
+                     SWIGLU: tl.constexpr, BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+                     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+                     PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
         pid = tl.program_id(0)
         split = tl.program_id(1)  # K_ITERS blocks of K from split * K_ITERS * BLOCK_K
+        if PREFETCH:  # the next GEMM's weights into L2 while this one runs
+            prefetch_l2(pf_ptr, pf_bytes, pid * SPLIT + split, tl.num_programs(0) * SPLIT)
+        pdl_enter(PDL)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
         # grouped order: GROUP_M m tiles walk the n tiles together (their W tiles shared in L2)
@@ -169,7 +172,8 @@ def _locks(device: torch.device) -> torch.Tensor:
     return t
 
 
-def _launch(a, w, bias, out, n: int, *, swiglu: bool, accumulate: bool, cfg: Config) -> None:
+def _launch(a, w, bias, out, n: int, *, swiglu: bool, accumulate: bool, cfg: Config,
+            prefetch: Optional[torch.Tensor] = None) -> None:
     M, K = a.shape
     if M and n:
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(n, cfg.block_n)
@@ -182,9 +186,10 @@ def _launch(a, w, bias, out, n: int, *, swiglu: bool, accumulate: bool, cfg: Con
             part = torch.empty(tiles * cfg.split * cfg.block_m * cfg.block_n, dtype=torch.float32,
                                device=a.device)
             locks = _locks(a.device)
+        pf, pf_bytes, pf_on = prefetch_args(a, prefetch)
         _gemm_kernel[(tiles, cfg.split)](
-            a, w, out if bias is None else bias, out, part, locks, M, n, K, a.stride(0),
-            w.stride(0), out.stride(0), K_ITERS=k_iters,
+            a, w, out if bias is None else bias, out, part, locks, pf, pf_bytes, M, n, K,
+            a.stride(0), w.stride(0), out.stride(0), K_ITERS=k_iters, PREFETCH=pf_on,
             EVEN_K=K == cfg.split * k_iters * cfg.block_k, SWIGLU=swiglu, BIAS=bias is not None,
             ACCUMULATE=accumulate, SPLIT=cfg.split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, IEEE=a.dtype == torch.float32,
@@ -198,9 +203,10 @@ def _check(name: str, a: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def swiglu_linear(h: torch.Tensor, fc1: torch.Tensor, *, cfg: Optional[Config] = None,
-                  impl: str = "auto") -> torch.Tensor:
+                  prefetch: Optional[torch.Tensor] = None, impl: str = "auto") -> torch.Tensor:
     """silu(h @ gate^T) * (h @ up^T) for fc1 = [gate; up] (2F, D), h (M, D) -> (M, F) in h's
-    dtype; both contiguous in the last dimension."""
+    dtype; both contiguous in the last dimension. `prefetch`: a tensor (the next GEMM's weight)
+    the kernel hints into L2 (sm_90+; kernels/_dispatch.prefetch_l2)."""
     _check("swiglu_linear", h, fc1)
     if fc1.shape[0] % 2:
         raise ValueError(f"swiglu_linear: fc1 has {fc1.shape[0]} rows, expected [gate; up] (even)")
@@ -212,7 +218,7 @@ def swiglu_linear(h: torch.Tensor, fc1: torch.Tensor, *, cfg: Optional[Config] =
     f = fc1.shape[0] // 2
     out = torch.empty((h.shape[0], f), dtype=h.dtype, device=h.device)
     _launch(h, fc1, None, out, f, swiglu=True, accumulate=False,
-            cfg=cfg or config_for("swiglu", h.shape[0]))
+            cfg=cfg or config_for("swiglu", h.shape[0]), prefetch=prefetch)
     return out
 
 

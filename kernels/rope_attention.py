@@ -29,23 +29,24 @@ import math
 import torch
 
 from . import decode
-from ._dispatch import HAVE_TRITON, launch_opts, use_triton
+from ._dispatch import HAVE_TRITON, launch_opts, prefetch_args, use_triton
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from ._dispatch import pdl_enter
+    from ._dispatch import pdl_enter, prefetch_l2
 
     from .decode import _attend_blocks  # the split's online softmax, column cur left out
 
     @triton.jit
     def _rope_attn_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, cur_ptr, valid_ptr,
-                          m_ptr, l_ptr, acc_ptr, out_ptr, G, HPG, kv_len, scale, s_xb, s_xg, s_xr,
-                          s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt, s_mb, s_mt, s_ob, s_og, s_oh,
-                          NSPLIT: tl.constexpr, BLOCKS: tl.constexpr, H_PAD: tl.constexpr,
-                          HD: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
-                          TABLES: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False):
+                          m_ptr, l_ptr, acc_ptr, out_ptr, pf_ptr, pf_bytes, G, HPG, kv_len, scale,
+                          s_xb, s_xg, s_xr, s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt, s_mb, s_mt,
+                          s_ob, s_og, s_oh, NSPLIT: tl.constexpr, BLOCKS: tl.constexpr,
+                          H_PAD: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
+                          IEEE: tl.constexpr, TABLES: tl.constexpr, MARK: tl.constexpr,
+                          PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
         pdl_enter(PDL)
         pid = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -94,17 +95,22 @@ if HAVE_TRITON:
             tl.store(m_ptr + row * H_PAD + h, m)
             tl.store(l_ptr + row * H_PAD + h, lsum)
             tl.store(acc_ptr + (row * H_PAD + h[:, None]) * HD + d[None, :], acc, mask=rows)
+        if PREFETCH:  # the output projection's weights, after this program's K/V stream
+            prefetch_l2(pf_ptr, pf_bytes, pid * NSPLIT + split, tl.num_programs(0) * NSPLIT)
 
 
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, cur: torch.Tensor, key_valid: torch.Tensor, *, hpg: int,
                    positions: torch.Tensor | None = None, scale: float | None = None,
-                   mark_valid: bool = False, impl: str = "auto") -> torch.Tensor:
+                   mark_valid: bool = False, prefetch: torch.Tensor | None = None,
+                   impl: str = "auto") -> torch.Tensor:
     """decode.rope_kv_write then decode.decode_attention over the given cache columns, in one kernel
     (the module docstring); "torch": those two twins. With `positions` (B,) int64, cos and sin are
     the RoPE tables (T_max, hd) and each row reads its position's entries (no gathered copy).
     `mark_valid`: also set key_valid[:, cur] (the decode step's own column, which this kernel
-    never reads: it folds the token in from registers), so the step needs no fill of its own."""
+    never reads: it folds the token in from registers), so the step needs no fill of its own.
+    `prefetch`: a tensor (the output projection's weight) each program hints into L2 when done
+    (sm_90+; kernels/_dispatch.prefetch_l2)."""
     B, G, R, hd = qkv.shape
     if positions is not None and not use_triton(qkv, impl):
         cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
@@ -136,14 +142,15 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
         m = lsum = acc = out  # unused: the kernel writes the output itself
     if B:
         valid = key_valid.view(torch.uint8) if key_valid.dtype == torch.bool else key_valid
+        pf, pf_bytes, pf_on = prefetch_args(qkv, prefetch)
         _rope_attn_kernel[(B * G, nsplit)](
             qkv, cos, sin, cur if positions is None else positions, k_cache, v_cache, cur, valid,
-            m, lsum, acc, out, G, hpg, T, scale,
+            m, lsum, acc, out, pf, pf_bytes, G, hpg, T, scale,
             *qkv.stride()[:3], cos.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
             valid.stride(0), valid.stride(1), *out.stride()[:3], NSPLIT=nsplit, BLOCKS=blocks,
             H_PAD=h_pad, HD=hd, BLOCK=decode.BLOCK_T, IEEE=qkv.dtype == torch.float32,
-            TABLES=positions is not None, MARK=mark_valid, num_warps=decode.ATTN_WARPS,
-            num_stages=decode.ATTN_STAGES, **launch_opts(qkv))
+            TABLES=positions is not None, MARK=mark_valid, PREFETCH=pf_on,
+            num_warps=decode.ATTN_WARPS, num_stages=decode.ATTN_STAGES, **launch_opts(qkv))
         if nsplit > 1:
             decode._attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, *out.stride()[:3],
                                                   NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4,

@@ -222,11 +222,12 @@ def logits(w: Weights, h: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:
     return local.float() if fp32 else local
 
 
-def _swiglu_gemm(h, fc1):
-    """fc1 and the SwiGLU as one Triton GEMM (kernels/gemm.py)."""
+def _swiglu_gemm(h, fc1, prefetch=None):
+    """fc1 and the SwiGLU as one Triton GEMM (kernels/gemm.py); `prefetch`: the next GEMM's
+    weight, hinted into L2 by the kernel."""
     from hybridflow.kernels.gemm import swiglu_linear
 
-    return swiglu_linear(h, fc1, impl="triton")
+    return swiglu_linear(h, fc1, prefetch=prefetch, impl="triton")
 
 
 def _swiglu(h, fc1, silu_mul=None):
@@ -367,7 +368,9 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     RoPE + the K/V write + the attention as one kernel (`FUSE_ROPE_ATTENTION`). Per op 1.3-3.3x
     faster than rollout.compile_decode's inductor kernels for the same work and 4.8-8% off the whole step (benchmarks/results/decode_parts_h200.json,
     decode_profile_h200_fused_layer.json), so rollout.compile_decode changes nothing here (the
-    sampler is compiled by the caller)."""
+    sampler is compiled by the caller). The Triton kernels launch with programmatic dependent
+    launch on sm_90+ (kernels/_dispatch.PDL) and hint the next cuBLAS GEMM's weights into L2
+    (`PREFETCH_WEIGHTS`)."""
     from hybridflow.kernels import decode as kern
     from hybridflow.kernels import gemm
     from hybridflow.kernels.rope_attention import rope_attention
@@ -386,9 +389,13 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
         seen.index_fill_(1, cur, True)
     fold = FOLD_SMALL_LAUNCHES and d.tp_size == 1 and bool(w.layers)
     x, y = (None if fold else embed(w, tokens)), None  # the layer input is x + y (y None: x)
+    hint = lambda name, t: t if name in PREFETCH_WEIGHTS else None  # noqa: E731  (L2 hints)
     for i, layer in enumerate(w.layers):
-        x, h = (kern.add_rms_norm(w.embed, None, layer.ln1, d.eps, rows=tokens, impl="triton")
-                if x is None else kern.add_rms_norm(x, y, layer.ln1, d.eps, impl="triton"))
+        pf = hint("qkv", layer.qkv_w)
+        x, h = (kern.add_rms_norm(w.embed, None, layer.ln1, d.eps, rows=tokens, prefetch=pf,
+                                  impl="triton")
+                if x is None else kern.add_rms_norm(x, y, layer.ln1, d.eps, prefetch=pf,
+                                                    impl="triton"))
         qkv = (gemm.linear(h, layer.qkv_w, layer.qkv_b, impl="triton") if "qkv" in tri
                else F.linear(h, layer.qkv_w, layer.qkv_b)).view(B, d.groups, hpg + 2, hd)
         kc, vc = cache.layer(i, B)
@@ -397,7 +404,7 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
                 kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
             a = rope_attention(qkv, cos_tab, sin_tab, kc, vc, cur, seen, hpg=hpg,
                                positions=positions, impl="triton",
-                               mark_valid=i == 0 and mark)
+                               mark_valid=i == 0 and mark, prefetch=hint("proj", layer.proj))
         else:
             q = kern.rope_kv_write(qkv, cos, sin, kc, vc, cur, hpg=hpg, impl="triton")
             if kv_len is not None:
@@ -409,9 +416,10 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
                  else x.addmm_(a, layer.proj.t()))
         else:
             x = _row_parallel_add(x, a, layer.proj, w)
-        h = kern.add_rms_norm(x, None, layer.ln2, d.eps, impl="triton")[1]
+        h = kern.add_rms_norm(x, None, layer.ln2, d.eps, prefetch=hint("fc1", layer.fc1),
+                              impl="triton")[1]
         if "fc1" in tri:
-            act = _swiglu_gemm(h, layer.fc1)
+            act = _swiglu_gemm(h, layer.fc1, prefetch=hint("fc2", layer.fc2))
         else:
             act = kern.silu_mul(F.linear(h, layer.fc1), impl="triton")
         if "fc2" in tri:  # y: added by the next add_rms_norm
@@ -467,6 +475,16 @@ FOLD_SMALL_LAUNCHES = True
 # layer's norm kernel. Same call, two machine instances: better in 6 of 8 pairs, ~1 ms (mean of
 # 4: 0.4290 -> 0.4279 s), within the calls' noise of 1-3 ms
 FC2_INTO_RESIDUAL = True
+# decode_kernels=triton: the GEMMs whose weights the Triton kernel before them hints into L2
+# (kernels/_dispatch.prefetch_l2, sm_90+): "qkv" by the first norm, "proj" by the fused attention
+# kernel when done, "fc1" by the second norm, "fc2" by fc1's Triton GEMM. At decode's rows those
+# GEMMs' K loops wait on HBM latency. H200, 256 rows, per 256-token call of Qwen2-0.5B, ABAB x2 in
+# one call: none 0.4202 / 0.4197 s, qkv 0.4170 / 0.4173, qkv + proj 0.4150 / 0.4155, qkv + fc2
+# 0.4250 / 0.4252; all four (another call) 0.4308 / 0.4313 against 0.4211 / 0.4198: cuBLAS's QKV /
+# projection / fc2 16 / 14 / 9 us per step faster, but the norms 63 us slower (fc1's 17 MB hinted
+# by a 2 us kernel), the attention and fc1 ~12 us each (benchmarks/results/
+# generate_h200_decode_ab.json, decode_profile_h200_prefetch_all4.json)
+PREFETCH_WEIGHTS: frozenset = frozenset({"qkv", "proj"})
 # decode_kernels=triton: the decode step's GEMMs that run as Triton GEMMs with their neighbours in
 # the epilogue (kernels/gemm.py) instead of cuBLAS: "fc1" (+ the SwiGLU, no (B, 2F) product),
 # "qkv" (+ bias), "proj" (accumulated into the residual in place), "fc2" (split-K reduced in the

@@ -271,7 +271,8 @@ def _graphed(fn):
 def test_pdl_launches_keep_every_result(monkeypatch):
     """Programmatic dependent launch (kernels/_dispatch.PDL, sm_90+): a chain of kernels each
     reading its predecessor's output, eager and replayed from a CUDA graph, and a bf16 generation
-    with every decode kernel, bitwise equal to the plain launches'."""
+    with every decode kernel, bitwise equal to the plain launches'; so is the generation with the
+    kernels' L2 hints of the next GEMM's weights (decoder.PREFETCH_WEIGHTS) on and off."""
     from hybridflow.kernels import _dispatch
     from hybridflow.kernels.gemm import swiglu_linear
     from hybridflow.rollout import decoder
@@ -290,7 +291,7 @@ def test_pdl_launches_keep_every_result(monkeypatch):
     def chain():  # 40 dependent launches: norm -> SwiGLU GEMM -> (h, y) -> norm ...
         h, y = x, x
         for _ in range(20):
-            h, y = kern.add_rms_norm(h, y, w, 1e-6, impl="triton")
+            h, y = kern.add_rms_norm(h, y, w, 1e-6, prefetch=fc1, impl="triton")
             y = swiglu_linear(y, fc1, impl="triton")
         x.copy_(h + y)
 
@@ -316,11 +317,15 @@ def test_pdl_launches_keep_every_result(monkeypatch):
     prompts = random_prompts(64, vocab=37)
     cfg = RolloutConfig(decode_kernels="triton", max_new_tokens=48, temperature=0.0,
                         return_logprobs=True, decode_kv_window=64)
+    assert _dispatch.prefetch_args(x, fc1)[2]  # the hints are issued on this device
     outs = []
-    for pdl in (False, True):
+    for pdl, prefetch in ((False, False), (True, False), (True, True), (False, True)):
         monkeypatch.setattr(_dispatch, "PDL", pdl)
+        monkeypatch.setattr(decoder, "PREFETCH_WEIGHTS",
+                            frozenset({"qkv", "proj", "fc1", "fc2"} if prefetch else ()))
         gen = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
                         device=torch.device("cuda"), dtype=torch.bfloat16, true_vocab_size=37)
         outs.append(gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0))
-    assert torch.equal(outs[0].response_ids, outs[1].response_ids)
-    assert torch.equal(outs[0].rollout_logprobs, outs[1].rollout_logprobs)
+    for o in outs[1:]:
+        assert torch.equal(o.response_ids, outs[0].response_ids)
+        assert torch.equal(o.rollout_logprobs, outs[0].rollout_logprobs)
