@@ -235,6 +235,7 @@ def apply_kernel_switches(args) -> dict:
     return {**used, "DECODE_TRITON_GEMMS": sorted(decoder.DECODE_TRITON_GEMMS),
             "DECODE_TRITON_GEMM_MIN_ROWS": decoder.DECODE_TRITON_GEMM_MIN_ROWS,
             "PREFETCH_WEIGHTS": sorted(decoder.PREFETCH_WEIGHTS),
+            "PREFETCH_MIN_ROWS": decoder.PREFETCH_MIN_ROWS,
             "gemm_configs": {k: [[b, list(c)] for b, c in v] for k, v in gemm.CONFIGS.items()}}
 
 

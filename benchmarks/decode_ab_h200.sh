@@ -9,7 +9,7 @@
 #   bash benchmarks/decode_ab_h200.sh            # carry [".whl"]; ~8 minutes warm
 # Environment: OUT (/tmp/decode_ab), WORK (/tmp/decode_ab_work), SITE (/tmp/site), SKIP_TESTS=1,
 # SKIP_SWEEP=1, SWEEP_S (240: the sweep's time limit), SWEEP_GEMMS ("fc1"), VARIANTS (names
-# below, in order).
+# below, in order), MODEL (conf/model/qwen2_0_5b.yaml), BATCH (256).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/decode_ab}
@@ -63,16 +63,17 @@ for v in ${VARIANTS:-defaults nopdl defaults nopdl}; do
     *) echo "unknown variant $v" >&2; exit 2 ;;
   esac
   [ ${#CONFIGS[@]} -gt 0 ] && flags+=(--gemm-configs "${CONFIGS[@]}")
-  timeout 240 python3 benchmarks/bench_generate.py --batches 256 --compile-decode --kv-window 64 \
-    --skip-checks --no-hf --decode-kernels triton "${flags[@]}" \
+  timeout 240 python3 benchmarks/bench_generate.py --batches "${BATCH:-256}" --compile-decode \
+    --kv-window 64 --model "${MODEL:-conf/model/qwen2_0_5b.yaml}" --skip-checks --no-hf \
+    --decode-kernels triton "${flags[@]}" \
     --out "$WORK/generate_${i}_$v.json" > "$WORK/generate_${i}_$v.log" 2>&1
-  python3 - "$WORK/generate_${i}_$v.json" "$v" <<'EOF'
+  python3 - "$WORK/generate_${i}_$v.json" "$v" "${BATCH:-256}" <<'EOF'
 import json, sys
 try:
-    r = json.load(open(sys.argv[1]))["results"]["256"]
+    r = json.load(open(sys.argv[1]))["results"][sys.argv[3]]
 except (OSError, KeyError, ValueError) as e:
     print(f"{sys.argv[2]:8s} no result ({type(e).__name__}): see its log"); sys.exit(0)
-print(f"{sys.argv[2]:8s} batch 256: ours {r['ours_s']:.4f} s (compiled {r.get('ours_compiled_s', float('nan')):.4f}), "
+print(f"{sys.argv[2]:8s} batch {sys.argv[3]}: ours {r['ours_s']:.4f} s (compiled {r.get('ours_compiled_s', float('nan')):.4f}), "
       f"floor+kv fraction {r['floor_with_kv_fraction']:.3f} "
       f"({r.get('floor_with_kv_fraction_compiled', float('nan')):.3f} compiled)")
 EOF

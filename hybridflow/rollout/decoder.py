@@ -389,7 +389,8 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
         seen.index_fill_(1, cur, True)
     fold = FOLD_SMALL_LAUNCHES and d.tp_size == 1 and bool(w.layers)
     x, y = (None if fold else embed(w, tokens)), None  # the layer input is x + y (y None: x)
-    hint = lambda name, t: t if name in PREFETCH_WEIGHTS else None  # noqa: E731  (L2 hints)
+    hints = PREFETCH_WEIGHTS if B >= PREFETCH_MIN_ROWS else ()
+    hint = lambda name, t: t if name in hints else None  # noqa: E731  (L2 hints)
     for i, layer in enumerate(w.layers):
         pf = hint("qkv", layer.qkv_w)
         x, h = (kern.add_rms_norm(w.embed, None, layer.ln1, d.eps, rows=tokens, prefetch=pf,
@@ -485,6 +486,10 @@ FC2_INTO_RESIDUAL = True
 # by a 2 us kernel), the attention and fc1 ~12 us each (benchmarks/results/
 # generate_h200_decode_ab.json, decode_profile_h200_prefetch_all4.json)
 PREFETCH_WEIGHTS: frozenset = frozenset({"qkv", "proj"})
+# ... for decode batches (graph buckets) of at least this many rows: Qwen2-1.5B at 64 rows (where
+# the GEMMs read weights at bandwidth) lost ~3 ms per call with the hints (0.5351 / 0.5363 s
+# without, 0.5391 / 0.5386 with)
+PREFETCH_MIN_ROWS = 256
 # decode_kernels=triton: the decode step's GEMMs that run as Triton GEMMs with their neighbours in
 # the epilogue (kernels/gemm.py) instead of cuBLAS: "fc1" (+ the SwiGLU, no (B, 2F) product),
 # "qkv" (+ bias), "proj" (accumulated into the residual in place), "fc2" (split-K reduced in the

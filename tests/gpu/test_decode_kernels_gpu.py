@@ -314,6 +314,7 @@ def test_pdl_launches_keep_every_result(monkeypatch):
     cfg_m = ModelConfig(num_layers=3, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
                         num_query_groups=2, vocab_size=37, add_qkv_bias=True)
     monkeypatch.setattr(decoder, "DECODE_TRITON_GEMM_MIN_ROWS", 0)  # fc1's GEMM at 64 rows too
+    monkeypatch.setattr(decoder, "PREFETCH_MIN_ROWS", 0)  # and the L2 hints
     prompts = random_prompts(64, vocab=37)
     cfg = RolloutConfig(decode_kernels="triton", max_new_tokens=48, temperature=0.0,
                         return_logprobs=True, decode_kv_window=64)
