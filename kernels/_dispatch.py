@@ -45,9 +45,9 @@ def prefetch_args(t: torch.Tensor, weight: torch.Tensor | None) -> tuple:
     (cp.async.bulk's terms); otherwise (t, 0, False): no hint, the kernel unchanged."""
     if (weight is None or not (HAVE_TRITON and t.is_cuda and weight.is_cuda)
             or not weight.is_contiguous() or not _sm90(t.device.index) or weight.data_ptr() % 16
-            or (weight.numel() * weight.element_size()) % 16):
+            or weight.nbytes % 16):
         return t, 0, False
-    return weight, weight.numel() * weight.element_size(), True
+    return weight, weight.nbytes, True
 
 
 @functools.lru_cache(maxsize=None)

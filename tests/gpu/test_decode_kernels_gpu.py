@@ -13,6 +13,7 @@ import torch
 from hybridflow.config import ModelConfig, RolloutConfig
 from hybridflow.kernels import decode as kern
 from hybridflow.rollout import Generator
+from hybridflow.rollout.cuda_graph import GraphedStep
 
 pytestmark = pytest.mark.gpu
 
@@ -187,16 +188,10 @@ def test_advance_rows_under_a_graph():
     st["finished"][::3] = True
     fn = lambda: advance_rows(stop_ids=stops, pad=0, partials=argmax_chunks(logits), vocab=V,  # noqa
                               **st)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compiles; step 1 -> 2
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()  # the capture runs nothing
-    graph.replay()
-    graph.replay()
+    # one warm-up run on the side stream compiles (step 1 -> 2); the capture runs nothing
+    graph = GraphedStep(fn, pool=None, side=torch.cuda.Stream(), generator=None, warmup=1)
+    graph()
+    graph()
     torch.cuda.synchronize()
     assert int(st["step"]) == 4 and int(st["cur"]) == 12
     assert torch.equal(st["positions"], torch.arange(B, device="cuda") + 3)
@@ -255,19 +250,6 @@ def test_generator_with_kernels_under_graphs(monkeypatch):
                 assert torch.allclose(o.rollout_logprobs, ref.rollout_logprobs, atol=1e-4)
 
 
-def _graphed(fn):
-    """fn captured into a CUDA graph (warmed on a side stream first); returns the graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def test_pdl_launches_keep_every_result(monkeypatch):
     """Programmatic dependent launch (kernels/_dispatch.PDL, sm_90+): a chain of kernels each
     reading its predecessor's output, eager and replayed from a CUDA graph, and a bf16 generation
@@ -302,9 +284,10 @@ def test_pdl_launches_keep_every_result(monkeypatch):
         chain()
         eager = x.clone()
         x.copy_(x0)
-        graph = _graphed(chain)  # ran once on the side stream
+        graph = GraphedStep(chain, pool=None, side=torch.cuda.Stream(), generator=None,
+                            warmup=1)  # ran once on the side stream
         x.copy_(x0)
-        graph.replay()
+        graph()
         torch.cuda.synchronize()
         results[pdl] = (eager, x.clone())
     assert torch.equal(results[True][0], results[False][0])
