@@ -12,8 +12,6 @@ RUN python -c "import torch; print('torch==' + torch.__version__.split('+')[0])"
 
 COPY pyproject.toml README.md ./
 COPY hybridflow ./hybridflow
-COPY kernels ./kernels
-COPY conf ./conf
 COPY launch ./launch
 RUN PIP_CONSTRAINT=/tmp/constraints.txt pip install --no-cache-dir -e ".[gpu,gguf]" \
  && python -c "import megatron.core, transformer_engine, hybridflow; print('ok')"

@@ -1,6 +1,6 @@
 """Launch parameters of the split-KV decode attention kernel (rollout.decode_kernels=triton).
 
-Times `hybridflow.kernels.decode.decode_attention` alone, replayed in a CUDA graph (as a decode step
+Times `hybridflow.kernels.layer_ops.decode_attention` alone, replayed in a CUDA graph (as a decode step
 runs it), at the decode shapes of the speed issue's workloads (Qwen2-0.5B / 1.5B, batch 64 / 256,
 a cache of prompt 128 + 256 new columns attended over its first --columns, each count timed and
 the mean ranked), for every combination of BLOCK_T, warps, pipeline stages and programs per SM.
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_generate import COPY_BW, machine  # noqa: E402
 from gsm8k_hf_eval import write_json  # noqa: E402  (temp file + os.replace)
-from hybridflow.kernels import decode as kern  # noqa: E402
+from hybridflow.kernels import layer_ops as kern  # noqa: E402
 
 # (name, rows, query groups, heads per group, head_dim)
 SHAPES = (("qwen2_0_5b_b64", 64, 2, 7, 64), ("qwen2_0_5b_b256", 256, 2, 7, 64),

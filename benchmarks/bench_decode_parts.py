@@ -3,10 +3,10 @@
 Per shape (rows, hidden, ffn of Qwen2-0.5B / 1.5B at batch 64 / 256), each part is captured 20
 times back to back in one CUDA graph and replayed (median of 7 replays, after warm-up), as a
 decode step runs them:
-- residual sum + RMSNorm: kernels.decode.add_rms_norm against torch.compile of (x + y,
+- residual sum + RMSNorm: kernels.layer_ops.add_rms_norm against torch.compile of (x + y,
   F.rms_norm) (the compiled decode's `triton_red_fused__fused_rms_norm_add` kernel), and the
   norm alone;
-- SwiGLU: kernels.decode.silu_mul against torch.compile of F.silu(gate) * up;
+- SwiGLU: kernels.layer_ops.silu_mul against torch.compile of F.silu(gate) * up;
 - the attention output's projection with the residual: x.addmm_(a, W^T) in place against the
   compiled x + F.linear(a, W) (an out-of-place addmm: a copy of x, then the GEMM).
 
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_fused_linear import timed  # noqa: E402
 from bench_generate import machine  # noqa: E402
 from gsm8k_hf_eval import write_json  # noqa: E402
-from hybridflow.kernels import decode as kern  # noqa: E402
+from hybridflow.kernels import layer_ops as kern  # noqa: E402
 
 SHAPES = {"0.5b_64": (64, 896, 4864), "0.5b_256": (256, 896, 4864),
           "1.5b_64": (64, 1536, 8960), "1.5b_256": (256, 1536, 8960)}

@@ -1,6 +1,6 @@
 """Generation speed: hybridflow's in-place Generator vs transformers `generate` vs the weight-read floor.
 
-Qwen2-0.5B shape (conf/model/qwen2_0_5b.yaml), random init, bf16, prompt 128 tokens, 256 new tokens
+Qwen2-0.5B shape (hybridflow/conf/model/qwen2_0_5b.yaml), random init, bf16, prompt 128 tokens, 256 new tokens
 forced (greedy with eos_id=-1, which is never sampled), batch 64 and 256. transformers runs its
 `Qwen2ForCausalLM` with SDPA attention and the default dynamic cache; ours runs the same weights
 converted to Megatron names (QKV packed per query group [q_g; k_g; v_g], fc1 = [gate; up], tied
@@ -10,7 +10,7 @@ exact; bf16: agreement on the first steps), CUDA graphs vs eager, seeded samplin
 peak memory during generation and memory after `release()`.
 
     python benchmarks/bench_generate.py                       # H200: writes results JSON
-    python benchmarks/bench_generate.py --model conf/model/tiny.yaml --device cpu --batches 4 \\
+    python benchmarks/bench_generate.py --model hybridflow/conf/model/tiny.yaml --device cpu --batches 4 \\
         --prompt-len 8 --new-tokens 8 --out /tmp/g.json        # CPU smoke run
 
 Both sides are timed alike: a warm-up call first (ours: reported as ours_first_call_s; transformers:
@@ -199,7 +199,7 @@ def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
                     help="the fewest decode rows (graph bucket) that take them (hybridflow.rollout."
                          "decoder.DECODE_TRITON_GEMM_MIN_ROWS; default: the module's)")
     ap.add_argument("--attn-config", default=None, metavar="WARPS,STAGES,PROGRAMS_PER_SM",
-                    help="the split attention kernels' launch (hybridflow.kernels.decode.ATTN_WARPS, "
+                    help="the split attention kernels' launch (hybridflow.kernels.layer_ops.ATTN_WARPS, "
                          "ATTN_STAGES, PROGRAMS_PER_SM; default: the module's)")
     ap.add_argument("--gemm-configs", nargs="*", default=[], metavar="KIND=CFG",
                     help="kernels/gemm.py tiles for decode's rows (<= 512), e.g. swiglu=64,64,64,4,3 "
@@ -226,7 +226,7 @@ def apply_kernel_switches(args) -> dict:
         if kind not in gemm.CONFIGS:
             raise ValueError(f"--gemm-configs {item!r}: kind must be one of {sorted(gemm.CONFIGS)}")
         gemm.CONFIGS[kind] = [(512, gemm.Config(*map(int, cfg.split(","))))] + gemm.CONFIGS[kind][1:]
-    from hybridflow.kernels import decode as kern
+    from hybridflow.kernels import layer_ops as kern
 
     if args.attn_config:
         kern.ATTN_WARPS, kern.ATTN_STAGES, kern.PROGRAMS_PER_SM = map(int, args.attn_config.split(","))
@@ -241,7 +241,7 @@ def apply_kernel_switches(args) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="conf/model/qwen2_0_5b.yaml")
+    ap.add_argument("--model", default="hybridflow/conf/model/qwen2_0_5b.yaml")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--prompt-len", type=int, default=128)

@@ -14,7 +14,7 @@ measured lengths are recorded per side: the sampled streams differ with compacti
 size changes the Philox offsets), so the sides draw different, equally distributed, lengths.
 
     python benchmarks/bench_long_tail.py --out benchmarks/results/generate_long_tail_h200.json
-    python benchmarks/bench_long_tail.py --model conf/model/tiny.yaml --device cpu --batches 16 \\
+    python benchmarks/bench_long_tail.py --model hybridflow/conf/model/tiny.yaml --device cpu --batches 16 \\
         --prompt-len 8 --new-tokens 64 --tail-mean 16 --out /tmp/lt.json    # CPU smoke run
 
 Per batch size and side: `first_s`, a call on a released Generator (cache allocation and graph
@@ -52,7 +52,7 @@ def lengths(out, cap: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="conf/model/qwen2_0_5b.yaml")
+    ap.add_argument("--model", default="hybridflow/conf/model/qwen2_0_5b.yaml")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", type=int, nargs="+", default=[512, 128])
     ap.add_argument("--prompt-len", type=int, default=128)

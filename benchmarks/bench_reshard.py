@@ -84,7 +84,7 @@ class _Mem:
 def _load_cfg(name: str, tp: int) -> ModelConfig:
     from hybridflow.models.build import padded_vocab_size
 
-    path = os.path.join(os.path.dirname(__file__), "..", "conf", "model", f"{name}.yaml")
+    path = os.path.join(os.path.dirname(__file__), "..", "hybridflow", "conf", "model", f"{name}.yaml")
     with open(path) as f:
         cfg = ModelConfig(**yaml.safe_load(f))
     # pad the vocabulary once for TP_t so the TP=1 megatron target has the same rows as our gen shard

@@ -1,6 +1,6 @@
 """Actor forward+backward tokens/s: our GPTModel vs Megatron's local spec vs transformers, one GPU.
 
-Same shape (conf/model/<model>.yaml, default Qwen2-0.5B), same batch (8 x 1024 tokens), bf16, random
+Same shape (hybridflow/conf/model/<model>.yaml, default Qwen2-0.5B), same batch (8 x 1024 tokens), bf16, random
 init, loss = mean token cross-entropy over the full vocabulary; timed region = forward + backward
 (no optimizer step), median of N iterations after warm-up. Writes JSON with the machine, versions
 and the command. `cpu_s` is the time until the step's Python returns (all kernels queued, before
@@ -162,7 +162,7 @@ def main():
 
     groups.init_distributed()
     ctx = groups.init_model_parallel(tp=1, pp=1, seed=1)
-    with open(os.path.join(os.path.dirname(__file__), "..", "conf", "model", f"{args.model}.yaml")) as f:
+    with open(os.path.join(os.path.dirname(__file__), "..", "hybridflow", "conf", "model", f"{args.model}.yaml")) as f:
         model_cfg = ModelConfig(**yaml.safe_load(f))
     torch.manual_seed(0)
     ids = torch.randint(0, model_cfg.vocab_size, (args.batch, args.seq), device="cuda")

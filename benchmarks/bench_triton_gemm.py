@@ -1,7 +1,7 @@
 """The decode layer's GEMMs as Triton GEMMs with their neighbours in the epilogue (kernels/gemm.py)
 against what the layer runs without them, per tile config:
 
-- fc1: swiglu_linear vs cuBLAS's fc1 (F.linear) + the SwiGLU kernel (kernels.decode.silu_mul);
+- fc1: swiglu_linear vs cuBLAS's fc1 (F.linear) + the SwiGLU kernel (kernels.layer_ops.silu_mul);
 - qkv: linear with the bias vs F.linear with it;
 - proj: linear accumulated into the residual in place vs addmm_ (cuBLAS, beta = 1);
 - fc2: linear with split-K (the reduction in the kernel) vs F.linear (cuBLAS: split-K + its
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_fused_linear import timed  # noqa: E402  (CUDA graph of 20 calls, median of 5)
 from bench_generate import machine  # noqa: E402
 from gsm8k_hf_eval import write_json  # noqa: E402  (temp file + os.replace)
-from hybridflow.kernels import decode as kern  # noqa: E402
+from hybridflow.kernels import layer_ops as kern  # noqa: E402
 from hybridflow.kernels.gemm import Config, linear, swiglu_linear  # noqa: E402
 
 # name: (hidden, heads, groups, head_dim, ffn)

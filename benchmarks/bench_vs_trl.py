@@ -2,7 +2,7 @@ r"""Our GRPO step vs TRL 1.16's GRPOTrainer step on the same synthetic workload,
 
 Workloads (random-init weights of our model shape, 8 prompts x 8 samples, ~128-token prompts, exactly
 256 response tokens, no early stop, temperature 1, KL loss coefficient 0.001, lr 1e-6):
-  w1_0_5b  conf/model/qwen2_0_5b.yaml      w1_1_5b  conf/model/qwen2_1_5b.yaml
+  w1_0_5b  hybridflow/conf/model/qwen2_0_5b.yaml      w1_1_5b  hybridflow/conf/model/qwen2_1_5b.yaml
   gsm8k    the GSM8K experiment (Qwen2.5-Coder-0.5B-Instruct, 64 prompts x 8 samples, up to 1,024
            tokens): not run by this script (both sides take minutes per step of TRL's: device
            calls of their own, below); with `--gsm8k-ours METRICS.jsonl --gsm8k-trl TRL.json
@@ -43,7 +43,7 @@ per sequence; update_actor = 3 forwards (fwd + bwd; our trainer has no activatio
 step = their sum over the step's seconds. On CPU the MFU numbers are meaningless, computed alike.
 
 CPU smoke (tiny model, a few tokens; tests/dist/test_bench_scripts.py):
-  python benchmarks/bench_vs_trl.py --workloads w1_0_5b --model-yaml conf/model/tiny.yaml \
+  python benchmarks/bench_vs_trl.py --workloads w1_0_5b --model-yaml hybridflow/conf/model/tiny.yaml \
       --device cpu --prompt-len 16 --response 8 --prompts 2 --samples 2 --steps 3 --trl-steps 3 --out /tmp/v.json
 
 On the H200, one device call per workload (both in one call would need ~8 of its 10 minutes; the
@@ -96,20 +96,20 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from gsm8k_hf_eval import machine, versions, write_json  # noqa: E402  (write_json: temp file + os.replace)
 
-WORKLOADS = {"w1_0_5b": "conf/model/qwen2_0_5b.yaml", "w1_1_5b": "conf/model/qwen2_1_5b.yaml"}
+WORKLOADS = {"w1_0_5b": "hybridflow/conf/model/qwen2_0_5b.yaml", "w1_1_5b": "hybridflow/conf/model/qwen2_1_5b.yaml"}
 GSM8K = ROOT / "benchmarks/results/gsm8k_h200.json"  # ours (top level) and trl
 FORWARD_STAGES = ("ref", "old_log_prob")
 
 
 def load_shape(path: str):
-    """(group name, ModelConfig) of a conf/model/*.yaml file: ours composes the model group by name."""
+    """(group name, ModelConfig) of a hybridflow/conf/model/*.yaml file: ours composes the model group by name."""
     import yaml
 
     from hybridflow.model_config import ModelConfig
 
     p = (ROOT / path).resolve() if not os.path.isabs(path) else Path(path)
-    if p.parent != (ROOT / "conf/model").resolve() or not p.is_file():
-        raise ValueError(f"--model-yaml {path}: expected a file in {ROOT / 'conf/model'} (our trainer "
+    if p.parent != (ROOT / "hybridflow/conf/model").resolve() or not p.is_file():
+        raise ValueError(f"--model-yaml {path}: expected a file in {ROOT / 'hybridflow/conf/model'} (our trainer "
                          "selects the model group by that name)")
     return p.stem, ModelConfig(**yaml.safe_load(p.read_text()))
 
@@ -349,7 +349,7 @@ def parse_args(argv=None):
                     help="TRL steps; the first is left out of the median (6 timed: its steps spread "
                          "8-11 s within one call at w1_1_5b on an H200)")
     ap.add_argument("--model-yaml", "--model-override", dest="model_yaml", default=None,
-                    help="a conf/model/*.yaml replacing every workload's model (the CPU smoke: tiny.yaml)")
+                    help="a hybridflow/conf/model/*.yaml replacing every workload's model (the CPU smoke: tiny.yaml)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)

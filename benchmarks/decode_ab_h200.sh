@@ -9,7 +9,7 @@
 #   bash benchmarks/decode_ab_h200.sh            # carry [".whl"]; ~8 minutes warm
 # Environment: OUT (/tmp/decode_ab), WORK (/tmp/decode_ab_work), SITE (/tmp/site), SKIP_TESTS=1,
 # SKIP_SWEEP=1, SWEEP_S (240: the sweep's time limit), SWEEP_GEMMS ("fc1"), VARIANTS (names
-# below, in order), MODEL (conf/model/qwen2_0_5b.yaml), BATCH (256).
+# below, in order), MODEL (hybridflow/conf/model/qwen2_0_5b.yaml), BATCH (256).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/decode_ab}

@@ -13,9 +13,9 @@ ranges and kernels): the GPU's idle time by the generator's phase labels (genera
 .decode, .finish) and the longest idle gaps with what the host ran then (`--trace-dir`: Chrome
 traces); `--compile-mode` tries another torch.compile mode for the compiled decode parts.
 
-    python benchmarks/profile_decode.py --models conf/model/qwen2_0_5b.yaml conf/model/qwen2_1_5b.yaml \
+    python benchmarks/profile_decode.py --models hybridflow/conf/model/qwen2_0_5b.yaml hybridflow/conf/model/qwen2_1_5b.yaml \
         --batches 64 256 --compile [--kernels torch triton] --out benchmarks/results/decode_profile_h200.json
-    python benchmarks/profile_decode.py --models conf/model/tiny.yaml --device cpu --batches 2 \
+    python benchmarks/profile_decode.py --models hybridflow/conf/model/tiny.yaml --device cpu --batches 2 \
         --prompt-len 8 --steps 4 --out /tmp/p.json                      # CPU smoke (CPU op times)
 """
 
@@ -251,7 +251,7 @@ def profile_timeline(gen, prompts, *, steps: int, compiled: bool, device, kernel
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", default=["conf/model/qwen2_0_5b.yaml"])
+    ap.add_argument("--models", nargs="+", default=["hybridflow/conf/model/qwen2_0_5b.yaml"])
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32, help="new tokens of the profiled call")

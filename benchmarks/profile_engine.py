@@ -37,7 +37,7 @@ def main():
 
     groups.init_distributed()
     ctx = groups.init_model_parallel(tp=args.tp, pp=1, seed=1)
-    with open(os.path.join(os.path.dirname(__file__), "..", "conf", "model", f"{args.model}.yaml")) as f:
+    with open(os.path.join(os.path.dirname(__file__), "..", "hybridflow", "conf", "model", f"{args.model}.yaml")) as f:
         cfg = ModelConfig(**yaml.safe_load(f))
     par = ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel=args.sp)
     eng = Engine(role="ref", model_cfg=cfg, ctx=ctx, parallel=par, precision="bf16")

@@ -28,7 +28,7 @@ def main():
 
     groups.init_distributed()
     ctx = groups.init_model_parallel(tp=1, pp=1, seed=1)
-    with open(os.path.join(os.path.dirname(__file__), "..", "conf", "model", f"{args.model}.yaml")) as f:
+    with open(os.path.join(os.path.dirname(__file__), "..", "hybridflow", "conf", "model", f"{args.model}.yaml")) as f:
         cfg = ModelConfig(**yaml.safe_load(f), )
     cfg.attention_backend = args.backend
     model = build_model(cfg, role="actor", ctx=ctx, precision="bf16").cuda()

@@ -94,7 +94,7 @@ class RolloutConfig:
     # kernel launches). TP_g = 1 only; the first step pays the compile. With decode_kernels=triton
     # the layers run its kernels instead (faster per op) and this compiles the sampler only.
     compile_decode: bool = False
-    # "triton": each decode layer as Triton kernels + cuBLAS (hybridflow/kernels/decode.py): the
+    # "triton": each decode layer as Triton kernels + cuBLAS (hybridflow/kernels/layer_ops.py): the
     # residual sum + RMSNorm, RoPE + both KV-cache writes, split-KV ("flash-decoding") attention over
     # the query groups and the SwiGLU each one kernel, the attention projection accumulated in place;
     # the prefill's RoPE + KV writes and SwiGLU too. Needs CUDA and triton; power-of-two head_dim.

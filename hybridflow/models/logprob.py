@@ -8,7 +8,7 @@ Logits are divided by the sampling temperature first, so these are log-probs of 
 rollout sampled from (as verl does).
 
 Two implementations of the same math:
-- `fused` (default on CUDA when Triton imports): `kernels/logprob.py` reads each shard's logits once
+- `fused` (default on CUDA when Triton imports): `kernels/logprob_entropy.py` reads each shard's logits once
   in their own dtype and returns per-row max / sum-exp / target logit (/ sum p x); one MAX and one SUM
   all-reduce over TP combine them; the backward kernel writes d/dlogits straight in the logits' dtype.
   No fp32 copy of the (B, T, V) logits is made: on Qwen2-0.5B (8 x 1024 tokens, 152k vocab) the
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-from hybridflow.kernels import logprob as _k  # the repo's kernels/, shipped as hybridflow.kernels
+from hybridflow.kernels import logprob_entropy as _k  # the repo's kernels/, shipped as hybridflow.kernels
 
 _NEG = -1e4  # exp(-1e4) == 0 and 0 * -1e4 == 0: padded ids vanish without NaNs
 IMPLS = ("auto", "fused", "reference")

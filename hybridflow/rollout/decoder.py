@@ -20,9 +20,9 @@ The math follows Megatron's local spec exactly (so logits match `GPTModel` to fp
   With `kv_len` the keys are the first kv_len columns (a strided view, no copy). With
   rollout.decode_kernels=triton the decode step's RoPE + KV writes run as one kernel and the
   attention as split-KV Triton kernels, and the rest of the layer is Triton kernels + cuBLAS too
-  (`_decode_step_fused`; hybridflow/kernels/decode.py: same math, PyTorch twins).
+  (`_decode_step_fused`; hybridflow/kernels/layer_ops.py: same math, PyTorch twins).
 - MLP: SwiGLU from fc1 = [gate; up] (per shard); row-parallel proj/fc2 then all-reduce over TP_g.
-  With decode_kernels=triton the prefill's SwiGLU is one kernel (kernels.decode.silu_mul) and the
+  With decode_kernels=triton the prefill's SwiGLU is one kernel (kernels.layer_ops.silu_mul) and the
   decode step's fc1 + SwiGLU one Triton GEMM (kernels/gemm.py, `DECODE_TRITON_GEMMS`).
 - Embedding: vocab-parallel masked lookup + all-reduce. Output: vocab-parallel matmul, all-gather
   over TP_g, padded vocab ids (>= true vocab) dropped; fp32 logits out (a decode step's stay in
@@ -232,7 +232,7 @@ def _swiglu_gemm(h, fc1, prefetch=None):
 
 def _swiglu(h, fc1, silu_mul=None):
     """silu(gate) * up of fc1 = [gate; up]; `silu_mul`: a one-pass kernel for it (the prefill's,
-    kernels.decode.silu_mul) instead of PyTorch's ops."""
+    kernels.layer_ops.silu_mul) instead of PyTorch's ops."""
     z = F.linear(h, fc1)
     if silu_mul is not None:
         return silu_mul(z)
@@ -253,9 +253,9 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
 
     ids, positions (B, S) int64, valid (B, S) bool (False = left padding). With `cache`, K/V land in
     columns 0..S-1 of cache rows cache_row0.. `kernels` "triton" (rollout.decode_kernels, with a
-    cache): RoPE and the K/V writes as one kernel (kernels.decode.rope_kv_prefill), the attention
-    reading K/V from the cache, the SwiGLU in one pass (kernels.decode.silu_mul; or with fc1 as one
-    GEMM, SWIGLU_GEMM_PREFILL), the RMSNorms as kernels.decode.add_rms_norm. Returns fp32
+    cache): RoPE and the K/V writes as one kernel (kernels.layer_ops.rope_kv_prefill), the attention
+    reading K/V from the cache, the SwiGLU in one pass (kernels.layer_ops.silu_mul; or with fc1 as one
+    GEMM, SWIGLU_GEMM_PREFILL), the RMSNorms as kernels.layer_ops.add_rms_norm. Returns fp32
     logits (B, S, V) or, with last_only, (B, V).
     """
     d = w.dims
@@ -265,7 +265,7 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
     x = embed(w, ids.masked_fill(~valid, 0)).reshape(B * S, d.hidden)
     swiglu, norm = _swiglu, _norm
     if fused:
-        from hybridflow.kernels import decode as kern
+        from hybridflow.kernels import layer_ops as kern
 
         cos, sin = cos_tab[positions], sin_tab[positions]  # (B, S, hd)
         swiglu = (_swiglu_gemm if SWIGLU_GEMM_PREFILL else
@@ -318,7 +318,7 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     cache columns 0..kv_len-1 only (the caller keeps cur < kv_len; None: all T). `compiled`: run
     each layer's pure parts compiled (rollout.compile_decode, TP_g = 1). `kernels`: "torch" (RoPE,
     KV writes and SDPA as PyTorch ops) or "triton" (rollout.decode_kernels: the fused kernels of
-    hybridflow/kernels/decode.py). Returns logits (B, V) in the weights' dtype.
+    hybridflow/kernels/layer_ops.py). Returns logits (B, V) in the weights' dtype.
 
     At TP = 1 a layer runs as two parts (`_layer_parts`): eager, each residual add happens inside
     its GEMM, in place on the step's own hidden state (cuBLAS adds into it: no copy of x first, as
@@ -371,7 +371,7 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     sampler is compiled by the caller). The Triton kernels launch with programmatic dependent
     launch on sm_90+ (kernels/_dispatch.PDL) and hint the next cuBLAS GEMM's weights into L2
     (`PREFETCH_WEIGHTS`)."""
-    from hybridflow.kernels import decode as kern
+    from hybridflow.kernels import layer_ops as kern
     from hybridflow.kernels import gemm
     from hybridflow.kernels.rope_attention import rope_attention
 

@@ -290,7 +290,7 @@ class Generator:
         argmax_in_step = (step_kernel and cfg.temperature == 0.0 and sampling.GREEDY_KERNEL
                           and not cfg.return_logprobs)
         if step_kernel:
-            from hybridflow.kernels import sampling as ksampling
+            from hybridflow.kernels import next_token as ksampling
 
         def step():
             logits = decoder.decode_step(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
@@ -381,7 +381,7 @@ def resolve_decode_kernels(value: str, device: torch.device, head_dim: int) -> s
         raise ValueError(f"rollout.decode_kernels={value!r}: expected 'auto', 'torch' or 'triton'")
     if value != "auto":
         return value
-    from hybridflow.kernels import decode as kern
+    from hybridflow.kernels import layer_ops as kern
 
     usable = kern.HAVE_TRITON and device.type == "cuda" and kern.head_dim_supported(head_dim)
     return "triton" if usable else "torch"
@@ -390,7 +390,7 @@ def resolve_decode_kernels(value: str, device: torch.device, head_dim: int) -> s
 def _check_decode_kernels(device: torch.device, head_dim: int) -> None:
     """rollout.decode_kernels=triton: triton, a CUDA device (or its CPU interpreter,
     TRITON_INTERPRET=1, as the tests run it) and a power-of-two head_dim >= 16."""
-    from hybridflow.kernels import decode as kern
+    from hybridflow.kernels import layer_ops as kern
 
     if not kern.HAVE_TRITON:
         raise ValueError("rollout.decode_kernels=triton needs the triton package (it ships with "

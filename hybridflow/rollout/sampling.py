@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-# greedy: the argmax as two Triton passes over vocabulary chunks (kernels/sampling.py) instead of
+# greedy: the argmax as two Triton passes over vocabulary chunks (kernels/next_token.py) instead of
 # torch.argmax's one block per row: 0.4638 -> 0.4580 s per 256-row, 256-token call of Qwen2-0.5B
 # on the H200 (benchmarks/results/generate_h200_decode_ab.json)
 GREEDY_KERNEL = True
@@ -79,7 +79,7 @@ def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: f
                                    (_race_argmax, _token_logprobs))
     inv_temp = 1.0 if temperature == 0.0 else 1.0 / temperature
     if temperature == 0.0 and GREEDY_KERNEL and logits.is_cuda:
-        from hybridflow.kernels.sampling import argmax_rows
+        from hybridflow.kernels.next_token import argmax_rows
 
         tokens = argmax_rows(logits)
     elif temperature == 0.0:

@@ -14,7 +14,7 @@ ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
 
 def test_bench_generate_warms_up_and_takes_median(tmp_path):
     out = tmp_path / "g.json"
-    subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--model", "conf/model/tiny.yaml",
+    subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--model", "hybridflow/conf/model/tiny.yaml",
                     "--device", "cpu", "--batches", "4", "--prompt-len", "8", "--new-tokens", "8",
                     "--kv-window", "64", "--out", str(out)], check=True, cwd=ROOT, env=ENV,
                    capture_output=True)
@@ -28,7 +28,7 @@ def test_bench_generate_warms_up_and_takes_median(tmp_path):
                          cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert bad.returncode != 0 and "--hf-reps=1" in bad.stderr
     # --no-hf (an A/B of our options): ours and the floor fractions, no transformers timing
-    subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--model", "conf/model/tiny.yaml",
+    subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--model", "hybridflow/conf/model/tiny.yaml",
                     "--device", "cpu", "--batches", "4", "--prompt-len", "8", "--new-tokens", "8",
                     "--skip-checks", "--no-hf", "--out", str(out)], check=True, cwd=ROOT, env=ENV,
                    capture_output=True)
@@ -42,7 +42,7 @@ def test_bench_generate_warms_up_and_takes_median(tmp_path):
     assert sw["FUSE_ROPE_ATTENTION"] == decoder.FUSE_ROPE_ATTENTION
     assert sw["DECODE_TRITON_GEMMS"] == sorted(decoder.DECODE_TRITON_GEMMS)
     assert sw["DECODE_TRITON_GEMM_MIN_ROWS"] == decoder.DECODE_TRITON_GEMM_MIN_ROWS
-    subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--model", "conf/model/tiny.yaml",
+    subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--model", "hybridflow/conf/model/tiny.yaml",
                     "--device", "cpu", "--batches", "4", "--prompt-len", "8", "--new-tokens", "8",
                     "--skip-checks", "--no-hf", "--fuse-rope-attention", "off", "--step-kernel", "on",
                     "--triton-gemms", "qkv", "proj", "--triton-gemm-min-rows", "0",
@@ -61,7 +61,7 @@ def test_bench_long_tail_times_every_variant(tmp_path):
     """The GPU session's generation A/B: compaction and the decode KV window, alone and together,
     each a first call (capture) and the median of >= 3, on the same sampled lengths' distribution."""
     out = tmp_path / "lt.json"
-    subprocess.run([sys.executable, "benchmarks/bench_long_tail.py", "--model", "conf/model/tiny.yaml",
+    subprocess.run([sys.executable, "benchmarks/bench_long_tail.py", "--model", "hybridflow/conf/model/tiny.yaml",
                     "--device", "cpu", "--batches", "8", "--prompt-len", "8", "--new-tokens", "80",
                     "--tail-mean", "16", "--kv-window", "64", "--out", str(out)],
                    check=True, cwd=ROOT, env=ENV, capture_output=True)
@@ -116,7 +116,7 @@ def test_bench_vs_trl_times_both_sides_and_copies_gsm8k(tmp_path):
     committed results files."""
     out = tmp_path / "v.json"
     subprocess.run([sys.executable, "benchmarks/bench_vs_trl.py", "--workloads", "w1_0_5b", "--model-yaml",
-                    "conf/model/tiny.yaml", "--device", "cpu", "--prompt-len", "16", "--response", "8",
+                    "hybridflow/conf/model/tiny.yaml", "--device", "cpu", "--prompt-len", "16", "--response", "8",
                     "--prompts", "2", "--samples", "2", "--steps", "3", "--trl-steps", "3", "--out", str(out),
                     "--workdir", str(tmp_path / "work")], check=True, cwd=ROOT, env=ENV, capture_output=True)
     r = json.loads(out.read_text())
@@ -152,7 +152,7 @@ def test_profile_decode_sums_kernel_time_by_kind(tmp_path):
     time per step beside it, (--prefill) a one-token call's profile and (--timeline) a traced
     call's idle time by generator phase."""
     out = tmp_path / "p.json"
-    subprocess.run([sys.executable, "benchmarks/profile_decode.py", "--models", "conf/model/tiny.yaml",
+    subprocess.run([sys.executable, "benchmarks/profile_decode.py", "--models", "hybridflow/conf/model/tiny.yaml",
                     "--device", "cpu", "--batches", "2", "--prompt-len", "8", "--steps", "4",
                     "--prefill", "--timeline", "--out", str(out)], check=True, cwd=ROOT, env=ENV,
                    capture_output=True)

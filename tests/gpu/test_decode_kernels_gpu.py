@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridflow.config import ModelConfig, RolloutConfig
-from hybridflow.kernels import decode as kern
+from hybridflow.kernels import layer_ops as kern
 from hybridflow.rollout import Generator
 from hybridflow.rollout.cuda_graph import GraphedStep
 
@@ -95,7 +95,7 @@ def test_rope_attention_matches_the_two_kernels(dtype, B, G, hpg, hd, T, kv):
 @pytest.mark.parametrize("B,V", [(256, 151936), (64, 151936), (3, 37)])
 def test_argmax_kernel_equals_torch_argmax(dtype, B, V):
     """kernels/sampling.argmax_rows: torch.argmax's ids exactly, ties (bf16 has many) included."""
-    from hybridflow.kernels.sampling import argmax_rows
+    from hybridflow.kernels.next_token import argmax_rows
 
     g = torch.Generator(device="cuda").manual_seed(3)
     x = (torch.randn(B, V, generator=g, device="cuda") * 4).to(dtype)
@@ -173,7 +173,7 @@ def test_linear_gemm_matches_cublas(dtype, M, K, N):
 def test_advance_rows_under_a_graph():
     """kernels/sampling.advance_rows captured in a CUDA graph and replayed: each replay writes the
     next output column and advances step / cur / positions, as the PyTorch bookkeeping does."""
-    from hybridflow.kernels.sampling import advance_rows, argmax_chunks
+    from hybridflow.kernels.next_token import advance_rows, argmax_chunks
 
     B, R, V = 256, 5, 151936
     g = torch.Generator(device="cuda").manual_seed(4)

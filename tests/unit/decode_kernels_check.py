@@ -1,6 +1,6 @@
 """Run by tests/unit/test_decode_kernels.py in a fresh interpreter with TRITON_INTERPRET=1 (Triton's
 CPU interpreter reads the variable when the kernels are defined, so it must be set before the first
-import of hybridflow.kernels.decode in the process). Prints one JSON object of results."""
+import of hybridflow.kernels.layer_ops in the process). Prints one JSON object of results."""
 
 import dataclasses
 import json
@@ -14,9 +14,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from hybridflow.config import ModelConfig  # noqa: E402
-from hybridflow.kernels import decode as kern  # noqa: E402
+from hybridflow.kernels import layer_ops as kern  # noqa: E402
 from hybridflow.kernels import rope_attention as fused  # noqa: E402
-from hybridflow.kernels import sampling as ksampling  # noqa: E402
+from hybridflow.kernels import next_token as ksampling  # noqa: E402
 from hybridflow.rollout import decoder, generator, sampling  # noqa: E402
 from tests.unit.test_rollout import PROMPTS, make, random_params, rc  # noqa: E402
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hybridflow.config import ModelConfig, RolloutConfig
-from hybridflow.kernels import decode as kern
+from hybridflow.kernels import layer_ops as kern
 from tests.unit.test_rollout import PROMPTS, make, rc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -26,11 +26,11 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "README.md", "hybridflow", "conf", "kernels")
+SOURCES = ("pyproject.toml", "README.md", "hybridflow")
 
 # prints where the three resources came from, and what they hold
 PROBE = """
-import json, hybridflow, hybridflow.conf, hybridflow.kernels.logprob as k
+import json, hybridflow, hybridflow.conf, hybridflow.kernels.logprob_entropy as k
 from hybridflow.config import load_config
 from hybridflow.cost.shapes import known_models
 print(json.dumps({"package": hybridflow.__file__, "conf": hybridflow.conf.__file__,
@@ -86,7 +86,7 @@ def _probe(py: Path, *, cwd: Path, pythonpath: Path | None = None) -> dict:
 def _assert_from(found: dict, where: Path) -> None:
     for key in ("package", "conf", "kernels"):
         assert Path(os.path.realpath(found[key])).is_relative_to(os.path.realpath(where)), (key, found)
-    assert found["models"] == sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
+    assert found["models"] == sorted(p.stem for p in (ROOT / "hybridflow" / "conf" / "model").glob("*.yaml"))
     assert found["model"] == "qwen2_0_5b"
 
 
@@ -107,7 +107,7 @@ def test_wheel_runs_from_any_directory(checkout, tmp_path):
     _assert_from(_probe(py, cwd=cwd), tmp_path / "venv")
     train = tmp_path / "venv" / "bin" / "hybridflow-train"
     cfg = json.loads(_run([train, "--cfg"], cwd=cwd))
-    tiny = yaml.safe_load((ROOT / "conf" / "model" / "tiny.yaml").read_text())
+    tiny = yaml.safe_load((ROOT / "hybridflow" / "conf" / "model" / "tiny.yaml").read_text())
     assert {k: cfg["model"][k] for k in tiny} == tiny
     _run([train, "trainer.total_steps=2", "trainer.sft_warmup_steps=0", "trainer.output_dir=out",
           "trainer.progress_bar=false", "trainer.tensorboard=false"], cwd=cwd)

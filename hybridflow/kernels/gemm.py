@@ -5,7 +5,7 @@ the attention output projection accumulated into the residual.
   shard) -> silu(h @ gate^T) * (h @ up^T) (M, F) without the (M, 2F) product: program (m tile,
   n tile) accumulates the gate tile (fc1 rows n..) and the up tile (rows F + n..) over the same A
   tiles, rounds both to h's dtype (as F.linear returns them), takes the SiLU in fp32 rounded to
-  the dtype and the product rounded once: what `kernels.decode.silu_mul` does to F.linear's output,
+  the dtype and the product rounded once: what `kernels.layer_ops.silu_mul` does to F.linear's output,
   up to the GEMM's summation order.
 - `linear(a, w, bias=None, out=None)`: a @ w^T (+ bias, added in fp32 and rounded once, as
   cuBLAS's bias epilogue); with `out`, accumulated into it in place (out + a @ w^T in fp32, rounded

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from . import decode
+from . import layer_ops as decode
 from ._dispatch import HAVE_TRITON, launch_opts, prefetch_args, use_triton
 
 if HAVE_TRITON:
@@ -37,7 +37,7 @@ if HAVE_TRITON:
 
     from ._dispatch import pdl_enter, prefetch_l2
 
-    from .decode import _attend_blocks  # the split's online softmax, column cur left out
+    from .layer_ops import _attend_blocks  # the split's online softmax, column cur left out
 
     @triton.jit
     def _rope_attn_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, cur_ptr, valid_ptr,
