@@ -65,7 +65,8 @@ def main():
     overrides = ["experiment=scaleout_8b", f"data.prompts_per_step={4 * n}",
                  f"algo.ppo_mini_batch_size={32 * n}", f"trainer.total_steps={a.steps}",
                  *a.overrides]
-    from hybridflow.config import load_config, validate
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
 
     cfg = load_config(overrides)
     validate(cfg, world_size=n)

@@ -82,7 +82,8 @@ def accuracies(metrics: dict) -> tuple[float, float | None]:
 
 
 def build_config(first: str, run_dir: str, overrides: list[str]):
-    from hybridflow.config import load_config, validate
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
     from hybridflow.train import resolve_model_source
 
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}

@@ -133,7 +133,7 @@ def build_engines(cfg: Config, ctx: ParallelContext) -> dict[str, Engine]:
     if cfg.reward.model_path is not None:
         from hybridflow.models.hf import read_hf_config
 
-        from hybridflow.config import validate_model
+        from hybridflow.config_checks import validate_model
 
         rm_cfg = dataclasses.replace(read_hf_config(cfg.reward.model_path),
                                      hf_path=cfg.reward.model_path)

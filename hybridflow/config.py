@@ -1,13 +1,12 @@
-"""Typed configuration schemas for every config group, and their validation.
+"""Typed configuration schemas for every config group.
 
-Hydra YAML under `conf/` only sets values over these dataclasses: an unknown key is an error, not a
-silently ignored typo. `load_config(overrides)` composes `conf/ppo.yaml` with command-line overrides,
-merges it onto the schema and returns a `Config`; `validate(cfg, world_size)` (config_checks.py) checks the cross-field
-rules (parallel sizes against world size and model shape, algorithm options) and raises `ValueError`
-naming the key, the value and what was expected.
-conf/ is read as the package `hybridflow.conf` (`CONF_PACKAGE`: inside a wheel, or through the
-hybridflow/conf link in a checkout), never by a path beside the source, so an installed package runs
-from any directory.
+Hydra YAML under `hybridflow/conf/` only sets values over these dataclasses: an unknown key is an
+error, not a silently ignored typo. `load_config(overrides)` composes `conf/ppo.yaml` with
+command-line overrides, merges it onto the schema and returns a `Config`. The cross-field rules live
+in `hybridflow.config_checks.validate`; the `null` (auto) defaults of the speed options are decided
+for the machine at start-up by `hybridflow.config_auto.resolve_auto`.
+conf/ is read as the package `hybridflow.conf` (`CONF_PACKAGE`), never by a path beside the source,
+so an installed package runs from any directory.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hybridflow.config_checks import validate, validate_model  # noqa: F401 (re-exported)
 from hybridflow.model_config import ModelConfig  # the model group's schema, with its derived counts
 
 CONF_PACKAGE = "hybridflow.conf"
@@ -75,25 +73,28 @@ class RolloutConfig:
     # move the unfinished rows to a smaller batch bucket as rows stop, so a long tail of response
     # lengths does not hold the whole batch (rollout/compaction.py). Greedy output is unchanged;
     # sampled output stays seeded-reproducible but draws a different (equally valid) sample.
-    # Off by default until timed on a GPU (benchmarks/bench_long_tail.py, the GSM8K run).
-    compact_finished_rows: bool = False
+    # null (auto): on with CUDA-graph decoding on a GPU, off on CPU
+    compact_finished_rows: Optional[bool] = None
     # verl's name: free the generator's KV cache, captured decode graphs and static buffers after
     # each generation. false keeps them across steps (no re-capture per step; costs their memory
     # during training) where generation uses the training weights in place (TP_g == TP, PP == 1);
     # with resharding the gathered weights move every step and the generator is rebuilt anyway.
-    free_cache_engine: bool = True
+    # null (auto): false on a GPU where generation runs in place, else true
+    free_cache_engine: Optional[bool] = None
     # decode attends over the first multiple of this many cache columns that holds every written
     # slot (a CUDA graph per window), not the whole prompt + max_new_tokens cache: early steps of a
     # long budget read a fraction of the KV cache. 0: the whole cache. A multiple of 64. Each window
-    # is a graph per batch bucket: pair with free_cache_engine=false (captured once). Off until timed.
-    decode_kv_window: int = 0
+    # is a graph per batch bucket: pair with free_cache_engine=false (captured once).
+    # null (auto): on a GPU, about an eighth of the cache (at least 64 columns); 0 on CPU
+    decode_kv_window: Optional[int] = None
     # run each layer's pure parts of the decode step (norm + QKV + RoPE; out-projection + MLP) through
     # torch.compile (dynamic batch size; the KV writes and attention stay eager between them; all
     # captured in the CUDA graphs as before): fuses the RMSNorm, RoPE, SwiGLU and residual
     # element-wise kernels, which bound decode at small batches (a ~0.5B model's step is ~550
     # kernel launches). TP_g = 1 only; the first step pays the compile. With decode_kernels=triton
     # the layers run its kernels instead (faster per op) and this compiles the sampler only.
-    compile_decode: bool = False
+    # null (auto): on with CUDA-graph decoding on a GPU at TP_g = 1, off on CPU
+    compile_decode: Optional[bool] = None
     # "triton": each decode layer as Triton kernels + cuBLAS (hybridflow/kernels/layer_ops.py): the
     # residual sum + RMSNorm, RoPE + both KV-cache writes, split-KV ("flash-decoding") attention over
     # the query groups and the SwiGLU each one kernel, the attention projection accumulated in place;
@@ -204,16 +205,24 @@ class AlgoConfig:
     # grouped by length, each micro-batch padded only to its own longest prompt + response, and its
     # rows x (P + R) kept within the budget (per GPU; verl's ppo_max_token_len_per_gpu); the two
     # micro_batch_size keys above are then unused. Results are the same; less padding is computed.
-    use_dynamic_bsz: bool = False
-    max_tokens_per_micro_batch_per_gpu: int = 16384  # training passes (update_actor/critic, SFT)
-    forward_max_tokens_per_micro_batch_per_gpu: Optional[int] = None  # forward-only; None: same
+    # null (auto): on a GPU with parallel.pipeline_parallel_size=1, off on CPU
+    use_dynamic_bsz: Optional[bool] = None
+    # tokens per training micro-batch (update_actor/critic, SFT); null (auto): on a GPU, the largest
+    # that the cost model's memory estimate fits in the GPU's free memory (capped at one micro-batch
+    # per mini-batch); 16384 on CPU
+    max_tokens_per_micro_batch_per_gpu: Optional[int] = None
+    # tokens per forward-only micro-batch (old/ref log-probs, values); null (auto): sized as above
+    # for the forward passes on a GPU, the training budget on CPU
+    forward_max_tokens_per_micro_batch_per_gpu: Optional[int] = None
     # Sequence packing (needs use_dynamic_bsz and PP=1): each token-budget micro-batch runs as ONE
     # row of its rows' real tokens back to back (no padding computed), attention limited to each
     # row's own tokens by a flex_attention block mask (hybridflow/data/packing.py); the budget then
     # counts real tokens. Same results as unpacked; no explicit SDPA mask, so the cuDNN masked-
     # backward bug routed around in models/attention.py does not arise. Needs SDPAttention
-    # (model.attention_backend sdpa, or auto without transformer-engine). Off until timed on a GPU.
-    pack_sequences: bool = False
+    # (model.attention_backend sdpa, or auto without transformer-engine). A micro-batch without
+    # padding runs unpacked (equal rows need no mask). null (auto): on wherever use_dynamic_bsz is
+    # and the attention is SDPA, else off
+    pack_sequences: Optional[bool] = None
 
 
 def micro_batching(a: AlgoConfig, *, forward: bool) -> dict:
@@ -225,7 +234,7 @@ def micro_batching(a: AlgoConfig, *, forward: bool) -> dict:
         rows = a.forward_micro_batch_size_per_gpu or rows
         tokens = a.forward_max_tokens_per_micro_batch_per_gpu or tokens
     return {"micro_batch_size": rows, "max_tokens": tokens if a.use_dynamic_bsz else None,
-            "pack": a.pack_sequences and a.use_dynamic_bsz}
+            "pack": bool(a.pack_sequences and a.use_dynamic_bsz)}
 
 
 @dataclass
@@ -246,7 +255,7 @@ class TrainerConfig:
     total_steps: int = 20
     seed: int = 1
     output_dir: str = "outputs/run"
-    precision: str = "fp32"  # fp32 | bf16
+    precision: str = "auto"  # fp32 | bf16 | auto (bf16 on a GPU, fp32 on CPU)
     critic_warmup: int = 0  # steps that update only the critic
     sft_warmup_steps: int = 0  # supervised steps on reference answers before RL (synthetic tasks)
     sft_lr: Optional[float] = None  # learning rate of the warm-up; None: actor_optim.lr

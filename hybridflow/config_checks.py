@@ -1,16 +1,12 @@
-"""Cross-field validation of a composed `Config` (hybridflow.config re-exports `validate` and
-`validate_model`). Each check raises ValueError naming the key, the value and what was expected:
-parallel sizes against the world size and the model shape, rollout, data and reward options, batch
+"""Cross-field validation of a composed `Config`, before anything is built. Each check raises
+ValueError naming the key, the value and what was expected: parallel sizes against the world size and the model shape, rollout, data and reward options, batch
 sizes (global mini-batch vs per-GPU micro-batches, or token budgets), and the algorithm recipes.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from hybridflow.config import Config
-    from hybridflow.model_config import ModelConfig
+from hybridflow.config import Config
+from hybridflow.model_config import ModelConfig
 
 
 def _one_of(key: str, value, allowed) -> None:
@@ -59,6 +55,14 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if p.lm_head_chunk_tokens < 0:
         raise ValueError(f"parallel.lm_head_chunk_tokens={p.lm_head_chunk_tokens}: expected 0 (off) "
                          "or a positive number of positions")
+    if p.train_cuda_graphs and p.activation_checkpointing:
+        raise ValueError("parallel.train_cuda_graphs=true and parallel.activation_checkpointing=true: "
+                         "a graphed layer replays its saved activations, it cannot recompute them; "
+                         "set one of them to false")
+    if p.train_cuda_graphs and p.pipeline_parallel_size > 1:
+        raise ValueError(f"parallel.train_cuda_graphs=true needs parallel.pipeline_parallel_size=1, "
+                         f"got {p.pipeline_parallel_size}: 1F1B keeps several micro-batches in "
+                         "flight and a layer's graph holds one")
     validate_model(cfg.model, tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size)
     if cfg.critic_model is not None:
         validate_model(cfg.critic_model, tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size,
@@ -72,7 +76,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
                          f"parallel.tensor_parallel_size={p.tensor_parallel_size}")
     _positive("rollout.max_new_tokens", r.max_new_tokens)
     _positive("rollout.n", r.n)
-    if r.decode_kv_window < 0 or r.decode_kv_window % 64:
+    if r.decode_kv_window is not None and (r.decode_kv_window < 0 or r.decode_kv_window % 64):
         raise ValueError(f"rollout.decode_kv_window={r.decode_kv_window} must be 0 (attend over the "
                          f"whole KV cache) or a positive multiple of 64")
     if r.temperature < 0:
@@ -97,7 +101,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
                          "reward.val_fns is set while reward.fn is null)")
     if (d.train_files is None) == (d.synthetic is None):
         raise ValueError("set exactly one of data.train_files (a .jsonl/.parquet path) and "
-                         "data.synthetic (a built-in task name)")
+                         "data.synthetic (a built-in task name); or pick a complete recipe with "
+                         "experiment=<name> (hybridflow/conf/experiment/: demo is the CPU demo, "
+                         "gpu_template a GPU starting point)")
     _one_of("data.truncation", d.truncation, {"error", "left", "right"})
     if d.prompts_per_step % dp:
         raise ValueError(f"data.prompts_per_step={d.prompts_per_step} must be divisible by the "
@@ -124,7 +130,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if seqs % a.ppo_mini_batch_size:
         raise ValueError(f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} (global) must divide "
                          f"the sequences per step data.prompts_per_step x rollout.n = {seqs}")
-    if a.pack_sequences and (not a.use_dynamic_bsz or p.pipeline_parallel_size != 1):
+    if a.pack_sequences and (a.use_dynamic_bsz is False or p.pipeline_parallel_size != 1):
         raise ValueError(f"algo.pack_sequences=true needs algo.use_dynamic_bsz=true (got "
                          f"{a.use_dynamic_bsz}) and parallel.pipeline_parallel_size=1 (got "
                          f"{p.pipeline_parallel_size}): it packs each token-budget micro-batch "
@@ -135,12 +141,15 @@ def validate(cfg: Config, *, world_size: int) -> None:
                          f"flex_attention in SDPAttention")
     if a.use_dynamic_bsz:  # micro-batches by tokens: the row counts of _validate_micro_batches unused
         _validate_dynamic_bsz(cfg, dp=dp)
-    else:
+    elif a.use_dynamic_bsz is False or p.pipeline_parallel_size > 1:  # auto: rows unless on a GPU
         _validate_micro_batches(cfg, dp=dp)
+    else:  # auto (null): either way may run, decided on the machine (config_auto.resolve_auto)
+        _validate_micro_batches(cfg, dp=dp)
+        _validate_token_budgets(cfg)
     for name in ("actor_optim", "critic_optim"):
         _one_of(f"{name}.lr_decay_style", getattr(cfg, name).lr_decay_style,
                 {"constant", "linear", "cosine"})
-    _one_of("trainer.precision", cfg.trainer.precision, {"fp32", "bf16"})
+    _one_of("trainer.precision", cfg.trainer.precision, {"fp32", "bf16", "auto"})
     _one_of("rollout.decode_kernels", cfg.rollout.decode_kernels, {"auto", "torch", "triton"})
     _positive("trainer.total_steps", cfg.trainer.total_steps)
     _positive("trainer.collective_timeout_s", cfg.trainer.collective_timeout_s)
@@ -193,6 +202,12 @@ def _validate_dynamic_bsz(cfg: Config, *, dp: int) -> None:
         raise ValueError(f"algo.use_dynamic_bsz=true needs parallel.pipeline_parallel_size=1 (got "
                          f"{p.pipeline_parallel_size}): pipeline stages exchange micro-batches of "
                          f"one fixed shape; use algo.micro_batch_size_per_gpu with PP")
+    _validate_token_budgets(cfg)
+
+
+def _validate_token_budgets(cfg: Config) -> None:
+    """Each budget that is set must hold the longest row a step makes."""
+    p, a = cfg.parallel, cfg.algo
     longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     how = f"data.max_prompt_length + rollout.max_new_tokens = {cfg.data.max_prompt_length} + " \
           f"{cfg.rollout.max_new_tokens}"

@@ -10,8 +10,8 @@ with `max_tokens` (algo.use_dynamic_bsz), by token budget: rows grouped by lengt
 the per-row results scattered back to the batch's row order. Padding columns carry no loss weight, so
 both give the same results; the budget only changes how much padding is computed.
 
-Sequence packing (`pack`, algo.pack_sequences; off by default, on in the GSM8K experiment where it
-was timed): each token-budget micro-batch runs as ONE row of its rows' real tokens back to back (no
+Sequence packing (`pack`, algo.pack_sequences; on with token budgets on a GPU by default): each
+token-budget micro-batch that holds padding runs as ONE row of its rows' real tokens back to back (no
 padding computed but the tail to a multiple of TP under sequence parallel), attention limited to
 each row's own tokens, causally, by a flex_attention block mask (hybridflow.data.packing,
 hybridflow.models.attention.document_causal_mask). The budget then counts real tokens. The loss still
@@ -85,14 +85,6 @@ class Engine:
     def __init__(self, *, role: str, model_cfg: ModelConfig, ctx: ParallelContext,
                  parallel: ParallelConfig, precision: str, optim: Optional[OptimConfig] = None,
                  total_updates: int = 1):
-        if parallel.train_cuda_graphs and parallel.activation_checkpointing:
-            raise ValueError("parallel.train_cuda_graphs=true and parallel.activation_checkpointing"
-                             "=true: a graphed layer replays its saved activations, it cannot "
-                             "recompute them; set one of them to false")
-        if parallel.train_cuda_graphs and ctx.pp_size > 1:
-            raise ValueError("parallel.train_cuda_graphs=true needs parallel.pipeline_parallel_size"
-                             f"=1, got {ctx.pp_size}: 1F1B keeps several micro-batches in flight "
-                             "and a layer's graph holds one")
         self.role = role
         self.ctx = ctx
         self.model_cfg = model_cfg
@@ -103,9 +95,6 @@ class Engine:
                             sequence_parallel=parallel.sequence_parallel, precision=precision,
                             activation_checkpointing=parallel.activation_checkpointing,
                             fused_elementwise=parallel.fused_elementwise)
-        if parallel.lm_head_chunk_tokens < 0:
-            raise ValueError(f"parallel.lm_head_chunk_tokens={parallel.lm_head_chunk_tokens}: "
-                             "expected 0 (off) or a positive number of positions")
         self._lm_chunk = parallel.lm_head_chunk_tokens
         # parallel.train_cuda_graphs (CUDA only; _capture_graphs): the (seq_len, rows) the layers
         # were captured at, None until the first training pass
@@ -255,8 +244,11 @@ class Engine:
                 raise ValueError("algo.pack_sequences=true needs SDPAttention: set "
                                  "model.attention_backend=sdpa (auto picked transformer-engine)")
             own = self.role == "reward"
+            # a micro-batch of equal rows has no padding to leave out: it runs unpacked
             return [(mb.to(self.device), False,
                      pack_rows(mb, multiple=multiple, own_position=own).to(self.device))
+                    if not bool(mb.token_mask().all()) else (mb.padded_to(multiple).to(self.device),
+                                                             False, None)
                     for mb in micro], rows
         micro = [mb.padded_to(multiple) for mb in micro] if max_tokens is not None else micro
         return [(mb.to(self.device), not bool(mb.token_mask().all()), None) for mb in micro], rows

@@ -18,7 +18,6 @@ import statistics
 import torch
 import torch.distributed as dist
 
-_ALGO = {"gae": "ppo", "grpo": "grpo", "grpo_no_std": "grpo", "rloo": "rloo"}
 
 
 def _gpu_name() -> str | None:
@@ -32,14 +31,6 @@ def _gpu_name() -> str | None:
                     else "A100-40GB"
             return key
     return None
-
-
-def _micro_tokens(cfg, seq_len: int, *, forward: bool) -> int:
-    """Tokens of one micro-batch: the budget (algo.use_dynamic_bsz) or rows x the longest row."""
-    from hybridflow.config import micro_batching
-
-    mb = micro_batching(cfg.algo, forward=forward)
-    return mb["max_tokens"] or mb["micro_batch_size"] * seq_len
 
 
 def _lengths(cfg, history: list[dict]) -> dict:
@@ -60,34 +51,12 @@ def _lengths(cfg, history: list[dict]) -> dict:
 
 
 def _prediction(cfg, gpu: str, world: int, history: list[dict] = ()) -> dict:
-    from hybridflow.algo.on_policy import skip_old_log_prob
-    from hybridflow.cost import Plan, estimate_memory, estimate_step_time
-    from hybridflow.parallel.layout import Layout
+    from hybridflow.cost import estimate_memory, estimate_step_time
+    from hybridflow.cost.from_config import plan_for, workload_fields
 
-    p = cfg.parallel
-    layout = Layout(world_size=world, tp_t=p.tensor_parallel_size, pp_t=p.pipeline_parallel_size,
-                    tp_g=cfg.rollout.tensor_parallel_size or p.tensor_parallel_size)
-    seqs = cfg.data.prompts_per_step * cfg.rollout.n
-    seq_len = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    workload = dict(algorithm=_ALGO.get(cfg.algo.adv_estimator, "reinforce_plus_plus"),
-                    prompts_per_step=cfg.data.prompts_per_step, samples_per_prompt=cfg.rollout.n,
-                    **_lengths(cfg, list(history)), ppo_epochs=cfg.algo.ppo_epochs,
-                    mini_batches=max(1, seqs // cfg.algo.ppo_mini_batch_size),
-                    micro_batch_tokens=_micro_tokens(cfg, seq_len, forward=False),
-                    forward_micro_batch_tokens=_micro_tokens(cfg, seq_len, forward=True),
-                    use_reference=cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward,
-                    skip_old_log_prob=skip_old_log_prob(cfg, step=cfg.trainer.critic_warmup)[0],
-                    keep_generator=not cfg.rollout.free_cache_engine,
-                    lm_head_chunk_tokens=p.lm_head_chunk_tokens,
-                    decode_kernels=_decode_kernels(cfg),
-                    fused_elementwise=p.fused_elementwise,
-                    train_cuda_graphs=p.train_cuda_graphs,
-                    gradient_accumulation_fusion=p.gradient_accumulation_fusion,
-                    offload_ref_prefetch=cfg.trainer.offload_ref_prefetch,
-                    dtype="bf16" if cfg.trainer.precision == "bf16" else "fp32")
-    kw = dict(model=cfg.model, gpu=gpu, num_gpus=world,
-              layout=Plan(layout, offload_ref=cfg.trainer.offload_ref,
-                          recompute=p.activation_checkpointing), **workload)
+    kw = dict(model=cfg.model, gpu=gpu, num_gpus=world, layout=plan_for(cfg, world),
+              **workload_fields(cfg, decode_kernels=_decode_kernels(cfg),
+                                lengths=_lengths(cfg, list(history))))
     mem = estimate_memory(**kw)
     timing = {(k if k.startswith("timing_s/") else f"timing_s/{k}"): v
               for k, v in estimate_step_time(**kw).items()}

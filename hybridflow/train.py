@@ -19,7 +19,8 @@ import sys
 import warnings
 
 from hybridflow import watchdog
-from hybridflow.config import Config, load_config, to_dict, validate
+from hybridflow.config import Config, load_config, to_dict
+from hybridflow.config_checks import validate
 
 
 def resolve_model_source(cfg: Config) -> Config:

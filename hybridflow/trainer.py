@@ -33,6 +33,7 @@ from hybridflow.algo import (apply_kl_penalty, build_kl_controller, get_advantag
 from hybridflow.algo.objectives import actor_objective, critic_objective, sft_objective
 from hybridflow.algo.on_policy import old_log_prob_note, skip_old_log_prob
 from hybridflow.config import Config, micro_batching
+from hybridflow.config_auto import resolve_for_run
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.metrics import MetricsLogger, StageTimer, memory_metrics
 from hybridflow.nonfinite import SkippedUpdates
@@ -46,6 +47,7 @@ ROLE_METRICS = ("grad_norm", "lr", "update_skipped", "graphed_micro_batch_frac")
 
 class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext):
+        cfg = resolve_for_run(cfg, ctx)  # the auto (null) options, decided for this device
         self.cfg, self.ctx = cfg, ctx
         self.tokenizer, self.dataset, self.tokenizer_path = components.build_tokenizer_and_dataset(cfg)
         self.sampler = components.build_sampler(cfg, ctx, self.dataset)

@@ -12,7 +12,8 @@ import dataclasses
 from importlib import resources
 from pathlib import Path
 
-from hybridflow.config import CONF_PACKAGE, validate_model
+from hybridflow.config import CONF_PACKAGE
+from hybridflow.config_checks import validate_model
 from hybridflow.model_config import ModelConfig
 from hybridflow.models.hf_config import hf_to_model_config, read_hf_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybridflow.config import validate_model
+from hybridflow.config_checks import validate_model
 from hybridflow.model_config import ModelConfig
 from hybridflow.parallel.layout import Layout
 

@@ -33,13 +33,14 @@ def _cut(generate, rank, pad_id):
 
 
 def _runs(out_dir):
-    from hybridflow.config import load_config, validate
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
     from hybridflow.parallel import groups
     from hybridflow.trainer import Trainer
 
     results = {}
     for name, extra in RUNS.items():
-        cfg = load_config(BASE + [f"trainer.output_dir={out_dir}/{name}", *extra])
+        cfg = load_config(["experiment=demo", *BASE, f"trainer.output_dir={out_dir}/{name}", *extra])
         validate(cfg, world_size=torch.distributed.get_world_size())
         ctx = groups.init_model_parallel(tp=1, pp=1, seed=cfg.trainer.seed)
         trainer = Trainer(cfg, ctx)

@@ -68,12 +68,13 @@ def _trainer_runs(out_dir):
 
     import torch.distributed as dist
 
-    from hybridflow.config import load_config, validate
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
     from hybridflow.parallel import groups
     from hybridflow.trainer import Trainer
 
     def run(name, steps, *extra):
-        cfg = load_config(BASE + [f"trainer.output_dir={out_dir}/{name}",
+        cfg = load_config(["experiment=demo", *BASE, f"trainer.output_dir={out_dir}/{name}",
                                   f"trainer.total_steps={steps}", *extra])
         validate(cfg, world_size=dist.get_world_size())
         ctx = groups.init_model_parallel(tp=1, pp=1, seed=cfg.trainer.seed)

@@ -30,7 +30,8 @@ RUNS = {"free": [], "keep": KEEP, "free_tp2": TP2, "keep_tp2": TP2 + KEEP}
 
 
 def _runs(out_dir):
-    from hybridflow.config import load_config, validate
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
     from hybridflow.parallel import groups
     from hybridflow.rollout import stage
     from hybridflow.trainer import Trainer
@@ -52,7 +53,7 @@ def _runs(out_dir):
     for name, extra in RUNS.items():
         built.clear()
         released.clear()
-        cfg = load_config(BASE + [f"trainer.output_dir={out_dir}/{name}", *extra])
+        cfg = load_config(["experiment=demo", *BASE, f"trainer.output_dir={out_dir}/{name}", *extra])
         validate(cfg, world_size=torch.distributed.get_world_size())
         ctx = groups.init_model_parallel(tp=cfg.parallel.tensor_parallel_size, pp=1,
                                          tp_gen=cfg.rollout.tensor_parallel_size,

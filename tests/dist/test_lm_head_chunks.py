@@ -26,7 +26,8 @@ def test_chunked_lm_head_gives_the_same_results(world, tp, sp):
 
 
 def test_negative_chunk_is_an_error():
-    from hybridflow.config import load_config, validate
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
 
     with pytest.raises(ValueError, match=r"parallel.lm_head_chunk_tokens=-1: expected 0 \(off\)"):
-        validate(load_config(["parallel.lm_head_chunk_tokens=-1"]), world_size=1)
+        validate(load_config(["experiment=demo", "parallel.lm_head_chunk_tokens=-1"]), world_size=1)

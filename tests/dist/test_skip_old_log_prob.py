@@ -46,13 +46,14 @@ def digit_count(prompt, response, ground_truth, extra_info=None) -> float:
 
 
 def _runs(out_dir):
-    from hybridflow.config import load_config, validate
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
     from hybridflow.parallel import groups
     from hybridflow.trainer import Trainer
 
     results = {}
     for name, extra in RUNS.items():
-        cfg = load_config(BASE + [f"trainer.output_dir={out_dir}/{name}", *extra])
+        cfg = load_config(["experiment=demo", *BASE, f"trainer.output_dir={out_dir}/{name}", *extra])
         validate(cfg, world_size=torch.distributed.get_world_size())
         ctx = groups.init_model_parallel(tp=1, pp=cfg.parallel.pipeline_parallel_size,
                                          seed=cfg.trainer.seed)  # re-seeds every RNG

@@ -28,7 +28,7 @@ from tests.dist.launcher import _free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "0.1"]
-TINY_RUN = ["data.synthetic_size=24", "data.prompts_per_step=8", "rollout.n=2",
+TINY_RUN = ["experiment=demo", "data.synthetic_size=24", "data.prompts_per_step=8", "rollout.n=2",
             "algo.ppo_mini_batch_size=8", "algo.micro_batch_size_per_gpu=4",
             "trainer.sft_warmup_steps=0", "trainer.total_steps=2", "trainer.save_final=false",
             "trainer.progress_bar=false", "trainer.tensorboard=false"]
@@ -73,7 +73,7 @@ def test_config_errors_print_under_every_torchrun_ordering(tmp_path):
     for start in range(0, len(launches), 4):  # 4 launches of 4 ranks at a time
         procs = []
         for late, overrides, expected in launches[start:start + 4]:
-            target = [entry] if late is not None else ["-m", "hybridflow.train"]
+            target = [entry] if late is not None else ["-m", "hybridflow.train", "experiment=demo"]
             env = _env(HYBRIDFLOW_TEST_FAULT=f"{late}:start:delay") if late is not None else None
             procs.append((_torchrun(4, [*target, "parallel.tensor_parallel_size=4",
                                         f"trainer.output_dir={tmp_path}", *overrides], env=env),

@@ -59,12 +59,13 @@ def _fake_generate(trainer):
 
 
 def one_step(algo, out_dir, extra=()):
-    from hybridflow.config import load_config, validate
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
     from hybridflow.parallel import groups
     from hybridflow.trainer import Trainer
 
     world = torch.distributed.get_world_size()
-    cfg = load_config(OVERRIDES[algo] + [
+    cfg = load_config(["experiment=demo", *OVERRIDES[algo], 
         f"trainer.output_dir={out_dir}", "trainer.sft_warmup_steps=0", "trainer.total_steps=1",
         "trainer.save_final=false", "trainer.tensorboard=false", "trainer.progress_bar=false",
         "data.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=4",

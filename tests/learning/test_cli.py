@@ -38,7 +38,7 @@ def _run(*args, world_size=None):
     (["trainer.profile_steps=[0]"], "trainer.profile_steps=[0]: expected step numbers >= 1"),
 ])
 def test_bad_config_is_one_line(overrides, expected):
-    proc = _run("-m", "hybridflow.train", *overrides)
+    proc = _run("-m", "hybridflow.train", "experiment=demo", *overrides)
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln
              and "warnings.warn" not in ln]
@@ -48,7 +48,7 @@ def test_bad_config_is_one_line(overrides, expected):
 
 
 def test_tp_not_dividing_heads_names_the_keys():
-    proc = _run("-m", "hybridflow.train", "parallel.tensor_parallel_size=4", world_size=4)
+    proc = _run("-m", "hybridflow.train", "experiment=demo", "parallel.tensor_parallel_size=4", world_size=4)
     assert proc.returncode == 2
     assert "parallel.tensor_parallel_size=4 must divide model.num_query_groups=2" in proc.stderr
 
@@ -66,7 +66,7 @@ def test_hf_checkpoint_jsonl_train_resume_export(tmp_path):
     reward.write_text("def score(prompt, response, ground_truth, extra_info):\n"
                       "    return float(ground_truth in response.split())\n")
     out = tmp_path / "run"
-    common = ["-m", "hybridflow.train", f"model.hf_path={model_dir}", "data.synthetic=null",
+    common = ["-m", "hybridflow.train", "experiment=demo", f"model.hf_path={model_dir}", "data.synthetic=null",
               f"data.train_files={data}", f"reward.fn={reward}:score", "algo=grpo",
               "rollout.n=2", "rollout.max_new_tokens=4", "data.prompts_per_step=4",
               "algo.ppo_mini_batch_size=8", "algo.micro_batch_size_per_gpu=4",
@@ -99,7 +99,7 @@ def _toy_run_args(tmp_path, model_dir, out):
         for i in range(8):
             f.write(json.dumps({"prompt": f"w{3 + i} w{5 + i}", "data_source": "toy",
                                 "reward_model": {"ground_truth": "w9"}}) + "\n")
-    return ["-m", "hybridflow.train", f"model.hf_path={model_dir}", "data.synthetic=null",
+    return ["-m", "hybridflow.train", "experiment=demo", f"model.hf_path={model_dir}", "data.synthetic=null",
             f"data.train_files={data}", "algo=grpo", "rollout.n=2", "rollout.max_new_tokens=4",
             "data.prompts_per_step=4", "algo.ppo_mini_batch_size=8", "algo.micro_batch_size_per_gpu=4",
             "trainer.sft_warmup_steps=0", "trainer.progress_bar=false", "trainer.save_final=false",
@@ -139,7 +139,7 @@ def test_reward_model_scores_and_probe_forecast(tmp_path):
 
 
 def test_print_config():
-    proc = _run("-m", "hybridflow.train", "--cfg", "algo=rloo")
+    proc = _run("-m", "hybridflow.train", "experiment=demo", "--cfg", "algo=rloo")
     assert proc.returncode == 0
     cfg = json.loads(proc.stdout)
     assert cfg["algo"]["adv_estimator"] == "rloo" and cfg["algo"]["use_kl_in_reward"] is True

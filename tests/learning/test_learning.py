@@ -27,7 +27,7 @@ def _scores(out_dir, key):
 
 def _run(tmp_path, overrides, nproc=1, key="critic/score/mean"):
     out = str(tmp_path / "run")
-    args = ["-m", "hybridflow.train", f"trainer.output_dir={out}", f"trainer.total_steps={STEPS}",
+    args = ["-m", "hybridflow.train", "experiment=demo", f"trainer.output_dir={out}", f"trainer.total_steps={STEPS}",
             "trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.save_final=false",
             *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else "2")

@@ -33,10 +33,10 @@ def _run(args, *, world_size=1):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "hybridflow.train", *args]
+    cmd = [sys.executable, "-m", "hybridflow.train", "experiment=demo", *args]
     if world_size > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-               "--master_port", str(_free_port()), "-m", "hybridflow.train", *args]
+               "--master_port", str(_free_port()), "-m", "hybridflow.train", "experiment=demo", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 

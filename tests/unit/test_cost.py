@@ -15,7 +15,8 @@ from hybridflow.cost import (Calibration, estimate_cost, estimate_memory, estima
 from hybridflow.cost.calibrate import fit, main as calibrate_main, parse_record, predict, predict_vs_measured
 from hybridflow.cost.flops import forward_flops_per_token, train_flops_per_token
 from hybridflow.cost.memory import COMPONENTS, GIB, memory_for
-from hybridflow.config import load_config, validate
+from hybridflow.config import load_config
+from hybridflow.config_checks import validate
 from hybridflow.cost import get_gpu
 from hybridflow.cost.search import candidate_plans
 from hybridflow.cost.shapes import known_models
@@ -410,7 +411,7 @@ def test_estimator_defaults_to_the_shipped_h200_fit():
 @pytest.mark.parametrize("name", known_models())
 def test_cost_model_reads_the_trainers_model_config(name):
     # load_shape reads conf/model/<name>.yaml itself; Hydra composes it over the schema
-    assert load_shape(name) == load_config([f"model={name}"]).model
+    assert load_shape(name) == load_config(["experiment=demo", f"model={name}"]).model
 
 
 def test_config_json_read_as_the_trainer_reads_it(tmp_path):
@@ -430,7 +431,7 @@ def test_search_offers_the_layouts_the_trainer_accepts():
     # splits it over TP): the search must agree with config.validate on every (TP, PP, TP_g).
     shape = load_shape({"name": "odd", "num_layers": 6, "hidden_size": 256, "ffn_hidden_size": 4098,
                         "num_attention_heads": 8, "num_query_groups": 4, "vocab_size": 1000})
-    base = load_config(["algo.micro_batch_size_per_gpu=1", "algo.forward_micro_batch_size_per_gpu=1"])
+    base = load_config(["experiment=demo", "algo.micro_batch_size_per_gpu=1", "algo.forward_micro_batch_size_per_gpu=1"])
     base = replace(base, model=shape)
     accepted = set()
     for tp, pp, tp_g in itertools.product(range(1, 9), repeat=3):

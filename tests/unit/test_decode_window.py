@@ -4,7 +4,8 @@ that holds every written slot, with the same output as attending over the whole 
 import pytest
 import torch
 
-from hybridflow.config import load_config, validate
+from hybridflow.config import load_config
+from hybridflow.config_checks import validate
 from hybridflow.rollout import decoder, generator
 from tests.unit.test_rollout import PROMPTS, assert_same_rows, make, rc
 
@@ -72,10 +73,10 @@ def test_generate_with_windows_equals_whole_cache(monkeypatch, temperature, comp
 
 def test_window_must_be_a_multiple_of_64():
     for bad in (-64, 100):
-        cfg = load_config([f"rollout.decode_kv_window={bad}"])
+        cfg = load_config(["experiment=demo", f"rollout.decode_kv_window={bad}"])
         with pytest.raises(ValueError, match="rollout.decode_kv_window"):
             validate(cfg, world_size=1)
-    validate(load_config(["rollout.decode_kv_window=128"]), world_size=1)
+    validate(load_config(["experiment=demo", "rollout.decode_kv_window=128"]), world_size=1)
 
 
 def test_release_resets_every_windows_graph():

@@ -35,7 +35,7 @@ from hybridflow.config import load_config
 from hybridflow.cost.shapes import known_models
 print(json.dumps({"package": hybridflow.__file__, "conf": hybridflow.conf.__file__,
                   "kernels": k.__file__, "models": known_models(),
-                  "model": load_config(["model=qwen2_0_5b"]).model.name}))
+                  "model": load_config(["experiment=demo", "model=qwen2_0_5b"]).model.name}))
 """
 
 
@@ -109,7 +109,7 @@ def test_wheel_runs_from_any_directory(checkout, tmp_path):
     cfg = json.loads(_run([train, "--cfg"], cwd=cwd))
     tiny = yaml.safe_load((ROOT / "hybridflow" / "conf" / "model" / "tiny.yaml").read_text())
     assert {k: cfg["model"][k] for k in tiny} == tiny
-    _run([train, "trainer.total_steps=2", "trainer.sft_warmup_steps=0", "trainer.output_dir=out",
+    _run([train, "experiment=demo", "trainer.total_steps=2", "trainer.sft_warmup_steps=0", "trainer.output_dir=out",
           "trainer.progress_bar=false", "trainer.tensorboard=false"], cwd=cwd)
     lines = (cwd / "out" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(ln)["step"] for ln in lines] == [1, 2]

@@ -5,7 +5,8 @@ import gc
 
 import pytest
 
-from hybridflow.config import load_config, validate
+from hybridflow.config import load_config
+from hybridflow.config_checks import validate
 from hybridflow.trainer import gc_generation, manual_gc
 
 
@@ -33,9 +34,9 @@ def test_manual_gc_off_is_a_no_op():
 
 
 def test_gc_interval_config():
-    assert load_config([]).trainer.gc_interval == 1
+    assert load_config(["experiment=demo"]).trainer.gc_interval == 1
     with pytest.raises(ValueError, match="trainer.gc_interval=-1"):
-        validate(load_config(["trainer.gc_interval=-1"]), world_size=1)
+        validate(load_config(["experiment=demo", "trainer.gc_interval=-1"]), world_size=1)
 
 
 def test_gc_generation_schedule():
@@ -57,6 +58,6 @@ def test_young_collection_frees_the_steps_garbage_and_full_the_rest():
 
 
 def test_gc_full_interval_config():
-    assert load_config([]).trainer.gc_full_interval == 50
+    assert load_config(["experiment=demo"]).trainer.gc_full_interval == 50
     with pytest.raises(ValueError, match="trainer.gc_full_interval=0"):
-        validate(load_config(["trainer.gc_full_interval=0"]), world_size=1)
+        validate(load_config(["experiment=demo", "trainer.gc_full_interval=0"]), world_size=1)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hybridflow.config import load_config, micro_batching, validate
+from hybridflow.config import load_config, micro_batching
+from hybridflow.config_checks import validate
 from hybridflow.data.microbatch import padded_tokens, token_budget_groups
 
 
@@ -66,14 +67,17 @@ def test_a_row_longer_than_the_budget_runs_alone_and_empty_responses_count_one()
 
 
 def _cfg(*overrides, world_size=1):
-    cfg = load_config(list(overrides))
+    cfg = load_config(["experiment=demo", *overrides])
     validate(cfg, world_size=world_size)
     return cfg
 
 
-def test_keys_default_off_and_micro_batching_reads_them():
-    a = _cfg().algo
-    assert a.use_dynamic_bsz is False
+def test_keys_default_auto_and_micro_batching_reads_them():
+    from hybridflow.config_auto import resolve_auto
+
+    assert _cfg().algo.use_dynamic_bsz is None  # auto: decided for the device
+    a = resolve_auto(_cfg(), device_type="cpu")[0].algo
+    assert (a.use_dynamic_bsz, a.pack_sequences) == (False, False)
     assert micro_batching(a, forward=True)["max_tokens"] is None
     a = _cfg("algo.use_dynamic_bsz=true", "algo.max_tokens_per_micro_batch_per_gpu=500",
              "algo.micro_batch_size_per_gpu=3").algo  # 3 divides nothing: unused with budgets
@@ -104,7 +108,7 @@ def test_bad_budgets_name_the_keys(overrides, world_size, match):
 
 
 @pytest.mark.parametrize("overrides, world_size", [
-    ([], 1),  # token budgets off
+    (["algo.use_dynamic_bsz=false"], 1),  # token budgets off
     (["algo.use_dynamic_bsz=true", "parallel.pipeline_parallel_size=2"], 2),
 ])
 def test_pack_sequences_needs_budgets_and_no_pipeline(overrides, world_size):

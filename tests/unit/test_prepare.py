@@ -146,7 +146,8 @@ def test_missing_and_corrupt_sources(tmp_path, capsys):
 
 
 def test_experiment_reads_the_prepared_files(tmp_path, monkeypatch):
-    from hybridflow.config import load_config, validate
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
     from hybridflow.reward import get_reward_fn
 
     monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "gsm8k"))
@@ -170,7 +171,7 @@ def test_experiment_leaves_the_recipe_to_the_algo_group(tmp_path, monkeypatch):
     monkeypatch.setenv("GSM8K_DIR", str(tmp_path))
     monkeypatch.setenv("HYBRIDFLOW_QWEN_GGUF", str(tmp_path / "q.gguf"))
     for algo in ("grpo", "dapo", "gspo", "drgrpo"):
-        alone = load_config([f"algo={algo}"]).algo
+        alone = load_config(["experiment=demo", f"algo={algo}"]).algo
         with_exp = load_config(["experiment=gsm8k_qwen_coder_0_5b", f"algo={algo}"]).algo
         # the batch shape and how micro-batches run (packing changes no result), not the recipe
         batch_keys = {"ppo_mini_batch_size", "micro_batch_size_per_gpu",

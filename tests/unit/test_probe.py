@@ -5,7 +5,7 @@ from hybridflow.probe import _lengths, _prediction
 
 
 def test_prediction_at_the_measured_lengths():
-    cfg = load_config(["model=qwen2_0_5b", "data.max_prompt_length=256", "rollout.max_new_tokens=1024",
+    cfg = load_config(["experiment=demo", "model=qwen2_0_5b", "data.max_prompt_length=256", "rollout.max_new_tokens=1024",
                        "trainer.precision=bf16"])
     history = [{"prompt_length/mean": 130.2, "response_length/mean": m, "response_length/max": mx}
                for m, mx in ((320.0, 900.0), (330.4, 1024.0), (340.0, 700.0))]

@@ -2,11 +2,12 @@
 
 import pytest
 
-from hybridflow.config import load_config, validate
+from hybridflow.config import load_config
+from hybridflow.config_checks import validate
 
 
 def cfg_of(*overrides):
-    cfg = load_config(list(overrides))
+    cfg = load_config(["experiment=demo", *overrides])
     validate(cfg, world_size=1)
     return cfg
 

@@ -18,8 +18,9 @@ def test_stops_before_the_next_step_would_overrun(monkeypatch):
 def test_config_rejects_a_negative_budget():
     import pytest
 
-    from hybridflow.config import load_config, validate
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
 
-    cfg = load_config(["trainer.time_budget_s=-1"])
+    cfg = load_config(["experiment=demo", "trainer.time_budget_s=-1"])
     with pytest.raises(ValueError, match="trainer.time_budget_s=-1"):
         validate(cfg, world_size=1)

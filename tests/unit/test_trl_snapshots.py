@@ -103,7 +103,7 @@ def scored(files, trl_run, tmp_path_factory):
     gguf_out, score_out, out = d / "gguf_val", d / "score_run", d / "out_score"
     # our run on the GGUF file: the real file's EOS is <|im_end|> and the experiment adds
     # <|endoftext|>; the tiny file's EOS is <|endoftext|>, so both ids are named here
-    _run([sys.executable, "-m", "hybridflow.train", *_experiment(d / "data"), *SCALE,
+    _run([sys.executable, "-m", "hybridflow.train", "experiment=demo", *_experiment(d / "data"), *SCALE,
           f"model.gguf_path={files / 'tiny.gguf'}", "trainer.val_only=true", "trainer.resume=false",
           f"trainer.output_dir={gguf_out}", "rollout.stop_token_ids=[0,1]"])
     _run(["bash", str(ROOT / "benchmarks" / "gsm8k_h200.sh"), "score", str(zeroed), snaps[2], snaps[0], "--", *SCALE],

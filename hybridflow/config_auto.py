@@ -1,0 +1,179 @@
+"""The `auto` (null) defaults of the speed options, decided for the machine a run starts on.
+
+A run with no overrides is fast on a GPU and exact and simple on CPU. On a CUDA device:
+- `trainer.precision=auto` -> bf16;
+- `algo.use_dynamic_bsz` -> on (token-budget micro-batches, rows grouped by length) with
+  `parallel.pipeline_parallel_size=1`; `algo.pack_sequences` -> on with it where the attention is
+  SDPA (each padded micro-batch as one row of real tokens);
+- the token budgets -> the largest micro-batch the cost model's memory estimate fits in the GPU's
+  free memory, at most one micro-batch per mini-batch (`size_token_budgets`; the smallest free
+  memory over all ranks, so every rank cuts its micro-batches alike);
+- `rollout.free_cache_engine` -> false where generation reads the training weights in place
+  (TP_g = TP, PP = 1; the generator, its KV cache and captured graphs kept across steps), true where
+  a reshard gathers new weights every step; `rollout.compact_finished_rows` -> on and
+  `rollout.decode_kv_window` -> about an eighth of the KV cache (a multiple of 64) with CUDA-graph
+  decoding; `rollout.compile_decode` -> on with CUDA-graph decoding at TP_g = 1.
+On CPU every one of them is off (fp32, fixed micro-batches of `micro_batch_size_per_gpu` rows).
+A value the user set is kept. Where a GPU run cannot use an option, one `auto:` line says why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hybridflow.config import Config
+
+CPU_TOKEN_BUDGET = 16384  # use_dynamic_bsz=true on CPU with no budget set
+# the share of the free memory the automatic budgets may plan for: the memory model leaves out
+# allocator fragmentation and optimizer-step temporaries beyond its calibrated headroom
+MEMORY_SHARE = 0.85
+
+
+def _replace(cfg: Config, group: str, **values) -> Config:
+    return dataclasses.replace(cfg, **{group: dataclasses.replace(getattr(cfg, group), **values)})
+
+
+def _attention_is_sdpa(cfg: Config) -> bool:
+    backend = cfg.model.attention_backend
+    if backend == "auto":
+        from hybridflow.models.build import have_te
+
+        return not have_te()
+    return backend == "sdpa"
+
+
+def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
+    """`cfg` with every auto option but the token budgets decided for `device_type` ("cuda" or
+    "cpu"), and the `auto:` lines that say where a GPU run falls back."""
+    gpu = device_type == "cuda"
+    notes: list[str] = []
+    p, a, r, t = cfg.parallel, cfg.algo, cfg.rollout, cfg.trainer
+    if t.precision == "auto":
+        cfg = _replace(cfg, "trainer", precision="bf16" if gpu else "fp32")
+
+    dynamic = a.use_dynamic_bsz
+    if dynamic is None:  # packing asked for implies token budgets
+        dynamic = (gpu or bool(a.pack_sequences)) and p.pipeline_parallel_size == 1
+        if gpu and not dynamic:
+            notes.append("auto: algo.use_dynamic_bsz=false: pipeline stages exchange micro-batches "
+                         "of one shape (parallel.pipeline_parallel_size > 1)")
+    pack = a.pack_sequences
+    if pack is None:
+        pack = bool(dynamic) and gpu and _attention_is_sdpa(cfg)
+        if gpu and dynamic and not pack:
+            notes.append("auto: algo.pack_sequences=false: packing needs SDPA attention "
+                         f"(model.attention_backend={cfg.model.attention_backend!r} runs another)")
+    budgets = {}
+    if dynamic and not gpu and a.max_tokens_per_micro_batch_per_gpu is None:
+        budgets["max_tokens_per_micro_batch_per_gpu"] = CPU_TOKEN_BUDGET
+    cfg = _replace(cfg, "algo", use_dynamic_bsz=dynamic, pack_sequences=pack, **budgets)
+
+    in_place = (r.tensor_parallel_size or p.tensor_parallel_size) == p.tensor_parallel_size \
+        and p.pipeline_parallel_size == 1
+    graphs = gpu and r.cuda_graphs
+    rollout = {}
+    if r.free_cache_engine is None:
+        rollout["free_cache_engine"] = not (gpu and in_place)
+        if gpu and not in_place:
+            notes.append("auto: rollout.free_cache_engine=true: generation runs on resharded weights "
+                         "(rollout.tensor_parallel_size or pipeline_parallel_size differs), which "
+                         "move every step")
+    if r.compact_finished_rows is None:
+        rollout["compact_finished_rows"] = graphs
+    if r.decode_kv_window is None:
+        cache = cfg.data.max_prompt_length + r.max_new_tokens
+        rollout["decode_kv_window"] = max(64, math.ceil(cache / 8 / 64) * 64) if graphs else 0
+    if r.compile_decode is None:
+        tp_g = r.tensor_parallel_size or p.tensor_parallel_size
+        rollout["compile_decode"] = graphs and tp_g == 1
+        if graphs and tp_g > 1:
+            notes.append(f"auto: rollout.compile_decode=false: it compiles a generation TP of 1 "
+                         f"(rollout.tensor_parallel_size is {tp_g})")
+    if gpu and not r.cuda_graphs:
+        notes.append("auto: rollout.cuda_graphs=false: decode runs eagerly, so compaction, KV "
+                     "windows and compiled decoding stay off")
+    return _replace(cfg, "rollout", **rollout), notes
+
+
+def budgets_unset(cfg: Config) -> bool:
+    a = cfg.algo
+    return bool(a.use_dynamic_bsz) and (a.max_tokens_per_micro_batch_per_gpu is None
+                                        or a.forward_max_tokens_per_micro_batch_per_gpu is None)
+
+
+def size_token_budgets(cfg: Config, *, world_size: int, free_gib: float) -> tuple[Config, str]:
+    """`cfg` (auto options resolved, use_dynamic_bsz on) with the unset token budgets sized for a GPU
+    with `free_gib` free, and the line that says what was chosen.
+
+    Each budget is a whole number of longest rows (prompt + response maxima): the largest whose
+    phases (the update's for the training budget, the forward-only passes' for the other) the cost
+    model's memory estimate fits in MEMORY_SHARE of the free memory, at most what one micro-batch
+    per mini-batch (training) or per step (forward) needs; at least one row.
+    """
+    from hybridflow.cost.efficiency import shipped_calibration
+    from hybridflow.cost.from_config import plan_for, workload_fields
+    from hybridflow.cost.gpus import get_gpu
+    from hybridflow.cost.memory import memory_for
+    from hybridflow.cost.workload import Workload
+
+    a, d, r = cfg.algo, cfg.data, cfg.rollout
+    row = d.max_prompt_length + r.max_new_tokens
+    plan = plan_for(cfg, world_size)
+    dp = plan.layout.dp_t
+    step_rows = math.ceil(d.prompts_per_step * r.n / dp)
+    mini_rows = math.ceil(a.ppo_mini_batch_size / dp)
+    # only the memory size of the machine matters to the memory model
+    gpu = dataclasses.replace(get_gpu("H200"), name="this GPU", memory_gib=free_gib)
+    calib = shipped_calibration()
+    capacity = MEMORY_SHARE * (free_gib - calib.memory_headroom_gib)
+    train_phases = ("update_actor", "update_critic")
+
+    def fits(tokens: int, phases) -> bool:
+        fields = workload_fields(cfg, decode_kernels="triton")
+        fields.update(micro_batch_tokens=tokens, forward_micro_batch_tokens=tokens)
+        est = memory_for(cfg.model, gpu, plan, Workload(**fields), calib)
+        return all(sum(c.values()) <= capacity for ph, c in est.phases_gib.items() if ph in phases)
+
+    def largest(max_rows: int, phases) -> int:
+        best = 1
+        for rows in range(1, max_rows + 1):  # a few hundred evaluations of closed-form sums
+            if not fits(rows * row, phases):
+                break
+            best = rows
+        return best * row
+
+    values, said = {}, []
+    if a.max_tokens_per_micro_batch_per_gpu is None:
+        values["max_tokens_per_micro_batch_per_gpu"] = largest(mini_rows, train_phases)
+        said.append(f"training {values['max_tokens_per_micro_batch_per_gpu']}")
+    if a.forward_max_tokens_per_micro_batch_per_gpu is None:
+        forward = [ph for ph in ("old_log_prob", "ref", "values")]
+        values["forward_max_tokens_per_micro_batch_per_gpu"] = largest(step_rows, forward)
+        said.append(f"forward {values['forward_max_tokens_per_micro_batch_per_gpu']}")
+    line = (f"auto: token budgets per micro-batch: {', '.join(said)} tokens (rows of up to {row} "
+            f"tokens; sized for {free_gib:.0f} GiB free per GPU)")
+    return _replace(cfg, "algo", **values), line
+
+
+def resolve_for_run(cfg: Config, ctx) -> Config:
+    """`cfg` with every auto option decided on this run's device (`ctx`: the ParallelContext), the
+    token budgets agreed over all ranks, checked again by `config_checks.validate`; rank 0 prints
+    the `auto:` lines."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridflow.config_checks import validate
+
+    cfg, notes = resolve_auto(cfg, device_type=ctx.device.type)
+    if budgets_unset(cfg):
+        free, _ = torch.cuda.mem_get_info(ctx.device)
+        free_t = torch.tensor([float(free)], device=ctx.device)
+        dist.all_reduce(free_t, op=dist.ReduceOp.MIN)  # one budget on every rank of a TP group
+        cfg, line = size_token_budgets(cfg, world_size=dist.get_world_size(),
+                                       free_gib=free_t.item() / 2 ** 30)
+        notes.append(line)
+    validate(cfg, world_size=dist.get_world_size())
+    if ctx.rank == 0:
+        for line in notes:
+            print(line, flush=True)
+    return cfg

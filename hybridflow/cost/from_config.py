@@ -1,0 +1,46 @@
+"""The cost model's view of a trainer config: the `Workload` fields and the `Plan` that a `Config`
+describes (used by the probe's prediction and by the automatic token budgets)."""
+from __future__ import annotations
+
+from hybridflow.config import Config, micro_batching
+from hybridflow.cost.workload import Plan
+from hybridflow.parallel.layout import Layout
+
+_ALGO = {"gae": "ppo", "grpo": "grpo", "grpo_no_std": "grpo", "rloo": "rloo"}
+
+
+def plan_for(cfg: Config, world_size: int) -> Plan:
+    p = cfg.parallel
+    layout = Layout(world_size=world_size, tp_t=p.tensor_parallel_size, pp_t=p.pipeline_parallel_size,
+                    tp_g=cfg.rollout.tensor_parallel_size or p.tensor_parallel_size)
+    return Plan(layout, offload_ref=cfg.trainer.offload_ref, recompute=p.activation_checkpointing)
+
+
+def micro_batch_tokens(cfg: Config, *, forward: bool) -> int:
+    """Tokens of one micro-batch: the budget (algo.use_dynamic_bsz) or rows x the longest row."""
+    mb = micro_batching(cfg.algo, forward=forward)
+    return mb["max_tokens"] or mb["micro_batch_size"] * (cfg.data.max_prompt_length
+                                                         + cfg.rollout.max_new_tokens)
+
+
+def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = None) -> dict:
+    """`Workload` keyword arguments for one step of `cfg` (a config whose auto options are
+    resolved). `lengths`: prompt_len / response_len / response_len_max as measured; default the
+    config's maxima (every response runs to rollout.max_new_tokens)."""
+    from hybridflow.algo.on_policy import skip_old_log_prob
+
+    a, p, r, d = cfg.algo, cfg.parallel, cfg.rollout, cfg.data
+    seqs = d.prompts_per_step * r.n
+    lengths = lengths or dict(prompt_len=d.max_prompt_length, response_len=r.max_new_tokens)
+    return dict(algorithm=_ALGO.get(a.adv_estimator, "reinforce_plus_plus"),
+                prompts_per_step=d.prompts_per_step, samples_per_prompt=r.n, **lengths,
+                ppo_epochs=a.ppo_epochs, mini_batches=max(1, seqs // a.ppo_mini_batch_size),
+                micro_batch_tokens=micro_batch_tokens(cfg, forward=False),
+                forward_micro_batch_tokens=micro_batch_tokens(cfg, forward=True),
+                use_reference=a.use_kl_loss or a.use_kl_in_reward,
+                skip_old_log_prob=skip_old_log_prob(cfg, step=cfg.trainer.critic_warmup)[0],
+                keep_generator=not r.free_cache_engine,
+                lm_head_chunk_tokens=p.lm_head_chunk_tokens, decode_kernels=decode_kernels,
+                fused_elementwise=p.fused_elementwise, train_cuda_graphs=p.train_cuda_graphs,
+                gradient_accumulation_fusion=p.gradient_accumulation_fusion,
+                offload_ref_prefetch=cfg.trainer.offload_ref_prefetch, dtype="bf16")

@@ -1,0 +1,99 @@
+"""The auto (null) defaults: fast on a GPU, exact and simple on CPU, a user's value kept, and token
+budgets sized from free memory with the cost model's estimate."""
+import pytest
+
+from hybridflow.config import load_config
+from hybridflow.config_auto import budgets_unset, resolve_auto, size_token_budgets
+from hybridflow.config_checks import validate
+
+GPU_JOB = ["model=qwen2_0_5b", "algo=grpo", "data.synthetic=copy", "data.max_prompt_length=128",
+           "data.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=256",
+           "algo.ppo_mini_batch_size=64"]
+
+
+def _cfg(*overrides, world_size=1):
+    cfg = load_config(list(overrides))
+    validate(cfg, world_size=world_size)
+    return cfg
+
+
+def test_no_experiment_by_default_and_a_clear_error():
+    cfg = load_config([])
+    assert cfg.data.synthetic is None and cfg.data.train_files is None
+    with pytest.raises(ValueError, match=r"experiment=<name>.*demo is the CPU demo"):
+        validate(cfg, world_size=1)
+
+
+def test_cpu_stays_exact_and_simple():
+    cfg, notes = resolve_auto(_cfg(*GPU_JOB), device_type="cpu")
+    assert cfg.trainer.precision == "fp32"
+    assert (cfg.algo.use_dynamic_bsz, cfg.algo.pack_sequences) == (False, False)
+    r = cfg.rollout
+    assert (r.free_cache_engine, r.compact_finished_rows, r.decode_kv_window, r.compile_decode) == \
+        (True, False, 0, False)
+    assert notes == [] and not budgets_unset(cfg)
+    validate(cfg, world_size=1)
+
+
+def test_gpu_gets_the_fast_path():
+    cfg, notes = resolve_auto(_cfg(*GPU_JOB), device_type="cuda")
+    assert cfg.trainer.precision == "bf16"
+    assert (cfg.algo.use_dynamic_bsz, cfg.algo.pack_sequences) == (True, True)
+    r = cfg.rollout
+    assert (r.free_cache_engine, r.compact_finished_rows, r.compile_decode) == (False, True, True)
+    assert r.decode_kv_window == 64  # 384-column cache: an eighth, at least 64
+    assert notes == [] and budgets_unset(cfg)
+
+
+def test_user_values_are_kept():
+    cfg, _ = resolve_auto(_cfg(*GPU_JOB, "trainer.precision=fp32", "algo.use_dynamic_bsz=false",
+                               "rollout.free_cache_engine=true", "rollout.decode_kv_window=0",
+                               "rollout.compile_decode=false"), device_type="cuda")
+    assert cfg.trainer.precision == "fp32" and cfg.algo.use_dynamic_bsz is False
+    assert (cfg.rollout.free_cache_engine, cfg.rollout.decode_kv_window,
+            cfg.rollout.compile_decode) == (True, 0, False)
+
+
+def test_gpu_fallbacks_say_why():
+    cfg, notes = resolve_auto(_cfg(*GPU_JOB, "parallel.pipeline_parallel_size=2",
+                                   "parallel.tensor_parallel_size=2", "rollout.tensor_parallel_size=1",
+                                   world_size=4), device_type="cuda")
+    assert cfg.algo.use_dynamic_bsz is False and cfg.rollout.free_cache_engine is True
+    text = "\n".join(notes)
+    assert "algo.use_dynamic_bsz=false" in text and "rollout.free_cache_engine=true" in text
+    assert all(n.startswith("auto: ") for n in notes)
+
+
+def test_pack_asked_for_turns_budgets_on_cpu():
+    cfg, _ = resolve_auto(_cfg(*GPU_JOB, "algo.pack_sequences=true"), device_type="cpu")
+    assert cfg.algo.use_dynamic_bsz is True and cfg.algo.max_tokens_per_micro_batch_per_gpu == 16384
+    validate(cfg, world_size=1)
+
+
+def test_budgets_one_micro_batch_when_memory_is_plenty():
+    cfg, _ = resolve_auto(_cfg(*GPU_JOB), device_type="cuda")
+    sized, line = size_token_budgets(cfg, world_size=1, free_gib=139.0)
+    a = sized.algo
+    assert a.max_tokens_per_micro_batch_per_gpu == 64 * 384  # the whole mini-batch
+    assert a.forward_max_tokens_per_micro_batch_per_gpu == 64 * 384
+    assert "24576" in line
+    validate(sized, world_size=1)
+
+
+def test_budgets_shrink_with_memory_and_keep_a_set_value():
+    cfg, _ = resolve_auto(_cfg(*GPU_JOB, "model=qwen2_1_5b", "data.prompts_per_step=64",
+                               "algo.ppo_mini_batch_size=512", "rollout.max_new_tokens=1024"),
+                          device_type="cuda")
+    big = size_token_budgets(cfg, world_size=1, free_gib=139.0)[0].algo
+    small = size_token_budgets(cfg, world_size=1, free_gib=40.0)[0].algo
+    row = 128 + 1024
+    for a in (big, small):
+        for v in (a.max_tokens_per_micro_batch_per_gpu, a.forward_max_tokens_per_micro_batch_per_gpu):
+            assert v % row == 0 and row <= v <= 512 * row
+    assert small.max_tokens_per_micro_batch_per_gpu < big.max_tokens_per_micro_batch_per_gpu
+    # forward-only passes keep no activations for backward: a budget at least the update's
+    assert big.forward_max_tokens_per_micro_batch_per_gpu >= big.max_tokens_per_micro_batch_per_gpu
+    kept = size_token_budgets(
+        resolve_auto(_cfg(*GPU_JOB, "algo.max_tokens_per_micro_batch_per_gpu=4096"),
+                     device_type="cuda")[0], world_size=1, free_gib=139.0)[0].algo
+    assert kept.max_tokens_per_micro_batch_per_gpu == 4096
