@@ -97,3 +97,12 @@ def test_budgets_shrink_with_memory_and_keep_a_set_value():
         resolve_auto(_cfg(*GPU_JOB, "algo.max_tokens_per_micro_batch_per_gpu=4096"),
                      device_type="cuda")[0], world_size=1, free_gib=139.0)[0].algo
     assert kept.max_tokens_per_micro_batch_per_gpu == 4096
+
+
+def test_gpu_template_names_what_is_missing():
+    with pytest.raises(ValueError, match=r"HYBRIDFLOW_MODEL.*model.hf_path"):
+        load_config(["experiment=gpu_template"])
+    cfg = load_config(["experiment=gpu_template", "model.hf_path=/models/m", "data.train_files=t.jsonl",
+                       "data.val_files=v.jsonl"])
+    validate(cfg, world_size=8)
+    assert cfg.algo.use_dynamic_bsz is None and cfg.trainer.precision == "auto"  # speed left to auto
