@@ -50,9 +50,8 @@ class ParallelConfig:
     # first update's most common micro-batch; micro-batches of another shape, with left-padded
     # prompts (an attention mask) or packed run the eager layers (`<role>/graphed_micro_batch_frac`
     # says the share that replayed). Without TE a layer is ~75 kernel launches forward and
-    # backward, ~50 us of host time each: small micro-batches are bound by the host (1.5B, 8 rows
-    # x 384 tokens: 0.76 s per update eager vs 0.41 s at 64 rows, benchmarks/results/
-    # rl_step_train_graphs_h200.json). Each layer's backward graph adds its weight gradients into
+    # backward, ~50 us of host time each: small micro-batches are bound by the host, and one graph
+    # replay per layer removes that. Each layer's backward graph adds its weight gradients into
     # DDP's main_grad; the graphs' pool keeps one micro-batch's activations reserved and their
     # static inputs and outputs allocated for the run. PP = 1, no activation recompute; CPU runs
     # are unchanged
@@ -264,7 +263,7 @@ class TrainerConfig:
     resume: bool = True  # continue from the newest checkpoint in <output_dir>/checkpoints
     resume_allow_vocab_resize: bool = False  # resume with another model.vocab_size (rows kept/zeroed)
     # re-deal the step's rows over the DP ranks by tokens after generation (verl's name; each rank
-    # otherwise trains on its own prompts' groups); hybridflow/parallel/balance.py. Off until timed.
+    # otherwise trains on its own prompts' groups); hybridflow/parallel/balance.py
     balance_batch: bool = False
     # seconds a collective of any process group waits for a peer before the rank ends with a
     # stage/timeout line; longer than anything one rank does while the others wait (loading, saving)
@@ -292,8 +291,8 @@ class TrainerConfig:
     gc_interval: int = 1
     # every collection at a step that is a multiple of this is a full one; the others collect the
     # young generations only (what was made since the last collection: the step's garbage), as
-    # torchtitan's: a full scan walks every live object, compiled graphs and caches included (36-66
-    # ms per step on an H200 with rollout.compile_decode). 1: every collection is full
+    # torchtitan's: a full scan walks every live object, compiled graphs and caches included (tens
+    # of ms per step once decode is compiled). 1: every collection is full
     gc_full_interval: int = 50
     # validation (verl's trainer.test_freq): greedy decoding over data.val_files every N steps
     val_every: int = 0  # 0: never during training
