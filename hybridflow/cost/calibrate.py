@@ -1,7 +1,6 @@
 """Fit the cost model's efficiency factors to measured runs; leave-one-out check of the fit.
 
-    python -m hybridflow.cost.calibrate benchmarks/results/cost/rl_*.json \
-        -o benchmarks/results/calibration.json
+    python -m hybridflow.cost.calibrate runs/rl_*.json -o calibration.json
 
 A results file holds one record, a list of records, {"records": [...]}, or JSON Lines (.jsonl).
 Files with a top-level "calibration" or "validation" key (this tool's outputs) are skipped. One record:
@@ -148,9 +147,8 @@ def _rows(runs, terms, stages, free, coefs) -> tuple[list[list[float]], list[flo
             y = run.metrics.get(f"timing_s/{stage}")
             if stage in t and y is not None and any(t[stage].x.get(k, 0) for k in free):
                 known = t[stage].const + sum(v * coefs[k] for k, v in t[stage].x.items() if k not in free)
-                # Least squares in seconds: a long stage weighs more, as it does in the step. (Relative
-                # residuals, tried on an earlier form of the model, let the many short forward stages
-                # pull the MFUs up and held out worse: 15 of 16 steps within 15% against 16.)
+                # Least squares in seconds: a long stage weighs more, as it does in the step. Relative
+                # residuals let the many short forward stages pull the MFUs up and held out worse.
                 rows.append([t[stage].x.get(k, 0.0) for k in free])
                 ys.append(y - known)
     return rows, ys

@@ -2,60 +2,60 @@
 
 The estimator uses the fit to our H200 records (`shipped_calibration()`, calibration_h200.json)
 unless given another. The dataclass defaults below are the priors of a fit (what a coefficient keeps
-when no record informs it), and why (fit your own with `python -m hybridflow.cost.calibrate`):
+when no record informs it), and why (fit your own with `python -m hybridflow.cost.calibrate`; the
+shipped fit's values and where its records come from are in docs/perf_log.md):
 - train_mfu 0.35: fraction of dense bf16 peak reached by fwd+bwd in the update phases; Megatron with
   flash attention reaches 0.35-0.5 on 7B+ models. The fixed per-layer host cost below is charged
-  apart and overlaps the FLOP time (timing.OVERLAP_P); the 17 H200 records fit 0.62 train, 0.45
-  forward (0.5-7B models at RL micro-batch sizes).
+  apart and overlaps the FLOP time (timing.OVERLAP_P), so a fit may put the MFUs well above this
+  prior for small models at RL micro-batch sizes.
 - forward_mfu 0.40: the same for forward-only passes (old_log_prob, ref, values).
 - fused_train_mfu 0.45, fused_forward_mfu 0.50: train_mfu / forward_mfu of the passes with
-  parallel.fused_elementwise (Workload.fused_elementwise: RoPE and SwiGLU fused; the trainer's
-  default since 2026-12-02): at Qwen2-1.5B, 64 x 384 tokens on an H200 the unfused element-wise
-  kernels took ~35% of a forward pass (benchmarks/results/rl_step_fused_elementwise_h200.json).
+  parallel.fused_elementwise (Workload.fused_elementwise: RoPE and SwiGLU fused, the trainer's
+  default): unfused, Megatron's RoPE and SwiGLU are a dozen small memory-bound kernels per layer,
+  a large share of a small model's forward pass, so the fused passes get their own coefficients.
 - prefill_efficiency 0.50: fraction of peak FLOP/s in generation's matmuls (prefill and the compute
-  part of decode); the measured ceiling for a large bf16 matmul on H200 is 790/989 = 0.80.
+  part of decode); a large bf16 matmul on an H200 reaches about 0.8 of peak at best.
 - decode_bw_efficiency 0.60: fraction of HBM bandwidth when a decode step reads its weight shard and
-  KV cache; the measured ceiling (device copy) on H200 is 4.3/4.8 = 0.90.
+  KV cache; a device-to-device copy on an H200 reaches about 0.9 of peak at best.
 - decode_layer_overhead_s 1e-4: fixed seconds per transformer layer per decode step of the
   CUDA-graph-replayed decode loop: the GPU-side latency of a layer's small kernels at decode batch
-  sizes, with sampling and the stop check folded in. Per layer, not per step: the H200 records'
-  decode steps (0.5B 24 layers ~2.1 ms, 1.5B and 7B 28 layers 3.3 / 6.4 ms at batch 32-64) leave
-  a residual after the weight reads that grows with depth, not a constant. The plain megatron
-  KV-cache loop without graphs measured ~0.05 s per step at 0.5B: use ~2e-3 for such an engine.
+  sizes, with sampling and the stop check folded in. Per layer, not per step: across model sizes the
+  decode steps leave a residual after the weight reads that grows with depth, not a constant. The
+  plain megatron KV-cache loop without graphs is host-bound, some 20x slower per layer: use ~2e-3
+  for such an engine.
 - fused_decode_layer_overhead_s 5e-5: decode_layer_overhead_s of the decode step with the Triton
   decode kernels (rollout.decode_kernels=triton: RoPE + KV writes in one kernel, split-KV
-  attention; Workload.decode_kernels), the H200 records of which also ran compile_decode=true.
-- comm_efficiency 0.66: fraction of link bandwidth a collective reaches; measured all_gather bus
-  bandwidth on 2 H200s over NVLink was 297 of 450 GB/s.
+  attention; Workload.decode_kernels), fewer and larger kernels per layer; the records that measure
+  it also ran compile_decode=true.
+- comm_efficiency 0.66: fraction of link bandwidth a collective reaches; an all_gather between two
+  H200s over NVLink reaches about two thirds of the 450 GB/s per direction.
 - layer_pass_overhead_s 0.0005: fixed seconds per transformer layer per pass over one micro-batch in
   the forward/update stages, on top of the FLOP time: host time of launching a layer's ~100 kernels,
   which the GPU cannot hide when a micro-batch's work per layer is small (a 0.5-1.5B model at RL
   micro-batch sizes). A forward pass counts 1, fwd+bwd 3 (backward launches ~2x the kernels), 4
   with recompute. The per-micro-batch work outside the layers (LM head, loss) is folded in: with
-  20-30 layers it cannot be told apart from it. Source: the 0.5B actor's fwd+bwd of 8 x 1024 tokens
-  took 70 ms of host time (benchmarks/results/train_fwd_bwd_h200.json), ~1 ms per layer pass with
-  the LM head and loss; the H200 RL records fit 0.83 ms (benchmarks/results/calibration.json).
+  20-30 layers it cannot be told apart from it. Order of magnitude: about a millisecond per layer
+  pass, LM head and loss included, for a 0.5B actor's eager fwd+bwd.
 - graphed_layer_pass_s 5e-5: layer_pass_overhead_s of the update passes with
   parallel.train_cuda_graphs (Workload.train_cuda_graphs): a layer's forward or backward is one
   graph replay (~10-20 us of host time), and the micro-batch's eager work outside the layers
-  (embedding, LM head chunks, loss: a few hundred launches) is folded in per layer as above. On the
-  H200 the eager 8-row micro-batches of a 0.5-1.5B model took ~95 ms of host time each, the
-  graphed ones ~15 ms (benchmarks/results/rl_step_train_graphs_h200.json).
+  (embedding, LM head chunks, loss: a few hundred launches) is folded in per layer as above; the
+  graphs cut a small model's host time per micro-batch several-fold.
 - tp_collective_s 5e-5: fixed seconds per TP collective in the forward/update stages (4 per layer
   per forward pass under sequence parallelism: 2 all-gathers, 2 reduce-scatters; 8 for fwd+bwd):
   NCCL launch and latency, ~20-50 us on NVLink. Bytes are charged apart, at link bandwidth x
-  comm_efficiency. Only records with TP > 1 inform it; the seven H200 TP=2 records fit 0.19 ms, ~5x
-  the NCCL figure: torch.profiler (which inflates host time) shows 0.23-0.26 ms of host time per
-  sequence-parallel gather / reduce-scatter with its autograd wrapper (profiles/prof_tp2sp.txt).
+  comm_efficiency. Only records with TP > 1 inform it; fits land several times above the NCCL
+  figure, because each sequence-parallel gather / reduce-scatter also pays its autograd wrapper's
+  host time.
 - optimizer_step_s 0.02: fixed seconds per optimizer step on top of the update's passes and of
   Adam's HBM traffic (charged apart, timing.ADAM_BYTES_PER_PARAM): Megatron's grad finalization,
   norm and clipping, the per-tensor launches of the Adam step and the bf16 param copy. Without apex
   these run as per-tensor PyTorch loops (host-bound).
   Only the update stages pay it, which tells it apart from the per-layer cost. No per-stage constant
-  is charged besides: the records do not show one (0.5B at DP=2 ran its one 32-sequence forward
-  micro-batch in 45 ms, as long as each of the two in the 1-GPU run).
+  is charged besides: the records do not show one (at DP=2 a forward stage of one micro-batch per
+  rank takes as long as each of the two micro-batches of the 1-GPU run: nothing fixed per stage).
 - step_overhead_s 0.02: seconds per step outside the modelled stages (the stage "other"): reward,
-  advantages, metrics, host syncs between stages; the H200 records average 0.03 s.
+  advantages, metrics, host syncs between stages; a few tens of milliseconds.
 - memory_scale 1.0: multiplies the predicted allocated peak (fit to perf/max_memory_allocated_gb).
 - activation_memory_scale 1.0: multiplies the activation component (stored activations, logits, the
   prefill scratch) before memory_scale: what the counted tensors miss per token (framework copies,
@@ -134,9 +134,9 @@ SHIPPED = Path(__file__).with_name("calibration_h200.json")
 
 @functools.lru_cache(maxsize=1)
 def shipped_calibration() -> Calibration:
-    """The fit to our H200 records (`calibration_h200.json`, a copy of
-    benchmarks/results/calibration.json): what the estimator uses when given no calibration. The
-    dataclass defaults above are the priors the fit starts from, not a calibration."""
+    """The fit to our H200 records (`calibration_h200.json`, calibrate.py's output): what the
+    estimator uses when given no calibration. The dataclass defaults above are the priors the fit
+    starts from, not a calibration."""
     return load_calibration(SHIPPED) if SHIPPED.is_file() else Calibration()
 
 

@@ -3,9 +3,9 @@
 Every number is per GPU. Sources (NVIDIA datasheets unless said):
 - H200 SXM: "NVIDIA H200 Tensor Core GPU" datasheet (2024): BF16 989 TFLOP/s dense (1,979 with
   sparsity), 141 GB HBM3e (nvidia-smi: 143,771 MiB = 140.4 GiB), 4.8 TB/s, NVLink 900 GB/s
-  bidirectional (450 GB/s per direction), PCIe Gen5. Measured on our machines: bf16 matmul ~790
-  TFLOP/s (80% of peak), device copy ~4.3 TB/s (90%), two GPUs on NVLink (NV18),
-  all_gather_into_tensor ~297 GB/s bus bandwidth (66% of 450): the source of `Calibration` defaults.
+  bidirectional (450 GB/s per direction), PCIe Gen5. Measured ceilings (docs/perf_log.md): a bf16
+  matmul reaches ~80% of peak, a device copy ~90% of HBM bandwidth, all_gather_into_tensor between
+  two GPUs on NVLink ~66% of 450 GB/s: the source of the `Calibration` priors.
 - H100 SXM: "NVIDIA H100 Tensor Core GPU" datasheet: BF16 989 TFLOP/s dense, 80 GB HBM3 3.35 TB/s,
   NVLink 900 GB/s bidirectional, PCIe Gen5.
 - H100 PCIe: same datasheet, PCIe column: BF16 756 TFLOP/s dense, 80 GB HBM2e 2.0 TB/s; GPU-to-GPU

@@ -24,15 +24,14 @@ Per phase, on top:
   min(PP, micro-batches) micro-batches in flight on the first stage, plus the logits and their grad
   (component `logits`); with `lm_head_chunk_tokens` one chunk of them plus the chunked backward's
   output-weight gradient: its fp32 sum over the chunks and one chunk's bf16 product
-  (`HEAD_GRAD_BYTES` per weight entry; measured on an H200 at 1.5B with recompute: 39.6 GiB where
-  the chunk alone predicted 37.4).
+  (`HEAD_GRAD_BYTES` per weight entry, held across the chunks: over a GiB with a 150k vocabulary
+  at 1.5B).
 - with `train_cuda_graphs` (parallel.train_cuda_graphs) the graphs' static tensors stay allocated
   through every phase (component `graph_pool`): per layer one micro-batch's input, output and
-  their gradients (and, in records of the first version, `graph_weight_grads_held`, the layers'
-  bf16 weight gradients). The peak is
-  set in the update phase of the first step, when the capture holds one micro-batch's activations
-  as live tensors, as an eager update does; after it, the replayed activations live in the graphs'
-  private pool (reserved memory, not counted as allocated: perf/max_memory_allocated_gb is the
+  their gradients (and, with `graph_weight_grads_held`, the layers' bf16 weight gradients). The
+  peak is set in the update phase of the first step, when the capture holds one micro-batch's
+  activations as live tensors, as an eager update does; after it, the replayed activations live in
+  the graphs' private pool (reserved memory, not counted as allocated: perf/max_memory_allocated_gb is the
   run's maximum, from the start).
 Not modelled: Megatron's vocab padding, optimizer-step temporaries, allocator fragmentation (folded
 into `Calibration.memory_headroom_gib` and `memory_scale`; `activation_memory_scale` scales the

@@ -62,9 +62,9 @@ from hybridflow.parallel.layout import Layout
 # and written, bf16 param written.
 ADAM_BYTES_PER_PARAM = 4 + 3 * 8 + 2
 # Megatron DDP's gradient accumulation per micro-batch, where autograd hands a parameter its bf16
-# gradient: bf16 gradient written by its GEMM and read, fp32 main_grad read and written; the add is
-# an unvectorised mixed-dtype kernel, measured at ~2.2 TB/s of the H200's 4.8 (46%; Qwen2-1.5B,
-# 1.54e9 parameters in ~7 ms per micro-batch, benchmarks/results/rl_step_wgrad_fusion_h200.json).
+# gradient: bf16 gradient written by its GEMM and read, fp32 main_grad read and written. The add is
+# an unvectorised mixed-dtype kernel that reaches under half of HBM bandwidth: GRAD_ACCUM_BW_EFF is
+# measured on an H200 (a profiled Qwen2-1.5B update, docs/perf_log.md), not fitted.
 # With parallel.gradient_accumulation_fusion the decoder layers' matmul weights skip it (their
 # backward GEMM reads and writes main_grad itself, hidden behind its FLOPs); the embedding / LM
 # head, norms and biases still pay it.
@@ -78,11 +78,10 @@ IB_LATENCY_S = 30e-6       # per collective across nodes
 # launches, TP collective launches) and its GPU side (FLOPs, TP bytes), as the host queues kernels
 # while earlier ones run, except across syncs and kernels that finish before the next launch; and a
 # decode step's matmul FLOPs and its weight/KV reads (a roofline). They cost (A^p + B^p)^(1/p),
-# between their sum (p = 1) and max (p = inf). p = 1.5 from the H200 records
-# (benchmarks/cost_model_forms.py): leave-one-out step error is flat for p in 1-1.5 (mean 7.1-7.3%)
-# and grows beyond (2: 7.6%, 3: 8.1%), while the fitted train / forward MFUs fall from an impossible
-# 0.99 / 0.64 (p = 1) to 0.62 / 0.45 (p = 1.5): the most physical p of the equally good ones, which
-# matters when extrapolating to larger, GPU-bound models.
+# between their sum (p = 1) and max (p = inf). p = 1.5 (benchmarks/cost_model_forms.py scans it):
+# the leave-one-out step error is flat for p in 1-1.5 and grows beyond, while p = 1 fits a train MFU
+# near 1, which no GPU reaches; 1.5 is the most physical p of the equally good ones, which matters
+# when extrapolating to larger, GPU-bound models.
 OVERLAP_P = 1.5
 HOST_COEFS = frozenset({"layer_pass_overhead_s", "graphed_layer_pass_s", "tp_collective_s"})
 GPU_COEFS = frozenset({"inv_forward_mfu", "inv_train_mfu", "inv_fused_forward_mfu",

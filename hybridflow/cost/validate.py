@@ -1,8 +1,8 @@
 """Per-config validation summary of the leave-one-out check: step time and peak memory, measured vs
 predicted by a calibration fitted without that config (`calibrate.predict_vs_measured`).
 
-    python -m hybridflow.cost.calibrate benchmarks/results/cost/rl_*.json \\
-        -o benchmarks/results/calibration.json --validation benchmarks/results/cost_validation.json
+    python -m hybridflow.cost.calibrate runs/rl_*.json -o calibration.json \\
+        --validation cost_validation.json
 
 The JSON is {"validation": {...}} (calibrate.load_records skips it when globbed back in). One entry
 per record: the step (`timing_s/step`, the sum of the predicted stages incl. "other") and

@@ -35,8 +35,8 @@ class Workload:
     # forward is the old policy, hybridflow.algo.on_policy; algo.skip_redundant_old_log_prob)
     skip_old_log_prob: bool = False
     # the generator prefills each prompt once and copies its K/V to the prompt's n sample rows
-    # (hybridflow.rollout.generator); records measured before it did (the 2026 H200 calibration
-    # records) say false: every sample row was prefilled
+    # (hybridflow.rollout.generator); records measured before it did say false: every sample row
+    # was prefilled
     prefill_once_per_prompt: bool = True
     # rollout.free_cache_engine=false: the generator's KV cache (and graphs) stay allocated through
     # the training phases where generation reads the training weights in place (no reshard)
@@ -64,8 +64,8 @@ class Workload:
     # outputs and gradients stay allocated for the run
     train_cuda_graphs: bool = False
     # records of train_cuda_graphs measured before the graphs added the weight gradients into
-    # DDP's main_grad themselves (2026-12-02, fourth session) say true: those graphs also held
-    # the layers' weight gradients (bf16) as static outputs for the run
+    # DDP's main_grad themselves say true: those graphs also held the layers' weight gradients
+    # (bf16) as static outputs for the run
     graph_weight_grads_held: bool = False
     # parallel.gradient_accumulation_fusion (the trainer's default): the decoder layers' weight
     # gradients go into DDP's main_grad inside their backward GEMM, not through a bf16 gradient and
