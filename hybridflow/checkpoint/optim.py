@@ -48,10 +48,10 @@ def _parts(optimizer) -> list:
 def use_fused_adam(optimizer) -> None:
     """torch's Adam/AdamW (what Megatron builds without TE or apex, with torch's foreach default)
     as its fused kernels (`fused=True`): one pass over params, grads and moments instead of the
-    foreach loops' several (Qwen2-1.5B on an H200: 30 ms of foreach kernels per step,
-    trainer.profile_steps). CUDA parameters only. A checkpoint load brings back the saved param
-    groups' flags and CPU step tensors, so the engine applies this before every step; each step
-    tensor moves to its parameter's device once (fused Adam reads it there)."""
+    foreach loops' several, each a full read and write of the optimizer state through HBM. CUDA
+    parameters only. A checkpoint load brings back the saved param groups' flags and CPU step
+    tensors, so the engine applies this before every step; each step tensor moves to its
+    parameter's device once (fused Adam reads it there)."""
     for part in _parts(optimizer):
         opt = part.optimizer
         if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):

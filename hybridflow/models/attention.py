@@ -1,9 +1,10 @@
 """Core attention on PyTorch SDPA, plugged into Megatron's local layer spec.
 
 Megatron's local `DotProductAttention` materialises the (b, heads, s, s) score matrix in the input
-dtype and repeats K/V for grouped-query attention; on an H200 that left the local spec at half the
-throughput of transformers (shared/MEGATRON_CPU.md). `SDPAttention` keeps Megatron's interface and
-layout ([s, b, heads, head_dim] in, [s, b, hidden] out) but calls
+dtype and repeats K/V for grouped-query attention: quadratic memory traffic and a K/V copy per layer,
+which leaves the local spec far behind a flash kernel (about half the throughput of transformers'
+SDPA path for a whole training step). `SDPAttention` keeps Megatron's interface and layout
+([s, b, heads, head_dim] in, [s, b, hidden] out) but calls
 `torch.nn.functional.scaled_dot_product_attention`, which picks the flash / memory-efficient kernels
 on GPU and handles GQA without copying K/V (`enable_gqa`).
 
@@ -16,10 +17,9 @@ One kernel is routed around: torch 2.11's default cuDNN SDPA backward on H100/H2
 when an explicit mask is given, the sequence length is 64 mod 128 and a query row's logsumexp is
 below ln(FLT_MAX) ~ -88.7 (pytorch/pytorch#196678; Qwen2.5's massive-activation heads make such
 rows). Fixed micro-batches rarely have such widths; token-budget micro-batches (trimmed to their
-own longest row) do, and gave an inf/NaN gradient in 4 of 35 GSM8K steps on an H200
-(benchmarks/results/gsm8k_token_budget_h200.json). Those calls, and only those, run the
-memory-efficient kernel (K/V heads expanded, as it takes no `enable_gqa`); the forward-only
-passes and every other shape keep the default dispatch.
+own longest row) do, and gave an inf/NaN gradient in about one GSM8K step in ten. Those calls, and
+only those, run the memory-efficient kernel (K/V heads expanded, as it takes no `enable_gqa`); the
+forward-only passes and every other shape keep the default dispatch.
 
 Sequence packing (algo.pack_sequences, hybridflow/data/packing.py) passes a flex_attention
 `BlockMask` as `attention_mask` (Megatron hands it down untouched): attend within one document,

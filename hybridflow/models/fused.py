@@ -3,10 +3,10 @@
 Megatron's local layer spec runs both unfused: RoPE as t * cos + cat(-t2, t1) * sin plus a concat
 with an empty pass-through part (about ten element-wise kernels per layer for q and k), and the
 gated MLP as silu(gate), then up + glu_linear_offset (a full copy even at offset 0), then their
-product, keeping the silu output and that copy for backward. At Qwen2-1.5B, 64 x 384 tokens on an
-H200, those kernels took 58 of the 160 ms of a forward-only pass (trainer.profile_steps;
-benchmarks/results/profiles/). With this on (the default; CUDA tensors only, the CPU path is
-unchanged):
+product, keeping the silu output and that copy for backward. Each is a memory-bound pass over an
+activation-sized tensor, so together they cost a large share of a small model's pass (about a third
+of a forward-only pass at Qwen2-1.5B; docs/perf_log.md). With this on (the default; CUDA tensors
+only, the CPU path is unchanged):
 - SwiGLU: Megatron's own fusion (`bias_activation_fusion`: `SwiGLUFunction`, torch.compile'd
   forward and backward kernels that keep only fc1's output for backward);
 - RoPE: Megatron's bshd RoPE (rotate-half, whole head) through torch.compile (one kernel

