@@ -78,10 +78,10 @@ IB_LATENCY_S = 30e-6       # per collective across nodes
 # launches, TP collective launches) and its GPU side (FLOPs, TP bytes), as the host queues kernels
 # while earlier ones run, except across syncs and kernels that finish before the next launch; and a
 # decode step's matmul FLOPs and its weight/KV reads (a roofline). They cost (A^p + B^p)^(1/p),
-# between their sum (p = 1) and max (p = inf). p = 1.5 (benchmarks/cost_model_forms.py scans it):
-# the leave-one-out step error is flat for p in 1-1.5 and grows beyond, while p = 1 fits a train MFU
-# near 1, which no GPU reaches; 1.5 is the most physical p of the equally good ones, which matters
-# when extrapolating to larger, GPU-bound models.
+# between their sum (p = 1) and max (p = inf). p = 1.5: over the H200 records the leave-one-out step
+# error is flat for p in 1-1.5 and grows beyond, while p = 1 fits a train MFU near 1, which no GPU
+# reaches; 1.5 is the most physical p of the equally good ones, which matters when extrapolating to
+# larger, GPU-bound models (docs/cost_model.md has the scan).
 OVERLAP_P = 1.5
 HOST_COEFS = frozenset({"layer_pass_overhead_s", "graphed_layer_pass_s", "tp_collective_s"})
 GPU_COEFS = frozenset({"inv_forward_mfu", "inv_train_mfu", "inv_fused_forward_mfu",
