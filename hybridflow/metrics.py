@@ -1,6 +1,6 @@
 """Stage timers and metric sinks: TensorBoard, `<output_dir>/metrics.jsonl`, console progress bar.
 
-Metric names follow verl's (shared/DESIGN.md) so dashboards compare: `timing_s/<stage>`,
+Metric names follow verl's so dashboards compare: `timing_s/<stage>`,
 `perf/throughput` (tokens / (step seconds x GPUs)), `perf/max_memory_allocated_gb`, `actor/*`,
 `critic/*`, `response_length/*`. Only global rank 0 writes; every rank times (the stages are
 collective, so their times agree up to skew). On GPU, timers wait for the current stream at stage

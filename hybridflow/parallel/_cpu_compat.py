@@ -3,7 +3,7 @@
 megatron-core assumes CUDA in a handful of places that have nothing to do with the math: RNG state
 tracking, scratch buffers placed on `torch.cuda.current_device()`, streams/events for overlap, and
 `device='cuda'` literals in the optimizer. Each fix below is the smallest one measured to work with
-megatron-core 0.16.1 on torch 2.13 CPU (see shared/MEGATRON_CPU.md, items 1-6):
+megatron-core 0.16.1 on torch 2.13 CPU:
 
 1. CUDA RNG state calls go to the CPU generator (the model-parallel RNG tracker then works unchanged).
 2. `torch.cuda.current_device()` returns the CPU device, so scratch buffers are allocated on CPU.
