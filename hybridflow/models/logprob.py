@@ -7,17 +7,19 @@ Padded vocabulary ids (>= true vocab size, added so the vocab divides TP) are ex
 Logits are divided by the sampling temperature first, so these are log-probs of the distribution the
 rollout sampled from (as verl does).
 
-Two implementations of the same math:
-- `fused` (default on CUDA when Triton imports): `kernels/logprob_entropy.py` reads each shard's logits once
-  in their own dtype and returns per-row max / sum-exp / target logit (/ sum p x); one MAX and one SUM
-  all-reduce over TP combine them; the backward kernel writes d/dlogits straight in the logits' dtype.
-  No fp32 copy of the (B, T, V) logits is made: on Qwen2-0.5B (8 x 1024 tokens, 152k vocab) the
-  reference path spent ~25 ms/step in fp32 passes over the logits.
-- `reference` (CPU, or `impl="reference"`): plain autograd ops. The max is all-reduced (MAX, no
-  grad); sums and the target logit with Megatron's `reduce_from_tensor_model_parallel_region`
-  (forward all-reduce, backward identity): every TP rank computes the same loss from the reduced
-  values, so the gradient of its own shard is exact. The fused path relies on the same fact: its
-  backward needs no collective.
+Two implementations of the same math (`impl`, the vocabulary of every kernel switch here:
+auto | triton | torch):
+- `triton` (auto's choice on CUDA when Triton imports): `kernels/logprob_entropy.py` reads each
+  shard's logits once in their own dtype and returns per-row max / sum-exp / target logit
+  (/ sum p x); one MAX and one SUM all-reduce over TP combine them; the backward kernel writes
+  d/dlogits straight in the logits' dtype. No fp32 copy of the (B, T, V) logits is made (the torch
+  path's fp32 passes over a 150k-id vocabulary are what made it slow). On CPU tensors the same
+  autograd function runs the kernels' PyTorch twins.
+- `torch` (auto's choice on CPU): plain autograd ops. The max is all-reduced (MAX, no grad); sums
+  and the target logit with Megatron's `reduce_from_tensor_model_parallel_region` (forward
+  all-reduce, backward identity): every TP rank computes the same loss from the reduced values, so
+  the gradient of its own shard is exact. The triton path relies on the same fact: its backward
+  needs no collective.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_para
 from hybridflow.kernels import logprob_entropy as _k  # the repo's kernels/, shipped as hybridflow.kernels
 
 _NEG = -1e4  # exp(-1e4) == 0 and 0 * -1e4 == 0: padded ids vanish without NaNs
-IMPLS = ("auto", "fused", "reference")
+IMPLS = ("auto", "triton", "torch")
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, tp_group,
@@ -38,13 +40,13 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, tp_g
     """logits (B, T, V/TP) this rank's vocab slice; targets (B, T) global ids (< true_vocab_size).
 
     Returns logprobs (B, T) float32 and, with `with_entropy`, entropy (B, T).
-    impl: auto (fused on CUDA with Triton, else reference) | fused (Triton on CUDA, the PyTorch
-    twin of the kernels elsewhere) | reference."""
+    impl: auto (triton on CUDA with Triton, else torch) | triton (the kernels: Triton on CUDA,
+    their PyTorch twins elsewhere) | torch (plain autograd ops)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
     if impl == "auto":
-        impl = "fused" if logits.is_cuda and _k.HAVE_TRITON else "reference"
-    if impl == "reference":
+        impl = "triton" if logits.is_cuda and _k.HAVE_TRITON else "torch"
+    if impl == "torch":
         return _reference(logits, targets, tp_group=tp_group, true_vocab_size=true_vocab_size,
                           temperature=temperature, with_entropy=with_entropy)
     inv_temp = 1.0 / temperature if temperature not in (0.0, 1.0) else 1.0
@@ -156,7 +158,7 @@ def chunked_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets:
         raise ValueError(f"chunk_tokens={chunk_tokens}: expected a positive number of positions")
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
-    kernels = "torch" if impl == "reference" else "auto"
+    kernels = "torch" if impl == "torch" else "auto"
     inv_temp = 1.0 / temperature if temperature not in (0.0, 1.0) else 1.0
     logprobs, entropy = _ChunkedLinearLogprobs.apply(hidden, weight, bias, targets, tp_group,
                                                      true_vocab_size, inv_temp, with_entropy,

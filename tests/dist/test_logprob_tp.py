@@ -39,7 +39,7 @@ def test_fused_tp2_matches_unsharded():
     lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)
     ((w[0] * lp).sum() + (w[1] * ent).sum()).backward()
-    res = run_ranks(_rank_fn, 2, "fused")
+    res = run_ranks(_rank_fn, 2, "triton")
     for r in res:
         torch.testing.assert_close(r["lp"], lp.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r["ent"], ent.detach(), rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
-"""vocab_parallel_logprobs on one rank: the reference path against torch.log_softmax, and the fused
-path (the PyTorch twin of the Triton kernels on CPU) against the reference, forward and backward,
+"""vocab_parallel_logprobs on one rank: the torch path against torch.log_softmax, and the triton
+path (the PyTorch twin of the Triton kernels on CPU) against the torch path, forward and backward,
 with a padded vocabulary, a temperature and a strided (sliced) logits view."""
 
 import pytest
@@ -39,7 +39,7 @@ def _run(impl, full, targets, w_lp, w_ent, temperature, with_entropy=True):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_reference_matches_log_softmax(temperature):
     full, targets, w_lp, w_ent = _inputs()
-    lp, ent, grad = _run("reference", full, targets, w_lp, w_ent, temperature)
+    lp, ent, grad = _run("torch", full, targets, w_lp, w_ent, temperature)
     x = full.detach().clone().requires_grad_()
     e_lp, e_ent = _expected(x[:, 1:-1], targets, temperature)
     ((w_lp * e_lp).sum() + (w_ent * e_ent).sum()).backward()
@@ -53,8 +53,8 @@ def test_reference_matches_log_softmax(temperature):
 @pytest.mark.parametrize("with_entropy", [True, False])
 def test_fused_matches_reference(temperature, with_entropy):
     full, targets, w_lp, w_ent = _inputs(torch.float32, seed=1)
-    ref = _run("reference", full, targets, w_lp, w_ent, temperature, with_entropy)
-    fused = _run("fused", full, targets, w_lp, w_ent, temperature, with_entropy)
+    ref = _run("torch", full, targets, w_lp, w_ent, temperature, with_entropy)
+    fused = _run("triton", full, targets, w_lp, w_ent, temperature, with_entropy)
     torch.testing.assert_close(fused[0], ref[0], rtol=1e-5, atol=1e-5)
     if with_entropy:
         torch.testing.assert_close(fused[1], ref[1], rtol=1e-5, atol=1e-5)
@@ -64,8 +64,8 @@ def test_fused_matches_reference(temperature, with_entropy):
 
 def test_fused_bf16_logits_close_to_fp32():
     full, targets, w_lp, w_ent = _inputs(torch.float32, seed=2)
-    ref = _run("reference", full, targets, w_lp, w_ent, 1.0)
-    fused = _run("fused", full.bfloat16(), targets, w_lp, w_ent, 1.0)
+    ref = _run("torch", full, targets, w_lp, w_ent, 1.0)
+    fused = _run("triton", full.bfloat16(), targets, w_lp, w_ent, 1.0)
     assert fused[2].dtype == torch.bfloat16  # the gradient stays in the logits' dtype
     torch.testing.assert_close(fused[0], ref[0], rtol=0, atol=0.1)
     torch.testing.assert_close(fused[2].float(), ref[2], rtol=0, atol=0.02)
