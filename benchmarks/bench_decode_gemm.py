@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_fused_linear import timed as graph_timed  # noqa: E402
 from bench_generate import COPY_BW, machine  # noqa: E402
 from gsm8k_hf_eval import write_json  # noqa: E402  (temp file + os.replace)
 
@@ -40,6 +39,32 @@ from gsm8k_hf_eval import write_json  # noqa: E402  (temp file + os.replace)
 MODELS = {"qwen2_0_5b": (896, 14, 2, 64, 4864, 151936, 24),
           "qwen2_1_5b": (1536, 12, 2, 128, 8960, 151936, 28), "tiny": (64, 4, 2, 16, 128, 512, 2)}
 WAYS = ("cublas", "cublaslt", "autotune")
+
+
+def graph_us(fn, reps: int = 20, replays: int = 5) -> float:
+    """us per call on CUDA: a CUDA graph of `reps` calls (after 3 warm-up calls on a side stream),
+    median over `replays` replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(times)
 
 
 def gemms(model: str, rows: int, device, dtype):
@@ -67,10 +92,10 @@ def gemms(model: str, rows: int, device, dtype):
 
 
 def timed(fn, device, reps: int = 20, replays: int = 5) -> float:
-    """us per call: on CUDA bench_fused_linear's (a graph of `reps` calls, median of `replays`
+    """us per call: on CUDA graph_us's (a graph of `reps` calls, median of `replays`
     replays); on CPU the wall time of `reps` calls, median of `replays`."""
     if device.type == "cuda":
-        return graph_timed(fn, reps, replays)
+        return graph_us(fn, reps, replays)
     fn()
     t = []
     for _ in range(replays):

@@ -34,8 +34,8 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
-from hybridflow.kernels import _dispatch  # noqa: E402
-from hybridflow.rollout import Generator, decoder, generator, sampling  # noqa: E402
+from hybridflow.rollout import Generator  # noqa: E402
+from hybridflow.rollout.options import PREFETCHABLE, DecodeOptions  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gsm8k_hf_eval import write_json  # noqa: E402  (temp file + os.replace)
@@ -162,81 +162,35 @@ def machine(device) -> dict:
     return info
 
 
-# the decode kernels' module switches: flag -> (module, attribute, what it selects)
-SWITCHES = {
-    "triton-argmax": (sampling, "GREEDY_KERNEL", "greedy draws by kernels/sampling.argmax_rows"),
-    "fuse-rope-attention": (decoder, "FUSE_ROPE_ATTENTION",
-                            "RoPE + K/V write + attention as one kernel (kernels/rope_attention.py)"),
-    "step-kernel": (generator, "STEP_KERNEL",
-                    "a decode step's bookkeeping after the draw as one kernel"),
-    "prefill-swiglu-gemm": (decoder, "SWIGLU_GEMM_PREFILL",
-                            "the prefill's fc1 + SwiGLU as one Triton GEMM (kernels/gemm.py)"),
-    "fold-small-launches": (decoder, "FOLD_SMALL_LAUNCHES",
-                            "the step's KV-valid mark and embedding lookup inside the first "
-                            "layer's attention / norm kernels"),
-    "fc2-into-residual": (decoder, "FC2_INTO_RESIDUAL",
-                          "cuBLAS's fc2 accumulated into the residual in place (no y)"),
-    "pdl": (_dispatch, "PDL", "our Triton kernels launched with programmatic dependent launch "
-                              "(sm_90+: each waits for its predecessor's writes in-kernel)"),
-}
-
-
-def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
-    """The decode kernels' module switches (decode_kernels triton), each on / off / left at the
-    module's default, for an A/B in one call."""
-    for flag, (mod, attr, what) in SWITCHES.items():
-        ap.add_argument(f"--{flag}", choices=["on", "off"], default=None,
-                        help=f"{what} ({mod.__name__}.{attr}; default: the module's)")
-    ap.add_argument("--triton-gemms", nargs="*", default=None, choices=["fc1", "qkv", "proj", "fc2"],
-                    help="the decode step's GEMMs run by kernels/gemm.py with their neighbours in "
-                         "the epilogue (hybridflow.rollout.decoder.DECODE_TRITON_GEMMS; default: "
-                         "the module's)")
-    ap.add_argument("--prefetch-weights", nargs="*", default=None,
-                    choices=["qkv", "proj", "fc1", "fc2"],
+def add_decode_option_flags(ap: argparse.ArgumentParser) -> None:
+    """The decode kernels' options a run A/Bs (rollout.kernel_options, fields of
+    hybridflow/rollout/options.DecodeOptions; a flag left out keeps the default)."""
+    ap.add_argument("--pdl", choices=["on", "off"], default=None,
+                    help="our Triton kernels launched with programmatic dependent launch (sm_90+: "
+                         "each waits for its predecessor's writes in-kernel; "
+                         "rollout.kernel_options.pdl)")
+    ap.add_argument("--prefetch-weights", nargs="*", default=None, choices=list(PREFETCHABLE),
                     help="the decode GEMMs whose weights the kernel before them hints into L2 "
-                         "(hybridflow.rollout.decoder.PREFETCH_WEIGHTS; default: the module's)")
-    ap.add_argument("--triton-gemm-min-rows", type=int, default=None,
-                    help="the fewest decode rows (graph bucket) that take them (hybridflow.rollout."
-                         "decoder.DECODE_TRITON_GEMM_MIN_ROWS; default: the module's)")
-    ap.add_argument("--attn-config", default=None, metavar="WARPS,STAGES,PROGRAMS_PER_SM",
-                    help="the split attention kernels' launch (hybridflow.kernels.layer_ops.ATTN_WARPS, "
-                         "ATTN_STAGES, PROGRAMS_PER_SM; default: the module's)")
-    ap.add_argument("--gemm-configs", nargs="*", default=[], metavar="KIND=CFG",
-                    help="kernels/gemm.py tiles for decode's rows (<= 512), e.g. swiglu=64,64,64,4,3 "
-                         "linear=32,64,64,4,3 linear_long_k=64,64,64,4,3,8,4 "
-                         "(block_m,block_n,block_k,warps,stages[,group_m[,split]])")
+                         "(rollout.kernel_options.prefetch_weights)")
+    ap.add_argument("--prefetch-min-rows", type=int, default=None,
+                    help="the fewest decode rows (graph bucket) that issue the L2 hints "
+                         "(rollout.kernel_options.prefetch_min_rows)")
+    ap.add_argument("--swiglu-gemm-min-rows", type=int, default=None,
+                    help="the fewest decode rows (graph bucket) that run fc1 + SwiGLU as one "
+                         "Triton GEMM (rollout.kernel_options.swiglu_gemm_min_rows)")
+    ap.add_argument("--compile-mode", default=None,
+                    help="torch.compile mode of rollout.compile_decode (e.g. "
+                         "max-autotune-no-cudagraphs; rollout.kernel_options.compile_mode)")
 
 
-def apply_kernel_switches(args) -> dict:
-    """Set the switches given; returns every switch's value as the run uses it (for the report)."""
-    from hybridflow.kernels import gemm
-
-    for flag, (mod, attr, _) in SWITCHES.items():
-        value = getattr(args, flag.replace("-", "_"))
-        if value is not None:
-            setattr(mod, attr, value == "on")
-    if args.triton_gemms is not None:
-        decoder.DECODE_TRITON_GEMMS = frozenset(args.triton_gemms)
-    if args.prefetch_weights is not None:
-        decoder.PREFETCH_WEIGHTS = frozenset(args.prefetch_weights)
-    if args.triton_gemm_min_rows is not None:
-        decoder.DECODE_TRITON_GEMM_MIN_ROWS = args.triton_gemm_min_rows
-    for item in args.gemm_configs:  # decode's rows only; more rows keep the table's
-        kind, _, cfg = item.partition("=")
-        if kind not in gemm.CONFIGS:
-            raise ValueError(f"--gemm-configs {item!r}: kind must be one of {sorted(gemm.CONFIGS)}")
-        gemm.CONFIGS[kind] = [(512, gemm.Config(*map(int, cfg.split(","))))] + gemm.CONFIGS[kind][1:]
-    from hybridflow.kernels import layer_ops as kern
-
-    if args.attn_config:
-        kern.ATTN_WARPS, kern.ATTN_STAGES, kern.PROGRAMS_PER_SM = map(int, args.attn_config.split(","))
-    used = {attr: getattr(mod, attr) for mod, attr, _ in SWITCHES.values()}
-    used["attn_config"] = [kern.ATTN_WARPS, kern.ATTN_STAGES, kern.PROGRAMS_PER_SM]
-    return {**used, "DECODE_TRITON_GEMMS": sorted(decoder.DECODE_TRITON_GEMMS),
-            "DECODE_TRITON_GEMM_MIN_ROWS": decoder.DECODE_TRITON_GEMM_MIN_ROWS,
-            "PREFETCH_WEIGHTS": sorted(decoder.PREFETCH_WEIGHTS),
-            "PREFETCH_MIN_ROWS": decoder.PREFETCH_MIN_ROWS,
-            "gemm_configs": {k: [[b, list(c)] for b, c in v] for k, v in gemm.CONFIGS.items()}}
+def decode_options(args, **fields) -> DecodeOptions:
+    """DecodeOptions(**fields) with the flags of add_decode_option_flags that were given."""
+    given = {"pdl": None if args.pdl is None else args.pdl == "on",
+             "prefetch_weights": args.prefetch_weights,
+             "prefetch_min_rows": args.prefetch_min_rows,
+             "swiglu_gemm_min_rows": args.swiglu_gemm_min_rows,
+             "compile_mode": args.compile_mode}
+    return DecodeOptions(**fields, **{k: v for k, v in given.items() if v is not None})
 
 
 def main():
@@ -262,10 +216,10 @@ def main():
     ap.add_argument("--no-hf", action="store_true",
                     help="time ours only at the timed batches (the floor fractions; an A/B of our "
                          "options in one call), no transformers generate")
-    add_kernel_switches(ap)
+    add_decode_option_flags(ap)
     ap.add_argument("--out", default="benchmarks/results/generate_h200.json")
     args = ap.parse_args()
-    switches = apply_kernel_switches(args)  # they act with --decode-kernels triton only
+    opts = decode_options(args, kernels=args.decode_kernels, kv_window=args.kv_window or 0)
     if args.hf_reps < 3 or args.reps < 3:
         raise ValueError(f"--reps={args.reps} / --hf-reps={args.hf_reps}: medians need >= 3 timed "
                          "calls each (issue 12: honest baselines)")
@@ -276,7 +230,7 @@ def main():
     P, R = args.prompt_len, args.new_tokens
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
               "model": cfg.name, "prompt_len": P, "new_tokens": R, "kv_window": args.kv_window,
-              "decode_kernels": args.decode_kernels, "kernel_switches": switches,
+              "decode_kernels": args.decode_kernels, "decode_options": dataclasses.asdict(opts),
               "no_hf": args.no_hf,
               "results": {},
               "timing": {"ours": f"first call (cache allocation, graph capture) reported apart as "
@@ -310,9 +264,9 @@ def main():
     for B in args.batches:
         ids = torch.randint(0, cfg.vocab_size, (B, P), device=device)
         prompts = ids.tolist()
-        rcfg = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=max(args.batches),
-                             decode_kv_window=args.kv_window, decode_kernels=args.decode_kernels)
-        run = lambda c=rcfg: gen.generate(prompts, cfg=c, eos_id=-1, pad_id=0, seed=0)  # noqa
+        rcfg = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=max(args.batches))
+        run = lambda c=rcfg, o=opts: gen.generate(prompts, cfg=c, eos_id=-1, pad_id=0,  # noqa
+                                                  seed=0, options=o)
         res = {}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -334,18 +288,18 @@ def main():
                    floor_s=weight_bytes / COPY_BW * R,
                    floor_with_kv_s=(weight_bytes * R + kv_bytes) / COPY_BW)
         if args.compile_decode:  # after the eager-step timings: the same prompts and greedy config
-            ccfg = dataclasses.replace(rcfg, compile_decode=True)
-            res["ours_compiled_first_call_s"], _ = timed(lambda: run(ccfg), device, 1)
-            res["ours_compiled_s"], out_c = timed(lambda: run(ccfg), device, args.reps)
+            copts = opts.replace(compile=True)
+            res["ours_compiled_first_call_s"], _ = timed(lambda: run(o=copts), device, 1)
+            res["ours_compiled_s"], out_c = timed(lambda: run(o=copts), device, args.reps)
             res["ours_compiled_tok_s"] = B * R / res["ours_compiled_s"]
             # bf16: fusion reorders roundings, so greedy paths may part after a near-tie
             res["compiled_vs_eager_step_greedy"] = agreement(out_c.response_ids, out.response_ids,
                                                              16)
             gen.release()
         if B == args.batches[0] and not args.skip_checks:
-            eager = RolloutConfig(max_new_tokens=R, temperature=0.0, cuda_graphs=False,
-                                  max_batch_size=B)
-            res["ours_eager_s"], out_e = timed(lambda: run(eager), device, 1)
+            eager = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=B)
+            eager_opts = opts.replace(cuda_graphs=False)
+            res["ours_eager_s"], out_e = timed(lambda: run(eager, eager_opts), device, 1)
             res["graph_equals_eager_greedy"] = bool(torch.equal(out_e.response_ids,
                                                                 out.response_ids))
             for name, kw in (("t1", {}), ("t1_top_p0.9", {"top_p": 0.9}),

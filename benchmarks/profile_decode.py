@@ -32,11 +32,12 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_generate import (COPY_BW, add_kernel_switches, apply_kernel_switches,  # noqa: E402
+from bench_generate import (COPY_BW, add_decode_option_flags, decode_options,  # noqa: E402
                             hf_model, machine, to_megatron)
 from gsm8k_hf_eval import write_json  # noqa: E402
 from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
-from hybridflow.rollout import Generator, decoder  # noqa: E402
+from hybridflow.rollout import Generator  # noqa: E402
+from hybridflow.rollout.options import DecodeOptions  # noqa: E402
 
 # first match wins; matched against the lower-cased kernel (or op) name
 KINDS = (
@@ -55,13 +56,17 @@ def kind_of(name: str) -> str:
     return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
 
 
-def _profiled(gen, prompts, *, steps: int, compiled: bool, kernels: str, device) -> dict:
+def _greedy(gen, prompts, steps: int, opts: DecodeOptions):
+    """A generate call of `steps` greedy new tokens under `opts`, as a function of no arguments."""
+    cfg = RolloutConfig(max_new_tokens=steps, temperature=0.0, max_batch_size=len(prompts))
+    return lambda: gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0, options=opts)
+
+
+def _profiled(gen, prompts, *, steps: int, opts: DecodeOptions, device) -> dict:
     """kernel (or aten op) name -> (time us, calls) of one generate call of `steps` new tokens."""
     from torch.profiler import ProfilerActivity, profile
 
-    cfg = RolloutConfig(max_new_tokens=steps, temperature=0.0, max_batch_size=len(prompts),
-                        compile_decode=compiled, decode_kernels=kernels)
-    run = lambda: gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)  # noqa: E731
+    run = _greedy(gen, prompts, steps, opts)
     run()  # allocate, capture (and compile)
     acts = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=acts) as prof:
@@ -85,19 +90,18 @@ def _by_kind(per: dict):
     return by_kind, count, sorted(per.items(), key=lambda kv: kv[1][0], reverse=True)[:15]
 
 
-def _wall_s(gen, prompts, *, steps: int, compiled: bool, kernels: str, device) -> float:
+def _wall_s(gen, prompts, *, steps: int, opts: DecodeOptions, device) -> float:
     """Median wall seconds of 3 generate calls of `steps` new tokens (after one warm call)."""
     import statistics
     import time
 
-    cfg = RolloutConfig(max_new_tokens=steps, temperature=0.0, max_batch_size=len(prompts),
-                        compile_decode=compiled, decode_kernels=kernels)
+    run = _greedy(gen, prompts, steps, opts)
     times = []
     for i in range(4):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
+        run()
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i:
@@ -105,12 +109,11 @@ def _wall_s(gen, prompts, *, steps: int, compiled: bool, kernels: str, device) -
     return statistics.median(times)
 
 
-def profile_case(gen, prompts, *, steps: int, compiled: bool, device, kernels: str = "torch") -> dict:
+def profile_case(gen, prompts, *, steps: int, opts: DecodeOptions, device) -> dict:
     """Per decode step: the difference of a call of 2 x steps and one of steps new tokens, over
     steps (the prefill and the per-call work cancel)."""
-    short = _profiled(gen, prompts, steps=steps, compiled=compiled, kernels=kernels, device=device)
-    long = _profiled(gen, prompts, steps=2 * steps, compiled=compiled, kernels=kernels,
-                     device=device)
+    short = _profiled(gen, prompts, steps=steps, opts=opts, device=device)
+    long = _profiled(gen, prompts, steps=2 * steps, opts=opts, device=device)
     # the kernels the extra steps launched (their call counts are exact); their time difference,
     # exact on the GPU's clock, can dip below 0 with CPU op timings: counted as 0 there
     per = {k: (max(0.0, (t - short.get(k, (0, 0))[0]) / steps), (n - short.get(k, (0, 0))[1]) / steps)
@@ -118,8 +121,7 @@ def profile_case(gen, prompts, *, steps: int, compiled: bool, device, kernels: s
     per = {k: v for k, v in per.items() if v[1] > 0}
     by_kind, count, top = _by_kind(per)
     # wall time of a step the same way (no profiler): kernel time + the gaps between kernels
-    wall = [_wall_s(gen, prompts, steps=n, compiled=compiled, kernels=kernels, device=device)
-            for n in (steps, 2 * steps)]
+    wall = [_wall_s(gen, prompts, steps=n, opts=opts, device=device) for n in (steps, 2 * steps)]
     return {"us_per_step": sum(by_kind.values()), "kernels_per_step": sum(count.values()),
             "wall_us_per_step": (wall[1] - wall[0]) / steps * 1e6,
             # a call less its decode steps: the prefill, first draw and per-call work
@@ -130,27 +132,25 @@ def profile_case(gen, prompts, *, steps: int, compiled: bool, device, kernels: s
                     for k, (t, n) in top]}
 
 
-def profile_prefill(gen, prompts, *, compiled: bool, device, kernels: str) -> dict:
+def profile_prefill(gen, prompts, *, opts: DecodeOptions, device) -> dict:
     """A call of one new token: the prefill, the first draw and the per-call work (kernel time by
     kind, the top kernels, and its unprofiled wall time)."""
-    per = _profiled(gen, prompts, steps=1, compiled=compiled, kernels=kernels, device=device)
+    per = _profiled(gen, prompts, steps=1, opts=opts, device=device)
     by_kind, count, top = _by_kind(per)
-    wall = _wall_s(gen, prompts, steps=1, compiled=compiled, kernels=kernels, device=device)
+    wall = _wall_s(gen, prompts, steps=1, opts=opts, device=device)
     return {"us": sum(by_kind.values()), "wall_us": wall * 1e6, "kernels": sum(count.values()),
             "us_by_kind": dict(by_kind.most_common()),
             "top": [{"kernel": k[:100], "kind": kind_of(k), "us": t, "calls": n}
                     for k, (t, n) in top]}
 
 
-def launchers(gen, prompts, *, steps: int, device, kernels: str, match: tuple) -> dict:
+def launchers(gen, prompts, *, steps: int, device, opts: DecodeOptions, match: tuple) -> dict:
     """Which host ops launch the kernels whose name holds one of `match` (e.g. "Memcpy"): a call of
     `steps` new tokens WITHOUT CUDA graphs (a replayed graph hides its launches), each such kernel
     counted under its launching op's chain of enclosing ops (innermost last) -> {chain: calls}."""
     from torch.profiler import ProfilerActivity, profile
 
-    cfg = RolloutConfig(max_new_tokens=steps, temperature=0.0, max_batch_size=len(prompts),
-                        decode_kernels=kernels, cuda_graphs=False)
-    run = lambda: gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)  # noqa: E731
+    run = _greedy(gen, prompts, steps, opts.replace(cuda_graphs=False))
     run()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
@@ -221,16 +221,14 @@ def gpu_idle(kernels: list, ranges: list, *, min_gap_us: float = 20.0, top: int 
                      for a, b, p in listed[:top]]}
 
 
-def profile_timeline(gen, prompts, *, steps: int, compiled: bool, device, kernels: str,
+def profile_timeline(gen, prompts, *, steps: int, opts: DecodeOptions, device,
                      trace: str | None = None) -> dict:
     """One traced generate call of `steps` new tokens (host ranges and device kernels): the GPU's
     idle time by the generator's phase (gpu_idle); `trace`: also a Chrome trace file."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    cfg = RolloutConfig(max_new_tokens=steps, temperature=0.0, max_batch_size=len(prompts),
-                        compile_decode=compiled, decode_kernels=kernels)
-    run = lambda: gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)  # noqa: E731
+    run = _greedy(gen, prompts, steps, opts)
     run()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
@@ -258,11 +256,8 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also profile rollout.compile_decode")
     ap.add_argument("--kernels", nargs="+", default=["torch"], choices=["torch", "triton"],
                     help="rollout.decode_kernels values to profile (each with and without --compile)")
-    ap.add_argument("--compile-mode", default=None,
-                    help="torch.compile mode of the compiled decode parts (decoder.COMPILE_MODE), "
-                         "e.g. max-autotune-no-cudagraphs")
     ap.add_argument("--no-eager", action="store_true", help="with --compile: the compiled cases only")
-    add_kernel_switches(ap)
+    add_decode_option_flags(ap)  # --pdl, --prefetch-weights, ..., --compile-mode
     ap.add_argument("--timeline", action="store_true",
                     help="also trace one call of --steps new tokens per model x batch: the GPU's "
                          "idle time by generator phase (setup, prefill, decode, finish)")
@@ -279,12 +274,12 @@ def main():
     if args.no_eager and not args.compile:
         ap.error("--no-eager profiles the compiled cases only: it needs --compile")
     modes = ([True] if args.no_eager else [False, True]) if args.compile else [False]
-    decoder.COMPILE_MODE = args.compile_mode
-    switches = apply_kernel_switches(args)
+    base = decode_options(args)
+    last = base.replace(kernels=args.kernels[-1], compile=args.compile)  # prefill, timeline, ...
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
               "prompt_len": args.prompt_len, "steps": args.steps,
-              "kernel_switches": switches, "cases": []}
+              "decode_options": dataclasses.asdict(base), "cases": []}
     for path in args.models:
         with open(path) as f:
             cfg = ModelConfig(**yaml.safe_load(f))
@@ -303,8 +298,8 @@ def main():
             kv_bytes = 2 * cfg.num_layers * B * cfg.num_query_groups * hd * ctx * 2
             floor_us = (weight_bytes + kv_bytes) / COPY_BW * 1e6
             for kernels, compiled in [(k, c) for k in args.kernels for c in modes]:
-                res = profile_case(gen, prompts, steps=args.steps, compiled=compiled, device=device,
-                                   kernels=kernels)
+                res = profile_case(gen, prompts, steps=args.steps, device=device,
+                                   opts=base.replace(kernels=kernels, compile=compiled))
                 res.update(model=cfg.name, batch=B, compiled=compiled, kernels=kernels,
                            compile_mode=args.compile_mode if compiled else None,
                            floor_us_per_step=floor_us,
@@ -319,8 +314,7 @@ def main():
                       flush=True)
                 write_json(args.out, report)  # after every case: a call cut off keeps what it measured
             if args.prefill:
-                res = profile_prefill(gen, prompts, compiled=args.compile, device=device,
-                                      kernels=args.kernels[-1])
+                res = profile_prefill(gen, prompts, opts=last, device=device)
                 res.update(model=cfg.name, batch=B, prompt_tokens=B * args.prompt_len)
                 report.setdefault("prefill", []).append(res)
                 print(f"{cfg.name} B={B} prefill call: {res['us']:.0f} us kernels "
@@ -329,8 +323,7 @@ def main():
                 for t in res["top"][:10]:
                     print(f"    {t['us']:8.0f} us {t['calls']:4.0f}x {t['kernel']}", flush=True)
             if args.launchers is not None:
-                res = launchers(gen, prompts, steps=args.steps, device=device,
-                                kernels=args.kernels[-1],
+                res = launchers(gen, prompts, steps=args.steps, device=device, opts=last,
                                 match=tuple(args.launchers) or ("Memcpy", "Memset"))
                 report.setdefault("launchers", []).append({"model": cfg.name, "batch": B,
                                                            "steps": args.steps, "calls": res})
@@ -344,8 +337,8 @@ def main():
                          else None)
                 if trace:
                     os.makedirs(args.trace_dir, exist_ok=True)
-                res = profile_timeline(gen, prompts, steps=args.steps, compiled=args.compile,
-                                       device=device, kernels=args.kernels[-1], trace=trace)
+                res = profile_timeline(gen, prompts, steps=args.steps, opts=last, device=device,
+                                       trace=trace)
                 res.update(model=cfg.name, batch=B, steps=args.steps)
                 report.setdefault("timeline", []).append(res)
                 write_json(args.out, report)

@@ -59,6 +59,31 @@ class ParallelConfig:
 
 
 @dataclass
+class DecodeKernelOptions:
+    """rollout.kernel_options: the decode kernels' trade-offs that depend on the GPU and the batch
+    (rollout.decode_kernels=triton; compile_* with rollout.compile_decode). Checked by
+    hybridflow.rollout.options.validate_rollout_options; measurements behind the defaults:
+    docs/perf_log.md."""
+    # programmatic dependent launch of our Triton kernels (sm_90+; elsewhere launched plainly):
+    # each kernel's programs start while the previous kernel finishes, then wait in-kernel for its
+    # writes; the results are the plain launch's
+    pdl: bool = True
+    # the decode GEMMs whose weights the kernel before them hints into L2 (sm_90+), a subset of
+    # [qkv, proj, fc1, fc2]: the hint shortens the GEMM's first HBM reads but costs the hinting
+    # kernel time; worth it for the small QKV / projection weights
+    prefetch_weights: list[str] = field(default_factory=lambda: ["qkv", "proj"])
+    # ... only at decode batches (graph buckets) of at least this many rows: with fewer rows the
+    # GEMMs already read weights at bandwidth and the hints cost more than they save
+    prefetch_min_rows: int = 256
+    # fc1 + SwiGLU as one Triton GEMM (hybridflow/kernels/gemm.py) at decode batches of at least
+    # this many rows; below, cuBLAS's fc1 + the SwiGLU kernel (the tiles were tuned at 256 rows)
+    swiglu_gemm_min_rows: int = 256
+    # torch.compile backend and mode of rollout.compile_decode (CPU tests: aot_eager)
+    compile_backend: str = "inductor"
+    compile_mode: Optional[str] = None
+
+
+@dataclass
 class RolloutConfig:
     tensor_parallel_size: Optional[int] = None  # TP_g; None: same as training TP
     max_new_tokens: int = 32
@@ -94,13 +119,15 @@ class RolloutConfig:
     # the layers run its kernels instead (faster per op) and this compiles the sampler only.
     # null (auto): on with CUDA-graph decoding on a GPU at TP_g = 1, off on CPU
     compile_decode: Optional[bool] = None
-    # "triton": each decode layer as Triton kernels + cuBLAS (hybridflow/kernels/layer_ops.py): the
-    # residual sum + RMSNorm, RoPE + both KV-cache writes, split-KV ("flash-decoding") attention over
-    # the query groups and the SwiGLU each one kernel, the attention projection accumulated in place;
-    # the prefill's RoPE + KV writes and SwiGLU too. Needs CUDA and triton; power-of-two head_dim.
-    # "torch": PyTorch ops (with compile_decode: inductor's). "auto": triton where it applies, else
-    # torch (CPU runs: torch). Measured on an H200: README "Measured on H200"
+    # "triton": each decode layer as Triton kernels + cuBLAS (hybridflow/kernels/): the residual
+    # sum + RMSNorm one kernel, RoPE + both KV-cache writes + split-KV ("flash-decoding") attention
+    # over the query groups one kernel, fc1 + SwiGLU one GEMM at large batches, the projection and
+    # fc2 accumulated into the residual in place; the prefill's RoPE + KV writes, norms and SwiGLU
+    # too. Needs CUDA and triton; power-of-two head_dim. "torch": PyTorch ops (with compile_decode:
+    # inductor's), the reference the kernels are tested against. "auto": triton where it applies,
+    # else torch (CPU runs: torch). Finer knobs: kernel_options; measurements: docs/perf_log.md
     decode_kernels: str = "auto"
+    kernel_options: DecodeKernelOptions = field(default_factory=DecodeKernelOptions)
     return_logprobs: bool = False
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
 

@@ -16,17 +16,14 @@ try:
 except ImportError:  # CPU-only installs: the PyTorch twins serve
     HAVE_TRITON = False
 
-# Programmatic dependent launch (Hopper and newer; CUDA's "PDL"): our Triton kernels are launched
-# with the launch attribute that lets the GPU start a kernel's programs while the kernel before it
-# in the stream still runs; each kernel's first act is griddepcontrol.wait (all of the previous
-# kernel's writes visible), then it lets its own successor start (griddepcontrol.launch_dependents).
-# What it saves is the gap between two kernels (launch and the programs' start-up overlap the
-# predecessor's last programs), ~200 of them in a decode step; the results are those of the plain
-# launch. Captured into CUDA graphs as programmatic edges. H200, Qwen2-0.5B, 256 rows x 256 new
-# tokens (bench_generate.py, ABAB in one call): 0.4293 / 0.4286 s -> 0.4200 / 0.4205 s per call,
-# the decode step's wall time 1,452 -> 1,340 us (benchmarks/results/generate_h200_decode_ab.json,
-# decode_profile_h200_pdl.json). A module switch for A/B runs.
-PDL = True
+# Programmatic dependent launch (Hopper and newer; CUDA's "PDL"), a launch option of every kernel
+# here (`pdl=`, from rollout.kernel_options.pdl): the kernel is launched with the attribute that
+# lets the GPU start its programs while the kernel before it in the stream still runs; each
+# kernel's first act is griddepcontrol.wait (all of the previous kernel's writes visible), then it
+# lets its own successor start (griddepcontrol.launch_dependents). What it saves is the gap
+# between two kernels (launch and the programs' start-up overlap the predecessor's last
+# programs); the results are those of the plain launch. Captured into CUDA graphs as programmatic
+# edges.
 
 
 def use_triton(t: torch.Tensor, impl: str) -> bool:
@@ -66,11 +63,11 @@ def _pdl_device(index: int) -> bool:
     return has_option and _sm90(index)
 
 
-def launch_opts(t: torch.Tensor) -> dict:
+def launch_opts(t: torch.Tensor, pdl: bool) -> dict:
     """Keyword arguments of a Triton launch whose tensors live with `t`: {"PDL": True,
-    "launch_pdl": True} under PDL on an sm_90+ GPU, else {} (the kernels' PDL defaults to False;
-    the CPU interpreter never sees the option)."""
-    if PDL and HAVE_TRITON and t.is_cuda and _pdl_device(t.device.index):
+    "launch_pdl": True} when `pdl` is asked for and `t` is on an sm_90+ GPU, else {} (the
+    kernels' PDL defaults to False; the CPU interpreter never sees the option)."""
+    if pdl and HAVE_TRITON and t.is_cuda and _pdl_device(t.device.index):
         return {"PDL": True, "launch_pdl": True}
     return {}
 

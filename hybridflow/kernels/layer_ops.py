@@ -1,35 +1,30 @@
-"""Fused kernels of one decode step (rollout.decode_kernels=triton), in Triton, with PyTorch twins.
+"""Fused kernels of one decode step and the prefill (rollout.decode_kernels=triton), in Triton, with
+PyTorch twins.
 
-A decode step of a ~0.5B model at batch 256 spends ~24 us per layer in cuDNN's SDPA for ~6 us of
-K/V reads (its tiles are built for long query blocks; a decode step has hpg query rows per KV group)
-and ~10 us in RoPE's element-wise kernels and the two KV-cache writes
-(benchmarks/results/decode_profile_h200.json). Two kernels replace them:
-
-- `rope_kv_write(qkv, cos, sin, k_cache, v_cache, cur, hpg)`: one program per (row, KV group) reads
-  the group's projected rows [q heads (hpg); k; v] once, rotates q and k (RoPE, rotate-half, the
-  signed sin table of hybridflow/rollout/decoder.rope_tables), writes k and v into cache column
-  `cur` (a device tensor: the step stays graph-capturable) and returns the rotated queries. The
-  twin is the decoder's eager code (x cos + roll(x, hd/2) sin, rounded as PyTorch's bf16 ops round:
-  the product x cos first, then the multiply-add).
-- `decode_attention(q, k_cache, v_cache, key_valid, scale)`: split-KV ("flash-decoding") attention
-  for grouped queries: program (row, group, split) scores the group's hpg queries against its
-  share of the attended columns, BLOCK_T at a time (tl.dot, fp32 accumulation, online softmax,
-  masked columns -inf). With as many (row, group) programs as fill the device there is one split
-  and the program writes the output; otherwise each split keeps its max, sum of exp and P @ V in
-  fp32 scratch and a second kernel combines the splits (online-softmax rescaling) into the output
-  in q's dtype. Columns with key_valid false (left padding, unwritten slots) get no weight; every
-  query row has at least one valid column (its own token). The twin is the decoder's SDPA call
-  with an additive mask.
-
-The prefill (hybridflow/rollout/decoder.forward with decode_kernels=triton) also takes
-`rope_kv_prefill` (the same RoPE + KV-write kernel over S tokens per row) and `silu_mul` (the
-SwiGLU of fc1's output in one pass instead of PyTorch's strided silu and multiply).
+- `add_rms_norm(x, y, weight, eps)`: the layer's residual sum + RMSNorm in one pass (optionally the
+  first layer's embedding lookup too, `rows=`).
+- `silu_mul(z)`: the SwiGLU of fc1's output in one pass (PyTorch runs a strided silu and a strided
+  multiply).
+- `rope_kv_prefill(qkv, cos, sin, k_cache, v_cache, hpg)`: the prefill's RoPE + K/V writes: one
+  program per (token, KV group) reads the group's projected rows [q heads (hpg); k; v] once,
+  rotates q and k (rotate-half, the signed sin table of hybridflow/rollout/decoder.rope_tables),
+  writes k and v into the cache and returns the rotated queries. The twin rounds as PyTorch's
+  ops round (the product x cos first, then the multiply-add).
+- The split-KV ("flash-decoding") attention pieces that kernels/rope_attention.py builds the
+  decode step's attention from: `_attend_blocks` (one split's online softmax over its cache
+  blocks: tl.dot, fp32 accumulation, masked columns -inf), `_attn_combine_kernel` (the splits'
+  max / sum of exp / P @ V combined into the output) and `num_splits` (1 when the (row, group)
+  programs alone fill the device, else up to one per BLOCK_T columns).
+- `rope_kv_write` and `decode_attention`: the decode step's RoPE + K/V write and its attention as
+  PyTorch ops, the reference twins of kernels/rope_attention.py (the decoder's eager code: SDPA
+  with an additive mask; columns with key_valid false get no weight).
 
 Shapes: qkv (B, G, hpg + 2, hd) (a view of the QKV projection, rows grouped per KV group as in
 Megatron's packed layout); cos, sin (B, hd); k_cache, v_cache (B, G, T, hd) strided views of the KV
 cache (the last dimension contiguous); key_valid (B, T) bool; q (B, G, hpg, hd); head_dim a power
 of two >= 16. `impl`: "auto" takes Triton for CUDA tensors, "triton" forces it (on CPU only under
-TRITON_INTERPRET=1, how the CPU tests run it), "torch" the twin.
+TRITON_INTERPRET=1, how the CPU tests run it), "torch" the twin. `pdl`: launch with programmatic
+dependent launch where the device has it (kernels/_dispatch.launch_opts).
 """
 
 from __future__ import annotations
@@ -48,10 +43,9 @@ if HAVE_TRITON:  # CPU-only installs: the PyTorch twins serve
     from ._dispatch import pdl_enter, prefetch_l2
 
 BLOCK_T = 64  # cache columns per attention block (one tl.dot)
-TARGET_PROGRAMS = 0  # 0: PROGRAMS_PER_SM x the SMs (a test may set it to force a split count)
-# the split kernel's launch: the best sum over the speed issue's four decode shapes in
-# benchmarks/results/decode_attention_h200.json (49 us against 61 us for 64 / 4 / 4 warps / 3 stages)
-PROGRAMS_PER_SM = 2
+# the split attention kernel's launch (tuned on an H200 over the 0.5B / 1.5B decode shapes:
+# docs/perf_log.md)
+PROGRAMS_PER_SM = 2  # the split count aims at this many programs per SM
 ATTN_WARPS, ATTN_STAGES = 4, 2
 
 if HAVE_TRITON:
@@ -62,8 +56,8 @@ if HAVE_TRITON:
                         s_qb, s_qg, s_qr, R_PAD: tl.constexpr, HD: tl.constexpr,
                         PDL: tl.constexpr = False):
         pdl_enter(PDL)
-        # program (token, group); token = (cache row, position in it) = (bs // S, bs % S): decode
-        # has S = 1 (one token per row), the prefill S prompt tokens per row
+        # program (token, group); token = (cache row, position in it) = (bs // S, bs % S): S prompt
+        # tokens per row, written to cache columns cur..cur + S - 1
         pid = tl.program_id(0).to(tl.int64)
         bs, g = pid // G, pid % G
         b, col = bs // S, bs % S
@@ -117,33 +111,6 @@ if HAVE_TRITON:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = new_m
         return m, lsum, acc
-
-    @triton.jit
-    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, G, HPG,
-                           kv_len, scale, s_qb, s_qg, s_qh, s_kb, s_kg, s_kt, s_vb, s_vg,
-                           s_vt, s_mb, s_mt, s_ob, s_og, s_oh, NSPLIT: tl.constexpr,
-                           BLOCKS: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr,
-                           BLOCK: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
-        pdl_enter(PDL)
-        pid = tl.program_id(0).to(tl.int64)
-        split = tl.program_id(1)
-        b, g = pid // G, pid % G
-        h = tl.arange(0, H_PAD)
-        d = tl.arange(0, HD)
-        rows = h[:, None] < HPG
-        q = tl.load(q_ptr + b * s_qb + g * s_qg + h[:, None] * s_qh + d[None, :], mask=rows,
-                    other=0.0)
-        m, lsum, acc = _attend_blocks(q, k_ptr + b * s_kb + g * s_kg, v_ptr + b * s_vb + g * s_vg,
-                                      valid_ptr + b * s_mb, s_kt, s_vt, s_mt, kv_len, scale, split,
-                                      -1, BLOCKS=BLOCKS, H_PAD=H_PAD, HD=HD, BLOCK=BLOCK, IEEE=IEEE)
-        if NSPLIT == 1:  # the whole row in one program: normalise and write the output
-            tl.store(out_ptr + b * s_ob + g * s_og + h[:, None] * s_oh + d[None, :],
-                     (acc / lsum[:, None]).to(out_ptr.dtype.element_ty), mask=rows)
-        else:  # this split's max, sum of exp and P @ V, for the combine kernel (q rows only)
-            row = pid * NSPLIT + split
-            tl.store(m_ptr + row * H_PAD + h, m)
-            tl.store(l_ptr + row * H_PAD + h, lsum)
-            tl.store(acc_ptr + (row * H_PAD + h[:, None]) * HD + d[None, :], acc, mask=rows)
 
     @triton.jit
     def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, G, HPG, s_ob, s_og, s_oh,
@@ -218,20 +185,16 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * s_o + col, (hf * rstd * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _target_programs(device: torch.device) -> int:
-    """Programs that fill the device a few times over: the split count aims at it."""
-    if TARGET_PROGRAMS:
-        return TARGET_PROGRAMS
-    if device.type == "cuda":
-        return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    return 528
-
-
-def num_splits(rows_x_groups: int, columns: int, device: torch.device) -> int:
+def num_splits(rows_x_groups: int, columns: int, device: torch.device, *,
+               target: int = 0) -> int:
     """Splits of the attended columns per (row, group): 1 when the (row, group) programs alone fill
-    the device (no scratch, no combine), else up to one per BLOCK_T columns."""
+    the device (no scratch, no combine), else up to one per BLOCK_T columns. `target`: the programs
+    to aim at (0: PROGRAMS_PER_SM x the device's SMs; 528 on CPU)."""
+    if not target:
+        target = (PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+                  if device.type == "cuda" else 528)
     blocks = -(-columns // BLOCK_T)
-    return max(1, min(blocks, -(-_target_programs(device) // max(1, rows_x_groups))))
+    return max(1, min(blocks, -(-target // max(1, rows_x_groups))))
 
 
 def head_dim_supported(hd: int) -> bool:
@@ -245,30 +208,13 @@ def _check_head_dim(hd: int) -> None:
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, cur: torch.Tensor, *, hpg: int,
-                  impl: str = "auto") -> torch.Tensor:
-    """RoPE on the q heads and k of every (row, group), k and v written at cache column `cur`;
-    returns the rotated q (B, G, hpg, hd), contiguous."""
+                  v_cache: torch.Tensor, cur: torch.Tensor, *, hpg: int) -> torch.Tensor:
+    """The decode step's RoPE on the q heads and k of every (row, group), k and v written at cache
+    column `cur`, as PyTorch ops (the twin of kernels/rope_attention.py); returns the rotated q
+    (B, G, hpg, hd), contiguous."""
     B, G, R, hd = qkv.shape
     if R != hpg + 2:
         raise ValueError(f"qkv has {R} rows per group, expected hpg + 2 = {hpg + 2}")
-    if not use_triton(qkv, impl):
-        return _rope_kv_torch(qkv, cos, sin, k_cache, v_cache, cur, hpg=hpg)
-    _check_head_dim(hd)
-    if qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        raise ValueError("rope_kv_write needs qkv, cos and sin contiguous in the last dimension "
-                         "and cos, sin of the same strides")
-    q = torch.empty((B, G, hpg, hd), dtype=qkv.dtype, device=qkv.device)
-    if B:
-        _rope_kv_kernel[(B * G,)](
-            qkv, cos, sin, k_cache, v_cache, cur, q, G, hpg, 1, *qkv.stride()[:3], cos.stride(0),
-            *k_cache.stride()[:3], *v_cache.stride()[:3], *q.stride()[:3],
-            R_PAD=triton.next_power_of_2(hpg + 1), HD=hd, num_warps=2, **launch_opts(qkv))
-    return q
-
-
-def _rope_kv_torch(qkv, cos, sin, k_cache, v_cache, cur, *, hpg: int) -> torch.Tensor:
-    hd = qkv.shape[-1]
     qk = qkv[:, :, :hpg + 1]
     qk = torch.addcmul(qk * cos[:, None, None], qk.roll(hd // 2, -1), sin[:, None, None])
     k_cache.index_copy_(2, cur, qk[:, :, hpg:])
@@ -277,7 +223,7 @@ def _rope_kv_torch(qkv, cos, sin, k_cache, v_cache, cur, *, hpg: int) -> torch.T
 
 
 def rope_kv_prefill(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, *, hpg: int,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, *, hpg: int, pdl: bool = False,
                     impl: str = "auto") -> torch.Tensor:
     """The prefill's rope_kv_write: qkv (B, S, G, hpg + 2, hd), cos, sin (B, S, hd) -> the rotated
     q (B, S, G, hpg, hd), contiguous; k and v of token s written to cache column s (columns
@@ -306,14 +252,12 @@ def rope_kv_prefill(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         _rope_kv_kernel[(B * S * G,)](
             flat, cos2, sin2, k_cache, v_cache, zero, qf, G, hpg, S, *flat.stride()[:3],
             cos2.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *qf.stride()[:3],
-            R_PAD=triton.next_power_of_2(hpg + 1), HD=hd, num_warps=2, **launch_opts(flat))
+            R_PAD=triton.next_power_of_2(hpg + 1), HD=hd, num_warps=2, **launch_opts(flat, pdl))
     return q
 
 
-def silu_mul(z: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
-    """SwiGLU of fc1's output z (N, 2F) = [gate | up] -> silu(gate) * up (N, F) in one pass (the
-    prefill's: PyTorch runs a strided silu and a strided multiply, ~0.43 ms per layer and 16k
-    tokens of Qwen2-0.5B on the H200, benchmarks/results/prefill_profile_h200_gqa.json)."""
+def silu_mul(z: torch.Tensor, *, pdl: bool = False, impl: str = "auto") -> torch.Tensor:
+    """SwiGLU of fc1's output z (N, 2F) = [gate | up] -> silu(gate) * up (N, F) in one pass."""
     N, two_f = z.shape
     if two_f % 2:
         raise ValueError(f"silu_mul: z has {two_f} columns, expected [gate | up] (an even count)")
@@ -327,13 +271,14 @@ def silu_mul(z: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
     if N and f:
         block = min(1024, triton.next_power_of_2(f))
         _silu_mul_kernel[(N, triton.cdiv(f, block))](z, out, f, z.stride(0), out.stride(0),
-                                                     BLOCK=block, num_warps=4, **launch_opts(z))
+                                                     BLOCK=block, num_warps=4,
+                                                     **launch_opts(z, pdl))
     return out
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
                  rows: torch.Tensor | None = None, prefetch: torch.Tensor | None = None,
-                 impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                 pdl: bool = False, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The decode layer's residual sum and RMSNorm in one pass: x, y (N, D) -> (h = x + y,
     rms_norm(h) * weight), both (N, D) in x's dtype; y None: h is x itself (not copied). The norm
     is computed in fp32 from h as rounded and rounded once (F.rms_norm's fp32 upcast).
@@ -362,52 +307,20 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
                                    0 if y is None else y.stride(0), h.stride(0), out.stride(0),
                                    HAS_Y=y is not None, GATHER=rows is not None, BLOCK=block,
                                    PREFETCH=pf_on,
-                                   num_warps=4 if block <= 2048 else 8, **launch_opts(x))
+                                   num_warps=4 if block <= 2048 else 8, **launch_opts(x, pdl))
     return h, out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     key_valid: torch.Tensor, *, scale: float | None = None,
-                     impl: str = "auto") -> torch.Tensor:
-    """softmax(q k^T * scale, over the valid columns) v for the hpg queries of each (row, group):
-    q (B, G, hpg, hd), caches (B, G, T, hd), key_valid (B, T) -> (B, G, hpg, hd) in q's dtype."""
+                     key_valid: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale, over the valid columns) v for the hpg queries of each (row, group),
+    as PyTorch's SDPA with an additive mask (the twin of kernels/rope_attention.py): q (B, G, hpg,
+    hd), caches (B, G, T, hd), key_valid (B, T) -> (B, G, hpg, hd) in q's dtype."""
     B, G, hpg, hd = q.shape
     T = k_cache.shape[2]
     if key_valid.shape != (B, T):
         raise ValueError(f"key_valid has shape {tuple(key_valid.shape)}, expected {(B, T)}")
     scale = 1.0 / math.sqrt(hd) if scale is None else scale
-    if not use_triton(q, impl):
-        return _attention_torch(q, k_cache, v_cache, key_valid, scale=scale)
-    _check_head_dim(hd)
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("decode_attention needs q and the caches contiguous in the last dimension")
-    nsplit = num_splits(B * G, T, q.device)
-    blocks = -(-T // (nsplit * BLOCK_T))  # blocks of BLOCK_T columns per split
-    h_pad = max(16, triton.next_power_of_2(hpg))
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if nsplit > 1:
-        m = torch.empty((B * G * nsplit, h_pad), dtype=torch.float32, device=q.device)
-        lsum = torch.empty_like(m)
-        acc = torch.empty((B * G * nsplit, h_pad, hd), dtype=torch.float32, device=q.device)
-    else:
-        m = lsum = acc = out  # unused: the split kernel writes the output itself
-    if B:
-        valid = key_valid.view(torch.uint8) if key_valid.dtype == torch.bool else key_valid
-        _attn_split_kernel[(B * G, nsplit)](
-            q, k_cache, v_cache, valid, m, lsum, acc, out, G, hpg, T, scale,
-            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], valid.stride(0),
-            valid.stride(1), *out.stride()[:3], NSPLIT=nsplit, BLOCKS=blocks, H_PAD=h_pad, HD=hd,
-            BLOCK=BLOCK_T,
-            IEEE=q.dtype == torch.float32, num_warps=ATTN_WARPS, num_stages=ATTN_STAGES,
-            **launch_opts(q))
-        if nsplit > 1:  # the split count is a compile-time constant: one kernel per value
-            _attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, *out.stride()[:3],
-                                           NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4,
-                                           **launch_opts(m))
-    return out
-
-
-def _attention_torch(q, k_cache, v_cache, key_valid, *, scale: float) -> torch.Tensor:
     bias = torch.zeros(key_valid.shape, dtype=q.dtype, device=q.device)
     bias = bias.masked_fill_(~key_valid, float("-inf"))[:, None, None, :]  # (B, 1, 1, T)
     return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias, scale=scale)

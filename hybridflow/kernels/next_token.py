@@ -1,15 +1,15 @@
-"""Greedy decoding's argmax over the vocabulary in two Triton passes, for the decode step.
+"""Greedy decoding's argmax over the vocabulary in two Triton passes, and a decode step's
+bookkeeping after the draw in one launch.
 
 `argmax_rows(logits)` = torch.argmax(logits, dim=-1) (the first maximal id on ties) for finite
 logits (B, V): pass 1 runs a program per (row, chunk of `chunk` ids) that keeps a per-lane best and
 writes the chunk's max and its first id; pass 2 reduces a row's chunks the same way. PyTorch's
-reduction gives each row to one block: at batch 256 and a 151,936-id vocabulary that is 54 us of a
-1,434 us decode step (benchmarks/results/decode_profile_h200_fused_layer.json) for 78 MB of
-logits, ~18 us at the copy bandwidth; the split spreads a row over ~19 programs.
-`hybridflow.rollout.sampling.GREEDY_KERNEL` (default True: -5.8 ms per 256-row, 256-token call on
-the H200, benchmarks/results/generate_h200_decode_ab.json) selects it; bench_generate.py and
-profile_decode.py take `--triton-argmax on|off`. `advance_rows`: a decode step's bookkeeping after
-the draw in one launch (hybridflow.rollout.generator.STEP_KERNEL), greedy's pass 2 folded in.
+reduction gives each row to one block, which at a decode batch of a few hundred rows and a
+~150k-id vocabulary leaves most of the device idle; the split spreads a row over ~19 programs.
+`advance_rows`: the step's bookkeeping after the draw (output column, stop check, token / position
+/ column / step advance) as one kernel instead of ~10 small PyTorch kernels, greedy's pass 2
+folded in when no log-probs are asked for. `pdl`: programmatic dependent launch where the device
+has it (kernels/_dispatch.launch_opts).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def _check_logits(logits: torch.Tensor, chunk: int, block: int) -> None:
         raise ValueError(f"argmax_rows: chunk {chunk} is not a multiple of block {block}")
 
 
-def argmax_chunks(logits: torch.Tensor, *, chunk: int = 8192, block: int = 1024):
+def argmax_chunks(logits: torch.Tensor, *, chunk: int = 8192, block: int = 1024,
+                  pdl: bool = False):
     """Pass 1 of argmax_rows: (max (B, nchunk) fp32, its first id (B, nchunk) int32) per chunk of
     `chunk` ids; `advance_rows(partials=...)` runs pass 2 in place of argmax_rows's."""
     _check_logits(logits, chunk, block)
@@ -78,26 +79,27 @@ def argmax_chunks(logits: torch.Tensor, *, chunk: int = 8192, block: int = 1024)
     val = torch.empty((B, nchunk), dtype=torch.float32, device=logits.device)
     idx = torch.empty((B, nchunk), dtype=torch.int32, device=logits.device)
     if B:
-        _argmax_chunk_kernel[(B, nchunk)](logits, val, idx, V, logits.stride(0), nchunk, CHUNK=chunk,
-                                          BLOCK=block, num_warps=4, **launch_opts(logits))
+        _argmax_chunk_kernel[(B, nchunk)](logits, val, idx, V, logits.stride(0), nchunk,
+                                          CHUNK=chunk, BLOCK=block, num_warps=4,
+                                          **launch_opts(logits, pdl))
     return val, idx
 
 
 def argmax_rows(logits: torch.Tensor, *, chunk: int = 8192, block: int = 1024,
-                impl: str = "auto") -> torch.Tensor:
+                pdl: bool = False, impl: str = "auto") -> torch.Tensor:
     """torch.argmax(logits, dim=-1) for finite logits (B, V), last dimension contiguous -> (B,)
     int64; `chunk` ids per program of pass 1 (a multiple of `block`)."""
     if not use_triton(logits, impl):
         if logits.dim() != 2:
             raise ValueError(f"argmax_rows takes (B, V) logits, got shape {tuple(logits.shape)}")
         return torch.argmax(logits, dim=-1)
-    val, idx = argmax_chunks(logits, chunk=chunk, block=block)
+    val, idx = argmax_chunks(logits, chunk=chunk, block=block, pdl=pdl)
     B, nchunk = val.shape
     out = torch.empty((B,), dtype=torch.long, device=logits.device)
     if B:
         _argmax_final_kernel[(B,)](val, idx, out, logits.shape[1], nchunk,
                                    N_PAD=max(16, triton.next_power_of_2(nchunk)), num_warps=1,
-                                   **launch_opts(val))
+                                   **launch_opts(val, pdl))
     return out
 
 
@@ -146,7 +148,7 @@ def advance_rows(*, finished: torch.Tensor, out_tokens: torch.Tensor, stop_ids: 
                  tokens: torch.Tensor, positions: torch.Tensor, cur: torch.Tensor,
                  step: torch.Tensor, pad: int, tok: Optional[torch.Tensor] = None,
                  partials=None, vocab: int = 0, lp: Optional[torch.Tensor] = None,
-                 out_logprobs: Optional[torch.Tensor] = None) -> None:
+                 out_logprobs: Optional[torch.Tensor] = None, pdl: bool = False) -> None:
     """A decode step's bookkeeping after its draw as one kernel launch (~10 small PyTorch kernels
     before): with the drawn tokens `tok` (B,) int64, or greedy's `partials` (argmax_chunks of
     logits with `vocab` ids: their pass 2 runs here),
@@ -174,4 +176,4 @@ def advance_rows(*, finished: torch.Tensor, out_tokens: torch.Tensor, stop_ids: 
         FROM_CHUNKS=partials is not None, HAS_LP=not no_lp, BLOCK=block,
         ROW_ITERS=triton.cdiv(B, block), N_PAD=max(16, triton.next_power_of_2(nchunk)),
         STOP_PAD=max(2, triton.next_power_of_2(stop_ids.numel())), num_warps=4,
-        **launch_opts(tokens))
+        **launch_opts(tokens, pdl))

@@ -1,25 +1,21 @@
 """RoPE + the K/V write + split-KV decode attention in one kernel (a decode step's attention block).
 
 `rope_attention(qkv, cos, sin, k_cache, v_cache, cur, key_valid, hpg)` computes what
-`decode.rope_kv_write` followed by `decode.decode_attention` computes, in one launch per layer
-instead of two: program (row, group, split) reads the group's projected rows [q heads (hpg); k; v],
-rotates q and k (RoPE, rounded as the twin rounds), and attends over the cached columns of its
-split with the current token's column left out; split 0 writes k and v into cache column `cur`
-and folds the current token in from registers (no program reads that column back, so no program
-waits on another's store). With one split per (row, group) the program writes the output, else the
-splits' max, sum of exp and P @ V go through `decode._attn_combine_kernel` as before. The sums run
-in another order than the two kernels' (the current column last), so results agree to rounding.
+`layer_ops.rope_kv_write` followed by `layer_ops.decode_attention` (the PyTorch twins) compute, in
+one launch per layer: program (row, group, split) reads the group's projected rows [q heads (hpg);
+k; v], rotates q and k (RoPE, rounded as the twin rounds), and attends over the cached columns of
+its split with the current token's column left out; split 0 writes k and v into cache column
+`cur` and folds the current token in from registers (no program reads that column back, so no
+program waits on another's store). With one split per (row, group) the program writes the
+output, else the splits' max, sum of exp and P @ V go through `layer_ops._attn_combine_kernel`.
+The sums run in another order than the twins' (the current column last), so results agree to
+rounding. The decode step hands it the RoPE tables and the rows' positions (no gathered cos / sin
+copies) and lets it mark column `cur` valid in the first layer (`mark_valid`: no fill launch).
 
-Why: at Qwen2-0.5B and batch 256 the RoPE + K/V-write kernel is 58 us of a 1,434 us decode step
-(24 launches, ~2.4 us each, mostly launch latency: benchmarks/results/decode_profile_h200_fused_layer.json).
-`hybridflow.rollout.decoder.FUSE_ROPE_ATTENTION` (default True: -9 ms per 256-row, 256-token call on
-the H200, benchmarks/results/generate_h200_decode_ab.json) selects it; bench_generate.py and
-profile_decode.py take `--fuse-rope-attention on|off`. The decode step hands it the RoPE tables
-and the rows' positions (no gathered cos / sin copies).
-
-Shapes: qkv (B, G, hpg + 2, hd) (the QKV projection's view, as for rope_kv_write); cos, sin (B, hd);
-k_cache, v_cache (B, G, T, hd) strided views of the attended columns 0..T-1 (cur < T); key_valid
-(B, T) bool (column `cur` is not read; `mark_valid` sets it); returns (B, G, hpg, hd) in qkv's dtype.
+Shapes: qkv (B, G, hpg + 2, hd) (the QKV projection's view); cos, sin (B, hd), or the tables
+(T_max, hd) with `positions`; k_cache, v_cache (B, G, T, hd) strided views of the attended columns
+0..T-1 (cur < T); key_valid (B, T) bool (column `cur` is not read); returns (B, G, hpg, hd) in
+qkv's dtype.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ import math
 
 import torch
 
-from . import layer_ops as decode
+from . import layer_ops
 from ._dispatch import HAVE_TRITON, launch_opts, prefetch_args, use_triton
 
 if HAVE_TRITON:
@@ -103,14 +99,17 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
                    v_cache: torch.Tensor, cur: torch.Tensor, key_valid: torch.Tensor, *, hpg: int,
                    positions: torch.Tensor | None = None, scale: float | None = None,
                    mark_valid: bool = False, prefetch: torch.Tensor | None = None,
+                   splits: int | None = None, pdl: bool = False,
                    impl: str = "auto") -> torch.Tensor:
-    """decode.rope_kv_write then decode.decode_attention over the given cache columns, in one kernel
-    (the module docstring); "torch": those two twins. With `positions` (B,) int64, cos and sin are
-    the RoPE tables (T_max, hd) and each row reads its position's entries (no gathered copy).
+    """layer_ops.rope_kv_write then layer_ops.decode_attention over the given cache columns, in one
+    kernel (the module docstring); "torch": those two twins. With `positions` (B,) int64, cos and
+    sin are the RoPE tables (T_max, hd) and each row reads its position's entries (no gathered
+    copy).
     `mark_valid`: also set key_valid[:, cur] (the decode step's own column, which this kernel
     never reads: it folds the token in from registers), so the step needs no fill of its own.
     `prefetch`: a tensor (the output projection's weight) each program hints into L2 when done
-    (sm_90+; kernels/_dispatch.prefetch_l2)."""
+    (sm_90+; kernels/_dispatch.prefetch_l2). `splits`: the split count of the columns (None:
+    layer_ops.num_splits for the device; tests force counts)."""
     B, G, R, hd = qkv.shape
     if positions is not None and not use_triton(qkv, impl):
         cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
@@ -123,15 +122,15 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     if not use_triton(qkv, impl):
         if mark_valid:
             key_valid.index_fill_(1, cur, True)
-        q = decode.rope_kv_write(qkv, cos, sin, k_cache, v_cache, cur, hpg=hpg, impl="torch")
-        return decode.decode_attention(q, k_cache, v_cache, key_valid, scale=scale, impl="torch")
-    decode._check_head_dim(hd)
+        q = layer_ops.rope_kv_write(qkv, cos, sin, k_cache, v_cache, cur, hpg=hpg)
+        return layer_ops.decode_attention(q, k_cache, v_cache, key_valid, scale=scale)
+    layer_ops._check_head_dim(hd)
     if (qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride()
             or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
         raise ValueError("rope_attention needs qkv, cos, sin and the caches contiguous in the last "
                          "dimension and cos, sin of the same strides")
-    nsplit = decode.num_splits(B * G, T, qkv.device)
-    blocks = -(-T // (nsplit * decode.BLOCK_T))
+    nsplit = splits or layer_ops.num_splits(B * G, T, qkv.device)
+    blocks = -(-T // (nsplit * layer_ops.BLOCK_T))
     h_pad = max(16, triton.next_power_of_2(hpg))
     out = torch.empty((B, G, hpg, hd), dtype=qkv.dtype, device=qkv.device)
     if nsplit > 1:
@@ -148,11 +147,12 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
             m, lsum, acc, out, pf, pf_bytes, G, hpg, T, scale,
             *qkv.stride()[:3], cos.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
             valid.stride(0), valid.stride(1), *out.stride()[:3], NSPLIT=nsplit, BLOCKS=blocks,
-            H_PAD=h_pad, HD=hd, BLOCK=decode.BLOCK_T, IEEE=qkv.dtype == torch.float32,
+            H_PAD=h_pad, HD=hd, BLOCK=layer_ops.BLOCK_T, IEEE=qkv.dtype == torch.float32,
             TABLES=positions is not None, MARK=mark_valid, PREFETCH=pf_on,
-            num_warps=decode.ATTN_WARPS, num_stages=decode.ATTN_STAGES, **launch_opts(qkv))
+            num_warps=layer_ops.ATTN_WARPS, num_stages=layer_ops.ATTN_STAGES,
+            **launch_opts(qkv, pdl))
         if nsplit > 1:
-            decode._attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, *out.stride()[:3],
+            layer_ops._attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, *out.stride()[:3],
                                                   NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4,
-                                                  **launch_opts(m))
+                                                  **launch_opts(m, pdl))
     return out

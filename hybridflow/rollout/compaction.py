@@ -5,7 +5,7 @@ all b rows until the last one stops: with a long tail of response lengths (GSM8K
 ~1% of rows at the 1,024 cap) nearly every decode step attends over every row's cache. Compaction
 moves the live rows into a smaller bucket as rows finish.
 
-Algorithm, at the stop-poll points (every CHECK_EVERY decode steps):
+Algorithm, at the stop-poll points (every DecodeOptions.check_every decode steps):
 1. `StopPoller` snapshots the live-row count (sum of ~finished) asynchronously, as it did the done
    flag: the decision uses the previous poll's snapshot, so no host sync. Rows only ever finish, so
    the (stale) count is an upper bound on the rows live now.
@@ -14,9 +14,9 @@ Algorithm, at the stop-poll points (every CHECK_EVERY decode steps):
    compacts at most log2(b) times and the gather traffic is a geometric series; a move for a saving
    of one row would cost a gather and, on GPU, a graph for little). The ladder is
    `bucket_sizes(max_batch_size)` (powers of two, the cap on top); with CUDA graphs only buckets
-   >= MIN_GRAPHED_BUCKET are used: each ladder bucket is captured up front (before the seed, like
-   the chunk buckets), and below ~16 rows a decode step costs about the same (weight reads and
-   launches), so smaller graphs would be capture time for nothing.
+   >= DecodeOptions.min_graphed_bucket are used: each ladder bucket is captured up front (before
+   the seed, like the chunk buckets), and at a few rows a decode step costs about the same (weight
+   reads and launches), so smaller graphs would be capture time for nothing.
 3. `compact`, all on the device and without learning which rows are live on the host: a stable
    argsort of `finished` puts the unfinished rows first (in their order); the first new_b rows of
    that order hold every live row. Their state (tokens, positions, key_valid, finished, output
@@ -41,14 +41,6 @@ counts, hence the decisions, are the same there), but the random stream depends 
 size (a draw of b rows consumes b rows of Philox / CPU generator output), so sampled tokens differ
 from the uncompacted run's: another, equally valid sample. `rollout.compact_finished_rows=false`
 turns it off.
-
-GPU measurement (next device session; nothing here has run on a GPU yet):
-    python benchmarks/bench_long_tail.py --out benchmarks/results/generate_long_tail_h200.json
-times generation of 512 and 128 rows (Qwen2-0.5B shape, bf16, 128-token prompts, cap 1,024) whose
-lengths are geometric with mean 300 (sampled stop ids, see its docstring), compaction on vs off:
-the first call of a fresh Generator (what each RL step pays: graph captures of the ladder
-included) and warm calls, with the row-steps each ran. Then the GSM8K run's timing_s/gen with
-rollout.compact_finished_rows=true vs false. tests/gpu/test_rollout_gpu.py checks graphs on GPU.
 """
 
 from __future__ import annotations
@@ -57,12 +49,11 @@ from typing import Optional
 
 import torch
 
-MIN_GRAPHED_BUCKET = 16  # smallest compaction target when the decode step is a CUDA graph
 
-
-def ladder(bucket_sizes: list[int], *, graphed: bool) -> list[int]:
-    """The compaction targets, ascending."""
-    return [b for b in bucket_sizes if not graphed or b >= MIN_GRAPHED_BUCKET]
+def ladder(bucket_sizes: list[int], *, graphed: bool, min_graphed: int) -> list[int]:
+    """The compaction targets, ascending: under CUDA graphs (`graphed`) those of at least
+    `min_graphed` rows."""
+    return [b for b in bucket_sizes if not graphed or b >= min_graphed]
 
 
 def target_bucket(live: int, current: int, targets: list[int]) -> Optional[int]:

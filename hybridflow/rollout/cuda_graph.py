@@ -84,7 +84,7 @@ class StopPoller:
 
     def reset(self) -> None:
         """Start over (a new decode loop), keeping the pinned buffers and events: allocating
-        pinned memory costs ~0.1-1 ms of host time while the GPU waits."""
+        pinned memory is a slow host call (a page-locking syscall) the GPU would wait for."""
         self.count = 0
 
     def poll(self, count: torch.Tensor) -> int | None:

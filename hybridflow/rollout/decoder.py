@@ -13,17 +13,20 @@ The math follows Megatron's local spec exactly (so logits match `GPTModel` to fp
   weight dtype; llama3 `rope_scaling` supported (its factors read from the dict with Megatron's
   defaults), other scaling types raise NotImplementedError. Positions are per row (left padding).
 - Attention: SDPA. Prefill: causal + key-padding mask over the prompt, grouped K/V
-  (`enable_gqa`); with rollout.decode_kernels=triton its RoPE + K/V writes are one kernel too.
+  (`enable_gqa`: query head j reads K/V group j // hpg, no per-head copy of K/V); with
+  decode_kernels=triton its RoPE + K/V writes are one kernel too.
   Decode: the heads of one query group are folded into the query-length axis, so
   (B, groups, heads_per_group, hd) queries attend to the cached (B, groups, T, hd) keys with no
   K/V copy; an additive mask hides padding and unwritten slots.
   With `kv_len` the keys are the first kv_len columns (a strided view, no copy). With
-  rollout.decode_kernels=triton the decode step's RoPE + KV writes run as one kernel and the
-  attention as split-KV Triton kernels, and the rest of the layer is Triton kernels + cuBLAS too
-  (`_decode_step_fused`; hybridflow/kernels/layer_ops.py: same math, PyTorch twins).
+  decode_kernels=triton the decode step's RoPE, K/V writes and split-KV attention run as one
+  kernel and the rest of the layer is Triton kernels + cuBLAS too (`_decode_step_fused`;
+  hybridflow/kernels/: same math, PyTorch twins).
 - MLP: SwiGLU from fc1 = [gate; up] (per shard); row-parallel proj/fc2 then all-reduce over TP_g.
   With decode_kernels=triton the prefill's SwiGLU is one kernel (kernels.layer_ops.silu_mul) and the
-  decode step's fc1 + SwiGLU one Triton GEMM (kernels/gemm.py, `DECODE_TRITON_GEMMS`).
+  decode step's fc1 + SwiGLU one Triton GEMM at large batches (kernels/gemm.py).
+Which variant runs is decided by a `DecodeOptions` (rollout/options.py) passed in, never by module
+state.
 - Embedding: vocab-parallel masked lookup + all-reduce. Output: vocab-parallel matmul, all-gather
   over TP_g, padded vocab ids (>= true vocab) dropped; fp32 logits out (a decode step's stay in
   the weights' dtype for the sampler).
@@ -41,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridflow.config import ModelConfig
+from hybridflow.rollout.options import DecodeOptions
 
 
 @dataclass(frozen=True)
@@ -222,14 +226,6 @@ def logits(w: Weights, h: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:
     return local.float() if fp32 else local
 
 
-def _swiglu_gemm(h, fc1, prefetch=None):
-    """fc1 and the SwiGLU as one Triton GEMM (kernels/gemm.py); `prefetch`: the next GEMM's
-    weight, hinted into L2 by the kernel."""
-    from hybridflow.kernels.gemm import swiglu_linear
-
-    return swiglu_linear(h, fc1, prefetch=prefetch, impl="triton")
-
-
 def _swiglu(h, fc1, silu_mul=None):
     """silu(gate) * up of fc1 = [gate; up]; `silu_mul`: a one-pass kernel for it (the prefill's,
     kernels.layer_ops.silu_mul) instead of PyTorch's ops."""
@@ -248,30 +244,30 @@ def _mlp(x, layer: Layer, w: Weights, swiglu=_swiglu, norm=_norm):
 
 def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *,
             cos_tab: torch.Tensor, sin_tab: torch.Tensor, cache=None, cache_row0: int = 0,
-            last_only: bool = False, kernels: str = "torch"):
+            last_only: bool = False, opts: DecodeOptions = DecodeOptions(kernels="torch")):
     """Full causal forward over left-padded rows (prefill, or the no-cache reference).
 
     ids, positions (B, S) int64, valid (B, S) bool (False = left padding). With `cache`, K/V land in
-    columns 0..S-1 of cache rows cache_row0.. `kernels` "triton" (rollout.decode_kernels, with a
-    cache): RoPE and the K/V writes as one kernel (kernels.layer_ops.rope_kv_prefill), the attention
-    reading K/V from the cache, the SwiGLU in one pass (kernels.layer_ops.silu_mul; or with fc1 as one
-    GEMM, SWIGLU_GEMM_PREFILL), the RMSNorms as kernels.layer_ops.add_rms_norm. Returns fp32
-    logits (B, S, V) or, with last_only, (B, V).
+    columns 0..S-1 of cache rows cache_row0.. With opts.kernels "triton" (resolved, with a cache):
+    RoPE and the K/V writes as one kernel (kernels.layer_ops.rope_kv_prefill), the attention reading
+    K/V from the cache, the SwiGLU in one pass (kernels.layer_ops.silu_mul), the RMSNorms as
+    kernels.layer_ops.add_rms_norm. Returns fp32 logits (B, S, V) or, with last_only, (B, V).
     """
     d = w.dims
     B, S = ids.shape
     hpg, hd = d.heads_per_group, d.head_dim
-    fused = kernels == "triton" and cache is not None
+    fused = opts.kernels == "triton" and cache is not None
     x = embed(w, ids.masked_fill(~valid, 0)).reshape(B * S, d.hidden)
     swiglu, norm = _swiglu, _norm
     if fused:
         from hybridflow.kernels import layer_ops as kern
 
+        pdl = opts.pdl
         cos, sin = cos_tab[positions], sin_tab[positions]  # (B, S, hd)
-        swiglu = (_swiglu_gemm if SWIGLU_GEMM_PREFILL else
-                  functools.partial(_swiglu, silu_mul=functools.partial(kern.silu_mul, impl="triton")))
-        # RMSNorm as the decode step's one-pass kernel (F.rms_norm: ~22 us per 16k x 896 call)
-        norm = lambda t, weight, eps: kern.add_rms_norm(t, None, weight, eps, impl="triton")[1]  # noqa
+        swiglu = functools.partial(_swiglu, silu_mul=functools.partial(kern.silu_mul, pdl=pdl,
+                                                                       impl="triton"))
+        norm = lambda t, weight, eps: kern.add_rms_norm(t, None, weight, eps, pdl=pdl,  # noqa
+                                                        impl="triton")[1]
     else:
         cos = cos_tab[positions][:, :, None, None]  # (B, S, 1, 1, hd)
         sin = sin_tab[positions][:, :, None, None]
@@ -283,7 +279,7 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
         qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(B, S, d.groups, hpg + 2, hd)
         if fused:
             kc, vc = cache.layer(i, cache_row0 + B, cache_row0)
-            q = kern.rope_kv_prefill(qkv, cos, sin, kc, vc, hpg=hpg, impl="triton")
+            q = kern.rope_kv_prefill(qkv, cos, sin, kc, vc, hpg=hpg, pdl=pdl, impl="triton")
             q = q.view(B, S, d.heads, hd).transpose(1, 2)  # (B, H, S, hd)
             k, v = kc[:, :, :S], vc[:, :, :S]  # (B, G, S, hd)
         else:
@@ -296,9 +292,7 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
                 kc, vc = cache.layer(i, cache_row0 + B, cache_row0)
                 kc[:, :, :S].copy_(k)
                 vc[:, :, :S].copy_(v)
-        # query head j reads K/V group j // hpg (no per-head K/V copy: half the attention time of
-        # repeat_interleave + SDPA at 64-256 x 128 tokens; benchmarks/results/fused_linear_h200.json
-        # "prefill_attention")
+        # query head j reads K/V group j // hpg (no per-head K/V copy)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hpg > 1)
         x = _row_parallel_add(x, a.transpose(1, 2).reshape(B * S, d.heads * hd), layer.proj, w)
         x = _mlp(x, layer, w, swiglu, norm)
@@ -310,15 +304,15 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
 
 def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: torch.Tensor,
                 key_valid: torch.Tensor, *, cache, cos_tab: torch.Tensor, sin_tab: torch.Tensor,
-                kv_len: Optional[int] = None, compiled: bool = False, kernels: str = "torch"):
+                kv_len: Optional[int] = None, opts: DecodeOptions = DecodeOptions(kernels="torch")):
     """One token per row against the static cache; graph-capturable (no host sync, static shapes).
 
     tokens, positions (B,) int64; cur (1,) int64: the cache column this token is written to;
     key_valid (B, T) bool, updated in place (column `cur` becomes valid). `kv_len`: attend over
-    cache columns 0..kv_len-1 only (the caller keeps cur < kv_len; None: all T). `compiled`: run
-    each layer's pure parts compiled (rollout.compile_decode, TP_g = 1). `kernels`: "torch" (RoPE,
-    KV writes and SDPA as PyTorch ops) or "triton" (rollout.decode_kernels: the fused kernels of
-    hybridflow/kernels/layer_ops.py). Returns logits (B, V) in the weights' dtype.
+    cache columns 0..kv_len-1 only (the caller keeps cur < kv_len; None: all T). `opts` (resolved:
+    kernels "torch" or "triton"): "torch" runs RoPE, KV writes and SDPA as PyTorch ops, with
+    opts.compile each layer's pure parts compiled (TP_g = 1); "triton" the fused kernels
+    (`_decode_step_fused`). Returns logits (B, V) in the weights' dtype.
 
     At TP = 1 a layer runs as two parts (`_layer_parts`): eager, each residual add happens inside
     its GEMM, in place on the step's own hidden state (cuBLAS adds into it: no copy of x first, as
@@ -329,15 +323,15 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     B = tokens.shape[0]
     hpg, hd = d.heads_per_group, d.head_dim
     seen = key_valid if kv_len is None else key_valid[:, :kv_len]
-    if kernels == "triton":  # it marks column cur valid itself
+    if opts.kernels == "triton":  # it marks column cur valid itself
         return _decode_step_fused(w, tokens, positions, cur, seen, cache=cache, cos_tab=cos_tab,
-                                  sin_tab=sin_tab, kv_len=kv_len)
+                                  sin_tab=sin_tab, kv_len=kv_len, opts=opts)
     key_valid.index_fill_(1, cur, True)
     bias = torch.zeros(seen.shape, dtype=cos_tab.dtype, device=tokens.device)
     bias = bias.masked_fill_(~seen, float("-inf"))[:, None, None, :]  # (B, 1, 1, kv_len)
     cos = cos_tab.index_select(0, positions)[:, None, None, :]  # (B, 1, 1, hd)
     sin = sin_tab.index_select(0, positions)[:, None, None, :]
-    attn_in, attn_out = _layer_parts(compiled)
+    attn_in, attn_out = _layer_parts(opts)
     x, y = embed(w, tokens), None  # (B, D); the layer input is x + y (y None: x)
     for i, layer in enumerate(w.layers):
         x, qk, v = attn_in(x, y, layer.ln1, layer.qkv_w, layer.qkv_b, cos, sin, d.eps,
@@ -358,78 +352,68 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
 
 
 def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_tab, sin_tab,
-                       kv_len):
-    """decode_step with the layer as Triton kernels and cuBLAS (kernels.decode, impl "triton": on
-    CPU only under TRITON_INTERPRET=1, the tests' way): the residual sum + RMSNorm as one kernel
-    (add_rms_norm), RoPE + the KV writes as one (rope_kv_write), split-KV attention, the attention
-    output's projection accumulated in place into the layer's residual sum (cuBLAS's beta = 1;
-    an out-of-place addmm, as inductor makes, first copies the residual) and fc1 + the SwiGLU as
-    one Triton GEMM (kernels/gemm.swiglu_linear; `DECODE_TRITON_GEMMS`, else cuBLAS + silu_mul),
-    RoPE + the K/V write + the attention as one kernel (`FUSE_ROPE_ATTENTION`). Per op 1.3-3.3x
-    faster than rollout.compile_decode's inductor kernels for the same work and 4.8-8% off the whole step (benchmarks/results/decode_parts_h200.json,
-    decode_profile_h200_fused_layer.json), so rollout.compile_decode changes nothing here (the
-    sampler is compiled by the caller). The Triton kernels launch with programmatic dependent
-    launch on sm_90+ (kernels/_dispatch.PDL) and hint the next cuBLAS GEMM's weights into L2
-    (`PREFETCH_WEIGHTS`)."""
+                       kv_len, opts: DecodeOptions):
+    """decode_step with the layer as Triton kernels and cuBLAS (impl "triton": on CPU only under
+    TRITON_INTERPRET=1, the tests' way), per layer:
+    1. the residual sum + RMSNorm as one kernel (add_rms_norm; in the first layer at TP = 1 it
+       also does the embedding lookup, `rows=`: no launch of its own);
+    2. cuBLAS's QKV GEMM;
+    3. RoPE + the K/V write + split-KV attention as one kernel (kernels/rope_attention.py; in the
+       first layer it also marks column cur valid: it never reads that column itself);
+    4. the projection accumulated in place into the residual (cuBLAS's beta = 1; an out-of-place
+       addmm, as inductor makes, first copies the residual);
+    5. the second norm kernel, then fc1 + SwiGLU as one Triton GEMM at buckets of at least
+       opts.swiglu_gemm_min_rows rows (else cuBLAS + silu_mul);
+    6. fc2: at TP = 1 accumulated into the residual in place like the projection (no y to add
+       later); at TP > 1 written out, all-reduced and added by the next norm kernel.
+    rollout.compile_decode changes nothing here (each op above is already one kernel; the sampler
+    is compiled by the caller). Every Triton launch takes opts.pdl; at buckets of at least
+    opts.prefetch_min_rows rows the kernel before each GEMM named in opts.prefetch_weights hints
+    its weight into L2 (fc2's only from fc1's Triton GEMM)."""
     from hybridflow.kernels import layer_ops as kern
-    from hybridflow.kernels import gemm
+    from hybridflow.kernels.gemm import swiglu_linear
     from hybridflow.kernels.rope_attention import rope_attention
 
     d = w.dims
     B = tokens.shape[0]
-    tri = DECODE_TRITON_GEMMS if B >= DECODE_TRITON_GEMM_MIN_ROWS else ()
-    hpg, hd = d.heads_per_group, d.head_dim
-    if not FUSE_ROPE_ATTENTION:  # the fused kernel reads the tables at each row's position
-        cos = cos_tab.index_select(0, positions)  # (B, hd)
-        sin = sin_tab.index_select(0, positions)
-    # FOLD_SMALL_LAUNCHES: the first layer's fused attention kernel marks column cur valid, and
-    # (TP = 1) its norm kernel does the embedding lookup (x None until then)
-    mark = FOLD_SMALL_LAUNCHES and FUSE_ROPE_ATTENTION and bool(w.layers)
-    if not mark:
-        seen.index_fill_(1, cur, True)
-    fold = FOLD_SMALL_LAUNCHES and d.tp_size == 1 and bool(w.layers)
-    x, y = (None if fold else embed(w, tokens)), None  # the layer input is x + y (y None: x)
-    hints = PREFETCH_WEIGHTS if B >= PREFETCH_MIN_ROWS else ()
+    hpg, hd, pdl = d.heads_per_group, d.head_dim, opts.pdl
+    swiglu_gemm = B >= opts.swiglu_gemm_min_rows
+    hints = opts.prefetch_weights if B >= opts.prefetch_min_rows else ()
     hint = lambda name, t: t if name in hints else None  # noqa: E731  (L2 hints)
+    if not w.layers:  # no attention kernel to mark the column
+        seen.index_fill_(1, cur, True)
+    # the layer input is x + y (y None: x); x None: the first norm gathers the embedding (TP = 1)
+    x, y = (None if d.tp_size == 1 else embed(w, tokens)), None
     for i, layer in enumerate(w.layers):
         pf = hint("qkv", layer.qkv_w)
         x, h = (kern.add_rms_norm(w.embed, None, layer.ln1, d.eps, rows=tokens, prefetch=pf,
-                                  impl="triton")
-                if x is None else kern.add_rms_norm(x, y, layer.ln1, d.eps, prefetch=pf,
+                                  pdl=pdl, impl="triton")
+                if x is None else kern.add_rms_norm(x, y, layer.ln1, d.eps, prefetch=pf, pdl=pdl,
                                                     impl="triton"))
-        qkv = (gemm.linear(h, layer.qkv_w, layer.qkv_b, impl="triton") if "qkv" in tri
-               else F.linear(h, layer.qkv_w, layer.qkv_b)).view(B, d.groups, hpg + 2, hd)
+        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(B, d.groups, hpg + 2, hd)
         kc, vc = cache.layer(i, B)
-        if FUSE_ROPE_ATTENTION:  # RoPE, the K/V write and the attention as one kernel
-            if kv_len is not None:
-                kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
-            a = rope_attention(qkv, cos_tab, sin_tab, kc, vc, cur, seen, hpg=hpg,
-                               positions=positions, impl="triton",
-                               mark_valid=i == 0 and mark, prefetch=hint("proj", layer.proj))
-        else:
-            q = kern.rope_kv_write(qkv, cos, sin, kc, vc, cur, hpg=hpg, impl="triton")
-            if kv_len is not None:
-                kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
-            a = kern.decode_attention(q, kc, vc, seen, impl="triton")
-        a = a.reshape(B, d.heads * hd)
+        if kv_len is not None:
+            kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
+        a = rope_attention(qkv, cos_tab, sin_tab, kc, vc, cur, seen, hpg=hpg, positions=positions,
+                           mark_valid=i == 0, prefetch=hint("proj", layer.proj), pdl=pdl,
+                           impl="triton").reshape(B, d.heads * hd)
         if d.tp_size == 1:  # x is this step's own buffer (add_rms_norm's sum, or the embedding)
-            x = (gemm.linear(a, layer.proj, out=x, impl="triton") if "proj" in tri
-                 else x.addmm_(a, layer.proj.t()))
+            x = x.addmm_(a, layer.proj.t())
         else:
             x = _row_parallel_add(x, a, layer.proj, w)
-        h = kern.add_rms_norm(x, None, layer.ln2, d.eps, prefetch=hint("fc1", layer.fc1),
+        h = kern.add_rms_norm(x, None, layer.ln2, d.eps, prefetch=hint("fc1", layer.fc1), pdl=pdl,
                               impl="triton")[1]
-        if "fc1" in tri:
-            act = _swiglu_gemm(h, layer.fc1, prefetch=hint("fc2", layer.fc2))
+        if swiglu_gemm:
+            act = swiglu_linear(h, layer.fc1, prefetch=hint("fc2", layer.fc2), pdl=pdl,
+                                impl="triton")
         else:
-            act = kern.silu_mul(F.linear(h, layer.fc1), impl="triton")
-        if "fc2" in tri:  # y: added by the next add_rms_norm
-            y = _all_reduce(gemm.linear(act, layer.fc2, kind="linear_long_k", impl="triton"), w)
-        elif FC2_INTO_RESIDUAL and d.tp_size == 1:  # cuBLAS adds into x (beta = 1): no y
+            act = kern.silu_mul(F.linear(h, layer.fc1), pdl=pdl, impl="triton")
+        if d.tp_size == 1:
             x, y = x.addmm_(act, layer.fc2.t()), None
         else:
             y = _all_reduce(F.linear(act, layer.fc2), w)
-    return logits(w, kern.add_rms_norm(x, y, w.final_ln, d.eps, impl="triton")[1], fp32=False)
+    h = kern.add_rms_norm(x, y, w.final_ln, d.eps, pdl=pdl, impl="triton")[1]
+    return logits(w, h, fp32=False)
 
 
 def _qkv(x, y, ln1, qkv_w, qkv_b, eps: float, shape: tuple):
@@ -461,64 +445,14 @@ def _attn_out_split(x, a, proj, ln2, fc1, fc2, eps: float):
     return x, F.linear(_swiglu(_norm(x, ln2, eps), fc1), fc2)
 
 
-# decode_kernels=triton: RoPE + the K/V write and the attention as one kernel
-# (kernels/rope_attention.py) instead of two: 0.4638 -> 0.4548 s per 256-row, 256-token call of
-# Qwen2-0.5B on the H200 (benchmarks/results/generate_h200_decode_ab.json)
-FUSE_ROPE_ATTENTION = True
-# decode_kernels=triton: two small launches of each decode step folded into kernels that run
-# anyway: the KV-valid mark of the step's column into the first layer's fused attention kernel
-# (FUSE_ROPE_ATTENTION; that kernel never reads the column) and (TP = 1) the embedding lookup into
-# the first layer's norm kernel. H200, 256-row, 256-token call of Qwen2-0.5B, ABAB in one call:
-# 0.4305 / 0.4294 -> 0.4277 / 0.4276 s (benchmarks/results/generate_h200_decode_ab.json)
-FOLD_SMALL_LAUNCHES = True
-# decode_kernels=triton, TP = 1, fc2 on cuBLAS: its product accumulated into the residual in place
-# (addmm_, beta = 1; cuBLAS keeps its split-K) instead of written out and added by the next
-# layer's norm kernel. Same call, two machine instances: better in 6 of 8 pairs, ~1 ms (mean of
-# 4: 0.4290 -> 0.4279 s), within the calls' noise of 1-3 ms
-FC2_INTO_RESIDUAL = True
-# decode_kernels=triton: the GEMMs whose weights the Triton kernel before them hints into L2
-# (kernels/_dispatch.prefetch_l2, sm_90+): "qkv" by the first norm, "proj" by the fused attention
-# kernel when done, "fc1" by the second norm, "fc2" by fc1's Triton GEMM. At decode's rows those
-# GEMMs' K loops wait on HBM latency. H200, 256 rows, per 256-token call of Qwen2-0.5B, ABAB x2 in
-# one call: none 0.4202 / 0.4197 s, qkv 0.4170 / 0.4173, qkv + proj 0.4150 / 0.4155, qkv + fc2
-# 0.4250 / 0.4252; all four (another call) 0.4308 / 0.4313 against 0.4211 / 0.4198: cuBLAS's QKV /
-# projection / fc2 16 / 14 / 9 us per step faster, but the norms 63 us slower (fc1's 17 MB hinted
-# by a 2 us kernel), the attention and fc1 ~12 us each (benchmarks/results/
-# generate_h200_decode_ab.json, decode_profile_h200_prefetch_all4.json)
-PREFETCH_WEIGHTS: frozenset = frozenset({"qkv", "proj"})
-# ... for decode batches (graph buckets) of at least this many rows: Qwen2-1.5B at 64 rows (where
-# the GEMMs read weights at bandwidth) lost ~3 ms per call with the hints (0.5351 / 0.5363 s
-# without, 0.5391 / 0.5386 with)
-PREFETCH_MIN_ROWS = 256
-# decode_kernels=triton: the decode step's GEMMs that run as Triton GEMMs with their neighbours in
-# the epilogue (kernels/gemm.py) instead of cuBLAS: "fc1" (+ the SwiGLU, no (B, 2F) product),
-# "qkv" (+ bias), "proj" (accumulated into the residual in place), "fc2" (split-K reduced in the
-# kernel; not yet measured on a GPU). fc1: 0.4452 -> 0.4318 s per
-# 256-row, 256-token call of Qwen2-0.5B on the H200 (benchmarks/results/generate_h200_decode_ab.json)
-DECODE_TRITON_GEMMS = frozenset({"fc1"})
-# ... for decode batches (graph buckets) of at least this many rows: measured at 256 (and 16k
-# prefill tokens); at fewer rows the GEMMs read weights more than they compute (1.5B at 64 rows:
-# ~2.9 TB/s on cuBLAS) and these tiles are untested there, so cuBLAS keeps them
-DECODE_TRITON_GEMM_MIN_ROWS = 256
-# the prefill's fc1 + SwiGLU as that one GEMM: as fast as cuBLAS + silu_mul at 16k tokens (0.99x,
-# benchmarks/results/swiglu_gemm_h200.json), so off; it would save the (M, 2F) product's memory
-SWIGLU_GEMM_PREFILL = False
-
-# rollout.compile_decode: the two pure parts of each layer's decode step (no cache writes, no
-# collectives: those stay eager between them) through torch.compile, dynamic batch size; inductor
-# fuses the RMSNorm, RoPE, SwiGLU and residual element-wise work around the GEMMs. The CPU tests
-# set "aot_eager" (dynamo's trace without inductor's minutes of C++ builds); tests/gpu compiles.
-COMPILE_BACKEND = "inductor"
-# torch.compile's mode for them (None: the default); benchmarks/profile_decode.py --compile-mode
-# tries others (e.g. "max-autotune-no-cudagraphs": inductor's Triton GEMM templates with the
-# SwiGLU / norm work fused into their epilogues, against cuBLAS)
-COMPILE_MODE: Optional[str] = None
-
-
-def _layer_parts(compiled: bool):
-    """(attention-in part, attention-out + MLP part) of a TP = 1 decode layer."""
-    if compiled:
-        return _compiled(COMPILE_BACKEND, COMPILE_MODE)
+def _layer_parts(opts: DecodeOptions):
+    """(attention-in part, attention-out + MLP part) of a TP = 1 decode layer: with opts.compile
+    both through torch.compile (dynamic batch size; the cache writes and collectives stay eager
+    between them), inductor fusing the RMSNorm, RoPE, SwiGLU and residual element-wise work around
+    the GEMMs; CPU tests pass the aot_eager backend (dynamo's trace without inductor's C++
+    builds)."""
+    if opts.compile:
+        return _compiled(opts.compile_backend, opts.compile_mode)
     return _attn_in, _attn_out
 
 

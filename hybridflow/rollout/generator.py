@@ -2,8 +2,8 @@
 
     gen = Generator(model_cfg=..., params=gen_layout_params, tp_group=tp_g_group, device=...,
                     dtype=torch.bfloat16, true_vocab_size=V)
-    out = gen.generate(prompts, cfg=rollout_cfg, eos_id=eos, pad_id=pad, seed=step_seed)
-    batch = gen.generate(...)  # a RolloutBatch (hybridflow.data.batch) of prompts + responses
+    batch = gen.generate(prompts, cfg=rollout_cfg, eos_id=eos, pad_id=pad, seed=step_seed,
+                         options=DecodeOptions.from_config(rollout_cfg))  # a RolloutBatch
     gen.release()   # KV cache, graphs, static buffers gone; the training phases get the memory back
 
 Every rank of a TP_g group must call `generate` with the same prompts and seed: the ranks hold
@@ -18,8 +18,11 @@ Layout of a call:
 - Rows are processed in chunks of at most `cfg.max_batch_size`. Per chunk: eager prefill (SDPA over
   the prompt, K/V into the static cache, first token sampled from the last column), then one decode
   step per new token: a CUDA-graph replay on GPU (bucketed batch sizes, see cuda_graph.py), the same
-  function eagerly on CPU or with `cfg.cuda_graphs=False`.
-- Attention windows (`cfg.decode_kv_window` W > 0): a decode step attends over the first multiple of
+  function eagerly on CPU or with `options.cuda_graphs` off.
+- How it decodes (kernels, graphs, compile, windows, compaction, launch options) is one
+  `DecodeOptions` (options.py) per call; it is part of the key of the captured steps, so a call
+  with other options captures (and keeps) its own.
+- Attention windows (`options.kv_window` W > 0): a decode step attends over the first multiple of
   W cache columns that holds every written slot, not the whole P + R cache (`kv_windows`): a graph
   per window and bucket, all on the bucket's buffers; the host picks one per step from the step
   index (no sync). Early steps of a long budget, when the batch is fullest, read a fraction of the
@@ -31,15 +34,15 @@ Layout of a call:
   of a per-row prefill, so the random stream, hence the output, is that of prefilling every row (up
   to a matmul's batch-size-dependent rounding, see compaction.py).
 - Stopping: a row finishes at EOS, any `cfg.stop_token_ids`, or `max_new_tokens`; finished rows
-  emit pad. Every CHECK_EVERY steps the live-row count is polled asynchronously (no host sync per
-  step): the loop ends once every row finished, and with `cfg.compact_finished_rows` the live rows
+  emit pad. Every `options.check_every` steps the live-row count is polled asynchronously (no host
+  sync per step): the loop ends once every row finished, and with `options.compact_finished_rows`
+  the live rows
   move to a smaller bucket once they fit in half the current one (compaction.py), so a long tail
   of response lengths does not hold the whole batch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 from typing import Optional
@@ -50,22 +53,16 @@ from torch.profiler import record_function
 
 from hybridflow.config import ModelConfig, RolloutConfig
 from hybridflow.data.batch import RolloutBatch
-from hybridflow.rollout import compaction, decoder, sampling
+from hybridflow.rollout import compaction, decoder
 from hybridflow.rollout.cuda_graph import (GraphedStep, StopPoller, bucket_for, bucket_sizes,
                                            free_workspaces)
 from hybridflow.rollout.kv_cache import KVCache
+from hybridflow.rollout.options import DecodeOptions
 from hybridflow.rollout.sampling import sample
 
-# decode_kernels=triton: a decode step's bookkeeping after the draw (the output column, stop
-# check, token / position / column / step advance) as one kernel (kernels/sampling.advance_rows)
-# instead of ~10 small PyTorch kernels; with sampling.GREEDY_KERNEL and no log-probs the greedy
-# argmax's second pass runs in it too. 0.4480 -> 0.4452 s per 256-row, 256-token call of Qwen2-0.5B
-# on the H200 (benchmarks/results/generate_h200_decode_ab.json)
-STEP_KERNEL = True
-
-CHECK_EVERY = 16  # decode steps between stop polls
-PREFILL_TOKENS = 16384  # prompt tokens per prefill sub-batch (bounds activation memory)
-LENGTH_MULTIPLE = 64  # cache length rounding: fewer re-captures, aligned attention masks
+# cache length rounding: fewer re-captures, aligned attention masks; rollout.decode_kv_window is a
+# multiple of it, so windows end on its multiples
+LENGTH_MULTIPLE = 64
 
 
 class _Buffers:
@@ -121,34 +118,41 @@ class Generator:
         self._rng = torch.Generator(device=self.device)
         self._cache: Optional[KVCache] = None
         self._tables = None  # rope (cos, sin) for the cache length
-        self._steps: dict = {}  # (rows, max_new, sampling key, graphed) -> (buffers, step fn)
+        # (rows, max_new, sampling key, windows, DecodeOptions) -> (buffers, {kv_len: step fn})
+        self._steps: dict = {}
         self._pool = self._side = None  # graph memory pool, warm-up stream
         self._poller: Optional[StopPoller] = None
         # host-side counts of the last generate call (no sync): decode row-steps run, what the
-        # same steps would have cost without compaction, compactions
-        self.stats = {"decode_row_steps": 0, "decode_row_steps_uncompacted": 0, "compactions": 0}
+        # same steps would have cost without compaction, compactions, prefill sub-batches and
+        # their rows, decode steps per attention window (kv_len -> steps; None: the whole cache)
+        self.stats = _new_stats()
 
     # ---- public -------------------------------------------------------------------------------
     def generate(self, prompts: list, *, cfg: RolloutConfig, eos_id: int, pad_id: int,
-                 seed: int) -> RolloutBatch:
+                 seed: int, options: Optional[DecodeOptions] = None) -> RolloutBatch:
         """Sample `cfg.n` responses per prompt. Returns the rows as the trainer consumes them, on
         the device: B = len(prompts) * n rows [p0s0, p0s1, ..., p1s0, ...], prompts LEFT-padded to
         the longest (pad_id), responses right-padded to the longest produced, masks 1 up to and
         including the stop token, `group_ids` = `indices` = the prompt's position in `prompts`
         (callers map them to global ids), `rollout_logprobs` (B, R) when cfg.return_logprobs: each
         sampled token's log-prob under log_softmax(logits / T) (T = 1 when greedy), before
-        top-k/top-p filtering (as verl's), 0 on padding."""
-        cfg = dataclasses.replace(cfg, decode_kernels=resolve_decode_kernels(
-            cfg.decode_kernels, self.device, self.w.dims.head_dim))
+        top-k/top-p filtering (as verl's), 0 on padding.
+
+        `cfg` says what to sample (n, max_new_tokens, temperature, top_k, top_p, stop ids,
+        max_batch_size, return_logprobs); `options` how to decode (None:
+        DecodeOptions.from_config(cfg); given, cfg's decode keys are not read)."""
+        opts = (options or DecodeOptions.from_config(cfg)).resolved(self.device,
+                                                                    self.w.dims.head_dim)
         # the phases carry profiler labels (generate.setup / .prefill / .decode / .finish): a trace
         # (benchmarks/profile_decode.py --timeline) attributes the GPU's idle time to them
         with torch.no_grad(), record_function("generate.setup"):
+            self._check_options(opts)
             ids, mask = self._padded_prompts(prompts, cfg, pad_id)
             N, (_, P), R = len(prompts) * cfg.n, ids.shape, cfg.max_new_tokens
             if P + R > self.cfg.max_position_embeddings:
                 raise ValueError(f"longest prompt {P} + rollout.max_new_tokens={R} exceeds model."
                                  f"max_position_embeddings={self.cfg.max_position_embeddings}")
-            graphed = cfg.cuda_graphs and self.device.type == "cuda"
+            graphed = opts.cuda_graphs and self.device.type == "cuda"
             mbs = cfg.max_batch_size
             chunks = [(s, min(s + mbs, N)) for s in range(0, N, mbs)]
             bucket = {c: bucket_for(c[1] - c[0], mbs) if graphed else c[1] - c[0]
@@ -157,8 +161,9 @@ class Generator:
             key = (cfg.temperature, cfg.top_k, cfg.top_p, cfg.return_logprobs, tuple(stop_ids),
                    pad_id)
             targets = []  # compaction buckets (ascending), each below some chunk's bucket
-            if cfg.compact_finished_rows and R > 1:
-                targets = [b for b in compaction.ladder(bucket_sizes(mbs), graphed=graphed)
+            if opts.compact_finished_rows and R > 1:
+                targets = [b for b in compaction.ladder(bucket_sizes(mbs), graphed=graphed,
+                                                        min_graphed=opts.min_graphed_bucket)
                            if b < max(bucket.values())]
             ids_p, mask_p = ids.to(self.device), mask.to(self.device)  # (len(prompts), P)
             prompt_of_row = torch.arange(len(prompts),
@@ -167,17 +172,18 @@ class Generator:
             runs = {c: (c[0] // cfg.n, (c[1] - 1) // cfg.n + 1) for c in chunks}
             length = -(-(P + R) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
             self._ensure_cache(rows=max(bucket.values()), length=length)
-            windows = kv_windows(self._cache.length, cfg.decode_kv_window)
+            windows = kv_windows(self._cache.length, opts.kv_window)
             # every bucket a chunk may use, captured up front: warm-ups write the cache/buffers
             sizes = sorted(set(bucket.values()), reverse=True) + targets[::-1]
-            steps = {b: self._step(b, R, key, cfg, graphed, windows)
+            steps = {b: self._step(b, R, key, cfg, opts, graphed, windows)
                      for b in dict.fromkeys(sizes)}
             self._rng.manual_seed(seed)  # after any capture: warm-up runs consume randomness
-            self.stats = dict.fromkeys(self.stats, 0)
+            self.stats = _new_stats()
         with torch.no_grad():
             outs = [self._run_chunk(steps, bucket[c], ids_p[runs[c][0]:runs[c][1]],
                                     mask_p[runs[c][0]:runs[c][1]],
-                                    prompt_of_row[c[0]:c[1]] - runs[c][0], cfg, pad_id, targets)
+                                    prompt_of_row[c[0]:c[1]] - runs[c][0], cfg, opts, pad_id,
+                                    targets)
                     for c in chunks]
         with record_function("generate.finish"):
             tokens = torch.cat([o[0] for o in outs])  # (N, R)
@@ -215,14 +221,21 @@ class Generator:
             free_workspaces()
 
     # ---- internals ----------------------------------------------------------------------------
+    def _check_options(self, opts: DecodeOptions) -> None:
+        if opts.kernels == "triton":
+            _check_decode_kernels(self.device, self.w.dims.head_dim)
+        if opts.compile and self.w.dims.tp_size > 1:
+            raise ValueError(f"rollout.compile_decode=true needs a generation TP of 1 (got "
+                             f"{self.w.dims.tp_size}): the compiled step has no TP all-reduces")
+
     def _padded_prompts(self, prompts, cfg: RolloutConfig, pad_id: int):
         """The prompts left-padded: (ids, mask) (len(prompts), longest) int64 on the host, after
         checking them and cfg."""
         lens = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
         if not len(lens) or not lens.all():
             raise ValueError("generate needs a non-empty list of non-empty prompts (token ids)")
-        # one pass over all the ids in numpy: a Python loop of per-prompt tensors took ~9 ms for
-        # 256 prompts of 128 ids on our CPU, spent while the GPU waits at the start of a call
+        # one pass over all the ids in numpy: a Python loop of per-prompt tensors is several times
+        # slower, host time the GPU waits for at the start of every call
         flat = np.fromiter(itertools.chain.from_iterable(prompts), dtype=np.int64,
                            count=int(lens.sum()))
         lo, hi = int(flat.min()), int(flat.max())
@@ -235,11 +248,6 @@ class Generator:
                         ("top_p", 0 < cfg.top_p <= 1)):
             if not ok:
                 raise ValueError(f"rollout.{key}={getattr(cfg, key)!r} is out of range")
-        if cfg.decode_kernels == "triton":
-            _check_decode_kernels(self.device, self.w.dims.head_dim)
-        if cfg.compile_decode and self.w.dims.tp_size > 1:
-            raise ValueError(f"rollout.compile_decode=true needs a generation TP of 1 (got "
-                             f"{self.w.dims.tp_size}): the compiled step has no TP all-reduces")
         P = int(lens.max())
         mask = np.arange(P)[None, :] >= (P - lens)[:, None]  # each prompt ends at column P - 1
         ids = np.full(mask.shape, pad_id, dtype=np.int64)
@@ -258,15 +266,16 @@ class Generator:
         self._tables = decoder.rope_tables(self.w.inv_freq, length, dtype=self.dtype,
                                            device=self.device)
 
-    def _step(self, rows: int, max_new: int, key, cfg: RolloutConfig, graphed: bool,
-              windows: list):
+    def _step(self, rows: int, max_new: int, key, cfg: RolloutConfig, opts: DecodeOptions,
+              graphed: bool, windows: list):
         """(buffers, {kv_len: step}) of one batch bucket: a decode step per attention window
-        (`kv_windows`), all on the same buffers."""
-        k = (rows, max_new, key, graphed, tuple(windows), cfg.compile_decode, cfg.decode_kernels)
+        (`kv_windows`), all on the same buffers; kept per options (a graph captured under one
+        DecodeOptions is never replayed under another)."""
+        k = (rows, max_new, key, graphed, tuple(windows), opts)
         if k in self._steps:
             return self._steps[k]
         buf = _Buffers(rows, self._cache.length, max_new, list(key[4]), self.device)
-        fns = {kv_len: self._capture(self._step_fn(buf, cfg, key[5], kv_len), buf,
+        fns = {kv_len: self._capture(self._step_fn(buf, cfg, opts, key[5], kv_len), buf,
                                      graphed and max_new > 1) for kv_len in windows}
         self._steps[k] = (buf, fns)
         return buf, fns
@@ -280,36 +289,34 @@ class Generator:
         buf.positions.zero_()
         return GraphedStep(fn, pool=self._pool, side=self._side, generator=self._rng)
 
-    def _step_fn(self, buf: _Buffers, cfg: RolloutConfig, pad: int, kv_len):
+    def _step_fn(self, buf: _Buffers, cfg: RolloutConfig, opts: DecodeOptions, pad: int, kv_len):
         cache, (cos, sin), w = self._cache, self._tables, self.w
-        compiled, kernels = cfg.compile_decode, cfg.decode_kernels
-
-        # the bookkeeping kernel (the switch as of the capture: graphs are keyed by the config);
-        # greedy without log-probs: the argmax's second pass runs in it
-        step_kernel = STEP_KERNEL and kernels == "triton"
-        argmax_in_step = (step_kernel and cfg.temperature == 0.0 and sampling.GREEDY_KERNEL
-                          and not cfg.return_logprobs)
+        # decode_kernels=triton: the bookkeeping after the draw as one kernel; greedy without
+        # log-probs: the argmax's second pass runs in it
+        step_kernel = opts.kernels == "triton"
+        argmax_in_step = step_kernel and cfg.temperature == 0.0 and not cfg.return_logprobs
         if step_kernel:
             from hybridflow.kernels import next_token as ksampling
 
         def step():
             logits = decoder.decode_step(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
                                          cache=cache, cos_tab=cos, sin_tab=sin, kv_len=kv_len,
-                                         compiled=compiled, kernels=kernels)
+                                         opts=opts)
             tok = lp = partials = None
             if argmax_in_step:
-                partials = ksampling.argmax_chunks(logits)
+                partials = ksampling.argmax_chunks(logits, pdl=opts.pdl)
             else:
                 tok, lp = sample(logits, temperature=cfg.temperature, top_k=cfg.top_k,
                                  top_p=cfg.top_p, generator=self._rng,
-                                 need_logprobs=cfg.return_logprobs,
-                                 compile_backend=decoder.COMPILE_BACKEND if compiled else None)
+                                 need_logprobs=cfg.return_logprobs, kernels=opts.kernels,
+                                 pdl=opts.pdl,
+                                 compile_backend=opts.compile_backend if opts.compile else None)
             if step_kernel:
                 ksampling.advance_rows(
                     finished=buf.finished, out_tokens=buf.out_tokens, stop_ids=buf.stop_ids,
                     tokens=buf.tokens, positions=buf.positions, cur=buf.cur, step=buf.step,
                     pad=pad, tok=tok, partials=partials, vocab=logits.shape[1], lp=lp,
-                    out_logprobs=None if lp is None else buf.out_logprobs)
+                    out_logprobs=None if lp is None else buf.out_logprobs, pdl=opts.pdl)
                 return
             buf.out_tokens.index_copy_(1, buf.step, torch.where(buf.finished, pad, tok)[:, None])
             if lp is not None:
@@ -323,7 +330,7 @@ class Generator:
         return step
 
     def _run_chunk(self, steps: dict, b: int, ids, mask, copy_of, cfg: RolloutConfig,
-                   pad_id: int, targets: list):
+                   opts: DecodeOptions, pad_id: int, targets: list):
         """Prefill the chunk's distinct prompts ids, mask (U, P) once each, then decode their copies
         copy_of (B,) (chunk row -> row of ids) in bucket b (compacting into `targets`) -> (tokens
         (B, R), logprobs (B, R)) before trimming."""
@@ -332,17 +339,20 @@ class Generator:
         with record_function("generate.prefill"):
             positions = (mask.cumsum(1) - 1).clamp(min=0)
             cos, sin = self._tables
-            per = max(1, PREFILL_TOKENS // P)
+            per = max(1, opts.prefill_tokens // P)
             last = torch.cat([decoder.forward(self.w, ids[r:r + per], positions[r:r + per],
                                               mask[r:r + per].bool(), cos_tab=cos, sin_tab=sin,
                                               cache=self._cache, cache_row0=r, last_only=True,
-                                              kernels=cfg.decode_kernels)
+                                              opts=opts)
                               for r in range(0, U, per)])  # (U, V), K/V in cache rows 0..U-1
+            self.stats["prefills"] += -(-U // per)
+            self.stats["prefill_rows"] += U
             if U < B:  # each copy gets its prompt's K/V and logits (n = 1: nothing to share)
                 self._cache.gather_rows(copy_of, columns=P)
                 last, mask = last.index_select(0, copy_of), mask.index_select(0, copy_of)
             tok, lp = sample(last, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                             generator=self._rng, need_logprobs=cfg.return_logprobs)
+                             generator=self._rng, need_logprobs=cfg.return_logprobs,
+                             kernels=opts.kernels, pdl=opts.pdl)
             buf, fns = steps[b]
             buf.reset(tok=tok, lp=lp, lengths=mask.sum(1), mask=mask, pad_id=pad_id)
             out_tok = torch.full((B + 1, R), pad_id, dtype=torch.long, device=self.device)  # row B:
@@ -354,10 +364,13 @@ class Generator:
             poller.reset()
         with record_function("generate.decode"):
             for s in range(1, R):
-                fns[window_for(fns, P + s)]()  # the token of step s goes to cache column P + s - 1
+                window = window_for(fns, P + s)
+                fns[window]()  # the token of step s goes to cache column P + s - 1
                 self.stats["decode_row_steps"] += b
                 self.stats["decode_row_steps_uncompacted"] += full_b
-                if s % CHECK_EVERY:
+                windows = self.stats["window_steps"]
+                windows[window] = windows.get(window, 0) + 1
+                if s % opts.check_every:
                     continue
                 live = poller.poll((~buf.finished).sum())  # an upper bound of the rows live now
                 if live == 0:
@@ -373,18 +386,9 @@ class Generator:
         return out_tok[:B], out_lp[:B]
 
 
-def resolve_decode_kernels(value: str, device: torch.device, head_dim: int) -> str:
-    """rollout.decode_kernels as generation runs it: "auto" (the default) is "triton" on a CUDA
-    device with triton and a power-of-two head_dim >= 16, else "torch"; "triton" and "torch" are
-    taken as given (triton's requirements checked by the generator)."""
-    if value not in ("auto", "torch", "triton"):
-        raise ValueError(f"rollout.decode_kernels={value!r}: expected 'auto', 'torch' or 'triton'")
-    if value != "auto":
-        return value
-    from hybridflow.kernels import layer_ops as kern
-
-    usable = kern.HAVE_TRITON and device.type == "cuda" and kern.head_dim_supported(head_dim)
-    return "triton" if usable else "torch"
+def _new_stats() -> dict:
+    return {"decode_row_steps": 0, "decode_row_steps_uncompacted": 0, "compactions": 0,
+            "prefills": 0, "prefill_rows": 0, "window_steps": {}}
 
 
 def _check_decode_kernels(device: torch.device, head_dim: int) -> None:

@@ -13,7 +13,9 @@ Choices:
   from z_i / T by a constant of the row), computed without the softmax; with `compile_backend` (a
   decode step under rollout.compile_decode) the scaling, the log and the argmax are one fused
   reduction over the logits (bf16 from a decode step: read once, never copied to fp32), as is the
-  log-prob of the drawn token. Greedy takes the argmax in the logits' own dtype. Every op has a
+  log-prob of the drawn token. Greedy takes the argmax in the logits' own dtype (with
+  kernels="triton" on a GPU as kernels/next_token.argmax_rows: two passes over vocabulary chunks,
+  the same ids as torch.argmax). Every op has a
   static shape and there is no host sync, so the sampler runs inside a captured CUDA graph (the
   generator is registered with the graph).
 - Log-probs (when asked) are those of the sampled token under the temperature-scaled distribution
@@ -28,12 +30,6 @@ import functools
 from typing import Optional
 
 import torch
-
-# greedy: the argmax as two Triton passes over vocabulary chunks (kernels/next_token.py) instead of
-# torch.argmax's one block per row: 0.4638 -> 0.4580 s per 256-row, 256-token call of Qwen2-0.5B
-# on the H200 (benchmarks/results/generate_h200_decode_ab.json)
-GREEDY_KERNEL = True
-
 
 def filter_logits(scaled: torch.Tensor, *, top_k: int, top_p: float):
     """(values (B, K), ids (B, K) or None): candidate logits, sorted descending when filtered,
@@ -72,16 +68,18 @@ def _compiled(backend: str):
 
 def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
            generator: Optional[torch.Generator] = None, need_logprobs: bool = False,
-           compile_backend: Optional[str] = None):
+           compile_backend: Optional[str] = None, kernels: str = "torch", pdl: bool = False):
     """logits (B, V) over the true vocabulary, any float dtype -> (tokens (B,) int64, logprobs (B,)
-    fp32 or None). `compile_backend`: run the race and the log-probs through torch.compile."""
+    fp32 or None). `compile_backend`: run the race and the log-probs through torch.compile.
+    `kernels` (a resolved rollout.decode_kernels): "triton" takes greedy's argmax by the Triton
+    kernel for CUDA logits (launched with `pdl`), "torch" by torch.argmax."""
     race_argmax, token_logprobs = (_compiled(compile_backend) if compile_backend else
                                    (_race_argmax, _token_logprobs))
     inv_temp = 1.0 if temperature == 0.0 else 1.0 / temperature
-    if temperature == 0.0 and GREEDY_KERNEL and logits.is_cuda:
+    if temperature == 0.0 and kernels == "triton" and logits.is_cuda:
         from hybridflow.kernels.next_token import argmax_rows
 
-        tokens = argmax_rows(logits)
+        tokens = argmax_rows(logits, pdl=pdl, impl="triton")
     elif temperature == 0.0:
         tokens = torch.argmax(logits, dim=-1)  # (B,); an fp32 copy would change no order
     elif top_k == 0 and top_p >= 1.0:

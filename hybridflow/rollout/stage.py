@@ -24,6 +24,7 @@ from hybridflow.parallel.context import ParallelContext
 from hybridflow.parallel.dp import dp_sum, gather_batches
 from hybridflow.reward import compute_rule_rewards, get_reward_fn
 from hybridflow.rollout.generator import Generator
+from hybridflow.rollout.options import DecodeOptions
 
 
 def _left_pad(rows: list[list[int]], pad_id: int, width: int):
@@ -85,7 +86,8 @@ class RolloutStage:
                 with torch.no_grad():
                     batch = gen.generate([it.prompt_ids for it in mine], cfg=r,
                                          eos_id=-1 if r.ignore_eos else self.tok.eos_id,
-                                         pad_id=self.tok.pad_id, seed=seed)
+                                         pad_id=self.tok.pad_id, seed=seed,
+                                         options=DecodeOptions.from_config(r))
                 if self._kept is not gen:
                     gen.release()
                 del gen

@@ -1,6 +1,7 @@
 """CPU smoke runs of the benchmark scripts that the GPU sessions rely on: bench_generate.py times
 transformers after a warm-up as the median of >= 3 calls (issue 12), and the issue-15 driver
 benchmarks/scaleout_8b.sh runs PP=2 end to end on 2 gloo ranks with the tiny model."""
+import dataclasses
 import json
 import math
 import os
@@ -35,26 +36,22 @@ def test_bench_generate_warms_up_and_takes_median(tmp_path):
     r = json.loads(out.read_text())
     res = r["results"]["4"]
     assert r["no_hf"] and "hf_s" not in res and res["floor_with_kv_fraction"] > 0
-    # the kernel switches as the run used them: the module defaults unless a flag set one
-    from hybridflow.rollout import decoder
+    # the decode options as the run used them: DecodeOptions' defaults unless a flag set one
+    from hybridflow.rollout.options import DecodeOptions
 
-    sw = r["kernel_switches"]
-    assert sw["FUSE_ROPE_ATTENTION"] == decoder.FUSE_ROPE_ATTENTION
-    assert sw["DECODE_TRITON_GEMMS"] == sorted(decoder.DECODE_TRITON_GEMMS)
-    assert sw["DECODE_TRITON_GEMM_MIN_ROWS"] == decoder.DECODE_TRITON_GEMM_MIN_ROWS
+    default = json.loads(json.dumps(dataclasses.asdict(DecodeOptions(kernels="torch"))))
+    assert r["decode_options"] == default
     subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--model", "hybridflow/conf/model/tiny.yaml",
                     "--device", "cpu", "--batches", "4", "--prompt-len", "8", "--new-tokens", "8",
-                    "--skip-checks", "--no-hf", "--fuse-rope-attention", "off", "--step-kernel", "on",
-                    "--triton-gemms", "qkv", "proj", "--triton-gemm-min-rows", "0",
-                    "--gemm-configs", "linear=32,64,64,4,3",
+                    "--skip-checks", "--no-hf", "--pdl", "off", "--prefetch-weights", "fc1", "qkv",
+                    "--prefetch-min-rows", "0", "--swiglu-gemm-min-rows", "0",
                     "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
-    sw = json.loads(out.read_text())["kernel_switches"]
-    assert not sw["FUSE_ROPE_ATTENTION"] and sw["STEP_KERNEL"]
-    assert sw["DECODE_TRITON_GEMMS"] == ["proj", "qkv"] and sw["DECODE_TRITON_GEMM_MIN_ROWS"] == 0
-    assert sw["gemm_configs"]["linear"][0] == [512, [32, 64, 64, 4, 3, 8, 1]]
-    bad = subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--gemm-configs",
-                          "qkv=32,64,64,4,3"], cwd=ROOT, env=ENV, capture_output=True, text=True)
-    assert bad.returncode != 0 and "--gemm-configs 'qkv=32,64,64,4,3': kind must be one of" in bad.stderr
+    opts = json.loads(out.read_text())["decode_options"]
+    assert not opts["pdl"] and opts["prefetch_weights"] == ["qkv", "fc1"]
+    assert opts["prefetch_min_rows"] == 0 and opts["swiglu_gemm_min_rows"] == 0
+    bad = subprocess.run([sys.executable, "benchmarks/bench_generate.py", "--prefetch-weights",
+                          "fc3"], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert bad.returncode != 0 and "--prefetch-weights: invalid choice: 'fc3'" in bad.stderr
 
 
 def test_bench_long_tail_times_every_variant(tmp_path):

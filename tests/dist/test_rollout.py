@@ -99,24 +99,24 @@ def _ranks_fn():
 
 
 def _compaction(ref, gen2) -> dict:
-    from hybridflow.rollout import generator
     from tests.unit.test_compaction import random_prompts, uneven_stops
+    from tests.unit.test_rollout import polled
 
-    generator.CHECK_EVERY = 2  # this spawned process only
+    ref_gen, gen2_gen = polled(ref, 2), polled(gen2, 2)  # stop polls every 2 steps
     prompts, R = random_prompts(12, vocab=CFG.vocab_size), 24
     greedy = dataclasses.replace(_greedy(), max_new_tokens=R, max_batch_size=8,
                                  compact_finished_rows=True)
-    free = ref.generate(prompts, cfg=greedy, eos_id=-1, pad_id=0, seed=0).response_ids
+    free = ref_gen(prompts, cfg=greedy, eos_id=-1, pad_id=0, seed=0).response_ids
     stops = uneven_stops(free, [2, 7], CFG.vocab_size)  # rows 2 and 7 never stop
     greedy = dataclasses.replace(greedy, stop_token_ids=stops)
     sampled = dataclasses.replace(greedy, temperature=1.0, top_p=0.9, n=2,
                                   stop_token_ids=stops[:10])
     off = dataclasses.replace(greedy, compact_finished_rows=False)
-    out = {"tp1_off": ref.generate(prompts, cfg=off, eos_id=-1, pad_id=0, seed=0)}
-    out["tp2_on"] = gen2.generate(prompts, cfg=greedy, eos_id=-1, pad_id=0, seed=0)
+    out = {"tp1_off": ref_gen(prompts, cfg=off, eos_id=-1, pad_id=0, seed=0)}
+    out["tp2_on"] = gen2_gen(prompts, cfg=greedy, eos_id=-1, pad_id=0, seed=0)
     out["tp2_stats"] = dict(gen2.stats)
-    out["tp1_sampled"] = ref.generate(prompts, cfg=sampled, eos_id=-1, pad_id=0, seed=5)
-    out["tp2_sampled"] = gen2.generate(prompts, cfg=sampled, eos_id=-1, pad_id=0, seed=5)
+    out["tp1_sampled"] = ref_gen(prompts, cfg=sampled, eos_id=-1, pad_id=0, seed=5)
+    out["tp2_sampled"] = gen2_gen(prompts, cfg=sampled, eos_id=-1, pad_id=0, seed=5)
     out["tp2_sampled_stats"] = dict(gen2.stats)
     return out
 

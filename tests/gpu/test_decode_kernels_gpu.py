@@ -1,8 +1,9 @@
 """rollout.decode_kernels=triton on a GPU: the compiled Triton kernels against their PyTorch twins in
 bf16 (RoPE + KV writes: the twin's roundings, so within one bf16 ulp; attention: within bf16
-rounding of the output) and fp32, and the generator under CUDA graphs (buckets, attention windows, compaction,
-compiled decode, RoPE + K/V write + attention as one kernel): fp32 greedy tokens equal the torch
-path's, nothing re-captured on a second call.
+rounding of the output) and fp32, and the generator under CUDA graphs (buckets, attention windows,
+compaction, compiled decode, the decode options' variants): fp32 greedy tokens equal the torch
+path's, nothing re-captured on a second call; programmatic dependent launch and the L2 hints
+(DecodeOptions.pdl / prefetch_weights) change no bit.
 The speed is measured by benchmarks/profile_decode.py and bench_generate.py, not here."""
 
 import dataclasses
@@ -14,6 +15,7 @@ from hybridflow.config import ModelConfig, RolloutConfig
 from hybridflow.kernels import layer_ops as kern
 from hybridflow.rollout import Generator
 from hybridflow.rollout.cuda_graph import GraphedStep
+from hybridflow.rollout.options import PREFETCHABLE, DecodeOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -21,6 +23,8 @@ pytestmark = pytest.mark.gpu
 def _torch_path(**kw) -> RolloutConfig:
     """The PyTorch decode path (rollout.decode_kernels=auto would take the Triton kernels here)."""
     return RolloutConfig(decode_kernels="torch", **kw)
+
+
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 if not kern.HAVE_TRITON:
@@ -34,44 +38,37 @@ def _tables(hd, length=512):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("B,G,hpg,hd,T,kv", [(256, 2, 7, 64, 384, 320), (64, 2, 6, 128, 384, 384),
-                                             (3, 4, 7, 128, 1280, 77)])
-def test_kernels_match_twins(dtype, B, G, hpg, hd, T, kv):
+@pytest.mark.parametrize("B,S,G,hpg,hd", [(256, 1, 2, 7, 64), (16, 128, 2, 7, 64), (3, 77, 4, 6, 128)])
+def test_prefill_rope_kernel_matches_twin(dtype, B, S, G, hpg, hd):
+    """rope_kv_prefill (the prefill's RoPE + K/V writes): the twin's roundings, one bf16 ulp."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    cache = torch.randn(2, 2, B, G, T, hd, generator=g, device="cuda").to(dtype)
-    kc, vc = cache[0, 1], cache[1, 1]
-    kc2, vc2 = kc.clone(), vc.clone()
-    qkv = torch.randn(B, G, hpg + 2, hd, generator=g, device="cuda").to(dtype)
+    cache = torch.randn(2, B, G, S + 5, hd, generator=g, device="cuda").to(dtype)
+    cache2 = cache.clone()
+    qkv = torch.randn(B, S, G, hpg + 2, hd, generator=g, device="cuda").to(dtype)
     cos_t, sin_t = (t.cuda().to(dtype) for t in _tables(hd))
-    pos = torch.randint(0, 512, (B,), generator=g, device="cuda")
-    cur = torch.tensor([kv - 1], device="cuda")
-    q = kern.rope_kv_write(qkv, cos_t[pos], sin_t[pos], kc, vc, cur, hpg=hpg, impl="triton")
-    q2 = kern.rope_kv_write(qkv, cos_t[pos], sin_t[pos], kc2, vc2, cur, hpg=hpg, impl="torch")
+    pos = torch.randint(0, 512, (B, S), generator=g, device="cuda")
+    q = kern.rope_kv_prefill(qkv, cos_t[pos], sin_t[pos], cache[0], cache[1], hpg=hpg,
+                             impl="triton")
+    q2 = kern.rope_kv_prefill(qkv, cos_t[pos], sin_t[pos], cache2[0], cache2[1], hpg=hpg,
+                              impl="torch")
     # the twin's roundings (x cos, then the multiply-add); an FMA may move the last bit
     one_ulp = dict(atol=1e-6, rtol=2 ** -7) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
-    for got, want in ((q, q2), (kc, kc2), (vc, vc2)):
+    for got, want in ((q, q2), (cache, cache2)):
         torch.testing.assert_close(got.float(), want.float(), **one_ulp)
-    valid = torch.rand(B, T, generator=g, device="cuda") < 0.7
-    valid[:, kv - 1] = True
-    a = kern.decode_attention(q, kc[:, :, :kv], vc[:, :, :kv], valid[:, :kv], impl="triton")
-    a2 = kern.decode_attention(q, kc[:, :, :kv], vc[:, :, :kv], valid[:, :kv], impl="torch")
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(a.float(), a2.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("B,G,hpg,hd,T,kv", [(256, 2, 7, 64, 384, 320), (64, 2, 6, 128, 384, 384),
                                              (3, 4, 7, 128, 1280, 77)])
-def test_rope_attention_matches_the_two_kernels(dtype, B, G, hpg, hd, T, kv):
-    """kernels/rope_attention.py against rope_kv_write + decode_attention (Triton): the same cache
-    (the same roundings, to one bf16 ulp) and the same output within the rounding of a different
-    summation order; the shapes of test_kernels_match_twins (one split at 256 x 2, several at
-    3 x 4)."""
+def test_rope_attention_matches_its_twins(dtype, B, G, hpg, hd, T, kv):
+    """kernels/rope_attention.py against its twins rope_kv_write + decode_attention (PyTorch): the
+    same cache (the same roundings, to one bf16 ulp) and the same output within the rounding of a
+    different summation order; the device's split count (one split at 256 x 2, several at 3 x 4)
+    and forced ones."""
     from hybridflow.kernels.rope_attention import rope_attention
 
     g = torch.Generator(device="cuda").manual_seed(2)
     cache = torch.randn(2, 2, B, G, T, hd, generator=g, device="cuda").to(dtype)
-    cache2 = cache.clone()
     qkv = torch.randn(B, G, hpg + 2, hd, generator=g, device="cuda").to(dtype)
     cos_t, sin_t = (t.cuda().to(dtype) for t in _tables(hd))
     pos = torch.randint(0, 512, (B,), generator=g, device="cuda")
@@ -79,22 +76,26 @@ def test_rope_attention_matches_the_two_kernels(dtype, B, G, hpg, hd, T, kv):
     cur = torch.tensor([kv - 3], device="cuda")
     valid = torch.rand(B, T, generator=g, device="cuda") < 0.7
     valid[:, kv - 3] = True
-    kc, vc = cache[0, 1, :, :, :kv], cache[1, 1, :, :, :kv]
+    cache2 = cache.clone()
     kc2, vc2 = cache2[0, 1, :, :, :kv], cache2[1, 1, :, :, :kv]
-    a = rope_attention(qkv, cos, sin, kc, vc, cur, valid[:, :kv], hpg=hpg, impl="triton")
-    q = kern.rope_kv_write(qkv, cos, sin, kc2, vc2, cur, hpg=hpg, impl="triton")
-    a2 = kern.decode_attention(q, kc2, vc2, valid[:, :kv], impl="triton")
+    q = kern.rope_kv_write(qkv, cos, sin, kc2, vc2, cur, hpg=hpg)
+    a2 = kern.decode_attention(q, kc2, vc2, valid[:, :kv])
     # the same roundings; an FMA the compiler forms in one kernel and not the other may move a bit
     one_ulp = dict(atol=1e-6, rtol=2 ** -7) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(cache.float(), cache2.float(), **one_ulp)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(a.float(), a2.float(), atol=tol, rtol=tol)
+    for splits in (None, 1, 2, -(-kv // kern.BLOCK_T)):
+        got = cache.clone()
+        kc, vc = got[0, 1, :, :, :kv], got[1, 1, :, :, :kv]
+        a = rope_attention(qkv, cos, sin, kc, vc, cur, valid[:, :kv], hpg=hpg, splits=splits,
+                           impl="triton")
+        torch.testing.assert_close(got.float(), cache2.float(), **one_ulp)
+        torch.testing.assert_close(a.float(), a2.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("B,V", [(256, 151936), (64, 151936), (3, 37)])
 def test_argmax_kernel_equals_torch_argmax(dtype, B, V):
-    """kernels/sampling.argmax_rows: torch.argmax's ids exactly, ties (bf16 has many) included."""
+    """kernels/next_token.argmax_rows: torch.argmax's ids exactly, ties (bf16 has many) included."""
     from hybridflow.kernels.next_token import argmax_rows
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -139,39 +140,8 @@ def test_swiglu_gemm_matches_cublas_then_silu_mul(dtype, M, D, F):
     assert (got - ref).abs().max() <= tol * ref.abs().max()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("M,K,N", [(256, 896, 1152), (256, 896, 896), (64, 1536, 2048), (3, 200, 37)])
-def test_linear_gemm_matches_cublas(dtype, M, K, N):
-    """kernels/gemm.linear with a bias (the QKV projection) and accumulated into the residual in
-    place (the attention output projection): cuBLAS's F.linear / addmm_ up to the summation order."""
-    from hybridflow.kernels.gemm import linear
-
-    g = torch.Generator(device="cuda").manual_seed(5)
-    a = torch.randn(M, K, generator=g, device="cuda").to(dtype)
-    w = (torch.randn(N, K, generator=g, device="cuda") / K ** 0.5).to(dtype)
-    b = torch.randn(N, generator=g, device="cuda").to(dtype)
-    res = torch.randn(M, N, generator=g, device="cuda").to(dtype)
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    ref = torch.nn.functional.linear(a, w, b).float()
-    assert (linear(a, w, b, impl="triton").float() - ref).abs().max() <= tol * ref.abs().max()
-    acc = res.clone()
-    ref = res.clone().addmm_(a, w.t()).float()
-    assert linear(a, w, out=acc, impl="triton") is acc
-    assert (acc.float() - ref).abs().max() <= tol * ref.abs().max()
-    # split-K (fc2's table): the reduction in the kernel, deterministic, counters reset
-    from hybridflow.kernels import gemm
-
-    ref = torch.nn.functional.linear(a, w).float()
-    for split in (2, 4, 8):
-        cfg = gemm.Config(64, 64, 64, 4, 3, 8, split)
-        got = linear(a, w, cfg=cfg, impl="triton")
-        assert (got.float() - ref).abs().max() <= tol * ref.abs().max()
-        assert torch.equal(got, linear(a, w, cfg=cfg, impl="triton"))
-    assert (gemm._locks(a.device) == 0).all()
-
-
 def test_advance_rows_under_a_graph():
-    """kernels/sampling.advance_rows captured in a CUDA graph and replayed: each replay writes the
+    """kernels/next_token.advance_rows captured in a CUDA graph and replayed: each replay writes the
     next output column and advances step / cur / positions, as the PyTorch bookkeeping does."""
     from hybridflow.kernels.next_token import advance_rows, argmax_chunks
 
@@ -202,13 +172,10 @@ def test_advance_rows_under_a_graph():
     assert (st["out_tokens"][:, [0, 4]] == -1).all()
 
 
-def test_generator_with_kernels_under_graphs(monkeypatch):
-    from hybridflow.rollout import compaction, decoder, generator, sampling
+def test_generator_with_kernels_under_graphs():
     from tests.unit.test_compaction import random_prompts, uneven_stops
     from tests.unit.test_rollout import random_params
 
-    monkeypatch.setattr(generator, "CHECK_EVERY", 2)
-    monkeypatch.setattr(compaction, "MIN_GRAPHED_BUCKET", 1)
     cfg_m = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=192, num_attention_heads=4,
                         num_query_groups=2, vocab_size=37, add_qkv_bias=True)  # head_dim 32
     gen = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
@@ -218,73 +185,63 @@ def test_generator_with_kernels_under_graphs(monkeypatch):
                         eos_id=-1, pad_id=0, seed=0).response_ids
     stops = uneven_stops(free.cpu(), [0, 5, 14], 37)
     cfg = _torch_path(max_new_tokens=R, temperature=0.0, max_batch_size=20, return_logprobs=True,
-                        stop_token_ids=stops[:2], compact_finished_rows=True, decode_kv_window=64)
-    ref = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
-    fused = dataclasses.replace(cfg, decode_kernels="triton")
-    one = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
-                    device=torch.device("cuda"), dtype=torch.float32, true_vocab_size=37)
-    no_lp = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
-                      device=torch.device("cuda"), dtype=torch.float32, true_vocab_size=37)
-    for g_, variant, one_kernel in ((gen, fused, False),
-                                    (gen, dataclasses.replace(fused, compile_decode=True), False),
-                                    (one, fused, True),
-                                    (no_lp, dataclasses.replace(fused, return_logprobs=False),
-                                     True)):
-        # the last two: every trial switch (RoPE + K/V write + attention as one kernel, fc1 +
-        # SwiGLU as one GEMM, the bookkeeping kernel, the greedy draw by the argmax kernel; without
-        # log-probs its pass 2 inside the bookkeeping kernel), each a Generator of its own: the
-        # captured graphs are keyed by the config, not by these module switches
-        for mod, name in ((decoder, "FUSE_ROPE_ATTENTION"), (sampling, "GREEDY_KERNEL"),
-                          (decoder, "SWIGLU_GEMM_PREFILL"), (generator, "STEP_KERNEL")):
-            monkeypatch.setattr(mod, name, one_kernel)
-        monkeypatch.setattr(decoder, "DECODE_TRITON_GEMMS",
-                            frozenset({"fc1", "qkv", "proj", "fc2"} if one_kernel else ()))
-        monkeypatch.setattr(decoder, "DECODE_TRITON_GEMM_MIN_ROWS", 0)  # this test's few rows
-        out = g_.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)
-        captured = len(g_._steps)
-        again = g_.generate(prompts, cfg=variant, eos_id=-1, pad_id=0, seed=0)
-        assert len(g_._steps) == captured
+                      stop_token_ids=stops[:2], compact_finished_rows=True, decode_kv_window=64)
+    # polls every 2 steps, graphed compaction buckets down to 1 row
+    base = DecodeOptions.from_config(cfg).replace(check_every=2, min_graphed_bucket=1)
+    ref = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0, options=base)
+    fused = base.replace(kernels="triton")
+    # the Triton fc1 GEMM and every L2 hint at this test's few rows
+    gemm = fused.replace(swiglu_gemm_min_rows=0, prefetch_min_rows=0,
+                         prefetch_weights=PREFETCHABLE)
+    no_lp = dataclasses.replace(cfg, return_logprobs=False)
+    # one Generator for all variants: the captured steps are keyed by the options
+    for rcfg, variant in ((cfg, fused), (cfg, fused.replace(compile=True)), (cfg, gemm),
+                          (no_lp, gemm)):
+        out = gen.generate(prompts, cfg=rcfg, eos_id=-1, pad_id=0, seed=0, options=variant)
+        captured = len(gen._steps)
+        again = gen.generate(prompts, cfg=rcfg, eos_id=-1, pad_id=0, seed=0, options=variant)
+        assert len(gen._steps) == captured
         for o in (out, again):
             assert torch.equal(o.response_ids, ref.response_ids)
-            if variant.return_logprobs:
+            if rcfg.return_logprobs:
                 assert torch.allclose(o.rollout_logprobs, ref.rollout_logprobs, atol=1e-4)
 
 
-def test_pdl_launches_keep_every_result(monkeypatch):
-    """Programmatic dependent launch (kernels/_dispatch.PDL, sm_90+): a chain of kernels each
-    reading its predecessor's output, eager and replayed from a CUDA graph, and a bf16 generation
-    with every decode kernel, bitwise equal to the plain launches'; so is the generation with the
-    kernels' L2 hints of the next GEMM's weights (decoder.PREFETCH_WEIGHTS) on and off."""
+def test_pdl_launches_keep_every_result():
+    """Programmatic dependent launch (DecodeOptions.pdl, sm_90+): a chain of kernels each reading
+    its predecessor's output, eager and replayed from a CUDA graph, and a bf16 generation with
+    every decode kernel, bitwise equal to the plain launches'; so is the generation with the
+    kernels' L2 hints of the next GEMM's weights (DecodeOptions.prefetch_weights) on and off."""
     from hybridflow.kernels import _dispatch
     from hybridflow.kernels.gemm import swiglu_linear
-    from hybridflow.rollout import decoder
     from tests.unit.test_compaction import random_prompts
     from tests.unit.test_rollout import random_params
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90+")
-    assert _dispatch.launch_opts(torch.empty(1, device="cuda")) == {"PDL": True, "launch_pdl": True}
+    t = torch.empty(1, device="cuda")
+    assert _dispatch.launch_opts(t, True) == {"PDL": True, "launch_pdl": True}
+    assert _dispatch.launch_opts(t, False) == {}
     g = torch.Generator(device="cuda").manual_seed(5)
     x0 = torch.randn(256, 896, generator=g, device="cuda").to(torch.bfloat16)
     w = (1 + 0.1 * torch.randn(896, generator=g, device="cuda")).to(torch.bfloat16)
     fc1 = (0.05 * torch.randn(2 * 896, 896, generator=g, device="cuda")).to(torch.bfloat16)
     x = x0.clone()
 
-    def chain():  # 40 dependent launches: norm -> SwiGLU GEMM -> (h, y) -> norm ...
+    def chain(pdl):  # 40 dependent launches: norm -> SwiGLU GEMM -> (h, y) -> norm ...
         h, y = x, x
         for _ in range(20):
-            h, y = kern.add_rms_norm(h, y, w, 1e-6, prefetch=fc1, impl="triton")
-            y = swiglu_linear(y, fc1, impl="triton")
+            h, y = kern.add_rms_norm(h, y, w, 1e-6, prefetch=fc1, pdl=pdl, impl="triton")
+            y = swiglu_linear(y, fc1, pdl=pdl, impl="triton")
         x.copy_(h + y)
 
     results = {}
     for pdl in (False, True):
-        monkeypatch.setattr(_dispatch, "PDL", pdl)
         x.copy_(x0)
-        chain()
+        chain(pdl)
         eager = x.clone()
         x.copy_(x0)
-        graph = GraphedStep(chain, pool=None, side=torch.cuda.Stream(), generator=None,
+        graph = GraphedStep(lambda: chain(pdl), pool=None, side=torch.cuda.Stream(), generator=None,
                             warmup=1)  # ran once on the side stream
         x.copy_(x0)
         graph()
@@ -296,20 +253,19 @@ def test_pdl_launches_keep_every_result(monkeypatch):
 
     cfg_m = ModelConfig(num_layers=3, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
                         num_query_groups=2, vocab_size=37, add_qkv_bias=True)
-    monkeypatch.setattr(decoder, "DECODE_TRITON_GEMM_MIN_ROWS", 0)  # fc1's GEMM at 64 rows too
-    monkeypatch.setattr(decoder, "PREFETCH_MIN_ROWS", 0)  # and the L2 hints
     prompts = random_prompts(64, vocab=37)
     cfg = RolloutConfig(decode_kernels="triton", max_new_tokens=48, temperature=0.0,
                         return_logprobs=True, decode_kv_window=64)
+    # fc1's GEMM and the L2 hints at 64 rows too
+    base = DecodeOptions.from_config(cfg).replace(swiglu_gemm_min_rows=0, prefetch_min_rows=0)
     assert _dispatch.prefetch_args(x, fc1)[2]  # the hints are issued on this device
+    gen = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
+                    device=torch.device("cuda"), dtype=torch.bfloat16, true_vocab_size=37)
     outs = []
     for pdl, prefetch in ((False, False), (True, False), (True, True), (False, True)):
-        monkeypatch.setattr(_dispatch, "PDL", pdl)
-        monkeypatch.setattr(decoder, "PREFETCH_WEIGHTS",
-                            frozenset({"qkv", "proj", "fc1", "fc2"} if prefetch else ()))
-        gen = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
-                        device=torch.device("cuda"), dtype=torch.bfloat16, true_vocab_size=37)
-        outs.append(gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0))
+        options = base.replace(pdl=pdl, prefetch_weights=PREFETCHABLE if prefetch else ())
+        outs.append(gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0, options=options))
+    assert len(gen._steps) == 4  # a step per options object
     for o in outs[1:]:
         assert torch.equal(o.response_ids, outs[0].response_ids)
         assert torch.equal(o.rollout_logprobs, outs[0].rollout_logprobs)

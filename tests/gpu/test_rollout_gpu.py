@@ -9,6 +9,7 @@ import torch
 
 from hybridflow.config import RolloutConfig
 from hybridflow.rollout import Generator
+from hybridflow.rollout.options import DecodeOptions
 from tests.unit.test_rollout import CFG, PROMPTS, random_params
 
 pytestmark = pytest.mark.gpu
@@ -23,6 +24,15 @@ def _gen(device):
     return Generator(model_cfg=CFG, params=random_params(CFG), tp_group=None,
                      device=torch.device(device), dtype=torch.float32,
                      true_vocab_size=CFG.vocab_size)
+
+
+def _polled(gen):
+    """gen.generate with stop polls every 2 steps and graphed compaction buckets down to 1 row
+    (this test's tiny batches)."""
+    def generate(prompts, *, cfg, **kw):
+        options = DecodeOptions.from_config(cfg).replace(check_every=2, min_graphed_bucket=1)
+        return gen.generate(prompts, cfg=cfg, options=options, **kw)
+    return generate
 
 
 def test_graphs_match_eager_and_cpu():
@@ -43,14 +53,11 @@ def test_graphs_match_eager_and_cpu():
     assert (ref.response_mask.sum(1) < 12).any()
 
 
-def test_early_exit_on_gpu(monkeypatch):
-    from hybridflow.rollout import generator
-
-    monkeypatch.setattr(generator, "CHECK_EVERY", 2)
+def test_early_exit_on_gpu():
     gen = _gen("cuda")
-    free = gen.generate(PROMPTS, cfg=_torch_path(max_new_tokens=4, temperature=0.0),
+    free = _polled(gen)(PROMPTS, cfg=_torch_path(max_new_tokens=4, temperature=0.0),
                         eos_id=-1, pad_id=0, seed=0).response_ids
-    out = gen.generate(PROMPTS, cfg=_torch_path(max_new_tokens=100, temperature=0.0,
+    out = _polled(gen)(PROMPTS, cfg=_torch_path(max_new_tokens=100, temperature=0.0,
                                                   stop_token_ids=free[:, 1].tolist()),
                        eos_id=-1, pad_id=0, seed=0)
     assert out.response_ids.shape[1] <= 2
@@ -74,85 +81,76 @@ def test_seeded_sampling_under_graphs_and_release():
     assert torch.cuda.memory_allocated() <= before + weights  # (cuBLAS workspaces freed too)
 
 
-def test_compaction_under_graphs(monkeypatch):
-    from hybridflow.rollout import compaction, generator
+def test_compaction_under_graphs():
     from tests.unit.test_compaction import random_prompts, uneven_stops
 
-    monkeypatch.setattr(generator, "CHECK_EVERY", 2)
-    monkeypatch.setattr(compaction, "MIN_GRAPHED_BUCKET", 1)  # tiny buckets: graphs down to 1 row
     cpu, gpu = _gen("cpu"), _gen("cuda")
     prompts, R = random_prompts(24, vocab=CFG.vocab_size), 40
-    free = cpu.generate(prompts, cfg=_torch_path(max_new_tokens=R, temperature=0.0),
+    free = _polled(cpu)(prompts, cfg=_torch_path(max_new_tokens=R, temperature=0.0),
                         eos_id=-1, pad_id=0, seed=0).response_ids
     stops = uneven_stops(free, [0, 5, 14], CFG.vocab_size)
     cfg = _torch_path(max_new_tokens=R, temperature=0.0, max_batch_size=20,
                         return_logprobs=True, stop_token_ids=stops,
                         compact_finished_rows=True)  # chunks 20 and 4
-    on = gpu.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
+    on = _polled(gpu)(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
     assert gpu.stats["compactions"] >= 1
-    off = gpu.generate(prompts, cfg=dataclasses.replace(cfg, compact_finished_rows=False),
+    off = _polled(gpu)(prompts, cfg=dataclasses.replace(cfg, compact_finished_rows=False),
                        eos_id=-1, pad_id=0, seed=0)
-    ref = cpu.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
+    ref = _polled(cpu)(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
     for other in (off, ref):
         assert torch.equal(on.response_ids.cpu(), other.response_ids.cpu())
         assert torch.equal(on.response_mask.cpu(), other.response_mask.cpu())
         assert torch.allclose(on.rollout_logprobs.cpu(), other.rollout_logprobs.cpu(), atol=1e-4)
     sampled = dataclasses.replace(cfg, temperature=1.0, top_p=0.95, stop_token_ids=stops[:6])
-    a = gpu.generate(prompts, cfg=sampled, eos_id=-1, pad_id=0, seed=3)
+    a = _polled(gpu)(prompts, cfg=sampled, eos_id=-1, pad_id=0, seed=3)
     assert gpu.stats["compactions"] >= 1
-    b = gpu.generate(prompts, cfg=sampled, eos_id=-1, pad_id=0, seed=3)
+    b = _polled(gpu)(prompts, cfg=sampled, eos_id=-1, pad_id=0, seed=3)
     assert torch.equal(a.response_ids, b.response_ids)
 
 
-def test_decode_windows_under_graphs(monkeypatch):
+def test_decode_windows_under_graphs():
     """rollout.decode_kv_window: a graph per window and bucket (with compaction), the same greedy
     output as the whole-cache graphs and the CPU path; the generator kept for a second call (as
     rollout.free_cache_engine=false does) replays the same graphs."""
-    from hybridflow.rollout import compaction, generator
     from tests.unit.test_compaction import random_prompts, uneven_stops
 
-    monkeypatch.setattr(generator, "CHECK_EVERY", 2)
-    monkeypatch.setattr(compaction, "MIN_GRAPHED_BUCKET", 1)
     cpu, gpu = _gen("cpu"), _gen("cuda")
     prompts, R = random_prompts(24, vocab=CFG.vocab_size), 150  # cache 192 columns (or more)
-    free = cpu.generate(prompts, cfg=_torch_path(max_new_tokens=R, temperature=0.0),
+    free = _polled(cpu)(prompts, cfg=_torch_path(max_new_tokens=R, temperature=0.0),
                         eos_id=-1, pad_id=0, seed=0).response_ids
     stops = uneven_stops(free, [0, 5, 14], CFG.vocab_size)
     cfg = _torch_path(max_new_tokens=R, temperature=0.0, max_batch_size=20, return_logprobs=True,
                         stop_token_ids=stops[:2], compact_finished_rows=True)
-    whole = gpu.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
+    whole = _polled(gpu)(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
     windowed = dataclasses.replace(cfg, decode_kv_window=64)
-    first = gpu.generate(prompts, cfg=windowed, eos_id=-1, pad_id=0, seed=0)
+    first = _polled(gpu)(prompts, cfg=windowed, eos_id=-1, pad_id=0, seed=0)
     captured = len(gpu._steps)
-    again = gpu.generate(prompts, cfg=windowed, eos_id=-1, pad_id=0, seed=0)
+    again = _polled(gpu)(prompts, cfg=windowed, eos_id=-1, pad_id=0, seed=0)
     assert len(gpu._steps) == captured  # nothing re-captured
-    ref = cpu.generate(prompts, cfg=windowed, eos_id=-1, pad_id=0, seed=0)
+    ref = _polled(cpu)(prompts, cfg=windowed, eos_id=-1, pad_id=0, seed=0)
     for other in (first, again, ref):
         assert torch.equal(whole.response_ids.cpu(), other.response_ids.cpu())
         assert torch.allclose(whole.rollout_logprobs.cpu(), other.rollout_logprobs.cpu(),
                               atol=1e-4)
 
 
-def test_compiled_decode_under_graphs(monkeypatch):
+def test_compiled_decode_under_graphs():
     """rollout.compile_decode: each layer's inductor-compiled parts, captured per bucket and window,
     give the eager graphs' greedy output (fp32, so fusion's reordering stays below any argmax
     margin), compiled once across buckets, windows and layers."""
-    from hybridflow.rollout import compaction, generator
     from tests.unit.test_compaction import random_prompts, uneven_stops
 
-    monkeypatch.setattr(generator, "CHECK_EVERY", 2)
-    monkeypatch.setattr(compaction, "MIN_GRAPHED_BUCKET", 1)
     torch._dynamo.reset()  # traces are counted per function: none from earlier tests (bf16 ones)
     torch._dynamo.utils.counters.clear()
     gpu = _gen("cuda")
     prompts, R = random_prompts(24, vocab=CFG.vocab_size), 150
-    free = gpu.generate(prompts, cfg=_torch_path(max_new_tokens=R, temperature=0.0),
+    free = _polled(gpu)(prompts, cfg=_torch_path(max_new_tokens=R, temperature=0.0),
                         eos_id=-1, pad_id=0, seed=0).response_ids
     stops = uneven_stops(free.cpu(), [0, 5, 14], CFG.vocab_size)
     cfg = _torch_path(max_new_tokens=R, temperature=0.0, max_batch_size=20, return_logprobs=True,
                         stop_token_ids=stops[:2], compact_finished_rows=True, decode_kv_window=64)
-    eager = gpu.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
-    compiled = gpu.generate(prompts, cfg=dataclasses.replace(cfg, compile_decode=True), eos_id=-1,
+    eager = _polled(gpu)(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0)
+    compiled = _polled(gpu)(prompts, cfg=dataclasses.replace(cfg, compile_decode=True), eos_id=-1,
                             pad_id=0, seed=0)
     assert torch.equal(eager.response_ids, compiled.response_ids)
     assert torch.allclose(eager.rollout_logprobs, compiled.rollout_logprobs, atol=1e-4)

@@ -2,10 +2,10 @@
 CPU interpreter reads the variable when the kernels are defined, so it must be set before the first
 import of hybridflow.kernels.layer_ops in the process). Prints one JSON object of results."""
 
-import dataclasses
 import json
 import os
 import sys
+from unittest import mock
 
 assert os.environ.get("TRITON_INTERPRET") == "1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -17,55 +17,14 @@ from hybridflow.config import ModelConfig  # noqa: E402
 from hybridflow.kernels import layer_ops as kern  # noqa: E402
 from hybridflow.kernels import rope_attention as fused  # noqa: E402
 from hybridflow.kernels import next_token as ksampling  # noqa: E402
-from hybridflow.rollout import decoder, generator, sampling  # noqa: E402
-from tests.unit.test_rollout import PROMPTS, make, random_params, rc  # noqa: E402
+from hybridflow.rollout.options import PREFETCHABLE  # noqa: E402
+from tests.unit.test_rollout import PROMPTS, make, opts, polled, random_params, rc  # noqa: E402
 
 
 def tables(hd, length=256):
     inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
     f = torch.outer(torch.arange(length).float(), inv)
     return torch.cat([f.cos(), f.cos()], -1), torch.cat([-f.sin(), f.sin()], -1)
-
-
-def kernel_cases():
-    """Both kernels against their twins; the caches are strided views of a (layer, row, ...) cache."""
-    out = []
-    g = torch.Generator().manual_seed(0)
-    # (rows, groups, hpg, head_dim, cache columns, attended columns kv_len)
-    for B, G, hpg, hd, T, kv in [(3, 2, 7, 64, 200, 150), (2, 4, 6, 128, 64, 64),
-                                 (5, 1, 1, 16, 70, 70), (2, 2, 14, 32, 130, 65)]:
-        cache = torch.randn(2, 3, B + 1, G, T, hd, generator=g)  # (k/v, layer, rows, G, T, hd)
-        kc, vc = cache[0, 1, :B], cache[1, 1, :B]
-        kc2, vc2 = kc.clone(), vc.clone()
-        before = cache.clone()
-        qkv = torch.randn(B, G, hpg + 2, hd, generator=g)
-        cos_t, sin_t = tables(hd)
-        pos = torch.randint(0, 256, (B,), generator=g)
-        cur = torch.tensor([kv - 1])
-        q = kern.rope_kv_write(qkv, cos_t[pos], sin_t[pos], kc, vc, cur, hpg=hpg, impl="triton")
-        q2 = kern.rope_kv_write(qkv, cos_t[pos], sin_t[pos], kc2, vc2, cur, hpg=hpg, impl="torch")
-        valid = torch.rand(B, T, generator=g) < 0.5
-        valid[:, kv - 1] = True  # the current token
-        valid[0, :kv - 1] = False  # a row whose only key is its own token
-        a2 = kern.decode_attention(q, kc[:, :, :kv], vc[:, :, :kv], valid[:, :kv], impl="torch")
-        attn_err, splits = 0.0, []
-        # one split (the program writes the output), two (the last runs past kv_len), one per block
-        for target in (1, 2 * B * G, 10_000):
-            kern.TARGET_PROGRAMS = target
-            splits.append(kern.num_splits(B * G, kv, q.device))
-            a = kern.decode_attention(q, kc[:, :, :kv], vc[:, :, :kv], valid[:, :kv], impl="triton")
-            attn_err = max(attn_err, (a - a2).abs().max().item())
-        kern.TARGET_PROGRAMS = 0
-        out.append({"shape": [B, G, hpg, hd, T, kv],
-                    "q_err": (q - q2).abs().max().item(),
-                    "cache_err": max((kc - kc2).abs().max().item(), (vc - vc2).abs().max().item()),
-                    # column kv - 1 of this layer's rows changed, and nothing else in the cache
-                    "only_column_written": bool(torch.equal(
-                        (cache != before).nonzero()[:, [1, 4]].unique(dim=0),
-                        torch.tensor([[1, kv - 1]]))),
-                    "attn_err": attn_err, "splits": splits,
-                    "row0_is_its_value": (a[0] - vc[0, :, kv - 1][:, None]).abs().max().item()})
-    return out
 
 
 def rope_attention_cases():
@@ -93,30 +52,29 @@ def rope_attention_cases():
         ref = fused.rope_attention(qkv, cos, sin, rk, rv, cur, valid[:, :kv], hpg=hpg, impl="torch")
         err, splits = 0.0, []
         for target in (1, 2 * B * G, 10_000):
-            kern.TARGET_PROGRAMS = target
-            splits.append(kern.num_splits(B * G, kv, qkv.device))
+            splits.append(kern.num_splits(B * G, kv, qkv.device, target=target))
             cache.copy_(before)
             kc, vc = cache[0, 1, :B, :, :kv], cache[1, 1, :B, :, :kv]
             a = fused.rope_attention(qkv, cos, sin, kc, vc, cur, valid[:, :kv], hpg=hpg,
-                                     impl="triton")
+                                     splits=splits[-1], impl="triton")
             err = max(err, (a - ref).abs().max().item())
         tabled = cache.clone()  # the tables and positions in place of the gathered cos / sin
         cache.copy_(before)  # (the last split count still set: the same sums as `a`)
         kc, vc = cache[0, 1, :B, :, :kv], cache[1, 1, :B, :, :kv]
         at = fused.rope_attention(qkv, cos_t, sin_t, kc, vc, cur, valid[:, :kv], hpg=hpg,
-                                  positions=pos, impl="triton")
+                                  positions=pos, splits=splits[-1], impl="triton")
         # mark_valid: column cur becomes true (the kernel never reads it: cleared here first),
         # the output unchanged (the same split count as `at`), no other column touched
         marked = valid.clone()
         marked[:, kv // 2] = False
         kc, vc = cache[0, 1, :B, :, :kv].clone(), cache[1, 1, :B, :, :kv].clone()
         am = fused.rope_attention(qkv, cos_t, sin_t, kc, vc, cur, marked[:, :kv], hpg=hpg,
-                                  positions=pos, mark_valid=True, impl="triton")
+                                  positions=pos, mark_valid=True, splits=splits[-1],
+                                  impl="triton")
         twin_marked = valid.clone()
         twin_marked[:, kv // 2] = False
         fused.rope_attention(qkv, cos_t, sin_t, rk.clone(), rv.clone(), cur, twin_marked[:, :kv],
                              hpg=hpg, positions=pos, mark_valid=True, impl="torch")
-        kern.TARGET_PROGRAMS = 0
         at_twin = fused.rope_attention(qkv, cos_t, sin_t, rk.clone(), rv.clone(), cur,
                                        valid[:, :kv], hpg=hpg, positions=pos, impl="torch")
         out.append({"shape": [B, G, hpg, hd, T, kv], "attn_err": err, "splits": splits,
@@ -172,39 +130,8 @@ def swiglu_cases():
     return out
 
 
-def linear_cases():
-    """kernels/gemm.linear against F.linear (+ bias) and addmm_ (accumulated into out in place),
-    fp32: ragged tiles, a K needing masked loads, the default configs."""
-    from hybridflow.kernels import gemm as gemm_mod
-    from hybridflow.kernels.gemm import Config, linear
-
-    g = torch.Generator().manual_seed(12)
-    out = []
-    for M, K, N, cfg in [(5, 64, 48, Config(16, 16, 32, 4, 2, 2)), (70, 96, 80, Config(16, 32, 64, 4, 2, 2)),
-                         (3, 64, 96, None), (40, 200, 48, Config(16, 16, 32, 4, 2, 2, 3)),
-                         (9, 256, 40, Config(16, 16, 32, 4, 2, 8, 4))]:
-        a, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) * 0.2
-        b, res = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
-        acc = res.clone()
-        got_acc = linear(a, w, out=acc, cfg=cfg, impl="triton")
-        out.append({"shape": [M, K, N],
-                    "bias_err": (linear(a, w, b, cfg=cfg, impl="triton") - F.linear(a, w, b))
-                    .abs().max().item(),
-                    "plain_err": (linear(a, w, cfg=cfg, impl="triton") - F.linear(a, w)).abs().max()
-                    .item(),
-                    "acc_err": (acc - torch.addmm(res, a, w.t())).abs().max().item(),
-                    "acc_in_place": got_acc.data_ptr() == acc.data_ptr(),
-                    # split-K: the tile counters back at 0 after every launch, the sums in split
-                    # order (the same bits again)
-                    "split": (cfg or Config(1, 1, 1, 1, 1)).split,
-                    "repeat_equal": bool(torch.equal(linear(a, w, cfg=cfg, impl="triton"),
-                                                     linear(a, w, cfg=cfg, impl="triton"))),
-                    "counters_zero": bool((gemm_mod._locks(a.device) == 0).all())})
-    return out
-
-
 def advance_cases():
-    """kernels/sampling.advance_rows against the generator's PyTorch bookkeeping: drawn tokens with
+    """kernels/next_token.advance_rows against the generator's PyTorch bookkeeping: drawn tokens with
     and without log-probs, and greedy partials (the argmax's pass 2 in the kernel); finished rows
     write pad / 0, stop tokens finish rows, more rows than one block (two row blocks)."""
     g = torch.Generator().manual_seed(13)
@@ -322,76 +249,72 @@ CFG16 = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attent
                     num_query_groups=2, vocab_size=37, add_qkv_bias=True)
 
 
-SWITCHES = [(decoder, "FUSE_ROPE_ATTENTION"), (decoder, "SWIGLU_GEMM_PREFILL"),
-            (decoder, "DECODE_TRITON_GEMMS"), (decoder, "DECODE_TRITON_GEMM_MIN_ROWS"),
-            (generator, "STEP_KERNEL"), (sampling, "GREEDY_KERNEL")]
-DEFAULTS = [getattr(m, a) for m, a in SWITCHES]
-
-
-def switches(on: bool):
-    """The decode kernels' module switches all on (every decode GEMM on kernels/gemm.py), or back
-    at their defaults."""
-    for (mod, attr), default in zip(SWITCHES, DEFAULTS):
-        value = default
-        if on:
-            value = {"DECODE_TRITON_GEMMS": frozenset({"fc1", "qkv", "proj", "fc2"}),
-                     "DECODE_TRITON_GEMM_MIN_ROWS": 0}.get(attr, True)
-        setattr(mod, attr, value)
-
-
-# the other side of these decoder switches: the small launches unfolded, fc2 written out (added
-# by the next norm)
-UNFOLDED = {"FOLD_SMALL_LAUNCHES": False, "FC2_INTO_RESIDUAL": False}
-
-
 def generation_cases():
     """The generator with decode_kernels=triton against torch: greedy tokens equal, log-probs close
-    (fp32), with KV windows and compaction, and with n samples per prompt at T = 1."""
+    (fp32), with KV windows and compaction, and with n samples per prompt at T = 1; the defaults
+    (these few rows: cuBLAS fc1 + silu_mul) and fc1 + SwiGLU as one Triton GEMM with every L2 hint
+    asked for (a no-op off sm_90) and PDL off, with and without log-probs (greedy without them:
+    the argmax's second pass in the bookkeeping kernel)."""
     cfg = CFG16
-    generator.CHECK_EVERY = 4
     out = {}
     for name, kw in {"greedy_window_compaction": dict(max_new_tokens=90, decode_kv_window=64,
                                                       compact_finished_rows=True),
                      "sampled_n3": dict(n=3, temperature=1.0, max_new_tokens=20)}.items():
         gen = make(cfg)
-        ref = gen.generate(PROMPTS, cfg=rc(**kw), eos_id=5, pad_id=0, seed=7)
-        got = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=7)
-        fused_default = decoder.FUSE_ROPE_ATTENTION
-        decoder.FUSE_ROPE_ATTENTION = not fused_default  # the one-kernel RoPE + K/V write + attention
-        fz = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=7)
-        decoder.FUSE_ROPE_ATTENTION = fused_default
-        # UNFOLDED: the embedding lookup and the KV-valid fill as their own launches, cuBLAS's
-        # fc2 written out
-        kept = [getattr(decoder, n) for n in UNFOLDED]
-        for n, value in UNFOLDED.items():
-            setattr(decoder, n, value)
-        fr = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=7)
-        for n, value in zip(UNFOLDED, kept):
-            setattr(decoder, n, value)
-        # every kernel switch on: + fc1/SwiGLU GEMM (decode and prefill) + the bookkeeping kernel
-        # + the greedy argmax kernel (its pass 2 inside the bookkeeping kernel without log-probs)
-        switches(True)
-        al = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=7)
+        generate = polled(gen, 4)
+        ref = generate(PROMPTS, cfg=rc(**kw), eos_id=5, pad_id=0, seed=7)
+        got = generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=7)
+        compactions = gen.stats["compactions"]
+        tri = rc(**kw, decode_kernels="triton")
+        gemm_opts = opts(tri, check_every=4, swiglu_gemm_min_rows=0, prefetch_min_rows=0,
+                         prefetch_weights=PREFETCHABLE, pdl=False)
+        gm = gen.generate(PROMPTS, cfg=tri, eos_id=5, pad_id=0, seed=7, options=gemm_opts)
         nolp = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton", return_logprobs=False),
-                            eos_id=5, pad_id=0, seed=7)
-        switches(False)
-        out[name] = {"all_tokens_equal": bool(torch.equal(ref.response_ids, al.response_ids)),
-                     "all_logprob_err": (ref.rollout_logprobs - al.rollout_logprobs).abs().max()
+                            eos_id=5, pad_id=0, seed=7, options=gemm_opts)
+        out[name] = {"gemm_tokens_equal": bool(torch.equal(ref.response_ids, gm.response_ids)),
+                     "gemm_logprob_err": (ref.rollout_logprobs - gm.rollout_logprobs).abs().max()
                      .item(),
-                     "all_no_logprobs_tokens_equal": bool(torch.equal(ref.response_ids,
-                                                                      nolp.response_ids)),
-                     "all_mask_equal": bool(torch.equal(ref.response_mask, al.response_mask)),
-                     "unfolded_tokens_equal": bool(torch.equal(ref.response_ids, fr.response_ids)),
-                     "unfolded_logprob_err": (ref.rollout_logprobs - fr.rollout_logprobs).abs()
-                     .max().item(),
+                     "gemm_no_logprobs_tokens_equal": bool(torch.equal(ref.response_ids,
+                                                                       nolp.response_ids)),
+                     "gemm_mask_equal": bool(torch.equal(ref.response_mask, gm.response_mask)),
                      "tokens_equal": bool(torch.equal(ref.response_ids, got.response_ids)),
                      "mask_equal": bool(torch.equal(ref.response_mask, got.response_mask)),
                      "logprob_err": (ref.rollout_logprobs - got.rollout_logprobs).abs().max().item(),
-                     "fused_tokens_equal": bool(torch.equal(ref.response_ids, fz.response_ids)),
-                     "fused_logprob_err": (ref.rollout_logprobs - fz.rollout_logprobs).abs().max()
-                     .item(),
-                     "compactions": gen.stats["compactions"],
+                     "compactions": compactions,
                      "tokens": int(ref.response_mask.sum())}
+    return out
+
+
+def launch_cases():
+    """DecodeOptions.pdl reaches every Triton launch of a generate call (prefill, decode step,
+    draw and bookkeeping), passed down as arguments: the `pdl` each kernel module hands
+    launch_opts, recorded by a spy on that function, for pdl on and off."""
+    from hybridflow.kernels import gemm
+
+    modules = {"layer_ops": kern, "rope_attention": fused, "next_token": ksampling, "gemm": gemm}
+    out = {}
+    for pdl in (True, False):
+        seen = {}
+
+        def spy(name, real):
+            def launch_opts(t, pdl_arg):
+                seen.setdefault(name, set()).add(pdl_arg)
+                return real(t, pdl_arg)
+            return launch_opts
+
+        patches = [mock.patch.object(m, "launch_opts", spy(n, m.launch_opts))
+                   for n, m in modules.items()]
+        for p in patches:
+            p.start()
+        try:
+            gen = make(CFG16)
+            cfg = rc(max_new_tokens=6, decode_kernels="triton", return_logprobs=False)
+            gen.generate(PROMPTS, cfg=cfg, eos_id=-1, pad_id=0, seed=0,
+                         options=opts(cfg, pdl=pdl, swiglu_gemm_min_rows=0))
+        finally:
+            for p in patches:
+                p.stop()
+        out[str(pdl)] = {n: sorted(v) for n, v in seen.items()}
     return out
 
 
@@ -402,7 +325,6 @@ def _tp2_rank():
 
     from hybridflow.parallel import groups, param_rules
     from hybridflow.rollout import Generator
-    generator.CHECK_EVERY = 2
     full = random_params(CFG16)  # vocab padded to 40 rows: 20 per TP rank
     groups.init_model_parallel(tp=2, pp=1, seed=0)
     group = ps.get_tensor_model_parallel_group()
@@ -415,8 +337,9 @@ def _tp2_rank():
     for name, kw in {"greedy": dict(max_new_tokens=40, decode_kv_window=64,
                                     compact_finished_rows=True),
                      "sampled": dict(n=2, temperature=1.0, top_p=0.9, max_new_tokens=12)}.items():
-        ref = gen.generate(PROMPTS, cfg=rc(**kw), eos_id=5, pad_id=0, seed=3)
-        got = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=3)
+        generate = polled(gen, 2)
+        ref = generate(PROMPTS, cfg=rc(**kw), eos_id=5, pad_id=0, seed=3)
+        got = generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0, seed=3)
         out[name] = {"tokens_equal": bool(torch.equal(ref.response_ids, got.response_ids)),
                      "logprob_err": (ref.rollout_logprobs - got.rollout_logprobs).abs().max().item(),
                      "tokens": int(ref.response_mask.sum())}
@@ -430,11 +353,8 @@ def tp2_cases():
 
 
 if __name__ == "__main__":
-    print(json.dumps({"kernels": kernel_cases(), "rope_attention": rope_attention_cases(),
-                      "argmax": argmax_cases(),
-                      "prefill": prefill_cases(),
-                      "swiglu": swiglu_cases(), "linear": linear_cases(),
-                      "advance": advance_cases(),
-                      "silu_mul": silu_mul_cases(), "add_rms_norm": add_rms_norm_cases(),
-                      "generation": generation_cases(),
-                      "tp2": tp2_cases()}))
+    print(json.dumps({"rope_attention": rope_attention_cases(), "argmax": argmax_cases(),
+                      "prefill": prefill_cases(), "swiglu": swiglu_cases(),
+                      "advance": advance_cases(), "silu_mul": silu_mul_cases(),
+                      "add_rms_norm": add_rms_norm_cases(), "generation": generation_cases(),
+                      "launch": launch_cases(), "tp2": tp2_cases()}))

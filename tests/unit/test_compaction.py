@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from hybridflow.rollout import compaction, generator
+from hybridflow.rollout import compaction
 from hybridflow.rollout.generator import _Buffers
 from hybridflow.rollout.kv_cache import KVCache
-from tests.unit.test_rollout import CFG, make, rc
+from tests.unit.test_rollout import CFG, make, polled, rc
 
 
 def random_prompts(num: int, *, vocab: int, seed: int = 1) -> list:
@@ -36,8 +36,8 @@ def test_target_bucket_halves_or_waits():
                     assert got is None, (targets, current, live)
                 else:  # the smallest bucket holding every live row, at most half the current
                     assert got == min(fits), (targets, current, live)
-    assert compaction.ladder([1, 2, 4, 8, 16, 32, 48], graphed=True) == [16, 32, 48]
-    assert compaction.ladder([1, 2, 4], graphed=False) == [1, 2, 4]
+    assert compaction.ladder([1, 2, 4, 8, 16, 32, 48], graphed=True, min_graphed=16) == [16, 32, 48]
+    assert compaction.ladder([1, 2, 4], graphed=False, min_graphed=16) == [1, 2, 4]
 
 
 def test_compact_moves_state_kv_rows_and_row_map():
@@ -85,19 +85,19 @@ def test_compact_moves_state_kv_rows_and_row_map():
 
 
 @pytest.mark.parametrize("max_batch_size,check_every", [(24, 2), (10, 2), (7, 4), (24, 16)])
-def test_greedy_equal_with_and_without_compaction(monkeypatch, max_batch_size, check_every):
+def test_greedy_equal_with_and_without_compaction(max_batch_size, check_every):
     """24 distinct prompts, 40 new tokens; 3 rows never stop, most stop within a few tokens.
     max_batch_size 24: one chunk (a bucket that is no power of two); 10 and 7: several chunks."""
-    monkeypatch.setattr(generator, "CHECK_EVERY", check_every)
     gen, R = make(), 40
+    generate = polled(gen, check_every)
     prompts = random_prompts(24, vocab=CFG.vocab_size)
-    free = gen.generate(prompts, cfg=rc(max_new_tokens=R), eos_id=-1, pad_id=0, seed=0)
+    free = generate(prompts, cfg=rc(max_new_tokens=R), eos_id=-1, pad_id=0, seed=0)
     stops = uneven_stops(free.response_ids, [0, 5, 14], CFG.vocab_size)
     cfg = rc(max_new_tokens=R, stop_token_ids=stops[1:], max_batch_size=max_batch_size,
              compact_finished_rows=True)
-    on = gen.generate(prompts, cfg=cfg, eos_id=stops[0], pad_id=99, seed=0)
+    on = generate(prompts, cfg=cfg, eos_id=stops[0], pad_id=99, seed=0)
     stats = dict(gen.stats)
-    off = gen.generate(prompts, cfg=dataclasses.replace(cfg, compact_finished_rows=False),
+    off = generate(prompts, cfg=dataclasses.replace(cfg, compact_finished_rows=False),
                        eos_id=stops[0], pad_id=99, seed=0)
     lengths = on.response_mask.sum(1)
     assert (lengths == R).sum() == 3 and (lengths <= R // 4).sum() >= 12  # a long tail
@@ -111,28 +111,28 @@ def test_greedy_equal_with_and_without_compaction(monkeypatch, max_batch_size, c
     assert torch.equal(on.prompt_ids, off.prompt_ids)
 
 
-def test_sampling_through_compaction(monkeypatch):
-    monkeypatch.setattr(generator, "CHECK_EVERY", 2)
+def test_sampling_through_compaction():
     gen, R = make(), 32
+    generate = polled(gen, 2)
     prompts = random_prompts(8, vocab=CFG.vocab_size, seed=3)
-    free = gen.generate(prompts, cfg=rc(max_new_tokens=R, n=3), eos_id=-1, pad_id=0, seed=0)
+    free = generate(prompts, cfg=rc(max_new_tokens=R, n=3), eos_id=-1, pad_id=0, seed=0)
     stops = uneven_stops(free.response_ids, [0, 13], CFG.vocab_size)
     # top_k=1: the sampling path (temperature 1, random draws) whose draw cannot change the token:
     # row identity and stop handling through compaction equal the uncompacted run's
     topk1 = rc(max_new_tokens=R, n=3, temperature=1.0, top_k=1, stop_token_ids=stops,
                max_batch_size=10, compact_finished_rows=True)
-    a = gen.generate(prompts, cfg=topk1, eos_id=-1, pad_id=0, seed=4)
+    a = generate(prompts, cfg=topk1, eos_id=-1, pad_id=0, seed=4)
     assert gen.stats["compactions"] >= 1
-    b = gen.generate(prompts, cfg=dataclasses.replace(topk1, compact_finished_rows=False),
+    b = generate(prompts, cfg=dataclasses.replace(topk1, compact_finished_rows=False),
                      eos_id=-1, pad_id=0, seed=4)
     assert torch.equal(a.response_ids, b.response_ids)
     assert torch.allclose(a.rollout_logprobs, b.rollout_logprobs, atol=1e-5, rtol=0)
     # real sampling: reproducible for a seed, stops and masks well-formed
     cfg = dataclasses.replace(topk1, top_k=0, top_p=0.95, stop_token_ids=stops[:4])
-    s1 = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=99, seed=7)
+    s1 = generate(prompts, cfg=cfg, eos_id=-1, pad_id=99, seed=7)
     assert gen.stats["compactions"] >= 1
-    s2 = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=99, seed=7)
-    s3 = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=99, seed=8)
+    s2 = generate(prompts, cfg=cfg, eos_id=-1, pad_id=99, seed=7)
+    s3 = generate(prompts, cfg=cfg, eos_id=-1, pad_id=99, seed=8)
     assert torch.equal(s1.response_ids, s2.response_ids)
     assert torch.equal(s1.rollout_logprobs, s2.rollout_logprobs)
     assert not torch.equal(s1.response_ids, s3.response_ids)

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from hybridflow.rollout import decoder, generator, sampling
-from tests.unit.test_rollout import PROMPTS, make, rc
+from hybridflow.rollout import decoder, sampling
+from tests.unit.test_rollout import PROMPTS, make, opts, rc
 
 
 def traces(*fns) -> dict:
@@ -20,16 +20,16 @@ def traces(*fns) -> dict:
             for fn in fns}
 
 
-def test_compiled_decode_generates_what_eager_does(monkeypatch):
-    monkeypatch.setattr(generator, "CHECK_EVERY", 4)
-    monkeypatch.setattr(decoder, "COMPILE_BACKEND", "aot_eager")
+def test_compiled_decode_generates_what_eager_does():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     gen = make()
-    kw = dict(n=3, temperature=1.0, max_new_tokens=150, compact_finished_rows=True,
-              decode_kv_window=64)
-    ref = gen.generate(PROMPTS, cfg=rc(**kw), eos_id=5, pad_id=0, seed=7)
-    out = gen.generate(PROMPTS, cfg=rc(**kw, compile_decode=True), eos_id=5, pad_id=0, seed=7)
+    cfg = rc(n=3, temperature=1.0, max_new_tokens=150, compact_finished_rows=True,
+             decode_kv_window=64)
+    ref = gen.generate(PROMPTS, cfg=cfg, eos_id=5, pad_id=0, seed=7,
+                       options=opts(cfg, check_every=4))
+    compiled = opts(cfg, check_every=4, compile=True, compile_backend="aot_eager")
+    out = gen.generate(PROMPTS, cfg=cfg, eos_id=5, pad_id=0, seed=7, options=compiled)
     assert gen.stats["compactions"] > 0  # several batch sizes and windows went through it
     for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"):
         assert torch.equal(getattr(out, name), getattr(ref, name)), name

@@ -7,7 +7,7 @@ import torch
 from hybridflow.config import load_config
 from hybridflow.config_checks import validate
 from hybridflow.rollout import decoder, generator
-from tests.unit.test_rollout import PROMPTS, assert_same_rows, make, rc
+from tests.unit.test_rollout import PROMPTS, assert_same_rows, make, polled, rc
 
 
 def test_windows_and_their_choice():
@@ -46,27 +46,21 @@ def test_decode_step_on_a_window_equals_the_whole_cache():
 
 @pytest.mark.parametrize("temperature,compact,eos", [(0.0, False, -1), (1.0, False, -1),
                                                      (1.0, True, 5)])
-def test_generate_with_windows_equals_whole_cache(monkeypatch, temperature, compact, eos):
+def test_generate_with_windows_equals_whole_cache(temperature, compact, eos):
     """P = 7, 150 new tokens: a cache of 192 columns, windows 64 / 128 / 192 (all used without
     EOS; with EOS = 5 rows stop unevenly and compaction moves them between windows' steps)."""
-    monkeypatch.setattr(generator, "CHECK_EVERY", 4)
     gen = make()
+    generate = polled(gen, 4)
     cfg = rc(n=3, temperature=temperature, max_new_tokens=150, compact_finished_rows=compact)
-    ref = gen.generate(PROMPTS, cfg=cfg, eos_id=eos, pad_id=0, seed=7)
-    used = []
-    real = decoder.decode_step
-
-    def spy(*a, kv_len=None, **kw):
-        used.append(kv_len)
-        return real(*a, kv_len=kv_len, **kw)
-
-    monkeypatch.setattr(decoder, "decode_step", spy)
-    out = gen.generate(PROMPTS, cfg=rc(n=3, temperature=temperature, max_new_tokens=150,
-                                       compact_finished_rows=compact, decode_kv_window=64),
-                       eos_id=eos, pad_id=0, seed=7)
+    ref = generate(PROMPTS, cfg=cfg, eos_id=eos, pad_id=0, seed=7)
+    assert set(gen.stats["window_steps"]) == {None}  # no window: the whole cache, unsliced
+    out = generate(PROMPTS, cfg=rc(n=3, temperature=temperature, max_new_tokens=150,
+                                   compact_finished_rows=compact, decode_kv_window=64),
+                   eos_id=eos, pad_id=0, seed=7)
     assert_same_rows(out, ref)
-    assert used[0] == 64 and used == sorted(used)  # windows only grow within a chunk
+    used = gen.stats["window_steps"]  # a window holds the columns written so far: 7 + step
     assert set(used) == ({64, 128, 192} if eos < 0 else {64, 128})
+    assert used[64] == 64 - 7 and (eos >= 0 or used[128] == 64)
     if compact:
         assert gen.stats["compactions"] > 0
 

@@ -9,6 +9,7 @@ import torch
 
 from hybridflow.config import ModelConfig, RolloutConfig
 from hybridflow.rollout import Generator, decoder
+from hybridflow.rollout.options import DecodeOptions
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                   num_query_groups=2, vocab_size=37, add_qkv_bias=True)
@@ -47,6 +48,18 @@ def make(cfg=CFG, **kw):
 def rc(**kw):
     base = dict(max_new_tokens=9, temperature=0.0, return_logprobs=True)
     return RolloutConfig(**{**base, **kw})
+
+
+def opts(cfg: RolloutConfig, **kw) -> DecodeOptions:
+    """cfg's decode options with some fields changed (e.g. check_every, not a config key)."""
+    return DecodeOptions.from_config(cfg).replace(**kw)
+
+
+def polled(gen, every: int):
+    """gen.generate with its stop polls (and compaction decisions) every `every` decode steps."""
+    def generate(prompts, *, cfg, **kw):
+        return gen.generate(prompts, cfg=cfg, options=opts(cfg, check_every=every), **kw)
+    return generate
 
 
 def recompute_greedy(gen, prompt, steps):
@@ -105,14 +118,12 @@ def test_eos_stop_tokens_and_masks():
     assert (out.prompt_ids[out.prompt_mask == 0] == 99).all()
 
 
-def test_early_exit_when_all_rows_finished(monkeypatch):
-    from hybridflow.rollout import generator
-
-    monkeypatch.setattr(generator, "CHECK_EVERY", 2)
+def test_early_exit_when_all_rows_finished():
     gen = make()
     free = gen.generate(PROMPTS, cfg=rc(), eos_id=-1, pad_id=0, seed=0).response_ids
-    out = gen.generate(PROMPTS, cfg=rc(max_new_tokens=40, stop_token_ids=free[:, 1].tolist()),
-                       eos_id=-1, pad_id=0, seed=0)
+    cfg = rc(max_new_tokens=40, stop_token_ids=free[:, 1].tolist())
+    out = gen.generate(PROMPTS, cfg=cfg, eos_id=-1, pad_id=0, seed=0,
+                       options=opts(cfg, check_every=2))
     assert out.response_mask.sum(1).max() <= 2 and out.response_ids.shape[1] <= 2
     buf, _ = next(v for k, v in gen._steps.items() if k[1] == 40)  # stopped long before 40
     assert int(buf.step) <= 1 + 3 * 2
@@ -143,16 +154,9 @@ def test_n_ordering_seeding_and_chunking():
 
 
 
-def prefill_rows(monkeypatch):
-    """Record the batch size of every prefill (decoder.forward) call."""
-    calls, forward = [], decoder.forward
-
-    def recording(w, ids, *args, **kw):
-        calls.append(ids.shape[0])
-        return forward(w, ids, *args, **kw)
-
-    monkeypatch.setattr(decoder, "forward", recording)
-    return calls
+def prefills(gen) -> tuple:
+    """(prefill sub-batches, prompt rows prefilled) of the generator's last call."""
+    return gen.stats["prefills"], gen.stats["prefill_rows"]
 
 
 def per_row_prefill(gen, prompts, cfg, **kw):
@@ -170,15 +174,13 @@ def assert_same_rows(a, b):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_prefill_shared_by_n_copies_matches_per_row_prefill(monkeypatch, temperature):
+def test_prefill_shared_by_n_copies_matches_per_row_prefill(temperature):
     gen = make()
     cfg = rc(n=4, temperature=temperature, top_p=0.9, max_new_tokens=12)
-    calls = prefill_rows(monkeypatch)
     ref = per_row_prefill(gen, PROMPTS, cfg, eos_id=-1, pad_id=0, seed=3)
-    assert calls == [16]  # the reference does prefill every row
-    calls.clear()
+    assert prefills(gen) == (1, 16)  # the reference does prefill every row
     out = gen.generate(PROMPTS, cfg=cfg, eos_id=-1, pad_id=0, seed=3)
-    assert calls == [4]  # once per prompt
+    assert prefills(gen) == (1, 4)  # once per prompt
     # the first draw has the same (B, V) shape as with per-row prefill: same random stream, so
     # sampled outputs are identical too, not only equally distributed
     assert_same_rows(out, ref)
@@ -189,20 +191,16 @@ def test_prefill_shared_by_n_copies_matches_per_row_prefill(monkeypatch, tempera
         assert (out.response_ids == out.response_ids[::4].repeat_interleave(4, 0)).all()
 
 
-def test_prefill_sharing_across_a_chunk_boundary(monkeypatch):
+def test_prefill_sharing_across_a_chunk_boundary():
     """n = 3, max_batch_size = 4: chunks [p0 p0 p0 p1] [p1 p1 p2 p2] [p2 p3 p3 p3] cut p1 and p2."""
-    from hybridflow.rollout import generator
-
-    monkeypatch.setattr(generator, "CHECK_EVERY", 2)
     gen = make()
-    calls = prefill_rows(monkeypatch)
     for temperature in (0.0, 1.0):
         cfg = rc(n=3, max_batch_size=4, temperature=temperature, max_new_tokens=12,
                  compact_finished_rows=True)
-        ref = per_row_prefill(gen, PROMPTS, cfg, eos_id=5, pad_id=0, seed=4)
-        calls.clear()
-        out = gen.generate(PROMPTS, cfg=cfg, eos_id=5, pad_id=0, seed=4)
-        assert calls == [2, 2, 2]  # each chunk prefills its two distinct prompts
+        polls = opts(cfg, check_every=2)
+        ref = per_row_prefill(gen, PROMPTS, cfg, eos_id=5, pad_id=0, seed=4, options=polls)
+        out = gen.generate(PROMPTS, cfg=cfg, eos_id=5, pad_id=0, seed=4, options=polls)
+        assert prefills(gen) == (3, 6)  # each chunk prefills its two distinct prompts
         assert gen.stats["compactions"] > 0  # compaction moves the copied K/V rows as any others
         assert_same_rows(out, ref)
         assert out.group_ids.tolist() == [i for i in range(4) for _ in range(3)]
@@ -211,14 +209,13 @@ def test_prefill_sharing_across_a_chunk_boundary(monkeypatch):
     assert torch.equal(whole.response_ids, chunked.response_ids)
 
 
-def test_prefill_sub_batches_count_distinct_prompts(monkeypatch):
-    from hybridflow.rollout import generator
-
-    monkeypatch.setattr(generator, "PREFILL_TOKENS", 2 * 7)  # longest prompt 7: 2 rows a batch
+def test_prefill_sub_batches_count_distinct_prompts():
     gen = make()
-    calls = prefill_rows(monkeypatch)
-    out = gen.generate(PROMPTS, cfg=rc(n=5), eos_id=-1, pad_id=0, seed=0)
-    assert calls == [2, 2]  # 4 distinct prompts, not 20 rows
+    cfg = rc(n=5)
+    # longest prompt 7: 2 rows a sub-batch
+    out = gen.generate(PROMPTS, cfg=cfg, eos_id=-1, pad_id=0, seed=0,
+                       options=opts(cfg, prefill_tokens=2 * 7))
+    assert prefills(gen) == (2, 4)  # 4 distinct prompts, not 20 rows
     ref = per_row_prefill(gen, PROMPTS, rc(n=5), eos_id=-1, pad_id=0, seed=0)
     assert_same_rows(out, ref)
 
