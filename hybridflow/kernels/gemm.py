@@ -42,7 +42,7 @@ class Config(NamedTuple):
 
 # [(rows at most, config)]: the first entry whose bound holds M; the best of an H200 sweep at 256
 # rows (a decode batch) and at 16k (a prefill sub-batch)
-CONFIGS = [(512, Config(64, 64, 64, 4, 3)), (1 << 62, Config(128, 64, 64, 8, 3))]
+CONFIGS = ((512, Config(64, 64, 64, 4, 3)), (1 << 62, Config(128, 64, 64, 8, 3)))
 
 
 def config_for(M: int) -> Config:
