@@ -1,4 +1,4 @@
-"""Generation with a long tail of response lengths: row compaction on vs off (issue #12 "Speed").
+"""Generation with a long tail of response lengths: row compaction on vs off.
 
 RL rollouts stop at very different steps (GSM8K, Qwen2.5-0.5B: mean ~300 tokens, ~0.5-1% of rows
 at the 1,024 cap), and a static decode batch runs every row until the longest stops. This times
@@ -39,6 +39,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_generate import hf_model, machine, timed, to_megatron  # noqa: E402
+from benchmarks.run_record import command, versions, write_json  # noqa: E402
 from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
 from hybridflow.rollout import Generator  # noqa: E402
 
@@ -78,7 +79,7 @@ def main():
     V, R = cfg.vocab_size, args.new_tokens
     k = max(1, round(V / args.tail_mean))
     stop = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:k].tolist()
-    report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
+    report = {"machine": machine(device), "versions": versions("transformers"), "command": command(),
               "model": cfg.name, "prompt_len": args.prompt_len, "new_tokens": R,
               "tail_mean": args.tail_mean, "num_stop_ids": k, "results": {}}
     for B in args.batches:
@@ -113,9 +114,7 @@ def main():
         report["results"][str(B)] = res
         print(json.dumps({B: res}, indent=1), flush=True)
     gen.release()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(args.out, report)
     for B, r in report["results"].items():
         print(f"B={B}: off {r['off']['s']:.3f} s, on {r['on']['s']:.3f} s (x{r['speedup']:.2f}); "
               f"first call off {r['off']['first_s']:.3f} s, on {r['on']['first_s']:.3f} s; "

@@ -32,12 +32,14 @@ import torch.distributed as dist
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hybridflow.config import ModelConfig  # noqa: E402
 from hybridflow.parallel import groups  # noqa: E402
 from hybridflow.parallel import param_rules as pr  # noqa: E402
 from hybridflow.parallel.layout import Layout  # noqa: E402
 from hybridflow.parallel.reshard import Resharder, _all_gather  # noqa: E402
+from run_record import write_json  # noqa: E402
 
 GB = 1e9
 CUDA = torch.cuda.is_available()
@@ -259,9 +261,7 @@ def _write(args, tp: int, precision: str, results: list) -> None:
                         "megatron_core": getattr(megatron.core, "__version__", "?")},
            "command": "torchrun --nproc_per_node %d %s" % (tp, " ".join(sys.argv)),
            "results": results}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(args.out, doc)
 
 
 def _nccl_version():

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import platform
 import statistics
@@ -30,7 +29,10 @@ import types
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from run_record import write_json  # noqa: E402
 
 
 def _time(fn, iters: int, warmup: int) -> tuple[list[float], list[float]]:
@@ -162,7 +164,7 @@ def main():
 
     groups.init_distributed()
     ctx = groups.init_model_parallel(tp=1, pp=1, seed=1)
-    with open(os.path.join(os.path.dirname(__file__), "..", "hybridflow", "conf", "model", f"{args.model}.yaml")) as f:
+    with open(os.path.join(ROOT, "hybridflow", "conf", "model", f"{args.model}.yaml")) as f:
         model_cfg = ModelConfig(**yaml.safe_load(f))
     torch.manual_seed(0)
     ids = torch.randint(0, model_cfg.vocab_size, (args.batch, args.seq), device="cuda")
@@ -216,9 +218,7 @@ def main():
             print(f"{k:28s} {r['tokens_per_s']:10.0f} {r.get('vs_transformers', 0):6.2f} "
                   f"{r['peak_memory_gb']:8.1f} {r['peak_reserved_gb']:8.1f} {r['cpu_s'] * 1e3:7.1f}")
     if args.out:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2)
+        write_json(args.out, record)
     groups.destroy()
 
 

@@ -1,6 +1,6 @@
-r"""Our GRPO step vs TRL 1.16's GRPOTrainer step on the same synthetic workload, one run (issue "Speed").
+r"""Our GRPO step vs TRL 1.16's GRPOTrainer step on the same synthetic workload, one run.
 
-Workloads (random-init weights of our model shape, 8 prompts x 8 samples, ~128-token prompts, exactly
+Workloads (random-init weights of our model shape, 8 prompts x 8 samples, 128-token prompts, exactly
 256 response tokens, no early stop, temperature 1, KL loss coefficient 0.001, lr 1e-6):
   w1_0_5b  hybridflow/conf/model/qwen2_0_5b.yaml      w1_1_5b  hybridflow/conf/model/qwen2_1_5b.yaml
   gsm8k    the GSM8K experiment (Qwen2.5-Coder-0.5B-Instruct, 64 prompts x 8 samples, up to 1,024
@@ -12,71 +12,56 @@ Workloads (random-init weights of our model shape, 8 prompts x 8 samples, ~128-t
            benchmarks/results/gsm8k_h200.json (ours: its top level, the experiment's run; trl).
            No MFU (variable response lengths).
 
-Each side runs in its own process, one after the other (ours, then TRL), so neither holds GPU memory
-while the other runs and each peak-memory number is its own process's:
-- ours: benchmarks/bench_rl_step.py --algos grpo --skip-old-log-prob (one mini-batch per step: the
-  trainer's default skips the old-log-prob pass, and TRL has none either), TRL's micro-batch
-  (`--ours-micro`, default `--trl-micro`'s: all 64 sequences in one pass; at bench_rl_step's 8 the
-  passes are bound by kernel launches, ~0.83 ms per layer per micro-batch), bf16, the `copy` task with
-  `data.synthetic_length` = prompt length - 8 (its prompts are that many letters + 8 tokens), and
-  `--ours-options` (default: the generator and its CUDA graphs kept across steps, the decode over
-  the written KV columns in 64-column windows: the GSM8K experiment's options that apply at forced
-  lengths; recorded under config.ours.options).
-  Step and stage times are medians of the steps after the first.
-- TRL: this file with `--trl-side` (a hidden option): the HF Qwen2 of the same shape
-  (bench_generate.hf_model) loaded in fp32 and trained under bf16 autocast (`bf16=True`) as
-  trl_gsm8k.py does (pure-bf16 Adam would lose 1e-6 updates; ours keeps fp32 master weights too);
-  a WordLevel tokenizer whose words "t0".."t{V-1}" are the model's ids (eos = pad = the last id,
-  never in a prompt) and 8 prompts of prompt-length random words; num_generations 8,
-  per_device_train_batch_size `--trl-micro` completions and gradient accumulation so one optimizer
-  step consumes the 64 completions of 8 prompts (trl_gsm8k's convention); `min_new_tokens` =
+Each side runs in its own process, one after the other (ours, then TRL; `--sides` picks), so
+neither holds GPU memory while the other runs and each peak-memory number is its own process's:
+- ours: benchmarks/bench_rl_step.py --algos grpo, `--ours speed` (default: the speed configuration,
+  bench_rl_step.SPEED, with micro-batches of `--ours-micro` sequences, default TRL's) or `--ours
+  default` (the product's defaults), plus `--ours-options`; the `copy` task with
+  `data.synthetic_length` = prompt length - 8. The old-log-prob pass is skipped (one mini-batch per
+  step: the trainer's default; TRL has none either). Step and stage times are medians of the steps
+  after the first.
+- TRL: this file with `--trl-side` (a hidden option), in its fastest configuration that fits the
+  GPU, as its users tune it: the HF Qwen2 of the same shape (bench_generate.hf_model) held in fp32 and
+  trained under bf16 autocast (`bf16=True`) as trl_gsm8k.py does (pure-bf16 Adam would lose 1e-6
+  updates; ours keeps fp32 master weights too; `--trl-weights bf16` holds it in bf16);
+  `generation_batch_size` = prompts x samples (the whole step's completions from one `generate`
+  call) and `per_device_train_batch_size` `--trl-micro` (default all of them, 64: one update pass
+  per step); gradient checkpointing `--trl-grad-ckpt auto` (default): off unless the update does not
+  fit without it (trl_gsm8k.probe_update_memory before training; and should training still run out
+  of memory, the run is redone with it on), `on` is the configuration of the earlier results. A
+  WordLevel tokenizer whose words "t0".."t{V-1}" are the model's ids (eos = pad = the last id, never
+  in a prompt) and 8 prompts of prompt-length random words; num_generations 8; `min_new_tokens` =
   `max_completion_length` in generation_kwargs forces every completion to full length (checked from
-  TRL's logged completion lengths); loss `dapo`, scale_rewards "group", beta 0.001 (so both sides run
-  a reference forward: TRL loads it from the random weights saved to `--workdir`), gradient
-  checkpointing on (TRL's default, the setting of the measured GSM8K runs), a random reward per
-  completion (non-zero advantages). Step time: on_step_begin -> on_step_end with CUDA synchronised;
-  `trl_step_s` is the median of the steps after the first.
+  TRL's logged completion lengths); loss `dapo`, scale_rewards "group", beta 0.001 (so both sides
+  run a reference forward: TRL loads it from the random weights saved to `--workdir`), a random
+  reward per completion (non-zero advantages). Step time: on_step_begin -> on_step_end with CUDA
+  synchronised; `trl_step_s` is the median of the steps after the first.
 MFU of our stages = stage FLOPs / (stage seconds x `--peak-tflops`), FLOPs from hybridflow/cost/flops.py
 at the measured tokens: gen = prefill of each distinct prompt once (our generator shares it between
 the n samples) + decode at mean context P + R/2; ref and old_log_prob = 1 forward over P + R tokens
-per sequence; update_actor = 3 forwards (fwd + bwd; our trainer has no activation recompute);
-step = their sum over the step's seconds. On CPU the MFU numbers are meaningless, computed alike.
+per sequence; update_actor = 3 forwards (fwd + bwd; no activation recompute); step = their sum over
+the step's seconds. On CPU the MFU numbers are meaningless, computed alike.
 
 CPU smoke (tiny model, a few tokens; tests/dist/test_bench_scripts.py):
   python benchmarks/bench_vs_trl.py --workloads w1_0_5b --model-yaml hybridflow/conf/model/tiny.yaml \
       --device cpu --prompt-len 16 --response 8 --prompts 2 --samples 2 --steps 3 --trl-steps 3 --out /tmp/v.json
 
-On the H200, one device call per workload (both in one call would need ~8 of its 10 minutes; the
-JSON is rewritten after each workload, so a cut call keeps the finished one). The second call adds
-its workload to the first's JSON with `--append` while the machine stays warm (/tmp survives);
-after a cold start it writes its own, to be merged by hand.
-Here, once (.whl/ and .whl_bench/ are git-ignored, so `carry` can name them):
-  bash ../shared/gpu/fetch_wheels.sh .whl                # megatron-core, hydra-core, omegaconf, antlr4
-  bash benchmarks/fetch_peer_wheels.sh .whl_bench        # trl 1.16, datasets, dill, multiprocess (+ fallback/)
-Each call, carry [".whl", ".whl_bench"]:
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && python3 benchmarks/install_peer_wheels.py .whl_bench --target /tmp/site \
-    && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/bench_vs_trl.py --workloads w1_0_5b \
-       --out /tmp/vs_trl/vs_trl_h200.json; cp /tmp/vs_trl/vs_trl_h200.json $OUT/
-  (second call: the same with `--workloads w1_1_5b --append`)
-Device minutes, estimated (TRL not yet measured at this shape): wheels ~0.5; ours ~1.2 min trainer
-start + 6 steps of ~1.3 s (0.5B, rl_step_h200.json) / ~3 s (1.5B); TRL ~0.5 min load and weight save
-+ 4 steps of ~10-25 s (transformers generate: 256 tokens at batch 64, launch-bound, plus the
-checkpointed update) => ~3-4 min per call, ~8 minutes for both.
+On an H200: TRL's side of both w1 workloads in one device call: benchmarks/vs_trl_h200.sh. Ours
+(--sides ours) takes ~1.5 min per workload. The JSON is rewritten after each workload, so a cut call
+keeps the finished ones; `--append` adds to an existing JSON.
 
 GSM8K in consecutive calls of one warm machine (the GGUF carried in parts and assembled first:
-benchmarks/gsm8k_h200.sh setup; carry [".whl", ".whl_bench", ".gsm8k"]), ours with the trainer
-options of the speed runs that apply (the experiment's own generation options are already its):
+benchmarks/gsm8k_h200.sh setup; carry [".whl", ".whl_bench", ".gsm8k"]):
   1. RUN_DIR=/tmp/gsm8k_vs bash benchmarks/gsm8k_h200.sh train 240 trainer.total_steps=10 \
-       trainer.val_every=0 trainer.save_every=0 rollout.decode_kernels=triton rollout.compile_decode=true
-     (~3 min: model load, 10 steps of ~7 s), then in the same call
+       trainer.val_every=0 trainer.save_every=0
+     (~3 min: model load, 10 steps of ~5-7 s), then in the same call
      MODEL=/tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf PHASES=trl TRL_RESUME=1 TRL_STEPS=4 \
        TRL_ARGS="--lr 3e-6 --weight-decay 0.01" TOTAL_S=330 bash benchmarks/gsm8k_peers.sh
   2. the TRL command again (resumes; each call's first step is its warm-up) until its JSON holds 3
-     timed steps (TRL: ~85 s load, 150-165 s for a call's first step, 85-95 s after);
+     timed steps (TRL: ~1.5 min load, ~2.5 min for a call's first step, 1-1.5 min after);
   3. python benchmarks/bench_vs_trl.py --workloads "" --append --out benchmarks/results/vs_trl_h200.json \
        --gsm8k-ours $OUT/metrics.jsonl --gsm8k-trl $OUT/trl_gsm8k.json \
-       --gsm8k-ours-overrides "trainer.total_steps=10 trainer.val_every=0 rollout.decode_kernels=triton ..."
+       --gsm8k-ours-overrides "trainer.total_steps=10 trainer.val_every=0 trainer.save_every=0"
 """
 
 from __future__ import annotations
@@ -94,7 +79,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from gsm8k_hf_eval import machine, versions, write_json  # noqa: E402  (write_json: temp file + os.replace)
+from gsm8k_hf_eval import machine, versions, write_json  # noqa: E402
+from run_record import command  # noqa: E402
 
 WORKLOADS = {"w1_0_5b": "hybridflow/conf/model/qwen2_0_5b.yaml", "w1_1_5b": "hybridflow/conf/model/qwen2_1_5b.yaml"}
 GSM8K = ROOT / "benchmarks/results/gsm8k_h200.json"  # ours (top level) and trl
@@ -115,26 +101,27 @@ def load_shape(path: str):
 
 
 # ----------------------------------------------------------------------------------------- ours
-# compaction does nothing at forced lengths; compile_decode is left to --ours-options until the
-# trainer-side run has been timed with it
-OURS_OPTIONS = "rollout.free_cache_engine=false rollout.decode_kv_window=64"
+# the speed options a CPU cannot run (the CPU smoke): fp32, PyTorch decode, not compiled
+CPU_OPTIONS = ["trainer.precision=fp32", "rollout.decode_kernels=torch", "rollout.compile_decode=false"]
+
+
+def ours_options(args) -> list[str]:
+    return args.ours_options.split() + (CPU_OPTIONS if args.device == "cpu" else [])
 
 
 def run_ours(args, *, model: str, workdir: Path) -> dict:
     out = workdir / "ours.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/bench_rl_step.py"), "--model", model, "--algos", "grpo",
            "--steps", str(args.steps), "--prompts", str(args.prompts), "--samples", str(args.samples),
-           "--response", str(args.response), "--micro", str(args.ours_micro),
-           "--fmicro", str(args.ours_micro), "--skip-old-log-prob",
-           "--override", f"data.synthetic_length={args.prompt_len - 8}",
+           "--response", str(args.response), "--override", f"data.synthetic_length={args.prompt_len - 8}",
            "--override", f"actor_optim.lr={args.lr}", "--out", str(out)]
-    for o in args.ours_options.split():
+    if args.ours == "speed":
+        cmd += ["--speed", "--micro", str(args.ours_micro), "--fmicro", str(args.ours_micro)]
+    for o in ours_options(args):
         cmd += ["--override", o]
-    if args.device == "cpu":
-        cmd += ["--override", "trainer.precision=fp32"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
-    return json.loads(out.read_text())["results"]["grpo"]
+    return json.loads(out.read_text())
 
 
 def stage_flops(shape, *, prompts: int, samples: int, prompt_len: float, response: float,
@@ -177,16 +164,33 @@ def ours_entry(summary: dict, *, shape, args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ TRL
+OOM_EXIT = 3  # the TRL side's exit code when training ran out of GPU memory
+
+
 def run_trl(args, *, workdir: Path) -> dict:
+    """TRL's side in its own process; with --trl-grad-ckpt auto, a run out of memory is redone once
+    with gradient checkpointing on (the result says so)."""
     out = workdir / "trl.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-side", str(out), "--workdir", str(workdir),
-           *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-             if k in ("model_yaml", "prompts", "samples", "prompt_len", "response", "trl_steps", "trl_micro",
-                      "lr", "beta", "seed", "device")]]
-    if args.trl_no_grad_ckpt:
-        cmd.append("--trl-no-grad-ckpt")
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    return json.loads(out.read_text())
+
+    def once(grad_ckpt: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-side", str(out), "--workdir", str(workdir),
+               f"--trl-grad-ckpt={grad_ckpt}",
+               *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                 if k in ("model_yaml", "prompts", "samples", "prompt_len", "response", "trl_steps", "trl_micro",
+                          "trl_weights", "lr", "beta", "seed", "device")]]
+        return subprocess.run(cmd, cwd=ROOT)
+
+    proc = once(args.trl_grad_ckpt)
+    retried = None
+    if proc.returncode == OOM_EXIT and args.trl_grad_ckpt == "auto":
+        retried = json.loads(out.read_text()).get("error")
+        print("TRL ran out of GPU memory without gradient checkpointing; again with it", flush=True)
+        proc = once("on")
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args)
+    result = json.loads(out.read_text())
+    result["config"]["oom_without_grad_ckpt"] = retried
+    return result
 
 
 def word_tokenizer(vocab_size: int):
@@ -201,7 +205,9 @@ def word_tokenizer(vocab_size: int):
 
 
 def trl_side(args) -> None:
-    """One TRL GRPOTrainer run of `--trl-steps` optimizer steps; writes its JSON to args.trl_side."""
+    """One TRL GRPOTrainer run of `--trl-steps` optimizer steps; writes its JSON to args.trl_side
+    (exit OOM_EXIT, the JSON saying so, when training runs out of GPU memory)."""
+    import gc
     import random
 
     import torch
@@ -210,6 +216,7 @@ def trl_side(args) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from bench_generate import hf_model
+    from trl_gsm8k import probe_update_memory
 
     _, shape = load_shape(args.model_yaml)
     on_gpu = args.device.startswith("cuda")
@@ -217,7 +224,8 @@ def trl_side(args) -> None:
     tokenizer = word_tokenizer(shape.vocab_size)
     prompts = [" ".join(f"t{rng.randrange(shape.vocab_size - 1)}" for _ in range(args.prompt_len))
                for _ in range(args.prompts)]
-    model = hf_model(shape, device=args.device, dtype=torch.float32).train()
+    dtype = torch.bfloat16 if on_gpu and args.trl_weights == "bf16" else torch.float32
+    model = hf_model(shape, device=args.device, dtype=dtype).train()
     model.generation_config.eos_token_id = [tokenizer.eos_token_id]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     # beta > 0: TRL builds its reference model with from_pretrained(config._name_or_path)
@@ -245,19 +253,49 @@ def trl_side(args) -> None:
             result["logs"].append({"step": state.global_step, **{key: v for key, v in (logs or {}).items()
                                                                   if isinstance(v, (int, float))}})
 
-    config = GRPOConfig(
-        output_dir=str(Path(args.workdir) / "trl_out"), max_steps=args.trl_steps, learning_rate=args.lr,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=args.beta,
-        loss_type="dapo", scale_rewards="group", num_generations=args.samples,
-        per_device_train_batch_size=args.trl_micro, gradient_accumulation_steps=completions // args.trl_micro,
-        max_completion_length=args.response, generation_kwargs={"min_new_tokens": args.response},
-        temperature=1.0, top_p=1.0, top_k=0, bf16=on_gpu, use_cpu=not on_gpu,
-        gradient_checkpointing=not args.trl_no_grad_ckpt, use_vllm=False, logging_steps=1, save_strategy="no",
-        report_to="none", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = GRPOTrainer(model=model, reward_funcs=[random_reward], args=config,
-                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
-                          processing_class=tokenizer, callbacks=[StepTimer()])
-    trainer.train()
+    def build(grad_ckpt: bool):
+        config = GRPOConfig(
+            output_dir=str(Path(args.workdir) / "trl_out"), max_steps=args.trl_steps, learning_rate=args.lr,
+            lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=args.beta,
+            loss_type="dapo", scale_rewards="group", num_generations=args.samples,
+            generation_batch_size=completions, per_device_train_batch_size=args.trl_micro,
+            gradient_accumulation_steps=completions // args.trl_micro, max_completion_length=args.response,
+            generation_kwargs={"min_new_tokens": args.response}, temperature=1.0, top_p=1.0, top_k=0,
+            bf16=on_gpu, use_cpu=not on_gpu, gradient_checkpointing=grad_ckpt, use_vllm=False, logging_steps=1,
+            save_strategy="no", report_to="none", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
+            disable_tqdm=True)
+        return GRPOTrainer(model=model, reward_funcs=[random_reward], args=config,
+                           train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+                           processing_class=tokenizer, callbacks=[StepTimer()])
+
+    probe = None
+    trainer = build(args.trl_grad_ckpt == "on")
+    if args.trl_grad_ckpt == "auto":
+        probe = probe_update_memory(trainer, rows=args.trl_micro, prompt_len=args.prompt_len,
+                                    completion_len=args.response)
+        print("TRL update memory probe (no gradient checkpointing):", probe, flush=True)
+        if not probe["fits"]:
+            del trainer
+            gc.collect()
+            trainer = build(True)
+    if on_gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # the peak of training, not of the probe
+    t = trainer.args
+    result["config"] = {"per_device_train_batch_size": t.per_device_train_batch_size,
+                        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+                        "generation_batch_size": t.generation_batch_size,
+                        "steps_per_generation": t.steps_per_generation,
+                        "gradient_checkpointing": bool(t.gradient_checkpointing),
+                        "grad_ckpt_mode": args.trl_grad_ckpt, "memory_probe": probe, "bf16": bool(t.bf16),
+                        "weights": ("bf16" if dtype == torch.bfloat16 else "fp32 master, bf16 autocast")
+                        if on_gpu else "fp32", "loss_type": "dapo", "scale_rewards": "group"}
+    try:
+        trainer.train()
+    except torch.OutOfMemoryError as e:
+        result["error"] = str(e).splitlines()[0]
+        write_json(args.trl_side, result)
+        sys.exit(OOM_EXIT)
     if torch.cuda.is_available():
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
     lengths = [(r["completions/min_length"], r["completions/max_length"]) for r in result["logs"]
@@ -278,7 +316,7 @@ GSM8K_SAME = {"prompts_per_step": "data.prompts_per_step", "samples": "rollout.n
 
 
 def gsm8k_run_entry(ours_metrics: str, trl_json: str, ours_overrides: list[str]) -> dict:
-    """The gsm8k workload from runs of this session: our trainer's metrics.jsonl (the experiment
+    """The gsm8k workload from two given runs: our trainer's metrics.jsonl (the experiment
     with `ours_overrides`) and trl_gsm8k.py's JSON. ValueError when they are not the same workload
     or either side timed fewer than 3 steps."""
     from gsm8k_report import summarise
@@ -333,38 +371,42 @@ def gsm8k_entry() -> dict:
 
 
 def print_table(workloads: dict) -> None:
+    nan = float("nan")
     print(f"{'workload':10s}{'ours s':>9s}{'trl s':>9s}{'trl/ours':>9s}  ours MFU by stage")
     for name, w in workloads.items():
         mfu = " ".join(f"{s}={v:.1%}" for s, v in w.get("ours_mfu", {}).items())
-        print(f"{name:10s}{w['ours_step_s']:9.3f}{w['trl_step_s']:9.3f}{w['ratio']:9.2f}  {mfu}")
+        print(f"{name:10s}{w.get('ours_step_s', nan):9.3f}{w.get('trl_step_s', nan):9.3f}"
+              f"{w.get('ratio', nan):9.2f}  {mfu}")
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default="w1_0_5b,w1_1_5b", help=f"comma-separated: {', '.join(WORKLOADS)}")
+    ap.add_argument("--sides", default="ours,trl", help="which sides run: ours,trl | ours | trl")
     ap.add_argument("--out", help="results JSON (written atomically after every workload)")
     ap.add_argument("--append", action="store_true", help="keep the workloads already in --out")
     ap.add_argument("--steps", type=int, default=6, help="our steps; the first is left out of the medians")
     ap.add_argument("--trl-steps", type=int, default=7,
-                    help="TRL steps; the first is left out of the median (6 timed: its steps spread "
-                         "8-11 s within one call at w1_1_5b on an H200)")
+                    help="TRL steps; the first is left out of the median (its steps spread by ~20%% within "
+                         "one call on an H200)")
     ap.add_argument("--model-yaml", "--model-override", dest="model_yaml", default=None,
                     help="a hybridflow/conf/model/*.yaml replacing every workload's model (the CPU smoke: tiny.yaml)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--response", type=int, default=256)
+    ap.add_argument("--ours", choices=("speed", "default"), default="speed",
+                    help="our configuration: bench_rl_step.py --speed, or the product's defaults")
     ap.add_argument("--ours-micro", type=int, default=None,
-                    help="our micro-batch in sequences, update and forward passes (default: TRL's, "
-                         "min(64, prompts x samples): the same micro-batch on both sides)")
+                    help="with --ours speed, our micro-batch in sequences, update and forward passes (default: "
+                         "TRL's: the same micro-batch on both sides)")
+    ap.add_argument("--ours-options", default="", help="more overrides of our trainer, space-separated")
     ap.add_argument("--trl-micro", type=int, default=None,
                     help="TRL's per_device_train_batch_size in completions (default: min(64, prompts x samples))")
-    ap.add_argument("--trl-no-grad-ckpt", action="store_true", help="turn TRL's gradient checkpointing off")
-    ap.add_argument("--ours-options", default=OURS_OPTIONS,
-                    help="our trainer's overrides for the run, space-separated (default: the "
-                         "generation options of the GSM8K experiment that apply to forced lengths: "
-                         "the generator and its graphs kept across steps, the decode over the "
-                         "written KV columns in 64-column windows); '' for the trainer's defaults")
+    ap.add_argument("--trl-grad-ckpt", choices=("auto", "on", "off"), default="auto",
+                    help="TRL's gradient checkpointing; auto: on only where the update does not fit without it")
+    ap.add_argument("--trl-weights", choices=("fp32", "bf16"), default="fp32",
+                    help="the dtype TRL's model is held in on a GPU (fp32: master weights, bf16 autocast)")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--beta", type=float, default=0.001, help="TRL's KL coefficient (ours: algo grpo's 0.001)")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="MFU denominator (H200 bf16 matmul)")
@@ -373,7 +415,7 @@ def parse_args(argv=None):
                     "the trainer puts it); default: cuda when there is one")
     ap.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one)")
     ap.add_argument("--gsm8k-ours", default=None, metavar="METRICS_JSONL",
-                    help="our GSM8K run's metrics.jsonl: the gsm8k entry from runs of this session "
+                    help="our GSM8K run's metrics.jsonl: the gsm8k entry from these runs "
                          "(with --gsm8k-trl) instead of a copy of gsm8k_h200.json")
     ap.add_argument("--gsm8k-trl", default=None, metavar="TRL_JSON", help="trl_gsm8k.py's JSON of the same workload")
     ap.add_argument("--gsm8k-ours-overrides", default="",
@@ -385,6 +427,9 @@ def parse_args(argv=None):
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     names = [w for w in args.workloads.split(",") if w]
+    args.sides = [x for x in args.sides.split(",") if x]
+    if not args.sides or set(args.sides) - {"ours", "trl"}:
+        raise ValueError(f"--sides {','.join(args.sides)}: expected ours,trl | ours | trl")
     if (args.gsm8k_ours is None) != (args.gsm8k_trl is None):
         raise ValueError("--gsm8k-ours and --gsm8k-trl go together")
     if (not names and args.gsm8k_ours is None) or any(w not in WORKLOADS for w in names):
@@ -408,8 +453,8 @@ def main(argv=None) -> dict:
     if args.trl_side:
         trl_side(args)
         return {}
-    command = " ".join(["python", *sys.argv])
-    record = {"benchmark": "our GRPO step vs TRL GRPOTrainer step", "command": command,
+    cmd = command()
+    record = {"benchmark": "our GRPO step vs TRL GRPOTrainer step", "command": cmd,
               "peak_tflops": args.peak_tflops, "workloads": {}}
     if args.append and args.out and Path(args.out).is_file():
         # the kept workloads keep the machine, versions, note and commands they were measured with
@@ -420,7 +465,7 @@ def main(argv=None) -> dict:
     if args.gsm8k_ours is not None:
         record["workloads"]["gsm8k"] = gsm8k_run_entry(args.gsm8k_ours, args.gsm8k_trl,
                                                        args.gsm8k_ours_overrides.split())
-        record["workloads"]["gsm8k"]["config"]["assembled_by"] = command
+        record["workloads"]["gsm8k"]["config"]["assembled_by"] = cmd
     elif "trl_first_steps" not in record["workloads"].get("gsm8k", {}):  # a run entry survives --append
         record["workloads"]["gsm8k"] = gsm8k_entry()
     with tempfile.TemporaryDirectory() as tmp:
@@ -429,33 +474,34 @@ def main(argv=None) -> dict:
             model, shape = load_shape(model_yaml)
             workdir = Path(args.workdir or tmp) / name
             workdir.mkdir(parents=True, exist_ok=True)
-            entry = ours_entry(run_ours(args, model=model, workdir=workdir), shape=shape, args=args)
-            trl = run_trl(argparse.Namespace(**{**vars(args), "model_yaml": model_yaml}), workdir=workdir)
-            later = trl["step_s"][1:]
-            if len(later) < 2:
-                raise RuntimeError(f"TRL timed {len(trl['step_s'])} steps; --trl-steps must give >= 2 after the first")
-            entry.update(trl_step_s=statistics.median(later), trl_step_s_all=trl["step_s"],
-                         trl_peak_memory_gb=trl.get("peak_memory_gb"),
-                         trl_completion_lengths=trl["completion_lengths"])
-            entry["ratio"] = entry["trl_step_s"] / entry["ours_step_s"]
-            entry["config"] = {
+            entry = {"config": {
                 "model_yaml": model_yaml, "prompts": args.prompts, "samples": args.samples,
                 "prompt_len": args.prompt_len, "response_len": args.response, "forced_length": True,
                 "temperature": 1.0, "lr": args.lr, "kl_coef": args.beta, "device": args.device,
-                "ours": {"algo": "grpo", "steps": args.steps, "micro_batch": args.ours_micro,
-                         "precision": "fp32" if args.device == "cpu" else "bf16",
-                         "skip_old_log_prob": True,
-                         "activation_recompute": "parallel.activation_checkpointing=true"
-                                                 in args.ours_options.split(),
-                         "options": args.ours_options.split()},
-                "trl": {"steps": args.trl_steps, "per_device_train_batch_size": args.trl_micro,
-                        "gradient_accumulation_steps": args.prompts * args.samples // args.trl_micro,
-                        "loss_type": "dapo", "scale_rewards": "group",
-                        "gradient_checkpointing": not args.trl_no_grad_ckpt,
-                        "weights": "fp32 master, bf16 autocast" if args.device != "cpu" else "fp32"},
-                "processes": "ours then TRL, each in its own process"}
+                "processes": " then ".join(args.sides) + ", each in its own process"}}
+            if "ours" in args.sides:
+                ours = run_ours(args, model=model, workdir=workdir)
+                entry.update(ours_entry(ours["results"]["grpo"], shape=shape, args=args))
+                entry["config"]["ours"] = {"algo": "grpo", "steps": args.steps, "configuration": args.ours,
+                                           "micro_batch": args.ours_micro if args.ours == "speed" else None,
+                                           "options": ours_options(args),
+                                           "overrides": ours["runs"]["grpo"]["overrides"],
+                                           "calibration_record": ours["records"][0]["config"]}
+                record.update(machine=ours["machine"], versions=ours["versions"])
+            if "trl" in args.sides:
+                trl = run_trl(argparse.Namespace(**{**vars(args), "model_yaml": model_yaml}), workdir=workdir)
+                later = trl["step_s"][1:]
+                if len(later) < 2:
+                    raise RuntimeError(f"TRL timed {len(trl['step_s'])} steps; --trl-steps must give >= 2 after "
+                                       "the first")
+                entry.update(trl_step_s=statistics.median(later), trl_step_s_all=trl["step_s"],
+                             trl_peak_memory_gb=trl.get("peak_memory_gb"),
+                             trl_completion_lengths=trl["completion_lengths"])
+                entry["config"]["trl"] = {"steps": args.trl_steps, **trl["config"]}
+                record.update(machine=trl["machine"], versions={**record.get("versions", {}), **trl["versions"]})
+            if "ours_step_s" in entry and "trl_step_s" in entry:
+                entry["ratio"] = entry["trl_step_s"] / entry["ours_step_s"]
             record["workloads"][name] = entry
-            record.update(machine=trl["machine"], versions=trl["versions"])
             if args.out:
                 write_json(args.out, record)
     if args.out:

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# The GSM8K run on one H200 (issue: the real job), in device calls of at most 10 minutes each.
-# The GGUF file travels in parts (../shared/gpu/split_for_carry.sh) to /tmp/xfer/parts; the wheels
-# (.whl: megatron-core, hydra, omegaconf, antlr4, gguf) and the prepared data (.gsm8k: output of
-# `python -m hybridflow.data.prepare gsm8k --out .gsm8k`) are carried with the call.
-# On a fresh checkout, once: `bash ../shared/gpu/fetch_wheels.sh .whl gguf==0.19.0`,
-# `bash launch/fetch_qwen_coder.sh DIR` then `bash ../shared/gpu/split_for_carry.sh DIR/<file>.gguf`
-# (.xfer/00..08), and the data command above (list .whl/ .whl_bench/ .gsm8k/ .xfer/ .before/ in
-# .git/info/exclude).
+# The GSM8K run on one H200 (hybridflow/conf/experiment/gsm8k_qwen_coder_0_5b.yaml), in device calls
+# of at most 10 minutes each. The wheels (.whl: megatron-core 0.16.1, hydra-core, omegaconf,
+# antlr4-python3-runtime 4.9.3 and gguf 0.19.0, for Python 3.12) and the prepared data (.gsm8k: output
+# of `python -m hybridflow.data.prepare gsm8k --out .gsm8k`) are carried with the call; the GGUF file
+# (`bash launch/fetch_qwen_coder.sh DIR`) is larger than one call carries, so it travels in parts
+# (`split -b 55M -d DIR/<file>.gguf .xfer/`), one call each copying its part to /tmp/xfer/parts/,
+# and `setup` reassembles and checks it. List .whl/ .whl_bench/ .gsm8k/ .xfer/ in .git/info/exclude.
 #
 #   bash benchmarks/gsm8k_h200.sh setup                  # install wheels, assemble + verify the GGUF
 #   bash benchmarks/gsm8k_h200.sh hf_eval               # transformers' greedy accuracy on the val set

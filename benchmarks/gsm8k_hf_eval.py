@@ -1,6 +1,6 @@
 """Transformers' greedy accuracy of a model on a verl-format val file (the GSM8K peer baseline).
 
-The reference number that issue 16 compares our step-0 validation against: the same GGUF file loaded
+The reference number our step-0 validation of the GSM8K run is compared against: the same GGUF file loaded
 by transformers (`from_pretrained(dir, gguf_file=...)`, dequantised), the same prompts rendered by the
 tokenizer's chat template with the generation prompt, greedy decoding, scored with hybridflow's own
 reward rules.
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run_record  # noqa: E402
+from run_record import machine, write_json  # noqa: E402,F401  (imported from here by other scripts)
 
 DEFAULT_REWARDS = ("math_exact", "gsm8k_strict")
 END_OF_TURN = "<|im_end|>"
@@ -242,34 +244,8 @@ def evaluate(model, tokenizer, records: list[dict], *, batch_size: int = 64, max
 
 # ---- run records -----------------------------------------------------------------------------
 
-def machine() -> dict:
-    info = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}
-    if torch.cuda.is_available():
-        info.update(gpu=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
-    else:
-        info["gpu"] = "cpu"
-    return info
-
-
 def versions(*extra: str) -> dict:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("transformers", "accelerate", "gguf", *extra):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-def write_json(path: str | os.PathLike, obj: dict) -> None:
-    """Atomic: a reader (or a run killed mid-write) sees the old file or the new one, never half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    return run_record.versions("transformers", "accelerate", "gguf", *extra)
 
 
 def default_dtype(device: str) -> torch.dtype:

@@ -1,37 +1,38 @@
 #!/usr/bin/env bash
-# The GSM8K peer baselines of issue 16 in one device call: transformers' greedy val accuracy of the
-# GGUF file (benchmarks/gsm8k_hf_eval.py), then TRL's GRPOTrainer for up to TRL_STEPS steps within
-# what is left of TOTAL_S (benchmarks/trl_gsm8k.py), then (phase "score") our validation of the
-# policy snapshots TRL saved (benchmarks/gsm8k_h200.sh score). JSON (and generations) go to $OUT.
+# The GSM8K peer baselines in one device call: transformers' greedy val accuracy of the GGUF file
+# (benchmarks/gsm8k_hf_eval.py), then TRL's GRPOTrainer for up to TRL_STEPS steps within what is
+# left of TOTAL_S (benchmarks/trl_gsm8k.py: TRL's fastest configuration that fits the GPU, its
+# docstring says which), then (phase "score") our validation of the policy snapshots TRL saved
+# (benchmarks/gsm8k_h200.sh score). JSON (and generations) go to $OUT.
 #
 # Here, once (.whl_bench/ and .gsm8k/ are git-ignored, so `carry` can name them):
 #   bash benchmarks/fetch_peer_wheels.sh .whl_bench   # trl, datasets, dill, multiprocess, gguf (+ fallback/)
 #   python -m hybridflow.data.prepare gsm8k --out .gsm8k   # train.parquet / val.parquet (or .jsonl)
-# The model reassembled on the machine beforehand (`bash benchmarks/gsm8k_h200.sh setup`, after the
-# chunked carry of shared/gpu/README.md), then one device call with carry [".whl_bench", ".gsm8k"]:
+# The model reassembled on the machine beforehand (its parts carried, then
+# `bash benchmarks/gsm8k_h200.sh setup`), then one device call with carry [".whl_bench", ".gsm8k"]:
 #   MODEL=/tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf bash benchmarks/gsm8k_peers.sh
 # (SITE is /tmp/site as for gsm8k_h200.sh: only missing dependencies of the carried wheels are added.)
 # Knobs (environment): PHASES="eval trl" | "eval" | "trl" | "trl score" | "score"; EVAL_BS (64);
 #   EVAL_LIMIT (all); EVAL_ARGS (more gsm8k_hf_eval.py options, e.g. "--max-new-tokens 512");
 #   TRL_STEPS (20); TRL_VAL_AT (e.g. 0,10,20; empty: none); TRL_VAL_SIZE (all); TRL_VAL_BS (64);
 #   TRL_SAVE_AT (e.g. 0,5,10: HF snapshots in TRL_WORKDIR/snapshots/step_N; empty: none);
-#   TRL_ARGS (more trl_gsm8k.py options, e.g. "--prompts-per-step 16 --micro-batch 64");
+#   TRL_ARGS (more trl_gsm8k.py options, e.g. "--prompts-per-step 16" or "--grad-ckpt on");
 #   TRL_RESUME=1: continue the TRL run checkpointed in TRL_WORKDIR (/tmp/trl_gsm8k) by the previous
 #   call (the machine must have stayed warm) and checkpoint again if the budget stops it;
 #   SCORE_S (180 with phase score after trl: kept from TRL's budget for the scoring);
 #   TOTAL_S (560: the call is capped at 600 s); DATA (.gsm8k); WHEELS (.whl_bench); SITE (/tmp/site).
 #
-# Accuracy per step of TRL beside ours, like for like (issue 16): TRL saves its policy at chosen
-# steps (fp32 HF dirs, ~2 GB each) and OUR validation scores them (same 319 prompts, template,
-# greedy decoding, stops, rules; ~7 s each + one model load) instead of TRL's own `--val-at`
-# (transformers generate, ~2 device minutes per point). tests/unit/test_trl_snapshots.py shows on
-# CPU that the step-0 snapshot scores exactly like the GGUF file in our run. Recipe, one warm
-# machine (it goes back after 30 minutes held: /tmp, the checkpoint and the snapshots with it):
-#   0. carry the GGUF parts (shared/gpu/README.md), then with carry [".whl", ".gsm8k"]:
+# Accuracy per step of TRL beside ours, like for like: TRL saves its policy at chosen steps (fp32 HF
+# dirs, ~2 GB each) and OUR validation scores them (same 319 prompts, template, greedy decoding,
+# stops, rules; ~7 s each + one model load) instead of TRL's own `--val-at` (transformers generate,
+# ~2 device minutes per point). tests/unit/test_trl_snapshots.py shows on CPU that the step-0
+# snapshot scores exactly like the GGUF file in our run. Recipe, one warm machine (it goes back after
+# 30 minutes held: /tmp, the checkpoint and the snapshots with it):
+#   0. carry the GGUF parts, then with carry [".whl", ".gsm8k"]:
 #        bash benchmarks/gsm8k_h200.sh setup                                          (~1 min)
 #   1. TRL at the experiment's own batch (64 prompts x 8, lr 3e-6, weight decay 0.01 as ours), so
-#      that our 124-step run (benchmarks/results/gsm8k_h200.json, val every 5 steps) is the matched
-#      side; carry [".whl_bench", ".gsm8k"]; the same command each call until its JSON says
+#      that our run (benchmarks/results/gsm8k_h200.json, val every 5 steps) is the matched side;
+#      carry [".whl_bench", ".gsm8k"]; the same command each call until its JSON says
 #      steps_done == TRL_STEPS; the last call adds the scoring (PHASES="trl score"):
 #        MODEL=/tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf PHASES=trl TRL_RESUME=1 \
 #          TRL_STEPS=10 TRL_SAVE_AT=0,5,10 TRL_ARGS="--lr 3e-6 --weight-decay 0.01" \
@@ -43,15 +44,10 @@
 #        RUN_DIR=/tmp/gsm8k_matched bash benchmarks/gsm8k_h200.sh train 540 data.prompts_per_step=16 \
 #          algo.ppo_mini_batch_size=128 trainer.total_steps=20 trainer.val_every=5 trainer.save_every=0)
 #   Check first: TRL's step-0 score must equal our run's step-0 val (same weights, same code).
-# Device minutes, measured (2026-12-01, one H200; benchmarks/results/gsm8k_trl_matched/):
-#   transformers' greedy eval of the 319 val prompts at EVAL_BS=64: 245 s (+69 s load), at 320: 114 s;
-#   TRL 64x8: ~85 s load, then the FIRST step of every call 148-165 s (warm-up), later steps 85-95 s;
-#   a checkpoint for the next call ~10 s; scoring 2 snapshots with our validation ~1.5 min.
-#   What ran: call 1 PHASES="eval trl" (eval, TRL step 1), call 2 PHASES=trl (steps 2-4), call 3
-#   PHASES="trl score" TRL_STEPS=5 TRL_SAVE_AT=0,5 TOTAL_S=540 SCORE_S=200 (step 5, scoring), all with
-#   TRL_RESUME=1 TRL_ARGS="--lr 3e-6 --weight-decay 0.01": 23.7 device minutes for 5 steps. Ten steps
-#   need ~35 minutes: more than one session holds with the GGUF carry; split the eval into its own
-#   session or run it at EVAL_BS=320 (faster; its accuracy moves with the batch's padding, 22.3 vs 25.7).
+# Device time on an H200: transformers' greedy eval of the 319 val prompts ~4 min at EVAL_BS=64
+# (+1 min load; ~2 min at 320, whose accuracy moves with the batch's padding); TRL 64 x 8: ~1.5 min
+# load, the first step of every call ~2.5 min (warm-up), later ones 1-1.5 min; a checkpoint for the
+# next call ~10 s; scoring 2 snapshots ~1.5 min. Five TRL steps take three calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-}

@@ -184,7 +184,7 @@ def main():
     ap.add_argument("--metrics", required=True)
     ap.add_argument("--hf-eval", required=True, action="append",
                     help="gsm8k_hf_eval.py JSON; repeat for several evals (the first is the one "
-                         "compared with step 0: run it in the same device session)")
+                         "compared with step 0: run it on the same machine as the run)")
     ap.add_argument("--trl", required=True)
     ap.add_argument("--trl-scores", help="score_snapshots.py JSON: our validation of TRL's snapshots")
     ap.add_argument("--exclude-steps", default="", help="e.g. 12-16: steps that shared the GPU")

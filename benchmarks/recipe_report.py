@@ -1,10 +1,10 @@
 """A recipe's GSM8K run (DAPO, GSPO, Dr.GRPO: benchmarks/gsm8k_h200.sh train ... algo=NAME) beside
-the GRPO run, as JSON (issue: RL recipes).
+the GRPO run, as JSON.
 
 Inputs are metrics.jsonl files the device calls wrote:
 - `--metrics`: the recipe's run; `--baseline`: the GRPO run it is compared with (validation at the
   same steps; both from step 0 on the same weights and data);
-- `--probe` (optional): a short GRPO run of the SAME code in the same device session (validation
+- `--probe` (optional): a short GRPO run of the SAME code on the same machine, in the same call (validation
   off), so the recipe's step time and its generation overhead are read against a like-for-like
   GRPO step (the baseline run may predate later speed changes);
 - `--versions-from` (optional): a results JSON whose `machine` / `versions` describe the device image.
@@ -16,7 +16,7 @@ generation seconds per (rounds, batches) kind, prompts generated per prompt trai
 overhead over the GRPO step; the rollout/training log-prob mismatch medians of both runs.
 
   python benchmarks/recipe_report.py --recipe dapo --metrics D/metrics.jsonl \
-      --baseline benchmarks/results/gsm8k_packed/metrics.jsonl --probe P/metrics.jsonl \
+      --baseline G/metrics.jsonl --probe P/metrics.jsonl \
       --versions-from benchmarks/results/gsm8k_h200.json --command "..." \
       --out benchmarks/results/gsm8k_dapo_h200.json
 """
@@ -107,7 +107,7 @@ def compare(recipe_rows, baseline_rows, probe_rows=None) -> dict:
         "peak_memory_gb": rec["ours_peak_memory_gb"],
         "grpo_step_s": ref["ours_step_s"], "grpo_stages_s": ref["ours_stages_s"],
         "grpo_peak_memory_gb": ref["ours_peak_memory_gb"],
-        "grpo_timing_source": "probe (same code, same session)" if probe else "baseline run",
+        "grpo_timing_source": "probe (same code, same machine)" if probe else "baseline run",
         "step_overhead_x": rec["ours_step_s"] / ref["ours_step_s"],
         "dynamic_sampling": dynamic_sampling(recipe_rows,
                                              gen_baseline_s=ref["ours_stages_s"].get("gen")),
@@ -131,7 +131,7 @@ def main():
     ap.add_argument("--recipe", required=True, help="the algo group's name, e.g. dapo")
     ap.add_argument("--metrics", required=True, help="the recipe run's metrics.jsonl")
     ap.add_argument("--baseline", required=True, help="the GRPO run's metrics.jsonl")
-    ap.add_argument("--probe", help="a short GRPO run's metrics.jsonl (same code and session)")
+    ap.add_argument("--probe", help="a short GRPO run's metrics.jsonl (same code and machine)")
     ap.add_argument("--versions-from", help="results JSON whose machine/versions keys to record")
     ap.add_argument("--command", default="", help="the recipe run's command")
     ap.add_argument("--probe-command", default="")
@@ -139,7 +139,7 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     kept = kept_keys(args.out, args.keep)
-    summary = {"benchmark": f"{args.recipe} on GSM8K beside the GRPO run (issue: RL recipes)",
+    summary = {"benchmark": f"{args.recipe} on GSM8K beside the GRPO run",
                "recipe": args.recipe, "command": args.command, "probe_command": args.probe_command,
                **compare(_rows(args.metrics), _rows(args.baseline),
                          _rows(args.probe) if args.probe else None)}

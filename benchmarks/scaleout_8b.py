@@ -1,5 +1,5 @@
-"""Issue 15's scale-out run on one node: `torchrun --nproc_per_node N -m hybridflow.train
-experiment=scaleout_8b` with prompts per step and the mini-batch scaled to N (4 prompts x 32 samples
+"""The scale-out run on one node, NeMo-RL's 8B GRPO workload: `torchrun --nproc_per_node N -m
+hybridflow.train experiment=scaleout_8b` with prompts per step and the mini-batch scaled to N (4 prompts x 32 samples
 per GPU, 4 mini-batches), the layout from the overrides, then one JSON: tokens/s/GPU (tokens /
 (step s x GPUs), NeMo-RL's and verl's formula), step seconds, stages, peak memory (medians of the
 steps after the first, which captures CUDA graphs), layout, command, and the cost model's forecast
@@ -10,7 +10,6 @@ for the same config and layout beside it. Called by benchmarks/scaleout_8b.sh.
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_rl_step import summarize  # noqa: E402
+from run_record import command, machine, versions, write_json  # noqa: E402
 
 PEER = {"source": "NeMo-RL v0.5 docs/about/performance-summary.md, grpo-llama3.1-8b-instruct-2n8g",
         "gpus": "16 x H100", "tokens_per_s_per_gpu": 1581, "step_s": 92.8}
@@ -82,14 +82,10 @@ def main():
             rows = [json.loads(line) for line in f]
     s = summarize(rows)
     m = s["median_later_steps"]
-    import torch
-
     p = cfg.parallel
-    rec = {"benchmark": "issue 15 scale-out, NeMo-RL's 8B GRPO workload",
-           "machine": {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                       "num_gpus": n, "host": platform.node()},
-           "versions": {"torch": torch.__version__, "python": platform.python_version()},
-           "command": " ".join(["python", *sys.argv]), "train_command": " ".join(cmd[1:]),
+    rec = {"benchmark": "scale-out, NeMo-RL's 8B GRPO workload",
+           "machine": {**machine(), "num_gpus": n}, "versions": versions("megatron-core"),
+           "command": command(), "train_command": " ".join(cmd[1:]),
            "layout": {"tp": p.tensor_parallel_size, "pp": p.pipeline_parallel_size,
                       "dp": n // (p.tensor_parallel_size * p.pipeline_parallel_size),
                       "tp_gen": cfg.rollout.tensor_parallel_size or p.tensor_parallel_size},
@@ -108,9 +104,7 @@ def main():
            "steps": s}
     print(json.dumps({k: rec[k] for k in ("layout", "tokens_per_s_per_gpu", "step_s",
                                           "peak_memory_gib", "prediction")}, indent=1))
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(rec, f, indent=2)
+    write_json(a.out, rec)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15 on one node: bash benchmarks/scaleout_8b.sh NGPU [LAYOUT] [hydra overrides...]
+# NeMo-RL's 8B GRPO workload on one node: bash benchmarks/scaleout_8b.sh NGPU [LAYOUT] [hydra overrides...]
 # LAYOUT: dp (default: TP=1 PP=1, gen TP_g=1, the cost model's pick at 2 and 8 GPUs) or pp2
 # (training PP=2, gen TP_g=1: the runner-up). Writes benchmarks/results/scaleout_8b_h200x{N}[_pp2].json
 # (OUT_DIR overrides the folder). STEPS (default 4) steps; the first is reported apart.

@@ -1,4 +1,5 @@
-"""The cost model's layout, runner-up and forecast for issue 15's workload (conf/experiment/scaleout_8b.yaml:
+"""The cost model's layout, runner-up and forecast for the scale-out workload (hybridflow/conf/experiment/
+scaleout_8b.yaml:
 Llama-3-8B shape, GRPO, 4 prompts per GPU x 32 samples, 150 + 1,000 forced tokens, 4 mini-batches,
 micro-batches of 4 / 8 sequences) on 2, 8 and 16 H200s; tokens/s/GPU = tokens / (step s x GPUs).
 
@@ -7,11 +8,13 @@ micro-batches of 4 / 8 sequences) on 2, 8 and 16 H200s; tokens/s/GPU = tokens / 
 `workload(num_gpus)` is also what benchmarks/scaleout_8b.sh puts beside each measured run.
 """
 import argparse
-import json
 import os
 import sys
 
-from hybridflow.cost import estimate_cost
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_record import command, versions, write_json  # noqa: E402
+
+from hybridflow.cost import estimate_cost  # noqa: E402
 
 PROMPT_LEN, RESPONSE_LEN, SAMPLES, PROMPTS_PER_GPU, MINI_BATCHES = 150, 1000, 32, 4, 4
 MICRO, FORWARD_MICRO = 4, 8   # sequences per update / forward-only micro-batch (the config's)
@@ -76,7 +79,7 @@ def main():
     ap.add_argument("--gpus", default="2,8,16")
     ap.add_argument("--out")
     a = ap.parse_args()
-    rec = {"what": "cost-model forecast, issue 15 workload (conf/experiment/scaleout_8b.yaml)",
+    rec = {"what": "cost-model forecast, the scale-out workload (hybridflow/conf/experiment/scaleout_8b.yaml)",
            "workload": {"model": "llama3_8b (random weights, bf16)", "algorithm": "grpo",
                         "prompts_per_gpu": PROMPTS_PER_GPU, "samples_per_prompt": SAMPLES,
                         "prompt_tokens": PROMPT_LEN, "response_tokens_forced": RESPONSE_LEN,
@@ -85,7 +88,7 @@ def main():
            "throughput_formula": "tokens (prompt + response) / (step seconds x GPUs), as NeMo-RL and verl",
            "peer": {"nemo_rl_v0.5_16xH100_tokens_per_s_per_gpu": 1581, "step_s": 92.8},
            "not_validated": NOT_VALIDATED,
-           "command": " ".join(["python", *sys.argv]),
+           "command": command(), "versions": versions(),
            "predictions": [predict(int(n)) for n in a.gpus.split(",")]}
     for p in rec["predictions"]:
         for k in ("recommended", "runner_up"):
@@ -96,9 +99,7 @@ def main():
                       f"TPg={lay['tp_gen']}  {r['step_s']:7.2f} s  {r['tokens_per_s_per_gpu']:8.0f} "
                       f"tok/s/GPU  {r['peak_memory_gib']:6.1f} GiB")
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(rec, f, indent=2)
+        write_json(a.out, rec)
 
 
 if __name__ == "__main__":

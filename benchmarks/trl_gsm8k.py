@@ -1,4 +1,4 @@
-"""TRL's GRPOTrainer on the GSM8K workload of issue 16: seconds per step and greedy val accuracy per step.
+"""TRL's GRPOTrainer on the GSM8K workload: seconds per step and greedy val accuracy per step.
 
 The peer baseline beside our GRPO run: same model file, same train/val data, same prompts per step,
 samples per prompt, max new tokens, temperature, learning rate and KL coefficient, bf16, no vLLM
@@ -24,18 +24,28 @@ Choices (each one an option; the defaults are ours):
   model); where transformers still marks it quantized (and so refuses to fine-tune it) it is rebuilt
   as a plain model of the same class (`gsm8k_hf_eval.load_model`). `--model` may also be an HF
   directory (our exporter's output). Weights stay fp32 with bf16 autocast (`bf16=True`):
-  pure-bf16 Adam would lose 1e-6 updates to rounding, and our trainer keeps fp32 master weights too.
+  pure-bf16 Adam would lose 1e-6 updates to rounding, and our trainer keeps fp32 master weights too
+  (`--weights bf16`: the model held in bf16, faster, as many TRL users run it).
   With `beta` > 0 TRL loads its reference model from `config._name_or_path`, so the rebuilt model is
   first saved (fp32 safetensors) under `--workdir`/hf_from_gguf and its config pointed there.
 - Stop tokens: `generation_config.eos_token_id = [<|im_end|>, <|endoftext|>]` (+ the tokenizer's
   EOS); TRL stops at, and masks after, every id listed there, as our rollout stops at its EOS.
-- Batch: TRL counts completions, not prompts: `per_device_train_batch_size` = `--micro-batch`
-  completions, `gradient_accumulation_steps` = prompts x samples / micro-batch, so one optimizer step
-  consumes one generation batch of prompts x samples completions (as one of our steps does).
+- Batch, TRL's fastest configuration that fits one GPU, as its users tune it: TRL counts
+  completions, not prompts. `generation_batch_size` = prompts x samples (`--generation-batch-size`):
+  the whole step's completions come from one `generate` call; `per_device_train_batch_size` =
+  `--micro-batch` completions (64) and `gradient_accumulation_steps` = prompts x samples /
+  micro-batch, so one optimizer step consumes that one generation batch (as one of our steps does).
+- Gradient checkpointing (`--grad-ckpt`): `auto` (default) turns it on only where the update does
+  not fit without it: one forward + backward of TRL's own log-prob pass over a micro-batch of the
+  longest shape (the longest train prompt + `--max-new-tokens`) without it, before training
+  (`probe_update_memory`; its peak + AdamW's states must stay within 95% of the GPU). At the GSM8K
+  shape (64 x ~1,270 tokens) the activations alone exceed an H200, so `auto` turns it on there.
+  `on` / `off` force it. (TRL's own defaults give the same batch: its `steps_per_generation`
+  defaults to `gradient_accumulation_steps`; a smaller `--generation-batch-size` splits generation
+  into several `generate` calls per optimizer step.)
 - Loss: TRL's `dapo` (token mean over the batch, like our `token-mean`), group-std-normalised
   advantages (`scale_rewards="group"`, our `norm_adv_by_std`), clip 0.2, k3 KL loss with
-  `beta`, constant LR without warm-up, grad-norm clip 1.0, gradient checkpointing on (TRL's default;
-  the measured 56 s/step setting).
+  `beta`, constant LR without warm-up, grad-norm clip 1.0.
 - Reward: hybridflow's `math_exact` (`--reward`: any hybridflow rule, a registry name or
   module:function) on the completion text against `reward_model.ground_truth`.
 - Step time: `on_step_begin` -> `on_step_end` with CUDA synchronised (generation, scoring, forward,
@@ -60,6 +70,7 @@ Choices (each one an option; the defaults are ours):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -75,6 +86,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gsm8k_hf_eval import (default_dtype, evaluate, load_model, load_records, load_tokenizer,  # noqa: E402
                            machine, stop_token_ids, versions, write_json)
+from run_record import command  # noqa: E402
 
 
 def rule_reward(name: str = "math_exact"):
@@ -127,8 +139,11 @@ def save_snapshot(model, tokenizer, *, root: Path, step: int) -> Path:
 
 
 # options that must match for --resume to continue a run
-RESUME_KEYS = ("model", "train", "prompts_per_step", "samples", "micro_batch", "max_new_tokens", "temperature",
-               "lr", "weight_decay", "beta", "loss_type", "reward", "gradient_checkpointing", "bf16", "seed")
+RESUME_KEYS = ("model", "train", "prompts_per_step", "samples", "micro_batch", "generation_batch_size",
+               "max_new_tokens", "temperature", "lr", "weight_decay", "beta", "loss_type", "reward",
+               "gradient_checkpointing", "bf16", "weights", "seed")
+ADAM_STATE_BYTES = 8  # per trained parameter: AdamW's two fp32 moments, made at the first optimizer step
+MEMORY_SHARE = 0.95   # of the GPU the update may plan for: allocator fragmentation, the step's temporaries
 SAVE_RESERVE_S = 30.0  # budget kept for writing the checkpoint (fp32 weights + Adam: ~6 GB at 0.5B)
 
 
@@ -158,6 +173,40 @@ def resumed_result(result: dict, prior_path: Path, step: int) -> dict:
             result[key] = [r for r in prior[key] if r[0] <= step]
     result["step_s_median"] = median_later_steps(result)
     return result
+
+
+def probe_update_memory(trainer, *, rows: int, prompt_len: int, completion_len: int) -> dict:
+    """One forward + backward of TRL's own log-prob pass (`_get_per_token_logps_and_entropies`, the
+    one its loss runs) over `rows` sequences of `prompt_len` + `completion_len` tokens, on the
+    trainer as built (gradient checkpointing off): {"fits", "oom", "peak_gib", ...}. It fits when
+    it ran and its peak plus AdamW's states stays within MEMORY_SHARE of the GPU. On CPU it only
+    runs (fits: True: no device memory to fit)."""
+    model = trainer.model
+    device = next(model.parameters()).device
+    on_gpu = device.type == "cuda"
+    ids = torch.randint(0, model.config.vocab_size - 1, (rows, prompt_len + completion_len), device=device)
+    if on_gpu:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    oom = False
+    try:
+        logps = trainer._get_per_token_logps_and_entropies(model, ids, torch.ones_like(ids), completion_len,
+                                                           compute_entropy=True)[0]
+        logps.float().mean().backward()
+        del logps
+    except torch.OutOfMemoryError:
+        oom = True
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    info = {"rows": rows, "seq_len": prompt_len + completion_len, "oom": oom}
+    if not on_gpu:
+        return {**info, "fits": True}
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    adam = ADAM_STATE_BYTES * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {**info, "peak_gib": peak / 2**30, "adam_gib": adam / 2**30, "total_gib": total / 2**30,
+            "fits": not oom and peak + adam <= MEMORY_SHARE * total}
 
 
 def make_callback(*, result: dict, outs: list, val_at: list[int], val_fn, budget_s: float | None,
@@ -235,7 +284,13 @@ def make_callback(*, result: dict, outs: list, val_at: list[int], val_fn, budget
     return StepTimer()
 
 
-def main(argv=None) -> dict:
+def longest_prompt_tokens(tokenizer, records) -> int:
+    """Tokens of the longest prompt as TRL feeds it (chat template + generation prompt)."""
+    texts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in records]
+    return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a .gguf file or an HF directory")
     ap.add_argument("--train", required=True, help="verl-format train file (.parquet or .jsonl)")
@@ -244,6 +299,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts-per-step", type=int, default=64)
     ap.add_argument("--samples", type=int, default=8, help="completions per prompt (num_generations)")
     ap.add_argument("--micro-batch", type=int, default=64, help="completions per forward/backward")
+    ap.add_argument("--generation-batch-size", type=int, default=None,
+                    help="completions per generate call (default: prompts x samples, the whole step in one)")
     ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=1e-6)
@@ -251,7 +308,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--weight-decay", type=float, default=0.0,
                     help="AdamW weight decay (TRL's default 0; our GSM8K experiment's 0.01)")
     ap.add_argument("--loss-type", default="dapo")
-    ap.add_argument("--no-grad-ckpt", action="store_true", help="turn TRL's gradient checkpointing off")
+    ap.add_argument("--grad-ckpt", choices=("auto", "on", "off"), default="auto",
+                    help="gradient checkpointing; auto: on only where the update does not fit without it")
+    ap.add_argument("--weights", choices=("fp32", "bf16"), default="fp32",
+                    help="the dtype the model is held in on a GPU (fp32: master weights, bf16 autocast)")
     ap.add_argument("--max-steps", type=int, default=20)
     ap.add_argument("--time-budget-s", type=float, default=None, help="stop before a step that would end past this")
     ap.add_argument("--val-at", default="", help="steps to validate at, e.g. 0,10,20")
@@ -269,10 +329,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--resume", action="store_true",
                     help="continue from the checkpoint in --workdir if any; save one when the budget stops the run")
     args = ap.parse_args(argv)
-
     completions = args.prompts_per_step * args.samples
+    args.generation_batch_size = args.generation_batch_size or completions
     if completions % args.micro_batch:
         raise ValueError(f"--micro-batch {args.micro_batch} must divide prompts x samples = {completions}")
+    gen = args.generation_batch_size
+    if completions % gen or gen % args.micro_batch or gen % args.samples:
+        raise ValueError(f"--generation-batch-size {gen} must divide prompts x samples = {completions} and be a "
+                         f"multiple of --micro-batch {args.micro_batch} and --samples {args.samples}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    completions = args.prompts_per_step * args.samples
     val_at = parse_steps(args.val_at)
     save_at = parse_steps(args.save_at, option="--save-at")
     if val_at and not args.val:
@@ -290,7 +360,8 @@ def main(argv=None) -> dict:
         for old in [*workdir.glob("checkpoint-*"), snapshots]:
             shutil.rmtree(old, ignore_errors=True)
     tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, dtype=torch.float32, device=args.device, trainable=True)
+    dtype = torch.bfloat16 if on_gpu and args.weights == "bf16" else torch.float32
+    model = load_model(args.model, dtype=dtype, device=args.device, trainable=True)
     if args.model.endswith(".gguf") and args.beta != 0.0:
         # TRL builds its reference model with from_pretrained(config._name_or_path): give it a plain copy
         hf_dir = workdir / "hf_from_gguf"
@@ -300,29 +371,62 @@ def main(argv=None) -> dict:
     stops = stop_token_ids(tokenizer)
     model.generation_config.eos_token_id = stops
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    train = train_dataset(load_records(args.train))
+    train_records = load_records(args.train)
+    train = train_dataset(train_records)
     val_records = load_records(args.val, limit=args.val_size) if val_at else []
     val_tokens = args.val_max_new_tokens or args.max_new_tokens
     autocast = default_dtype(args.device) if on_gpu else None
+
+    def build(grad_ckpt: bool):
+        grpo = GRPOConfig(
+            output_dir=args.workdir, max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant",
+            warmup_steps=0, weight_decay=args.weight_decay, max_grad_norm=1.0, beta=args.beta,
+            loss_type=args.loss_type, num_generations=args.samples, generation_batch_size=args.generation_batch_size,
+            per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=completions // args.micro_batch,
+            max_completion_length=args.max_new_tokens, temperature=args.temperature, top_p=1.0, top_k=0,
+            bf16=on_gpu, use_cpu=not on_gpu, gradient_checkpointing=grad_ckpt, use_vllm=False, logging_steps=1,
+            save_strategy="no", save_total_limit=1, report_to="none", seed=args.seed, data_seed=args.seed,
+            dataloader_num_workers=0, disable_tqdm=True)
+        return GRPOTrainer(model=model, reward_funcs=[rule_reward(args.reward)], args=grpo, train_dataset=train,
+                           processing_class=tokenizer)
+
+    probe = None
+    trainer = build(args.grad_ckpt == "on")
+    if args.grad_ckpt == "auto":
+        probe = probe_update_memory(trainer, rows=args.micro_batch, prompt_len=longest_prompt_tokens(
+            tokenizer, train_records), completion_len=args.max_new_tokens)
+        print("update memory probe (no gradient checkpointing):", probe, flush=True)
+        if not probe["fits"]:
+            del trainer
+            gc.collect()
+            trainer = build(True)
+    if on_gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # the JSON's peak is training's, not the probe's
 
     def val_fn(m):
         r = evaluate(m, tokenizer, val_records, batch_size=args.val_batch_size, max_new_tokens=val_tokens,
                      autocast_dtype=autocast)
         return {k: r[k] for k in ("accuracy", "mean_response_length", "clip_ratio", "seconds", "notes")}
 
+    t = trainer.args
     config = dict(model=args.model, train=args.train, val=args.val, prompts_per_step=args.prompts_per_step,
-                  samples=args.samples, micro_batch=args.micro_batch,
-                  grad_accum=completions // args.micro_batch, max_new_tokens=args.max_new_tokens,
+                  samples=args.samples, micro_batch=t.per_device_train_batch_size,
+                  grad_accum=t.gradient_accumulation_steps, generation_batch_size=t.generation_batch_size,
+                  steps_per_generation=t.steps_per_generation, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, lr=args.lr, weight_decay=args.weight_decay, beta=args.beta,
                   loss_type=args.loss_type, reward=args.reward, save_at=save_at,
-                  gradient_checkpointing=not args.no_grad_ckpt, bf16=on_gpu, max_steps=args.max_steps,
+                  gradient_checkpointing=bool(t.gradient_checkpointing), grad_ckpt_mode=args.grad_ckpt,
+                  memory_probe=probe, bf16=on_gpu, max_steps=args.max_steps,
                   time_budget_s=args.time_budget_s, val_at=val_at, val_size=len(val_records),
                   val_batch_size=args.val_batch_size, val_max_new_tokens=val_tokens, stop_token_ids=stops,
-                  seed=args.seed, weights="fp32 master, bf16 autocast" if on_gpu else "fp32")
+                  seed=args.seed, weights=("bf16" if dtype == torch.bfloat16 else "fp32 master, bf16 autocast")
+                  if on_gpu else "fp32", trl_eos_token_ids=list(trainer.eos_token_ids))
     result = {"benchmark": "trl_gsm8k", "config": config, "step_s": [], "step_s_median": None, "first_steps": [],
               "val_accuracy": [], "val": [], "snapshots": [], "logs": [], "steps_done": 0,
               "stopped_by_budget": False, "calls": 1, "resumed_from": checkpoint,
-              "load_s": time.perf_counter() - START, "machine": machine(), "versions": versions("trl", "datasets"), "command": " ".join([sys.executable, *sys.argv])}
+              "load_s": time.perf_counter() - START, "machine": machine(), "versions": versions("trl", "datasets"),
+              "command": command()}
     mirror = workdir / "result.json"  # what the next --resume call continues
     if checkpoint is not None:
         resumed_result(result, mirror, int(checkpoint.rsplit("-", 1)[1]))
@@ -330,24 +434,12 @@ def main(argv=None) -> dict:
     for out in outs:
         write_json(out, result)
 
-    grpo = GRPOConfig(
-        output_dir=args.workdir, max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=args.weight_decay, max_grad_norm=1.0, beta=args.beta, loss_type=args.loss_type,
-        num_generations=args.samples, per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=completions // args.micro_batch, max_completion_length=args.max_new_tokens,
-        temperature=args.temperature, top_p=1.0, top_k=0, bf16=on_gpu, use_cpu=not on_gpu,
-        gradient_checkpointing=not args.no_grad_ckpt, use_vllm=False, logging_steps=1, save_strategy="no",
-        save_total_limit=1, report_to="none", seed=args.seed, data_seed=args.seed, dataloader_num_workers=0,
-        disable_tqdm=True)
     def snapshot_fn(step, m):
         return save_snapshot(m, tokenizer, root=snapshots, step=step)
 
-    trainer = GRPOTrainer(model=model, reward_funcs=[rule_reward(args.reward)], args=grpo, train_dataset=train,
-                          processing_class=tokenizer,
-                          callbacks=[make_callback(result=result, outs=outs, val_at=val_at, val_fn=val_fn,
-                                                   budget_s=args.time_budget_s, save_on_stop=args.resume,
-                                                   save_at=save_at, snapshot_fn=snapshot_fn)])
-    result["config"]["trl_eos_token_ids"] = list(trainer.eos_token_ids)
+    trainer.add_callback(make_callback(result=result, outs=outs, val_at=val_at, val_fn=val_fn,
+                                       budget_s=args.time_budget_s, save_on_stop=args.resume, save_at=save_at,
+                                       snapshot_fn=snapshot_fn))
     trainer.train(resume_from_checkpoint=checkpoint)
     result["total_s"] = time.perf_counter() - START
     for out in outs:
@@ -357,4 +449,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # bad arguments or inputs: one line, no traceback
+        sys.exit(f"trl_gsm8k.py: error: {e}")

@@ -1,6 +1,7 @@
-"""CPU smoke runs of the benchmark scripts that the GPU sessions rely on: bench_generate.py times
-transformers after a warm-up as the median of >= 3 calls (issue 12), and the issue-15 driver
-benchmarks/scaleout_8b.sh runs PP=2 end to end on 2 gloo ranks with the tiny model."""
+"""CPU smoke runs of the benchmark scripts that GPU runs rely on: bench_generate.py times
+transformers after a warm-up as the median of >= 3 calls, the scale-out driver
+benchmarks/scaleout_8b.sh runs PP=2 end to end on 2 gloo ranks with the tiny model, and the A/B and
+vs-TRL drivers run both sides with the tiny model."""
 import dataclasses
 import json
 import math
@@ -87,30 +88,37 @@ def test_scaleout_driver_pp2_on_cpu(tmp_path):
     assert r["prediction"]["step_s"] > 0 and "caveat" in r["prediction"]
 
 
-def test_ab_rl_step_alternates_abba_and_compares_medians(tmp_path):
-    """The before/after driver on CPU with the tiny model, this tree on both sides: ABBA order,
-    every run's later-step medians kept, and the stage table computed from them."""
+def test_ab_rl_step_alternates_abba_and_pools_later_steps(tmp_path):
+    """The A/B driver on CPU with the tiny model, this tree on both sides and one more flag on B:
+    ABBA order over two rounds, each side's step time the median of the later steps of all its
+    runs, every run's own median kept, and B vs A computed from the two."""
     out = tmp_path / "ab.json"
-    subprocess.run([sys.executable, "benchmarks/ab_rl_step.py", "--before", ROOT, "--algos", "grpo",
-                    "--steps", "2", "--rounds", "2", "--out", str(out), "--", "--model", "tiny",
-                    "--response", "4", "--prompts", "2", "--samples", "2", "--micro", "2",
-                    "--override", "trainer.precision=fp32"],
+    subprocess.run([sys.executable, "benchmarks/ab_rl_step.py", "--sides", "before", "after", "--a-tree", ROOT,
+                    "--b-args=--gc-interval 2", "--rounds", "2", "--logdir", str(tmp_path / "logs"),
+                    "--out", str(out), "--", "--algos", "grpo", "--steps", "3", "--model", "tiny",
+                    "--response", "4", "--prompts", "2", "--samples", "2", "--micro", "2"],
                    check=True, cwd=ROOT, env=ENV, capture_output=True)
     r = json.loads(out.read_text())
-    assert r["run_order"] == ["before", "after", "after", "before"]
-    step = r["stages"]["grpo"]["step"]
+    assert r["run_order"] == ["default:before", "default:after", "default:after", "default:before"]
+    assert r["sides"]["after"]["args"] == ["--gc-interval", "2"] and r["sides"]["before"]["args"] == []
+    w = r["workloads"]["default"]
     for side in ("before", "after"):
-        meds = [run["results"]["grpo"]["median_later_steps"]["timing_s/step"] for run in r["runs"][side]]
-        assert len(meds) == 2 and step[side]["run_medians"] == meds
-        assert step[side]["median_of_runs"] == statistics.median(meds)
-    b, a = step["before"]["median_of_runs"], step["after"]["median_of_runs"]
-    assert step["after_vs_before"] == (a - b) / b
+        runs = w["runs"][side]
+        assert len(runs) == 2 and w["failed_runs"][side] == 0
+        later = [s["timing_s/step"] for run in runs for s in run["results"]["grpo"]["steps"][1:]]
+        assert w[f"{side}_step_s"] == statistics.median(later) == w["stages"]["step"][side]["median"]
+        assert w["stages"]["step"][side]["run_medians"] == [
+            run["results"]["grpo"]["median_later_steps"]["timing_s/step"] for run in runs]
+    assert w["after_vs_before"] == (w["after_step_s"] - w["before_step_s"]) / w["before_step_s"]
+    assert len(list((tmp_path / "logs").glob("*_default_*.log"))) == 4
 
 
 def test_bench_vs_trl_times_both_sides_and_copies_gsm8k(tmp_path):
-    """The issue-"Speed" driver on CPU with the tiny model: our GRPO step and TRL's GRPOTrainer step on
-    the same forced-length workload, per-stage MFU of ours, and the GSM8K numbers copied from the
-    committed results files."""
+    """The vs-TRL driver on CPU with the tiny model: our GRPO step (the speed configuration) and TRL's
+    GRPOTrainer step (its fastest configuration: the step's completions from one generate call, one
+    update pass, gradient checkpointing off where the memory probe says the update fits) on the same
+    forced-length workload, per-stage MFU of ours, and the GSM8K numbers copied from the committed
+    results file; --sides trl runs TRL alone."""
     out = tmp_path / "v.json"
     subprocess.run([sys.executable, "benchmarks/bench_vs_trl.py", "--workloads", "w1_0_5b", "--model-yaml",
                     "hybridflow/conf/model/tiny.yaml", "--device", "cpu", "--prompt-len", "16", "--response", "8",
@@ -124,11 +132,15 @@ def test_bench_vs_trl_times_both_sides_and_copies_gsm8k(tmp_path):
     assert w["ratio"] == w["trl_step_s"] / w["ours_step_s"]
     assert w["trl_completion_lengths"] == [[8, 8]] * 3  # forced: every completion 8 tokens
     assert w["ours_tokens"] == {"prompt_len": 16, "response_len": 8}
-    # the same micro-batch on both sides: all 4 sequences in one pass
-    assert w["config"]["ours"]["micro_batch"] == w["config"]["trl"]["per_device_train_batch_size"] == 4
-    # our generation options for forced lengths: the kept generator, the windowed decode
-    assert w["config"]["ours"]["options"] == ["rollout.free_cache_engine=false",
-                                              "rollout.decode_kv_window=64"]
+    # the same micro-batch on both sides: all 4 sequences in one pass; TRL generates them in one call
+    trl, ours = w["config"]["trl"], w["config"]["ours"]
+    assert ours["micro_batch"] == trl["per_device_train_batch_size"] == trl["generation_batch_size"] == 4
+    assert (trl["gradient_accumulation_steps"], trl["steps_per_generation"]) == (1, 1)
+    assert trl["grad_ckpt_mode"] == "auto" and trl["memory_probe"]["fits"] and not trl["gradient_checkpointing"]
+    # ours: bench_rl_step --speed, with the options a CPU cannot run turned back
+    assert ours["configuration"] == "speed" and "rollout.free_cache_engine=false" in ours["overrides"]
+    assert ours["options"] == ["trainer.precision=fp32", "rollout.decode_kernels=torch",
+                               "rollout.compile_decode=false"]
     assert set(w["ours_mfu"]) == {"gen", "ref", "update_actor", "step"}  # old_log_prob skipped
     for stage, mfu in w["ours_mfu"].items():
         assert math.isfinite(mfu) and mfu > 0
@@ -138,6 +150,14 @@ def test_bench_vs_trl_times_both_sides_and_copies_gsm8k(tmp_path):
     trl = ours["trl"]
     assert g["ours_step_s"] == ours["ours_step_s"] and g["trl_step_s"] == trl["step_s_median"]
     assert g["ratio"] == trl["step_s_median"] / ours["ours_step_s"] and "ours_mfu" not in g
+    # TRL alone, gradient checkpointing forced on (the configuration of the earlier results)
+    subprocess.run([sys.executable, "benchmarks/bench_vs_trl.py", "--sides", "trl", "--workloads", "w1_0_5b",
+                    "--model-yaml", "hybridflow/conf/model/tiny.yaml", "--device", "cpu", "--prompt-len", "16",
+                    "--response", "8", "--prompts", "2", "--samples", "2", "--trl-steps", "3",
+                    "--trl-grad-ckpt", "on", "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
+    w = json.loads(out.read_text())["workloads"]["w1_0_5b"]
+    assert "ours_step_s" not in w and "ratio" not in w and w["trl_step_s"] > 0
+    assert w["config"]["trl"]["gradient_checkpointing"] and w["config"]["trl"]["memory_probe"] is None
     bad = subprocess.run([sys.executable, "benchmarks/bench_vs_trl.py", "--trl-steps", "2", "--device", "cpu"],
                          cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert bad.returncode != 0 and "--trl-steps 2" in bad.stderr
