@@ -15,8 +15,8 @@ out), the same median per stage, each run's median, and `<b>_vs_<a>` = (B - A) /
   python benchmarks/ab_rl_step.py --sides before after --a-tree .before --out /tmp/ab.json
 
 `--deadline-s S`: a workload's next round starts only if its previous round's time says it ends
-within S seconds of the start (the first round always runs); `--run-timeout-s` ends a run that
-hangs (counted failed, like a run that exits with an error). Every run's output goes to
+within S seconds of the start (the first round always runs), and no run goes on past S + 60 s;
+`--run-timeout-s` ends a run that hangs (counted failed, like a run that exits with an error). Every run's output goes to
 `--logdir`/<n>_<workload>_<side>.log; the JSON is rewritten (atomically) after every pair of runs.
 """
 
@@ -32,6 +32,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+GRACE_S = 60.0
 from run_record import command, write_json  # noqa: E402
 
 
@@ -142,7 +143,11 @@ def main(argv=None) -> dict:
                     n = len(record["run_order"])
                     out = os.path.join(work, f"{n}.json")
                     log = os.path.join(logdir, f"{n}_{w}_{side}.log")
-                    res = bench(tree, [*args.common, *wargs, *extra], out=out, log=log, timeout_s=args.run_timeout_s)
+                    timeout_s = args.run_timeout_s
+                    if args.deadline_s:  # no run outlives the deadline by more than GRACE_S
+                        left = args.deadline_s + GRACE_S - (time.perf_counter() - t_start)
+                        timeout_s = max(1.0, min(timeout_s or left, left))
+                    res = bench(tree, [*args.common, *wargs, *extra], out=out, log=log, timeout_s=timeout_s)
                     runs[w][side].append(res)
                     record["run_order"].append(f"{w}:{side}")
                     status = f"failed (exit {res['failed']}, {log})" if "failed" in res else "done"

@@ -14,7 +14,8 @@
 # Time on an H200, estimated: wheels ~20 s; a run ~40-60 s (imports and model build ~25 s, the
 # warm-up step ~17-20 s with graph capture and compilation, 4 steps of 0.6-1.2 s), 4 runs a round:
 # ~3.5 min per round, ~7 min in all. A round that would end past 7.5 minutes is not started
-# (DEADLINE_S), and a run past 3 minutes is ended (RUN_TIMEOUT_S); the JSON says what ran.
+# (DEADLINE_S), a run past 3 minutes is ended (RUN_TIMEOUT_S), and none runs on past 8.5 minutes;
+# the JSON (rewritten after every pair of runs) says what ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/defaults_h200}
