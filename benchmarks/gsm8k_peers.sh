@@ -25,7 +25,7 @@
 # Accuracy per step of TRL beside ours, like for like: TRL saves its policy at chosen steps (fp32 HF
 # dirs, ~2 GB each) and OUR validation scores them (same 319 prompts, template, greedy decoding,
 # stops, rules; ~7 s each + one model load) instead of TRL's own `--val-at` (transformers generate,
-# ~2 device minutes per point). tests/unit/test_trl_snapshots.py shows on CPU that the step-0
+# ~2 device minutes per point). tests/peers/test_trl_snapshots.py shows on CPU that the step-0
 # snapshot scores exactly like the GGUF file in our run. Recipe, one warm machine (it goes back after
 # 30 minutes held: /tmp, the checkpoint and the snapshots with it):
 #   0. carry the GGUF parts, then with carry [".whl", ".gsm8k"]:

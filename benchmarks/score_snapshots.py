@@ -7,7 +7,7 @@ snapshot is `model.hf_path`), then for each snapshot loads its weights into the 
 (`components.load_pretrained`, the loader a run uses) and runs the run's validation: the same
 prompts, chat template, greedy decoding, stop tokens, max new tokens and reward rules as our own
 training run's validation. The numbers are comparable with our run's `val_accuracy` because step 0
-of both is the same model scored the same way (tests/unit/test_trl_snapshots.py checks that the
+of both is the same model scored the same way (tests/peers/test_trl_snapshots.py checks that the
 step-0 snapshot gives exactly the generations of the original GGUF file).
 
   python benchmarks/score_snapshots.py /tmp/trl_gsm8k/snapshots/step_* --out $OUT/trl_scores.json \

@@ -30,10 +30,12 @@ import torch
 
 pytest.importorskip("gguf")
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None,
-                                reason="trl and datasets are not installed")
+pytestmark = [pytest.mark.slow,  # TRL trains and our validation scores, in subprocesses on CPU
+              pytest.mark.skipif(importlib.util.find_spec("trl") is None
+                                 or importlib.util.find_spec("datasets") is None,
+                                 reason="trl and datasets are not installed")]
 
-from tests.unit.test_gsm8k_peers import files, reference_greedy  # noqa: E402,F401 (a fixture)
+from tests.peers.test_gsm8k_peers import files, reference_greedy  # noqa: E402,F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # one benchmarks/bench_vs_trl.py process per test
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
 OVERRIDES = "trainer.total_steps=6 trainer.val_every=0"

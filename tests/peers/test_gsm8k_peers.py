@@ -22,6 +22,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # the peer scripts run end to end (TRL, transformers generate) on CPU
 
 from tests.hf_models import make_checkpoint  # noqa: E402
 
