@@ -1,8 +1,23 @@
+"""Test tiers (docs/testing.md): `bash launch/test.sh` runs the tests not marked `slow`,
+`bash launch/test.sh --all` runs them all; `gpu` tests skip where there is no CUDA device."""
+
 import pytest
 import torch
 
+# Slow-tier tests marked here rather than by a `@pytest.mark.slow` of their own: a file's tests, all
+# of them or those that use the named fixture (the file's fast tests stay in the default tier).
+SLOW = (
+    ("tests/unit/test_decode_kernels.py", "checked"),  # every kernel through Triton's interpreter
+    ("tests/dist/test_bench_scripts.py", None),  # each benchmark script end to end, in subprocesses
+)
 
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if any(path == file and (fixture is None or fixture in item.fixturenames) for file, fixture in SLOW):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

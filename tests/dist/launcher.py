@@ -1,15 +1,16 @@
 """Run a function on N CPU ranks over gloo and collect what each rank returns.
 
-`run_ranks(fn, world_size, *args)` spawns N fresh processes (explicit free port: `--master_port 0`
-hangs, shared/MEGATRON_CPU.md item 7), initialises torch.distributed through hybridflow's own
-`init_distributed` (so the megatron CPU shims are active), calls `fn(*args)` on each and returns the
-list of per-rank results (anything torch.save can write). A failing rank re-raises here with its
-traceback. `fn` must be importable (a module-level function in a test module).
+`run_ranks(fn, world_size, *args)` spawns N fresh processes (an explicit port from `free_port`:
+`--master_port 0` hangs, shared/MEGATRON_CPU.md item 7), initialises torch.distributed through
+hybridflow's own `init_distributed` (so the megatron CPU shims are active), calls `fn(*args)` on each
+and returns the list of per-rank results (anything torch.save can write). A failing rank re-raises
+here with its traceback. `fn` must be importable (a module-level function in a test module).
 """
 
 from __future__ import annotations
 
 import os
+import random
 import socket
 import tempfile
 import traceback
@@ -17,11 +18,43 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+# Rendezvous ports are picked below Linux's ephemeral range (32768-60999), which bind(0) and outgoing
+# connections draw from: a gloo connection cannot take the port between the pick and rank 0's bind;
+# and below 29500, torch's default, where the benchmark scripts' fixed ports are. Each pytest-xdist
+# worker picks from its own slice, so two tests of one session never share a port; a random start in
+# the slice keeps another session on the same machine unlikely to pick it too.
+PORTS = range(20000, 29000)
+_cursor: int | None = None
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def _port_slice() -> range:
+    num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # "gw<i>" under xdist, unset without it
+    index = int(worker[2:]) % num_workers if worker[2:].isdigit() else 0
+    width = len(PORTS) // num_workers
+    return PORTS[index * width:(index + 1) * width]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:  # no SO_REUSEADDR: a port in TIME_WAIT counts as taken
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A port for rank 0's TCP store (torchrun's --master_port or MASTER_PORT), new on every call."""
+    global _cursor
+    ports = _port_slice()
+    if _cursor is None:
+        _cursor = random.SystemRandom().randrange(len(ports))  # tests may seed `random`
+    for _ in range(len(ports)):
+        _cursor = (_cursor + 1) % len(ports)
+        if _bindable(ports[_cursor]):
+            return ports[_cursor]
+    raise RuntimeError(f"no free port in {ports}")
 
 
 def _worker(rank, fn, world_size, port, out_dir, args):
@@ -44,7 +77,7 @@ def _worker(rank, fn, world_size, port, out_dir, args):
 
 def run_ranks(fn, world_size: int, *args):
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(fn, world_size, _free_port(), out_dir, args),
+        ctx = mp.start_processes(_worker, args=(fn, world_size, free_port(), out_dir, args),
                                  nprocs=world_size, start_method="spawn", join=False)
         try:
             while not ctx.join():

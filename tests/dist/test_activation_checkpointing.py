@@ -108,8 +108,9 @@ def variant_results(world: int, tp: int, sp: bool) -> list:
     return run_ranks(_worker, world, tp, sp)
 
 
-LAYOUTS = pytest.mark.parametrize("world,tp,sp", [(1, 1, False), (2, 2, True)],
-                                  ids=["tp1", "tp2_sp"])
+LAYOUTS = pytest.mark.parametrize("world,tp,sp", [
+    pytest.param(1, 1, False, id="tp1", marks=pytest.mark.slow),  # tp2_sp runs the same variants
+    pytest.param(2, 2, True, id="tp2_sp")])
 
 
 @LAYOUTS

@@ -107,7 +107,9 @@ def _worker(tp: int, sp: bool):
     return out
 
 
-@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True)], ids=["dp2", "tp2", "tp2_sp"])
+@pytest.mark.parametrize("tp,sp", [pytest.param(1, False, id="dp2"),
+                                   pytest.param(2, False, id="tp2", marks=pytest.mark.slow),
+                                   pytest.param(2, True, id="tp2_sp")])
 def test_token_budget_matches_fixed_micro_batches(tp, sp):
     results = run_ranks(_worker, 2, tp, sp)
     if tp == 1:  # uneven micro-batch counts over DP: the loss scaling must stay exact
@@ -138,6 +140,7 @@ def assert_same_results(got: dict, ref: dict, mask, *, atol: float) -> None:
         torch.testing.assert_close(got["weights"][name], w, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.slow  # a benchmark script end to end
 def test_bench_rl_step_dynamic_bsz_smoke(tmp_path):
     """The GPU session's measurement: bench_rl_step.py --dynamic-bsz runs (tiny model, CPU) and its
     calibration record names the token budgets; with --recompute the trainer runs with

@@ -87,10 +87,13 @@ def reference():
     return run_ranks(_worker, 1, 1, 1, 1, False)[0]
 
 
-@pytest.mark.parametrize("tp,pp,dp,dist_opt,sp", [(2, 1, 1, False, True), (2, 1, 1, False, False),
-                                                   (1, 2, 1, False, False),
-                                                   (1, 1, 2, True, False), (1, 1, 2, False, False)],
-                         ids=["tp2_sp", "tp2", "pp2", "dp2_distopt", "dp2_ddp"])
+# tp2_sp, pp2 and dp2_distopt in the default tier; tp2 and dp2_ddp (their plainer twins) in the slow one
+@pytest.mark.parametrize("tp,pp,dp,dist_opt,sp", [
+    pytest.param(2, 1, 1, False, True, id="tp2_sp"),
+    pytest.param(2, 1, 1, False, False, id="tp2", marks=pytest.mark.slow),
+    pytest.param(1, 2, 1, False, False, id="pp2"),
+    pytest.param(1, 1, 2, True, False, id="dp2_distopt"),
+    pytest.param(1, 1, 2, False, False, id="dp2_ddp", marks=pytest.mark.slow)])
 def test_matches_single_rank(reference, tp, pp, dp, dist_opt, sp):
     results = run_ranks(_worker, tp * pp * dp, tp, pp, dp, dist_opt, sp)
     ref = reference

@@ -82,7 +82,8 @@ def _local_backend(tied: bool):
     return selected, eng.compute_logprobs(batch, micro_batch_size=4), batch.response_mask.bool()
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_embeddings"])
+@pytest.mark.parametrize("tied", [pytest.param(False, id="untied"),
+                                  pytest.param(True, id="tied_embeddings", marks=pytest.mark.slow)])
 def test_response_logits_with_megatron_local_layers(tied):
     selected, full, mask = run_ranks(_local_backend, 1, tied)[0]
     torch.testing.assert_close(selected[mask], full[mask], atol=1e-6, rtol=1e-5)

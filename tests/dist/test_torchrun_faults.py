@@ -24,7 +24,9 @@ import subprocess
 import sys
 import time
 
-from tests.dist.launcher import _free_port
+import pytest
+
+from tests.dist.launcher import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "0.1"]
@@ -42,7 +44,7 @@ def _env(**extra):
 
 
 def _torchrun(nproc: int, target: list, *, env=None) -> subprocess.Popen:
-    cmd = [*TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), *target]
+    cmd = [*TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(free_port()), *target]
     return subprocess.Popen(cmd, cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -65,6 +67,7 @@ CONFIG_ERRORS = [
 ]
 
 
+@pytest.mark.slow  # many torchrun launches; a killed peer and non-finite grads stay in the default tier
 def test_config_errors_print_under_every_torchrun_ordering(tmp_path):
     entry = os.path.join(ROOT, "tests", "dist", "fault_entry.py")
     # (late rank or None, overrides, expected line)
@@ -89,6 +92,7 @@ def test_config_errors_print_under_every_torchrun_ordering(tmp_path):
     assert not os.listdir(tmp_path)  # validation fails before anything is written
 
 
+@pytest.mark.slow
 def test_user_errors_after_start_up_carry_the_rank_only_where_ranks_disagree(tmp_path):
     jsonl = tmp_path / "train.jsonl"
     jsonl.write_text('{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}\n' * 8)
@@ -133,6 +137,7 @@ def test_killed_peer_names_rank_and_stage(tmp_path):
     assert _no_rank_traceback(out), out[-3000:]
 
 
+@pytest.mark.slow
 def test_hung_peer_times_out_with_a_line_on_both_ranks(tmp_path):
     """DP=2: rank 1 hangs entering adv; rank 0's all-gather of the batch there times out."""
     timeout_s = 8  # above the start-up skew of a loaded CI machine (barriers while rank 0 works)

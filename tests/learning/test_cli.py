@@ -53,6 +53,7 @@ def test_tp_not_dividing_heads_names_the_keys():
     assert "parallel.tensor_parallel_size=4 must divide model.num_query_groups=2" in proc.stderr
 
 
+@pytest.mark.slow  # three training runs and an export, in subprocesses
 def test_hf_checkpoint_jsonl_train_resume_export(tmp_path):
     model_dir = make_checkpoint("qwen2", str(tmp_path / "hf"), seed=0)
     write_tokenizer(model_dir, 128)

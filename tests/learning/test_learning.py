@@ -9,11 +9,14 @@ TP=2 + reshard 0.26 -> 0.46, DAPO 0.25 -> 0.57 (score before the group filter), 
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from tests.dist.launcher import free_port
+
+pytestmark = pytest.mark.slow  # 100 training steps in each test
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MARGIN = 0.12
@@ -34,11 +37,8 @@ def _run(tmp_path, overrides, nproc=1, key="critic/score/mean"):
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(port), *args]
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     scores = _scores(out, key)

@@ -11,22 +11,16 @@ what DP=1 reports, problem by problem;
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from hybridflow.data.synthetic import make_task
+from tests.dist.launcher import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_VAL = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(args, *, world_size=1):
@@ -36,7 +30,7 @@ def _run(args, *, world_size=1):
     cmd = [sys.executable, "-m", "hybridflow.train", "experiment=demo", *args]
     if world_size > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-               "--master_port", str(_free_port()), "-m", "hybridflow.train", "experiment=demo", *args]
+               "--master_port", str(free_port()), "-m", "hybridflow.train", "experiment=demo", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
