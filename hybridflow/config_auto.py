@@ -165,7 +165,7 @@ def resolve_for_run(cfg: Config, ctx) -> Config:
     from hybridflow.config_checks import validate
 
     cfg, notes = resolve_auto(cfg, device_type=ctx.device.type)
-    if budgets_unset(cfg):
+    if ctx.device.type == "cuda" and budgets_unset(cfg):
         free, _ = torch.cuda.mem_get_info(ctx.device)
         free_t = torch.tensor([float(free)], device=ctx.device)
         dist.all_reduce(free_t, op=dist.ReduceOp.MIN)  # one budget on every rank of a TP group

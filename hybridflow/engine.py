@@ -245,11 +245,15 @@ class Engine:
                                  "model.attention_backend=sdpa (auto picked transformer-engine)")
             own = self.role == "reward"
             # a micro-batch of equal rows has no padding to leave out: it runs unpacked
-            return [(mb.to(self.device), False,
-                     pack_rows(mb, multiple=multiple, own_position=own).to(self.device))
-                    if not bool(mb.token_mask().all()) else (mb.padded_to(multiple).to(self.device),
-                                                             False, None)
-                    for mb in micro], rows
+            out = []
+            for mb in micro:
+                whole = mb.padded_to(multiple)
+                if bool(whole.token_mask().all()):
+                    out.append((whole.to(self.device), False, None))
+                else:
+                    out.append((mb.to(self.device), False,
+                                pack_rows(mb, multiple=multiple, own_position=own).to(self.device)))
+            return out, rows
         micro = [mb.padded_to(multiple) for mb in micro] if max_tokens is not None else micro
         return [(mb.to(self.device), not bool(mb.token_mask().all()), None) for mb in micro], rows
 

@@ -76,7 +76,7 @@ def test_config_errors_print_under_every_torchrun_ordering(tmp_path):
     for start in range(0, len(launches), 4):  # 4 launches of 4 ranks at a time
         procs = []
         for late, overrides, expected in launches[start:start + 4]:
-            target = [entry] if late is not None else ["-m", "hybridflow.train", "experiment=demo"]
+            target = ([entry] if late is not None else ["-m", "hybridflow.train"]) + ["experiment=demo"]
             env = _env(HYBRIDFLOW_TEST_FAULT=f"{late}:start:delay") if late is not None else None
             procs.append((_torchrun(4, [*target, "parallel.tensor_parallel_size=4",
                                         f"trainer.output_dir={tmp_path}", *overrides], env=env),

@@ -108,7 +108,7 @@ def test_wheel_runs_from_any_directory(checkout, tmp_path):
     cwd.mkdir()
     _assert_from(_probe(py, cwd=cwd), tmp_path / "venv")
     train = tmp_path / "venv" / "bin" / "hybridflow-train"
-    cfg = json.loads(_run([train, "--cfg"], cwd=cwd))
+    cfg = json.loads(_run([train, "--cfg", "experiment=demo"], cwd=cwd))
     tiny = yaml.safe_load((ROOT / "hybridflow" / "conf" / "model" / "tiny.yaml").read_text())
     assert {k: cfg["model"][k] for k in tiny} == tiny
     _run([train, "experiment=demo", "trainer.total_steps=2", "trainer.sft_warmup_steps=0", "trainer.output_dir=out",
@@ -125,6 +125,6 @@ def test_source_checkout_and_editable_install(checkout, tmp_path):
     _pip(py, "-e", checkout)
     _assert_from(_probe(py, cwd=cwd), checkout)
     _assert_from(_probe(py, cwd=cwd, pythonpath=checkout), checkout)
-    cfg = json.loads(_run([tmp_path / "venv" / "bin" / "hybridflow-train", "--cfg", "model=qwen2_7b"],
+    cfg = json.loads(_run([tmp_path / "venv" / "bin" / "hybridflow-train", "--cfg", "experiment=demo", "model=qwen2_7b"],
                           cwd=cwd))
     assert cfg["model"]["num_layers"] == 28

@@ -48,7 +48,8 @@ def _run(*args, fault=None, prefix=()):
     if fault:
         env["HYBRIDFLOW_TEST_FAULT"] = fault
     entry = [os.path.join(ROOT, "tests", "dist", "fault_entry.py")] if fault else \
-        ["-m", "hybridflow.train", "experiment=demo"]
+        ["-m", "hybridflow.train"]
+    args = ("experiment=demo", *args)
     return subprocess.run([*prefix, sys.executable, *entry, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 

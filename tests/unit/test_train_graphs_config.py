@@ -2,8 +2,6 @@
 on CPU a no-op (the training results are the eager ones, and no graph metric is reported). The
 graphed runs themselves are compared with eager ones on a GPU (tests/gpu/test_train_graphs_gpu.py)."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -13,18 +11,19 @@ MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attent
                     num_query_groups=2, vocab_size=50)
 
 
-@pytest.mark.parametrize("parallel,pp,match", [
-    (ParallelConfig(train_cuda_graphs=True, activation_checkpointing=True), 1,
+@pytest.mark.parametrize("overrides,world_size,match", [
+    (["parallel.train_cuda_graphs=true", "parallel.activation_checkpointing=true"], 1,
      "parallel.train_cuda_graphs=true and parallel.activation_checkpointing=true"),
-    (ParallelConfig(train_cuda_graphs=True), 2, "pipeline_parallel_size=1, got 2"),
+    (["parallel.train_cuda_graphs=true", "parallel.pipeline_parallel_size=2"], 2,
+     "pipeline_parallel_size=1, got 2"),
 ])
-def test_refused_combinations(parallel, pp, match):
-    from hybridflow.engine import Engine
+def test_refused_combinations(overrides, world_size, match):
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
 
-    ctx = SimpleNamespace(pp_size=pp)  # refused before anything is built
+    cfg = load_config(["experiment=demo", *overrides])  # refused before anything is built
     with pytest.raises(ValueError, match=match):
-        Engine(role="actor", model_cfg=MODEL, ctx=ctx, parallel=parallel, precision="fp32",
-               optim=OptimConfig(lr=1e-3))
+        validate(cfg, world_size=world_size)
 
 
 def test_cpu_runs_eager(single_rank_ctx):
