@@ -19,7 +19,7 @@ from hybridflow.cost import estimate_cost  # noqa: E402
 PROMPT_LEN, RESPONSE_LEN, SAMPLES, PROMPTS_PER_GPU, MINI_BATCHES = 150, 1000, 32, 4, 4
 MICRO, FORWARD_MICRO = 4, 8   # sequences per update / forward-only micro-batch (the config's)
 NOT_VALIDATED = ("the cost model was validated (leave-one-out within 15%) only on 1-2 H200s, PP=1, "
-                 "one mini-batch, models up to 7B (README 'Cost model validation'): PP > 1, 4 "
+                 "one mini-batch, models up to 7B (docs/cost_model.md): PP > 1, 4 "
                  "mini-batches, 8B, more than 2 GPUs and more than one node (16 GPUs) are extrapolation")
 
 
