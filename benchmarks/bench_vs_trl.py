@@ -207,7 +207,6 @@ def word_tokenizer(vocab_size: int):
 def trl_side(args) -> None:
     """One TRL GRPOTrainer run of `--trl-steps` optimizer steps; writes its JSON to args.trl_side
     (exit OOM_EXIT, the JSON saying so, when training runs out of GPU memory)."""
-    import gc
     import random
 
     import torch
@@ -216,7 +215,7 @@ def trl_side(args) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from bench_generate import hf_model
-    from trl_gsm8k import probe_update_memory
+    from trl_gsm8k import build_fitting_trainer
 
     _, shape = load_shape(args.model_yaml)
     on_gpu = args.device.startswith("cuda")
@@ -268,19 +267,9 @@ def trl_side(args) -> None:
                            train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
                            processing_class=tokenizer, callbacks=[StepTimer()])
 
-    probe = None
-    trainer = build(args.trl_grad_ckpt == "on")
-    if args.trl_grad_ckpt == "auto":
-        probe = probe_update_memory(trainer, rows=args.trl_micro, prompt_len=args.prompt_len,
-                                    completion_len=args.response)
-        print("TRL update memory probe (no gradient checkpointing):", probe, flush=True)
-        if not probe["fits"]:
-            del trainer
-            gc.collect()
-            trainer = build(True)
-    if on_gpu:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()  # the peak of training, not of the probe
+    trainer, probe = build_fitting_trainer(build, args.trl_grad_ckpt, rows=args.trl_micro,
+                                           prompt_len=args.prompt_len,
+                                           completion_len=args.response, on_gpu=on_gpu)
     t = trainer.args
     result["config"] = {"per_device_train_batch_size": t.per_device_train_batch_size,
                         "gradient_accumulation_steps": t.gradient_accumulation_steps,

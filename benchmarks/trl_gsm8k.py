@@ -175,6 +175,27 @@ def resumed_result(result: dict, prior_path: Path, step: int) -> dict:
     return result
 
 
+def build_fitting_trainer(build, mode: str, *, rows: int, prompt_len: int, completion_len: int,
+                          on_gpu: bool):
+    """(trainer, probe): `build(grad_ckpt)` with gradient checkpointing per `mode` (on | off |
+    auto: off when probe_update_memory says the update fits); the peak-memory counter reset after
+    the probe, so a run's peak is training's."""
+    probe = None
+    trainer = build(mode == "on")
+    if mode == "auto":
+        probe = probe_update_memory(trainer, rows=rows, prompt_len=prompt_len,
+                                    completion_len=completion_len)
+        print("update memory probe (no gradient checkpointing):", probe, flush=True)
+        if not probe["fits"]:
+            del trainer
+            gc.collect()
+            trainer = build(True)
+    if on_gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return trainer, probe
+
+
 def probe_update_memory(trainer, *, rows: int, prompt_len: int, completion_len: int) -> dict:
     """One forward + backward of TRL's own log-prob pass (`_get_per_token_logps_and_entropies`, the
     one its loss runs) over `rows` sequences of `prompt_len` + `completion_len` tokens, on the
@@ -390,19 +411,10 @@ def main(argv=None) -> dict:
         return GRPOTrainer(model=model, reward_funcs=[rule_reward(args.reward)], args=grpo, train_dataset=train,
                            processing_class=tokenizer)
 
-    probe = None
-    trainer = build(args.grad_ckpt == "on")
-    if args.grad_ckpt == "auto":
-        probe = probe_update_memory(trainer, rows=args.micro_batch, prompt_len=longest_prompt_tokens(
-            tokenizer, train_records), completion_len=args.max_new_tokens)
-        print("update memory probe (no gradient checkpointing):", probe, flush=True)
-        if not probe["fits"]:
-            del trainer
-            gc.collect()
-            trainer = build(True)
-    if on_gpu:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()  # the JSON's peak is training's, not the probe's
+    trainer, probe = build_fitting_trainer(
+        build, args.grad_ckpt, rows=args.micro_batch,
+        prompt_len=longest_prompt_tokens(tokenizer, train_records),
+        completion_len=args.max_new_tokens, on_gpu=on_gpu)
 
     def val_fn(m):
         r = evaluate(m, tokenizer, val_records, batch_size=args.val_batch_size, max_new_tokens=val_tokens,
