@@ -62,7 +62,7 @@ class ParallelConfig:
 class DecodeKernelOptions:
     """rollout.kernel_options: the decode kernels' trade-offs that depend on the GPU and the batch
     (rollout.decode_kernels=triton; compile_* with rollout.compile_decode). Checked by
-    hybridflow.rollout.options.validate_rollout_options; measurements behind the defaults:
+    hybridflow.config_checks.validate_rollout_options; measurements behind the defaults:
     docs/perf_log.md."""
     # programmatic dependent launch of our Triton kernels (sm_90+; elsewhere launched plainly):
     # each kernel's programs start while the previous kernel finishes, then wait in-kernel for its

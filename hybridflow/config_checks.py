@@ -1,12 +1,19 @@
 """Cross-field validation of a composed `Config`, before anything is built. Each check raises
-ValueError naming the key, the value and what was expected: parallel sizes against the world size and the model shape, rollout, data and reward options, batch
-sizes (global mini-batch vs per-GPU micro-batches, or token budgets), and the algorithm recipes.
+ValueError naming the key, the value and what was expected: parallel sizes against the world size
+and the model shape, rollout (decode options included), data and reward options, batch sizes (global
+mini-batch vs per-GPU micro-batches, or token budgets), and the algorithm recipes.
 """
 
 from __future__ import annotations
 
 from hybridflow.config import Config
 from hybridflow.model_config import ModelConfig
+
+KERNELS = ("auto", "triton", "torch")  # rollout.decode_kernels
+# the decode step's GEMMs whose weight the kernel before it can hint into L2: qkv by the first
+# norm, proj by the fused RoPE + attention kernel, fc1 by the second norm, fc2 by fc1's Triton GEMM
+PREFETCHABLE = ("qkv", "proj", "fc1", "fc2")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def _one_of(key: str, value, allowed) -> None:
@@ -141,16 +148,15 @@ def validate(cfg: Config, *, world_size: int) -> None:
                          f"flex_attention in SDPAttention")
     if a.use_dynamic_bsz:  # micro-batches by tokens: the row counts of _validate_micro_batches unused
         _validate_dynamic_bsz(cfg, dp=dp)
-    elif a.use_dynamic_bsz is False or p.pipeline_parallel_size > 1:  # auto: rows unless on a GPU
+    else:
         _validate_micro_batches(cfg, dp=dp)
-    else:  # auto (null): either way may run, decided on the machine (config_auto.resolve_auto)
-        _validate_micro_batches(cfg, dp=dp)
-        _validate_token_budgets(cfg)
+        if a.use_dynamic_bsz is None and p.pipeline_parallel_size == 1:
+            _validate_token_budgets(cfg)  # auto: budgets may run, decided on the machine
     for name in ("actor_optim", "critic_optim"):
         _one_of(f"{name}.lr_decay_style", getattr(cfg, name).lr_decay_style,
                 {"constant", "linear", "cosine"})
     _one_of("trainer.precision", cfg.trainer.precision, {"fp32", "bf16", "auto"})
-    _one_of("rollout.decode_kernels", cfg.rollout.decode_kernels, {"auto", "torch", "triton"})
+    validate_rollout_options(cfg)
     _positive("trainer.total_steps", cfg.trainer.total_steps)
     _positive("trainer.collective_timeout_s", cfg.trainer.collective_timeout_s)
     if cfg.trainer.time_budget_s < 0:
@@ -262,3 +268,27 @@ def _validate_recipes(cfg: Config) -> None:
                              f"(DAPO: 4096 of 20480)")
         if ob.penalty_factor < 0:
             raise ValueError(f"reward.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
+
+
+def validate_rollout_options(cfg) -> None:
+    """Check the decode options' config keys (`cfg`: the whole Config, or its RolloutConfig);
+    raise ValueError naming the key, the value and what was expected."""
+    r = getattr(cfg, "rollout", cfg)
+    if r.decode_kernels not in KERNELS:
+        raise ValueError(f"rollout.decode_kernels: {r.decode_kernels!r} is not one of "
+                         f"{', '.join(KERNELS)}")
+    k = r.kernel_options
+    for name in k.prefetch_weights:
+        if name not in PREFETCHABLE:
+            raise ValueError(f"rollout.kernel_options.prefetch_weights: {name!r} is not one of "
+                             f"{', '.join(PREFETCHABLE)}")
+    for key in ("prefetch_min_rows", "swiglu_gemm_min_rows"):
+        value = getattr(k, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"rollout.kernel_options.{key}: {value!r} is not a row count >= 0")
+    if not isinstance(k.compile_backend, str) or not k.compile_backend:
+        raise ValueError(f"rollout.kernel_options.compile_backend: {k.compile_backend!r} is not a "
+                         f"torch.compile backend name (e.g. inductor)")
+    if k.compile_mode is not None and k.compile_mode not in COMPILE_MODES:
+        raise ValueError(f"rollout.kernel_options.compile_mode: {k.compile_mode!r} is not null or "
+                         f"one of {', '.join(COMPILE_MODES)}")

@@ -22,12 +22,8 @@ from typing import Optional
 import torch
 
 from hybridflow.config import RolloutConfig
+from hybridflow.config_checks import KERNELS, PREFETCHABLE
 
-KERNELS = ("auto", "triton", "torch")  # rollout.decode_kernels
-# the decode step's GEMMs whose weight the kernel before it can hint into L2: qkv by the first
-# norm, proj by the fused RoPE + attention kernel, fc1 by the second norm, fc2 by fc1's Triton GEMM
-PREFETCHABLE = ("qkv", "proj", "fc1", "fc2")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True)
@@ -98,27 +94,3 @@ def resolve_decode_kernels(value: str, device: torch.device, head_dim: int) -> s
 
     usable = kern.HAVE_TRITON and device.type == "cuda" and kern.head_dim_supported(head_dim)
     return "triton" if usable else "torch"
-
-
-def validate_rollout_options(cfg) -> None:
-    """Check the decode options' config keys (`cfg`: the whole Config, or its RolloutConfig);
-    raise ValueError naming the key, the value and what was expected."""
-    r = getattr(cfg, "rollout", cfg)
-    if r.decode_kernels not in KERNELS:
-        raise ValueError(f"rollout.decode_kernels: {r.decode_kernels!r} is not one of "
-                         f"{', '.join(KERNELS)}")
-    k = r.kernel_options
-    for name in k.prefetch_weights:
-        if name not in PREFETCHABLE:
-            raise ValueError(f"rollout.kernel_options.prefetch_weights: {name!r} is not one of "
-                             f"{', '.join(PREFETCHABLE)}")
-    for key in ("prefetch_min_rows", "swiglu_gemm_min_rows"):
-        value = getattr(k, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"rollout.kernel_options.{key}: {value!r} is not a row count >= 0")
-    if not isinstance(k.compile_backend, str) or not k.compile_backend:
-        raise ValueError(f"rollout.kernel_options.compile_backend: {k.compile_backend!r} is not a "
-                         f"torch.compile backend name (e.g. inductor)")
-    if k.compile_mode is not None and k.compile_mode not in COMPILE_MODES:
-        raise ValueError(f"rollout.kernel_options.compile_mode: {k.compile_mode!r} is not null or "
-                         f"one of {', '.join(COMPILE_MODES)}")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hybridflow.config import load_config
-from hybridflow.rollout.options import DecodeOptions, validate_rollout_options
+from hybridflow.config_checks import validate, validate_rollout_options
+from hybridflow.rollout.options import DecodeOptions
 from tests.unit.test_rollout import PROMPTS, make, opts, rc
 
 
@@ -46,6 +47,8 @@ def test_validation_names_the_key(override, match):
         validate_rollout_options(cfg)
     validate_rollout_options(load_config(["experiment=demo"]))
     validate_rollout_options(load_config(["experiment=demo"]).rollout)
+    with pytest.raises(ValueError, match=match.replace("(", "\\(")):
+        validate(cfg, world_size=1)  # part of the config checks, before anything is built
 
 
 def test_options_key_the_captured_steps():
