@@ -128,10 +128,12 @@ def size_token_budgets(cfg: Config, *, world_size: int, free_gib: float) -> tupl
     capacity = MEMORY_SHARE * (free_gib - calib.memory_headroom_gib)
     train_phases = ("update_actor", "update_critic")
 
+    fields = workload_fields(cfg, decode_kernels="triton")
+
     def fits(tokens: int, phases) -> bool:
-        fields = workload_fields(cfg, decode_kernels="triton")
-        fields.update(micro_batch_tokens=tokens, forward_micro_batch_tokens=tokens)
-        est = memory_for(cfg.model, gpu, plan, Workload(**fields), calib)
+        work = Workload(**{**fields, "micro_batch_tokens": tokens,
+                           "forward_micro_batch_tokens": tokens})
+        est = memory_for(cfg.model, gpu, plan, work, calib)
         return all(sum(c.values()) <= capacity for ph, c in est.phases_gib.items() if ph in phases)
 
     def largest(max_rows: int, phases) -> int:
@@ -147,8 +149,8 @@ def size_token_budgets(cfg: Config, *, world_size: int, free_gib: float) -> tupl
         values["max_tokens_per_micro_batch_per_gpu"] = largest(mini_rows, train_phases)
         said.append(f"training {values['max_tokens_per_micro_batch_per_gpu']}")
     if a.forward_max_tokens_per_micro_batch_per_gpu is None:
-        forward = [ph for ph in ("old_log_prob", "ref", "values")]
-        values["forward_max_tokens_per_micro_batch_per_gpu"] = largest(step_rows, forward)
+        values["forward_max_tokens_per_micro_batch_per_gpu"] = largest(
+            step_rows, ("old_log_prob", "ref", "values"))
         said.append(f"forward {values['forward_max_tokens_per_micro_batch_per_gpu']}")
     line = (f"auto: token budgets per micro-batch: {', '.join(said)} tokens (rows of up to {row} "
             f"tokens; sized for {free_gib:.0f} GiB free per GPU)")

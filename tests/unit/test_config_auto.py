@@ -24,25 +24,22 @@ def test_no_experiment_by_default_and_a_clear_error():
         validate(cfg, world_size=1)
 
 
-def test_cpu_stays_exact_and_simple():
-    cfg, notes = resolve_auto(_cfg(*GPU_JOB), device_type="cpu")
-    assert cfg.trainer.precision == "fp32"
-    assert (cfg.algo.use_dynamic_bsz, cfg.algo.pack_sequences) == (False, False)
+@pytest.mark.parametrize("device, precision, dynamic, rollout, unset", [
+    # CPU stays exact and simple
+    ("cpu", "fp32", (False, False), (True, False, 0, False), False),
+    # a GPU gets the fast path; the 384-column cache: an eighth, at least 64 columns
+    ("cuda", "bf16", (True, True), (False, True, 64, True), True),
+])
+def test_auto_per_device(device, precision, dynamic, rollout, unset):
+    cfg, notes = resolve_auto(_cfg(*GPU_JOB), device_type=device)
+    assert cfg.trainer.precision == precision
+    assert (cfg.algo.use_dynamic_bsz, cfg.algo.pack_sequences) == dynamic
     r = cfg.rollout
     assert (r.free_cache_engine, r.compact_finished_rows, r.decode_kv_window, r.compile_decode) == \
-        (True, False, 0, False)
-    assert notes == [] and not budgets_unset(cfg)
-    validate(cfg, world_size=1)
-
-
-def test_gpu_gets_the_fast_path():
-    cfg, notes = resolve_auto(_cfg(*GPU_JOB), device_type="cuda")
-    assert cfg.trainer.precision == "bf16"
-    assert (cfg.algo.use_dynamic_bsz, cfg.algo.pack_sequences) == (True, True)
-    r = cfg.rollout
-    assert (r.free_cache_engine, r.compact_finished_rows, r.compile_decode) == (False, True, True)
-    assert r.decode_kv_window == 64  # 384-column cache: an eighth, at least 64
-    assert notes == [] and budgets_unset(cfg)
+        rollout
+    assert notes == [] and budgets_unset(cfg) == unset
+    if device == "cpu":
+        validate(cfg, world_size=1)
 
 
 def test_user_values_are_kept():
