@@ -4,10 +4,12 @@ One type for every consumer: Hydra composes it from conf/model/*.yaml, `models/h
 from a Hugging Face config.json, megatron-core builds the model from it, and the cost model counts
 FLOPs and bytes from it (`hybridflow.cost`).
 
-The architecture is the Llama/Qwen2/Mistral decoder that hybridflow builds with megatron-core:
-grouped-query attention (QKV with optional bias, output projection without), a SwiGLU MLP (gate, up:
-hidden x ffn each, down: ffn x hidden), two RMSNorms per layer plus a final one, a vocab embedding and
-an output layer (shared with the embedding when `tie_word_embeddings`). The counts ignore Megatron's
+The architecture is the Llama/Qwen2/Qwen3/Mistral decoder that hybridflow builds with megatron-core:
+grouped-query attention (QKV with optional bias, output projection without; with `qk_layernorm`,
+Qwen3's RMSNorm over head_dim of every query and key head before RoPE, one weight for all query heads
+and one for all key heads), a SwiGLU MLP (gate, up: hidden x ffn each, down: ffn x hidden), two
+RMSNorms per layer plus a final one, a vocab embedding and an output layer (shared with the embedding
+when `tie_word_embeddings`). The counts ignore Megatron's
 vocab padding (to a multiple of 128 x TP): it changes them by < 0.1% for the models in conf/.
 Validation (positive sizes, TP/PP divisibility) is `hybridflow.config.validate_model`.
 """
@@ -33,6 +35,7 @@ class ModelConfig:
     rope_scaling: Optional[dict] = None  # HF-style rope_scaling (llama3) when loaded from a checkpoint
     norm_epsilon: float = 1e-6
     add_qkv_bias: bool = False
+    qk_layernorm: bool = False  # RMSNorm of each query / key head before RoPE (Qwen3)
     tie_word_embeddings: bool = False
     hf_path: Optional[str] = None  # HF checkpoint dir (safetensors + config.json)
     gguf_path: Optional[str] = None  # GGUF file (llama.cpp); see hybridflow.models.gguf
@@ -61,7 +64,8 @@ class ModelConfig:
     @property
     def layer_params(self) -> int:
         bias = (self.q_dim + 2 * self.kv_dim) if self.add_qkv_bias else 0
-        return self.layer_matmul_params + bias + 2 * self.hidden_size  # + two norms
+        qk_norms = 2 * self.head_dim if self.qk_layernorm else 0
+        return self.layer_matmul_params + bias + 2 * self.hidden_size + qk_norms  # + the norms
 
     @property
     def embedding_params(self) -> int:

@@ -10,6 +10,10 @@ PyTorch twins.
   rotates q and k (rotate-half, the signed sin table of hybridflow/rollout/decoder.rope_tables),
   writes k and v into the cache and returns the rotated queries. The twin rounds as PyTorch's
   ops round (the product x cos first, then the multiply-add).
+- The q/k norm (Qwen3; `q_norm`, `k_norm` given to the RoPE kernels here and in
+  kernels/rope_attention.py): before RoPE, each q head and k RMS-normed over head_dim in fp32 with
+  its (hd,) weight and rounded once (`_norm_rows`; twin `qk_norm`). The rotate-half partner row is
+  normed with the same factor and the weight rolled alike, so no second load is needed.
 - The split-KV ("flash-decoding") attention pieces that kernels/rope_attention.py builds the
   decode step's attention from: `_attend_blocks` (one split's online softmax over its cache
   blocks: tl.dot, fp32 accumulation, masked columns -inf), `_attn_combine_kernel` (the splits'
@@ -51,10 +55,21 @@ ATTN_WARPS, ATTN_STAGES = 4, 2
 if HAVE_TRITON:
 
     @triton.jit
-    def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, cur_ptr, q_ptr, G, HPG, S,
-                        s_xb, s_xg, s_xr, s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt,
+    def _norm_rows(x, xr, w, wr, eps, AXIS: tl.constexpr, HD: tl.constexpr):
+        """RMSNorm over axis AXIS (HD wide) of rows x (weights' dtype) and of xr (fp32), x's
+        rotate-half partner (x rolled by HD / 2): the same factor per row, weights w and wr (w
+        rolled alike, fp32); computed in fp32, rounded to x's dtype once (the twin's rounding).
+        Returns (x normed, xr normed as fp32)."""
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, AXIS, keep_dims=True) / HD + eps)
+        return ((xf * rstd * w).to(x.dtype),
+                (xr * rstd * wr).to(x.dtype).to(tl.float32))
+
+    @triton.jit
+    def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, cur_ptr, q_ptr, qn_ptr, kn_ptr,
+                        eps, G, HPG, S, s_xb, s_xg, s_xr, s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt,
                         s_qb, s_qg, s_qr, R_PAD: tl.constexpr, HD: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        QK_NORM: tl.constexpr = False, PDL: tl.constexpr = False):
         pdl_enter(PDL)
         # program (token, group); token = (cache row, position in it) = (bs // S, bs % S): S prompt
         # tokens per row, written to cache columns cur..cur + S - 1
@@ -65,8 +80,14 @@ if HAVE_TRITON:
         d = tl.arange(0, HD)[None, :]
         rows = r < HPG + 1  # the q heads and k: rotated
         base = qkv_ptr + bs * s_xb + g * s_xg
+        rolled = (d + HD // 2) % HD
         x = tl.load(base + r * s_xr + d, mask=rows, other=0.0)
-        xr = tl.load(base + r * s_xr + (d + HD // 2) % HD, mask=rows, other=0.0).to(tl.float32)
+        xr = tl.load(base + r * s_xr + rolled, mask=rows, other=0.0).to(tl.float32)
+        if QK_NORM:  # rows < HPG are q heads (q_norm), row HPG is k (k_norm)
+            is_q = r < HPG
+            w = tl.where(is_q, tl.load(qn_ptr + d), tl.load(kn_ptr + d)).to(tl.float32)
+            wr = tl.where(is_q, tl.load(qn_ptr + rolled), tl.load(kn_ptr + rolled)).to(tl.float32)
+            x, xr = _norm_rows(x, xr, w, wr, eps, AXIS=1, HD=HD)
         c = tl.load(cos_ptr + bs * s_cb + d).to(tl.float32)
         s = tl.load(sin_ptr + bs * s_cb + d).to(tl.float32)
         # as the twin rounds in the weights' dtype: x * cos, then + roll(x) * sin
@@ -207,15 +228,42 @@ def _check_head_dim(hd: int) -> None:
         raise ValueError(f"decode kernels need a power-of-two head_dim >= 16, got {hd}")
 
 
+def qk_norm(qk: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+            eps: float) -> torch.Tensor:
+    """[q heads; k] (..., hpg + 1, hd) with each q head RMS-normed by q_norm (hd,) and k by k_norm,
+    in fp32 and rounded once to qk's dtype (the RoPE kernels' q/k norm, as PyTorch ops); q_norm
+    None: qk unchanged."""
+    if q_norm is None:
+        return qk
+    hpg, hd = qk.shape[-2] - 1, qk.shape[-1]
+    q = F.rms_norm(qk[..., :hpg, :].float(), (hd,), q_norm.float(), eps)
+    k = F.rms_norm(qk[..., hpg:, :].float(), (hd,), k_norm.float(), eps)
+    return torch.cat([q, k], -2).to(qk.dtype)
+
+
+def _norm_args(qkv: torch.Tensor, q_norm, k_norm, hd: int) -> tuple:
+    """(q_norm, k_norm, QK_NORM) kernel arguments: qkv stands in for absent weights."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm are given together or not at all")
+    if q_norm is None:
+        return qkv, qkv, False
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w.shape != (hd,) or w.stride(-1) != 1:
+            raise ValueError(f"{name} has shape {tuple(w.shape)}, expected contiguous ({hd},)")
+    return q_norm, k_norm, True
+
+
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, cur: torch.Tensor, *, hpg: int) -> torch.Tensor:
-    """The decode step's RoPE on the q heads and k of every (row, group), k and v written at cache
-    column `cur`, as PyTorch ops (the twin of kernels/rope_attention.py); returns the rotated q
-    (B, G, hpg, hd), contiguous."""
+                  v_cache: torch.Tensor, cur: torch.Tensor, *, hpg: int,
+                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                  eps: float = 0.0) -> torch.Tensor:
+    """The decode step's RoPE on the q heads and k of every (row, group) (q_norm / k_norm: after
+    their norm, `qk_norm`), k and v written at cache column `cur`, as PyTorch ops (the twin of
+    kernels/rope_attention.py); returns the rotated q (B, G, hpg, hd), contiguous."""
     B, G, R, hd = qkv.shape
     if R != hpg + 2:
         raise ValueError(f"qkv has {R} rows per group, expected hpg + 2 = {hpg + 2}")
-    qk = qkv[:, :, :hpg + 1]
+    qk = qk_norm(qkv[:, :, :hpg + 1], q_norm, k_norm, eps)
     qk = torch.addcmul(qk * cos[:, None, None], qk.roll(hd // 2, -1), sin[:, None, None])
     k_cache.index_copy_(2, cur, qk[:, :, hpg:])
     v_cache.index_copy_(2, cur, qkv[:, :, hpg + 1:])
@@ -223,17 +271,19 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
 
 
 def rope_kv_prefill(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, *, hpg: int, pdl: bool = False,
-                    impl: str = "auto") -> torch.Tensor:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, *, hpg: int,
+                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                    eps: float = 0.0, pdl: bool = False, impl: str = "auto") -> torch.Tensor:
     """The prefill's rope_kv_write: qkv (B, S, G, hpg + 2, hd), cos, sin (B, S, hd) -> the rotated
     q (B, S, G, hpg, hd), contiguous; k and v of token s written to cache column s (columns
     0..S-1 of each row). One pass over the projection instead of PyTorch's RoPE element-wise
-    kernels (a strided multiply, a roll copy, a multiply-add) and two cache copies."""
+    kernels (a strided multiply, a roll copy, a multiply-add) and two cache copies. q_norm,
+    k_norm (hd,): the q/k norm first (Qwen3), in the same pass."""
     B, S, G, R, hd = qkv.shape
     if R != hpg + 2:
         raise ValueError(f"qkv has {R} rows per group, expected hpg + 2 = {hpg + 2}")
     if not use_triton(qkv, impl):
-        qk = qkv[:, :, :, :hpg + 1]
+        qk = qk_norm(qkv[:, :, :, :hpg + 1], q_norm, k_norm, eps)
         qk = torch.addcmul(qk * cos[:, :, None, None], qk.roll(hd // 2, -1),
                            sin[:, :, None, None])
         k_cache[:, :, :S].copy_(qk[:, :, :, hpg].transpose(1, 2))
@@ -245,14 +295,16 @@ def rope_kv_prefill(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if flat.stride(-1) != 1 or cos2.stride(-1) != 1 or sin2.stride() != cos2.stride():
         raise ValueError("rope_kv_prefill needs qkv, cos and sin contiguous in the last dimension "
                          "and cos, sin of the same strides")
+    qn, kn, norm_on = _norm_args(qkv, q_norm, k_norm, hd)
     q = torch.empty((B, S, G, hpg, hd), dtype=qkv.dtype, device=qkv.device)
     if B * S:
         zero = torch.zeros(1, dtype=torch.long, device=qkv.device)
         qf = q.view(B * S, G, hpg, hd)
         _rope_kv_kernel[(B * S * G,)](
-            flat, cos2, sin2, k_cache, v_cache, zero, qf, G, hpg, S, *flat.stride()[:3],
-            cos2.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *qf.stride()[:3],
-            R_PAD=triton.next_power_of_2(hpg + 1), HD=hd, num_warps=2, **launch_opts(flat, pdl))
+            flat, cos2, sin2, k_cache, v_cache, zero, qf, qn, kn, eps, G, hpg, S,
+            *flat.stride()[:3], cos2.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
+            *qf.stride()[:3], R_PAD=triton.next_power_of_2(hpg + 1), HD=hd, QK_NORM=norm_on,
+            num_warps=2, **launch_opts(flat, pdl))
     return q
 
 

@@ -11,6 +11,9 @@ output, else the splits' max, sum of exp and P @ V go through `layer_ops._attn_c
 The sums run in another order than the twins' (the current column last), so results agree to
 rounding. The decode step hands it the RoPE tables and the rows' positions (no gathered cos / sin
 copies) and lets it mark column `cur` valid in the first layer (`mark_valid`: no fill launch).
+With `q_norm`, `k_norm` (Qwen3's per-head RMSNorm, applied before RoPE) the program norms the q
+heads and k it has just loaded (layer_ops._norm_rows; twin: layer_ops.qk_norm inside
+rope_kv_write): no extra pass over the projection.
 
 Shapes: qkv (B, G, hpg + 2, hd) (the QKV projection's view); cos, sin (B, hd), or the tables
 (T_max, hd) with `positions`; k_cache, v_cache (B, G, T, hd) strided views of the attended columns
@@ -34,15 +37,18 @@ if HAVE_TRITON:
     from ._dispatch import pdl_enter, prefetch_l2
 
     from .layer_ops import _attend_blocks  # the split's online softmax, column cur left out
+    from .layer_ops import _norm_rows  # the q/k norm
 
     @triton.jit
     def _rope_attn_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, cur_ptr, valid_ptr,
-                          m_ptr, l_ptr, acc_ptr, out_ptr, pf_ptr, pf_bytes, G, HPG, kv_len, scale,
+                          m_ptr, l_ptr, acc_ptr, out_ptr, pf_ptr, pf_bytes, qn_ptr, kn_ptr, eps,
+                          G, HPG, kv_len, scale,
                           s_xb, s_xg, s_xr, s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt, s_mb, s_mt,
                           s_ob, s_og, s_oh, NSPLIT: tl.constexpr, BLOCKS: tl.constexpr,
                           H_PAD: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
                           IEEE: tl.constexpr, TABLES: tl.constexpr, MARK: tl.constexpr,
-                          PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
+                          QK_NORM: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                          PDL: tl.constexpr = False):
         pdl_enter(PDL)
         pid = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -58,10 +64,18 @@ if HAVE_TRITON:
         # RoPE as rope_kv_write rounds: x * cos in the weights' dtype, then + roll(x) * sin
         qx = tl.load(base + h[:, None] * s_xr + d[None, :], mask=rows, other=0.0)
         qr = tl.load(base + h[:, None] * s_xr + rolled[None, :], mask=rows, other=0.0)
-        q = ((qx.to(tl.float32) * c[None, :]).to(qx.dtype).to(tl.float32)
-             + qr.to(tl.float32) * s[None, :]).to(qx.dtype)
+        qr = qr.to(tl.float32)
         kx = tl.load(base + HPG * s_xr + d)
         kr = tl.load(base + HPG * s_xr + rolled).to(tl.float32)
+        if QK_NORM:  # each q head and k RMS-normed over HD before RoPE
+            wq = tl.load(qn_ptr + d).to(tl.float32)
+            wqr = tl.load(qn_ptr + rolled).to(tl.float32)
+            qx, qr = _norm_rows(qx, qr, wq[None, :], wqr[None, :], eps, AXIS=1, HD=HD)
+            wk = tl.load(kn_ptr + d).to(tl.float32)
+            wkr = tl.load(kn_ptr + rolled).to(tl.float32)
+            kx, kr = _norm_rows(kx, kr, wk, wkr, eps, AXIS=0, HD=HD)
+        q = ((qx.to(tl.float32) * c[None, :]).to(qx.dtype).to(tl.float32)
+             + qr * s[None, :]).to(qx.dtype)
         k_new = ((kx.to(tl.float32) * c).to(kx.dtype).to(tl.float32) + kr * s).to(kx.dtype)
         v_new = tl.load(base + (HPG + 1) * s_xr + d)
         cur = tl.load(cur_ptr)
@@ -98,13 +112,14 @@ if HAVE_TRITON:
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, cur: torch.Tensor, key_valid: torch.Tensor, *, hpg: int,
                    positions: torch.Tensor | None = None, scale: float | None = None,
-                   mark_valid: bool = False, prefetch: torch.Tensor | None = None,
+                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                   eps: float = 0.0, mark_valid: bool = False, prefetch: torch.Tensor | None = None,
                    splits: int | None = None, pdl: bool = False,
                    impl: str = "auto") -> torch.Tensor:
     """layer_ops.rope_kv_write then layer_ops.decode_attention over the given cache columns, in one
     kernel (the module docstring); "torch": those two twins. With `positions` (B,) int64, cos and
     sin are the RoPE tables (T_max, hd) and each row reads its position's entries (no gathered
-    copy).
+    copy). `q_norm`, `k_norm` (hd,): Qwen3's q/k norm (epsilon `eps`) before RoPE.
     `mark_valid`: also set key_valid[:, cur] (the decode step's own column, which this kernel
     never reads: it folds the token in from registers), so the step needs no fill of its own.
     `prefetch`: a tensor (the output projection's weight) each program hints into L2 when done
@@ -122,13 +137,15 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     if not use_triton(qkv, impl):
         if mark_valid:
             key_valid.index_fill_(1, cur, True)
-        q = layer_ops.rope_kv_write(qkv, cos, sin, k_cache, v_cache, cur, hpg=hpg)
+        q = layer_ops.rope_kv_write(qkv, cos, sin, k_cache, v_cache, cur, hpg=hpg, q_norm=q_norm,
+                                    k_norm=k_norm, eps=eps)
         return layer_ops.decode_attention(q, k_cache, v_cache, key_valid, scale=scale)
     layer_ops._check_head_dim(hd)
     if (qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride()
             or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
         raise ValueError("rope_attention needs qkv, cos, sin and the caches contiguous in the last "
                          "dimension and cos, sin of the same strides")
+    qn, kn, norm_on = layer_ops._norm_args(qkv, q_norm, k_norm, hd)
     nsplit = splits or layer_ops.num_splits(B * G, T, qkv.device)
     blocks = -(-T // (nsplit * layer_ops.BLOCK_T))
     h_pad = max(16, triton.next_power_of_2(hpg))
@@ -144,11 +161,11 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
         pf, pf_bytes, pf_on = prefetch_args(qkv, prefetch)
         _rope_attn_kernel[(B * G, nsplit)](
             qkv, cos, sin, cur if positions is None else positions, k_cache, v_cache, cur, valid,
-            m, lsum, acc, out, pf, pf_bytes, G, hpg, T, scale,
+            m, lsum, acc, out, pf, pf_bytes, qn, kn, eps, G, hpg, T, scale,
             *qkv.stride()[:3], cos.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
             valid.stride(0), valid.stride(1), *out.stride()[:3], NSPLIT=nsplit, BLOCKS=blocks,
             H_PAD=h_pad, HD=hd, BLOCK=layer_ops.BLOCK_T, IEEE=qkv.dtype == torch.float32,
-            TABLES=positions is not None, MARK=mark_valid, PREFETCH=pf_on,
+            TABLES=positions is not None, MARK=mark_valid, QK_NORM=norm_on, PREFETCH=pf_on,
             num_warps=layer_ops.ATTN_WARPS, num_stages=layer_ops.ATTN_STAGES,
             **launch_opts(qkv, pdl))
         if nsplit > 1:

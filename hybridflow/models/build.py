@@ -8,9 +8,13 @@ place of the vocab-parallel output layer. All roles share one layer spec:
   its params are marked so Megatron all-reduces their grads over TP, which is exactly what SP needs),
   and lean TP linears (`hybridflow/models/linear.py`: Megatron's params, plain `F.linear` compute).
   `attention_backend=local` keeps Megatron's own unfused DotProductAttention (for comparisons).
-Llama/Qwen2/Mistral are one architecture here: RoPE, RMSNorm, SwiGLU MLP, GQA, optional QKV bias,
-tied or untied embeddings. The vocabulary is padded to a multiple of TP (x128 for real vocabularies);
-padded logits are masked by the log-prob and sampling code.
+Llama/Qwen2/Qwen3/Mistral are one architecture here: RoPE, RMSNorm, SwiGLU MLP, GQA, optional QKV
+bias, tied or untied embeddings, optional per-head q/k RMSNorm (`qk_layernorm`, Qwen3: Megatron's
+`q_layernorm` / `k_layernorm` slots of SelfAttention, RMSNorm over head_dim with the model's epsilon,
+applied before RoPE; their weights are replicated over TP, and TransformerConfig.qk_layernorm makes
+`finalize_model_grads` sum their gradients over TP, each rank holding only its own heads' part).
+The vocabulary is padded to a multiple of TP (x128 for real vocabularies); padded logits are masked
+by the log-prob and sampling code.
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, sequence_parallel:
         num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels,
         normalization="RMSNorm", layernorm_epsilon=cfg.norm_epsilon,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=cfg.add_qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        add_qkv_bias=cfg.add_qkv_bias, qk_layernorm=cfg.qk_layernorm,
+        hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel, params_dtype=dtype, bf16=bf16, pipeline_dtype=dtype,
         bias_activation_fusion=fused_elementwise and torch.cuda.is_available(),
@@ -92,10 +97,14 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec)
 
-        return get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm")
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm",
+                                                          qk_layernorm=cfg.qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
     spec.submodules.input_layernorm = TorchRMSNorm
     spec.submodules.pre_mlp_layernorm = TorchRMSNorm
+    if cfg.qk_layernorm:  # built by SelfAttention with hidden_size=head_dim, eps=norm_epsilon
+        attn = spec.submodules.self_attention.submodules
+        attn.q_layernorm = attn.k_layernorm = TorchRMSNorm
     if backend in ("auto", "sdpa"):
         attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
         attn.core_attention = SDPAttention

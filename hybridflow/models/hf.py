@@ -1,10 +1,12 @@
-"""Hugging Face (Llama, Qwen2, Mistral) checkpoints <-> Megatron GPTModel weights, at any TP x PP.
+"""Hugging Face (Llama, Qwen2, Qwen3, Mistral) checkpoints <-> Megatron GPTModel weights, at any TP x PP.
 
 Name and layout map (HF `model.layers.{i}.` -> Megatron `decoder.layers.{i}.`):
   embed_tokens / lm_head      -> embedding.word_embeddings / output_layer (vocab rows, zero-padded
                                  to `padded_vocab_size(vocab, tp)`; no output_layer when tied)
   q_proj, k_proj, v_proj      -> self_attention.linear_qkv, packed per query group g:
                                  [q heads of g; k_g; v_g] (weights and Qwen2 biases)
+  q_norm, k_norm (Qwen3)      -> self_attention.q_layernorm, k_layernorm ((head_dim,), whole on
+                                 every TP rank)
   o_proj                      -> self_attention.linear_proj
   gate_proj, up_proj          -> mlp.linear_fc1 = [gate; up] (per TP shard: [gate_r; up_r])
   down_proj                   -> mlp.linear_fc2
@@ -156,6 +158,8 @@ def _param_shard(gname: str, src, cfg: ModelConfig, *, tp_rank: int, tp_size: in
     p = f"model.layers.{layer}."
     if suffix in ("input_layernorm.weight", "pre_mlp_layernorm.weight"):
         return rd(p + LAYER_HF[suffix], (H,))
+    if suffix in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+        return rd(p + LAYER_HF[suffix], (hd,))  # one weight shared by every head: replicated
     if suffix == "self_attention.linear_proj.weight":  # row parallel: split columns
         per = heads * hd // tp_size
         return rd(p + "self_attn.o_proj.weight", (H, heads * hd),

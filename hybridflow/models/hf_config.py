@@ -1,19 +1,24 @@
-"""Hugging Face `config.json` <-> `ModelConfig`, for Llama, Qwen2 and Mistral causal LMs.
+"""Hugging Face `config.json` <-> `ModelConfig`, for Llama, Qwen2, Qwen3 and Mistral causal LMs.
 
 `read_hf_config(path)` accepts what our one GPTModel architecture (RoPE, RMSNorm, SwiGLU, GQA,
-optional QKV bias, tied or untied embeddings) computes exactly, and refuses the rest with a
-`ValueError` naming config.json and the field; `hf_to_model_config(dict)` is the same for
-config.json contents in memory. The only config.json reader: training, export and the cost model
-(`hybridflow.cost.shapes`) all use it. Choices:
+optional QKV bias, optional per-head q/k RMSNorm, tied or untied embeddings) computes exactly, and
+refuses the rest with a `ValueError` naming config.json and the field; `hf_to_model_config(dict)`
+is the same for config.json contents in memory. The only config.json reader: training, export and
+the cost model (`hybridflow.cost.shapes`) all use it. Choices:
 - RoPE: plain, or llama3 scaling. Megatron's llama3 scaling takes only `factor`; its low/high
   frequency factors (1, 4) and original context (8192) are fixed, so a config.json with other values
   is refused rather than silently computed differently. Both transformers v4 (`rope_theta` +
   `rope_scaling`) and v5 (`rope_parameters`) spellings are read.
-- Sliding windows (Mistral `sliding_window`, Qwen2 `use_sliding_window`): accepted only when unset or
-  at least `max_position_embeddings`, where the window never takes effect; our attention has no
-  sliding-window mask, so a smaller window would change the outputs.
-- Llama `attention_bias=true` also biases `o_proj`, which our model (no linear biases) cannot hold:
-  refused. Qwen2 always has Q/K/V biases and no `o_proj` bias: `add_qkv_bias=True`.
+- What differs per `model_type` is one `Arch` row of `ARCHS` (the architecture class, fixed Q/K/V
+  biases, q/k norms, how the sliding window is switched on, which flag would bias `o_proj`, the
+  fields written back on export); a new dense model type is a new row.
+- Sliding windows (Mistral `sliding_window`, Qwen2/Qwen3 `use_sliding_window`): accepted only when
+  unset or at least `max_position_embeddings`, where the window never takes effect; our attention
+  has no sliding-window mask, so a smaller window would change the outputs.
+- Llama's and Qwen3's `attention_bias=true` also biases `o_proj`, which our model (no linear biases)
+  cannot hold: refused. Qwen2 always has Q/K/V biases and no `o_proj` bias: `add_qkv_bias=True`.
+  Qwen3 always has q/k norms (`q_norm`, `k_norm`: RMSNorm over head_dim, the model's epsilon):
+  `qk_layernorm=True`; its head_dim is its own field, independent of hidden / heads.
 - `*ForSequenceClassification` checkpoints (reward models) read like their causal LM.
 `write_hf_config(cfg)` goes the other way for the exporter, keeping the source architecture when
 `cfg.hf_architecture` carries it, and writing both rope spellings so v4 and v5 readers agree.
@@ -23,11 +28,33 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 
 from hybridflow.config import ModelConfig
 
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "mistral": "MistralForCausalLM"}
+
+@dataclass(frozen=True)
+class Arch:
+    """What one HF `model_type` fixes beyond the shared fields."""
+    causal_lm: str  # the *ForCausalLM class
+    qkv_bias: bool = False  # Q/K/V biases always present (and never on o_proj)
+    qk_norm: bool = False  # q_norm / k_norm always present
+    window_switch: bool = False  # the window applies only with use_sliding_window / layer_types
+    o_proj_bias_flag: bool = False  # `attention_bias` biases q/k/v and o_proj: refused when true
+    export_fields: dict = field(default_factory=dict)  # written by write_hf_config
+
+
+ARCHS = {
+    "llama": Arch("LlamaForCausalLM", o_proj_bias_flag=True,
+                  export_fields={"attention_bias": False, "mlp_bias": False}),
+    "qwen2": Arch("Qwen2ForCausalLM", qkv_bias=True, window_switch=True,
+                  export_fields={"use_sliding_window": False, "sliding_window": None}),
+    "qwen3": Arch("Qwen3ForCausalLM", qk_norm=True, window_switch=True, o_proj_bias_flag=True,
+                  export_fields={"attention_bias": False, "use_sliding_window": False,
+                                 "sliding_window": None}),
+    "mistral": Arch("MistralForCausalLM", export_fields={"sliding_window": None}),
+}
+MODEL_TYPES = {k: a.causal_lm for k, a in ARCHS.items()}
 # Megatron's llama3 RoPE scaling constants (rotary_pos_embedding.RotaryEmbedding._apply_scaling).
 MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192}
@@ -86,9 +113,10 @@ def hf_to_model_config(c: dict, *, source: str, name: str, hf_path: str | None =
         raise bad("hidden_act", "only silu (SwiGLU) is implemented")
     if c.get("mlp_bias", False):
         raise bad("mlp_bias", "MLP biases are not implemented")
-    if model_type == "llama" and c.get("attention_bias", False):
-        raise bad("attention_bias", "Llama's attention_bias also biases o_proj, which is not "
-                  "implemented (Q/K/V-only bias is: Qwen2)")
+    spec = ARCHS[model_type]
+    if spec.o_proj_bias_flag and c.get("attention_bias", False):
+        raise bad("attention_bias", f"{model_type}'s attention_bias also biases o_proj, which is "
+                  "not implemented (Q/K/V-only bias is: Qwen2)")
     heads = c["num_attention_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // heads
     if c.get("head_dim") is None and c["hidden_size"] % heads:
@@ -102,14 +130,14 @@ def hf_to_model_config(c: dict, *, source: str, name: str, hf_path: str | None =
         num_query_groups=c.get("num_key_value_heads") or heads, kv_channels=head_dim,
         vocab_size=c["vocab_size"], max_position_embeddings=max_pos, rotary_base=theta,
         rope_scaling=scaling, norm_epsilon=float(c.get("rms_norm_eps", 1e-6)),
-        add_qkv_bias=model_type == "qwen2",
+        add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         hf_path=hf_path, hf_architecture=arch)
 
 
 def _check_sliding_window(c: dict, max_pos: int, bad) -> None:
     window = c.get("sliding_window")
-    if c.get("model_type") == "qwen2":
+    if ARCHS[c["model_type"]].window_switch:
         layer_types = c.get("layer_types") or []
         if not c.get("use_sliding_window", False) and "sliding_attention" not in layer_types:
             return
@@ -147,14 +175,19 @@ def _rope(c: dict, cfg_file: str, bad) -> tuple[float, dict | None]:
 
 def write_hf_config(cfg: ModelConfig, *, dtype: str = "float32") -> dict:
     """config.json contents for `cfg` (transformers v4 and v5 both read it)."""
-    arch = cfg.hf_architecture or ("Qwen2ForCausalLM" if cfg.add_qkv_bias else "LlamaForCausalLM")
+    default = ("qwen3" if cfg.qk_layernorm else "qwen2" if cfg.add_qkv_bias else "llama")
+    arch = cfg.hf_architecture or ARCHS[default].causal_lm
     model_type = {v: k for k, v in MODEL_TYPES.items()}.get(
         arch.replace("ForSequenceClassification", "ForCausalLM"))
     if model_type is None:
         raise ValueError(f"model.hf_architecture={arch!r} is not one of {sorted(MODEL_TYPES.values())}")
-    if cfg.add_qkv_bias != (model_type == "qwen2"):
+    spec = ARCHS[model_type]
+    if cfg.add_qkv_bias != spec.qkv_bias:
         raise ValueError(f"model.add_qkv_bias={cfg.add_qkv_bias} cannot be written as {arch}: "
                          "Q/K/V biases exist exactly in Qwen2")
+    if cfg.qk_layernorm != spec.qk_norm:
+        raise ValueError(f"model.qk_layernorm={cfg.qk_layernorm} cannot be written as {arch}: "
+                         "q/k norms exist exactly in Qwen3")
     head_dim = cfg.head_dim
     rope = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
     if cfg.rope_scaling:
@@ -172,12 +205,7 @@ def write_hf_config(cfg: ModelConfig, *, dtype: str = "float32") -> dict:
         else None,
         "rope_parameters": rope, "dtype": dtype, "torch_dtype": dtype,
     }
-    if model_type == "llama":
-        out.update(attention_bias=False, mlp_bias=False)
-    elif model_type == "mistral":
-        out.update(sliding_window=None)
-    else:
-        out.update(use_sliding_window=False, sliding_window=None)
+    out.update(spec.export_fields)
     return out
 
 

@@ -21,6 +21,8 @@ LAYER_HF = {  # Megatron layer suffix -> HF layer suffix, for tensors copied wit
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # (head_dim,), Qwen3
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
 TE_ALIASES = {  # transformer-engine spec fuses the norms into the next linear
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -37,6 +39,8 @@ def megatron_param_names(cfg: ModelConfig) -> list[str]:
     """Global names of the full LM (PP=1) in GPTModel order; output_layer only when untied."""
     layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight",
              *(["self_attention.linear_qkv.bias"] if cfg.add_qkv_bias else []),
+             *(["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+               if cfg.qk_layernorm else []),
              "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
              "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
     return (["embedding.word_embeddings.weight"]

@@ -1,4 +1,4 @@
-"""Functional Llama/Qwen2 decoder over a Megatron GPTModel parameter dict (the generation layout).
+"""Functional Llama/Qwen2/Qwen3 decoder over a Megatron GPTModel parameter dict (the generation layout).
 
 Input: `params`, Megatron names of a PP=1 model (global layer indices), each tensor this rank's TP_g
 shard (rules in `hybridflow/parallel/param_rules.py`), and the TP_g process group (None: TP_g = 1).
@@ -9,6 +9,9 @@ The math follows Megatron's local spec exactly (so logits match `GPTModel` to fp
 - RMSNorm via `F.rms_norm` (the same op as the training model's torch norm).
 - QKV: one column-parallel matmul (+ optional bias); rows grouped per query group
   [q heads of group g (heads_per_group * hd); k_g (hd); v_g (hd)].
+- q/k norm (model.qk_layernorm, Qwen3): each q head and k RMS-normed over hd (`F.rms_norm`, the
+  model's eps; one (hd,) weight for the q heads, one for k) before RoPE, as Megatron's
+  q_layernorm / k_layernorm; with decode_kernels=triton inside the RoPE kernels (same math).
 - RoPE: non-interleaved (rotate-half), base `rotary_base`, frequencies in fp32, applied in the
   weight dtype; llama3 `rope_scaling` supported (its factors read from the dict with Megatron's
   defaults), other scaling types raise NotImplementedError. Positions are per row (left padding).
@@ -75,6 +78,8 @@ class Layer:
     ln2: torch.Tensor
     fc1: torch.Tensor
     fc2: torch.Tensor
+    q_norm: Optional[torch.Tensor] = None  # (hd,) with model.qk_layernorm
+    k_norm: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -147,9 +152,12 @@ def load_weights(cfg: ModelConfig, params: dict, *, group, true_vocab_size: int,
     layers = []
     for i in range(cfg.num_layers):
         p = f"decoder.layers.{i}."
-        bias = None
+        bias = q_norm = k_norm = None
         if cfg.add_qkv_bias:
             bias = conv(_get(params, p + "self_attention.linear_qkv.bias", (qkv_rows,)))
+        if cfg.qk_layernorm:  # replicated over TP: every rank holds the whole (hd,) weights
+            q_norm = conv(_get(params, p + "self_attention.q_layernorm.weight", (hd,)))
+            k_norm = conv(_get(params, p + "self_attention.k_layernorm.weight", (hd,)))
         layers.append(Layer(
             ln1=conv(_get(params, p + "input_layernorm.weight", (D,))),
             qkv_w=conv(_get(params, p + "self_attention.linear_qkv.weight", (qkv_rows, D))),
@@ -157,7 +165,8 @@ def load_weights(cfg: ModelConfig, params: dict, *, group, true_vocab_size: int,
             proj=conv(_get(params, p + "self_attention.linear_proj.weight", (D, heads * hd))),
             ln2=conv(_get(params, p + "pre_mlp_layernorm.weight", (D,))),
             fc1=conv(_get(params, p + "mlp.linear_fc1.weight", (2 * ffn, D))),
-            fc2=conv(_get(params, p + "mlp.linear_fc2.weight", (D, ffn)))))
+            fc2=conv(_get(params, p + "mlp.linear_fc2.weight", (D, ffn))),
+            q_norm=q_norm, k_norm=k_norm))
     embed = conv(_get(params, emb_name, (v_local, D)))
     if "output_layer.weight" in params:
         output = conv(_get(params, "output_layer.weight", (v_local, D)))
@@ -179,12 +188,21 @@ def weight_tensors(w: Weights) -> list:
     out = [w.embed, w.final_ln, w.output]
     for layer in w.layers:
         out += [t for t in (layer.ln1, layer.qkv_w, layer.qkv_b, layer.proj, layer.ln2, layer.fc1,
-                            layer.fc2) if t is not None]
+                            layer.fc2, layer.q_norm, layer.k_norm) if t is not None]
     return out
 
 
 def _norm(x, weight, eps):
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _qk_norm(qk, q_norm, k_norm, eps):
+    """[q heads; k] (..., hpg + 1, hd) with each head RMS-normed (q_norm None: unchanged)."""
+    if q_norm is None:
+        return qk
+    hpg = qk.shape[-2] - 1
+    return torch.cat([_norm(qk[..., :hpg, :], q_norm, eps), _norm(qk[..., hpg:, :], k_norm, eps)],
+                     -2)
 
 
 def _all_reduce(x, w: Weights):
@@ -279,11 +297,12 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
         qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(B, S, d.groups, hpg + 2, hd)
         if fused:
             kc, vc = cache.layer(i, cache_row0 + B, cache_row0)
-            q = kern.rope_kv_prefill(qkv, cos, sin, kc, vc, hpg=hpg, pdl=pdl, impl="triton")
+            q = kern.rope_kv_prefill(qkv, cos, sin, kc, vc, hpg=hpg, q_norm=layer.q_norm,
+                                     k_norm=layer.k_norm, eps=d.eps, pdl=pdl, impl="triton")
             q = q.view(B, S, d.heads, hd).transpose(1, 2)  # (B, H, S, hd)
             k, v = kc[:, :, :S], vc[:, :, :S]  # (B, G, S, hd)
         else:
-            qk = qkv[:, :, :, :hpg + 1]
+            qk = _qk_norm(qkv[:, :, :, :hpg + 1], layer.q_norm, layer.k_norm, d.eps)
             qk = qk * cos + qk.roll(hd // 2, -1) * sin  # (B, S, G, hpg+1, hd)
             q = qk[:, :, :, :hpg].flatten(2, 3).transpose(1, 2)  # (B, H, S, hd)
             k = qk[:, :, :, hpg].transpose(1, 2)  # (B, G, S, hd)
@@ -334,8 +353,8 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     attn_in, attn_out = _layer_parts(opts)
     x, y = embed(w, tokens), None  # (B, D); the layer input is x + y (y None: x)
     for i, layer in enumerate(w.layers):
-        x, qk, v = attn_in(x, y, layer.ln1, layer.qkv_w, layer.qkv_b, cos, sin, d.eps,
-                           (d.groups, hpg, hd))
+        x, qk, v = attn_in(x, y, layer.ln1, layer.qkv_w, layer.qkv_b, layer.q_norm, layer.k_norm,
+                           cos, sin, d.eps, (d.groups, hpg, hd))
         kc, vc = cache.layer(i, B)
         kc.index_copy_(2, cur, qk[:, :, hpg:])
         vc.index_copy_(2, cur, v)
@@ -358,8 +377,9 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     1. the residual sum + RMSNorm as one kernel (add_rms_norm; in the first layer at TP = 1 it
        also does the embedding lookup, `rows=`: no launch of its own);
     2. cuBLAS's QKV GEMM;
-    3. RoPE + the K/V write + split-KV attention as one kernel (kernels/rope_attention.py; in the
-       first layer it also marks column cur valid: it never reads that column itself);
+    3. (the q/k norm +) RoPE + the K/V write + split-KV attention as one kernel
+       (kernels/rope_attention.py; in the first layer it also marks column cur valid: it never
+       reads that column itself);
     4. the projection accumulated in place into the residual (cuBLAS's beta = 1; an out-of-place
        addmm, as inductor makes, first copies the residual);
     5. the second norm kernel, then fc1 + SwiGLU as one Triton GEMM at buckets of at least
@@ -395,6 +415,7 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
         if kv_len is not None:
             kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
         a = rope_attention(qkv, cos_tab, sin_tab, kc, vc, cur, seen, hpg=hpg, positions=positions,
+                           q_norm=layer.q_norm, k_norm=layer.k_norm, eps=d.eps,
                            mark_valid=i == 0, prefetch=hint("proj", layer.proj), pdl=pdl,
                            impl="triton").reshape(B, d.heads * hd)
         if d.tp_size == 1:  # x is this step's own buffer (add_rms_norm's sum, or the embedding)
@@ -422,11 +443,11 @@ def _qkv(x, y, ln1, qkv_w, qkv_b, eps: float, shape: tuple):
     return x, F.linear(_norm(x, ln1, eps), qkv_w, qkv_b).view(x.shape[0], *shape)
 
 
-def _attn_in(x, y, ln1, qkv_w, qkv_b, cos, sin, eps: float, shape: tuple):
+def _attn_in(x, y, ln1, qkv_w, qkv_b, q_norm, k_norm, cos, sin, eps: float, shape: tuple):
     """Layer input x + y -> (it, RoPE'd [q heads; k] (B, G, hpg + 1, hd), v (B, G, 1, hd))."""
     groups, hpg, hd = shape
     x, qkv = _qkv(x, y, ln1, qkv_w, qkv_b, eps, (groups, hpg + 2, hd))
-    qk = qkv[:, :, :hpg + 1]
+    qk = _qk_norm(qkv[:, :, :hpg + 1], q_norm, k_norm, eps)
     return x, torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin), qkv[:, :, hpg + 1:]
 
 

@@ -318,6 +318,75 @@ def launch_cases():
     return out
 
 
+# Qwen3-shaped: q/k norms, head_dim 32 != hidden / heads, no QKV bias
+CFG_QK = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                     num_query_groups=2, kv_channels=32, vocab_size=37, qk_layernorm=True)
+
+
+def qk_norm_cases():
+    """The q/k norm (Qwen3) fused into the RoPE kernels: rope_attention (1 and 2 splits, tables
+    and positions) and rope_kv_prefill against their twins (output, caches), the prefill also
+    against the decoder's own q/k norm + RoPE; the norm's effect on the output (that it is
+    applied); the generator with decode_kernels=triton against torch for a qk_layernorm model."""
+    from hybridflow.rollout.decoder import _qk_norm
+
+    g = torch.Generator().manual_seed(6)
+    decode, prefill = [], []
+    for B, G, hpg, hd, T, kv in [(3, 2, 7, 64, 200, 150), (2, 2, 2, 32, 70, 70)]:
+        cache = torch.randn(2, B, G, T, hd, generator=g)
+        qkv = torch.randn(B, G, hpg + 2, hd, generator=g) * 3  # off unit scale: the norm matters
+        qn, kn = torch.rand(hd, generator=g) + 0.5, torch.rand(hd, generator=g) + 0.5
+        cos_t, sin_t = tables(hd)
+        pos = torch.randint(0, 256, (B,), generator=g)
+        cur = torch.tensor([kv // 2])
+        valid = torch.rand(B, T, generator=g) < 0.5
+        valid[:, kv // 2] = True
+        norm = dict(q_norm=qn, k_norm=kn, eps=1e-6, positions=pos, hpg=hpg)
+        ref_cache = cache.clone()
+        ref = fused.rope_attention(qkv, cos_t, sin_t, ref_cache[0, :, :, :kv],
+                                   ref_cache[1, :, :, :kv], cur, valid[:, :kv], impl="torch",
+                                   **norm)
+        plain = fused.rope_attention(qkv, cos_t, sin_t, cache[0, :, :, :kv].clone(),
+                                     cache[1, :, :, :kv].clone(), cur, valid[:, :kv], hpg=hpg,
+                                     positions=pos, impl="torch")
+        err = cache_err = 0.0
+        for splits in (1, 2):
+            c = cache.clone()
+            a = fused.rope_attention(qkv, cos_t, sin_t, c[0, :, :, :kv], c[1, :, :, :kv], cur,
+                                     valid[:, :kv], splits=splits, impl="triton", **norm)
+            err = max(err, (a - ref).abs().max().item())
+            cache_err = max(cache_err, (c - ref_cache).abs().max().item())
+        decode.append({"shape": [B, G, hpg, hd, T, kv], "attn_err": err, "cache_err": cache_err,
+                       "norm_effect": (ref - plain).abs().max().item()})
+        S = 5
+        qkv = torch.randn(B, S, G, hpg + 2, hd, generator=g) * 3
+        pos = torch.randint(0, 200, (B, S), generator=g)
+        cos, sin = cos_t[pos], sin_t[pos]
+        k1, v1, k2, v2 = (torch.zeros(B, G, 8, hd) for _ in range(4))
+        q1 = kern.rope_kv_prefill(qkv, cos, sin, k1, v1, hpg=hpg, q_norm=qn, k_norm=kn, eps=1e-6,
+                                  impl="triton")
+        q2 = kern.rope_kv_prefill(qkv, cos, sin, k2, v2, hpg=hpg, q_norm=qn, k_norm=kn, eps=1e-6,
+                                  impl="torch")
+        qk = _qk_norm(qkv[:, :, :, :hpg + 1], qn, kn, 1e-6)  # the decoder's torch prefill
+        qk = qk * cos[:, :, None, None] + qk.roll(hd // 2, -1) * sin[:, :, None, None]
+        prefill.append({"shape": [B, S, G, hpg, hd], "q_err": (q1 - q2).abs().max().item(),
+                        "cache_err": max((k1 - k2).abs().max().item(),
+                                         (v1 - v2).abs().max().item()),
+                        "q_vs_decoder": (q1 - qk[:, :, :, :hpg]).abs().max().item(),
+                        "k_vs_decoder": (k1[:, :, :S] - qk[:, :, :, hpg].transpose(1, 2)).abs()
+                        .max().item()})
+    gen = make(CFG_QK)
+    kw = dict(max_new_tokens=40, decode_kv_window=64, compact_finished_rows=True)
+    ref = polled(gen, 4)(PROMPTS, cfg=rc(**kw), eos_id=5, pad_id=0, seed=7)
+    got = polled(gen, 4)(PROMPTS, cfg=rc(**kw, decode_kernels="triton"), eos_id=5, pad_id=0,
+                         seed=7)
+    generation = {"tokens_equal": bool(torch.equal(ref.response_ids, got.response_ids)),
+                  "mask_equal": bool(torch.equal(ref.response_mask, got.response_mask)),
+                  "logprob_err": (ref.rollout_logprobs - got.rollout_logprobs).abs().max().item(),
+                  "tokens": int(ref.response_mask.sum())}
+    return {"decode": decode, "prefill": prefill, "generation": generation}
+
+
 def _tp2_rank():
     """One rank of TP_g = 2 (gloo): the same shards generate with both decode_kernels values."""
     import torch.distributed as dist
@@ -357,4 +426,5 @@ if __name__ == "__main__":
                       "prefill": prefill_cases(), "swiglu": swiglu_cases(),
                       "advance": advance_cases(), "silu_mul": silu_mul_cases(),
                       "add_rms_norm": add_rms_norm_cases(), "generation": generation_cases(),
+                      "qk_norm": qk_norm_cases(),
                       "launch": launch_cases(), "tp2": tp2_cases()}))

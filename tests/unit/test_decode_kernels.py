@@ -4,9 +4,10 @@ kernel, the prefill's RoPE + KV-write kernel, the one-pass SwiGLU, the residual 
 fc1 + SwiGLU GEMM, the argmax and the bookkeeping kernels equal their PyTorch twins (fp32; several
 group sizes, head dims 16-128, attention windows shorter than the cache, strided cache views,
 left-padded keys, a row whose only key is its own token; 1, 2 and one-per-block attention splits),
-writing only the current column of the given layer; the generator with the kernels generates the
-torch path's tokens, greedy with windows and compaction and sampled with n = 3, at TP_g = 1 and
-(2 gloo ranks) TP_g = 2; DecodeOptions.pdl reaches every launch.
+writing only the current column of the given layer; with Qwen3's q/k norm fused into the RoPE
+kernels too; the generator with the kernels generates the torch path's tokens, greedy with windows
+and compaction and sampled with n = 3 (and for a q/k-norm model), at TP_g = 1 and (2 gloo ranks)
+TP_g = 2; DecodeOptions.pdl reaches every launch.
 bf16 and CUDA graphs: tests/gpu/test_decode_kernels_gpu.py. Also: clear errors where the kernels
 do not apply."""
 
@@ -120,6 +121,21 @@ def test_generation_with_the_kernels_equals_torch(checked):
                                                                                           case)
         assert case["tokens"] > 50, (name, case)
     assert checked["generation"]["greedy_window_compaction"]["compactions"] > 0
+
+
+def test_qk_norm_in_the_rope_kernels(checked):
+    """Qwen3's q/k norm inside the decode and prefill RoPE kernels: their twins' output and cache,
+    the decoder's own norm + RoPE, and the generator's tokens with the kernels equal torch's."""
+    case = checked["qk_norm"]
+    assert len(case["decode"]) == len(case["prefill"]) == 2
+    for c in case["decode"]:
+        assert c["attn_err"] < 1e-5 and c["cache_err"] < 1e-5 and c["norm_effect"] > 0.1, c
+    for c in case["prefill"]:
+        assert c["q_err"] < 1e-5 and c["cache_err"] < 1e-5, c
+        assert c["q_vs_decoder"] < 1e-5 and c["k_vs_decoder"] < 1e-5, c
+    gen = case["generation"]
+    assert gen["tokens_equal"] and gen["mask_equal"] and gen["logprob_err"] < 1e-4, gen
+    assert gen["tokens"] > 50, gen
 
 
 def test_pdl_option_reaches_every_launch(checked):

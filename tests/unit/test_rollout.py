@@ -20,7 +20,7 @@ PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [30, 2, 2, 7, 1]]
 def random_params(cfg: ModelConfig, *, seed: int = 0, tied: bool = False) -> dict:
     g = torch.Generator().manual_seed(seed)
     r = lambda *s, std=0.3: torch.randn(*s, generator=g) * std  # noqa: E731
-    D, hd = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+    D, hd = cfg.hidden_size, cfg.head_dim
     G, H, F = cfg.num_query_groups, cfg.num_attention_heads, cfg.ffn_hidden_size
     p = {"embedding.word_embeddings.weight": r(V_PAD, D, std=1.0),
          "decoder.final_layernorm.weight": 1 + r(D, std=0.1)}
@@ -36,6 +36,9 @@ def random_params(cfg: ModelConfig, *, seed: int = 0, tied: bool = False) -> dic
         p[q + "self_attention.linear_proj.weight"] = r(D, H * hd)
         p[q + "mlp.linear_fc1.weight"] = r(2 * F, D)
         p[q + "mlp.linear_fc2.weight"] = r(D, F)
+        if cfg.qk_layernorm:
+            p[q + "self_attention.q_layernorm.weight"] = 1 + r(hd, std=0.3)
+            p[q + "self_attention.k_layernorm.weight"] = 1 + r(hd, std=0.3)
     return p
 
 
