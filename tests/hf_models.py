@@ -1,9 +1,10 @@
 """Tiny random-init Hugging Face checkpoints (no hub) for the HF import/export tests.
 
-Three shapes cover the supported options:
+Four shapes cover the supported options:
 - llama:   untied embeddings, GQA (4 heads / 2 KV), llama3 RoPE scaling, odd vocab (127: padded)
 - qwen2:   tied embeddings, Q/K/V biases, GQA
 - mistral: explicit head_dim (32 != hidden/heads), no sliding window
+- qwen3:   per-head q/k RMSNorm, head_dim 32 != hidden/heads, tied embeddings, no Q/K/V bias
 Weights are redrawn larger than transformers' init (std 0.2, norms 1 +- 0.1, random biases) so a
 mis-mapped tensor shows in the logits.
 """
@@ -18,11 +19,11 @@ import torch
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
-KINDS = ("llama", "qwen2", "mistral")
+KINDS = ("llama", "qwen2", "mistral", "qwen3")
 
 
 def hf_config(kind: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if kind == "llama":
         cfg = LlamaConfig(**SHAPE, vocab_size=127, tie_word_embeddings=False,
@@ -34,6 +35,10 @@ def hf_config(kind: str, **overrides):
     elif kind == "qwen2":
         cfg = Qwen2Config(**SHAPE, vocab_size=128, tie_word_embeddings=True,
                           max_position_embeddings=512, rope_theta=1000000.0)
+    elif kind == "qwen3":
+        cfg = Qwen3Config(**SHAPE, vocab_size=120, head_dim=32, tie_word_embeddings=True,
+                          max_position_embeddings=512,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     else:
         cfg = MistralConfig(**SHAPE, vocab_size=100, head_dim=32, sliding_window=None,
                             max_position_embeddings=512)

@@ -57,7 +57,7 @@ def all_files(d):
 
 
 def test_read_config(ckpts):
-    llama, qwen, mistral = (read_hf_config(ckpts[k]) for k in KINDS)
+    llama, qwen, mistral, qwen3 = (read_hf_config(ckpts[k]) for k in KINDS)
     assert (llama.num_layers, llama.hidden_size, llama.ffn_hidden_size) == (2, 64, 128)
     assert (llama.num_attention_heads, llama.num_query_groups, llama.kv_channels) == (4, 2, 16)
     assert llama.vocab_size == 127 and not llama.tie_word_embeddings and not llama.add_qkv_bias
@@ -65,6 +65,10 @@ def test_read_config(ckpts):
     assert llama.norm_epsilon == 1e-5 and llama.hf_architecture == "LlamaForCausalLM"
     assert qwen.tie_word_embeddings and qwen.add_qkv_bias and qwen.rotary_base == 1e6
     assert mistral.kv_channels == 32 and mistral.hf_architecture == "MistralForCausalLM"
+    assert qwen3.qk_layernorm and not qwen3.add_qkv_bias and qwen3.tie_word_embeddings
+    assert qwen3.kv_channels == 32 != qwen3.hidden_size // qwen3.num_attention_heads
+    assert qwen3.hf_architecture == "Qwen3ForCausalLM" and qwen3.norm_epsilon == 1e-6
+    assert not (llama.qk_layernorm or qwen.qk_layernorm or mistral.qk_layernorm)
     assert os.path.isfile(os.path.join(ckpts["llama"], "model.safetensors.index.json"))
 
 
@@ -72,7 +76,43 @@ def test_read_config(ckpts):
 def test_logits_match_transformers(ckpts, kind):
     model, cfg, read = load(ckpts[kind])
     torch.testing.assert_close(logits(model, cfg), hf_logits(ckpts[kind], IDS), atol=1e-4, rtol=1e-4)
-    assert ("lm_head.weight" in read) == (kind != "qwen2")  # tied: the embedding is the head
+    tied = kind in ("qwen2", "qwen3")
+    assert ("lm_head.weight" in read) == (not tied)  # tied: the embedding is the head
+    if kind == "qwen3":  # q/k norms read whole: (head_dim,) each
+        assert read["model.layers.1.self_attn.q_norm.weight"] == 32
+
+
+def test_untied_qwen3_logits_match_transformers(tmp_path):
+    """Qwen3-8B's layout: untied embeddings (the small Qwen3 models tie them)."""
+    path = make_checkpoint("qwen3", str(tmp_path / "q3"), tie_word_embeddings=False, seed=3)
+    model, cfg, read = load(path)
+    assert not cfg.tie_word_embeddings and "lm_head.weight" in read
+    torch.testing.assert_close(logits(model, cfg), hf_logits(path, IDS), atol=1e-4, rtol=1e-4)
+
+
+def test_qwen3_generation_equals_transformers_greedy(ckpts):
+    """The in-place generator (decoder.py, torch path) on the converted weights generates what
+    transformers' greedy `generate` does, prompt by prompt; prompts of different lengths share a
+    left-padded batch here."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.config import RolloutConfig
+    from hybridflow.rollout import Generator
+
+    path = ckpts["qwen3"]
+    cfg = read_hf_config(path)
+    params = hf_to_megatron_state_dict(all_files(path), cfg)
+    gen = Generator(model_cfg=cfg, params=params, tp_group=None, device=torch.device("cpu"),
+                    dtype=torch.float32, true_vocab_size=cfg.vocab_size)
+    prompts = [[3, 17, 99, 5], [42], [7, 8, 9, 10, 11, 12, 13]]
+    out = gen.generate(prompts, cfg=RolloutConfig(max_new_tokens=8, temperature=0.0),
+                       eos_id=-1, pad_id=0, seed=0)
+    ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                               dtype=torch.float32).eval()
+    for i, p in enumerate(prompts):
+        want = ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(p):]
+        assert out.response_ids[i].tolist() == want.tolist(), i
 
 
 def test_state_dict_conversion_is_inverse(ckpts):
@@ -86,7 +126,7 @@ def test_state_dict_conversion_is_inverse(ckpts):
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3"])
 def test_round_trip_export(ckpts, tmp_path, kind):
     src = ckpts[kind]
     # qwen2: tokenizer beside the weights, generation_config.json copied from there;
@@ -222,3 +262,32 @@ def test_sliding_window_rule(tmp_path):
         else:
             with pytest.raises(ValueError, match="sliding_window=4096 is not supported"):
                 read_hf_config(d)
+
+
+def test_qwen3_config_rules(tmp_path):
+    """Qwen3: attention_bias (which would bias o_proj too) refused; the window counts only when
+    use_sliding_window switches it on; qk_layernorm written as Qwen3 and only as Qwen3."""
+    d = str(tmp_path / "q3")
+    os.makedirs(d)
+    c = write_hf_config(ModelConfig(qk_layernorm=True, kv_channels=32, max_position_embeddings=8192))
+    assert c["architectures"] == ["Qwen3ForCausalLM"] and c["model_type"] == "qwen3"
+    assert c["head_dim"] == 32 and c["attention_bias"] is False
+    for change, error in (({}, None), ({"use_sliding_window": False, "sliding_window": 4096}, None),
+                          ({"use_sliding_window": True, "sliding_window": 4096},
+                           "sliding_window=4096 is not supported"),
+                          ({"attention_bias": True}, "attention_bias=True is not supported: "
+                           "qwen3's attention_bias also biases o_proj")):
+        json.dump({**c, **change}, open(os.path.join(d, "config.json"), "w"))
+        if error is None:
+            assert read_hf_config(d).qk_layernorm
+        else:
+            with pytest.raises(ValueError, match=error) as e:
+                read_hf_config(d)
+            assert os.path.join(d, "config.json") in one_line(e)
+    with pytest.raises(ValueError, match="model.qk_layernorm=True cannot be written as "
+                                         "Qwen2ForCausalLM: q/k norms exist exactly in Qwen3"):
+        write_hf_config(ModelConfig(qk_layernorm=True, add_qkv_bias=True,
+                                    hf_architecture="Qwen2ForCausalLM"))
+    with pytest.raises(ValueError, match="model.qk_layernorm=False cannot be written as "
+                                         "Qwen3ForCausalLM"):
+        write_hf_config(ModelConfig(hf_architecture="Qwen3ForCausalLM"))
