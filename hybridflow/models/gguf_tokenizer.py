@@ -49,17 +49,17 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types: special / added but not
 
 def build_tokenizer_files(reader, path: str) -> tuple[dict, dict]:
     """(tokenizer.json, tokenizer_config.json) contents for the GGUF `reader` of file `path`."""
-    kind = field(reader, "tokenizer.ggml.model", path=path)
+    kind = field(reader, "tokenizer.ggml.model", path=path, kind=str)
     if kind != "gpt2":
         raise ValueError(f"{path}: tokenizer.ggml.model={kind!r} is not supported (only gpt2 BPE)")
-    pre = field(reader, "tokenizer.ggml.pre", "default", path=path)
+    pre = field(reader, "tokenizer.ggml.pre", "default", path=path, kind=str)
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported; known: "
                          f"{sorted(PRE_TOKENIZERS)}")
-    arch = field(reader, "general.architecture", path=path)
-    tokens = list(field(reader, "tokenizer.ggml.tokens", path=path))
-    types = list(field(reader, "tokenizer.ggml.token_type", [1] * len(tokens), path=path))
-    merges = list(field(reader, "tokenizer.ggml.merges", path=path))
+    arch = field(reader, "general.architecture", path=path, kind=str)
+    tokens = field(reader, "tokenizer.ggml.tokens", path=path, kind=list)
+    types = field(reader, "tokenizer.ggml.token_type", [1] * len(tokens), path=path, kind=list)
+    merges = field(reader, "tokenizer.ggml.merges", path=path, kind=list)
     added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
               "normalized": False, "special": ty == _CONTROL}
              for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (_CONTROL, _USER_DEFINED)]
@@ -78,14 +78,19 @@ def build_tokenizer_files(reader, path: str) -> tuple[dict, dict]:
     }
     config = {"add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", False,
                                           path=path)),
-              "model_max_length": int(field(reader, f"{arch}.context_length", 4096, path=path))}
+              "model_max_length": field(reader, f"{arch}.context_length", 4096, path=path,
+                                        kind=int)}
     for key, meta in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
                       ("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
-        f = reader.fields.get(f"tokenizer.ggml.{meta}")
-        if f is not None:
-            config[key] = tokens[int(f.contents())]
+        token_id = field(reader, f"tokenizer.ggml.{meta}", -1, path=path, kind=int)
+        if token_id == -1:
+            continue
+        if not 0 <= token_id < len(tokens):
+            raise ValueError(f"{path}: metadata key 'tokenizer.ggml.{meta}' is {token_id}, outside "
+                             f"the vocabulary of {len(tokens)} tokens")
+        config[key] = tokens[token_id]
     if "tokenizer.chat_template" in reader.fields:
-        config["chat_template"] = field(reader, "tokenizer.chat_template", path=path)
+        config["chat_template"] = field(reader, "tokenizer.chat_template", path=path, kind=str)
     return tok_json, config
 
 

@@ -49,8 +49,10 @@ def train_bpe(vocab_size):
     return tok
 
 
-def write_gguf(path, hf_dir, tok):
-    """A llama GGUF (F32 tensors) with llama.cpp's names, q/k permutation and tokenizer metadata."""
+def write_gguf(path, hf_dir, tok, *,
+               chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}"):
+    """A llama GGUF (F32 tensors) with llama.cpp's names, q/k permutation and tokenizer metadata;
+    `chat_template` None: none in the file."""
     import json
 
     from tests.gguf_writer import finish, gguf_writer, hf_tensors
@@ -61,7 +63,8 @@ def write_gguf(path, hf_dir, tok):
                     token_type=lambda t: 3 if t.startswith("<|") else 1)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     for gname, name, a in hf_tensors(hf_dir):
         if "q_proj" in name:
             a = llama_cpp_permute(torch.from_numpy(a), heads).numpy()
@@ -250,3 +253,123 @@ def test_cache_dir_falls_back_when_unwritable(tmp_path, monkeypatch):
     assert os.path.isdir(got)
     monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path / "ok"))
     assert cache_dir("x") == str(tmp_path / "ok" / "x")
+
+
+# ---------------------------------------------------------------------------- unreadable files
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A synthetic llama GGUF (F32 tensors, a chat template) and the same file without a template."""
+    base = tmp_path_factory.mktemp("tiny_llama")
+    tok = train_bpe(300)
+    hf_dir = make_checkpoint("llama", str(base / "hf"), vocab_size=tok.get_vocab_size(),
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    write_gguf(str(base / "tiny.gguf"), hf_dir, tok)
+    write_gguf(str(base / "no_template.gguf"), hf_dir, tok, chat_template=None)
+    return base
+
+
+def _every_reader(path, cache):
+    """The readers built on open_gguf: the config, the weights, the tokenizer directory."""
+    return [lambda: hg.read_gguf_config(path), lambda: hg.read_gguf(path),
+            lambda: hg.gguf_tokenizer_dir(path, cache_dir=cache)]
+
+
+@pytest.mark.parametrize("where", ["magic", "version", "counts", "first key", "metadata",
+                                   "tensor table", "tensor data", "last byte"])
+def test_truncated_file_is_one_error_naming_it(tiny_llama, tmp_path, where):
+    data = (tiny_llama / "tiny.gguf").read_bytes()
+    reader = gguf.GGUFReader(str(tiny_llama / "tiny.gguf"))
+    table = reader.tensors[0].field.offset  # where the tensor infos start (after the metadata)
+    cut = {"magic": 2, "version": 6, "counts": 16, "first key": 40, "metadata": table // 2,
+           "tensor table": table + 10, "tensor data": reader.data_offset + 10,
+           "last byte": len(data) - 1}[where]
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:cut])
+    for read in _every_reader(str(path), str(tmp_path / "cache")):
+        with pytest.raises(ValueError) as e:
+            read()
+        assert str(e.value) == f"{path}: not a readable GGUF file (truncated after {cut} bytes)"
+
+
+def test_bad_header_is_one_error_naming_it(tiny_llama, tmp_path):
+    data = bytearray((tiny_llama / "tiny.gguf").read_bytes())
+    t = gguf.GGUFReader(str(tiny_llama / "tiny.gguf")).tensors[0]
+    # the tensor info: name length (u64), name, n_dims (u32), dims (u64 each), type (u32)
+    type_at = t.field.offset + 8 + len(t.name.encode()) + 4 + 8 * len(t.shape)
+    cases = {"magic": (0, b"GGML"), "version": (4, (99).to_bytes(4, "little")),
+             "tensor type": (type_at, (99).to_bytes(4, "little"))}
+    expected = {
+        "magic": "bad magic b'GGML', expected b'GGUF'",
+        "version": "unsupported GGUF version 99; the gguf package reads versions 2, 3",
+        "tensor type": "a tensor has type 99, which the gguf package does not know"}
+    for name, (offset, patch) in cases.items():
+        path = tmp_path / f"bad_{name.replace(' ', '_')}.gguf"
+        path.write_bytes(bytes(data[:offset] + patch + data[offset + len(patch):]))
+        for read in _every_reader(str(path), str(tmp_path / "cache")):
+            with pytest.raises(ValueError) as e:
+                read()
+            assert str(e.value) == f"{path}: not a readable GGUF file ({expected[name]})", name
+
+
+def test_metadata_errors_name_the_key(tmp_path):
+    from tests.gguf_writer import finish
+
+    missing, typo = tmp_path / "missing.gguf", tmp_path / "typo.gguf"
+    w = gguf.GGUFWriter(str(missing), arch="llama")
+    finish(w)
+    w = gguf.GGUFWriter(str(typo), arch="llama")
+    w.add_string("llama.embedding_length", "sixty-four")
+    finish(w)
+    with pytest.raises(ValueError) as e:
+        hg.read_gguf_config(str(missing))
+    assert str(e.value) == f"{missing}: metadata key 'llama.embedding_length' is missing"
+    with pytest.raises(ValueError) as e:
+        hg.read_gguf_config(str(typo))
+    assert str(e.value) == (f"{typo}: metadata key 'llama.embedding_length' is 'sixty-four', "
+                            "expected an integer")
+
+
+def test_trainer_prints_one_line_for_a_truncated_file(tiny_llama, tmp_path, capfd):
+    from hybridflow.train import main
+
+    path = tmp_path / "cut.gguf"
+    path.write_bytes((tiny_llama / "tiny.gguf").read_bytes()[:40])
+    assert main(["experiment=demo", f"model.gguf_path={path}"]) == 2
+    err = capfd.readouterr().err
+    assert err == f"hybridflow: error: {path}: not a readable GGUF file (truncated after 40 bytes)\n"
+
+
+def test_no_chat_template_says_so_once(tiny_llama, tmp_path, monkeypatch, capsys):
+    """Chat prompts with a GGUF file that has no chat template render in the plain fallback format:
+    one warning line naming the file and that format; string prompts need no template, no line."""
+    import json
+
+    from hybridflow.components import build_tokenizer_and_dataset
+    from hybridflow.config import load_config
+    from hybridflow.train import resolve_model_source
+
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path / "cache"))
+    path = tiny_llama / "no_template.gguf"
+    chat, plain = tmp_path / "chat.jsonl", tmp_path / "plain.jsonl"
+    for file, prompt in ((chat, [{"role": "user", "content": "hello world"}]),
+                         (plain, "hello world")):
+        file.write_text("".join(json.dumps({"prompt": prompt, "data_source": "toy",
+                                            "reward_model": {"ground_truth": "x"}}) + "\n"
+                                for _ in range(3)))
+
+    def build(data):
+        cfg = resolve_model_source(load_config([
+            "experiment=demo", "data.synthetic=null", f"data.train_files={data}",
+            f"model.gguf_path={path}", "data.max_prompt_length=32"]))
+        capsys.readouterr()
+        dataset = build_tokenizer_and_dataset(cfg)[1]
+        return dataset, capsys.readouterr().out.splitlines()
+
+    dataset, out = build(chat)
+    assert [item.prompt_text for item in dataset] == ["user: hello world\nassistant: "] * 3
+    assert out == [f"hybridflow: warning: {path} has no chat template (tokenizer.chat_template): "
+                   f"the chat prompts of {chat} are rendered as plain text, a 'role: content' "
+                   "line per message then 'assistant: ' (data.tokenizer can name a tokenizer "
+                   "directory whose tokenizer_config.json has the model's chat_template)"]
+    dataset, out = build(plain)
+    assert dataset[0].prompt_text == "hello world" and out == []
