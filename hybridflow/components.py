@@ -15,6 +15,7 @@ import torch
 from hybridflow.config import Config, ModelConfig
 from hybridflow.data import PromptDataset, PromptSampler, load_tokenizer, train_sentencepiece
 from hybridflow.data.synthetic import make_task, tokenizer_corpus
+from hybridflow.data.tokenizer import PLAIN_CHAT_FORMAT
 from hybridflow.engine import Engine
 from hybridflow.parallel.context import ParallelContext
 
@@ -25,11 +26,12 @@ def build_tokenizer_and_dataset(cfg: Config):
     if d.synthetic is not None:
         records = make_task(d.synthetic, size=d.synthetic_size, seed=cfg.trainer.seed,
                             length=d.synthetic_length)
-    tok_path = d.tokenizer or cfg.model.hf_path
+    tok_path, gguf_file = d.tokenizer or cfg.model.hf_path, None
     if tok_path is None and cfg.model.gguf_path is not None:
-        from hybridflow.models.gguf import gguf_tokenizer_dir
+        from hybridflow.models.gguf import gguf_tokenizer_dir, resolve_gguf_path
 
-        tok_path = gguf_tokenizer_dir(cfg.model.gguf_path)
+        gguf_file = resolve_gguf_path(cfg.model.gguf_path)
+        tok_path = gguf_tokenizer_dir(gguf_file)
     if tok_path is None:
         if records is None:
             raise ValueError("data.tokenizer is not set and the model has no hf_path: "
@@ -42,6 +44,14 @@ def build_tokenizer_and_dataset(cfg: Config):
         dataset = PromptDataset.from_records(records, source=f"synthetic:{d.synthetic}", **kw)
     else:
         dataset = PromptDataset.from_file(d.train_files, **kw)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if tokenizer.num_plain_chat_renders and rank == 0:  # an instruct model would get a wrong format
+        source = (f"{gguf_file} has no chat template (tokenizer.chat_template)" if gguf_file else
+                  f"tokenizer {tok_path} has no chat template (chat_template in "
+                  "tokenizer_config.json)")
+        print(f"hybridflow: warning: {source}: the chat prompts of {dataset.source} are rendered "
+              f"as plain text, {PLAIN_CHAT_FORMAT} (data.tokenizer can name a tokenizer directory "
+              "whose tokenizer_config.json has the model's chat_template)", flush=True)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"tokenizer {tok_path} has {tokenizer.vocab_size} tokens but "
                          f"model.vocab_size={cfg.model.vocab_size}")

@@ -17,7 +17,8 @@ Choices:
   token strings (`bos_token`, `eos_token`, ...) as variables. The template owns BOS: text it renders is
   encoded without special tokens, as verl and transformers do.
 - Without a template, messages render as plain "role: content\n" lines followed by "assistant: "
-  when `add_generation_prompt` is set, so small demo tokenizers can still take chat data.
+  when `add_generation_prompt` is set, so small demo tokenizers can still take chat data; the
+  tokenizer counts those renders (`num_plain_chat_renders`) so its user can say so.
 - An EOS token is required (generation needs a stop token); `pad_id` falls back to `eos_id`.
 """
 
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+PLAIN_CHAT_FORMAT = "a 'role: content' line per message then 'assistant: '"  # without a template
 
 
 class Tokenizer:
@@ -45,6 +47,7 @@ class Tokenizer:
         self.special_tokens = special_tokens  # e.g. {"eos_token": "</s>"}, passed to the template
         self.chat_template = chat_template
         self._compiled_template = _compile_template(chat_template) if chat_template else None
+        self.num_plain_chat_renders = 0  # chat messages rendered in PLAIN_CHAT_FORMAT
 
     @property
     def vocab_size(self) -> int:
@@ -67,6 +70,7 @@ class Tokenizer:
                             **template_kwargs: Any) -> str:
         """Render chat `messages` to prompt text; extra kwargs reach the template (e.g. enable_thinking)."""
         if self._compiled_template is None:
+            self.num_plain_chat_renders += 1
             lines = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             return lines + ("assistant: " if add_generation_prompt else "")
         return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
