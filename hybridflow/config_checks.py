@@ -27,6 +27,10 @@ def _positive(key: str, value) -> None:
 
 
 def validate_model(cfg: ModelConfig, *, tp: int, pp: int, prefix: str = "model") -> None:
+    if cfg.hf_path is not None and cfg.gguf_path is not None:
+        raise ValueError(f"{prefix}.hf_path={cfg.hf_path} and {prefix}.gguf_path={cfg.gguf_path} "
+                         f"are both set: the weights come from one of them; set the other to null "
+                         f"({prefix}.gguf_path=null or {prefix}.hf_path=null)")
     for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
               "num_query_groups", "vocab_size"):
         _positive(f"{prefix}.{k}", getattr(cfg, k))
@@ -237,11 +241,16 @@ def _validate_recipes(cfg: Config) -> None:
     if a.loss_scale_factor is not None and a.loss_scale_factor <= 0:
         raise ValueError(f"algo.loss_scale_factor={a.loss_scale_factor} must be > 0 (the constant "
                          f"normaliser of seq-mean-token-sum-norm) or null (rollout.max_new_tokens)")
-    if not 0.0 <= a.clip_ratio_low < 1.0:
-        raise ValueError(f"algo.clip_ratio_low={a.clip_ratio_low} must be in [0, 1): the ratio's "
+    # a clip range of 0 pins the ratio at 1: no token moves the policy past its first update
+    if not 0.0 < a.clip_ratio_low < 1.0:
+        raise ValueError(f"algo.clip_ratio_low={a.clip_ratio_low} must be in (0, 1): the ratio's "
                          f"lower bound is 1 - clip_ratio_low")
-    if a.clip_ratio_high < 0:
-        raise ValueError(f"algo.clip_ratio_high={a.clip_ratio_high} must be >= 0")
+    if a.clip_ratio_high <= 0:
+        raise ValueError(f"algo.clip_ratio_high={a.clip_ratio_high} must be > 0: the ratio's "
+                         f"upper bound is 1 + clip_ratio_high")
+    if a.cliprange_value <= 0:
+        raise ValueError(f"algo.cliprange_value={a.cliprange_value} must be > 0: how far a value "
+                         f"may move from the old value in one update")
     if a.tis_imp_ratio_cap is not None:
         if a.tis_imp_ratio_cap <= 0:
             raise ValueError(f"algo.tis_imp_ratio_cap={a.tis_imp_ratio_cap} must be > 0 (e.g. 2.0) "
