@@ -22,6 +22,8 @@ from tests.dist.parity_util import fill_deterministic, gather_full
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                     num_query_groups=2, vocab_size=50, add_qkv_bias=True)
+# Qwen3-shaped: q/k norms (replicated over TP, their grads summed over it), head_dim 16 != 32 / 4
+QWEN3 = dataclasses.replace(MODEL, add_qkv_bias=False, qk_layernorm=True, kv_channels=16)
 
 
 def _global_batch() -> RolloutBatch:
@@ -42,16 +44,16 @@ def _global_batch() -> RolloutBatch:
 
 
 def _worker(tp: int, pp: int, dp_expected: int, dist_opt: bool, sp: bool = True,
-            role: str = "actor"):
+            role: str = "actor", model: ModelConfig = MODEL):
     from hybridflow.engine import Engine
 
     ctx = groups.init_model_parallel(tp=tp, pp=pp, seed=3)
     assert ps.get_data_parallel_world_size() == dp_expected
     par = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                          sequence_parallel=sp and tp > 1, use_distributed_optimizer=dist_opt)
-    eng = Engine(role=role, model_cfg=MODEL, ctx=ctx, parallel=par, precision="fp32",
+    eng = Engine(role=role, model_cfg=model, ctx=ctx, parallel=par, precision="fp32",
                  optim=OptimConfig(lr=1e-3, clip_grad=0.0), total_updates=1)
-    fill_deterministic(eng.module, num_layers=MODEL.num_layers)
+    fill_deterministic(eng.module, num_layers=model.num_layers)
     if dist_opt:  # the distributed optimizer keeps its own fp32 copy: refresh it from the model
         eng.optimizer.reload_model_params()
     batch = _global_batch()
@@ -76,8 +78,9 @@ def _worker(tp: int, pp: int, dp_expected: int, dist_opt: bool, sp: bool = True,
     grads = {}
     if not dist_opt:  # DDP all-reduced full grads live in main_grad (dist-opt keeps only a shard)
         named = {n: p.main_grad for n, p in eng.module.named_parameters()}
-        grads = gather_full(named, num_layers=MODEL.num_layers)
-    weights = gather_full(dict(eng.module.named_parameters()), num_layers=MODEL.num_layers)
+        grads = gather_full(named, num_layers=model.num_layers)
+    weights = gather_full(dict(eng.module.named_parameters()),
+                          num_layers=model.num_layers)
     return {"loss": metrics["pg_loss"], "grad_norm": metrics["grad_norm"], "grads": grads,
             "weights": weights}
 
@@ -117,3 +120,18 @@ def test_critic_tp2_sp_matches_single_rank():
         assert abs(res["grad_norm"] - ref["grad_norm"]) < 1e-5 * max(1.0, ref["grad_norm"])
         for name, g in res["grads"].items():
             torch.testing.assert_close(g, ref["grads"][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+def test_qk_layernorm_tp2_matches_single_rank(sp):
+    """Qwen3's q/k norms at TP=2: each rank's heads give part of the norm weights' gradient, which
+    finalize_model_grads sums over TP (TransformerConfig.qk_layernorm), once also under SP."""
+    ref = run_ranks(_worker, 1, 1, 1, 1, False, False, "actor", QWEN3)[0]
+    assert any("q_layernorm" in n for n in ref["grads"])
+    for res in run_ranks(_worker, 2, 2, 1, 1, False, sp, "actor", QWEN3):
+        assert abs(res["loss"] - ref["loss"]) < 1e-5
+        assert abs(res["grad_norm"] - ref["grad_norm"]) < 1e-5 * max(1.0, ref["grad_norm"])
+        for name, g in res["grads"].items():
+            torch.testing.assert_close(g, ref["grads"][name], atol=1e-5, rtol=1e-4, msg=name)
+        for name, w in res["weights"].items():
+            torch.testing.assert_close(w, ref["weights"][name], atol=1e-5, rtol=1e-4, msg=name)
