@@ -28,6 +28,9 @@ def gguf_writer(path, *, arch: str, hf_dir: str, tok, pre: str, token_type,
     w.add_feed_forward_length(c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
     w.add_head_count_kv(c["num_key_value_heads"])
+    if c.get("head_dim"):  # Qwen3 / Mistral: not hidden / heads
+        w.add_key_length(c["head_dim"])
+        w.add_value_length(c["head_dim"])
     w.add_rope_freq_base(rope_base if rope_base is not None else c["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     vocab = tok.get_vocab()

