@@ -38,8 +38,13 @@ def build_tokenizer_and_dataset(cfg: Config):
                              "point data.tokenizer at a tokenizer.json dir or a sentencepiece .model")
         tok_path = _demo_tokenizer(cfg, records)
     tokenizer = load_tokenizer(tok_path)
+    if d.enable_thinking is not None and "enable_thinking" not in (tokenizer.chat_template or ""):
+        # the switch would change nothing: refuse it rather than let the run believe it took
+        raise ValueError(f"data.enable_thinking={d.enable_thinking} but the chat template of "
+                         f"{tok_path} has no enable_thinking switch (Qwen3's templates have one); "
+                         "set data.enable_thinking=null")
     kw = dict(tokenizer=tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-              truncation=d.truncation)
+              truncation=d.truncation, enable_thinking=d.enable_thinking)
     if records is not None:
         dataset = PromptDataset.from_records(records, source=f"synthetic:{d.synthetic}", **kw)
     else:
@@ -87,7 +92,8 @@ def build_validator(cfg: Config, ctx: ParallelContext, *, rollout, tokenizer):
 
     d = cfg.data
     dataset = PromptDataset.from_file(d.val_files, tokenizer=tokenizer, prompt_key=d.prompt_key,
-                                      max_prompt_length=d.max_prompt_length, truncation=d.truncation)
+                                      max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+                                      enable_thinking=d.enable_thinking)
     if len(dataset) < ctx.dp_size:
         raise ValueError(f"data.val_files={d.val_files} has {len(dataset)} prompts, fewer than the "
                          f"{ctx.dp_size} data-parallel replicas that share them")

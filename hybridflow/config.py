@@ -143,6 +143,9 @@ class DataConfig:
     prompt_key: str = "prompt"
     max_prompt_length: int = 64
     truncation: str = "error"  # error | left | right
+    # chat templates' thinking switch (Qwen3's `enable_thinking`), passed to the template when chat
+    # prompts are rendered; null: not passed, the template's default (Qwen3: thinking on)
+    enable_thinking: Optional[bool] = None
     prompts_per_step: int = 8
     shuffle: bool = True
 

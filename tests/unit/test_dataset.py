@@ -113,3 +113,35 @@ def test_from_records_and_optional_ground_truth(tok):
     assert ds[0].ground_truth is None
     with pytest.raises(ValueError, match="no records"):
         PromptDataset.from_records([], tokenizer=tok, max_prompt_length=64)
+
+
+# Qwen3's switch: an empty think block after the generation prompt when enable_thinking is false
+THINK_CHAT = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+              "{% if add_generation_prompt %}[assistant]{% if enable_thinking is defined and "
+              "enable_thinking is false %}<think></think>{% endif %}{% endif %}")
+
+
+def test_enable_thinking_reaches_the_chat_template(tmp_path):
+    """data.enable_thinking: false / true passed to the template, null leaves the template's
+    default (here: thinking, no empty block); string prompts never see the template."""
+    train_sentencepiece(lines=["[user][assistant] hello <think></think>"] * 3,
+                        model_prefix=tmp_path / "sp", vocab_size=40, model_type="char")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": THINK_CHAT}))
+    tok = load_tokenizer(tmp_path)
+    records = [rec(prompt=[{"role": "user", "content": "hello"}]), rec(prompt="hello")]
+    texts = {think: [x.prompt_text for x in PromptDataset.from_records(
+        records, tokenizer=tok, max_prompt_length=64, enable_thinking=think)]
+        for think in (None, True, False)}
+    assert texts[None] == texts[True] == ["[user]hello[assistant]", "hello"]
+    assert texts[False] == ["[user]hello[assistant]<think></think>", "hello"]
+
+
+def test_enable_thinking_needs_a_template_with_the_switch(tok, tmp_path):
+    from hybridflow.components import build_tokenizer_and_dataset
+    from hybridflow.config import load_config
+
+    cfg = load_config(["experiment=demo", f"data.tokenizer={tok.source}",
+                       "data.enable_thinking=false", f"trainer.output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=r"^data.enable_thinking=False but the chat template of "
+                                         rf"{tok.source} has no enable_thinking switch"):
+        build_tokenizer_and_dataset(cfg)
