@@ -227,9 +227,16 @@ def _validate_token_budgets(cfg: Config) -> None:
         how += f" rounded up to a multiple of TP={tp} (sequence parallel)"
     for key in ("max_tokens_per_micro_batch_per_gpu", "forward_max_tokens_per_micro_batch_per_gpu"):
         value = getattr(a, key)
-        if value is not None and value < longest:
-            raise ValueError(f"algo.{key}={value} (tokens per micro-batch, per GPU) must hold the "
-                             f"longest row of a step, {how} = {longest}")
+        if value is not None:
+            check_token_budget(f"algo.{key}", value, longest=longest, how=how)
+
+
+def check_token_budget(key: str, value: int, *, longest: int, how: str) -> None:
+    """A micro-batch's token budget must hold the longest row of a step (`how` says how that row
+    is made): the trainer's algo.*max_tokens* keys and the cost CLI's --*micro-batch-tokens."""
+    if value < longest:
+        raise ValueError(f"{key}={value} (tokens per micro-batch, per GPU) must hold the longest "
+                         f"row of a step, {how} = {longest}")
 
 
 def _validate_recipes(cfg: Config) -> None:

@@ -8,16 +8,25 @@ saved it (`hybridflow.checkpoint.load_full_state_dict`), and written by
 `hybridflow.models.hf.save_hf_checkpoint`: safetensors, config.json, generation_config.json and the
 tokenizer files saved with the checkpoint, so `transformers.AutoModelForCausalLM.from_pretrained`
 loads the result. Scalar heads (critic, reward) have no Hugging Face form and are refused.
-Errors a user can cause (no such checkpoint, step or role) print one line and exit with code 2.
+
+Nothing is lost on bad input: `<out_dir>` may not be, hold or lie inside the checkpoint root or
+step (compared as real paths), nor be a file or a folder of other files (hf_save says what is
+replaced); it is written beside itself and renamed into place, so a failure (a full disk) leaves
+no partial output. A checkpoint file that is truncated or corrupt is named. Errors a user can
+cause print one line, `hybridflow export: error: ...` (hybridflow.cli), and exit with code 2.
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import os
+import pickle
 import re
 import sys
+import zipfile
 from typing import Optional
+
+from hybridflow import cli
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -43,19 +52,32 @@ def resolve_step_dir(path: str, step: Optional[int] = None) -> str:
     return found
 
 
+def check_outside(out_dir: str, checkpoint: str, ckpt: str) -> None:
+    """`out_dir` is not the checkpoint root (`checkpoint`, or the step dir `ckpt`'s parent when
+    that has a `latest` file) nor the step dir, and neither holds nor lies inside them."""
+    parent = os.path.dirname(os.path.normpath(ckpt))
+    roots = [parent] if os.path.isfile(os.path.join(parent, "latest")) else []
+    out = os.path.realpath(out_dir)
+    for src in map(os.path.realpath, [*roots, checkpoint, ckpt]):
+        if out == src or out.startswith(src + os.sep) or src.startswith(out + os.sep):
+            raise ValueError(f"{out_dir}: the output folder overlaps the checkpoint {src} (it is, "
+                             "holds or lies inside it); expected a folder outside it")
+
+
 def export(checkpoint: str, out_dir: str, *, role: str = "actor", step: Optional[int] = None,
            dtype: Optional[str] = None) -> str:
     """Write the Hugging Face directory `out_dir`; return the step dir it came from."""
     ckpt = resolve_step_dir(checkpoint, step)
+    check_outside(out_dir, checkpoint, ckpt)
     role_dir = os.path.join(ckpt, role)
     if not os.path.isdir(role_dir):
         raise FileNotFoundError(f"checkpoint {ckpt} has no role {role!r} (no {role_dir})")
     import torch
 
-    from hybridflow.checkpoint import load_full_state_dict
-    from hybridflow.models.hf import save_hf_checkpoint
+    from hybridflow.models.hf_save import check_replaceable, save_hf_checkpoint
 
-    full_sd, cfg = load_full_state_dict(ckpt, role=role)
+    check_replaceable(out_dir)
+    full_sd, cfg = _read_weights(ckpt, role)
     if dtype is not None:
         full_sd = {k: v.to(getattr(torch, dtype)) for k, v in full_sd.items()}
     tokenizer = os.path.join(ckpt, "tokenizer")
@@ -64,21 +86,74 @@ def export(checkpoint: str, out_dir: str, *, role: str = "actor", step: Optional
     return ckpt
 
 
+def _read_weights(ckpt: str, role: str):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from hybridflow.checkpoint import load_full_state_dict
+
+    try:
+        return load_full_state_dict(ckpt, role=role)
+    # what a truncated or corrupt file raises, from json, pickle, torch's zip reader and
+    # torch_dist's readers (CheckpointException is a BaseException wrapping the per-rank error)
+    except (json.JSONDecodeError, EOFError, pickle.UnpicklingError, RuntimeError,
+            CheckpointException) as e:
+        raise ValueError(_unreadable(ckpt, role, e)) from None
+
+
+def _unreadable(ckpt: str, role: str, e: BaseException) -> str:
+    """Name the file that made reading fail: a JSON file that does not parse, the torch_dist index
+    (`.metadata`), a shard shorter than the index says, a torch file that is not a whole zip."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    role_dir, expected = os.path.join(ckpt, role), "expected the file as the save wrote it"
+    for path in (os.path.join(ckpt, f"model_config_{role}.json"),
+                 os.path.join(role_dir, "metadata.json")):
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except json.JSONDecodeError as bad:
+            where = f"line {bad.lineno} column {bad.colno}"
+            return f"{path}: not valid JSON ({bad.msg}: {where}); {expected}"
+        except OSError:  # absent: not what failed
+            continue
+    try:
+        index = FileSystemReader(role_dir).read_metadata()
+    except Exception as bad:  # pickle, EOF, attribute errors of a half-read object
+        return f"{role_dir}/.metadata: unreadable ({type(bad).__name__}: {bad}); {expected}"
+    needs: dict[str, int] = {}
+    for item in index.storage_data.values():
+        needs[item.relative_path] = max(needs.get(item.relative_path, 0), item.offset + item.length)
+    for name, need in sorted(needs.items()):
+        path = os.path.join(role_dir, name)
+        size = os.path.getsize(path)
+        if size < need:
+            return f"{path}: truncated: {size} bytes, its checkpoint index needs {need}; {expected}"
+    for name in sorted(os.listdir(role_dir)):
+        if name.endswith(".pt"):
+            try:
+                with zipfile.ZipFile(os.path.join(role_dir, name)) as z:
+                    z.testzip()
+            except zipfile.BadZipFile as bad:
+                return f"{role_dir}/{name}: not a readable torch file ({bad}); {expected}"
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: (error, traceback)}
+    cause = next(iter(failures.values()))[0] if failures else e
+    first = re.split(r"(?<=\.)\s", " ".join(str(cause).split()), maxsplit=1)[0][:120]
+    return (f"{role_dir}: cannot read the saved {role} weights ({type(cause).__name__}: {first}); "
+            "a file under it is corrupt")
+
+
+@cli.tool("export")
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hybridflow.export", description=__doc__
-                                     .split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="python -m hybridflow.export",
+                                description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="checkpoint root or a step_<N> directory")
-    parser.add_argument("out_dir", help="Hugging Face directory to write (replaced if present)")
+    parser.add_argument("out_dir", help="Hugging Face directory to write (a model folder there is "
+                                        "replaced)")
     parser.add_argument("--role", default="actor")
     parser.add_argument("--step", type=int, default=None, help="default: the latest")
     parser.add_argument("--dtype", choices=_DTYPES, default=None, help="default: as saved")
     args = parser.parse_args(argv)
-    try:
-        ckpt = export(args.checkpoint, args.out_dir, role=args.role, step=args.step,
-                      dtype=args.dtype)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    ckpt = export(args.checkpoint, args.out_dir, role=args.role, step=args.step, dtype=args.dtype)
     print(f"exported {args.role} of {ckpt} to {args.out_dir}")
     return 0
 

@@ -25,7 +25,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hybridflow.data.prepare import atomic_write
+from hybridflow.atomic import atomic_write
 
 STAGE_PREFIX = "stage/"
 

@@ -5,8 +5,9 @@ Composes conf/ppo.yaml with the overrides, takes the model shape from a checkpoi
 checks that the output directory is writable, initialises process groups (NCCL with GPUs, gloo
 without; every collective waits trainer.collective_timeout_s for a peer), builds the trainer and
 trains. User errors (config, data, checkpoint, storage) end the program with one line on stderr,
-`hybridflow: error: ...`, printed by every rank that finds them, and exit code 2; a dead or silent
-peer and CUDA OOM end it with `rank R: stage S: ...` and exit code 1 (hybridflow.watchdog says how).
+`hybridflow train: error: ...` (every tool's prefix, hybridflow.cli), printed by every rank that
+finds them, and exit code 2; a dead or silent peer and CUDA OOM end it with `rank R: stage S: ...`
+and exit code 1 (hybridflow.watchdog says how).
 `--cfg` prints the resolved config and exits.
 """
 

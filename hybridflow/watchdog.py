@@ -1,6 +1,6 @@
 """Which stage each rank is in, and one line (never a hang or a silent exit) when a run fails.
 
-    hybridflow: error: rank 1: stage old_log_prob: peer failure after 0.4 s (Connection reset by peer)
+    hybridflow train: error: rank 1: stage old_log_prob: peer failure after 0.4 s (Connection reset by peer)
 
 Stages are the trainer's StageTimer names (reshard, gen, old_log_prob, ref, values, reward, adv,
 update_critic, update_actor) inside the entry point's own (startup, train, resume, save). `stage()`
@@ -17,13 +17,14 @@ How a rank learns that a peer is gone, each ending in the line above and an exit
   no-op and a watcher thread, woken through `signal.set_wakeup_fd`'s pipe, prints and exits.
 CUDA out of memory gets the same treatment with what was asked and a hint for the stage.
 
-User errors (config, input, storage) print `hybridflow: error: <msg>` on every rank that finds
-them: before process groups exist every rank reads the same config, so the line is the same; after,
-ranks compare messages through the rendezvous store (for at most AGREE_S) and prefix `rank R: `
-only when they disagree. Every rank prints before it exits, so no launcher ordering (torchrun kills
-the others when the first exits) can swallow the line. Lines go out in one write(2) each, so lines
-of ranks sharing a terminal do not interleave. torch is imported only where needed: the entry
-point reports config errors before it imports torch (a launch that fails validation costs ~0.5 s).
+User errors (config, input, storage) print `hybridflow train: error: <msg>` on every rank that
+finds them: before process groups exist every rank reads the same config, so the line is the same;
+after, ranks compare messages through the rendezvous store (for at most AGREE_S) and prefix
+`rank R: ` only when they disagree. Every rank prints before it exits, so no launcher ordering
+(torchrun kills the others when the first exits) can swallow the line. Lines go out in one
+write(2) each, so lines of ranks sharing a terminal do not interleave. torch is imported only
+where needed: the entry point reports config errors before it imports torch (a launch that fails
+validation costs ~0.5 s).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ import threading
 import time
 from contextlib import contextmanager
 from typing import Optional
+
+from hybridflow import cli
 
 AGREE_S = 2.0  # how long ranks wait for each other's message before printing theirs with the rank
 
@@ -158,8 +161,9 @@ def oom_hint(stage_name: str) -> str:
 
 # ------------------------------------------------------------------------------ reporting
 def emit(line: str) -> None:
-    """`hybridflow: error: <line>` on stderr in one write (ranks sharing a terminal)."""
-    data = f"hybridflow: error: {line}\n".encode()
+    """`hybridflow train: error: <line>` on stderr in one write (ranks sharing a terminal); the
+    prefix every tool's user errors share (hybridflow.cli)."""
+    data = f"{cli.prefix('train')}{line}\n".encode()
     try:
         sys.stdout.flush()
     except (OSError, ValueError):

@@ -1,7 +1,8 @@
 """A real small filesystem for I/O-error tests: a tmpfs mounted for the duration of a `with`.
 
 Mounting needs root (CI containers run as root); elsewhere the test is skipped rather than faked.
-`mount_tmpfs(path, size="1m", read_only=False)` yields `path`; `fill(path)` writes until ENOSPC.
+`mount_tmpfs(path, size="1m", read_only=False)` yields `path`; `fill(path, leave=0)` writes until
+ENOSPC, then frees `leave` bytes (room for part of what a test writes next).
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ def mount_tmpfs(path: str, *, size: str = "1m", read_only: bool = False):
         subprocess.run(["umount", "-l", path], check=False)
 
 
-def fill(path: str) -> None:
-    """Write a file in `path` until the filesystem is full."""
+def fill(path: str, *, leave: int = 0) -> None:
+    """Write a file in `path` until the filesystem is full, then give back `leave` bytes of it."""
     with open(os.path.join(path, "filler"), "wb", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * 4096)
         except OSError as e:
             assert e.errno == errno.ENOSPC, e
+        f.truncate(max(0, f.tell() - leave))

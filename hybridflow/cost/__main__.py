@@ -1,16 +1,21 @@
-"""CLI: `python -m hybridflow.cost --model qwen2_7b --gpu H200 --num-gpus 8 [--json]`."""
+"""CLI: `python -m hybridflow.cost --model qwen2_7b --gpu H200 --num-gpus 8 [--json]`.
+
+Refuses what the trainer refuses (a micro-batch token budget that cannot hold the longest row) with
+the trainer's wording; user errors are one line, `hybridflow cost: error: ...`, exit code 2."""
 from __future__ import annotations
 
-import argparse
 import sys
 
+from hybridflow import cli
+from hybridflow.config_checks import check_token_budget
 from hybridflow.cost.estimate import estimate_cost
 from hybridflow.cost.gpus import GPUS
 from hybridflow.cost.workload import ALGORITHMS
 
 
+@cli.tool("cost")
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hybridflow.cost", description=__doc__)
+    p = cli.ArgumentParser(prog="python -m hybridflow.cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="conf/model name, HF config.json or its directory")
     p.add_argument("--gpu", default="H200", help=f"one of {', '.join(GPUS)}")
     p.add_argument("--num-gpus", type=int, default=8)
@@ -73,25 +78,28 @@ def main(argv: list[str] | None = None) -> int:
     if a.tp is not None:
         layout = {"tp": a.tp, "pp": a.pp, "tp_gen": a.tp_gen, "offload_ref": a.offload_ref,
                   "recompute": a.recompute}
-    try:
-        report = estimate_cost(
-            model=a.model, gpu=a.gpu, num_gpus=a.num_gpus, algorithm=a.algorithm,
-            prompts_per_step=a.prompts_per_step, samples_per_prompt=a.samples_per_prompt,
-            prompt_len=a.prompt_len, response_len=a.response_len,
-            response_len_max=a.response_len_max, steps=a.steps, epochs=a.epochs,
-            dataset_size=a.dataset_size, price_per_gpu_hour=a.price_per_gpu_hour, layout=layout,
-            ppo_epochs=a.ppo_epochs, mini_batches=a.mini_batches,
-            micro_batch_tokens=a.micro_batch_tokens,
-            forward_micro_batch_tokens=a.forward_micro_batch_tokens, use_reference=a.use_reference,
-            skip_old_log_prob=a.skip_old_log_prob, keep_generator=a.keep_generator,
-            lm_head_chunk_tokens=a.lm_head_chunk_tokens, decode_kernels=a.decode_kernels,
-            fused_elementwise=a.fused_elementwise, train_cuda_graphs=a.train_cuda_graphs,
-            gradient_accumulation_fusion=a.gradient_accumulation_fusion,
-            offload_ref_prefetch=a.offload_ref_prefetch,
-            calibration=a.calibration)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    response, flag = ((a.response_len_max, "--response-len-max") if a.response_len_max is not None
+                      else (a.response_len, "--response-len"))
+    for key, value in (("--micro-batch-tokens", a.micro_batch_tokens),
+                       ("--forward-micro-batch-tokens", a.forward_micro_batch_tokens)):
+        if value is not None:
+            check_token_budget(key, value, longest=a.prompt_len + response,
+                               how=f"--prompt-len + {flag} = {a.prompt_len} + {response}")
+    report = estimate_cost(
+        model=a.model, gpu=a.gpu, num_gpus=a.num_gpus, algorithm=a.algorithm,
+        prompts_per_step=a.prompts_per_step, samples_per_prompt=a.samples_per_prompt,
+        prompt_len=a.prompt_len, response_len=a.response_len,
+        response_len_max=a.response_len_max, steps=a.steps, epochs=a.epochs,
+        dataset_size=a.dataset_size, price_per_gpu_hour=a.price_per_gpu_hour, layout=layout,
+        ppo_epochs=a.ppo_epochs, mini_batches=a.mini_batches,
+        micro_batch_tokens=a.micro_batch_tokens,
+        forward_micro_batch_tokens=a.forward_micro_batch_tokens, use_reference=a.use_reference,
+        skip_old_log_prob=a.skip_old_log_prob, keep_generator=a.keep_generator,
+        lm_head_chunk_tokens=a.lm_head_chunk_tokens, decode_kernels=a.decode_kernels,
+        fused_elementwise=a.fused_elementwise, train_cuda_graphs=a.train_cuda_graphs,
+        gradient_accumulation_fusion=a.gradient_accumulation_fusion,
+        offload_ref_prefetch=a.offload_ref_prefetch,
+        calibration=a.calibration)
     print(report.to_json() if a.json else report)
     return 0
 

@@ -41,7 +41,9 @@ instead (a ratio fit). Gen and the forward/update stages overlap two kinds of wo
 then refined by nonlinear least squares of the overlapped seconds (`_refine_overlap`). Predicted
 timing_s/step = the sum of the predicted stages, "other" included.
 
-`--validation PATH` also writes the per-config leave-one-out summary (validate.py).
+`--validation PATH` also writes the per-config leave-one-out summary (validate.py). Outputs are
+written atomically; user errors (a results file that does not parse, names the file) are one line,
+`hybridflow calibrate: error: ...`, exit code 2.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridflow import cli
+from hybridflow.atomic import atomic_write
 from hybridflow.cost.efficiency import Calibration, load_calibration
 from hybridflow.cost.gpus import GPU, get_gpu
 from hybridflow.cost.memory import memory_for
@@ -107,13 +111,15 @@ def load_records(paths: list[str | Path]) -> list[dict]:
     for path in map(Path, paths):
         if not path.is_file():
             raise FileNotFoundError(f"results file {path} not found")
-        text = path.read_text()
-        data = ([json.loads(line) for line in text.splitlines() if line.strip()]
-                if path.suffix == ".jsonl" else json.loads(text))
+        data = _read_json(path)
         if isinstance(data, dict) and ("calibration" in data or "validation" in data):
             continue
         machine = data.get("machine") if isinstance(data, dict) else None
         data = data.get("records", [data]) if isinstance(data, dict) else data
+        for i, r in enumerate(data if isinstance(data, list) else [data]):
+            if not isinstance(r, dict):
+                raise ValueError(f"{path}: record {i}: expected a JSON object, got "
+                                 f"{type(r).__name__}")
         out += [{"machine": machine, **r, "name": r.get("name", f"{path.stem}[{i}]"),
                  "source": str(path)} for i, r in enumerate(data)]
     seen: dict[str, int] = {}
@@ -123,6 +129,28 @@ def load_records(paths: list[str | Path]) -> list[dict]:
         if seen[r["name"]] > 1:
             r["name"] = f"{r['name']}@{Path(r['source']).stem}"
     return out
+
+
+def _read_json(path: Path):
+    """A results file's JSON: one document, or the list of a .jsonl file's lines."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+        if path.suffix != ".jsonl":
+            return json.loads(text)
+        docs = []
+        for line_no, line in enumerate(text.splitlines(), start=1):
+            try:
+                docs += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {line_no}: not valid JSON ({e.msg}: column "
+                                 f"{e.colno})") from None
+        return docs
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text; expected a JSON or JSON Lines results file") \
+            from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg}: line {e.lineno} column {e.colno})") \
+            from None
 
 
 def _solve(rows: list[list[float]], ys: list[float], prior: list[float]) -> list[float] | None:
@@ -311,9 +339,10 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@cli.tool("calibrate")
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hybridflow.cost.calibrate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(prog="python -m hybridflow.cost.calibrate", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="measured-run JSON / JSONL files")
     p.add_argument("-o", "--output", help="where to write the fitted calibration JSON")
     p.add_argument("--base", help="calibration JSON whose values are the priors")
@@ -321,16 +350,12 @@ def main(argv: list[str] | None = None) -> int:
                                         "(step time and peak memory, measured vs predicted)")
     a = p.parse_args(argv)
     command = "python -m hybridflow.cost.calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
-    try:
-        records = load_records(a.results)
-        if not records:
-            raise ValueError("no records found in the given files")
-        base = Calibration() if a.base is None else load_calibration(a.base)
-        calib = fit(records, base)
-        loo = predict_vs_measured(records, base) if len(records) > 1 else []
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    records = load_records(a.results)
+    if not records:
+        raise ValueError("no records found in the given files")
+    base = Calibration() if a.base is None else load_calibration(a.base)
+    calib = fit(records, base)
+    loo = predict_vs_measured(records, base) if len(records) > 1 else []
     print(f"fitted on {len(records)} record(s):")
     print("\n".join(f"  {k:<24}{v:.4g}" for k, v in calib.to_dict().items()))
     if loo:
@@ -339,14 +364,21 @@ def main(argv: list[str] | None = None) -> int:
         summary = validation(records, loo, command=command, in_sample=in_sample)
         print("\nper config (leave-one-out):\n" + format_validation(summary))
         if a.validation:
-            Path(a.validation).write_text(json.dumps(summary, indent=2) + "\n")
+            _write_json(a.validation, summary)
             print(f"\nwrote {a.validation}")
     if a.output:
         out = {"calibration": calib.to_dict(), "num_records": len(records),
                "records": [r["name"] for r in records], "leave_one_out": loo}
-        Path(a.output).write_text(json.dumps(out, indent=2) + "\n")
+        _write_json(a.output, out)
         print(f"\nwrote {a.output}")
     return 0
+
+
+def _write_json(path: str, data: dict) -> None:
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, indent=2) + "\n")
+    atomic_write(path, write)
 
 
 if __name__ == "__main__":

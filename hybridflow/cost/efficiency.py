@@ -147,15 +147,29 @@ def load_calibration(calibration: "Calibration | dict | str | Path | None") -> C
         return shipped_calibration()
     if isinstance(calibration, Calibration):
         return calibration
+    where = "calibration"
     if not isinstance(calibration, dict):
-        path = Path(calibration)
+        where = path = Path(calibration)
         if not path.is_file():
             raise FileNotFoundError(f"calibration file {path} not found")
-        with open(path) as f:
-            calibration = json.load(f)
-    calibration = calibration.get("calibration", calibration)   # calibrate.py nests it
+        try:
+            calibration = json.loads(path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            what = (f"{e.msg}: line {e.lineno} column {e.colno}"
+                    if isinstance(e, json.JSONDecodeError) else "not UTF-8 text")
+            raise ValueError(f"{path}: not valid JSON ({what}); expected the calibration JSON "
+                             "python -m hybridflow.cost.calibrate writes") from None
+    if isinstance(calibration, dict):
+        calibration = calibration.get("calibration", calibration)   # calibrate.py nests it
+    if not isinstance(calibration, dict):
+        raise ValueError(f"{where}: expected a JSON object of calibration values (as python -m "
+                         f"hybridflow.cost.calibrate writes), got {type(calibration).__name__}")
     known = {f.name for f in fields(Calibration)}
     unknown = set(calibration) - known
     if unknown:
-        raise ValueError(f"calibration: unknown keys {sorted(unknown)}; expected some of {sorted(known)}")
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; expected some of "
+                         f"{sorted(known)}")
+    for key, value in calibration.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: {key}={value!r}: expected a number")
     return Calibration(**calibration)

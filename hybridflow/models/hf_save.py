@@ -6,12 +6,17 @@
 (architecture kept from `cfg.hf_architecture`), `generation_config.json` and the tokenizer files of
 `tokenizer_dir`. `full_sd` may use Megatron global names (converted with
 `megatron_to_hf_state_dict`) or already be HF-named. Tensors keep their dtype.
-The directory is written as `<out_dir>.tmp` and renamed into place, so a crash never leaves a
-half-written checkpoint under `out_dir`; an existing `out_dir` is replaced.
+The directory is written into a temporary folder beside `out_dir` and renamed into place
+(`hybridflow.atomic.staged_dir`), so a crash never leaves a half-written checkpoint under `out_dir`
+and a failed write (a full disk) leaves no temporary behind. An existing `out_dir` is replaced
+when it is empty or a model folder (has a config.json); any other folder or file is refused, not
+deleted. Weights are serialized in memory and written by Python, so a full disk is an OSError with
+its errno (safetensors' own writer reports it as text).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -19,6 +24,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from hybridflow.atomic import staged_dir
 from hybridflow.config import ModelConfig
 from hybridflow.models.hf_config import load_json, write_hf_config
 from hybridflow.models.hf_names import megatron_to_hf_state_dict
@@ -77,15 +83,28 @@ def _generation_config(tokenizer_dir: Optional[str]) -> dict:
 def save_hf_checkpoint(out_dir: str, full_sd: Mapping[str, torch.Tensor], cfg: ModelConfig, *,
                        tokenizer_dir: Optional[str] = None, max_shard_bytes: int = 2**30) -> None:
     """Write `full_sd` (Megatron global names or HF names) as an HF checkpoint at `out_dir`."""
-    from safetensors.torch import save_file
-
     hf_sd = dict(full_sd) if _is_hf_named(full_sd) else megatron_to_hf_state_dict(full_sd, cfg)
     if tokenizer_dir is not None and not os.path.isdir(tokenizer_dir):
         raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir} does not exist")
-    out_dir = os.path.abspath(out_dir)
-    tmp = out_dir + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    check_replaceable(out_dir)
+    with staged_dir(out_dir, replace=True) as tmp:
+        _write(tmp, hf_sd, cfg, tokenizer_dir=tokenizer_dir, max_shard_bytes=max_shard_bytes)
+
+
+def check_replaceable(out_dir: str) -> None:
+    """`out_dir` may be replaced: absent, an empty folder or a model folder (has a config.json)."""
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise NotADirectoryError(errno.ENOTDIR, "exists and is not a folder", out_dir)
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and \
+            not os.path.isfile(os.path.join(out_dir, "config.json")):
+        raise FileExistsError(errno.EEXIST, "exists and holds files but no config.json; expected a "
+                              "new, empty or model folder", out_dir)
+
+
+def _write(tmp: str, hf_sd: dict, cfg: ModelConfig, *, tokenizer_dir: Optional[str],
+           max_shard_bytes: int) -> None:
+    from safetensors.torch import save
+
     shards = _shards(hf_sd, max_shard_bytes)
     weight_map, total = {}, 0
     for i, names in enumerate(shards):
@@ -93,7 +112,8 @@ def save_hf_checkpoint(out_dir: str, full_sd: Mapping[str, torch.Tensor], cfg: M
                  else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
         # clone: q/k/v and gate/up are views of one packed tensor; safetensors refuses shared storage
         tensors = {n: hf_sd[n].detach().to("cpu").contiguous().clone() for n in names}
-        save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
+        with open(os.path.join(tmp, fname), "wb") as f:
+            f.write(save(tensors, metadata={"format": "pt"}))
         for n, t in tensors.items():
             weight_map[n] = fname
             total += t.numel() * t.element_size()
@@ -105,12 +125,6 @@ def save_hf_checkpoint(out_dir: str, full_sd: Mapping[str, torch.Tensor], cfg: M
     _write_json(os.path.join(tmp, "generation_config.json"), _generation_config(tokenizer_dir))
     if tokenizer_dir is not None:
         copy_tokenizer_files(tokenizer_dir, tmp)
-    old = out_dir + ".old"
-    if os.path.exists(out_dir):
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_json(path: str, data: dict) -> None:

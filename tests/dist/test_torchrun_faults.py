@@ -1,8 +1,8 @@
 """Failures under torchrun (gloo, CPU) end with one line that says what and where, never in silence.
 
-- Config errors: every rank prints the same `hybridflow: error:` line before it exits (code 2), so
-  no exit ordering can swallow it (torchrun kills the others when the first exits; before, only
-  rank 0 printed and about 1 launch in 6 showed nothing). 20 launches of 4 ranks, 4 at a time,
+- Config errors: every rank prints the same `hybridflow train: error:` line before it exits (code
+  2), so no exit ordering can swallow it (torchrun kills the others when the first exits; before,
+  only rank 0 printed and about 1 launch in 6 showed nothing). 20 launches of 4 ranks, 4 at a time,
   over the three layout errors; each fails in validation, before any model is built. Orderings
   are forced, not left to chance: in 16 of them one rank (0, 1, 2 or 3) starts 2 s late, so the
   others have exited and torchrun has killed it before it gets to its error.
@@ -50,7 +50,7 @@ def _torchrun(nproc: int, target: list, *, env=None) -> subprocess.Popen:
 
 
 def _error_lines(output: str) -> list[str]:
-    return [ln for ln in output.splitlines() if ln.startswith("hybridflow: error:")]
+    return [ln for ln in output.splitlines() if ln.startswith("hybridflow train: error:")]
 
 
 def _no_rank_traceback(output: str) -> bool:
@@ -86,7 +86,7 @@ def test_config_errors_print_under_every_torchrun_ordering(tmp_path):
     for out, code, late, expected in results:
         lines = _error_lines(out)
         assert lines, f"no hybridflow line (rank {late} late) in:\n{out[-3000:]}"
-        assert set(lines) == {f"hybridflow: error: {expected}"}, lines  # same line, no rank
+        assert set(lines) == {f"hybridflow train: error: {expected}"}, lines  # same line, no rank
         assert code != 0 and re.search(r"exitcode\s*:\s*2 ", out), out[-3000:]
         assert _no_rank_traceback(out), out[-3000:]
     assert not os.listdir(tmp_path)  # validation fails before anything is written
@@ -100,16 +100,16 @@ def test_user_errors_after_start_up_carry_the_rank_only_where_ranks_disagree(tmp
                          f"data.train_files={jsonl}", f"trainer.output_dir={tmp_path / 'a'}"])
     out = proc.communicate(timeout=300)[0]
     lines = _error_lines(out)
-    assert lines and set(lines) == {"hybridflow: error: data.tokenizer is not set and the model "
+    assert lines and set(lines) == {"hybridflow train: error: data.tokenizer is not set and the model "
                                     "has no hf_path: point data.tokenizer at a tokenizer.json dir "
                                     "or a sentencepiece .model"}, out[-3000:]
     assert _no_rank_traceback(out), out[-3000:]
 
     out, _ = _fault_run("1:values:error", tmp_path / "b", "trainer.collective_timeout_s=120")
     lines = _error_lines(out)
-    assert lines[0] == "hybridflow: error: rank 1: injected error on rank 1 in stage values", lines
+    assert lines[0] == "hybridflow train: error: rank 1: injected error on rank 1 in stage values", lines
     assert len(lines) <= 2 and all(re.fullmatch(
-        r"hybridflow: error: rank 0: stage \w+: peer failure after [\d.]+ s \(.+\)", ln)
+        r"hybridflow train: error: rank 0: stage \w+: peer failure after [\d.]+ s \(.+\)", ln)
         for ln in lines[1:]), lines
     assert _no_rank_traceback(out), out[-3000:]
 
@@ -131,7 +131,7 @@ def test_killed_peer_names_rank_and_stage(tmp_path):
                         "trainer.collective_timeout_s=120")
     lines = _error_lines(out)
     assert len(lines) == 1, out[-3000:]
-    m = re.fullmatch(r"hybridflow: error: rank 0: stage old_log_prob: peer failure after "
+    m = re.fullmatch(r"hybridflow train: error: rank 0: stage old_log_prob: peer failure after "
                      r"([\d.]+) s \((.+)\)", lines[0])
     assert m and float(m.group(1)) < 120, lines[0]  # not the timeout: the peer's death itself
     assert _no_rank_traceback(out), out[-3000:]
@@ -143,10 +143,10 @@ def test_hung_peer_times_out_with_a_line_on_both_ranks(tmp_path):
     timeout_s = 8  # above the start-up skew of a loaded CI machine (barriers while rank 0 works)
     out, wall = _fault_run("1:adv:hang", tmp_path, f"trainer.collective_timeout_s={timeout_s}")
     lines = _error_lines(out)
-    m = re.fullmatch(r"hybridflow: error: rank 0: stage adv: timeout after ([\d.]+) s \(.+\)",
+    m = re.fullmatch(r"hybridflow train: error: rank 0: stage adv: timeout after ([\d.]+) s \(.+\)",
                      lines[0]) if lines else None
     assert m and timeout_s <= float(m.group(1)) < timeout_s + 5, out[-3000:]
-    assert any(re.fullmatch(r"hybridflow: error: rank 1: stage adv: peer failure after [\d.]+ s "
+    assert any(re.fullmatch(r"hybridflow train: error: rank 1: stage adv: peer failure after [\d.]+ s "
                             r"\(SIGTERM: .+\)", ln) for ln in lines[1:]), lines
     assert len(lines) == 2 and _no_rank_traceback(out), out[-3000:]
 
@@ -168,7 +168,7 @@ def test_nonfinite_gradients_skip_the_update_then_stop_the_run(tmp_path):
     lines = _error_lines(out)
     # every rank reaches the same verdict; whichever prints first, torchrun may stop the other
     assert 1 <= len(lines) <= 2 and all(re.fullmatch(
-        r"hybridflow: error: rank [01]: stage \w+: non-finite gradients: every actor update of "
+        r"hybridflow train: error: rank [01]: stage \w+: non-finite gradients: every actor update of "
         r"the last 2 steps \(to step 3\) was skipped \(trainer.max_skipped_steps=2\); the "
         r"weights are those of step 1; the mini-batches are in .*nonfinite", ln)
         for ln in lines), lines

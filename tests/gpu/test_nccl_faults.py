@@ -31,7 +31,7 @@ def test_killed_peer_under_nccl(tmp_path):
     out, _ = _fault_run("1:old_log_prob:kill", tmp_path, "parallel.tensor_parallel_size=2",
                         "trainer.collective_timeout_s=300")
     lines = _error_lines(out)
-    m = re.fullmatch(r"hybridflow: error: rank 0: stage old_log_prob: peer failure after "
+    m = re.fullmatch(r"hybridflow train: error: rank 0: stage old_log_prob: peer failure after "
                      r"([\d.]+) s \(.+\)", lines[0]) if len(lines) == 1 else None
     assert m and float(m.group(1)) < 60, out[-4000:]
 
@@ -40,6 +40,6 @@ def test_hung_peer_under_nccl(tmp_path):
     timeout_s = 20
     out, wall = _fault_run("1:adv:hang", tmp_path, f"trainer.collective_timeout_s={timeout_s}")
     lines = _error_lines(out)
-    assert any(re.fullmatch(r"hybridflow: error: rank 1: stage adv: peer failure after [\d.]+ s "
+    assert any(re.fullmatch(r"hybridflow train: error: rank 1: stage adv: peer failure after [\d.]+ s "
                             r"\(SIGTERM: .+\)", ln) for ln in lines), out[-4000:]
     assert wall < timeout_s + 240, wall

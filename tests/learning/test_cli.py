@@ -43,7 +43,7 @@ def test_bad_config_is_one_line(overrides, expected):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln
              and "warnings.warn" not in ln]
     assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("hybridflow: error:") and expected in lines[0], lines[0]
+    assert lines[0].startswith("hybridflow train: error:") and expected in lines[0], lines[0]
     assert "Traceback" not in proc.stderr
 
 

@@ -55,7 +55,7 @@ def _run(*args, fault=None, prefix=()):
 
 
 def _one_error_line(proc) -> str:
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("hybridflow: error:")]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("hybridflow train: error:")]
     assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return lines[0]
@@ -121,13 +121,13 @@ def test_unwritable_output_dir_at_start(tmp_path):
     quick = ["trainer.total_steps=1", "trainer.sft_warmup_steps=0"]
     with mount_tmpfs(str(tmp_path / "ro"), read_only=True) as ro:
         line = _one_error_line(_run(*quick, f"trainer.output_dir={ro}/run"))
-        assert line == (f"hybridflow: error: [Errno 30] trainer.output_dir={ro}/run is not "
+        assert line == (f"hybridflow train: error: [Errno 30] trainer.output_dir={ro}/run is not "
                         f"writable: Read-only file system: '{ro}/run'")
     with mount_tmpfs(str(tmp_path / "full"), size="64k") as full:
         (tmp_path / "full" / "metrics.jsonl").write_text('{"step": 1}\n')  # an earlier run's
         fill(full)
         line = _one_error_line(_run(*quick, f"trainer.output_dir={full}"))
-        assert line.startswith(f"hybridflow: error: [Errno {errno.ENOSPC}] trainer.output_dir="
+        assert line.startswith(f"hybridflow train: error: [Errno {errno.ENOSPC}] trainer.output_dir="
                                f"{full} is not writable: No space left on device: '{full}/")
         assert sorted(os.listdir(full)) == ["filler", "metrics.jsonl"]  # probe removed
         assert (tmp_path / "full" / "metrics.jsonl").read_text() == '{"step": 1}\n'
@@ -136,7 +136,7 @@ def test_unwritable_output_dir_at_start(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
     line = _one_error_line(_run(*quick, f"trainer.output_dir={locked}/run", prefix=NO_DAC))
-    assert line == (f"hybridflow: error: [Errno 13] trainer.output_dir={locked}/run is not "
+    assert line == (f"hybridflow train: error: [Errno 13] trainer.output_dir={locked}/run is not "
                     f"writable: Permission denied: '{locked}/run'")
 
 
@@ -147,7 +147,7 @@ def test_disk_full_during_a_checkpoint_save(tmp_path):
         out = f"{disk}/run"
         proc = _run(*RUN, "trainer.total_steps=2", f"trainer.output_dir={out}")
         line = _one_error_line(proc)  # in whichever file of step 2 the space ran out
-        assert line.startswith(f"hybridflow: error: [Errno {errno.ENOSPC}] saving checkpoint "
+        assert line.startswith(f"hybridflow train: error: [Errno {errno.ENOSPC}] saving checkpoint "
                                f"step 2: No space left on device (ENOSPC): "
                                f"'{out}/checkpoints/step_2.tmp"), line
         assert sorted(os.listdir(f"{out}/checkpoints")) == ["latest", "step_1"]

@@ -219,6 +219,68 @@ def test_cli_prints_table_and_json():
     assert json.loads(out)["steps"] == 10
 
 
+
+def _one_error(capsys, tool: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith(f"hybridflow {tool}: error: ") and err.count("\n") == 1, err
+    return err[len(f"hybridflow {tool}: error: "):-1]
+
+
+def test_cli_names_a_bad_calibration_file(tmp_path, capsys):
+    from hybridflow.cost.__main__ import main as cost_main
+
+    bad = tmp_path / "bad.json"
+    for text, what in [
+        ("{not json", "not valid JSON (Expecting property name enclosed in double quotes: line 1 "
+                      "column 2); expected the calibration JSON python -m hybridflow.cost.calibrate "
+                      "writes"),
+        ("[1, 2]", "expected a JSON object of calibration values (as python -m "
+                   "hybridflow.cost.calibrate writes), got list"),
+        ('{"calibration": {"train_mfu": "fast"}}', "train_mfu='fast': expected a number"),
+        ('{"train_muf": 0.5}', "unknown keys ['train_muf']; expected some of ["),
+    ]:
+        bad.write_text(text)
+        assert cost_main(["--model", "qwen2_0_5b", "--calibration", str(bad)]) == 2
+        assert _one_error(capsys, "cost").startswith(f"{bad}: {what}"), text
+    assert cost_main(["--model", "qwen2_0_5b", "--calibration", str(tmp_path / "no.json")]) == 2
+    assert _one_error(capsys, "cost") == f"calibration file {tmp_path / 'no.json'} not found"
+
+
+def test_cli_refuses_a_micro_batch_smaller_than_the_longest_row(capsys):
+    """The trainer refuses a token budget that cannot hold the longest row; so does the cost CLI
+    (it used to model one sequence per micro-batch)."""
+    from hybridflow.cost.__main__ import main as cost_main
+
+    args = ["--model", "qwen2_0_5b", "--num-gpus", "1", "--prompt-len", "512"]
+    assert cost_main([*args, "--micro-batch-tokens", "1000"]) == 2
+    assert _one_error(capsys, "cost") == (
+        "--micro-batch-tokens=1000 (tokens per micro-batch, per GPU) must hold the longest row of a "
+        "step, --prompt-len + --response-len = 512 + 1024 = 1536")
+    assert cost_main([*args, "--response-len-max", "2048", "--forward-micro-batch-tokens", "2048"]) == 2
+    assert _one_error(capsys, "cost") == (
+        "--forward-micro-batch-tokens=2048 (tokens per micro-batch, per GPU) must hold the longest "
+        "row of a step, --prompt-len + --response-len-max = 512 + 2048 = 2560")
+    assert cost_main([*args, "--micro-batch-tokens", "1536"]) == 0
+    cfg = load_config(["experiment=demo", "algo.use_dynamic_bsz=true",
+                       "algo.max_tokens_per_micro_batch_per_gpu=10"])
+    with pytest.raises(ValueError, match=r"^algo.max_tokens_per_micro_batch_per_gpu=10 \(tokens per "
+                                         r"micro-batch, per GPU\) must hold the longest row of a "
+                                         r"step, data.max_prompt_length \+ rollout.max_new_tokens"):
+        validate(cfg, world_size=1)
+
+
+def test_calibrate_cli_names_a_bad_results_file(tmp_path, capsys):
+    (tmp_path / "a.json").write_text('{"records": [')
+    (tmp_path / "b.jsonl").write_text('{"name": "x"}\n{oops\n')
+    (tmp_path / "c.json").write_text('[3]')
+    for name, what in [("a.json", "not valid JSON (Expecting value: line 1 column 14)"),
+                       ("b.jsonl", "line 2: not valid JSON (Expecting property name enclosed in "
+                                   "double quotes: column 2)"),
+                       ("c.json", "record 0: expected a JSON object, got int")]:
+        assert calibrate_main([str(tmp_path / name)]) == 2
+        assert _one_error(capsys, "calibrate") == f"{tmp_path / name}: {what}", name
+
+
 # --- calibration --------------------------------------------------------------------------------
 
 TRUTH = Calibration(train_mfu=0.28, forward_mfu=0.45, fused_train_mfu=0.38, fused_forward_mfu=0.6,

@@ -369,7 +369,7 @@ def test_trainer_prints_one_line_for_a_truncated_file(tiny_llama, tmp_path, capf
     path.write_bytes((tiny_llama / "tiny.gguf").read_bytes()[:40])
     assert main(["experiment=demo", f"model.gguf_path={path}"]) == 2
     err = capfd.readouterr().err
-    assert err == f"hybridflow: error: {path}: not a readable GGUF file (truncated after 40 bytes)\n"
+    assert err == f"hybridflow train: error: {path}: not a readable GGUF file (truncated after 40 bytes)\n"
 
 
 def test_no_chat_template_says_so_once(tiny_llama, tmp_path, monkeypatch, capsys):

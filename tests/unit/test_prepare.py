@@ -13,6 +13,7 @@ import pytest
 
 from hybridflow.data import PromptDataset, load_tokenizer, train_sentencepiece
 from hybridflow.data import prepare
+from tests.tmpfs import fill, mount_tmpfs
 
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 PROBLEMS = [
@@ -142,7 +143,15 @@ def test_missing_and_corrupt_sources(tmp_path, capsys):
     assert prepare.main(["gsm8k", "--out", str(tmp_path / "o"), "--source", str(src),
                          "--sha256", "0" * 64]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("prepare: error: ") and "t.jsonl: sha256" in err
+    assert err.startswith("hybridflow prepare: error: ") and "t.jsonl: sha256" in err
+    (tmp_path / "data.bin").write_bytes(b"\x80\x81 binary")
+    assert prepare.main(["gsm8k", "--out", str(tmp_path / "o"), "--source",
+                         str(tmp_path / "data.bin")]) == 2
+    assert capsys.readouterr().err == (
+        f"hybridflow prepare: error: {tmp_path / 'data.bin'}: not UTF-8 text (byte 0x80 at offset "
+        "0); expected a JSON Lines file with question / answer fields, a .whl or a folder of "
+        "parquet files\n")
+    assert not (tmp_path / "o").exists()
 
 
 def test_experiment_reads_the_prepared_files(tmp_path, monkeypatch):
@@ -185,3 +194,50 @@ def test_experiment_leaves_the_recipe_to_the_algo_group(tmp_path, monkeypatch):
     assert (grpo.adv_estimator, grpo.use_kl_loss, grpo.kl_loss_type, grpo.kl_loss_coef) == \
         ("grpo", True, "k3", 0.001)
     assert load_config(["experiment=gsm8k_qwen_coder_0_5b", "algo=dapo"]).algo.use_kl_loss is False
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("hybridflow prepare: error: ") and err.count("\n") == 1, err
+    return err[len("hybridflow prepare: error: "):-1]
+
+
+def _files(folder) -> dict:
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
+
+
+def test_out_that_is_a_file_or_on_a_read_only_disk(tmp_path, capsys):
+    src = str(write_jsonl(tmp_path / "t.jsonl"))
+    (tmp_path / "out").write_text("mine")
+    assert prepare.main(["gsm8k", "--out", str(tmp_path / "out"), "--source", src,
+                         "--train-size", "3"]) == 2
+    assert _error(capsys) == f"{tmp_path / 'out'}: exists and is not a folder (ENOTDIR)"
+    assert (tmp_path / "out").read_text() == "mine"
+    with mount_tmpfs(str(tmp_path / "ro"), read_only=True) as ro:
+        assert prepare.main(["gsm8k", "--out", f"{ro}/gsm8k", "--source", src,
+                             "--train-size", "3"]) == 2
+        assert _error(capsys) == f"{ro}/gsm8k: Read-only file system (EROFS)"
+
+
+def test_full_disk_leaves_no_partial_dataset(tmp_path, capsys):
+    """A disk with room for the train files but not the val files (a real tmpfs): one line, and
+    neither a new --out nor an existing one is left half-written; an existing --out keeps its
+    other files, and a successful run there replaces only the four it writes."""
+    src = str(write_jsonl(tmp_path / "t.jsonl", PROBLEMS * 100))  # ~200 kB in all
+    with mount_tmpfs(str(tmp_path / "disk"), size="1m") as disk:
+        out = tmp_path / "disk" / "gsm8k"
+        assert prepare.main(["gsm8k", "--out", str(out), "--source", src, "--train-size", "250"]) == 0
+        (out / "notes.txt").write_text("mine")
+        before = _files(out)
+        fill(disk, leave=160_000)  # train (~125 kB) fits, val (~85 kB) not
+        for target in (out, tmp_path / "disk" / "new"):
+            assert prepare.main(["gsm8k", "--out", str(target), "--source", src,
+                                 "--train-size", "300"]) == 2
+            assert _error(capsys) == f"{target}: No space left on device (ENOSPC)"
+        assert sorted(os.listdir(disk)) == ["filler", "gsm8k"]
+        assert _files(out) == before
+        os.remove(os.path.join(disk, "filler"))
+        assert prepare.main(["gsm8k", "--out", str(out), "--source", src, "--train-size", "300"]) == 0
+        assert sorted(os.listdir(disk)) == ["gsm8k"]
+        assert (out / "notes.txt").read_text() == "mine"
+        assert len((out / "val.jsonl").read_text().splitlines()) == 200
