@@ -1,8 +1,10 @@
 """FLOPs per token and bytes per token: the counts every timing formula starts from.
 
 N is `ModelConfig.num_dense_params`: the weights that take part in a matmul for every token, i.e. the
-layers' QKV, output, gate, up and down projections plus the LM head (V x h); biases, norms and the
-embedding lookup are left out (for the critic, the LM head is replaced by its h x 1 value head).
+layers' QKV, output, gate, up and down projections plus the LM head (V x h); biases, norms (also
+Qwen3's q/k norms) and the embedding lookup are left out (for the critic, the LM head is replaced by
+its h x 1 value head). Widths come from head_dim (`q_dim`, `kv_dim`), which need not be
+hidden / heads (Qwen3: 16 x 128 = 2048 for hidden 1024).
 A matmul costs 2 FLOPs per weight per token forward and 4 backward, hence 2N forward and 6N fwd+bwd.
 
 Attention (QK^T and AV): a token at context c costs 4 * q_dim * c FLOPs per layer forward. Causal
@@ -63,8 +65,10 @@ def activation_bytes_per_token_layer(shape: ModelConfig, *, fused_swiglu: bool =
     norm input h + QKV input h + Q,K,V (q + 2kv) + attention output q + MLP norm input h + fc1 input h
     + gate,up 2f + SwiGLU output f  =  4h + 2q + 2kv + 3f elements (Korthikanti et al. 2022, redone
     for GQA + SwiGLU). Megatron's unfused SwiGLU (`fused_swiglu` false) also keeps silu(gate) and
-    its copy of `up` (+ glu_linear_offset): 2f more. Sequence parallelism shards all of it over
-    TP."""
+    its copy of `up` (+ glu_linear_offset): 2f more. The q/k norms (`qk_layernorm`, Qwen3) keep
+    their inputs, Q and K before the norm: q + kv more (RoPE, a product with fixed tables, keeps
+    nothing of its own). Sequence parallelism shards all of it over TP."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
-    return BYTES_PER_PARAM * (4 * h + 2 * shape.q_dim + 2 * shape.kv_dim
+    qk_norm_inputs = shape.q_dim + shape.kv_dim if shape.qk_layernorm else 0
+    return BYTES_PER_PARAM * (4 * h + 2 * shape.q_dim + 2 * shape.kv_dim + qk_norm_inputs
                               + (3 if fused_swiglu else 5) * f)

@@ -43,6 +43,9 @@ def test_tiny_param_count_by_hand():
     ("qwen2_0_5b", 494_032_768),    # Qwen2-0.5B, tied embeddings: the published 494M
     ("qwen2_7b", 7_615_616_512),    # Qwen2-7B: 7.6B
     ("llama3_8b", 8_030_261_248),   # Llama-3-8B: 8.03B
+    ("qwen3_0_6b", 596_049_920),    # Qwen3-0.6B, tied: 0.6B, 0.44B without the embedding
+    ("qwen3_1_7b", 1_720_574_976),  # Qwen3-1.7B, tied: 1.7B
+    ("qwen3_8b", 8_190_735_360),    # Qwen3-8B, untied: 8.2B
 ])
 def test_real_model_param_counts(name, expected):
     assert load_shape(name).num_params == expected
@@ -62,6 +65,33 @@ def test_hf_config_json(tmp_path):
     assert load_shape(tmp_path / "llama.json").num_params == 8_030_261_248
     r = estimate_cost(model=str(tmp_path), gpu="H100", num_gpus=2, prompts_per_step=8, steps=3)
     assert r.fits and r.steps == 3
+
+
+def test_qwen3_shapes_match_their_config_json():
+    """conf/model/qwen3_*.yaml hold what the trainer reads from Qwen3's config.json (the published
+    values, copied here); the q/k norms count as parameters (2 x head_dim per layer) and their
+    inputs as stored activations, not as matmul FLOPs; widths follow head_dim (0.6B: 16 heads of
+    128 on a hidden size of 1024)."""
+    import dataclasses
+
+    from hybridflow.cost.flops import activation_bytes_per_token_layer, forward_flops_per_token
+
+    common = {"model_type": "qwen3", "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+              "max_position_embeddings": 40960, "rope_theta": 1000000.0, "attention_bias": False,
+              "use_sliding_window": False, "sliding_window": None, "max_window_layers": 28}
+    published = {"qwen3_0_6b": (28, 1024, 3072, 16, 8, True), "qwen3_1_7b": (28, 2048, 6144, 16, 8, True),
+                 "qwen3_8b": (36, 4096, 12288, 32, 8, False)}
+    for name, (layers, h, f, heads, kv, tied) in published.items():
+        c = {**common, "name": name, "num_hidden_layers": layers, "hidden_size": h,
+             "intermediate_size": f, "num_attention_heads": heads, "num_key_value_heads": kv,
+             "tie_word_embeddings": tied}
+        assert dataclasses.replace(load_shape(c), hf_architecture=None) == load_shape(name), name
+    s = load_shape("qwen3_0_6b")
+    assert s.qk_layernorm and s.q_dim == 2048 != s.hidden_size and s.kv_dim == 1024
+    plain = dataclasses.replace(s, qk_layernorm=False)
+    assert s.layer_params - plain.layer_params == 2 * 128
+    assert activation_bytes_per_token_layer(s) - activation_bytes_per_token_layer(plain) == 2 * (2048 + 1024)
+    assert forward_flops_per_token(s, 1024) == forward_flops_per_token(plain, 1024)
 
 
 def test_unknown_names_raise_value_error():
