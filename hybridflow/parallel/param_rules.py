@@ -11,7 +11,9 @@ Rules (local and TE specs of a Llama/Qwen2-style GPTModel):
 - `gated_fc1`:  mlp.linear_fc1.weight with a gated unit: each shard holds [gate_r; up_r], so the full
                 tensor [gate; up] is NOT the concatenation: shard r = [gate.chunk(tp)[r]; up.chunk(tp)[r]].
 - `row`:        linear_proj.weight, linear_fc2.weight; split on dim 1.
-- `replicated`: norms, biases of row-parallel layers, the scalar value head; identical on every rank.
+- `replicated`: norms (also Qwen3's per-head q/k norms, `q_layernorm` / `k_layernorm`: one (head_dim,)
+                weight shared by every head), biases of row-parallel layers, the scalar value head;
+                identical on every rank.
 """
 
 from __future__ import annotations
