@@ -292,6 +292,9 @@ class TrainerConfig:
     save_final: bool = True  # checkpoint when training ends
     resume: bool = True  # continue from the newest checkpoint in <output_dir>/checkpoints
     resume_allow_vocab_resize: bool = False  # resume with another model.vocab_size (rows kept/zeroed)
+    # resume on training data other than the checkpoint's (data.train_files content or row count;
+    # hybridflow/run_state.py): the sampler starts its epoch again over the new data
+    resume_allow_data_change: bool = False
     # re-deal the step's rows over the DP ranks by tokens after generation (verl's name; each rank
     # otherwise trains on its own prompts' groups); hybridflow/parallel/balance.py
     balance_batch: bool = False

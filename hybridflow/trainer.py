@@ -27,7 +27,7 @@ import torch.distributed as dist
 from hybridflow import components
 from hybridflow.parallel.context import ParallelContext
 from hybridflow.rollout.stage import RolloutStage
-from hybridflow.run_state import Checkpointer
+from hybridflow.run_state import Checkpointer, train_data_record
 from hybridflow.algo import (apply_kl_penalty, build_kl_controller, get_advantage_estimator,
                              overlong_penalty, batch_mismatch_metrics)
 from hybridflow.algo.objectives import actor_objective, critic_objective, sft_objective
@@ -51,6 +51,7 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         self.tokenizer, self.dataset, self.tokenizer_path = components.build_tokenizer_and_dataset(cfg)
         self.sampler = components.build_sampler(cfg, ctx, self.dataset)
+        self.train_data = train_data_record(cfg.data, num_rows=len(self.dataset))  # checkpointed
         self.engines = components.build_engines(cfg, ctx)
         components.finalize_engines(self.engines, self.tokenizer)
         self.actor = self.engines["actor"]
@@ -338,12 +339,13 @@ class Trainer:
         # RNG states are per rank: hybridflow.checkpoint saves and restores them itself
         return {"step": self.step, "sft_done": self.sft_done,
                 "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "kept_estimate": self.kept_estimate}
+                "kept_estimate": self.kept_estimate, "train_data": self.train_data}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, restart_epoch: bool = False) -> None:
+        """restart_epoch: the training data changed (trainer.resume_allow_data_change)."""
         self.step = state["step"]
         self.sft_done = state["sft_done"]
-        self.sampler.load_state_dict(state["sampler"])
+        self.sampler.load_state_dict(state["sampler"], restart_epoch=restart_epoch)
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.kept_estimate = state.get("kept_estimate")  # absent in checkpoints before it
 

@@ -11,7 +11,8 @@ Choices:
   is filled up from the start of the same permutation, so every step has exactly B prompts (group
   sizes and loss scaling downstream assume a fixed batch).
 - The state is (epoch, step within the epoch). The DP size is not part of it: a run resumed on a
-  different number of DP ranks sees the same global batches, only sliced differently.
+  different number of DP ranks sees the same global batches, only sliced differently. Resumed on
+  other data (`restart_epoch`), the saved epoch starts again over the new items.
 """
 
 from __future__ import annotations
@@ -92,14 +93,21 @@ class PromptSampler:
                 "num_items": self.num_items, "batch_size": self.batch_size, "shuffle": self.shuffle,
                 "drop_last": self.drop_last}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, restart_epoch: bool = False) -> None:
+        """Continue where `state` stopped. restart_epoch: the data changed (the trainer's
+        trainer.resume_allow_data_change): the saved epoch starts again from its first batch over
+        this sampler's items, whose count may differ."""
         for key in ("seed", "num_items", "batch_size", "shuffle", "drop_last"):
+            if key == "num_items" and restart_epoch:
+                continue
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(f"sampler state has {key}={state[key]!r} but this run has {getattr(self, key)!r}; "
                                  "resuming would not continue the same batches")
         for key in ("epoch", "step_in_epoch"):
             if not isinstance(state.get(key), int) or state[key] < 0:
                 raise ValueError(f"sampler state: {key} must be a non-negative int, got {state.get(key)!r}")
+        if restart_epoch:
+            state = {**state, "step_in_epoch": 0}
         if state["step_in_epoch"] >= self.steps_per_epoch:
             raise ValueError(f"sampler state: step_in_epoch {state['step_in_epoch']} is past steps_per_epoch "
                              f"{self.steps_per_epoch}")

@@ -8,6 +8,10 @@
   run's bit for bit; its reward summary numbers steps 3-4.
 - Resuming under another model is refused with one line naming each differing key; vocab resizing
   runs when asked for explicitly.
+- Resuming on other training data (another file, same or another row count, or synthetic data
+  swapped for a file) is refused with one line naming data.train_files, both sources and
+  trainer.resume_allow_data_change; with it the sampler starts its epoch again over the new data;
+  a checkpoint that does not record its data resumes with a warning line.
 - Start-up on a read-only, a full and a forbidden output directory (real tmpfs mounts; the last
   run by root without CAP_DAC_OVERRIDE, which otherwise ignores permission bits): one line naming
   the errno and the path,
@@ -26,6 +30,7 @@ import sys
 
 import pytest
 
+from hybridflow.run_state import file_sha256
 from tests.tmpfs import fill, mount_tmpfs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -164,3 +169,82 @@ def test_fresh_run_refuses_a_directory_with_checkpoints(runs):
     line = _one_error_line(proc)
     assert "trainer.resume=false" in line and "step_4" in line and "trainer.output_dir" in line
     assert sorted(os.listdir(whole / "checkpoints")) == before
+
+
+def _arith_files(folder, **sizes_by_seed) -> dict:
+    """jsonl files of the demo's arith task ({name: (seed, rows)}) and a char tokenizer for them."""
+    from hybridflow.data import train_sentencepiece
+    from hybridflow.data.synthetic import make_task, tokenizer_corpus
+
+    files, corpus = {}, []
+    for name, (seed, rows) in sizes_by_seed.items():
+        records = make_task("arith", size=rows, seed=seed)
+        files[name] = folder / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps(r) + "\n" for r in records))
+        corpus += tokenizer_corpus(records)
+    files["tokenizer"] = train_sentencepiece(lines=corpus, model_prefix=folder / "spm",
+                                             vocab_size=64, model_type="char")
+    return files
+
+
+def _source(path, rows) -> str:
+    return f"{path} ({rows} rows, sha256 {file_sha256(str(path))[:12]})"
+
+
+def test_resume_refuses_a_swap_of_synthetic_data_for_a_file(runs, tmp_path):
+    whole = runs[0]
+    files = _arith_files(tmp_path, a=(5, 24))
+    line = _one_error_line(_run(*RUN, f"trainer.output_dir={whole}", "trainer.total_steps=5",
+                                "data.synthetic=null", f"data.train_files={files['a']}",
+                                f"data.tokenizer={files['tokenizer']}"))
+    assert line == (f"hybridflow train: error: data.train_files changed since checkpoint "
+                    f"{whole / 'checkpoints' / 'step_4'}: it trained on synthetic:arith (24 "
+                    f"rows), this run reads {_source(files['a'], 24)}; resume with the same data, "
+                    "or set trainer.resume_allow_data_change=true to train on the new prompts (the "
+                    "sampler then starts its epoch again over them)")
+
+
+@pytest.mark.slow  # six runs in subprocesses
+def test_resume_checks_the_training_data(tmp_path):
+    files = _arith_files(tmp_path, a=(1, 24), b=(2, 24), c=(3, 16))
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints"
+    common = [*RUN, "data.synthetic=null", f"data.tokenizer={files['tokenizer']}",
+              "trainer.sft_warmup_steps=0", f"trainer.output_dir={out}"]
+    first = _run(*common, f"data.train_files={files['a']}", "trainer.total_steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    for other, rows in (("b", 24), ("c", 16)):  # the same row count, another row count
+        line = _one_error_line(_run(*common, f"data.train_files={files[other]}",
+                                    "trainer.total_steps=3"))
+        assert line == (f"hybridflow train: error: data.train_files changed since checkpoint "
+                        f"{ckpt / 'step_2'}: it trained on {_source(files['a'], 24)}, this run "
+                        f"reads {_source(files[other], rows)}; resume with the same data, or set "
+                        "trainer.resume_allow_data_change=true to train on the new prompts (the "
+                        "sampler then starts its epoch again over them)")
+    assert (ckpt / "latest").read_text().strip() == "2"  # nothing touched
+
+    ok = _run(*common, f"data.train_files={files['b']}", "trainer.total_steps=3",
+              "trainer.resume_allow_data_change=true")
+    assert ok.returncode == 0 and "at step 2 of 3" in ok.stdout, ok.stderr[-3000:]
+    assert (f"hybridflow: warning: data.train_files changed since checkpoint {ckpt / 'step_2'}: "
+            f"it trained on {_source(files['a'], 24)}, this run reads {_source(files['b'], 24)}; "
+            "trainer.resume_allow_data_change=true: the sampler starts epoch 0 again over the new "
+            "data") in ok.stdout.splitlines()
+    state = json.loads((ckpt / "step_3" / "trainer_state.json").read_text())
+    assert state["train_data"] == {"source": str(files["b"]), "num_rows": 24,
+                                   "sha256": file_sha256(str(files["b"]))}
+    # step 2 ended at step 2 of epoch 0 (3 steps per epoch); epoch 0 restarted: one step into it
+    assert (state["sampler"]["epoch"], state["sampler"]["step_in_epoch"]) == (0, 1)
+
+    del state["train_data"]  # as a checkpoint saved before the data was recorded
+    (ckpt / "step_3" / "trainer_state.json").write_text(json.dumps(state))
+    line = _one_error_line(_run(*common, f"data.train_files={files['c']}", "trainer.total_steps=4"))
+    assert line.startswith(f"hybridflow train: error: data.train_files changed since checkpoint "
+                           f"{ckpt / 'step_3'}: it trained on 24 rows (its file is not recorded), "
+                           f"this run reads {_source(files['c'], 16)}; "), line
+    old = _run(*common, f"data.train_files={files['b']}", "trainer.total_steps=4")
+    assert old.returncode == 0 and "at step 3 of 4" in old.stdout, old.stderr[-3000:]
+    assert (f"hybridflow: warning: checkpoint {ckpt / 'step_3'} does not record its training data "
+            f"(saved by an older hybridflow): data.train_files={files['b']} (24 rows) is taken to "
+            "be the data it trained on") in old.stdout.splitlines()
+    assert [r["step"] for r in _rows(out / "metrics.jsonl")] == [1, 2, 3, 4]

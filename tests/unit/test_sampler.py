@@ -77,3 +77,21 @@ def test_errors_name_the_numbers():
         s.load_state_dict({**s.state_dict(), "seed": 1})
     with pytest.raises(ValueError, match="step_in_epoch 10"):
         s.load_state_dict({**s.state_dict(), "step_in_epoch": 10})
+
+
+def test_restart_epoch_over_new_data():
+    """Resuming on other data (trainer.resume_allow_data_change): the saved epoch again, from its
+    first batch, over the new row count; batch size, seed and the rest still have to match."""
+    old = PromptSampler(24, batch_size=8, dp_rank=0, dp_size=1, seed=1)
+    take(old, 4)  # epoch 1, step 1
+    new = PromptSampler(16, batch_size=8, dp_rank=0, dp_size=1, seed=1)
+    with pytest.raises(ValueError, match="num_items=24"):
+        new.load_state_dict(old.state_dict())
+    new.load_state_dict(old.state_dict(), restart_epoch=True)
+    assert (new.epoch, new.step_in_epoch) == (1, 0)
+    fresh = PromptSampler(16, batch_size=8, dp_rank=0, dp_size=1, seed=1)
+    take(fresh, 2)  # the same epoch of the new data from its start
+    assert take(new, 2) == take(fresh, 2)
+    with pytest.raises(ValueError, match="batch_size=8"):
+        PromptSampler(16, batch_size=4, dp_rank=0, dp_size=1, seed=1).load_state_dict(
+            old.state_dict(), restart_epoch=True)
