@@ -1,6 +1,7 @@
 """rollout.decode_kernels=triton on a GPU: the compiled Triton kernels against their PyTorch twins in
 bf16 (RoPE + KV writes: the twin's roundings, so within one bf16 ulp; attention: within bf16
-rounding of the output) and fp32, and the generator under CUDA graphs (buckets, attention windows,
+rounding of the output) and fp32, also with Qwen3's q/k norm fused in (its fp32 sums in another
+order: two bf16 ulps), and the generator under CUDA graphs (buckets, attention windows,
 compaction, compiled decode, the decode options' variants): fp32 greedy tokens equal the torch
 path's, nothing re-captured on a second call; programmatic dependent launch and the L2 hints
 (DecodeOptions.pdl / prefetch_weights) change no bit.
@@ -37,9 +38,21 @@ def _tables(hd, length=512):
     return torch.cat([f.cos(), f.cos()], -1), torch.cat([-f.sin(), f.sin()], -1)
 
 
+def _qk_norm_args(on: bool, hd: int, dtype, g) -> tuple[dict, dict | None]:
+    """(q_norm / k_norm / eps kwargs, its tolerance: the norm's sums run in another order) of the
+    q/k-norm variant; ({}, None) without it."""
+    if not on:
+        return {}, None
+    w = [(torch.rand(hd, generator=g, device="cuda") + 0.5).to(dtype) for _ in range(2)]
+    tol = (dict(atol=2 ** -6, rtol=2 ** -6) if dtype == torch.bfloat16
+           else dict(atol=1e-5, rtol=1e-5))
+    return dict(q_norm=w[0], k_norm=w[1], eps=1e-6), tol
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("B,S,G,hpg,hd", [(256, 1, 2, 7, 64), (16, 128, 2, 7, 64), (3, 77, 4, 6, 128)])
-def test_prefill_rope_kernel_matches_twin(dtype, B, S, G, hpg, hd):
+def test_prefill_rope_kernel_matches_twin(dtype, B, S, G, hpg, hd, qk_norm):
     """rope_kv_prefill (the prefill's RoPE + K/V writes): the twin's roundings, one bf16 ulp."""
     g = torch.Generator(device="cuda").manual_seed(0)
     cache = torch.randn(2, B, G, S + 5, hd, generator=g, device="cuda").to(dtype)
@@ -47,20 +60,23 @@ def test_prefill_rope_kernel_matches_twin(dtype, B, S, G, hpg, hd):
     qkv = torch.randn(B, S, G, hpg + 2, hd, generator=g, device="cuda").to(dtype)
     cos_t, sin_t = (t.cuda().to(dtype) for t in _tables(hd))
     pos = torch.randint(0, 512, (B, S), generator=g, device="cuda")
+    norm, norm_tol = _qk_norm_args(qk_norm, hd, dtype, g)
     q = kern.rope_kv_prefill(qkv, cos_t[pos], sin_t[pos], cache[0], cache[1], hpg=hpg,
-                             impl="triton")
+                             impl="triton", **norm)
     q2 = kern.rope_kv_prefill(qkv, cos_t[pos], sin_t[pos], cache2[0], cache2[1], hpg=hpg,
-                              impl="torch")
+                              impl="torch", **norm)
     # the twin's roundings (x cos, then the multiply-add); an FMA may move the last bit
     one_ulp = dict(atol=1e-6, rtol=2 ** -7) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
+    one_ulp = norm_tol or one_ulp
     for got, want in ((q, q2), (cache, cache2)):
         torch.testing.assert_close(got.float(), want.float(), **one_ulp)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("B,G,hpg,hd,T,kv", [(256, 2, 7, 64, 384, 320), (64, 2, 6, 128, 384, 384),
                                              (3, 4, 7, 128, 1280, 77)])
-def test_rope_attention_matches_its_twins(dtype, B, G, hpg, hd, T, kv):
+def test_rope_attention_matches_its_twins(dtype, B, G, hpg, hd, T, kv, qk_norm):
     """kernels/rope_attention.py against its twins rope_kv_write + decode_attention (PyTorch): the
     same cache (the same roundings, to one bf16 ulp) and the same output within the rounding of a
     different summation order; the device's split count (one split at 256 x 2, several at 3 x 4)
@@ -76,18 +92,20 @@ def test_rope_attention_matches_its_twins(dtype, B, G, hpg, hd, T, kv):
     cur = torch.tensor([kv - 3], device="cuda")
     valid = torch.rand(B, T, generator=g, device="cuda") < 0.7
     valid[:, kv - 3] = True
+    norm, norm_tol = _qk_norm_args(qk_norm, hd, dtype, g)
     cache2 = cache.clone()
     kc2, vc2 = cache2[0, 1, :, :, :kv], cache2[1, 1, :, :, :kv]
-    q = kern.rope_kv_write(qkv, cos, sin, kc2, vc2, cur, hpg=hpg)
+    q = kern.rope_kv_write(qkv, cos, sin, kc2, vc2, cur, hpg=hpg, **norm)
     a2 = kern.decode_attention(q, kc2, vc2, valid[:, :kv])
     # the same roundings; an FMA the compiler forms in one kernel and not the other may move a bit
     one_ulp = dict(atol=1e-6, rtol=2 ** -7) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
+    one_ulp = norm_tol or one_ulp
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     for splits in (None, 1, 2, -(-kv // kern.BLOCK_T)):
         got = cache.clone()
         kc, vc = got[0, 1, :, :, :kv], got[1, 1, :, :, :kv]
         a = rope_attention(qkv, cos, sin, kc, vc, cur, valid[:, :kv], hpg=hpg, splits=splits,
-                           impl="triton")
+                           impl="triton", **norm)
         torch.testing.assert_close(got.float(), cache2.float(), **one_ulp)
         torch.testing.assert_close(a.float(), a2.float(), atol=tol, rtol=tol)
 
