@@ -11,6 +11,9 @@
 #   bash benchmarks/gsm8k_h200.sh hf_eval               # transformers' greedy accuracy on the val set
 #   bash benchmarks/gsm8k_h200.sh train SECONDS [k=v..] # GRPO with validation; stops (checkpoint)
 #                                                         before SECONDS; run again to resume
+#   bash benchmarks/gsm8k_h200.sh step [STEPS] [k=v..]  # the recipe's step time: STEPS (24) steps
+#                                                         without validation or checkpoints, medians
+#                                                         over steps 2.. -> $OUT/gsm8k_step_h200.json
 #   bash benchmarks/gsm8k_h200.sh score DIR... [-- k=v..] # our validation of HF snapshots (TRL's,
 #                                                         trl_gsm8k.py --save-at) in one process
 # Everything lands in $OUT (metrics.jsonl, val_generations.jsonl, val_scores.jsonl, hf_eval.json,
@@ -52,6 +55,19 @@ train() {
     2>&1 | tee -a "$OUT/train.log"
   cp "$RUN_DIR/metrics.jsonl" "$RUN_DIR/val_generations.jsonl" "$RUN_DIR/val_scores.jsonl" "$OUT/" \
     2>/dev/null || true
+}
+
+step() {
+  local steps=${1:-24}; [ $# -gt 0 ] && shift
+  local dir=/tmp/gsm8k_step
+  rm -rf "$dir"
+  local cmd=(python3 -m hybridflow.train experiment=gsm8k_qwen_coder_0_5b model.gguf_path="$GGUF"
+    data.train_files="$DATA/train.parquet" data.val_files="$DATA/val.parquet" trainer.output_dir="$dir"
+    trainer.progress_bar=false trainer.total_steps="$steps" trainer.val_before_train=false
+    trainer.val_every=0 trainer.save_every=0 "$@")
+  "${cmd[@]}" 2>&1 | tee "$OUT/step.log"
+  python3 benchmarks/gsm8k_report.py --step-only --metrics "$dir/metrics.jsonl" \
+    --command "${cmd[*]}" --out "$OUT/gsm8k_step_h200.json"
 }
 
 score() {  # the experiment's validation (prompts, template, greedy, stops, rules) of each snapshot

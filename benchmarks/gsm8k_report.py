@@ -11,6 +11,11 @@ leaving out `--exclude-steps` (steps that shared the GPU with another process).
       [--trl-scores trl_scores.json] [--val-scores val_scores.jsonl --trl-val-scores \
       trl_score_val_scores.jsonl] --exclude-steps 12-16 --out benchmarks/results/gsm8k_h200.json \
       --png benchmarks/results/gsm8k_h200.png --table benchmarks/results/gsm8k_h200.md
+
+`--step-only` summarises a run without validation or peers (`gsm8k_h200.sh step`: the recipe's
+step time and stages, run on the machine that measured it, which it records):
+
+  python benchmarks/gsm8k_report.py --step-only --metrics M.jsonl --command "..." --out X.json
 """
 
 import argparse
@@ -179,13 +184,28 @@ def kept_keys(out: str, keep: str) -> dict:
     return {k: old[k] for k in keep.split(",")}
 
 
+def write_step_summary(summary: dict, args) -> None:
+    from run_record import machine, versions, write_json  # beside this script
+
+    lengths = [v for _, v in summary["per_step"]["response_length/mean"]]
+    out = {k: summary[k] for k in ("ours_step_s", "ours_first_step_s", "ours_stages_s",
+                                   "ours_steps_timed", "ours_peak_memory_gb")}
+    out.update(mean_response_length=statistics.mean(lengths) if lengths else None,
+               per_step={k: summary["per_step"][k] for k in ("critic/score/mean", "response_length/mean")},
+               excluded_steps=sorted(_steps(args.exclude_steps)), command=args.command,
+               machine=machine(), versions=versions("megatron-core", "triton"))
+    write_json(args.out, out)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--metrics", required=True)
-    ap.add_argument("--hf-eval", required=True, action="append",
+    ap.add_argument("--step-only", action="store_true",
+                    help="step times and stages only (no --hf-eval / --trl); records this machine")
+    ap.add_argument("--hf-eval", action="append",
                     help="gsm8k_hf_eval.py JSON; repeat for several evals (the first is the one "
                          "compared with step 0: run it on the same machine as the run)")
-    ap.add_argument("--trl", required=True)
+    ap.add_argument("--trl")
     ap.add_argument("--trl-scores", help="score_snapshots.py JSON: our validation of TRL's snapshots")
     ap.add_argument("--exclude-steps", default="", help="e.g. 12-16: steps that shared the GPU")
     ap.add_argument("--command", default="", help="the run's command, recorded in the JSON")
@@ -198,9 +218,14 @@ def main():
                     help="comma-separated keys carried over from the existing --out (e.g. "
                          "earlier_runs,what,raw: notes this script does not compute)")
     args = ap.parse_args()
+    if not args.step_only and not (args.hf_eval and args.trl):
+        ap.error("--hf-eval and --trl are required (or --step-only)")
     kept = kept_keys(args.out, args.keep)
     rows = [json.loads(line) for line in open(args.metrics)]
     summary = summarise(rows, exclude=_steps(args.exclude_steps))
+    if args.step_only:
+        write_step_summary(summary, args)
+        return
     hfs = [json.load(open(p)) for p in args.hf_eval]
     hf, trl = hfs[0], json.load(open(args.trl))
     summary["transformers_val_accuracy"] = hf["accuracy"]["math_exact"]
