@@ -18,12 +18,9 @@ cause print one line, `hybridflow export: error: ...` (hybridflow.cli), and exit
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
 import re
 import sys
-import zipfile
 from typing import Optional
 
 from hybridflow import cli
@@ -87,59 +84,10 @@ def export(checkpoint: str, out_dir: str, *, role: str = "actor", step: Optional
 
 
 def _read_weights(ckpt: str, role: str):
-    from torch.distributed.checkpoint.api import CheckpointException
+    from hybridflow.checkpoint import load_full_state_dict, unreadable
 
-    from hybridflow.checkpoint import load_full_state_dict
-
-    try:
+    with unreadable.named(ckpt, role):
         return load_full_state_dict(ckpt, role=role)
-    # what a truncated or corrupt file raises, from json, pickle, torch's zip reader and
-    # torch_dist's readers (CheckpointException is a BaseException wrapping the per-rank error)
-    except (json.JSONDecodeError, EOFError, pickle.UnpicklingError, RuntimeError,
-            CheckpointException) as e:
-        raise ValueError(_unreadable(ckpt, role, e)) from None
-
-
-def _unreadable(ckpt: str, role: str, e: BaseException) -> str:
-    """Name the file that made reading fail: a JSON file that does not parse, the torch_dist index
-    (`.metadata`), a shard shorter than the index says, a torch file that is not a whole zip."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    role_dir, expected = os.path.join(ckpt, role), "expected the file as the save wrote it"
-    for path in (os.path.join(ckpt, f"model_config_{role}.json"),
-                 os.path.join(role_dir, "metadata.json")):
-        try:
-            with open(path, encoding="utf-8") as f:
-                json.load(f)
-        except json.JSONDecodeError as bad:
-            where = f"line {bad.lineno} column {bad.colno}"
-            return f"{path}: not valid JSON ({bad.msg}: {where}); {expected}"
-        except OSError:  # absent: not what failed
-            continue
-    try:
-        index = FileSystemReader(role_dir).read_metadata()
-    except Exception as bad:  # pickle, EOF, attribute errors of a half-read object
-        return f"{role_dir}/.metadata: unreadable ({type(bad).__name__}: {bad}); {expected}"
-    needs: dict[str, int] = {}
-    for item in index.storage_data.values():
-        needs[item.relative_path] = max(needs.get(item.relative_path, 0), item.offset + item.length)
-    for name, need in sorted(needs.items()):
-        path = os.path.join(role_dir, name)
-        size = os.path.getsize(path)
-        if size < need:
-            return f"{path}: truncated: {size} bytes, its checkpoint index needs {need}; {expected}"
-    for name in sorted(os.listdir(role_dir)):
-        if name.endswith(".pt"):
-            try:
-                with zipfile.ZipFile(os.path.join(role_dir, name)) as z:
-                    z.testzip()
-            except zipfile.BadZipFile as bad:
-                return f"{role_dir}/{name}: not a readable torch file ({bad}); {expected}"
-    failures = getattr(e, "failures", None)  # CheckpointException: {rank: (error, traceback)}
-    cause = next(iter(failures.values()))[0] if failures else e
-    first = re.split(r"(?<=\.)\s", " ".join(str(cause).split()), maxsplit=1)[0][:120]
-    return (f"{role_dir}: cannot read the saved {role} weights ({type(cause).__name__}: {first}); "
-            "a file under it is corrupt")
 
 
 @cli.tool("export")

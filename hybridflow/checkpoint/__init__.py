@@ -46,7 +46,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.utils import unwrap_model
 
-from hybridflow.checkpoint import optim, state
+from hybridflow.checkpoint import optim, state, unreadable
 from hybridflow.checkpoint.failures import io_errors, raise_on_any_rank
 from hybridflow.checkpoint.full import load_full_state_dict
 from hybridflow.checkpoint.state import model_config_diff, read_model_config
@@ -221,7 +221,8 @@ def load_checkpoint(root_dir: str, *, models: dict, optimizers: dict = {}, sched
             request["optimizer"], optimizer_sd = optim.sharded_state_dict(
                 optimizer, model_sd, is_loading=True)
         _check_shapes(request, role_dir)
-        loaded = dist_checkpointing.load(request, role_dir)
+        with unreadable.named(path, role):
+            loaded = dist_checkpointing.load(request, role_dir)
         for chunk, key in zip(_unwrap(chunks), _chunk_keys(chunks)):
             chunk.load_state_dict(loaded["model"][key], strict=True)
         if optimizer is not None:

@@ -68,7 +68,10 @@ def read_trainer_state(path: str) -> dict:
     state = read_json(os.path.join(path, "trainer_state.json"))
     extra = os.path.join(path, "trainer_state.pt")
     if os.path.exists(extra):
-        state.update(torch.load(extra, weights_only=False))
+        from hybridflow.checkpoint.unreadable import named_file
+
+        with named_file(extra):
+            state.update(torch.load(extra, weights_only=False))
     return state
 
 
@@ -124,7 +127,10 @@ def restore_rng(path: str, layout=None) -> bool:
     if not os.path.exists(rng_file) or any(meta.get(k) != v
                                            for k, v in layout_record(layout).items()):
         return False
-    state = torch.load(rng_file, weights_only=False)
+    from hybridflow.checkpoint.unreadable import named_file
+
+    with named_file(rng_file):
+        state = torch.load(rng_file, weights_only=False)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -152,4 +158,8 @@ def read_json(path: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: incomplete checkpoint?")
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e.msg}: line {e.lineno} column {e.colno}); "
+                             "expected the file as the save wrote it") from None

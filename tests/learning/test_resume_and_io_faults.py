@@ -122,6 +122,18 @@ def test_resume_refuses_another_model_unless_vocab_resize_is_asked(runs):
     assert _rows(crashed / "metrics.jsonl")[-1]["step"] == 5
 
 
+def test_resume_from_a_truncated_checkpoint_names_the_file(runs, tmp_path):
+    _, crashed, _, _ = runs
+    copy = tmp_path / "copy"
+    shutil.copytree(crashed, copy)
+    actor = copy / "checkpoints" / "step_4" / "actor"
+    shard = max(actor.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    line = _one_error_line(_run(*RUN, f"trainer.output_dir={copy}", "trainer.total_steps=5"))
+    assert f"{shard}: truncated:" in line, line
+    assert (copy / "checkpoints" / "latest").read_text().strip() == "4"  # nothing touched
+
+
 def test_unwritable_output_dir_at_start(tmp_path):
     quick = ["trainer.total_steps=1", "trainer.sft_warmup_steps=0"]
     with mount_tmpfs(str(tmp_path / "ro"), read_only=True) as ro:
