@@ -26,11 +26,15 @@ def _positive(key: str, value) -> None:
         raise ValueError(f"{key}={value!r} must be a positive number")
 
 
-def validate_model(cfg: ModelConfig, *, tp: int, pp: int, prefix: str = "model") -> None:
+def check_one_model_source(cfg: ModelConfig, prefix: str = "model") -> None:
     if cfg.hf_path is not None and cfg.gguf_path is not None:
         raise ValueError(f"{prefix}.hf_path={cfg.hf_path} and {prefix}.gguf_path={cfg.gguf_path} "
                          f"are both set: the weights come from one of them; set the other to null "
                          f"({prefix}.gguf_path=null or {prefix}.hf_path=null)")
+
+
+def validate_model(cfg: ModelConfig, *, tp: int, pp: int, prefix: str = "model") -> None:
+    check_one_model_source(cfg, prefix)
     for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
               "num_query_groups", "vocab_size"):
         _positive(f"{prefix}.{k}", getattr(cfg, k))

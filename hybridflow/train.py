@@ -21,12 +21,13 @@ import warnings
 
 from hybridflow import watchdog
 from hybridflow.config import Config, load_config, to_dict
-from hybridflow.config_checks import validate
+from hybridflow.config_checks import check_one_model_source, validate
 
 
 def resolve_model_source(cfg: Config) -> Config:
     """When the model comes from a checkpoint, its config.json / GGUF metadata defines the shape."""
     m = cfg.model
+    check_one_model_source(m)  # before either file is read
     if m.hf_path is not None:
         from hybridflow.models.hf import read_hf_config
 
