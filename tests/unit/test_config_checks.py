@@ -23,11 +23,11 @@ def test_hf_and_gguf_paths_both_set_are_refused(role):
                  world_size=1)
 
 
-def test_both_paths_are_refused_before_either_file_is_read(capsys):
+def test_both_paths_are_refused_before_either_file_is_read(capfd):
     from hybridflow.train import main
 
     code = main(["experiment=demo", "model.hf_path=/nonexistent/qwen",
                  "model.gguf_path=/nonexistent/qwen.gguf", "trainer.output_dir=/nonexistent/out"])
-    err = capsys.readouterr().err.strip().splitlines()
+    err = capfd.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("hybridflow train: error: model.hf_path=/nonexistent/qwen "
                                             "and model.gguf_path=/nonexistent/qwen.gguf are both set")
