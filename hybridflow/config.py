@@ -84,6 +84,25 @@ class DecodeKernelOptions:
 
 
 @dataclass
+class MultiTurnConfig:
+    """rollout.multi_turn (verl's names): generation that calls tools between assistant turns
+    (hybridflow/rollout/multi_turn.py). Off: one response per prompt. Decoding runs the eager torch
+    path (no CUDA graphs, Triton decode kernels, compile, KV windows or compaction)."""
+    enable: bool = False
+    # model turns per trajectory; a tool call in the last one ends it (its result is not appended)
+    max_assistant_turns: int = 5
+    # tokens of one tool result appended to the context (longer results are cut)
+    max_tool_response_length: int = 256
+    # verl's tool config YAML (tools: - class_name, config, tool_schema); required when enabled
+    tool_config_path: Optional[str] = None
+    # "hermes": <tool_call>{json}</tool_call> calls, results as the chat template's tool messages;
+    # "code": fenced ```python blocks run by the first tool, output appended as ```output blocks
+    format: str = "hermes"
+    # threads running tool calls (rows' calls run concurrently while other rows decode)
+    tool_workers: int = 8
+
+
+@dataclass
 class RolloutConfig:
     tensor_parallel_size: Optional[int] = None  # TP_g; None: same as training TP
     max_new_tokens: int = 32
@@ -130,6 +149,9 @@ class RolloutConfig:
     kernel_options: DecodeKernelOptions = field(default_factory=DecodeKernelOptions)
     return_logprobs: bool = False
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
+    # multi-turn rollouts with tools; max_new_tokens then bounds a trajectory's whole response
+    # (every model turn and tool result together)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

@@ -70,7 +70,8 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
 
     in_place = (r.tensor_parallel_size or p.tensor_parallel_size) == p.tensor_parallel_size \
         and p.pipeline_parallel_size == 1
-    graphs = gpu and r.cuda_graphs
+    # multi-turn decodes eagerly: the graph-only speed options stay off
+    graphs = gpu and r.cuda_graphs and not r.multi_turn.enable
     rollout = {}
     if r.free_cache_engine is None:
         rollout["free_cache_engine"] = not (gpu and in_place)

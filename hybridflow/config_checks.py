@@ -165,6 +165,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
                 {"constant", "linear", "cosine"})
     _one_of("trainer.precision", cfg.trainer.precision, {"fp32", "bf16", "auto"})
     validate_rollout_options(cfg)
+    validate_multi_turn(cfg.rollout)
     _positive("trainer.total_steps", cfg.trainer.total_steps)
     _positive("trainer.collective_timeout_s", cfg.trainer.collective_timeout_s)
     if cfg.trainer.time_budget_s < 0:
@@ -288,6 +289,33 @@ def _validate_recipes(cfg: Config) -> None:
                              f"(DAPO: 4096 of 20480)")
         if ob.penalty_factor < 0:
             raise ValueError(f"reward.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
+
+
+def validate_multi_turn(r) -> None:
+    """rollout.multi_turn: its keys, and the decode options it does not run with (it decodes on the
+    eager torch path; null (auto) values resolve to off for it)."""
+    m = r.multi_turn
+    if not m.enable:
+        return
+    from hybridflow.tools.formats import FORMATS
+
+    _one_of("rollout.multi_turn.format", m.format, set(FORMATS))
+    _positive("rollout.multi_turn.max_assistant_turns", m.max_assistant_turns)
+    _positive("rollout.multi_turn.max_tool_response_length", m.max_tool_response_length)
+    _positive("rollout.multi_turn.tool_workers", m.tool_workers)
+    if not m.tool_config_path:
+        raise ValueError("rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path "
+                         "(a tool config YAML: tools: - class_name, config, tool_schema)")
+    clashes = [(key, value) for key, value, bad in (
+        ("rollout.decode_kernels", r.decode_kernels, r.decode_kernels == "triton"),
+        ("rollout.compile_decode", r.compile_decode, r.compile_decode is True),
+        ("rollout.decode_kv_window", r.decode_kv_window, bool(r.decode_kv_window)),
+        ("rollout.compact_finished_rows", r.compact_finished_rows,
+         r.compact_finished_rows is True)) if bad]
+    if clashes:
+        key, value = clashes[0]
+        raise ValueError(f"rollout.multi_turn.enable=true decodes on the eager torch path; "
+                         f"{key}={value!r} does not apply to it: set {key} to null (auto) or off")
 
 
 def validate_rollout_options(cfg) -> None:

@@ -234,9 +234,11 @@ class Trainer:
         a = self.cfg.algo
         # global batch, same order on every rank
         full = all_gather_batch(batch, group=self.ctx.dp_group, pad_id=self.tokenizer.pad_id)
-        mask = full.response_mask.float()
+        # the model's own tokens (tool results of a multi-turn rollout excluded); the score sits
+        # on each row's last one
+        mask = full.loss_mask().float()
         token_scores = torch.zeros_like(mask)
-        last = (mask.sum(1).long() - 1).clamp(min=0)
+        last = (mask * torch.arange(1, mask.shape[1] + 1)).argmax(1)
         token_scores[torch.arange(mask.shape[0]), last] = full.scores.float()
         metrics = {}
         if a.use_kl_in_reward:
@@ -261,7 +263,7 @@ class Trainer:
             metrics["critic/values/mean"] = float((full.values * mask).sum() / n)
         if full.old_logprobs is not None:  # generator vs training forward; else after the update
             metrics.update(batch_mismatch_metrics(full, cap=a.tis_imp_ratio_cap))
-        lengths, prompts = mask.sum(1), full.prompt_mask.sum(1).float()
+        lengths, prompts = full.response_mask.sum(1).float(), full.prompt_mask.sum(1).float()
         metrics.update({"prompt_length/mean": float(prompts.mean()),
                         "prompt_length/max": float(prompts.max()),
                         "response_length/mean": float(lengths.mean()),
@@ -291,7 +293,7 @@ class Trainer:
             order = torch.randperm(batch.batch_size, generator=gen)
             for i in range(0, batch.batch_size, local_mini):
                 mb = batch.select(order[i:i + local_mini])
-                num_tokens = int(dp_sum(float(mb.response_mask.sum()), group=self.ctx.dp_group))
+                num_tokens = int(dp_sum(float(mb.loss_mask().sum()), group=self.ctx.dp_group))
                 scale = a.loss_scale_factor or self.cfg.rollout.max_new_tokens  # seq-mean-token-sum-norm
                 loss_fn = objective(a, num_tokens=max(num_tokens, 1),
                                     num_seqs=a.ppo_mini_batch_size, loss_scale_factor=scale,

@@ -6,7 +6,8 @@ Losses use the mini-batch's global normalisers (`num_tokens`, `num_seqs`: summed
 and DP ranks; `loss_scale_factor`: a constant, for seq-mean-token-sum-norm), so the summed
 micro-batch losses equal the mini-batch loss. Metrics are returned as each micro-batch's share of a
 mini-batch mean (weighted by its tokens), so the engine's sum over micro-batches and DP ranks is the
-mini-batch mean. With `algo.tis_imp_ratio_cap` the policy loss is weighted per token by
+mini-batch mean. Masks are `RolloutBatch.loss_mask()`: the model's own response tokens (a
+multi-turn rollout's tool results are context, never trained on). With `algo.tis_imp_ratio_cap` the policy loss is weighted per token by
 min(pi_old / pi_rollout, cap) (hybridflow.algo.rollout_corr).
 `old_is_current=True` (the trainer skipped the old_log_prob pass: hybridflow.algo.on_policy) takes
 pi_old as the forward's own detached log-probs, so the ratio is exactly 1 and TIS compares the
@@ -31,7 +32,7 @@ def actor_objective(cfg: AlgoConfig, *, num_tokens: int, num_seqs: int,
     def loss_fn(out, mb):
         logprobs = out["logprobs"]
         dev = logprobs.device
-        mask = mb.response_mask.to(logprobs.dtype)
+        mask = mb.loss_mask().to(logprobs.dtype)
         share = mask.sum() / num_tokens  # this micro-batch's weight in token means
         if old_is_current:  # one update on the weights that generated the batch: pi_old = pi
             assert mb.old_logprobs is None, "old_is_current, yet the batch has old log-probs"
@@ -71,7 +72,7 @@ def actor_objective(cfg: AlgoConfig, *, num_tokens: int, num_seqs: int,
 def critic_objective(cfg: AlgoConfig, *, num_tokens: int, num_seqs: int,
                      loss_scale_factor: Optional[float] = None):
     def loss_fn(out, mb):
-        mask = mb.response_mask.to(out["values"].dtype)
+        mask = mb.loss_mask().to(out["values"].dtype)
         share = mask.sum() / num_tokens
         loss, m = value_loss(values=out["values"], old_values=mb.values.to(mask.device),
                              returns=mb.returns.to(mask.device), response_mask=mask,
@@ -87,7 +88,7 @@ def sft_objective(*, num_tokens: int):
     """Negative log-likelihood of the reference response, token mean over the mini-batch."""
 
     def loss_fn(out, mb):
-        mask = mb.response_mask.to(out["logprobs"].dtype)
+        mask = mb.loss_mask().to(out["logprobs"].dtype)
         nll = -(out["logprobs"] * mask).sum() / num_tokens
         return nll, {"sft/nll": nll}
 

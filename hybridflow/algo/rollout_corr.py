@@ -67,4 +67,4 @@ def batch_mismatch_metrics(batch, *, cap: Optional[float] = None) -> dict:
         return {}
     return rollout_mismatch_metrics(old_logprobs=batch.old_logprobs,
                                     rollout_logprobs=batch.rollout_logprobs,
-                                    response_mask=batch.response_mask, cap=cap)
+                                    response_mask=batch.loss_mask(), cap=cap)

@@ -28,6 +28,10 @@ class RolloutBatch:
     # (B, R) log-prob of each sampled token under the generator (bf16 decode); None unless
     # rollout.return_logprobs. Compared with old_logprobs it measures the rollout/training mismatch.
     rollout_logprobs: Optional[torch.Tensor] = None
+    # (B, R) 0/1, 1 on response tokens the model did not produce (tool results appended by a
+    # multi-turn rollout): context for the forward, but outside the loss, KL and advantages
+    # (`loss_mask`). None: every response token is the model's.
+    tool_mask: Optional[torch.Tensor] = None
     # --- actor / reference / critic ---
     old_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_old(a_t | s_t)
     ref_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_ref(a_t | s_t)
@@ -54,6 +58,11 @@ class RolloutBatch:
 
     def position_ids(self) -> torch.Tensor:  # (B, P + R)
         return (self.token_mask().cumsum(dim=1) - 1).clamp(min=0)
+
+    def loss_mask(self) -> torch.Tensor:  # (B, R): the model's own response tokens
+        if self.tool_mask is None:
+            return self.response_mask
+        return self.response_mask * (1 - self.tool_mask.to(self.response_mask.dtype))
 
     def _tensors(self):
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

@@ -10,7 +10,8 @@ Choices:
 - Chat prompts are rendered through the tokenizer's chat template with the generation prompt and
   encoded without special tokens (the template owns BOS). `enable_thinking` (data.enable_thinking)
   reaches the template as its `enable_thinking` variable (Qwen3's thinking switch) when it is a
-  bool; None leaves the variable undefined, so the template's own default applies. String prompts are used as they are and get
+  bool; None leaves the variable undefined, so the template's own default applies. `tools` (the
+  OpenAI function schemas of rollout.multi_turn's tool config) reach it as `tools`. String prompts are used as they are and get
   BOS when the tokenizer asks for one; so do messages rendered by the plain fallback of a tokenizer
   without a template.
 - Tokenization happens eagerly in the constructor: RL prompt sets are small (thousands to a few
@@ -69,7 +70,7 @@ class PromptDataset:
     def from_file(cls, path: str | Path, *, tokenizer: Tokenizer, prompt_key: str = "prompt",
                   max_prompt_length: int, truncation: str = "error",
                   require_ground_truth: bool = True,
-                  enable_thinking: bool | None = None) -> "PromptDataset":
+                  enable_thinking: bool | None = None, tools: list | None = None) -> "PromptDataset":
         p = Path(path).expanduser()
         if p.suffix not in (".jsonl", ".parquet"):
             raise ValueError(f"dataset file {str(p)!r}: unknown extension {p.suffix!r}; expected .jsonl or .parquet")
@@ -79,22 +80,23 @@ class PromptDataset:
         return cls._build(records, source=str(p), tokenizer=tokenizer, prompt_key=prompt_key,
                           max_prompt_length=max_prompt_length, truncation=truncation,
                           require_ground_truth=require_ground_truth,
-                          enable_thinking=enable_thinking)
+                          enable_thinking=enable_thinking, tools=tools)
 
     @classmethod
     def from_records(cls, records: Iterable[dict[str, Any]], *, tokenizer: Tokenizer, prompt_key: str = "prompt",
                      max_prompt_length: int, truncation: str = "error", require_ground_truth: bool = True,
-                     source: str = "<records>", enable_thinking: bool | None = None) -> "PromptDataset":
+                     source: str = "<records>", enable_thinking: bool | None = None,
+                     tools: list | None = None) -> "PromptDataset":
         located = ((f"{source}: record {i}", r) for i, r in enumerate(records))
         return cls._build(located, source=source, tokenizer=tokenizer, prompt_key=prompt_key,
                           max_prompt_length=max_prompt_length, truncation=truncation,
                           require_ground_truth=require_ground_truth,
-                          enable_thinking=enable_thinking)
+                          enable_thinking=enable_thinking, tools=tools)
 
     @classmethod
     def _build(cls, located: Iterable[tuple[str, Any]], *, source: str, tokenizer: Tokenizer, prompt_key: str,
                max_prompt_length: int, truncation: str, require_ground_truth: bool,
-               enable_thinking: bool | None = None) -> "PromptDataset":
+               enable_thinking: bool | None = None, tools: list | None = None) -> "PromptDataset":
         if truncation != "error" and truncation not in _TRUNCATIONS:
             raise ValueError(f"truncation must be one of error, {', '.join(_TRUNCATIONS)}; got {truncation!r}")
         if not isinstance(max_prompt_length, int) or max_prompt_length <= 0:
@@ -102,7 +104,8 @@ class PromptDataset:
         items = []
         for where, record in located:
             item = _parse(record, where=where, index=len(items), tokenizer=tokenizer, prompt_key=prompt_key,
-                          require_ground_truth=require_ground_truth, enable_thinking=enable_thinking)
+                          require_ground_truth=require_ground_truth, enable_thinking=enable_thinking,
+                          tools=tools)
             if len(item.prompt_ids) > max_prompt_length:
                 if truncation == "error":
                     raise ValueError(f"{where}: prompt is {len(item.prompt_ids)} tokens, longer than "
@@ -139,7 +142,8 @@ def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _parse(record: Any, *, where: str, index: int, tokenizer: Tokenizer, prompt_key: str,
-           require_ground_truth: bool, enable_thinking: bool | None = None) -> PromptItem:
+           require_ground_truth: bool, enable_thinking: bool | None = None,
+           tools: list | None = None) -> PromptItem:
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected an object with fields {prompt_key}, data_source, reward_model; "
                          f"got {type(record).__name__}")
@@ -152,6 +156,8 @@ def _parse(record: Any, *, where: str, index: int, tokenizer: Tokenizer, prompt_
                 raise ValueError(f"{where}: field {prompt_key!r}[{j}] must be a message "
                                  f'{{"role": str, "content": str}}, got {m!r}')
         switch = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        if tools:  # the tool schemas (rollout.multi_turn), for the template's system prompt
+            switch["tools"] = tools
         text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **switch)
         add_special = not tokenizer.has_chat_template
     else:

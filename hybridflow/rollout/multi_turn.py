@@ -1,0 +1,350 @@
+"""Multi-turn generation with tool calls, in place on the generator's KV cache.
+
+    session = ToolSession(tools, fmt=ToolFormat("hermes", tokenizer=tok, tools=tools),
+                          tokenizer=tok, mt=cfg.rollout.multi_turn)
+    batch, stats = generate_multi_turn(gen, prompts, cfg=cfg.rollout, session=session,
+                                       eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed)
+
+A layer around the Generator's weights, cache and sampler (generator.py is unchanged). Per chunk of
+at most rollout.max_batch_size rows:
+- Prefill: `decoder.forward` over the left-padded prompts into cache columns 0..P-1 (as single-turn).
+- Every row owns its next cache column (`col`) and position (`pos`): rows at different turns share
+  one batch, each writing its own columns. `extend` (below) is the one step function: it runs S new
+  tokens per row at those columns/positions, attending to the row's valid cache columns plus the
+  new tokens causally. A decode step is `extend` of one token for every row of the chunk (rows that
+  are not decoding - waiting for a tool or finished - are fed a masked token whose K/V lands in the
+  scratch column T-1, never marked valid); appending a tool result is `extend` of its tokens for
+  the resumed rows only (a short prefill at the rows' next positions, no re-sending of the
+  conversation), which also gives their next token's logits.
+- A row whose turn ends in a complete call (`ToolFormat`: `</tool_call>`, or a closing ``` fence
+  of a ```python block) pauses; its calls go to a thread pool (ToolSession) and the other rows keep
+  decoding; results are polled between steps (and waited for only when no row can decode).
+- Limits: rollout.multi_turn.max_assistant_turns model turns per row (a call in the last one ends
+  the row), a tool result cut to max_tool_response_length tokens, and rollout.max_new_tokens for
+  the whole response (model and tool tokens together; a result that does not fit is cut and ends
+  the row). Stop at EOS / rollout.stop_token_ids as single-turn.
+Output: a RolloutBatch whose response holds every turn and tool result, response_mask 1 over all
+of it (the context the trainer's forward sees), tool_mask 1 on the tool results' tokens (the loss,
+KL and advantages skip them: RolloutBatch.loss_mask), and rollout_logprobs 0 on tool tokens.
+This path decodes eagerly with PyTorch ops (rollout.decode_kernels torch, no CUDA graphs, no
+compile, KV windows or compaction: config_checks.validate_multi_turn refuses those when set). The
+math is decoder.forward's, so the cache after any number of turns equals a from-scratch prefill of
+the whole conversation (tests/unit/test_multi_turn.py).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.config import MultiTurnConfig, RolloutConfig
+from hybridflow.data.batch import RolloutBatch
+from hybridflow.rollout import decoder
+from hybridflow.rollout.generator import LENGTH_MULTIPLE, Generator
+from hybridflow.rollout.sampling import sample
+from hybridflow.tools.base import Tool, ToolCall, ToolOutcome
+
+TAIL_TOKENS = 8  # a turn's last tokens decoded each step to spot a closing marker
+
+
+def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+           columns: torch.Tensor, *, cache, key_valid: torch.Tensor, cos_tab, sin_tab,
+           rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run S new tokens per row against the cache; returns fp32 logits (r, V) at each row's last
+    valid new token.
+
+    ids, positions, columns (r, S) int64: the tokens, their RoPE positions and the cache columns
+    their K/V go to; valid (r, S) bool (False: padding, written to the scratch column T-1 and never
+    seen). rows (r,) int64: the cache rows (None: rows 0..r-1, a view without copies). key_valid
+    (rows, T) bool, the columns each cache row may attend to; updated in place with the new
+    tokens' columns. Same math as decoder.forward (torch path)."""
+    d = w.dims
+    r, S = ids.shape
+    hpg, hd = d.heads_per_group, d.head_dim
+    T = cache.length
+    columns = torch.where(valid, columns, T - 1)
+    kv_rows = key_valid if rows is None else key_valid.index_select(0, rows)  # (r, T)
+    new = F.one_hot(columns, T).bool() & valid[..., None]  # (r, S, T)
+    # query j sees the row's old columns and new tokens 0..j; a padding query sees its own column
+    mask = kv_rows[:, None, :] | new.cumsum(1).bool()
+    mask |= F.one_hot(columns, T).bool() & ~valid[..., None]
+    mask = mask[:, None]  # (r, 1, S, T)
+    x = decoder.embed(w, ids.masked_fill(~valid, 0)).reshape(r * S, d.hidden)
+    cos = cos_tab[positions][:, :, None, None]  # (r, S, 1, 1, hd)
+    sin = sin_tab[positions][:, :, None, None]
+    row_ix = (torch.arange(r, device=ids.device) if rows is None else rows)[:, None].expand(r, S)
+    for i, layer in enumerate(w.layers):
+        h = decoder._norm(x, layer.ln1, d.eps)
+        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(r, S, d.groups, hpg + 2, hd)
+        qk = decoder._qk_norm(qkv[:, :, :, :hpg + 1], layer.q_norm, layer.k_norm, d.eps)
+        qk = qk * cos + qk.roll(hd // 2, -1) * sin  # (r, S, G, hpg+1, hd)
+        q = qk[:, :, :, :hpg].flatten(2, 3).transpose(1, 2)  # (r, H, S, hd)
+        kc, vc = cache.k[i], cache.v[i]  # (rows, G, T, hd)
+        kc[row_ix, :, columns] = qk[:, :, :, hpg]  # (r, S, G, hd) at (row, column)
+        vc[row_ix, :, columns] = qkv[:, :, :, hpg + 1]
+        if rows is None:
+            k, v = kc[:r], vc[:r]
+        else:
+            k, v = kc.index_select(0, rows), vc.index_select(0, rows)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hpg > 1)
+        x = decoder._row_parallel_add(x, a.transpose(1, 2).reshape(r * S, d.heads * hd),
+                                      layer.proj, w)
+        x = decoder._mlp(x, layer, w)
+    new_valid = new.any(1)  # (r, T)
+    if rows is None:
+        key_valid[:r] |= new_valid
+    else:
+        key_valid[rows] = kv_rows | new_valid
+    last = (valid.long().cumsum(1).argmax(1))  # the last valid new token of each row
+    h = x.view(r, S, d.hidden)[torch.arange(r, device=ids.device), last]
+    return decoder.logits(w, decoder._norm(h, w.final_ln, d.eps))
+
+
+class ToolSession:
+    """The tools of a run, the call format, and a thread pool that runs calls while decoding goes on."""
+
+    def __init__(self, tools: list, *, fmt, tokenizer, mt: MultiTurnConfig):
+        self.tools: dict[str, Tool] = {t.name: t for t in tools}
+        self.fmt, self.tok, self.mt = fmt, tokenizer, mt
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def submit(self, items: list) -> Future:
+        """Run the calls of one turn (ToolCall, or a ToolOutcome already decided) -> a future of
+        their outcomes, in order."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.mt.tool_workers, thread_name_prefix="hf-tool")
+        return self._pool.submit(self._run, items)
+
+    def _run(self, items: list) -> list:
+        out = []
+        for it in items:
+            if isinstance(it, ToolOutcome):
+                out.append(it)
+            elif it.name not in self.tools:
+                out.append(ToolOutcome(text=f"Error: unknown tool {it.name!r}; the tools are "
+                                            f"{sorted(self.tools)}", error=True))
+            else:
+                out.append(self.tools[it.name].run(it))
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class _Row:
+    __slots__ = ("tokens", "tool", "logprobs", "turn_start", "turns", "calls", "errors",
+                 "timeouts", "state")
+
+    def __init__(self):
+        self.tokens, self.tool, self.logprobs = [], [], []
+        self.turn_start = 0  # index in tokens where the current model turn began
+        self.turns, self.calls, self.errors, self.timeouts = 1, 0, 0, 0
+        self.state = "decode"  # decode | tool | done
+
+
+def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
+                        session: ToolSession, eos_id: int, pad_id: int, seed: int,
+                        forced: Optional[list] = None) -> tuple[RolloutBatch, dict]:
+    """`cfg.n` multi-turn trajectories per prompt (rows as Generator.generate orders them) ->
+    (RolloutBatch with tool_mask, metrics). `forced`: per row, model tokens to emit in place of
+    samples while they last (their log-probs are still the model's): replays and tests."""
+    stats = {"tool_wait": 0.0, "tool_prefill": 0.0, "decode": 0.0}
+    rows_all: list = []
+    N = len(prompts) * cfg.n
+    with torch.no_grad():
+        gen._rng.manual_seed(seed)
+        for s in range(0, N, cfg.max_batch_size):
+            e = min(s + cfg.max_batch_size, N)
+            chunk = [prompts[i // cfg.n] for i in range(s, e)]
+            rows_all += _run_chunk(gen, chunk, cfg, session, eos_id, pad_id, stats,
+                                   None if forced is None else forced[s:e])
+    ids, mask = gen._padded_prompts(prompts, cfg, pad_id)
+    prompt_of_row = torch.arange(len(prompts)).repeat_interleave(cfg.n)
+    width = max(1, max(len(r.tokens) for r in rows_all))
+    resp = torch.full((N, width), pad_id, dtype=torch.long)
+    rmask, tmask = torch.zeros(N, width, dtype=torch.long), torch.zeros(N, width, dtype=torch.long)
+    lps = torch.zeros(N, width)
+    for i, row in enumerate(rows_all):
+        n = len(row.tokens)
+        resp[i, :n] = torch.tensor(row.tokens, dtype=torch.long)
+        rmask[i, :n] = 1
+        tmask[i, :n] = torch.tensor(row.tool, dtype=torch.long)
+        lps[i, :n] = torch.tensor(row.logprobs)
+    batch = RolloutBatch(prompt_ids=ids.index_select(0, prompt_of_row),
+                         prompt_mask=mask.index_select(0, prompt_of_row), response_ids=resp,
+                         response_mask=rmask, group_ids=prompt_of_row,
+                         indices=prompt_of_row.clone(),
+                         rollout_logprobs=lps if cfg.return_logprobs else None, tool_mask=tmask)
+    turns = torch.tensor([float(r.turns) for r in rows_all])
+    calls = torch.tensor([float(r.calls) for r in rows_all])
+    metrics = {"num_turns/mean": float(turns.mean()), "num_turns/max": float(turns.max()),
+               "tool_calls/mean": float(calls.mean()),
+               "tool_errors/mean": sum(r.errors for r in rows_all) / N,
+               "tool_timeouts/mean": sum(r.timeouts for r in rows_all) / N,
+               "timing_s/tool_wait": stats["tool_wait"],
+               "timing_s/tool_prefill": stats["tool_prefill"],
+               "timing_s/multi_turn_decode": stats["decode"]}
+    return batch.to(gen.device), metrics
+
+
+def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, session: ToolSession,
+               eos_id: int, pad_id: int, stats: dict, forced: Optional[list]) -> list:
+    w, dev, tok, mt = gen.w, gen.device, session.tok, session.mt
+    one = RolloutConfig(n=1, max_new_tokens=cfg.max_new_tokens, max_batch_size=len(prompts))
+    ids, mask = gen._padded_prompts(prompts, one, pad_id)
+    B, P = ids.shape
+    R = cfg.max_new_tokens
+    T = -(-(P + R + 1) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE  # + the scratch column
+    if P + R > gen.cfg.max_position_embeddings:
+        raise ValueError(f"longest prompt {P} + rollout.max_new_tokens={R} exceeds model."
+                         f"max_position_embeddings={gen.cfg.max_position_embeddings}")
+    gen._ensure_cache(rows=B, length=T)
+    cache, (cos, sin) = gen._cache, gen._tables
+    T = cache.length
+    ids, mask = ids.to(dev), mask.to(dev)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    per = max(1, 16384 // P)
+    logits = torch.cat([decoder.forward(w, ids[r:r + per], positions[r:r + per],
+                                        mask[r:r + per].bool(), cos_tab=cos, sin_tab=sin,
+                                        cache=cache, cache_row0=r, last_only=True)
+                        for r in range(0, B, per)])  # (B, V)
+    key_valid = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    key_valid[:, :P] = mask.bool()
+    col = torch.full((B,), P, dtype=torch.long, device=dev)  # each row's next cache column
+    pos = mask.sum(1)  # each row's next position
+    rows = [_Row() for _ in range(B)]
+    stop_ids = {eos_id, *cfg.stop_token_ids}
+    pending: dict = {}  # row -> Future of its turn's outcomes
+    ready = list(range(B))  # rows whose next-token logits are in `logits`
+    while True:
+        t0 = time.perf_counter()
+        feed = []  # rows that sampled a token to run through the next decode step
+        if ready:
+            tok_d, lp_d = sample(logits, temperature=cfg.temperature, top_k=cfg.top_k,
+                                 top_p=cfg.top_p, generator=gen._rng, need_logprobs=True)
+            toks = tok_d.tolist()
+            lps = lp_d.tolist()
+            for b in ready:
+                row = rows[b]
+                t = toks[b]
+                n_model = len(row.tokens) - sum(row.tool)
+                if forced is not None and n_model < len(forced[b]):
+                    t = forced[b][n_model]
+                    lps[b] = float(torch.log_softmax(
+                        logits[b].float() / (cfg.temperature or 1.0), -1)[t])
+                row.tokens.append(t)
+                row.tool.append(0)
+                row.logprobs.append(lps[b])
+                if t in stop_ids or len(row.tokens) >= R:
+                    row.state = "done"
+                    continue
+                calls = _turn_calls(row, session, tok)
+                if calls is None:
+                    feed.append(b)
+                elif row.turns >= mt.max_assistant_turns:
+                    row.state = "done"  # a call in the last allowed turn ends the row
+                else:
+                    row.state = "tool"
+                    row.calls += sum(isinstance(c, ToolCall) for c in calls)
+                    pending[b] = session.submit(calls)
+        # results that are in; block for one only when nothing can decode
+        resumed = _collect(pending, rows, block=not feed and bool(pending), stats=stats)
+        new_logits = {}
+        if resumed:
+            tp = time.perf_counter()
+            new_logits = _append_results(resumed, rows, session, R, w, cache, key_valid, col,
+                                         pos, cos, sin, dev)
+            stats["tool_prefill"] += time.perf_counter() - tp
+        if feed:
+            fb = torch.tensor(feed, device=dev)
+            ids1 = torch.zeros(B, 1, dtype=torch.long, device=dev)
+            valid1 = torch.zeros(B, 1, dtype=torch.bool, device=dev)
+            ids1[fb, 0] = torch.tensor([rows[b].tokens[-1] for b in feed], device=dev)
+            valid1[fb, 0] = True
+            logits = extend(w, ids1, pos[:, None], valid1, col[:, None], cache=cache,
+                            key_valid=key_valid, cos_tab=cos, sin_tab=sin)
+            col[fb] += 1
+            pos[fb] += 1
+        for b, lg in new_logits.items():
+            logits[b] = lg
+        ready = feed + list(new_logits)
+        stats["decode"] += time.perf_counter() - t0
+        if not ready and not pending:
+            return rows
+
+
+def _turn_calls(row: _Row, session: ToolSession, tok) -> Optional[list]:
+    """The calls that end the row's current model turn, or None (no complete call yet)."""
+    tail = tok.decode(row.tokens[max(row.turn_start, len(row.tokens) - TAIL_TOKENS):],
+                      skip_special_tokens=False)
+    if not session.fmt.ends_with_call(tail):
+        return None
+    text = tok.decode(row.tokens[row.turn_start:], skip_special_tokens=False)
+    return session.fmt.parse(text)
+
+
+def _collect(pending: dict, rows: list, *, block: bool, stats: dict) -> dict:
+    """{row: outcomes} of the finished calls (waiting for at least one when `block`)."""
+    if block:
+        t = time.perf_counter()
+        wait(list(pending.values()), return_when=FIRST_COMPLETED)
+        stats["tool_wait"] += time.perf_counter() - t
+    done = {b: f.result() for b, f in pending.items() if f.done()}
+    for b, outcomes in done.items():
+        del pending[b]
+        rows[b].errors += sum(o.error for o in outcomes)
+        rows[b].timeouts += sum(o.timeout for o in outcomes)
+    return done
+
+
+def _append_results(resumed: dict, rows: list, session: ToolSession, R: int, w, cache,
+                    key_valid, col, pos, cos, sin, dev) -> dict:
+    """Append each resumed row's last model token (the call's end, sampled but not yet in the
+    cache) and its rendered results (cut to max_tool_response_length tokens and to the response
+    budget) to its cache by one `extend` over those rows -> {row: next logits}."""
+    mt, tok = session.mt, session.tok
+    appended = {}
+    for b, outcomes in resumed.items():
+        row = rows[b]
+        ids = tok.encode(session.fmt.render(outcomes))
+        if len(ids) > mt.max_tool_response_length:
+            ids = ids[:mt.max_tool_response_length]
+        room = R - len(row.tokens)
+        if len(ids) >= room:  # no room left for a model token after it: the row ends here
+            ids = ids[:room]
+            row.state = "done"
+        row.tokens += ids
+        row.tool += [1] * len(ids)
+        row.logprobs += [0.0] * len(ids)
+        if row.state == "done" or not ids:
+            row.state = "done"
+            continue
+        row.state, row.turns = "decode", row.turns + 1
+        row.turn_start = len(row.tokens)
+        # the call's closing token was sampled, never fed: it goes first, then the results
+        appended[b] = [row.tokens[-len(ids) - 1], *ids]
+    if not appended:
+        return {}
+    order = list(appended)
+    S = max(len(v) for v in appended.values())
+    r = len(order)
+    ids_t = torch.zeros(r, S, dtype=torch.long)
+    valid = torch.zeros(r, S, dtype=torch.bool)
+    for i, b in enumerate(order):
+        ids_t[i, :len(appended[b])] = torch.tensor(appended[b])
+        valid[i, :len(appended[b])] = True
+    ids_t, valid = ids_t.to(dev), valid.to(dev)
+    rows_t = torch.tensor(order, device=dev)
+    steps = torch.arange(S, device=dev)[None]
+    logits = extend(w, ids_t, pos[rows_t][:, None] + steps, valid, col[rows_t][:, None] + steps,
+                    cache=cache, key_valid=key_valid, cos_tab=cos, sin_tab=sin, rows=rows_t)
+    lens = valid.sum(1)
+    col[rows_t] += lens
+    pos[rows_t] += lens
+    return {b: logits[i] for i, b in enumerate(order)}
