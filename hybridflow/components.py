@@ -20,6 +20,17 @@ from hybridflow.engine import Engine
 from hybridflow.parallel.context import ParallelContext
 
 
+def tool_schemas(cfg: Config):
+    """The function schemas chat prompts are rendered with (the template's `tools=`): those of
+    rollout.multi_turn's tool config in the hermes format, else None."""
+    m = cfg.rollout.multi_turn
+    if not m.enable or m.format != "hermes":
+        return None
+    from hybridflow.tools import load_tool_config
+
+    return [t.schema for t in load_tool_config(m.tool_config_path)]
+
+
 def build_tokenizer_and_dataset(cfg: Config):
     d = cfg.data
     records = None
@@ -44,7 +55,7 @@ def build_tokenizer_and_dataset(cfg: Config):
                          f"{tok_path} has no enable_thinking switch (Qwen3's templates have one); "
                          "set data.enable_thinking=null")
     kw = dict(tokenizer=tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-              truncation=d.truncation, enable_thinking=d.enable_thinking)
+              truncation=d.truncation, enable_thinking=d.enable_thinking, tools=tool_schemas(cfg))
     if records is not None:
         dataset = PromptDataset.from_records(records, source=f"synthetic:{d.synthetic}", **kw)
     else:
@@ -93,7 +104,7 @@ def build_validator(cfg: Config, ctx: ParallelContext, *, rollout, tokenizer):
     d = cfg.data
     dataset = PromptDataset.from_file(d.val_files, tokenizer=tokenizer, prompt_key=d.prompt_key,
                                       max_prompt_length=d.max_prompt_length, truncation=d.truncation,
-                                      enable_thinking=d.enable_thinking)
+                                      enable_thinking=d.enable_thinking, tools=tool_schemas(cfg))
     if len(dataset) < ctx.dp_size:
         raise ValueError(f"data.val_files={d.val_files} has {len(dataset)} prompts, fewer than the "
                          f"{ctx.dp_size} data-parallel replicas that share them")

@@ -8,7 +8,9 @@ prompts are split into k chunks, gen replica j generates chunk j, and the chunks
 the model-parallel group, so every rank of the DP replica ends with the same full batch (chunk sizes
 differ by at most one; with fewer prompts than gen replicas, every gen replica generates all of them
 with the same seed instead). Sequence scores come from the rule reward (decoded text) and/or
-the reward model (scalar head at the last response token).
+the reward model (scalar head at the last response token). With rollout.multi_turn.enable the
+rows are multi-turn trajectories with tool calls (rollout/multi_turn.py): the rule reward reads the
+whole response text, tool results included, and the turn/tool metrics join the reward metrics.
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ class RolloutStage:
 
             self.resharder = Resharder(actor.module, layout=ctx.layout, groups=ctx.reshard)
         self._kept: Generator | None = None  # across steps with rollout.free_cache_engine=false
+        self.tools = None  # rollout.multi_turn: the tool session (hybridflow/rollout/multi_turn.py)
+        self.turn_metrics: dict = {}  # the last multi-turn generation's, merged into score's
+        if cfg.rollout.multi_turn.enable:
+            from hybridflow.rollout.multi_turn import ToolSession
+            from hybridflow.tools import load_tool_config
+            from hybridflow.tools.formats import ToolFormat
+
+            m = cfg.rollout.multi_turn
+            tools = load_tool_config(m.tool_config_path)
+            self.tools = ToolSession(tools, fmt=ToolFormat(m.format, tokenizer=tokenizer,
+                                                           tools=tools), tokenizer=tokenizer, mt=m)
         if not cfg.rollout.free_cache_engine and self.resharder is not None and ctx.rank == 0:
             print("hybridflow: warning: rollout.free_cache_engine=false does little with "
                   "resharding (rollout.tensor_parallel_size != parallel.tensor_parallel_size or "
@@ -84,7 +97,7 @@ class RolloutStage:
             with timer("gen"):
                 gen = self._generator(params)
                 with torch.no_grad():
-                    batch = gen.generate([it.prompt_ids for it in mine], cfg=r,
+                    batch = self._multi_turn(gen, mine, r, seed) if self.tools else gen.generate([it.prompt_ids for it in mine], cfg=r,
                                          eos_id=-1 if r.ignore_eos else self.tok.eos_id,
                                          pad_id=self.tok.pad_id, seed=seed,
                                          options=DecodeOptions.from_config(r))
@@ -101,6 +114,14 @@ class RolloutStage:
         group_ids = (first + torch.arange(len(items))).repeat_interleave(r.n)
         indices = torch.tensor([it.index for it in items]).repeat_interleave(r.n)
         return dataclasses.replace(batch, group_ids=group_ids, indices=indices)
+
+    def _multi_turn(self, gen: Generator, items, r, seed: int) -> RolloutBatch:
+        from hybridflow.rollout.multi_turn import generate_multi_turn
+
+        batch, self.turn_metrics = generate_multi_turn(
+            gen, [it.prompt_ids for it in items], cfg=r, session=self.tools,
+            eos_id=-1 if r.ignore_eos else self.tok.eos_id, pad_id=self.tok.pad_id, seed=seed)
+        return batch
 
     def _generator(self, params: dict) -> Generator:
         """A new Generator over `params`, or with rollout.free_cache_engine=false the one kept from
@@ -122,6 +143,8 @@ class RolloutStage:
         if self._kept is not None:
             self._kept.release()
             self._kept = None
+        if self.tools is not None:
+            self.tools.close()
 
     def _gather_replicas(self, batch: RolloutBatch) -> RolloutBatch:
         """Concatenate the gen replicas' chunks, in replica order, on every model-parallel rank.
@@ -145,6 +168,8 @@ class RolloutStage:
                 batch, **micro_batching(self.cfg.algo, forward=True))
             metrics["reward/model_score/mean"] = float(rm.mean())
             scores = scores + self.cfg.reward.model_weight * rm
+        metrics.update(self.turn_metrics)  # multi-turn: turns, tool calls/errors, tool time
+        self.turn_metrics = {}
         dp = self.ctx.dp_size  # every DP rank holds the same number of rows
         return scores, {k: dp_sum(v, group=self.ctx.dp_group) / dp
                         for k, v in sorted(metrics.items())}
