@@ -129,10 +129,15 @@ def _ensure_builtins() -> None:
 
 
 def load_tool_config(path: str | Path) -> list[Tool]:
-    """The tools of a verl tool-config YAML; errors name the file and the key."""
+    """The tools of a verl tool-config YAML (a path, or the name of one shipped in
+    hybridflow/tools/configs/: code_interpreter.yaml, calculator.yaml); errors name the file and
+    the key."""
     import yaml
 
-    path = Path(path)
+    path = Path(path).expanduser()
+    shipped = Path(__file__).with_name("configs") / str(path)
+    if not path.exists() and path.parent == Path(".") and shipped.is_file():
+        path = shipped  # a shipped config by name (hybridflow/tools/configs/)
     try:
         doc = yaml.safe_load(path.read_text())
     except OSError as e:
