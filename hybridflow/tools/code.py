@@ -1,7 +1,7 @@
 """`code_interpreter`: Python code run in a sandboxed process per call.
 
 Each call: a fresh temporary working directory (deleted after), `python -I -B` (isolated: no user
-site, no PYTHON* env, no bytecode writes) running hybridflow/tools/_sandbox_child.py, with
+site, no PYTHON* env, no bytecode writes) running a small runner (`_CHILD_SOURCE`: an audit hook, then the snippet), with
 - wall time `timeout_s` (the process group is killed), CPU time `cpu_s` (RLIMIT_CPU), address space
   `memory_mb` (RLIMIT_AS), output file size (RLIMIT_FSIZE) and no core files;
 - no network: the child starts in a new, empty network namespace (`unshare -rn`) when the machine
@@ -30,7 +30,8 @@ from pathlib import Path
 
 from hybridflow.tools.base import Tool, ToolTimeout, register_tool
 
-_CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
+# the child process's runner, written into each call's working directory (see its docstring)
+_CHILD_SOURCE = '"""Runs in the sandbox\'s child process (python -I -B this_file WORKDIR): installs an audit hook that\nrefuses process creation, sockets and writes outside WORKDIR, then executes\nWORKDIR/snippet.py with WORKDIR as the working directory. Audit hooks cannot be removed once added."""\n\nimport os\nimport sys\n\nROOT = os.path.realpath(sys.argv[1])\n_PROCESS = {"os.system", "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn",\n            "os.kill", "os.killpg", "subprocess.Popen", "pty.spawn", "os.startfile",\n            "webbrowser.open"}\n_PATHS = {"os.remove": 1, "os.rename": 2, "os.mkdir": 1, "os.rmdir": 1, "os.chmod": 1,\n          "os.chown": 1, "os.symlink": 2, "os.link": 2, "os.truncate": 1, "os.utime": 1,\n          "shutil.rmtree": 1, "shutil.copyfile": 2, "shutil.copytree": 2, "shutil.move": 2}\n_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND\n\n\ndef _inside(path) -> bool:\n    if isinstance(path, int):\n        return True  # a descriptor it already holds\n    p = os.path.realpath(os.fsdecode(path))\n    return p == ROOT or p.startswith(ROOT + os.sep)\n\n\ndef _hook(event, args):\n    if event in _PROCESS or event.startswith("socket."):\n        raise PermissionError(f"{event} is not allowed in the sandbox")\n    if event == "open":\n        path, mode, flags = args\n        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (\n            isinstance(flags, int) and flags & _WRITE)\n        if writing and path is not None and not _inside(path):\n            raise PermissionError(f"writing {os.fsdecode(path)!r} is not allowed: only files "\n                                  "in the working directory may be written")\n    elif event in _PATHS:\n        for p in args[:_PATHS[event]]:\n            if p is not None and not _inside(p):\n                raise PermissionError(f"{event} on {os.fsdecode(p)!r} is not allowed outside the "\n                                      "working directory")\n\n\ndef main():\n    os.chdir(ROOT)\n    with open(os.path.join(ROOT, "snippet.py")) as f:\n        code = f.read()\n    sys.addaudithook(_hook)\n    try:\n        exec(compile(code, "<code>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})\n    except SystemExit:\n        raise\n    except BaseException as e:  # the traceback of the snippet\'s frames only (not this runner\'s)\n        import traceback\n\n        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]\n        sys.stdout.flush()\n        print("Traceback (most recent call last):\\n" + "".join(traceback.format_list(frames))\n              + "".join(traceback.format_exception_only(type(e), e)), end="", file=sys.stderr)\n        sys.exit(1)\n\n\nmain()\n'
 
 
 @functools.cache
@@ -61,6 +62,7 @@ def run_python(code: str, *, timeout_s: float = 10.0, cpu_s: int = 10, memory_mb
     work = tempfile.mkdtemp(prefix="hf_sandbox_")
     try:
         Path(work, "snippet.py").write_text(code)
+        Path(work, ".runner.py").write_text(_CHILD_SOURCE)
         out_path = Path(work, ".output")
         limit_bytes = 4 * max(max_output_chars, 1024) + 65536
 
@@ -71,7 +73,7 @@ def run_python(code: str, *, timeout_s: float = 10.0, cpu_s: int = 10, memory_mb
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
-        cmd = [sys.executable, "-I", "-B", _CHILD, work]
+        cmd = [sys.executable, "-I", "-B", str(Path(work, ".runner.py")), work]
         if isolate_network and network_namespace_available():
             cmd = ["unshare", "-rn", *cmd]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work,
