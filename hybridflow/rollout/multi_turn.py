@@ -18,7 +18,9 @@ at most rollout.max_batch_size rows:
   conversation), which also gives their next token's logits.
 - A row whose turn ends in a complete call (`ToolFormat`: `</tool_call>`, or a closing ``` fence
   of a ```python block) pauses; its calls go to a thread pool (ToolSession) and the other rows keep
-  decoding; results are polled between steps (and waited for only when no row can decode).
+  decoding; results are polled between steps (and waited for only when no row can decode). At
+  TP_g > 1 only the generation group's rank 0 runs tools; it broadcasts which results are in and
+  what they are at each poll, so every rank appends the same tokens at the same step.
 - Limits: rollout.multi_turn.max_assistant_turns model turns per row (a call in the last one ends
   the row), a tool result cut to max_tool_response_length tokens, and rollout.max_new_tokens for
   the whole response (model and tool tokens together; a result that does not fit is cut and ends
@@ -39,6 +41,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridflow.config import MultiTurnConfig, RolloutConfig
@@ -220,7 +223,11 @@ def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, session: ToolS
     pos = mask.sum(1)  # each row's next position
     rows = [_Row() for _ in range(B)]
     stop_ids = {eos_id, *cfg.stop_token_ids}
-    pending: dict = {}  # row -> Future of its turn's outcomes
+    # TP_g > 1: the group's rank 0 runs the tools and decides which results are in each step; the
+    # others take its outcomes (the same tokens, so the same extend calls and collectives)
+    group = w.group if w.dims.tp_size > 1 else None
+    leader = group is None or dist.get_rank(group) == 0
+    pending: dict = {}  # row -> Future of its turn's outcomes (None off the leader)
     ready = list(range(B))  # rows whose next-token logits are in `logits`
     while True:
         t0 = time.perf_counter()
@@ -252,9 +259,10 @@ def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, session: ToolS
                 else:
                     row.state = "tool"
                     row.calls += sum(isinstance(c, ToolCall) for c in calls)
-                    pending[b] = session.submit(calls)
+                    pending[b] = session.submit(calls) if leader else None
         # results that are in; block for one only when nothing can decode
-        resumed = _collect(pending, rows, block=not feed and bool(pending), stats=stats)
+        resumed = _collect(pending, rows, block=not feed and bool(pending), stats=stats,
+                           group=group, leader=leader)
         new_logits = {}
         if resumed:
             tp = time.perf_counter()
@@ -289,13 +297,22 @@ def _turn_calls(row: _Row, session: ToolSession, tok) -> Optional[list]:
     return session.fmt.parse(text)
 
 
-def _collect(pending: dict, rows: list, *, block: bool, stats: dict) -> dict:
-    """{row: outcomes} of the finished calls (waiting for at least one when `block`)."""
+def _collect(pending: dict, rows: list, *, block: bool, stats: dict, group=None,
+             leader: bool = True) -> dict:
+    """{row: outcomes} of the finished calls (waiting for at least one when `block`); with a TP_g
+    group, the leader's, broadcast (every rank has the same rows pending)."""
+    t = time.perf_counter()
+    done = {}
+    if leader and pending:
+        if block:
+            wait(list(pending.values()), return_when=FIRST_COMPLETED)
+        done = {b: f.result() for b, f in pending.items() if f.done()}
+    if group is not None and pending:
+        box = [done]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        done = box[0]
     if block:
-        t = time.perf_counter()
-        wait(list(pending.values()), return_when=FIRST_COMPLETED)
         stats["tool_wait"] += time.perf_counter() - t
-    done = {b: f.result() for b, f in pending.items() if f.done()}
     for b, outcomes in done.items():
         del pending[b]
         rows[b].errors += sum(o.error for o in outcomes)

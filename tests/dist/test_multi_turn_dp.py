@@ -78,3 +78,31 @@ def test_multi_turn_step_at_dp2_equals_dp1(tmp_path):
     for name, w in ref["weights"].items():
         for r in range(2):
             assert torch.allclose(dp2[r]["weights"][name], w, atol=5e-6, rtol=1e-5), name
+
+
+def real_step(out_dir):
+    """One GRPO step through the real multi-turn rollout (the demo's tiny model, the calculator)."""
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
+    from hybridflow.parallel import groups
+    from hybridflow.trainer import Trainer
+
+    cfg = load_config(["experiment=demo", "algo=grpo", f"trainer.output_dir={out_dir}",
+                       "trainer.sft_warmup_steps=0", "trainer.total_steps=1",
+                       "trainer.save_final=false", "trainer.tensorboard=false",
+                       "trainer.progress_bar=false", "data.prompts_per_step=4", "rollout.n=2",
+                       "rollout.max_new_tokens=6", "algo.ppo_mini_batch_size=8",
+                       "algo.micro_batch_size_per_gpu=4", "rollout.multi_turn.enable=true",
+                       "rollout.multi_turn.tool_config_path=calculator.yaml"])
+    validate(cfg, world_size=torch.distributed.get_world_size())
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=cfg.trainer.seed)
+    trainer = Trainer(cfg, ctx)
+    metrics = trainer.train_step()
+    trainer.rollout.release()
+    return metrics
+
+
+def test_trainer_step_through_the_multi_turn_rollout(tmp_path):
+    m = run_ranks(real_step, 1, str(tmp_path))[0]
+    assert m["num_turns/mean"] >= 1 and "timing_s/tool_wait" in m and "tool_calls/mean" in m
+    assert m["actor/pg_loss"] == m["actor/pg_loss"]  # finite

@@ -1,0 +1,53 @@
+"""Multi-turn generation at TP_g=2 equals TP_g=1 (gloo, CPU): only the group's rank 0 runs the tools
+and broadcasts which results are in and what they are at each poll, so both ranks append the same
+tokens at the same steps (polling each its own thread pool would let the ranks see a result at
+different steps and run different collectives)."""
+
+import torch
+
+from tests.dist.launcher import run_ranks
+
+
+def _ranks_fn(tmp):
+    import pathlib
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from hybridflow.parallel import groups, param_rules
+    from hybridflow.rollout import Generator
+    from tests.unit.test_multi_turn import CFG, V, byte_tokenizer, call, params, run, tool_config
+
+    tmp = pathlib.Path(tmp) / f"rank{dist.get_rank()}"
+    tmp.mkdir(parents=True)
+    tok = byte_tokenizer(tmp)
+    full = params(CFG)
+    end = tok.encode("<|im_end|>")
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in ("6*7?", "Two: 2+3 then 5*5", "plain")]
+    # forced calls, then free sampling to the end of the budget or EOS
+    forced = [tok.encode(call("6*7")), tok.encode(call("2+3")) + tok.encode(call("5*5")),
+              tok.encode("no call") + end]
+    cfg_path = tool_config(tmp, "calculator")
+    ref = Generator(model_cfg=CFG, params=full, tp_group=None, device="cpu", dtype=torch.float32,
+                    true_vocab_size=V)
+    (tp1, _), _ = run(ref, tok, "hermes", cfg_path, prompts, forced, max_new=200)
+    groups.init_model_parallel(tp=2, pp=1, seed=0)
+    group = ps.get_tensor_model_parallel_group()
+    shards = {n: param_rules.shard_tensor(n, t, tp_rank=dist.get_rank(group), tp_size=2)
+              .contiguous() for n, t in full.items()}
+    gen2 = Generator(model_cfg=CFG, params=shards, tp_group=group, device="cpu",
+                     dtype=torch.float32, true_vocab_size=V)
+    (tp2, m), _ = run(gen2, tok, "hermes", cfg_path, prompts, forced, max_new=200)
+    return {"tp1": tp1, "tp2": tp2, "metrics": m}
+
+
+def test_multi_turn_tp2_equals_tp1(tmp_path):
+    r0, r1 = run_ranks(_ranks_fn, 2, str(tmp_path))
+    for r in (r0, r1):
+        tp1, tp2 = r["tp1"], r["tp2"]
+        assert torch.equal(tp1.response_ids, tp2.response_ids)
+        assert torch.equal(tp1.tool_mask, tp2.tool_mask)
+        assert torch.allclose(tp1.rollout_logprobs, tp2.rollout_logprobs, atol=1e-4, rtol=0)
+    assert r0["metrics"]["tool_calls/mean"] == r1["metrics"]["tool_calls/mean"] >= 1.0
+    assert torch.equal(r0["tp2"].response_ids, r1["tp2"].response_ids)
