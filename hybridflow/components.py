@@ -146,10 +146,12 @@ def build_engines(cfg: Config, ctx: ParallelContext) -> dict[str, Engine]:
     total = cfg.trainer.total_steps * updates_per_step(cfg)  # warm-up steps do not use the schedule
     common = dict(ctx=ctx, parallel=cfg.parallel, precision=cfg.trainer.precision)
     engines = {"actor": Engine(role="actor", model_cfg=cfg.model, optim=cfg.actor_optim,
-                               total_updates=total, **common)}
+                               total_updates=total, lora=cfg.actor.lora, seed=cfg.trainer.seed,
+                               **common)}
     load_pretrained(engines["actor"], cfg.model)
     a = cfg.algo
-    if a.use_kl_loss or a.use_kl_in_reward:
+    # with LoRA the reference is the actor with its adapters off (reference_policy), not a copy
+    if (a.use_kl_loss or a.use_kl_in_reward) and cfg.actor.lora.rank == 0:
         engines["ref"] = Engine(role="ref", model_cfg=cfg.model, **common)
         copy_weights(engines["actor"].module, engines["ref"].module)
     if cfg.use_critic:
@@ -173,6 +175,16 @@ def build_engines(cfg: Config, ctx: ParallelContext) -> dict[str, Engine]:
         engines["reward"] = Engine(role="reward", model_cfg=rm_cfg, **common)
         load_pretrained(engines["reward"], rm_cfg)
     return engines
+
+
+def reference_policy(cfg: Config, engines: dict):
+    """The reference model of the run (None without a KL term): its own engine, or with LoRA the
+    actor's base weights (its adapters off)."""
+    if "ref" in engines or not (cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward):
+        return engines.get("ref")
+    from hybridflow.engine import AdapterFreeReference
+
+    return AdapterFreeReference(engines["actor"])
 
 
 def finalize_engines(engines: dict[str, Engine], tokenizer) -> None:

@@ -302,6 +302,25 @@ class OptimConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters on the actor's decoder linears (hybridflow/models/lora.py), PEFT's names."""
+    rank: int = 0  # 0: off (full-parameter training)
+    alpha: float = 16.0  # the update is B @ A * alpha / rank
+    dropout: float = 0.0  # on the adapters' input, in training passes
+    # PEFT module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or
+    # [all-linear]; mapped onto Megatron's fused linear_qkv / linear_proj / linear_fc1 / linear_fc2
+    target_modules: list = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass
+class ActorConfig:
+    # with lora.rank > 0 only the adapters train (and have grads and optimizer state); the
+    # reference policy is the actor with its adapters off (no second model is built) and
+    # generation runs on the weights with the adapters merged in (restored exactly after)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = 20
     seed: int = 1
@@ -376,6 +395,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
     actor_optim: OptimConfig = field(default_factory=OptimConfig)
     critic_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -184,6 +184,25 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if cfg.trainer.gc_full_interval < 1:
         raise ValueError(f"trainer.gc_full_interval={cfg.trainer.gc_full_interval} must be >= 1 "
                          "(1: every collection is a full one)")
+    validate_lora(cfg)
+
+
+def validate_lora(cfg: Config) -> None:
+    lora = cfg.actor.lora
+    if lora.rank < 0:
+        raise ValueError(f"actor.lora.rank={lora.rank} must be >= 0 (0: off)")
+    if lora.rank == 0:
+        return
+    from hybridflow.models.lora import resolve_targets
+
+    resolve_targets(lora.target_modules)
+    _positive("actor.lora.alpha", lora.alpha)
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ValueError(f"actor.lora.dropout={lora.dropout} must be in [0, 1)")
+    if cfg.model.attention_backend in ("te", "local"):
+        raise ValueError(f"actor.lora.rank={lora.rank} needs model.attention_backend=sdpa or auto "
+                         f"(the lean linears adapters attach to), got "
+                         f"{cfg.model.attention_backend}")
 
 
 def _validate_micro_batches(cfg: Config, *, dp: int) -> None:

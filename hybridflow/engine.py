@@ -48,7 +48,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.transformer.module import Float16Module
 
 from hybridflow.checkpoint.optim import use_fused_adam
-from hybridflow.config import ModelConfig, OptimConfig, ParallelConfig
+from hybridflow.config import LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.data.microbatch import token_budget_groups
 from hybridflow.data.packing import PackedRows, pack_rows
@@ -58,6 +58,7 @@ from hybridflow.models.graphs import graph_layers
 from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear,
                                       LeanRowParallelLinear, LogprobSpec)
 from hybridflow.models.logprob import vocab_parallel_logprobs
+from hybridflow.models.lora import adapters_disabled, apply_lora
 from hybridflow.parallel.context import ParallelContext
 
 LossFn = Callable[[dict, RolloutBatch], tuple[torch.Tensor, dict]]
@@ -84,7 +85,9 @@ def attention_mask(token_mask: torch.Tensor, *, padded: Optional[bool] = None
 class Engine:
     def __init__(self, *, role: str, model_cfg: ModelConfig, ctx: ParallelContext,
                  parallel: ParallelConfig, precision: str, optim: Optional[OptimConfig] = None,
-                 total_updates: int = 1):
+                 total_updates: int = 1, lora: Optional[LoRAConfig] = None, seed: int = 0):
+        """`lora` (actor.lora, rank > 0; trainable roles): LoRA adapters on the decoder linears,
+        the only parameters that train (models/lora.py); `seed` draws their A factors."""
         self.role = role
         self.ctx = ctx
         self.model_cfg = model_cfg
@@ -95,6 +98,13 @@ class Engine:
                             sequence_parallel=parallel.sequence_parallel, precision=precision,
                             activation_checkpointing=parallel.activation_checkpointing,
                             fused_elementwise=parallel.fused_elementwise)
+        self.num_adapter_params = 0
+        if lora is not None and lora.rank > 0:
+            if optim is None:
+                raise ValueError(f"role {role}: LoRA adapters need a trainable role")
+            self.num_adapter_params = apply_lora(
+                model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                target_modules=lora.target_modules, seed=seed)
         self._lm_chunk = parallel.lm_head_chunk_tokens
         # parallel.train_cuda_graphs (CUDA only; _capture_graphs): the (seq_len, rows) the layers
         # were captured at, None until the first training pass
@@ -461,6 +471,29 @@ class Engine:
         if ctx.pp_size > 1:
             dist.broadcast(t, src=ctx.pp_last_rank, group=ctx.pp_group)
         return t.cpu()
+
+
+class AdapterFreeReference:
+    """The reference policy of a LoRA actor: the actor's own model with its adapters off (the
+    base weights; no second model). Offload is a no-op: there is nothing of its own to move."""
+
+    role = "ref"
+    trainable = False
+    optimizer = scheduler = None
+
+    def __init__(self, actor: Engine):
+        self.actor = actor
+        self.model_cfg = actor.model_cfg
+
+    def compute_logprobs(self, batch: RolloutBatch, **kwargs) -> torch.Tensor:
+        with adapters_disabled(self.actor.module):
+            return self.actor.compute_logprobs(batch, **kwargs)
+
+    def offload(self) -> None:
+        pass
+
+    def onload(self, *, prefetch: bool = False) -> None:
+        pass
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,8 @@ class Trainer:
         self.engines = components.build_engines(cfg, ctx)
         components.finalize_engines(self.engines, self.tokenizer)
         self.actor = self.engines["actor"]
-        self.ref, self.critic = self.engines.get("ref"), self.engines.get("critic")
+        self.ref = components.reference_policy(cfg, self.engines)
+        self.critic = self.engines.get("critic")
         if self.ref is not None and cfg.trainer.offload_ref:
             self.ref.offload()
         self.rollout = RolloutStage(cfg, ctx, self.actor, self.tokenizer,

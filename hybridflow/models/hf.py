@@ -41,6 +41,7 @@ from hybridflow.models.hf_config import check_tokenizer_vocab, load_json, read_h
 from hybridflow.models.hf_names import (LAYER_HF, TE_ALIASES, dims, megatron_param_names,
                                         megatron_to_hf_state_dict)
 from hybridflow.models.hf_save import save_hf_checkpoint
+from hybridflow.models.lora import is_adapter_name
 from hybridflow.parallel import param_rules as pr
 
 __all__ = ["read_hf_config", "hf_to_megatron_state_dict", "megatron_to_hf_state_dict",
@@ -199,6 +200,8 @@ def _load(model, src, cfg: ModelConfig, *, tp_rank: int, tp_size: int, pp_rank: 
           pp_size: int) -> dict[str, int]:
     vpad = padded_vocab_size(cfg.vocab_size, tp_size)
     for name, param in model.named_parameters():
+        if is_adapter_name(name):  # LoRA adapters start fresh (models/lora.py)
+            continue
         gname = pr.global_name(name, pp_rank=pp_rank, num_layers=cfg.num_layers, pp_size=pp_size)
         shard = _param_shard(gname, src, cfg, tp_rank=tp_rank, tp_size=tp_size, vpad=vpad)
         if shard is None:  # scalar head of a critic/reward model from a causal LM: keep it fresh

@@ -104,6 +104,21 @@ def _linear(layer, x, weight, bias):
     return F.linear(x, weight, bias)
 
 
+def _sharded_state_dict(layer, axes: dict, prefix, sharded_offsets, metadata):
+    """Megatron's sharded state dict of the linear, with a LoRA adapter's split factors sharded
+    along their TP axis (its replicated factors are replicated, as Megatron assumes by default)."""
+    from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
+                                                 make_sharded_tensors_for_checkpoint)
+
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    lora = layer._modules.get("lora")
+    if lora is not None:
+        axes = {**axes, **{f"lora.{k}": v for k, v in lora.tp_axes().items()}}
+    return make_sharded_tensors_for_checkpoint(
+        layer.state_dict(prefix="", keep_vars=True), prefix, axes, sharded_offsets,
+        tp_group=layer.tp_group, dp_cp_group=metadata["dp_cp_group"])
+
+
 def _check_supported(layer) -> None:
     cfg = layer.config
     if layer.explicit_expert_comm or cfg.gradient_accumulation_fusion \
@@ -127,7 +142,15 @@ class LeanColumnParallelLinear(ColumnParallelLinear):
                 runtime_gather_output: Optional[bool] = None):
         x, weight = self._prepare(input_, weight)  # (s, b, h)
         bias = None if self.skip_bias_add else self.bias
-        return self._finish(_linear(self, x, weight, bias), runtime_gather_output)  # (s,b,out/tp)
+        out = _linear(self, x, weight, bias)  # (s, b, out/tp)
+        lora = self._modules.get("lora")  # models/lora.py: its own collectives on input_
+        if lora is not None and lora.enabled:
+            out = out + lora(input_)
+        return self._finish(out, runtime_gather_output)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return _sharded_state_dict(self, {"weight": 0, "bias": 0}, prefix, sharded_offsets,
+                                   metadata)
 
     def _prepare(self, input_, weight):
         if weight is None:
@@ -249,6 +272,12 @@ class LeanRowParallelLinear(RowParallelLinear):
                 out = reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group)
             else:
                 out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+        lora = self._modules.get("lora")  # models/lora.py: added after the base's reduction
+        if lora is not None and lora.enabled:
+            out = out + lora(x)
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return _sharded_state_dict(self, {"weight": 1}, prefix, sharded_offsets, metadata)

@@ -14,6 +14,9 @@ Rules (local and TE specs of a Llama/Qwen2-style GPTModel):
 - `replicated`: norms (also Qwen3's per-head q/k norms, `q_layernorm` / `k_layernorm`: one (head_dim,)
                 weight shared by every head), biases of row-parallel layers, the scalar value head;
                 identical on every rank.
+LoRA adapters (models/lora.py) follow their base layer: `lora.B.<name>` of a column-parallel
+linear (qkv, fc1: one pair per PEFT target, so no gate/up interleave) is `column`, `lora.A.<name>`
+of a row-parallel one (proj, fc2) is `row`; the other factor is `replicated`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ import torch
 VOCAB, COLUMN, GATED_FC1, ROW, REPLICATED = "vocab", "column", "gated_fc1", "row", "replicated"
 
 _RULES = (
+    (r"\.lora\.B\.(q|k|v|gate|up)_proj$", COLUMN),
+    (r"\.lora\.A\.(o|down)_proj$", ROW),
+    (r"\.lora\.[AB]\.\w+$", REPLICATED),
     (r"(^|\.)embedding\.word_embeddings\.weight$", VOCAB),
     (r"(^|\.)output_layer\.weight$", VOCAB),
     (r"\.linear_qkv\.(weight|bias)$", COLUMN),

@@ -87,7 +87,8 @@ class Resharder:
                  inplace: bool = False):
         self.layout, self.groups, self.pool = layout, groups, pool
         self.coalesce, self.inplace = coalesce, inplace
-        self._params = {n: p for n, p in model.named_parameters()}
+        # LoRA adapters are not generation weights (they are merged into the base ones first)
+        self._params = {n: p for n, p in model.named_parameters() if ".lora." not in n}
         rank = dist.get_rank()
         if dist.get_world_size() != layout.world_size:
             raise ValueError(f"reshard: layout world size {layout.world_size} != "

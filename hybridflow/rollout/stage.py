@@ -16,6 +16,7 @@ whole response text, tool results included, and the turn/tool metrics join the r
 from __future__ import annotations
 
 import dataclasses
+from contextlib import ExitStack
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from hybridflow.data.batch import RolloutBatch
 from hybridflow.parallel.context import ParallelContext
 from hybridflow.parallel.dp import dp_sum, gather_batches
 from hybridflow.reward import compute_rule_rewards, get_reward_fn
+from hybridflow.models.lora import is_adapter_name, merged_adapters
 from hybridflow.rollout.generator import Generator
 from hybridflow.rollout.options import DecodeOptions
 
@@ -70,7 +72,8 @@ class RolloutStage:
 
     def _gen_params(self):
         if self.resharder is None:
-            return dict(self.actor.module.named_parameters())
+            return {n: p for n, p in self.actor.module.named_parameters()
+                    if not is_adapter_name(n)}
         return self.resharder.gather()
 
     def generate(self, items, *, step: int, timer, rollout_cfg=None, seed=None,
@@ -91,9 +94,12 @@ class RolloutStage:
             start = j * base + min(j, extra)
             mine = items[start:start + base + (j < extra)]
             seed += 7919 * j
-        with timer("reshard"):
-            params = self._gen_params()
-        try:
+        with ExitStack() as stack:
+            with timer("reshard"):  # LoRA: adapters merged into the weights, restored on exit
+                stack.enter_context(merged_adapters(self.actor.module))
+                params = self._gen_params()
+            if self.resharder is not None:
+                stack.callback(self.resharder.release)
             with timer("gen"):
                 gen = self._generator(params)
                 with torch.no_grad():
@@ -107,9 +113,6 @@ class RolloutStage:
                 batch = batch.to("cpu")
                 if split:
                     batch = self._gather_replicas(batch)
-        finally:
-            if self.resharder is not None:
-                self.resharder.release()
         first = ctx.train.dp * len(items)  # global prompt ids: DP rank r holds prompts r*L ..
         group_ids = (first + torch.arange(len(items))).repeat_interleave(r.n)
         indices = torch.tensor([it.index for it in items]).repeat_interleave(r.n)

@@ -1,0 +1,279 @@
+"""LoRA adapters on the decoder's tensor-parallel linears: PEFT's math on Megatron's fused layout.
+
+`apply_lora(model, cfg)` gives each targeted linear of every decoder layer a `LoRAAdapter` child
+(`<linear>.lora`, parameters `lora.A.<peft name>` and `lora.B.<peft name>`) and freezes every
+other parameter, so DDP's grad buffers and the optimizer hold only the adapters. The lean linears
+(models/linear.py) add `adapter(x)` to their output while `adapter.enabled`.
+
+Targets are PEFT's module names, mapped onto Megatron's fused linears:
+    q_proj, k_proj, v_proj -> linear_qkv  (rows grouped per query group: [q heads of g; k_g; v_g])
+    o_proj -> linear_proj;  gate_proj, up_proj -> linear_fc1 ([gate; up]);  down_proj -> linear_fc2
+Each PEFT target keeps its own (A, B) pair of rank r, exactly PEFT's, so `q_proj` alone adapts only
+the q rows of the fused QKV output and export is a reshape. The update is
+`B @ A * alpha / r` applied to dropout(x), as PEFT (no rsLoRA); B starts at zero, A at PEFT's
+kaiming-uniform(a=sqrt(5)), drawn from a generator seeded per (seed, layer, target) over the FULL
+matrix and then sliced, so the start does not depend on TP.
+
+Tensor parallelism (TP = t):
+  column-parallel base (qkv, fc1): A (r, in) replicated, B (out/t, r) split by output rows. h = x A^T
+    is computed on the layer's own input: without SP, h goes through copy-to-TP (identity forward,
+    all-reduce backward: A's gradient sums every rank's B rows, identical on all ranks); with SP, x
+    is this rank's sequence slice and h is gathered over the sequence (backward reduce-scatters),
+    A's gradient is then a partial sum and A is tagged `sequence_parallel`, which Megatron's
+    finalize_model_grads all-reduces over TP (as it does for the norms).
+  row-parallel base (proj, fc2): A (r, in/t) split by input, B (out, r) replicated. h = x_local A^T is
+    a partial sum: all-reduced over TP (SP: reduce-scattered over the sequence, B tagged
+    `sequence_parallel`), then B is applied to the full h. The delta is added after the base's own
+    reduction.
+The rank-r collectives are tiny next to the base's. Split factors carry Megatron's
+tensor-parallel attributes (grad-norm, checkpoints shard them along that axis).
+
+Generation: `merged_adapters(model)` adds B @ A * scale into the base weights for the duration of
+a `with` (the weights the generator reads) and restores them bit-exactly after: unmerging
+`round(round(W + D) - D)` misses W by an ulp where rounding moved, and those positions are found at
+merge time (comparing bits) and their original values kept, a small sparse record. D is recomputed
+for the unmerge with the same ops on the same inputs (bitwise reproducible on one device).
+The reference policy is the same model under `adapters_disabled(model)`.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
+                                                    reduce_from_tensor_model_parallel_region,
+                                                    reduce_scatter_to_sequence_parallel_region)
+
+# PEFT module name -> (Megatron linear of the layer, its attribute path)
+PEFT_TARGETS = {
+    "q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
+    "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
+    "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2",
+}
+PEFT_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+               "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+ADAPTER_TAG = ".lora."
+
+
+def is_adapter_name(name: str) -> bool:
+    return ADAPTER_TAG in name or name.startswith("lora.")
+
+
+def resolve_targets(target_modules) -> tuple[str, ...]:
+    """PEFT target names (or "all-linear") -> the PEFT names, in PEFT_TARGETS order."""
+    names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    if "all-linear" in names:
+        return tuple(PEFT_TARGETS)
+    unknown = [n for n in names if n not in PEFT_TARGETS]
+    if unknown or not names:
+        raise ValueError(f"actor.lora.target_modules={names}: expected a non-empty list of "
+                         f"{list(PEFT_TARGETS)} or ['all-linear']")
+    return tuple(n for n in PEFT_TARGETS if n in names)
+
+
+class LoRAAdapter(torch.nn.Module):
+    """The low-rank update of one (fused) TP linear; `parts`: [(peft name, rows per group,
+    targeted)] in the fused output order, repeated `groups` times (qkv: per local query group)."""
+
+    def __init__(self, *, kind: str, parts: list, groups: int, in_local: int, in_full: int,
+                 rank: int, alpha: float, dropout: float, tp_group, tp_rank: int,
+                 sequence_parallel: bool, dtype, device, seeds: dict):
+        super().__init__()
+        assert kind in ("column", "row")
+        self.kind, self.parts, self.groups = kind, parts, groups
+        self.rank, self.scale = rank, alpha / rank
+        self.tp_group, self._tp = tp_group, tp_group.size()
+        self.sp = sequence_parallel and self._tp > 1
+        self.drop = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
+        self.enabled = True
+        self.A, self.B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
+        for name, rows, targeted in parts:
+            if not targeted:
+                continue
+            full_a = torch.empty(rank, in_full)
+            gen = torch.Generator().manual_seed(seeds[name])
+            torch.nn.init.kaiming_uniform_(full_a, a=math.sqrt(5), generator=gen)
+            if kind == "row":  # A split by input columns
+                full_a = full_a[:, tp_rank * in_local:(tp_rank + 1) * in_local]
+            a = torch.nn.Parameter(full_a.to(device=device, dtype=dtype).contiguous())
+            b = torch.nn.Parameter(torch.zeros(groups * rows, rank, device=device, dtype=dtype))
+            split, replicated = (b, a) if kind == "column" else (a, b)
+            set_tensor_model_parallel_attributes(split, True, 0 if kind == "column" else 1, 1)
+            setattr(replicated, "sequence_parallel", self.sp)
+            self.A[name], self.B[name] = a, b
+
+    def tp_axes(self) -> dict:
+        """{state-dict key under this module: TP axis} of its split factors."""
+        if self.kind == "column":
+            return {f"B.{n}": 0 for n in self.B}
+        return {f"A.{n}": 1 for n in self.A}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The update for the linear's own input `x` (column: (s, b, in), s/t under SP; row:
+        (s, b, in/t)); returns what to add to its output."""
+        x = self.drop(x)
+        if self.kind == "row":
+            (name,) = list(self.A)
+            h = F.linear(x, self.A[name])  # (s, b, r) partial over TP
+            if self._tp > 1:
+                h = (reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group) if self.sp
+                     else reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
+            return F.linear(h, self.B[name]) * self.scale
+        from hybridflow.models.linear import _CopyToTP
+
+        names = list(self.A)
+        a = self.A[names[0]] if len(names) == 1 else torch.cat([self.A[n] for n in names])
+        h = F.linear(x, a)  # (s', b, k r)
+        if self._tp > 1:
+            h = (gather_from_sequence_parallel_region(h, group=self.tp_group) if self.sp
+                 else _CopyToTP.apply(h, self.tp_group))
+        hs = dict(zip(names, h.split(self.rank, dim=-1)))
+        lead = h.shape[:-1]
+        pieces = []
+        for name, rows, targeted in self.parts:
+            if targeted:
+                d = F.linear(hs[name], self.B[name]) * self.scale
+                pieces.append(d.view(*lead, self.groups, rows))
+            else:
+                pieces.append(h.new_zeros(*lead, self.groups, rows))
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+        return out.reshape(*lead, -1)
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """scale * B @ A in the base weight's local layout, fp32: (out_local, in_local)."""
+        if self.kind == "row":
+            (name,) = list(self.A)
+            return (self.B[name].float() @ self.A[name].float()) * self.scale
+        pieces = []
+        in_f = next(iter(self.A.values())).shape[1]
+        for name, rows, targeted in self.parts:
+            if targeted:
+                d = (self.B[name].float() @ self.A[name].float()) * self.scale
+                pieces.append(d.view(self.groups, rows, in_f))
+            else:
+                pieces.append(torch.zeros(self.groups, rows, in_f,
+                                          device=self.B[next(iter(self.B))].device))
+        return torch.cat(pieces, dim=1).reshape(-1, in_f)
+
+
+def _seed(seed: int, layer: int, name: str) -> int:
+    return zlib.crc32(f"{seed}/{layer}/{name}".encode()) & 0x7FFFFFFF
+
+
+def apply_lora(model, *, rank: int, alpha: float, dropout: float, target_modules,
+               seed: int = 0) -> int:
+    """Adapt `model`'s decoder layers (this PP stage's) in place; freeze everything else.
+    Returns the number of adapter parameters (elements) on this rank."""
+    from hybridflow.models.linear import LeanColumnParallelLinear, LeanRowParallelLinear
+
+    targets = resolve_targets(target_modules)
+    cfg = model.config
+    hd = cfg.kv_channels
+    heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
+    hpg = heads // groups
+    for p in model.parameters():
+        p.requires_grad_(False)
+    count = 0
+    for layer in model.decoder.layers:
+        index = layer.layer_number - 1  # global (over pipeline stages), 0-based
+        for path in dict.fromkeys(PEFT_TARGETS[t] for t in targets):
+            linear = layer.get_submodule(path)
+            if type(linear) not in (LeanColumnParallelLinear, LeanRowParallelLinear):
+                raise ValueError("actor.lora needs the local layer spec's lean linears "
+                                 "(model.attention_backend=sdpa or auto without "
+                                 f"transformer-engine); {path} is {type(linear).__name__}")
+            group = linear.tp_group
+            tp, tp_rank = group.size(), group.rank()
+            mine = [t for t in PEFT_TARGETS if PEFT_TARGETS[t] == path]
+            out_local, in_local = linear.weight.shape
+            if path.endswith("linear_qkv"):
+                kind, g = "column", groups // tp
+                parts = [("q_proj", hpg * hd), ("k_proj", hd), ("v_proj", hd)]
+            elif path.endswith("linear_fc1"):
+                kind, g = "column", 1
+                parts = [("gate_proj", out_local // 2), ("up_proj", out_local // 2)]
+            else:
+                kind, g = "row", 1
+                parts = [(mine[0], out_local)]
+            parts = [(n, rows, n in targets) for n, rows in parts]
+            assert sum(r for _, r, _ in parts) * g == out_local, (path, parts, out_local)
+            adapter = LoRAAdapter(
+                kind=kind, parts=parts, groups=g, in_local=in_local,
+                in_full=in_local * (tp if kind == "row" else 1), rank=rank, alpha=alpha,
+                dropout=dropout, tp_group=group, tp_rank=tp_rank,
+                sequence_parallel=cfg.sequence_parallel, dtype=linear.weight.dtype,
+                device=linear.weight.device,
+                seeds={n: _seed(seed, index, n) for n, _, t in parts if t})
+            linear.lora = adapter
+            count += sum(p.numel() for p in adapter.parameters())
+    return count
+
+
+def adapters(model) -> Iterator[tuple[torch.nn.Module, LoRAAdapter]]:
+    """(linear, its adapter) for every adapted linear of `model`."""
+    for m in model.modules():
+        a = m._modules.get("lora") if hasattr(m, "_modules") else None
+        if isinstance(a, LoRAAdapter):
+            yield m, a
+
+
+def has_adapters(model) -> bool:
+    return next(adapters(model), None) is not None
+
+
+@contextmanager
+def adapters_disabled(model):
+    """The base model: every adapter of `model` off inside the `with` (the reference policy)."""
+    found = list(adapters(model))
+    before = [a.enabled for _, a in found]
+    for _, a in found:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for (_, a), on in zip(found, before):
+            a.enabled = on
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@contextmanager
+def merged_adapters(model):
+    """Inside the `with`, each adapted linear's weight holds W + scale * B @ A (rounded to its
+    dtype) and its adapter is off (the forward then equals the adapted one up to that rounding);
+    after it, W is restored bit for bit (see the module docstring)."""
+    saved = []
+    try:
+        with torch.no_grad():
+            for linear, a in adapters(model):
+                if not a.enabled:
+                    continue
+                w = linear.weight
+                d = a.delta_weight()
+                merged = (w.float() + d).to(w.dtype)
+                back = (merged.float() - d).to(w.dtype)
+                wrong = (_bits(back) != _bits(w)).reshape(-1).nonzero().squeeze(1)
+                keep = w.reshape(-1)[wrong].clone()
+                del back, d
+                w.copy_(merged)
+                del merged
+                a.enabled = False
+                saved.append((linear, a, wrong, keep))
+        yield
+    finally:
+        with torch.no_grad():
+            for linear, a, wrong, keep in reversed(saved):
+                w = linear.weight
+                a.enabled = True
+                d = a.delta_weight()
+                w.copy_((w.float() - d).to(w.dtype))
+                w.view(-1)[wrong] = keep
