@@ -99,7 +99,8 @@ class Engine:
                             activation_checkpointing=parallel.activation_checkpointing,
                             fused_elementwise=parallel.fused_elementwise)
         self.num_adapter_params = 0
-        if lora is not None and lora.rank > 0:
+        self.lora = lora if lora is not None and lora.rank > 0 else None
+        if self.lora is not None:
             if optim is None:
                 raise ValueError(f"role {role}: LoRA adapters need a trainable role")
             self.num_adapter_params = apply_lora(

@@ -8,6 +8,9 @@ saved it (`hybridflow.checkpoint.load_full_state_dict`), and written by
 `hybridflow.models.hf.save_hf_checkpoint`: safetensors, config.json, generation_config.json and the
 tokenizer files saved with the checkpoint, so `transformers.AutoModelForCausalLM.from_pretrained`
 loads the result. Scalar heads (critic, reward) have no Hugging Face form and are refused.
+A role trained with LoRA (actor.lora) is written as a PEFT adapter directory (adapter_config.json,
+adapter_model.safetensors) that `peft.PeftModel.from_pretrained` loads onto the base model, or with
+`--merged` as the full model with the adapters merged into its weights.
 
 Nothing is lost on bad input: `<out_dir>` may not be, hold or lie inside the checkpoint root or
 step (compared as real paths), nor be a file or a folder of other files (hf_save says what is
@@ -62,8 +65,10 @@ def check_outside(out_dir: str, checkpoint: str, ckpt: str) -> None:
 
 
 def export(checkpoint: str, out_dir: str, *, role: str = "actor", step: Optional[int] = None,
-           dtype: Optional[str] = None) -> str:
-    """Write the Hugging Face directory `out_dir`; return the step dir it came from."""
+           dtype: Optional[str] = None, merged: bool = False) -> str:
+    """Write the Hugging Face directory `out_dir`; return the step dir it came from. A role
+    trained with LoRA adapters is written as a PEFT adapter directory, or with `merged` as the
+    full model with the adapters merged into its weights (models/lora_export.py)."""
     ckpt = resolve_step_dir(checkpoint, step)
     check_outside(out_dir, checkpoint, ckpt)
     role_dir = os.path.join(ckpt, role)
@@ -73,8 +78,27 @@ def export(checkpoint: str, out_dir: str, *, role: str = "actor", step: Optional
 
     from hybridflow.models.hf_save import check_replaceable, save_hf_checkpoint
 
-    check_replaceable(out_dir)
+    from hybridflow.models.hf_names import megatron_to_hf_state_dict
+    from hybridflow.models.lora_export import merge_into_hf, save_peft_adapter, split_adapters
+
     full_sd, cfg = _read_weights(ckpt, role)
+    full_sd, adapter_sd = split_adapters(full_sd)
+    lora = None
+    if adapter_sd:
+        lora_path = os.path.join(ckpt, f"lora_config_{role}.json")
+        if not os.path.isfile(lora_path):
+            raise FileNotFoundError(f"checkpoint {ckpt} holds LoRA adapters for {role!r} but no "
+                                    f"{lora_path} (their rank and alpha)")
+        with open(lora_path, encoding="utf-8") as f:
+            lora = json.load(f)
+    elif merged:
+        raise ValueError(f"--merged: checkpoint {ckpt} has no LoRA adapters for {role!r}")
+    if lora is not None and not merged:
+        save_peft_adapter(out_dir, adapter_sd, lora=lora, base_model=lora.get("base_model", ""))
+        return ckpt
+    check_replaceable(out_dir)
+    if lora is not None:
+        full_sd = merge_into_hf(megatron_to_hf_state_dict(full_sd, cfg), adapter_sd, lora=lora)
     if dtype is not None:
         full_sd = {k: v.to(getattr(torch, dtype)) for k, v in full_sd.items()}
     tokenizer = os.path.join(ckpt, "tokenizer")
@@ -100,8 +124,12 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--role", default="actor")
     parser.add_argument("--step", type=int, default=None, help="default: the latest")
     parser.add_argument("--dtype", choices=_DTYPES, default=None, help="default: as saved")
+    parser.add_argument("--merged", action="store_true",
+                        help="LoRA: write the full model with the adapters merged in (default: "
+                             "a PEFT adapter directory)")
     args = parser.parse_args(argv)
-    ckpt = export(args.checkpoint, args.out_dir, role=args.role, step=args.step, dtype=args.dtype)
+    ckpt = export(args.checkpoint, args.out_dir, role=args.role, step=args.step, dtype=args.dtype,
+                  merged=args.merged)
     print(f"exported {args.role} of {ckpt} to {args.out_dir}")
     return 0
 

@@ -21,6 +21,8 @@ resumes with a warning line.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import os
 from typing import Optional
@@ -130,7 +132,7 @@ class Checkpointer:
             return save_checkpoint(self.root, step=t.step, models=models, optimizers=optimizers,
                                    schedulers=schedulers, trainer_state=t.state_dict(),
                                    model_configs=configs, tokenizer_dir=tok_dir,
-                                   layout=t.ctx.layout)
+                                   layout=t.ctx.layout, adapter_configs=adapter_configs(t))
 
     def maybe_resume(self) -> bool:
         from hybridflow.checkpoint import latest_step, load_checkpoint, recover, step_dir
@@ -177,3 +179,15 @@ class Checkpointer:
         if line and dist.get_rank() == 0:
             print(line, flush=True)
         return restart
+
+
+def adapter_configs(trainer) -> dict:
+    """role -> LoRA settings and base model identity, for the roles trained with adapters."""
+    out = {}
+    for role, e in trainer.engines.items():
+        lora = getattr(e, "lora", None)
+        if lora is not None:
+            m = e.model_cfg
+            out[role] = {**dataclasses.asdict(lora), "base_model": m.hf_path or m.gguf_path or "",
+                         "base_model_config": dataclasses.asdict(m)}
+    return out

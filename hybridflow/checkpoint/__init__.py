@@ -6,6 +6,8 @@ Layout of a checkpoint root:
         <role>/                      one dist_checkpointing dir (torch_dist) per role: model tensors,
                                      optimizer tensors, optimizer step and LR-scheduler state
         model_config_<role>.json     the role's ModelConfig
+        lora_config_<role>.json      LoRA settings of a role trained with adapters (actor.lora) and
+                                     its base model (the role dir holds base + adapter tensors)
         trainer_state.json           the trainer's dict (its JSON-able values) and "step"
         trainer_state.pt             the trainer's other values (tensors, bytes), when there are any
         rng/rank_<r>.pt              RNG states of each rank (python, numpy, torch, cuda, megatron)
@@ -107,12 +109,14 @@ def _complete_steps(root_dir: str) -> list[int]:
 def save_checkpoint(root_dir: str, *, step: int, models: dict, optimizers: dict = {},
                     schedulers: dict = {}, trainer_state: dict = {}, model_configs: dict = {},
                     tokenizer_dir: Optional[str] = None, keep_last: Optional[int] = None,
-                    layout=None) -> str:
+                    layout=None, adapter_configs: dict = {}) -> str:
     """Write `<root_dir>/step_<step>` atomically on every rank; return its path.
 
     models: role -> list of model chunks (DDP-wrapped or bare); optimizers / schedulers: role ->
     Megatron optimizer / OptimizerParamScheduler; trainer_state: a dict (JSON-able values go to
-    trainer_state.json, the rest to trainer_state.pt); keep_last: keep only the newest N steps.
+    trainer_state.json, the rest to trainer_state.pt); keep_last: keep only the newest N steps;
+    adapter_configs: role -> its LoRA settings (a dict, `lora_config_<role>.json`: what export
+    needs to write a PEFT adapter).
     An I/O error on any rank removes the partial directory and raises the same OSError on every
     rank (errno, path, failing rank); earlier steps and `latest` stay as they were."""
     for role in list(optimizers) + list(schedulers):
@@ -153,7 +157,8 @@ def save_checkpoint(root_dir: str, *, step: int, models: dict, optimizers: dict 
         if rank == 0:
             state.write_rank0_files(tmp, step=step, roles=list(models),
                                     trainer_state=trainer_state, model_configs=model_configs,
-                                    tokenizer_dir=tokenizer_dir, layout=layout)
+                                    tokenizer_dir=tokenizer_dir, layout=layout,
+                                    adapter_configs=adapter_configs)
     raise_on_any_rank(err, what=what, cleanup=tmp)
     with io_errors() as err:
         if rank == 0:

@@ -40,7 +40,8 @@ def sync_writer_shims() -> None:
 
 
 def write_rank0_files(tmp: str, *, step: int, roles: list, trainer_state: dict,
-                      model_configs: dict, tokenizer_dir: Optional[str], layout=None) -> None:
+                      model_configs: dict, tokenizer_dir: Optional[str], layout=None,
+                      adapter_configs: Optional[dict] = None) -> None:
     state, extra = {}, {}
     for key, value in trainer_state.items():
         try:
@@ -54,6 +55,8 @@ def write_rank0_files(tmp: str, *, step: int, roles: list, trainer_state: dict,
         save_torch(extra, os.path.join(tmp, "trainer_state.pt"))
     for role, cfg in model_configs.items():
         write_json(os.path.join(tmp, f"model_config_{role}.json"), dataclasses.asdict(cfg))
+    for role, lora in (adapter_configs or {}).items():
+        write_json(os.path.join(tmp, f"lora_config_{role}.json"), lora)
     write_json(os.path.join(tmp, "meta.json"), {
         "format_version": FORMAT_VERSION, "step": step, "roles": roles, **layout_record(layout)})
     if tokenizer_dir is not None:

@@ -1,0 +1,148 @@
+"""LoRA adapters leave a checkpoint as a PEFT adapter directory that `peft` loads onto the Hugging
+Face base (same logits as our adapted model), or merged into a full HF model; and a bf16
+merge/unmerge restores the weights bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.dist.launcher import run_ranks
+
+SEQ = 7
+
+
+def _tokens(vocab):
+    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def save_adapted_actor(root: str, hf_dir: str, targets: list):
+    """Spawned rank: an actor from the HF base with random nonzero adapters; save; its logits."""
+    import dataclasses
+
+    from hybridflow.checkpoint import save_checkpoint
+    from hybridflow.config import LoRAConfig, OptimConfig, ParallelConfig
+    from hybridflow.engine import Engine
+    from hybridflow.components import load_pretrained
+    from hybridflow.models.hf import read_hf_config
+    from hybridflow.models.lora import adapters
+    from hybridflow.parallel import groups
+
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=3)
+    cfg = dataclasses.replace(read_hf_config(hf_dir), hf_path=hf_dir)
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=targets)
+    eng = Engine(role="actor", model_cfg=cfg, ctx=ctx, parallel=ParallelConfig(),
+                 precision="fp32", optim=OptimConfig(), lora=lora)
+    load_pretrained(eng, cfg)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for _, a in adapters(eng.module):
+            for b in a.B.values():
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    tokens = _tokens(cfg.vocab_size)
+    eng.module.eval()
+    with torch.no_grad():
+        logits = eng.module(tokens, torch.arange(SEQ).expand_as(tokens), None)[..., :cfg.vocab_size]
+    lora_dict = {**dataclasses.asdict(lora), "base_model": hf_dir}
+    save_checkpoint(root, step=2, models={"actor": [eng.model]}, model_configs={"actor": cfg},
+                    adapter_configs={"actor": lora_dict})
+    return logits
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from tests.hf_models import make_checkpoint
+
+    return make_checkpoint("qwen2", str(tmp_path_factory.mktemp("qwen2")))
+
+
+@pytest.mark.parametrize("targets", [["all-linear"], ["q_proj", "v_proj", "up_proj"]],
+                         ids=["all_linear", "q_v_up"])
+def test_peft_adapter_loads_with_our_logits(hf_base, tmp_path, targets):
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from hybridflow.export import main
+
+    root = str(tmp_path / "ckpt")
+    ours = run_ranks(save_adapted_actor, 1, root, hf_base, targets)[0]
+    out = str(tmp_path / "adapter")
+    assert main([root, out]) == 0
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        conf = json.load(f)
+    want = (["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+            if targets == ["all-linear"] else sorted(targets))
+    assert conf["target_modules"] == want and conf["r"] == 4 and conf["lora_alpha"] == 8.0
+    assert conf["base_model_name_or_path"] == hf_base and conf["bias"] == "none"
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_base, attn_implementation="eager", dtype=torch.float32).eval()
+    ids = _tokens(base.config.vocab_size)
+    with torch.no_grad():
+        plain = base(ids).logits.clone()
+    model = peft.PeftModel.from_pretrained(base, out).eval()
+    with torch.no_grad():
+        adapted = model(ids).logits
+    torch.testing.assert_close(adapted, ours, rtol=1e-4, atol=1e-4)
+    assert (adapted - plain).abs().max() > 1e-2  # the adapters matter
+    merged_dir = str(tmp_path / "merged")
+    assert main([root, merged_dir, "--merged"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        merged_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, ours, rtol=1e-4, atol=1e-4)
+
+
+class _Group:  # a TP group of one rank, for a module built outside torch.distributed
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
+def test_bf16_merge_unmerge_is_bit_exact():
+    from hybridflow.models.lora import LoRAAdapter, merged_adapters
+
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.linear = torch.nn.Linear(64, 3 * 48, bias=False).to(torch.bfloat16)
+    holder.linear.lora = LoRAAdapter(
+        kind="column", parts=[("q_proj", 32, True), ("k_proj", 8, False), ("v_proj", 8, True)],
+        groups=3, in_local=64, in_full=64, rank=4, alpha=8.0, dropout=0.0, tp_group=_Group(),
+        tp_rank=0, sequence_parallel=False, dtype=torch.bfloat16, device="cpu",
+        seeds={"q_proj": 1, "v_proj": 2})
+    for b in holder.linear.lora.B.values():
+        torch.nn.init.normal_(b, std=0.5)
+    w = holder.linear.weight
+    before = w.detach().clone()
+    delta = holder.linear.lora.delta_weight()
+    with merged_adapters(holder):
+        assert not holder.linear.lora.enabled
+        torch.testing.assert_close(w.float(), before.float() + delta, atol=2e-2, rtol=1e-2)
+        # the k rows of each group are untouched (only q and v are targets)
+        k_rows = torch.arange(144).view(3, 48)[:, 32:40].reshape(-1)
+        assert torch.equal(w[k_rows], before[k_rows])
+        naive = (w.float() - delta).to(torch.bfloat16)
+        assert not torch.equal(naive, before)  # a plain unmerge would not restore the weights
+    assert holder.linear.lora.enabled
+    assert torch.equal(w.view(torch.int16), before.view(torch.int16))
+
+
+def test_config_errors():
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
+
+    for bad, key in ((["actor.lora.rank=4", "actor.lora.target_modules=[qkv]"], "target_modules"),
+                     (["actor.lora.rank=-1"], "actor.lora.rank"),
+                     (["actor.lora.rank=4", "actor.lora.dropout=1.5"], "actor.lora.dropout"),
+                     (["actor.lora.rank=4", "model.attention_backend=local"],
+                      "model.attention_backend")):
+        with pytest.raises(ValueError, match=key):
+            validate(load_config(["experiment=demo", *bad]), world_size=1)
+    validate(load_config(["experiment=demo", "actor.lora.rank=4",
+                         "actor.lora.target_modules=[q_proj,v_proj]"]),
+             world_size=1)
