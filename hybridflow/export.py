@@ -21,6 +21,7 @@ cause print one line, `hybridflow export: error: ...` (hybridflow.cli), and exit
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -68,7 +69,7 @@ def export(checkpoint: str, out_dir: str, *, role: str = "actor", step: Optional
            dtype: Optional[str] = None, merged: bool = False) -> str:
     """Write the Hugging Face directory `out_dir`; return the step dir it came from. A role
     trained with LoRA adapters is written as a PEFT adapter directory, or with `merged` as the
-    full model with the adapters merged into its weights (models/lora_export.py)."""
+    full model with the adapters merged into its weights (models/hf_save.py)."""
     ckpt = resolve_step_dir(checkpoint, step)
     check_outside(out_dir, checkpoint, ckpt)
     role_dir = os.path.join(ckpt, role)
@@ -79,7 +80,7 @@ def export(checkpoint: str, out_dir: str, *, role: str = "actor", step: Optional
     from hybridflow.models.hf_save import check_replaceable, save_hf_checkpoint
 
     from hybridflow.models.hf_names import megatron_to_hf_state_dict
-    from hybridflow.models.lora_export import merge_into_hf, save_peft_adapter, split_adapters
+    from hybridflow.models.hf_save import merge_into_hf, save_peft_adapter, split_adapters
 
     full_sd, cfg = _read_weights(ckpt, role)
     full_sd, adapter_sd = split_adapters(full_sd)

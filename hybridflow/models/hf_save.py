@@ -12,6 +12,14 @@ and a failed write (a full disk) leaves no temporary behind. An existing `out_di
 when it is empty or a model folder (has a config.json); any other folder or file is refused, not
 deleted. Weights are serialized in memory and written by Python, so a full disk is an OSError with
 its errno (safetensors' own writer reports it as text).
+
+LoRA adapters (models/lora.py: global names `decoder.layers.{i}.<linear>.lora.{A,B}.<peft name>`,
+A (r, in) and B (out, r), already one pair per q/k/v/gate/up target) leave as a PEFT adapter
+directory, a renaming: `base_model.model.model.layers.{i}.{self_attn|mlp}.<name>.lora_{A,B}.weight`
+in adapter_model.safetensors plus adapter_config.json (peft_type LORA, r, lora_alpha,
+target_modules, lora_dropout, bias "none", task_type CAUSAL_LM, base_model_name_or_path), which
+`peft.PeftModel.from_pretrained(base, dir)` loads; or `merge_into_hf` adds alpha / r * B @ A to the
+HF weights (fp32 math).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 from typing import Mapping, Optional
 
@@ -28,6 +37,7 @@ from hybridflow.atomic import staged_dir
 from hybridflow.config import ModelConfig
 from hybridflow.models.hf_config import load_json, write_hf_config
 from hybridflow.models.hf_names import megatron_to_hf_state_dict
+from hybridflow.models.lora import PEFT_PARENT, is_adapter_name
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -131,3 +141,70 @@ def _write_json(path: str, data: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+_NAME = re.compile(r"^decoder\.layers\.(\d+)\..*\.lora\.([AB])\.(\w+)$")
+
+
+def split_adapters(full_sd: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+    """(base tensors, adapter tensors) of a full state dict."""
+    base = {k: v for k, v in full_sd.items() if not is_adapter_name(k)}
+    return base, {k: v for k, v in full_sd.items() if is_adapter_name(k)}
+
+
+def peft_state_dict(adapter_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in adapter_sd.items():
+        m = _NAME.match(name)
+        if m is None:
+            raise ValueError(f"not a LoRA adapter tensor name: {name!r}")
+        layer, factor, target = m.groups()
+        out[f"base_model.model.model.layers.{layer}.{PEFT_PARENT[target]}.{target}."
+            f"lora_{factor}.weight"] = t
+    return out
+
+
+def adapter_config(lora: dict, *, base_model: str, targets: list) -> dict:
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": int(lora["rank"]), "lora_alpha": lora["alpha"],
+            "lora_dropout": lora["dropout"], "target_modules": sorted(targets), "bias": "none",
+            "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+            "use_rslora": False, "use_dora": False, "modules_to_save": None,
+            "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+            "alpha_pattern": {}, "revision": None}
+
+
+def save_peft_adapter(out_dir: str, adapter_sd: Mapping[str, torch.Tensor], *, lora: dict,
+                      base_model: str) -> None:
+    """Write a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)."""
+    from safetensors.torch import save
+
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and \
+            not os.path.isfile(os.path.join(out_dir, "adapter_config.json")):
+        raise FileExistsError(errno.EEXIST, "exists and holds files but no adapter_config.json; "
+                              "expected a new, empty or adapter folder", out_dir)
+    sd = peft_state_dict(adapter_sd)
+    targets = sorted({k.split(".")[-3] for k in sd})
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}
+    with staged_dir(out_dir, replace=True) as tmp:
+        with open(os.path.join(tmp, "adapter_model.safetensors"), "wb") as f:
+            f.write(save(tensors, metadata={"format": "pt"}))
+        with open(os.path.join(tmp, "adapter_config.json"), "w", encoding="utf-8") as f:
+            json.dump(adapter_config(lora, base_model=base_model, targets=targets), f, indent=2,
+                      sort_keys=True)
+            f.write("\n")
+
+
+def merge_into_hf(hf_sd: dict, adapter_sd: Mapping[str, torch.Tensor], *, lora: dict) -> dict:
+    """HF tensors with scale * B @ A added to each adapted weight (computed in fp32)."""
+    scale = lora["alpha"] / lora["rank"]
+    peft = peft_state_dict(adapter_sd)
+    out = dict(hf_sd)
+    for key, a in peft.items():
+        if ".lora_A." not in key:
+            continue
+        b = peft[key.replace(".lora_A.", ".lora_B.")]
+        name = key.replace("base_model.model.", "", 1).replace(".lora_A.weight", ".weight")
+        w = out[name]
+        out[name] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    return out
