@@ -55,26 +55,28 @@ TAIL_TOKENS = 8  # a turn's last tokens decoded each step to spot a closing mark
 
 
 def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-           columns: torch.Tensor, *, cache, key_valid: torch.Tensor, cos_tab, sin_tab,
+           start: torch.Tensor, *, cache, key_valid: torch.Tensor, cos_tab, sin_tab,
            rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run S new tokens per row against the cache; returns fp32 logits (r, V) at each row's last
     valid new token.
 
-    ids, positions, columns (r, S) int64: the tokens, their RoPE positions and the cache columns
-    their K/V go to; valid (r, S) bool (False: padding, written to the scratch column T-1 and never
-    seen). rows (r,) int64: the cache rows (None: rows 0..r-1, a view without copies). key_valid
-    (rows, T) bool, the columns each cache row may attend to; updated in place with the new
-    tokens' columns. Same math as decoder.forward (torch path)."""
+    ids, positions (r, S) int64: the tokens and their RoPE positions; valid (r, S) bool, a prefix
+    of each row (False: right padding, written to the scratch column T-1 and never seen); start
+    (r,) int64: the cache column of each row's first new token (token j goes to start + j). rows
+    (r,) int64: the cache rows (None: rows 0..r-1, a view without copies). key_valid (rows, T)
+    bool, the columns each cache row may attend to; updated in place with the new tokens'
+    columns. Same math as decoder.forward (torch path)."""
     d = w.dims
     r, S = ids.shape
     hpg, hd = d.heads_per_group, d.head_dim
     T = cache.length
-    columns = torch.where(valid, columns, T - 1)
+    steps = torch.arange(S, device=ids.device)
+    columns = torch.where(valid, start[:, None] + steps, T - 1)  # (r, S)
     kv_rows = key_valid if rows is None else key_valid.index_select(0, rows)  # (r, T)
-    new = F.one_hot(columns, T).bool() & valid[..., None]  # (r, S, T)
+    t = torch.arange(T, device=ids.device)
     # query j sees the row's old columns and new tokens 0..j; a padding query sees its own column
-    mask = kv_rows[:, None, :] | new.cumsum(1).bool()
-    mask |= F.one_hot(columns, T).bool() & ~valid[..., None]
+    mask = kv_rows[:, None, :] | ((t >= start[:, None, None]) & (t <= columns[:, :, None])
+                                  & valid[:, :, None]) | (t == columns[:, :, None])
     mask = mask[:, None]  # (r, 1, S, T)
     x = decoder.embed(w, ids.masked_fill(~valid, 0)).reshape(r * S, d.hidden)
     cos = cos_tab[positions][:, :, None, None]  # (r, S, 1, 1, hd)
@@ -97,7 +99,8 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
         x = decoder._row_parallel_add(x, a.transpose(1, 2).reshape(r * S, d.heads * hd),
                                       layer.proj, w)
         x = decoder._mlp(x, layer, w)
-    new_valid = new.any(1)  # (r, T)
+    n_new = valid.sum(1)  # (r,)
+    new_valid = (t >= start[:, None]) & (t < (start + n_new)[:, None])  # (r, T)
     if rows is None:
         key_valid[:r] |= new_valid
     else:
@@ -114,6 +117,15 @@ class ToolSession:
         self.tools: dict[str, Tool] = {t.name: t for t in tools}
         self.fmt, self.tok, self.mt = fmt, tokenizer, mt
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._pieces: dict = {}  # token id -> its text (memo for the per-step marker check)
+
+    def may_close(self, token: int) -> bool:
+        """Whether `token`'s text holds the closing marker's last character (else no call can
+        have just been completed: the turn's tail is not decoded)."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.tok.decode([token], skip_special_tokens=False)
+        return self.fmt.close[-1] in piece
 
     def submit(self, items: list) -> Future:
         """Run the calls of one turn (ToolCall, or a ToolOutcome already decided) -> a future of
@@ -275,7 +287,7 @@ def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, session: ToolS
             valid1 = torch.zeros(B, 1, dtype=torch.bool, device=dev)
             ids1[fb, 0] = torch.tensor([rows[b].tokens[-1] for b in feed], device=dev)
             valid1[fb, 0] = True
-            logits = extend(w, ids1, pos[:, None], valid1, col[:, None], cache=cache,
+            logits = extend(w, ids1, pos[:, None], valid1, col, cache=cache,
                             key_valid=key_valid, cos_tab=cos, sin_tab=sin)
             col[fb] += 1
             pos[fb] += 1
@@ -289,6 +301,8 @@ def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, session: ToolS
 
 def _turn_calls(row: _Row, session: ToolSession, tok) -> Optional[list]:
     """The calls that end the row's current model turn, or None (no complete call yet)."""
+    if not session.may_close(row.tokens[-1]):
+        return None
     tail = tok.decode(row.tokens[max(row.turn_start, len(row.tokens) - TAIL_TOKENS):],
                       skip_special_tokens=False)
     if not session.fmt.ends_with_call(tail):
@@ -359,8 +373,8 @@ def _append_results(resumed: dict, rows: list, session: ToolSession, R: int, w, 
     ids_t, valid = ids_t.to(dev), valid.to(dev)
     rows_t = torch.tensor(order, device=dev)
     steps = torch.arange(S, device=dev)[None]
-    logits = extend(w, ids_t, pos[rows_t][:, None] + steps, valid, col[rows_t][:, None] + steps,
-                    cache=cache, key_valid=key_valid, cos_tab=cos, sin_tab=sin, rows=rows_t)
+    logits = extend(w, ids_t, pos[rows_t][:, None] + steps, valid, col[rows_t], cache=cache,
+                    key_valid=key_valid, cos_tab=cos, sin_tab=sin, rows=rows_t)
     lens = valid.sum(1)
     col[rows_t] += lens
     pos[rows_t] += lens

@@ -70,8 +70,8 @@ class ToolFormat:
         if self.kind == "code":
             return "\n```output\n" + "\n".join(o.text.rstrip("\n") for o in outcomes) + "\n```\n"
         if self.tok.has_chat_template:
-            return self._template_delta([o.text for o in outcomes])
-        body = "".join(f"<tool_response>\n{o.text}\n</tool_response>\n" for o in outcomes)
+            return self._template_delta([o.text.rstrip("\n") for o in outcomes])
+        body = "".join(f"<tool_response>\n{o.text.rstrip()}\n</tool_response>\n" for o in outcomes)
         return "\n" + body + "assistant: "
 
     def _template_delta(self, texts: list) -> str:

@@ -130,7 +130,7 @@ def test_extend_equals_full_prefill():
     for b, (s, k) in enumerate(zip(seqs, split)):  # prefix at columns 10.. (not 0: any column)
         ids = torch.tensor([s[:k]])
         extend(gen.w, ids, torch.arange(k)[None], torch.ones_like(ids).bool(),
-               10 + torch.arange(k)[None], cache=cache, key_valid=kv, cos_tab=cos, sin_tab=sin,
+               torch.tensor([10]), cache=cache, key_valid=kv, cos_tab=cos, sin_tab=sin,
                rows=torch.tensor([b]))
     S = max(len(s) - k for s, k in zip(seqs, split))
     ids = torch.zeros(2, S, dtype=torch.long)
@@ -138,7 +138,7 @@ def test_extend_equals_full_prefill():
     for b, (s, k) in enumerate(zip(seqs, split)):
         ids[b, :len(s) - k], valid[b, :len(s) - k] = torch.tensor(s[k:]), True
     k_t = torch.tensor(split)[:, None]
-    out = extend(gen.w, ids, k_t + torch.arange(S)[None], valid, 10 + k_t + torch.arange(S)[None],
+    out = extend(gen.w, ids, k_t + torch.arange(S)[None], valid, 10 + k_t[:, 0],
                  cache=cache, key_valid=kv, cos_tab=cos, sin_tab=sin)
     ref_cache = KVCache(num_layers=2, rows=1, groups=2, length=64, head_dim=CFG.head_dim,
                         dtype=torch.float32, device="cpu")
