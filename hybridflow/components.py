@@ -55,7 +55,8 @@ def build_tokenizer_and_dataset(cfg: Config):
                          f"{tok_path} has no enable_thinking switch (Qwen3's templates have one); "
                          "set data.enable_thinking=null")
     kw = dict(tokenizer=tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-              truncation=d.truncation, enable_thinking=d.enable_thinking, tools=tool_schemas(cfg))
+              truncation=d.truncation, enable_thinking=d.enable_thinking, tools=tool_schemas(cfg),
+              system_prompt=d.system_prompt)
     if records is not None:
         dataset = PromptDataset.from_records(records, source=f"synthetic:{d.synthetic}", **kw)
     else:
@@ -104,7 +105,8 @@ def build_validator(cfg: Config, ctx: ParallelContext, *, rollout, tokenizer):
     d = cfg.data
     dataset = PromptDataset.from_file(d.val_files, tokenizer=tokenizer, prompt_key=d.prompt_key,
                                       max_prompt_length=d.max_prompt_length, truncation=d.truncation,
-                                      enable_thinking=d.enable_thinking, tools=tool_schemas(cfg))
+                                      enable_thinking=d.enable_thinking, tools=tool_schemas(cfg),
+              system_prompt=d.system_prompt)
     if len(dataset) < ctx.dp_size:
         raise ValueError(f"data.val_files={d.val_files} has {len(dataset)} prompts, fewer than the "
                          f"{ctx.dp_size} data-parallel replicas that share them")

@@ -168,6 +168,9 @@ class DataConfig:
     # chat templates' thinking switch (Qwen3's `enable_thinking`), passed to the template when chat
     # prompts are rendered; null: not passed, the template's default (Qwen3: thinking on)
     enable_thinking: Optional[bool] = None
+    # a system message put first in chat prompts that have none (e.g. how to call the tools of a
+    # multi-turn rollout); null: the prompts as they are
+    system_prompt: Optional[str] = None
     prompts_per_step: int = 8
     shuffle: bool = True
 

@@ -11,7 +11,9 @@ Choices:
   encoded without special tokens (the template owns BOS). `enable_thinking` (data.enable_thinking)
   reaches the template as its `enable_thinking` variable (Qwen3's thinking switch) when it is a
   bool; None leaves the variable undefined, so the template's own default applies. `tools` (the
-  OpenAI function schemas of rollout.multi_turn's tool config) reach it as `tools`. String prompts are used as they are and get
+  OpenAI function schemas of rollout.multi_turn's tool config) reach it as `tools`.
+  `system_prompt` (data.system_prompt) becomes the first message of chat prompts that have no
+  system message of their own. String prompts are used as they are and get
   BOS when the tokenizer asks for one; so do messages rendered by the plain fallback of a tokenizer
   without a template.
 - Tokenization happens eagerly in the constructor: RL prompt sets are small (thousands to a few
@@ -70,7 +72,8 @@ class PromptDataset:
     def from_file(cls, path: str | Path, *, tokenizer: Tokenizer, prompt_key: str = "prompt",
                   max_prompt_length: int, truncation: str = "error",
                   require_ground_truth: bool = True,
-                  enable_thinking: bool | None = None, tools: list | None = None) -> "PromptDataset":
+                  enable_thinking: bool | None = None, tools: list | None = None,
+                  system_prompt: str | None = None) -> "PromptDataset":
         p = Path(path).expanduser()
         if p.suffix not in (".jsonl", ".parquet"):
             raise ValueError(f"dataset file {str(p)!r}: unknown extension {p.suffix!r}; expected .jsonl or .parquet")
@@ -80,23 +83,27 @@ class PromptDataset:
         return cls._build(records, source=str(p), tokenizer=tokenizer, prompt_key=prompt_key,
                           max_prompt_length=max_prompt_length, truncation=truncation,
                           require_ground_truth=require_ground_truth,
-                          enable_thinking=enable_thinking, tools=tools)
+                          enable_thinking=enable_thinking, tools=tools,
+                          system_prompt=system_prompt)
 
     @classmethod
     def from_records(cls, records: Iterable[dict[str, Any]], *, tokenizer: Tokenizer, prompt_key: str = "prompt",
                      max_prompt_length: int, truncation: str = "error", require_ground_truth: bool = True,
                      source: str = "<records>", enable_thinking: bool | None = None,
-                     tools: list | None = None) -> "PromptDataset":
+                     tools: list | None = None,
+                  system_prompt: str | None = None) -> "PromptDataset":
         located = ((f"{source}: record {i}", r) for i, r in enumerate(records))
         return cls._build(located, source=source, tokenizer=tokenizer, prompt_key=prompt_key,
                           max_prompt_length=max_prompt_length, truncation=truncation,
                           require_ground_truth=require_ground_truth,
-                          enable_thinking=enable_thinking, tools=tools)
+                          enable_thinking=enable_thinking, tools=tools,
+                          system_prompt=system_prompt)
 
     @classmethod
     def _build(cls, located: Iterable[tuple[str, Any]], *, source: str, tokenizer: Tokenizer, prompt_key: str,
                max_prompt_length: int, truncation: str, require_ground_truth: bool,
-               enable_thinking: bool | None = None, tools: list | None = None) -> "PromptDataset":
+               enable_thinking: bool | None = None, tools: list | None = None,
+                  system_prompt: str | None = None) -> "PromptDataset":
         if truncation != "error" and truncation not in _TRUNCATIONS:
             raise ValueError(f"truncation must be one of error, {', '.join(_TRUNCATIONS)}; got {truncation!r}")
         if not isinstance(max_prompt_length, int) or max_prompt_length <= 0:
@@ -105,7 +112,7 @@ class PromptDataset:
         for where, record in located:
             item = _parse(record, where=where, index=len(items), tokenizer=tokenizer, prompt_key=prompt_key,
                           require_ground_truth=require_ground_truth, enable_thinking=enable_thinking,
-                          tools=tools)
+                          tools=tools, system_prompt=system_prompt)
             if len(item.prompt_ids) > max_prompt_length:
                 if truncation == "error":
                     raise ValueError(f"{where}: prompt is {len(item.prompt_ids)} tokens, longer than "
@@ -143,7 +150,8 @@ def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _parse(record: Any, *, where: str, index: int, tokenizer: Tokenizer, prompt_key: str,
            require_ground_truth: bool, enable_thinking: bool | None = None,
-           tools: list | None = None) -> PromptItem:
+           tools: list | None = None,
+           system_prompt: str | None = None) -> PromptItem:
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected an object with fields {prompt_key}, data_source, reward_model; "
                          f"got {type(record).__name__}")
@@ -155,6 +163,8 @@ def _parse(record: Any, *, where: str, index: int, tokenizer: Tokenizer, prompt_
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise ValueError(f"{where}: field {prompt_key!r}[{j}] must be a message "
                                  f'{{"role": str, "content": str}}, got {m!r}')
+        if system_prompt and not (prompt and prompt[0]["role"] == "system"):
+            prompt = [{"role": "system", "content": system_prompt}, *prompt]
         switch = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         if tools:  # the tool schemas (rollout.multi_turn), for the template's system prompt
             switch["tools"] = tools

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridflow.config import MultiTurnConfig, ModelConfig, RolloutConfig
-from hybridflow.data.tokenizer import load_tokenizer
+from hybridflow.data.tokenizer import _compile_template, load_tokenizer
 from hybridflow.rollout import Generator, decoder
 from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.multi_turn import ToolSession, extend, generate_multi_turn
@@ -232,3 +232,24 @@ def test_code_format_runs_the_block(tmp_path):
     tool = batch.tool_mask[0, :len(ref)].bool()
     torch.testing.assert_close(batch.rollout_logprobs[0, :len(ref)][~tool], ref[~tool],
                                rtol=1e-4, atol=1e-4)
+
+
+def test_chat_prompts_get_the_tools_and_the_system_prompt(tmp_path):
+    from hybridflow.data.dataset import PromptDataset
+
+    tok = byte_tokenizer(tmp_path)
+    tok_tools = load_tokenizer(tmp_path / "tok")  # a template that lists the tools it is given
+    tok_tools._compiled_template = _compile_template(
+        "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}" + CHATML_TOOLS)
+    recs = [{"prompt": [{"role": "user", "content": "q"}], "data_source": "x",
+             "reward_model": {"ground_truth": "1"}},
+            {"prompt": [{"role": "system", "content": "own"}, {"role": "user", "content": "q"}],
+             "data_source": "x", "reward_model": {"ground_truth": "1"}}]
+    schemas = [t.schema for t in load_tool_config(tool_config(tmp_path, "calculator"))]
+    ds = PromptDataset.from_records(recs, tokenizer=tok_tools, max_prompt_length=512,
+                                    tools=schemas, system_prompt="Use the tools.")
+    assert ds[0].prompt_text == ("[calculator]<|im_start|>system\nUse the tools.<|im_end|>\n"
+                                 "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n")
+    assert ds[1].prompt_text.startswith("[calculator]<|im_start|>system\nown<|im_end|>")
+    plain = PromptDataset.from_records(recs, tokenizer=tok, max_prompt_length=512)
+    assert plain[0].prompt_text == "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"
