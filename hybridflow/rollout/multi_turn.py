@@ -25,6 +25,8 @@ at most rollout.max_batch_size rows:
   the row), a tool result cut to max_tool_response_length tokens, and rollout.max_new_tokens for
   the whole response (model and tool tokens together; a result that does not fit is cut and ends
   the row). Stop at EOS / rollout.stop_token_ids as single-turn.
+- Seeded sampling is reproducible as far as the tools' timing is: the decode step at which a
+  result is appended depends on when the call finished (every row samples from one stream).
 Output: a RolloutBatch whose response holds every turn and tool result, response_mask 1 over all
 of it (the context the trainer's forward sees), tool_mask 1 on the tool results' tokens (the loss,
 KL and advantages skip them: RolloutBatch.loss_mask), and rollout_logprobs 0 on tool tokens.
@@ -52,6 +54,9 @@ from hybridflow.rollout.sampling import sample
 from hybridflow.tools.base import Tool, ToolCall, ToolOutcome
 
 TAIL_TOKENS = 8  # a turn's last tokens decoded each step to spot a closing marker
+# tokens (rows x longest) per extend that appends tool results: bounds the attention's
+# (rows, heads, S, T) scores when many rows resume at once (as the prefill's sub-batches do)
+APPEND_TOKENS = 16384
 
 
 def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
@@ -77,7 +82,7 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
     # query j sees the row's old columns and new tokens 0..j; a padding query sees its own column
     mask = kv_rows[:, None, :] | ((t >= start[:, None, None]) & (t <= columns[:, :, None])
                                   & valid[:, :, None]) | (t == columns[:, :, None])
-    mask = mask[:, None]  # (r, 1, S, T)
+    mask = mask[:, None, None].expand(r, 1, hpg, S, T).reshape(r, 1, hpg * S, T)
     x = decoder.embed(w, ids.masked_fill(~valid, 0)).reshape(r * S, d.hidden)
     cos = cos_tab[positions][:, :, None, None]  # (r, S, 1, 1, hd)
     sin = sin_tab[positions][:, :, None, None]
@@ -87,7 +92,9 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
         qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(r, S, d.groups, hpg + 2, hd)
         qk = decoder._qk_norm(qkv[:, :, :, :hpg + 1], layer.q_norm, layer.k_norm, d.eps)
         qk = qk * cos + qk.roll(hd // 2, -1) * sin  # (r, S, G, hpg+1, hd)
-        q = qk[:, :, :, :hpg].flatten(2, 3).transpose(1, 2)  # (r, H, S, hd)
+        # the heads of a group fold into the query axis (as decode_step's): (r, G, hpg * S, hd)
+        # queries against the group's (r, G, T, hd) keys, no per-head K/V copy
+        q = qk[:, :, :, :hpg].permute(0, 2, 3, 1, 4).reshape(r, d.groups, hpg * S, hd)
         kc, vc = cache.k[i], cache.v[i]  # (rows, G, T, hd)
         kc[row_ix, :, columns] = qk[:, :, :, hpg]  # (r, S, G, hd) at (row, column)
         vc[row_ix, :, columns] = qkv[:, :, :, hpg + 1]
@@ -95,9 +102,9 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
             k, v = kc[:r], vc[:r]
         else:
             k, v = kc.index_select(0, rows), vc.index_select(0, rows)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hpg > 1)
-        x = decoder._row_parallel_add(x, a.transpose(1, 2).reshape(r * S, d.heads * hd),
-                                      layer.proj, w)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (r, G, hpg * S, hd)
+        a = a.view(r, d.groups, hpg, S, hd).permute(0, 3, 1, 2, 4).reshape(r * S, d.heads * hd)
+        x = decoder._row_parallel_add(x, a, layer.proj, w)
         x = decoder._mlp(x, layer, w)
     n_new = valid.sum(1)  # (r,)
     new_valid = (t >= start[:, None]) & (t < (start + n_new)[:, None])  # (r, T)
@@ -338,7 +345,8 @@ def _append_results(resumed: dict, rows: list, session: ToolSession, R: int, w, 
                     key_valid, col, pos, cos, sin, dev) -> dict:
     """Append each resumed row's last model token (the call's end, sampled but not yet in the
     cache) and its rendered results (cut to max_tool_response_length tokens and to the response
-    budget) to its cache by one `extend` over those rows -> {row: next logits}."""
+    budget) to its cache by `extend` over those rows (sub-batches of at most APPEND_TOKENS
+    padded tokens) -> {row: next logits}."""
     mt, tok = session.mt, session.tok
     appended = {}
     for b, outcomes in resumed.items():
@@ -362,8 +370,22 @@ def _append_results(resumed: dict, rows: list, session: ToolSession, R: int, w, 
         appended[b] = [row.tokens[-len(ids) - 1], *ids]
     if not appended:
         return {}
-    order = list(appended)
-    S = max(len(v) for v in appended.values())
+    out, batch, longest = {}, [], 0
+    for b in sorted(appended, key=lambda b: len(appended[b])):  # sub-batches of similar lengths
+        n = len(appended[b])
+        if batch and (len(batch) + 1) * max(longest, n) > APPEND_TOKENS:
+            out.update(_extend_rows(batch, appended, w, cache, key_valid, col, pos, cos, sin, dev))
+            batch, longest = [], 0
+        batch.append(b)
+        longest = max(longest, n)
+    out.update(_extend_rows(batch, appended, w, cache, key_valid, col, pos, cos, sin, dev))
+    return out
+
+
+def _extend_rows(order: list, appended: dict, w, cache, key_valid, col, pos, cos, sin,
+                 dev) -> dict:
+    """One `extend` of rows `order` by their `appended` tokens (right-padded) -> {row: logits}."""
+    S = max(len(appended[b]) for b in order)
     r = len(order)
     ids_t = torch.zeros(r, S, dtype=torch.long)
     valid = torch.zeros(r, S, dtype=torch.bool)

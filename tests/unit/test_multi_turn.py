@@ -152,7 +152,12 @@ def test_extend_equals_full_prefill():
         assert kv[b].nonzero()[:, 0].tolist() == list(range(10, 10 + len(s)))
 
 
-def test_hermes_calls_match_a_full_prefill(tmp_path):
+@pytest.mark.parametrize("append_tokens", [16384, 1], ids=["one_extend", "row_by_row"])
+def test_hermes_calls_match_a_full_prefill(tmp_path, monkeypatch, append_tokens):
+    """append_tokens=1: results that come in together are appended by one extend per row."""
+    from hybridflow.rollout import multi_turn
+
+    monkeypatch.setattr(multi_turn, "APPEND_TOKENS", append_tokens)
     tok = byte_tokenizer(tmp_path)
     gen = make_gen()
     end = tok.encode("<|im_end|>")
