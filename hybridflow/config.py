@@ -321,6 +321,10 @@ class ActorConfig:
     # reference policy is the actor with its adapters off (no second model is built) and
     # generation runs on the weights with the adapters merged in (restored exactly after)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # the optimizer's fp32 master weights and Adam state live in host memory (pinned) and come to
+    # the GPU only for the optimizer step, after the update's activations are freed (verl's name);
+    # bit-identical results, PCIe copies of 12 bytes per trained parameter each way per update
+    offload_optimizer: bool = False
 
 
 @dataclass
@@ -362,6 +366,10 @@ class TrainerConfig:
     # on the GPU through generation (whose wave sizing sees them) but not through the update;
     # false: copied at the start of the ref pass, on the GPU only there
     offload_ref_prefetch: bool = True
+    # cap this process's GPU memory at N GiB (torch.cuda.set_per_process_memory_fraction of the
+    # device's total), e.g. 24 to run as on a 24 GB card; the automatic token budgets are sized for
+    # it. null: the whole device. Ignored with a warning line on CPU (nothing to cap there)
+    gpu_memory_limit_gib: Optional[float] = None
     # Python GC: N > 0 turns automatic collection off during training and collects every N steps
     # (at the start of the step, timed as timing_s/gc), as Megatron's --manual-gc: automatic
     # collections at random points stall every rank of a collective; 0: Python's default.

@@ -29,6 +29,29 @@ CPU_TOKEN_BUDGET = 16384  # use_dynamic_bsz=true on CPU with no budget set
 MEMORY_SHARE = 0.85
 
 
+def apply_memory_limit(limit_gib, device) -> tuple:
+    """trainer.gpu_memory_limit_gib: cap this process's allocations on `device` at `limit_gib`
+    (torch.cuda.set_per_process_memory_fraction of the device's total memory, so a 24 GB card can
+    be emulated on a bigger one). Returns (the cap in bytes or None, a line to print or None). On
+    CPU the option is ignored, with a warning line (there is no device memory to cap; the same
+    config then runs on either machine)."""
+    if limit_gib is None:
+        return None, None
+    if device.type != "cuda":
+        return None, (f"warning: trainer.gpu_memory_limit_gib={limit_gib} ignored: no GPU "
+                      "(the cap applies to CUDA devices only)")
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = float(limit_gib) * 2 ** 30
+    if cap > total:
+        raise ValueError(f"trainer.gpu_memory_limit_gib={limit_gib} exceeds this GPU's "
+                         f"{total / 2 ** 30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    return cap, (f"trainer.gpu_memory_limit_gib={limit_gib}: this process may allocate at most "
+                 f"{limit_gib:g} of the GPU's {total / 2 ** 30:.1f} GiB")
+
+
 def _replace(cfg: Config, group: str, **values) -> Config:
     return dataclasses.replace(cfg, **{group: dataclasses.replace(getattr(cfg, group), **values)})
 
@@ -168,8 +191,13 @@ def resolve_for_run(cfg: Config, ctx) -> Config:
     from hybridflow.config_checks import validate
 
     cfg, notes = resolve_auto(cfg, device_type=ctx.device.type)
+    limit = apply_memory_limit(cfg.trainer.gpu_memory_limit_gib, ctx.device)
+    if limit[1]:
+        notes.append(limit[1])
     if ctx.device.type == "cuda" and budgets_unset(cfg):
         free, _ = torch.cuda.mem_get_info(ctx.device)
+        if limit[0] is not None:  # what the cap leaves of the device
+            free = min(free, limit[0] - torch.cuda.memory_reserved(ctx.device))
         free_t = torch.tensor([float(free)], device=ctx.device)
         dist.all_reduce(free_t, op=dist.ReduceOp.MIN)  # one budget on every rank of a TP group
         cfg, line = size_token_budgets(cfg, world_size=dist.get_world_size(),

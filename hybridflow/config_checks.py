@@ -185,6 +185,10 @@ def validate(cfg: Config, *, world_size: int) -> None:
         raise ValueError(f"trainer.gc_full_interval={cfg.trainer.gc_full_interval} must be >= 1 "
                          "(1: every collection is a full one)")
     validate_lora(cfg)
+    limit = cfg.trainer.gpu_memory_limit_gib
+    if limit is not None and not limit > 0:
+        raise ValueError(f"trainer.gpu_memory_limit_gib={limit} must be a positive number of GiB "
+                         "(null: the whole device)")
 
 
 def validate_lora(cfg: Config) -> None:

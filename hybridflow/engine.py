@@ -59,6 +59,7 @@ from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear
                                       LeanRowParallelLinear, LogprobSpec)
 from hybridflow.models.logprob import vocab_parallel_logprobs
 from hybridflow.models.lora import adapters_disabled, apply_lora
+from hybridflow.offload import OptimizerOffload
 from hybridflow.parallel.context import ParallelContext
 
 LossFn = Callable[[dict, RolloutBatch], tuple[torch.Tensor, dict]]
@@ -85,9 +86,12 @@ def attention_mask(token_mask: torch.Tensor, *, padded: Optional[bool] = None
 class Engine:
     def __init__(self, *, role: str, model_cfg: ModelConfig, ctx: ParallelContext,
                  parallel: ParallelConfig, precision: str, optim: Optional[OptimConfig] = None,
-                 total_updates: int = 1, lora: Optional[LoRAConfig] = None, seed: int = 0):
+                 total_updates: int = 1, lora: Optional[LoRAConfig] = None, seed: int = 0,
+                 offload_optimizer: bool = False):
         """`lora` (actor.lora, rank > 0; trainable roles): LoRA adapters on the decoder linears,
-        the only parameters that train (models/lora.py); `seed` draws their A factors."""
+        the only parameters that train (models/lora.py); `seed` draws their A factors.
+        `offload_optimizer` (actor.offload_optimizer): master weights and Adam state in host
+        memory but for the optimizer step (hybridflow/offload.py)."""
         self.role = role
         self.ctx = ctx
         self.model_cfg = model_cfg
@@ -125,6 +129,7 @@ class Engine:
             model = Float16Module(self.tcfg, model)
             self._out_kw = {"fp32_output": False}
         self.optimizer = self.scheduler = None
+        self._opt_offload = None
         if self.trainable:
             dist_opt = parallel.use_distributed_optimizer and ctx.dp_size > 1
             ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
@@ -156,6 +161,11 @@ class Engine:
             self.tcfg.finalize_model_grads_func = functools.partial(finalize_model_grads,
                                                                     pg_collection=ctx.pgs)
             self.tcfg.grad_scale_func = self.optimizer.scale_loss
+            if offload_optimizer:
+                self._opt_offload = OptimizerOffload(self.optimizer,
+                                                     model_params=model.parameters(),
+                                                     device=ctx.device)
+                self._opt_offload.to_host()
         else:
             for p in model.parameters():
                 p.requires_grad_(False)
@@ -424,10 +434,14 @@ class Engine:
                 g["lr"] = lr
         used_lr = self.optimizer.param_groups[0]["lr"]
         finite = self._grads_finite()
+        if self._opt_offload is not None:  # the update's activations are freed by now
+            self._opt_offload.to_device()
         use_fused_adam(self.optimizer)
         # bf16 has no loss scaler to catch inf/NaN: Megatron's clip then skips clipping (a NaN norm
         # fails `coeff < 1`) and Adam writes NaN into every weight. Skip the step instead.
         ok, grad_norm, _ = self.optimizer.step() if finite else (False, None, None)
+        if self._opt_offload is not None:
+            self._opt_offload.to_host()
         if lr is not None:
             for g, value in zip(self.optimizer.param_groups, scheduled):
                 g["lr"] = value

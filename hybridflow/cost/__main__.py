@@ -60,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-ref-prefetch", action="store_false", dest="offload_ref_prefetch",
                    help="trainer.offload_ref_prefetch=false: an offloaded reference is copied "
                         "in the ref stage, not behind generation")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="actor.lora.rank (all-linear): grads and optimizer state only for adapters, "
+                        "no reference copy")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="actor.offload_optimizer=true: master weights and Adam state on the host")
+    p.add_argument("--gpu-memory-gib", type=float,
+                   help="the card's memory instead of --gpu's (e.g. 24 for a 24 GB card, or "
+                        "trainer.gpu_memory_limit_gib)")
     p.add_argument("--calibration", help="JSON written by python -m hybridflow.cost.calibrate")
     g = p.add_argument_group("force a layout (else searched)")
     g.add_argument("--tp", type=int)
@@ -98,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         lm_head_chunk_tokens=a.lm_head_chunk_tokens, decode_kernels=a.decode_kernels,
         fused_elementwise=a.fused_elementwise, train_cuda_graphs=a.train_cuda_graphs,
         gradient_accumulation_fusion=a.gradient_accumulation_fusion,
-        offload_ref_prefetch=a.offload_ref_prefetch,
+        offload_ref_prefetch=a.offload_ref_prefetch, lora_rank=a.lora_rank,
+        offload_optimizer=a.offload_optimizer, gpu_memory_gib=a.gpu_memory_gib,
         calibration=a.calibration)
     print(report.to_json() if a.json else report)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from hybridflow.cost.efficiency import Calibration, load_calibration, shipped_calibration
 from hybridflow.cost.gpus import get_gpu
@@ -58,13 +59,21 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                   lm_head_chunk_tokens: int = 0, decode_kernels: str = "triton",
                   fused_elementwise: bool = True, train_cuda_graphs: bool = False,
                   gradient_accumulation_fusion: bool = True, offload_ref_prefetch: bool = True,
-                  calibration=None) -> CostReport:
+                  lora_rank: int = 0, offload_optimizer: bool = False,
+                  gpu_memory_gib: float | None = None, calibration=None) -> CostReport:
     """Memory, seconds per stage, GPU-hours and money of an RL run, and the layout to run it in.
 
     `layout` forces one layout (dict of tp, pp, dp, tp_gen, offload_ref, recompute); otherwise every
     buildable layout is searched. Nothing fitting is an answer: `fits=False`, `overflow` names the
-    component, `suggestions` say what would fit."""
+    component, `suggestions` say what would fit (more or bigger GPUs, smaller micro-batches, and on
+    these GPUs LoRA / optimizer offload / recompute). `gpu_memory_gib`: the card's memory instead
+    of the named GPU's (a 24 GiB card, or trainer.gpu_memory_limit_gib on a bigger one)."""
     shape, gpu_, calib = load_shape(model), get_gpu(gpu), load_calibration(calibration)
+    if gpu_memory_gib is not None:
+        if gpu_memory_gib <= calib.memory_headroom_gib:
+            raise ValueError(f"gpu_memory_gib={gpu_memory_gib} must exceed the calibration's "
+                             f"headroom of {calib.memory_headroom_gib} GiB")
+        gpu_ = replace(gpu_, name=f"{gpu_.name}@{gpu_memory_gib:g}GiB", memory_gib=gpu_memory_gib)
     if num_gpus < 1:
         raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
     work = Workload(algorithm=algorithm, prompts_per_step=prompts_per_step,
@@ -78,7 +87,8 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                     lm_head_chunk_tokens=lm_head_chunk_tokens, decode_kernels=decode_kernels,
                     fused_elementwise=fused_elementwise, train_cuda_graphs=train_cuda_graphs,
                     gradient_accumulation_fusion=gradient_accumulation_fusion,
-                    offload_ref_prefetch=offload_ref_prefetch)
+                    offload_ref_prefetch=offload_ref_prefetch, lora_rank=lora_rank,
+                    offload_optimizer=offload_optimizer)
     num_steps, steps_note = _num_steps(steps, epochs, dataset_size, prompts_per_step)
     if layout is not None:
         plan = make_plan(layout, num_gpus, shape)

@@ -9,6 +9,13 @@ Resident through the whole step (DESIGN.md: actor and critic state stays on the 
 - critic (PPO only): the same three for the critic (value head instead of LM head);
 - reference: bf16 weights in the training layout, unless offloaded (then present in its own phase,
   and in generation's too when prefetched behind it: `offload_ref_prefetch`, the trainer's default).
+- LoRA (`Workload.lora_rank`, all-linear targets): the actor's grads and optimizer cover only the
+  adapters (`lora_params`), the adapters' bf16 weights join the actor's, and there is no reference
+  copy (the reference is the actor with adapters off). Merging adapters for generation works in
+  blocks of 1024 rows (tens of MB, not counted).
+- `Workload.offload_optimizer`: the optimizer's 12 bytes/param live on the host; they return only
+  for the optimizer step, after the update's activations are gone (component `actor_optimizer` in
+  the `optimizer_step` phase: weights + grads + optimizer state).
 Per phase, on top:
 - gen: the reshard buffer (the gen TP_g shard of the actor minus the training shard it contains; zero
   when TP_g = TP and PP = 1), the KV cache of one generation wave, prefill scratch (one layer of the
@@ -87,17 +94,37 @@ def phases_to_run(workload: Workload) -> list[str]:
     phases = ["gen"] + ([] if workload.skip_old_log_prob else ["old_log_prob"])
     phases += ["ref"] if workload.use_reference else []
     phases += ["values", "update_critic"] if workload.has_critic else []
-    return phases + ["update_actor"]
+    phases += ["update_actor"]
+    return phases + (["optimizer_step"] if workload.offload_optimizer else [])
+
+
+def lora_params(shape: ModelConfig, rank: int) -> int:
+    """Adapter parameters of all-linear LoRA at `rank`: r x (in + out) per adapted matrix (q, k,
+    v, o, gate, up, down) per layer."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    q = shape.num_attention_heads * shape.head_dim
+    kv = shape.num_query_groups * shape.head_dim
+    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + f) + (f + h)
+    return rank * per_layer * shape.num_layers
+
+
+def _reference_used(plan: Plan, workload: Workload) -> bool:
+    """A reference copy exists (a KL term, and not the LoRA actor with its adapters off)."""
+    return workload.use_reference and not workload.lora_rank
 
 
 def _resident(shape: ModelConfig, plan: Plan, workload: Workload) -> dict[str, float]:
     lay = plan.layout
     shard = lay.tp_t * lay.pp_t
     p, pc = shape.num_params, shape.num_critic_params
-    ref = _reference_bytes(shape, lay) if workload.use_reference and not plan.offload_ref else 0.0
+    trained = lora_params(shape, workload.lora_rank) if workload.lora_rank else p
+    weights = p + (trained if workload.lora_rank else 0)
+    ref = (_reference_bytes(shape, lay) if _reference_used(plan, workload)
+           and not plan.offload_ref else 0.0)
     critic = pc * (BYTES_PER_PARAM + 4 + 12 / lay.dp_t) / shard if workload.has_critic else 0.0
-    return {"actor_weights": BYTES_PER_PARAM * p / shard, "actor_grads": 4 * p / shard,
-            "actor_optimizer": 12 * p / (shard * lay.dp_t), "critic": critic, "reference": ref}
+    optimizer = 0.0 if workload.offload_optimizer else 12 * trained / (shard * lay.dp_t)
+    return {"actor_weights": BYTES_PER_PARAM * weights / shard, "actor_grads": 4 * trained / shard,
+            "actor_optimizer": optimizer, "critic": critic, "reference": ref}
 
 
 def _reference_bytes(shape: ModelConfig, layout: Layout) -> float:
@@ -107,7 +134,7 @@ def _reference_bytes(shape: ModelConfig, layout: Layout) -> float:
 
 def _prefetched_reference(shape: ModelConfig, plan: Plan, workload: Workload) -> float:
     """The offloaded reference's weights in generation, where the trainer prefetches them."""
-    if not (workload.use_reference and plan.offload_ref and workload.offload_ref_prefetch):
+    if not (_reference_used(plan, workload) and plan.offload_ref and workload.offload_ref_prefetch):
         return 0.0
     return _reference_bytes(shape, plan.layout)
 
@@ -195,10 +222,15 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
             c |= {"reshard_buffer": reshard_buffer_bytes(shape, lay), "kv_cache": batch * kv,
                   "activations": batch * scratch}
             c["reference"] += _prefetched_reference(shape, plan, workload)
+        elif phase == "optimizer_step":  # offloaded state back for the step; activations gone
+            trained = lora_params(shape, workload.lora_rank) if workload.lora_rank \
+                else shape.num_params
+            c |= {"kv_cache": kept_kv,
+                  "actor_optimizer": 12 * trained / (lay.tp_t * lay.pp_t * lay.dp_t)}
         else:
             act, logits = _activations(shape, plan, workload, phase)
             c |= {"kv_cache": kept_kv, "activations": act, "logits": logits}
-        if phase == "ref" and workload.use_reference:
+        if phase == "ref" and _reference_used(plan, workload):
             c["reference"] = _reference_bytes(shape, lay)
         c["activations"] *= calib.activation_memory_scale
         if workload.train_cuda_graphs:

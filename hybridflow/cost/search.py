@@ -155,4 +155,37 @@ def suggest(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Workload, cal
         if ev := _first_fit(shape, gpu, num_gpus, small, calib):
             out.append(f"one sequence per micro-batch (micro_batch_tokens={small.seq_len}) with "
                        f"{ev.plan.short()}")
+    if line := memory_options(shape, gpu, num_gpus, workload, calib):
+        out.append(line)
     return out
+
+
+LORA_RANK = 16  # the rank suggested when LoRA is what makes a run fit
+
+
+def memory_options(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Workload,
+                   calib: Calibration) -> str | None:
+    """On these GPUs: the first of LoRA, optimizer offload, both, then each with one sequence per
+    micro-batch, that fits (the search adds recompute and reference offload itself); None if none
+    does."""
+    tries = []
+    for lora in sorted({workload.lora_rank, workload.lora_rank or LORA_RANK}):
+        for offload in sorted({workload.offload_optimizer, True}):
+            tries.append(replace(workload, lora_rank=lora, offload_optimizer=offload))
+    tries = [w for w in tries if w != workload]
+    tries += [replace(w, micro_batch_tokens=w.seq_len) for w in tries
+              if w.seqs_per_micro_batch > 1]
+    for w in tries:
+        ev = _first_fit(shape, gpu, num_gpus, w, calib)
+        if ev is None:
+            continue
+        needs = ([f"LoRA (actor.lora.rank={w.lora_rank})"] if w.lora_rank else []) + \
+            (["optimizer offload (actor.offload_optimizer=true)"] if w.offload_optimizer else []) + \
+            (["activation recompute (parallel.activation_checkpointing=true)"]
+             if ev.plan.recompute else []) + \
+            ([f"one sequence per micro-batch (micro_batch_tokens={w.seq_len})"]
+             if w.micro_batch_tokens != workload.micro_batch_tokens else [])
+        return (f"fits on {num_gpus} x {gpu.name} ({gpu.memory_gib:g} GiB) with "
+                f"{' + '.join(needs)}: {ev.plan.short()}, peak {ev.memory.peak_gib:.1f} of "
+                f"{ev.memory.capacity_gib:.1f} GiB, {ev.step:.1f} s/step")
+    return None

@@ -75,6 +75,12 @@ class Workload:
     # weights are copied back behind generation, so they sit on the GPU through generation too
     # (memory) and their PCIe copy is hidden (timing); false: copied in the ref stage
     offload_ref_prefetch: bool = True
+    # actor.lora.rank (all-linear targets): only the adapters have grads and optimizer state, and
+    # the reference is the actor with its adapters off (no copy); 0: full-parameter training
+    lora_rank: int = 0
+    # actor.offload_optimizer: the fp32 master weights and Adam state live in host memory, on the
+    # GPU only during the optimizer step (after the update's activations are freed)
+    offload_optimizer: bool = False
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:

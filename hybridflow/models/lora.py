@@ -145,6 +145,26 @@ class LoRAAdapter(torch.nn.Module):
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
         return out.reshape(*lead, -1)
 
+    def weight_blocks(self, weight: torch.Tensor, rows: int = 1024):
+        """(block of `weight`, its rows of B, A): views covering every targeted row of the base
+        weight in blocks of at most `rows` rows, so that a merge's fp32 temporaries stay small."""
+        if self.kind == "row":
+            (name,) = list(self.A)
+            for r0 in range(0, weight.shape[0], rows):
+                yield weight[r0:r0 + rows], self.B[name][r0:r0 + rows], self.A[name]
+            return
+        total = sum(r for _, r, _ in self.parts)
+        w3 = weight.view(self.groups, total, weight.shape[1])
+        offset = 0
+        for name, n, targeted in self.parts:
+            if targeted:
+                b3 = self.B[name].view(self.groups, n, self.rank)
+                for g in range(self.groups):
+                    for r0 in range(0, n, rows):
+                        yield (w3[g, offset + r0:offset + min(n, r0 + rows)],
+                               b3[g, r0:r0 + rows], self.A[name])
+            offset += n
+
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """scale * B @ A in the base weight's local layout, fp32: (out_local, in_local)."""
@@ -247,33 +267,34 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def merged_adapters(model):
+def merged_adapters(model, *, block_rows: int = 1024):
     """Inside the `with`, each adapted linear's weight holds W + scale * B @ A (rounded to its
     dtype) and its adapter is off (the forward then equals the adapted one up to that rounding);
-    after it, W is restored bit for bit (see the module docstring)."""
+    after it, W is restored bit for bit (see the module docstring). Computed `block_rows` rows at
+    a time (fp32 temporaries of a few such blocks, not of a whole weight)."""
     saved = []
     try:
         with torch.no_grad():
             for linear, a in adapters(model):
                 if not a.enabled:
                     continue
-                w = linear.weight
-                d = a.delta_weight()
-                merged = (w.float() + d).to(w.dtype)
-                back = (merged.float() - d).to(w.dtype)
-                wrong = (_bits(back) != _bits(w)).reshape(-1).nonzero().squeeze(1)
-                keep = w.reshape(-1)[wrong].clone()
-                del back, d
-                w.copy_(merged)
-                del merged
+                fixes = []
+                for w, b, at in a.weight_blocks(linear.weight, block_rows):
+                    d = (b.float() @ at.float()) * a.scale
+                    merged = (w.float() + d).to(w.dtype)
+                    back = (merged.float() - d).to(w.dtype)
+                    wrong = (_bits(back) != _bits(w)).nonzero(as_tuple=True)
+                    fixes.append((wrong, w[wrong].clone()))
+                    w.copy_(merged)
                 a.enabled = False
-                saved.append((linear, a, wrong, keep))
+                saved.append((linear, a, fixes))
         yield
     finally:
         with torch.no_grad():
-            for linear, a, wrong, keep in reversed(saved):
-                w = linear.weight
+            for linear, a, fixes in reversed(saved):
                 a.enabled = True
-                d = a.delta_weight()
-                w.copy_((w.float() - d).to(w.dtype))
-                w.view(-1)[wrong] = keep
+                blocks = a.weight_blocks(linear.weight, block_rows)
+                for (w, b, at), (wrong, keep) in zip(blocks, fixes):
+                    d = (b.float() @ at.float()) * a.scale
+                    w.copy_((w.float() - d).to(w.dtype))
+                    w[wrong] = keep

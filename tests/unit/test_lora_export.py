@@ -120,7 +120,7 @@ def test_bf16_merge_unmerge_is_bit_exact():
     w = holder.linear.weight
     before = w.detach().clone()
     delta = holder.linear.lora.delta_weight()
-    with merged_adapters(holder):
+    with merged_adapters(holder, block_rows=5):  # blocks that cut the q and v parts
         assert not holder.linear.lora.enabled
         torch.testing.assert_close(w.float(), before.float() + delta, atol=2e-2, rtol=1e-2)
         # the k rows of each group are untouched (only q and v are targets)
