@@ -47,7 +47,8 @@ def main() -> None:
     from hybridflow.data.tokenizer import load_tokenizer
     from hybridflow.models.gguf import gguf_tokenizer_dir, load_gguf
     from hybridflow.rollout import Generator
-    from hybridflow.rollout.multi_turn import ToolSession, generate_multi_turn
+    from hybridflow.rollout.multi_turn import generate_multi_turn
+    from hybridflow.tools.session import ToolSession
     from hybridflow.tools import load_tool_config
     from hybridflow.tools.formats import ToolFormat
 

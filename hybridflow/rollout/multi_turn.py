@@ -39,24 +39,23 @@ the whole conversation (tests/unit/test_multi_turn.py).
 from __future__ import annotations
 
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybridflow.config import MultiTurnConfig, RolloutConfig
+from hybridflow.config import RolloutConfig
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.rollout import decoder
 from hybridflow.rollout.generator import LENGTH_MULTIPLE, Generator
 from hybridflow.rollout.sampling import sample
-from hybridflow.tools.base import Tool, ToolCall, ToolOutcome
+from hybridflow.rollout.options import DecodeOptions
+from hybridflow.tools.base import ToolCall
+from hybridflow.tools.session import ToolSession
 
 TAIL_TOKENS = 8  # a turn's last tokens decoded each step to spot a closing marker
-# tokens (rows x longest) per extend that appends tool results: bounds the attention's
-# (rows, heads, S, T) scores when many rows resume at once (as the prefill's sub-batches do)
-APPEND_TOKENS = 16384
 
 
 def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
@@ -117,48 +116,6 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
     return decoder.logits(w, decoder._norm(h, w.final_ln, d.eps))
 
 
-class ToolSession:
-    """The tools of a run, the call format, and a thread pool that runs calls while decoding goes on."""
-
-    def __init__(self, tools: list, *, fmt, tokenizer, mt: MultiTurnConfig):
-        self.tools: dict[str, Tool] = {t.name: t for t in tools}
-        self.fmt, self.tok, self.mt = fmt, tokenizer, mt
-        self._pool: Optional[ThreadPoolExecutor] = None
-        self._pieces: dict = {}  # token id -> its text (memo for the per-step marker check)
-
-    def may_close(self, token: int) -> bool:
-        """Whether `token`'s text holds the closing marker's last character (else no call can
-        have just been completed: the turn's tail is not decoded)."""
-        piece = self._pieces.get(token)
-        if piece is None:
-            piece = self._pieces[token] = self.tok.decode([token], skip_special_tokens=False)
-        return self.fmt.close[-1] in piece
-
-    def submit(self, items: list) -> Future:
-        """Run the calls of one turn (ToolCall, or a ToolOutcome already decided) -> a future of
-        their outcomes, in order."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.mt.tool_workers, thread_name_prefix="hf-tool")
-        return self._pool.submit(self._run, items)
-
-    def _run(self, items: list) -> list:
-        out = []
-        for it in items:
-            if isinstance(it, ToolOutcome):
-                out.append(it)
-            elif it.name not in self.tools:
-                out.append(ToolOutcome(text=f"Error: unknown tool {it.name!r}; the tools are "
-                                            f"{sorted(self.tools)}", error=True))
-            else:
-                out.append(self.tools[it.name].run(it))
-        return out
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
 class _Row:
     __slots__ = ("tokens", "tool", "logprobs", "turn_start", "turns", "calls", "errors",
                  "timeouts", "state")
@@ -172,10 +129,15 @@ class _Row:
 
 def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
                         session: ToolSession, eos_id: int, pad_id: int, seed: int,
+                        options: Optional[DecodeOptions] = None,
                         forced: Optional[list] = None) -> tuple[RolloutBatch, dict]:
     """`cfg.n` multi-turn trajectories per prompt (rows as Generator.generate orders them) ->
-    (RolloutBatch with tool_mask, metrics). `forced`: per row, model tokens to emit in place of
-    samples while they last (their log-probs are still the model's): replays and tests."""
+    (RolloutBatch with tool_mask, metrics). Of `options` (None: DecodeOptions.from_config(cfg))
+    only prefill_tokens applies: the padded tokens of one prefill, of prompts or of appended tool
+    results (bounds the attention scores when many rows resume at once). `forced`: per row, model
+    tokens to emit in place of samples while they last (their log-probs are still the model's):
+    replays and tests."""
+    budget = (options or DecodeOptions.from_config(cfg)).prefill_tokens
     stats = {"tool_wait": 0.0, "tool_prefill": 0.0, "decode": 0.0}
     rows_all: list = []
     N = len(prompts) * cfg.n
@@ -184,7 +146,7 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
         for s in range(0, N, cfg.max_batch_size):
             e = min(s + cfg.max_batch_size, N)
             chunk = [prompts[i // cfg.n] for i in range(s, e)]
-            rows_all += _run_chunk(gen, chunk, cfg, session, eos_id, pad_id, stats,
+            rows_all += _run_chunk(gen, chunk, cfg, session, eos_id, pad_id, stats, budget,
                                    None if forced is None else forced[s:e])
     ids, mask = gen._padded_prompts(prompts, cfg, pad_id)
     prompt_of_row = torch.arange(len(prompts)).repeat_interleave(cfg.n)
@@ -216,7 +178,8 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
 
 
 def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, session: ToolSession,
-               eos_id: int, pad_id: int, stats: dict, forced: Optional[list]) -> list:
+               eos_id: int, pad_id: int, stats: dict, budget: int,
+               forced: Optional[list]) -> list:
     w, dev, tok, mt = gen.w, gen.device, session.tok, session.mt
     one = RolloutConfig(n=1, max_new_tokens=cfg.max_new_tokens, max_batch_size=len(prompts))
     ids, mask = gen._padded_prompts(prompts, one, pad_id)
@@ -231,7 +194,7 @@ def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, session: ToolS
     T = cache.length
     ids, mask = ids.to(dev), mask.to(dev)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
-    per = max(1, 16384 // P)
+    per = max(1, budget // P)
     logits = torch.cat([decoder.forward(w, ids[r:r + per], positions[r:r + per],
                                         mask[r:r + per].bool(), cos_tab=cos, sin_tab=sin,
                                         cache=cache, cache_row0=r, last_only=True)
@@ -285,8 +248,8 @@ def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, session: ToolS
         new_logits = {}
         if resumed:
             tp = time.perf_counter()
-            new_logits = _append_results(resumed, rows, session, R, w, cache, key_valid, col,
-                                         pos, cos, sin, dev)
+            new_logits = _append_results(resumed, rows, session, R, budget, w, cache, key_valid,
+                                         col, pos, cos, sin, dev)
             stats["tool_prefill"] += time.perf_counter() - tp
         if feed:
             fb = torch.tensor(feed, device=dev)
@@ -341,11 +304,11 @@ def _collect(pending: dict, rows: list, *, block: bool, stats: dict, group=None,
     return done
 
 
-def _append_results(resumed: dict, rows: list, session: ToolSession, R: int, w, cache,
-                    key_valid, col, pos, cos, sin, dev) -> dict:
+def _append_results(resumed: dict, rows: list, session: ToolSession, R: int, budget: int, w,
+                    cache, key_valid, col, pos, cos, sin, dev) -> dict:
     """Append each resumed row's last model token (the call's end, sampled but not yet in the
     cache) and its rendered results (cut to max_tool_response_length tokens and to the response
-    budget) to its cache by `extend` over those rows (sub-batches of at most APPEND_TOKENS
+    budget) to its cache by `extend` over those rows (sub-batches of at most `budget`
     padded tokens) -> {row: next logits}."""
     mt, tok = session.mt, session.tok
     appended = {}
@@ -373,7 +336,7 @@ def _append_results(resumed: dict, rows: list, session: ToolSession, R: int, w, 
     out, batch, longest = {}, [], 0
     for b in sorted(appended, key=lambda b: len(appended[b])):  # sub-batches of similar lengths
         n = len(appended[b])
-        if batch and (len(batch) + 1) * max(longest, n) > APPEND_TOKENS:
+        if batch and (len(batch) + 1) * max(longest, n) > budget:
             out.update(_extend_rows(batch, appended, w, cache, key_valid, col, pos, cos, sin, dev))
             batch, longest = [], 0
         batch.append(b)

@@ -55,7 +55,7 @@ class RolloutStage:
         self.tools = None  # rollout.multi_turn: the tool session (hybridflow/rollout/multi_turn.py)
         self.turn_metrics: dict = {}  # the last multi-turn generation's, merged into score's
         if cfg.rollout.multi_turn.enable:
-            from hybridflow.rollout.multi_turn import ToolSession
+            from hybridflow.tools.session import ToolSession
             from hybridflow.tools import load_tool_config
             from hybridflow.tools.formats import ToolFormat
 
@@ -123,7 +123,8 @@ class RolloutStage:
 
         batch, self.turn_metrics = generate_multi_turn(
             gen, [it.prompt_ids for it in items], cfg=r, session=self.tools,
-            eos_id=-1 if r.ignore_eos else self.tok.eos_id, pad_id=self.tok.pad_id, seed=seed)
+            eos_id=-1 if r.ignore_eos else self.tok.eos_id, pad_id=self.tok.pad_id, seed=seed,
+            options=DecodeOptions.from_config(r))
         return batch
 
     def _generator(self, params: dict) -> Generator:

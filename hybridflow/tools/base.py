@@ -6,9 +6,9 @@ import asyncio
 import importlib
 import inspect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 _REGISTRY: dict[str, Callable[..., "Tool"]] = {}
 

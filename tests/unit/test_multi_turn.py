@@ -12,7 +12,9 @@ from hybridflow.config import MultiTurnConfig, ModelConfig, RolloutConfig
 from hybridflow.data.tokenizer import _compile_template, load_tokenizer
 from hybridflow.rollout import Generator, decoder
 from hybridflow.rollout.kv_cache import KVCache
-from hybridflow.rollout.multi_turn import ToolSession, extend, generate_multi_turn
+from hybridflow.rollout.multi_turn import extend, generate_multi_turn
+from hybridflow.rollout.options import DecodeOptions
+from hybridflow.tools.session import ToolSession
 from hybridflow.tools import load_tool_config
 from hybridflow.tools.formats import ToolFormat
 
@@ -97,7 +99,8 @@ def reference_logprobs(gen, prompt, response):
     return lp.gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
-def run(gen, tok, fmt_kind, cfg_path, prompts, forced, *, max_new=320, turns=4):
+def run(gen, tok, fmt_kind, cfg_path, prompts, forced, *, max_new=320, turns=4,
+        prefill_tokens=16384):
     tools = load_tool_config(cfg_path)
     mt = MultiTurnConfig(enable=True, format=fmt_kind, max_assistant_turns=turns,
                          max_tool_response_length=64, tool_config_path=cfg_path, tool_workers=2)
@@ -107,6 +110,7 @@ def run(gen, tok, fmt_kind, cfg_path, prompts, forced, *, max_new=320, turns=4):
         return generate_multi_turn(gen, prompts, cfg=RolloutConfig(
             n=1, max_new_tokens=max_new, temperature=1.0, return_logprobs=True,
             max_batch_size=8), session=session, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=3,
+            options=DecodeOptions(kernels="torch", prefill_tokens=prefill_tokens),
             forced=forced), session
     finally:
         session.close()
@@ -152,12 +156,10 @@ def test_extend_equals_full_prefill():
         assert kv[b].nonzero()[:, 0].tolist() == list(range(10, 10 + len(s)))
 
 
-@pytest.mark.parametrize("append_tokens", [16384, 1], ids=["one_extend", "row_by_row"])
-def test_hermes_calls_match_a_full_prefill(tmp_path, monkeypatch, append_tokens):
-    """append_tokens=1: results that come in together are appended by one extend per row."""
-    from hybridflow.rollout import multi_turn
-
-    monkeypatch.setattr(multi_turn, "APPEND_TOKENS", append_tokens)
+@pytest.mark.parametrize("prefill_tokens", [16384, 1], ids=["one_extend", "row_by_row"])
+def test_hermes_calls_match_a_full_prefill(tmp_path, prefill_tokens):
+    """prefill_tokens=1: one prefill per prompt, and results that come in together are appended
+    by one extend per row."""
     tok = byte_tokenizer(tmp_path)
     gen = make_gen()
     end = tok.encode("<|im_end|>")
@@ -168,7 +170,7 @@ def test_hermes_calls_match_a_full_prefill(tmp_path, monkeypatch, append_tokens)
               tok.encode(call("2+3")) + tok.encode(call("5*5")) + tok.encode("25") + end,
               tok.encode("no tools") + end]
     (batch, metrics), session = run(gen, tok, "hermes", tool_config(tmp_path, "calculator"),
-                                    prompts, forced)
+                                    prompts, forced, prefill_tokens=prefill_tokens)
     assert batch.tool_mask is not None and batch.rollout_logprobs is not None
     for b in range(4):
         n = int(batch.response_mask[b].sum())

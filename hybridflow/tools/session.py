@@ -1,0 +1,52 @@
+"""ToolSession: the tools of a run, their call format, and the thread pool that runs calls while
+generation goes on (hybridflow/rollout/multi_turn.py submits a turn's calls and polls the futures)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
+
+from hybridflow.config import MultiTurnConfig
+from hybridflow.tools.base import Tool, ToolOutcome
+
+
+class ToolSession:
+    """The tools of a run, the call format, and a thread pool that runs calls while decoding goes on."""
+
+    def __init__(self, tools: list, *, fmt, tokenizer, mt: MultiTurnConfig):
+        self.tools: dict[str, Tool] = {t.name: t for t in tools}
+        self.fmt, self.tok, self.mt = fmt, tokenizer, mt
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pieces: dict = {}  # token id -> its text (memo for the per-step marker check)
+
+    def may_close(self, token: int) -> bool:
+        """Whether `token`'s text holds the closing marker's last character (else no call can
+        have just been completed: the turn's tail is not decoded)."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.tok.decode([token], skip_special_tokens=False)
+        return self.fmt.close[-1] in piece
+
+    def submit(self, items: list) -> Future:
+        """Run the calls of one turn (ToolCall, or a ToolOutcome already decided) -> a future of
+        their outcomes, in order."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.mt.tool_workers, thread_name_prefix="hf-tool")
+        return self._pool.submit(self._run, items)
+
+    def _run(self, items: list) -> list:
+        out = []
+        for it in items:
+            if isinstance(it, ToolOutcome):
+                out.append(it)
+            elif it.name not in self.tools:
+                out.append(ToolOutcome(text=f"Error: unknown tool {it.name!r}; the tools are "
+                                            f"{sorted(self.tools)}", error=True))
+            else:
+                out.append(self.tools[it.name].run(it))
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
