@@ -35,4 +35,6 @@ def test_resumed_rows_match_a_full_prefill_bf16(tmp_path):
         model = ~batch.tool_mask[b, :n].bool().cuda()
         got = batch.rollout_logprobs[b, :n].cuda()
         # bf16 weights and activations: the cached and the re-prefilled paths round differently
-        torch.testing.assert_close(got[model], ref[model], rtol=0.05, atol=0.05)
+        # (other GEMM shapes and attention kernels), by a few bf16 ulps of the logits
+        torch.testing.assert_close(got[model], ref[model].float(), rtol=0.02, atol=0.1)
+        assert (got[model] - ref[model].float()).abs().mean() < 0.02
