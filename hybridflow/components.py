@@ -203,7 +203,7 @@ def load_pretrained(engine: Engine, model_cfg: ModelConfig) -> None:
         return
     c, ctx = engine.ctx.train, engine.ctx
     kw = dict(tp_rank=c.tp, tp_size=ctx.tp_size, pp_rank=c.pp, pp_size=ctx.pp_size,
-              role=engine.role)
+              role=engine.role, **ctx.expert_coords)
     if model_cfg.hf_path is not None:
         from hybridflow.models.hf import load_hf_weights
 

@@ -56,6 +56,12 @@ class ParallelConfig:
     # static inputs and outputs allocated for the run. PP = 1, no activation recompute; CPU runs
     # are unchanged
     train_cuda_graphs: bool = False
+    # MoE models (model.moe): experts split over this many ranks (Megatron's expert model
+    # parallelism; EP ranks come out of the DP x TP ranks of a stage: EP x ETP divides DP x TP and
+    # EP divides model.moe.num_experts). Tokens travel to their experts' ranks by all-to-all
+    expert_parallel_size: int = 1
+    # TP inside each expert (Megatron's expert_tensor_parallel_size); null: the attention's TP
+    expert_tensor_parallel_size: Optional[int] = None
 
 
 @dataclass

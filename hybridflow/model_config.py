@@ -16,8 +16,36 @@ Validation (positive sizes, TP/PP divisibility) is `hybridflow.config.validate_m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
+
+
+@dataclass
+class MoEConfig:
+    """model.moe: a mixture-of-experts MLP in every decoder layer (Qwen3-MoE) in place of the dense
+    SwiGLU MLP; megatron-core's MoELayer (router, token dispatcher, experts). num_experts=0: dense.
+    Each expert is a SwiGLU MLP of width `moe_ffn_hidden_size`; a token's output is the sum of its
+    top_k experts' outputs weighted by the router's softmax probabilities (renormalised over the
+    top_k when `norm_topk_prob`, as Qwen3-MoE's config.json). No token is dropped (no capacity)."""
+    num_experts: int = 0
+    top_k: int = 2  # experts per token (HF num_experts_per_tok)
+    moe_ffn_hidden_size: int = 0  # one expert's intermediate width (HF moe_intermediate_size)
+    # an always-on shared expert of this width beside the routed ones (0: none, as Qwen3-MoE);
+    # training only: the HF mapping and the in-place generator refuse it
+    shared_expert_ffn_hidden_size: int = 0
+    norm_topk_prob: bool = True
+    # load-balancing loss (Switch Transformer's, Megatron's moe_aux_loss_coeff; HF
+    # router_aux_loss_coef) and router z-loss (moe_z_loss_coeff), added to the training loss'
+    # gradient by megatron-core's MoE router; 0 turns either off
+    aux_loss_coeff: float = 0.001
+    z_loss_coeff: float = 0.0
+    router_dtype: str = "fp32"  # the router's logits and softmax: fp32 | fp64 (Megatron's)
+    # megatron-core's token dispatcher: alltoall | allgather (both run over gloo and NCCL)
+    token_dispatcher: str = "alltoall"
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
 
 
 @dataclass
@@ -41,6 +69,13 @@ class ModelConfig:
     gguf_path: Optional[str] = None  # GGUF file (llama.cpp); see hybridflow.models.gguf
     hf_architecture: Optional[str] = None  # e.g. Qwen2ForCausalLM: kept for the HF export
     attention_backend: str = "auto"  # auto | sdpa | te | local
+    moe: MoEConfig = field(default_factory=MoEConfig)  # num_experts=0: a dense MLP
+
+    def __post_init__(self):
+        if isinstance(self.moe, dict):  # from JSON (checkpoints) or a plain mapping
+            self.moe = MoEConfig(**self.moe)
+        elif self.moe is None:
+            self.moe = MoEConfig()
 
     # ----- widths -----
     @property
@@ -57,15 +92,39 @@ class ModelConfig:
 
     # ----- parameter counts -----
     @property
-    def layer_matmul_params(self) -> int:
-        h, f = self.hidden_size, self.ffn_hidden_size
-        return h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h + 3 * h * f
+    def attn_matmul_params(self) -> int:
+        h = self.hidden_size
+        return h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
 
     @property
-    def layer_params(self) -> int:
+    def mlp_matmul_params(self) -> int:
+        """Weights of one layer's MLP that one token multiplies: dense SwiGLU 3 h f; MoE: the
+        router (h x E) + top_k experts + the shared expert (active, not total, parameters)."""
+        h, m = self.hidden_size, self.moe
+        if not m.enabled:
+            return 3 * h * self.ffn_hidden_size
+        return h * m.num_experts + 3 * h * (m.top_k * m.moe_ffn_hidden_size
+                                            + m.shared_expert_ffn_hidden_size)
+
+    @property
+    def mlp_params(self) -> int:
+        """Weights of one layer's MLP held in memory (MoE: every expert)."""
+        h, m = self.hidden_size, self.moe
+        if not m.enabled:
+            return 3 * h * self.ffn_hidden_size
+        return h * m.num_experts + 3 * h * (m.num_experts * m.moe_ffn_hidden_size
+                                            + m.shared_expert_ffn_hidden_size)
+
+    @property
+    def layer_matmul_params(self) -> int:  # per token (MoE: active experts only)
+        return self.attn_matmul_params + self.mlp_matmul_params
+
+    @property
+    def layer_params(self) -> int:  # held (MoE: all experts)
         bias = (self.q_dim + 2 * self.kv_dim) if self.add_qkv_bias else 0
         qk_norms = 2 * self.head_dim if self.qk_layernorm else 0
-        return self.layer_matmul_params + bias + 2 * self.hidden_size + qk_norms  # + the norms
+        return (self.attn_matmul_params + self.mlp_params + bias + 2 * self.hidden_size
+                + qk_norms)  # + the norms
 
     @property
     def embedding_params(self) -> int:

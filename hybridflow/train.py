@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             ctx = groups.init_model_parallel(tp=cfg.parallel.tensor_parallel_size,
                                              pp=cfg.parallel.pipeline_parallel_size,
                                              tp_gen=cfg.rollout.tensor_parallel_size,
+                                             ep=cfg.parallel.expert_parallel_size,
+                                             etp=cfg.parallel.expert_tensor_parallel_size,
                                              seed=cfg.trainer.seed,
                                              timeout_minutes=timeout_minutes)
             from hybridflow.trainer import Trainer

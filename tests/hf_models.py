@@ -5,6 +5,8 @@ Four shapes cover the supported options:
 - qwen2:   tied embeddings, Q/K/V biases, GQA
 - mistral: explicit head_dim (32 != hidden/heads), no sliding window
 - qwen3:   per-head q/k RMSNorm, head_dim 32 != hidden/heads, tied embeddings, no Q/K/V bias
+and, outside KINDS, qwen3_moe: Qwen3's attention, 8 experts of width 32, top-2 renormalised
+(norm_topk_prob), untied embeddings.
 Weights are redrawn larger than transformers' init (std 0.2, norms 1 +- 0.1, random biases) so a
 mis-mapped tensor shows in the logits.
 """
@@ -25,7 +27,15 @@ KINDS = ("llama", "qwen2", "mistral", "qwen3")
 def hf_config(kind: str, **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    if kind == "llama":
+    if kind == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        cfg = Qwen3MoeConfig(**SHAPE, vocab_size=120, head_dim=32, tie_word_embeddings=False,
+                             max_position_embeddings=512, num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=32, norm_topk_prob=True,
+                             decoder_sparse_step=1, mlp_only_layers=[],
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    elif kind == "llama":
         cfg = LlamaConfig(**SHAPE, vocab_size=127, tie_word_embeddings=False,
                           max_position_embeddings=16384, rms_norm_eps=1e-5,
                           rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,

@@ -54,12 +54,36 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def moe_fields(cfg: ModelConfig, *, ep: int = 1, etp: Optional[int] = None) -> dict:
+    """TransformerConfig's MoE fields for `cfg.moe` (none for a dense model). Qwen3-MoE's router
+    (softmax over all experts, top-k, renormalised when norm_topk_prob) is Megatron's softmax
+    router with the top-k taken on the logits first (moe_router_pre_softmax=False: the softmax
+    over the k chosen logits is the renormalised probabilities); without norm_topk_prob, softmax
+    first (pre_softmax=True), no renormalisation. No capacity: no token is dropped."""
+    m = cfg.moe
+    if not m.enabled:
+        return {}
+    return dict(
+        num_moe_experts=m.num_experts, moe_router_topk=m.top_k,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=m.shared_expert_ffn_hidden_size or None,
+        moe_router_pre_softmax=not m.norm_topk_prob, moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss" if m.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=m.aux_loss_coeff, moe_z_loss_coeff=m.z_loss_coeff or None,
+        moe_router_dtype=m.router_dtype, moe_token_dispatcher_type=m.token_dispatcher,
+        moe_expert_capacity_factor=None, moe_grouped_gemm=have_te(),
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+
+
 def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, sequence_parallel: bool,
-                       precision: str, fused_elementwise: bool = False) -> TransformerConfig:
-    """`fused_elementwise` (with CUDA): Megatron's fused SwiGLU (models/fused.py)."""
+                       precision: str, fused_elementwise: bool = False, ep: int = 1,
+                       etp: Optional[int] = None) -> TransformerConfig:
+    """`fused_elementwise` (with CUDA): Megatron's fused SwiGLU (models/fused.py). `ep` / `etp`:
+    the MoE layers' expert parallel / expert TP sizes (etp None: tp)."""
     bf16 = precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     return TransformerConfig(
+        **moe_fields(cfg, ep=ep, etp=etp or tp),
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels,
@@ -90,6 +114,11 @@ class TorchRMSNorm(torch.nn.RMSNorm):
 
 def layer_spec(cfg: ModelConfig) -> ModuleSpec:
     backend = cfg.attention_backend
+    experts = cfg.moe.num_experts if cfg.moe.enabled else None
+    if experts is not None:
+        from hybridflow.models.moe import without_te_fix
+
+        without_te_fix()
     if backend == "te" and not have_te():
         raise ValueError("model.attention_backend=te needs transformer-engine and a GPU "
                          "(pip install 'hybridflow[gpu]')")
@@ -97,9 +126,13 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec)
 
-        return get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm",
-                                                          qk_layernorm=cfg.qk_layernorm)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(
+            normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm, num_experts=experts,
+            moe_grouped_gemm=experts is not None)  # TEGroupedMLP: grouped GEMM on the GPU
+    # MoE without TE: Megatron's SequentialMLP (one expert's GEMMs at a time over the tokens
+    # routed to it; runs on CPU and GPU); the attention as below
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm,
+                                    num_experts=experts, moe_grouped_gemm=False)
     spec.submodules.input_layernorm = TorchRMSNorm
     spec.submodules.pre_mlp_layernorm = TorchRMSNorm
     if cfg.qk_layernorm:  # built by SelfAttention with hidden_size=head_dim, eps=norm_epsilon
@@ -109,7 +142,8 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
         attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
         attn.core_attention = SDPAttention
         attn.linear_qkv, attn.linear_proj = LeanColumnParallelLinear, LeanRowParallelLinear
-        mlp.linear_fc1, mlp.linear_fc2 = LeanColumnParallelLinear, LeanRowParallelLinear
+        if experts is None:  # the experts keep Megatron's linears (expert TP groups)
+            mlp.linear_fc1, mlp.linear_fc2 = LeanColumnParallelLinear, LeanRowParallelLinear
     return spec
 
 
@@ -125,7 +159,8 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
         raise ValueError(f"role={role!r} is not one of {LM_ROLES + SCALAR_ROLES}")
     tp, pp, pp_rank = ctx.tp_size, ctx.pp_size, ctx.train.pp
     tcfg = transformer_config(cfg, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
-                              precision=precision, fused_elementwise=fused_elementwise)
+                              precision=precision, fused_elementwise=fused_elementwise,
+                              ep=ctx.ep_size, etp=_group_size(getattr(ctx.pgs, "expt_tp", None)))
     use_fused_rope(fused_elementwise)  # process-wide: the last model built sets it
     spec = layer_spec(cfg)
     block = TransformerBlockSubmodules(
@@ -155,6 +190,12 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
     if activation_checkpointing:
         checkpoint_layers(model)
     return model
+
+
+def _group_size(group) -> Optional[int]:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if group is not None else None
 
 
 def checkpoint_layers(model: GPTModel) -> None:

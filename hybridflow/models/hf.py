@@ -10,6 +10,10 @@ Name and layout map (HF `model.layers.{i}.` -> Megatron `decoder.layers.{i}.`):
   o_proj                      -> self_attention.linear_proj
   gate_proj, up_proj          -> mlp.linear_fc1 = [gate; up] (per TP shard: [gate_r; up_r])
   down_proj                   -> mlp.linear_fc2
+  Qwen3-MoE: mlp.gate         -> mlp.router ((experts, hidden), whole on every rank)
+  mlp.experts.<e>.{gate,up}_proj, down_proj -> expert e's linear_fc1 = [gate; up] / linear_fc2
+                                 (per expert TP shard as the dense MLP's; expert e on EP rank
+                                 e // (experts / EP) as its local expert e % (experts / EP))
   input_layernorm, post_attention_layernorm, norm -> input_layernorm, pre_mlp_layernorm,
                                  decoder.final_layernorm
   score (ForSequenceClassification, 1 label) -> output_layer.linear (critic/reward value head)
@@ -38,8 +42,8 @@ import torch
 from hybridflow.config import ModelConfig
 from hybridflow.models.build import padded_vocab_size
 from hybridflow.models.hf_config import check_tokenizer_vocab, load_json, read_hf_config
-from hybridflow.models.hf_names import (LAYER_HF, TE_ALIASES, dims, megatron_param_names,
-                                        megatron_to_hf_state_dict)
+from hybridflow.models.hf_names import (LAYER_HF, TE_ALIASES, dims, expert_suffix,
+                                        megatron_param_names, megatron_to_hf_state_dict)
 from hybridflow.models.hf_save import save_hf_checkpoint
 from hybridflow.models.lora import is_adapter_name
 from hybridflow.parallel import param_rules as pr
@@ -165,6 +169,17 @@ def _param_shard(gname: str, src, cfg: ModelConfig, *, tp_rank: int, tp_size: in
         per = heads * hd // tp_size
         return rd(p + "self_attn.o_proj.weight", (H, heads * hd),
                   cols=(tp_rank * per, (tp_rank + 1) * per))
+    if suffix == "mlp.router.weight":
+        return rd(p + "mlp.gate.weight", (cfg.moe.num_experts, H))
+    expert = expert_suffix(suffix)
+    if expert is not None:  # tp_rank / tp_size: the expert TP group's
+        q, Fe = p + f"mlp.experts.{expert[0]}.", cfg.moe.moe_ffn_hidden_size
+        per = Fe // tp_size
+        r = (tp_rank * per, (tp_rank + 1) * per)
+        if expert[1] == "linear_fc2":
+            return rd(q + "down_proj.weight", (H, Fe), cols=r)
+        return torch.cat([rd(q + "gate_proj.weight", (Fe, H), rows=r),
+                          rd(q + "up_proj.weight", (Fe, H), rows=r)], 0)
     if suffix == "mlp.linear_fc2.weight":
         per = F // tp_size
         return rd(p + "mlp.down_proj.weight", (H, F), cols=(tp_rank * per, (tp_rank + 1) * per))
@@ -197,13 +212,20 @@ def hf_to_megatron_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfi
 
 
 def _load(model, src, cfg: ModelConfig, *, tp_rank: int, tp_size: int, pp_rank: int,
-          pp_size: int) -> dict[str, int]:
+          pp_size: int, ep_rank: int = 0, ep_size: int = 1, etp_rank: int | None = None,
+          etp_size: int | None = None) -> dict[str, int]:
     vpad = padded_vocab_size(cfg.vocab_size, tp_size)
     for name, param in model.named_parameters():
         if is_adapter_name(name):  # LoRA adapters start fresh (models/lora.py)
             continue
         gname = pr.global_name(name, pp_rank=pp_rank, num_layers=cfg.num_layers, pp_size=pp_size)
-        shard = _param_shard(gname, src, cfg, tp_rank=tp_rank, tp_size=tp_size, vpad=vpad)
+        t_rank, t_size = tp_rank, tp_size
+        if pr.expert_index(name) is not None:  # experts: EP-local index, expert TP group
+            gname = pr.global_expert_name(gname, ep_rank=ep_rank, num_experts=cfg.moe.num_experts,
+                                          ep_size=ep_size)
+            t_rank = tp_rank if etp_rank is None else etp_rank
+            t_size = tp_size if etp_size is None else etp_size
+        shard = _param_shard(gname, src, cfg, tp_rank=t_rank, tp_size=t_size, vpad=vpad)
         if shard is None:  # scalar head of a critic/reward model from a causal LM: keep it fresh
             continue
         if tuple(shard.shape) != tuple(param.shape):
@@ -226,22 +248,24 @@ def _check_role(role: str, model, cfg: ModelConfig, *, where: str) -> None:
 
 
 def load_hf_weights(model, hf_dir: str, cfg: ModelConfig, *, tp_rank: int, tp_size: int,
-                    pp_rank: int, pp_size: int, role: str = "actor") -> dict[str, int]:
+                    pp_rank: int, pp_size: int, role: str = "actor",
+                    **ep) -> dict[str, int]:
     """Fill this rank's stage/shard of `model` from the HF checkpoint `hf_dir`, reading only what it
-    needs. Returns {HF tensor name: elements read} (what this rank touched)."""
+    needs. Returns {HF tensor name: elements read} (what this rank touched). `ep`: MoE models'
+    ep_rank, ep_size, etp_rank, etp_size (default: no EP, experts split as the attention's TP)."""
     if not os.path.isdir(hf_dir):
         raise FileNotFoundError(f"Hugging Face checkpoint directory {hf_dir} does not exist")
     check_tokenizer_vocab(hf_dir, cfg.vocab_size)
     _check_role(role, model, cfg, where=os.path.join(hf_dir, "config.json"))
     with ExitStack() as stack:
         return _load(model, _SafetensorsSource(hf_dir, stack), cfg, tp_rank=tp_rank,
-                     tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
+                     tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, **ep)
 
 
 def load_hf_state_dict(model, hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig, *,
                        tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
-                       role: str = "actor", where: str = "HF state dict") -> dict[str, int]:
+                       role: str = "actor", where: str = "HF state dict", **ep) -> dict[str, int]:
     """`load_hf_weights` from tensors in memory (e.g. a dequantised GGUF file)."""
     _check_role(role, model, cfg, where=where)
     return _load(model, _DictSource(hf_sd, where), cfg, tp_rank=tp_rank, tp_size=tp_size,
-                 pp_rank=pp_rank, pp_size=pp_size)
+                 pp_rank=pp_rank, pp_size=pp_size, **ep)

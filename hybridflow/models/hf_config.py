@@ -1,4 +1,4 @@
-"""Hugging Face `config.json` <-> `ModelConfig`, for Llama, Qwen2, Qwen3 and Mistral causal LMs.
+"""Hugging Face `config.json` <-> `ModelConfig`, for Llama, Qwen2, Qwen3, Qwen3-MoE and Mistral causal LMs.
 
 `read_hf_config(path)` accepts what our one GPTModel architecture (RoPE, RMSNorm, SwiGLU, GQA,
 optional QKV bias, optional per-head q/k RMSNorm, tied or untied embeddings) computes exactly, and
@@ -31,6 +31,7 @@ import os
 from dataclasses import dataclass, field
 
 from hybridflow.config import ModelConfig
+from hybridflow.model_config import MoEConfig
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Arch:
     window_switch: bool = False  # the window applies only with use_sliding_window / layer_types
     o_proj_bias_flag: bool = False  # `attention_bias` biases q/k/v and o_proj: refused when true
     export_fields: dict = field(default_factory=dict)  # written by write_hf_config
+    moe: bool = False  # every layer's MLP a mixture of experts (model.moe)
 
 
 ARCHS = {
@@ -53,6 +55,11 @@ ARCHS = {
                   export_fields={"attention_bias": False, "use_sliding_window": False,
                                  "sliding_window": None}),
     "mistral": Arch("MistralForCausalLM", export_fields={"sliding_window": None}),
+    "qwen3_moe": Arch("Qwen3MoeForCausalLM", qk_norm=True, window_switch=True,
+                      o_proj_bias_flag=True, moe=True,
+                      export_fields={"attention_bias": False, "use_sliding_window": False,
+                                     "sliding_window": None, "decoder_sparse_step": 1,
+                                     "mlp_only_layers": []}),
 }
 MODEL_TYPES = {k: a.causal_lm for k, a in ARCHS.items()}
 # Megatron's llama3 RoPE scaling constants (rotary_pos_embedding.RotaryEmbedding._apply_scaling).
@@ -124,8 +131,9 @@ def hf_to_model_config(c: dict, *, source: str, name: str, hf_path: str | None =
     max_pos = int(c.get("max_position_embeddings", 4096))
     _check_sliding_window(c, max_pos, bad)
     theta, scaling = _rope(c, source, bad)
+    moe = _moe(c, bad) if spec.moe else MoEConfig()
     return ModelConfig(
-        name=name, num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
+        moe=moe, name=name, num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
         ffn_hidden_size=c["intermediate_size"], num_attention_heads=heads,
         num_query_groups=c.get("num_key_value_heads") or heads, kv_channels=head_dim,
         vocab_size=c["vocab_size"], max_position_embeddings=max_pos, rotary_base=theta,
@@ -133,6 +141,29 @@ def hf_to_model_config(c: dict, *, source: str, name: str, hf_path: str | None =
         add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         hf_path=hf_path, hf_architecture=arch)
+
+
+def _moe(c: dict, bad) -> MoEConfig:
+    """Qwen3-MoE's expert fields: every layer sparse (decoder_sparse_step 1, no mlp_only_layers),
+    no shared expert."""
+    if c.get("decoder_sparse_step", 1) != 1:
+        raise bad("decoder_sparse_step", "only 1 (every layer a mixture of experts) is implemented")
+    if c.get("mlp_only_layers"):
+        raise bad("mlp_only_layers", "dense layers among MoE layers are not implemented")
+    if c.get("shared_expert_intermediate_size"):
+        raise bad("shared_expert_intermediate_size", "Qwen3-MoE has no shared expert")
+    experts = c.get("num_experts", c.get("num_local_experts"))
+    if not isinstance(experts, int) or experts <= 0:
+        raise bad("num_experts", "expected a positive integer")
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        if not isinstance(c.get(key), int) or c[key] <= 0:
+            raise bad(key, "expected a positive integer")
+    if c["num_experts_per_tok"] > experts:
+        raise bad("num_experts_per_tok", f"more than num_experts={experts}")
+    return MoEConfig(num_experts=experts, top_k=c["num_experts_per_tok"],
+                     moe_ffn_hidden_size=c["moe_intermediate_size"],
+                     norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+                     aux_loss_coeff=float(c.get("router_aux_loss_coef", 0.001)))
 
 
 def _check_sliding_window(c: dict, max_pos: int, bad) -> None:
@@ -175,7 +206,7 @@ def _rope(c: dict, cfg_file: str, bad) -> tuple[float, dict | None]:
 
 def write_hf_config(cfg: ModelConfig, *, dtype: str = "float32") -> dict:
     """config.json contents for `cfg` (transformers v4 and v5 both read it)."""
-    default = ("qwen3" if cfg.qk_layernorm else "qwen2" if cfg.add_qkv_bias else "llama")
+    default = ("qwen3_moe" if cfg.moe.enabled else "qwen3" if cfg.qk_layernorm else "qwen2" if cfg.add_qkv_bias else "llama")
     arch = cfg.hf_architecture or ARCHS[default].causal_lm
     model_type = {v: k for k, v in MODEL_TYPES.items()}.get(
         arch.replace("ForSequenceClassification", "ForCausalLM"))
@@ -188,6 +219,12 @@ def write_hf_config(cfg: ModelConfig, *, dtype: str = "float32") -> dict:
     if cfg.qk_layernorm != spec.qk_norm:
         raise ValueError(f"model.qk_layernorm={cfg.qk_layernorm} cannot be written as {arch}: "
                          "q/k norms exist exactly in Qwen3")
+    if cfg.moe.enabled != spec.moe:
+        raise ValueError(f"model.moe.num_experts={cfg.moe.num_experts} cannot be written as "
+                         f"{arch}: mixtures of experts are written as Qwen3MoeForCausalLM only")
+    if cfg.moe.shared_expert_ffn_hidden_size:
+        raise ValueError("model.moe.shared_expert_ffn_hidden_size > 0 cannot be written as "
+                         f"{arch}: Qwen3-MoE has no shared expert")
     head_dim = cfg.head_dim
     rope = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
     if cfg.rope_scaling:
@@ -206,6 +243,11 @@ def write_hf_config(cfg: ModelConfig, *, dtype: str = "float32") -> dict:
         "rope_parameters": rope, "dtype": dtype, "torch_dtype": dtype,
     }
     out.update(spec.export_fields)
+    if spec.moe:
+        m = cfg.moe
+        out.update(num_experts=m.num_experts, num_experts_per_tok=m.top_k,
+                   moe_intermediate_size=m.moe_ffn_hidden_size, norm_topk_prob=m.norm_topk_prob,
+                   router_aux_loss_coef=m.aux_loss_coeff, output_router_logits=False)
     return out
 
 

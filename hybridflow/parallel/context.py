@@ -71,6 +71,26 @@ class ParallelContext:
         return self.pgs.mp
 
     @property
+    def ep_size(self) -> int:
+        """Expert parallel size (1 without MoE); Megatron's `ep` group."""
+        return dist.get_world_size(self.pgs.ep) if getattr(self.pgs, "ep", None) else 1
+
+    @property
+    def ep_group(self) -> Optional[dist.ProcessGroup]:
+        return getattr(self.pgs, "ep", None)
+
+    @property
+    def expert_coords(self) -> dict:
+        """ep_rank, ep_size, etp_rank, etp_size of this rank (the HF loader's keywords)."""
+        out = {"ep_rank": 0, "ep_size": 1, "etp_rank": None, "etp_size": None}
+        if getattr(self.pgs, "ep", None) is not None:
+            out.update(ep_rank=dist.get_rank(self.pgs.ep), ep_size=dist.get_world_size(self.pgs.ep))
+        if getattr(self.pgs, "expt_tp", None) is not None:
+            out.update(etp_rank=dist.get_rank(self.pgs.expt_tp),
+                       etp_size=dist.get_world_size(self.pgs.expt_tp))
+        return out
+
+    @property
     def is_pp_last_stage(self) -> bool:
         return self.train.pp == self.layout.pp_t - 1
 

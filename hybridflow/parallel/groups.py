@@ -61,10 +61,13 @@ def init_distributed(*, timeout_minutes: float = 30) -> None:
 
 
 def init_model_parallel(*, tp: int, pp: int, seed: int, tp_gen: Optional[int] = None,
+                        ep: int = 1, etp: Optional[int] = None,
                         timeout_minutes: float = 30) -> ParallelContext:
     """Build Megatron's parallel groups and the reshard groups of the gen layout (TP_g = `tp_gen`,
     default `tp`), seed every RNG (data, model-parallel, torch) and return the context.
-    timeout_minutes: how long a collective of any of these groups waits for a peer."""
+    `ep` / `etp`: expert parallel / expert tensor parallel sizes of MoE layers (Megatron's; EP ranks
+    are carved out of the DP x TP ranks of one stage, so EP x ETP must divide DP x TP; etp None:
+    TP). timeout_minutes: how long a collective of any of these groups waits for a peer."""
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -73,6 +76,8 @@ def init_model_parallel(*, tp: int, pp: int, seed: int, tp_gen: Optional[int] = 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp or tp,
                                  create_gloo_process_groups=False,
                                  distributed_timeout_minutes=timeout_minutes)
     torch.manual_seed(seed)

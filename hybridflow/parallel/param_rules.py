@@ -11,6 +11,12 @@ Rules (local and TE specs of a Llama/Qwen2-style GPTModel):
 - `gated_fc1`:  mlp.linear_fc1.weight with a gated unit: each shard holds [gate_r; up_r], so the full
                 tensor [gate; up] is NOT the concatenation: shard r = [gate.chunk(tp)[r]; up.chunk(tp)[r]].
 - `row`:        linear_proj.weight, linear_fc2.weight; split on dim 1.
+- MoE layers (model.moe): `mlp.router.weight` (E x hidden) is `replicated`; each expert's
+                `linear_fc1` / `linear_fc2` follow `gated_fc1` / `row` over the expert TP group
+                (its size, not the attention's TP, is the `tp_size` to pass). Experts are split over
+                expert parallelism (EP) whole: EP rank r holds experts r*E/EP .. (r+1)*E/EP-1 as its
+                local experts 0..E/EP-1 (`global_expert_name` / `local_expert_name` rename them;
+                SequentialMLP's `experts.local_experts.<j>.` and TEGroupedMLP's `weight<j>`).
 - `replicated`: norms (also Qwen3's per-head q/k norms, `q_layernorm` / `k_layernorm`: one (head_dim,)
                 weight shared by every head), biases of row-parallel layers, the scalar value head;
                 identical on every rank.
@@ -37,11 +43,15 @@ _RULES = (
     (r"\.linear_fc1\.weight$", GATED_FC1),
     (r"\.linear_proj\.weight$", ROW),
     (r"\.linear_fc2\.weight$", ROW),
+    (r"\.experts\.linear_fc1\.weight\d+$", GATED_FC1),  # TEGroupedMLP
+    (r"\.experts\.linear_fc2\.weight\d+$", ROW),
+    (r"\.mlp\.router\.weight$", REPLICATED),
     (r"(layernorm|layer_norm)[^.]*\.(weight|bias)$", REPLICATED),
     (r"output_layer\.linear\.(weight|bias)$", REPLICATED),
 )
 
 _LAYER = re.compile(r"(decoder\.layers\.)(\d+)(\.)")
+_EXPERT = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)|(\.experts\.linear_fc[12]\.weight)(\d+)$")
 
 
 def param_rule(name: str) -> str:
@@ -102,3 +112,30 @@ def global_name(name: str, *, pp_rank: int, num_layers: int, pp_size: int) -> st
 
 def local_name(name: str, *, pp_rank: int, num_layers: int, pp_size: int) -> str:
     return shift_layer(name, -pp_rank * (num_layers // pp_size))
+
+
+def expert_index(name: str) -> int | None:
+    """The expert index in an MoE expert parameter's name (None for any other parameter)."""
+    m = _EXPERT.search(name)
+    return None if m is None else int(m.group(2) if m.group(2) is not None else m.group(5))
+
+
+def shift_expert(name: str, offset: int) -> str:
+    def sub(m):
+        if m.group(2) is not None:
+            return f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}"
+        return f"{m.group(4)}{int(m.group(5)) + offset}"
+    return _EXPERT.sub(sub, name)
+
+
+def global_expert_name(name: str, *, ep_rank: int, num_experts: int, ep_size: int) -> str:
+    """Local expert j of EP rank r -> expert r * E/EP + j (other names unchanged)."""
+    return shift_expert(name, ep_rank * (num_experts // ep_size))
+
+
+def local_expert_name(name: str, *, ep_rank: int, num_experts: int, ep_size: int) -> str:
+    return shift_expert(name, -ep_rank * (num_experts // ep_size))
+
+
+def ep_rank_of_expert(expert: int, *, num_experts: int, ep_size: int) -> int:
+    return expert // (num_experts // ep_size)
