@@ -26,6 +26,34 @@ def _positive(key: str, value) -> None:
         raise ValueError(f"{key}={value!r} must be a positive number")
 
 
+def validate_moe(cfg: ModelConfig, *, tp: int, ep: int = 1, etp: int | None = None,
+                 prefix: str = "model") -> None:
+    """model.moe against itself and the expert layout (EP, expert TP)."""
+    m, k = cfg.moe, f"{prefix}.moe"
+    if m.num_experts < 0:
+        raise ValueError(f"{k}.num_experts={m.num_experts} must be >= 0 (0: a dense MLP)")
+    if not m.enabled:
+        if ep != 1:
+            raise ValueError(f"parallel.expert_parallel_size={ep} needs a mixture-of-experts model "
+                             f"({k}.num_experts > 0); {prefix} is dense")
+        return
+    if not 1 <= m.top_k <= m.num_experts:
+        raise ValueError(f"{k}.top_k={m.top_k} must be in [1, {k}.num_experts={m.num_experts}]")
+    _positive(f"{k}.moe_ffn_hidden_size", m.moe_ffn_hidden_size)
+    for key in ("aux_loss_coeff", "z_loss_coeff", "shared_expert_ffn_hidden_size"):
+        if getattr(m, key) < 0:
+            raise ValueError(f"{k}.{key}={getattr(m, key)} must be >= 0")
+    _one_of(f"{k}.router_dtype", m.router_dtype, {"fp32", "fp64"})
+    _one_of(f"{k}.token_dispatcher", m.token_dispatcher, {"alltoall", "allgather"})
+    if m.num_experts % ep:
+        raise ValueError(f"parallel.expert_parallel_size={ep} must divide {k}.num_experts="
+                         f"{m.num_experts}")
+    etp = etp or tp
+    if m.moe_ffn_hidden_size % etp:
+        raise ValueError(f"the expert TP size {etp} (parallel.expert_tensor_parallel_size, null: "
+                         f"TP) must divide {k}.moe_ffn_hidden_size={m.moe_ffn_hidden_size}")
+
+
 def check_one_model_source(cfg: ModelConfig, prefix: str = "model") -> None:
     if cfg.hf_path is not None and cfg.gguf_path is not None:
         raise ValueError(f"{prefix}.hf_path={cfg.hf_path} and {prefix}.gguf_path={cfg.gguf_path} "
@@ -79,6 +107,36 @@ def validate(cfg: Config, *, world_size: int) -> None:
                          f"got {p.pipeline_parallel_size}: 1F1B keeps several micro-batches in "
                          "flight and a layer's graph holds one")
     validate_model(cfg.model, tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size)
+    _positive("parallel.expert_parallel_size", p.expert_parallel_size)
+    if p.expert_tensor_parallel_size is not None:
+        _positive("parallel.expert_tensor_parallel_size", p.expert_tensor_parallel_size)
+    validate_moe(cfg.model, tp=p.tensor_parallel_size, ep=p.expert_parallel_size,
+                 etp=p.expert_tensor_parallel_size)
+    ep_etp = p.expert_parallel_size * (p.expert_tensor_parallel_size or p.tensor_parallel_size)
+    if (world_size // p.pipeline_parallel_size) % ep_etp:
+        raise ValueError(
+            f"parallel.expert_parallel_size={p.expert_parallel_size} x the expert TP size "
+            f"(parallel.expert_tensor_parallel_size, null: TP) = {ep_etp} must divide the "
+            f"{world_size // p.pipeline_parallel_size} ranks of a pipeline stage (DP x TP)")
+    if cfg.model.moe.enabled and p.tensor_parallel_size > 1 and not p.sequence_parallel:
+        raise ValueError("a mixture-of-experts model (model.moe.num_experts > 0) at "
+                         f"parallel.tensor_parallel_size={p.tensor_parallel_size} needs "
+                         "parallel.sequence_parallel=true (megatron-core's MoE layer refuses to "
+                         "train under TP without it)")
+    etp = p.expert_tensor_parallel_size
+    if cfg.model.moe.enabled and etp not in (None, 1, p.tensor_parallel_size):
+        raise ValueError(f"parallel.expert_tensor_parallel_size={etp}: generation runs every expert "
+                         f"at the attention's TP ({p.tensor_parallel_size}); expected null (= TP) "
+                         "or 1 (whole experts, sliced for generation)")
+    if cfg.model.moe.enabled and ((cfg.rollout.tensor_parallel_size or p.tensor_parallel_size)
+                                  != p.tensor_parallel_size or p.pipeline_parallel_size > 1):
+        raise ValueError("a mixture-of-experts model (model.moe.num_experts > 0) generates in "
+                         "place: rollout.tensor_parallel_size must equal "
+                         "parallel.tensor_parallel_size and parallel.pipeline_parallel_size be 1 "
+                         "(the train -> generation resharder does not move experts yet)")
+    if cfg.critic_model is not None and cfg.critic_model.moe.enabled:
+        raise ValueError("critic_model.moe.num_experts > 0: mixture-of-experts critics are not "
+                         "implemented (the actor may be one)")
     if cfg.critic_model is not None:
         validate_model(cfg.critic_model, tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size,
                        prefix="critic_model")

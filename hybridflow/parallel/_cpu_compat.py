@@ -11,6 +11,9 @@ megatron-core 0.16.1 on torch 2.13 CPU:
 4. A TorchFunctionMode maps `device='cuda'` to CPU, makes `.cuda()` / `pin_memory()` no-ops and reports
    CUDA type names to Megatron's own `.type()` checks (grad clipping, optimizer) and nobody else's.
    The mode is entered on the main thread (torch function modes are thread-local).
+5. MoE's alltoall token dispatcher turns its split sizes into host numpy arrays only when they
+   are CUDA tensors (`maybe_move_tensor_to_cpu`); CPU tensors would reach `all_to_all_single`,
+   which takes sequences of ints: the dispatcher's copy of that function converts CPU ones too.
 
 `install()` is called once by `hybridflow.parallel.groups` before megatron builds anything, and only
 when `torch.cuda.is_available()` is False. No other module knows this file exists.
@@ -150,6 +153,17 @@ def install() -> None:
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: cpu_gen.set_state(
         new_state
     )
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move_to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_host
 
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()

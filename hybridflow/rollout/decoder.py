@@ -28,6 +28,7 @@ The math follows Megatron's local spec exactly (so logits match `GPTModel` to fp
 - MLP: SwiGLU from fc1 = [gate; up] (per shard); row-parallel proj/fc2 then all-reduce over TP_g.
   With decode_kernels=triton the prefill's SwiGLU is one kernel (kernels.layer_ops.silu_mul) and the
   decode step's fc1 + SwiGLU one Triton GEMM at large batches (kernels/gemm.py).
+  MoE models (model.moe): the router and experts of rollout/moe.py in `_mlp` (torch path only).
 Which variant runs is decided by a `DecodeOptions` (rollout/options.py) passed in, never by module
 state.
 - Embedding: vocab-parallel masked lookup + all-reduce. Output: vocab-parallel matmul, all-gather
@@ -47,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridflow.config import ModelConfig
+from hybridflow.rollout.moe import MoEWeights, load_moe, moe_mlp
 from hybridflow.rollout.options import DecodeOptions
 
 
@@ -80,6 +82,7 @@ class Layer:
     fc2: torch.Tensor
     q_norm: Optional[torch.Tensor] = None  # (hd,) with model.qk_layernorm
     k_norm: Optional[torch.Tensor] = None
+    moe: Optional[MoEWeights] = None  # model.moe: the experts (fc1 / fc2 None), rollout/moe.py
 
 
 @dataclass
@@ -164,9 +167,12 @@ def load_weights(cfg: ModelConfig, params: dict, *, group, true_vocab_size: int,
             qkv_b=bias,
             proj=conv(_get(params, p + "self_attention.linear_proj.weight", (D, heads * hd))),
             ln2=conv(_get(params, p + "pre_mlp_layernorm.weight", (D,))),
-            fc1=conv(_get(params, p + "mlp.linear_fc1.weight", (2 * ffn, D))),
-            fc2=conv(_get(params, p + "mlp.linear_fc2.weight", (D, ffn))),
-            q_norm=q_norm, k_norm=k_norm))
+            fc1=None if cfg.moe.enabled else conv(_get(params, p + "mlp.linear_fc1.weight",
+                                                       (2 * ffn, D))),
+            fc2=None if cfg.moe.enabled else conv(_get(params, p + "mlp.linear_fc2.weight",
+                                                       (D, ffn))),
+            q_norm=q_norm, k_norm=k_norm,
+            moe=load_moe(cfg, params, p, tp=tp, get=_get, conv=conv) if cfg.moe.enabled else None))
     embed = conv(_get(params, emb_name, (v_local, D)))
     if "output_layer.weight" in params:
         output = conv(_get(params, "output_layer.weight", (v_local, D)))
@@ -189,6 +195,7 @@ def weight_tensors(w: Weights) -> list:
     for layer in w.layers:
         out += [t for t in (layer.ln1, layer.qkv_w, layer.qkv_b, layer.proj, layer.ln2, layer.fc1,
                             layer.fc2, layer.q_norm, layer.k_norm) if t is not None]
+        out += layer.moe.tensors() if layer.moe is not None else []
     return out
 
 
@@ -257,6 +264,8 @@ def _swiglu(h, fc1, silu_mul=None):
 def _mlp(x, layer: Layer, w: Weights, swiglu=_swiglu, norm=_norm):
     """x + the MLP of x; `swiglu` (h, fc1) -> act and `norm` (x, weight, eps): the ops to use."""
     h = norm(x, layer.ln2, w.dims.eps)
+    if layer.moe is not None:
+        return x + _all_reduce(moe_mlp(h, layer.moe), w)
     return _row_parallel_add(x, swiglu(h, layer.fc1), layer.fc2, w)
 
 
@@ -363,8 +372,10 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
         # the heads of a group act as hpg query positions sharing that group's K/V
         a = F.scaled_dot_product_attention(qk[:, :, :hpg], kc, vc, attn_mask=bias)
         a = a.reshape(B, d.heads * hd)
-        if d.tp_size == 1:
+        if d.tp_size == 1 and layer.moe is None:
             x, y = attn_out(x, a, layer.proj, layer.ln2, layer.fc1, layer.fc2, d.eps)
+        elif layer.moe is not None:
+            x = _mlp(_row_parallel_add(x, a, layer.proj, w), layer, w)  # attn_in added y
         else:
             x = _mlp(_row_parallel_add(x, a, layer.proj, w), layer, w)
     return logits(w, _norm(x if y is None else x + y, w.final_ln, d.eps), fp32=False)

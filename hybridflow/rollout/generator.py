@@ -141,8 +141,10 @@ class Generator:
         `cfg` says what to sample (n, max_new_tokens, temperature, top_k, top_p, stop ids,
         max_batch_size, return_logprobs); `options` how to decode (None:
         DecodeOptions.from_config(cfg); given, cfg's decode keys are not read)."""
-        opts = (options or DecodeOptions.from_config(cfg)).resolved(self.device,
-                                                                    self.w.dims.head_dim)
+        opts = options or DecodeOptions.from_config(cfg)
+        if self.cfg.moe.enabled and opts.kernels == "auto":  # the Triton layers are dense-only
+            opts = opts.replace(kernels="torch")
+        opts = opts.resolved(self.device, self.w.dims.head_dim)
         # the phases carry profiler labels (generate.setup / .prefill / .decode / .finish): a trace
         # (benchmarks/profile_decode.py --timeline) attributes the GPU's idle time to them
         with torch.no_grad(), record_function("generate.setup"):
@@ -222,6 +224,10 @@ class Generator:
 
     # ---- internals ----------------------------------------------------------------------------
     def _check_options(self, opts: DecodeOptions) -> None:
+        if opts.kernels == "triton" and self.cfg.moe.enabled:
+            raise ValueError("rollout.decode_kernels=triton: the Triton decode layers have no "
+                             "mixture-of-experts MLP (model.moe); set rollout.decode_kernels=torch "
+                             "or auto")
         if opts.kernels == "triton":
             _check_decode_kernels(self.device, self.w.dims.head_dim)
         if opts.compile and self.w.dims.tp_size > 1:

@@ -72,8 +72,13 @@ class RolloutStage:
 
     def _gen_params(self):
         if self.resharder is None:
-            return {n: p for n, p in self.actor.module.named_parameters()
-                    if not is_adapter_name(n)}
+            params = {n: p for n, p in self.actor.module.named_parameters()
+                      if not is_adapter_name(n)}
+            if self.cfg.model.moe.enabled:  # every expert, this TP_g rank's shards
+                from hybridflow.parallel.reshard_experts import generation_params
+
+                params = generation_params(params, self.ctx, self.cfg.model)
+            return params
         return self.resharder.gather()
 
     def generate(self, items, *, step: int, timer, rollout_cfg=None, seed=None,
