@@ -171,6 +171,13 @@ class Engine:
                 p.requires_grad_(False)
             model.eval()
         self.model = model
+        self._router_stats = None  # model.moe, trainable: expert loads of the training passes
+        if self.trainable and model_cfg.moe.enabled:
+            from hybridflow.models.moe import RouterStats
+
+            self._router_stats = RouterStats(self.module, num_layers=model_cfg.num_layers,
+                                             num_experts=model_cfg.moe.num_experts,
+                                             top_k=model_cfg.moe.top_k, device=ctx.device)
         self.sdpa = any(isinstance(m, SDPAttention) for m in self.module.modules())
         # LM roles on the last stage compute logits only where they are scored (the positions that
         # predict response tokens: LeanOutputLinear.select), not over the prompt; the results are
@@ -287,7 +294,7 @@ class Engine:
         seq_len = max(mb.prompt_len + mb.response_ids.shape[1] for mb, _, _ in micro)
         tp_group = self.ctx.tp_group
         dp = self.ctx.dp_size
-        n_micro = len(micro)
+        n_micro = self._n_micro = len(micro)
 
         def forward_step(data_iter, model):
             mb, padded, packed = next(data_iter)
@@ -448,6 +455,11 @@ class Engine:
         elif ok:
             self.scheduler.step(increment=1)
         metrics = _sum_metrics(out, self.ctx)
+        if self._router_stats is not None:  # the routers' losses (megatron's tracker) and loads
+            from hybridflow.models.moe import router_metrics
+
+            metrics.update(router_metrics(self.ctx, num_micro_batches=self._n_micro))
+            metrics.update(self._router_stats.metrics())
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = used_lr
         metrics["update_skipped"] = 0.0 if finite else 1.0

@@ -27,18 +27,18 @@ class MoEConfig:
     Each expert is a SwiGLU MLP of width `moe_ffn_hidden_size`; a token's output is the sum of its
     top_k experts' outputs weighted by the router's softmax probabilities (renormalised over the
     top_k when `norm_topk_prob`, as Qwen3-MoE's config.json). No token is dropped (no capacity)."""
-    num_experts: int = 0
+    num_experts: int = 0  # routed experts per layer (HF num_experts); 0: a dense MLP
     top_k: int = 2  # experts per token (HF num_experts_per_tok)
     moe_ffn_hidden_size: int = 0  # one expert's intermediate width (HF moe_intermediate_size)
     # an always-on shared expert of this width beside the routed ones (0: none, as Qwen3-MoE);
     # training only: the HF mapping and the in-place generator refuse it
     shared_expert_ffn_hidden_size: int = 0
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = True  # renormalise the top_k probabilities to sum to 1 (HF's name)
     # load-balancing loss (Switch Transformer's, Megatron's moe_aux_loss_coeff; HF
     # router_aux_loss_coef) and router z-loss (moe_z_loss_coeff), added to the training loss'
     # gradient by megatron-core's MoE router; 0 turns either off
     aux_loss_coeff: float = 0.001
-    z_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0  # router z-loss (ST-MoE; Megatron's moe_z_loss_coeff)
     router_dtype: str = "fp32"  # the router's logits and softmax: fp32 | fp64 (Megatron's)
     # megatron-core's token dispatcher: alltoall | allgather (both run over gloo and NCCL)
     token_dispatcher: str = "alltoall"
@@ -145,8 +145,28 @@ class ModelConfig:
         return self.num_nonembedding_params + self.embedding_params + self.hidden_size
 
     @property
+    def num_decode_params(self) -> int:
+        """Matmul weights one decode step reads (and, in-place, multiplies every row by): dense,
+        num_dense_params; MoE, every expert (the generator's CUDA-graph-safe path runs them all,
+        rollout/moe.py; with rows x top_k >= experts a routed decode reads them all too)."""
+        if not self.moe.enabled:
+            return self.num_dense_params
+        h, m = self.hidden_size, self.moe
+        every = self.attn_matmul_params + h * m.num_experts + 3 * h * (
+            m.num_experts * m.moe_ffn_hidden_size + m.shared_expert_ffn_hidden_size)
+        return self.num_layers * every + self.embedding_params
+
+    def all_to_all_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+        """MoE token dispatch: each token's hidden state sent to its top_k experts and their
+        outputs sent back, per layer (one direction each; x (EP-1)/EP of it leaves the rank)."""
+        if not self.moe.enabled:
+            return 0
+        return 2 * self.num_layers * self.moe.top_k * self.hidden_size * bytes_per_value
+
+    @property
     def num_dense_params(self) -> int:
         """N of the "6N" rule: weights in matmuls per token = layer matmuls + the LM head (V x h).
 
-        Biases, norms and the embedding lookup (a gather, not a matmul) are left out."""
+        Biases, norms and the embedding lookup (a gather, not a matmul) are left out. MoE: the
+        router and top_k experts (active parameters; `num_params` counts every expert)."""
         return self.num_layers * self.layer_matmul_params + self.embedding_params

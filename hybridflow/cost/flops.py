@@ -45,8 +45,9 @@ def train_flops_per_token(shape: ModelConfig, seq_len: int, role: str = "actor",
 
 
 def decode_flops_per_token(shape: ModelConfig, context: float) -> float:
-    """One generated token attending to `context` cached positions."""
-    return 2 * shape.num_dense_params + 4 * shape.num_layers * shape.q_dim * context
+    """One generated token attending to `context` cached positions (MoE: every expert, as the
+    in-place decode step runs them; ModelConfig.num_decode_params)."""
+    return 2 * shape.num_decode_params + 4 * shape.num_layers * shape.q_dim * context
 
 
 def kv_heads_per_gpu(shape: ModelConfig, tp: int) -> int:

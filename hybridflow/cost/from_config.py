@@ -13,7 +13,8 @@ def plan_for(cfg: Config, world_size: int) -> Plan:
     p = cfg.parallel
     layout = Layout(world_size=world_size, tp_t=p.tensor_parallel_size, pp_t=p.pipeline_parallel_size,
                     tp_g=cfg.rollout.tensor_parallel_size or p.tensor_parallel_size)
-    return Plan(layout, offload_ref=cfg.trainer.offload_ref, recompute=p.activation_checkpointing)
+    return Plan(layout, offload_ref=cfg.trainer.offload_ref, recompute=p.activation_checkpointing,
+                ep=p.expert_parallel_size)
 
 
 def micro_batch_tokens(cfg: Config, *, forward: bool) -> int:

@@ -6,8 +6,10 @@ is the sum of its parts, except where two kinds of work overlap (OVERLAP_P): for
 host side (per-layer and TP collective launches) and GPU side (FLOPs, TP bytes); decode's FLOPs and
 its HBM reads.
 The parts (compute, decode_compute, layer_overhead, optimizer, pp_bubble, hbm_read, decode_overhead,
-tp_comm, tp_latency, dp_comm, reshard_comm, latency, pcie, step_overhead) let the report say where
-the time goes. Per stage (per GPU; the work is assumed split evenly, ceil() where sequences do not
+tp_comm, tp_latency, ep_comm, dp_comm, reshard_comm, latency, pcie, step_overhead) let the report
+say where the time goes. MoE models: FLOPs count the active parameters (router + top_k experts),
+memory every expert, a decode step reads (and multiplies) every expert, and under EP each layer
+pass adds the all-to-all of each token's hidden state to its top_k experts and back (`ep_comm`). Per stage (per GPU; the work is assumed split evenly, ceil() where sequences do not
 divide by DP):
 - reshard: bytes each GPU receives to build its gen TP_g shard (the shard minus the training shard it
   already holds) over NVLink (IB when the TP x PP group spans nodes), at bus bandwidth x comm eff.
@@ -196,7 +198,7 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
     decode = per_replica * w.response_len * decode_flops_per_token(shape, context) / tp_g
     t.add("compute", "inv_prefill_eff", prefill / peak)
     t.add("decode_compute", "inv_prefill_eff", decode / peak)
-    weights = BYTES_PER_PARAM * shape.num_dense_params / tp_g
+    weights = BYTES_PER_PARAM * shape.num_decode_params / tp_g  # MoE: every expert
     kv = per_replica * w.response_len * context * kv_bytes_per_token(shape, tp_g)
     t.add("hbm_read", "inv_decode_bw_eff", (steps * weights + kv) / (gpu.hbm_gbps * 1e9))
     t.add("decode_overhead", "fused_decode_layer_overhead_s" if w.decode_kernels == "triton"
@@ -219,7 +221,7 @@ def _reshard(shape: ModelConfig, gpu: GPU, layout: Layout) -> StageTerms:
 
 def _passes(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, *, ideal: float, coef: str,
             tokens: float, micro: int, flushes: int, layer_passes: int,
-            graphed: bool = False) -> None:
+            graphed: bool = False, ep: int = 1) -> None:
     """Compute, fixed per-layer cost, PP bubble and TP traffic of `micro` micro-batches in `flushes`
     pipeline flushes (optimizer steps), each micro-batch run through the stage's layers
     `layer_passes` times (1: forward, 3: fwd+bwd, 4: fwd+bwd with recompute); `graphed`: the layer
@@ -237,9 +239,24 @@ def _passes(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, *, idea
     comm_passes = max(1, layer_passes - 1)
     _tp_comm(t, shape, gpu, layout.tp_t, layers, tokens, all_reduces=2 * comm_passes,
              num_collectives=4 * comm_passes * layers * micro, fitted_latency=True)
+    _ep_comm(t, shape, gpu, layout, ep, tokens, comm_passes=comm_passes)
 
 
-def _forward(shape: ModelConfig, gpu: GPU, layout: Layout, w: Workload, role: str) -> StageTerms:
+def _ep_comm(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, ep: int, tokens: float,
+             *, comm_passes: int) -> None:
+    """MoE all-to-all under EP: per layer pass each token's hidden state to its top_k experts and
+    back ((EP - 1) / EP of it off the rank), over the EP x TP ranks' link; serial with compute
+    (megatron-core's alltoall dispatcher does not overlap it)."""
+    if ep == 1 or not shape.moe.enabled:
+        return
+    bw, _ = _link(gpu, ep * layout.tp_t)
+    volume = (comm_passes * tokens * shape.all_to_all_bytes_per_token(BYTES_PER_PARAM)
+              / layout.pp_t * (ep - 1) / ep)
+    t.add("ep_comm", "inv_comm_eff", volume / bw)
+
+
+def _forward(shape: ModelConfig, gpu: GPU, layout: Layout, w: Workload, role: str,
+             ep: int = 1) -> StageTerms:
     t, shard = StageTerms(overlap="pass"), layout.tp_t * layout.pp_t
     seqs = math.ceil(w.num_sequences / layout.dp_t)
     micro = math.ceil(seqs / w.seqs_per_forward_micro_batch)
@@ -247,7 +264,7 @@ def _forward(shape: ModelConfig, gpu: GPU, layout: Layout, w: Workload, role: st
                                                        w.head_fraction) / shard
     coef = "inv_fused_forward_mfu" if w.fused_elementwise else "inv_forward_mfu"
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
-            tokens=seqs * w.seq_len, micro=micro, flushes=1, layer_passes=1)
+            tokens=seqs * w.seq_len, micro=micro, flushes=1, layer_passes=1, ep=ep)
     return t
 
 
@@ -264,9 +281,10 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
     coef = "inv_fused_train_mfu" if w.fused_elementwise else "inv_train_mfu"
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
             tokens=seqs * w.seq_len, micro=opt_steps * micro, flushes=opt_steps,
-            layer_passes=4 if plan.recompute else 3, graphed=w.train_cuda_graphs)
+            layer_passes=4 if plan.recompute else 3, graphed=w.train_cuda_graphs, ep=plan.ep)
     params = shape.num_params if role == "actor" else shape.num_critic_params
-    accumulated = params - (shape.num_layers * shape.layer_matmul_params
+    fused = shape.attn_matmul_params if shape.moe.enabled else shape.layer_matmul_params
+    accumulated = params - (shape.num_layers * fused  # (experts keep Megatron's linears)
                             if w.gradient_accumulation_fusion else 0)
     t.add("grad_accum", None, opt_steps * micro * GRAD_ACCUM_BYTES_PER_PARAM * accumulated / shard
           / (gpu.hbm_gbps * 1e9 * GRAD_ACCUM_BW_EFF))
@@ -287,9 +305,9 @@ def stage_terms(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
     layout = plan.layout
     stages = {"reshard": _reshard(shape, gpu, layout), "gen": _gen(shape, gpu, plan, w, calib)}
     if not w.skip_old_log_prob:
-        stages["old_log_prob"] = _forward(shape, gpu, layout, w, "actor")
+        stages["old_log_prob"] = _forward(shape, gpu, layout, w, "actor", plan.ep)
     if w.use_reference:
-        stages["ref"] = _forward(shape, gpu, layout, w, "actor")
+        stages["ref"] = _forward(shape, gpu, layout, w, "actor", plan.ep)
         if plan.offload_ref and not w.offload_ref_prefetch:  # else hidden behind generation
             stages["ref"].add("pcie", None, BYTES_PER_PARAM * shape.num_params
                               / (layout.tp_t * layout.pp_t) / (gpu.pcie_gbps * 1e9))

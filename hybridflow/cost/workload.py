@@ -155,11 +155,13 @@ class Plan:
     offload_ref: bool = False   # reference weights live on the host, copied in for the ref pass
     recompute: bool = False     # full activation recompute in the update phases
     #                             (the trainer's parallel.activation_checkpointing)
+    ep: int = 1                 # MoE expert parallel size (parallel.expert_parallel_size)
 
     def to_dict(self) -> dict:
         lay = self.layout
         return {"tp": lay.tp_t, "pp": lay.pp_t, "dp": lay.dp_t, "tp_gen": lay.tp_g,
-                "offload_ref": self.offload_ref, "recompute": self.recompute}
+                "offload_ref": self.offload_ref, "recompute": self.recompute,
+                **({"ep": self.ep} if self.ep > 1 else {})}
 
     def short(self) -> str:
         lay = self.layout
@@ -179,7 +181,7 @@ def make_plan(layout: dict | Plan, num_gpus: int, model: ModelConfig) -> Plan:
     if isinstance(layout, Plan):
         plan = layout
     else:
-        unknown = set(layout) - {"tp", "pp", "dp", "tp_gen", "offload_ref", "recompute"}
+        unknown = set(layout) - {"tp", "pp", "dp", "tp_gen", "offload_ref", "recompute", "ep"}
         if unknown:
             raise ValueError(f"layout: unknown keys {sorted(unknown)}")
         tp, pp = int(layout.get("tp", 1)), int(layout.get("pp", 1))
@@ -188,7 +190,7 @@ def make_plan(layout: dict | Plan, num_gpus: int, model: ModelConfig) -> Plan:
             raise ValueError(f"layout: tp={tp} x pp={pp} x dp={dp} != num_gpus {num_gpus}")
         plan = Plan(Layout(world_size=num_gpus, tp_t=tp, pp_t=pp, tp_g=int(layout.get("tp_gen") or tp)),
                     offload_ref=bool(layout.get("offload_ref", False)),
-                    recompute=bool(layout.get("recompute", False)))
+                    recompute=bool(layout.get("recompute", False)), ep=int(layout.get("ep", 1)))
     if plan.layout.world_size != num_gpus:
         raise ValueError(f"layout {plan.short()}: world size {plan.layout.world_size} != num_gpus "
                          f"{num_gpus}")

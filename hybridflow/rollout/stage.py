@@ -75,7 +75,7 @@ class RolloutStage:
             params = {n: p for n, p in self.actor.module.named_parameters()
                       if not is_adapter_name(n)}
             if self.cfg.model.moe.enabled:  # every expert, this TP_g rank's shards
-                from hybridflow.parallel.reshard_experts import generation_params
+                from hybridflow.parallel.reshard import generation_params
 
                 params = generation_params(params, self.ctx, self.cfg.model)
             return params
