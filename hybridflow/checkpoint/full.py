@@ -26,7 +26,8 @@ def load_full_state_dict(ckpt_step_dir: str, role: str = "actor") -> tuple[dict,
     Names are GPTModel parameter names with global layer indices (`decoder.layers.{i}.` over all
     pipeline stages; local-spec norm names `input_layernorm` / `pre_mlp_layernorm`); `linear_fc1` is
     [gate; up]; vocab tensors are trimmed to the true vocabulary; no `output_layer.weight` when the
-    embeddings are tied. Starts a private 1-rank group when there is none (and ends it)."""
+    embeddings are tied; MoE experts one tensor each (`mlp.experts.local_experts.{e}.`, global
+    expert index, whatever the saving EP). Starts a private 1-rank group when there is none (and ends it)."""
     role_dir = os.path.join(ckpt_step_dir, role)
     if not os.path.isdir(role_dir):
         raise FileNotFoundError(f"checkpoint {ckpt_step_dir} has no role {role!r} (no {role_dir})")
@@ -57,6 +58,12 @@ def _canonical_names(tensors: dict, cfg: ModelConfig) -> dict:
                 if rest.startswith(ckpt):
                     rest = local + rest[len(ckpt):]
             for i in range(t.shape[0]):
+                if rest.startswith("mlp.experts.experts."):  # MoE: (E, ...) stacked over experts
+                    fc = rest[len("mlp.experts.experts."):]
+                    for e in range(t.shape[1]):
+                        out[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{fc}"] = \
+                            t[i, e].clone()
+                    continue
                 out[f"decoder.layers.{i}.{rest}"] = t[i].clone()  # own storage (safetensors)
         elif key in _VOCAB_KEYS:
             out[key] = t[:cfg.vocab_size].clone()  # padding rows depend on the saving TP

@@ -74,3 +74,12 @@ def test_demo_reward_rises_gspo(tmp_path):
     second one off-policy, where the sequence clip acts."""
     first, last = _run(tmp_path, ["algo=gspo"])
     assert last >= first + MARGIN, (first, last)
+
+
+def test_demo_reward_rises_moe(tmp_path):
+    """GRPO on a tiny mixture-of-experts model (4 experts of width 64, top-2, load-balancing loss
+    on): training through megatron-core's MoE layers, generation through the in-place decoder's
+    MoE MLP."""
+    first, last = _run(tmp_path, ["algo=grpo", "model.moe.num_experts=4", "model.moe.top_k=2",
+                                  "model.moe.moe_ffn_hidden_size=64"])
+    assert last >= first + MARGIN, (first, last)
