@@ -48,7 +48,7 @@ def main() -> None:
     from hybridflow.models.gguf import gguf_tokenizer_dir, load_gguf
     from hybridflow.rollout import Generator
     from hybridflow.rollout.multi_turn import generate_multi_turn
-    from hybridflow.tools.session import ToolSession
+    from hybridflow.tools.runner import ToolRunner
     from hybridflow.tools import load_tool_config
     from hybridflow.tools.formats import ToolFormat
 
@@ -57,7 +57,7 @@ def main() -> None:
     tools = load_tool_config("code_interpreter.yaml")
     mt = MultiTurnConfig(enable=True, tool_config_path="code_interpreter.yaml",
                          max_assistant_turns=a.turns, tool_workers=16)
-    session = ToolSession(tools, fmt=ToolFormat("hermes", tokenizer=tok, tools=tools),
+    runner = ToolRunner(tools, fmt=ToolFormat("hermes", tokenizer=tok, tools=tools),
                           tokenizer=tok, mt=mt)
     gen = Generator(model_cfg=cfg, params=params, tp_group=None, device=a.device,
                     dtype=getattr(torch, a.dtype), true_vocab_size=tok.vocab_size)
@@ -70,7 +70,7 @@ def main() -> None:
         prompts.append(tok.encode(tok.apply_chat_template(msgs, tools=[t.schema for t in tools])))
     rc = RolloutConfig(n=a.n, max_new_tokens=a.max_new, temperature=a.temperature,
                        stop_token_ids=[151643], max_batch_size=4096)
-    run = lambda seed: generate_multi_turn(gen, prompts, cfg=rc, session=session,  # noqa: E731
+    run = lambda seed: generate_multi_turn(gen, prompts, cfg=rc, runner=runner,  # noqa: E731
                                            eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed)
     if a.device == "cuda":  # warm-up (allocator, kernels' first launches)
         run(0)
@@ -80,7 +80,7 @@ def main() -> None:
     if a.device == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    session.close()
+    runner.close()
     mask, tool = batch.response_mask.cpu(), batch.tool_mask.cpu()
     samples = [tok.decode(batch.response_ids[i, :int(mask[i].sum())].tolist(),
                           skip_special_tokens=False) for i in range(min(2, batch.batch_size))]

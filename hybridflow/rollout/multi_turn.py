@@ -1,8 +1,8 @@
 """Multi-turn generation with tool calls, in place on the generator's KV cache.
 
-    session = ToolSession(tools, fmt=ToolFormat("hermes", tokenizer=tok, tools=tools),
+    runner = ToolRunner(tools, fmt=ToolFormat("hermes", tokenizer=tok, tools=tools),
                           tokenizer=tok, mt=cfg.rollout.multi_turn)
-    batch, stats = generate_multi_turn(gen, prompts, cfg=cfg.rollout, session=session,
+    batch, stats = generate_multi_turn(gen, prompts, cfg=cfg.rollout, runner=runner,
                                        eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed)
 
 A layer around the Generator's weights, cache and sampler (generator.py is unchanged). Per chunk of
@@ -17,7 +17,7 @@ at most rollout.max_batch_size rows:
   the resumed rows only (a short prefill at the rows' next positions, no re-sending of the
   conversation), which also gives their next token's logits.
 - A row whose turn ends in a complete call (`ToolFormat`: `</tool_call>`, or a closing ``` fence
-  of a ```python block) pauses; its calls go to a thread pool (ToolSession) and the other rows keep
+  of a ```python block) pauses; its calls go to a thread pool (ToolRunner) and the other rows keep
   decoding; results are polled between steps (and waited for only when no row can decode). At
   TP_g > 1 only the generation group's rank 0 runs tools; it broadcasts which results are in and
   what they are at each poll, so every rank appends the same tokens at the same step.
@@ -53,7 +53,7 @@ from hybridflow.rollout.generator import LENGTH_MULTIPLE, Generator
 from hybridflow.rollout.sampling import sample
 from hybridflow.rollout.options import DecodeOptions
 from hybridflow.tools.base import ToolCall
-from hybridflow.tools.session import ToolSession
+from hybridflow.tools.runner import ToolRunner
 
 TAIL_TOKENS = 8  # a turn's last tokens decoded each step to spot a closing marker
 
@@ -129,7 +129,7 @@ class _Row:
 
 
 def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
-                        session: ToolSession, eos_id: int, pad_id: int, seed: int,
+                        runner: ToolRunner, eos_id: int, pad_id: int, seed: int,
                         options: Optional[DecodeOptions] = None,
                         forced: Optional[list] = None) -> tuple[RolloutBatch, dict]:
     """`cfg.n` multi-turn trajectories per prompt (rows as Generator.generate orders them) ->
@@ -147,7 +147,7 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
         for s in range(0, N, cfg.max_batch_size):
             e = min(s + cfg.max_batch_size, N)
             chunk = [prompts[i // cfg.n] for i in range(s, e)]
-            rows_all += _run_chunk(gen, chunk, cfg, session, eos_id, pad_id, stats, budget,
+            rows_all += _run_chunk(gen, chunk, cfg, runner, eos_id, pad_id, stats, budget,
                                    None if forced is None else forced[s:e])
     ids, mask = gen._padded_prompts(prompts, cfg, pad_id)
     prompt_of_row = torch.arange(len(prompts)).repeat_interleave(cfg.n)
@@ -180,10 +180,10 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
     return batch.to(gen.device), metrics
 
 
-def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, session: ToolSession,
+def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, runner: ToolRunner,
                eos_id: int, pad_id: int, stats: dict, budget: int,
                forced: Optional[list]) -> list:
-    w, dev, tok, mt = gen.w, gen.device, session.tok, session.mt
+    w, dev, tok, mt = gen.w, gen.device, runner.tok, runner.mt
     one = RolloutConfig(n=1, max_new_tokens=cfg.max_new_tokens, max_batch_size=len(prompts))
     ids, mask = gen._padded_prompts(prompts, one, pad_id)
     B, P = ids.shape
@@ -236,7 +236,7 @@ def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, session: ToolS
                 if t in stop_ids or len(row.tokens) >= R:
                     row.state = "done"
                     continue
-                calls = _turn_calls(row, session, tok)
+                calls = _turn_calls(row, runner, tok)
                 if calls is None:
                     feed.append(b)
                 elif row.turns >= mt.max_assistant_turns:
@@ -244,14 +244,14 @@ def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, session: ToolS
                 else:
                     row.state = "tool"
                     row.calls += sum(isinstance(c, ToolCall) for c in calls)
-                    pending[b] = session.submit(calls) if leader else None
+                    pending[b] = runner.submit(calls) if leader else None
         # results that are in; block for one only when nothing can decode
         resumed = _collect(pending, rows, block=not feed and bool(pending), stats=stats,
                            group=group, leader=leader)
         new_logits = {}
         if resumed:
             tp = time.perf_counter()
-            new_logits = _append_results(resumed, rows, session, R, budget, w, cache, key_valid,
+            new_logits = _append_results(resumed, rows, runner, R, budget, w, cache, key_valid,
                                          col, pos, cos, sin, dev)
             stats["tool_prefill"] += time.perf_counter() - tp
         if feed:
@@ -272,16 +272,16 @@ def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, session: ToolS
             return rows
 
 
-def _turn_calls(row: _Row, session: ToolSession, tok) -> Optional[list]:
+def _turn_calls(row: _Row, runner: ToolRunner, tok) -> Optional[list]:
     """The calls that end the row's current model turn, or None (no complete call yet)."""
-    if not session.may_close(row.tokens[-1]):
+    if not runner.may_close(row.tokens[-1]):
         return None
     tail = tok.decode(row.tokens[max(row.turn_start, len(row.tokens) - TAIL_TOKENS):],
                       skip_special_tokens=False)
-    if not session.fmt.ends_with_call(tail):
+    if not runner.fmt.ends_with_call(tail):
         return None
     text = tok.decode(row.tokens[row.turn_start:], skip_special_tokens=False)
-    return session.fmt.parse(text)
+    return runner.fmt.parse(text)
 
 
 def _collect(pending: dict, rows: list, *, block: bool, stats: dict, group=None,
@@ -307,17 +307,17 @@ def _collect(pending: dict, rows: list, *, block: bool, stats: dict, group=None,
     return done
 
 
-def _append_results(resumed: dict, rows: list, session: ToolSession, R: int, budget: int, w,
+def _append_results(resumed: dict, rows: list, runner: ToolRunner, R: int, budget: int, w,
                     cache, key_valid, col, pos, cos, sin, dev) -> dict:
     """Append each resumed row's last model token (the call's end, sampled but not yet in the
     cache) and its rendered results (cut to max_tool_response_length tokens and to the response
     budget) to its cache by `extend` over those rows (sub-batches of at most `budget`
     padded tokens) -> {row: next logits}."""
-    mt, tok = session.mt, session.tok
+    mt, tok = runner.mt, runner.tok
     appended = {}
     for b, outcomes in resumed.items():
         row = rows[b]
-        ids = tok.encode(session.fmt.render(outcomes))
+        ids = tok.encode(runner.fmt.render(outcomes))
         if len(ids) > mt.max_tool_response_length:
             ids = ids[:mt.max_tool_response_length]
         room = R - len(row.tokens)

@@ -52,16 +52,16 @@ class RolloutStage:
 
             self.resharder = Resharder(actor.module, layout=ctx.layout, groups=ctx.reshard)
         self._kept: Generator | None = None  # across steps with rollout.free_cache_engine=false
-        self.tools = None  # rollout.multi_turn: the tool session (hybridflow/rollout/multi_turn.py)
+        self.tools = None  # rollout.multi_turn: the tool runner (hybridflow/rollout/multi_turn.py)
         self.turn_metrics: dict = {}  # the last multi-turn generation's, merged into score's
         if cfg.rollout.multi_turn.enable:
-            from hybridflow.tools.session import ToolSession
+            from hybridflow.tools.runner import ToolRunner
             from hybridflow.tools import load_tool_config
             from hybridflow.tools.formats import ToolFormat
 
             m = cfg.rollout.multi_turn
             tools = load_tool_config(m.tool_config_path)
-            self.tools = ToolSession(tools, fmt=ToolFormat(m.format, tokenizer=tokenizer,
+            self.tools = ToolRunner(tools, fmt=ToolFormat(m.format, tokenizer=tokenizer,
                                                            tools=tools), tokenizer=tokenizer, mt=m)
         if not cfg.rollout.free_cache_engine and self.resharder is not None and ctx.rank == 0:
             print("hybridflow: warning: rollout.free_cache_engine=false does little with "
@@ -127,7 +127,7 @@ class RolloutStage:
         from hybridflow.rollout.multi_turn import generate_multi_turn
 
         batch, self.turn_metrics = generate_multi_turn(
-            gen, [it.prompt_ids for it in items], cfg=r, session=self.tools,
+            gen, [it.prompt_ids for it in items], cfg=r, runner=self.tools,
             eos_id=-1 if r.ignore_eos else self.tok.eos_id, pad_id=self.tok.pad_id, seed=seed,
             options=DecodeOptions.from_config(r))
         return batch

@@ -14,7 +14,7 @@ from hybridflow.rollout import Generator, decoder
 from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.multi_turn import extend, generate_multi_turn
 from hybridflow.rollout.options import DecodeOptions
-from hybridflow.tools.session import ToolSession
+from hybridflow.tools.runner import ToolRunner
 from hybridflow.tools import load_tool_config
 from hybridflow.tools.formats import ToolFormat
 
@@ -104,16 +104,16 @@ def run(gen, tok, fmt_kind, cfg_path, prompts, forced, *, max_new=320, turns=4,
     tools = load_tool_config(cfg_path)
     mt = MultiTurnConfig(enable=True, format=fmt_kind, max_assistant_turns=turns,
                          max_tool_response_length=64, tool_config_path=cfg_path, tool_workers=2)
-    session = ToolSession(tools, fmt=ToolFormat(fmt_kind, tokenizer=tok, tools=tools),
+    runner = ToolRunner(tools, fmt=ToolFormat(fmt_kind, tokenizer=tok, tools=tools),
                           tokenizer=tok, mt=mt)
     try:
         return generate_multi_turn(gen, prompts, cfg=RolloutConfig(
             n=1, max_new_tokens=max_new, temperature=1.0, return_logprobs=True,
-            max_batch_size=8), session=session, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=3,
+            max_batch_size=8), runner=runner, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=3,
             options=DecodeOptions(kernels="torch", prefill_tokens=prefill_tokens),
-            forced=forced), session
+            forced=forced), runner
     finally:
-        session.close()
+        runner.close()
 
 
 def call(expr):
@@ -169,7 +169,7 @@ def test_hermes_calls_match_a_full_prefill(tmp_path, prefill_tokens):
               tok.encode('<tool_call>{"name": calculator}</tool_call>ok') + end,
               tok.encode(call("2+3")) + tok.encode(call("5*5")) + tok.encode("25") + end,
               tok.encode("no tools") + end]
-    (batch, metrics), session = run(gen, tok, "hermes", tool_config(tmp_path, "calculator"),
+    (batch, metrics), runner = run(gen, tok, "hermes", tool_config(tmp_path, "calculator"),
                                     prompts, forced, prefill_tokens=prefill_tokens)
     assert batch.tool_mask is not None and batch.rollout_logprobs is not None
     for b in range(4):

@@ -1,4 +1,4 @@
-"""ToolSession: the tools of a run, their call format, and the thread pool that runs calls while
+"""ToolRunner: the tools of a run, their call format, and the thread pool that runs calls while
 generation goes on (hybridflow/rollout/multi_turn.py submits a turn's calls and polls the futures)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hybridflow.config import MultiTurnConfig
 from hybridflow.tools.base import Tool, ToolOutcome
 
 
-class ToolSession:
+class ToolRunner:
     """The tools of a run, the call format, and a thread pool that runs calls while decoding goes on."""
 
     def __init__(self, tools: list, *, fmt, tokenizer, mt: MultiTurnConfig):
