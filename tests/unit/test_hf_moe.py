@@ -143,3 +143,20 @@ def test_moe_config_accepted_and_dense_ep_refused():
         validate(load_config(["model=tiny", "data.synthetic=copy",
                               "parallel.expert_parallel_size=2"]), world_size=2)
     assert ModelConfig(moe={"num_experts": 2, "top_k": 1}).moe.num_experts == 2
+
+
+def test_checkpoint_stacked_experts_split_per_expert():
+    """dist_checkpointing stores an MoE layer's experts stacked (layers, experts, ...) whatever the
+    saving EP; the full-weights reader (export) gives one tensor per expert under global names."""
+    from hybridflow.checkpoint.full import _canonical_names
+
+    cfg = ModelConfig(num_layers=2, moe=MoEConfig(num_experts=3, top_k=1, moe_ffn_hidden_size=4))
+    fc1 = torch.randn(2, 3, 8, 6)
+    out = _canonical_names({"decoder.layers.mlp.experts.experts.linear_fc1.weight": fc1,
+                            "decoder.layers.mlp.router.weight": torch.randn(2, 3, 6)}, cfg)
+    assert sorted(out) == sorted(
+        [f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight"
+         for i in range(2) for e in range(3)] + [f"decoder.layers.{i}.mlp.router.weight"
+                                                 for i in range(2)])
+    assert torch.equal(out["decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"],
+                       fc1[1, 2])
