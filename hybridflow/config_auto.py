@@ -76,10 +76,14 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
 
     dynamic = a.use_dynamic_bsz
     if dynamic is None:  # packing asked for implies token budgets
-        dynamic = (gpu or bool(a.pack_sequences)) and p.pipeline_parallel_size == 1
-        if gpu and not dynamic:
+        dynamic = ((gpu or bool(a.pack_sequences)) and p.pipeline_parallel_size == 1
+                   and p.expert_parallel_size == 1)
+        if gpu and not dynamic and p.pipeline_parallel_size > 1:
             notes.append("auto: algo.use_dynamic_bsz=false: pipeline stages exchange micro-batches "
                          "of one shape (parallel.pipeline_parallel_size > 1)")
+        elif gpu and not dynamic:
+            notes.append("auto: algo.use_dynamic_bsz=false: under expert parallelism every DP rank "
+                         "must run as many micro-batches (each one's all-to-all spans them)")
     pack = a.pack_sequences
     if pack is None:
         pack = bool(dynamic) and gpu and _attention_is_sdpa(cfg)

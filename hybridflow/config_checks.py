@@ -203,6 +203,11 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if seqs % a.ppo_mini_batch_size:
         raise ValueError(f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} (global) must divide "
                          f"the sequences per step data.prompts_per_step x rollout.n = {seqs}")
+    if a.use_dynamic_bsz and p.expert_parallel_size > 1:
+        raise ValueError(f"algo.use_dynamic_bsz=true with parallel.expert_parallel_size="
+                         f"{p.expert_parallel_size}: token budgets give DP ranks different numbers "
+                         "of micro-batches, and each micro-batch's expert all-to-all spans the DP "
+                         "ranks of an EP group; set algo.use_dynamic_bsz=false (or null)")
     if a.pack_sequences and (a.use_dynamic_bsz is False or p.pipeline_parallel_size != 1):
         raise ValueError(f"algo.pack_sequences=true needs algo.use_dynamic_bsz=true (got "
                          f"{a.use_dynamic_bsz}) and parallel.pipeline_parallel_size=1 (got "

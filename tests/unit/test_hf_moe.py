@@ -129,12 +129,23 @@ MOE = ["model=tiny", "model.moe.num_experts=4", "model.moe.top_k=2",
     (["model.moe.top_k=5"], 1, "model.moe.top_k"),
     (["model.moe.token_dispatcher=flex"], 1, "model.moe.token_dispatcher"),
     (["parallel.expert_parallel_size=4"], 2, "ranks of a pipeline stage"),
+    (["parallel.expert_parallel_size=2", "algo.use_dynamic_bsz=true"], 2, "use_dynamic_bsz"),
     (["rollout.tensor_parallel_size=1", "parallel.tensor_parallel_size=2",
       "parallel.sequence_parallel=true"], 2, "generates in place"),
 ])
 def test_moe_config_checks(extra, world, match):
     with pytest.raises(ValueError, match=match):
         validate(load_config(MOE + extra), world_size=world)
+
+
+def test_auto_turns_token_budgets_off_under_ep():
+    from hybridflow.config_auto import resolve_auto
+
+    cfg, notes = resolve_auto(load_config(MOE + ["parallel.expert_parallel_size=2"]),
+                              device_type="cpu")
+    assert cfg.algo.use_dynamic_bsz is False
+    cfg, _ = resolve_auto(load_config(MOE), device_type="cpu")
+    validate(cfg, world_size=1)
 
 
 def test_moe_config_accepted_and_dense_ep_refused():
