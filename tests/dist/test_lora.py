@@ -34,10 +34,10 @@ def _loss_fn(num_tokens):
     return loss_fn
 
 
-def _engine(ctx, tp, sp, lora):
+def _engine(ctx, tp, sp, lora, pp=1):
     from hybridflow.engine import Engine
 
-    par = ParallelConfig(tensor_parallel_size=tp, sequence_parallel=sp)
+    par = ParallelConfig(tensor_parallel_size=tp, sequence_parallel=sp, pipeline_parallel_size=pp)
     eng = Engine(role="actor", model_cfg=MODEL, ctx=ctx, parallel=par, precision="fp32",
                  optim=OptimConfig(lr=1e-3, clip_grad=0.0), lora=lora)
     fill_deterministic(eng.module, num_layers=MODEL.num_layers)
@@ -45,11 +45,11 @@ def _engine(ctx, tp, sp, lora):
     return eng
 
 
-def _lora_worker(tp: int, sp: bool):
+def _lora_worker(tp: int, sp: bool, pp: int = 1):
     from hybridflow.models.lora import adapters_disabled, merged_adapters
 
-    ctx = groups.init_model_parallel(tp=tp, pp=1, seed=3)
-    eng = _engine(ctx, tp, sp, LORA)
+    ctx = groups.init_model_parallel(tp=tp, pp=pp, seed=3)
+    eng = _engine(ctx, tp, sp, LORA, pp)
     batch = _global_batch()
     out = {"logprobs": eng.compute_logprobs(batch, micro_batch_size=2)}
     with adapters_disabled(eng.module):
@@ -115,9 +115,10 @@ def dense():
     return run_ranks(_dense_worker, 1)[0]
 
 
-@pytest.mark.parametrize("tp,sp", [(1, False), (2, True)], ids=["tp1", "tp2_sp"])
-def test_lora_matches_dense_reference(dense, tp, sp):
-    for res in run_ranks(_lora_worker, tp, tp, sp):
+@pytest.mark.parametrize("tp,sp,pp", [(1, False, 1), (2, True, 1), (1, False, 2)],
+                         ids=["tp1", "tp2_sp", "pp2"])
+def test_lora_matches_dense_reference(dense, tp, sp, pp):
+    for res in run_ranks(_lora_worker, tp * pp, tp, sp, pp):
         torch.testing.assert_close(res["logprobs"], dense["logprobs"], atol=2e-5, rtol=1e-5)
         # the adapted model differs from the base one (B is nonzero), and adapters off IS the base
         assert (res["logprobs"] - dense["base_logprobs"]).abs().max() > 1e-3
@@ -128,12 +129,13 @@ def test_lora_matches_dense_reference(dense, tp, sp):
         assert res["merge_changed"] and res["unmerge_exact"]
         # only adapters train, and only they are in the grad buffers and the optimizer
         assert res["trainable"] and all(".lora." in n for n in res["trainable"])
-        assert len(res["trainable"]) == MODEL.num_layers * 7 * 2
+        assert len(res["trainable"]) == MODEL.num_layers // pp * 7 * 2
+        assert len(res["grads"]) == MODEL.num_layers * 7 * 2  # every stage's, gathered
         assert res["optimizer_numel"] == res["grad_buffer_numel"] == res["adapter_numel"]
         assert not res["frozen_changed"]
         # chain rule through the dense gradient
         checked = 0
-        for name, grad in res["grads"].items():
+        for name, grad in res["grads"].items():  # global layer names
             layer_linear, factor, target = name.rsplit(".", 3)[0].rsplit(".lora", 1)[0], \
                 name.split(".")[-2], name.split(".")[-1]
             G = _rows(name, dense["grads"][layer_linear + ".weight"], target)
@@ -142,4 +144,52 @@ def test_lora_matches_dense_reference(dense, tp, sp):
             want = SCALE * (G @ a.t()) if factor == "B" else SCALE * (b.t() @ G)
             torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4, msg=name)
             checked += 1
-        assert checked == len(res["trainable"])
+        assert checked == len(res["grads"])
+
+
+def _save_tp2(root: str):
+    """TP=2 + SP: one update (Adam state), save; the adapters and their Adam moments, full."""
+    from hybridflow.checkpoint import save_checkpoint
+
+    ctx = groups.init_model_parallel(tp=2, pp=1, seed=3)
+    eng = _engine(ctx, 2, True, LORA)
+    batch = _global_batch()
+    eng.train_step(batch, _loss_fn(int(batch.response_mask.sum())), micro_batch_size=2)
+    save_checkpoint(root, step=1, models={"actor": [eng.model]},
+                    optimizers={"actor": eng.optimizer}, schedulers={"actor": eng.scheduler})
+    return _adapter_state(eng)
+
+
+def _adapter_state(eng):
+    params = {n: p for n, p in eng.module.named_parameters() if p.requires_grad}
+    state = eng.optimizer.optimizer.state if hasattr(eng.optimizer, "optimizer") else None
+    moments = {n: state[p]["exp_avg"] for n, p in params.items()} if state else {}
+    return {"weights": gather_full({n: p for n, p in params.items()},
+                                   num_layers=MODEL.num_layers),
+            "exp_avg": gather_full(moments, num_layers=MODEL.num_layers)}
+
+
+def _load_tp1(root: str):
+    """A fresh TP=1 LoRA actor (B = 0) loads the TP=2 checkpoint; then one more update works."""
+    from hybridflow.checkpoint import load_checkpoint
+
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=3)
+    eng = _engine(ctx, 1, False, LORA)
+    with torch.no_grad():
+        for n, p in eng.module.named_parameters():
+            if ".lora." in n:
+                p.zero_()
+    load_checkpoint(root, models={"actor": [eng.model]}, optimizers={"actor": eng.optimizer},
+                    schedulers={"actor": eng.scheduler}, load_rng=False)
+    return _adapter_state(eng)
+
+
+def test_adapter_checkpoint_reshards_tp2_to_tp1(tmp_path):
+    saved = run_ranks(_save_tp2, 2, str(tmp_path))[0]
+    loaded = run_ranks(_load_tp1, 1, str(tmp_path))[0]
+    assert len(saved["weights"]) == MODEL.num_layers * 7 * 2
+    for n, w in saved["weights"].items():
+        assert torch.equal(loaded["weights"][n], w), n
+    assert saved["exp_avg"] and set(saved["exp_avg"]) == set(loaded["exp_avg"])
+    for n, m in saved["exp_avg"].items():
+        assert torch.equal(loaded["exp_avg"][n], m), n
