@@ -331,6 +331,11 @@ class ActorConfig:
     # the GPU only for the optimizer step, after the update's activations are freed (verl's name);
     # bit-identical results, PCIe copies of 12 bytes per trained parameter each way per update
     offload_optimizer: bool = False
+    # the actor's fp32 gradient buffers are released after each optimizer step and allocated again
+    # at the next update (their contents are dead in between: every update starts from zero), so
+    # generation and the forward-only passes run without them (verl's grad_offload; nothing is
+    # copied). Not with parallel.train_cuda_graphs (the graphs hold the buffers' addresses)
+    offload_grads: bool = False
 
 
 @dataclass

@@ -248,6 +248,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
         raise ValueError(f"trainer.gc_full_interval={cfg.trainer.gc_full_interval} must be >= 1 "
                          "(1: every collection is a full one)")
     validate_lora(cfg)
+    if cfg.actor.offload_grads and cfg.parallel.train_cuda_graphs:
+        raise ValueError("actor.offload_grads=true and parallel.train_cuda_graphs=true: the "
+                         "captured graphs hold the gradient buffers' addresses; turn one off")
     limit = cfg.trainer.gpu_memory_limit_gib
     if limit is not None and not limit > 0:
         raise ValueError(f"trainer.gpu_memory_limit_gib={limit} must be a positive number of GiB "

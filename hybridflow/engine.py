@@ -59,7 +59,7 @@ from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear
                                       LeanRowParallelLinear, LogprobSpec)
 from hybridflow.models.logprob import vocab_parallel_logprobs
 from hybridflow.models.lora import adapters_disabled, apply_lora
-from hybridflow.offload import OptimizerOffload
+from hybridflow.offload import GradBufferRelease, OptimizerOffload
 from hybridflow.parallel.context import ParallelContext
 
 LossFn = Callable[[dict, RolloutBatch], tuple[torch.Tensor, dict]]
@@ -87,11 +87,13 @@ class Engine:
     def __init__(self, *, role: str, model_cfg: ModelConfig, ctx: ParallelContext,
                  parallel: ParallelConfig, precision: str, optim: Optional[OptimConfig] = None,
                  total_updates: int = 1, lora: Optional[LoRAConfig] = None, seed: int = 0,
-                 offload_optimizer: bool = False):
+                 offload_optimizer: bool = False, offload_grads: bool = False):
         """`lora` (actor.lora, rank > 0; trainable roles): LoRA adapters on the decoder linears,
         the only parameters that train (models/lora.py); `seed` draws their A factors.
         `offload_optimizer` (actor.offload_optimizer): master weights and Adam state in host
-        memory but for the optimizer step (hybridflow/offload.py)."""
+        memory but for the optimizer step (hybridflow/offload.py). `offload_grads`
+        (actor.offload_grads): the gradient buffers exist only from the start of an update to the
+        end of its optimizer step (their storage released in between; hybridflow/offload.py)."""
         self.role = role
         self.ctx = ctx
         self.model_cfg = model_cfg
@@ -130,6 +132,7 @@ class Engine:
             self._out_kw = {"fp32_output": False}
         self.optimizer = self.scheduler = None
         self._opt_offload = None
+        self._grad_release = None
         if self.trainable:
             dist_opt = parallel.use_distributed_optimizer and ctx.dp_size > 1
             ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
@@ -166,6 +169,10 @@ class Engine:
                                                      model_params=model.parameters(),
                                                      device=ctx.device)
                 self._opt_offload.to_host()
+            if offload_grads:
+                self._grad_release = GradBufferRelease(model.buffers
+                                                       + model.expert_parallel_buffers)
+                self._grad_release.release()
         else:
             for p in model.parameters():
                 p.requires_grad_(False)
@@ -428,6 +435,8 @@ class Engine:
         `keep_logprobs`: also return the forward's detached log-probs, (B, R) in `batch`'s row
         order, as metrics["logprobs"] (the old policy's when this is the step's only update)."""
         assert self.trainable
+        if self._grad_release is not None:
+            self._grad_release.restore()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         out, rows = self._run(batch, micro_batch_size=micro_batch_size, forward_only=False,
@@ -449,6 +458,8 @@ class Engine:
         ok, grad_norm, _ = self.optimizer.step() if finite else (False, None, None)
         if self._opt_offload is not None:
             self._opt_offload.to_host()
+        if self._grad_release is not None:
+            self._grad_release.release()
         if lr is not None:
             for g, value in zip(self.optimizer.param_groups, scheduled):
                 g["lr"] = value

@@ -10,6 +10,12 @@ device) and the master weights in the optimizer's param groups that are not mode
 which stay). Copies are exact, so a run with offload is bit-identical to one without. The engine
 moves the state back after the update's backward (its activations are gone by then) and out again
 right after the step, so the state is on the device only while nothing else is.
+
+`GradBufferRelease(buffers)` (actor.offload_grads): Megatron DDP's gradient buffers (`grad_data`,
+which every param's `main_grad` and the optimizers' grad views are views of) have their storage
+resized to 0 bytes after the optimizer step and back before the next update, which zeroes them
+first anyway: nothing is copied, the views stay valid objects (pointing at the re-allocated
+storage). The FSDP trick the reshard buffers use too.
 """
 
 from __future__ import annotations
@@ -66,3 +72,24 @@ class OptimizerOffload:
             dev.copy_(t, non_blocking=True)
             put(dev)
         self.on_host = False
+
+
+class GradBufferRelease:
+    def __init__(self, buffers):
+        self._storages = {}
+        for b in buffers:
+            st = b.grad_data.untyped_storage()
+            self._storages[id(st)] = (st, st.nbytes())
+        self.released = False
+
+    def release(self) -> None:
+        for st, _ in self._storages.values():
+            st.resize_(0)
+        self.released = True
+
+    def restore(self) -> None:
+        if self.released:
+            for st, nbytes in self._storages.values():
+                st.resize_(nbytes)
+            self.released = False
+

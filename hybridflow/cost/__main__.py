@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                         "no reference copy")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="actor.offload_optimizer=true: master weights and Adam state on the host")
+    p.add_argument("--offload-grads", action="store_true",
+                   help="actor.offload_grads=true: gradient buffers only in the update")
     p.add_argument("--gpu-memory-gib", type=float,
                    help="the card's memory instead of --gpu's (e.g. 24 for a 24 GB card, or "
                         "trainer.gpu_memory_limit_gib)")
@@ -107,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         fused_elementwise=a.fused_elementwise, train_cuda_graphs=a.train_cuda_graphs,
         gradient_accumulation_fusion=a.gradient_accumulation_fusion,
         offload_ref_prefetch=a.offload_ref_prefetch, lora_rank=a.lora_rank,
-        offload_optimizer=a.offload_optimizer, gpu_memory_gib=a.gpu_memory_gib,
+        offload_optimizer=a.offload_optimizer, offload_grads=a.offload_grads,
+        gpu_memory_gib=a.gpu_memory_gib,
         calibration=a.calibration)
     print(report.to_json() if a.json else report)
     return 0

@@ -59,7 +59,7 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                   lm_head_chunk_tokens: int = 0, decode_kernels: str = "triton",
                   fused_elementwise: bool = True, train_cuda_graphs: bool = False,
                   gradient_accumulation_fusion: bool = True, offload_ref_prefetch: bool = True,
-                  lora_rank: int = 0, offload_optimizer: bool = False,
+                  lora_rank: int = 0, offload_optimizer: bool = False, offload_grads: bool = False,
                   gpu_memory_gib: float | None = None, calibration=None) -> CostReport:
     """Memory, seconds per stage, GPU-hours and money of an RL run, and the layout to run it in.
 
@@ -88,7 +88,7 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                     fused_elementwise=fused_elementwise, train_cuda_graphs=train_cuda_graphs,
                     gradient_accumulation_fusion=gradient_accumulation_fusion,
                     offload_ref_prefetch=offload_ref_prefetch, lora_rank=lora_rank,
-                    offload_optimizer=offload_optimizer)
+                    offload_optimizer=offload_optimizer, offload_grads=offload_grads)
     num_steps, steps_note = _num_steps(steps, epochs, dataset_size, prompts_per_step)
     if layout is not None:
         plan = make_plan(layout, num_gpus, shape)

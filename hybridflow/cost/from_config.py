@@ -45,4 +45,5 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 fused_elementwise=p.fused_elementwise, train_cuda_graphs=p.train_cuda_graphs,
                 gradient_accumulation_fusion=p.gradient_accumulation_fusion,
                 offload_ref_prefetch=cfg.trainer.offload_ref_prefetch, dtype="bf16",
-                lora_rank=cfg.actor.lora.rank, offload_optimizer=cfg.actor.offload_optimizer)
+                lora_rank=cfg.actor.lora.rank, offload_optimizer=cfg.actor.offload_optimizer,
+                offload_grads=cfg.actor.offload_grads)

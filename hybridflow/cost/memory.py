@@ -16,6 +16,8 @@ Resident through the whole step (DESIGN.md: actor and critic state stays on the 
 - `Workload.offload_optimizer`: the optimizer's 12 bytes/param live on the host; they return only
   for the optimizer step, after the update's activations are gone (component `actor_optimizer` in
   the `optimizer_step` phase: weights + grads + optimizer state).
+- `Workload.offload_grads`: the actor's gradient buffers exist only in its update (and optimizer
+  step) phases.
 Per phase, on top:
 - gen: the reshard buffer (the gen TP_g shard of the actor minus the training shard it contains; zero
   when TP_g = TP and PP = 1), the KV cache of one generation wave, prefill scratch (one layer of the
@@ -159,7 +161,10 @@ def gen_batch_size(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
     """(sequences per wave, waves) for one gen replica: as many as the free memory holds."""
     lay = plan.layout
     per_replica = math.ceil(workload.num_sequences / lay.dp_g)
-    used = (sum(_resident(shape, plan, workload).values()) + reshard_buffer_bytes(shape, lay)
+    resident = _resident(shape, plan, workload)
+    if workload.offload_grads:
+        resident["actor_grads"] = 0.0
+    used = (sum(resident.values()) + reshard_buffer_bytes(shape, lay)
             + _prefetched_reference(shape, plan, workload))
     free = (gpu.memory_gib - calib.memory_headroom_gib) * GIB / calib.memory_scale - used
     kv, scratch = _gen_bytes_per_seq(shape, lay, workload)
@@ -232,6 +237,8 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
             c |= {"kv_cache": kept_kv, "activations": act, "logits": logits}
         if phase == "ref" and _reference_used(plan, workload):
             c["reference"] = _reference_bytes(shape, lay)
+        if workload.offload_grads and phase not in ("update_actor", "optimizer_step"):
+            c["actor_grads"] = 0.0
         c["activations"] *= calib.activation_memory_scale
         if workload.train_cuda_graphs:
             c["graph_pool"] = _graph_pool(shape, plan, workload)

@@ -81,6 +81,8 @@ class Workload:
     # actor.offload_optimizer: the fp32 master weights and Adam state live in host memory, on the
     # GPU only during the optimizer step (after the update's activations are freed)
     offload_optimizer: bool = False
+    # actor.offload_grads: the actor's gradient buffers exist only in the update phase
+    offload_grads: bool = False
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:

@@ -64,3 +64,21 @@ def test_round_trip_is_bitwise(ctx):
     assert all(torch.equal(a, b) for a, b in zip(before, moved))
     off.to_host()
     assert all(torch.equal(a, get()) for a, (_, get, _) in zip(before, off._slots()))
+
+
+def test_grad_buffers_exist_only_in_the_update(ctx):
+    from hybridflow.engine import Engine
+
+    plain, _ = _train(ctx, "bf16", False)
+    torch.manual_seed(0)
+    eng = Engine(role="actor", model_cfg=MODEL, ctx=ctx, parallel=ParallelConfig(),
+                 precision="bf16", optim=OptimConfig(lr=1e-2), offload_grads=True,
+                 offload_optimizer=True)
+    buffers = [b.grad_data for b in eng.model.buffers]
+    assert buffers and all(b.untyped_storage().nbytes() == 0 for b in buffers)
+    for _ in range(2):
+        metrics = eng.train_step(_global_batch(), _loss, micro_batch_size=4)
+        assert metrics["grad_norm"] > 0
+        assert all(b.untyped_storage().nbytes() == 0 for b in buffers)  # released again
+    for n, p in eng.module.named_parameters():
+        assert torch.equal(p, plain[n]), n

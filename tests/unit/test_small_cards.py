@@ -42,6 +42,9 @@ def test_lora_and_offload_in_the_memory_model():
     assert lora["update_actor"]["actor_grads"] == pytest.approx(4 * adapters / 2 ** 30, rel=0.2)
     assert off["update_actor"]["actor_optimizer"] == 0
     assert off["optimizer_step"]["actor_optimizer"] == full["update_actor"]["actor_optimizer"]
+    grads = estimate_memory(layout=layout, offload_grads=True, **SEVEN_B).phases_gib
+    assert grads["gen"]["actor_grads"] == 0 and grads["ref"]["actor_grads"] == 0
+    assert grads["update_actor"]["actor_grads"] == full["update_actor"]["actor_grads"] > 20
 
 
 def test_will_it_fit_names_what_it_needs():
