@@ -85,9 +85,39 @@ def _worker(tp: int, pp: int, dp_expected: int, dist_opt: bool, sp: bool = True,
             "weights": weights}
 
 
+def _cases(cases: dict) -> dict:
+    """Each case's `_worker` in this one launch (every case re-builds the parallel groups and
+    re-seeds; rank start-up is most of a case's cost)."""
+    return {name: _worker(*args) for name, args in cases.items()}
+
+
+# the 1-rank references and the default tier's 2-rank layouts, one launch each (their tests share them)
+REFERENCES = {"actor": (1, 1, 1, False, False), "critic": (1, 1, 1, False, False, "critic"),
+              "qwen3": (1, 1, 1, False, False, "actor", QWEN3)}
+TWO_RANKS = {"tp2_sp": (2, 1, 1, False, True), "pp2": (1, 2, 1, False, False),
+             "dp2_distopt": (1, 1, 2, True, False),
+             "critic_tp2_sp": (2, 1, 1, False, True, "critic"),
+             "qwen3_tp2": (2, 1, 1, False, False, "actor", QWEN3)}
+
+
 @pytest.fixture(scope="module")
-def reference():
-    return run_ranks(_worker, 1, 1, 1, 1, False)[0]
+def references():
+    return run_ranks(_cases, 1, REFERENCES)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Per rank: {case: result} of TWO_RANKS."""
+    return run_ranks(_cases, 2, TWO_RANKS)
+
+
+def _layout_results(request, name: str, args: tuple) -> list:
+    """Every rank's result of a layout: from the shared 2-rank launch, or (a slow-tier twin) its own."""
+    if name in TWO_RANKS:
+        assert TWO_RANKS[name] == args, name
+        return [r[name] for r in request.getfixturevalue("two_ranks")]
+    tp, pp, dp = args[:3]
+    return run_ranks(_worker, tp * pp * dp, *args)
 
 
 # tp2_sp, pp2 and dp2_distopt in the default tier; tp2 and dp2_ddp (their plainer twins) in the slow one
@@ -97,9 +127,10 @@ def reference():
     pytest.param(1, 2, 1, False, False, id="pp2"),
     pytest.param(1, 1, 2, True, False, id="dp2_distopt"),
     pytest.param(1, 1, 2, False, False, id="dp2_ddp", marks=pytest.mark.slow)])
-def test_matches_single_rank(reference, tp, pp, dp, dist_opt, sp):
-    results = run_ranks(_worker, tp * pp * dp, tp, pp, dp, dist_opt, sp)
-    ref = reference
+def test_matches_single_rank(request, references, tp, pp, dp, dist_opt, sp):
+    layout = request.node.callspec.id
+    results = _layout_results(request, layout, (tp, pp, dp, dist_opt, sp))
+    ref = references["actor"]
     for res in results:
         assert abs(res["loss"] - ref["loss"]) < 1e-5, (res["loss"], ref["loss"])
         assert abs(res["grad_norm"] - ref["grad_norm"]) < 1e-5 * max(1.0, ref["grad_norm"])
@@ -111,32 +142,28 @@ def test_matches_single_rank(reference, tp, pp, dp, dist_opt, sp):
     assert ref["grad_norm"] > 0 and len(ref["grads"]) == len(ref["weights"]) > 0
 
 
-def test_critic_tp2_sp_matches_single_rank():
+def test_critic_tp2_sp_matches_single_rank(request, references):
     """The critic's replicated value head under sequence parallelism (its gather must not sum the
     already-identical grads over TP)."""
-    ref = run_ranks(_worker, 1, 1, 1, 1, False, False, "critic")[0]
-    for res in run_ranks(_worker, 2, 2, 1, 1, False, True, "critic"):
+    ref = references["critic"]
+    for res in _layout_results(request, "critic_tp2_sp", TWO_RANKS["critic_tp2_sp"]):
         assert abs(res["loss"] - ref["loss"]) < 1e-5
         assert abs(res["grad_norm"] - ref["grad_norm"]) < 1e-5 * max(1.0, ref["grad_norm"])
         for name, g in res["grads"].items():
             torch.testing.assert_close(g, ref["grads"][name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.fixture(scope="module")
-def qwen3_reference():
-    return run_ranks(_worker, 1, 1, 1, 1, False, False, "actor", QWEN3)[0]
-
-
 # tp2 needs TransformerConfig.qk_layernorm for the sum; under SP the norms' sequence_parallel tag
 # alone would sum them (the slow tier checks they are not summed twice)
 @pytest.mark.parametrize("sp", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["tp2", "tp2_sp"])
-def test_qk_layernorm_tp2_matches_single_rank(qwen3_reference, sp):
+def test_qk_layernorm_tp2_matches_single_rank(request, references, sp):
     """Qwen3's q/k norms at TP=2: each rank's heads give part of the norm weights' gradient, which
     finalize_model_grads sums over TP (TransformerConfig.qk_layernorm), once also under SP."""
-    ref = qwen3_reference
+    ref = references["qwen3"]
     assert any("q_layernorm" in n for n in ref["grads"])
-    for res in run_ranks(_worker, 2, 2, 1, 1, False, sp, "actor", QWEN3):
+    for res in _layout_results(request, f"qwen3_{request.node.callspec.id}",
+                               (2, 1, 1, False, sp, "actor", QWEN3)):
         assert abs(res["loss"] - ref["loss"]) < 1e-5
         assert abs(res["grad_norm"] - ref["grad_norm"]) < 1e-5 * max(1.0, ref["grad_norm"])
         for name, g in res["grads"].items():

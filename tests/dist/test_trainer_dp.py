@@ -91,17 +91,32 @@ def one_step(algo, out_dir, extra=()):
 
 DYNAMIC_BSZ = ("algo.use_dynamic_bsz=true", "algo.max_tokens_per_micro_batch_per_gpu=80",
                "algo.forward_max_tokens_per_micro_batch_per_gpu=150")
+# case: (algo, the DP=2 run's extra overrides); the DP=1 reference of each algo has none
+CASES = {"ppo": ("ppo", ()), "grpo": ("grpo", ()), "ppo_dynamic_bsz": ("ppo", DYNAMIC_BSZ),
+         "ppo_packed": ("ppo", DYNAMIC_BSZ + ("algo.pack_sequences=true",))}
 
 
-@pytest.mark.parametrize("algo, dp2_extra", [("ppo", ()), ("grpo", ()), ("ppo", DYNAMIC_BSZ),
-                                             ("ppo", DYNAMIC_BSZ + ("algo.pack_sequences=true",))],
-                         ids=["ppo", "grpo", "ppo_dynamic_bsz", "ppo_packed"])
-def test_step_at_dp2_equals_dp1(algo, dp2_extra, tmp_path):
+def steps(runs: dict, out_dir: str) -> dict:
+    """{name: one_step(algo, extra)} in this one launch (each a fresh Trainer, the RNGs re-seeded by
+    init_model_parallel): rank start-up is most of a launch's cost."""
+    return {name: one_step(algo, f"{out_dir}/{name}", extra) for name, (algo, extra) in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory):
+    """The DP=1 references (one launch) and every case at DP=2 (one launch of 2 ranks)."""
+    out = tmp_path_factory.mktemp("trainer_dp")
+    ref = run_ranks(steps, 1, {algo: (algo, ()) for algo in OVERRIDES}, str(out / "dp1"))[0]
+    dp2 = run_ranks(steps, 2, CASES, str(out / "dp2"))
+    return ref, dp2
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_step_at_dp2_equals_dp1(case, dp_runs):
     """ppo_dynamic_bsz: DP=2 with micro-batches by token budget in every pass (old/ref log-probs,
     values, critic and actor updates) against DP=1 with fixed micro-batches; ppo_packed: the same
     budgets, each micro-batch run as one packed row (algo.pack_sequences)."""
-    ref = run_ranks(one_step, 1, algo, str(tmp_path / "dp1"))[0]
-    dp2 = run_ranks(one_step, 2, algo, str(tmp_path / "dp2"), dp2_extra)
+    ref, dp2 = dp_runs[0][CASES[case][0]], [rank[case] for rank in dp_runs[1]]
     # every DP rank holds its contiguous half of the global batch's rows
     for key in ("advantages", "returns"):
         width = ref[key].shape[1]  # each rank trims its own rows: pad to the global width
