@@ -94,3 +94,14 @@ def run_ranks(fn, world_size: int, *args):
                 raise RuntimeError(f"rank {r} failed:\n{rec['error']}")
             results.append(rec["result"])
         return results
+
+
+def _each(calls: dict) -> dict:
+    return {name: fn(*args) for name, (fn, *args) in calls.items()}
+
+
+def run_each(world_size: int, calls: dict) -> list[dict]:
+    """Several calls in one launch of `world_size` ranks, in order: {name: (fn, *args)} -> per rank
+    {name: fn(*args)}. Rank start-up (torch, megatron) costs more than a small case itself; each
+    `fn` builds its own parallel groups (`init_model_parallel` rebuilds them and re-seeds)."""
+    return run_ranks(_each, world_size, calls)

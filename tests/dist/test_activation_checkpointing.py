@@ -1,12 +1,16 @@
-"""parallel.activation_checkpointing (full recompute per decoder layer) gives the results of the plain
-pass, through the real Engine, and keeps less for backward.
+"""parallel.activation_checkpointing (full recompute per decoder layer) and
+parallel.lm_head_chunk_tokens (the LM head + log-prob pass a few positions at a time, logits
+recomputed in backward) give the results of the plain pass, through the real Engine, and keep less
+for backward. Both run in one launch per layout (the tests of both share it).
 
 The batch of test_dynamic_bsz (rows of varied prompt and response lengths) runs through fresh
-engines with and without checkpointing, fixed / token-budget / packed micro-batches, one rank and
-TP=2 with sequence parallel (the recompute re-runs the layers' TP/SP collectives in backward).
+engines with checkpointing, with chunks of 3 positions and with neither, fixed / token-budget /
+packed micro-batches, one rank and TP=2 with sequence parallel (the recompute re-runs the layers' TP/SP collectives in backward; the
+vocab-parallel statistics of the chunks are combined over TP as the whole-logits kernels combine them).
 Compared, fp32: log-probs, entropies, values (forward-only passes: unaffected by construction) and
 one actor train step (metrics, every gradient, the weights after Adam). The memory side: the bytes
-the autograd graph holds for backward after one training forward, counted by a saved-tensors hook."""
+the autograd graph holds for backward after one training forward, counted by a saved-tensors hook;
+with chunks, autograd holds no (positions x vocab) tensor for backward."""
 
 import functools
 
@@ -50,7 +54,7 @@ def _saved_bytes(eng, batch) -> int:
 def _vocab_wide_saved(eng, batch) -> int:
     """Elements of the vocab-wide tensors (last dim = the output layer's rows) autograd saves in a
     training forward and log-prob pass with the response head (as the engine runs them: response
-    positions only; parallel.lm_head_chunk_tokens, tests/dist/test_lm_head_chunks.py)."""
+    positions only; parallel.lm_head_chunk_tokens, test_chunked_lm_head_gives_the_same_results)."""
     from hybridflow.models.linear import LogprobSpec
     from hybridflow.models.logprob import vocab_parallel_logprobs
 
@@ -121,3 +125,22 @@ def test_checkpointed_layers_give_the_same_results(world, tp, sp):
         # two layers: each keeps its input only; the rest (embedding, head) as before
         assert res["saved", "ckpt"] < 0.25 * res["saved", "plain"], (res["saved", "ckpt"],
                                                                      res["saved", "plain"])
+
+
+@LAYOUTS
+def test_chunked_lm_head_gives_the_same_results(world, tp, sp):
+    for res in variant_results(world, tp, sp):
+        for mode in MODES:
+            assert_same_results(res[mode, "lm_chunk"], res[mode, "plain"], res["mask"], atol=1e-6)
+        if tp == 1:  # the whole pass keeps the (positions x vocab) logits; chunks keep none
+            b, r = _batch().response_ids.shape
+            assert res["vocab_wide", "plain"] >= b * r * MODEL.vocab_size
+            assert res["vocab_wide", "lm_chunk"] == 0
+
+
+def test_negative_chunk_is_an_error():
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
+
+    with pytest.raises(ValueError, match=r"parallel.lm_head_chunk_tokens=-1: expected 0 \(off\)"):
+        validate(load_config(["experiment=demo", "parallel.lm_head_chunk_tokens=-1"]), world_size=1)

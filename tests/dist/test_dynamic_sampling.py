@@ -1,9 +1,11 @@
 """Dynamic sampling pools informative groups over DP ranks (2 gloo ranks, no model): every rank runs
 the same number of rounds, the pool is rank-major then round-major, each rank takes its slice."""
 
+import pytest
+
 from hybridflow.parallel import groups
 from hybridflow.rollout.dynamic_sampling import fill_informative
-from tests.dist.launcher import run_ranks
+from tests.dist.launcher import run_each
 from tests.unit.test_dapo import N, group_tags, make_round
 
 # rounds[rank][round] = scores of that round's 2 groups (2 samples each)
@@ -34,8 +36,15 @@ def _worker():
     return {max_rounds: _fill(ctx, max_rounds) for max_rounds in (5, 2)}
 
 
-def test_pooled_over_dp_and_cap_hit():
-    results = run_ranks(_worker, 2)
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    """The pooling rounds and the trainer runs below, one launch of 2 ranks (both tests share it)."""
+    out_dir = str(tmp_path_factory.mktemp("dynamic_sampling"))
+    return run_each(2, {"pool": (_worker,), "trainer": (_trainer_runs, out_dir)})
+
+
+def test_pooled_over_dp_and_cap_hit(both):
+    results = [rank["pool"] for rank in both]
     r0, r1 = results[0][5], results[1][5]
     assert r0["calls"] == r1["calls"] == 3  # 1 + 0, then 3, then 4 >= 2 x 2 informative groups
     assert r0["tags"] == [11, 30] and r1["tags"] == [120, 121]
@@ -92,8 +101,8 @@ def _trainer_runs(out_dir):
     return {"whole": whole, "first": first, "second": second, "state": state}
 
 
-def test_adaptive_rounds_through_the_trainer_and_resume(tmp_path):
-    results = run_ranks(_trainer_runs, 2, str(tmp_path))
+def test_adaptive_rounds_through_the_trainer_and_resume(both):
+    results = [rank["trainer"] for rank in both]
     for r in results:
         history, estimate, drawn = r["whole"]
         ds = [{k[len("dynamic_sampling/"):]: v for k, v in m.items() if k.startswith("dynamic_sampling/")}

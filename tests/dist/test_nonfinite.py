@@ -8,7 +8,9 @@ import torch
 from hybridflow.algo.objectives import actor_objective
 from hybridflow.config import AlgoConfig, ModelConfig, OptimConfig, ParallelConfig
 from hybridflow.parallel import groups
-from tests.dist.launcher import run_ranks
+import pytest
+
+from tests.dist.launcher import run_each
 from tests.dist.test_loss_agg import _global_batch
 
 MODEL = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
@@ -63,11 +65,17 @@ def _check(results):
         assert r["lr"][0] == r["lr"][1]  # the schedule did not advance on the skipped step
 
 
-def test_nan_on_one_dp_rank_skips_the_step_everywhere():
-    _check(run_ranks(_worker, 2, 1))
+@pytest.fixture(scope="module")
+def layouts():
+    """DP=2 and TP=2, one launch of 2 ranks (both tests share it)."""
+    return run_each(2, {"dp2": (_worker, 1), "tp2": (_worker, 2)})
 
 
-def test_nan_on_one_tp_rank_skips_the_step_everywhere():
+def test_nan_on_one_dp_rank_skips_the_step_everywhere(layouts):
+    _check([rank["dp2"] for rank in layouts])
+
+
+def test_nan_on_one_tp_rank_skips_the_step_everywhere(layouts):
     """TP=2: the NaN loss is rank 1's only; the shards differ, so only the all-reduced flag can
     make rank 0 skip too."""
-    _check(run_ranks(_worker, 2, 2))
+    _check([rank["tp2"] for rank in layouts])

@@ -15,7 +15,7 @@ gradient). The output layer's row counts are recorded, so the test fails if noth
 import pytest
 import torch
 
-from tests.dist.launcher import run_ranks
+from tests.dist.launcher import run_each, run_ranks
 from tests.dist.test_dynamic_bsz import BUDGET, _batch, assert_same_results, engine_results, engines
 
 MODES = {"fixed": dict(max_tokens=None), "budget": dict(max_tokens=BUDGET),
@@ -47,9 +47,17 @@ def _worker(tp: int, sp: bool):
     return out
 
 
+@pytest.fixture(scope="module")
+def one_rank():
+    """The 1-rank cases of this file's default-tier tests, in one launch."""
+    return run_each(1, {"tp1": (_worker, 1, False), "local_untied": (_local_backend, False),
+                        "bf16": (_bf16_output,)})[0]
+
+
 @pytest.mark.parametrize("world,tp,sp", [(1, 1, False), (2, 2, True)], ids=["tp1", "tp2_sp"])
-def test_response_logits_match_full_head(world, tp, sp):
-    results = run_ranks(_worker, world, tp, sp)
+def test_response_logits_match_full_head(request, world, tp, sp):
+    results = ([request.getfixturevalue("one_rank")["tp1"]] if world == 1
+               else run_ranks(_worker, world, tp, sp))
     for res in results:
         mask = res["mask"]
         for mode in MODES:
@@ -84,25 +92,35 @@ def _local_backend(tied: bool):
 
 @pytest.mark.parametrize("tied", [pytest.param(False, id="untied"),
                                   pytest.param(True, id="tied_embeddings", marks=pytest.mark.slow)])
-def test_response_logits_with_megatron_local_layers(tied):
-    selected, full, mask = run_ranks(_local_backend, 1, tied)[0]
+def test_response_logits_with_megatron_local_layers(request, tied):
+    selected, full, mask = (run_ranks(_local_backend, 1, tied)[0] if tied
+                            else request.getfixturevalue("one_rank")["local_untied"])
     torch.testing.assert_close(selected[mask], full[mask], atol=1e-6, rtol=1e-5)
     assert full[mask].abs().min() > 0
 
 
 def _bf16_output():
     import hybridflow.engine as engine_mod
-    from hybridflow.algo.objectives import actor_objective
-    from hybridflow.config import AlgoConfig, OptimConfig, ParallelConfig
     from hybridflow.parallel import groups
-    from tests.dist.parity_util import fill_deterministic
-    from tests.dist.test_dynamic_bsz import MODEL
 
     ctx = groups.init_model_parallel(tp=1, pp=1, seed=0)
     batch = _batch()
     dtypes, head = [], engine_mod._lm_head
     engine_mod._lm_head = lambda pred, *a, **kw: dtypes.append(pred.dtype) or head(pred, *a, **kw)
     out = {}
+    try:
+        _bf16_runs(engine_mod, ctx, batch, dtypes, out)
+    finally:
+        engine_mod._lm_head = head  # the launch's later calls see the real head
+    return out
+
+
+def _bf16_runs(engine_mod, ctx, batch, dtypes, out):
+    from hybridflow.algo.objectives import actor_objective
+    from hybridflow.config import AlgoConfig, OptimConfig, ParallelConfig
+    from tests.dist.parity_util import fill_deterministic
+    from tests.dist.test_dynamic_bsz import MODEL
+
     for upcast in (False, True):
         eng = engine_mod.Engine(role="actor", model_cfg=MODEL, ctx=ctx, precision="bf16",
                                 parallel=ParallelConfig(use_distributed_optimizer=False),
@@ -117,13 +135,12 @@ def _bf16_output():
         out[upcast] = {"logprobs": lp, "grad_norm": m["grad_norm"], "dtypes": dtypes[:],
                        "grads": {k: p.main_grad.clone() for k, p in eng.module.named_parameters()}}
         dtypes.clear()
-    return out
 
 
-def test_bf16_logits_reach_the_head_in_bf16():
+def test_bf16_logits_reach_the_head_in_bf16(one_rank):
     """bf16 engines keep the logits in bf16 (no fp32 copy of tokens x vocab per micro-batch); the
     head computes in fp32 from them, so results equal Megatron's fp32 upcast bit for bit (CPU)."""
-    out = run_ranks(_bf16_output, 1)[0]
+    out = one_rank["bf16"]
     kept, upcast = out[False], out[True]
     assert set(kept["dtypes"]) == {torch.bfloat16} and set(upcast["dtypes"]) == {torch.float32}
     assert torch.equal(kept["logprobs"], upcast["logprobs"]) and kept["grad_norm"] == upcast["grad_norm"] > 0
