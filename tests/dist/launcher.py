@@ -1,14 +1,21 @@
 """Run a function on N CPU ranks over gloo and collect what each rank returns.
 
-`run_ranks(fn, world_size, *args)` spawns N fresh processes (an explicit port from `free_port`:
+`run_ranks(fn, world_size, *args)` starts N fresh processes (an explicit port from `free_port`:
 `--master_port 0` hangs, shared/MEGATRON_CPU.md item 7), initialises torch.distributed through
 hybridflow's own `init_distributed` (so the megatron CPU shims are active), calls `fn(*args)` on each
 and returns the list of per-rank results (anything torch.save can write). A failing rank re-raises
 here with its traceback. `fn` must be importable (a module-level function in a test module).
+
+The ranks are forked from a forkserver that has imported torch, megatron-core and hybridflow's
+trainer once per test process (multiprocessing's `forkserver` start method with preloaded modules):
+a spawned interpreter pays ~6 s of CPU importing them, every rank of every launch. A forked rank
+starts with nothing else of the server's (it only imports; no process group, no threads, no CPU
+shims installed) and with the environment of the test at the launch, as a spawned one would.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import socket
@@ -57,7 +64,23 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {ports}")
 
 
-def _worker(rank, fn, world_size, port, out_dir, args):
+# imported once by the forkserver, before it forks any rank (what every rank imports anyway)
+PRELOAD = ["torch", "megatron.core", "hybridflow.engine", "hybridflow.trainer"]
+_preload_set = False
+
+
+def _start_method() -> str:
+    global _preload_set
+    if not _preload_set:  # takes effect when the forkserver starts: at this process's first launch
+        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        _preload_set = True
+    return "forkserver"
+
+
+def _worker(rank, fn, world_size, port, out_dir, args, environ=None):
+    if environ is not None:  # the launching test's environment, not the forkserver's
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -77,8 +100,9 @@ def _worker(rank, fn, world_size, port, out_dir, args):
 
 def run_ranks(fn, world_size: int, *args):
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(fn, world_size, free_port(), out_dir, args),
-                                 nprocs=world_size, start_method="spawn", join=False)
+        ctx = mp.start_processes(_worker, args=(fn, world_size, free_port(), out_dir, args,
+                                                dict(os.environ)),
+                                 nprocs=world_size, start_method=_start_method(), join=False)
         try:
             while not ctx.join():
                 pass
