@@ -11,6 +11,7 @@ trainer once per test process (multiprocessing's `forkserver` start method with 
 a spawned interpreter pays ~6 s of CPU importing them, every rank of every launch. A forked rank
 starts with nothing else of the server's (it only imports; no process group, no threads, no CPU
 shims installed) and with the environment of the test at the launch, as a spawned one would.
+With CUDA the ranks are spawned as before.
 """
 
 from __future__ import annotations
@@ -70,7 +71,11 @@ _preload_set = False
 
 
 def _start_method() -> str:
+    """forkserver on CPU; spawn with CUDA (a fork after the preload's imports might inherit an
+    initialised CUDA driver)."""
     global _preload_set
+    if torch.cuda.is_available():
+        return "spawn"
     if not _preload_set:  # takes effect when the forkserver starts: at this process's first launch
         multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
         _preload_set = True
