@@ -68,9 +68,9 @@ def candidate_plans(shape: ModelConfig, gpu: GPU, num_gpus: int, use_reference: 
         if tp > gpu.gpus_per_node:
             continue
         for pp in _divisors(num_gpus // tp):
-            if not _splits(shape, num_gpus, tp, pp):
-                continue
-            for tp_gen in _divisors(tp):
+            if not _splits(shape, num_gpus, tp, pp) or (shape.moe.enabled and pp > 1):
+                continue  # MoE generates in place: PP = 1, TP_g = TP (config_checks)
+            for tp_gen in ([tp] if shape.moe.enabled else _divisors(tp)):
                 layout = Layout(world_size=num_gpus, tp_t=tp, pp_t=pp, tp_g=tp_gen)
                 for offload in ((False, True) if use_reference else (False,)):
                     for recompute in (False, True):
