@@ -216,3 +216,24 @@ def test_bench_decode_gemm_times_every_way_and_sums_a_step(tmp_path):
     for way in ("cublas", "autotune"):
         assert math.isclose(case[f"{way}_step_us"], 2 * (g["qkv"][way]["us"] + g["fc2"][way]["us"])
                             + g["lm_head"][way]["us"], rel_tol=1e-9)
+
+
+def test_small_cards_runs_each_cap_in_its_own_process(tmp_path):
+    out = tmp_path / "s.json"
+    subprocess.run([sys.executable, "benchmarks/small_cards.py", "--model", "tiny", "--prompts", "2",
+                    "--samples", "2", "--response", "4", "--steps", "2", "--caps", "24,48",
+                    "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
+    r = json.loads(out.read_text())["tiny"]
+    assert set(r) == {"24", "48"}
+    assert "parallel.activation_checkpointing=true" in r["24"]["options"]
+    for cap, res in r.items():
+        assert res["step_s"] > 0 and "actor.lora.rank=16" in res["options"]
+        assert f"trainer.gpu_memory_limit_gib={cap}" in res["overrides"]
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import argparse
+
+    import small_cards
+
+    args = argparse.Namespace(model="qwen2_7b", prompts=8, samples=8, response=256)
+    peak = small_cards.predicted_peak(args, 24, small_cards.OPTIONS[24], {})
+    assert 14 < peak < 24  # the bf16 7B weights (14.2 GiB) and what the rest needs under the cap
