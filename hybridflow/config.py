@@ -84,6 +84,10 @@ class DecodeKernelOptions:
     # fc1 + SwiGLU as one Triton GEMM (hybridflow/kernels/gemm.py) at decode batches of at least
     # this many rows; below, cuBLAS's fc1 + the SwiGLU kernel (the tiles were tuned at 256 rows)
     swiglu_gemm_min_rows: int = 256
+    # rollout.quantization=fp8: decode GEMMs of at most this many rows run weight-only (the E4M3
+    # codes widened to bf16 in a Triton GEMM, hybridflow/kernels/quant.py; no per-token
+    # activation quantization) instead of torch._scaled_mm; 0: always _scaled_mm
+    fp8_weight_only_max_rows: int = 0
     # torch.compile backend and mode of rollout.compile_decode (CPU tests: aot_eager)
     compile_backend: str = "inductor"
     compile_mode: Optional[str] = None
@@ -158,6 +162,13 @@ class RolloutConfig:
     # multi-turn rollouts with tools; max_new_tokens then bounds a trajectory's whole response
     # (every model turn and tool result together)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    # generate with a quantized copy of the policy's matmul weights (hybridflow/rollout/quantize.py):
+    # "fp8" (E4M3, per-output-channel scales, per-token activation scales, torch._scaled_mm),
+    # "int4" (weight-only, a scale and offset per 128 columns, a Triton GEMM) or "none". Quantized
+    # once per step from the training weights; the LM head stays unquantized. The log-probs are
+    # the quantized model's: it turns on rollout.return_logprobs and, unless set,
+    # algo.tis_imp_ratio_cap=2.0 (truncated importance sampling; one line says so)
+    quantization: str = "none"
 
 
 @dataclass
@@ -398,6 +409,9 @@ class TrainerConfig:
     # in output_dir; e.g. a peer's HF snapshots scored by the same validation as ours
     val_only: bool = False
     val_max_new_tokens: Optional[int] = None  # None: rollout.max_new_tokens
+    # validation generates with rollout.quantization too (true) or with the unquantized weights
+    # (false: the model's own greedy answers; the val metrics carry val-aux/quantized)
+    val_quantized: bool = False
     val_log_generations: int = 8  # rows appended to <output_dir>/val_generations.jsonl per validation
     progress_bar: bool = True
     tensorboard: bool = True

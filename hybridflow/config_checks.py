@@ -13,6 +13,7 @@ KERNELS = ("auto", "triton", "torch")  # rollout.decode_kernels
 # the decode step's GEMMs whose weight the kernel before it can hint into L2: qkv by the first
 # norm, proj by the fused RoPE + attention kernel, fc1 by the second norm, fc2 by fc1's Triton GEMM
 PREFETCHABLE = ("qkv", "proj", "fc1", "fc2")
+QUANTIZATION = ("none", "fp8", "int4")  # rollout.quantization
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -154,6 +155,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
                          f"whole KV cache) or a positive multiple of 64")
     if r.temperature < 0:
         raise ValueError(f"rollout.temperature={r.temperature} must be >= 0 (0 means greedy)")
+    _validate_quantization(cfg)
     if not 0.0 < r.top_p <= 1.0:
         raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
 
@@ -407,6 +409,18 @@ def validate_multi_turn(r) -> None:
                          f"{key}={value!r} does not apply to it: set {key} to null (auto) or off")
 
 
+def _validate_quantization(cfg: Config) -> None:
+    """rollout.quantization: a known mode, and the combinations that cannot run quantized."""
+    r = cfg.rollout
+    _one_of("rollout.quantization", r.quantization, QUANTIZATION)
+    if r.quantization == "none":
+        return
+    if r.compile_decode and r.decode_kernels == "torch":
+        raise ValueError(f"rollout.quantization={r.quantization} with rollout.decode_kernels=torch "
+                         f"and rollout.compile_decode=true: the compiled decode layers take plain "
+                         f"weights; set rollout.compile_decode=false or rollout.decode_kernels=auto")
+
+
 def validate_rollout_options(cfg) -> None:
     """Check the decode options' config keys (`cfg`: the whole Config, or its RolloutConfig);
     raise ValueError naming the key, the value and what was expected."""
@@ -419,7 +433,7 @@ def validate_rollout_options(cfg) -> None:
         if name not in PREFETCHABLE:
             raise ValueError(f"rollout.kernel_options.prefetch_weights: {name!r} is not one of "
                              f"{', '.join(PREFETCHABLE)}")
-    for key in ("prefetch_min_rows", "swiglu_gemm_min_rows"):
+    for key in ("prefetch_min_rows", "swiglu_gemm_min_rows", "fp8_weight_only_max_rows"):
         value = getattr(k, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"rollout.kernel_options.{key}: {value!r} is not a row count >= 0")

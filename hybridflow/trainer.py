@@ -192,6 +192,8 @@ class Trainer:
         update_metrics["actor/old_log_prob_skipped"] = float(skip_old)
         metrics = {**reward_metrics, **adv_metrics, **update_metrics,
                    **timer.metrics(), **memory_metrics()}
+        if cfg.rollout.quantization != "none":  # the generator's codes + scales (freed with it)
+            metrics["perf/rollout_quantized_weights_gb"] = self.rollout.quantized_bytes / 2**30
         metrics.update(self.throughput(batch, metrics["timing_s/step"]))
         return metrics
 

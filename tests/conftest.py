@@ -8,6 +8,7 @@ import torch
 # of them or those that use the named fixture (the file's fast tests stay in the default tier).
 SLOW = (
     ("tests/unit/test_decode_kernels.py", "checked"),  # every kernel through Triton's interpreter
+    ("tests/unit/test_quantized_rollout.py", "interpreted"),  # the quantized GEMMs, interpreted
     ("tests/dist/test_bench_scripts.py", None),  # each benchmark script end to end, in subprocesses
 )
 

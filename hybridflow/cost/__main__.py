@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-kernels", choices=("torch", "triton"), default="triton",
                    help="rollout.decode_kernels as generation runs it (the default auto: triton on "
                         "a GPU with a power-of-two head_dim)")
+    p.add_argument("--rollout-quantization", choices=("none", "fp8", "int4"), default="none",
+                   help="rollout.quantization: the decode step reads fp8 / int4 layer weights")
     p.add_argument("--unfused-elementwise", action="store_false", dest="fused_elementwise",
                    help="parallel.fused_elementwise=false: Megatron's unfused RoPE and SwiGLU")
     p.add_argument("--train-cuda-graphs", action="store_true",
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         forward_micro_batch_tokens=a.forward_micro_batch_tokens, use_reference=a.use_reference,
         skip_old_log_prob=a.skip_old_log_prob, keep_generator=a.keep_generator,
         lm_head_chunk_tokens=a.lm_head_chunk_tokens, decode_kernels=a.decode_kernels,
-        fused_elementwise=a.fused_elementwise, train_cuda_graphs=a.train_cuda_graphs,
+        rollout_quantization=a.rollout_quantization, fused_elementwise=a.fused_elementwise, train_cuda_graphs=a.train_cuda_graphs,
         gradient_accumulation_fusion=a.gradient_accumulation_fusion,
         offload_ref_prefetch=a.offload_ref_prefetch, lora_rank=a.lora_rank,
         offload_optimizer=a.offload_optimizer, offload_grads=a.offload_grads,

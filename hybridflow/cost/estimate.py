@@ -57,7 +57,7 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                   dtype: str = "bf16", use_reference: bool = True,
                   skip_old_log_prob: bool = False, keep_generator: bool = False,
                   lm_head_chunk_tokens: int = 0, decode_kernels: str = "triton",
-                  fused_elementwise: bool = True, train_cuda_graphs: bool = False,
+                  rollout_quantization: str = "none", fused_elementwise: bool = True, train_cuda_graphs: bool = False,
                   gradient_accumulation_fusion: bool = True, offload_ref_prefetch: bool = True,
                   lora_rank: int = 0, offload_optimizer: bool = False, offload_grads: bool = False,
                   gpu_memory_gib: float | None = None, calibration=None) -> CostReport:
@@ -85,7 +85,7 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                     use_reference=use_reference, dtype=dtype,
                     skip_old_log_prob=skip_old_log_prob, keep_generator=keep_generator,
                     lm_head_chunk_tokens=lm_head_chunk_tokens, decode_kernels=decode_kernels,
-                    fused_elementwise=fused_elementwise, train_cuda_graphs=train_cuda_graphs,
+                    rollout_quantization=rollout_quantization, fused_elementwise=fused_elementwise, train_cuda_graphs=train_cuda_graphs,
                     gradient_accumulation_fusion=gradient_accumulation_fusion,
                     offload_ref_prefetch=offload_ref_prefetch, lora_rank=lora_rank,
                     offload_optimizer=offload_optimizer, offload_grads=offload_grads)

@@ -20,6 +20,10 @@ import math
 from hybridflow.model_config import ModelConfig
 
 BYTES_PER_PARAM = 2     # bf16 / fp16 weights
+# bytes per layer-matmul weight a quantized rollout's decode step reads (rollout.quantization): fp8
+# codes (the per-channel scales negligible), int4 codes + a bf16 scale and offset per 128 weights;
+# the LM head and embedding stay at BYTES_PER_PARAM
+ROLLOUT_BYTES_PER_WEIGHT = {"none": BYTES_PER_PARAM, "fp8": 1.0, "int4": 0.5 + 4 / 128}
 
 
 def dense_params(shape: ModelConfig, role: str = "actor") -> int:

@@ -40,7 +40,7 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 forward_micro_batch_tokens=micro_batch_tokens(cfg, forward=True),
                 use_reference=a.use_kl_loss or a.use_kl_in_reward,
                 skip_old_log_prob=skip_old_log_prob(cfg, step=cfg.trainer.critic_warmup)[0],
-                keep_generator=not r.free_cache_engine,
+                keep_generator=not r.free_cache_engine, rollout_quantization=r.quantization,
                 lm_head_chunk_tokens=p.lm_head_chunk_tokens, decode_kernels=decode_kernels,
                 fused_elementwise=p.fused_elementwise, train_cuda_graphs=p.train_cuda_graphs,
                 gradient_accumulation_fusion=p.gradient_accumulation_fusion,

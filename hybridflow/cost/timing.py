@@ -52,7 +52,7 @@ import math
 from dataclasses import dataclass, field
 
 from hybridflow.cost.efficiency import Calibration
-from hybridflow.cost.flops import (BYTES_PER_PARAM, decode_flops_per_token,
+from hybridflow.cost.flops import (BYTES_PER_PARAM, ROLLOUT_BYTES_PER_WEIGHT, decode_flops_per_token,
                                    forward_flops_per_token, kv_bytes_per_token, train_flops_per_token)
 from hybridflow.cost.gpus import GPU
 from hybridflow.cost.memory import gen_batch_size, reshard_buffer_bytes
@@ -198,7 +198,11 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
     decode = per_replica * w.response_len * decode_flops_per_token(shape, context) / tp_g
     t.add("compute", "inv_prefill_eff", prefill / peak)
     t.add("decode_compute", "inv_prefill_eff", decode / peak)
-    weights = BYTES_PER_PARAM * shape.num_decode_params / tp_g  # MoE: every expert
+    # rollout.quantization: the layers' matmul weights (MoE: attention only; experts stay bf16)
+    per_layer = shape.attn_matmul_params if shape.moe.enabled else shape.layer_matmul_params
+    quantized = shape.num_layers * per_layer
+    weights = (ROLLOUT_BYTES_PER_WEIGHT[w.rollout_quantization] * quantized
+               + BYTES_PER_PARAM * (shape.num_decode_params - quantized)) / tp_g  # MoE: every expert
     kv = per_replica * w.response_len * context * kv_bytes_per_token(shape, tp_g)
     t.add("hbm_read", "inv_decode_bw_eff", (steps * weights + kv) / (gpu.hbm_gbps * 1e9))
     t.add("decode_overhead", "fused_decode_layer_overhead_s" if w.decode_kernels == "triton"

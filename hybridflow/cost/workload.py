@@ -54,6 +54,9 @@ class Workload:
     # runs on a GPU; the records that measured them also ran rollout.compile_decode) has its own
     # fitted per-layer decode cost; records of the PyTorch decode say "torch"
     decode_kernels: str = "triton"
+    # rollout.quantization: the bytes per layer weight the decode step reads
+    # (flops.ROLLOUT_BYTES_PER_WEIGHT); the records measured so far say "none"
+    rollout_quantization: str = "none"
     # parallel.fused_elementwise (the trainer's default): the training passes' RoPE and SwiGLU as
     # fused kernels (own fitted MFUs; the unfused SwiGLU also keeps two more ffn-wide tensors per
     # token and layer); records measured before it existed say false
@@ -100,6 +103,9 @@ class Workload:
                 continue
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{f} must be a positive integer, got {v!r}")
+        if self.rollout_quantization not in ("none", "fp8", "int4"):
+            raise ValueError(f"rollout_quantization {self.rollout_quantization!r}: expected "
+                             f"'none', 'fp8' or 'int4'")
         if self.decode_kernels not in ("torch", "triton"):
             raise ValueError(f"decode_kernels {self.decode_kernels!r}: expected 'torch' or 'triton'")
         if not isinstance(self.lm_head_chunk_tokens, int) or self.lm_head_chunk_tokens < 0:

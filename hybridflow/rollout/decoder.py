@@ -31,6 +31,9 @@ The math follows Megatron's local spec exactly (so logits match `GPTModel` to fp
   MoE models (model.moe): the router and experts of rollout/moe.py in `_mlp` (torch path only).
 Which variant runs is decided by a `DecodeOptions` (rollout/options.py) passed in, never by module
 state.
+- Quantized rollouts (rollout.quantization, rollout/quantize.py): a layer's qkv_w / proj / fc1 /
+  fc2 may be QuantWeights; every matmul with them goes through `quantize.linear` (F.linear for a
+  plain tensor; the residual adds as its `residual=`, in place). The LM head stays unquantized.
 - Embedding: vocab-parallel masked lookup + all-reduce. Output: vocab-parallel matmul, all-gather
   over TP_g, padded vocab ids (>= true vocab) dropped; fp32 logits out (a decode step's stay in
   the weights' dtype for the sampler).
@@ -50,6 +53,7 @@ import torch.nn.functional as F
 from hybridflow.config import ModelConfig
 from hybridflow.rollout.moe import MoEWeights, load_moe, moe_mlp
 from hybridflow.rollout.options import DecodeOptions
+from hybridflow.rollout.quantize import QuantWeight, linear
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ class Dims:
 
 
 @dataclass
-class Layer:
+class Layer:  # the four matrices: tensors, or QuantWeights with rollout.quantization
     ln1: torch.Tensor
     qkv_w: torch.Tensor
     qkv_b: Optional[torch.Tensor]
@@ -218,11 +222,12 @@ def _all_reduce(x, w: Weights):
     return x
 
 
-def _row_parallel_add(x, a, weight, w: Weights):
-    """x + all_reduce(a @ weight.T); x, a 2-D. TP=1 fuses the residual add into the GEMM."""
+def _row_parallel_add(x, a, weight, w: Weights, lin=linear):
+    """x + all_reduce(a @ weight.T); x, a 2-D. TP=1 fuses the residual add into the GEMM.
+    `lin`: quantize.linear with the call's kernel choices bound."""
     if w.dims.tp_size == 1:  # in place: an out-of-place addmm first copies x (the prefill's
-        return x.addmm_(a, weight.t())  # (B*S, D) twice per layer); x is the caller's own state
-    return x + _all_reduce(a @ weight.t(), w)
+        return lin(a, weight, residual=x)  # (B*S, D) twice per layer); x is the caller's own
+    return x + _all_reduce(lin(a, weight), w)
 
 
 def embed(w: Weights, ids: torch.Tensor) -> torch.Tensor:
@@ -251,22 +256,22 @@ def logits(w: Weights, h: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:
     return local.float() if fp32 else local
 
 
-def _swiglu(h, fc1, silu_mul=None):
+def _swiglu(h, fc1, silu_mul=None, lin=linear):
     """silu(gate) * up of fc1 = [gate; up]; `silu_mul`: a one-pass kernel for it (the prefill's,
     kernels.layer_ops.silu_mul) instead of PyTorch's ops."""
-    z = F.linear(h, fc1)
+    z = lin(h, fc1)
     if silu_mul is not None:
         return silu_mul(z)
     gate, up = z.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def _mlp(x, layer: Layer, w: Weights, swiglu=_swiglu, norm=_norm):
+def _mlp(x, layer: Layer, w: Weights, swiglu=_swiglu, norm=_norm, lin=linear):
     """x + the MLP of x; `swiglu` (h, fc1) -> act and `norm` (x, weight, eps): the ops to use."""
     h = norm(x, layer.ln2, w.dims.eps)
-    if layer.moe is not None:
+    if layer.moe is not None:  # the experts stay unquantized (rollout/moe.py)
         return x + _all_reduce(moe_mlp(h, layer.moe), w)
-    return _row_parallel_add(x, swiglu(h, layer.fc1), layer.fc2, w)
+    return _row_parallel_add(x, swiglu(h, layer.fc1), layer.fc2, w, lin)
 
 
 def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *,
@@ -285,14 +290,15 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
     hpg, hd = d.heads_per_group, d.head_dim
     fused = opts.kernels == "triton" and cache is not None
     x = embed(w, ids.masked_fill(~valid, 0)).reshape(B * S, d.hidden)
-    swiglu, norm = _swiglu, _norm
+    lin = _linear_for(opts, fused)
+    swiglu, norm = functools.partial(_swiglu, lin=lin), _norm
     if fused:
         from hybridflow.kernels import layer_ops as kern
 
         pdl = opts.pdl
         cos, sin = cos_tab[positions], sin_tab[positions]  # (B, S, hd)
         swiglu = functools.partial(_swiglu, silu_mul=functools.partial(kern.silu_mul, pdl=pdl,
-                                                                       impl="triton"))
+                                                                       impl="triton"), lin=lin)
         norm = lambda t, weight, eps: kern.add_rms_norm(t, None, weight, eps, pdl=pdl,  # noqa
                                                         impl="triton")[1]
     else:
@@ -303,7 +309,7 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
     mask = ((causal & valid[:, None, :]) | eye)[:, None]  # (B, 1, S, S); pad rows see themselves
     for i, layer in enumerate(w.layers):
         h = norm(x, layer.ln1, d.eps)
-        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(B, S, d.groups, hpg + 2, hd)
+        qkv = lin(h, layer.qkv_w, layer.qkv_b).view(B, S, d.groups, hpg + 2, hd)
         if fused:
             kc, vc = cache.layer(i, cache_row0 + B, cache_row0)
             q = kern.rope_kv_prefill(qkv, cos, sin, kc, vc, hpg=hpg, q_norm=layer.q_norm,
@@ -322,8 +328,9 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
                 vc[:, :, :S].copy_(v)
         # query head j reads K/V group j // hpg (no per-head K/V copy)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hpg > 1)
-        x = _row_parallel_add(x, a.transpose(1, 2).reshape(B * S, d.heads * hd), layer.proj, w)
-        x = _mlp(x, layer, w, swiglu, norm)
+        x = _row_parallel_add(x, a.transpose(1, 2).reshape(B * S, d.heads * hd), layer.proj, w,
+                              lin)
+        x = _mlp(x, layer, w, swiglu, norm, lin)
     x = x.view(B, S, d.hidden)
     if last_only:
         return logits(w, _norm(x[:, -1], w.final_ln, d.eps))
@@ -374,10 +381,10 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
         a = a.reshape(B, d.heads * hd)
         if d.tp_size == 1 and layer.moe is None:
             x, y = attn_out(x, a, layer.proj, layer.ln2, layer.fc1, layer.fc2, d.eps)
-        elif layer.moe is not None:
-            x = _mlp(_row_parallel_add(x, a, layer.proj, w), layer, w)  # attn_in added y
-        else:
-            x = _mlp(_row_parallel_add(x, a, layer.proj, w), layer, w)
+        else:  # TP > 1 or MoE (attn_in added y)
+            lin = _linear_for(opts, False)
+            x = _mlp(_row_parallel_add(x, a, layer.proj, w, lin), layer, w,
+                     functools.partial(_swiglu, lin=lin), lin=lin)
     return logits(w, _norm(x if y is None else x + y, w.final_ln, d.eps), fp32=False)
 
 
@@ -409,8 +416,12 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
     B = tokens.shape[0]
     hpg, hd, pdl = d.heads_per_group, d.head_dim, opts.pdl
     swiglu_gemm = B >= opts.swiglu_gemm_min_rows
+    lin = _linear_for(opts, True)
     hints = opts.prefetch_weights if B >= opts.prefetch_min_rows else ()
-    hint = lambda name, t: t if name in hints else None  # noqa: E731  (L2 hints)
+
+    def hint(name, t):  # L2 hints (a QuantWeight: its codes, what its GEMM streams)
+        return (t.codes if isinstance(t, QuantWeight) else t) if name in hints else None
+
     if not w.layers:  # no attention kernel to mark the column
         seen.index_fill_(1, cur, True)
     # the layer input is x + y (y None: x); x None: the first norm gathers the embedding (TP = 1)
@@ -421,7 +432,7 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
                                   pdl=pdl, impl="triton")
                 if x is None else kern.add_rms_norm(x, y, layer.ln1, d.eps, prefetch=pf, pdl=pdl,
                                                     impl="triton"))
-        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(B, d.groups, hpg + 2, hd)
+        qkv = lin(h, layer.qkv_w, layer.qkv_b).view(B, d.groups, hpg + 2, hd)
         kc, vc = cache.layer(i, B)
         if kv_len is not None:
             kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
@@ -430,44 +441,45 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
                            mark_valid=i == 0, prefetch=hint("proj", layer.proj), pdl=pdl,
                            impl="triton").reshape(B, d.heads * hd)
         if d.tp_size == 1:  # x is this step's own buffer (add_rms_norm's sum, or the embedding)
-            x = x.addmm_(a, layer.proj.t())
+            x = lin(a, layer.proj, residual=x)
         else:
-            x = _row_parallel_add(x, a, layer.proj, w)
+            x = x + _all_reduce(lin(a, layer.proj), w)
         h = kern.add_rms_norm(x, None, layer.ln2, d.eps, prefetch=hint("fc1", layer.fc1), pdl=pdl,
                               impl="triton")[1]
-        if swiglu_gemm:
+        if swiglu_gemm and not isinstance(layer.fc1, QuantWeight):
             act = swiglu_linear(h, layer.fc1, prefetch=hint("fc2", layer.fc2), pdl=pdl,
                                 impl="triton")
         else:
-            act = kern.silu_mul(F.linear(h, layer.fc1), pdl=pdl, impl="triton")
+            act = kern.silu_mul(lin(h, layer.fc1), pdl=pdl, impl="triton")
         if d.tp_size == 1:
-            x, y = x.addmm_(act, layer.fc2.t()), None
+            x, y = lin(act, layer.fc2, residual=x), None
         else:
-            y = _all_reduce(F.linear(act, layer.fc2), w)
+            y = _all_reduce(lin(act, layer.fc2), w)
     h = kern.add_rms_norm(x, y, w.final_ln, d.eps, pdl=pdl, impl="triton")[1]
     return logits(w, h, fp32=False)
 
 
-def _qkv(x, y, ln1, qkv_w, qkv_b, eps: float, shape: tuple):
+def _qkv(x, y, ln1, qkv_w, qkv_b, eps: float, shape: tuple, lin=F.linear):
     """Layer input x + y (y None: x) -> (it, its QKV projection (B, G, hpg + 2, hd) before RoPE)."""
     x = x if y is None else x + y
-    return x, F.linear(_norm(x, ln1, eps), qkv_w, qkv_b).view(x.shape[0], *shape)
+    return x, lin(_norm(x, ln1, eps), qkv_w, qkv_b).view(x.shape[0], *shape)
 
 
-def _attn_in(x, y, ln1, qkv_w, qkv_b, q_norm, k_norm, cos, sin, eps: float, shape: tuple):
+def _attn_in(x, y, ln1, qkv_w, qkv_b, q_norm, k_norm, cos, sin, eps: float, shape: tuple,
+             lin=F.linear):
     """Layer input x + y -> (it, RoPE'd [q heads; k] (B, G, hpg + 1, hd), v (B, G, 1, hd))."""
     groups, hpg, hd = shape
-    x, qkv = _qkv(x, y, ln1, qkv_w, qkv_b, eps, (groups, hpg + 2, hd))
+    x, qkv = _qkv(x, y, ln1, qkv_w, qkv_b, eps, (groups, hpg + 2, hd), lin)
     qk = _qk_norm(qkv[:, :, :hpg + 1], q_norm, k_norm, eps)
     return x, torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin), qkv[:, :, hpg + 1:]
 
 
-def _attn_out(x, a, proj, ln2, fc1, fc2, eps: float):
+def _attn_out(x, a, proj, ln2, fc1, fc2, eps: float, lin=linear):
     """Eager, TP = 1: (x + a @ proj.T, then + the SwiGLU MLP of it; None), both residual adds
     inside their GEMMs, in place on x (the step's own hidden state; as _row_parallel_add and _mlp
     compute them at TP = 1)."""
-    x = x.addmm_(a, proj.t())
-    return x.addmm_(_swiglu(_norm(x, ln2, eps), fc1), fc2.t()), None
+    x = lin(a, proj, residual=x)
+    return lin(_swiglu(_norm(x, ln2, eps), fc1, lin=lin), fc2, residual=x), None
 
 
 def _attn_out_split(x, a, proj, ln2, fc1, fc2, eps: float):
@@ -483,9 +495,17 @@ def _layer_parts(opts: DecodeOptions):
     between them), inductor fusing the RMSNorm, RoPE, SwiGLU and residual element-wise work around
     the GEMMs; CPU tests pass the aot_eager backend (dynamo's trace without inductor's C++
     builds)."""
-    if opts.compile:
+    if opts.compile:  # plain weights only (quantized ones are refused with it)
         return _compiled(opts.compile_backend, opts.compile_mode)
-    return _attn_in, _attn_out
+    lin = _linear_for(opts, False)
+    return functools.partial(_attn_in, lin=lin), functools.partial(_attn_out, lin=lin)
+
+
+def _linear_for(opts: DecodeOptions, fused: bool):
+    """quantize.linear with this call's choices bound: the Triton kernels (fused) or each kernel's
+    dispatch default, PDL, and the fp8 weight-only row bound."""
+    return functools.partial(linear, pdl=opts.pdl and fused, impl="triton" if fused else "auto",
+                             fp8_weight_only_max_rows=opts.fp8_weight_only_max_rows)
 
 
 @functools.cache

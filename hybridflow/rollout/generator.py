@@ -33,6 +33,10 @@ Layout of a call:
   n rows draws its own first token from the same distribution. The first draw has the (B, V) shape
   of a per-row prefill, so the random stream, hence the output, is that of prefilling every row (up
   to a matmul's batch-size-dependent rounding, see compaction.py).
+- Quantized rollouts (`quantization` "fp8" / "int4", rollout/quantize.py): the layers' matrices are
+  quantized once at construction (the generator holds the codes, not a bf16 copy; they go with it);
+  `requantize(params)` rewrites them in place from updated weights, so a generator kept across
+  steps keeps its captured graphs. Log-probs are the quantized model's.
 - Stopping: a row finishes at EOS, any `cfg.stop_token_ids`, or `max_new_tokens`; finished rows
   emit pad. Every `options.check_every` steps the live-row count is polled asynchronously (no host
   sync per step): the loop ends once every row finished, and with `options.compact_finished_rows`
@@ -58,6 +62,7 @@ from hybridflow.rollout.cuda_graph import (GraphedStep, StopPoller, bucket_for, 
                                            free_workspaces)
 from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.options import DecodeOptions
+from hybridflow.rollout.quantize import quantize_weights, quantized_bytes, requantize_weights_
 from hybridflow.rollout.sampling import sample
 
 # cache length rounding: fewer re-captures, aligned attention masks; rollout.decode_kv_window is a
@@ -103,18 +108,27 @@ class _Buffers:
 
 class Generator:
     def __init__(self, *, model_cfg: ModelConfig, params: dict, tp_group, device: torch.device,
-                 dtype: torch.dtype, true_vocab_size: int):
+                 dtype: torch.dtype, true_vocab_size: int, quantization: str = "none"):
         self.cfg = model_cfg
         self.device = torch.device(device)
         self.dtype = dtype
-        self.w = decoder.load_weights(model_cfg, params, group=tp_group,
-                                      true_vocab_size=true_vocab_size, device=self.device,
-                                      dtype=dtype)
+        self.quantization = quantization
+        self._load = dict(group=tp_group, true_vocab_size=true_vocab_size, device=self.device,
+                          dtype=dtype)
+        w = decoder.load_weights(model_cfg, params, **self._load)
         # the storage of every given tensor, when the weights alias it (no dtype/device copy):
-        # then in-place updates of `params` are what the next call generates with (`reusable`)
+        # then in-place updates of `params` are what the next call generates with (`reusable`;
+        # quantized weights: after `requantize`)
         self._param_ptrs = {n: t.data_ptr() for n, t in params.items()}
         ptrs = set(self._param_ptrs.values())
-        self._aliased = all(t.data_ptr() in ptrs for t in decoder.weight_tensors(self.w))
+        self._aliased = all(t.data_ptr() in ptrs for t in decoder.weight_tensors(w))
+        if quantization == "fp8" and self.device.type == "cuda" and dtype != torch.bfloat16:
+            raise ValueError(f"rollout.quantization=fp8 on a GPU needs bf16 weights "
+                             f"(torch._scaled_mm's row-wise scales give bf16); the model runs "
+                             f"in {dtype}: set trainer.precision=bf16")
+        self.w = quantize_weights(w, quantization)
+        del w
+        self.quantized_bytes = quantized_bytes(self.w)  # the codes + scales this generator holds
         self._rng = torch.Generator(device=self.device)
         self._cache: Optional[KVCache] = None
         self._tables = None  # rope (cos, sin) for the cache length
@@ -209,6 +223,11 @@ class Generator:
         (the optimizer step) are seen and the graphs' addresses are still valid."""
         return self._aliased and self._param_ptrs == {n: t.data_ptr() for n, t in params.items()}
 
+    def requantize(self, params: dict) -> None:
+        """Quantized generators: rewrite the codes from `params` (the updated weights) in place."""
+        if self.quantization != "none":
+            requantize_weights_(self.w, decoder.load_weights(self.cfg, params, **self._load))
+
     def release(self) -> None:
         """Free the KV cache, captured graphs and static buffers (not the weights)."""
         for _, fns in self._steps.values():
@@ -230,6 +249,10 @@ class Generator:
                              "or auto")
         if opts.kernels == "triton":
             _check_decode_kernels(self.device, self.w.dims.head_dim)
+        if opts.compile and opts.kernels == "torch" and self.quantization != "none":
+            raise ValueError(f"rollout.compile_decode=true with rollout.decode_kernels=torch does "
+                             f"not compile quantized layers (rollout.quantization="
+                             f"{self.quantization}); set rollout.compile_decode=false")
         if opts.compile and self.w.dims.tp_size > 1:
             raise ValueError(f"rollout.compile_decode=true needs a generation TP of 1 (got "
                              f"{self.w.dims.tp_size}): the compiled step has no TP all-reduces")

@@ -45,6 +45,7 @@ class DecodeOptions:
     prefetch_weights: tuple = ("qkv", "proj")  # sorted into PREFETCHABLE's order
     prefetch_min_rows: int = 256
     swiglu_gemm_min_rows: int = 256
+    fp8_weight_only_max_rows: int = 0
     compile_backend: str = "inductor"
     compile_mode: Optional[str] = None
 
@@ -71,6 +72,7 @@ class DecodeOptions:
                    prefetch_weights=tuple(k.prefetch_weights),
                    prefetch_min_rows=k.prefetch_min_rows,
                    swiglu_gemm_min_rows=k.swiglu_gemm_min_rows,
+                   fp8_weight_only_max_rows=k.fp8_weight_only_max_rows,
                    compile_backend=k.compile_backend, compile_mode=k.compile_mode)
 
     def replace(self, **changes) -> "DecodeOptions":

@@ -63,6 +63,9 @@ class RolloutStage:
             tools = load_tool_config(m.tool_config_path)
             self.tools = ToolRunner(tools, fmt=ToolFormat(m.format, tokenizer=tokenizer,
                                                            tools=tools), tokenizer=tokenizer, mt=m)
+        self._quantized_at = None  # (step, round) the kept generator's codes were made for
+        # bytes of the last generator's quantized weights (rollout.quantization; 0: none)
+        self.quantized_bytes = 0
         if not cfg.rollout.free_cache_engine and self.resharder is not None and ctx.rank == 0:
             print("hybridflow: warning: rollout.free_cache_engine=false does little with "
                   "resharding (rollout.tensor_parallel_size != parallel.tensor_parallel_size or "
@@ -106,7 +109,8 @@ class RolloutStage:
             if self.resharder is not None:
                 stack.callback(self.resharder.release)
             with timer("gen"):
-                gen = self._generator(params)
+                gen = self._generator(params, r.quantization, step)
+                self.quantized_bytes = gen.quantized_bytes
                 with torch.no_grad():
                     batch = self._multi_turn(gen, mine, r, seed) if self.tools else gen.generate([it.prompt_ids for it in mine], cfg=r,
                                          eos_id=-1 if r.ignore_eos else self.tok.eos_id,
@@ -132,19 +136,25 @@ class RolloutStage:
             options=DecodeOptions.from_config(r))
         return batch
 
-    def _generator(self, params: dict) -> Generator:
-        """A new Generator over `params`, or with rollout.free_cache_engine=false the one kept from
-        an earlier step when it still aliases these weights (its cache and graphs stay valid)."""
+    def _generator(self, params: dict, quantization: str, step: int) -> Generator:
+        """A new Generator over `params` (quantized per `quantization`: once per step, at this
+        train -> generation switch), or with rollout.free_cache_engine=false the one kept from an
+        earlier step when it still aliases these weights (its cache and graphs stay valid; its
+        quantized weights rewritten in place from them once per step)."""
         if self._kept is not None:
-            if self._kept.reusable(params):
+            if self._kept.reusable(params) and self._kept.quantization == quantization:
+                if self._quantized_at != step:
+                    self._kept.requantize(params)
+                    self._quantized_at = step
                 return self._kept
             self._kept.release()
             self._kept = None
         gen = Generator(model_cfg=self.actor.model_cfg, params=params,
                         tp_group=self.ctx.gen_tp_group, device=self.actor.device,
-                        dtype=self.actor.tcfg.params_dtype, true_vocab_size=self.actor.vocab_limit)
+                        dtype=self.actor.tcfg.params_dtype, true_vocab_size=self.actor.vocab_limit,
+                        quantization=quantization)
         if not self.cfg.rollout.free_cache_engine and gen.reusable(params):
-            self._kept = gen
+            self._kept, self._quantized_at = gen, step
         return gen
 
     def release(self) -> None:

@@ -1,0 +1,242 @@
+"""The quantized rollout's kernels (rollout.quantization): weight-only GEMMs (int4, fp8 codes) and
+the fp8 per-token activation quantization, each with its PyTorch twin.
+
+`int4_linear(x, qweight, scales, mins)`: x (M, K) in the model dtype; the weight (N, K) stored
+AWQ-style as 4-bit codes packed eight to an int32 along K (`qweight` (N, K / 8): code k of row n
+in word k // 8, bits 4 * (k % 8)), with one scale and one offset per group of GROUP = 128 columns
+(`scales`, `mins` (N, K / GROUP), the model dtype): w[n, k] = q[n, k] * scale + min. The kernel
+reads the packed codes (a quarter of the bf16 bytes), dequantizes each (BLOCK_K = GROUP, BLOCK_N)
+tile in registers (fp32 math, rounded to x's dtype: exactly the twin's dequantized weight) and
+feeds tl.dot; no bf16 copy of the weight is ever written.
+`fp8_weight_only_linear(x, codes, scales)`: the same kernel over E4M3 codes (N, K) widened to x's
+dtype (exact), the per-output-channel scale applied to the sum.
+Both take a bias and a `residual` added in the epilogue (in place: the decode's residual stream,
+as cuBLAS's beta = 1 does for the bf16 weights). Decode's few rows give few output tiles for the
+narrow GEMMs (proj, fc2): `config_for` splits K over more programs then, their fp32 partials
+summed (+ bias, + residual) by one more kernel, so the weight streams from every SM.
+
+`quant_rows_fp8(x)`: x (M, K) -> (E4M3 codes (M, K), scales (M, 1) fp32) with per-row scale
+amax / 448 (one pass over x: one launch per GEMM input, the cost decode must keep small);
+torch._scaled_mm then multiplies them with row-wise weight scales (rollout/quantize.py).
+
+`impl`: "auto" (Triton on CUDA tensors), "triton" (on CPU only under TRITON_INTERPRET=1),
+"torch" (the twin).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._dispatch import HAVE_TRITON, launch_opts, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from ._dispatch import pdl_enter
+
+GROUP = 128  # int4 columns per scale / offset (the K tile of the kernel)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+class Config(NamedTuple):
+    block_m: int
+    block_n: int
+    split_k: int
+    warps: int
+    stages: int
+
+
+def config_for(M: int, N: int, K: int, *, sms: int = 132) -> Config:
+    """Tiles for an (M, K) x (K, N) int4 GEMM: 16..64-row tiles, 64 columns, and K split until
+    about two programs per SM run (decode's narrow GEMMs), at most one split per K group."""
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    block_n = 64
+    tiles = -(-M // block_m) * -(-N // block_n)
+    split = max(1, min(K // GROUP, -(-2 * sms // tiles)))
+    return Config(block_m, block_n, split, 4, 3)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _wo_kernel(a_ptr, q_ptr, s_ptr, z_ptr, b_ptr, r_ptr, out_ptr, M, N, G, s_am, s_qn, s_sn,
+                   s_rm, s_os, s_om, ITERS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+                   SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                   PDL: tl.constexpr = False):
+        """Weight-only GEMM tile: int4 codes (FP8 False; scale + offset per K group) or E4M3 codes
+        (FP8; one scale per output channel, applied to the sum) widened to a's dtype in registers.
+        SPLIT: this program sums K groups g0.. of its tile into fp32 partials (reduced by
+        _split_sum); else the epilogue adds the bias and the residual (r, in place: out is r)."""
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        pdl_enter(PDL)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rm_in = tl.where(rm < M, rm, 0).to(tl.int64)  # out-of-range rows/columns read row 0
+        rn_in = tl.where(rn < N, rn, 0).to(tl.int64)
+        g0 = pid_k * ITERS  # this program's K groups: g0 .. min(g0 + ITERS, G) - 1
+        a_ptrs = a_ptr + rm_in[:, None] * s_am + (g0 * BLOCK_K + rk)[None, :]
+        if FP8:
+            q_ptrs = q_ptr + rn_in[None, :] * s_qn + (g0 * BLOCK_K + rk)[:, None]
+        else:  # eight codes per int32 along K: each word read for its 8 rows of the tile (L1)
+            q_ptrs = q_ptr + rn_in[None, :] * s_qn + (g0 * BLOCK_K // 8 + rk // 8)[:, None]
+        shifts = ((rk % 8) * 4)[:, None]  # (BLOCK_K, 1)
+        sz = rn_in * s_sn + g0
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for i in range(0, ITERS):
+            ok = g0 + i < G  # the last split may hold fewer groups: masked loads add nothing
+            a = tl.load(a_ptrs, mask=ok, other=0.0)
+            if FP8:
+                w = tl.load(q_ptrs, mask=ok, other=0.0).to(a.dtype)  # E4M3 values: exact
+            else:
+                q = (tl.load(q_ptrs, mask=ok, other=0) >> shifts) & 0xF  # (BLOCK_K, BLOCK_N)
+                s = tl.load(s_ptr + sz, mask=ok, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + sz, mask=ok, other=0.0).to(tl.float32)
+                w = (q.to(tl.float32) * s[None, :] + z[None, :]).to(a.dtype)
+            if a.dtype == tl.float32:  # fp32 (CPU tests): full-precision products
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            q_ptrs += BLOCK_K if FP8 else BLOCK_K // 8
+            sz += 1
+        if FP8:  # per output channel
+            acc *= tl.load(s_ptr + rn_in)[None, :]
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        rows = rm[:, None].to(tl.int64)
+        if SPLIT:
+            tl.store(out_ptr + pid_k * s_os + rows * s_om + rn[None, :], acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn_in).to(tl.float32)[None, :]
+            if HAS_RES:
+                acc += tl.load(r_ptr + rows * s_rm + rn[None, :], mask=mask).to(tl.float32)
+            tl.store(out_ptr + rows * s_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=mask)
+
+    @triton.jit
+    def _split_sum(p_ptr, b_ptr, r_ptr, out_ptr, M, N, s_ps, s_pm, s_rm, s_om,
+                   SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   HAS_RES: tl.constexpr, PDL: tl.constexpr = False):
+        """out = sum of the SPLITS fp32 partials (+ bias) (+ residual r), one pass."""
+        pid = tl.program_id(0)
+        pdl_enter(PDL)
+        idx = pid * BLOCK + tl.arange(0, BLOCK)
+        ok = idx < M * N
+        m, n = (idx // N).to(tl.int64), idx % N
+        acc = tl.zeros([BLOCK], tl.float32)
+        for k in range(0, SPLITS):
+            acc += tl.load(p_ptr + k * s_ps + m * s_pm + n, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+        if HAS_RES:
+            acc += tl.load(r_ptr + m * s_rm + n, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * s_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _fp8_rows_kernel(x_ptr, out_ptr, scale_ptr, K, s_xm, s_om, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        row = tl.program_id(0).to(tl.int64)
+        pdl_enter(PDL)
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * s_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, 1e-12)
+        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        tl.store(out_ptr + row * s_om + cols, q.to(out_ptr.dtype.element_ty), mask=cols < K)
+        tl.store(scale_ptr + row, scale)
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor,
+                    mins: torch.Tensor) -> torch.Tensor:
+    """(N, K / 8) packed codes + (N, K / GROUP) scales / offsets -> the weight (N, K) in the
+    scales' dtype (fp32 math, rounded once, as the kernel's tiles)."""
+    N, words = qweight.shape
+    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
+    q = ((qweight[:, :, None] >> shifts) & 0xF).reshape(N, words * 8)  # (N, K)
+    w = q.view(N, -1, GROUP).float() * scales.float()[..., None] + mins.float()[..., None]
+    return w.reshape(N, -1).to(scales.dtype)
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                mins: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+                residual: Optional[torch.Tensor] = None, pdl: bool = False,
+                impl: str = "auto") -> torch.Tensor:
+    """x (M, K) @ W^T (+ bias) for the packed int4 W (N, K) -> (M, N) in x's dtype; with
+    `residual` (M, N) the product is added into it in place and it is returned."""
+    (M, K), N = x.shape, qweight.shape[0]
+    if K % GROUP or qweight.shape[1] * 8 != K or scales.shape != (N, K // GROUP):
+        raise ValueError(f"int4_linear: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
+                         f"{tuple(scales.shape)} are not (M, K), (N, K/8), (N, K/{GROUP})")
+    if not use_triton(x, impl):
+        out = F.linear(x, dequantize_int4(qweight, scales, mins).to(x.dtype), bias)
+        return out if residual is None else residual.add_(out)
+    return _weight_only(x, qweight, scales, mins, bias, residual, fp8=False, pdl=pdl)
+
+
+def fp8_weight_only_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *,
+                           bias: Optional[torch.Tensor] = None,
+                           residual: Optional[torch.Tensor] = None, pdl: bool = False,
+                           impl: str = "auto") -> torch.Tensor:
+    """x (M, K) @ (codes * scales)^T (+ bias) for E4M3 codes (N, K) with per-output-channel fp32
+    scales (1, N), the activations unquantized (the codes widened to x's dtype); `residual` as in
+    int4_linear. The twin: the fp32 product of x and the codes, scaled, rounded once."""
+    (M, K), N = x.shape, codes.shape[0]
+    if K % GROUP or codes.shape[1] != K:
+        raise ValueError(f"fp8_weight_only_linear: x {tuple(x.shape)}, codes {tuple(codes.shape)} "
+                         f"are not (M, K), (N, K) with K a multiple of {GROUP}")
+    if not use_triton(x, impl):
+        out = F.linear(x.float(), codes.float()) * scales
+        out = out if bias is None else out + bias.float()
+        return out.to(x.dtype) if residual is None else residual.add_(out)
+    return _weight_only(x, codes, scales, None, bias, residual, fp8=True, pdl=pdl)
+
+
+def _weight_only(x, codes, scales, mins, bias, residual, *, fp8: bool, pdl: bool):
+    x = x.contiguous()
+    (M, K), N = x.shape, codes.shape[0]
+    cfg, groups = config_for(M, N, K), K // GROUP
+    iters = -(-groups // cfg.split_k)
+    split = -(-groups // iters)  # each split: `iters` groups (the last one may have fewer)
+    out = residual if residual is not None else torch.empty((M, N), dtype=x.dtype,
+                                                            device=x.device)
+    if not (M and N):
+        return out
+    flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, **launch_opts(x, pdl))
+    dummy = x  # pointers of absent operands (never read: their flags are off)
+    b, r = (bias if bias is not None else dummy), (residual if residual is not None else dummy)
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), split)
+    dst = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    _wo_kernel[grid](x, codes, scales, mins if mins is not None else scales, b, r, dst, M, N,
+                     groups, x.stride(0), codes.stride(0), scales.stride(0), r.stride(0),
+                     dst.stride(0) if split > 1 else 0, dst.stride(-2), ITERS=iters,
+                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, FP8=fp8,
+                     SPLIT=split > 1, num_warps=cfg.warps, num_stages=cfg.stages, **flags)
+    if split > 1:
+        block = 1024
+        _split_sum[(triton.cdiv(M * N, block),)](dst, b, r, out, M, N, dst.stride(0),
+                                                 dst.stride(1), r.stride(0), out.stride(0),
+                                                 SPLITS=split, BLOCK=block, num_warps=4, **flags)
+    return out
+
+
+def quant_rows_fp8(x: torch.Tensor, *, pdl: bool = False, impl: str = "auto"):
+    """x (M, K) -> (codes (M, K) float8_e4m3fn, scales (M, 1) fp32): x ~ codes * scale per row,
+    scale = max(amax / 448, 1e-12)."""
+    if not use_triton(x, impl):
+        xf = x.float()
+        scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    x = x.contiguous()
+    M, K = x.shape
+    out = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if M:
+        _fp8_rows_kernel[(M,)](x, out, scale, K, x.stride(0), out.stride(0),
+                               BLOCK=triton.next_power_of_2(K), num_warps=4 if K <= 2048 else 8,
+                               **launch_opts(x, pdl))
+    return out, scale
