@@ -292,3 +292,16 @@ def test_cost_model_reads_the_quantized_bytes_per_weight():
     with pytest.raises(ValueError, match="rollout_quantization 'nf4'"):
         parse_record({"config": {"model": "tiny", "gpu": "H200", "num_gpus": 1,
                                  "layout": {"tp": 1}, **TINY_WORK, "rollout_quantization": "nf4"}})
+
+
+def test_validation_generates_unquantized_unless_val_quantized():
+    """trainer.val_quantized=false (default): the validation's generation config asks the rollout
+    stage for unquantized weights; true: the rollout's quantization."""
+    from types import SimpleNamespace
+
+    from hybridflow.validation import Validator
+
+    ctx = SimpleNamespace(train=SimpleNamespace(dp=0), dp_size=1)
+    for extra, want in (([], "none"), (["trainer.val_quantized=true"], "fp8")):
+        v = Validator(_config("rollout.quantization=fp8", *extra), ctx, rollout=None, dataset=[])
+        assert v.gen_cfg.quantization == want and v.gen_cfg.temperature == 0.0
