@@ -16,8 +16,8 @@ Shipped: `code_interpreter` (hybridflow/tools/code.py: a sandboxed Python proces
 `calculator` (hybridflow/tools/calculator.py: safe AST evaluation of arithmetic).
 """
 
-from hybridflow.tools.base import (Tool, ToolCall, ToolOutcome, get_tool_class, load_tool_config,
-                                   register_tool, tool_from_function)
+from hybridflow.tools.base import Tool, ToolCall, ToolOutcome, register_tool, tool_from_function
+from hybridflow.tools.config import get_tool_class, load_tool_config
 
 __all__ = ["Tool", "ToolCall", "ToolOutcome", "get_tool_class", "load_tool_config",
            "register_tool", "tool_from_function"]
