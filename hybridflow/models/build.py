@@ -181,6 +181,10 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
         rope_scaling=rope_scaling.get("rope_type") == "llama3",
         rope_scaling_factor=float(rope_scaling.get("factor", 8.0)), pg_collection=ctx.pgs,
     )
+    if torch.cuda.is_available():  # megatron-core's MoE routers create their weight on the host
+        for param in model.parameters():  # (moved only at their first forward: after the
+            if param.device.type == "cpu":  # optimizer and DDP buffers were built)
+                param.data = param.data.to(torch.cuda.current_device())
     model.role = role
     model.true_vocab_size = cfg.vocab_size
     if scalar and post:
