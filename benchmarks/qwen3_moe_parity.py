@@ -40,6 +40,7 @@ from hybridflow.models.hf import (hf_to_megatron_state_dict, load_hf_weights,  #
 from hybridflow.parallel import groups  # noqa: E402
 from hybridflow.parallel import param_rules as pr  # noqa: E402
 from run_record import command, machine, versions, write_json  # noqa: E402, F401
+from qwen3_parity import save_random, tensors  # noqa: E402
 
 LAYOUTS = {"ep1": dict(tp=1, ep=1, etp=1), "ep2": dict(tp=1, ep=2, etp=1),
            "tp2": dict(tp=2, ep=1, etp=2), "tp2_ep2": dict(tp=2, ep=2, etp=1)}
@@ -58,20 +59,7 @@ def make_checkpoint(out_dir: str, args) -> None:
                          num_experts_per_tok=args.top_k, moe_intermediate_size=args.expert_ffn,
                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-    model = Qwen3MoeForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(args.seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
-    model.save_pretrained(out_dir, safe_serialization=True)
-
-
-def tensors(d: str) -> dict:
-    from safetensors.torch import load_file
-
-    return {k: v for f in sorted(os.listdir(d)) if f.endswith(".safetensors")
-            for k, v in load_file(os.path.join(d, f)).items()}
+    save_random(Qwen3MoeForCausalLM(cfg).eval(), out_dir, seed=args.seed)
 
 
 def hf_reference(path: str, ids, weight):

@@ -50,8 +50,12 @@ def make_checkpoint(out_dir: str, *, tied: bool, args) -> None:
                       num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
                       vocab_size=args.vocab, tie_word_embeddings=tied, max_position_embeddings=512,
                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-    model = Qwen3ForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(args.seed)
+    save_random(Qwen3ForCausalLM(cfg).eval(), out_dir, seed=args.seed)
+
+
+def save_random(model, out_dir: str, *, seed: int) -> None:
+    """`model` with weights drawn from N(0, 0.2) (norms 1 + N(0, 0.1)), saved as safetensors."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)

@@ -100,19 +100,19 @@ class ModelConfig:
     def mlp_matmul_params(self) -> int:
         """Weights of one layer's MLP that one token multiplies: dense SwiGLU 3 h f; MoE: the
         router (h x E) + top_k experts + the shared expert (active, not total, parameters)."""
-        h, m = self.hidden_size, self.moe
-        if not m.enabled:
-            return 3 * h * self.ffn_hidden_size
-        return h * m.num_experts + 3 * h * (m.top_k * m.moe_ffn_hidden_size
-                                            + m.shared_expert_ffn_hidden_size)
+        return self._mlp_weights(self.moe.top_k)
 
     @property
     def mlp_params(self) -> int:
         """Weights of one layer's MLP held in memory (MoE: every expert)."""
+        return self._mlp_weights(self.moe.num_experts)
+
+    def _mlp_weights(self, experts: int) -> int:
+        """Dense SwiGLU 3 h f; MoE: the router (h x E) + `experts` experts + the shared expert."""
         h, m = self.hidden_size, self.moe
         if not m.enabled:
             return 3 * h * self.ffn_hidden_size
-        return h * m.num_experts + 3 * h * (m.num_experts * m.moe_ffn_hidden_size
+        return h * m.num_experts + 3 * h * (experts * m.moe_ffn_hidden_size
                                             + m.shared_expert_ffn_hidden_size)
 
     @property
