@@ -94,6 +94,24 @@ class DecodeKernelOptions:
 
 
 @dataclass
+class PartialRolloutConfig:
+    """rollout.partial: partial rollouts against the long tail of response lengths
+    (hybridflow/rollout/partial.py). Each step decodes at most `max_decode_steps` new tokens per
+    row, trains on data.prompts_per_step complete groups (oldest first) and carries the unfinished
+    rows (tokens and rollout log-probs kept) into the next step's generation. Off: today's step."""
+    enable: bool = False
+    # new tokens a row may decode per step (below rollout.max_new_tokens); a row still running at
+    # the cap continues next step from prompt + its partial response
+    max_decode_steps: int = 512
+    # groups kept in flight beyond data.prompts_per_step (over all DP ranks; a multiple of DP):
+    # the slack that lets a step find prompts_per_step complete groups without uncapped decode
+    extra_prompts: int = 0
+    # steps a group may wait: a group drawn at step s still incomplete at step s + max_staleness
+    # is finished then without the cap
+    max_staleness: int = 1
+
+
+@dataclass
 class MultiTurnConfig:
     """rollout.multi_turn (verl's names): generation that calls tools between assistant turns
     (hybridflow/rollout/multi_turn.py). Off: one response per prompt. Decoding runs the eager torch
@@ -162,6 +180,8 @@ class RolloutConfig:
     # multi-turn rollouts with tools; max_new_tokens then bounds a trajectory's whole response
     # (every model turn and tool result together)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    # partial rollouts: capped decode per step, unfinished rows carried to the next step
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     # generate with a quantized copy of the policy's matmul weights (hybridflow/rollout/quantize.py):
     # "fp8" (E4M3, per-output-channel scales, per-token activation scales, torch._scaled_mm),
     # "int4" (weight-only, a scale and offset per 128 columns, a Triton GEMM) or "none". Quantized

@@ -231,6 +231,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
     _one_of("trainer.precision", cfg.trainer.precision, {"fp32", "bf16", "auto"})
     validate_rollout_options(cfg)
     validate_multi_turn(cfg.rollout)
+    validate_partial(cfg, dp=dp)
     _positive("trainer.total_steps", cfg.trainer.total_steps)
     _positive("trainer.collective_timeout_s", cfg.trainer.collective_timeout_s)
     if cfg.trainer.time_budget_s < 0:
@@ -407,6 +408,31 @@ def validate_multi_turn(r) -> None:
         key, value = clashes[0]
         raise ValueError(f"rollout.multi_turn.enable=true decodes on the eager torch path; "
                          f"{key}={value!r} does not apply to it: set {key} to null (auto) or off")
+
+
+def validate_partial(cfg: Config, *, dp: int) -> None:
+    """rollout.partial: its keys, and what it does not run with."""
+    p, r = cfg.rollout.partial, cfg.rollout
+    if not p.enable:
+        return
+    if isinstance(p.max_decode_steps, bool) or not isinstance(p.max_decode_steps, int) or not (
+            1 <= p.max_decode_steps < r.max_new_tokens):
+        raise ValueError(f"rollout.partial.max_decode_steps={p.max_decode_steps!r} must be an "
+                         f"integer in [1, rollout.max_new_tokens={r.max_new_tokens}) (a cap at "
+                         f"or above max_new_tokens never carries a row over)")
+    _positive("rollout.partial.max_staleness", p.max_staleness)
+    if p.extra_prompts < 0 or p.extra_prompts % dp:
+        raise ValueError(f"rollout.partial.extra_prompts={p.extra_prompts} must be >= 0 and "
+                         f"divisible by the data-parallel size {dp}")
+    if not r.return_logprobs:
+        raise ValueError("rollout.partial.enable=true needs rollout.return_logprobs=true: carried "
+                         "rows keep their tokens' rollout log-probs (the older policy's), which "
+                         "algo.tis_imp_ratio_cap and the rollout_corr/* metrics use")
+    for key, on in (("rollout.multi_turn.enable", r.multi_turn.enable),
+                    ("algo.dynamic_sampling.enable", cfg.algo.dynamic_sampling.enable)):
+        if on:
+            raise ValueError(f"rollout.partial.enable=true does not run with {key}=true yet; "
+                             f"turn one of them off")
 
 
 def _validate_quantization(cfg: Config) -> None:

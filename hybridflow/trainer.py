@@ -17,6 +17,7 @@ not depend on the DP size.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 from typing import Optional
@@ -38,8 +39,9 @@ from hybridflow.data.batch import RolloutBatch
 from hybridflow.metrics import MetricsLogger, StageTimer, memory_metrics
 from hybridflow.nonfinite import SkippedUpdates
 from hybridflow.parallel.balance import balance_rows
-from hybridflow.parallel.dp import all_gather_batch, dp_sum
+from hybridflow.parallel.dp import all_gather_batch, dp_max, dp_sum
 from hybridflow.rollout.dynamic_sampling import chunking_warning, fill_informative
+from hybridflow.rollout.partial import PartialRollouts, row_items
 
 # Engine.train_step metrics logged under the role (`actor/grad_norm`, ...); the rest carry their own
 ROLE_METRICS = ("grad_norm", "lr", "update_skipped", "graphed_micro_batch_frac")
@@ -73,6 +75,16 @@ class Trainer:
         self.sft_done = cfg.trainer.sft_warmup_steps == 0
         # dynamic sampling's informative fraction of the last step (sizes adaptive rounds)
         self.kept_estimate = None
+        # rollout.partial: the groups in flight on this DP rank, and drawn prompts not yet in flight
+        pc = cfg.rollout.partial
+        self.partial = PartialRollouts(
+            n=cfg.rollout.n, max_new_tokens=cfg.rollout.max_new_tokens,
+            stop_ids=[*([] if cfg.rollout.ignore_eos else [self.tokenizer.eos_id]),
+                      *cfg.rollout.stop_token_ids],
+            max_decode_steps=pc.max_decode_steps, max_staleness=pc.max_staleness,
+            local_groups=self.sampler.local_batch_size,
+            local_extra=pc.extra_prompts // ctx.dp_size) if pc.enable else None
+        self.partial_queue: list = []
         self.skipped = SkippedUpdates(output_dir=cfg.trainer.output_dir, rank=dist.get_rank(),
                                       max_skipped_steps=cfg.trainer.max_skipped_steps)
         self.checkpointer = Checkpointer(self)
@@ -211,7 +223,9 @@ class Trainer:
                 batch.scores, metrics = self.rollout.score(items, batch)
             return batch, metrics
 
-        if not ds.enable:
+        if cfg.rollout.partial.enable:
+            batch, metrics = self.partial_round(timer)
+        elif not ds.enable:
             batch, metrics = one_round()
         else:
             batch, metrics = fill_informative(
@@ -231,6 +245,35 @@ class Trainer:
             batch.scores = batch.scores + penalty
             metrics["reward/overlong_penalty/mean"] = (
                 dp_sum(float(penalty.mean()), group=self.ctx.dp_group) / self.ctx.dp_size)
+        return batch, metrics
+
+    def partial_round(self, timer) -> tuple[RolloutBatch, dict]:
+        """rollout.partial: top the in-flight groups up with fresh prompts, one capped generation
+        (and an uncapped one for missing or stale groups), score the step's complete groups
+        (hybridflow/rollout/partial.py)."""
+        cfg, pr = self.cfg, self.partial
+        need = pr.fresh_needed()
+        while len(self.partial_queue) < need:  # whole sampler batches; the rest wait their turn
+            self.partial_queue += [self.dataset[i] for i in self.sampler.next_batch()]
+        pr.add(self.partial_queue[:need], self.step)
+        self.partial_queue = self.partial_queue[need:]
+        calls = itertools.count()
+
+        def gen_rows(prompts: list, max_new: int) -> RolloutBatch:
+            r = dataclasses.replace(cfg.rollout, n=1, max_new_tokens=max_new)
+            return self.rollout.generate(row_items(prompts), step=self.step, timer=timer,
+                                         rollout_cfg=r, round_index=next(calls))
+
+        groups, pm = pr.step(gen_rows, self.step)
+        L = self.sampler.local_batch_size
+        batch = pr.batch(groups, pad_id=self.tokenizer.pad_id, first_group=self.ctx.train.dp * L)
+        items = [g.item for g in groups]
+        with timer("reward"):
+            batch.scores, metrics = self.rollout.score(items, batch)
+        g = self.ctx.dp_group
+        metrics.update({k: dp_sum(v, group=g) for k, v in pm.items() if k != "partial/staleness_max"})
+        metrics["partial/decode_steps"] /= self.ctx.dp_size
+        metrics["partial/staleness_max"] = dp_max(pm["partial/staleness_max"], group=g)
         return batch, metrics
 
     def compute_advantages(self, batch: RolloutBatch):
@@ -344,7 +387,9 @@ class Trainer:
         # RNG states are per rank: hybridflow.checkpoint saves and restores them itself
         return {"step": self.step, "sft_done": self.sft_done,
                 "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "kept_estimate": self.kept_estimate, "train_data": self.train_data}
+                "kept_estimate": self.kept_estimate, "train_data": self.train_data,
+                "partial_in_flight": 0 if self.partial is None else (
+                    len(self.partial.groups) + len(self.partial_queue))}
 
     def load_state_dict(self, state: dict, *, restart_epoch: bool = False) -> None:
         """restart_epoch: the training data changed (trainer.resume_allow_data_change)."""
@@ -353,6 +398,11 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"], restart_epoch=restart_epoch)
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.kept_estimate = state.get("kept_estimate")  # absent in checkpoints before it
+        dropped = state.get("partial_in_flight", 0)
+        if dropped and dist.get_rank() == 0:  # rollout.partial: in-flight rows are not saved
+            print(f"hybridflow: rollout.partial: {dropped} prompt groups in flight (or drawn) on "
+                  f"DP rank 0 when the checkpoint was saved are dropped; their prompts are "
+                  f"skipped for the rest of this epoch", flush=True)
 
 
 def gc_generation(step: int, interval: int, full_interval: int) -> Optional[int]:

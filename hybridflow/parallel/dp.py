@@ -28,6 +28,14 @@ def dp_sum(x: float, *, group) -> float:
     return float(t.item())
 
 
+def dp_max(x: float, *, group) -> float:
+    if dist.get_world_size(group) == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
 def gather_batches(batch: RolloutBatch, *, group, pad_id: int) -> list[RolloutBatch]:
     size = dist.get_world_size(group)
     if size == 1:
