@@ -87,7 +87,7 @@ class PartialRollouts:
     def step(self, gen_rows: Callable[[list, int], RolloutBatch], step: int):
         """Steps 2-4 of the module doc on the in-flight groups (already topped up) ->
         (the groups to train on, oldest first; metrics of this rank)."""
-        carried_rows = sum(not r.done for g in self.groups for r in g.rows)
+        carried_rows = sum(not r.done for g in self.groups if g.born < step for r in g.rows)
         decode = self._generate(self.groups, gen_rows, self.cap)
         complete = [g for g in self.groups if g.complete]
         short = max(self.local_groups - len(complete), 0)
