@@ -98,7 +98,7 @@ class PartialRolloutConfig:
     """rollout.partial: partial rollouts against the long tail of response lengths
     (hybridflow/rollout/partial.py). Each step decodes at most `max_decode_steps` new tokens per
     row, trains on data.prompts_per_step complete groups (oldest first) and carries the unfinished
-    rows (tokens and rollout log-probs kept) into the next step's generation. Off: today's step."""
+    rows (tokens and rollout log-probs kept) into the next step's generation. Off: the step as without it."""
     enable: bool = False
     # new tokens a row may decode per step (below rollout.max_new_tokens); a row still running at
     # the cap continues next step from prompt + its partial response

@@ -95,8 +95,10 @@ class PartialRollouts:
         finish = [g for k, g in enumerate(incomplete)
                   if k < short or step - g.born >= self.max_staleness]
         finish_rows = sum(not r.done for g in finish for r in g.rows)
-        if finish:  # uncapped: the longest remaining budget
+        if finish:  # uncapped: the longest remaining budget, rounded up to a multiple of the cap
+            # (few distinct lengths: a kept generator captures decode graphs per length)
             budget = max(self.R - len(r.tokens) for g in finish for r in g.rows if not r.done)
+            budget = min(-(-budget // self.cap) * self.cap, self.R)
             decode += self._generate(finish, gen_rows, budget)
         ready = [g for g in self.groups if g.complete]  # oldest first (in-flight order)
         take = ready[:self.local_groups]
