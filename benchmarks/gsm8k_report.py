@@ -60,6 +60,11 @@ def summarise(rows: list[dict], *, exclude: set[int]) -> dict:
         "per_step": {k: [[r["step"], r[k]] for r in train if k in r] for k in SERIES},
         "rollout_training_mismatch_median": {k: med(k) for k in SERIES[6:9]  # return_logprobs
                                              if any(k in r for r in timed)},
+        # rollout.partial: carried rows / groups, staleness, decode steps (medians of the timed)
+        "partial_median": {k: med(k) for k in sorted({k for r in timed for k in r
+                                                       if k.startswith("partial/")})},
+        "response_length_max_median": (med("response_length/max")
+                                       if any("response_length/max" in r for r in timed) else None),
     }
 
 
@@ -189,7 +194,8 @@ def write_step_summary(summary: dict, args) -> None:
 
     lengths = [v for _, v in summary["per_step"]["response_length/mean"]]
     out = {k: summary[k] for k in ("ours_step_s", "ours_first_step_s", "ours_stages_s",
-                                   "ours_steps_timed", "ours_peak_memory_gb")}
+                                   "ours_steps_timed", "ours_peak_memory_gb", "partial_median",
+                                   "response_length_max_median")}
     out.update(mean_response_length=statistics.mean(lengths) if lengths else None,
                per_step={k: summary["per_step"][k] for k in ("critic/score/mean", "response_length/mean")},
                excluded_steps=sorted(_steps(args.exclude_steps)), command=args.command,
