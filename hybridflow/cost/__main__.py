@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="actor.offload_optimizer=true: master weights and Adam state on the host")
     p.add_argument("--offload-grads", action="store_true",
                    help="actor.offload_grads=true: gradient buffers only in the update")
+    p.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="MoE: the experts' training GEMMs as transformer-engine's grouped GEMM "
+                        "(default: megatron-core's SequentialMLP, one expert after another, as "
+                        "without transformer-engine)")
     p.add_argument("--gpu-memory-gib", type=float,
                    help="the card's memory instead of --gpu's (e.g. 24 for a 24 GB card, or "
                         "trainer.gpu_memory_limit_gib)")
@@ -79,17 +83,20 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--tp-gen", type=int)
     g.add_argument("--offload-ref", action="store_true")
     g.add_argument("--recompute", action="store_true")
+    g.add_argument("--ep", type=int, default=1, help="MoE: parallel.expert_parallel_size")
+    g.add_argument("--etp", type=int, help="MoE: parallel.expert_tensor_parallel_size (default: tp)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
     layout = None
     forced = [f for f, on in (("--pp", a.pp != 1), ("--tp-gen", a.tp_gen is not None),
-                              ("--offload-ref", a.offload_ref), ("--recompute", a.recompute)) if on]
+                              ("--offload-ref", a.offload_ref), ("--recompute", a.recompute),
+                              ("--ep", a.ep != 1), ("--etp", a.etp is not None)) if on]
     if forced and a.tp is None:
         p.error(f"{', '.join(forced)} force a layout and need --tp too (without --tp the "
                 "layout is searched)")
     if a.tp is not None:
         layout = {"tp": a.tp, "pp": a.pp, "tp_gen": a.tp_gen, "offload_ref": a.offload_ref,
-                  "recompute": a.recompute}
+                  "recompute": a.recompute, "ep": a.ep, "etp": a.etp}
     response, flag = ((a.response_len_max, "--response-len-max") if a.response_len_max is not None
                       else (a.response_len, "--response-len"))
     for key, value in (("--micro-batch-tokens", a.micro_batch_tokens),
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         gradient_accumulation_fusion=a.gradient_accumulation_fusion,
         offload_ref_prefetch=a.offload_ref_prefetch, lora_rank=a.lora_rank,
         offload_optimizer=a.offload_optimizer, offload_grads=a.offload_grads,
-        gpu_memory_gib=a.gpu_memory_gib,
+        moe_grouped_gemm=a.moe_grouped_gemm, gpu_memory_gib=a.gpu_memory_gib,
         calibration=a.calibration)
     print(report.to_json() if a.json else report)
     return 0

@@ -39,7 +39,10 @@ is taken; if every unknown ends up held, one common scale of the group's prior p
 instead (a ratio fit). Gen and the forward/update stages overlap two kinds of work
 (timing.OVERLAP_P), which is not linear: their groups are first fitted as if the parts added up,
 then refined by nonlinear least squares of the overlapped seconds (`_refine_overlap`). Predicted
-timing_s/step = the sum of the predicted stages, "other" included.
+timing_s/step = the sum of the predicted stages, "other" included. MoE records (model.moe) inform
+only the MoE coefficients (gen -> expert_decode_s; the forward/update stages -> expert_pass_s),
+fitted after the rest with the rest held (`MOE_GROUPS`); the memory scales and the other groups are
+fitted on the dense records.
 
 `--validation PATH` also writes the per-config leave-one-out summary (validate.py). Outputs are
 written atomically; user errors (a results file that does not parse, names the file) are one line,
@@ -77,6 +80,10 @@ GROUPS = [(("reshard",), ("inv_comm_eff",)),
                          "tp_collective_s",
                          "optimizer_step_s")),
           (("other",), ("step_overhead_s",))]
+# MoE-only coefficients, fitted after the rest on the MoE records alone (the rest held): the dense
+# groups and the memory scales see only dense records, so adding an MoE record leaves the dense
+# fit as it was (the MoE passes' other costs cannot be told from theirs with so few records)
+MOE_GROUPS = [(("gen",), ("expert_decode_s",)), (PASS_STAGES, ("expert_pass_s",))]
 
 
 @dataclass
@@ -292,14 +299,22 @@ def fit(records: list[dict], base: Calibration | None = None) -> Calibration:
     """Calibration fitted to `records` (see the module docstring); `base` supplies the priors."""
     base = base or Calibration()
     runs = [parse_record(r, f"run{i}") for i, r in enumerate(records)]
-    calib = _fit_memory(runs, base)
+    moe = [r.shape.moe.enabled for r in runs]
+    dense = [r for r, m in zip(runs, moe) if not m] or runs   # (MoE records only: fit them all)
+    calib = _fit_memory(dense, base)
     terms = [stage_terms(r.shape, r.gpu, r.plan, r.workload, calib) for r in runs]
     runs = [_with_other(r, t) for r, t in zip(runs, terms)]
     coefs = calib.coefs()
-    for stages, unknowns in GROUPS:
-        coefs = _fit_group(runs, terms, stages, unknowns, coefs)
-        if any(t[s].overlap for t in terms for s in stages if s in t):   # nonlinear: refine
-            coefs = _refine_overlap(runs, terms, stages, unknowns, coefs)
+    steps = [(GROUPS, [(r, t) for r, t, m in zip(runs, terms, moe) if not m or len(dense) == len(runs)]),
+             (MOE_GROUPS, [(r, t) for r, t, m in zip(runs, terms, moe) if m])]
+    for groups, pairs in steps:
+        if not pairs:
+            continue
+        g_runs, g_terms = [p[0] for p in pairs], [p[1] for p in pairs]
+        for stages, unknowns in groups:
+            coefs = _fit_group(g_runs, g_terms, stages, unknowns, coefs)
+            if any(t[s].overlap for t in g_terms for s in stages if s in t):   # nonlinear: refine
+                coefs = _refine_overlap(g_runs, g_terms, stages, unknowns, coefs)
     return calib.with_coefs(**coefs)
 
 

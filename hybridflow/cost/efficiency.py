@@ -54,6 +54,15 @@ shipped fit's values and where its records come from are in docs/perf_log.md):
   Only the update stages pay it, which tells it apart from the per-layer cost. No per-stage constant
   is charged besides: the records do not show one (at DP=2 a forward stage of one micro-batch per
   rank takes as long as each of the two micro-batches of the 1-GPU run: nothing fixed per stage).
+- expert_pass_s 1e-4: MoE only: fixed seconds per local expert per layer pass over one micro-batch
+  in the forward/update stages when the experts are megatron-core's SequentialMLP (no
+  transformer-engine: `Workload.moe_grouped_gemm` false): each expert's two GEMMs, SwiGLU and
+  slicing in turn, with the token permutation around them folded in. Zero cost with grouped GEMM.
+  One record (qwen3_moe_2b on one H200) informs it; it cannot tell a per-expert cost from a
+  per-dispatched-row one, so extrapolating to other micro-batch sizes is uncertain.
+- expert_decode_s 1e-5: MoE only: fixed seconds per expert per layer per decode step: the
+  CUDA-graph decode's MoE MLP runs every expert's small GEMMs one after another
+  (rollout/moe.py `dense`); their weight reads are charged apart (hbm_read).
 - step_overhead_s 0.02: seconds per step outside the modelled stages (the stage "other"): reward,
   advantages, metrics, host syncs between stages; a few tens of milliseconds.
 - memory_scale 1.0: multiplies the predicted allocated peak (fit to perf/max_memory_allocated_gb).
@@ -88,6 +97,8 @@ class Calibration:
     tp_collective_s: float = 5e-5
     optimizer_step_s: float = 0.02
     step_overhead_s: float = 0.02
+    expert_pass_s: float = 1e-4
+    expert_decode_s: float = 1e-5
     memory_scale: float = 1.0
     activation_memory_scale: float = 1.0
     memory_headroom_gib: float = 4.0
@@ -114,7 +125,8 @@ class Calibration:
                 "layer_pass_overhead_s": self.layer_pass_overhead_s,
                 "graphed_layer_pass_s": self.graphed_layer_pass_s,
                 "tp_collective_s": self.tp_collective_s,
-                "optimizer_step_s": self.optimizer_step_s, "step_overhead_s": self.step_overhead_s}
+                "optimizer_step_s": self.optimizer_step_s, "step_overhead_s": self.step_overhead_s,
+                "expert_pass_s": self.expert_pass_s, "expert_decode_s": self.expert_decode_s}
 
     def with_coefs(self, **coefs: float) -> "Calibration":
         """The inverse of coefs(): a copy with the named coefficients replaced."""

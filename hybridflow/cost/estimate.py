@@ -60,10 +60,11 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                   rollout_quantization: str = "none", fused_elementwise: bool = True, train_cuda_graphs: bool = False,
                   gradient_accumulation_fusion: bool = True, offload_ref_prefetch: bool = True,
                   lora_rank: int = 0, offload_optimizer: bool = False, offload_grads: bool = False,
+                  moe_grouped_gemm: bool = False,
                   gpu_memory_gib: float | None = None, calibration=None) -> CostReport:
     """Memory, seconds per stage, GPU-hours and money of an RL run, and the layout to run it in.
 
-    `layout` forces one layout (dict of tp, pp, dp, tp_gen, offload_ref, recompute); otherwise every
+    `layout` forces one layout (dict of tp, pp, dp, tp_gen, offload_ref, recompute, ep, etp); otherwise every
     buildable layout is searched. Nothing fitting is an answer: `fits=False`, `overflow` names the
     component, `suggestions` say what would fit (more or bigger GPUs, smaller micro-batches, and on
     these GPUs LoRA / optimizer offload / recompute). `gpu_memory_gib`: the card's memory instead
@@ -88,7 +89,8 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                     rollout_quantization=rollout_quantization, fused_elementwise=fused_elementwise, train_cuda_graphs=train_cuda_graphs,
                     gradient_accumulation_fusion=gradient_accumulation_fusion,
                     offload_ref_prefetch=offload_ref_prefetch, lora_rank=lora_rank,
-                    offload_optimizer=offload_optimizer, offload_grads=offload_grads)
+                    offload_optimizer=offload_optimizer, offload_grads=offload_grads,
+                    moe_grouped_gemm=moe_grouped_gemm)
     num_steps, steps_note = _num_steps(steps, epochs, dataset_size, prompts_per_step)
     if layout is not None:
         plan = make_plan(layout, num_gpus, shape)

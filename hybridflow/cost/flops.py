@@ -72,8 +72,17 @@ def activation_bytes_per_token_layer(shape: ModelConfig, *, fused_swiglu: bool =
     for GQA + SwiGLU). Megatron's unfused SwiGLU (`fused_swiglu` false) also keeps silu(gate) and
     its copy of `up` (+ glu_linear_offset): 2f more. The q/k norms (`qk_layernorm`, Qwen3) keep
     their inputs, Q and K before the norm: q + kv more (RoPE, a product with fixed tables, keeps
-    nothing of its own). Sequence parallelism shards all of it over TP."""
+    nothing of its own). Sequence parallelism shards all of it over TP.
+    MoE: the MLP's tensors are per dispatched row, top_k rows per token: fc1 input top_k h (in
+    place of h), gate,up and SwiGLU output top_k x 3 f_e (5 unfused), plus the router's fp32 logits
+    (E) and the shared expert's as a dense MLP's."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
     qk_norm_inputs = shape.q_dim + shape.kv_dim if shape.qk_layernorm else 0
-    return BYTES_PER_PARAM * (4 * h + 2 * shape.q_dim + 2 * shape.kv_dim + qk_norm_inputs
-                              + (3 if fused_swiglu else 5) * f)
+    attn = 3 * h + 2 * shape.q_dim + 2 * shape.kv_dim + qk_norm_inputs
+    swiglu = 3 if fused_swiglu else 5
+    m = shape.moe
+    if not m.enabled:
+        return BYTES_PER_PARAM * (attn + h + swiglu * f)
+    mlp = m.top_k * (h + swiglu * m.moe_ffn_hidden_size) + 2 * m.num_experts
+    mlp += (h + swiglu * m.shared_expert_ffn_hidden_size) if m.shared_expert_ffn_hidden_size else 0
+    return BYTES_PER_PARAM * (attn + mlp)

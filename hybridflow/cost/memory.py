@@ -42,6 +42,16 @@ Per phase, on top:
   activations as live tensors, as an eager update does; after it, the replayed activations live in
   the graphs' private pool (reserved memory, not counted as allocated: perf/max_memory_allocated_gb is the
   run's maximum, from the start).
+MoE (`ModelConfig.moe`): the experts' weights, grads (and the reference's weights) are split over
+EP x expert TP x PP (`Plan.expert_shard`), the rest over TP x PP; the optimizer's 12 bytes/param
+over every rank either way (the distributed optimizer shards the experts over the expert-DP ranks:
+EP x expert TP x PP x expert DP = the world, as TP x PP x DP is). Generation runs in place with every
+expert at TP_g = TP (`parallel.reshard.generation_params` all-gathers the other EP ranks' experts,
+and slices whole experts at expert TP 1): component `reshard_buffer` holds the experts this rank
+does not train, for the gen phase. The stored activations of an MoE layer count its dispatched
+rows (`flops.activation_bytes_per_token_layer`); the all-to-all's send / receive buffers are one
+layer's dispatched rows (top_k x hidden per token, both ways), inside the one layer's working set
+already counted, so not added.
 Not modelled: Megatron's vocab padding, optimizer-step temporaries, allocator fragmentation (folded
 into `Calibration.memory_headroom_gib` and `memory_scale`; `activation_memory_scale` scales the
 activation component alone: what grows with the micro-batch beyond the counted tensors).
@@ -115,33 +125,56 @@ def _reference_used(plan: Plan, workload: Workload) -> bool:
     return workload.use_reference and not workload.lora_rank
 
 
+def expert_params(shape: ModelConfig) -> int:
+    """The routed experts' weights of every layer (0 for a dense model)."""
+    m = shape.moe
+    return shape.num_layers * 3 * shape.hidden_size * m.num_experts * m.moe_ffn_hidden_size \
+        if m.enabled else 0
+
+
+def params_per_gpu(shape: ModelConfig, plan: Plan) -> float:
+    """The actor's parameters on one GPU of the training layout: the experts over EP x expert TP x
+    PP, the rest over TP x PP."""
+    e = expert_params(shape)
+    return (shape.num_params - e) / (plan.layout.tp_t * plan.layout.pp_t) + e / plan.expert_shard
+
+
 def _resident(shape: ModelConfig, plan: Plan, workload: Workload) -> dict[str, float]:
     lay = plan.layout
     shard = lay.tp_t * lay.pp_t
-    p, pc = shape.num_params, shape.num_critic_params
-    trained = lora_params(shape, workload.lora_rank) if workload.lora_rank else p
-    weights = p + (trained if workload.lora_rank else 0)
-    ref = (_reference_bytes(shape, lay) if _reference_used(plan, workload)
+    pc = shape.num_critic_params
+    local = params_per_gpu(shape, plan)
+    trained = lora_params(shape, workload.lora_rank) / shard if workload.lora_rank else local
+    weights = local + (trained if workload.lora_rank else 0)
+    ref = (_reference_bytes(shape, plan) if _reference_used(plan, workload)
            and not plan.offload_ref else 0.0)
     critic = pc * (BYTES_PER_PARAM + 4 + 12 / lay.dp_t) / shard if workload.has_critic else 0.0
-    optimizer = 0.0 if workload.offload_optimizer else 12 * trained / (shard * lay.dp_t)
-    return {"actor_weights": BYTES_PER_PARAM * weights / shard, "actor_grads": 4 * trained / shard,
+    everything = (lora_params(shape, workload.lora_rank) if workload.lora_rank else shape.num_params)
+    optimizer = 0.0 if workload.offload_optimizer else 12 * everything / lay.world_size
+    return {"actor_weights": BYTES_PER_PARAM * weights, "actor_grads": 4 * trained,
             "actor_optimizer": optimizer, "critic": critic, "reference": ref}
 
 
-def _reference_bytes(shape: ModelConfig, layout: Layout) -> float:
+def _reference_bytes(shape: ModelConfig, plan: Plan) -> float:
     """The reference's bf16 weights in the training layout."""
-    return BYTES_PER_PARAM * shape.num_params / (layout.tp_t * layout.pp_t)
+    return BYTES_PER_PARAM * params_per_gpu(shape, plan)
 
 
 def _prefetched_reference(shape: ModelConfig, plan: Plan, workload: Workload) -> float:
     """The offloaded reference's weights in generation, where the trainer prefetches them."""
     if not (_reference_used(plan, workload) and plan.offload_ref and workload.offload_ref_prefetch):
         return 0.0
-    return _reference_bytes(shape, plan.layout)
+    return _reference_bytes(shape, plan)
 
 
-def reshard_buffer_bytes(shape: ModelConfig, layout: Layout) -> float:
+def reshard_buffer_bytes(shape: ModelConfig, layout: Layout, plan: Plan | None = None) -> float:
+    """Bytes a GPU adds for generation's weights: the gen TP_g shard minus the training shard it
+    holds; MoE (in place, TP_g = TP), the experts it does not train (other EP ranks', and the
+    other expert-TP slices at expert TP 1), all-gathered for generation."""
+    if shape.moe.enabled:
+        e = expert_params(shape)
+        shard = plan.expert_shard if plan is not None else layout.tp_t * layout.pp_t
+        return max(0.0, BYTES_PER_PARAM * e * (1 / layout.tp_g - 1 / shard))  # (slices: views)
     if not layout.needs_reshard:
         return 0.0     # generation reads the training weights in place
     return BYTES_PER_PARAM * shape.num_params * (1 / layout.tp_g - 1 / (layout.tp_t * layout.pp_t))
@@ -164,7 +197,7 @@ def gen_batch_size(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
     resident = _resident(shape, plan, workload)
     if workload.offload_grads:
         resident["actor_grads"] = 0.0
-    used = (sum(resident.values()) + reshard_buffer_bytes(shape, lay)
+    used = (sum(resident.values()) + reshard_buffer_bytes(shape, lay, plan)
             + _prefetched_reference(shape, plan, workload))
     free = (gpu.memory_gib - calib.memory_headroom_gib) * GIB / calib.memory_scale - used
     kv, scratch = _gen_bytes_per_seq(shape, lay, workload)
@@ -177,6 +210,7 @@ def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str)
     lay = plan.layout
     tp, micro_tokens = lay.tp_t, workload.seqs_per_micro_batch * workload.seq_len
     layer = activation_bytes_per_token_layer(shape, fused_swiglu=workload.fused_elementwise)
+    # (MoE under EP: a rank's experts see, on average, top_k of its own tokens' rows, as at EP 1)
     per_entry = LOGIT_BYTES_BF16 if workload.bf16_logits else LOGIT_BYTES
     logits = 0 if phase in ("values", "update_critic") else shape.vocab_size * per_entry / tp
 
@@ -224,19 +258,18 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
     for phase in phases_to_run(workload):
         c = dict.fromkeys(COMPONENTS, 0.0) | resident
         if phase == "gen":
-            c |= {"reshard_buffer": reshard_buffer_bytes(shape, lay), "kv_cache": batch * kv,
+            c |= {"reshard_buffer": reshard_buffer_bytes(shape, lay, plan), "kv_cache": batch * kv,
                   "activations": batch * scratch}
             c["reference"] += _prefetched_reference(shape, plan, workload)
         elif phase == "optimizer_step":  # offloaded state back for the step; activations gone
             trained = lora_params(shape, workload.lora_rank) if workload.lora_rank \
                 else shape.num_params
-            c |= {"kv_cache": kept_kv,
-                  "actor_optimizer": 12 * trained / (lay.tp_t * lay.pp_t * lay.dp_t)}
+            c |= {"kv_cache": kept_kv, "actor_optimizer": 12 * trained / lay.world_size}
         else:
             act, logits = _activations(shape, plan, workload, phase)
             c |= {"kv_cache": kept_kv, "activations": act, "logits": logits}
         if phase == "ref" and _reference_used(plan, workload):
-            c["reference"] = _reference_bytes(shape, lay)
+            c["reference"] = _reference_bytes(shape, plan)
         if workload.offload_grads and phase not in ("update_actor", "optimizer_step"):
             c["actor_grads"] = 0.0
         c["activations"] *= calib.activation_memory_scale

@@ -102,6 +102,12 @@ def layout_overrides(layout: dict) -> str:
     out = [f"parallel.tensor_parallel_size={layout['tp']}",
            f"parallel.pipeline_parallel_size={layout['pp']}",
            f"rollout.tensor_parallel_size={layout['tp_gen']}"]
+    if layout.get("ep", 1) > 1:
+        out.append(f"parallel.expert_parallel_size={layout['ep']}")
+    if layout.get("etp") is not None:
+        out.append(f"parallel.expert_tensor_parallel_size={layout['etp']}")
+    if layout["tp"] > 1:
+        out.append("parallel.sequence_parallel=true")
     if layout["offload_ref"]:
         out.append("trainer.offload_ref=true")
     if layout["recompute"]:
@@ -110,6 +116,9 @@ def layout_overrides(layout: dict) -> str:
 
 
 def _fmt_layout(layout: dict) -> str:
-    s = f"TP={layout['tp']} PP={layout['pp']} DP={layout['dp']} | gen TP={layout['tp_gen']}"
+    s = f"TP={layout['tp']} PP={layout['pp']} DP={layout['dp']}"
+    s += f" EP={layout['ep']}" if layout.get("ep", 1) > 1 else ""
+    s += f" ETP={layout['etp']}" if layout.get("etp") is not None else ""
+    s += f" | gen TP={layout['tp_gen']}"
     return s + (" | ref offloaded" if layout["offload_ref"] else "") + \
         (" | recompute (parallel.activation_checkpointing)" if layout["recompute"] else "")

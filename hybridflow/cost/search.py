@@ -3,7 +3,9 @@
 Candidates: TP dividing the GPU count, within one node (TP all-reduces every layer); PP dividing the
 rest; DP the remainder; the model split as the trainer accepts it (`workload.check_model_split`: TP
 divides the heads, KV groups and FFN width, PP the layers); gen TP_g any divisor of TP; the reference
-offloaded or not; full activation recompute or not. Layouts that fit
+offloaded or not; full activation recompute or not. MoE models: PP = 1 and TP_g = TP (in-place
+generation), and every EP dividing the experts with EP x TP dividing the GPUs (megatron-core 0.16's
+rule: EP x expert TP x PP divides the world; expert TP = TP here). Layouts that fit
 rank by step seconds (ties: no offload, no recompute first); when none fits, by peak / capacity, and
 `suggest` searches what would fit: more GPUs (doubling), a GPU with more memory, smaller micro-batches.
 """
@@ -54,12 +56,19 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _splits(shape: ModelConfig, num_gpus: int, tp: int, pp: int) -> bool:
+def _splits(shape: ModelConfig, num_gpus: int, tp: int, pp: int, ep: int = 1) -> bool:
     try:
-        check_model_split(shape, Layout(world_size=num_gpus, tp_t=tp, pp_t=pp, tp_g=tp))
+        check_model_split(shape, Layout(world_size=num_gpus, tp_t=tp, pp_t=pp, tp_g=tp), ep)
     except ValueError:
         return False
     return True
+
+
+def expert_parallel_sizes(shape: ModelConfig, num_gpus: int, tp: int, pp: int) -> list[int]:
+    """The EP sizes megatron-core can build with this TP and PP (1 for a dense model)."""
+    if not shape.moe.enabled:
+        return [1]
+    return [ep for ep in _divisors(shape.moe.num_experts) if _splits(shape, num_gpus, tp, pp, ep)]
 
 
 def candidate_plans(shape: ModelConfig, gpu: GPU, num_gpus: int, use_reference: bool) -> list[Plan]:
@@ -72,9 +81,11 @@ def candidate_plans(shape: ModelConfig, gpu: GPU, num_gpus: int, use_reference: 
                 continue  # MoE generates in place: PP = 1, TP_g = TP (config_checks)
             for tp_gen in ([tp] if shape.moe.enabled else _divisors(tp)):
                 layout = Layout(world_size=num_gpus, tp_t=tp, pp_t=pp, tp_g=tp_gen)
-                for offload in ((False, True) if use_reference else (False,)):
-                    for recompute in (False, True):
-                        out.append(Plan(layout, offload_ref=offload, recompute=recompute))
+                for ep in expert_parallel_sizes(shape, num_gpus, tp, pp):
+                    for offload in ((False, True) if use_reference else (False,)):
+                        for recompute in (False, True):
+                            out.append(Plan(layout, offload_ref=offload, recompute=recompute,
+                                            ep=ep))
     return out
 
 
@@ -117,11 +128,11 @@ def reason(ev: Evaluation, best: Evaluation, forced: bool = False) -> str:
 
 
 def runners_up(ranked: list[Evaluation], num: int = 3) -> list[Evaluation]:
-    """The next best with a distinct (TP, PP, TP_g): variants of one split say little."""
-    seen = {ranked[0].plan.layout}
+    """The next best with a distinct (TP, PP, TP_g, EP): variants of one split say little."""
+    seen = {(ranked[0].plan.layout, ranked[0].plan.ep)}
     out = []
     for ev in ranked[1:]:
-        key = ev.plan.layout
+        key = (ev.plan.layout, ev.plan.ep)
         if key not in seen and len(out) < num:
             seen.add(key)
             out.append(ev)
@@ -137,7 +148,8 @@ def suggest(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Workload, cal
             max_doublings: int = 10) -> list[str]:
     """What would fit when nothing does on `num_gpus` x `gpu`."""
     out = [f"searched TP <= {min(gpu.gpus_per_node, num_gpus)}, every PP, gen TP_g, "
-           "reference offload and full recompute on this setup"]
+           + ("EP, " if shape.moe.enabled else "")
+           + "reference offload and full recompute on this setup"]
     for k in range(1, max_doublings + 1):
         ev = _first_fit(shape, gpu, num_gpus * 2 ** k, workload, calib)
         if ev:

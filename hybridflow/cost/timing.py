@@ -207,17 +207,20 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
     t.add("hbm_read", "inv_decode_bw_eff", (steps * weights + kv) / (gpu.hbm_gbps * 1e9))
     t.add("decode_overhead", "fused_decode_layer_overhead_s" if w.decode_kernels == "triton"
           else "decode_layer_overhead_s", steps * shape.num_layers)
+    if shape.moe.enabled:  # the graphed decode's MoE MLP runs every expert, one after another
+        t.add("expert_overhead", "expert_decode_s", steps * shape.num_layers * shape.moe.num_experts)
     _tp_comm(t, shape, gpu, tp_g, shape.num_layers, per_replica * w.seq_len,
              all_reduces=2, num_collectives=2 * shape.num_layers * waves * (1 + w.longest_response),
              fitted_latency=False)
     return t
 
 
-def _reshard(shape: ModelConfig, gpu: GPU, layout: Layout) -> StageTerms:
-    t = StageTerms()
-    received = reshard_buffer_bytes(shape, layout)
-    if received > 0:
-        bw, lat = _link(gpu, layout.tp_t * layout.pp_t)
+def _reshard(shape: ModelConfig, gpu: GPU, plan: Plan) -> StageTerms:
+    t, layout = StageTerms(), plan.layout
+    received = reshard_buffer_bytes(shape, layout, plan)
+    if received > 0:  # MoE: the EP group's all-gather of the experts
+        span = plan.ep * layout.tp_t if shape.moe.enabled else layout.tp_t * layout.pp_t
+        bw, lat = _link(gpu, span)
         t.add("reshard_comm", "inv_comm_eff", received / bw)
         t.add("latency", None, lat)
     return t
@@ -225,7 +228,7 @@ def _reshard(shape: ModelConfig, gpu: GPU, layout: Layout) -> StageTerms:
 
 def _passes(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, *, ideal: float, coef: str,
             tokens: float, micro: int, flushes: int, layer_passes: int,
-            graphed: bool = False, ep: int = 1) -> None:
+            graphed: bool = False, ep: int = 1, grouped_gemm: bool = False) -> None:
     """Compute, fixed per-layer cost, PP bubble and TP traffic of `micro` micro-batches in `flushes`
     pipeline flushes (optimizer steps), each micro-batch run through the stage's layers
     `layer_passes` times (1: forward, 3: fwd+bwd, 4: fwd+bwd with recompute); `graphed`: the layer
@@ -244,18 +247,22 @@ def _passes(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, *, idea
     _tp_comm(t, shape, gpu, layout.tp_t, layers, tokens, all_reduces=2 * comm_passes,
              num_collectives=4 * comm_passes * layers * micro, fitted_latency=True)
     _ep_comm(t, shape, gpu, layout, ep, tokens, comm_passes=comm_passes)
+    if shape.moe.enabled and not grouped_gemm:  # SequentialMLP: each local expert in turn
+        local = shape.moe.num_experts // ep
+        t.add("expert_overhead", "expert_pass_s", overhead * (1 + bubble) * local)
 
 
 def _ep_comm(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, ep: int, tokens: float,
              *, comm_passes: int) -> None:
     """MoE all-to-all under EP: per layer pass each token's hidden state to its top_k experts and
-    back ((EP - 1) / EP of it off the rank), over the EP x TP ranks' link; serial with compute
-    (megatron-core's alltoall dispatcher does not overlap it)."""
+    back ((EP - 1) / EP of it off the rank), over the EP x TP ranks' link (IB once they span
+    nodes); a rank sends its own sequence-parallel slice of the tokens (1 / TP of them); serial
+    with compute (megatron-core's alltoall dispatcher does not overlap it)."""
     if ep == 1 or not shape.moe.enabled:
         return
     bw, _ = _link(gpu, ep * layout.tp_t)
     volume = (comm_passes * tokens * shape.all_to_all_bytes_per_token(BYTES_PER_PARAM)
-              / layout.pp_t * (ep - 1) / ep)
+              / (layout.pp_t * layout.tp_t) * (ep - 1) / ep)
     t.add("ep_comm", "inv_comm_eff", volume / bw)
 
 
@@ -268,7 +275,8 @@ def _forward(shape: ModelConfig, gpu: GPU, layout: Layout, w: Workload, role: st
                                                        w.head_fraction) / shard
     coef = "inv_fused_forward_mfu" if w.fused_elementwise else "inv_forward_mfu"
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
-            tokens=seqs * w.seq_len, micro=micro, flushes=1, layer_passes=1, ep=ep)
+            tokens=seqs * w.seq_len, micro=micro, flushes=1, layer_passes=1, ep=ep,
+            grouped_gemm=w.moe_grouped_gemm)
     return t
 
 
@@ -285,7 +293,8 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
     coef = "inv_fused_train_mfu" if w.fused_elementwise else "inv_train_mfu"
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
             tokens=seqs * w.seq_len, micro=opt_steps * micro, flushes=opt_steps,
-            layer_passes=4 if plan.recompute else 3, graphed=w.train_cuda_graphs, ep=plan.ep)
+            layer_passes=4 if plan.recompute else 3, graphed=w.train_cuda_graphs, ep=plan.ep,
+            grouped_gemm=w.moe_grouped_gemm)
     params = shape.num_params if role == "actor" else shape.num_critic_params
     fused = shape.attn_matmul_params if shape.moe.enabled else shape.layer_matmul_params
     accumulated = params - (shape.num_layers * fused  # (experts keep Megatron's linears)
@@ -307,7 +316,7 @@ def stage_terms(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
                 calib: Calibration) -> dict[str, StageTerms]:
     """The linear terms of every stage the step runs, in the trainer's order."""
     layout = plan.layout
-    stages = {"reshard": _reshard(shape, gpu, layout), "gen": _gen(shape, gpu, plan, w, calib)}
+    stages = {"reshard": _reshard(shape, gpu, plan), "gen": _gen(shape, gpu, plan, w, calib)}
     if not w.skip_old_log_prob:
         stages["old_log_prob"] = _forward(shape, gpu, layout, w, "actor", plan.ep)
     if w.use_reference:

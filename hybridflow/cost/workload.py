@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybridflow.config_checks import validate_model
+from hybridflow.config_checks import validate_model, validate_moe
 from hybridflow.model_config import ModelConfig
 from hybridflow.parallel.layout import Layout
 
@@ -86,6 +86,11 @@ class Workload:
     offload_optimizer: bool = False
     # actor.offload_grads: the actor's gradient buffers exist only in the update phase
     offload_grads: bool = False
+    # MoE experts' training GEMMs: false, megatron-core's SequentialMLP (no transformer-engine: one
+    # expert's GEMMs after another, a fixed cost per local expert per layer pass,
+    # `Calibration.expert_pass_s`); true, TE's grouped GEMM (one kernel for all local experts: no
+    # per-expert cost). The MoE record measured so far (H200, an image without TE) says false
+    moe_grouped_gemm: bool = False
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -164,32 +169,58 @@ class Plan:
     recompute: bool = False     # full activation recompute in the update phases
     #                             (the trainer's parallel.activation_checkpointing)
     ep: int = 1                 # MoE expert parallel size (parallel.expert_parallel_size)
+    # MoE expert TP size (parallel.expert_tensor_parallel_size): None, TP; 1, whole experts
+    etp: int | None = None
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.layout.tp_t
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks one layer's experts are split over: EP x expert TP x PP."""
+        return self.ep * self.expert_tp * self.layout.pp_t
 
     def to_dict(self) -> dict:
         lay = self.layout
         return {"tp": lay.tp_t, "pp": lay.pp_t, "dp": lay.dp_t, "tp_gen": lay.tp_g,
                 "offload_ref": self.offload_ref, "recompute": self.recompute,
-                **({"ep": self.ep} if self.ep > 1 else {})}
+                **({"ep": self.ep} if self.ep > 1 else {}),
+                **({"etp": self.etp} if self.etp is not None else {})}
 
     def short(self) -> str:
         lay = self.layout
         s = f"tp={lay.tp_t} pp={lay.pp_t} dp={lay.dp_t} tp_gen={lay.tp_g}"
+        s += f" ep={self.ep}" if self.ep > 1 else ""
+        s += f" etp={self.etp}" if self.etp is not None else ""
         return s + (" offload_ref" if self.offload_ref else "") + (" recompute" if self.recompute else "")
 
 
-def check_model_split(model: ModelConfig, layout: Layout) -> None:
-    """ValueError unless megatron-core can split `model` by the layout's TP and PP: the trainer's
-    own check (`config.validate_model`); `Layout` itself checks world size, TP and TP_g."""
+def check_model_split(model: ModelConfig, layout: Layout, ep: int = 1, etp: int | None = None) -> None:
+    """ValueError unless megatron-core can split `model` by the layout's TP and PP (and, MoE, EP
+    and expert TP): the trainer's own checks (`config_checks.validate_model`, `validate_moe`, and
+    megatron-core 0.16's rule that EP x expert TP divides the ranks of a pipeline stage, DP x TP);
+    `Layout` itself checks world size, TP and TP_g."""
     validate_model(model, tp=layout.tp_t, pp=layout.pp_t)
+    validate_moe(model, tp=layout.tp_t, ep=ep, etp=etp)
+    ep_etp = ep * (etp or layout.tp_t)
+    if (layout.world_size // layout.pp_t) % ep_etp:
+        raise ValueError(f"ep={ep} x expert TP {etp or layout.tp_t} = {ep_etp} must divide the "
+                         f"{layout.world_size // layout.pp_t} ranks of a pipeline stage (DP x TP)")
+    if model.moe.enabled and (layout.pp_t > 1 or layout.tp_g != layout.tp_t):
+        raise ValueError(f"a mixture-of-experts model generates in place: pp must be 1 and tp_gen "
+                         f"= tp (got pp={layout.pp_t}, tp={layout.tp_t}, tp_gen={layout.tp_g})")
+    if model.moe.enabled and etp not in (None, 1, layout.tp_t):
+        raise ValueError(f"etp={etp}: expected None (= tp) or 1")
 
 
 def make_plan(layout: dict | Plan, num_gpus: int, model: ModelConfig) -> Plan:
     """A checked Plan from a dict of tp, pp, dp (default: the rest), tp_gen (default tp),
-    offload_ref, recompute."""
+    offload_ref, recompute, ep (default 1), etp (default None: tp)."""
     if isinstance(layout, Plan):
         plan = layout
     else:
-        unknown = set(layout) - {"tp", "pp", "dp", "tp_gen", "offload_ref", "recompute", "ep"}
+        unknown = set(layout) - {"tp", "pp", "dp", "tp_gen", "offload_ref", "recompute", "ep", "etp"}
         if unknown:
             raise ValueError(f"layout: unknown keys {sorted(unknown)}")
         tp, pp = int(layout.get("tp", 1)), int(layout.get("pp", 1))
@@ -198,9 +229,10 @@ def make_plan(layout: dict | Plan, num_gpus: int, model: ModelConfig) -> Plan:
             raise ValueError(f"layout: tp={tp} x pp={pp} x dp={dp} != num_gpus {num_gpus}")
         plan = Plan(Layout(world_size=num_gpus, tp_t=tp, pp_t=pp, tp_g=int(layout.get("tp_gen") or tp)),
                     offload_ref=bool(layout.get("offload_ref", False)),
-                    recompute=bool(layout.get("recompute", False)), ep=int(layout.get("ep", 1)))
+                    recompute=bool(layout.get("recompute", False)), ep=int(layout.get("ep", 1)),
+                    etp=None if layout.get("etp") is None else int(layout["etp"]))
     if plan.layout.world_size != num_gpus:
         raise ValueError(f"layout {plan.short()}: world size {plan.layout.world_size} != num_gpus "
                          f"{num_gpus}")
-    check_model_split(model, plan.layout)
+    check_model_split(model, plan.layout, plan.ep, plan.etp)
     return plan

@@ -585,7 +585,7 @@ def test_prefill_is_charged_once_per_prompt_on_each_replica():
     records = {p.stem: json.loads(p.read_text()) for p in (ROOT / "benchmarks/results/cost").glob("*.json")}
     configs = [(set(name.split("_")), r["config"]) for name, rec in records.items()
                for r in rec.get("records", [])]
-    assert len(configs) == 39
+    assert len(configs) == 40
     for tokens, c in configs:
         assert c["prefill_once_per_prompt"] is ("kv64" in tokens)
         assert (c.get("decode_kernels", "torch") == "triton") is ("tk" in tokens)
@@ -646,7 +646,8 @@ def test_layout_overrides_name_the_trainer_keys():
     layout = {"tp": 2, "pp": 4, "dp": 2, "tp_gen": 1, "offload_ref": True, "recompute": True}
     got = layout_overrides(layout)
     assert got == ("parallel.tensor_parallel_size=2 parallel.pipeline_parallel_size=4 "
-                   "rollout.tensor_parallel_size=1 trainer.offload_ref=true "
+                   "rollout.tensor_parallel_size=1 parallel.sequence_parallel=true "
+                   "trainer.offload_ref=true "
                    "parallel.activation_checkpointing=true")
     for item in got.split():
         group, key = item.split("=")[0].split(".")
