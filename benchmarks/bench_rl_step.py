@@ -136,7 +136,10 @@ def calibration_record(algo: str, args, ovr: list[str], budgets: dict, metrics: 
         cfg = dataclasses.replace(cfg, algo=a)
     if a.use_dynamic_bsz and a.max_tokens_per_micro_batch_per_gpu is None:
         raise RuntimeError("the trainer chose token budgets but printed no 'auto: token budgets' line")
-    kernels = r.decode_kernels if r.decode_kernels != "auto" else ("triton" if on_gpu else "torch")
+    # auto: the Triton decode layers on a GPU, except for MoE models (dense-only; the generator
+    # takes the torch layers)
+    kernels = r.decode_kernels if r.decode_kernels != "auto" else \
+        ("triton" if on_gpu and not cfg.model.moe.enabled else "torch")
     prompt_len = (cfg.data.synthetic_length or PROMPT_LETTERS) + 8
     rec = workload_fields(cfg, decode_kernels=kernels,
                           lengths=dict(prompt_len=prompt_len, response_len=args.response))

@@ -16,7 +16,7 @@ from hybridflow.cost.timing import stage_breakdown
 from hybridflow.cost.workload import Workload, make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
-MOE_RECORD = ROOT / "benchmarks/results/cost/rl_moe2b_x1_dyn_kv64_tk_fe_wf.json"
+MOE_RECORD = ROOT / "benchmarks/results/cost/rl_moe2b_x1_dyn_kv64_fe_wf.json"
 WORK = dict(algorithm="grpo", prompts_per_step=8, samples_per_prompt=4, prompt_len=128,
             response_len=256, micro_batch_tokens=4 * 384)
 
@@ -154,4 +154,4 @@ def test_moe_record_leaves_the_dense_fit_unchanged():
         else:
             assert v == pytest.approx(without[k], rel=1e-9), k
     shipped = json.loads((ROOT / "hybridflow/cost/calibration_h200.json").read_text())
-    assert "qwen3_moe_2b-1xH200-grpo-p8n8r256-dyn26624f26624-tk" in shipped["records"]
+    assert "qwen3_moe_2b-1xH200-grpo-p8n8r256-dyn26624f26624" in shipped["records"]
