@@ -385,6 +385,9 @@ class TrainerConfig:
     # resume on training data other than the checkpoint's (data.train_files content or row count;
     # hybridflow/run_state.py): the sampler starts its epoch again over the new data
     resume_allow_data_change: bool = False
+    # resume a LoRA run's adapter-only checkpoint onto a base model whose fingerprint differs from
+    # the one it trained on (hybridflow/checkpoint/base.py); the adapters then act on another base
+    resume_allow_base_change: bool = False
     # re-deal the step's rows over the DP ranks by tokens after generation (verl's name; each rank
     # otherwise trains on its own prompts' groups); hybridflow/parallel/balance.py
     balance_batch: bool = False

@@ -1,6 +1,7 @@
 """Export a hybridflow checkpoint to a Hugging Face model directory.
 
     python -m hybridflow.export <checkpoint> <out_dir> [--role actor] [--step N] [--dtype bfloat16]
+                                [--merged [--base PATH]]
 
 `<checkpoint>` is a checkpoint root (its `latest` step, or `--step N`) or one `step_<N>` directory.
 The role's full weights are read from its dist checkpoint in this one process, whatever TP/PP/DP
@@ -10,7 +11,11 @@ tokenizer files saved with the checkpoint, so `transformers.AutoModelForCausalLM
 loads the result. Scalar heads (critic, reward) have no Hugging Face form and are refused.
 A role trained with LoRA (actor.lora) is written as a PEFT adapter directory (adapter_config.json,
 adapter_model.safetensors) that `peft.PeftModel.from_pretrained` loads onto the base model, or with
-`--merged` as the full model with the adapters merged into its weights.
+`--merged` as the full model with the adapters merged into its weights. A LoRA checkpoint holds
+only the adapters (checkpoint/base.py): `--merged` then reads the base from the source the run
+recorded (model.hf_path / model.gguf_path) or from `--base PATH` (an HF directory or a .gguf
+file), checks its fingerprint against the recorded one, and refuses a base that differs or is not
+available (a random-init base is never on disk).
 
 Nothing is lost on bad input: `<out_dir>` may not be, hold or lie inside the checkpoint root or
 step (compared as real paths), nor be a file or a folder of other files (hf_save says what is
@@ -66,7 +71,7 @@ def check_outside(out_dir: str, checkpoint: str, ckpt: str) -> None:
 
 
 def export(checkpoint: str, out_dir: str, *, role: str = "actor", step: Optional[int] = None,
-           dtype: Optional[str] = None, merged: bool = False) -> str:
+           dtype: Optional[str] = None, merged: bool = False, base: Optional[str] = None) -> str:
     """Write the Hugging Face directory `out_dir`; return the step dir it came from. A role
     trained with LoRA adapters is written as a PEFT adapter directory, or with `merged` as the
     full model with the adapters merged into its weights (models/hf_save.py)."""
@@ -82,6 +87,8 @@ def export(checkpoint: str, out_dir: str, *, role: str = "actor", step: Optional
     from hybridflow.models.hf_names import megatron_to_hf_state_dict
     from hybridflow.models.hf_save import merge_into_hf, save_peft_adapter, split_adapters
 
+    if base is not None and not merged:
+        raise ValueError("--base is the base model to merge the adapters into: it needs --merged")
     full_sd, cfg = _read_weights(ckpt, role)
     full_sd, adapter_sd = split_adapters(full_sd)
     lora = None
@@ -99,13 +106,57 @@ def export(checkpoint: str, out_dir: str, *, role: str = "actor", step: Optional
         return ckpt
     check_replaceable(out_dir)
     if lora is not None:
-        full_sd = merge_into_hf(megatron_to_hf_state_dict(full_sd, cfg), adapter_sd, lora=lora)
+        hf_sd = (_read_base(ckpt, lora, base) if lora.get("adapter_only")
+                 else megatron_to_hf_state_dict(full_sd, cfg))
+        full_sd = merge_into_hf(hf_sd, adapter_sd, lora=lora)
     if dtype is not None:
         full_sd = {k: v.to(getattr(torch, dtype)) for k, v in full_sd.items()}
     tokenizer = os.path.join(ckpt, "tokenizer")
     save_hf_checkpoint(out_dir, full_sd, cfg,
                        tokenizer_dir=tokenizer if os.path.isdir(tokenizer) else None)
     return ckpt
+
+
+def _read_base(ckpt: str, lora: dict, path: Optional[str]) -> dict:
+    """HF-named tensors of the base an adapter-only checkpoint trained on: from `path` (--base)
+    or its recorded source, whose fingerprint must be the recorded one."""
+    from hybridflow.checkpoint.base import describe, gguf_fingerprint, hf_fingerprint
+
+    saved = lora.get("base", {})
+    if path is None:
+        path = saved.get("hf_path") or saved.get("gguf_path")
+        if path is None:
+            raise ValueError(f"--merged: checkpoint {ckpt} holds only LoRA adapters and its base "
+                             f"was not read from disk ({describe(saved)}); pass --base PATH (an "
+                             "HF directory or a .gguf file of that model)")
+    if saved.get("gguf_path") == path:
+        from hybridflow.models.gguf_file import resolve_gguf_path
+
+        path = resolve_gguf_path(path)
+    if os.path.isdir(path):
+        fingerprint = hf_fingerprint(path)
+    elif os.path.isfile(path):
+        fingerprint = gguf_fingerprint(path)
+    else:
+        raise FileNotFoundError(f"--merged: base model {path} of checkpoint {ckpt} is not "
+                                "available (it holds only LoRA adapters); pass --base PATH")
+    if saved.get("fingerprint") not in (None, fingerprint):
+        raise ValueError(f"--merged: base {path} (fingerprint {fingerprint[:16]}) is not the one "
+                         f"the adapters of {ckpt} trained on: {describe(saved)}")
+    if os.path.isfile(path):
+        from hybridflow.models.gguf import read_gguf
+
+        return read_gguf(path)[1]
+    import glob
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        out.update(load_file(f))
+    if not out:
+        raise FileNotFoundError(f"--merged: base model {path} has no *.safetensors files")
+    return out
 
 
 def _read_weights(ckpt: str, role: str):
@@ -128,9 +179,13 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--merged", action="store_true",
                         help="LoRA: write the full model with the adapters merged in (default: "
                              "a PEFT adapter directory)")
+    parser.add_argument("--base", default=None,
+                        help="with --merged, for a checkpoint that holds only LoRA adapters: the "
+                             "base model (HF directory or .gguf file; default: the recorded "
+                             "model.hf_path / model.gguf_path)")
     args = parser.parse_args(argv)
     ckpt = export(args.checkpoint, args.out_dir, role=args.role, step=args.step, dtype=args.dtype,
-                  merged=args.merged)
+                  merged=args.merged, base=args.base)
     print(f"exported {args.role} of {ckpt} to {args.out_dir}")
     return 0
 

@@ -112,6 +112,18 @@ class Checkpointer:
     def __init__(self, trainer):
         self.trainer = trainer
         self.root = os.path.join(trainer.cfg.trainer.output_dir, "checkpoints")
+        self._bases: Optional[dict] = None
+
+    def base_identities(self) -> dict:
+        """role -> identity of its frozen base (LoRA roles; checkpoint/base.py), computed once
+        (the base never changes; a random-init base's fingerprint is a collective)."""
+        if self._bases is None:
+            from hybridflow.checkpoint.base import base_identity
+
+            t = self.trainer
+            self._bases = {role: base_identity(e.model_cfg, e.module, seed=t.cfg.trainer.seed)
+                           for role, e in t.engines.items() if getattr(e, "lora", None) is not None}
+        return self._bases
 
     def _parts(self):
         engines = self.trainer.engines
@@ -132,7 +144,8 @@ class Checkpointer:
             return save_checkpoint(self.root, step=t.step, models=models, optimizers=optimizers,
                                    schedulers=schedulers, trainer_state=t.state_dict(),
                                    model_configs=configs, tokenizer_dir=tok_dir,
-                                   layout=t.ctx.layout, adapter_configs=adapter_configs(t))
+                                   layout=t.ctx.layout,
+                                   adapter_configs=adapter_configs(t, self.base_identities()))
 
     def maybe_resume(self) -> bool:
         from hybridflow.checkpoint import latest_step, load_checkpoint, recover, step_dir
@@ -163,7 +176,9 @@ class Checkpointer:
             state = load_checkpoint(self.root, models=models, optimizers=optimizers,
                                     schedulers=schedulers, model_configs=configs, step=step,
                                     allow_vocab_resize=cfg.resume_allow_vocab_resize,
-                                    layout=self.trainer.ctx.layout)
+                                    layout=self.trainer.ctx.layout,
+                                    base_identities=self.base_identities(),
+                                    allow_base_change=cfg.resume_allow_base_change)
         self.trainer.load_state_dict(state, restart_epoch=restart_epoch)
         return True
 
@@ -181,13 +196,15 @@ class Checkpointer:
         return restart
 
 
-def adapter_configs(trainer) -> dict:
-    """role -> LoRA settings and base model identity, for the roles trained with adapters."""
+def adapter_configs(trainer, bases: dict) -> dict:
+    """role -> LoRA settings and base model identity, for the roles trained with adapters: their
+    checkpoints hold the adapters only (`bases`: role -> checkpoint.base.base_identity)."""
     out = {}
     for role, e in trainer.engines.items():
         lora = getattr(e, "lora", None)
         if lora is not None:
             m = e.model_cfg
             out[role] = {**dataclasses.asdict(lora), "base_model": m.hf_path or m.gguf_path or "",
-                         "base_model_config": dataclasses.asdict(m)}
+                         "base_model_config": dataclasses.asdict(m), "adapter_only": True,
+                         "base": bases[role]}
     return out

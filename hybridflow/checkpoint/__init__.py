@@ -7,7 +7,10 @@ Layout of a checkpoint root:
                                      optimizer tensors, optimizer step and LR-scheduler state
         model_config_<role>.json     the role's ModelConfig
         lora_config_<role>.json      LoRA settings of a role trained with adapters (actor.lora) and
-                                     its base model (the role dir holds base + adapter tensors)
+                                     its base model's identity ("base": source and fingerprint,
+                                     base.py); with "adapter_only" the role dir holds only the
+                                     adapters and their optimizer state, not the frozen base
+                                     (older checkpoints: base + adapter tensors, still loadable)
         trainer_state.json           the trainer's dict (its JSON-able values) and "step"
         trainer_state.pt             the trainer's other values (tensors, bytes), when there are any
         rng/rank_<r>.pt              RNG states of each rank (python, numpy, torch, cuda, megatron)
@@ -49,10 +52,12 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.utils import unwrap_model
 
 from hybridflow.checkpoint import optim, state, unreadable
+from hybridflow.checkpoint.base import adapter_only, check_base, read_lora_config
 from hybridflow.checkpoint.failures import io_errors, raise_on_any_rank
 from hybridflow.checkpoint.full import load_full_state_dict
 from hybridflow.checkpoint.state import model_config_diff, read_model_config
 from hybridflow.models.heads import ValueHead
+from hybridflow.models.lora import is_adapter_name
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "step_dir", "recover",
            "load_full_state_dict", "read_model_config", "model_config_diff"]
@@ -116,7 +121,8 @@ def save_checkpoint(root_dir: str, *, step: int, models: dict, optimizers: dict 
     Megatron optimizer / OptimizerParamScheduler; trainer_state: a dict (JSON-able values go to
     trainer_state.json, the rest to trainer_state.pt); keep_last: keep only the newest N steps;
     adapter_configs: role -> its LoRA settings (a dict, `lora_config_<role>.json`: what export
-    needs to write a PEFT adapter).
+    needs to write a PEFT adapter); with `"adapter_only": True` (and the base's identity under
+    "base", base.py) only the role's adapter tensors are written, not its frozen base.
     An I/O error on any rank removes the partial directory and raises the same OSError on every
     rank (errno, path, failing rank); earlier steps and `latest` stay as they were."""
     for role in list(optimizers) + list(schedulers):
@@ -147,6 +153,8 @@ def save_checkpoint(root_dir: str, *, step: int, models: dict, optimizers: dict 
     with io_errors() as err:
         for role, chunks in models.items():
             model_sd = _model_sharded_state_dict(chunks)
+            if adapter_configs.get(role, {}).get("adapter_only"):
+                model_sd = _adapters_only(model_sd)
             sd = {"model": model_sd}
             if role in optimizers:
                 sd["optimizer"], _ = optim.sharded_state_dict(optimizers[role], model_sd)
@@ -194,7 +202,8 @@ def _write_latest(root_dir: str, step: int) -> None:
 def load_checkpoint(root_dir: str, *, models: dict, optimizers: dict = {}, schedulers: dict = {},
                     step: Optional[int] = None, load_optimizer: bool = True,
                     load_rng: bool = True, layout=None, model_configs: dict = {},
-                    allow_vocab_resize: bool = False) -> Optional[dict]:
+                    allow_vocab_resize: bool = False, base_identities: dict = {},
+                    allow_base_change: bool = False) -> Optional[dict]:
     """Load a checkpoint into the given models (and optimizers, schedulers), in any layout.
 
     step=None loads the latest one and returns None when there is none. Returns the trainer state
@@ -203,6 +212,10 @@ def load_checkpoint(root_dir: str, *, models: dict, optimizers: dict = {}, sched
     (`layout`, the current hybridflow.parallel.layout.Layout; None compares the world size only).
     model_configs: role -> the requested ModelConfig, compared with the saved one before anything
     loads (ValueError naming each differing key; `vocab_size` may differ with allow_vocab_resize).
+    A role saved adapter-only (LoRA) loads only its adapters into the given model, whose base must
+    already be built and loaded from its source: base_identities (role -> base.base_identity of
+    that base) is compared with the saved one first (ValueError naming both unless
+    allow_base_change; the warning line is printed by rank 0).
     Missing step/role dirs raise FileNotFoundError; shapes that do not match the checkpoint raise
     ValueError naming the tensor."""
     if step is None:
@@ -215,11 +228,22 @@ def load_checkpoint(root_dir: str, *, models: dict, optimizers: dict = {}, sched
                                 f"{_complete_steps(root_dir)})")
     for role, cfg in model_configs.items():
         _check_model_config(path, role, cfg, allow_vocab_resize=allow_vocab_resize)
+    only = {role for role in models if adapter_only(path, role)}
+    for role in only:
+        if role not in base_identities:
+            raise ValueError(f"checkpoint {path} holds only the adapters of {role!r}: loading it "
+                             "needs the identity of the base model they go on (base_identities)")
+        line = check_base(read_lora_config(path, role).get("base", {}), base_identities[role],
+                          checkpoint=path, role=role, allow_change=allow_base_change)
+        if line and dist.get_rank() == 0:
+            print(line, flush=True)
     for role, chunks in models.items():
         role_dir = os.path.join(path, role)
         if not os.path.isdir(role_dir):
             raise FileNotFoundError(f"checkpoint {path} has no role {role!r} (no {role_dir})")
         model_sd = _model_sharded_state_dict(chunks)
+        if role in only:
+            model_sd = _adapters_only(model_sd)
         request = {"model": model_sd}
         optimizer = optimizers.get(role) if load_optimizer else None
         if optimizer is not None:
@@ -229,7 +253,14 @@ def load_checkpoint(root_dir: str, *, models: dict, optimizers: dict = {}, sched
         with unreadable.named(path, role):
             loaded = dist_checkpointing.load(request, role_dir)
         for chunk, key in zip(_unwrap(chunks), _chunk_keys(chunks)):
-            chunk.load_state_dict(loaded["model"][key], strict=True)
+            if role not in only:
+                chunk.load_state_dict(loaded["model"][key], strict=True)
+                continue
+            missing, unexpected = chunk.load_state_dict(loaded["model"][key], strict=False)
+            lost = [k for k in missing if is_adapter_name(k)]
+            if lost or unexpected:
+                raise ValueError(f"checkpoint {role_dir}: the model's adapters do not match the "
+                                 f"saved ones (missing {lost[:3]}, unexpected {unexpected[:3]})")
         if optimizer is not None:
             optim.load(optimizer, optimizer_sd, loaded["optimizer"])
         elif role in optimizers:  # fresh optimizer state: main (fp32) weights from the model
@@ -295,6 +326,12 @@ def _unwrap(chunks) -> list:
 
 def _chunk_keys(chunks) -> list[str]:
     return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def _adapters_only(model_sd: dict) -> dict:
+    """The adapter entries (LoRA A and B factors) of each chunk's sharded state dict."""
+    return {key: {n: v for n, v in sd.items() if is_adapter_name(n)}
+            for key, sd in model_sd.items()}
 
 
 def _model_sharded_state_dict(chunks) -> dict:

@@ -1,6 +1,10 @@
 """GRPO with a LoRA actor, end to end on the CPU demo task (one rank): generation on the merged
 weights, the reference as the actor with adapters off (no ref model built), KL loss, updates; only
-the adapters change, and a run resumed from a checkpoint ends with the weights of one that was not."""
+the adapters change, and a run resumed from a checkpoint ends with the weights of one that was not.
+Its checkpoints hold the adapters, not the frozen base: resume re-creates the base from its seed."""
+
+import json
+import os
 
 import torch
 
@@ -46,8 +50,22 @@ def test_grpo_lora_end_to_end_and_resume(tmp_path):
     # two steps, a checkpoint, then the third step in a new process
     resumed_dir = str(tmp_path / "resumed")
     first = run_ranks(_run, 1, resumed_dir, 2, True)[0]
+    _check_adapter_only(os.path.join(resumed_dir, "checkpoints", "step_2"))
     second = run_ranks(_run, 1, resumed_dir, 3, False)[0]
     for n, t in first["end"].items():
         assert torch.equal(second["start"][n], t), n  # the checkpoint restores every tensor
     for n, t in full["end"].items():
         assert torch.equal(second["end"][n], t), n
+
+
+def _check_adapter_only(step: str):
+    """The actor dir holds adapter tensors only (and their Adam state); the base is identified."""
+    from megatron.core import dist_checkpointing
+
+    with open(os.path.join(step, "lora_config_actor.json")) as f:
+        lora = json.load(f)
+    assert lora["adapter_only"] and lora["base"]["source"] == "random"
+    assert lora["base"]["seed"] == 1 and len(lora["base"]["fingerprint"]) == 64
+    keys = list(dist_checkpointing.load_tensors_metadata(os.path.join(step, "actor")))
+    assert keys and all(".lora." in k for k in keys), [k for k in keys if ".lora." not in k][:3]
+    assert any(k.startswith("optimizer.") for k in keys)  # their Adam state
