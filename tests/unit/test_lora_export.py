@@ -19,8 +19,9 @@ def _tokens(vocab):
     return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def save_adapted_actor(root: str, hf_dir: str, targets: list):
-    """Spawned rank: an actor from the HF base with random nonzero adapters; save; its logits."""
+def save_adapted_actor(root: str, hf_dir: str, targets: list, adapter_only: bool = False):
+    """Spawned rank: an actor from the HF base with random nonzero adapters; save (the whole model,
+    or with `adapter_only` the adapters and the base's identity, as training does); its logits."""
     import dataclasses
 
     from hybridflow.checkpoint import save_checkpoint
@@ -47,6 +48,10 @@ def save_adapted_actor(root: str, hf_dir: str, targets: list):
     with torch.no_grad():
         logits = eng.module(tokens, torch.arange(SEQ).expand_as(tokens), None)[..., :cfg.vocab_size]
     lora_dict = {**dataclasses.asdict(lora), "base_model": hf_dir}
+    if adapter_only:
+        from hybridflow.checkpoint.base import base_identity
+
+        lora_dict.update(adapter_only=True, base=base_identity(cfg, eng.module, seed=3))
     save_checkpoint(root, step=2, models={"actor": [eng.model]}, model_configs={"actor": cfg},
                     adapter_configs={"actor": lora_dict})
     return logits
@@ -94,6 +99,56 @@ def test_peft_adapter_loads_with_our_logits(hf_base, tmp_path, targets):
         merged_dir, attn_implementation="eager", dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, ours, rtol=1e-4, atol=1e-4)
+
+
+def _tensors(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, name)))
+    return out
+
+
+def test_adapter_only_checkpoint_exports(hf_base, tmp_path, capsys):
+    """The PEFT dir equals the one from a full checkpoint; --merged reads the recorded base (or
+    --base, a copy), and refuses a base that is gone or is another model."""
+    import shutil
+
+    from hybridflow.export import main
+
+    targets = ["q_proj", "v_proj", "up_proj"]
+    full, only = str(tmp_path / "full"), str(tmp_path / "only")
+    ours = run_ranks(save_adapted_actor, 1, full, hf_base, targets)[0]
+    again = run_ranks(save_adapted_actor, 1, only, hf_base, targets, True)[0]
+    assert torch.equal(ours, again)
+    assert main([full, str(tmp_path / "a_full")]) == 0
+    assert main([only, str(tmp_path / "a_only")]) == 0
+    want, got = _tensors(str(tmp_path / "a_full")), _tensors(str(tmp_path / "a_only"))
+    assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
+    assert main([full, str(tmp_path / "m_full"), "--merged"]) == 0
+    assert main([only, str(tmp_path / "m_only"), "--merged"]) == 0
+    want, got = _tensors(str(tmp_path / "m_full")), _tensors(str(tmp_path / "m_only"))
+    assert sorted(want) == sorted(got)
+    for k in want:
+        torch.testing.assert_close(got[k].float(), want[k].float(), rtol=1e-6, atol=1e-6)
+    moved = str(tmp_path / "base_copy")
+    shutil.copytree(hf_base, moved)
+    assert main([only, str(tmp_path / "m_copy"), "--merged", "--base", moved]) == 0
+    capsys.readouterr()
+    assert main([only, str(tmp_path / "m_none"), "--merged", "--base",
+                 str(tmp_path / "nowhere")]) == 2
+    assert "not available" in capsys.readouterr().err
+    with open(os.path.join(moved, "config.json")) as f:
+        conf = json.load(f)
+    conf["rms_norm_eps"] = conf.get("rms_norm_eps", 1e-6) * 2
+    with open(os.path.join(moved, "config.json"), "w") as f:
+        json.dump(conf, f)
+    assert main([only, str(tmp_path / "m_other"), "--merged", "--base", moved]) == 2
+    err = capsys.readouterr().err
+    assert "is not the one" in err and hf_base in err
+    assert not os.path.exists(str(tmp_path / "m_other"))
 
 
 class _Group:  # a TP group of one rank, for a module built outside torch.distributed
