@@ -41,7 +41,7 @@ from hybridflow.nonfinite import SkippedUpdates
 from hybridflow.parallel.balance import balance_rows
 from hybridflow.parallel.dp import all_gather_batch, dp_max, dp_sum
 from hybridflow.rollout.dynamic_sampling import chunking_warning, fill_informative
-from hybridflow.rollout.partial import PartialRollouts, row_items
+from hybridflow.rollout.partial import PartialRollouts, batch_size_warning, row_items
 
 # Engine.train_step metrics logged under the role (`actor/grad_norm`, ...); the rest carry their own
 ROLE_METRICS = ("grad_norm", "lr", "update_skipped", "graphed_micro_batch_frac")
@@ -102,6 +102,12 @@ class Trainer:
         ds = cfg.algo.dynamic_sampling
         note = ds.enable and chunking_warning(
             batches_per_round=ds.batches_per_round, local_prompts=self.sampler.local_batch_size,
+            n=cfg.rollout.n, gen_replicas=ctx.num_gen_replicas,
+            max_batch_size=cfg.rollout.max_batch_size)
+        if note:
+            self.logger.print(note)
+        note = self.partial is not None and batch_size_warning(
+            local_groups=self.partial.local_groups, local_extra=self.partial.local_extra,
             n=cfg.rollout.n, gen_replicas=ctx.num_gen_replicas,
             max_batch_size=cfg.rollout.max_batch_size)
         if note:
@@ -264,13 +270,14 @@ class Trainer:
             return self.rollout.generate(row_items(prompts), step=self.step, timer=timer,
                                          rollout_cfg=r, round_index=next(calls))
 
-        groups, pm = pr.step(gen_rows, self.step)
+        g = self.ctx.dp_group
+        groups, pm = pr.step(gen_rows, self.step,
+                             anywhere=lambda has: dp_sum(float(has), group=g) > 0)
         L = self.sampler.local_batch_size
         batch = pr.batch(groups, pad_id=self.tokenizer.pad_id, first_group=self.ctx.train.dp * L)
-        items = [g.item for g in groups]
+        items = [grp.item for grp in groups]
         with timer("reward"):
             batch.scores, metrics = self.rollout.score(items, batch)
-        g = self.ctx.dp_group
         metrics.update({k: dp_sum(v, group=g) for k, v in pm.items() if k != "partial/staleness_max"})
         metrics["partial/decode_steps"] /= self.ctx.dp_size
         metrics["partial/staleness_max"] = dp_max(pm["partial/staleness_max"], group=g)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -76,30 +76,38 @@ class PartialRollouts:
             row.logprobs += lps
             row.done = bool(new and new[-1] in self.stop_ids) or len(row.tokens) >= self.R
 
-    def _generate(self, groups: list, gen_rows: Callable, max_new: int) -> int:
+    def _generate(self, groups: list, gen_rows: Callable, max_new: int, anywhere) -> int:
         rows = [r for g in groups for r in g.rows if not r.done]
+        if anywhere is not None and anywhere(bool(rows)) and not rows:
+            # another DP rank generates: join it (MoE's expert gather before generation is a
+            # collective over EP, which spans DP ranks) on one throw-away row
+            gen_rows([self.groups[0].rows[0].prompt], max_new)
+            return 0
         if not rows:
             return 0
         batch = gen_rows([r.prompt + r.tokens for r in rows], max_new)
         self._extend(rows, batch)
         return int(batch.response_mask.sum(1).max())
 
-    def step(self, gen_rows: Callable[[list, int], RolloutBatch], step: int):
+    def step(self, gen_rows: Callable[[list, int], RolloutBatch], step: int,
+             anywhere: Optional[Callable[[bool], bool]] = None):
         """Steps 2-4 of the module doc on the in-flight groups (already topped up) ->
-        (the groups to train on, oldest first; metrics of this rank)."""
+        (the groups to train on, oldest first; metrics of this rank). `anywhere(has_rows)`: whether
+        any DP rank has rows for a call (None: a single rank); every rank then makes the call."""
         carried_rows = sum(not r.done for g in self.groups if g.born < step for r in g.rows)
-        decode = self._generate(self.groups, gen_rows, self.cap)
+        decode = self._generate(self.groups, gen_rows, self.cap, anywhere)
         complete = [g for g in self.groups if g.complete]
         short = max(self.local_groups - len(complete), 0)
         incomplete = [g for g in self.groups if not g.complete]  # oldest first
         finish = [g for k, g in enumerate(incomplete)
                   if k < short or step - g.born >= self.max_staleness]
         finish_rows = sum(not r.done for g in finish for r in g.rows)
-        if finish:  # uncapped: the longest remaining budget, rounded up to a multiple of the cap
-            # (few distinct lengths: a kept generator captures decode graphs per length)
-            budget = max(self.R - len(r.tokens) for g in finish for r in g.rows if not r.done)
-            budget = min(-(-budget // self.cap) * self.cap, self.R)
-            decode += self._generate(finish, gen_rows, budget)
+        # uncapped: the longest remaining budget, rounded up to a multiple of the cap (few
+        # distinct lengths: a kept generator captures decode graphs per length)
+        budget = max([self.R - len(r.tokens) for g in finish for r in g.rows if not r.done]
+                     or [self.cap])
+        budget = min(-(-budget // self.cap) * self.cap, self.R)
+        decode += self._generate(finish, gen_rows, budget, anywhere)  # (every rank: it may join)
         ready = [g for g in self.groups if g.complete]  # oldest first (in-flight order)
         take = ready[:self.local_groups]
         taken = {id(g) for g in take}
@@ -134,6 +142,19 @@ class PartialRollouts:
         return RolloutBatch(prompt_ids=p_ids, prompt_mask=p_mask, response_ids=r_ids,
                             response_mask=r_mask, group_ids=gids, indices=idx,
                             rollout_logprobs=lps)
+
+
+def batch_size_warning(*, local_groups: int, local_extra: int, n: int, gen_replicas: int,
+                       max_batch_size: int):
+    """A start-up warning when the first step's rows per generate call (every in-flight group's n
+    rows) exceed rollout.max_batch_size: the call then runs in chunks, each paying the cap again."""
+    rows = -(-(local_groups + local_extra) * n // gen_replicas)
+    if rows <= max_batch_size:
+        return None
+    return (f"hybridflow: warning: rollout.partial generates up to {rows} rows per call (the "
+            f"in-flight groups, data.prompts_per_step + rollout.partial.extra_prompts per DP rank, "
+            f"x rollout.n={n}) in chunks of rollout.max_batch_size={max_batch_size}, one after "
+            f"another; set rollout.max_batch_size={rows} where memory allows")
 
 
 def row_items(prompts: list) -> list:

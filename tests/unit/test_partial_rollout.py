@@ -155,3 +155,43 @@ def test_config_checks_name_the_keys():
     cfg.algo.dynamic_sampling.enable = True
     with pytest.raises(ValueError, match="algo.dynamic_sampling.enable"):
         validate_partial(cfg, dp=1)
+
+
+def test_a_rank_without_rows_joins_the_other_ranks_calls():
+    """Every DP rank makes the same calls (MoE's expert gather is a collective over EP, across DP):
+    a rank whose groups are all complete generates one throw-away row when another rank generates,
+    and makes no call when none does; its groups are not touched."""
+    items = _items(3)
+    for others_generate, want_calls in ((True, 2), (False, 0)):
+        pr = PartialRollouts(n=N, max_new_tokens=R, stop_ids=[0], max_decode_steps=CAP,
+                             max_staleness=1, local_groups=2, local_extra=1)
+        pr.add(items, 0)
+        for g in pr.groups:
+            for r in g.rows:
+                r.tokens, r.logprobs, r.done = [5, 0], [-1.0, -2.0], True
+        calls, asked = [], []
+
+        def gen_rows(prompts, max_new):
+            calls.append(prompts)
+            return make().generate(prompts, cfg=rc(max_new_tokens=max_new, n=1), eos_id=0,
+                                   pad_id=0, seed=0)
+
+        def anywhere(has):
+            asked.append(has)
+            return has or others_generate
+
+        groups, m = pr.step(gen_rows, 1, anywhere=anywhere)
+        assert asked == [False, False] and len(calls) == want_calls
+        assert all(c == [items[0].prompt_ids] for c in calls)
+        assert [g.item.index for g in groups] == [0, 1] and m["partial/decode_steps"] == 0
+        assert [r.tokens for g in groups for r in g.rows] == [[5, 0]] * 4
+
+
+def test_batch_size_warning_names_the_rows():
+    from hybridflow.rollout.partial import batch_size_warning
+
+    assert batch_size_warning(local_groups=64, local_extra=32, n=8, gen_replicas=1,
+                              max_batch_size=768) is None
+    note = batch_size_warning(local_groups=64, local_extra=32, n=8, gen_replicas=1,
+                              max_batch_size=512)
+    assert "768 rows" in note and "rollout.max_batch_size=768" in note
