@@ -25,20 +25,24 @@ def _ranks_fn(tmp):
     end = tok.encode("<|im_end|>")
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
                for q in ("6*7?", "Two: 2+3 then 5*5", "plain")]
-    # forced calls, then free sampling to the end of the budget or EOS
+    # forced calls, then greedy decoding to the end of the budget or EOS: a sampled row's draws
+    # depend on the decode step at which its tool result landed (the thread pool's timing), so
+    # two runs compare token for token only when greedy
     forced = [tok.encode(call("6*7")), tok.encode(call("2+3")) + tok.encode(call("5*5")),
               tok.encode("no call") + end]
     cfg_path = tool_config(tmp, "calculator")
     ref = Generator(model_cfg=CFG, params=full, tp_group=None, device="cpu", dtype=torch.float32,
                     true_vocab_size=V)
-    (tp1, _), _ = run(ref, tok, "hermes", cfg_path, prompts, forced, max_new=200)
+    (tp1, _), _ = run(ref, tok, "hermes", cfg_path, prompts, forced, max_new=200,
+                      temperature=0.0)
     groups.init_model_parallel(tp=2, pp=1, seed=0)
     group = ps.get_tensor_model_parallel_group()
     shards = {n: param_rules.shard_tensor(n, t, tp_rank=dist.get_rank(group), tp_size=2)
               .contiguous() for n, t in full.items()}
     gen2 = Generator(model_cfg=CFG, params=shards, tp_group=group, device="cpu",
                      dtype=torch.float32, true_vocab_size=V)
-    (tp2, m), _ = run(gen2, tok, "hermes", cfg_path, prompts, forced, max_new=200)
+    (tp2, m), _ = run(gen2, tok, "hermes", cfg_path, prompts, forced, max_new=200,
+                     temperature=0.0)
     return {"tp1": tp1, "tp2": tp2, "metrics": m}
 
 

@@ -100,7 +100,7 @@ def reference_logprobs(gen, prompt, response):
 
 
 def run(gen, tok, fmt_kind, cfg_path, prompts, forced, *, max_new=320, turns=4,
-        prefill_tokens=16384):
+        prefill_tokens=16384, temperature=1.0):
     tools = load_tool_config(cfg_path)
     mt = MultiTurnConfig(enable=True, format=fmt_kind, max_assistant_turns=turns,
                          max_tool_response_length=64, tool_config_path=cfg_path, tool_workers=2)
@@ -108,7 +108,7 @@ def run(gen, tok, fmt_kind, cfg_path, prompts, forced, *, max_new=320, turns=4,
                           tokenizer=tok, mt=mt)
     try:
         return generate_multi_turn(gen, prompts, cfg=RolloutConfig(
-            n=1, max_new_tokens=max_new, temperature=1.0, return_logprobs=True,
+            n=1, max_new_tokens=max_new, temperature=temperature, return_logprobs=True,
             max_batch_size=8), runner=runner, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=3,
             options=DecodeOptions(kernels="torch", prefill_tokens=prefill_tokens),
             forced=forced), runner
