@@ -147,7 +147,19 @@ def test_lora_matches_dense_reference(dense, tp, sp, pp):
         assert checked == len(res["grads"])
 
 
-def _save_tp2(root: str):
+def _lora_configs(eng, adapter_only: bool) -> dict:
+    """adapter_configs of save_checkpoint: {} (the whole model is saved) or adapters only."""
+    if not adapter_only:
+        return {}
+    import dataclasses
+
+    from hybridflow.checkpoint.base import base_identity
+
+    return {"actor": {**dataclasses.asdict(LORA), "adapter_only": True,
+                      "base": base_identity(MODEL, eng.module, seed=3)}}
+
+
+def _save_tp2(root: str, adapter_only: bool):
     """TP=2 + SP: one update (Adam state), save; the adapters and their Adam moments, full."""
     from hybridflow.checkpoint import save_checkpoint
 
@@ -156,7 +168,8 @@ def _save_tp2(root: str):
     batch = _global_batch()
     eng.train_step(batch, _loss_fn(int(batch.response_mask.sum())), micro_batch_size=2)
     save_checkpoint(root, step=1, models={"actor": [eng.model]},
-                    optimizers={"actor": eng.optimizer}, schedulers={"actor": eng.scheduler})
+                    optimizers={"actor": eng.optimizer}, schedulers={"actor": eng.scheduler},
+                    adapter_configs=_lora_configs(eng, adapter_only))
     return _adapter_state(eng)
 
 
@@ -169,7 +182,7 @@ def _adapter_state(eng):
             "exp_avg": gather_full(moments, num_layers=MODEL.num_layers)}
 
 
-def _load_tp1(root: str):
+def _load_tp1(root: str, adapter_only: bool):
     """A fresh TP=1 LoRA actor (B = 0) loads the TP=2 checkpoint; then one more update works."""
     from hybridflow.checkpoint import load_checkpoint
 
@@ -179,14 +192,17 @@ def _load_tp1(root: str):
         for n, p in eng.module.named_parameters():
             if ".lora." in n:
                 p.zero_()
+    # adapters only: the base (filled the same at any TP) must have the saved fingerprint
+    bases = {r: c["base"] for r, c in _lora_configs(eng, adapter_only).items()}
     load_checkpoint(root, models={"actor": [eng.model]}, optimizers={"actor": eng.optimizer},
-                    schedulers={"actor": eng.scheduler}, load_rng=False)
+                    schedulers={"actor": eng.scheduler}, load_rng=False, base_identities=bases)
     return _adapter_state(eng)
 
 
-def test_adapter_checkpoint_reshards_tp2_to_tp1(tmp_path):
-    saved = run_ranks(_save_tp2, 2, str(tmp_path))[0]
-    loaded = run_ranks(_load_tp1, 1, str(tmp_path))[0]
+@pytest.mark.parametrize("adapter_only", [False, True], ids=["full", "adapters_only"])
+def test_adapter_checkpoint_reshards_tp2_to_tp1(tmp_path, adapter_only):
+    saved = run_ranks(_save_tp2, 2, str(tmp_path), adapter_only)[0]
+    loaded = run_ranks(_load_tp1, 1, str(tmp_path), adapter_only)[0]
     assert len(saved["weights"]) == MODEL.num_layers * 7 * 2
     for n, w in saved["weights"].items():
         assert torch.equal(loaded["weights"][n], w), n
