@@ -237,3 +237,14 @@ def test_small_cards_runs_each_cap_in_its_own_process(tmp_path):
     args = argparse.Namespace(model="qwen2_7b", prompts=8, samples=8, response=256)
     peak = small_cards.predicted_peak(args, 24, small_cards.OPTIONS[24], {})
     assert 14 < peak < 24  # the bf16 7B weights (14.2 GiB) and what the rest needs under the cap
+
+
+def test_lora_checkpoint_sizes_both_formats(tmp_path):
+    out = tmp_path / "l.json"
+    subprocess.run([sys.executable, "benchmarks/lora_checkpoint.py", "--model", "small", "--rank",
+                    "2", "--targets", "q_proj,v_proj", "--out", str(out)], check=True, cwd=ROOT,
+                   env=ENV, capture_output=True)
+    r = json.loads(out.read_text())
+    assert r["adapters_restored_exactly"] and r["workload"]["adapter_params"] > 0
+    assert r["adapter_only"]["role_dir_bytes"] < r["full"]["role_dir_bytes"]
+    assert r["size_ratio_full_over_adapter_only"] > 1 and r["adapter_only"]["load_s"] > 0
