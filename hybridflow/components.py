@@ -150,7 +150,8 @@ def build_engines(cfg: Config, ctx: ParallelContext) -> dict[str, Engine]:
     engines = {"actor": Engine(role="actor", model_cfg=cfg.model, optim=cfg.actor_optim,
                                total_updates=total, lora=cfg.actor.lora, seed=cfg.trainer.seed,
                                offload_optimizer=cfg.actor.offload_optimizer,
-                               offload_grads=cfg.actor.offload_grads, **common)}
+                               offload_grads=cfg.actor.offload_grads,
+                               router_replay=cfg.actor.router_replay, **common)}
     load_pretrained(engines["actor"], cfg.model)
     a = cfg.algo
     # with LoRA the reference is the actor with its adapters off (reference_policy), not a copy

@@ -251,6 +251,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
         raise ValueError(f"trainer.gc_full_interval={cfg.trainer.gc_full_interval} must be >= 1 "
                          "(1: every collection is a full one)")
     validate_lora(cfg)
+    validate_router_replay(cfg)
     if cfg.actor.offload_grads and cfg.parallel.train_cuda_graphs:
         raise ValueError("actor.offload_grads=true and parallel.train_cuda_graphs=true: the "
                          "captured graphs hold the gradient buffers' addresses; turn one off")
@@ -258,6 +259,27 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if limit is not None and not limit > 0:
         raise ValueError(f"trainer.gpu_memory_limit_gib={limit} must be a positive number of GiB "
                          "(null: the whole device)")
+
+
+def validate_router_replay(cfg: Config) -> None:
+    """actor.router_replay: disabled or R3, the latter for an MoE actor on the single-turn,
+    whole-rollout path (the generator records the routing there)."""
+    mode = cfg.actor.router_replay
+    if mode == "R2":
+        raise ValueError("actor.router_replay=R2 (replaying the old-log-prob pass's routing) is not "
+                         "implemented; expected disabled or R3 (the rollout's routing)")
+    _one_of("actor.router_replay", mode, ("disabled", "R3"))
+    if mode == "disabled":
+        return
+    if not cfg.model.moe.enabled:
+        raise ValueError(f"actor.router_replay={mode} needs a mixture-of-experts model "
+                         "(model.moe.num_experts > 0); set actor.router_replay=disabled")
+    for key, on in (("rollout.multi_turn.enable", cfg.rollout.multi_turn.enable),
+                    ("rollout.partial.enable", cfg.rollout.partial.enable),
+                    ("parallel.train_cuda_graphs", cfg.parallel.train_cuda_graphs)):
+        if on:
+            raise ValueError(f"actor.router_replay={mode} with {key}=true is not supported (that "
+                             "path does not record or bind the routing yet); set one of them off")
 
 
 def validate_lora(cfg: Config) -> None:

@@ -32,6 +32,8 @@ with PP > 1.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 from collections import Counter
 from typing import Callable, Optional
@@ -87,13 +89,17 @@ class Engine:
     def __init__(self, *, role: str, model_cfg: ModelConfig, ctx: ParallelContext,
                  parallel: ParallelConfig, precision: str, optim: Optional[OptimConfig] = None,
                  total_updates: int = 1, lora: Optional[LoRAConfig] = None, seed: int = 0,
-                 offload_optimizer: bool = False, offload_grads: bool = False):
+                 offload_optimizer: bool = False, offload_grads: bool = False,
+                 router_replay: str = "disabled"):
         """`lora` (actor.lora, rank > 0; trainable roles): LoRA adapters on the decoder linears,
         the only parameters that train (models/lora.py); `seed` draws their A factors.
         `offload_optimizer` (actor.offload_optimizer): master weights and Adam state in host
         memory but for the optimizer step (hybridflow/offload.py). `offload_grads`
         (actor.offload_grads): the gradient buffers exist only from the start of an update to the
-        end of its optimizer step (their storage released in between; hybridflow/offload.py)."""
+        end of its optimizer step (their storage released in between; hybridflow/offload.py).
+        `router_replay` (actor.router_replay, MoE models): "R3" routes the tokens of batches that
+        carry recorded experts to them (models/router_replay.py); "disabled": the routers' own
+        choice."""
         self.role = role
         self.ctx = ctx
         self.model_cfg = model_cfg
@@ -185,6 +191,11 @@ class Engine:
             self._router_stats = RouterStats(self.module, num_layers=model_cfg.num_layers,
                                              num_experts=model_cfg.moe.num_experts,
                                              top_k=model_cfg.moe.top_k, device=ctx.device)
+        self._replay = None  # actor.router_replay: the routers' replay hooks
+        if router_replay != "disabled" and model_cfg.moe.enabled:
+            from hybridflow.models.router_replay import Replay
+
+            self._replay = Replay(self.module)
         self.sdpa = any(isinstance(m, SDPAttention) for m in self.module.modules())
         # LM roles on the last stage compute logits only where they are scored (the positions that
         # predict response tokens: LeanOutputLinear.select), not over the prompt; the results are
@@ -294,7 +305,11 @@ class Engine:
 
     def _run(self, batch: RolloutBatch, *, micro_batch_size: int, forward_only: bool,
              loss_fn: Optional[LossFn], temperature: float, need_entropy: bool,
-             max_tokens: Optional[int] = None, keep_logprobs: bool = False, pack: bool = False):
+             max_tokens: Optional[int] = None, keep_logprobs: bool = False, pack: bool = False,
+             replay: bool = True):
+        replaying = replay and self._replay is not None
+        if not replaying and batch.prompt_experts is not None:  # not carried to the device
+            batch = dataclasses.replace(batch, prompt_experts=None, response_experts=None)
         micro, rows = self._micro_batches(batch, micro_batch_size=micro_batch_size,
                                           max_tokens=max_tokens, pack=pack)
         # shapes for the pipeline schedules (PP > 1 runs only fixed micro-batches, all alike)
@@ -305,6 +320,7 @@ class Engine:
 
         def forward_step(data_iter, model):
             mb, padded, packed = next(data_iter)
+            experts = self._router_targets(mb, packed) if replaying else None
             # the LM head only at the positions that predict response tokens (see __init__)
             select = self._response_head is not None and (packed is None or packed.scored.numel())
             if select:
@@ -319,12 +335,13 @@ class Engine:
                         temperature=temperature, with_entropy=need_entropy,
                         chunk_tokens=self._lm_chunk)
             try:
-                if packed is None:
-                    out = model(mb.input_ids(), mb.position_ids(),
-                                attention_mask(mb.token_mask(), padded=padded), **self._out_kw)
-                else:  # one row (1, S); its results are gathered back into mb's (b, R_mb) below
-                    out = model(packed.input_ids, packed.position_ids,
-                                document_causal_mask(packed.document_ids), **self._out_kw)
+                with self._replay.bound(experts) if replaying else contextlib.nullcontext():
+                    if packed is None:
+                        out = model(mb.input_ids(), mb.position_ids(),
+                                    attention_mask(mb.token_mask(), padded=padded), **self._out_kw)
+                    else:  # one row (1, S); its results are gathered back into mb's (b, R_mb)
+                        out = model(packed.input_ids, packed.position_ids,
+                                    document_causal_mask(packed.document_ids), **self._out_kw)
             finally:
                 if select:
                     self._response_head.select = self._response_head.logprobs = None
@@ -375,6 +392,24 @@ class Engine:
                 pg_collection=self.ctx.pgs)
         return outs, rows
 
+    def _router_targets(self, mb: RolloutBatch, packed: Optional[PackedRows]):
+        """The recorded experts of a micro-batch in its routers' token order, (tokens, L, k) on the
+        device (None: nothing recorded)."""
+        from hybridflow.models.router_replay import router_order
+
+        experts = mb.experts() if packed is None else (
+            None if packed.experts is None else packed.experts[None])
+        if experts is None:
+            return None
+        sp = self.ctx.tp_size if self.tcfg.sequence_parallel else 1
+        return router_order(experts, sp_rank=self.ctx.train.tp, sp_size=sp)
+
+    def replay_metrics(self, name: str) -> dict:
+        """actor.router_replay: {name: the share of recorded (token, MoE layer) routing decisions
+        that replay changed in the passes since the last call} (every rank calls it; empty when
+        replay is off or nothing was recorded)."""
+        return self._replay.metrics(name) if self._replay is not None else {}
+
     def _capture_graphs(self, micro: list) -> int:
         """parallel.train_cuda_graphs: capture the layers at the shape of this pass's most common
         unmasked, unpacked micro-batch (once: later passes reuse it); returns how many of `micro`
@@ -403,10 +438,11 @@ class Engine:
     # `pack`: each of them run as one packed row (see the module docstring)
     def compute_logprobs(self, batch: RolloutBatch, *, micro_batch_size: int,
                          temperature: float = 1.0, max_tokens: Optional[int] = None,
-                         pack: bool = False) -> torch.Tensor:
+                         pack: bool = False, replay: bool = True) -> torch.Tensor:
+        """`replay` (with router_replay on): route by the batch's recorded experts, if any."""
         out, rows = self._run(batch, micro_batch_size=micro_batch_size, forward_only=True,
                               loss_fn=None, temperature=temperature, need_entropy=False,
-                              max_tokens=max_tokens, pack=pack)
+                              max_tokens=max_tokens, pack=pack, replay=replay)
         return self._from_last_stage(out, "logprobs", batch, rows)
 
     def compute_values(self, batch: RolloutBatch, *, micro_batch_size: int,
@@ -471,6 +507,7 @@ class Engine:
 
             metrics.update(router_metrics(self.ctx, num_micro_batches=self._n_micro))
             metrics.update(self._router_stats.metrics())
+        metrics.update(self.replay_metrics("moe/router_mismatch_frac_update"))
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = used_lr
         metrics["update_skipped"] = 0.0 if finite else 1.0
@@ -524,8 +561,9 @@ class AdapterFreeReference:
         self.model_cfg = actor.model_cfg
 
     def compute_logprobs(self, batch: RolloutBatch, **kwargs) -> torch.Tensor:
+        # the base model routes by its own router (the rollout's routing is the policy's)
         with adapters_disabled(self.actor.module):
-            return self.actor.compute_logprobs(batch, **kwargs)
+            return self.actor.compute_logprobs(batch, replay=False, **kwargs)
 
     def offload(self) -> None:
         pass

@@ -178,10 +178,14 @@ class Trainer:
             batch = batch.trimmed()
             fwd = micro_batching(cfg.algo, forward=True)
             skip_old, _ = skip_old_log_prob(cfg, step=self.step)  # then set by update_actor
+            replay_metrics = {}
             if not skip_old:
                 with timer("old_log_prob"):
                     batch.old_logprobs = self.actor.compute_logprobs(
                         batch, temperature=self.temperature, **fwd)
+                # actor.router_replay: routing decisions replay changed (pi_old's weights are
+                # the rollout's: the generation/training router mismatch itself)
+                replay_metrics = self.actor.replay_metrics("moe/router_mismatch_frac")
             if self.ref is not None:
                 with timer("ref"):
                     if cfg.trainer.offload_ref:
@@ -204,11 +208,12 @@ class Trainer:
                     update_metrics.update(self.update(self.actor, batch, actor_objective,
                                                       on_policy=skip_old))
             if skip_old and batch.rollout_logprobs is not None:  # from update_actor's forward
-                full = all_gather_batch(batch, group=self.ctx.dp_group, pad_id=self.tokenizer.pad_id)
+                full = all_gather_batch(_without_experts(batch), group=self.ctx.dp_group,
+                                        pad_id=self.tokenizer.pad_id)
                 update_metrics.update(batch_mismatch_metrics(full, cap=cfg.algo.tis_imp_ratio_cap))
             self.skipped.end_step(self.step + 1)
         update_metrics["actor/old_log_prob_skipped"] = float(skip_old)
-        metrics = {**reward_metrics, **adv_metrics, **update_metrics,
+        metrics = {**reward_metrics, **replay_metrics, **adv_metrics, **update_metrics,
                    **timer.metrics(), **memory_metrics()}
         if cfg.rollout.quantization != "none":  # the generator's codes + scales (freed with it)
             metrics["perf/rollout_quantized_weights_gb"] = self.rollout.quantized_bytes / 2**30
@@ -286,7 +291,8 @@ class Trainer:
     def compute_advantages(self, batch: RolloutBatch):
         a = self.cfg.algo
         # global batch, same order on every rank
-        full = all_gather_batch(batch, group=self.ctx.dp_group, pad_id=self.tokenizer.pad_id)
+        full = all_gather_batch(_without_experts(batch), group=self.ctx.dp_group,
+                                pad_id=self.tokenizer.pad_id)
         # the model's own tokens (tool results of a multi-turn rollout excluded); the score sits
         # on each row's last one
         mask = full.loss_mask().float()
@@ -410,6 +416,11 @@ class Trainer:
             print(f"hybridflow: rollout.partial: {dropped} prompt groups in flight (or drawn) on "
                   f"DP rank 0 when the checkpoint was saved are dropped; their prompts are "
                   f"skipped for the rest of this epoch", flush=True)
+
+
+def _without_experts(batch: RolloutBatch) -> RolloutBatch:
+    """The batch without its recorded routing (actor.router_replay): not gathered where unused."""
+    return dataclasses.replace(batch, prompt_experts=None, response_experts=None)
 
 
 def gc_generation(step: int, interval: int, full_interval: int) -> Optional[int]:

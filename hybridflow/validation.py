@@ -54,7 +54,8 @@ class Validator:
     @torch.no_grad()
     def run(self, *, step: int, timer) -> dict:
         batch = self.rollout.generate(self.items, step=step, timer=timer,
-                                      rollout_cfg=self.gen_cfg, seed=self.cfg.trainer.seed)
+                                      rollout_cfg=self.gen_cfg, seed=self.cfg.trainer.seed,
+                                      record_experts=False)
         scores = {name: self.rollout.rule_scores(self.items, batch, fn=fn)[0]
                   for name, fn in self.rules.items()}
         lengths = batch.response_mask.sum(1)

@@ -32,6 +32,12 @@ class RolloutBatch:
     # multi-turn rollout): context for the forward, but outside the loss, KL and advantages
     # (`loss_mask`). None: every response token is the model's.
     tool_mask: Optional[torch.Tensor] = None
+    # (B, P, L, k) / (B, R, L, k) int16: the k experts each of the L MoE layers' routers picked
+    # for each prompt / response token in generation (actor.router_replay=R3; the training passes
+    # route the tokens to them: models/router_replay.py); -1 where nothing was recorded (padding,
+    # a response's last token, which generation never fed back). None unless recorded.
+    prompt_experts: Optional[torch.Tensor] = None
+    response_experts: Optional[torch.Tensor] = None
     # --- actor / reference / critic ---
     old_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_old(a_t | s_t)
     ref_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_ref(a_t | s_t)
@@ -59,6 +65,11 @@ class RolloutBatch:
     def position_ids(self) -> torch.Tensor:  # (B, P + R)
         return (self.token_mask().cumsum(dim=1) - 1).clamp(min=0)
 
+    def experts(self) -> Optional[torch.Tensor]:  # (B, P + R, L, k), as input_ids
+        if self.prompt_experts is None:
+            return None
+        return torch.cat([self.prompt_experts, self.response_experts], dim=1)
+
     def loss_mask(self) -> torch.Tensor:  # (B, R): the model's own response tokens
         if self.tool_mask is None:
             return self.response_mask
@@ -82,20 +93,20 @@ class RolloutBatch:
         extra = -(self.prompt_len + self.response_ids.shape[1]) % multiple
         if extra == 0:
             return self
-        out = {k: torch.nn.functional.pad(v, (0, extra)) for k, v in self._tensors().items()
-               if v.dim() == 2 and not k.startswith("prompt_")}
+        out = {k: _pad_columns(v, 0, extra, _fill(k, 0)) for k, v in self._tensors().items()
+               if v.dim() >= 2 and not k.startswith("prompt_")}
         return dataclasses.replace(self, **out)
 
     def widened(self, *, prompt_len: int, response_len: int, pad_id: int) -> "RolloutBatch":
         """Prompts left-padded to `prompt_len`, responses right-padded to `response_len` (ids with
-        `pad_id`, masks and per-token values with 0)."""
+        `pad_id`, masks and per-token values with 0, expert ids with -1)."""
         out = {}
         for k, v in self._tensors().items():
-            fill = pad_id if k in ("prompt_ids", "response_ids") else 0
+            fill = _fill(k, pad_id)
             if k.startswith("prompt_"):
-                v = torch.nn.functional.pad(v, (prompt_len - v.shape[1], 0), value=fill)
-            elif v.dim() == 2:
-                v = torch.nn.functional.pad(v, (0, response_len - v.shape[1]), value=fill)
+                v = _pad_columns(v, prompt_len - v.shape[1], 0, fill)
+            elif v.dim() >= 2:
+                v = _pad_columns(v, 0, response_len - v.shape[1], fill)
             out[k] = v
         return dataclasses.replace(self, **out)
 
@@ -123,10 +134,25 @@ class RolloutBatch:
         r_keep = max(int(self.response_mask.sum(1).max()), 1)
         out = {}
         for k, v in self._tensors().items():
-            if k in ("prompt_ids", "prompt_mask"):
+            if k.startswith("prompt_"):
                 out[k] = v[:, v.shape[1] - p_keep:]
-            elif v.dim() == 2:
+            elif v.dim() >= 2:
                 out[k] = v[:, :r_keep]
             else:
                 out[k] = v
         return dataclasses.replace(self, **out)
+
+
+def _fill(name: str, pad_id: int) -> int:
+    """The value padding columns of field `name` hold: the pad id for token ids, -1 for expert ids
+    (nothing recorded), else 0."""
+    if name in ("prompt_ids", "response_ids"):
+        return pad_id
+    return -1 if name.endswith("_experts") else 0
+
+
+def _pad_columns(v: torch.Tensor, left: int, right: int, value: int) -> torch.Tensor:
+    """`v` (B, T, ...) with `left` / `right` columns of `value` added on dim 1."""
+    if left == 0 and right == 0:
+        return v
+    return torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (left, right), value=value)

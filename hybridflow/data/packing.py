@@ -15,13 +15,15 @@ positions, scattered by `PackedRows.unpack_scored`). Response token k of row j s
 position off_j + p_j + k and is predicted by the output at the position before (`own_position`:
 the reward model reads each token's own state). Log-prob targets are the packed ids shifted by one:
 a row's last position predicts the next row's first token, which is never gathered. Entries past a
-row's response are 0 (masked by response_mask, as the padded path's are).
+row's response are 0 (masked by response_mask, as the padded path's are). Recorded expert ids
+(actor.router_replay) are packed like the ids: they follow their tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -37,10 +39,14 @@ class PackedRows:
     gather: torch.Tensor  # (b, R) int64, packed position of each (row, response token)'s result
     valid: torch.Tensor  # (b, R) bool, k < r_j
     scored: torch.Tensor  # (n,) int64, gather[valid]: the positions whose results are kept
+    # (S, L, k) int16, the rows' recorded expert ids (RolloutBatch.experts) following their tokens,
+    # -1 on the tail; None when the micro-batch has none
+    experts: Optional[torch.Tensor] = None
 
     def to(self, device) -> "PackedRows":
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device)
-                                            for f in dataclasses.fields(self)})
+                                            for f in dataclasses.fields(self)
+                                            if getattr(self, f.name) is not None})
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """(1, S) per packed position -> (b, R) per response token; differentiable."""
@@ -72,5 +78,10 @@ def pack_rows(mb: RolloutBatch, *, multiple: int = 1, own_position: bool = False
     gather = offsets[:-1, None] + p[:, None] + k - (0 if own_position else 1)
     # past a row's response (and a prompt-less row's first token): any in-range index, masked
     gather = torch.where(valid, gather, 0).clamp(min=0)
+    experts = mb.experts()
+    if experts is not None:  # (real, L, k) in the ids' order, then the tail
+        experts = experts[tokens]
+        experts = torch.cat([experts, experts.new_full((s - real, *experts.shape[1:]), -1)])
     return PackedRows(input_ids=ids[None], position_ids=positions[None], targets=targets[None],
-                      document_ids=doc, gather=gather, valid=valid, scored=gather[valid])
+                      document_ids=doc, gather=gather, valid=valid, scored=gather[valid],
+                      experts=experts)

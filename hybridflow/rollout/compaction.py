@@ -63,11 +63,14 @@ def target_bucket(live: int, current: int, targets: list[int]) -> Optional[int]:
     return fit if fit is not None and fit <= current // 2 else None
 
 
-def flush(buf, row_map: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-    """Scatter the bucket's output rows into the chunk's tokens / logprobs (B + 1, R) by row_map
-    (b,) (row B: bucket padding)."""
+def flush(buf, row_map: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
+          experts: Optional[torch.Tensor] = None) -> None:
+    """Scatter the bucket's output rows into the chunk's tokens / logprobs (B + 1, R) (and routed
+    `experts` (B + 1, R, L, k) when recorded) by row_map (b,) (row B: bucket padding)."""
     tokens.index_copy_(0, row_map, buf.out_tokens)
     logprobs.index_copy_(0, row_map, buf.out_logprobs)
+    if experts is not None:
+        experts.index_copy_(0, row_map, buf.out_experts)
 
 
 def compact(src, dst, cache, row_map: torch.Tensor, *, columns: int) -> torch.Tensor:
@@ -77,7 +80,10 @@ def compact(src, dst, cache, row_map: torch.Tensor, *, columns: int) -> torch.Te
     old_b, new_b = src.finished.shape[0], dst.finished.shape[0]
     assert new_b < old_b, (new_b, old_b)
     order = torch.argsort(src.finished.int(), stable=True)[:new_b]  # live rows first
-    for name in ("tokens", "positions", "finished", "key_valid", "out_tokens", "out_logprobs"):
+    names = ["tokens", "positions", "finished", "key_valid", "out_tokens", "out_logprobs"]
+    if src.out_experts is not None:  # recording the routed experts (the same in both buckets)
+        names.append("out_experts")
+    for name in names:
         getattr(dst, name).copy_(getattr(src, name).index_select(0, order))
     dst.cur.copy_(src.cur)
     dst.step.copy_(src.step)

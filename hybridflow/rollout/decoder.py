@@ -266,17 +266,19 @@ def _swiglu(h, fc1, silu_mul=None, lin=linear):
     return F.silu(gate) * up
 
 
-def _mlp(x, layer: Layer, w: Weights, swiglu=_swiglu, norm=_norm, lin=linear):
-    """x + the MLP of x; `swiglu` (h, fc1) -> act and `norm` (x, weight, eps): the ops to use."""
+def _mlp(x, layer: Layer, w: Weights, swiglu=_swiglu, norm=_norm, lin=linear, experts=None):
+    """x + the MLP of x; `swiglu` (h, fc1) -> act and `norm` (x, weight, eps): the ops to use.
+    `experts` (MoE): a buffer receiving each row's chosen experts (rows x k elements)."""
     h = norm(x, layer.ln2, w.dims.eps)
     if layer.moe is not None:  # the experts stay unquantized (rollout/moe.py)
-        return x + _all_reduce(moe_mlp(h, layer.moe), w)
+        return x + _all_reduce(moe_mlp(h, layer.moe, experts), w)
     return _row_parallel_add(x, swiglu(h, layer.fc1), layer.fc2, w, lin)
 
 
 def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *,
             cos_tab: torch.Tensor, sin_tab: torch.Tensor, cache=None, cache_row0: int = 0,
-            last_only: bool = False, opts: DecodeOptions = DecodeOptions(kernels="torch")):
+            last_only: bool = False, opts: DecodeOptions = DecodeOptions(kernels="torch"),
+            experts: Optional[torch.Tensor] = None):
     """Full causal forward over left-padded rows (prefill, or the no-cache reference).
 
     ids, positions (B, S) int64, valid (B, S) bool (False = left padding). With `cache`, K/V land in
@@ -284,6 +286,7 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
     RoPE and the K/V writes as one kernel (kernels.layer_ops.rope_kv_prefill), the attention reading
     K/V from the cache, the SwiGLU in one pass (kernels.layer_ops.silu_mul), the RMSNorms as
     kernels.layer_ops.add_rms_norm. Returns fp32 logits (B, S, V) or, with last_only, (B, V).
+    `experts` (B, S, L, k) (MoE): receives each token's chosen experts per layer.
     """
     d = w.dims
     B, S = ids.shape
@@ -330,7 +333,7 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hpg > 1)
         x = _row_parallel_add(x, a.transpose(1, 2).reshape(B * S, d.heads * hd), layer.proj, w,
                               lin)
-        x = _mlp(x, layer, w, swiglu, norm, lin)
+        x = _mlp(x, layer, w, swiglu, norm, lin, None if experts is None else experts[:, :, i])
     x = x.view(B, S, d.hidden)
     if last_only:
         return logits(w, _norm(x[:, -1], w.final_ln, d.eps))
@@ -339,7 +342,8 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
 
 def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: torch.Tensor,
                 key_valid: torch.Tensor, *, cache, cos_tab: torch.Tensor, sin_tab: torch.Tensor,
-                kv_len: Optional[int] = None, opts: DecodeOptions = DecodeOptions(kernels="torch")):
+                kv_len: Optional[int] = None, opts: DecodeOptions = DecodeOptions(kernels="torch"),
+                experts: Optional[torch.Tensor] = None):
     """One token per row against the static cache; graph-capturable (no host sync, static shapes).
 
     tokens, positions (B,) int64; cur (1,) int64: the cache column this token is written to;
@@ -384,7 +388,8 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
         else:  # TP > 1 or MoE (attn_in added y)
             lin = _linear_for(opts, False)
             x = _mlp(_row_parallel_add(x, a, layer.proj, w, lin), layer, w,
-                     functools.partial(_swiglu, lin=lin), lin=lin)
+                     functools.partial(_swiglu, lin=lin), lin=lin,
+                     experts=None if experts is None else experts[:, i])
     return logits(w, _norm(x if y is None else x + y, w.final_ln, d.eps), fp32=False)
 
 

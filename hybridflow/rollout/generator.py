@@ -73,7 +73,8 @@ LENGTH_MULTIPLE = 64
 class _Buffers:
     """Static state of one batch bucket: what a captured decode step reads and writes."""
 
-    def __init__(self, rows: int, length: int, max_new: int, stop_ids: list, device):
+    def __init__(self, rows: int, length: int, max_new: int, stop_ids: list, device,
+                 experts: Optional[tuple] = None):
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=device)  # noqa: E731
         self.tokens, self.positions = z(rows), z(rows)  # (b,) last sampled token, its position
         self.cur, self.step = z(1), z(1)  # cache column / output column of the next token
@@ -82,6 +83,13 @@ class _Buffers:
         self.out_tokens = z(rows, max_new)  # (b, R)
         self.out_logprobs = z(rows, max_new, dt=torch.float32)
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
+        # `experts` (L, k): the routing a step's MoE layers chose (b, L, k) and, per response
+        # column, each fed token's (b, R, L, k) int16 (recording; -1: none)
+        self.experts = self.out_experts = None
+        if experts is not None:
+            self.experts = torch.full((rows, *experts), -1, dtype=torch.int16, device=device)
+            self.out_experts = torch.full((rows, max_new, *experts), -1, dtype=torch.int16,
+                                          device=device)
 
     def is_stop(self, tok):
         return (tok[:, None] == self.stop_ids).any(1)
@@ -91,6 +99,8 @@ class _Buffers:
         B, P = mask.shape
         self.out_tokens.fill_(pad_id)
         self.out_logprobs.zero_()
+        if self.out_experts is not None:
+            self.out_experts.fill_(-1)
         self.out_tokens[:B, 0] = tok
         if lp is not None:
             self.out_logprobs[:B, 0] = lp
@@ -143,7 +153,8 @@ class Generator:
 
     # ---- public -------------------------------------------------------------------------------
     def generate(self, prompts: list, *, cfg: RolloutConfig, eos_id: int, pad_id: int,
-                 seed: int, options: Optional[DecodeOptions] = None) -> RolloutBatch:
+                 seed: int, options: Optional[DecodeOptions] = None,
+                 record_experts: bool = False) -> RolloutBatch:
         """Sample `cfg.n` responses per prompt. Returns the rows as the trainer consumes them, on
         the device: B = len(prompts) * n rows [p0s0, p0s1, ..., p1s0, ...], prompts LEFT-padded to
         the longest (pad_id), responses right-padded to the longest produced, masks 1 up to and
@@ -154,7 +165,11 @@ class Generator:
 
         `cfg` says what to sample (n, max_new_tokens, temperature, top_k, top_p, stop ids,
         max_batch_size, return_logprobs); `options` how to decode (None:
-        DecodeOptions.from_config(cfg); given, cfg's decode keys are not read)."""
+        DecodeOptions.from_config(cfg); given, cfg's decode keys are not read).
+        `record_experts` (MoE models; actor.router_replay=R3): the batch also carries the experts
+        every MoE layer routed each prompt and response token to (`prompt_experts`,
+        `response_experts`, int16, -1 where nothing was routed: prompt padding, a response's
+        last token and what follows it)."""
         opts = options or DecodeOptions.from_config(cfg)
         if self.cfg.moe.enabled and opts.kernels == "auto":  # the Triton layers are dense-only
             opts = opts.replace(kernels="torch")
@@ -163,6 +178,10 @@ class Generator:
         # (benchmarks/profile_decode.py --timeline) attributes the GPU's idle time to them
         with torch.no_grad(), record_function("generate.setup"):
             self._check_options(opts)
+            if record_experts and not self.cfg.moe.enabled:
+                raise ValueError("recording the routed experts needs a mixture-of-experts model "
+                                 "(model.moe.num_experts > 0)")
+            record = (self.cfg.num_layers, self.cfg.moe.top_k) if record_experts else None
             ids, mask = self._padded_prompts(prompts, cfg, pad_id)
             N, (_, P), R = len(prompts) * cfg.n, ids.shape, cfg.max_new_tokens
             if P + R > self.cfg.max_position_embeddings:
@@ -191,7 +210,7 @@ class Generator:
             windows = kv_windows(self._cache.length, opts.kv_window)
             # every bucket a chunk may use, captured up front: warm-ups write the cache/buffers
             sizes = sorted(set(bucket.values()), reverse=True) + targets[::-1]
-            steps = {b: self._step(b, R, key, cfg, opts, graphed, windows)
+            steps = {b: self._step(b, R, key, cfg, opts, graphed, windows, record)
                      for b in dict.fromkeys(sizes)}
             self._rng.manual_seed(seed)  # after any capture: warm-up runs consume randomness
             self.stats = _new_stats()
@@ -199,7 +218,7 @@ class Generator:
             outs = [self._run_chunk(steps, bucket[c], ids_p[runs[c][0]:runs[c][1]],
                                     mask_p[runs[c][0]:runs[c][1]],
                                     prompt_of_row[c[0]:c[1]] - runs[c][0], cfg, opts, pad_id,
-                                    targets)
+                                    targets, record)
                     for c in chunks]
         with record_function("generate.finish"):
             tokens = torch.cat([o[0] for o in outs])  # (N, R)
@@ -211,11 +230,16 @@ class Generator:
             logprobs = None
             if cfg.return_logprobs:
                 logprobs = torch.cat([o[1] for o in outs])[:, :width] * resp_mask
+            prompt_experts = response_experts = None
+            if record is not None:
+                prompt_experts = torch.cat([o[2] for o in outs])
+                response_experts = torch.cat([o[3] for o in outs])[:, :width]
         return RolloutBatch(prompt_ids=ids_p.index_select(0, prompt_of_row),
                             prompt_mask=mask_p.index_select(0, prompt_of_row),
                             response_ids=tokens[:, :width].masked_fill(resp_mask == 0, pad_id),
                             response_mask=resp_mask, group_ids=prompt_of_row,
-                            indices=prompt_of_row.clone(), rollout_logprobs=logprobs)
+                            indices=prompt_of_row.clone(), rollout_logprobs=logprobs,
+                            prompt_experts=prompt_experts, response_experts=response_experts)
 
     def reusable(self, params: dict) -> bool:
         """Whether a later call may keep this generator (and its KV cache and captured graphs) for
@@ -296,14 +320,16 @@ class Generator:
                                            device=self.device)
 
     def _step(self, rows: int, max_new: int, key, cfg: RolloutConfig, opts: DecodeOptions,
-              graphed: bool, windows: list):
+              graphed: bool, windows: list, record: Optional[tuple] = None):
         """(buffers, {kv_len: step}) of one batch bucket: a decode step per attention window
         (`kv_windows`), all on the same buffers; kept per options (a graph captured under one
-        DecodeOptions is never replayed under another)."""
-        k = (rows, max_new, key, graphed, tuple(windows), opts)
+        DecodeOptions is never replayed under another) and per `record` ((L, k): the steps
+        record the routed experts)."""
+        k = (rows, max_new, key, graphed, tuple(windows), opts, record)
         if k in self._steps:
             return self._steps[k]
-        buf = _Buffers(rows, self._cache.length, max_new, list(key[4]), self.device)
+        buf = _Buffers(rows, self._cache.length, max_new, list(key[4]), self.device,
+                       experts=record)
         fns = {kv_len: self._capture(self._step_fn(buf, cfg, opts, key[5], kv_len), buf,
                                      graphed and max_new > 1) for kv_len in windows}
         self._steps[k] = (buf, fns)
@@ -330,7 +356,11 @@ class Generator:
         def step():
             logits = decoder.decode_step(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
                                          cache=cache, cos_tab=cos, sin_tab=sin, kv_len=kv_len,
-                                         opts=opts)
+                                         opts=opts, experts=buf.experts)
+            if buf.experts is not None:  # the fed token is response token step - 1; a row
+                # that had finished fed its stop token or a post-stop sample: nothing to record
+                routed = buf.experts.masked_fill(buf.finished[:, None, None], -1)
+                buf.out_experts.index_copy_(1, buf.step - 1, routed[:, None])
             tok = lp = partials = None
             if argmax_in_step:
                 partials = ksampling.argmax_chunks(logits, pdl=opts.pdl)
@@ -359,21 +389,27 @@ class Generator:
         return step
 
     def _run_chunk(self, steps: dict, b: int, ids, mask, copy_of, cfg: RolloutConfig,
-                   opts: DecodeOptions, pad_id: int, targets: list):
+                   opts: DecodeOptions, pad_id: int, targets: list, record: Optional[tuple]):
         """Prefill the chunk's distinct prompts ids, mask (U, P) once each, then decode their copies
         copy_of (B,) (chunk row -> row of ids) in bucket b (compacting into `targets`) -> (tokens
-        (B, R), logprobs (B, R)) before trimming."""
+        (B, R), logprobs (B, R), and with `record` (L, k) the routed experts of the prompt
+        (B, P, L, k) and response tokens (B, R, L, k); else None, None) before trimming."""
         (U, P), B = ids.shape, copy_of.shape[0]
         R = cfg.max_new_tokens
         with record_function("generate.prefill"):
             positions = (mask.cumsum(1) - 1).clamp(min=0)
             cos, sin = self._tables
             per = max(1, opts.prefill_tokens // P)
+            pre = None if record is None else torch.full((U, P, *record), -1, dtype=torch.int16,
+                                                         device=self.device)
             last = torch.cat([decoder.forward(self.w, ids[r:r + per], positions[r:r + per],
                                               mask[r:r + per].bool(), cos_tab=cos, sin_tab=sin,
                                               cache=self._cache, cache_row0=r, last_only=True,
-                                              opts=opts)
+                                              opts=opts,
+                                              experts=None if pre is None else pre[r:r + per])
                               for r in range(0, U, per)])  # (U, V), K/V in cache rows 0..U-1
+            if pre is not None:  # left padding routes nothing
+                pre = pre.masked_fill(mask[:, :, None, None] == 0, -1).index_select(0, copy_of)
             self.stats["prefills"] += -(-U // per)
             self.stats["prefill_rows"] += U
             if U < B:  # each copy gets its prompt's K/V and logits (n = 1: nothing to share)
@@ -386,6 +422,8 @@ class Generator:
             buf.reset(tok=tok, lp=lp, lengths=mask.sum(1), mask=mask, pad_id=pad_id)
             out_tok = torch.full((B + 1, R), pad_id, dtype=torch.long, device=self.device)  # row B:
             out_lp = torch.zeros((B + 1, R), dtype=torch.float32, device=self.device)  # bucket pad
+            out_exp = None if record is None else torch.full(
+                (B + 1, R, *record), -1, dtype=torch.int16, device=self.device)
             row_map = torch.arange(b, device=self.device).clamp_(max=B)  # bucket row -> chunk row
             if self._poller is None:  # kept across calls (pinned buffers)
                 self._poller = StopPoller(self.device)
@@ -406,13 +444,13 @@ class Generator:
                     break
                 new_b = None if live is None else compaction.target_bucket(live, b, targets)
                 if new_b is not None:
-                    compaction.flush(buf, row_map, out_tok, out_lp)
+                    compaction.flush(buf, row_map, out_tok, out_lp, out_exp)
                     row_map = compaction.compact(buf, steps[new_b][0], self._cache, row_map,
                                                  columns=P + s)
                     (buf, fns), b = steps[new_b], new_b
                     self.stats["compactions"] += 1
-            compaction.flush(buf, row_map, out_tok, out_lp)
-        return out_tok[:B], out_lp[:B]
+            compaction.flush(buf, row_map, out_tok, out_lp, out_exp)
+        return (out_tok[:B], out_lp[:B], pre, None if out_exp is None else out_exp[:B])
 
 
 def _new_stats() -> dict:

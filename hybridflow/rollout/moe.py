@@ -15,6 +15,8 @@ Two ways to compute it, the same result up to the order of the float sums:
   Its cost is what decode costs anyway once rows x top_k >= experts (every expert's weights
   read once per step, which bounds a decode step); the extra FLOPs (experts / top_k times the
   routed ones) are cheap at decode batch sizes, where the GEMMs are bound by weight reads.
+Both can write each row's chosen experts into a caller's buffer (`out`): the routing the training
+passes replay (actor.router_replay=R3).
 """
 
 from __future__ import annotations
@@ -72,8 +74,14 @@ def _expert(h, fc1, fc2):
     return F.linear(F.silu(gate) * up, fc2)
 
 
-def sparse(h: torch.Tensor, m: MoEWeights) -> torch.Tensor:
+def _record(experts: torch.Tensor, out) -> None:
+    if out is not None:  # (rows, k) int64 -> the caller's (..., k) buffer (int16)
+        out.copy_(experts.view(out.shape))
+
+
+def sparse(h: torch.Tensor, m: MoEWeights, out=None) -> torch.Tensor:
     weights, experts = route(h, m)
+    _record(experts, out)
     n, k = experts.shape
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
@@ -90,8 +98,9 @@ def sparse(h: torch.Tensor, m: MoEWeights) -> torch.Tensor:
     return out
 
 
-def dense(h: torch.Tensor, m: MoEWeights) -> torch.Tensor:
+def dense(h: torch.Tensor, m: MoEWeights, out=None) -> torch.Tensor:
     weights, experts = route(h, m)
+    _record(experts, out)
     gates = torch.zeros(h.shape[0], len(m.fc1), dtype=h.dtype, device=h.device)
     gates.scatter_(1, experts, weights.to(h.dtype))
     out = torch.zeros_like(h)
@@ -100,7 +109,8 @@ def dense(h: torch.Tensor, m: MoEWeights) -> torch.Tensor:
     return out
 
 
-def moe_mlp(h: torch.Tensor, m: MoEWeights) -> torch.Tensor:
-    """This TP_g rank's partial MoE output for the normed rows h (n, D)."""
+def moe_mlp(h: torch.Tensor, m: MoEWeights, out=None) -> torch.Tensor:
+    """This TP_g rank's partial MoE output for the normed rows h (n, D). `out`: a buffer of n x k
+    elements that receives each row's chosen experts (actor.router_replay records them)."""
     capturing = h.is_cuda and torch.cuda.is_current_stream_capturing()
-    return dense(h, m) if capturing else sparse(h, m)
+    return dense(h, m, out) if capturing else sparse(h, m, out)

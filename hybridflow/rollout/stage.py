@@ -52,6 +52,8 @@ class RolloutStage:
 
             self.resharder = Resharder(actor.module, layout=ctx.layout, groups=ctx.reshard)
         self._kept: Generator | None = None  # across steps with rollout.free_cache_engine=false
+        # actor.router_replay=R3: the generator records each token's experts for the training passes
+        self.record_experts = cfg.actor.router_replay == "R3" and cfg.model.moe.enabled
         self.tools = None  # rollout.multi_turn: the tool runner (hybridflow/rollout/multi_turn.py)
         self.turn_metrics: dict = {}  # the last multi-turn generation's, merged into score's
         if cfg.rollout.multi_turn.enable:
@@ -85,9 +87,10 @@ class RolloutStage:
         return self.resharder.gather()
 
     def generate(self, items, *, step: int, timer, rollout_cfg=None, seed=None,
-                 round_index: int = 0) -> RolloutBatch:
+                 round_index: int = 0, record_experts: bool | None = None) -> RolloutBatch:
         """Sample `rollout_cfg.n` (default: the rollout config's) responses for this DP rank's
-        `items`; every rank of the DP replica returns the same rows, on the CPU."""
+        `items`; every rank of the DP replica returns the same rows, on the CPU.
+        `record_experts` (None: as actor.router_replay asks): the rows carry their routing."""
         r = rollout_cfg or self.cfg.rollout
         ctx = self.ctx
         # chunk j of the DP replica's prompts for gen replica j (sizes differ by at most one)
@@ -115,7 +118,9 @@ class RolloutStage:
                     batch = self._multi_turn(gen, mine, r, seed) if self.tools else gen.generate([it.prompt_ids for it in mine], cfg=r,
                                          eos_id=-1 if r.ignore_eos else self.tok.eos_id,
                                          pad_id=self.tok.pad_id, seed=seed,
-                                         options=DecodeOptions.from_config(r))
+                                         options=DecodeOptions.from_config(r),
+                                         record_experts=self.record_experts
+                                         if record_experts is None else record_experts)
                 if self._kept is not gen:
                     gen.release()
                 del gen
