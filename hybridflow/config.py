@@ -370,7 +370,7 @@ class ActorConfig:
     # mixture-of-experts actors (verl's actor.router_replay.mode): R3 (Rollout Routing Replay)
     # records every token's experts per MoE layer in generation and routes the step's actor
     # training passes (old log-probs, the update) by them, the gating weights still computed from
-    # the current router over the replayed experts (hybridflow/models/router_replay.py); disabled:
+    # the current router over the replayed experts (hybridflow/models/moe.py); disabled:
     # the routers' own choice. Costs layers x tokens x top_k int16 per row, on the device in
     # generation and in the batch (docs/recipes.md)
     router_replay: str = "disabled"

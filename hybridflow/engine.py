@@ -98,7 +98,7 @@ class Engine:
         (actor.offload_grads): the gradient buffers exist only from the start of an update to the
         end of its optimizer step (their storage released in between; hybridflow/offload.py).
         `router_replay` (actor.router_replay, MoE models): "R3" routes the tokens of batches that
-        carry recorded experts to them (models/router_replay.py); "disabled": the routers' own
+        carry recorded experts to them (models/moe.py); "disabled": the routers' own
         choice."""
         self.role = role
         self.ctx = ctx
@@ -193,7 +193,7 @@ class Engine:
                                              top_k=model_cfg.moe.top_k, device=ctx.device)
         self._replay = None  # actor.router_replay: the routers' replay hooks
         if router_replay != "disabled" and model_cfg.moe.enabled:
-            from hybridflow.models.router_replay import Replay
+            from hybridflow.models.moe import Replay
 
             self._replay = Replay(self.module)
         self.sdpa = any(isinstance(m, SDPAttention) for m in self.module.modules())
@@ -395,7 +395,7 @@ class Engine:
     def _router_targets(self, mb: RolloutBatch, packed: Optional[PackedRows]):
         """The recorded experts of a micro-batch in its routers' token order, (tokens, L, k) on the
         device (None: nothing recorded)."""
-        from hybridflow.models.router_replay import router_order
+        from hybridflow.models.moe import router_order
 
         experts = mb.experts() if packed is None else (
             None if packed.experts is None else packed.experts[None])

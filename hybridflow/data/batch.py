@@ -34,7 +34,7 @@ class RolloutBatch:
     tool_mask: Optional[torch.Tensor] = None
     # (B, P, L, k) / (B, R, L, k) int16: the k experts each of the L MoE layers' routers picked
     # for each prompt / response token in generation (actor.router_replay=R3; the training passes
-    # route the tokens to them: models/router_replay.py); -1 where nothing was recorded (padding,
+    # route the tokens to them: models/moe.py); -1 where nothing was recorded (padding,
     # a response's last token, which generation never fed back). None unless recorded.
     prompt_experts: Optional[torch.Tensor] = None
     response_experts: Optional[torch.Tensor] = None

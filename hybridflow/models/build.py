@@ -209,11 +209,11 @@ def checkpoint_layers(model: GPTModel) -> None:
     any arguments and the layer's TP/SP collectives re-run as they ran). Forward-only passes (eval
     mode or no grad) run the layer as it is. No RNG state is saved: the layers have no dropout
     (transformer_config sets 0). Megatron's own recompute saves CUDA RNG states, which fails on CPU
-    builds of torch. With routing replay (models/router_replay.py) the recomputation routes by the
+    builds of torch. With routing replay (models/moe.py) the recomputation routes by the
     targets its forward was bound to."""
     from torch.utils.checkpoint import checkpoint
 
-    from hybridflow.models.router_replay import bind_for_recompute
+    from hybridflow.models.moe import bind_for_recompute
 
     for layer in model.decoder.layers:
         def forward(*args, _layer=layer, _fwd=layer.forward, **kwargs):

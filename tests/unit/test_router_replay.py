@@ -143,7 +143,7 @@ def _routing_maps(model):
 def _expected_maps(batch: RolloutBatch):
     """(tokens, E) bool per layer, the recorded experts in the routers' order, and which rows
     were recorded."""
-    from hybridflow.models.router_replay import router_order
+    from hybridflow.models.moe import router_order
 
     ids = router_order(batch.experts()).long()  # (S * B, L, k)
     recorded = ids[:, 0, 0] >= 0
@@ -248,3 +248,30 @@ def test_update_with_checkpointing_replays_in_the_recomputation(setup):
     for key in ("pg_loss", "grad_norm", "moe/router_mismatch_frac_update"):
         assert results[1][key] == pytest.approx(results[0][key], rel=1e-6, abs=1e-7), key
     assert results[0]["moe/router_mismatch_frac_update"] > 0
+
+
+MOE = ["experiment=demo", "model.moe.num_experts=4", "model.moe.top_k=2",
+       "model.moe.moe_ffn_hidden_size=32"]
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["actor.router_replay=R3"], None),
+    (["actor.router_replay=rollout"], r"actor.router_replay='rollout' is not one of"),
+    (["actor.router_replay=R2"], r"actor.router_replay=R2 .* not implemented"),
+    (["actor.router_replay=R3", "model.moe.num_experts=0"], r"actor.router_replay=R3 needs a "
+                                                            r"mixture-of-experts model"),
+    (["actor.router_replay=R3", "rollout.multi_turn.enable=true"],
+     r"rollout.multi_turn.enable=true is not supported"),
+    (["actor.router_replay=R3", "rollout.partial.enable=true"],
+     r"rollout.partial.enable=true is not supported"),
+])
+def test_config_checks_name_the_key(extra, match):
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate_router_replay
+
+    cfg = load_config([*MOE, *extra])
+    if match is None:
+        validate_router_replay(cfg)
+        return
+    with pytest.raises(ValueError, match=match):
+        validate_router_replay(cfg)
