@@ -44,22 +44,42 @@ COPY_BW = 4.3e12  # B/s, device-to-device copy measured on the H200 (shared/DESI
 
 
 def hf_model(cfg: ModelConfig, *, device, dtype):
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    """transformers' model class of `cfg`'s architecture (Qwen2 / Llama / Qwen3 / Qwen3-MoE: the
+    config.json our export writes), random init, SDPA attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hc = Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                     intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
-                     num_attention_heads=cfg.num_attention_heads,
-                     num_key_value_heads=cfg.num_query_groups,
-                     max_position_embeddings=cfg.max_position_embeddings,
-                     rms_norm_eps=cfg.norm_epsilon, tie_word_embeddings=cfg.tie_word_embeddings,
-                     rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base})
+    from hybridflow.models.hf_config import write_hf_config
+
+    d = write_hf_config(cfg)
+    for k in ("architectures", "dtype", "torch_dtype", "rope_theta", "rope_scaling"):
+        d.pop(k, None)
+    hc = AutoConfig.for_model(d.pop("model_type"), **d)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hc, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
 
 
+def unfuse_experts(sd: dict) -> dict:
+    """transformers 5 holds a Qwen3-MoE layer's experts as two stacked tensors
+    (`mlp.experts.gate_up_proj` (E, 2F, H) = [gate; up], `mlp.experts.down_proj` (E, H, F)); its
+    checkpoints, and our loader, name each expert's projections."""
+    out = {}
+    for name, t in sd.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            p, F = name[:-len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{p}{e}.gate_proj.weight"], out[f"{p}{e}.up_proj.weight"] = t[e, :F], t[e, F:]
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
 def to_megatron(sd: dict, cfg: ModelConfig) -> dict:
-    """HF Qwen2/Llama state dict -> Megatron names (full tensors, TP=1)."""
+    """HF Qwen2/Llama/Qwen3/Qwen3-MoE state dict -> Megatron names (full tensors, TP=1)."""
+    sd = unfuse_experts(sd)
     try:
         from hybridflow.models.hf import hf_to_megatron_state_dict  # needs megatron-core
 
