@@ -248,3 +248,18 @@ def test_lora_checkpoint_sizes_both_formats(tmp_path):
     assert r["adapters_restored_exactly"] and r["workload"]["adapter_params"] > 0
     assert r["adapter_only"]["role_dir_bytes"] < r["full"]["role_dir_bytes"]
     assert r["size_ratio_full_over_adapter_only"] > 1 and r["adapter_only"]["load_s"] > 0
+
+
+def test_router_replay_records_and_replays(tmp_path):
+    out = tmp_path / "r.json"
+    subprocess.run([sys.executable, "benchmarks/router_replay.py", "--model", "tiny",
+                    "--set", "model.moe.num_experts=4", "--set", "model.moe.top_k=2",
+                    "--set", "model.moe.moe_ffn_hidden_size=32", "--prompts", "4",
+                    "--prompt-len", "8", "--new-tokens", "8", "--out", str(out)], check=True,
+                   cwd=ROOT, env=ENV, capture_output=True)
+    r = json.loads(out.read_text())
+    assert r["records_well_formed"] and r["tokens_equal_with_recording"]
+    L, k = r["workload"]["num_layers"], r["workload"]["top_k"]
+    assert r["record_bytes_per_token"] == L * k * 2  # int16
+    assert r["replay"]["router_mismatch_frac"] == 0.0  # fp32 generation, same weights
+    assert "router_mismatch_frac" not in r["no_replay"]
