@@ -152,35 +152,46 @@ def _expected_maps(batch: RolloutBatch):
             for l in range(ids.shape[1])], recorded
 
 
+def _pg_loss_fn(batch: RolloutBatch):
+    """(batch with old log-probs and advantages, a vanilla policy-gradient loss_fn for it)."""
+    from hybridflow.algo import get_policy_loss
+
+    pg = get_policy_loss("vanilla")
+    batch = dataclasses.replace(batch, old_logprobs=batch.rollout_logprobs,
+                                advantages=torch.linspace(-1, 1, batch.batch_size)[:, None]
+                                * batch.response_mask)
+    num_tokens = int(batch.response_mask.sum())
+
+    def loss_fn(out, mb):
+        loss, _ = pg(logprobs=out["logprobs"], old_logprobs=mb.old_logprobs,
+                     advantages=mb.advantages, response_mask=mb.response_mask,
+                     num_tokens=num_tokens)
+        return loss, {"pg_loss": loss}
+
+    return batch, loss_fn
+
+
 def test_training_routes_by_the_record_bit_for_bit(setup):
-    eng, _, _, batch = setup
+    """The old-log-prob pass (the fixture's engine) and an update's forward (a fresh engine of the
+    same weights: the step changes them), one micro-batch each."""
+    eng, engine, _, batch = setup
     expected, recorded = _expected_maps(batch)
+    trained = engine()
+    train_batch, loss_fn = _pg_loss_fn(batch)
     maps, handles = _routing_maps(eng.module)
+    train_maps, train_handles = _routing_maps(trained.module)
     try:
         eng.compute_logprobs(batch, micro_batch_size=batch.batch_size)
-        eng.replay_metrics("x")
-        with torch.no_grad():  # the update's forward (no optimizer step is taken below)
-            eng._run(batch, micro_batch_size=batch.batch_size, forward_only=True, loss_fn=None,
-                     temperature=1.0, need_entropy=False)
+        trained.train_step(train_batch, loss_fn, micro_batch_size=batch.batch_size)
     finally:
-        for h in handles:
+        for h in handles + train_handles:
             h.remove()
-    for layer, got in maps.items():
-        assert len(got) == 2
-        for m in got:
+    eng.replay_metrics("x")
+    for layer in range(MODEL.num_layers):
+        for m in maps[layer] + train_maps[layer]:
             assert torch.equal(m[recorded], expected[layer][recorded]), layer
             assert bool((m.sum(1) == MODEL.moe.top_k).all())  # unrecorded tokens: own top-k
-    eng.replay_metrics("x")
-
-
-def test_packed_equals_unpacked_with_replay(setup):
-    eng, _, _, batch = setup
-    lp = eng.compute_logprobs(batch, micro_batch_size=batch.batch_size)
-    packed = eng.compute_logprobs(batch, micro_batch_size=batch.batch_size, max_tokens=40,
-                                  pack=True)
-    mask = batch.response_mask.bool()
-    torch.testing.assert_close(packed[mask], lp[mask], atol=1e-5, rtol=1e-5)
-    eng.replay_metrics("x")
+        assert len(maps[layer]) == len(train_maps[layer]) == 1
 
 
 def _perturbed(eng, scale: float):
@@ -192,6 +203,32 @@ def _perturbed(eng, scale: float):
                 saved[n] = p.detach().clone()
                 p.add_(scale * torch.randn(p.shape, generator=g))
     return saved
+
+
+def _restore(eng, saved: dict):
+    with torch.no_grad():
+        for n, p in eng.module.named_parameters():
+            if n in saved:
+                p.copy_(saved[n])
+
+
+def test_packed_and_token_budgets_equal_fixed_micro_batches_with_replay(setup):
+    """Token budgets reorder and trim the rows, packing lays them end to end: the records follow;
+    the router perturbed, so that replay changes decisions and a misplaced record shows."""
+    eng, _, _, batch = setup
+    saved = _perturbed(eng, 0.1)
+    try:
+        lp = eng.compute_logprobs(batch, micro_batch_size=batch.batch_size)
+        ref = eng.replay_metrics("m")["m"]
+        mask = batch.response_mask.bool()
+        for pack in (False, True):
+            out = eng.compute_logprobs(batch, micro_batch_size=batch.batch_size, max_tokens=40,
+                                       pack=pack)
+            torch.testing.assert_close(out[mask], lp[mask], atol=1e-5, rtol=1e-5)
+            assert eng.replay_metrics("m")["m"] == pytest.approx(ref, abs=1e-9)
+    finally:
+        _restore(eng, saved)
+    assert ref > 0
 
 
 def test_replay_brings_training_logprobs_closer_to_the_rollout(setup):
@@ -213,10 +250,7 @@ def test_replay_brings_training_logprobs_closer_to_the_rollout(setup):
         without = error(False)
         assert eng.replay_metrics("m") == {}  # nothing bound without replay
     finally:
-        with torch.no_grad():
-            for n, p in eng.module.named_parameters():
-                if n in saved:
-                    p.copy_(saved[n])
+        _restore(eng, saved)
     assert 0.05 < mismatch < 1.0
     assert with_replay < 0.7 * without, (with_replay, without)
 
@@ -224,20 +258,8 @@ def test_replay_brings_training_logprobs_closer_to_the_rollout(setup):
 def test_update_with_checkpointing_replays_in_the_recomputation(setup):
     """Activation checkpointing recomputes each layer in backward, after the micro-batch's targets
     were unbound: the recomputation must route as the forward did (same loss and gradient)."""
-    from hybridflow.algo import get_policy_loss
-
     _, engine, _, batch = setup
-    pg = get_policy_loss("vanilla")
-    batch = dataclasses.replace(batch, old_logprobs=batch.rollout_logprobs,
-                                advantages=torch.linspace(-1, 1, batch.batch_size)[:, None]
-                                * batch.response_mask)
-    num_tokens = int(batch.response_mask.sum())
-
-    def loss_fn(out, mb):
-        loss, _ = pg(logprobs=out["logprobs"], old_logprobs=mb.old_logprobs,
-                     advantages=mb.advantages, response_mask=mb.response_mask,
-                     num_tokens=num_tokens)
-        return loss, {"pg_loss": loss}
+    batch, loss_fn = _pg_loss_fn(batch)
 
     results = []
     for checkpointing in (False, True):
