@@ -2,9 +2,9 @@
 what replay changes in the training forward.
 
 Builds an MoE actor (random init from the model preset, bf16 on a GPU, fp32 on CPU), generates
-responses to random prompts with the in-place generator (its default decode options: CUDA graphs on
-a GPU) twice, without and with recording the routed experts, then scores the recorded batch with
-the training forward (the old-log-prob pass) with and without replay. Reported: generation seconds
+responses to random prompts with the in-place generator (the product's decode options for the
+device: CUDA graphs on a GPU) twice, without and with recording the routed experts, then scores the
+recorded batch with the training forward (the old-log-prob pass) with and without replay. Reported: generation seconds
 both ways and whether recording left the sampled tokens unchanged, the records' bytes and whether
 they are well formed (-1 exactly on prompt padding and each response's last token, k distinct ids
 in range elsewhere), the log-prob pass seconds both ways, the router mismatch share (recorded
@@ -71,13 +71,16 @@ def main(argv=None) -> dict:
     import torch
 
     from hybridflow.config import ParallelConfig, load_config
+    from hybridflow.config_auto import resolve_auto
     from hybridflow.engine import Engine
     from hybridflow.parallel import groups
     from hybridflow.parallel.reshard import generation_params
     from hybridflow.rollout import Generator
+    from hybridflow.rollout.options import DecodeOptions
 
-    cfg = load_config([f"model={args.model}", *args.set])
-    model_cfg, rollout = cfg.model, cfg.rollout
+    cfg, _ = resolve_auto(load_config([f"model={args.model}", *args.set]),
+                          device_type="cuda" if torch.cuda.is_available() else "cpu")
+    model_cfg, rollout = cfg.model, cfg.rollout  # the product's decode options on this device
     if not model_cfg.moe.enabled:
         raise ValueError(f"--model {args.model}: routing replay needs model.moe.num_experts > 0")
     rollout.n, rollout.max_new_tokens, rollout.return_logprobs = args.n, args.new_tokens, True
@@ -117,7 +120,11 @@ def main(argv=None) -> dict:
             **eng.replay_metrics("router_mismatch_frac")}
         print(f"replay={replay}: {res['replay' if replay else 'no_replay']}", flush=True)
     tokens = int(batch.token_mask().sum())
+    opts = DecodeOptions.from_config(rollout)
     record = {"benchmark": "routing replay (R3): recording cost and training/rollout agreement",
+              "decode_options": {"cuda_graphs": opts.cuda_graphs and torch.cuda.is_available(),
+                                 "compact_finished_rows": opts.compact_finished_rows,
+                                 "kv_window": opts.kv_window, "compile": opts.compile},
               "workload": {"model": args.model, "overrides": args.set, "precision": precision,
                            "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
                            "new_tokens": args.new_tokens, "micro_batch": args.micro_batch,
