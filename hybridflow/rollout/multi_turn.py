@@ -42,6 +42,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -50,7 +51,7 @@ from hybridflow.config import RolloutConfig
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.rollout import decoder
 from hybridflow.rollout.generator import LENGTH_MULTIPLE, Generator
-from hybridflow.rollout.sampling import sample
+from hybridflow.rollout.multi_turn_step import DecodeState, decode_step
 from hybridflow.rollout.options import DecodeOptions
 from hybridflow.tools.base import ToolCall
 from hybridflow.tools.runner import ToolRunner
@@ -60,7 +61,8 @@ TAIL_TOKENS = 8  # a turn's last tokens decoded each step to spot a closing mark
 
 def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
            start: torch.Tensor, *, cache, key_valid: torch.Tensor, cos_tab, sin_tab,
-           rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+           rows: Optional[torch.Tensor] = None,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run S new tokens per row against the cache; returns fp32 logits (r, V) at each row's last
     valid new token.
 
@@ -69,7 +71,8 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
     (r,) int64: the cache column of each row's first new token (token j goes to start + j). rows
     (r,) int64: the cache rows (None: rows 0..r-1, a view without copies). key_valid (rows, T)
     bool, the columns each cache row may attend to; updated in place with the new tokens'
-    columns. Same math as decoder.forward (torch path)."""
+    columns. `out` (r, V) fp32: the logits are written into it (the decode step's static
+    buffer) and it is returned. Same math as decoder.forward (torch path)."""
     d = w.dims
     r, S = ids.shape
     hpg, hd = d.heads_per_group, d.head_dim
@@ -113,19 +116,25 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
         key_valid[rows] = kv_rows | new_valid
     last = (valid.long().cumsum(1).argmax(1))  # the last valid new token of each row
     h = x.view(r, S, d.hidden)[torch.arange(r, device=ids.device), last]
-    return decoder.logits(w, decoder._norm(h, w.final_ln, d.eps))
+    lg = decoder.logits(w, decoder._norm(h, w.final_ln, d.eps), fp32=out is None)
+    return lg if out is None else out.copy_(lg)  # the same fp32 values as logits(fp32=True)
 
 
-class _Row:
-    __slots__ = ("tokens", "tool", "logprobs", "n_model", "turn_start", "turns", "calls",
-                 "errors", "timeouts", "state")
+class _Rows:
+    """Host-side record of a chunk's B rows (numpy, updated by whole-array ops per step)."""
+    DECODE, TOOL, DONE = range(3)
 
-    def __init__(self):
-        self.tokens, self.tool, self.logprobs = [], [], []
-        self.n_model = 0  # the model's own tokens in `tokens`
-        self.turn_start = 0  # index in tokens where the current model turn began
-        self.turns, self.calls, self.errors, self.timeouts = 1, 0, 0, 0
-        self.state = "decode"  # decode | tool | done
+    def __init__(self, B: int, R: int):
+        self.tokens = np.zeros((B, R), dtype=np.int64)  # (B, R) the response so far
+        self.logprobs = np.zeros((B, R), dtype=np.float32)  # 0 on tool tokens
+        self.tool = np.zeros((B, R), dtype=np.int64)  # 1 on tool-result tokens
+        z = lambda: np.zeros(B, dtype=np.int64)  # noqa: E731
+        self.n, self.n_model, self.turn_start = z(), z(), z()  # lengths; where the turn began
+        self.turns, self.calls, self.errors, self.timeouts = z() + 1, z(), z(), z()
+        self.state = z()  # DECODE | TOOL | DONE
+
+    def text_ids(self, b: int, start: int) -> list:
+        return self.tokens[b, start:self.n[b]].tolist()
 
 
 def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
@@ -134,67 +143,82 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
                         forced: Optional[list] = None) -> tuple[RolloutBatch, dict]:
     """`cfg.n` multi-turn trajectories per prompt (rows as Generator.generate orders them) ->
     (RolloutBatch with tool_mask, metrics). Of `options` (None: DecodeOptions.from_config(cfg))
-    only prefill_tokens applies: the padded tokens of one prefill, of prompts or of appended tool
-    results (bounds the attention scores when many rows resume at once). `forced`: per row, model
+    prefill_tokens applies (the padded tokens of one prefill, of prompts or of appended tool
+    results: bounds the attention scores when many rows resume at once) and cuda_graphs (on a
+    GPU the decode step is a CUDA-graph replay per chunk size). `forced`: per row, model
     tokens to emit in place of samples while they last (their log-probs are still the model's):
     replays and tests."""
-    budget = (options or DecodeOptions.from_config(cfg)).prefill_tokens
-    stats = {"tool_wait": 0.0, "tool_prefill": 0.0, "loop": 0.0}
-    rows_all: list = []
-    N = len(prompts) * cfg.n
+    opts = options or DecodeOptions.from_config(cfg)
+    stats = {"tool_wait": 0.0, "tool_prefill": 0.0, "loop": 0.0, "decode_steps": 0}
+    N, R = len(prompts) * cfg.n, cfg.max_new_tokens
+    ids, mask = gen._padded_prompts(prompts, cfg, pad_id)  # checks prompts and cfg
+    P = ids.shape[1]
+    if P + R > gen.cfg.max_position_embeddings:
+        raise ValueError(f"longest prompt {P} + rollout.max_new_tokens={R} exceeds model."
+                         f"max_position_embeddings={gen.cfg.max_position_embeddings}")
+    chunks = [(s, min(s + cfg.max_batch_size, N)) for s in range(0, N, cfg.max_batch_size)]
+    T = -(-(P + R + 1) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE  # + the scratch column
     with torch.no_grad():
+        gen._ensure_cache(rows=max(e - s for s, e in chunks), length=T)
+        graphed = opts.cuda_graphs and gen.device.type == "cuda"
+        # every chunk size's step before seeding: a capture's warm-up runs draw from the stream
+        steps = {e - s: _step(gen, e - s, cfg, graphed) for s, e in chunks}
         gen._rng.manual_seed(seed)
-        for s in range(0, N, cfg.max_batch_size):
-            e = min(s + cfg.max_batch_size, N)
+        hosts = []
+        for s, e in chunks:
             chunk = [prompts[i // cfg.n] for i in range(s, e)]
-            rows_all += _run_chunk(gen, chunk, cfg, runner, eos_id, pad_id, stats, budget,
-                                   None if forced is None else forced[s:e])
-    ids, mask = gen._padded_prompts(prompts, cfg, pad_id)
+            hosts.append(_run_chunk(gen, chunk, cfg, runner, eos_id, pad_id, stats,
+                                    opts.prefill_tokens, None if forced is None else forced[s:e],
+                                    steps[e - s]))
     prompt_of_row = torch.arange(len(prompts)).repeat_interleave(cfg.n)
-    width = max(1, max(len(r.tokens) for r in rows_all))
-    resp = torch.full((N, width), pad_id, dtype=torch.long)
-    rmask, tmask = torch.zeros(N, width, dtype=torch.long), torch.zeros(N, width, dtype=torch.long)
-    lps = torch.zeros(N, width)
-    for i, row in enumerate(rows_all):
-        n = len(row.tokens)
-        resp[i, :n] = torch.tensor(row.tokens, dtype=torch.long)
-        rmask[i, :n] = 1
-        tmask[i, :n] = torch.tensor(row.tool, dtype=torch.long)
-        lps[i, :n] = torch.tensor(row.logprobs)
+    n = np.concatenate([h.n for h in hosts])
+    width = max(1, int(n.max()))
+    cat = lambda name: torch.from_numpy(  # noqa: E731
+        np.concatenate([getattr(h, name)[:, :width] for h in hosts]))
+    rmask = (torch.arange(width)[None] < torch.from_numpy(n)[:, None]).long()
+    resp = cat("tokens").masked_fill(rmask == 0, pad_id)
     batch = RolloutBatch(prompt_ids=ids.index_select(0, prompt_of_row),
                          prompt_mask=mask.index_select(0, prompt_of_row), response_ids=resp,
                          response_mask=rmask, group_ids=prompt_of_row,
                          indices=prompt_of_row.clone(),
-                         rollout_logprobs=lps if cfg.return_logprobs else None, tool_mask=tmask)
-    turns = torch.tensor([float(r.turns) for r in rows_all])
-    calls = torch.tensor([float(r.calls) for r in rows_all])
+                         rollout_logprobs=cat("logprobs") if cfg.return_logprobs else None,
+                         tool_mask=cat("tool"))
+    per_row = lambda name: np.concatenate([getattr(h, name) for h in hosts]).astype(float)  # noqa
+    turns = per_row("turns")
     metrics = {"num_turns/mean": float(turns.mean()), "num_turns/max": float(turns.max()),
-               "tool_calls/mean": float(calls.mean()),
-               "tool_errors/mean": sum(r.errors for r in rows_all) / N,
-               "tool_timeouts/mean": sum(r.timeouts for r in rows_all) / N,
+               "tool_calls/mean": float(per_row("calls").mean()),
+               "tool_errors/mean": float(per_row("errors").mean()),
+               "tool_timeouts/mean": float(per_row("timeouts").mean()),
                "timing_s/tool_wait": stats["tool_wait"],
                "timing_s/tool_prefill": stats["tool_prefill"],
                # the rest of the loop: sampling, decode steps, the per-step host work
                "timing_s/multi_turn_decode": stats["loop"] - stats["tool_wait"]
-               - stats["tool_prefill"]}
+               - stats["tool_prefill"],
+               "multi_turn/decode_steps": float(stats["decode_steps"])}
     return batch.to(gen.device), metrics
+
+
+def _step(gen: Generator, B: int, cfg: RolloutConfig, graphed: bool):
+    """(DecodeState, step) of chunks of B rows, kept on the generator (its release() drops them
+    with the other captured steps; a cache that grows releases them too)."""
+    key = ("multi_turn", B, gen._cache.length, cfg.temperature, cfg.top_k, cfg.top_p, graphed)
+    if key not in gen._steps:
+        st = DecodeState(B, gen._cache.length, gen.w.dims.true_vocab, gen.device)
+        gen._steps[key] = (st, {None: decode_step(gen, st, cfg, graphed=graphed)})
+    st, fns = gen._steps[key]
+    return st, fns[None]
 
 
 def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, runner: ToolRunner,
                eos_id: int, pad_id: int, stats: dict, budget: int,
-               forced: Optional[list]) -> list:
+               forced: Optional[list], step) -> _Rows:
     w, dev, tok, mt = gen.w, gen.device, runner.tok, runner.mt
+    st, step = step
     one = RolloutConfig(n=1, max_new_tokens=cfg.max_new_tokens, max_batch_size=len(prompts))
     ids, mask = gen._padded_prompts(prompts, one, pad_id)
     B, P = ids.shape
     R = cfg.max_new_tokens
-    T = -(-(P + R + 1) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE  # + the scratch column
-    if P + R > gen.cfg.max_position_embeddings:
-        raise ValueError(f"longest prompt {P} + rollout.max_new_tokens={R} exceeds model."
-                         f"max_position_embeddings={gen.cfg.max_position_embeddings}")
-    gen._ensure_cache(rows=B, length=T)
     cache, (cos, sin) = gen._cache, gen._tables
-    T = cache.length
     ids, mask = ids.to(dev), mask.to(dev)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     per = max(1, budget // P)
@@ -202,89 +226,84 @@ def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, runner: ToolRu
                                         mask[r:r + per].bool(), cos_tab=cos, sin_tab=sin,
                                         cache=cache, cache_row0=r, last_only=True)
                         for r in range(0, B, per)])  # (B, V)
-    key_valid = torch.zeros(B, T, dtype=torch.bool, device=dev)
-    key_valid[:, :P] = mask.bool()
-    col = torch.full((B,), P, dtype=torch.long, device=dev)  # each row's next cache column
-    pos = mask.sum(1)  # each row's next position
-    rows = [_Row() for _ in range(B)]
-    stop_ids = {eos_id, *cfg.stop_token_ids}
+    st.reset(logits=logits, mask=mask)
+    del logits
+    rows = _Rows(B, R)
+    stop_ids = np.array([eos_id, *cfg.stop_token_ids], dtype=np.int64)
+    may_close = runner.close_tokens(w.dims.true_vocab)  # (V,) bool
+    if forced is not None:
+        f_len = np.array([len(f) for f in forced], dtype=np.int64)
+        f_tok = np.zeros((B, max(1, int(f_len.max()))), dtype=np.int64)
+        for b, f in enumerate(forced):
+            f_tok[b, :len(f)] = f
+    ctrl = np.zeros((3, B), dtype=np.int64)
     # TP_g > 1: the group's rank 0 runs the tools and decides which results are in each step; the
     # others take its outcomes (the same tokens, so the same extend calls and collectives)
     group = w.group if w.dims.tp_size > 1 else None
     leader = group is None or dist.get_rank(group) == 0
     pending: dict = {}  # row -> Future of its turn's outcomes (None off the leader)
-    ready = list(range(B))  # rows whose next-token logits are in `logits`
+    ready = np.arange(B)  # rows whose next-token logits are in st.logits
     while True:
         t0 = time.perf_counter()
-        feed = []  # rows that sampled a token to run through the next decode step
-        if ready:
-            tok_d, lp_d = sample(logits, temperature=cfg.temperature, top_k=cfg.top_k,
-                                 top_p=cfg.top_p, generator=gen._rng, need_logprobs=True)
-            toks = tok_d.tolist()
-            lps = lp_d.tolist()
-            for b in ready:
-                row = rows[b]
-                t = toks[b]
-                if forced is not None and row.n_model < len(forced[b]):
-                    t = forced[b][row.n_model]
-                    lps[b] = float(torch.log_softmax(
-                        logits[b].float() / (cfg.temperature or 1.0), -1)[t])
-                row.tokens.append(t)
-                row.tool.append(0)
-                row.n_model += 1
-                row.logprobs.append(lps[b])
-                if t in stop_ids or len(row.tokens) >= R:
-                    row.state = "done"
-                    continue
-                calls = _turn_calls(row, runner, tok)
+        feed = ready[:0]  # rows that sampled a token and decode on
+        if ready.size:
+            ctrl.fill(0)
+            ctrl[DecodeState.READY, ready] = 1
+            if forced is not None:
+                on = ready[rows.n_model[ready] < f_len[ready]]
+                ctrl[DecodeState.FORCED, on] = 1
+                ctrl[DecodeState.FORCED_TOKEN, on] = f_tok[on, rows.n_model[on]]
+            st.ctrl.copy_(torch.from_numpy(ctrl))
+            step()  # draws every row's token, feeds the ready rows'
+            stats["decode_steps"] += 1
+            out = st.out.cpu().numpy()  # (2, B): the one device-to-host copy of the step
+            t = out[0, ready].astype(np.int64)
+            at = rows.n[ready]
+            rows.tokens[ready, at] = t
+            rows.logprobs[ready, at] = out[1, ready]
+            rows.n[ready] += 1
+            rows.n_model[ready] += 1
+            stop = np.isin(t, stop_ids) | (rows.n[ready] >= R)
+            rows.state[ready[stop]] = _Rows.DONE
+            go = ~stop
+            for i in np.flatnonzero(go & may_close[t]):  # only rows whose token may close a call
+                b = int(ready[i])
+                calls = _turn_calls(rows, b, runner, tok)
                 if calls is None:
-                    feed.append(b)
-                elif row.turns >= mt.max_assistant_turns:
-                    row.state = "done"  # a call in the last allowed turn ends the row
+                    continue
+                go[i] = False
+                if rows.turns[b] >= mt.max_assistant_turns:
+                    rows.state[b] = _Rows.DONE  # a call in the last allowed turn ends the row
                 else:
-                    row.state = "tool"
-                    row.calls += sum(isinstance(c, ToolCall) for c in calls)
+                    rows.state[b] = _Rows.TOOL
+                    rows.calls[b] += sum(isinstance(c, ToolCall) for c in calls)
                     pending[b] = runner.submit(calls) if leader else None
+            feed = ready[go]
         # results that are in; block for one only when nothing can decode
-        resumed = _collect(pending, rows, block=not feed and bool(pending), stats=stats,
+        resumed = _collect(pending, rows, block=not feed.size and bool(pending), stats=stats,
                            group=group, leader=leader)
-        new_logits = {}
+        back = []
         if resumed:
             tp = time.perf_counter()
-            new_logits = _append_results(resumed, rows, runner, R, budget, w, cache, key_valid,
-                                         col, pos, cos, sin, dev)
+            back = _append_results(resumed, rows, runner, R, budget, w, cache, st, cos, sin, dev)
             stats["tool_prefill"] += time.perf_counter() - tp
-        if feed:
-            fb = torch.tensor(feed, device=dev)
-            ids1 = torch.zeros(B, 1, dtype=torch.long, device=dev)
-            valid1 = torch.zeros(B, 1, dtype=torch.bool, device=dev)
-            ids1[fb, 0] = torch.tensor([rows[b].tokens[-1] for b in feed], device=dev)
-            valid1[fb, 0] = True
-            logits = extend(w, ids1, pos[:, None], valid1, col, cache=cache,
-                            key_valid=key_valid, cos_tab=cos, sin_tab=sin)
-            col[fb] += 1
-            pos[fb] += 1
-        for b, lg in new_logits.items():
-            logits[b] = lg
-        ready = feed + list(new_logits)
+        ready = np.concatenate([feed, np.array(back, dtype=np.int64)])
         stats["loop"] += time.perf_counter() - t0
-        if not ready and not pending:
+        if not ready.size and not pending:
             return rows
 
 
-def _turn_calls(row: _Row, runner: ToolRunner, tok) -> Optional[list]:
-    """The calls that end the row's current model turn, or None (no complete call yet)."""
-    if not runner.may_close(row.tokens[-1]):
-        return None
-    tail = tok.decode(row.tokens[max(row.turn_start, len(row.tokens) - TAIL_TOKENS):],
+def _turn_calls(rows: _Rows, b: int, runner: ToolRunner, tok) -> Optional[list]:
+    """The calls that end row b's current model turn, or None (no complete call yet)."""
+    start = int(rows.turn_start[b])
+    tail = tok.decode(rows.text_ids(b, max(start, int(rows.n[b]) - TAIL_TOKENS)),
                       skip_special_tokens=False)
     if not runner.fmt.ends_with_call(tail):
         return None
-    text = tok.decode(row.tokens[row.turn_start:], skip_special_tokens=False)
-    return runner.fmt.parse(text)
+    return runner.fmt.parse(tok.decode(rows.text_ids(b, start), skip_special_tokens=False))
 
 
-def _collect(pending: dict, rows: list, *, block: bool, stats: dict, group=None,
+def _collect(pending: dict, rows: _Rows, *, block: bool, stats: dict, group=None,
              leader: bool = True) -> dict:
     """{row: outcomes} of the finished calls (waiting for at least one when `block`); with a TP_g
     group, the leader's, broadcast (every rank has the same rows pending)."""
@@ -302,55 +321,49 @@ def _collect(pending: dict, rows: list, *, block: bool, stats: dict, group=None,
         stats["tool_wait"] += time.perf_counter() - t
     for b, outcomes in done.items():
         del pending[b]
-        rows[b].errors += sum(o.error for o in outcomes)
-        rows[b].timeouts += sum(o.timeout for o in outcomes)
+        rows.errors[b] += sum(o.error for o in outcomes)
+        rows.timeouts[b] += sum(o.timeout for o in outcomes)
     return done
 
 
-def _append_results(resumed: dict, rows: list, runner: ToolRunner, R: int, budget: int, w,
-                    cache, key_valid, col, pos, cos, sin, dev) -> dict:
-    """Append each resumed row's last model token (the call's end, sampled but not yet in the
-    cache) and its rendered results (cut to max_tool_response_length tokens and to the response
-    budget) to its cache by `extend` over those rows (sub-batches of at most `budget`
-    padded tokens) -> {row: next logits}."""
+def _append_results(resumed: dict, rows: _Rows, runner: ToolRunner, R: int, budget: int, w,
+                    cache, st: DecodeState, cos, sin, dev) -> list:
+    """Append each resumed row's rendered results (cut to max_tool_response_length tokens and to
+    the response budget) to its cache by `extend` over those rows (sub-batches of at most
+    `budget` padded tokens; the call's closing token is in the cache already: the decode step
+    fed it) -> the rows that decode on, their next logits in st.logits."""
     mt, tok = runner.mt, runner.tok
     appended = {}
     for b, outcomes in resumed.items():
-        row = rows[b]
-        ids = tok.encode(runner.fmt.render(outcomes))
-        if len(ids) > mt.max_tool_response_length:
-            ids = ids[:mt.max_tool_response_length]
-        room = R - len(row.tokens)
-        if len(ids) >= room:  # no room left for a model token after it: the row ends here
-            ids = ids[:room]
-            row.state = "done"
-        row.tokens += ids
-        row.tool += [1] * len(ids)
-        row.logprobs += [0.0] * len(ids)
-        if row.state == "done" or not ids:
-            row.state = "done"
+        ids = tok.encode(runner.fmt.render(outcomes))[:mt.max_tool_response_length]
+        n = int(rows.n[b])
+        room = R - n
+        ids = ids[:room]  # a result that fills the budget leaves no room for a model token
+        rows.tokens[b, n:n + len(ids)] = ids
+        rows.tool[b, n:n + len(ids)] = 1
+        rows.n[b] += len(ids)
+        if not ids or len(ids) >= room:
+            rows.state[b] = _Rows.DONE
             continue
-        row.state, row.turns = "decode", row.turns + 1
-        row.turn_start = len(row.tokens)
-        # the call's closing token was sampled, never fed: it goes first, then the results
-        appended[b] = [row.tokens[-len(ids) - 1], *ids]
+        rows.state[b], rows.turns[b], rows.turn_start[b] = _Rows.DECODE, rows.turns[b] + 1, n + len(ids)
+        appended[b] = ids
     if not appended:
-        return {}
-    out, batch, longest = {}, [], 0
+        return []
+    batch, longest = [], 0
     for b in sorted(appended, key=lambda b: len(appended[b])):  # sub-batches of similar lengths
         n = len(appended[b])
         if batch and (len(batch) + 1) * max(longest, n) > budget:
-            out.update(_extend_rows(batch, appended, w, cache, key_valid, col, pos, cos, sin, dev))
+            _extend_rows(batch, appended, w, cache, st, cos, sin, dev)
             batch, longest = [], 0
         batch.append(b)
         longest = max(longest, n)
-    out.update(_extend_rows(batch, appended, w, cache, key_valid, col, pos, cos, sin, dev))
-    return out
+    _extend_rows(batch, appended, w, cache, st, cos, sin, dev)
+    return list(appended)
 
 
-def _extend_rows(order: list, appended: dict, w, cache, key_valid, col, pos, cos, sin,
-                 dev) -> dict:
-    """One `extend` of rows `order` by their `appended` tokens (right-padded) -> {row: logits}."""
+def _extend_rows(order: list, appended: dict, w, cache, st: DecodeState, cos, sin, dev) -> None:
+    """One `extend` of rows `order` by their `appended` tokens (right-padded); their next logits
+    go to st.logits, their columns and positions advance (in place: the decode step's state)."""
     S = max(len(appended[b]) for b in order)
     r = len(order)
     ids_t = torch.zeros(r, S, dtype=torch.long)
@@ -361,9 +374,9 @@ def _extend_rows(order: list, appended: dict, w, cache, key_valid, col, pos, cos
     ids_t, valid = ids_t.to(dev), valid.to(dev)
     rows_t = torch.tensor(order, device=dev)
     steps = torch.arange(S, device=dev)[None]
-    logits = extend(w, ids_t, pos[rows_t][:, None] + steps, valid, col[rows_t], cache=cache,
-                    key_valid=key_valid, cos_tab=cos, sin_tab=sin, rows=rows_t)
+    st.logits[rows_t] = extend(w, ids_t, st.pos[rows_t][:, None] + steps, valid, st.col[rows_t],
+                               cache=cache, key_valid=st.key_valid, cos_tab=cos, sin_tab=sin,
+                               rows=rows_t)
     lens = valid.sum(1)
-    col[rows_t] += lens
-    pos[rows_t] += lens
-    return {b: logits[i] for i, b in enumerate(order)}
+    st.col[rows_t] += lens
+    st.pos[rows_t] += lens

@@ -6,6 +6,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
+import numpy as np
+
 from hybridflow.config import MultiTurnConfig
 from hybridflow.tools.base import Tool, ToolOutcome
 
@@ -17,15 +19,20 @@ class ToolRunner:
         self.tools: dict[str, Tool] = {t.name: t for t in tools}
         self.fmt, self.tok, self.mt = fmt, tokenizer, mt
         self._pool: Optional[ThreadPoolExecutor] = None
-        self._pieces: dict = {}  # token id -> its text (memo for the per-step marker check)
+        self._close: Optional[np.ndarray] = None  # (vocab,) bool, see close_tokens
 
-    def may_close(self, token: int) -> bool:
-        """Whether `token`'s text holds the closing marker's last character (else no call can
-        have just been completed: the turn's tail is not decoded)."""
-        piece = self._pieces.get(token)
-        if piece is None:
-            piece = self._pieces[token] = self.tok.decode([token], skip_special_tokens=False)
-        return self.fmt.close[-1] in piece
+    def close_tokens(self, vocab: int) -> np.ndarray:
+        """(vocab,) bool: the token ids whose text holds the closing marker's last character
+        (hermes: `>`, code: a backtick). Only a turn whose newest token is one of them can have
+        just completed a call, so the decode loop decodes no other row's text. Computed once per
+        runner (its tokenizer and format)."""
+        if self._close is None or len(self._close) != vocab:
+            last = self.fmt.close[-1]
+            decode, size = self.tok.decode, self.tok.vocab_size
+            self._close = np.fromiter(
+                (i < size and last in decode([i], skip_special_tokens=False)
+                 for i in range(vocab)), dtype=bool, count=vocab)
+        return self._close
 
     def submit(self, items: list) -> Future:
         """Run the calls of one turn (ToolCall, or a ToolOutcome already decided) -> a future of

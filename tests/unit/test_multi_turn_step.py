@@ -1,0 +1,133 @@
+"""The multi-turn decode step as one function over static state (rollout/multi_turn_step.py), run
+eagerly on CPU exactly as a CUDA graph replays it, against the eager loop it replaced
+(tests/unit/multi_turn_reference.py): the same tokens, log-probs, tool masks and K/V cache, with
+forced tool calls and with free sampling (which draws malformed calls and EOS on its own), over two
+chunk sizes. Tools run synchronously here so both loops see every result at the same step (with a
+thread pool the step a result lands at depends on timing)."""
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from hybridflow.config import MultiTurnConfig, RolloutConfig
+from hybridflow.rollout.multi_turn import generate_multi_turn
+from hybridflow.rollout.multi_turn_step import DecodeState
+from hybridflow.rollout.options import DecodeOptions
+from hybridflow.tools import load_tool_config
+from hybridflow.tools.formats import ToolFormat
+from hybridflow.tools.runner import ToolRunner
+from tests.unit.multi_turn_reference import reference_multi_turn
+from tests.unit.test_multi_turn import V, byte_tokenizer, call, make_gen, tool_config
+
+
+class SyncRunner(ToolRunner):
+    """Runs a turn's calls (the real tools) when submitted: the result is in at the next poll."""
+
+    def submit(self, items):
+        f = Future()
+        f.set_result(self._run(items))
+        return f
+
+
+def runner_for(tok, kind, path, turns=3):
+    tools = load_tool_config(path)
+    mt = MultiTurnConfig(enable=True, format=kind, max_assistant_turns=turns,
+                         max_tool_response_length=24, tool_config_path=path, tool_workers=1)
+    return SyncRunner(tools, fmt=ToolFormat(kind, tokenizer=tok, tools=tools), tokenizer=tok,
+                      mt=mt)
+
+
+def states(gen):
+    """{B: DecodeState} of the generator's multi-turn steps."""
+    return {k[1]: st for k, (st, _) in gen._steps.items() if k[0] == "multi_turn"}
+
+
+@pytest.mark.parametrize("mode", ["forced", "sampled"])
+def test_graph_ready_loop_equals_the_eager_loop(tmp_path, mode):
+    tok = byte_tokenizer(tmp_path)
+    end = tok.encode("<|im_end|>")
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in ("6*7?", "Hi there", "2+3 then 5*5", "x", "a longer question here")]
+    forced = [tok.encode(call("6*7")) + tok.encode("It is 42") + end,
+              tok.encode('<tool_call>{"name": calculator}</tool_call>ok') + end,
+              tok.encode(call("2+3")) + tok.encode(call("5*5")) + tok.encode("25") + end,
+              tok.encode("no tools") + end,
+              tok.encode(call("1+1") + call("2+2") + call("3+3")) + end]  # past the turn limit
+    if mode == "sampled":  # calls, then whatever the model draws; one row draws from the start
+        forced = [f[:len(tok.encode(call("6*7")))] for f in forced[:4]] + [[]]
+    path = tool_config(tmp_path, "calculator")
+    cfg = RolloutConfig(n=1, max_new_tokens=240 if mode == "forced" else 96, temperature=1.0,
+                        return_logprobs=True, max_batch_size=3)  # chunks of 3 and 2 rows
+    opts = DecodeOptions(kernels="torch", prefill_tokens=64)
+    outs = []
+    for fn in (reference_multi_turn, generate_multi_turn):
+        gen = make_gen()
+        # one cache for the whole call: the eager loop sized it per chunk, and a later chunk's
+        # longer prompt grew it, which re-created the generator's RNG unseeded (the new loop
+        # sizes it once, before seeding)
+        gen._ensure_cache(rows=3, length=384)
+        outs.append((fn(gen, prompts, cfg=cfg, runner=runner_for(tok, "hermes", path),
+                        eos_id=tok.eos_id, pad_id=tok.pad_id, seed=5, options=opts,
+                        forced=forced), gen))
+    ((ref, ref_m, ref_valid), ref_gen), ((new, new_m), new_gen) = outs
+    assert torch.equal(new.response_ids, ref.response_ids)
+    assert torch.equal(new.response_mask, ref.response_mask)
+    assert torch.equal(new.tool_mask, ref.tool_mask)
+    assert ref.tool_mask.any() and new_m["tool_calls/mean"] > 0
+    torch.testing.assert_close(new.rollout_logprobs, ref.rollout_logprobs, rtol=1e-5, atol=1e-5)
+    for k in ref_m:
+        if "timing" not in k:
+            assert new_m[k] == pytest.approx(ref_m[k], rel=1e-6), k
+    if mode == "forced":  # the turn limit ended the last row at its second call
+        assert new_m["num_turns/max"] == 3
+    # the last chunk's cache: every column the eager loop wrote is there, the same K/V; the new
+    # loop also fed a finished row's last token (at most one more column per row)
+    kv_ref, st = ref_valid[-1], states(new_gen)[2]
+    assert (st.key_valid & kv_ref).eq(kv_ref).all()
+    assert ((st.key_valid & ~kv_ref).sum(1) <= 1).all()
+    for b in range(2):
+        cols = kv_ref[b].nonzero()[:, 0]
+        for cache_ref, cache_new in ((ref_gen._cache.k, new_gen._cache.k),
+                                     (ref_gen._cache.v, new_gen._cache.v)):
+            torch.testing.assert_close(cache_new[:, b, :, cols], cache_ref[:, b, :, cols],
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_step_state_is_static_across_calls(tmp_path):
+    """The step reads and writes the same tensors every call (what a captured graph needs): a
+    second call reuses the chunk's state in place and gives the same rollout for the same seed,
+    also when a later chunk's prompt is longer (the cache is sized once, before seeding)."""
+    tok = byte_tokenizer(tmp_path)
+    end = tok.encode("<|im_end|>")
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in ("q", "a much longer question than the first")]
+    runner = runner_for(tok, "hermes", tool_config(tmp_path, "calculator"))
+    gen = make_gen()
+    cfg = RolloutConfig(n=2, max_new_tokens=40, temperature=1.0, return_logprobs=True,
+                        max_batch_size=2)
+    run = lambda: generate_multi_turn(gen, prompts, cfg=cfg, runner=runner,  # noqa: E731
+                                      eos_id=tok.eos_id, pad_id=tok.pad_id, seed=1,
+                                      forced=[tok.encode(call("1+2")), end, [], end])
+    first, _ = run()
+    (st,) = states(gen).values()
+    ptrs = [t.data_ptr() for t in st.tensors()]
+    second, _ = run()
+    assert states(gen) == {2: st} and [t.data_ptr() for t in st.tensors()] == ptrs
+    assert torch.equal(first.response_ids, second.response_ids)
+    assert torch.equal(first.rollout_logprobs, second.rollout_logprobs)
+    assert int(st.col[0]) > int(st.col[1])  # rows advance their own columns (row 1 stopped)
+
+
+def test_close_tokens(tmp_path):
+    """Only tokens whose text holds the closing marker's last character can end a call: in the
+    byte-level vocabulary, `>` and the specials that end with it (hermes), a backtick (code)."""
+    tok = byte_tokenizer(tmp_path)
+    path = tool_config(tmp_path, "calculator")
+    hermes = runner_for(tok, "hermes", path).close_tokens(V)
+    ids = lambda *texts: sorted(tok.encode(t)[0] for t in texts)  # noqa: E731
+    assert sorted(hermes.nonzero()[0]) == ids(">", "<|im_end|>", "<|im_start|>", "<tool_call>",
+                                              "</tool_call>")
+    code = runner_for(tok, "code", path).close_tokens(V)
+    assert sorted(code.nonzero()[0]) == ids("`")
+    assert DecodeState(2, 64, V, "cpu").out.dtype == torch.float64  # token ids stay exact
