@@ -1,23 +1,43 @@
-"""Multi-turn generation with tools on the real Qwen2.5-Coder-0.5B-Instruct: how long a batch of
-GSM8K prompts takes when the model may call the sandboxed code interpreter (hermes format), split
-into decoding, waiting for tools and appending results, with the turn and call counts.
+"""Multi-turn generation with tools: how fast its decode step runs, and what a real model does.
+
+Two modes.
+
+`--synthetic` (the decode-speed A/B): the Qwen2.5-Coder-0.5B shape (hybridflow/conf/model/
+qwen2_5_coder_0_5b.yaml) with random weights, a byte-level tokenizer padded to Qwen's vocabulary
+with plain filler tokens plus the ChatML / <tool_call> specials, 64 random prompts of 192-319
+tokens x n=8 = 512 rows in one chunk, 256 new tokens, temperature 1. A forced-call pattern: every
+row writes 16-63 filler tokens and a calculator call (`<tool_call>{"name": "calculator", ...}
+</tool_call>`), every other row a second one after more filler; after its forced tokens a row
+samples freely (random weights: it runs to the budget). Timed variants (a warm-up call first,
+which also captures the graphs; then the median of --reps calls):
+  eager            the decode step as plain PyTorch ops (rollout.cuda_graphs=false)
+  graphed          one CUDA-graph replay per step, the whole cache attended
+  graphed_windows  a graph per KV window (rollout.decode_kv_window: an eighth of the cache)
+  single_turn      Generator.generate on the same rows without tools (its GPU defaults but
+                   compile: Triton decode layers, graphs, windows, compaction), for the ratio.
+Per variant: wall seconds, decode steps, ms per step, the time appending tool results and
+waiting for tools, calls per row.
+
+    python benchmarks/bench_multi_turn.py --synthetic --out benchmarks/results/multi_turn_ab_h200.json
+    python benchmarks/bench_multi_turn.py --synthetic --device cpu --dtype float32 --layers 1 \
+        --vocab 1024 --prompts 2 --n 2 --max-new 128 --reps 1 --out /tmp/mt_ab.json  # CPU smoke
+
+Real model (GGUF, GSM8K prompts, the code interpreter, `--format hermes|code`, data.system_prompt
+as `--system`): wall time split into decoding, waiting for tools and appending results, turns and
+calls per trajectory and two sample trajectories.
 
     python benchmarks/bench_multi_turn.py --gguf FILE --data DIR/val.jsonl --prompts 64 --n 8 \
         --max-new 1024 --out results/multi_turn_h200.json
-    python benchmarks/bench_multi_turn.py --gguf FILE --data DIR/val.jsonl --prompts 2 --n 1 \
-        --max-new 64 --device cpu --dtype float32 --out /tmp/mt.json      # CPU smoke
 
-The prompts are the data's chat messages rendered with the tool's schema (Qwen's template puts it in
-the system prompt), plus "Use the code_interpreter tool." unless --no-hint. The JSON (written
-atomically) holds the machine, versions, command, settings, wall time, the generator's metrics
-(timing_s/tool_wait, timing_s/tool_prefill, num_turns/*, tool_calls/mean, tool_errors/mean,
-tool_timeouts/mean), tokens generated (model / tool) and two sample trajectories.
+Every JSON (written atomically) holds the machine, versions and command.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,22 +45,148 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.run_record import command, machine, versions, write_json  # noqa: E402
 
+SPECIALS = ["<|im_end|>", "<|im_start|>", "<tool_call>", "</tool_call>"]
+CHATML_TOOLS = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + m['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+QWEN_TRUE_VOCAB = 151665
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--gguf", required=True)
-    ap.add_argument("--data", required=True, help="a .jsonl of verl-format GSM8K records")
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--max-new", type=int, default=1024)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--no-hint", action="store_true")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
 
+def synthetic_tokenizer(directory: Path, vocab: int):
+    """Byte-level BPE (no merges): the 256 byte symbols, plain filler tokens `w<i>` up to `vocab`
+    minus the specials, then the specials (EOS and pad: <|im_end|>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from hybridflow.data.tokenizer import load_tokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    table = {c: i for i, c in enumerate(alphabet)}
+    table.update({f"w{i}": len(alphabet) + i for i in range(vocab - len(alphabet) - len(SPECIALS))})
+    tok = Tokenizer(models.BPE(vocab=table, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|im_end|>", "chat_template": CHATML_TOOLS}))
+    return load_tokenizer(directory)
+
+
+def random_params(cfg, *, device, dtype, seed: int = 0) -> dict:
+    """Megatron-named random weights of `cfg` (std 0.02, norms 1)."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: (torch.randn(*s, generator=g, device=device, dtype=torch.float32)  # noqa: E731
+                    * 0.02).to(dtype)
+    ones = lambda n: torch.ones(n, device=device, dtype=dtype)  # noqa: E731
+    D, hd, G, H, F = (cfg.hidden_size, cfg.head_dim, cfg.num_query_groups,
+                      cfg.num_attention_heads, cfg.ffn_hidden_size)
+    p = {"embedding.word_embeddings.weight": r(cfg.vocab_size, D),
+         "decoder.final_layernorm.weight": ones(D), "output_layer.weight": r(cfg.vocab_size, D)}
+    for i in range(cfg.num_layers):
+        q = f"decoder.layers.{i}."
+        p[q + "input_layernorm.weight"] = ones(D)
+        p[q + "pre_mlp_layernorm.weight"] = ones(D)
+        p[q + "self_attention.linear_qkv.weight"] = r(G * (H // G + 2) * hd, D)
+        p[q + "self_attention.linear_qkv.bias"] = r(G * (H // G + 2) * hd)
+        p[q + "self_attention.linear_proj.weight"] = r(D, H * hd)
+        p[q + "mlp.linear_fc1.weight"] = r(2 * F, D)
+        p[q + "mlp.linear_fc2.weight"] = r(D, F)
+    return p
+
+
+def synthetic(a) -> dict:
+    import numpy as np
+    import torch
+    import yaml
+
+    from hybridflow.config import ModelConfig, MultiTurnConfig, RolloutConfig
+    from hybridflow.rollout import Generator
+    from hybridflow.rollout.multi_turn import generate_multi_turn
+    from hybridflow.rollout.options import DecodeOptions
+    from hybridflow.tools import load_tool_config
+    from hybridflow.tools.formats import ToolFormat
+    from hybridflow.tools.runner import ToolRunner
+
+    root = Path(__file__).resolve().parents[1]
+    spec = yaml.safe_load((root / "hybridflow/conf/model/qwen2_5_coder_0_5b.yaml").read_text())
+    spec.update(num_layers=a.layers or spec["num_layers"])
+    if a.vocab:
+        spec.update(vocab_size=a.vocab)
+    cfg = ModelConfig(**spec)
+    dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    with tempfile.TemporaryDirectory() as d:
+        tok = synthetic_tokenizer(Path(d), a.vocab or QWEN_TRUE_VOCAB)
+    gen = Generator(model_cfg=cfg, params=random_params(cfg, device=dev, dtype=dtype),
+                    tp_group=None, device=dev, dtype=dtype, true_vocab_size=tok.vocab_size)
+    rng = np.random.default_rng(0)
+    fillers = tok.vocab_size - 256 - len(SPECIALS)
+    filler = lambda k: (256 + rng.integers(0, fillers, k)).tolist()  # noqa: E731
+    prompts = [filler(int(rng.integers(192, 320))) for _ in range(a.prompts)]
+    call = lambda expr: tok.encode("<tool_call>" + json.dumps(  # noqa: E731
+        {"name": "calculator", "arguments": {"expression": expr}}) + "</tool_call>")
+    rows = a.prompts * a.n
+    forced = [filler(16 + i % 48) + call(f"{i}*{i % 7 + 2}")
+              + (filler(8 + i % 24) + call(f"{i}+1") if i % 2 else []) for i in range(rows)]
+    tools = load_tool_config("calculator.yaml")
+    mt = MultiTurnConfig(enable=True, tool_config_path="calculator.yaml", max_assistant_turns=4,
+                         max_tool_response_length=256, tool_workers=16)
+    runner = ToolRunner(tools, fmt=ToolFormat("hermes", tokenizer=tok, tools=tools),
+                        tokenizer=tok, mt=mt)
+    rc = RolloutConfig(n=a.n, max_new_tokens=a.max_new, temperature=1.0, max_batch_size=rows,
+                       return_logprobs=True)
+    cache = max(map(len, prompts)) + a.max_new
+    window = max(64, -(-cache // 8 // 64) * 64)
+    variants = {"eager": DecodeOptions(kernels="torch", cuda_graphs=False),
+                "graphed": DecodeOptions(kernels="torch"),
+                "graphed_windows": DecodeOptions(kernels="torch", kv_window=window)}
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    out = {}
+    for name, opts in variants.items():
+        times, metrics = [], None
+        for rep in range(a.reps + 1):  # the first: warm-up (and graph capture)
+            sync()
+            t0 = time.perf_counter()
+            batch, metrics = generate_multi_turn(gen, prompts, cfg=rc, runner=runner,
+                                                 eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                                 seed=rep, options=opts, forced=forced)
+            sync()
+            times.append(time.perf_counter() - t0)
+        wall = statistics.median(times[1:])
+        steps = metrics["multi_turn/decode_steps"]
+        mask, tool = batch.response_mask.cpu(), batch.tool_mask.cpu()
+        out[name] = {"first_call_s": times[0], "wall_s": wall, "decode_steps": steps,
+                     "ms_per_step": 1e3 * wall / max(steps, 1),
+                     "model_tokens": int((mask * (1 - tool)).sum()),
+                     "tool_tokens": int((mask * tool).sum()), "metrics": metrics}
+        print(name, f"{wall:.2f}s", f"{out[name]['ms_per_step']:.2f} ms/step",
+              f"calls/row {metrics['tool_calls/mean']:.2f}", flush=True)
+        gen.release()  # each variant's graphs and cache go; the next captures its own
+    single = RolloutConfig(n=a.n, max_new_tokens=a.max_new, temperature=1.0, max_batch_size=rows,
+                           return_logprobs=True, decode_kv_window=window if dev.type == "cuda"
+                           else 0, compact_finished_rows=dev.type == "cuda")
+    times = []
+    for rep in range(a.reps + 1):
+        sync()
+        t0 = time.perf_counter()
+        gen.generate(prompts, cfg=single, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=rep)
+        sync()
+        times.append(time.perf_counter() - t0)
+    out["single_turn"] = {"first_call_s": times[0], "wall_s": statistics.median(times[1:]),
+                          "decode_steps": a.max_new - 1}
+    print("single_turn", f"{out['single_turn']['wall_s']:.2f}s", flush=True)
+    out["ratios"] = {k: out[k]["wall_s"] / out["single_turn"]["wall_s"]
+                     for k in variants}
+    out["settings"] = {"rows": rows, "kv_window": window, "forced": "1-2 calculator calls per row"}
+    runner.close()
+    return out
+
+
+def real(a) -> dict:
     import torch
 
     from hybridflow.config import MultiTurnConfig, RolloutConfig
@@ -48,31 +194,33 @@ def main() -> None:
     from hybridflow.models.gguf import gguf_tokenizer_dir, load_gguf
     from hybridflow.rollout import Generator
     from hybridflow.rollout.multi_turn import generate_multi_turn
-    from hybridflow.tools.runner import ToolRunner
     from hybridflow.tools import load_tool_config
     from hybridflow.tools.formats import ToolFormat
+    from hybridflow.tools.runner import ToolRunner
 
     tok = load_tokenizer(gguf_tokenizer_dir(a.gguf))
     cfg, params = load_gguf(a.gguf)
     tools = load_tool_config("code_interpreter.yaml")
-    mt = MultiTurnConfig(enable=True, tool_config_path="code_interpreter.yaml",
+    mt = MultiTurnConfig(enable=True, tool_config_path="code_interpreter.yaml", format=a.format,
                          max_assistant_turns=a.turns, tool_workers=16)
-    runner = ToolRunner(tools, fmt=ToolFormat("hermes", tokenizer=tok, tools=tools),
-                          tokenizer=tok, mt=mt)
+    runner = ToolRunner(tools, fmt=ToolFormat(a.format, tokenizer=tok, tools=tools),
+                        tokenizer=tok, mt=mt)
     gen = Generator(model_cfg=cfg, params=params, tp_group=None, device=a.device,
                     dtype=getattr(torch, a.dtype), true_vocab_size=tok.vocab_size)
     records = [json.loads(line) for line in open(a.data)][:a.prompts]
-    hint = "" if a.no_hint else " Use the code_interpreter tool."
     prompts = []
     for r in records:
         msgs = [dict(m) for m in r["prompt"]]
-        msgs[-1]["content"] += hint
-        prompts.append(tok.encode(tok.apply_chat_template(msgs, tools=[t.schema for t in tools])))
+        if a.system:
+            msgs = [{"role": "system", "content": a.system}, *msgs]
+        # the recipe renders the schemas into the template for hermes only (components.py)
+        kw = {"tools": [t.schema for t in tools]} if a.format == "hermes" else {}
+        prompts.append(tok.encode(tok.apply_chat_template(msgs, **kw)))
     rc = RolloutConfig(n=a.n, max_new_tokens=a.max_new, temperature=a.temperature,
-                       stop_token_ids=[151643], max_batch_size=4096)
+                       stop_token_ids=[151643], max_batch_size=512)
     run = lambda seed: generate_multi_turn(gen, prompts, cfg=rc, runner=runner,  # noqa: E731
                                            eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed)
-    if a.device == "cuda":  # warm-up (allocator, kernels' first launches)
+    if a.device == "cuda":  # warm-up (allocator, graph capture)
         run(0)
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -84,12 +232,41 @@ def main() -> None:
     mask, tool = batch.response_mask.cpu(), batch.tool_mask.cpu()
     samples = [tok.decode(batch.response_ids[i, :int(mask[i].sum())].tolist(),
                           skip_special_tokens=False) for i in range(min(2, batch.batch_size))]
+    return {"rows": batch.batch_size, "wall_s": wall,
+            "model_tokens": int((mask * (1 - tool)).sum()),
+            "tool_tokens": int((mask * tool).sum()), "metrics": metrics, "samples": samples}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--synthetic", action="store_true", help="the decode-speed A/B, random weights")
+    ap.add_argument("--gguf")
+    ap.add_argument("--data", help="a .jsonl of verl-format GSM8K records")
+    ap.add_argument("--format", default="hermes", choices=["hermes", "code"])
+    ap.add_argument("--system", default=None, help="a system prompt (data.system_prompt)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-new", type=int, default=None,
+                    help="default: 256 synthetic, 1024 real")
+    ap.add_argument("--layers", type=int, default=None, help="synthetic: fewer layers (smoke)")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="synthetic: a smaller vocabulary (smoke); default Qwen's")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    a.max_new = a.max_new or (256 if a.synthetic else 1024)
+    if not a.synthetic and not (a.gguf and a.data):
+        ap.error("--gguf and --data are needed without --synthetic")
+    result = synthetic(a) if a.synthetic else real(a)
     out = {"machine": machine(), "versions": versions("hybridflow"), "command": command(),
-           "settings": vars(a), "rows": batch.batch_size, "wall_s": wall,
-           "model_tokens": int((mask * (1 - tool)).sum()), "tool_tokens": int((mask * tool).sum()),
-           "metrics": metrics, "samples": samples}
+           "settings": vars(a), **result}
     write_json(a.out, out)
-    print(json.dumps({k: v for k, v in out.items() if k != "samples"}, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k not in ("samples", "metrics")},
+                     indent=1, default=str))
 
 
 if __name__ == "__main__":

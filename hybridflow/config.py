@@ -140,7 +140,7 @@ class RolloutConfig:
     n: int = 1  # samples per prompt
     max_batch_size: int = 256  # sequences per generate call on a rank; larger batches are chunked
     stop_token_ids: list = field(default_factory=list)  # besides the tokenizer's EOS
-    cuda_graphs: bool = True  # capture the decode step on GPU
+    cuda_graphs: bool = True  # capture the decode step on GPU (single- and multi-turn)
     # move the unfinished rows to a smaller batch bucket as rows stop, so a long tail of response
     # lengths does not hold the whole batch (rollout/compaction.py). Greedy output is unchanged;
     # sampled output stays seeded-reproducible but draws a different (equally valid) sample.
@@ -155,8 +155,10 @@ class RolloutConfig:
     # decode attends over the first multiple of this many cache columns that holds every written
     # slot (a CUDA graph per window), not the whole prompt + max_new_tokens cache: early steps of a
     # long budget read a fraction of the KV cache. 0: the whole cache. A multiple of 64. Each window
-    # is a graph per batch bucket: pair with free_cache_engine=false (captured once).
-    # null (auto): on a GPU, about an eighth of the cache (at least 64 columns); 0 on CPU
+    # is a graph per batch bucket: pair with free_cache_engine=false (captured once). Multi-turn
+    # too (a graph per window and chunk size; a step's window holds every row's next column).
+    # null (auto): on a GPU with cuda_graphs, about an eighth of the cache (at least 64 columns);
+    # 0 on CPU
     decode_kv_window: Optional[int] = None
     # run each layer's pure parts of the decode step (norm + QKV + RoPE; out-projection + MLP) through
     # torch.compile (dynamic batch size; the KV writes and attention stay eager between them; all

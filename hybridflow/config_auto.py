@@ -99,8 +99,10 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
 
     in_place = (r.tensor_parallel_size or p.tensor_parallel_size) == p.tensor_parallel_size \
         and p.pipeline_parallel_size == 1
-    # multi-turn decodes eagerly: the graph-only speed options stay off
-    graphs = gpu and r.cuda_graphs and not r.multi_turn.enable
+    # multi-turn replays a graph of its own step (PyTorch ops, KV windows): the single-turn
+    # step's compaction and compile stay off for it
+    windows = gpu and r.cuda_graphs
+    graphs = windows and not r.multi_turn.enable
     rollout = {}
     if r.free_cache_engine is None:
         rollout["free_cache_engine"] = not (gpu and in_place)
@@ -112,7 +114,7 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
         rollout["compact_finished_rows"] = graphs
     if r.decode_kv_window is None:
         cache = cfg.data.max_prompt_length + r.max_new_tokens
-        rollout["decode_kv_window"] = max(64, math.ceil(cache / 8 / 64) * 64) if graphs else 0
+        rollout["decode_kv_window"] = max(64, math.ceil(cache / 8 / 64) * 64) if windows else 0
     if r.compile_decode is None:
         tp_g = r.tensor_parallel_size or p.tensor_parallel_size
         rollout["compile_decode"] = graphs and tp_g == 1

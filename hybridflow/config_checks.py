@@ -406,8 +406,9 @@ def _validate_recipes(cfg: Config) -> None:
 
 
 def validate_multi_turn(r) -> None:
-    """rollout.multi_turn: its keys, and the decode options it does not run with (it decodes on the
-    eager torch path; null (auto) values resolve to off for it)."""
+    """rollout.multi_turn: its keys, and the decode options it does not run with (its decode step
+    is PyTorch ops, a CUDA-graph replay on GPU, with KV windows; null (auto) values of the others
+    resolve to off for it)."""
     m = r.multi_turn
     if not m.enable:
         return
@@ -423,13 +424,14 @@ def validate_multi_turn(r) -> None:
     clashes = [(key, value) for key, value, bad in (
         ("rollout.decode_kernels", r.decode_kernels, r.decode_kernels == "triton"),
         ("rollout.compile_decode", r.compile_decode, r.compile_decode is True),
-        ("rollout.decode_kv_window", r.decode_kv_window, bool(r.decode_kv_window)),
         ("rollout.compact_finished_rows", r.compact_finished_rows,
          r.compact_finished_rows is True)) if bad]
     if clashes:
         key, value = clashes[0]
-        raise ValueError(f"rollout.multi_turn.enable=true decodes on the eager torch path; "
-                         f"{key}={value!r} does not apply to it: set {key} to null (auto) or off")
+        raise ValueError(f"rollout.multi_turn.enable=true decodes with PyTorch ops (CUDA graphs "
+                         f"and rollout.decode_kv_window apply, the single-turn kernels, compile "
+                         f"and compaction do not); {key}={value!r} does not apply to it: set {key} "
+                         f"to null (auto) or off")
 
 
 def validate_partial(cfg: Config, *, dp: int) -> None:

@@ -11,13 +11,18 @@ at most rollout.max_batch_size rows:
 - Every row owns its next cache column (`col`) and position (`pos`): rows at different turns share
   one batch, each writing its own columns. `extend` (below) is the one step function: it runs S new
   tokens per row at those columns/positions, attending to the row's valid cache columns plus the
-  new tokens causally. A decode step is `extend` of one token for every row of the chunk (rows that
-  are not decoding - waiting for a tool or finished - are fed a masked token whose K/V lands in the
-  scratch column T-1, never marked valid); appending a tool result is `extend` of its tokens for
-  the resumed rows only (a short prefill at the rows' next positions, no re-sending of the
-  conversation), which also gives their next token's logits.
+  new tokens causally. A decode step (multi_turn_step.py) draws every row's token and runs
+  `extend` of one token for every row of the chunk (rows that are not decoding - waiting for a
+  tool or finished - are fed a masked token whose K/V lands in a scratch column, never marked
+  valid) over static state: on a GPU it is one CUDA-graph replay (rollout.cuda_graphs), per KV
+  window with rollout.decode_kv_window. Appending a tool result is an eager `extend` of its
+  tokens for the resumed rows only (a short prefill at the rows' next positions, no re-sending of
+  the conversation), in place on the same state, which also gives their next token's logits.
+- Host work per step: one device-to-host copy of the drawn tokens and log-probs, the rows'
+  bookkeeping as numpy array ops, and the turn's text decoded only for rows whose new token can
+  close a call (ToolRunner.close_tokens: its text holds the marker's last character).
 - A row whose turn ends in a complete call (`ToolFormat`: `</tool_call>`, or a closing ``` fence
-  of a ```python block) pauses; its calls go to a thread pool (ToolRunner) and the other rows keep
+  of a ```python block; the step fed that closing token already) pauses; its calls go to a thread pool (ToolRunner) and the other rows keep
   decoding; results are polled between steps (and waited for only when no row can decode). At
   TP_g > 1 only the generation group's rank 0 runs tools; it broadcasts which results are in and
   what they are at each poll, so every rank appends the same tokens at the same step.
@@ -30,10 +35,10 @@ at most rollout.max_batch_size rows:
 Output: a RolloutBatch whose response holds every turn and tool result, response_mask 1 over all
 of it (the context the trainer's forward sees), tool_mask 1 on the tool results' tokens (the loss,
 KL and advantages skip them: RolloutBatch.loss_mask), and rollout_logprobs 0 on tool tokens.
-This path decodes eagerly with PyTorch ops (rollout.decode_kernels torch, no CUDA graphs, no
-compile, KV windows or compaction: config_checks.validate_multi_turn refuses those when set). The
-math is decoder.forward's, so the cache after any number of turns equals a from-scratch prefill of
-the whole conversation (tests/unit/test_multi_turn.py).
+The step is PyTorch ops (not the single-turn step's Triton layers, compile or compaction:
+config_checks.validate_multi_turn refuses those when set). The math is decoder.forward's, so the
+cache after any number of turns equals a from-scratch prefill of the whole conversation
+(tests/unit/test_multi_turn.py); graphed equals eager (tests/gpu/test_multi_turn_gpu.py).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ import torch.nn.functional as F
 from hybridflow.config import RolloutConfig
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.rollout import decoder
-from hybridflow.rollout.generator import LENGTH_MULTIPLE, Generator
+from hybridflow.rollout.generator import LENGTH_MULTIPLE, Generator, kv_windows, window_for
 from hybridflow.rollout.multi_turn_step import DecodeState, decode_step
 from hybridflow.rollout.options import DecodeOptions
 from hybridflow.tools.base import ToolCall
@@ -61,30 +66,36 @@ TAIL_TOKENS = 8  # a turn's last tokens decoded each step to spot a closing mark
 
 def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
            start: torch.Tensor, *, cache, key_valid: torch.Tensor, cos_tab, sin_tab,
-           rows: Optional[torch.Tensor] = None,
-           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+           rows: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+           kv_len: Optional[int] = None) -> torch.Tensor:
     """Run S new tokens per row against the cache; returns fp32 logits (r, V) at each row's last
     valid new token.
 
     ids, positions (r, S) int64: the tokens and their RoPE positions; valid (r, S) bool, a prefix
-    of each row (False: right padding, written to the scratch column T-1 and never seen); start
+    of each row (False: right padding, written to the scratch column L-1 and never seen); start
     (r,) int64: the cache column of each row's first new token (token j goes to start + j). rows
     (r,) int64: the cache rows (None: rows 0..r-1, a view without copies). key_valid (rows, T)
     bool, the columns each cache row may attend to; updated in place with the new tokens'
     columns. `out` (r, V) fp32: the logits are written into it (the decode step's static
-    buffer) and it is returned. Same math as decoder.forward (torch path)."""
+    buffer) and it is returned. `kv_len` L (rows None only; None: the cache length T): attend
+    over cache columns 0..L-1 only (a strided view, no copy); every row's valid columns and new
+    tokens must lie below L - 1 or be column L - 1 itself, which is also the scratch column of
+    padding (the caller picks L above every row's next column: a row's own scratch write there
+    comes before it reaches that column, which it then overwrites). Same math as
+    decoder.forward (torch path)."""
     d = w.dims
     r, S = ids.shape
     hpg, hd = d.heads_per_group, d.head_dim
-    T = cache.length
+    assert kv_len is None or rows is None, "attention windows are for the decode step's rows"
+    L = cache.length if kv_len is None else kv_len
     steps = torch.arange(S, device=ids.device)
-    columns = torch.where(valid, start[:, None] + steps, T - 1)  # (r, S)
-    kv_rows = key_valid if rows is None else key_valid.index_select(0, rows)  # (r, T)
-    t = torch.arange(T, device=ids.device)
+    columns = torch.where(valid, start[:, None] + steps, L - 1)  # (r, S)
+    kv_rows = key_valid[:r, :L] if rows is None else key_valid.index_select(0, rows)  # (r, L)
+    t = torch.arange(L, device=ids.device)
     # query j sees the row's old columns and new tokens 0..j; a padding query sees its own column
     mask = kv_rows[:, None, :] | ((t >= start[:, None, None]) & (t <= columns[:, :, None])
                                   & valid[:, :, None]) | (t == columns[:, :, None])
-    mask = mask[:, None, None].expand(r, 1, hpg, S, T).reshape(r, 1, hpg * S, T)
+    mask = mask[:, None, None].expand(r, 1, hpg, S, L).reshape(r, 1, hpg * S, L)
     x = decoder.embed(w, ids.masked_fill(~valid, 0)).reshape(r * S, d.hidden)
     cos = cos_tab[positions][:, :, None, None]  # (r, S, 1, 1, hd)
     sin = sin_tab[positions][:, :, None, None]
@@ -95,13 +106,13 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
         qk = decoder._qk_norm(qkv[:, :, :, :hpg + 1], layer.q_norm, layer.k_norm, d.eps)
         qk = qk * cos + qk.roll(hd // 2, -1) * sin  # (r, S, G, hpg+1, hd)
         # the heads of a group fold into the query axis (as decode_step's): (r, G, hpg * S, hd)
-        # queries against the group's (r, G, T, hd) keys, no per-head K/V copy
+        # queries against the group's (r, G, L, hd) keys, no per-head K/V copy
         q = qk[:, :, :, :hpg].permute(0, 2, 3, 1, 4).reshape(r, d.groups, hpg * S, hd)
         kc, vc = cache.k[i], cache.v[i]  # (rows, G, T, hd)
         kc[row_ix, :, columns] = qk[:, :, :, hpg]  # (r, S, G, hd) at (row, column)
         vc[row_ix, :, columns] = qkv[:, :, :, hpg + 1]
         if rows is None:
-            k, v = kc[:r], vc[:r]
+            k, v = kc[:r, :, :L], vc[:r, :, :L]
         else:
             k, v = kc.index_select(0, rows), vc.index_select(0, rows)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (r, G, hpg * S, hd)
@@ -109,9 +120,9 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
         x = decoder._row_parallel_add(x, a, layer.proj, w)
         x = decoder._mlp(x, layer, w)
     n_new = valid.sum(1)  # (r,)
-    new_valid = (t >= start[:, None]) & (t < (start + n_new)[:, None])  # (r, T)
+    new_valid = (t >= start[:, None]) & (t < (start + n_new)[:, None])  # (r, L)
     if rows is None:
-        key_valid[:r] |= new_valid
+        key_valid[:r, :L] |= new_valid
     else:
         key_valid[rows] = kv_rows | new_valid
     last = (valid.long().cumsum(1).argmax(1))  # the last valid new token of each row
@@ -149,7 +160,8 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
     tokens to emit in place of samples while they last (their log-probs are still the model's):
     replays and tests."""
     opts = options or DecodeOptions.from_config(cfg)
-    stats = {"tool_wait": 0.0, "tool_prefill": 0.0, "loop": 0.0, "decode_steps": 0}
+    stats = {"tool_wait": 0.0, "tool_prefill": 0.0, "loop": 0.0, "decode_steps": 0,
+             "window_steps": {}}
     N, R = len(prompts) * cfg.n, cfg.max_new_tokens
     ids, mask = gen._padded_prompts(prompts, cfg, pad_id)  # checks prompts and cfg
     P = ids.shape[1]
@@ -162,7 +174,8 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
         gen._ensure_cache(rows=max(e - s for s, e in chunks), length=T)
         graphed = opts.cuda_graphs and gen.device.type == "cuda"
         # every chunk size's step before seeding: a capture's warm-up runs draw from the stream
-        steps = {e - s: _step(gen, e - s, cfg, graphed) for s, e in chunks}
+        windows = kv_windows(gen._cache.length, opts.kv_window)
+        steps = {e - s: _step(gen, e - s, cfg, graphed, windows) for s, e in chunks}
         gen._rng.manual_seed(seed)
         hosts = []
         for s, e in chunks:
@@ -194,26 +207,31 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
                # the rest of the loop: sampling, decode steps, the per-step host work
                "timing_s/multi_turn_decode": stats["loop"] - stats["tool_wait"]
                - stats["tool_prefill"],
-               "multi_turn/decode_steps": float(stats["decode_steps"])}
+               "multi_turn/decode_steps": float(stats["decode_steps"]),
+               # cache columns a decode step attended over, on average (rollout.decode_kv_window)
+               "multi_turn/kv_columns_mean": sum((k or gen._cache.length) * v for k, v in
+                                                 stats["window_steps"].items())
+               / max(1, stats["decode_steps"])}
     return batch.to(gen.device), metrics
 
 
-def _step(gen: Generator, B: int, cfg: RolloutConfig, graphed: bool):
-    """(DecodeState, step) of chunks of B rows, kept on the generator (its release() drops them
-    with the other captured steps; a cache that grows releases them too)."""
-    key = ("multi_turn", B, gen._cache.length, cfg.temperature, cfg.top_k, cfg.top_p, graphed)
+def _step(gen: Generator, B: int, cfg: RolloutConfig, graphed: bool, windows: list):
+    """(DecodeState, {kv_len: step}) of chunks of B rows, kept on the generator (its release()
+    drops them with the other captured steps; a cache that grows releases them too)."""
+    key = ("multi_turn", B, gen._cache.length, cfg.temperature, cfg.top_k, cfg.top_p, graphed,
+           tuple(windows))
     if key not in gen._steps:
         st = DecodeState(B, gen._cache.length, gen.w.dims.true_vocab, gen.device)
-        gen._steps[key] = (st, {None: decode_step(gen, st, cfg, graphed=graphed)})
-    st, fns = gen._steps[key]
-    return st, fns[None]
+        gen._steps[key] = (st, {kv_len: decode_step(gen, st, cfg, graphed=graphed, kv_len=kv_len)
+                                for kv_len in windows})
+    return gen._steps[key]
 
 
 def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, runner: ToolRunner,
                eos_id: int, pad_id: int, stats: dict, budget: int,
                forced: Optional[list], step) -> _Rows:
     w, dev, tok, mt = gen.w, gen.device, runner.tok, runner.mt
-    st, step = step
+    st, fns = step
     one = RolloutConfig(n=1, max_new_tokens=cfg.max_new_tokens, max_batch_size=len(prompts))
     ids, mask = gen._padded_prompts(prompts, one, pad_id)
     B, P = ids.shape
@@ -254,7 +272,10 @@ def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, runner: ToolRu
                 ctrl[DecodeState.FORCED, on] = 1
                 ctrl[DecodeState.FORCED_TOKEN, on] = f_tok[on, rows.n_model[on]]
             st.ctrl.copy_(torch.from_numpy(ctrl))
-            step()  # draws every row's token, feeds the ready rows'
+            # every row's next column is below P + its length + 1: the window that holds them
+            window = window_for(fns, P + int(rows.n.max()) + 1)
+            fns[window]()  # draws every row's token, feeds the ready rows'
+            stats["window_steps"][window] = stats["window_steps"].get(window, 0) + 1
             stats["decode_steps"] += 1
             out = st.out.cpu().numpy()  # (2, B): the one device-to-host copy of the step
             t = out[0, ready].astype(np.int64)

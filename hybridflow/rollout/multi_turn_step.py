@@ -13,7 +13,10 @@ returns a zero-argument function that
    the next logits into `logits` in place and advancing `col` / `pos` of the fed rows.
 Every op has a static shape and no host sync, so on a GPU the function is captured once per B
 (cuda_graph.GraphedStep: the generator's pool, side stream and registered RNG) and each step is
-one replay; on CPU or with rollout.cuda_graphs off it runs eagerly, the same ops. Appending tool
+one replay; on CPU or with rollout.cuda_graphs off it runs eagerly, the same ops. With
+rollout.decode_kv_window W there is one step per window (the multiples of W below T, and T): the
+host picks, per step, the shortest that holds every row's next column (it knows each row's length;
+no sync), so early steps do not read the whole cache. Appending tool
 results stays eager (`extend` of S > 1 tokens for the resumed rows) and writes the same tensors in
 place (`col`, `pos`, `key_valid`, the cache, the resumed rows' `logits`).
 
@@ -23,6 +26,8 @@ and a finished row's cache is never read again.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -61,10 +66,12 @@ class DecodeState:
         self.out.zero_()
 
 
-def decode_step(gen, st: DecodeState, cfg: RolloutConfig, *, graphed: bool):
-    """The step over `st` on `gen`'s weights, cache and generator: captured (graphed, CUDA) or the
-    plain function. The capture's warm-up runs feed no row (ctrl is zero) but draw from the
-    generator: seed it after."""
+def decode_step(gen, st: DecodeState, cfg: RolloutConfig, *, graphed: bool,
+                kv_len: Optional[int] = None):
+    """The step over `st` on `gen`'s weights, cache and generator, attending over the first
+    `kv_len` cache columns (None: all; the caller keeps every row's next column below it):
+    captured (graphed, CUDA) or the plain function. The capture's warm-up runs feed no row (ctrl
+    is zero) but draw from the generator: seed it after."""
     from hybridflow.rollout.multi_turn import extend
 
     w, cache, (cos, sin) = gen.w, gen._cache, gen._tables
@@ -79,7 +86,7 @@ def decode_step(gen, st: DecodeState, cfg: RolloutConfig, *, graphed: bool):
         st.out[1].copy_(_token_logprobs(st.logits, tok, inv_temp))
         ready = st.ctrl[DecodeState.READY]
         extend(w, tok[:, None], st.pos[:, None], ready.bool()[:, None], st.col, cache=cache,
-               key_valid=st.key_valid, cos_tab=cos, sin_tab=sin, out=st.logits)
+               key_valid=st.key_valid, cos_tab=cos, sin_tab=sin, out=st.logits, kv_len=kv_len)
         st.col.add_(ready)
         st.pos.add_(ready)
 

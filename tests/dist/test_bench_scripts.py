@@ -71,6 +71,23 @@ def test_bench_long_tail_times_every_variant(tmp_path):
     assert res["window"]["stats"]["compactions"] == 0
 
 
+def test_bench_multi_turn_synthetic_times_every_variant(tmp_path):
+    out = tmp_path / "mt.json"
+    subprocess.run([sys.executable, "benchmarks/bench_multi_turn.py", "--synthetic", "--device",
+                    "cpu", "--dtype", "float32", "--layers", "1", "--vocab", "1024", "--prompts",
+                    "2", "--n", "2", "--max-new", "128", "--reps", "1", "--out", str(out)],
+                   check=True, cwd=ROOT, env=ENV, capture_output=True)
+    r = json.loads(out.read_text())
+    for name in ("eager", "graphed", "graphed_windows"):
+        m = r[name]["metrics"]
+        assert m["tool_calls/mean"] >= 1 and r[name]["tool_tokens"] > 0, name
+        assert r[name]["decode_steps"] > 0 and r["ratios"][name] > 0
+    assert r["settings"]["rows"] == 4 and r["single_turn"]["wall_s"] > 0
+    assert (r["graphed_windows"]["metrics"]["multi_turn/kv_columns_mean"]
+            < r["graphed"]["metrics"]["multi_turn/kv_columns_mean"])
+    assert r["machine"] and r["command"].split()[1] == "benchmarks/bench_multi_turn.py"
+
+
 def test_scaleout_driver_pp2_on_cpu(tmp_path):
     env = dict(ENV, OUT_DIR=str(tmp_path), STEPS="2", PYTHON=sys.executable)
     subprocess.run(["bash", "benchmarks/scaleout_8b.sh", "2", "pp2", "model=tiny",

@@ -1,27 +1,91 @@
-"""Multi-turn rollouts on a GPU in bf16: the rows resumed after tool calls (results appended to the
-KV cache by a short prefill, rows at different turns in one batch) give the log-probs of a
-from-scratch prefill of the whole conversation, within bf16 tolerance."""
+"""Multi-turn rollouts on a GPU: the decode step as CUDA-graph replays (one per chunk size and KV
+window) gives exactly the eager step's tokens and log-probs; in fp32 the tokens, log-probs and K/V
+of the eager loop it replaced (tests/unit/multi_turn_reference.py); in bf16 the rows resumed after
+tool calls give the log-probs of a from-scratch prefill of the whole conversation, within bf16
+tolerance."""
 
 import pytest
 import torch
 
+from hybridflow.config import RolloutConfig
 from hybridflow.rollout import Generator, decoder
-from tests.unit.test_multi_turn import (CFG, V, byte_tokenizer, call, params, run, tool_config)
+from hybridflow.rollout.multi_turn import generate_multi_turn
+from hybridflow.rollout.options import DecodeOptions
+from tests.unit.multi_turn_reference import reference_multi_turn
+from tests.unit.test_multi_turn import CFG, V, byte_tokenizer, call, params, tool_config
+from tests.unit.test_multi_turn_step import runner_for, states
 
 pytestmark = pytest.mark.gpu
 
+QUESTIONS = ("What is 6*7?", "Two steps: 2+3 then 5*5", "no tools here", "x", "longer one here")
 
-def test_resumed_rows_match_a_full_prefill_bf16(tmp_path):
+
+def _gen(dtype):
+    return Generator(model_cfg=CFG, params={k: v.cuda() for k, v in params(CFG).items()},
+                     tp_group=None, device="cuda", dtype=dtype, true_vocab_size=V)
+
+
+def _setup(tmp_path):
     tok = byte_tokenizer(tmp_path)
-    gen = Generator(model_cfg=CFG, params={k: v.cuda() for k, v in params(CFG).items()},
-                    tp_group=None, device="cuda", dtype=torch.bfloat16, true_vocab_size=V)
     end = tok.encode("<|im_end|>")
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
-               for q in ("What is 6*7?", "Two steps: 2+3 then 5*5", "no tools here")]
+               for q in QUESTIONS]
     forced = [tok.encode(call("6*7")) + tok.encode("It is 42") + end,
               tok.encode(call("2+3")) + tok.encode(call("5*5")) + tok.encode("25") + end,
-              tok.encode("nothing") + end]
-    (batch, m), _ = run(gen, tok, "hermes", tool_config(tmp_path, "calculator"), prompts, forced)
+              tok.encode("nothing") + end,
+              tok.encode(call("1+1")),  # then free sampling
+              []]
+    return tok, prompts, forced, tool_config(tmp_path, "calculator")
+
+
+def _run(fn, gen, tok, prompts, forced, path, **opts):
+    cfg = RolloutConfig(n=1, max_new_tokens=320, temperature=1.0, return_logprobs=True,
+                        max_batch_size=3)  # chunks of 3 and 2 rows
+    return fn(gen, prompts, cfg=cfg, runner=runner_for(tok, "hermes", path), eos_id=tok.eos_id,
+              pad_id=tok.pad_id, seed=7, forced=forced,
+              options=DecodeOptions(kernels="torch", prefill_tokens=64, **opts))
+
+
+@pytest.mark.parametrize("kv_window", [0, 64])
+def test_graphed_step_equals_eager_step(tmp_path, kv_window):
+    tok, prompts, forced, path = _setup(tmp_path)
+    gen = _gen(torch.bfloat16)
+    graphed, m = _run(generate_multi_turn, gen, tok, prompts, forced, path, kv_window=kv_window)
+    assert m["tool_calls/mean"] > 0
+    assert all(type(fn).__name__ == "GraphedStep" for k, (_, fns) in gen._steps.items()
+               if k[0] == "multi_turn" for fn in fns.values())
+    eager, _ = _run(generate_multi_turn, gen, tok, prompts, forced, path, kv_window=kv_window,
+                    cuda_graphs=False)
+    assert torch.equal(graphed.response_ids, eager.response_ids)
+    assert torch.equal(graphed.tool_mask, eager.tool_mask)
+    assert torch.equal(graphed.rollout_logprobs, eager.rollout_logprobs)
+
+
+def test_graphed_loop_equals_the_eager_loop_fp32(tmp_path):
+    tok, prompts, forced, path = _setup(tmp_path)
+    outs = []
+    for fn in (reference_multi_turn, generate_multi_turn):
+        gen = _gen(torch.float32)
+        gen._ensure_cache(rows=3, length=384)  # one cache length for both (see the CPU test)
+        outs.append((_run(fn, gen, tok, prompts, forced, path, kv_window=64), gen))
+    ((ref, _, ref_valid), ref_gen), ((new, _), new_gen) = outs
+    assert torch.equal(new.response_ids, ref.response_ids)
+    assert torch.equal(new.tool_mask, ref.tool_mask)
+    torch.testing.assert_close(new.rollout_logprobs, ref.rollout_logprobs, rtol=1e-4, atol=1e-4)
+    kv_ref, st = ref_valid[-1], states(new_gen)[2]
+    assert (st.key_valid & kv_ref).eq(kv_ref).all()
+    for b in range(2):
+        cols = kv_ref[b].nonzero()[:, 0]
+        torch.testing.assert_close(new_gen._cache.k[:, b, :, cols], ref_gen._cache.k[:, b, :, cols],
+                                   rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphed", "eager"])
+def test_resumed_rows_match_a_full_prefill_bf16(tmp_path, cuda_graphs):
+    tok, prompts, forced, path = _setup(tmp_path)
+    gen = _gen(torch.bfloat16)
+    batch, m = _run(generate_multi_turn, gen, tok, prompts[:3], forced[:3], path,
+                    cuda_graphs=cuda_graphs, kv_window=64)
     assert m["tool_calls/mean"] == 1.0
     cos, sin = decoder.rope_tables(gen.w.inv_freq, 512, dtype=torch.bfloat16, device="cuda")
     for b in range(3):

@@ -43,8 +43,11 @@ def states(gen):
     return {k[1]: st for k, (st, _) in gen._steps.items() if k[0] == "multi_turn"}
 
 
+@pytest.mark.parametrize("kv_window", [0, 64], ids=["whole_cache", "windows"])
 @pytest.mark.parametrize("mode", ["forced", "sampled"])
-def test_graph_ready_loop_equals_the_eager_loop(tmp_path, mode):
+def test_graph_ready_loop_equals_the_eager_loop(tmp_path, mode, kv_window):
+    """kv_window 64: each step attends over the first multiple of 64 columns that holds every
+    row's next column (a step per window, picked by the host), the same tokens and K/V."""
     tok = byte_tokenizer(tmp_path)
     end = tok.encode("<|im_end|>")
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
@@ -59,7 +62,7 @@ def test_graph_ready_loop_equals_the_eager_loop(tmp_path, mode):
     path = tool_config(tmp_path, "calculator")
     cfg = RolloutConfig(n=1, max_new_tokens=240 if mode == "forced" else 96, temperature=1.0,
                         return_logprobs=True, max_batch_size=3)  # chunks of 3 and 2 rows
-    opts = DecodeOptions(kernels="torch", prefill_tokens=64)
+    opts = DecodeOptions(kernels="torch", prefill_tokens=64, kv_window=kv_window)
     outs = []
     for fn in (reference_multi_turn, generate_multi_turn):
         gen = make_gen()
@@ -79,6 +82,8 @@ def test_graph_ready_loop_equals_the_eager_loop(tmp_path, mode):
     for k in ref_m:
         if "timing" not in k:
             assert new_m[k] == pytest.approx(ref_m[k], rel=1e-6), k
+    T = new_gen._cache.length
+    assert (new_m["multi_turn/kv_columns_mean"] < T) == bool(kv_window)
     if mode == "forced":  # the turn limit ended the last row at its second call
         assert new_m["num_turns/max"] == 3
     # the last chunk's cache: every column the eager loop wrote is there, the same K/V; the new
