@@ -161,7 +161,8 @@ def build_engines(cfg: Config, ctx: ParallelContext) -> dict[str, Engine]:
     if cfg.use_critic:
         critic_cfg = cfg.critic_model or cfg.model
         engines["critic"] = Engine(role="critic", model_cfg=critic_cfg, optim=cfg.critic_optim,
-                                   total_updates=total, **common)
+                                   total_updates=total, lora=cfg.critic.lora,
+                                   seed=cfg.trainer.seed, **common)
         load_pretrained(engines["critic"], critic_cfg)
     if cfg.reward.model_path is not None:
         from hybridflow.models.hf import read_hf_config

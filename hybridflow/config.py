@@ -345,7 +345,7 @@ class OptimConfig:
 
 @dataclass
 class LoRAConfig:
-    """LoRA adapters on the actor's decoder linears (hybridflow/models/lora.py), PEFT's names."""
+    """LoRA adapters on a role's decoder linears (hybridflow/models/lora.py), PEFT's names."""
     rank: int = 0  # 0: off (full-parameter training)
     alpha: float = 16.0  # the update is B @ A * alpha / rank
     dropout: float = 0.0  # on the adapters' input, in training passes
@@ -376,6 +376,21 @@ class ActorConfig:
     # the routers' own choice. Costs layers x tokens x top_k int16 per row, on the device in
     # generation and in the batch (docs/recipes.md)
     router_replay: str = "disabled"
+    # the actor's training weights (with LoRA: its frozen base) live in pinned host memory while no
+    # pass needs them: through the critic's passes (PPO), the reward computation and, when the
+    # generator holds its own copy of the decoder's matrices (rollout.quantization != none, or a
+    # generation layout other than training's), through decoding; copied back on a side stream
+    # ahead of the next pass that reads them (verl's param_offload). Bit-identical results;
+    # docs/recipes.md says when it lowers the peak (a start-up warning when it cannot).
+    # Not with parallel.train_cuda_graphs (the graphs hold the weights' addresses)
+    offload_params: bool = False
+
+
+@dataclass
+class CriticConfig:
+    # with lora.rank > 0 (PPO) only the critic's adapters and its value head train (the value head
+    # is new: it trains in full); checkpoints hold those and their optimizer state, not the base
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass
@@ -464,6 +479,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     actor_optim: OptimConfig = field(default_factory=OptimConfig)
     critic_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

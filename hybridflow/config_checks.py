@@ -255,6 +255,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if cfg.actor.offload_grads and cfg.parallel.train_cuda_graphs:
         raise ValueError("actor.offload_grads=true and parallel.train_cuda_graphs=true: the "
                          "captured graphs hold the gradient buffers' addresses; turn one off")
+    if cfg.actor.offload_params and cfg.parallel.train_cuda_graphs:
+        raise ValueError("actor.offload_params=true and parallel.train_cuda_graphs=true: the "
+                         "captured graphs hold the weights' addresses; turn one off")
     limit = cfg.trainer.gpu_memory_limit_gib
     if limit is not None and not limit > 0:
         raise ValueError(f"trainer.gpu_memory_limit_gib={limit} must be a positive number of GiB "
@@ -283,21 +286,30 @@ def validate_router_replay(cfg: Config) -> None:
 
 
 def validate_lora(cfg: Config) -> None:
-    lora = cfg.actor.lora
-    if lora.rank < 0:
-        raise ValueError(f"actor.lora.rank={lora.rank} must be >= 0 (0: off)")
+    _validate_lora_role(cfg.actor.lora, "actor.lora", cfg.model)
+    lora = cfg.critic.lora
+    _validate_lora_role(lora, "critic.lora", cfg.critic_model or cfg.model)
+    if lora.rank > 0 and not cfg.use_critic:
+        raise ValueError(f"critic.lora.rank={lora.rank} but algo.adv_estimator="
+                         f"{cfg.algo.adv_estimator} trains no critic (only gae does); set "
+                         "critic.lora.rank=0")
+
+
+def _validate_lora_role(lora, key: str, model) -> None:
+    if isinstance(lora.rank, bool) or not isinstance(lora.rank, int) or lora.rank < 0:
+        raise ValueError(f"{key}.rank={lora.rank!r} must be an integer >= 0 (0: off)")
     if lora.rank == 0:
         return
     from hybridflow.models.lora import resolve_targets
 
-    resolve_targets(lora.target_modules)
-    _positive("actor.lora.alpha", lora.alpha)
+    resolve_targets(lora.target_modules, key=f"{key}.target_modules")
+    _positive(f"{key}.alpha", lora.alpha)
     if not 0.0 <= lora.dropout < 1.0:
-        raise ValueError(f"actor.lora.dropout={lora.dropout} must be in [0, 1)")
-    if cfg.model.attention_backend in ("te", "local"):
-        raise ValueError(f"actor.lora.rank={lora.rank} needs model.attention_backend=sdpa or auto "
+        raise ValueError(f"{key}.dropout={lora.dropout} must be in [0, 1)")
+    if model.attention_backend in ("te", "local"):
+        raise ValueError(f"{key}.rank={lora.rank} needs model.attention_backend=sdpa or auto "
                          f"(the lean linears adapters attach to), got "
-                         f"{cfg.model.attention_backend}")
+                         f"{model.attention_backend}")
 
 
 def _validate_micro_batches(cfg: Config, *, dp: int) -> None:

@@ -57,6 +57,7 @@ from hybridflow.data.packing import PackedRows, pack_rows
 from hybridflow.models.attention import SDPAttention, document_causal_mask
 from hybridflow.models.build import LM_ROLES, build_model
 from hybridflow.models.graphs import graph_layers
+from hybridflow.models.heads import ValueHead
 from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear,
                                       LeanRowParallelLinear, LogprobSpec)
 from hybridflow.models.logprob import vocab_parallel_logprobs
@@ -91,8 +92,9 @@ class Engine:
                  total_updates: int = 1, lora: Optional[LoRAConfig] = None, seed: int = 0,
                  offload_optimizer: bool = False, offload_grads: bool = False,
                  router_replay: str = "disabled"):
-        """`lora` (actor.lora, rank > 0; trainable roles): LoRA adapters on the decoder linears,
-        the only parameters that train (models/lora.py); `seed` draws their A factors.
+        """`lora` (actor.lora / critic.lora, rank > 0; trainable roles): LoRA adapters on the
+        decoder linears, the only parameters that train with a scalar role's value head
+        (models/lora.py); `seed` draws their A factors.
         `offload_optimizer` (actor.offload_optimizer): master weights and Adam state in host
         memory but for the optimizer step (hybridflow/offload.py). `offload_grads`
         (actor.offload_grads): the gradient buffers exist only from the start of an update to the
@@ -117,7 +119,12 @@ class Engine:
                 raise ValueError(f"role {role}: LoRA adapters need a trainable role")
             self.num_adapter_params = apply_lora(
                 model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                target_modules=lora.target_modules, seed=seed)
+                target_modules=lora.target_modules, seed=seed,
+                salt="" if role == "actor" else f"{role}/", key=f"{role}.lora")
+            head = getattr(model, "output_layer", None)
+            if isinstance(head, ValueHead):  # a new head (the critic's): it trains in full
+                for p in head.parameters():
+                    p.requires_grad_(True)
         self._lm_chunk = parallel.lm_head_chunk_tokens
         # parallel.train_cuda_graphs (CUDA only; _capture_graphs): the (seq_len, rows) the layers
         # were captured at, None until the first training pass

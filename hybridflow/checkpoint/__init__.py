@@ -9,7 +9,8 @@ Layout of a checkpoint root:
         lora_config_<role>.json      LoRA settings of a role trained with adapters (actor.lora) and
                                      its base model's identity ("base": source and fingerprint,
                                      base.py); with "adapter_only" the role dir holds only the
-                                     adapters and their optimizer state, not the frozen base
+                                     adapters (a critic: and its value head) and their
+                                     optimizer state, not the frozen base
                                      (older checkpoints: base + adapter tensors, still loadable)
         trainer_state.json           the trainer's dict (its JSON-able values) and "step"
         trainer_state.pt             the trainer's other values (tensors, bytes), when there are any
@@ -56,7 +57,7 @@ from hybridflow.checkpoint.base import adapter_only, check_base, read_lora_confi
 from hybridflow.checkpoint.failures import io_errors, raise_on_any_rank
 from hybridflow.checkpoint.full import load_full_state_dict
 from hybridflow.checkpoint.state import model_config_diff, read_model_config
-from hybridflow.models.heads import ValueHead
+from hybridflow.models.heads import VALUE_HEAD_PREFIX, ValueHead
 from hybridflow.models.lora import is_adapter_name
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "step_dir", "recover",
@@ -122,7 +123,8 @@ def save_checkpoint(root_dir: str, *, step: int, models: dict, optimizers: dict 
     trainer_state.json, the rest to trainer_state.pt); keep_last: keep only the newest N steps;
     adapter_configs: role -> its LoRA settings (a dict, `lora_config_<role>.json`: what export
     needs to write a PEFT adapter); with `"adapter_only": True` (and the base's identity under
-    "base", base.py) only the role's adapter tensors are written, not its frozen base.
+    "base", base.py) only the role's adapter tensors (and a critic's value head) are written, not
+    its frozen base.
     An I/O error on any rank removes the partial directory and raises the same OSError on every
     rank (errno, path, failing rank); earlier steps and `latest` stay as they were."""
     for role in list(optimizers) + list(schedulers):
@@ -257,7 +259,7 @@ def load_checkpoint(root_dir: str, *, models: dict, optimizers: dict = {}, sched
                 chunk.load_state_dict(loaded["model"][key], strict=True)
                 continue
             missing, unexpected = chunk.load_state_dict(loaded["model"][key], strict=False)
-            lost = [k for k in missing if is_adapter_name(k)]
+            lost = [k for k in missing if _trained(k)]
             if lost or unexpected:
                 raise ValueError(f"checkpoint {role_dir}: the model's adapters do not match the "
                                  f"saved ones (missing {lost[:3]}, unexpected {unexpected[:3]})")
@@ -328,10 +330,16 @@ def _chunk_keys(chunks) -> list[str]:
     return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
 
+def _trained(name: str) -> bool:
+    """What a LoRA role trains: its adapters, and a scalar role's value head (new, trained in
+    full)."""
+    return is_adapter_name(name) or name.startswith(VALUE_HEAD_PREFIX)
+
+
 def _adapters_only(model_sd: dict) -> dict:
-    """The adapter entries (LoRA A and B factors) of each chunk's sharded state dict."""
-    return {key: {n: v for n, v in sd.items() if is_adapter_name(n)}
-            for key, sd in model_sd.items()}
+    """The trained entries (LoRA A and B factors, a critic's value head) of each chunk's sharded
+    state dict."""
+    return {key: {n: v for n, v in sd.items() if _trained(n)} for key, sd in model_sd.items()}
 
 
 def _model_sharded_state_dict(chunks) -> dict:

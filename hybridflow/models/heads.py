@@ -15,6 +15,10 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.module import MegatronModule
 
 
+# the head's parameters in the model's state dict (a LoRA critic's checkpoints keep them: base.py)
+VALUE_HEAD_PREFIX = "output_layer.linear."
+
+
 class ValueHead(MegatronModule):
     def __init__(self, config, *, tp_group):
         super().__init__(config=config)

@@ -68,14 +68,15 @@ def is_adapter_name(name: str) -> bool:
     return ADAPTER_TAG in name or name.startswith("lora.")
 
 
-def resolve_targets(target_modules) -> tuple[str, ...]:
-    """PEFT target names (or "all-linear") -> the PEFT names, in PEFT_TARGETS order."""
+def resolve_targets(target_modules, *, key: str = "actor.lora.target_modules") -> tuple[str, ...]:
+    """PEFT target names (or "all-linear") -> the PEFT names, in PEFT_TARGETS order; `key`: the
+    option named by the error."""
     names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
     if "all-linear" in names:
         return tuple(PEFT_TARGETS)
     unknown = [n for n in names if n not in PEFT_TARGETS]
     if unknown or not names:
-        raise ValueError(f"actor.lora.target_modules={names}: expected a non-empty list of "
+        raise ValueError(f"{key}={names}: expected a non-empty list of "
                          f"{list(PEFT_TARGETS)} or ['all-linear']")
     return tuple(n for n in PEFT_TARGETS if n in names)
 
@@ -186,17 +187,19 @@ class LoRAAdapter(torch.nn.Module):
         return torch.cat(pieces, dim=1).reshape(-1, in_f)
 
 
-def _seed(seed: int, layer: int, name: str) -> int:
-    return zlib.crc32(f"{seed}/{layer}/{name}".encode()) & 0x7FFFFFFF
+def _seed(seed: int, layer: int, name: str, salt: str = "") -> int:
+    return zlib.crc32(f"{salt}{seed}/{layer}/{name}".encode()) & 0x7FFFFFFF
 
 
 def apply_lora(model, *, rank: int, alpha: float, dropout: float, target_modules,
-               seed: int = 0) -> int:
+               seed: int = 0, salt: str = "", key: str = "actor.lora") -> int:
     """Adapt `model`'s decoder layers (this PP stage's) in place; freeze everything else.
-    Returns the number of adapter parameters (elements) on this rank."""
+    `salt` makes another role's A factors differ from the actor's at the same seed (the critic's:
+    "critic/"); `key`: the option named by errors. Returns the number of adapter parameters
+    (elements) on this rank."""
     from hybridflow.models.linear import LeanColumnParallelLinear, LeanRowParallelLinear
 
-    targets = resolve_targets(target_modules)
+    targets = resolve_targets(target_modules, key=f"{key}.target_modules")
     cfg = model.config
     hd = cfg.kv_channels
     heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
@@ -209,7 +212,7 @@ def apply_lora(model, *, rank: int, alpha: float, dropout: float, target_modules
         for path in dict.fromkeys(PEFT_TARGETS[t] for t in targets):
             linear = layer.get_submodule(path)
             if type(linear) not in (LeanColumnParallelLinear, LeanRowParallelLinear):
-                raise ValueError("actor.lora needs the local layer spec's lean linears "
+                raise ValueError(f"{key} needs the local layer spec's lean linears "
                                  "(model.attention_backend=sdpa or auto without "
                                  f"transformer-engine); {path} is {type(linear).__name__}")
             group = linear.tp_group
@@ -233,7 +236,7 @@ def apply_lora(model, *, rank: int, alpha: float, dropout: float, target_modules
                 dropout=dropout, tp_group=group, tp_rank=tp_rank,
                 sequence_parallel=cfg.sequence_parallel, dtype=linear.weight.dtype,
                 device=linear.weight.device,
-                seeds={n: _seed(seed, index, n) for n, _, t in parts if t})
+                seeds={n: _seed(seed, index, n, salt) for n, _, t in parts if t})
             linear.lora = adapter
             count += sum(p.numel() for p in adapter.parameters())
     return count
