@@ -151,7 +151,8 @@ def build_engines(cfg: Config, ctx: ParallelContext) -> dict[str, Engine]:
                                total_updates=total, lora=cfg.actor.lora, seed=cfg.trainer.seed,
                                offload_optimizer=cfg.actor.offload_optimizer,
                                offload_grads=cfg.actor.offload_grads,
-                               router_replay=cfg.actor.router_replay, **common)}
+                               router_replay=cfg.actor.router_replay,
+                               offload_params=cfg.actor.offload_params, **common)}
     load_pretrained(engines["actor"], cfg.model)
     a = cfg.algo
     # with LoRA the reference is the actor with its adapters off (reference_policy), not a copy

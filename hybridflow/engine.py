@@ -62,7 +62,7 @@ from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear
                                       LeanRowParallelLinear, LogprobSpec)
 from hybridflow.models.logprob import vocab_parallel_logprobs
 from hybridflow.models.lora import adapters_disabled, apply_lora
-from hybridflow.offload import GradBufferRelease, OptimizerOffload
+from hybridflow.offload import GradBufferRelease, OptimizerOffload, ParamOffload
 from hybridflow.parallel.context import ParallelContext
 
 LossFn = Callable[[dict, RolloutBatch], tuple[torch.Tensor, dict]]
@@ -91,7 +91,7 @@ class Engine:
                  parallel: ParallelConfig, precision: str, optim: Optional[OptimConfig] = None,
                  total_updates: int = 1, lora: Optional[LoRAConfig] = None, seed: int = 0,
                  offload_optimizer: bool = False, offload_grads: bool = False,
-                 router_replay: str = "disabled"):
+                 router_replay: str = "disabled", offload_params: bool = False):
         """`lora` (actor.lora / critic.lora, rank > 0; trainable roles): LoRA adapters on the
         decoder linears, the only parameters that train with a scalar role's value head
         (models/lora.py); `seed` draws their A factors.
@@ -101,7 +101,10 @@ class Engine:
         end of its optimizer step (their storage released in between; hybridflow/offload.py).
         `router_replay` (actor.router_replay, MoE models): "R3" routes the tokens of batches that
         carry recorded experts to them (models/moe.py); "disabled": the routers' own
-        choice."""
+        choice.
+        `offload_params` (actor.offload_params): the weights (LoRA: the frozen base) can leave the
+        device between passes (`params_to_host` / `params_to_device`; every pass brings them back
+        first; hybridflow/offload.py)."""
         self.role = role
         self.ctx = ctx
         self.model_cfg = model_cfg
@@ -190,6 +193,14 @@ class Engine:
             for p in model.parameters():
                 p.requires_grad_(False)
             model.eval()
+        self._param_offload = None
+        if offload_params:
+            if not self.trainable:
+                raise ValueError(f"role {role}: offload_params is for trainable roles (frozen "
+                                 "ones use offload()/onload())")
+            moved = [p for p in model.parameters() if not (self.lora and p.requires_grad)]
+            self._param_offload = ParamOffload(moved, device=ctx.device,
+                                               frozen=self.lora is not None)
         self.model = model
         self._router_stats = None  # model.moe, trainable: expert loads of the training passes
         if self.trainable and model_cfg.moe.enabled:
@@ -269,6 +280,21 @@ class Engine:
             torch.cuda.current_stream(self.device).wait_event(self._onload_done)
             self._onload_done = None
 
+    @property
+    def offloads_params(self) -> bool:
+        return self._param_offload is not None
+
+    def params_to_host(self, keep: frozenset = frozenset()) -> None:
+        """actor.offload_params: the weights (LoRA: the frozen base) to host memory, but for the
+        storages whose data_ptr is in `keep`; no-op without the option."""
+        if self._param_offload is not None:
+            self._param_offload.to_host(keep)
+
+    def params_to_device(self, *, prefetch: bool = False) -> None:
+        """The offloaded weights back (`prefetch`: on a side stream; the next pass waits)."""
+        if self._param_offload is not None:
+            self._param_offload.to_device(prefetch=prefetch)
+
     # ------------------------------------------------------------------ passes
     def _micro_batches(self, batch: RolloutBatch, *, micro_batch_size: int,
                        max_tokens: Optional[int], pack: bool = False
@@ -317,6 +343,7 @@ class Engine:
         replaying = replay and self._replay is not None
         if not replaying and batch.prompt_experts is not None:  # not carried to the device
             batch = dataclasses.replace(batch, prompt_experts=None, response_experts=None)
+        self.params_to_device()  # offload_params: every pass reads the weights
         micro, rows = self._micro_batches(batch, micro_batch_size=micro_batch_size,
                                           max_tokens=max_tokens, pack=pack)
         # shapes for the pipeline schedules (PP > 1 runs only fixed micro-batches, all alike)
@@ -501,6 +528,8 @@ class Engine:
         ok, grad_norm, _ = self.optimizer.step() if finite else (False, None, None)
         if self._opt_offload is not None:
             self._opt_offload.to_host()
+        if self._param_offload is not None:  # the host copy is stale from here on
+            self._param_offload.mark_changed()
         if self._grad_release is not None:
             self._grad_release.release()
         if lr is not None:

@@ -16,6 +16,17 @@ which every param's `main_grad` and the optimizers' grad views are views of) hav
 resized to 0 bytes after the optimizer step and back before the next update, which zeroes them
 first anyway: nothing is copied, the views stay valid objects (pointing at the re-allocated
 storage). The FSDP trick the reshard buffers use too.
+
+`ParamOffload(params, device, frozen)` (actor.offload_params): the storages under `params` (each
+parameter's own, or the DDP parameter buffer a distributed optimizer's views share) are copied to
+pinned host buffers (made once) and resized to 0 bytes by `to_host()`, resized back and refilled
+by `to_device()`: the parameter objects, their views and the optimizer's references stay valid,
+only their memory comes and goes, and the bytes are restored exactly. `to_host(keep=...)` leaves
+storages whose data pointer is in `keep` on the device (those a generator reads in place). The
+host copy is refreshed only when the weights changed since it was made (`mark_changed()`, called
+after each optimizer step; a frozen LoRA base never changes, so after its first offload nothing is
+copied to the host again). `to_device(prefetch=True)` copies on a side stream and returns; the
+next `to_device()`/`wait()` makes the current stream wait for it (trainer.offload_ref's scheme).
 """
 
 from __future__ import annotations
@@ -93,3 +104,94 @@ class GradBufferRelease:
                 st.resize_(nbytes)
             self.released = False
 
+
+
+def _bytes_of(storage, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over the whole of `storage`."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+
+
+class ParamOffload:
+    def __init__(self, params, *, device, frozen: bool):
+        self.device = torch.device(device)
+        self.frozen = frozen
+        seen = {}
+        for p in params:
+            st = p.untyped_storage()
+            seen.setdefault(st.data_ptr(), st)
+        self._storages = list(seen.values())
+        self._nbytes = [st.nbytes() for st in self._storages]
+        self._host: list | None = None
+        self._host_valid = False
+        self._away = [False] * len(self._storages)
+        self._stream = self._done = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every storage this moves."""
+        return sum(self._nbytes)
+
+    def away_bytes(self) -> int:
+        """Bytes of them off the device now."""
+        return sum(n for n, away in zip(self._nbytes, self._away) if away)
+
+    def mark_changed(self) -> None:
+        """The weights changed on the device (an optimizer step): the next offload copies them."""
+        if not self.frozen:
+            self._host_valid = False
+
+    @torch.no_grad()
+    def to_host(self, keep: frozenset = frozenset()) -> None:
+        """Every storage (but those whose data_ptr is in `keep`) to the host; asynchronous on the
+        current stream (a later allocation there is ordered after the copy)."""
+        self.wait()
+        pinned = self.device.type == "cuda"
+        if self._host is None:
+            self._host = [torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
+                          for n in self._nbytes]
+        if not self._host_valid:
+            if any(self._away):  # only the kept ones are still here: bring the rest back first
+                self.to_device()
+            for st, n, h in zip(self._storages, self._nbytes, self._host):
+                h.copy_(_bytes_of(st, n), non_blocking=pinned)
+            self._host_valid = True
+        for i, st in enumerate(self._storages):
+            if not self._away[i] and st.data_ptr() not in keep:
+                st.resize_(0)
+                self._away[i] = True
+
+    @torch.no_grad()
+    def to_device(self, *, prefetch: bool = False) -> None:
+        """Every storage back (a no-op for those on the device). `prefetch`: the copies run on a
+        side stream (CUDA) and this returns at once; memory is allocated at the call."""
+        if not any(self._away):
+            if not prefetch:
+                self.wait()
+            return
+        back = [i for i, away in enumerate(self._away) if away]
+        for i in back:
+            self._storages[i].resize_(self._nbytes[i])
+            self._away[i] = False
+        if self.device.type != "cuda":
+            for i in back:
+                _bytes_of(self._storages[i], self._nbytes[i]).copy_(self._host[i])
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for i in back:
+                dev = _bytes_of(self._storages[i], self._nbytes[i])
+                dev.copy_(self._host[i], non_blocking=True)
+                dev.record_stream(stream)
+            self._done = torch.cuda.Event()
+            self._done.record(stream)
+        if not prefetch:
+            self.wait()
+
+    def wait(self) -> None:
+        """The current stream waits for a prefetching `to_device` (no-op without one)."""
+        if self._done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._done)
+            self._done = None

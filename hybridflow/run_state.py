@@ -140,6 +140,8 @@ class Checkpointer:
         tok = t.tokenizer_path  # a tokenizer dir, or a .model file (its folder holds only it)
         tok_dir = None if tok is None else (tok if os.path.isdir(tok) else os.path.dirname(tok))
         configs = {role: e.model_cfg for role, e in t.engines.items()}
+        for e in t.engines.values():
+            e.params_to_device()  # actor.offload_params: the weights are read here
         with watchdog.stage("save"):
             return save_checkpoint(self.root, step=t.step, models=models, optimizers=optimizers,
                                    schedulers=schedulers, trainer_state=t.state_dict(),

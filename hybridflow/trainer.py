@@ -36,6 +36,7 @@ from hybridflow.algo.on_policy import old_log_prob_note, skip_old_log_prob
 from hybridflow.config import Config, micro_batching
 from hybridflow.config_auto import resolve_for_run
 from hybridflow.data.batch import RolloutBatch
+from hybridflow.engine import AdapterFreeReference
 from hybridflow.metrics import MetricsLogger, StageTimer, memory_metrics
 from hybridflow.nonfinite import SkippedUpdates
 from hybridflow.parallel.balance import balance_rows
@@ -112,6 +113,9 @@ class Trainer:
             max_batch_size=cfg.rollout.max_batch_size)
         if note:
             self.logger.print(note)
+        note = self.actor.offloads_params and offload_params_note(self)
+        if note:
+            self.logger.print(note)
 
     # ----------------------------------------------------------------- loop
     def train(self) -> list[dict]:
@@ -163,6 +167,8 @@ class Trainer:
             if (self.ref is not None and cfg.trainer.offload_ref
                     and cfg.trainer.offload_ref_prefetch):
                 self.ref.onload(prefetch=True)  # behind generation; the ref pass waits for it
+            skip_old, _ = skip_old_log_prob(cfg, step=self.step)  # then set by update_actor
+            away = self._plan_param_offload(skip_old)
             generation = gc_generation(self.step, cfg.trainer.gc_interval,
                                        cfg.trainer.gc_full_interval)
             if generation is not None:
@@ -177,7 +183,6 @@ class Trainer:
                 reward_metrics.update(balance_metrics)
             batch = batch.trimmed()
             fwd = micro_batching(cfg.algo, forward=True)
-            skip_old, _ = skip_old_log_prob(cfg, step=self.step)  # then set by update_actor
             replay_metrics = {}
             if not skip_old:
                 with timer("old_log_prob"):
@@ -186,6 +191,8 @@ class Trainer:
                 # actor.router_replay: routing decisions replay changed (pi_old's weights are
                 # the rollout's: the generation/training router mismatch itself)
                 replay_metrics = self.actor.replay_metrics("moe/router_mismatch_frac")
+            if "ref" in away:
+                self.actor.params_to_host()
             if self.ref is not None:
                 with timer("ref"):
                     if cfg.trainer.offload_ref:
@@ -194,6 +201,10 @@ class Trainer:
                         batch, temperature=self.temperature, **fwd)
                     if cfg.trainer.offload_ref:
                         self.ref.offload()
+            if "critic" in away:
+                self.actor.params_to_host()
+            elif away:  # back behind the advantages (the update would wait for them anyway)
+                self.actor.params_to_device(prefetch=True)
             if self.critic is not None:
                 with timer("values"):
                     batch.values = self.critic.compute_values(batch, **fwd)
@@ -212,6 +223,8 @@ class Trainer:
                                         pad_id=self.tokenizer.pad_id)
                 update_metrics.update(batch_mismatch_metrics(full, cap=cfg.algo.tis_imp_ratio_cap))
             self.skipped.end_step(self.step + 1)
+            self.actor.params_to_device()  # a checkpoint or validation may follow
+            self.rollout.params_back_after_gen = True
         update_metrics["actor/old_log_prob_skipped"] = float(skip_old)
         metrics = {**reward_metrics, **replay_metrics, **adv_metrics, **update_metrics,
                    **timer.metrics(), **memory_metrics()}
@@ -221,6 +234,19 @@ class Trainer:
         return metrics
 
     # ----------------------------------------------------------------- stages
+    def _plan_param_offload(self, skip_old: bool) -> set:
+        """actor.offload_params: the passes before the actor's update its weights are away for,
+        of "ref" (a reference model's own pass) and "critic" (values and the critic's update);
+        and whether generation brings them back (not when no pass before the critic reads them).
+        Generation and the reward model are decided by RolloutStage (offloads_in_gen)."""
+        if not self.actor.offloads_params:
+            return set()
+        lora_ref = isinstance(self.ref, AdapterFreeReference)  # the actor's base: it reads them
+        away = {"ref"} if self.ref is not None and not lora_ref else set()
+        away |= {"critic"} if self.critic is not None else set()
+        self.rollout.params_back_after_gen = not (skip_old and not lora_ref and away)
+        return away
+
     def generate_and_score(self, timer) -> tuple[RolloutBatch, dict]:
         """New prompts -> gen -> reward; with dynamic sampling, rounds of that until the step holds
         data.prompts_per_step informative groups; then the overlong penalty (DAPO)."""
@@ -421,6 +447,23 @@ class Trainer:
 def _without_experts(batch: RolloutBatch) -> RolloutBatch:
     """The batch without its recorded routing (actor.router_replay): not gathered where unused."""
     return dataclasses.replace(batch, prompt_experts=None, response_experts=None)
+
+
+def offload_params_note(trainer) -> Optional[str]:
+    """A warning when actor.offload_params can lower no phase's memory in this run: generation
+    reads the training weights in place and every GPU pass before the actor's update reads them
+    too (no critic, no reference model of its own, no reward model)."""
+    t, cfg = trainer, trainer.cfg
+    own_ref = t.ref is not None and not isinstance(t.ref, AdapterFreeReference)
+    if (t.rollout.offloads_in_gen(cfg.rollout.quantization) or t.critic is not None or own_ref
+            or t.rollout.reward_engine is not None):
+        return None
+    return ("hybridflow: warning: actor.offload_params=true saves no GPU memory in this run: "
+            "generation decodes from the training weights in place (rollout.quantization=none, "
+            "rollout.tensor_parallel_size = parallel.tensor_parallel_size, PP = 1) and every "
+            "pass before the actor's update reads them (no critic, no reference model of its "
+            "own, no reward model); it would only add PCIe copies, so turn it off "
+            "(docs/recipes.md, Small cards)")
 
 
 def gc_generation(step: int, interval: int, full_interval: int) -> Optional[int]:

@@ -69,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="actor.offload_optimizer=true: master weights and Adam state on the host")
     p.add_argument("--offload-grads", action="store_true",
                    help="actor.offload_grads=true: gradient buffers only in the update")
+    p.add_argument("--offload-params", action="store_true",
+                   help="actor.offload_params=true: the actor's weights (LoRA: its base) off the "
+                        "GPU in the critic's phases and, when the generator owns its weights "
+                        "(quantized or resharded), in generation")
+    p.add_argument("--critic-lora-rank", type=int, default=0,
+                   help="critic.lora.rank (PPO, all-linear): grads and optimizer state only for "
+                        "the critic's adapters and value head")
     p.add_argument("--moe-grouped-gemm", action="store_true",
                    help="MoE: the experts' training GEMMs as transformer-engine's grouped GEMM "
                         "(default: megatron-core's SequentialMLP, one expert after another, as "
@@ -119,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         gradient_accumulation_fusion=a.gradient_accumulation_fusion,
         offload_ref_prefetch=a.offload_ref_prefetch, lora_rank=a.lora_rank,
         offload_optimizer=a.offload_optimizer, offload_grads=a.offload_grads,
+        offload_params=a.offload_params, critic_lora_rank=a.critic_lora_rank,
         moe_grouped_gemm=a.moe_grouped_gemm, gpu_memory_gib=a.gpu_memory_gib,
         calibration=a.calibration)
     print(report.to_json() if a.json else report)

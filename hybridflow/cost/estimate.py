@@ -60,6 +60,7 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                   rollout_quantization: str = "none", fused_elementwise: bool = True, train_cuda_graphs: bool = False,
                   gradient_accumulation_fusion: bool = True, offload_ref_prefetch: bool = True,
                   lora_rank: int = 0, offload_optimizer: bool = False, offload_grads: bool = False,
+                  offload_params: bool = False, critic_lora_rank: int = 0,
                   moe_grouped_gemm: bool = False,
                   gpu_memory_gib: float | None = None, calibration=None) -> CostReport:
     """Memory, seconds per stage, GPU-hours and money of an RL run, and the layout to run it in.
@@ -67,7 +68,7 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
     `layout` forces one layout (dict of tp, pp, dp, tp_gen, offload_ref, recompute, ep, etp); otherwise every
     buildable layout is searched. Nothing fitting is an answer: `fits=False`, `overflow` names the
     component, `suggestions` say what would fit (more or bigger GPUs, smaller micro-batches, and on
-    these GPUs LoRA / optimizer offload / recompute). `gpu_memory_gib`: the card's memory instead
+    these GPUs LoRA / optimizer offload / parameter offload / recompute). `gpu_memory_gib`: the card's memory instead
     of the named GPU's (a 24 GiB card, or trainer.gpu_memory_limit_gib on a bigger one)."""
     shape, gpu_, calib = load_shape(model), get_gpu(gpu), load_calibration(calibration)
     if gpu_memory_gib is not None:
@@ -90,6 +91,7 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                     gradient_accumulation_fusion=gradient_accumulation_fusion,
                     offload_ref_prefetch=offload_ref_prefetch, lora_rank=lora_rank,
                     offload_optimizer=offload_optimizer, offload_grads=offload_grads,
+                    offload_params=offload_params, critic_lora_rank=critic_lora_rank,
                     moe_grouped_gemm=moe_grouped_gemm)
     num_steps, steps_note = _num_steps(steps, epochs, dataset_size, prompts_per_step)
     if layout is not None:

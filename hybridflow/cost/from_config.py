@@ -46,4 +46,5 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 gradient_accumulation_fusion=p.gradient_accumulation_fusion,
                 offload_ref_prefetch=cfg.trainer.offload_ref_prefetch, dtype="bf16",
                 lora_rank=cfg.actor.lora.rank, offload_optimizer=cfg.actor.offload_optimizer,
-                offload_grads=cfg.actor.offload_grads)
+                offload_grads=cfg.actor.offload_grads, offload_params=cfg.actor.offload_params,
+                critic_lora_rank=cfg.critic.lora.rank if cfg.use_critic else 0)

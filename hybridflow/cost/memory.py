@@ -18,6 +18,17 @@ Resident through the whole step (DESIGN.md: actor and critic state stays on the 
   the `optimizer_step` phase: weights + grads + optimizer state).
 - `Workload.offload_grads`: the actor's gradient buffers exist only in its update (and optimizer
   step) phases.
+- `Workload.critic_lora_rank` (PPO): the critic's bf16 weights plus its adapters', grads and
+  optimizer state for the adapters and the value head only.
+- `Workload.offload_params`: the actor's weights (LoRA: the frozen base; the adapters stay) are
+  absent from the `values` and `update_critic` phases, from `ref` when the reference is a model
+  of its own, and from `gen` where the generator holds its
+  own copy (`gen_owns_weights`): with a reshard the whole training shard leaves (the gen buffer then
+  holds the full TP_g shard, component `reshard_buffer`), with a quantized rollout the decoder's
+  matrices leave (embedding, norms and LM head stay: the generator reads them in place). Not for
+  MoE generation. The quantized generator's codes are component `rollout_weights` (every rollout
+  with `rollout_quantization`); at the switch the bf16 matrices and the codes are both there
+  before the KV cache is allocated (below the gen phase's peak, not counted).
 Per phase, on top:
 - gen: the reshard buffer (the gen TP_g shard of the actor minus the training shard it contains; zero
   when TP_g = TP and PP = 1), the KV cache of one generation wave, prefill scratch (one layer of the
@@ -73,7 +84,8 @@ LOGIT_BYTES = 8        # per vocab entry per token: fp32 logits + fp32 log-softm
 LOGIT_BYTES_BF16 = 4   # the same kept in bf16 (the engine's bf16 output, Workload.bf16_logits)
 HEAD_GRAD_BYTES = 6    # per output-weight entry, chunked LM-head backward: fp32 sum + bf16 product
 COMPONENTS = ("actor_weights", "actor_grads", "actor_optimizer", "critic", "reference",
-              "reshard_buffer", "kv_cache", "activations", "logits", "graph_pool")
+              "reshard_buffer", "rollout_weights", "kv_cache", "activations", "logits",
+              "graph_pool")
 
 
 @dataclass
@@ -139,16 +151,67 @@ def params_per_gpu(shape: ModelConfig, plan: Plan) -> float:
     return (shape.num_params - e) / (plan.layout.tp_t * plan.layout.pp_t) + e / plan.expert_shard
 
 
+def critic_trained_params(shape: ModelConfig, workload: Workload) -> int:
+    """The critic's trained parameters: all of them, or with critic LoRA its adapters and its
+    value head (hidden + bias)."""
+    if workload.critic_lora_rank:
+        return lora_params(shape, workload.critic_lora_rank) + shape.hidden_size + 1
+    return shape.num_critic_params
+
+
+def _critic_bytes(shape: ModelConfig, plan: Plan, workload: Workload) -> float:
+    """Weights (bf16, adapters included), fp32 grads and the optimizer's 12 bytes per trained
+    parameter (over DP too) of the critic on one GPU."""
+    if not workload.has_critic:
+        return 0.0
+    lay = plan.layout
+    shard = lay.tp_t * lay.pp_t
+    trained = critic_trained_params(shape, workload)
+    weights = shape.num_critic_params + (trained if workload.critic_lora_rank else 0)
+    return (BYTES_PER_PARAM * weights + 4 * trained + 12 * trained / lay.dp_t) / shard
+
+
+def gen_owns_weights(plan: Plan, workload: Workload, shape: ModelConfig) -> bool:
+    """The generator decodes from its own copy of the decoder's matrices (gathered into the gen
+    layout, or quantized), not from the training weights in place (dense models)."""
+    return not shape.moe.enabled and (plan.layout.needs_reshard
+                                      or workload.rollout_quantization != "none")
+
+
+def offloaded_params_bytes(shape: ModelConfig, plan: Plan, workload: Workload, phase: str) -> float:
+    """actor.offload_params: the actor's weight bytes per GPU absent from `phase` (0 without it)."""
+    if not workload.offload_params:
+        return 0.0
+    local = BYTES_PER_PARAM * params_per_gpu(shape, plan)
+    if phase in ("values", "update_critic") or (phase == "ref" and _reference_used(plan, workload)):
+        return local  # (a LoRA actor's reference pass reads its base)
+    if phase == "gen" and gen_owns_weights(plan, workload, shape):
+        if plan.layout.needs_reshard:
+            return local
+        lay = plan.layout
+        return BYTES_PER_PARAM * shape.num_layers * shape.layer_matmul_params / (lay.tp_t * lay.pp_t)
+    return 0.0
+
+
+def rollout_weights_bytes(shape: ModelConfig, plan: Plan, workload: Workload) -> float:
+    """The quantized generator's codes and scales of the decoder's matrices (its TP_g shard)."""
+    if workload.rollout_quantization == "none":
+        return 0.0
+    from hybridflow.cost.flops import ROLLOUT_BYTES_PER_WEIGHT
+
+    return (ROLLOUT_BYTES_PER_WEIGHT[workload.rollout_quantization] * shape.num_layers
+            * shape.layer_matmul_params / plan.layout.tp_g)
+
+
 def _resident(shape: ModelConfig, plan: Plan, workload: Workload) -> dict[str, float]:
     lay = plan.layout
     shard = lay.tp_t * lay.pp_t
-    pc = shape.num_critic_params
     local = params_per_gpu(shape, plan)
     trained = lora_params(shape, workload.lora_rank) / shard if workload.lora_rank else local
     weights = local + (trained if workload.lora_rank else 0)
     ref = (_reference_bytes(shape, plan) if _reference_used(plan, workload)
            and not plan.offload_ref else 0.0)
-    critic = pc * (BYTES_PER_PARAM + 4 + 12 / lay.dp_t) / shard if workload.has_critic else 0.0
+    critic = _critic_bytes(shape, plan, workload)
     everything = (lora_params(shape, workload.lora_rank) if workload.lora_rank else shape.num_params)
     optimizer = 0.0 if workload.offload_optimizer else 12 * everything / lay.world_size
     return {"actor_weights": BYTES_PER_PARAM * weights, "actor_grads": 4 * trained,
@@ -180,6 +243,16 @@ def reshard_buffer_bytes(shape: ModelConfig, layout: Layout, plan: Plan | None =
     return BYTES_PER_PARAM * shape.num_params * (1 / layout.tp_g - 1 / (layout.tp_t * layout.pp_t))
 
 
+def _gen_buffer_bytes(shape: ModelConfig, plan: Plan, workload: Workload) -> float:
+    """The reshard buffer of the gen phase; with the training shard offloaded it is counted whole
+    (the buffer holds the full TP_g shard, a copy of the training shard included)."""
+    lay = plan.layout
+    extra = 0.0
+    if workload.offload_params and lay.needs_reshard and gen_owns_weights(plan, workload, shape):
+        extra = BYTES_PER_PARAM * params_per_gpu(shape, plan)
+    return reshard_buffer_bytes(shape, lay, plan) + extra
+
+
 def _gen_bytes_per_seq(shape: ModelConfig, layout: Layout, workload: Workload) -> tuple[float, float]:
     """(KV cache, scratch) bytes per sequence of a generation wave (the cache holds the longest
     response)."""
@@ -197,7 +270,9 @@ def gen_batch_size(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
     resident = _resident(shape, plan, workload)
     if workload.offload_grads:
         resident["actor_grads"] = 0.0
-    used = (sum(resident.values()) + reshard_buffer_bytes(shape, lay, plan)
+    used = (sum(resident.values()) + _gen_buffer_bytes(shape, plan, workload)
+            + rollout_weights_bytes(shape, plan, workload)
+            - offloaded_params_bytes(shape, plan, workload, "gen")
             + _prefetched_reference(shape, plan, workload))
     free = (gpu.memory_gib - calib.memory_headroom_gib) * GIB / calib.memory_scale - used
     kv, scratch = _gen_bytes_per_seq(shape, lay, workload)
@@ -258,8 +333,9 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
     for phase in phases_to_run(workload):
         c = dict.fromkeys(COMPONENTS, 0.0) | resident
         if phase == "gen":
-            c |= {"reshard_buffer": reshard_buffer_bytes(shape, lay, plan), "kv_cache": batch * kv,
-                  "activations": batch * scratch}
+            c |= {"reshard_buffer": _gen_buffer_bytes(shape, plan, workload),
+                  "rollout_weights": rollout_weights_bytes(shape, plan, workload),
+                  "kv_cache": batch * kv, "activations": batch * scratch}
             c["reference"] += _prefetched_reference(shape, plan, workload)
         elif phase == "optimizer_step":  # offloaded state back for the step; activations gone
             trained = lora_params(shape, workload.lora_rank) if workload.lora_rank \
@@ -272,6 +348,7 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
             c["reference"] = _reference_bytes(shape, plan)
         if workload.offload_grads and phase not in ("update_actor", "optimizer_step"):
             c["actor_grads"] = 0.0
+        c["actor_weights"] -= offloaded_params_bytes(shape, plan, workload, phase)
         c["activations"] *= calib.activation_memory_scale
         if workload.train_cuda_graphs:
             c["graph_pool"] = _graph_pool(shape, plan, workload)

@@ -177,15 +177,18 @@ LORA_RANK = 16  # the rank suggested when LoRA is what makes a run fit
 
 def memory_options(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Workload,
                    calib: Calibration) -> str | None:
-    """On these GPUs: the first of LoRA, offload (optimizer state and grads), both, then each
-    with one sequence per micro-batch, that fits (the search adds recompute and reference offload
-    itself); None if none does."""
+    """On these GPUs: the first of LoRA, offload (optimizer state and grads), parameter offload
+    (actor.offload_params, where it lowers a phase: the critic's, or a generator that owns its
+    weights), their combinations, then each with one sequence per micro-batch, that fits (the
+    search adds recompute and reference offload itself); None if none does."""
     tries = []
     for lora in sorted({workload.lora_rank, workload.lora_rank or LORA_RANK}):
         for offload in sorted({workload.offload_optimizer and workload.offload_grads, True}):
-            tries.append(replace(workload, lora_rank=lora,
-                                 offload_optimizer=offload or workload.offload_optimizer,
-                                 offload_grads=offload or workload.offload_grads))
+            for params in sorted({workload.offload_params, True}):
+                tries.append(replace(workload, lora_rank=lora,
+                                     offload_optimizer=offload or workload.offload_optimizer,
+                                     offload_grads=offload or workload.offload_grads,
+                                     offload_params=params))
     tries = [w for w in tries if w != workload]
     tries += [replace(w, micro_batch_tokens=w.seq_len) for w in tries
               if w.seqs_per_micro_batch > 1]
@@ -196,6 +199,8 @@ def memory_options(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Worklo
         needs = ([f"LoRA (actor.lora.rank={w.lora_rank})"] if w.lora_rank else []) + \
             (["optimizer offload (actor.offload_optimizer=true)"] if w.offload_optimizer else []) + \
             (["grad offload (actor.offload_grads=true)"] if w.offload_grads else []) + \
+            (["parameter offload (actor.offload_params=true)"]
+             if w.offload_params else []) + \
             (["activation recompute (parallel.activation_checkpointing=true)"]
              if ev.plan.recompute else []) + \
             ([f"one sequence per micro-batch (micro_batch_tokens={w.seq_len})"]

@@ -312,6 +312,33 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
     return t
 
 
+def _offload_params_copies(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
+                           stages: dict) -> None:
+    """actor.offload_params: the PCIe copies of the actor's weights, not hidden. Each time they
+    leave, the first drop of a step copies them to the host (full training: the optimizer step
+    changed them; LoRA's frozen base has its host copy from the first step); each return copies
+    them back. Gen cycle (the generator owns its weights): out in gen, back in gen's stage (the
+    prefetch runs behind the reward, usually shorter). Reference and critic cycles: out after the
+    actor's last forward (in `ref`, else `values`), back at the actor's update (with a critic;
+    else behind the advantages: counted in `ref`)."""
+    from hybridflow.cost.memory import offloaded_params_bytes
+
+    pcie = gpu.pcie_gbps * 1e9
+    first_out = not w.lora_rank
+    cycles = [("gen", offloaded_params_bytes(shape, plan, w, "gen"), "gen")]
+    out = next((p for p in ("ref", "values") if p in stages
+                and offloaded_params_bytes(shape, plan, w, p)), None)
+    if out is not None:  # one stretch away from the first of them to the actor's update
+        cycles.append((out, offloaded_params_bytes(shape, plan, w, out),
+                       "update_actor" if w.has_critic else out))
+    for stage, nbytes, back in cycles:
+        if nbytes and stage in stages:
+            if first_out:
+                stages[stage].add("pcie", None, nbytes / pcie)
+                first_out = False
+            stages[back].add("pcie", None, nbytes / pcie)
+
+
 def stage_terms(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
                 calib: Calibration) -> dict[str, StageTerms]:
     """The linear terms of every stage the step runs, in the trainer's order."""
@@ -328,6 +355,7 @@ def stage_terms(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
         stages["values"] = _forward(shape, gpu, layout, w, "critic")
         stages["update_critic"] = _update(shape, gpu, plan, w, "critic")
     stages["update_actor"] = _update(shape, gpu, plan, w, "actor")
+    _offload_params_copies(shape, gpu, plan, w, stages)
     stages["other"] = StageTerms([("step_overhead", "step_overhead_s", 1.0)])
     return stages
 

@@ -86,6 +86,13 @@ class Workload:
     offload_optimizer: bool = False
     # actor.offload_grads: the actor's gradient buffers exist only in the update phase
     offload_grads: bool = False
+    # actor.offload_params: the actor's training weights (LoRA: its frozen base) leave the GPU in
+    # the critic's phases and, when the generator holds its own copy of the decoder's matrices
+    # (rollout_quantization != none, or a reshard), in generation (cost/memory.py)
+    offload_params: bool = False
+    # critic.lora.rank (PPO, all-linear targets): the critic's grads and optimizer state cover its
+    # adapters and value head only
+    critic_lora_rank: int = 0
     # MoE experts' training GEMMs: false, megatron-core's SequentialMLP (no transformer-engine: one
     # expert's GEMMs after another, a fixed cost per local expert per layer pass,
     # `Calibration.expert_pass_s`); true, TE's grouped GEMM (one kernel for all local experts: no

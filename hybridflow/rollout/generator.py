@@ -241,6 +241,12 @@ class Generator:
                             indices=prompt_of_row.clone(), rollout_logprobs=logprobs,
                             prompt_experts=prompt_experts, response_experts=response_experts)
 
+    def weight_storages(self) -> frozenset:
+        """Data pointers of the storages of every plain tensor the generator reads (those it
+        aliases in place; a quantized matrix's codes are its own)."""
+        return frozenset(t.untyped_storage().data_ptr() for t in decoder.weight_tensors(self.w)
+                         if torch.is_tensor(t))
+
     def reusable(self, params: dict) -> bool:
         """Whether a later call may keep this generator (and its KV cache and captured graphs) for
         `params`: its weights alias exactly these tensors' storage, so updates made in place since

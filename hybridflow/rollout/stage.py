@@ -65,6 +65,10 @@ class RolloutStage:
             tools = load_tool_config(m.tool_config_path)
             self.tools = ToolRunner(tools, fmt=ToolFormat(m.format, tokenizer=tokenizer,
                                                            tools=tools), tokenizer=tokenizer, mt=m)
+        # actor.offload_params: bring the actor's weights back (prefetched) after generation or,
+        # with a reward model, after scoring; the trainer sets it false when no pass before the
+        # critic's reads them (Trainer._plan_param_offload)
+        self.params_back_after_gen = True
         self._quantized_at = None  # (step, round) the kept generator's codes were made for
         # bytes of the last generator's quantized weights (rollout.quantization; 0: none)
         self.quantized_bytes = 0
@@ -105,15 +109,21 @@ class RolloutStage:
             start = j * base + min(j, extra)
             mine = items[start:start + base + (j < extra)]
             seed += 7919 * j
+        away = self.offloads_in_gen(r.quantization)
         with ExitStack() as stack:
             with timer("reshard"):  # LoRA: adapters merged into the weights, restored on exit
-                stack.enter_context(merged_adapters(self.actor.module))
+                self.actor.params_to_device()  # actor.offload_params: the switch reads them
+                merge = stack.enter_context(ExitStack())
+                merge.enter_context(merged_adapters(self.actor.module))
                 params = self._gen_params()
             if self.resharder is not None:
                 stack.callback(self.resharder.release)
             with timer("gen"):
                 gen = self._generator(params, r.quantization, step)
                 self.quantized_bytes = gen.quantized_bytes
+                if away:  # the generator holds its own matrices: the training weights may go
+                    merge.close()  # (LoRA: unmerged first; the host copy is the base)
+                    self.actor.params_to_host(keep=gen.weight_storages())
                 with torch.no_grad():
                     batch = self._multi_turn(gen, mine, r, seed) if self.tools else gen.generate([it.prompt_ids for it in mine], cfg=r,
                                          eos_id=-1 if r.ignore_eos else self.tok.eos_id,
@@ -124,6 +134,8 @@ class RolloutStage:
                 if self._kept is not gen:
                     gen.release()
                 del gen
+                if away and self.params_back_after_gen and self.reward_engine is None:
+                    self.actor.params_to_device(prefetch=True)  # behind the rule reward
                 batch = batch.to("cpu")
                 if split:
                     batch = self._gather_replicas(batch)
@@ -131,6 +143,15 @@ class RolloutStage:
         group_ids = (first + torch.arange(len(items))).repeat_interleave(r.n)
         indices = torch.tensor([it.index for it in items]).repeat_interleave(r.n)
         return dataclasses.replace(batch, group_ids=group_ids, indices=indices)
+
+    def offloads_in_gen(self, quantization: str) -> bool:
+        """actor.offload_params: whether the training weights leave the device while decoding,
+        which they can when the generator holds its own copy of the decoder's matrices (gathered
+        into the generation layout, or quantized; not for MoE, whose experts are gathered in
+        place). Then only the storages the generator reads (norms, embedding, LM head, and
+        whatever it aliases) stay."""
+        return (self.actor.offloads_params and not self.cfg.model.moe.enabled
+                and (self.resharder is not None or quantization != "none"))
 
     def _multi_turn(self, gen: Generator, items, r, seed: int) -> RolloutBatch:
         from hybridflow.rollout.multi_turn import generate_multi_turn
@@ -188,8 +209,11 @@ class RolloutStage:
         if self.reward_fn is not None:
             scores, metrics = self.rule_scores(items, batch)
         if self.reward_engine is not None:
+            self.actor.params_to_host()  # actor.offload_params: not read by the reward model
             rm = self.reward_engine.compute_scores(
                 batch, **micro_batching(self.cfg.algo, forward=True))
+            if self.params_back_after_gen:
+                self.actor.params_to_device(prefetch=True)
             metrics["reward/model_score/mean"] = float(rm.mean())
             scores = scores + self.cfg.reward.model_weight * rm
         metrics.update(self.turn_metrics)  # multi-turn: turns, tool calls/errors, tool time
