@@ -290,6 +290,10 @@ class Engine:
         if self._param_offload is not None:
             self._param_offload.to_host(keep)
 
+    def host_view(self, p: torch.Tensor) -> torch.Tensor:
+        """Parameter `p`, or its bytes in the host copy while offloaded (actor.offload_params)."""
+        return p if self._param_offload is None else self._param_offload.host_view(p)
+
     def params_to_device(self, *, prefetch: bool = False) -> None:
         """The offloaded weights back (`prefetch`: on a side stream; the next pass waits)."""
         if self._param_offload is not None:

@@ -115,14 +115,17 @@ class ParamOffload:
     def __init__(self, params, *, device, frozen: bool):
         self.device = torch.device(device)
         self.frozen = frozen
-        seen = {}
+        seen: dict[int, int] = {}  # storage data_ptr -> its index
+        self._storages, self._index = [], {}  # id(param) -> its storage's index
         for p in params:
             st = p.untyped_storage()
-            seen.setdefault(st.data_ptr(), st)
-        self._storages = list(seen.values())
+            if st.data_ptr() not in seen:
+                seen[st.data_ptr()] = len(self._storages)
+                self._storages.append(st)
+            self._index[id(p)] = seen[st.data_ptr()]
         self._nbytes = [st.nbytes() for st in self._storages]
         self._host: list | None = None
-        self._host_valid = False
+        self._valid = [False] * len(self._storages)  # the host copy holds the current bytes
         self._away = [False] * len(self._storages)
         self._stream = self._done = None
 
@@ -138,7 +141,15 @@ class ParamOffload:
     def mark_changed(self) -> None:
         """The weights changed on the device (an optimizer step): the next offload copies them."""
         if not self.frozen:
-            self._host_valid = False
+            self._valid = [False] * len(self._storages)
+
+    def host_view(self, p: torch.Tensor) -> torch.Tensor:
+        """`p` itself while its storage is on the device, else `p`'s bytes in the host copy."""
+        i = self._index.get(id(p))
+        if i is None or not self._away[i]:
+            return p
+        return torch.empty(0, dtype=p.dtype).set_(self._host[i].untyped_storage(),
+                                                  p.storage_offset(), p.shape, p.stride())
 
     @torch.no_grad()
     def to_host(self, keep: frozenset = frozenset()) -> None:
@@ -149,16 +160,14 @@ class ParamOffload:
         if self._host is None:
             self._host = [torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
                           for n in self._nbytes]
-        if not self._host_valid:
-            if any(self._away):  # only the kept ones are still here: bring the rest back first
-                self.to_device()
-            for st, n, h in zip(self._storages, self._nbytes, self._host):
-                h.copy_(_bytes_of(st, n), non_blocking=pinned)
-            self._host_valid = True
         for i, st in enumerate(self._storages):
-            if not self._away[i] and st.data_ptr() not in keep:
-                st.resize_(0)
-                self._away[i] = True
+            if self._away[i] or st.data_ptr() in keep:
+                continue
+            if not self._valid[i]:
+                self._host[i].copy_(_bytes_of(st, self._nbytes[i]), non_blocking=pinned)
+                self._valid[i] = True
+            st.resize_(0)
+            self._away[i] = True
 
     @torch.no_grad()
     def to_device(self, *, prefetch: bool = False) -> None:

@@ -25,10 +25,13 @@ Resident through the whole step (DESIGN.md: actor and critic state stays on the 
   of its own, and from `gen` where the generator holds its
   own copy (`gen_owns_weights`): with a reshard the whole training shard leaves (the gen buffer then
   holds the full TP_g shard, component `reshard_buffer`), with a quantized rollout the decoder's
-  matrices leave (embedding, norms and LM head stay: the generator reads them in place). Not for
-  MoE generation. The quantized generator's codes are component `rollout_weights` (every rollout
-  with `rollout_quantization`); at the switch the bf16 matrices and the codes are both there
-  before the KV cache is allocated (below the gen phase's peak, not counted).
+  matrices leave (embedding, norms and LM head stay: the generator reads them in place; the
+  matrices go to the host first and are quantized one at a time from there, so the bf16 matrices
+  and the codes are never on the device together). Not for MoE generation. The quantized
+  generator's codes are component `rollout_weights` (every rollout with `rollout_quantization`;
+  without offload_params the bf16 matrices stay beside them). With a reshard, the gather holds
+  the training shard and the gen buffer at once before the training shard leaves (not counted:
+  no KV cache yet).
 Per phase, on top:
 - gen: the reshard buffer (the gen TP_g shard of the actor minus the training shard it contains; zero
   when TP_g = TP and PP = 1), the KV cache of one generation wave, prefill scratch (one layer of the

@@ -272,6 +272,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
+@torch.no_grad()
+def merged_copy(adapter: LoRAAdapter, weight: torch.Tensor, *, block_rows: int = 1024
+                ) -> torch.Tensor:
+    """A copy of `weight` (the adapted linear's, any device) holding the bits `merged_adapters`
+    writes into it: W + scale * B @ A rounded to its dtype, by the same ops in the same blocks."""
+    out = weight.clone()
+    for w, b, at in adapter.weight_blocks(out, block_rows):
+        w.copy_((w.float() + (b.float() @ at.float()) * adapter.scale).to(w.dtype))
+    return out
+
+
 @contextmanager
 def merged_adapters(model, *, block_rows: int = 1024):
     """Inside the `with`, each adapted linear's weight holds W + scale * B @ A (rounded to its

@@ -139,9 +139,10 @@ def _get(params: dict, name: str, shape: tuple) -> torch.Tensor:
 
 
 def load_weights(cfg: ModelConfig, params: dict, *, group, true_vocab_size: int, device,
-                 dtype) -> Weights:
+                 dtype, matrices_as_given: bool = False) -> Weights:
     """Check names/shapes of the TP_g shard dict and gather the tensors (no copy when they already
-    have the device and dtype)."""
+    have the device and dtype). `matrices_as_given`: the layers' dense matrices are left where
+    they are (e.g. on the host, for a quantization that brings them over one at a time)."""
     tp = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     hd = cfg.head_dim
@@ -155,6 +156,7 @@ def load_weights(cfg: ModelConfig, params: dict, *, group, true_vocab_size: int,
     if v_local * tp < true_vocab_size:
         raise ValueError(f"{emb_name}: {v_local} rows x TP_g={tp} < true vocab {true_vocab_size}")
     conv = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    mat = (lambda t: t) if matrices_as_given else conv  # noqa: E731
     qkv_rows = groups * (heads // groups + 2) * hd
     layers = []
     for i in range(cfg.num_layers):
@@ -167,14 +169,14 @@ def load_weights(cfg: ModelConfig, params: dict, *, group, true_vocab_size: int,
             k_norm = conv(_get(params, p + "self_attention.k_layernorm.weight", (hd,)))
         layers.append(Layer(
             ln1=conv(_get(params, p + "input_layernorm.weight", (D,))),
-            qkv_w=conv(_get(params, p + "self_attention.linear_qkv.weight", (qkv_rows, D))),
+            qkv_w=mat(_get(params, p + "self_attention.linear_qkv.weight", (qkv_rows, D))),
             qkv_b=bias,
-            proj=conv(_get(params, p + "self_attention.linear_proj.weight", (D, heads * hd))),
+            proj=mat(_get(params, p + "self_attention.linear_proj.weight", (D, heads * hd))),
             ln2=conv(_get(params, p + "pre_mlp_layernorm.weight", (D,))),
-            fc1=None if cfg.moe.enabled else conv(_get(params, p + "mlp.linear_fc1.weight",
-                                                       (2 * ffn, D))),
-            fc2=None if cfg.moe.enabled else conv(_get(params, p + "mlp.linear_fc2.weight",
-                                                       (D, ffn))),
+            fc1=None if cfg.moe.enabled else mat(_get(params, p + "mlp.linear_fc1.weight",
+                                                      (2 * ffn, D))),
+            fc2=None if cfg.moe.enabled else mat(_get(params, p + "mlp.linear_fc2.weight",
+                                                      (D, ffn))),
             q_norm=q_norm, k_norm=k_norm,
             moe=load_moe(cfg, params, p, tp=tp, get=_get, conv=conv) if cfg.moe.enabled else None))
     embed = conv(_get(params, emb_name, (v_local, D)))

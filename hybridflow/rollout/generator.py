@@ -118,14 +118,22 @@ class _Buffers:
 
 class Generator:
     def __init__(self, *, model_cfg: ModelConfig, params: dict, tp_group, device: torch.device,
-                 dtype: torch.dtype, true_vocab_size: int, quantization: str = "none"):
+                 dtype: torch.dtype, true_vocab_size: int, quantization: str = "none",
+                 fetch=None):
+        """`fetch` (with a quantization): the layers' matrices in `params` are taken as they are
+        (e.g. host tensors) and each is quantized from `fetch(layer, field, tensor)`, a device
+        tensor dropped after (rollout/quantize.py quantize_weights)."""
         self.cfg = model_cfg
         self.device = torch.device(device)
         self.dtype = dtype
         self.quantization = quantization
         self._load = dict(group=tp_group, true_vocab_size=true_vocab_size, device=self.device,
                           dtype=dtype)
-        w = decoder.load_weights(model_cfg, params, **self._load)
+        if fetch is not None and quantization == "none":
+            raise ValueError("Generator(fetch=...) quantizes matrices as they come: it needs a "
+                             "quantization")
+        w = decoder.load_weights(model_cfg, params, **self._load,
+                                 matrices_as_given=fetch is not None)
         # the storage of every given tensor, when the weights alias it (no dtype/device copy):
         # then in-place updates of `params` are what the next call generates with (`reusable`;
         # quantized weights: after `requantize`)
@@ -136,7 +144,7 @@ class Generator:
             raise ValueError(f"rollout.quantization=fp8 on a GPU needs bf16 weights "
                              f"(torch._scaled_mm's row-wise scales give bf16); the model runs "
                              f"in {dtype}: set trainer.precision=bf16")
-        self.w = quantize_weights(w, quantization)
+        self.w = quantize_weights(w, quantization, fetch)
         del w
         self.quantized_bytes = quantized_bytes(self.w)  # the codes + scales this generator holds
         self._rng = torch.Generator(device=self.device)

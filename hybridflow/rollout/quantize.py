@@ -150,15 +150,25 @@ def _matrices(layer) -> list:
     return [f for f in MATRICES if getattr(layer, f) is not None]
 
 
-def quantize_weights(w, mode: str):
-    """decoder.Weights `w` with every layer's matrices quantized (`mode` "none": w itself)."""
+# decoder.Layer matrix field -> its Megatron linear in the layer
+MATRIX_LINEARS = {"qkv_w": "self_attention.linear_qkv", "proj": "self_attention.linear_proj",
+                  "fc1": "mlp.linear_fc1", "fc2": "mlp.linear_fc2"}
+
+
+def quantize_weights(w, mode: str, fetch=None):
+    """decoder.Weights `w` with every layer's matrices quantized (`mode` "none": w itself).
+    `fetch(layer index, field, tensor) -> the (N, K) device tensor to quantize`: called for one
+    matrix at a time, its result dropped after (matrices kept on the host and brought over one by
+    one, so only one is on the device beside the codes)."""
     if mode == "none":
         return w
     for i, layer in enumerate(w.layers):
         for f in _matrices(layer):
             check_shape(mode, f"decoder.layers.{i}.{f}", tuple(getattr(layer, f).shape))
-    layers = [dataclasses.replace(layer, **{f: quantize(getattr(layer, f), mode)
-                                            for f in _matrices(layer)}) for layer in w.layers]
+    get = fetch or (lambda i, f, t: t)
+    layers = [dataclasses.replace(layer, **{f: quantize(get(i, f, getattr(layer, f)), mode)
+                                            for f in _matrices(layer)})
+              for i, layer in enumerate(w.layers)]
     return dataclasses.replace(w, layers=layers)
 
 

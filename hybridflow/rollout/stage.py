@@ -110,20 +110,27 @@ class RolloutStage:
             mine = items[start:start + base + (j < extra)]
             seed += 7919 * j
         away = self.offloads_in_gen(r.quantization)
+        # actor.offload_params with a quantized rollout in place: the matrices go to the host
+        # first and are quantized one at a time from there (never all on the device with codes)
+        streamed = away and self.resharder is None
         with ExitStack() as stack:
             with timer("reshard"):  # LoRA: adapters merged into the weights, restored on exit
                 self.actor.params_to_device()  # actor.offload_params: the switch reads them
                 merge = stack.enter_context(ExitStack())
-                merge.enter_context(merged_adapters(self.actor.module))
-                params = self._gen_params()
+                fetch = None
+                if streamed:
+                    params, fetch = self._streamed_params()
+                else:
+                    merge.enter_context(merged_adapters(self.actor.module))
+                    params = self._gen_params()
             if self.resharder is not None:
                 stack.callback(self.resharder.release)
             with timer("gen"):
-                gen = self._generator(params, r.quantization, step)
+                gen = self._generator(params, r.quantization, step, fetch)
                 self.quantized_bytes = gen.quantized_bytes
-                if away:  # the generator holds its own matrices: the training weights may go
-                    merge.close()  # (LoRA: unmerged first; the host copy is the base)
-                    self.actor.params_to_host(keep=gen.weight_storages())
+                if away and not streamed:  # the generator holds its own matrices: the
+                    merge.close()  # training weights may go (LoRA: unmerged first; the host
+                    self.actor.params_to_host(keep=gen.weight_storages())  # copy is the base)
                 with torch.no_grad():
                     batch = self._multi_turn(gen, mine, r, seed) if self.tools else gen.generate([it.prompt_ids for it in mine], cfg=r,
                                          eos_id=-1 if r.ignore_eos else self.tok.eos_id,
@@ -153,6 +160,29 @@ class RolloutStage:
         return (self.actor.offloads_params and not self.cfg.model.moe.enabled
                 and (self.resharder is not None or quantization != "none"))
 
+    def _streamed_params(self):
+        """(params, fetch) for a quantized Generator built from the host: the decoder's matrices
+        offloaded (their host copies in `params`), everything else on the device; `fetch` brings
+        one matrix over, with its LoRA update merged in as `merged_adapters` would (same bits)."""
+        from hybridflow.models.lora import LoRAAdapter, merged_copy
+        from hybridflow.rollout.quantize import MATRIX_LINEARS
+
+        actor = self.actor
+        named = self._gen_params()
+        suffixes = tuple(f".{path}.weight" for path in MATRIX_LINEARS.values())
+        actor.params_to_host(keep=frozenset(p.untyped_storage().data_ptr()
+                                            for n, p in named.items() if not n.endswith(suffixes)))
+        lora = {name: m._modules["lora"] for name, m in actor.module.named_modules()
+                if isinstance(m._modules.get("lora"), LoRAAdapter) and m._modules["lora"].enabled}
+        device, dtype = actor.device, actor.tcfg.params_dtype
+
+        def fetch(i: int, field: str, t: torch.Tensor) -> torch.Tensor:
+            dev = t.to(device=device, dtype=dtype, non_blocking=True)
+            adapter = lora.get(f"decoder.layers.{i}.{MATRIX_LINEARS[field]}")
+            return dev if adapter is None else merged_copy(adapter, dev)
+
+        return {n: actor.host_view(p) for n, p in named.items()}, fetch
+
     def _multi_turn(self, gen: Generator, items, r, seed: int) -> RolloutBatch:
         from hybridflow.rollout.multi_turn import generate_multi_turn
 
@@ -162,7 +192,7 @@ class RolloutStage:
             options=DecodeOptions.from_config(r))
         return batch
 
-    def _generator(self, params: dict, quantization: str, step: int) -> Generator:
+    def _generator(self, params: dict, quantization: str, step: int, fetch=None) -> Generator:
         """A new Generator over `params` (quantized per `quantization`: once per step, at this
         train -> generation switch), or with rollout.free_cache_engine=false the one kept from an
         earlier step when it still aliases these weights (its cache and graphs stay valid; its
@@ -178,7 +208,7 @@ class RolloutStage:
         gen = Generator(model_cfg=self.actor.model_cfg, params=params,
                         tp_group=self.ctx.gen_tp_group, device=self.actor.device,
                         dtype=self.actor.tcfg.params_dtype, true_vocab_size=self.actor.vocab_limit,
-                        quantization=quantization)
+                        quantization=quantization, fetch=fetch)
         if not self.cfg.rollout.free_cache_engine and gen.reusable(params):
             self._kept, self._quantized_at = gen, step
         return gen

@@ -150,6 +150,18 @@ def test_lora_base_resharded_tp2(tmp_path):
         assert seen["update_actor"] == total
 
 
+def test_lora_base_quantized_rollout_tp1(tmp_path):
+    """fp8 rollout of a LoRA actor: the base's matrices go to the host before the generator is
+    built and are quantized one at a time from there, each with its adapter merged in (the same
+    bits as merging in place: the runs with and without the option are equal)."""
+    overrides = [o for o in LORA if not o.startswith("rollout.tensor_parallel_size")]
+    (res,) = _compare(tmp_path, 1, overrides + ["rollout.quantization=fp8"])
+    seen, total = res["seen"], res["total"]
+    assert (total - seen["gen"]) / 4 == _predicted_params(1, overrides + [
+        "rollout.quantization=fp8"], "gen")
+    assert seen["update_actor"] == total
+
+
 def test_no_saving_is_said(tmp_path):
     """GRPO without KL, rule reward, generation in place: nothing to save, a warning line."""
     res = run_ranks(_run, 1, str(tmp_path), 1, ["algo=grpo", "algo.use_kl_loss=false", "algo.use_kl_in_reward=false",
