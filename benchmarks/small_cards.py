@@ -12,6 +12,14 @@ configuration (its token budgets as the trainer chose them).
   python benchmarks/small_cards.py --out benchmarks/results/small_cards_h200.json     # one H200
   python benchmarks/small_cards.py --model tiny --prompts 2 --samples 2 --response 4 --steps 2 \\
       --caps 24 --out /tmp/small_cards.json                                            # CPU smoke
+
+`--offload-params-ab`: instead, the first cap only, with LoRA + actor.offload_optimizer + recompute
++ an fp8 rollout (AB_OPTIONS), run with actor.offload_params=false and =true: the peak, seconds per
+step and stage seconds of each (a run that fails, e.g. out of memory under the cap, is recorded with
+its exit code) and the cost model's peak and fit for each.
+
+  python benchmarks/small_cards.py --offload-params-ab --caps 24 --prompts 4 --steps 2 \\
+      --out benchmarks/results/small_cards_offload_params_h200.json                    # one H200
 """
 
 import argparse
@@ -31,13 +39,22 @@ OPTIONS = {  # cap (GiB) -> the trainer options it runs with (what the cost mode
     48: LORA,
     80: LORA,
 }
+# --offload-params-ab: a quantized rollout leaves the bf16 matrices beside their codes through
+# decoding unless actor.offload_params moves them to the host (docs/recipes.md, Small cards)
+AB_OPTIONS = LORA + ("parallel.activation_checkpointing=true", "actor.offload_optimizer=true",
+                     "rollout.quantization=fp8")
 
 
-def predicted_peak(args, cap: int, options: tuple, budgets: dict) -> float | None:
-    """The cost model's peak (GiB) for this run: its layout, LoRA, recompute and token budgets."""
+def _option(options: tuple, key: str, default: str = "") -> str:
+    return next((o.split("=", 1)[1] for o in options if o.startswith(key + "=")), default)
+
+
+def predicted(args, cap: int, options: tuple, budgets: dict):
+    """The cost model's MemoryEstimate for this run: its layout, LoRA, recompute, offload options,
+    rollout quantization and token budgets (None for the tiny model)."""
     if args.model == "tiny":
         return None
-    lora = next((int(o.split("=")[1]) for o in options if o.startswith("actor.lora.rank=")), 0)
+    lora = int(_option(options, "actor.lora.rank", "0"))
     recompute = "parallel.activation_checkpointing=true" in options
     seq = 128 + args.response
     train = budgets.get("max_tokens_per_micro_batch_per_gpu", seq)
@@ -53,11 +70,50 @@ def predicted_peak(args, cap: int, options: tuple, budgets: dict) -> float | Non
     shape = load_shape(args.model)
     work = Workload(algorithm="grpo", prompts_per_step=args.prompts,
                     samples_per_prompt=args.samples, prompt_len=128, response_len=args.response,
-                    micro_batch_tokens=train, forward_micro_batch_tokens=fwd, lora_rank=lora)
+                    micro_batch_tokens=train, forward_micro_batch_tokens=fwd, lora_rank=lora,
+                    offload_optimizer=_option(options, "actor.offload_optimizer") == "true",
+                    offload_params=_option(options, "actor.offload_params") == "true",
+                    rollout_quantization=_option(options, "rollout.quantization", "none"))
     gpu = replace(get_gpu("H200"), memory_gib=float(cap))
-    est = memory_for(shape, gpu, make_plan({"tp": 1, "recompute": recompute}, 1, shape), work,
-                     shipped_calibration())
-    return round(est.peak_gib, 2)
+    return memory_for(shape, gpu, make_plan({"tp": 1, "recompute": recompute}, 1, shape), work,
+                      shipped_calibration())
+
+
+def predicted_peak(args, cap: int, options: tuple, budgets: dict) -> float | None:
+    """The cost model's peak (GiB) for this run."""
+    est = predicted(args, cap, options, budgets)
+    return None if est is None else round(est.peak_gib, 2)
+
+
+def run_cap(args, cap: int, options: tuple, work: str) -> dict:
+    """One run under `cap` GiB with `options`: its median step, peak and the model's prediction
+    (a failed run: its exit code, and what the model predicted)."""
+    import subprocess
+
+    bench = bench_rl_step.parse_args([
+        "--model", args.model, "--prompts", str(args.prompts), "--samples", str(args.samples),
+        "--response", str(args.response), "--steps", str(args.steps), "--algos", "grpo",
+        *[x for o in options + (f"trainer.gpu_memory_limit_gib={cap}",)
+          for x in ("--override", o)]])
+    est = None
+    try:
+        rows, ovr, budgets = bench_rl_step.run("grpo", bench, work)
+    except subprocess.CalledProcessError as e:
+        est = predicted(args, cap, options, {})
+        return {"error": f"exit code {e.returncode}", "options": list(options),
+                **({"predicted_peak_gib": round(est.peak_gib, 2), "predicted_fits": est.fits}
+                   if est else {})}
+    est = predicted(args, cap, options, budgets)
+    med = bench_rl_step.summarize(rows)["median_later_steps"]
+    return {"step_s": round(med["timing_s/step"], 3),
+            "peak_gib": round(med.get("perf/max_memory_allocated_gb", 0.0), 2),
+            "options": list(options),
+            "predicted_peak_gib": round(est.peak_gib, 2) if est else None,
+            "predicted_fits": est.fits if est else None,
+            "predicted_peak_phase": est.peak_phase if est else None,
+            "auto_token_budgets": budgets, "overrides": ovr,
+            "stages_s": {k[len("timing_s/"):]: round(v, 3) for k, v in med.items()
+                         if k.startswith("timing_s/")}}
 
 
 def main(argv=None) -> dict:
@@ -69,29 +125,28 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=3, help="steps per cap; the first is reported apart")
     ap.add_argument("--caps", default="24,48,80", help="GiB caps, comma-separated")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--offload-params-ab", action="store_true",
+                    help="the first cap only, AB_OPTIONS with actor.offload_params off and on")
     args = ap.parse_args(argv)
     results = {}
+    caps = [int(c) for c in args.caps.split(",")]
     with tempfile.TemporaryDirectory() as work:
-        for cap in [int(c) for c in args.caps.split(",")]:
+        if args.offload_params_ab:
+            cap = caps[0]
+            for on in (False, True):
+                options = AB_OPTIONS + (f"actor.offload_params={str(on).lower()}",)
+                res = run_cap(args, cap, options, os.path.join(work, str(on)))
+                results[f"{cap}_offload_params_{'on' if on else 'off'}"] = res
+                print(f"cap {cap} GiB, offload_params={on}: {res.get('step_s', res.get('error'))} "
+                      f"s/step, peak {res.get('peak_gib')} GiB (predicted "
+                      f"{res.get('predicted_peak_gib')}, fits {res.get('predicted_fits')})",
+                      flush=True)
+        for cap in [] if args.offload_params_ab else caps:
             options = OPTIONS.get(cap, LORA)
-            bench = bench_rl_step.parse_args([
-                "--model", args.model, "--prompts", str(args.prompts), "--samples",
-                str(args.samples), "--response", str(args.response), "--steps", str(args.steps),
-                "--algos", "grpo", *[x for o in options + (f"trainer.gpu_memory_limit_gib={cap}",)
-                                      for x in ("--override", o)]])
-            rows, ovr, budgets = bench_rl_step.run("grpo", bench, os.path.join(work, str(cap)))
-            med = bench_rl_step.summarize(rows)["median_later_steps"]
-            results[str(cap)] = {
-                "step_s": round(med["timing_s/step"], 3),
-                "peak_gib": round(med.get("perf/max_memory_allocated_gb", 0.0), 2),
-                "options": list(options), "predicted_peak_gib": predicted_peak(args, cap, options,
-                                                                               budgets),
-                "auto_token_budgets": budgets, "overrides": ovr,
-                "stages_s": {k[len("timing_s/"):]: round(v, 3) for k, v in med.items()
-                             if k.startswith("timing_s/")}}
-            print(f"cap {cap} GiB: {results[str(cap)]['step_s']} s/step, peak "
-                  f"{results[str(cap)]['peak_gib']} GiB (predicted "
-                  f"{results[str(cap)]['predicted_peak_gib']}), {' '.join(options)}", flush=True)
+            res = results[str(cap)] = run_cap(args, cap, options, os.path.join(work, str(cap)))
+            print(f"cap {cap} GiB: {res.get('step_s', res.get('error'))} s/step, peak "
+                  f"{res.get('peak_gib')} GiB (predicted {res.get('predicted_peak_gib')}), "
+                  f"{' '.join(options)}", flush=True)
     record = {"benchmark": "GRPO under a GPU memory cap (trainer.gpu_memory_limit_gib)",
               "workload": {"prompts": args.prompts, "samples": args.samples, "prompt_len": 128,
                            "response_len": args.response, "steps": args.steps},

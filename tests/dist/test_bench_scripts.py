@@ -10,6 +10,8 @@ import statistics
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
 
@@ -254,6 +256,36 @@ def test_small_cards_runs_each_cap_in_its_own_process(tmp_path):
     args = argparse.Namespace(model="qwen2_7b", prompts=8, samples=8, response=256)
     peak = small_cards.predicted_peak(args, 24, small_cards.OPTIONS[24], {})
     assert 14 < peak < 24  # the bf16 7B weights (14.2 GiB) and what the rest needs under the cap
+
+
+@pytest.mark.slow
+def test_small_cards_offload_params_ab(tmp_path):
+    out = tmp_path / "ab.json"
+    subprocess.run([sys.executable, "benchmarks/small_cards.py", "--model", "tiny", "--prompts", "2",
+                    "--samples", "2", "--response", "4", "--steps", "2", "--caps", "24",
+                    "--offload-params-ab", "--out", str(out)], check=True, cwd=ROOT, env=ENV,
+                   capture_output=True)
+    r = json.loads(out.read_text())["tiny"]
+    assert set(r) == {"24_offload_params_off", "24_offload_params_on"}
+    for on, res in (("false", r["24_offload_params_off"]), ("true", r["24_offload_params_on"])):
+        assert res["step_s"] > 0 and f"actor.offload_params={on}" in res["options"]
+        assert "rollout.quantization=fp8" in res["options"]
+
+
+def test_small_cards_offload_params_prediction():
+    """The 7B A/B's prediction: the fp8 codes beside the bf16 matrices overflow 24 GiB; with the
+    matrices on the host the run fits."""
+    import argparse
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import small_cards
+
+    args = argparse.Namespace(model="qwen2_7b", prompts=4, samples=8, response=256)
+    off, on = (small_cards.predicted(args, 24, small_cards.AB_OPTIONS
+                                     + (f"actor.offload_params={v}",), {})
+               for v in ("false", "true"))
+    assert off.peak_phase == "gen" and not off.fits and on.fits
+    assert off.phases_gib["gen"]["actor_weights"] - on.phases_gib["gen"]["actor_weights"] > 12
 
 
 def test_lora_checkpoint_sizes_both_formats(tmp_path):
