@@ -197,8 +197,9 @@ class RolloutStage:
         train -> generation switch), or with rollout.free_cache_engine=false the one kept from an
         earlier step when it still aliases these weights (its cache and graphs stay valid; its
         quantized weights rewritten in place from them once per step)."""
-        if self._kept is not None:
-            if self._kept.reusable(params) and self._kept.quantization == quantization:
+        if self._kept is not None:  # (a generator built from the host is never kept)
+            if (fetch is None and self._kept.reusable(params)
+                    and self._kept.quantization == quantization):
                 if self._quantized_at != step:
                     self._kept.requantize(params)
                     self._quantized_at = step
@@ -209,7 +210,7 @@ class RolloutStage:
                         tp_group=self.ctx.gen_tp_group, device=self.actor.device,
                         dtype=self.actor.tcfg.params_dtype, true_vocab_size=self.actor.vocab_limit,
                         quantization=quantization, fetch=fetch)
-        if not self.cfg.rollout.free_cache_engine and gen.reusable(params):
+        if not self.cfg.rollout.free_cache_engine and fetch is None and gen.reusable(params):
             self._kept, self._quantized_at = gen, step
         return gen
 

@@ -46,3 +46,35 @@ def test_host_copy_refreshed_only_after_a_change():
         off.to_device()
         # a frozen base never changes: its first host copy comes back (nothing copied again)
         assert torch.equal(params[2], now) != frozen
+
+
+def test_streamed_quantization_equals_in_place():
+    """A quantized generator built from host copies one matrix at a time (`fetch`) holds the codes
+    of one built in place: the same tokens and log-probs."""
+    from hybridflow.config import RolloutConfig
+    from hybridflow.rollout import Generator
+    from hybridflow.rollout.options import DecodeOptions
+    from hybridflow.rollout.quantize import MATRIX_LINEARS
+    from tests.unit.test_quantized_rollout import QCFG
+    from tests.unit.test_rollout import PROMPTS, random_params
+
+    params = random_params(QCFG)
+    kw = dict(model_cfg=QCFG, tp_group=None, device=torch.device("cpu"), dtype=torch.float32,
+              true_vocab_size=QCFG.vocab_size, quantization="fp8")
+    rc = RolloutConfig(max_new_tokens=6, temperature=0.0, return_logprobs=True)
+    opts = DecodeOptions.from_config(rc)
+    run = dict(cfg=rc, eos_id=36, pad_id=0, seed=0, options=opts)
+    want = Generator(params=params, **kw).generate(PROMPTS, **run)
+    suffixes = tuple(f".{p}.weight" for p in MATRIX_LINEARS.values())
+    off = ParamOffload(list(params.values()), device="cpu", frozen=True)
+    off.to_host(keep=frozenset(t.untyped_storage().data_ptr() for n, t in params.items()
+                               if not n.endswith(suffixes)))
+    away = [t for n, t in params.items() if n.endswith(suffixes)]
+    assert away and all(t.untyped_storage().nbytes() == 0 for t in away)
+    fetched = []
+    gen = Generator(params={n: off.host_view(t) for n, t in params.items()},
+                    fetch=lambda i, f, t: fetched.append((i, f)) or t.clone(), **kw)
+    assert len(fetched) == len(away)
+    got = gen.generate(PROMPTS, **run)
+    assert torch.equal(got.response_ids, want.response_ids)
+    assert torch.equal(got.rollout_logprobs, want.rollout_logprobs)
