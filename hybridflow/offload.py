@@ -128,6 +128,7 @@ class ParamOffload:
         self._valid = [False] * len(self._storages)  # the host copy holds the current bytes
         self._away = [False] * len(self._storages)
         self._stream = self._done = None
+        self._most_away = 0
 
     @property
     def nbytes(self) -> int:
@@ -137,6 +138,13 @@ class ParamOffload:
     def away_bytes(self) -> int:
         """Bytes of them off the device now."""
         return sum(n for n, away in zip(self._nbytes, self._away) if away)
+
+    def most_away_bytes(self, *, reset: bool = True) -> int:
+        """The most bytes that were off the device at once since the last reset."""
+        most = self._most_away
+        if reset:
+            self._most_away = self.away_bytes()
+        return most
 
     def mark_changed(self) -> None:
         """The weights changed on the device (an optimizer step): the next offload copies them."""
@@ -168,6 +176,7 @@ class ParamOffload:
                 self._valid[i] = True
             st.resize_(0)
             self._away[i] = True
+        self._most_away = max(self._most_away, self.away_bytes())
 
     @torch.no_grad()
     def to_device(self, *, prefetch: bool = False) -> None:

@@ -81,6 +81,7 @@ def _run(out_dir: str, tp: int, overrides: list, offload: bool):
              for role, e in trainer.engines.items()}
     return {"history": [{k: v for k, v in m.items() if not k.startswith(VOLATILE)}
                         for m in history],
+            "offloaded_gb": [m.get("perf/actor_weights_offloaded_gb") for m in history],
             "weights": roles, "seen": seen, "total": _device_bytes(actor),
             "movable": sum(p.numel() * p.element_size() for p in movable),
             "note": offload_params_note(trainer)}
@@ -127,6 +128,7 @@ def test_ppo_quantized_rollout_tp1(tmp_path):
     assert 0 < seen["gen"] < total
     assert (total - seen["gen"]) / elem == _predicted_params(1, PPO, "gen")
     assert seen["update_actor"] == total
+    assert res["offloaded_gb"] == [total / 2 ** 30] * 2  # the step's metric: all of it at once
 
 
 @pytest.mark.slow
