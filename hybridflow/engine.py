@@ -290,6 +290,11 @@ class Engine:
         if self._param_offload is not None:
             self._param_offload.to_host(keep)
 
+    def params_offloaded_most_bytes(self) -> int:
+        """actor.offload_params: the most bytes of the weights off the device at once since the
+        last call (0 without the option)."""
+        return 0 if self._param_offload is None else self._param_offload.most_away_bytes()
+
     def host_view(self, p: torch.Tensor) -> torch.Tensor:
         """Parameter `p`, or its bytes in the host copy while offloaded (actor.offload_params)."""
         return p if self._param_offload is None else self._param_offload.host_view(p)

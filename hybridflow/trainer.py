@@ -230,7 +230,7 @@ class Trainer:
                    **timer.metrics(), **memory_metrics()}
         if self.actor.offloads_params:  # the most of the actor's weights off the GPU at once
             metrics["perf/actor_weights_offloaded_gb"] = (
-                self.actor._param_offload.most_away_bytes() / 2**30)
+                self.actor.params_offloaded_most_bytes() / 2**30)
         if cfg.rollout.quantization != "none":  # the generator's codes + scales (freed with it)
             metrics["perf/rollout_quantized_weights_gb"] = self.rollout.quantized_bytes / 2**30
         metrics.update(self.throughput(batch, metrics["timing_s/step"]))
