@@ -1,4 +1,6 @@
-"""CLI: `python -m hybridflow.cost --model qwen2_7b --gpu H200 --num-gpus 8 [--json]`.
+"""CLI: `python -m hybridflow.cost --model qwen2_7b --gpu H200 --num-gpus 8 [--json]`, or for a trainer
+config and the lengths a probe measured: `python -m hybridflow.cost --config
+experiment=gsm8k_qwen_coder_0_5b --num-gpus 1 --lengths probe/metrics.jsonl`.
 
 Refuses what the trainer refuses (a micro-batch token budget that cannot hold the longest row) with
 the trainer's wording; user errors are one line, `hybridflow cost: error: ...`, exit code 2."""
@@ -16,7 +18,18 @@ from hybridflow.cost.workload import ALGORITHMS
 @cli.tool("cost")
 def main(argv: list[str] | None = None) -> int:
     p = cli.ArgumentParser(prog="python -m hybridflow.cost", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="conf/model name, HF config.json or its directory")
+    p.add_argument("--model", help="conf/model name, HF config.json or its directory (required "
+                                    "unless --config)")
+    p.add_argument("--config", nargs="+", metavar="OVERRIDE",
+                   help="a trainer config as Hydra overrides (e.g. experiment=gsm8k_qwen_coder_0_5b "
+                        "rollout.n=16): model, workload and layout as the trainer resolves them on "
+                        "a GPU (token budgets sized for --gpu's memory); the workload flags below "
+                        "are ignored, except --lengths")
+    p.add_argument("--lengths", metavar="FILE",
+                   help="the step's response (and prompt) lengths as a distribution: a trainer "
+                        "metrics.jsonl (a probe's or a previous run's), a probe.json, or a JSON of "
+                        "response_lengths / response_length_quantiles / mean,max,min,clip_ratio "
+                        "(docs/cost_model.md); generation and the passes are then costed row by row")
     p.add_argument("--gpu", default="H200", help=f"one of {', '.join(GPUS)}")
     p.add_argument("--num-gpus", type=int, default=8)
     p.add_argument("--algorithm", default="grpo", choices=ALGORITHMS)
@@ -28,6 +41,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--response-len-max", type=int,
                    help="the longest response of a step (rollout.max_new_tokens when some hit it): "
                         "generation decodes until it ends")
+    p.add_argument("--max-new-tokens", type=int,
+                   help="rollout.max_new_tokens: the cap of --lengths (default --response-len-max, "
+                        "else --response-len)")
+    p.add_argument("--gen-max-batch-size", type=int,
+                   help="rollout.max_batch_size: rows per generation chunk (default: as memory holds)")
+    p.add_argument("--compact-finished-rows", action="store_true",
+                   help="rollout.compact_finished_rows=true: live rows move to smaller decode buckets")
+    p.add_argument("--kv-window", type=int, default=0, help="rollout.decode_kv_window (0: off)")
+    p.add_argument("--dynamic-bsz", action="store_true",
+                   help="algo.use_dynamic_bsz=true: --micro-batch-tokens is a token budget")
+    p.add_argument("--pack-sequences", action="store_true",
+                   help="algo.pack_sequences=true (with --dynamic-bsz): packed rows of real tokens")
     p.add_argument("--steps", type=int)
     p.add_argument("--epochs", type=float)
     p.add_argument("--dataset-size", type=int)
@@ -94,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--etp", type=int, help="MoE: parallel.expert_tensor_parallel_size (default: tp)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
+    if a.config:
+        return _from_config(a)
+    if a.model is None:
+        p.error("--model is required (or --config)")
     layout = None
     forced = [f for f, on in (("--pp", a.pp != 1), ("--tp-gen", a.tp_gen is not None),
                               ("--offload-ref", a.offload_ref), ("--recompute", a.recompute),
@@ -111,6 +140,17 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None:
             check_token_budget(key, value, longest=a.prompt_len + response,
                                how=f"--prompt-len + {flag} = {a.prompt_len} + {response}")
+    varlen = dict(gen_max_batch_size=a.gen_max_batch_size,
+                  compact_finished_rows=a.compact_finished_rows, decode_kv_window=a.kv_window,
+                  dynamic_bsz=a.dynamic_bsz, pack_sequences=a.pack_sequences)
+    cap = a.max_new_tokens or a.response_len_max or a.response_len
+    if a.max_new_tokens is not None or a.lengths:
+        varlen["max_new_tokens"] = cap
+    if a.lengths:
+        from hybridflow.cost.lengths import load_lengths
+
+        varlen |= load_lengths(a.lengths, cap=cap, num_rows=a.prompts_per_step * a.samples_per_prompt)
+        a.prompt_len = varlen.pop("prompt_len", a.prompt_len)
     report = estimate_cost(
         model=a.model, gpu=a.gpu, num_gpus=a.num_gpus, algorithm=a.algorithm,
         prompts_per_step=a.prompts_per_step, samples_per_prompt=a.samples_per_prompt,
@@ -128,7 +168,23 @@ def main(argv: list[str] | None = None) -> int:
         offload_optimizer=a.offload_optimizer, offload_grads=a.offload_grads,
         offload_params=a.offload_params, critic_lora_rank=a.critic_lora_rank,
         moe_grouped_gemm=a.moe_grouped_gemm, gpu_memory_gib=a.gpu_memory_gib,
-        calibration=a.calibration)
+        calibration=a.calibration, **varlen)
+    print(report.to_json() if a.json else report)
+    return 0
+
+
+def _from_config(a) -> int:
+    """The report for a trainer config (`--config`), in its own layout."""
+    from hybridflow.cost.from_config import from_overrides
+    from hybridflow.cost.gpus import get_gpu
+
+    free = a.gpu_memory_gib or get_gpu(a.gpu).memory_gib
+    model, plan, fields = from_overrides(a.config, world_size=a.num_gpus, free_gib=free,
+                                         lengths_path=a.lengths)
+    report = estimate_cost(model=model, gpu=a.gpu, num_gpus=a.num_gpus, layout=plan.to_dict(),
+                           steps=a.steps, epochs=a.epochs, dataset_size=a.dataset_size,
+                           price_per_gpu_hour=a.price_per_gpu_hour, calibration=a.calibration,
+                           gpu_memory_gib=a.gpu_memory_gib, **fields)
     print(report.to_json() if a.json else report)
     return 0
 

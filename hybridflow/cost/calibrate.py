@@ -73,13 +73,14 @@ MEMORY_KEY = "perf/max_memory_allocated_gb"
 STEP_KEY = "timing_s/step"
 PASS_STAGES = ("old_log_prob", "ref", "values", "update_actor", "update_critic")
 GROUPS = [(("reshard",), ("inv_comm_eff",)),
-          (("gen",), ("inv_prefill_eff", "inv_decode_bw_eff", "decode_layer_overhead_s",
+          (("gen",), ("inv_prefill_eff", "inv_decode_bw_eff", "inv_torch_kv_eff",
+                      "decode_layer_overhead_s",
                       "fused_decode_layer_overhead_s")),
           (PASS_STAGES, ("inv_forward_mfu", "inv_train_mfu", "inv_fused_forward_mfu",
                          "inv_fused_train_mfu", "layer_pass_overhead_s", "graphed_layer_pass_s",
                          "tp_collective_s",
-                         "optimizer_step_s")),
-          (("other",), ("step_overhead_s",))]
+                         "optimizer_step_s", "packed_token_s")),
+          (("other",), ("step_overhead_s", "row_overhead_s"))]
 # MoE-only coefficients, fitted after the rest on the MoE records alone (the rest held): the dense
 # groups and the memory scales see only dense records, so adding an MoE record leaves the dense
 # fit as it was (the MoE passes' other costs cannot be told from theirs with so few records)
@@ -217,17 +218,24 @@ def _fit_group(runs, terms, stages, unknowns, coefs) -> dict[str, float]:
 
 def _refine_overlap(runs, terms, stages, unknowns, coefs) -> dict[str, float]:
     """Least squares of the stages' real (overlapped, so nonlinear) seconds, from the linear fit's
-    coefficients: Levenberg-Marquardt on log(coefficient), which keeps them positive, with a faint
-    pull (1e-6 per log unit) to the start so that directions no record informs stay put."""
+    coefficients: Levenberg-Marquardt on log(coefficient), which keeps them positive (on
+    log(coefficient - 1) for the inverse efficiencies, which keeps every efficiency at most 1),
+    with a faint pull (1e-6 per log unit) to the start so that directions no record informs stay
+    put."""
     data = [(t[s], run.metrics[f"timing_s/{s}"]) for run, t in zip(runs, terms) for s in stages
             if s in t and f"timing_s/{s}" in run.metrics]
     free = [k for k in unknowns if any(k in t.x for t, _ in data)]
     if not data or not free:
         return coefs
-    start = np.log([coefs[k] for k in free])
+    # an efficiency cannot pass 1 (its inverse, "inv_*", stays above 1): those as 1 + exp(theta)
+    floor = np.array([1.0 if k.startswith("inv_") else 0.0 for k in free])
+    start = np.log(np.maximum([coefs[k] - f for k, f in zip(free, floor)], 1e-4))
+
+    def values(theta):
+        return floor + np.exp(np.clip(theta, -60.0, 60.0))
 
     def residuals(theta):
-        c = coefs | dict(zip(free, np.exp(theta)))
+        c = coefs | dict(zip(free, values(theta)))
         return np.array([t.seconds(c) - y for t, y in data] + list(1e-6 * (theta - start)))
 
     theta, lam = start.copy(), 1e-3
@@ -249,7 +257,7 @@ def _refine_overlap(runs, terms, stages, unknowns, coefs) -> dict[str, float]:
             lam *= 4
             if lam > 1e12:
                 break
-    return coefs | {k: float(v) for k, v in zip(free, np.exp(theta))}
+    return coefs | {k: float(v) for k, v in zip(free, values(theta))}
 
 
 def _with_other(run: Run, stages) -> Run:
@@ -330,15 +338,23 @@ def predict(run: Run, calib: Calibration) -> dict[str, float]:
 
 def predict_vs_measured(records: list[dict], calibration=None) -> list[dict]:
     """Leave-one-out: for each record, fit on all the others (priors: `calibration`) and predict it.
+    Records that name a "family" (runs sharing code, model and lengths, e.g. two budgets of one
+    recipe) are held out together: each is predicted by a fit that saw none of its family.
 
     Returns rows {name, metric, measured, predicted, error_pct}, one per measured metric."""
     if len(records) < 2:
         raise ValueError("leave-one-out needs at least 2 records")
     base = Calibration() if calibration is None else load_calibration(calibration)
+    group = [r.get("family", f"\0{i}") for i, r in enumerate(records)]
+    if len(set(group)) < 2:
+        raise ValueError("leave-one-out needs records of at least 2 families")
+    fits: dict[str, Calibration] = {}
     rows = []
     for i, rec in enumerate(records):
         run = parse_record(rec, f"run{i}")
-        pred = predict(run, fit(records[:i] + records[i + 1:], base))
+        if group[i] not in fits:
+            fits[group[i]] = fit([r for r, g in zip(records, group) if g != group[i]], base)
+        pred = predict(run, fits[group[i]])
         for metric, measured in run.metrics.items():
             if metric in pred:
                 p = pred[metric]

@@ -65,6 +65,22 @@ shipped fit's values and where its records come from are in docs/perf_log.md):
   (rollout/moe.py `dense`); their weight reads are charged apart (hbm_read).
 - step_overhead_s 0.02: seconds per step outside the modelled stages (the stage "other"): reward,
   advantages, metrics, host syncs between stages; a few tens of milliseconds.
+- row_overhead_s 1e-4: seconds of the stage "other" per generated row of a DP rank: the reward
+  (detokenize, score), advantages and per-row bookkeeping; ~0.1 ms a row (a copy-task reward on 64
+  rows takes 6-11 ms).
+- torch_kv_efficiency 0.5: fraction of HBM bandwidth at which the PyTorch decode layer
+  (rollout.decode_kernels=torch) reads the KV cache: SDPA's masked (memory-efficient) kernel with
+  a group's heads as query positions and an additive mask; its weight reads stay at
+  decode_bw_efficiency. The Triton decode layer's split-KV attention reads the cache with the
+  weights, at decode_bw_efficiency. Fixed-length records hardly inform it (the weights are most of
+  their bytes); the long-tail GSM8K records, whose decode reads 500-1,500 rows' caches, do.
+- packed_token_s 2e-8: seconds per real token, layer and attention kernel (1 forward, 2 fwd+bwd,
+  3 with recompute) of a packed
+  micro-batch (algo.pack_sequences: one row of many documents under a flex_attention document
+  mask), on the GPU side, on top of its FLOPs: what the packed path costs beyond the padded one
+  (flex_attention's block-sparse kernels at a small head_dim, the document mask's partial
+  blocks, the gathers of the scored positions). Empirical: only packed variable-length records
+  inform it.
 - memory_scale 1.0: multiplies the predicted allocated peak (fit to perf/max_memory_allocated_gb).
 - activation_memory_scale 1.0: multiplies the activation component (stored activations, logits, the
   prefill scratch) before memory_scale: what the counted tensors miss per token (framework copies,
@@ -89,6 +105,7 @@ class Calibration:
     fused_forward_mfu: float = 0.50
     prefill_efficiency: float = 0.50
     decode_bw_efficiency: float = 0.60
+    torch_kv_efficiency: float = 0.50
     decode_layer_overhead_s: float = 1e-4
     fused_decode_layer_overhead_s: float = 5e-5
     comm_efficiency: float = 0.66
@@ -97,6 +114,8 @@ class Calibration:
     tp_collective_s: float = 5e-5
     optimizer_step_s: float = 0.02
     step_overhead_s: float = 0.02
+    row_overhead_s: float = 1e-4
+    packed_token_s: float = 2e-8
     expert_pass_s: float = 1e-4
     expert_decode_s: float = 1e-5
     memory_scale: float = 1.0
@@ -119,6 +138,7 @@ class Calibration:
                 "inv_fused_forward_mfu": 1 / self.fused_forward_mfu,
                 "inv_prefill_eff": 1 / self.prefill_efficiency,
                 "inv_decode_bw_eff": 1 / self.decode_bw_efficiency,
+                "inv_torch_kv_eff": 1 / self.torch_kv_efficiency,
                 "decode_layer_overhead_s": self.decode_layer_overhead_s,
                 "fused_decode_layer_overhead_s": self.fused_decode_layer_overhead_s,
                 "inv_comm_eff": 1 / self.comm_efficiency,
@@ -126,6 +146,7 @@ class Calibration:
                 "graphed_layer_pass_s": self.graphed_layer_pass_s,
                 "tp_collective_s": self.tp_collective_s,
                 "optimizer_step_s": self.optimizer_step_s, "step_overhead_s": self.step_overhead_s,
+                "row_overhead_s": self.row_overhead_s, "packed_token_s": self.packed_token_s,
                 "expert_pass_s": self.expert_pass_s, "expert_decode_s": self.expert_decode_s}
 
     def with_coefs(self, **coefs: float) -> "Calibration":
@@ -134,6 +155,7 @@ class Calibration:
                  "inv_fused_train_mfu": "fused_train_mfu",
                  "inv_fused_forward_mfu": "fused_forward_mfu",
                  "inv_prefill_eff": "prefill_efficiency", "inv_decode_bw_eff": "decode_bw_efficiency",
+                 "inv_torch_kv_eff": "torch_kv_efficiency",
                  "inv_comm_eff": "comm_efficiency"}
         return replace(self, **{names.get(k, k): (1 / v if k in names else v) for k, v in coefs.items()})
 

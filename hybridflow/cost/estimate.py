@@ -62,14 +62,23 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                   lora_rank: int = 0, offload_optimizer: bool = False, offload_grads: bool = False,
                   offload_params: bool = False, critic_lora_rank: int = 0,
                   moe_grouped_gemm: bool = False,
-                  gpu_memory_gib: float | None = None, calibration=None) -> CostReport:
+                  gpu_memory_gib: float | None = None, calibration=None,
+                  **varlen) -> CostReport:
     """Memory, seconds per stage, GPU-hours and money of an RL run, and the layout to run it in.
 
     `layout` forces one layout (dict of tp, pp, dp, tp_gen, offload_ref, recompute, ep, etp); otherwise every
     buildable layout is searched. Nothing fitting is an answer: `fits=False`, `overflow` names the
     component, `suggestions` say what would fit (more or bigger GPUs, smaller micro-batches, and on
     these GPUs LoRA / optimizer offload / parameter offload / recompute). `gpu_memory_gib`: the card's memory instead
-    of the named GPU's (a 24 GiB card, or trainer.gpu_memory_limit_gib on a bigger one)."""
+    of the named GPU's (a 24 GiB card, or trainer.gpu_memory_limit_gib on a bigger one).
+    `varlen`: Workload's variable-length fields (response_lengths, prompt_len_max, max_new_tokens,
+    gen_max_batch_size, compact_finished_rows, decode_kv_window, dynamic_bsz, pack_sequences,
+    gen_rounds, gen_prompt_factor, response_logits_only, bf16_logits)."""
+    allowed = {"response_lengths", "prompt_len_max", "max_new_tokens", "gen_max_batch_size",
+               "compact_finished_rows", "decode_kv_window", "dynamic_bsz", "pack_sequences",
+               "gen_rounds", "gen_prompt_factor", "response_logits_only", "bf16_logits"}
+    if set(varlen) - allowed:
+        raise TypeError(f"estimate_cost: unknown arguments {sorted(set(varlen) - allowed)}")
     shape, gpu_, calib = load_shape(model), get_gpu(gpu), load_calibration(calibration)
     if gpu_memory_gib is not None:
         if gpu_memory_gib <= calib.memory_headroom_gib:
@@ -92,7 +101,7 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                     offload_ref_prefetch=offload_ref_prefetch, lora_rank=lora_rank,
                     offload_optimizer=offload_optimizer, offload_grads=offload_grads,
                     offload_params=offload_params, critic_lora_rank=critic_lora_rank,
-                    moe_grouped_gemm=moe_grouped_gemm)
+                    moe_grouped_gemm=moe_grouped_gemm, **varlen)
     num_steps, steps_note = _num_steps(steps, epochs, dataset_size, prompts_per_step)
     if layout is not None:
         plan = make_plan(layout, num_gpus, shape)
@@ -120,8 +129,13 @@ def _report(shape, gpu, num_gpus, work, calib: Calibration, ranked: list[Evaluat
     lengths = ("every response runs to response_len" if work.response_len_max is None else
                f"responses average {work.response_len} tokens and generation decodes until the "
                f"longest ({work.response_len_max}) ends")
-    notes = notes + [f"{lengths}; reward, advantages and bookkeeping are one fitted constant per "
-                     "step (stage 'other')",
+    if work.response_lengths is not None:
+        q = work.response_lengths
+        lengths = (f"response lengths as a distribution (median {q[len(q) // 2]}, 90th percentile "
+                   f"{q[int(0.9 * len(q))]}, longest {q[-1]}, mean {work.response_len}), "
+                   f"generation and the passes costed row by row")
+    notes = notes + [f"{lengths}; reward, advantages and bookkeeping: a fitted constant per step "
+                     "and per generated row (stage 'other')",
                      "calibration: " + ("the shipped H200 fit" if calib == shipped_calibration()
                                         else "priors (no fit)" if calib == Calibration() else "given")]
     if mem.gen_waves > 1:

@@ -26,8 +26,9 @@ def micro_batch_tokens(cfg: Config, *, forward: bool) -> int:
 
 def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = None) -> dict:
     """`Workload` keyword arguments for one step of `cfg` (a config whose auto options are
-    resolved). `lengths`: prompt_len / response_len / response_len_max as measured; default the
-    config's maxima (every response runs to rollout.max_new_tokens)."""
+    resolved). `lengths`: prompt_len / response_len / response_len_max, or response_lengths (a
+    distribution, cost.lengths) and prompt_len / prompt_len_max, as measured; default the config's
+    maxima (every response runs to rollout.max_new_tokens)."""
     from hybridflow.algo.on_policy import skip_old_log_prob
 
     a, p, r, d = cfg.algo, cfg.parallel, cfg.rollout, cfg.data
@@ -47,4 +48,36 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 offload_ref_prefetch=cfg.trainer.offload_ref_prefetch, dtype="bf16",
                 lora_rank=cfg.actor.lora.rank, offload_optimizer=cfg.actor.offload_optimizer,
                 offload_grads=cfg.actor.offload_grads, offload_params=cfg.actor.offload_params,
-                critic_lora_rank=cfg.critic.lora.rank if cfg.use_critic else 0)
+                critic_lora_rank=cfg.critic.lora.rank if cfg.use_critic else 0,
+                # how generation and the passes treat variable lengths (cost.varlen)
+                max_new_tokens=r.max_new_tokens, gen_max_batch_size=r.max_batch_size,
+                compact_finished_rows=bool(r.compact_finished_rows),
+                decode_kv_window=int(r.decode_kv_window or 0), dynamic_bsz=bool(a.use_dynamic_bsz),
+                pack_sequences=bool(a.use_dynamic_bsz and a.pack_sequences))
+
+
+def from_overrides(overrides: list[str], *, world_size: int, free_gib: float,
+                   lengths_path: str | None = None) -> tuple:
+    """(ModelConfig, Plan, Workload fields) of the trainer config that `overrides` compose (e.g.
+    ["experiment=gsm8k_qwen_coder_0_5b"]), its auto options resolved as on a GPU with `free_gib`
+    free (token budgets included); `lengths_path`: the step's lengths (cost.lengths.load_lengths:
+    a metrics.jsonl, probe.json or lengths JSON), else every response runs to the cap."""
+    from hybridflow.config import load_config
+    from hybridflow.config_auto import resolve_auto, size_token_budgets
+    from hybridflow.cost.lengths import load_lengths
+
+    cfg, _ = resolve_auto(load_config(list(overrides)), device_type="cuda")
+    a, r, d = cfg.algo, cfg.rollout, cfg.data
+    if a.use_dynamic_bsz and (a.max_tokens_per_micro_batch_per_gpu is None
+                              or a.forward_max_tokens_per_micro_batch_per_gpu is None):
+        cfg, _ = size_token_budgets(cfg, world_size=world_size, free_gib=free_gib)
+    kernels = r.decode_kernels
+    if kernels == "auto":   # the generator's choice on a GPU
+        pow2 = cfg.model.head_dim >= 16 and not cfg.model.head_dim & (cfg.model.head_dim - 1)
+        kernels = "triton" if pow2 and not cfg.model.moe.enabled else "torch"
+    lengths = dict(prompt_len=d.max_prompt_length, response_len=r.max_new_tokens)
+    if lengths_path is not None:
+        lengths |= load_lengths(lengths_path, cap=r.max_new_tokens,
+                                num_rows=d.prompts_per_step * r.n)
+    return cfg.model, plan_for(cfg, world_size), workload_fields(cfg, decode_kernels=kernels,
+                                                                 lengths=lengths)

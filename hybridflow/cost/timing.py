@@ -52,10 +52,11 @@ import math
 from dataclasses import dataclass, field
 
 from hybridflow.cost.efficiency import Calibration
-from hybridflow.cost.flops import (BYTES_PER_PARAM, ROLLOUT_BYTES_PER_WEIGHT, decode_flops_per_token,
+from hybridflow.cost.flops import (BYTES_PER_PARAM, ROLLOUT_BYTES_PER_WEIGHT, dense_params,
                                    forward_flops_per_token, kv_bytes_per_token, train_flops_per_token)
 from hybridflow.cost.gpus import GPU
 from hybridflow.cost.memory import gen_batch_size, reshard_buffer_bytes
+from hybridflow.cost.varlen import PassWork, decode_schedule, pass_work
 from hybridflow.cost.workload import Plan, Workload
 from hybridflow.model_config import ModelConfig
 from hybridflow.parallel.layout import Layout
@@ -87,7 +88,7 @@ IB_LATENCY_S = 30e-6       # per collective across nodes
 OVERLAP_P = 1.5
 HOST_COEFS = frozenset({"layer_pass_overhead_s", "graphed_layer_pass_s", "tp_collective_s"})
 GPU_COEFS = frozenset({"inv_forward_mfu", "inv_train_mfu", "inv_fused_forward_mfu",
-                       "inv_fused_train_mfu"})
+                       "inv_fused_train_mfu", "packed_token_s"})
 
 
 def _side(rule: str | None, label: str, coef: str | None) -> str:
@@ -100,7 +101,7 @@ def _side(rule: str | None, label: str, coef: str | None) -> str:
     elif rule == "decode":
         if label == "decode_compute":
             return "a"
-        if label == "hbm_read":
+        if label in ("hbm_read", "kv_read"):
             return "b"
     return "serial"
 
@@ -186,16 +187,35 @@ def _tp_comm(t: StageTerms, shape: ModelConfig, gpu: GPU, tp: int, layers: int, 
 
 def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibration) -> StageTerms:
     t, tp_g = StageTerms(overlap="decode"), plan.layout.tp_g
-    per_replica = math.ceil(w.num_sequences / plan.layout.dp_g)
-    batch, waves = gen_batch_size(shape, gpu, plan, w, calib)
-    # per-step costs (the weight read, launches) until each wave's longest row ends; per-row
-    # costs (FLOPs, the KV read) at the mean length
-    steps, context = waves * w.longest_response, w.prompt_len + w.response_len / 2
     peak = gpu.bf16_tflops * 1e12
-    prefilled = math.ceil(w.prompts_per_step / plan.layout.dp_g) if w.prefill_once_per_prompt \
-        else per_replica  # rows run through the prefill (a prompt group stays on one replica)
-    prefill = prefilled * w.prompt_len * forward_flops_per_token(shape, w.prompt_len) / tp_g
-    decode = per_replica * w.response_len * decode_flops_per_token(shape, context) / tp_g
+    batch, waves = gen_batch_size(shape, gpu, plan, w, calib)
+    kv_token = kv_bytes_per_token(shape, tp_g)
+    if w.varlen:   # row by row: buckets, compaction, KV windows, the long tail (cost.varlen)
+        calls = w.gen_rounds
+        rows = math.ceil(w.num_sequences * w.gen_prompt_factor / w.gen_rounds / plan.layout.dp_g)
+        prompts = math.ceil(w.prompts_per_step * w.gen_prompt_factor / w.gen_rounds
+                            / plan.layout.dp_g)
+        chunk = min(rows, w.gen_max_batch_size or batch)
+        d = decode_schedule(w, rows, chunk)
+        prompt = w.prompt_len_max or w.prompt_len
+        prefilled = (prompts + d.chunks - 1) if w.prefill_once_per_prompt else rows
+        steps, row_steps, row_columns = calls * d.steps, calls * d.row_steps, calls * d.row_columns
+        prefill = calls * prefilled * prompt * forward_flops_per_token(shape, prompt) / tp_g
+        t.add("compaction", None, calls * d.moved_bytes * kv_token / (gpu.hbm_gbps * 1e9))
+        collectives, comm_tokens = 2 * shape.num_layers * (steps + calls * d.chunks), \
+            calls * (row_steps + prefilled * prompt)
+    else:  # every row prompt_len + response_len; per-step costs until each wave's longest ends
+        per_replica = math.ceil(w.num_sequences / plan.layout.dp_g)
+        steps = waves * w.longest_response
+        row_steps = per_replica * w.response_len
+        row_columns = row_steps * (w.prompt_len + w.response_len / 2)
+        prefilled = math.ceil(w.prompts_per_step / plan.layout.dp_g) if w.prefill_once_per_prompt \
+            else per_replica  # rows run through the prefill (a prompt group stays on one replica)
+        prefill = prefilled * w.prompt_len * forward_flops_per_token(shape, w.prompt_len) / tp_g
+        collectives = 2 * shape.num_layers * waves * (1 + w.longest_response)
+        comm_tokens = per_replica * w.seq_len
+    decode = (row_steps * 2 * shape.num_decode_params
+              + row_columns * 4 * shape.num_layers * shape.q_dim) / tp_g
     t.add("compute", "inv_prefill_eff", prefill / peak)
     t.add("decode_compute", "inv_prefill_eff", decode / peak)
     # rollout.quantization: the layers' matmul weights (MoE: attention only; experts stay bf16)
@@ -203,15 +223,18 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
     quantized = shape.num_layers * per_layer
     weights = (ROLLOUT_BYTES_PER_WEIGHT[w.rollout_quantization] * quantized
                + BYTES_PER_PARAM * (shape.num_decode_params - quantized)) / tp_g  # MoE: every expert
-    kv = per_replica * w.response_len * context * kv_bytes_per_token(shape, tp_g)
-    t.add("hbm_read", "inv_decode_bw_eff", (steps * weights + kv) / (gpu.hbm_gbps * 1e9))
+    kv = row_columns * kv_token
+    if w.decode_kernels == "torch":  # SDPA's masked kernel reads the K/V at its own rate
+        t.add("hbm_read", "inv_decode_bw_eff", steps * weights / (gpu.hbm_gbps * 1e9))
+        t.add("kv_read", "inv_torch_kv_eff", kv / (gpu.hbm_gbps * 1e9))
+    else:
+        t.add("hbm_read", "inv_decode_bw_eff", (steps * weights + kv) / (gpu.hbm_gbps * 1e9))
     t.add("decode_overhead", "fused_decode_layer_overhead_s" if w.decode_kernels == "triton"
           else "decode_layer_overhead_s", steps * shape.num_layers)
     if shape.moe.enabled:  # the graphed decode's MoE MLP runs every expert, one after another
         t.add("expert_overhead", "expert_decode_s", steps * shape.num_layers * shape.moe.num_experts)
-    _tp_comm(t, shape, gpu, tp_g, shape.num_layers, per_replica * w.seq_len,
-             all_reduces=2, num_collectives=2 * shape.num_layers * waves * (1 + w.longest_response),
-             fitted_latency=False)
+    _tp_comm(t, shape, gpu, tp_g, shape.num_layers, comm_tokens, all_reduces=2,
+             num_collectives=collectives, fitted_latency=False)
     return t
 
 
@@ -266,17 +289,45 @@ def _ep_comm(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, ep: in
     t.add("ep_comm", "inv_comm_eff", volume / bw)
 
 
+def _varlen_flops(shape: ModelConfig, work: PassWork, role: str) -> float:
+    """Forward FLOPs of a pass over variable-length rows: the layers' matmuls per computed token,
+    the LM head per head position, causal attention 2 L q_dim per (row length)^2."""
+    head = 0 if role == "critic" else shape.embedding_params
+    return (2 * (dense_params(shape, role) - head) * work.tokens + 2 * head * work.head_tokens
+            + 2 * shape.num_layers * shape.q_dim * work.attention)
+
+
+def _packed(t: StageTerms, layout: Layout, shape: ModelConfig, work: PassWork | None,
+            kernels: int, repeat: int = 1) -> None:
+    """The packed path's own cost per real token, layer and attention kernel (`packed_token_s`;
+    `kernels`: 1 forward, 2 forward + backward, 3 with recompute)."""
+    if work is not None and work.packed_tokens:
+        t.add("packed_tokens", "packed_token_s", repeat * work.packed_tokens * kernels
+              * shape.num_layers / (layout.tp_t * layout.pp_t))
+
+
+def _multiple(layout: Layout) -> int:
+    return layout.tp_t if layout.tp_t > 1 else 1   # SP: a micro-batch's length divides by TP
+
+
 def _forward(shape: ModelConfig, gpu: GPU, layout: Layout, w: Workload, role: str,
              ep: int = 1) -> StageTerms:
     t, shard = StageTerms(overlap="pass"), layout.tp_t * layout.pp_t
     seqs = math.ceil(w.num_sequences / layout.dp_t)
-    micro = math.ceil(seqs / w.seqs_per_forward_micro_batch)
-    flops = seqs * w.seq_len * forward_flops_per_token(shape, w.seq_len, role,
-                                                       w.head_fraction) / shard
+    work = None
+    if w.varlen:
+        work = pass_work(w, seqs, w.forward_micro_batch_tokens or w.micro_batch_tokens,
+                         _multiple(layout))
+        micro, tokens, flops = work.micro, work.tokens, _varlen_flops(shape, work, role) / shard
+    else:
+        micro, tokens = math.ceil(seqs / w.seqs_per_forward_micro_batch), seqs * w.seq_len
+        flops = seqs * w.seq_len * forward_flops_per_token(shape, w.seq_len, role,
+                                                           w.head_fraction) / shard
     coef = "inv_fused_forward_mfu" if w.fused_elementwise else "inv_forward_mfu"
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
-            tokens=seqs * w.seq_len, micro=micro, flushes=1, layer_passes=1, ep=ep,
+            tokens=tokens, micro=micro, flushes=1, layer_passes=1, ep=ep,
             grouped_gemm=w.moe_grouped_gemm)
+    _packed(t, layout, shape, work, 1)
     return t
 
 
@@ -284,17 +335,28 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
     layout = plan.layout
     t, shard = StageTerms(overlap="pass"), layout.tp_t * layout.pp_t
     opt_steps = w.ppo_epochs * w.mini_batches
-    micro = w.num_micro_batches(layout.dp_t)                 # per optimizer step
-    seqs = opt_steps * math.ceil(w.num_sequences / w.mini_batches / layout.dp_t)
-    flops = seqs * w.seq_len * train_flops_per_token(shape, w.seq_len, role, plan.recompute,
-                                                     w.head_fraction) / shard
+    layer_passes = 4 if plan.recompute else 3
+    per_mini = math.ceil(w.num_sequences / w.mini_batches / layout.dp_t)
+    work = None
+    if w.varlen:
+        work = pass_work(w, per_mini, w.micro_batch_tokens, _multiple(layout))
+        micro, tokens = work.micro, opt_steps * work.tokens
+        flops = opt_steps * (layer_passes * _varlen_flops(shape, work, role) / shard)
+        head_tokens = opt_steps * work.head_tokens
+    else:
+        micro = w.num_micro_batches(layout.dp_t)                 # per optimizer step
+        seqs = opt_steps * per_mini
+        tokens, head_tokens = seqs * w.seq_len, seqs * w.seq_len * w.head_fraction
+        flops = seqs * w.seq_len * train_flops_per_token(shape, w.seq_len, role, plan.recompute,
+                                                         w.head_fraction) / shard
     if w.lm_head_chunk_tokens and role != "critic":  # each chunk's logits made again in backward
-        flops += seqs * w.seq_len * w.head_fraction * 2 * shape.embedding_params / shard
+        flops += head_tokens * 2 * shape.embedding_params / shard
     coef = "inv_fused_train_mfu" if w.fused_elementwise else "inv_train_mfu"
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
-            tokens=seqs * w.seq_len, micro=opt_steps * micro, flushes=opt_steps,
-            layer_passes=4 if plan.recompute else 3, graphed=w.train_cuda_graphs, ep=plan.ep,
+            tokens=tokens, micro=opt_steps * micro, flushes=opt_steps,
+            layer_passes=layer_passes, graphed=w.train_cuda_graphs, ep=plan.ep,
             grouped_gemm=w.moe_grouped_gemm)
+    _packed(t, layout, shape, work, layer_passes - 1, repeat=opt_steps)
     params = shape.num_params if role == "actor" else shape.num_critic_params
     fused = shape.attn_matmul_params if shape.moe.enabled else shape.layer_matmul_params
     accumulated = params - (shape.num_layers * fused  # (experts keep Megatron's linears)
@@ -357,6 +419,9 @@ def stage_terms(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
     stages["update_actor"] = _update(shape, gpu, plan, w, "actor")
     _offload_params_copies(shape, gpu, plan, w, stages)
     stages["other"] = StageTerms([("step_overhead", "step_overhead_s", 1.0)])
+    # reward, advantages and bookkeeping per generated row of this rank
+    stages["other"].add("row_overhead", "row_overhead_s",
+                        math.ceil(w.num_sequences * w.gen_prompt_factor / layout.dp_t))
     return stages
 
 

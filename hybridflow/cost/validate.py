@@ -8,6 +8,8 @@ The JSON is {"validation": {...}} (calibrate.load_records skips it when globbed 
 per record: the step (`timing_s/step`, the sum of the predicted stages incl. "other") and
 peak memory (`perf/max_memory_allocated_gb`), their errors and whether they are within `tolerance_pct`,
 plus every stage's leave-one-out row for diagnosis, and the in-sample residual of the full fit.
+A config without a measured peak (the variable-length GSM8K records time the step only) counts as
+within tolerance on the step alone.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ def validation(records: list[dict], loo_rows: list[dict], *, command: str,
         rows, cfg = by_name.get(rec["name"], {}), rec["config"]
         entry = {"name": rec["name"], "source": rec.get("source"), "machine": rec.get("machine"),
                  "gpu": cfg["gpu"], "num_gpus": cfg["num_gpus"], "model": cfg["model"],
-                 "algorithm": cfg.get("algorithm"), "layout": cfg["layout"]}
+                 "algorithm": cfg.get("algorithm"), "layout": cfg["layout"],
+                 **({"family": rec["family"]} if "family" in rec else {})}
         for short, key in (("step_s", STEP_KEY), ("peak_gib", MEMORY_KEY)):
             if key in rows:
                 r = rows[key]
@@ -45,11 +48,12 @@ def validation(records: list[dict], loo_rows: list[dict], *, command: str,
                                "error_pct": r["error_pct"]}
                            for k, r in rows.items() if k not in (STEP_KEY, MEMORY_KEY)}
         configs.append(entry)
-    ok = [c.get("step_s_within_tolerance", False) and c.get("peak_gib_within_tolerance", False)
-          for c in configs]
+    ok = [c.get("step_s_within_tolerance", False)
+          and c.get("peak_gib_within_tolerance", "measured_peak_gib" not in c) for c in configs]
     return {"validation": {
-        "method": "leave-one-out: each config predicted by a calibration fitted on the others "
-                  "(priors: the Calibration defaults or --base)",
+        "method": "leave-one-out: each config predicted by a calibration fitted on the others, "
+                  "records of one family (field 'family') left out together (priors: the "
+                  "Calibration defaults or --base)",
         "tolerance_pct": tolerance_pct, "command": command, "num_configs": len(configs),
         "num_within_tolerance": sum(ok), "configs": configs}}
 
@@ -65,5 +69,5 @@ def format_validation(summary: dict) -> str:
                      f"{c.get('predicted_peak_gib', float('nan')):>7.2f} "
                      f"{c.get('peak_gib_error_pct', float('nan')):>6.1f}%")
     lines.append(f"{summary['num_within_tolerance']} of {summary['num_configs']} configs within "
-                 f"{summary['tolerance_pct']:g}% on both")
+                 f"{summary['tolerance_pct']:g}% on both (step only where no peak was measured)")
     return "\n".join(lines)

@@ -98,8 +98,60 @@ class Workload:
     # `Calibration.expert_pass_s`); true, TE's grouped GEMM (one kernel for all local experts: no
     # per-expert cost). The MoE record measured so far (H200, an image without TE) says false
     moe_grouped_gemm: bool = False
+    # --- variable lengths (hybridflow.cost.varlen; None / off: every row prompt_len + response_len)
+    # the step's response lengths as a distribution: K representative lengths, each 1/K of the rows
+    # (hybridflow.cost.lengths); when set, response_len and response_len_max are their mean and max
+    response_lengths: tuple[int, ...] | None = None
+    # the longest prompt (generation left-pads a chunk's prompts to it); None: prompt_len
+    prompt_len_max: int | None = None
+    # rollout.max_new_tokens: the cap. A step whose longest row ends before it stops at the next
+    # stop poll; None: rows end at their length exactly
+    max_new_tokens: int | None = None
+    # rollout.max_batch_size: rows per generation chunk; None: as many as the memory holds
+    gen_max_batch_size: int | None = None
+    # rollout.compact_finished_rows: live rows move to smaller graph buckets as rows finish
+    compact_finished_rows: bool = False
+    # rollout.decode_kv_window: a decode step attends over the multiple of it holding every
+    # written column (0: the written columns; the records before it existed were fitted so)
+    decode_kv_window: int = 0
+    # algo.use_dynamic_bsz: micro-batches by token budget (micro_batch_tokens /
+    # forward_micro_batch_tokens), rows grouped by length (hybridflow.data.microbatch)
+    dynamic_bsz: bool = False
+    # algo.pack_sequences: each token-budget micro-batch as one packed row of real tokens
+    pack_sequences: bool = False
+    # dynamic sampling (algo.dynamic_sampling): generation calls per step, each paying the long
+    # tail, and prompts generated per trained prompt (its metrics dynamic_sampling/rounds, /batches)
+    gen_rounds: float = 1.0
+    gen_prompt_factor: float = 1.0
 
     def __post_init__(self):
+        if self.response_lengths is not None:
+            lengths = tuple(sorted(int(v) for v in self.response_lengths))
+            if not lengths or lengths[0] < 1:
+                raise ValueError(f"response_lengths: expected positive lengths, got "
+                                 f"{self.response_lengths!r}")
+            object.__setattr__(self, "response_lengths", lengths)
+            object.__setattr__(self, "response_len", max(1, round(sum(lengths) / len(lengths))))
+            object.__setattr__(self, "response_len_max", max(lengths[-1], self.response_len))
+        if self.prompt_len_max is not None and self.prompt_len_max < self.prompt_len:
+            raise ValueError(f"prompt_len_max={self.prompt_len_max} is below the mean "
+                             f"prompt_len={self.prompt_len}")
+        for f in ("max_new_tokens", "gen_max_batch_size"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{f} must be a positive integer or None, got {v!r}")
+        if self.max_new_tokens is not None and self.longest_response > self.max_new_tokens:
+            raise ValueError(f"the longest response ({self.longest_response}) exceeds "
+                             f"max_new_tokens={self.max_new_tokens}")
+        if not isinstance(self.decode_kv_window, int) or self.decode_kv_window < 0:
+            raise ValueError(f"decode_kv_window must be 0 (off) or a positive integer, got "
+                             f"{self.decode_kv_window!r}")
+        if self.pack_sequences and not self.dynamic_bsz:
+            raise ValueError("pack_sequences needs dynamic_bsz (algo.pack_sequences needs "
+                             "algo.use_dynamic_bsz)")
+        if not self.gen_rounds >= 1 or not self.gen_prompt_factor >= 1:
+            raise ValueError(f"gen_rounds ({self.gen_rounds}) and gen_prompt_factor "
+                             f"({self.gen_prompt_factor}) must be >= 1")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm {self.algorithm!r}: expected one of {ALGORITHMS}")
         if self.dtype not in DTYPES:
@@ -143,6 +195,13 @@ class Workload:
     def longest_response(self) -> int:
         """Decode steps of a generation wave: until its longest response ends."""
         return self.response_len_max or self.response_len
+
+    @property
+    def varlen(self) -> bool:
+        """Whether the step's passes are costed row by row (hybridflow.cost.varlen)."""
+        return (self.response_lengths is not None or self.dynamic_bsz or self.gen_rounds != 1
+                or self.gen_prompt_factor != 1 or self.compact_finished_rows
+                or self.decode_kv_window > 0 or self.prompt_len_max is not None)
 
     @property
     def head_fraction(self) -> float:

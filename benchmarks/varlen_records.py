@@ -1,0 +1,139 @@
+"""The cost model's variable-length calibration records, from the GSM8K runs on one H200.
+
+    python benchmarks/varlen_records.py --out benchmarks/results/cost/varlen_gsm8k.json
+
+Five records of the GSM8K recipe (hybridflow/conf/experiment/gsm8k_qwen_coder_0_5b.yaml:
+Qwen2.5-Coder-0.5B, 64 prompts x 8 samples, responses up to 1,024 tokens, token-budget packed
+micro-batches, generator kept, row compaction, KV windows), each a `calibrate.py` record whose
+config carries the step's lengths (`Workload.response_lengths`, fitted by cost.lengths to the run's
+response-length statistics) and the code's options as they were then:
+- family "grpo_now" (today's code: Triton decode layers, fused element-wise ops, gradient
+  accumulation fusion), from benchmarks/results/gsm8k_step_h200.json: the recipe as written and
+  its speed options on auto (budgets 64,000 / 177,920, KV window 192). That run kept only its mean
+  response length per step: the tail (share at the cap, shortest row) and the prompts are the
+  GRPO probe's below (same model and data).
+- family "grpo_then" (the code of the DAPO session: PyTorch decode layers, unfused element-wise
+  ops, no gradient accumulation fusion): the GRPO probe run beside the DAPO run, and the 124-step
+  packed GRPO run (before the response-only LM head and bf16 logits), from their metrics.jsonl.
+- family "dapo" (the same code): DAPO with dynamic sampling, 39 steps: generation rounds and
+  prompt batches per step (gen_rounds, gen_prompt_factor: the means), 1,536 rows per call.
+Measured: medians over steps 2.. for the GRPO records; for DAPO the means over steps 2..40 (its
+steps are a mix of 1 round of 2 or 3 batches and 2 rounds, whose mean is what the model's mean
+rounds and batches describe); timing_s/step leaves validation out (it is timed apart). The raw
+metrics.jsonl of the older runs live in git history (RAW below; `git show` reads them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.run_record import command, write_json  # noqa: E402
+from hybridflow.cost.lengths import fit_stats  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RAW_COMMIT = "4b3c290^"   # the commit before benchmarks/results' raw run folders were pruned
+RAW = {"probe": "benchmarks/results/gsm8k_grpo_probe/metrics.jsonl",
+       "packed": "benchmarks/results/gsm8k_packed/metrics.jsonl",
+       "dapo": "benchmarks/results/gsm8k_dapo/metrics.jsonl"}
+STAGES = ("gen", "reshard", "ref", "update_actor")
+CAP = 1024
+
+BASE = {"model": "qwen2_5_coder_0_5b", "gpu": "H200", "num_gpus": 1,
+        "layout": {"tp": 1, "pp": 1, "dp": 1, "tp_gen": 1, "offload_ref": False, "recompute": False},
+        "algorithm": "grpo", "prompts_per_step": 64, "samples_per_prompt": 8, "ppo_epochs": 1,
+        "mini_batches": 1, "micro_batch_tokens": 20480, "forward_micro_batch_tokens": 40960,
+        "use_reference": True, "skip_old_log_prob": True, "keep_generator": True,
+        "max_new_tokens": CAP, "gen_max_batch_size": 512, "compact_finished_rows": True,
+        "decode_kv_window": 256, "dynamic_bsz": True, "pack_sequences": True, "dtype": "bf16"}
+NOW = {"decode_kernels": "triton", "fused_elementwise": True, "gradient_accumulation_fusion": True}
+THEN = {"decode_kernels": "torch", "fused_elementwise": False, "gradient_accumulation_fusion": False}
+
+
+def raw_metrics(key: str) -> list[dict]:
+    text = subprocess.run(["git", "-C", ROOT, "show", f"{RAW_COMMIT}:{RAW[key]}"], check=True,
+                          capture_output=True, text=True).stdout
+    return [r for r in map(json.loads, filter(str.strip, text.splitlines())) if "timing_s/step" in r]
+
+
+def med(rows, key):
+    return statistics.median(float(r[key]) for r in rows if key in r)
+
+
+def lengths(mean, shape: dict, rows: int) -> list[int]:
+    return list(fit_stats(mean=mean, cap=CAP, clip_ratio=shape["clip_ratio"],
+                          shortest=min(shape["min"], mean), rows=rows))
+
+
+def shape_of(rows) -> dict:
+    return {"clip_ratio": med(rows, "response_length/clip_ratio"),
+            "min": med(rows, "response_length/min"), "mean": med(rows, "response_length/mean")}
+
+
+def record(name, family, config, metrics, source, lens):
+    return {"name": name, "family": family, "source_run": source, "lengths": lens,
+            "config": config, "metrics": {k: round(v, 6) for k, v in metrics.items()}}
+
+
+def build() -> list[dict]:
+    probe, packed, dapo = raw_metrics("probe")[1:], raw_metrics("packed")[1:], raw_metrics("dapo")[1:]
+    prompts = {"prompt_len": round(med(probe, "prompt_length/mean")),
+               "prompt_len_max": round(med(probe, "prompt_length/max"))}
+    tail = shape_of(probe)
+    recs = []
+    step = json.load(open(os.path.join(ROOT, "benchmarks/results/gsm8k_step_h200.json")))
+    for variant, extra in (("recipe", {}),
+                           ("auto", {"micro_batch_tokens": 64000, "forward_micro_batch_tokens": 177920,
+                                     "decode_kv_window": 192})):
+        run = step[variant]
+        mean = run["mean_response_length"]
+        cfg = {**BASE, **NOW, **prompts, **extra, "response_lengths": lengths(mean, tail, 512)}
+        m = {f"timing_s/{s}": run["ours_stages_s"][s] for s in STAGES} | {
+            "timing_s/step": run["ours_step_s"]}
+        recs.append(record(f"gsm8k-grpo-now-{variant}", "grpo_now", cfg, m,
+                           "benchmarks/results/gsm8k_step_h200.json", {"mean": mean, **prompts,
+                                                                       "tail_from": "grpo probe"}))
+    for name, rows, extra in (("gsm8k-grpo-then-probe", probe, {}),
+                              ("gsm8k-grpo-then-124steps", packed,
+                               {"response_logits_only": False, "bf16_logits": False})):
+        s = shape_of(rows)
+        cfg = {**BASE, **THEN, **prompts, **extra, "response_lengths": lengths(s["mean"], s, 512)}
+        m = {f"timing_s/{k}": med(rows, f"timing_s/{k}") for k in STAGES}
+        m["timing_s/step"] = med(rows, "timing_s/step")   # (validation is timed apart)
+        recs.append(record(name, "grpo_then", cfg, m, RAW["probe" if rows is probe else "packed"],
+                           {**s, **prompts}))
+    s = shape_of(dapo)
+    s["clip_ratio"] = statistics.fmean(r["response_length/clip_ratio"] for r in dapo)
+    rounds = statistics.fmean(r["dynamic_sampling/rounds"] for r in dapo)
+    batches = statistics.fmean(r["dynamic_sampling/batches"] for r in dapo)
+    rows = round(512 * batches / rounds)
+    d_prompts = {"prompt_len": round(med(dapo, "prompt_length/mean")),
+                 "prompt_len_max": round(med(dapo, "prompt_length/max"))}
+    cfg = {**BASE, **THEN, **d_prompts, "use_reference": False, "gen_max_batch_size": 1536,
+           "gen_rounds": round(rounds, 4), "gen_prompt_factor": round(batches, 4),
+           "response_lengths": lengths(s["mean"], s, rows)}
+    m = {f"timing_s/{k}": statistics.fmean(r[f"timing_s/{k}"] for r in dapo)
+         for k in ("gen", "reshard", "update_actor")}
+    m["timing_s/step"] = statistics.fmean(r["timing_s/step"] for r in dapo)
+    recs.append(record("gsm8k-dapo-then", "dapo", cfg, m, RAW["dapo"],
+                       {**s, **d_prompts, "rounds": rounds, "batches": batches}))
+    return recs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    write_json(a.out, {"benchmark": "GSM8K steps as variable-length cost-model records",
+                       "machine": {"gpu": "NVIDIA H200", "host": "vm"}, "command": command(),
+                       "records": build()})
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

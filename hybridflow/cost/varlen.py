@@ -1,0 +1,167 @@
+"""Variable-length work of one step, row by row: what timing.py charges when `Workload.varlen`.
+
+Rows: N rows get the quantiles at (i + 0.5) / N of `Workload.response_lengths` (every row
+response_len without it), in a fixed pseudo-random order (rows of one chunk span the distribution);
+every prompt is prompt_len tokens for the training passes, and generation pads a chunk's prompts
+to prompt_len_max (left padding).
+
+Generation (`decode_schedule`), per chunk of at most gen_max_batch_size rows, as
+hybridflow.rollout.generator runs it: the chunk decodes in a graph bucket of b >= B rows (the
+powers of two below gen_max_batch_size, and it); token t (t = 0 is the prefill's) is one step
+of all b bucket rows, every row's attention over the columns written so far (P + t; with
+decode_kv_window W, over the multiple of W that holds them, at most the cache's P + cap columns
+rounded up to 64). Rows finish at their length; every CHECK_EVERY steps the live count is polled
+one poll late (an upper bound), which ends the chunk once it was 0 (so a step whose longest row
+ends before max_new_tokens runs up to 2 polls past it) and, with compact_finished_rows, moves the
+live rows into the smallest ladder bucket (>= MIN_GRAPHED_BUCKET rows) that holds them when that
+at least halves the bucket; the move copies the kept rows' K/V (read and written). So the long tail
+runs at a few rows, each step still reading every weight.
+
+Training passes (`pass_work`): a DP rank's rows split into micro-batches as the trainer does
+(hybridflow.data.microbatch.token_budget_groups under dynamic_bsz, else fixed micro-batches of
+rows padded to the batch's longest row). A packed micro-batch (pack_sequences; rows of equal length
+run unpacked) computes its real tokens, attention over each row's own tokens (sum of l_i^2) and the
+LM head at its response tokens; an unpacked one rows x its longest prompt + response.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridflow.cost.workload import Workload
+
+CHECK_EVERY = 16          # rollout DecodeOptions.check_every: steps between stop polls
+MIN_GRAPHED_BUCKET = 16   # DecodeOptions.min_graphed_bucket: the smallest compaction bucket
+LENGTH_MULTIPLE = 64      # generator.LENGTH_MULTIPLE: the KV cache's length rounding
+
+
+def row_lengths(w: Workload, rows: int) -> np.ndarray:
+    """Response lengths of `rows` rows (int64), in the rows' order."""
+    if w.response_lengths is None:
+        return np.full(rows, w.response_len, dtype=np.int64)
+    pts = np.asarray(w.response_lengths, dtype=np.int64)
+    idx = np.minimum((np.arange(rows) + 0.5) * len(pts) / rows, len(pts) - 1).astype(np.int64)
+    return np.random.default_rng(0).permutation(pts[idx])
+
+
+def bucket_sizes(max_batch_size: int) -> list[int]:
+    """hybridflow.rollout.cuda_graph.bucket_sizes: powers of two below the cap, and the cap."""
+    sizes, b = [], 1
+    while b < max_batch_size:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch_size]
+
+
+@dataclass(frozen=True)
+class Decode:
+    """One generation call's decode work on one gen replica."""
+    steps: int = 0             # decode steps (tokens of the longest row, with the poll lag)
+    row_steps: float = 0.0     # sum over steps of the bucket's rows
+    row_columns: float = 0.0   # sum over steps of bucket rows x attended columns
+    moved_bytes: float = 0.0   # K/V bytes read + written by compactions (x kv bytes per token)
+    compactions: int = 0
+    chunks: int = 0
+
+    def __add__(self, o: "Decode") -> "Decode":
+        return Decode(*(a + b for a, b in zip(
+            (self.steps, self.row_steps, self.row_columns, self.moved_bytes, self.compactions, self.chunks),
+            (o.steps, o.row_steps, o.row_columns, o.moved_bytes, o.compactions, o.chunks))))
+
+
+def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int, compact: bool,
+           window: int, exact_end: bool) -> Decode:
+    n = len(lengths)
+    ladder = bucket_sizes(max_batch)
+    b = next(x for x in ladder if x >= n)
+    longest = int(lengths.max())
+    steps = longest
+    if not exact_end and cap is not None and longest < cap:   # ends at a poll, one poll late
+        steps = min(cap, math.ceil((longest + CHECK_EVERY - 1) / CHECK_EVERY) * CHECK_EVERY + 1)
+    t = np.arange(steps, dtype=np.float64)
+    if window:
+        cache = math.ceil((prompt + (cap or longest)) / LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+        cols = np.minimum(np.ceil((prompt + t + 1) / window) * window, cache)
+    else:
+        cols = prompt + t + 0.5      # the written columns, on average over the step's token
+    rows = np.full(steps, float(b))
+    moved, compactions = 0.0, 0
+    if compact:
+        targets = [x for x in ladder if x >= MIN_GRAPHED_BUCKET and x < b]
+        srt = np.sort(lengths)
+        for s in range(2 * CHECK_EVERY, steps, CHECK_EVERY):   # the first poll has no snapshot
+            live = n - int(np.searchsorted(srt, s - CHECK_EVERY + 1, side="right"))
+            fit = next((x for x in targets if x >= max(live, 1)), None)
+            if fit is not None and fit <= b // 2:
+                b = fit
+                rows[s + 1:] = b
+                moved += 2 * b * (prompt + s)
+                compactions += 1
+    return Decode(steps=steps, row_steps=float(rows.sum()), row_columns=float((rows * cols).sum()),
+                  moved_bytes=moved, compactions=compactions, chunks=1)
+
+
+@functools.lru_cache(maxsize=256)
+def decode_schedule(w: Workload, rows: int, batch: int) -> Decode:
+    """Decode work of one generation call of `rows` rows in chunks of `batch` rows."""
+    lengths = row_lengths(w, rows)
+    prompt = w.prompt_len_max or w.prompt_len
+    # fixed lengths without a cap: every row runs to its length (the forced-length records)
+    exact_end = w.response_lengths is None
+    max_batch = w.gen_max_batch_size or batch
+    total = Decode()
+    for lo in range(0, rows, batch):
+        total = total + _chunk(lengths[lo:lo + batch], prompt=prompt, cap=w.max_new_tokens,
+                               max_batch=max_batch, compact=w.compact_finished_rows,
+                               window=w.decode_kv_window, exact_end=exact_end)
+    return total
+
+
+@dataclass(frozen=True)
+class PassWork:
+    """One pass over a DP rank's rows: micro-batches and the tokens they compute."""
+    micro: int
+    tokens: float          # tokens computed (real tokens when packed, else padded rows)
+    head_tokens: float     # positions whose LM head is computed
+    attention: float       # sum over rows of (attended length)^2: causal attention ~ 2 L q_dim x it
+    packed_tokens: float   # tokens of the packed micro-batches
+
+
+@functools.lru_cache(maxsize=256)
+def pass_work(w: Workload, rows: int, max_tokens: int, multiple: int = 1) -> PassWork:
+    """The micro-batches of `rows` rows under `max_tokens` tokens per micro-batch (token budget, or
+    rows x the longest row for fixed micro-batches)."""
+    r = row_lengths(w, rows)
+    p = np.full(rows, w.prompt_len, dtype=np.int64)
+    if not w.dynamic_bsz:
+        width = int(p.max() + r.max())
+        width = math.ceil(width / multiple) * multiple
+        per = max(1, max_tokens // width)
+        micro = math.ceil(rows / per)
+        head = rows * int(r.max()) if w.response_logits_only else rows * width
+        return PassWork(micro, float(rows * width), float(head), float(rows * width ** 2), 0.0)
+    import torch
+
+    from hybridflow.data.microbatch import token_budget_groups
+
+    groups = token_budget_groups(torch.from_numpy(p), torch.from_numpy(r), max_tokens=max_tokens,
+                                 multiple=multiple, packed=w.pack_sequences)
+    tokens = head = attention = packed = 0.0
+    for g in groups:
+        gp, gr = p[g], r[g]
+        lengths = gp + gr
+        if w.pack_sequences and not (lengths == lengths[0]).all():
+            real = float(lengths.sum())
+            tokens += math.ceil(real / multiple) * multiple
+            packed += real
+            head += float(gr.sum()) if w.response_logits_only else real
+            attention += float((lengths.astype(np.float64) ** 2).sum())
+        else:   # padded to the micro-batch's longest prompt + response
+            width = math.ceil((int(gp.max()) + int(gr.max())) / multiple) * multiple
+            tokens += len(g) * width
+            head += len(g) * (int(gr.max()) if w.response_logits_only else width)
+            attention += len(g) * float(width) ** 2
+    return PassWork(len(groups), tokens, head, attention, packed)
