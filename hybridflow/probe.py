@@ -5,8 +5,10 @@ Measured: peak memory per GPU, seconds per stage (median over the probe steps af
 pays for CUDA-graph capture and allocator warm-up), the reward trend. Extrapolated: the full run's
 time (total_steps x median step), GPU-hours and money (`trainer.price_per_gpu_hour`, or the cost
 model's default for this GPU). Beside the measurement: the cost model's prediction for the same
-config and layout (hybridflow.cost) at the lengths the probe steps had (mean prompt, mean and
-longest response), when the GPU is in its table (on CPU there is no prediction).
+config and layout (hybridflow.cost) at the lengths the probe steps had (mean and longest prompt,
+the response lengths as a distribution fitted to their statistics), when the GPU is in its table
+(on CPU there is no prediction). probe.json's "lengths" are those statistics:
+`python -m hybridflow.cost --config ... --lengths probe.json` predicts other configs at them.
 """
 
 from __future__ import annotations
@@ -34,20 +36,35 @@ def _gpu_name() -> str | None:
 
 
 def _lengths(cfg, history: list[dict]) -> dict:
-    """The workload's lengths as the probe steps measured them (mean prompt, mean and longest
-    response: the cost model decodes until the longest row ends), else the config's maxima."""
+    """The workload's lengths as the probe steps measured them: the response lengths as a
+    distribution fitted to their statistics (hybridflow.cost.lengths.from_metrics: mean, longest,
+    shortest, share at the cap), the mean and longest prompt; else the config's maxima."""
+    from hybridflow.cost.lengths import from_metrics
+
+    maxima = dict(prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens)
+    try:
+        out = from_metrics(list(history), cap=cfg.rollout.max_new_tokens,
+                           num_rows=cfg.data.prompts_per_step * cfg.rollout.n)
+    except ValueError:  # nothing measured (or nothing the fit can use): responses as long as allowed
+        return maxima
+    return {"prompt_len": maxima["prompt_len"], **out}
+
+
+def _length_stats(history: list[dict]) -> dict:
+    """probe.json's "lengths": what `python -m hybridflow.cost --lengths probe.json` reads."""
     def med(key):
         vals = [h[key] for h in history if key in h]
-        return max(1, round(statistics.median(vals))) if vals else None
+        return statistics.median(vals) if vals else None
 
-    longest = max((h["response_length/max"] for h in history if "response_length/max" in h),
-                  default=None)
-    mean = med("response_length/mean")
-    if mean is None:  # responses as long as allowed
-        return dict(prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens)
-    return dict(prompt_len=med("prompt_length/mean") or cfg.data.max_prompt_length,
-                response_len=mean,
-                response_len_max=None if longest is None else max(mean, round(longest)))
+    out = {"mean": med("response_length/mean"), "min": med("response_length/min"),
+           "clip_ratio": med("response_length/clip_ratio"),
+           "max": max((h["response_length/max"] for h in history if "response_length/max" in h),
+                      default=None)}
+    if med("prompt_length/mean") is not None:
+        out["prompt_len"] = round(med("prompt_length/mean"))
+        out["prompt_len_max"] = max(out["prompt_len"], round(max(
+            h.get("prompt_length/max", 0) for h in history)))
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _prediction(cfg, gpu: str, world: int, history: list[dict] = ()) -> dict:
@@ -83,6 +100,8 @@ def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = 
                            "reward_trend": [h.get("critic/score/mean") for h in history]},
               "full_run": {"total_steps": cfg.trainer.total_steps, "remaining_steps": todo,
                            "hours": hours, "gpu_hours": hours * world}}
+    if any("response_length/mean" in h for h in history):
+        record["lengths"] = _length_stats(history)
     if gpu is not None:
         from hybridflow.cost import get_gpu
 

@@ -90,11 +90,10 @@ def _median(rows: list[dict], key: str):
 
 def from_metrics(rows: list[dict], *, cap: int, num_rows: int = 512) -> dict:
     """Workload lengths from the trainer's per-step metrics (medians over the steps; the longest
-    prompt and response over all of them; the first step is left out when there are more). With
+    prompt and response over all of them). With
     dynamic sampling also gen_rounds / gen_prompt_factor (the means of dynamic_sampling/rounds and
     /batches)."""
     steps = [r for r in rows if "response_length/mean" in r]
-    steps = steps[1:] if len(steps) > 1 else steps
     if not steps:
         raise ValueError("lengths: no step with response_length/mean (a trainer metrics.jsonl "
                          "expected)")

@@ -80,7 +80,8 @@ def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int,
     longest = int(lengths.max())
     steps = longest
     if not exact_end and cap is not None and longest < cap:   # ends at a poll, one poll late
-        steps = min(cap, math.ceil((longest + CHECK_EVERY - 1) / CHECK_EVERY) * CHECK_EVERY + 1)
+        last = max(2 * CHECK_EVERY, math.ceil((longest + CHECK_EVERY - 1) / CHECK_EVERY) * CHECK_EVERY)
+        steps = min(cap, last + 1)
     t = np.arange(steps, dtype=np.float64)
     if window:
         cache = math.ceil((prompt + (cap or longest)) / LENGTH_MULTIPLE) * LENGTH_MULTIPLE
@@ -136,8 +137,8 @@ def pass_work(w: Workload, rows: int, max_tokens: int, multiple: int = 1) -> Pas
     rows x the longest row for fixed micro-batches)."""
     r = row_lengths(w, rows)
     p = np.full(rows, w.prompt_len, dtype=np.int64)
-    if not w.dynamic_bsz:
-        width = int(p.max() + r.max())
+    if not w.dynamic_bsz:   # the step's rows padded to its longest prompt and response
+        width = (w.prompt_len_max or w.prompt_len) + int(r.max())
         width = math.ceil(width / multiple) * multiple
         per = max(1, max_tokens // width)
         micro = math.ceil(rows / per)

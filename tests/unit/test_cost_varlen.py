@@ -1,0 +1,268 @@
+"""The cost model on variable-length work (hybridflow.cost.lengths, cost.varlen): length
+distributions, the decode schedule (buckets, compaction, KV windows, poll lag) and the packed passes
+by hand on tiny inputs, the fixed-length limit, the long-tail benchmark's measured row-steps, the
+fit of the new coefficients on synthetic records, and the CLI."""
+import json
+import math
+import statistics
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hybridflow.cost import Calibration
+from hybridflow.cost.calibrate import fit, parse_record, predict, predict_vs_measured
+from hybridflow.cost.lengths import fit_stats, from_metrics, from_quantiles, load_lengths, quantile_points
+from hybridflow.cost.timing import stage_terms
+from hybridflow.cost.varlen import decode_schedule, pass_work, row_lengths
+from hybridflow.cost.workload import Workload
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --- lengths ------------------------------------------------------------------------------------
+
+def test_quantile_points_and_quantiles_by_hand():
+    assert quantile_points([5, 1, 3, 2, 4], k=5) == (1, 2, 3, 4, 5)
+    assert quantile_points(range(1, 101), k=4) == (13, 38, 63, 88)    # (i + 0.5) / 4 of 100
+    # {0.5: 100, 1.0: 300}: 0 -> 100 (nearest given), linear from the median to the top
+    assert from_quantiles({0.5: 100, 1.0: 300}, k=4) == (100, 100, 150, 250)
+    with pytest.raises(ValueError, match="must not decrease"):
+        from_quantiles({0.5: 300, 0.9: 100})
+
+
+def test_lognormal_fit_matches_mean_and_share_at_cap():
+    pts = fit_stats(mean=300, cap=1024, clip_ratio=0.02, shortest=20, rows=512, k=1000)
+    assert statistics.fmean(pts) == pytest.approx(300, rel=0.01)
+    assert sum(p == 1024 for p in pts) / len(pts) == pytest.approx(0.02, abs=0.002)
+    assert min(pts) >= 20 and pts == tuple(sorted(pts))
+    # no row at the cap: the longest row is the 1 - 1/(2 rows) quantile
+    pts = fit_stats(mean=200, cap=1024, clip_ratio=0.0, longest=700, rows=100, k=1000)
+    assert pts[int(0.995 * 1000)] == pytest.approx(700, rel=0.03) and sum(pts) / 1000 > 190
+
+
+def test_lengths_from_trainer_metrics(tmp_path):
+    steps = [{"step": i, "response_length/mean": 250.0 + i, "response_length/max": 1024.0,
+              "response_length/min": 30.0, "response_length/clip_ratio": 0.01,
+              "prompt_length/mean": 100.0, "prompt_length/max": 150.0 + i,
+              "dynamic_sampling/rounds": 1.0 + (i % 2), "dynamic_sampling/batches": 2.0 + (i % 2)}
+             for i in range(1, 6)]
+    out = from_metrics(steps, cap=1024)
+    # medians over the steps, the longest prompt of any; dynamic sampling's means
+    assert statistics.fmean(out["response_lengths"]) == pytest.approx(253, rel=0.01)
+    assert max(out["response_lengths"]) == 1024
+    assert out["prompt_len"] == 100 and out["prompt_len_max"] == 155
+    assert out["gen_rounds"] == 1.6 and out["gen_prompt_factor"] == 2.6
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    assert load_lengths(path, cap=1024) == out
+    (tmp_path / "q.json").write_text(json.dumps({"response_length_quantiles": {"0.5": 200, "1": 2000}}))
+    with pytest.raises(ValueError, match="longer than the cap of 1024"):
+        load_lengths(tmp_path / "q.json", cap=1024)
+
+
+# --- generation ---------------------------------------------------------------------------------
+
+def test_decode_schedule_by_hand_poll_lag_and_window():
+    # 4 rows of 2, 2, 3, 9 tokens, prompts of 4, cap 64, one bucket of 4. The live count is polled
+    # every 16 steps and read one poll late (the first poll has nothing to read): the poll at step
+    # 32 reads step 16's count (0 live) and ends the chunk: tokens 0..32, all 4 rows each
+    w = Workload(prompts_per_step=1, samples_per_prompt=4, prompt_len=4, response_lengths=(2, 2, 3, 9),
+                 max_new_tokens=64, gen_max_batch_size=4)
+    d = decode_schedule(w, 4, 4)
+    assert (d.steps, d.row_steps, d.compactions) == (33, 132, 0)
+    assert d.row_columns == 4 * sum(4 + t + 0.5 for t in range(33))            # the written columns
+    # KV window 8: token t attends over the multiple of 8 holding P + t + 1 = 5..37 columns
+    d = decode_schedule(replace(w, decode_kv_window=8), 4, 4)
+    assert d.row_columns == 4 * (4 * 8 + 8 * 16 + 8 * 24 + 8 * 32 + 5 * 40)
+    # without a cap (forced lengths) the chunk ends with its longest row
+    assert decode_schedule(replace(w, max_new_tokens=None), 4, 4).steps == 9
+
+
+def test_compaction_by_hand():
+    # 64 rows: 60 end at 2 tokens, 4 run to 100 (cap 256). Bucket 64; the ladder under it is 16, 32
+    # (>= 16 rows under CUDA graphs). The poll at step 32 reads step 16's count (4 live): 16 rows
+    # from step 33 on. The poll at 128 reads step 112's count (0: 100 <= 112 + 1) and ends it.
+    w = Workload(prompts_per_step=8, samples_per_prompt=8, prompt_len=10,
+                 response_lengths=(2,) * 60 + (100,) * 4, max_new_tokens=256, gen_max_batch_size=64,
+                 compact_finished_rows=True)
+    d = decode_schedule(w, 64, 64)
+    assert (d.steps, d.compactions) == (129, 1)
+    assert d.row_steps == 64 * 33 + 16 * (129 - 33)
+    assert d.moved_bytes == 2 * 16 * (10 + 32)          # the kept rows' K/V columns, read + write
+    off = decode_schedule(replace(w, compact_finished_rows=False), 64, 64)
+    assert off.row_steps == 64 * 129 and off.steps == d.steps
+
+
+def test_compaction_matches_the_long_tail_benchmark():
+    # benchmarks/results/generate_long_tail_h200.json: 512 rows, prompts of 128, lengths geometric
+    # (a stop id drawn with p = 506 / 151,936 per step, cut at 1,024) ran 208,864 decode
+    # row-steps in 4 compactions with compaction on, 523,776 (512 x 1,023) with it off
+    rec = json.loads((ROOT / "benchmarks/results/generate_long_tail_h200.json").read_text())["results"]["512"]
+    p = 506 / 151936
+    pts = tuple(min(1024, max(1, math.ceil(math.log(1 - (i + 0.5) / 512) / math.log(1 - p))))
+                for i in range(512))
+    assert statistics.fmean(pts) == pytest.approx(rec["on"]["lengths"]["mean"], rel=0.05)
+    w = Workload(prompts_per_step=64, samples_per_prompt=8, prompt_len=128, max_new_tokens=1024,
+                 gen_max_batch_size=512, compact_finished_rows=True, response_lengths=pts)
+    d = decode_schedule(w, 512, 512)
+    assert d.row_steps == pytest.approx(rec["on"]["stats"]["decode_row_steps"], rel=0.05)
+    assert d.compactions == rec["on"]["stats"]["compactions"]
+    off = decode_schedule(replace(w, compact_finished_rows=False), 512, 512)
+    assert off.row_steps == 512 * 1024 == rec["off"]["stats"]["decode_row_steps"] + 512  # + token 0
+
+
+# --- training passes ----------------------------------------------------------------------------
+
+def test_packed_pass_by_hand():
+    # rows of 4 + (2, 2, 3, 9) tokens = 6, 6, 7, 13 under a budget of 16 packed tokens, longest
+    # first (next fit): [13] [7, 6] [6]; a micro-batch of equal rows runs unpacked
+    w = Workload(prompts_per_step=1, samples_per_prompt=4, prompt_len=4, response_lengths=(2, 2, 3, 9),
+                 dynamic_bsz=True, pack_sequences=True, micro_batch_tokens=16)
+    assert sorted(row_lengths(w, 4)) == [2, 2, 3, 9]
+    p = pass_work(w, 4, 16)
+    assert (p.micro, p.tokens, p.packed_tokens) == (3, 13 + 13 + 6, 13)
+    assert p.head_tokens == 9 + (3 + 2) + 2
+    assert p.attention == 13 ** 2 + (7 ** 2 + 6 ** 2) + 6 ** 2
+    # unpacked token budgets: each micro-batch padded to its longest prompt + response
+    u = pass_work(replace(w, pack_sequences=False), 4, 16)
+    assert (u.micro, u.tokens, u.packed_tokens) == (3, 13 + 2 * 7 + 6, 0)
+
+
+def test_packed_terms_by_hand():
+    w = dict(algorithm="grpo", prompts_per_step=1, samples_per_prompt=4, prompt_len=4,
+             response_lengths=[2, 2, 3, 9], dynamic_bsz=True, pack_sequences=True,
+             micro_batch_tokens=16, forward_micro_batch_tokens=16, fused_elementwise=True)
+    run = parse_record({"config": {"model": "tiny", "gpu": "H200", "num_gpus": 1, "layout": {"tp": 1},
+                                   **w}})
+    t = stage_terms(run.shape, run.gpu, run.plan, run.workload, Calibration())
+    s, peak = run.shape, run.gpu.bf16_tflops * 1e12
+    flops = (2 * (s.num_dense_params - s.embedding_params) * 32 + 2 * s.embedding_params * 16
+             + 2 * s.num_layers * s.q_dim * 290)
+    assert t["ref"].x["inv_fused_forward_mfu"] == pytest.approx(flops / peak)
+    assert t["update_actor"].x["inv_fused_train_mfu"] == pytest.approx(3 * flops / peak)
+    # the packed path's cost: 13 packed tokens x 2 layers x 1 kernel forward, 2 fwd + bwd
+    assert t["ref"].x["packed_token_s"] == 13 * 2 * 1
+    assert t["update_actor"].x["packed_token_s"] == 13 * 2 * 2
+    assert t["ref"].x["layer_pass_overhead_s"] == 2 * 3 and t["other"].x["row_overhead_s"] == 4
+
+
+def test_equal_lengths_on_the_varlen_path_match_the_fixed_model():
+    # every row 128 + 256: compaction has nothing to move, token budgets of whole rows make the
+    # fixed micro-batches, so each term equals the fixed-length model's
+    base = dict(model="qwen2_0_5b", gpu="H200", num_gpus=1, layout={"tp": 1}, algorithm="grpo",
+                prompts_per_step=8, samples_per_prompt=8, prompt_len=128, response_len=256,
+                micro_batch_tokens=8 * 384, forward_micro_batch_tokens=16 * 384)
+    plain = parse_record({"config": base})
+    var = parse_record({"config": base | dict(dynamic_bsz=True, pack_sequences=True,
+                                              compact_finished_rows=True, gen_max_batch_size=64)})
+    assert var.workload.varlen and not plain.workload.varlen
+    a = stage_terms(plain.shape, plain.gpu, plain.plan, plain.workload, Calibration())
+    b = stage_terms(var.shape, var.gpu, var.plan, var.workload, Calibration())
+    for stage in a:
+        assert b[stage].x == pytest.approx(a[stage].x, rel=1e-12), stage
+        assert b[stage].const == pytest.approx(a[stage].const, rel=1e-12), stage
+
+
+# --- calibration --------------------------------------------------------------------------------
+
+TRUTH = Calibration(train_mfu=0.3, forward_mfu=0.45, fused_train_mfu=0.4, fused_forward_mfu=0.55,
+                    prefill_efficiency=0.5, decode_bw_efficiency=0.8, torch_kv_efficiency=0.3,
+                    decode_layer_overhead_s=8e-5, fused_decode_layer_overhead_s=4e-5,
+                    layer_pass_overhead_s=6e-4, optimizer_step_s=0.05, step_overhead_s=0.03,
+                    row_overhead_s=2e-4, packed_token_s=6e-8)
+
+
+def _records(calib=TRUTH):
+    tail = fit_stats(mean=200, cap=512, clip_ratio=0.02, shortest=10, rows=128, k=64)
+    out = []
+    for i, (model, kernels, fused, varlen) in enumerate([
+            ("qwen2_0_5b", "torch", False, False), ("qwen2_0_5b", "triton", True, False),
+            ("qwen2_1_5b", "torch", True, False), ("qwen2_1_5b", "triton", False, False),
+            ("qwen2_0_5b", "torch", False, True), ("qwen2_0_5b", "triton", True, True),
+            ("qwen2_1_5b", "torch", True, True), ("qwen2_1_5b", "triton", False, True)]):
+        cfg = {"model": model, "gpu": "H200", "num_gpus": 1, "layout": {"tp": 1}, "algorithm": "grpo",
+               "prompts_per_step": 8 + 8 * (i % 3), "samples_per_prompt": 8, "prompt_len": 64 + 32 * i,
+               "response_len": 128 + 64 * (i % 2), "micro_batch_tokens": 4096 + 2048 * (i % 3),
+               "decode_kernels": kernels, "fused_elementwise": fused, "skip_old_log_prob": i % 2 == 1}
+        if varlen:
+            cfg |= {"response_lengths": list(tail), "max_new_tokens": 512, "prompt_len_max": 64 + 32 * i + 40,
+                    "gen_max_batch_size": 128, "compact_finished_rows": True, "decode_kv_window": 128,
+                    "dynamic_bsz": True, "pack_sequences": True, "forward_micro_batch_tokens": 16384}
+        rec = {"name": f"r{i}", "config": cfg}
+        m = predict(parse_record(rec), calib)
+        other = m.pop("timing_s/other")
+        rec["metrics"] = m | {"timing_s/reward": other}
+        out.append(rec)
+    return out
+
+
+def test_fit_recovers_the_varlen_coefficients():
+    fitted = fit(_records())
+    for k in ("packed_token_s", "torch_kv_efficiency", "row_overhead_s", "step_overhead_s",
+              "decode_bw_efficiency", "fused_train_mfu", "train_mfu", "layer_pass_overhead_s"):
+        assert getattr(fitted, k) == pytest.approx(getattr(TRUTH, k), rel=1e-4), k
+
+
+def test_families_are_held_out_together():
+    recs = _records()
+    for r in recs[4:]:
+        r["family"] = "packed"
+    rows = predict_vs_measured(recs, Calibration())
+    # every packed record is predicted by a fit of the 4 fixed-length ones alone, which cannot see
+    # packed_token_s: it keeps its prior, and the packed records' passes come out short
+    ref = {r["name"]: r for r in rows if r["metric"] == "timing_s/update_actor"}
+    assert all(ref[f"r{i}"]["error_pct"] < -1 for i in range(4, 8))
+    assert all(abs(ref[f"r{i}"]["error_pct"]) < 1e-3 for i in range(4))
+
+
+# --- CLI ----------------------------------------------------------------------------------------
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "hybridflow.cost", *args], capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+def test_cli_with_lengths(tmp_path):
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps({"mean": 300, "max": 1024, "min": 20, "clip_ratio": 0.01,
+                                   "prompt_len": 100, "prompt_len_max": 180}))
+    common = ["--model", "qwen2_0_5b", "--num-gpus", "1", "--tp", "1", "--prompts-per-step", "16",
+              "--samples-per-prompt", "8", "--micro-batch-tokens", "8192", "--max-new-tokens", "1024",
+              "--dynamic-bsz", "--pack-sequences", "--compact-finished-rows", "--kv-window", "256",
+              "--json"]
+    r = _cli(*common, "--lengths", str(lengths))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    w = rep["workload"]
+    assert w["prompt_len"] == 100 and w["prompt_len_max"] == 180 and w["response_len_max"] == 1024
+    assert w["response_len"] == pytest.approx(300, abs=3) and len(w["response_lengths"]) == 256
+    assert rep["step_seconds"] == pytest.approx(sum(rep["stage_seconds"].values()))
+    assert rep["time_breakdown"]["ref"]["packed_tokens"] > 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"lengths": {"median": 3}}))
+    r = _cli(*common, "--lengths", str(bad))
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "expected response_lengths, response_length_quantiles" in r.stderr
+
+
+def test_cli_with_a_trainer_config(tmp_path):
+    steps = [{"step": i, "response_length/mean": 300.0, "response_length/max": 1024.0,
+              "response_length/min": 20.0, "response_length/clip_ratio": 0.01,
+              "prompt_length/mean": 100.0, "prompt_length/max": 170.0} for i in range(1, 4)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    r = _cli("--config", "experiment=gsm8k_qwen_coder_0_5b", "--num-gpus", "1", "--lengths",
+             str(metrics), "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    w = rep["workload"]
+    # the recipe's options as the trainer resolves them
+    assert (w["micro_batch_tokens"], w["forward_micro_batch_tokens"]) == (20480, 40960)
+    assert w["pack_sequences"] and w["compact_finished_rows"] and w["decode_kv_window"] == 256
+    assert w["gen_max_batch_size"] == 512 and w["max_new_tokens"] == 1024 and w["skip_old_log_prob"]
+    assert w["prompt_len"] == 100 and w["prompt_len_max"] == 170
+    assert set(rep["stage_seconds"]) == {"reshard", "gen", "ref", "update_actor", "other"}
+    assert rep["layout"]["tp"] == 1 and rep["fits"]
