@@ -12,7 +12,7 @@ response-length statistics) and the code's options as they were then:
   its speed options on auto (budgets 64,000 / 177,920, KV window 192). That run kept only its mean
   response length per step: the tail (share at the cap, shortest row) and the prompts are the
   GRPO probe's below (same model and data).
-- family "grpo_then" (the code of the DAPO session: PyTorch decode layers, unfused element-wise
+- family "grpo_then" (the code the DAPO run had, 2026-12-01: PyTorch decode layers, unfused element-wise
   ops, no gradient accumulation fusion): the GRPO probe run beside the DAPO run, and the 124-step
   packed GRPO run (before the response-only LM head and bf16 logits), from their metrics.jsonl.
 - family "dapo" (the same code): DAPO with dynamic sampling, 39 steps: generation rounds and

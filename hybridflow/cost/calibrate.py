@@ -25,12 +25,13 @@ activation_memory_scale = least squares of the measured peak on the predicted pe
 (non-activation, activation) parts (one common ratio when the records cannot separate them);
 then per group of stages, least squares of (measured - known terms) on the ideal times of the
 group's unknown coefficients, in this order: reshard -> 1/comm_eff; gen -> 1/prefill_eff,
-1/decode_bw_eff, seconds per layer per decode step; old_log_prob/ref/values and
+1/decode_bw_eff, 1/torch_kv_eff, seconds per layer per decode step; old_log_prob/ref/values and
 update_actor/update_critic jointly -> 1/forward_mfu, 1/train_mfu (and their fused_elementwise
 twins), layer_pass_overhead_s,
 tp_collective_s, optimizer_step_s (joint because the fixed costs are shared:
 a layer pass costs the same launches in either, fwd+bwd counting 3 passes; only updates step the
-optimizer); other -> step_overhead_s, where "other" is measured as timing_s/step minus the measured
+optimizer); other -> step_overhead_s, row_overhead_s, where "other" is measured as timing_s/step
+minus the measured
 modelled stages (reward, advantages, gaps). A coefficient that no measured stage depends on
 (tp_collective_s without a TP > 1 record) stays at its prior; one that comes out <= 0 is held at its
 prior and the rest refit; when the records cannot separate the unknowns (too few stages, or
@@ -42,7 +43,12 @@ then refined by nonlinear least squares of the overlapped seconds (`_refine_over
 timing_s/step = the sum of the predicted stages, "other" included. MoE records (model.moe) inform
 only the MoE coefficients (gen -> expert_decode_s; the forward/update stages -> expert_pass_s),
 fitted after the rest with the rest held (`MOE_GROUPS`); the memory scales and the other groups are
-fitted on the dense records.
+fitted on the dense records. Variable-length records (config `response_lengths`, hybridflow.cost.varlen)
+take part in every dense group but the passes', whose efficiencies and fixed costs come from the
+fixed-length records alone; the packed path's `packed_token_s` is then fitted on the
+variable-length records with those held (`VARLEN_GROUPS`). In the nonlinear refinement every
+efficiency stays at most 1. A record may name a "family" (runs of one code, model and lengths): the
+leave-one-out then holds the family out together.
 
 `--validation PATH` also writes the per-config leave-one-out summary (validate.py). Outputs are
 written atomically; user errors (a results file that does not parse, names the file) are one line,
@@ -79,12 +85,16 @@ GROUPS = [(("reshard",), ("inv_comm_eff",)),
           (PASS_STAGES, ("inv_forward_mfu", "inv_train_mfu", "inv_fused_forward_mfu",
                          "inv_fused_train_mfu", "layer_pass_overhead_s", "graphed_layer_pass_s",
                          "tp_collective_s",
-                         "optimizer_step_s", "packed_token_s")),
+                         "optimizer_step_s")),
           (("other",), ("step_overhead_s", "row_overhead_s"))]
 # MoE-only coefficients, fitted after the rest on the MoE records alone (the rest held): the dense
 # groups and the memory scales see only dense records, so adding an MoE record leaves the dense
 # fit as it was (the MoE passes' other costs cannot be told from theirs with so few records)
 MOE_GROUPS = [(("gen",), ("expert_decode_s",)), (PASS_STAGES, ("expert_pass_s",))]
+# The passes' efficiencies and fixed costs come from the fixed-length records alone; the packed
+# path's own cost is then fitted on the variable-length records (Workload.response_lengths) with
+# those held, so that a few packed records do not move what the fixed-length matrix measured
+VARLEN_GROUPS = [(PASS_STAGES, ("packed_token_s",))]
 
 
 @dataclass
@@ -313,13 +323,19 @@ def fit(records: list[dict], base: Calibration | None = None) -> Calibration:
     terms = [stage_terms(r.shape, r.gpu, r.plan, r.workload, calib) for r in runs]
     runs = [_with_other(r, t) for r, t in zip(runs, terms)]
     coefs = calib.coefs()
-    steps = [(GROUPS, [(r, t) for r, t, m in zip(runs, terms, moe) if not m or len(dense) == len(runs)]),
-             (MOE_GROUPS, [(r, t) for r, t, m in zip(runs, terms, moe) if m])]
+    varlen = [r.workload.response_lengths is not None for r in runs]
+    main = [(r, t, v) for r, t, m, v in zip(runs, terms, moe, varlen) if not m or len(dense) == len(runs)]
+    steps = [(GROUPS, main),
+             (VARLEN_GROUPS, [(r, t, v) for r, t, m, v in zip(runs, terms, moe, varlen) if v and not m]),
+             (MOE_GROUPS, [(r, t, v) for r, t, m, v in zip(runs, terms, moe, varlen) if m])]
     for groups, pairs in steps:
-        if not pairs:
-            continue
-        g_runs, g_terms = [p[0] for p in pairs], [p[1] for p in pairs]
         for stages, unknowns in groups:
+            use = pairs
+            if groups is GROUPS and stages == PASS_STAGES:    # fixed-length records (if any)
+                use = [p for p in pairs if not p[2]] or pairs
+            if not use:
+                continue
+            g_runs, g_terms = [p[0] for p in use], [p[1] for p in use]
             coefs = _fit_group(g_runs, g_terms, stages, unknowns, coefs)
             if any(t[s].overlap for t in g_terms for s in stages if s in t):   # nonlinear: refine
                 coefs = _refine_overlap(g_runs, g_terms, stages, unknowns, coefs)

@@ -42,7 +42,8 @@ def from_quantiles(quantiles: dict, k: int = POINTS) -> tuple[int, ...]:
         raise ValueError(f"response length quantiles: expected {{q in [0, 1]: length}}, got {quantiles}")
     if any(b[1] < a[1] for a, b in zip(pts, pts[1:])):
         raise ValueError(f"response length quantiles must not decrease: {quantiles}")
-    pts = ([(0.0, pts[0][1])] if pts[0][0] > 0 else []) + pts + ([(1.0, pts[-1][1])] if pts[-1][0] < 1 else [])
+    head = [(0.0, pts[0][1])] if pts[0][0] > 0 else []
+    pts = head + pts + ([(1.0, pts[-1][1])] if pts[-1][0] < 1 else [])
 
     def at(u):
         for (q0, v0), (q1, v1) in zip(pts, pts[1:]):

@@ -18,7 +18,15 @@ divide by DP):
   same rate overlapped (OVERLAP_P) with each decode step's reads of the gen weight shard and the
   wave's KV cache at HBM bandwidth x decode eff; plus a fixed cost per layer per decode step
   (`decode_layer_overhead_s`: the CUDA graph's small kernels, with sampling folded in); plus TP_g
-  all-reduces (2 per layer per step). Every response runs to full length.
+  all-reduces (2 per layer per step). Every response runs to full length, unless the workload is
+  variable-length (`Workload.varlen`): then the decode steps, bucket rows and attended columns come
+  from cost.varlen's simulation of the generator (chunks, graph buckets, compaction, KV windows,
+  the long tail), the PyTorch decode layer's KV reads at their own efficiency (`kv_read`), and
+  compactions' K/V copies at HBM bandwidth.
+- variable-length passes: the trainer's micro-batches of the step's rows (cost.varlen.pass_work):
+  FLOPs of their computed tokens (matmuls), response tokens (LM head) and sum of squared row
+  lengths (attention); packed micro-batches add `packed_token_s` per real token, layer and
+  attention kernel (1 forward, 2 fwd+bwd), on the GPU side.
 - old_log_prob / ref / values: forward FLOPs at peak x forward MFU, plus a fixed cost per layer per
   micro-batch (`layer_pass_overhead_s`: kernel launches; at RL micro-batch sizes a small model's
   passes are launch-bound, not FLOP-bound), both times (1 + PP bubble); plus TP traffic under
@@ -38,7 +46,8 @@ divide by DP):
   weights): GRAD_ACCUM_BYTES_PER_PARAM at HBM bandwidth x GRAD_ACCUM_BW_EFF (measured, not fitted),
   on the GPU side; and per optimizer step `optimizer_step_s` plus Adam's HBM traffic (30 bytes per
   parameter of the DP shard, at peak bandwidth).
-- other: `step_overhead_s` per step (reward, advantages, bookkeeping), so the stages sum to the step.
+- other: `step_overhead_s` per step and `row_overhead_s` per generated row of a DP rank (reward,
+  advantages, bookkeeping), so the stages sum to the step.
 PP bubble of 1F1B: (PP - 1) / micro-batches. Ring collectives move 2 (n-1)/n of the data per GPU for
 an all-reduce, (n-1)/n for a gather/scatter. Generation's TP_g all-reduces (inside CUDA graphs) and the
 reshard / DP collectives pay a fixed latency per collective (const term, NVLINK/IB_LATENCY_S).

@@ -1,0 +1,103 @@
+"""Out-of-sample check of the cost model on the GSM8K steps, the way a user predicts before a run.
+
+    python benchmarks/varlen_holdout.py --out benchmarks/results/cost_varlen_gsm8k.json
+
+For each family of benchmarks/results/cost/varlen_gsm8k.json (benchmarks/varlen_records.py) the
+calibration is fitted on every other record (the 40 fixed-length ones and the other families), and
+the family's run is predicted from its trainer config and a probe's lengths, as
+
+    python -m hybridflow.cost --config <overrides> --num-gpus 1 --lengths <probe metrics.jsonl> \\
+        --calibration <that fit>
+
+- GRPO today (gsm8k_step_h200.json, the recipe as written: 4.77 s): config
+  experiment=gsm8k_qwen_coder_0_5b; lengths from the GRPO probe run beside the DAPO run (12 steps,
+  another code version, the same model and data: a probe's lengths, not this run's);
+- DAPO (gsm8k_dapo_h200.json, the mean of steps 2-40): config experiment=gsm8k_qwen_coder_0_5b
+  algo=dapo with the run's options and the code's options of then; lengths and dynamic-sampling
+  rounds from its first 5 steps (a 5-step probe of DAPO itself: how many prompt batches dynamic
+  sampling draws is the run's own).
+The probes' metrics.jsonl come from git history (varlen_records.RAW). Records the calibration of
+each hold-out, the predicted and measured stages, and the commands.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.run_record import command, machine, versions, write_json  # noqa: E402
+from benchmarks.varlen_records import RAW, RAW_COMMIT, raw_metrics  # noqa: E402
+from hybridflow.cost.calibrate import fit, load_records  # noqa: E402
+from hybridflow.cost.estimate import estimate_step_time  # noqa: E402
+from hybridflow.cost.from_config import from_overrides  # noqa: E402
+from hybridflow.cost.gpus import get_gpu  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = ["experiment=gsm8k_qwen_coder_0_5b"]
+THEN = ["rollout.decode_kernels=torch", "rollout.compile_decode=false",
+        "parallel.fused_elementwise=false", "parallel.gradient_accumulation_fusion=false"]
+CASES = {
+    "grpo_now": {"overrides": RECIPE, "probe": ("probe", None), "record": "gsm8k-grpo-now-recipe"},
+    "dapo": {"overrides": RECIPE + ["algo=dapo", "algo.use_kl_loss=false",
+                                    "reward.overlong_buffer.len=256", "rollout.max_batch_size=1536"]
+             + THEN, "probe": ("dapo", 5), "record": "gsm8k-dapo-then"},
+}
+
+
+def run(out: str) -> dict:
+    records = load_records(sorted(os.path.join(ROOT, "benchmarks/results/cost", f)
+                                  for f in os.listdir(os.path.join(ROOT, "benchmarks/results/cost"))
+                                  if f.endswith(".json")))
+    free = get_gpu("H200").memory_gib
+    result = {"benchmark": "cost model, GSM8K steps predicted out of sample from a probe's lengths",
+              "machine": machine(), "versions": versions("numpy"), "command": command(),
+              "raw_commit": RAW_COMMIT, "cases": {}}
+    for family, case in CASES.items():
+        calib = fit([r for r in records if r.get("family") != family])
+        measured = next(r for r in records if r["name"] == case["record"])["metrics"]
+        key, steps = case["probe"]
+        probe = raw_metrics(key)[:steps] if steps else raw_metrics(key)
+        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+            f.write("".join(json.dumps(r) + "\n" for r in probe))
+        try:
+            model, plan, fields = from_overrides(case["overrides"], world_size=1, free_gib=free,
+                                                 lengths_path=f.name)
+        finally:
+            os.unlink(f.name)
+        pred = estimate_step_time(model=model, gpu="H200", num_gpus=1, layout=plan,
+                                  calibration=calib, **fields)
+        stages = {k: v for k, v in pred.items()}
+        rows = {}
+        for k, v in measured.items():
+            stage = k.split("/", 1)[1]
+            if stage in stages:
+                rows[stage] = {"measured": v, "predicted": stages[stage],
+                               "error_pct": 100 * (stages[stage] - v) / v}
+        result["cases"][family] = {
+            "record": case["record"], "overrides": case["overrides"],
+            "probe": f"{RAW[key]} at {RAW_COMMIT}" + (f", steps 1-{steps}" if steps else ""),
+            "calibration_without_family": calib.to_dict(),
+            "workload": {k: v for k, v in fields.items()
+                         if k not in ("response_lengths", "response_len")}
+            | {"response_len_mean": sum(fields["response_lengths"]) / len(fields["response_lengths"]),
+               "response_len_max": max(fields["response_lengths"])},
+            "stages": rows, "other_predicted": stages.get("other")}
+        print(f"{family}: " + ", ".join(f"{s} {r['measured']:.2f}/{r['predicted']:.2f} "
+                                        f"({r['error_pct']:+.1f}%)" for s, r in rows.items()))
+    write_json(out, result)
+    print(f"wrote {out}")
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    run(ap.parse_args(argv).out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
