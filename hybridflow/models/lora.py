@@ -273,11 +273,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def merged_copy(adapter: LoRAAdapter, weight: torch.Tensor, *, block_rows: int = 1024
-                ) -> torch.Tensor:
-    """A copy of `weight` (the adapted linear's, any device) holding the bits `merged_adapters`
-    writes into it: W + scale * B @ A rounded to its dtype, by the same ops in the same blocks."""
-    out = weight.clone()
+def merged_copy(adapter: LoRAAdapter, weight: torch.Tensor, *, block_rows: int = 1024,
+                inplace: bool = False) -> torch.Tensor:
+    """A copy of `weight` (the adapted linear's, any device; `inplace`: `weight` itself, a copy
+    already) holding the bits `merged_adapters` writes into it: W + scale * B @ A rounded to its
+    dtype, by the same ops in the same blocks."""
+    out = weight if inplace else weight.clone()
     for w, b, at in adapter.weight_blocks(out, block_rows):
         w.copy_((w.float() + (b.float() @ at.float()) * adapter.scale).to(w.dtype))
     return out

@@ -179,7 +179,7 @@ class RolloutStage:
         def fetch(i: int, field: str, t: torch.Tensor) -> torch.Tensor:
             dev = t.to(device=device, dtype=dtype, non_blocking=True)
             adapter = lora.get(f"decoder.layers.{i}.{MATRIX_LINEARS[field]}")
-            return dev if adapter is None else merged_copy(adapter, dev)
+            return dev if adapter is None else merged_copy(adapter, dev, inplace=dev is not t)
 
         return {n: actor.host_view(p) for n, p in named.items()}, fetch
 
