@@ -30,11 +30,22 @@ HERMES_SYSTEM = ("You are a helpful assistant. To run Python, call the code_inte
                  "<tool_call>{\"name\": \"code_interpreter\", \"arguments\": {\"code\": \"...\"}}"
                  "</tool_call>. Its output is shown to you. Then give the final answer after "
                  "\"####\".")
+CODE_STRICT = ("You are a math assistant with a Python interpreter. Never compute by hand: first "
+               "write one ```python code block that computes the answer and prints it, then stop "
+               "and wait for its output. After the output, give the final answer after \"####\".")
+CODE_FEWSHOT = ("You solve math word problems by writing Python. Reply with one ```python code block "
+                "that computes and prints the answer; its output is shown to you, then you give the "
+                "final answer after \"####\". Example:\n"
+                "Question: Tom has 3 boxes of 12 pens and gives away 5 pens. How many pens are left?"
+                "\n```python\nprint(3 * 12 - 5)\n```\n```output\n31\n```\nTom has 31 pens left."
+                "\n#### 31")
 # (name, format, system prompt or None, whether the template gets the tool schemas)
 VARIANTS = [("hermes_recipe", "hermes", None, True),
             ("hermes_system", "hermes", HERMES_SYSTEM, True),
             ("code_system", "code", CODE_SYSTEM, False),
-            ("code_default", "code", None, False)]
+            ("code_default", "code", None, False),
+            ("code_strict", "code", CODE_STRICT, False),
+            ("code_fewshot", "code", CODE_FEWSHOT, False)]
 
 
 def main() -> None:
@@ -46,6 +57,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0, help="of the sampled mode")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated names of VARIANTS to run (default: all)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -72,8 +85,9 @@ def main() -> None:
         records = pd.read_parquet(a.data).head(a.prompts).to_dict("records")
     else:
         records = [json.loads(line) for line in open(a.data)][:a.prompts]
+    chosen = [v for v in VARIANTS if a.variants is None or v[0] in a.variants.split(",")]
     prompts, owners = [], []
-    for name, _, system, with_tools in VARIANTS:
+    for name, _, system, with_tools in chosen:
         for r in records:
             msgs = [dict(m) for m in r["prompt"]]
             if system:
@@ -94,7 +108,7 @@ def main() -> None:
         mask = batch.response_mask.cpu()
         texts = [tok.decode(batch.response_ids[i, :int(mask[i].sum())].tolist(),
                             skip_special_tokens=False) for i in range(len(prompts))]
-        for name, kind, _, _ in VARIANTS:
+        for name, kind, _, _ in chosen:
             rows = [t for t, o in zip(texts, owners) if o == name]
             parsed = sum(_parses(fmts[kind], t) for t in rows)
             result.setdefault(name, {})[mode] = {
@@ -106,7 +120,7 @@ def main() -> None:
         print(mode, {n: result[n][mode]["parseable_call"] for n in result}, f"{secs:.0f}s",
               flush=True)
     out = {"machine": machine(), "versions": versions("hybridflow"), "command": command(),
-           "settings": vars(a), "variants": [list(v) for v in VARIANTS], "result": result}
+           "settings": vars(a), "variants": [list(v) for v in chosen], "result": result}
     write_json(a.out, out)
     print(json.dumps({n: {m: r[m]["parseable_call"] for m in r} for n, r in result.items()}))
 

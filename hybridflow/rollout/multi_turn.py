@@ -95,8 +95,14 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
     # query j sees the row's old columns and new tokens 0..j; a padding query sees its own column
     mask = kv_rows[:, None, :] | ((t >= start[:, None, None]) & (t <= columns[:, :, None])
                                   & valid[:, :, None]) | (t == columns[:, :, None])
-    mask = mask[:, None, None].expand(r, 1, hpg, S, L).reshape(r, 1, hpg * S, L)
+    if S == 1:  # every head of a group sees the same columns: one broadcast row
+        mask = mask[:, None]  # (r, 1, 1, L)
+    else:  # query row h * S + j: head h of the group, new token j
+        mask = mask[:, None, None].expand(r, 1, hpg, S, L).reshape(r, 1, hpg * S, L)
     x = decoder.embed(w, ids.masked_fill(~valid, 0)).reshape(r * S, d.hidden)
+    # the additive form SDPA would make of the boolean mask in every layer, made once
+    bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask,
+                                                                              float("-inf"))
     cos = cos_tab[positions][:, :, None, None]  # (r, S, 1, 1, hd)
     sin = sin_tab[positions][:, :, None, None]
     row_ix = (torch.arange(r, device=ids.device) if rows is None else rows)[:, None].expand(r, S)
@@ -115,7 +121,7 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
             k, v = kc[:r, :, :L], vc[:r, :, :L]
         else:
             k, v = kc.index_select(0, rows), vc.index_select(0, rows)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (r, G, hpg * S, hd)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (r, G, hpg * S, hd)
         a = a.view(r, d.groups, hpg, S, hd).permute(0, 3, 1, 2, 4).reshape(r * S, d.heads * hd)
         x = decoder._row_parallel_add(x, a, layer.proj, w)
         x = decoder._mlp(x, layer, w)

@@ -144,3 +144,15 @@ def test_multi_turn_config_checks():
                     "rollout.compact_finished_rows")]:
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
             validate_multi_turn(r)
+
+
+def test_tools_recipe_uses_the_code_format_and_the_probed_prompt():
+    """The tools experiment runs the format the model was seen to write, with the system prompt
+    benchmarks/tool_format_probe.py measured (docs/recipes.md)."""
+    from benchmarks.tool_format_probe import CODE_STRICT
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate_multi_turn
+
+    cfg = load_config(["experiment=gsm8k_tools_qwen_coder_0_5b"])
+    assert cfg.rollout.multi_turn.format == "code" and cfg.data.system_prompt == CODE_STRICT
+    validate_multi_turn(cfg.rollout)
