@@ -7,7 +7,8 @@
 
 A layer around the Generator's weights, cache and sampler (generator.py is unchanged). Per chunk of
 at most rollout.max_batch_size rows:
-- Prefill: `decoder.forward` over the left-padded prompts into cache columns 0..P-1 (as single-turn).
+- Prefill: `decoder.forward` over the left-padded prompts into cache columns 0..P-1, once per
+  distinct prompt of the chunk, copied to the rows of its rollout.n samples (as single-turn).
 - Every row owns its next cache column (`col`) and position (`pos`): rows at different turns share
   one batch, each writing its own columns. `extend` (below) is the one step function: it runs S new
   tokens per row at those columns/positions, attending to the row's valid cache columns plus the
@@ -185,8 +186,11 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
         gen._rng.manual_seed(seed)
         hosts = []
         for s, e in chunks:
-            chunk = [prompts[i // cfg.n] for i in range(s, e)]
-            hosts.append(_run_chunk(gen, chunk, cfg, runner, eos_id, pad_id, stats,
+            # rows s..e-1 are copies of prompts lo..hi-1: each prefilled once
+            lo, hi = s // cfg.n, (e - 1) // cfg.n + 1
+            copy_of = torch.arange(s, e) // cfg.n - lo
+            hosts.append(_run_chunk(gen, prompts[lo:hi], copy_of, cfg, runner, eos_id, pad_id,
+                                    stats,
                                     opts.prefill_tokens, None if forced is None else forced[s:e],
                                     steps[e - s]))
     prompt_of_row = torch.arange(len(prompts)).repeat_interleave(cfg.n)
@@ -233,14 +237,17 @@ def _step(gen: Generator, B: int, cfg: RolloutConfig, graphed: bool, windows: li
     return gen._steps[key]
 
 
-def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, runner: ToolRunner,
-               eos_id: int, pad_id: int, stats: dict, budget: int,
+def _run_chunk(gen: Generator, prompts: list, copy_of: torch.Tensor, cfg: RolloutConfig,
+               runner: ToolRunner, eos_id: int, pad_id: int, stats: dict, budget: int,
                forced: Optional[list], step) -> _Rows:
+    """Prefill the chunk's distinct `prompts` once each (as Generator.generate: K/V columns
+    0..P-1 copied to the rows of their copies `copy_of` (B,), chunk row -> prompt), then decode its
+    B rows to the end -> their host record."""
     w, dev, tok, mt = gen.w, gen.device, runner.tok, runner.mt
     st, fns = step
     one = RolloutConfig(n=1, max_new_tokens=cfg.max_new_tokens, max_batch_size=len(prompts))
     ids, mask = gen._padded_prompts(prompts, one, pad_id)
-    B, P = ids.shape
+    (U, P), B = ids.shape, len(copy_of)
     R = cfg.max_new_tokens
     cache, (cos, sin) = gen._cache, gen._tables
     ids, mask = ids.to(dev), mask.to(dev)
@@ -249,7 +256,11 @@ def _run_chunk(gen: Generator, prompts: list, cfg: RolloutConfig, runner: ToolRu
     logits = torch.cat([decoder.forward(w, ids[r:r + per], positions[r:r + per],
                                         mask[r:r + per].bool(), cos_tab=cos, sin_tab=sin,
                                         cache=cache, cache_row0=r, last_only=True)
-                        for r in range(0, B, per)])  # (B, V)
+                        for r in range(0, U, per)])  # (U, V), K/V in cache rows 0..U-1
+    if U < B:  # each copy gets its prompt's K/V and logits
+        copy_of = copy_of.to(dev)
+        cache.gather_rows(copy_of, columns=P)
+        logits, mask = logits.index_select(0, copy_of), mask.index_select(0, copy_of)
     st.reset(logits=logits, mask=mask)
     del logits
     rows = _Rows(B, R)

@@ -124,6 +124,30 @@ def test_step_state_is_static_across_calls(tmp_path):
     assert int(st.col[0]) > int(st.col[1])  # rows advance their own columns (row 1 stopped)
 
 
+def test_a_prompt_is_prefilled_once_for_its_samples(tmp_path):
+    """rollout.n copies of a prompt share one prefill (its K/V copied to their rows): the same
+    rollout as the copies given as separate prompts."""
+    tok = byte_tokenizer(tmp_path)
+    end = tok.encode("<|im_end|>")
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in ("a question", "another, longer question")]
+    runner = runner_for(tok, "hermes", tool_config(tmp_path, "calculator"))
+    forced = [tok.encode(call("1+2")), end, [], [], tok.encode(call("2*3")), []]
+    outs = []
+    for ps, n in ((prompts, 3), ([p for p in prompts for _ in range(3)], 1)):
+        gen = make_gen()
+        cfg = RolloutConfig(n=n, max_new_tokens=96, temperature=1.0, return_logprobs=True,
+                            max_batch_size=4)  # chunks of 4 and 2 rows: one cuts a group
+        outs.append(generate_multi_turn(gen, ps, cfg=cfg, runner=runner, eos_id=tok.eos_id,
+                                        pad_id=tok.pad_id, seed=2, forced=forced)[0])
+    shared, separate = outs
+    assert torch.equal(shared.response_ids, separate.response_ids)
+    assert torch.equal(shared.tool_mask, separate.tool_mask) and shared.tool_mask.any()
+    torch.testing.assert_close(shared.rollout_logprobs, separate.rollout_logprobs, rtol=1e-5,
+                               atol=1e-5)
+    assert shared.group_ids.tolist() == [0, 0, 0, 1, 1, 1]
+
+
 def test_close_tokens(tmp_path):
     """Only tokens whose text holds the closing marker's last character can end a call: in the
     byte-level vocabulary, `>` and the specials that end with it (hermes), a backtick (code)."""
