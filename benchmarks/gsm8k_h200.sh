@@ -11,6 +11,10 @@
 #   bash benchmarks/gsm8k_h200.sh hf_eval               # transformers' greedy accuracy on the val set
 #   bash benchmarks/gsm8k_h200.sh train SECONDS [k=v..] # GRPO with validation; stops (checkpoint)
 #                                                         before SECONDS; run again to resume
+#   bash benchmarks/gsm8k_h200.sh variant NAME SECONDS [k=v..] # 60 steps of a variant of the recipe
+#                                                         (benchmarks/gsm8k_variants.py names them) in
+#                                                         RUN_DIR=/tmp/gsm8k_NAME, outputs in OUT/NAME;
+#                                                         run again to resume; one at a time
 #   bash benchmarks/gsm8k_h200.sh step [STEPS] [k=v..]  # the recipe's step time: STEPS (24) steps
 #                                                         without validation or checkpoints, medians
 #                                                         over steps 2.. -> $OUT/gsm8k_step_h200.json
@@ -55,6 +59,21 @@ train() {
     2>&1 | tee -a "$OUT/train.log"
   cp "$RUN_DIR/metrics.jsonl" "$RUN_DIR/val_generations.jsonl" "$RUN_DIR/val_scores.jsonl" "$OUT/" \
     2>/dev/null || true
+}
+
+variant() {
+  local name=$1 budget=$2; shift 2
+  local opts
+  opts=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from gsm8k_variants import VARIANTS; print(VARIANTS[sys.argv[1]])" "$name")
+  local exp=(experiment=gsm8k_qwen_coder_0_5b)
+  [[ $opts == experiment=* ]] && exp=()
+  mkdir -p "$OUT/$name"
+  # shellcheck disable=SC2086  # the variant's overrides are words
+  python3 -m hybridflow.train "${exp[@]}" model.gguf_path="$GGUF" data.train_files="$DATA/train.parquet" \
+    data.val_files="$DATA/val.parquet" trainer.output_dir="/tmp/gsm8k_$name" trainer.progress_bar=false \
+    trainer.total_steps=60 trainer.save_every=0 trainer.time_budget_s="$budget" $opts "$@" \
+    2>&1 | tee -a "$OUT/$name/train.log"
+  cp "/tmp/gsm8k_$name/metrics.jsonl" "/tmp/gsm8k_$name/val_scores.jsonl" "$OUT/$name/" 2>/dev/null || true
 }
 
 step() {

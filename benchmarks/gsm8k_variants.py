@@ -1,0 +1,110 @@
+r"""The GSM8K recipe beside its variants, same code and seed: val accuracy per step (and problem by
+problem against the base run: validation.paired_comparison, McNemar's exact test), step and stage
+medians, peak memory, and the rollout/training mismatch per step.
+
+Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they name):
+  base     the recipe as written (bf16 rollouts)
+  fp8      rollout.quantization=fp8 (sets algo.tis_imp_ratio_cap=2.0 itself)
+  int4     rollout.quantization=int4
+  lora     actor.lora.rank=32 alpha=32 (all-linear), actor_optim.lr=3e-5 (10x the full run's)
+  partial  rollout.partial (512 decode steps per step, 32 extra prompts in flight), TIS cap 2.0
+  tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter)
+
+On one H200, after `bash benchmarks/gsm8k_h200.sh setup`, one variant per device call (each ~6-7
+minutes for 60 steps with validation every 5), resumable while the machine stays warm:
+  bash benchmarks/gsm8k_h200.sh variant base 560      # RUN_DIR /tmp/gsm8k_base, OUT/base
+  bash benchmarks/gsm8k_h200.sh variant fp8 560
+  python benchmarks/gsm8k_variants.py --runs $OUT --out $OUT/gsm8k_variants_h200.json
+Run the variants one after another, never two on the GPU at once: two GSM8K runs sharing an H200
+took 10.6 and 14.5 s per step against ~5 s each alone (time-slicing, no overlap to gain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, ROOT)
+from run_record import write_json  # noqa: E402
+
+VARIANTS = {
+    "base": "",
+    "fp8": "rollout.quantization=fp8",
+    "int4": "rollout.quantization=int4",
+    "lora": "actor.lora.rank=32 actor.lora.alpha=32 actor_optim.lr=3e-5",
+    "partial": ("rollout.partial.enable=true rollout.partial.max_decode_steps=512 "
+                "rollout.partial.extra_prompts=32 rollout.max_batch_size=768 algo.tis_imp_ratio_cap=2.0"),
+    "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
+}
+STAGES = ("gen", "reshard", "reward", "old_log_prob", "ref", "adv", "update_actor", "val")
+MISMATCH = ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max", "rollout_corr/kl")
+PER_STEP = ("critic/score/mean", "response_length/mean", "num_turns/mean", "tool_calls/mean")
+
+
+def summarize(run_dir: str, skip: int = 1) -> dict:
+    """One run's metrics.jsonl -> val curve, medians over the steps after the first `skip` (the
+    first step compiles and captures; a resumed run's first step is left out too)."""
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if line.strip()]
+    steps = [r for r in rows if "timing_s/step" in r]
+    firsts, seen = set(), set()
+    for r in steps:  # a step logged again after a resume: keep the last; a resume's first step out
+        if r["step"] in seen or (firsts and r["step"] != max(seen) + 1):
+            firsts.add(r["step"])
+        seen.add(r["step"])
+    by_step = {r["step"]: r for r in steps}
+    timed = [r for s, r in sorted(by_step.items()) if s > skip and s not in firsts]
+    med = lambda k: statistics.median(r[k] for r in timed if k in r) if any(k in r for r in timed) else None  # noqa: E731
+    val = [[r["step"], r[k]] for r in rows for k in r
+           if k.startswith("val-core/") and k.endswith("reward/mean@1")]
+    return {
+        "steps": max(by_step) if by_step else 0,
+        "val_accuracy": sorted(dict(val).items()),
+        "step_s": med("timing_s/step"),
+        "stages_s": {s: med(f"timing_s/{s}") for s in STAGES if med(f"timing_s/{s}") is not None},
+        "steps_timed": len(timed),
+        "peak_gb": max((r.get("perf/max_memory_allocated_gb", 0.0) for r in steps), default=None),
+        "mismatch_median": {k: med(k) for k in MISMATCH if med(k) is not None},
+        "per_step": {k: [[r["step"], r[k]] for r in by_step.values() if k in r]
+                     for k in MISMATCH + PER_STEP if any(k in r for r in steps)},
+    }
+
+
+def paired(base_scores: str, scores: str) -> list[dict]:
+    from gsm8k_report import paired_by_step
+
+    return paired_by_step(scores, base_scores)  # a = the variant, b = base
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", required=True, help="a folder with one sub-folder per variant "
+                    "(metrics.jsonl, val_scores.jsonl), as `gsm8k_h200.sh variant` leaves them")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    out = {"variants": {}, "overrides": VARIANTS}
+    for name in VARIANTS:
+        d = os.path.join(args.runs, name)
+        if not os.path.isfile(os.path.join(d, "metrics.jsonl")):
+            continue
+        out["variants"][name] = s = summarize(d)
+        base = os.path.join(args.runs, "base", "val_scores.jsonl")
+        mine = os.path.join(d, "val_scores.jsonl")
+        if name != "base" and os.path.isfile(base) and os.path.isfile(mine):
+            s["vs_base_problem_by_problem"] = paired(base, mine)
+    if not out["variants"]:
+        raise SystemExit(f"--runs {args.runs}: no <variant>/metrics.jsonl for any of {sorted(VARIANTS)}")
+    write_json(args.out, out)
+    for name, s in out["variants"].items():
+        last = s["val_accuracy"][-1] if s["val_accuracy"] else None
+        print(f"{name:8s} steps {s['steps']:3d}  step {s['step_s'] or float('nan'):6.2f} s  "
+              f"peak {s['peak_gb'] or 0:5.1f} GB  last val {last}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""benchmarks/gsm8k_variants.py: the per-variant summary of a GSM8K run's metrics and its
+problem-by-problem comparison against the base run."""
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import gsm8k_variants  # noqa: E402
+
+
+def _write(d, rows, scores):
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with open(os.path.join(d, "val_scores.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": s, "index": list(range(len(v))), "scores": {"reward": v}}) + "\n"
+                     for s, v in scores)
+
+
+def _step(s, t, **kw):
+    return {"step": s, "timing_s/step": t, "timing_s/gen": t / 2, **kw}
+
+
+def test_summary_leaves_out_first_and_resumed_steps_and_pairs_problems(tmp_path):
+    key = "val-core/gsm8k/reward/mean@1"
+    base = [{"step": 0, key: 0.5}, _step(1, 30.0), _step(2, 4.0), _step(3, 6.0),
+            _step(4, 5.0, **{"perf/max_memory_allocated_gb": 40.0}), {"step": 4, key: 0.75}]
+    # the variant resumed after step 2: step 3 is its first step in a new process (compile, capture)
+    var = [{"step": 0, key: 0.5}, _step(1, 30.0), _step(2, 8.0, **{"rollout_corr/kl": 0.01}),
+           _step(3, 40.0, **{"rollout_corr/kl": 0.03}), _step(4, 10.0, **{"rollout_corr/kl": 0.02}),
+           {"step": 4, key: 0.25}]
+    # the restart shows as a step logged again: 3 was logged, the run stopped, 3 logged anew
+    var.insert(4, _step(3, 9.0))
+    _write(tmp_path / "base", base, [(0, [1, 0, 1, 0]), (4, [1, 1, 1, 0])])
+    _write(tmp_path / "fp8", var, [(0, [1, 0, 1, 0]), (4, [0, 0, 1, 0])])
+    out = gsm8k_variants.main(["--runs", str(tmp_path), "--out", str(tmp_path / "o.json")])
+    b, v = out["variants"]["base"], out["variants"]["fp8"]
+    assert b["steps"] == 4 and b["step_s"] == 5.0 and b["steps_timed"] == 3  # median of 4, 6, 5
+    assert b["stages_s"]["gen"] == 2.5 and b["peak_gb"] == 40.0
+    assert b["val_accuracy"] == [(0, 0.5), (4, 0.75)]
+    assert v["steps_timed"] == 2 and v["step_s"] == 9.0  # steps 2 and 4; the re-logged 3 is out
+    assert v["mismatch_median"]["rollout_corr/kl"] == 0.015
+    pair = {p["step"]: p for p in v["vs_base_problem_by_problem"]}
+    assert pair[4]["only_a"] == 0 and pair[4]["only_b"] == 2 and pair[4]["accuracy_b"] == 0.75
+    assert "vs_base_problem_by_problem" not in b
+    assert json.load(open(tmp_path / "o.json"))["variants"]["fp8"]["steps"] == 4
