@@ -312,3 +312,21 @@ def test_router_replay_records_and_replays(tmp_path):
     assert r["record_bytes_per_token"] == L * k * 2  # int16
     assert r["replay"]["router_mismatch_frac"] == 0.0  # fp32 generation, same weights
     assert "router_mismatch_frac" not in r["no_replay"]
+
+
+def test_bench_packed_pass_times_every_variant(tmp_path):
+    # the packed, padded-budget and equal-length passes through the real Engine (tiny model, CPU):
+    # packed micro-batches compute the real tokens, padded ones more, equal rows the same count
+    out = tmp_path / "pp.json"
+    subprocess.run([sys.executable, "benchmarks/bench_packed_pass.py", "--device", "cpu", "--model", "tiny",
+                    "--rows", "16", "--prompt-len", "8", "--mean", "12", "--min", "2", "--cap", "32",
+                    "--forward-budget", "256", "--budget", "128", "--iters", "1", "--out", str(out)],
+                   check=True, cwd=ROOT, env=ENV, capture_output=True)
+    res = json.loads(out.read_text())["results"]
+    assert set(res) == {"packed", "budget", "equal"}
+    p, b = res["packed"], res["budget"]
+    assert p["ref_tokens_computed"] == p["update_tokens_computed"] == p["real_tokens"]
+    assert b["ref_tokens_computed"] > b["real_tokens"] and b["update_tokens_computed"] > b["real_tokens"]
+    for r in res.values():
+        assert len(r["ref_s"]) == 1 and r["ref_median_s"] > 0 and r["update_median_s"] > 0
+        assert r["predicted_s"]["ref"] > 0 and r["predicted_s"]["update_actor"] > 0

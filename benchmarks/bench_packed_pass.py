@@ -1,0 +1,187 @@
+"""Where a packed pass spends its time: the GSM8K step's ref and update passes through the real Engine.
+
+The cost model charges packed micro-batches `packed_token_s` per real token, layer and attention
+kernel beyond their FLOPs (fitted on the GSM8K records; ~1.2 s of the 4.8 s step) without knowing
+what it is. This runs one step's rows (GSM8K-like lengths: 512 rows, prompts of --prompt-len,
+responses log-normal with --mean / --clip / --min, cut at --cap; random bf16 weights of --model)
+through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the update) as:
+- `packed`: token budgets of --forward-budget / --budget tokens, each micro-batch one packed row
+  under a flex_attention document mask (algo.pack_sequences=true, the recipe);
+- `budget`: the same budgets, each micro-batch padded to its own longest row (pack_sequences=false);
+- `equal`: every row the mean length (prompt + round(mean)), the same budgets: the fixed-length
+  shape the calibration's other records have, at the same real tokens.
+Per variant: seconds per pass (median of --iters after a warm-up pass), micro-batches, tokens
+computed; the cost model's prediction of the same pass (shipped calibration); with --profile the
+packed passes' top CUDA kernels (flex_attention, GEMMs, log-prob kernels, gathers).
+
+  python benchmarks/bench_packed_pass.py --out benchmarks/results/packed_pass_h200.json --profile
+  python benchmarks/bench_packed_pass.py --device cpu --model tiny --rows 16 --prompt-len 8 \\
+      --mean 12 --cap 32 --forward-budget 256 --budget 128 --iters 1 --out /tmp/pp.json  # CPU smoke
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.run_record import command, machine, versions, write_json  # noqa: E402
+
+
+def make_batch(prompt_len: int, responses: list[int], vocab: int, seed: int = 0):
+    from hybridflow.data.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    b, r = len(responses), max(responses)
+    prompt_mask = torch.ones(b, prompt_len, dtype=torch.long)
+    response_mask = (torch.arange(r)[None] < torch.tensor(responses)[:, None]).long()
+    return RolloutBatch(
+        prompt_ids=torch.randint(1, vocab, (b, prompt_len), generator=g), prompt_mask=prompt_mask,
+        response_ids=torch.randint(1, vocab, (b, r), generator=g) * response_mask,
+        response_mask=response_mask, group_ids=torch.arange(b) // 8, indices=torch.arange(b),
+        old_logprobs=-3.0 + 0.1 * torch.randn(b, r, generator=g),
+        ref_logprobs=-3.0 + 0.1 * torch.randn(b, r, generator=g),
+        advantages=torch.randn(b, 1, generator=g) * response_mask)
+
+
+def timed(fn, iters: int, cuda: bool) -> list[float]:
+    fn()  # warm-up: compiles flex_attention, allocator
+    out = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def top_kernels(fn, rows: int = 25) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ev = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:rows]
+    return [{"name": e.key[:120], "cuda_s": e.device_time_total / 1e6, "calls": e.count} for e in ev]
+
+
+def predicted(model_cfg, *, prompt_len, lengths, budget, fbudget, pack: bool, equal: bool,
+              device: str) -> dict:
+    from hybridflow.cost import estimate_step_time
+
+    work = dict(algorithm="grpo", prompts_per_step=len(lengths) // 8, samples_per_prompt=8,
+                prompt_len=prompt_len, micro_batch_tokens=budget, forward_micro_batch_tokens=fbudget,
+                skip_old_log_prob=True, dynamic_bsz=True, pack_sequences=pack,
+                decode_kernels="triton" if device == "cuda" else "torch")
+    if equal:
+        work["response_len"] = round(statistics.fmean(lengths))
+        work["max_new_tokens"] = work["response_len"]
+    else:
+        work["response_lengths"] = list(lengths)
+        work["max_new_tokens"] = max(lengths)
+    t = estimate_step_time(model=model_cfg, gpu="H200", num_gpus=1, layout={"tp": 1}, **work)
+    return {"ref": t["ref"], "update_actor": t["update_actor"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2_5_coder_0_5b")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=105)
+    ap.add_argument("--mean", type=float, default=300.0)
+    ap.add_argument("--clip", type=float, default=0.0078, help="share of rows at the cap")
+    ap.add_argument("--min", type=float, default=93.0, help="the shortest response")
+    ap.add_argument("--cap", type=int, default=1024)
+    ap.add_argument("--forward-budget", type=int, default=40960)
+    ap.add_argument("--budget", type=int, default=20480)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--variants", default="packed,budget,equal")
+    ap.add_argument("--profile", action="store_true", help="top CUDA kernels of the packed passes")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+
+    from hybridflow.algo.objectives import actor_objective
+    from hybridflow.config import AlgoConfig, OptimConfig, ParallelConfig
+    from hybridflow.cost.lengths import fit_stats
+    from hybridflow.cost.shapes import load_shape
+    from hybridflow.cost.varlen import row_lengths
+    from hybridflow.cost.workload import Workload
+    from hybridflow.engine import Engine
+    from hybridflow.parallel import groups
+
+    cuda = a.device == "cuda"
+    groups.init_distributed()
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=1)
+    model_cfg = load_shape(a.model)
+    pts = fit_stats(mean=a.mean, cap=a.cap, clip_ratio=a.clip, shortest=a.min, rows=a.rows, k=a.rows)
+    lengths = [int(x) for x in row_lengths(Workload(prompts_per_step=1, samples_per_prompt=1,
+                                                    response_lengths=pts), a.rows)]
+    precision = "bf16" if cuda else "fp32"
+    par = ParallelConfig(use_distributed_optimizer=False)
+    ref = Engine(role="ref", model_cfg=model_cfg, ctx=ctx, parallel=par, precision=precision)
+    actor = Engine(role="actor", model_cfg=model_cfg, ctx=ctx, parallel=par, precision=precision,
+                   optim=OptimConfig(lr=1e-7, clip_grad=1.0), total_updates=1000)
+    algo = AlgoConfig(loss_agg_mode="token-mean", use_kl_loss=True, kl_loss_coef=0.001)
+    results = {}
+    for variant in a.variants.split(","):
+        resp = [round(statistics.fmean(lengths))] * a.rows if variant == "equal" else lengths
+        batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size).to(ctx.device)
+        pack = variant == "packed"
+        loss_fn = actor_objective(algo, num_tokens=int(batch.response_mask.sum()), num_seqs=a.rows)
+
+        def fwd():
+            ref.compute_logprobs(batch, micro_batch_size=a.rows, max_tokens=a.forward_budget, pack=pack)
+
+        def upd():
+            actor.train_step(batch, loss_fn, micro_batch_size=a.rows, max_tokens=a.budget,
+                             pack=pack, need_entropy=True)
+
+        micro_f, _ = ref._micro_batches(batch, micro_batch_size=a.rows, max_tokens=a.forward_budget,
+                                        pack=pack)
+        micro_u, _ = actor._micro_batches(batch, micro_batch_size=a.rows, max_tokens=a.budget,
+                                          pack=pack)
+
+        def computed(micro):   # tokens the micro-batches compute (a packed row: its real tokens)
+            return sum(int(p.input_ids.numel()) if p is not None else int(mb.input_ids().numel())
+                       for mb, _, p in micro)
+
+        r = {"ref_s": timed(fwd, a.iters, cuda), "update_s": timed(upd, a.iters, cuda),
+             "ref_micro_batches": len(micro_f), "update_micro_batches": len(micro_u),
+             "ref_tokens_computed": computed(micro_f), "update_tokens_computed": computed(micro_u),
+             "real_tokens": int(batch.token_mask().sum()),
+             "predicted_s": predicted(model_cfg, prompt_len=a.prompt_len, lengths=resp,
+                                      budget=a.budget, fbudget=a.forward_budget, pack=pack,
+                                      equal=variant == "equal", device=a.device)}
+        r["ref_median_s"], r["update_median_s"] = (statistics.median(r["ref_s"]),
+                                                   statistics.median(r["update_s"]))
+        if a.profile and cuda and pack:
+            r["ref_top_kernels"], r["update_top_kernels"] = top_kernels(fwd), top_kernels(upd)
+        results[variant] = r
+        print(f"{variant:7s} ref {r['ref_median_s']:.3f} s (pred {r['predicted_s']['ref']:.3f}), "
+              f"update {r['update_median_s']:.3f} s (pred {r['predicted_s']['update_actor']:.3f}), "
+              f"micro {r['ref_micro_batches']}/{r['update_micro_batches']}, "
+              f"tokens {r['ref_tokens_computed']}/{r['update_tokens_computed']} "
+              f"(real {r['real_tokens']})", flush=True)
+    write_json(a.out, {"benchmark": "packed vs padded token-budget passes at GSM8K lengths",
+                       "model": a.model, "machine": machine(),
+                       "versions": versions("megatron-core"), "command": command(),
+                       "lengths": {"rows": a.rows, "prompt_len": a.prompt_len,
+                                   "response_mean": statistics.fmean(lengths),
+                                   "response_max": max(lengths), "cap": a.cap},
+                       "budgets": {"forward": a.forward_budget, "update": a.budget},
+                       "results": results})
+    print(f"wrote {a.out}")
+    groups.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
