@@ -259,7 +259,8 @@ def _gen_buffer_bytes(shape: ModelConfig, plan: Plan, workload: Workload) -> flo
 def _gen_bytes_per_seq(shape: ModelConfig, layout: Layout, workload: Workload) -> tuple[float, float]:
     """(KV cache, scratch) bytes per sequence of a generation wave (the cache holds the longest
     response)."""
-    kv = (workload.prompt_len + workload.longest_response) * kv_bytes_per_token(shape, layout.tp_g)
+    prompt = workload.prompt_len_max or workload.prompt_len   # a chunk's prompts, left-padded
+    kv = (prompt + workload.longest_response) * kv_bytes_per_token(shape, layout.tp_g)
     scratch = (workload.prompt_len * activation_bytes_per_token_layer(shape)
                + shape.vocab_size * LOGIT_BYTES) / layout.tp_g
     return kv, scratch
@@ -267,9 +268,12 @@ def _gen_bytes_per_seq(shape: ModelConfig, layout: Layout, workload: Workload) -
 
 def gen_batch_size(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
                    calib: Calibration) -> tuple[int, int]:
-    """(sequences per wave, waves) for one gen replica: as many as the free memory holds."""
+    """(sequences per wave, waves) for one gen replica: as many as the free memory holds (and
+    rollout.max_batch_size allows); a call generates the step's rows, or under dynamic sampling
+    its share of the prompt batches of a round."""
     lay = plan.layout
-    per_replica = math.ceil(workload.num_sequences / lay.dp_g)
+    w = workload
+    per_replica = math.ceil(w.num_sequences * w.gen_prompt_factor / w.gen_rounds / lay.dp_g)
     resident = _resident(shape, plan, workload)
     if workload.offload_grads:
         resident["actor_grads"] = 0.0
@@ -279,7 +283,8 @@ def gen_batch_size(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
             + _prefetched_reference(shape, plan, workload))
     free = (gpu.memory_gib - calib.memory_headroom_gib) * GIB / calib.memory_scale - used
     kv, scratch = _gen_bytes_per_seq(shape, lay, workload)
-    batch = min(per_replica, max(1, int(free // (kv + scratch * calib.activation_memory_scale))))
+    batch = min(per_replica, w.gen_max_batch_size or per_replica,
+                max(1, int(free // (kv + scratch * calib.activation_memory_scale))))
     return batch, math.ceil(per_replica / batch)
 
 

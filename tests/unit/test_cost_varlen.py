@@ -266,3 +266,32 @@ def test_cli_with_a_trainer_config(tmp_path):
     assert w["prompt_len"] == 100 and w["prompt_len_max"] == 170
     assert set(rep["stage_seconds"]) == {"reshard", "gen", "ref", "update_actor", "other"}
     assert rep["layout"]["tp"] == 1 and rep["fits"]
+
+
+def test_generation_call_rows_under_dynamic_sampling_and_the_batch_cap():
+    # dynamic sampling: 2.5 prompt batches in 1.25 rounds -> 2 x 512 rows per call; the call runs
+    # in chunks of rollout.max_batch_size (384): 3 chunks, the memory holds one chunk's cache
+    from hybridflow.cost import estimate_memory, get_gpu, load_shape
+    from hybridflow.cost.memory import gen_batch_size
+    from hybridflow.cost.workload import make_plan
+
+    shape = load_shape("qwen2_0_5b")
+    plan = make_plan({"tp": 1}, 1, shape)
+    w = Workload(prompts_per_step=64, samples_per_prompt=8, prompt_len=100, prompt_len_max=160,
+                 response_lengths=(100, 200, 300, 1000), max_new_tokens=1024, gen_rounds=1.25,
+                 gen_prompt_factor=2.5, gen_max_batch_size=384)
+    assert gen_batch_size(shape, get_gpu("H200"), plan, w, Calibration()) == (384, 3)
+    d = decode_schedule(w, 1024, 384)
+    assert d.chunks == 3
+    t = stage_terms(shape, get_gpu("H200"), plan, w, Calibration())
+    # per call 3 chunks' steps, 1.25 calls per step
+    assert t["gen"].x["fused_decode_layer_overhead_s"] == pytest.approx(1.25 * d.steps * 24)
+    kv = estimate_memory(model="qwen2_0_5b", gpu="H200", num_gpus=1, layout={"tp": 1},
+                         calibration=Calibration(),
+                         **{k: getattr(w, k) for k in ("prompts_per_step", "samples_per_prompt",
+                                                      "prompt_len", "prompt_len_max",
+                                                      "response_lengths", "max_new_tokens",
+                                                      "gen_rounds", "gen_prompt_factor",
+                                                      "gen_max_batch_size")}).phases_gib["gen"]["kv_cache"]
+    per_row = (160 + 1000) * 2 * 24 * 2 * 64 * 2      # (longest prompt + response) x K/V bytes
+    assert kv == pytest.approx(384 * per_row / 2 ** 30)
