@@ -63,8 +63,8 @@ def run(out: str) -> dict:
         with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
             f.write("".join(json.dumps(r) + "\n" for r in probe))
         try:
-            model, plan, fields = from_overrides(case["overrides"], world_size=1, free_gib=free,
-                                                 lengths_path=f.name)
+            model, plan, fields, _ = from_overrides(case["overrides"], world_size=1,
+                                                    free_gib=free, lengths_path=f.name)
         finally:
             os.unlink(f.name)
         pred = estimate_step_time(model=model, gpu="H200", num_gpus=1, layout=plan,

@@ -179,8 +179,10 @@ def _from_config(a) -> int:
     from hybridflow.cost.gpus import get_gpu
 
     free = a.gpu_memory_gib or get_gpu(a.gpu).memory_gib
-    model, plan, fields = from_overrides(a.config, world_size=a.num_gpus, free_gib=free,
-                                         lengths_path=a.lengths)
+    model, plan, fields, notes = from_overrides(a.config, world_size=a.num_gpus, free_gib=free,
+                                                lengths_path=a.lengths)
+    for note in notes:
+        print(f"hybridflow cost: note: {note}", file=sys.stderr)
     report = estimate_cost(model=model, gpu=a.gpu, num_gpus=a.num_gpus, layout=plan.to_dict(),
                            steps=a.steps, epochs=a.epochs, dataset_size=a.dataset_size,
                            price_per_gpu_hour=a.price_per_gpu_hour, calibration=a.calibration,

@@ -58,7 +58,7 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
 
 def from_overrides(overrides: list[str], *, world_size: int, free_gib: float,
                    lengths_path: str | None = None) -> tuple:
-    """(ModelConfig, Plan, Workload fields) of the trainer config that `overrides` compose (e.g.
+    """(ModelConfig, Plan, Workload fields, notes) of the trainer config that `overrides` compose (e.g.
     ["experiment=gsm8k_qwen_coder_0_5b"]), its auto options resolved as on a GPU with `free_gib`
     free (token budgets included); `lengths_path`: the step's lengths (cost.lengths.load_lengths:
     a metrics.jsonl, probe.json or lengths JSON), else every response runs to the cap."""
@@ -79,5 +79,10 @@ def from_overrides(overrides: list[str], *, world_size: int, free_gib: float,
     if lengths_path is not None:
         lengths |= load_lengths(lengths_path, cap=r.max_new_tokens,
                                 num_rows=d.prompts_per_step * r.n)
-    return cfg.model, plan_for(cfg, world_size), workload_fields(cfg, decode_kernels=kernels,
-                                                                 lengths=lengths)
+    notes = []
+    if a.dynamic_sampling.enable and "gen_rounds" not in lengths:
+        notes.append("the config samples dynamically (algo.dynamic_sampling); without a probe's "
+                     "metrics.jsonl (its dynamic_sampling/rounds and /batches) generation is costed "
+                     "as one prompt batch per step")
+    return (cfg.model, plan_for(cfg, world_size),
+            workload_fields(cfg, decode_kernels=kernels, lengths=lengths), notes)

@@ -295,3 +295,10 @@ def test_generation_call_rows_under_dynamic_sampling_and_the_batch_cap():
                                                       "gen_max_batch_size")}).phases_gib["gen"]["kv_cache"]
     per_row = (160 + 1000) * 2 * 24 * 2 * 64 * 2      # (longest prompt + response) x K/V bytes
     assert kv == pytest.approx(384 * per_row / 2 ** 30)
+
+
+def test_cli_notes_dynamic_sampling_without_its_rounds():
+    r = _cli("--config", "experiment=gsm8k_qwen_coder_0_5b", "algo=dapo", "--num-gpus", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "samples dynamically" in r.stderr and "one prompt batch per step" in r.stderr
+    assert "ref" not in json.loads(r.stdout)["stage_seconds"]          # DAPO: no KL reference
