@@ -150,7 +150,9 @@ class _RouterHook:
         if t.shape != own.shape:
             raise ValueError(f"router replay of layer {self.layer}: {tuple(t.shape)} recorded "
                              f"experts for {tuple(own.shape)} routed ones (tokens, top_k)")
-        recorded = t[:, :1] >= 0  # (n, 1)
+        # a token replays when all its k ids are experts: the ids index `scores` (a GPU gather
+        # asserts on one out of range), so a -1 anywhere (nothing recorded) takes the own choice
+        recorded = ((t >= 0) & (t < scores.shape[-1])).all(1, keepdim=True)  # (n, 1)
         idx = torch.where(recorded, t, own)
         if self.count:
             differ = (own.sort(1).values != t.sort(1).values).any(1) & recorded[:, 0]

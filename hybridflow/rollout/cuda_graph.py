@@ -32,11 +32,16 @@ def bucket_for(rows: int, max_batch_size: int) -> int:
     return next(b for b in bucket_sizes(max_batch_size) if b >= rows)
 
 
+# eager runs of a step before its capture (cuBLAS/SDPA workspaces and lazy inits): they run on
+# whatever the step's buffers hold then, so a step must keep its indices in range on that state
+WARMUP = 2
+
+
 class GraphedStep:
     """`fn` captured once (after `warmup` eager runs on a side stream); calling replays it."""
 
     def __init__(self, fn: Callable[[], None], *, pool, side: torch.cuda.Stream,
-                 generator: torch.Generator | None, warmup: int = 2):
+                 generator: torch.Generator | None, warmup: int = WARMUP):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # cuBLAS/SDPA workspaces and lazy inits happen here
             for _ in range(warmup):
@@ -50,6 +55,20 @@ class GraphedStep:
 
     def __call__(self) -> None:
         self.graph.replay()
+
+
+class WarmedStep:
+    """GraphedStep's host-side twin (DecodeOptions.emulate_graphs, off a GPU): the same `warmup`
+    eager runs of `fn` at construction, then `fn` itself per call where a GPU replays the graph
+    (the capture run executes nothing on a GPU, so it has no twin here)."""
+
+    def __init__(self, fn: Callable[[], None], *, warmup: int = WARMUP):
+        for _ in range(warmup):
+            fn()
+        self.fn = fn
+
+    def __call__(self) -> None:
+        self.fn()
 
 
 def free_workspaces() -> None:

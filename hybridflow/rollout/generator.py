@@ -58,8 +58,8 @@ from torch.profiler import record_function
 from hybridflow.config import ModelConfig, RolloutConfig
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.rollout import compaction, decoder
-from hybridflow.rollout.cuda_graph import (GraphedStep, StopPoller, bucket_for, bucket_sizes,
-                                           free_workspaces)
+from hybridflow.rollout.cuda_graph import (GraphedStep, StopPoller, WarmedStep, bucket_for,
+                                           bucket_sizes, free_workspaces)
 from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.options import DecodeOptions
 from hybridflow.rollout.quantize import quantize_weights, quantized_bytes, requantize_weights_
@@ -195,7 +195,8 @@ class Generator:
             if P + R > self.cfg.max_position_embeddings:
                 raise ValueError(f"longest prompt {P} + rollout.max_new_tokens={R} exceeds model."
                                  f"max_position_embeddings={self.cfg.max_position_embeddings}")
-            graphed = opts.cuda_graphs and self.device.type == "cuda"
+            # emulate_graphs: the graphed path's buckets and warm-ups off a GPU (tests)
+            graphed = opts.cuda_graphs and (self.device.type == "cuda" or opts.emulate_graphs)
             mbs = cfg.max_batch_size
             chunks = [(s, min(s + mbs, N)) for s in range(0, N, mbs)]
             bucket = {c: bucket_for(c[1] - c[0], mbs) if graphed else c[1] - c[0]
@@ -352,10 +353,15 @@ class Generator:
     def _capture(self, fn, buf: _Buffers, graphed: bool):
         if not graphed:
             return fn
+        # warm-up runs (cuda_graph.WARMUP per window, all on this bucket's buffers) advance these:
+        # keep the cache column inside every window and the output column inside max_new (> 1)
+        buf.cur.zero_()
+        buf.positions.zero_()
+        buf.step.zero_()
+        if self.device.type != "cuda":  # DecodeOptions.emulate_graphs
+            return WarmedStep(fn)
         if self._pool is None:
             self._pool, self._side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
-        buf.cur.zero_()  # warm-up runs advance these: keep them inside every window
-        buf.positions.zero_()
         return GraphedStep(fn, pool=self._pool, side=self._side, generator=self._rng)
 
     def _step_fn(self, buf: _Buffers, cfg: RolloutConfig, opts: DecodeOptions, pad: int, kv_len):
@@ -366,6 +372,7 @@ class Generator:
         argmax_in_step = step_kernel and cfg.temperature == 0.0 and not cfg.return_logprobs
         if step_kernel:
             from hybridflow.kernels import next_token as ksampling
+        max_new = buf.out_tokens.shape[1]
 
         def step():
             logits = decoder.decode_step(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
@@ -374,7 +381,10 @@ class Generator:
             if buf.experts is not None:  # the fed token is response token step - 1; a row
                 # that had finished fed its stop token or a post-stop sample: nothing to record
                 routed = buf.experts.masked_fill(buf.finished[:, None, None], -1)
-                buf.out_experts.index_copy_(1, buf.step - 1, routed[:, None])
+                # its column, step - 1, is in range for every real step (1..max_new-1); clamped
+                # for the warm-ups before a capture, which run at step 0 (reset() then fills -1)
+                col = (buf.step - 1).clamp_(0, max_new - 1)
+                buf.out_experts.index_copy_(1, col, routed[:, None])
             tok = lp = partials = None
             if argmax_in_step:
                 partials = ksampling.argmax_chunks(logits, pdl=opts.pdl)

@@ -54,6 +54,11 @@ class DecodeOptions:
     # smallest compaction target under CUDA graphs: below it a step costs about the same (weight
     # reads and launches), so a graph of fewer rows would be capture time for nothing
     min_graphed_bucket: int = 16
+    # off a GPU (tests): run the graphed path's host side as a GPU would (chunks padded to their
+    # buckets, every ladder bucket's step made up front, each step's warm-up calls on its buffers
+    # as GraphedStep makes them), then call the step eagerly where a GPU replays its graph; CPU
+    # ops raise on an index out of range, where a GPU's kernel asserts on the device
+    emulate_graphs: bool = False
 
     def __post_init__(self):
         order = {n: i for i, n in enumerate(PREFETCHABLE)}
