@@ -64,7 +64,8 @@ def test_options_key_the_captured_steps():
     added = set(gen._steps) - keys
     assert len(keys) == 1 and len(added) == 1
     (ka,), (kb,) = keys, added
-    assert ka != kb and ka[-1].pdl and not kb[-1].pdl  # the options (resolved) end the key
-    assert ka[-1].kernels == kb[-1].kernels == "torch"  # "auto" decided for the CPU
+    oa, ob = (next(x for x in k if isinstance(x, DecodeOptions)) for k in (ka, kb))
+    assert ka != kb and oa.pdl and not ob.pdl  # the options (resolved) are part of the key
+    assert oa.kernels == ob.kernels == "torch"  # "auto" decided for the CPU
     again = gen.generate(PROMPTS, cfg=cfg, eos_id=-1, pad_id=0, seed=0, options=a)
     assert len(gen._steps) == 2 and torch.equal(again.response_ids, out_a.response_ids)
