@@ -16,6 +16,9 @@ log-prob over response tokens with and without replay.
   python benchmarks/router_replay.py --model tiny --set model.moe.num_experts=4 \\
       --set model.moe.top_k=2 --set model.moe.moe_ffn_hidden_size=32 --prompts 4 \\
       --prompt-len 8 --new-tokens 8 --out /tmp/router_replay.json                 # CPU smoke
+  add --emulate-graphs to the CPU smoke: decode through the GPU path's batch buckets, compaction
+  ladder, KV windows and pre-capture warm-up calls (DecodeOptions.emulate_graphs), so an index
+  that would assert on the device raises on CPU
 """
 
 import argparse
@@ -66,6 +69,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--emulate-graphs", action="store_true",
+                    help="off a GPU: the graphed decode path's buckets, compaction, 64-column KV "
+                         "windows and warm-ups, run eagerly")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import torch
@@ -85,6 +91,11 @@ def main(argv=None) -> dict:
         raise ValueError(f"--model {args.model}: routing replay needs model.moe.num_experts > 0")
     rollout.n, rollout.max_new_tokens, rollout.return_logprobs = args.n, args.new_tokens, True
     rollout.max_batch_size = args.prompts * args.n
+    opts = DecodeOptions.from_config(rollout)
+    emulated = args.emulate_graphs and not torch.cuda.is_available()
+    if emulated:  # as the GPU's auto config decodes, ladder buckets down to one row
+        opts = opts.replace(emulate_graphs=True, compact_finished_rows=True, kv_window=64,
+                            check_every=2, min_graphed_bucket=1)
     precision = "bf16" if torch.cuda.is_available() else "fp32"
     groups.init_distributed()
     ctx = groups.init_model_parallel(tp=1, pp=1, seed=1)
@@ -96,7 +107,7 @@ def main(argv=None) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, model_cfg.vocab_size, (args.prompt_len - i % 8,),
                              generator=g).tolist() for i in range(args.prompts)]
-    kw = dict(cfg=rollout, eos_id=-1, pad_id=0, seed=1)
+    kw = dict(cfg=rollout, eos_id=-1, pad_id=0, seed=1, options=opts)
     gen.generate(prompts, **kw, record_experts=True)  # warm-up: graphs for both variants
     gen.generate(prompts, **kw)
     plain, gen_s = _timed(lambda: gen.generate(prompts, **kw))
@@ -120,9 +131,9 @@ def main(argv=None) -> dict:
             **eng.replay_metrics("router_mismatch_frac")}
         print(f"replay={replay}: {res['replay' if replay else 'no_replay']}", flush=True)
     tokens = int(batch.token_mask().sum())
-    opts = DecodeOptions.from_config(rollout)
     record = {"benchmark": "routing replay (R3): recording cost and training/rollout agreement",
               "decode_options": {"cuda_graphs": opts.cuda_graphs and torch.cuda.is_available(),
+                                 "emulated_graphs": emulated,
                                  "compact_finished_rows": opts.compact_finished_rows,
                                  "kv_window": opts.kv_window, "compile": opts.compile},
               "workload": {"model": args.model, "overrides": args.set, "precision": precision,

@@ -299,14 +299,19 @@ def test_lora_checkpoint_sizes_both_formats(tmp_path):
     assert r["size_ratio_full_over_adapter_only"] > 1 and r["adapter_only"]["load_s"] > 0
 
 
-def test_router_replay_records_and_replays(tmp_path):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated_graphs"])
+def test_router_replay_records_and_replays(tmp_path, graphs):
+    """emulated_graphs: the GPU's decode path (buckets, compaction ladder, two KV windows, the
+    warm-ups before each capture), eagerly on CPU."""
     out = tmp_path / "r.json"
+    extra = ["--new-tokens", "60", "--emulate-graphs"] if graphs else ["--new-tokens", "8"]
     subprocess.run([sys.executable, "benchmarks/router_replay.py", "--model", "tiny",
                     "--set", "model.moe.num_experts=4", "--set", "model.moe.top_k=2",
                     "--set", "model.moe.moe_ffn_hidden_size=32", "--prompts", "4",
-                    "--prompt-len", "8", "--new-tokens", "8", "--out", str(out)], check=True,
+                    "--prompt-len", "8", *extra, "--out", str(out)], check=True,
                    cwd=ROOT, env=ENV, capture_output=True)
     r = json.loads(out.read_text())
+    assert r["decode_options"]["emulated_graphs"] == graphs
     assert r["records_well_formed"] and r["tokens_equal_with_recording"]
     L, k = r["workload"]["num_layers"], r["workload"]["top_k"]
     assert r["record_bytes_per_token"] == L * k * 2  # int16
