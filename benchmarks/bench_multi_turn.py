@@ -14,11 +14,15 @@ which also captures the graphs; then the median of --reps calls):
   graphed          one CUDA-graph replay per step, the whole cache attended
   graphed_windows  a graph per KV window (rollout.decode_kv_window: an eighth of the cache)
   single_turn      Generator.generate on the same rows without tools (its GPU defaults but
-                   compile: Triton decode layers, graphs, windows, compaction), for the ratio.
+                   compile: Triton decode layers, graphs, windows, compaction), for the ratio
+and, with a long tail of lengths (three rows in four stop 0-119 tokens after their calls),
+  tail_graphed_windows          as graphed_windows
+  tail_graphed_windows_compact  + rollout.compact_finished_rows (the GPU default).
 Per variant: wall seconds, decode steps, ms per step, the time appending tool results and
 waiting for tools, calls per row.
 
-    python benchmarks/bench_multi_turn.py --synthetic --out benchmarks/results/multi_turn_ab_h200.json
+    python benchmarks/bench_multi_turn.py --synthetic \
+        --out benchmarks/results/multi_turn_ab_h200.json
     python benchmarks/bench_multi_turn.py --synthetic --device cpu --dtype float32 --layers 1 \
         --vocab 1024 --prompts 2 --n 2 --max-new 128 --reps 1 --out /tmp/mt_ab.json  # CPU smoke
 
@@ -132,6 +136,9 @@ def synthetic(a) -> dict:
     rows = a.prompts * a.n
     forced = [filler(16 + i % 48) + call(f"{i}*{i % 7 + 2}")
               + (filler(8 + i % 24) + call(f"{i}+1") if i % 2 else []) for i in range(rows)]
+    # a long tail: three rows in four stop (EOS) 0-119 tokens after their calls, the rest run on
+    tail = [f + ([] if i % 4 == 0 else filler((i * 53) % 120) + [tok.eos_id])
+            for i, f in enumerate(forced)]
     tools = load_tool_config("calculator.yaml")
     mt = MultiTurnConfig(enable=True, tool_config_path="calculator.yaml", max_assistant_turns=4,
                          max_tool_response_length=256, tool_workers=16)
@@ -141,19 +148,23 @@ def synthetic(a) -> dict:
                        return_logprobs=True)
     cache = max(map(len, prompts)) + a.max_new
     window = max(64, -(-cache // 8 // 64) * 64)
-    variants = {"eager": DecodeOptions(kernels="torch", cuda_graphs=False),
-                "graphed": DecodeOptions(kernels="torch"),
-                "graphed_windows": DecodeOptions(kernels="torch", kv_window=window)}
+    variants = {  # name: (options, forced tokens per row)
+        "eager": (DecodeOptions(kernels="torch", cuda_graphs=False), forced),
+        "graphed": (DecodeOptions(kernels="torch"), forced),
+        "graphed_windows": (DecodeOptions(kernels="torch", kv_window=window), forced),
+        "tail_graphed_windows": (DecodeOptions(kernels="torch", kv_window=window), tail),
+        "tail_graphed_windows_compact": (DecodeOptions(kernels="torch", kv_window=window,
+                                                       compact_finished_rows=True), tail)}
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     out = {}
-    for name, opts in variants.items():
+    for name, (opts, pattern) in variants.items():
         times, metrics = [], None
         for rep in range(a.reps + 1):  # the first: warm-up (and graph capture)
             sync()
             t0 = time.perf_counter()
             batch, metrics = generate_multi_turn(gen, prompts, cfg=rc, runner=runner,
                                                  eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                                 seed=rep, options=opts, forced=forced)
+                                                 seed=rep, options=opts, forced=pattern)
             sync()
             times.append(time.perf_counter() - t0)
         wall = statistics.median(times[1:])
@@ -180,8 +191,12 @@ def synthetic(a) -> dict:
                           "decode_steps": a.max_new - 1}
     print("single_turn", f"{out['single_turn']['wall_s']:.2f}s", flush=True)
     out["ratios"] = {k: out[k]["wall_s"] / out["single_turn"]["wall_s"]
-                     for k in variants}
-    out["settings"] = {"rows": rows, "kv_window": window, "forced": "1-2 calculator calls per row"}
+                     for k in variants if not k.startswith("tail")}
+    out["compaction_speedup"] = (out["tail_graphed_windows"]["wall_s"]
+                                 / out["tail_graphed_windows_compact"]["wall_s"])
+    out["settings"] = {"rows": rows, "kv_window": window,
+                       "forced": "1-2 calculator calls per row; tail_*: 3/4 of rows stop 0-119 "
+                                 "tokens after them"}
     runner.close()
     return out
 

@@ -142,7 +142,8 @@ class RolloutConfig:
     stop_token_ids: list = field(default_factory=list)  # besides the tokenizer's EOS
     cuda_graphs: bool = True  # capture the decode step on GPU (single- and multi-turn)
     # move the unfinished rows to a smaller batch bucket as rows stop, so a long tail of response
-    # lengths does not hold the whole batch (rollout/compaction.py). Greedy output is unchanged;
+    # lengths does not hold the whole batch (rollout/compaction.py; multi-turn: the rows still
+    # decoding or waiting for a tool, at the same thresholds). Greedy output is unchanged;
     # sampled output stays seeded-reproducible but draws a different (equally valid) sample.
     # null (auto): on with CUDA-graph decoding on a GPU, off on CPU
     compact_finished_rows: Optional[bool] = None

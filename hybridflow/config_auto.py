@@ -12,7 +12,8 @@ A run with no overrides is fast on a GPU and exact and simple on CPU. On a CUDA 
   (TP_g = TP, PP = 1; the generator, its KV cache and captured graphs kept across steps), true where
   a reshard gathers new weights every step; `rollout.compact_finished_rows` -> on and
   `rollout.decode_kv_window` -> about an eighth of the KV cache (a multiple of 64) with CUDA-graph
-  decoding; `rollout.compile_decode` -> on with CUDA-graph decoding at TP_g = 1.
+  decoding (multi-turn too); `rollout.compile_decode` -> on with CUDA-graph decoding at TP_g = 1
+  (not for multi-turn: its step is not compiled).
 With `rollout.quantization` (fp8 / int4), on any device: `rollout.return_logprobs` -> true and
 `algo.tis_imp_ratio_cap` -> 2.0 when unset (one line says so).
 On CPU every one of them is off (fp32, fixed micro-batches of `micro_batch_size_per_gpu` rows).
@@ -99,10 +100,10 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
 
     in_place = (r.tensor_parallel_size or p.tensor_parallel_size) == p.tensor_parallel_size \
         and p.pipeline_parallel_size == 1
-    # multi-turn replays a graph of its own step (PyTorch ops, KV windows): the single-turn
-    # step's compaction and compile stay off for it
+    # multi-turn replays a graph of its own step (PyTorch ops, KV windows, compaction): compile
+    # stays off for it
     windows = gpu and r.cuda_graphs
-    graphs = windows and not r.multi_turn.enable
+    compiled = windows and not r.multi_turn.enable
     rollout = {}
     if r.free_cache_engine is None:
         rollout["free_cache_engine"] = not (gpu and in_place)
@@ -111,14 +112,14 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
                          "(rollout.tensor_parallel_size or pipeline_parallel_size differs), which "
                          "move every step")
     if r.compact_finished_rows is None:
-        rollout["compact_finished_rows"] = graphs
+        rollout["compact_finished_rows"] = windows
     if r.decode_kv_window is None:
         cache = cfg.data.max_prompt_length + r.max_new_tokens
         rollout["decode_kv_window"] = max(64, math.ceil(cache / 8 / 64) * 64) if windows else 0
     if r.compile_decode is None:
         tp_g = r.tensor_parallel_size or p.tensor_parallel_size
-        rollout["compile_decode"] = graphs and tp_g == 1
-        if graphs and tp_g > 1:
+        rollout["compile_decode"] = compiled and tp_g == 1
+        if compiled and tp_g > 1:
             notes.append(f"auto: rollout.compile_decode=false: it compiles a generation TP of 1 "
                          f"(rollout.tensor_parallel_size is {tp_g})")
     if r.quantization != "none":

@@ -419,8 +419,8 @@ def _validate_recipes(cfg: Config) -> None:
 
 def validate_multi_turn(r) -> None:
     """rollout.multi_turn: its keys, and the decode options it does not run with (its decode step
-    is PyTorch ops, a CUDA-graph replay on GPU, with KV windows; null (auto) values of the others
-    resolve to off for it)."""
+    is PyTorch ops, a CUDA-graph replay on GPU, with KV windows and compaction; null (auto) values
+    of the others resolve to off for it)."""
     m = r.multi_turn
     if not m.enable:
         return
@@ -433,17 +433,18 @@ def validate_multi_turn(r) -> None:
     if not m.tool_config_path:
         raise ValueError("rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path "
                          "(a tool config YAML: tools: - class_name, config, tool_schema)")
-    clashes = [(key, value) for key, value, bad in (
-        ("rollout.decode_kernels", r.decode_kernels, r.decode_kernels == "triton"),
-        ("rollout.compile_decode", r.compile_decode, r.compile_decode is True),
-        ("rollout.compact_finished_rows", r.compact_finished_rows,
-         r.compact_finished_rows is True)) if bad]
+    clashes = [(key, value, fix) for key, value, bad, fix in (
+        ("rollout.decode_kernels", r.decode_kernels, r.decode_kernels == "triton", "torch or auto"),
+        ("rollout.compile_decode", r.compile_decode, r.compile_decode is True, "null or false"),
+        # its step's matrices are plain tensors (the quantized layers are the single-turn step's)
+        ("rollout.quantization", r.quantization, r.quantization != "none", "none")) if bad]
     if clashes:
-        key, value = clashes[0]
-        raise ValueError(f"rollout.multi_turn.enable=true decodes with PyTorch ops (CUDA graphs "
-                         f"and rollout.decode_kv_window apply, the single-turn kernels, compile "
-                         f"and compaction do not); {key}={value!r} does not apply to it: set {key} "
-                         f"to null (auto) or off")
+        key, value, fix = clashes[0]
+        raise ValueError(f"rollout.multi_turn.enable=true decodes with PyTorch ops on the "
+                         f"generator's plain weights (CUDA graphs, rollout.decode_kv_window and "
+                         f"compact_finished_rows apply; the single-turn Triton kernels, compile "
+                         f"and quantized layers do not): {key}={value!r} does not apply to it; "
+                         f"set {key} to {fix}")
 
 
 def validate_partial(cfg: Config, *, dp: int) -> None:

@@ -22,11 +22,18 @@ at most rollout.max_batch_size rows:
 - Host work per step: one device-to-host copy of the drawn tokens and log-probs, the rows'
   bookkeeping as numpy array ops, and the turn's text decoded only for rows whose new token can
   close a call (ToolRunner.close_tokens: its text holds the marker's last character).
+- Compaction (rollout.compact_finished_rows): when the rows not finished (decoding or waiting for
+  a tool) fit in half the current state, they move into a smaller one (compaction.py's ladder and
+  threshold; their logits, columns, positions, valid columns and cache rows), with its own
+  captured steps; the host maps chunk rows to slots. Decisions use host-known states, so every
+  TP_g rank takes the same ones. Greedy output is unchanged; a sampled one draws from a stream of
+  another batch size (seeded-reproducible, as single-turn's).
 - A row whose turn ends in a complete call (`ToolFormat`: `</tool_call>`, or a closing ``` fence
-  of a ```python block; the step fed that closing token already) pauses; its calls go to a thread pool (ToolRunner) and the other rows keep
-  decoding; results are polled between steps (and waited for only when no row can decode). At
-  TP_g > 1 only the generation group's rank 0 runs tools; it broadcasts which results are in and
-  what they are at each poll, so every rank appends the same tokens at the same step.
+  of a ```python block; the step fed that closing token already) pauses; its calls go to a
+  thread pool (ToolRunner) and the other rows keep decoding; results are polled between steps
+  (and waited for only when no row can decode). At TP_g > 1 only the generation group's rank 0
+  runs tools; it broadcasts which results are in and what they are at each poll, so every rank
+  appends the same tokens at the same step.
 - Limits: rollout.multi_turn.max_assistant_turns model turns per row (a call in the last one ends
   the row), a tool result cut to max_tool_response_length tokens, and rollout.max_new_tokens for
   the whole response (model and tool tokens together; a result that does not fit is cut and ends
@@ -36,10 +43,11 @@ at most rollout.max_batch_size rows:
 Output: a RolloutBatch whose response holds every turn and tool result, response_mask 1 over all
 of it (the context the trainer's forward sees), tool_mask 1 on the tool results' tokens (the loss,
 KL and advantages skip them: RolloutBatch.loss_mask), and rollout_logprobs 0 on tool tokens.
-The step is PyTorch ops (not the single-turn step's Triton layers, compile or compaction:
-config_checks.validate_multi_turn refuses those when set). The math is decoder.forward's, so the
-cache after any number of turns equals a from-scratch prefill of the whole conversation
-(tests/unit/test_multi_turn.py); graphed equals eager (tests/gpu/test_multi_turn_gpu.py).
+The step is PyTorch ops on plain weights (not the single-turn step's Triton layers, compile or
+quantized layers: config_checks.validate_multi_turn refuses those when set). The math is
+decoder.forward's, so the cache after any number of turns equals a from-scratch prefill of the
+whole conversation (tests/unit/test_multi_turn.py); graphed equals eager
+(tests/gpu/test_multi_turn_gpu.py).
 """
 
 from __future__ import annotations
@@ -55,9 +63,10 @@ import torch.nn.functional as F
 
 from hybridflow.config import RolloutConfig
 from hybridflow.data.batch import RolloutBatch
-from hybridflow.rollout import decoder
+from hybridflow.rollout import compaction, decoder
+from hybridflow.rollout.cuda_graph import bucket_sizes
 from hybridflow.rollout.generator import LENGTH_MULTIPLE, Generator, kv_windows, window_for
-from hybridflow.rollout.multi_turn_step import DecodeState, decode_step
+from hybridflow.rollout.multi_turn_step import DecodeState, Rows, Slots, decode_step
 from hybridflow.rollout.options import DecodeOptions
 from hybridflow.tools.base import ToolCall
 from hybridflow.tools.runner import ToolRunner
@@ -138,23 +147,6 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
     return lg if out is None else out.copy_(lg)  # the same fp32 values as logits(fp32=True)
 
 
-class _Rows:
-    """Host-side record of a chunk's B rows (numpy, updated by whole-array ops per step)."""
-    DECODE, TOOL, DONE = range(3)
-
-    def __init__(self, B: int, R: int):
-        self.tokens = np.zeros((B, R), dtype=np.int64)  # (B, R) the response so far
-        self.logprobs = np.zeros((B, R), dtype=np.float32)  # 0 on tool tokens
-        self.tool = np.zeros((B, R), dtype=np.int64)  # 1 on tool-result tokens
-        z = lambda: np.zeros(B, dtype=np.int64)  # noqa: E731
-        self.n, self.n_model, self.turn_start = z(), z(), z()  # lengths; where the turn began
-        self.turns, self.calls, self.errors, self.timeouts = z() + 1, z(), z(), z()
-        self.state = z()  # DECODE | TOOL | DONE
-
-    def text_ids(self, b: int, start: int) -> list:
-        return self.tokens[b, start:self.n[b]].tolist()
-
-
 def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
                         runner: ToolRunner, eos_id: int, pad_id: int, seed: int,
                         options: Optional[DecodeOptions] = None,
@@ -168,7 +160,7 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
     replays and tests."""
     opts = options or DecodeOptions.from_config(cfg)
     stats = {"tool_wait": 0.0, "tool_prefill": 0.0, "loop": 0.0, "decode_steps": 0,
-             "window_steps": {}}
+             "window_steps": {}, "row_steps": 0, "compactions": 0}
     N, R = len(prompts) * cfg.n, cfg.max_new_tokens
     ids, mask = gen._padded_prompts(prompts, cfg, pad_id)  # checks prompts and cfg
     P = ids.shape[1]
@@ -182,7 +174,9 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
         graphed = opts.cuda_graphs and gen.device.type == "cuda"
         # every chunk size's step before seeding: a capture's warm-up runs draw from the stream
         windows = kv_windows(gen._cache.length, opts.kv_window)
-        steps = {e - s: _step(gen, e - s, cfg, graphed, windows) for s, e in chunks}
+        targets = {e - s: _targets(e - s, opts, graphed) for s, e in chunks}
+        sizes = {b for s, e in chunks for b in (e - s, *targets[e - s])}
+        steps = {b: _step(gen, b, cfg, graphed, windows) for b in sorted(sizes, reverse=True)}
         gen._rng.manual_seed(seed)
         hosts = []
         for s, e in chunks:
@@ -190,9 +184,9 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
             lo, hi = s // cfg.n, (e - 1) // cfg.n + 1
             copy_of = torch.arange(s, e) // cfg.n - lo
             hosts.append(_run_chunk(gen, prompts[lo:hi], copy_of, cfg, runner, eos_id, pad_id,
-                                    stats,
-                                    opts.prefill_tokens, None if forced is None else forced[s:e],
-                                    steps[e - s]))
+                                    stats, opts.prefill_tokens,
+                                    None if forced is None else forced[s:e], steps,
+                                    targets[e - s]))
     prompt_of_row = torch.arange(len(prompts)).repeat_interleave(cfg.n)
     n = np.concatenate([h.n for h in hosts])
     width = max(1, int(n.max()))
@@ -218,11 +212,23 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
                "timing_s/multi_turn_decode": stats["loop"] - stats["tool_wait"]
                - stats["tool_prefill"],
                "multi_turn/decode_steps": float(stats["decode_steps"]),
+               # rows the decode steps computed (rollout.compact_finished_rows drops finished ones)
+               "multi_turn/decode_row_steps": float(stats["row_steps"]),
+               "multi_turn/compactions": float(stats["compactions"]),
                # cache columns a decode step attended over, on average (rollout.decode_kv_window)
                "multi_turn/kv_columns_mean": sum((k or gen._cache.length) * v for k, v in
                                                  stats["window_steps"].items())
                / max(1, stats["decode_steps"])}
     return batch.to(gen.device), metrics
+
+
+def _targets(B: int, opts: DecodeOptions, graphed: bool) -> list:
+    """The smaller states a chunk of B rows compacts into (compaction.py's ladder: powers of two,
+    under CUDA graphs at least opts.min_graphed_bucket rows), ascending; [] without compaction."""
+    if not opts.compact_finished_rows:
+        return []
+    return [b for b in compaction.ladder(bucket_sizes(B), graphed=graphed,
+                                         min_graphed=opts.min_graphed_bucket) if b < B]
 
 
 def _step(gen: Generator, B: int, cfg: RolloutConfig, graphed: bool, windows: list):
@@ -239,17 +245,79 @@ def _step(gen: Generator, B: int, cfg: RolloutConfig, graphed: bool, windows: li
 
 def _run_chunk(gen: Generator, prompts: list, copy_of: torch.Tensor, cfg: RolloutConfig,
                runner: ToolRunner, eos_id: int, pad_id: int, stats: dict, budget: int,
-               forced: Optional[list], step) -> _Rows:
-    """Prefill the chunk's distinct `prompts` once each (as Generator.generate: K/V columns
-    0..P-1 copied to the rows of their copies `copy_of` (B,), chunk row -> prompt), then decode its
-    B rows to the end -> their host record."""
-    w, dev, tok, mt = gen.w, gen.device, runner.tok, runner.mt
-    st, fns = step
-    one = RolloutConfig(n=1, max_new_tokens=cfg.max_new_tokens, max_batch_size=len(prompts))
+               forced: Optional[list], steps: dict, targets: list) -> Rows:
+    """Prefill the chunk's distinct `prompts`, then decode its B = len(copy_of) rows to the end
+    (compacting into the `targets` sizes of `steps`) -> their host record."""
+    w, tok, mt, cache = gen.w, runner.tok, runner.mt, gen._cache
+    B, R = len(copy_of), cfg.max_new_tokens
+    P = _prefill(gen, prompts, copy_of, steps[B][0], pad_id=pad_id, budget=budget)
+    rows, slots = Rows(B, R), Slots(B, steps[B])
+    stop_ids = np.array([eos_id, *cfg.stop_token_ids], dtype=np.int64)
+    may_close = runner.close_tokens(w.dims.true_vocab)  # (V,) bool
+    if forced is not None:  # (B, longest) tokens, their counts
+        f_len = np.array([len(f) for f in forced], dtype=np.int64)
+        f_tok = np.zeros((B, max(1, int(f_len.max()))), dtype=np.int64)
+        for b, f in enumerate(forced):
+            f_tok[b, :len(f)] = f
+        forced = (f_tok, f_len)
+    # TP_g > 1: the group's rank 0 runs the tools and decides which results are in each step; the
+    # others take its outcomes (the same tokens, so the same extend calls and collectives)
+    group = w.group if w.dims.tp_size > 1 else None
+    leader = group is None or dist.get_rank(group) == 0
+    pending: dict = {}  # row -> Future of its turn's outcomes (None off the leader)
+    ready = np.arange(B)  # rows whose next-token logits are in the decode state
+    while True:
+        t0 = time.perf_counter()
+        feed = ready[:0]  # rows that sampled a token and decode on
+        if ready.size:
+            t = _step_rows(slots, rows, ready, P=P, forced=forced, stats=stats)
+            stop = np.isin(t, stop_ids) | (rows.n[ready] >= R)
+            rows.state[ready[stop]] = Rows.DONE
+            go = ~stop
+            for i in np.flatnonzero(go & may_close[t]):  # only rows whose token may close a call
+                b = int(ready[i])
+                calls = _turn_calls(rows, b, runner, tok)
+                if calls is None:
+                    continue
+                go[i] = False
+                if rows.turns[b] >= mt.max_assistant_turns:
+                    rows.state[b] = Rows.DONE  # a call in the last allowed turn ends the row
+                else:
+                    rows.state[b] = Rows.TOOL
+                    rows.calls[b] += sum(isinstance(c, ToolCall) for c in calls)
+                    pending[b] = runner.submit(calls) if leader else None
+            feed = ready[go]
+        # results that are in; block for one only when nothing can decode
+        resumed = _collect(pending, rows, block=not feed.size and bool(pending), stats=stats,
+                           group=group, leader=leader)
+        back = []
+        if resumed:
+            tp = time.perf_counter()
+            back = _append_results(resumed, rows, runner, R, budget, w, cache, slots,
+                                   *gen._tables, gen.device)
+            stats["tool_prefill"] += time.perf_counter() - tp
+        ready = np.concatenate([feed, np.array(back, dtype=np.int64)])
+        live = np.flatnonzero(rows.state != Rows.DONE)
+        new_b = compaction.target_bucket(len(live), slots.size, targets) if live.size else None
+        if new_b is not None:  # the rows still decoding or waiting for a tool, in fewer slots
+            slots.move(live, steps[new_b], cache,
+                       columns=min(cache.length, P + int(rows.n[live].max()) + 1))
+            stats["compactions"] += 1
+        stats["loop"] += time.perf_counter() - t0
+        if not ready.size and not pending:
+            return rows
+
+
+def _prefill(gen: Generator, prompts: list, copy_of: torch.Tensor, st: DecodeState, *,
+             pad_id: int, budget: int) -> int:
+    """The distinct `prompts` left-padded to P, prefilled once each (sub-batches of at most
+    `budget` padded tokens) into cache rows 0..U-1, their K/V columns 0..P-1 and last logits
+    copied to the rows of their copies `copy_of` (B,) (chunk row -> prompt; as
+    Generator.generate); `st` reset for them -> P."""
+    w, dev, (cos, sin), cache = gen.w, gen.device, gen._tables, gen._cache
+    one = RolloutConfig(n=1, max_batch_size=len(prompts))
     ids, mask = gen._padded_prompts(prompts, one, pad_id)
     (U, P), B = ids.shape, len(copy_of)
-    R = cfg.max_new_tokens
-    cache, (cos, sin) = gen._cache, gen._tables
     ids, mask = ids.to(dev), mask.to(dev)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     per = max(1, budget // P)
@@ -262,76 +330,41 @@ def _run_chunk(gen: Generator, prompts: list, copy_of: torch.Tensor, cfg: Rollou
         cache.gather_rows(copy_of, columns=P)
         logits, mask = logits.index_select(0, copy_of), mask.index_select(0, copy_of)
     st.reset(logits=logits, mask=mask)
-    del logits
-    rows = _Rows(B, R)
-    stop_ids = np.array([eos_id, *cfg.stop_token_ids], dtype=np.int64)
-    may_close = runner.close_tokens(w.dims.true_vocab)  # (V,) bool
+    return P
+
+
+def _step_rows(slots: Slots, rows: Rows, ready: np.ndarray, *, P: int, forced, stats: dict):
+    """One decode step that samples (and feeds) the `ready` rows: their control row (forced
+    tokens while `forced` = (tokens (B, F), counts (B,)) lasts), the window that holds every
+    unfinished row's next column, the replay, one device-to-host copy; the drawn tokens and
+    log-probs recorded -> the tokens (len(ready),)."""
+    ctrl, at = slots.ctrl, slots.of[ready]
+    ctrl.fill(0)
+    ctrl[DecodeState.READY, at] = 1
     if forced is not None:
-        f_len = np.array([len(f) for f in forced], dtype=np.int64)
-        f_tok = np.zeros((B, max(1, int(f_len.max()))), dtype=np.int64)
-        for b, f in enumerate(forced):
-            f_tok[b, :len(f)] = f
-    ctrl = np.zeros((3, B), dtype=np.int64)
-    # TP_g > 1: the group's rank 0 runs the tools and decides which results are in each step; the
-    # others take its outcomes (the same tokens, so the same extend calls and collectives)
-    group = w.group if w.dims.tp_size > 1 else None
-    leader = group is None or dist.get_rank(group) == 0
-    pending: dict = {}  # row -> Future of its turn's outcomes (None off the leader)
-    ready = np.arange(B)  # rows whose next-token logits are in st.logits
-    while True:
-        t0 = time.perf_counter()
-        feed = ready[:0]  # rows that sampled a token and decode on
-        if ready.size:
-            ctrl.fill(0)
-            ctrl[DecodeState.READY, ready] = 1
-            if forced is not None:
-                on = ready[rows.n_model[ready] < f_len[ready]]
-                ctrl[DecodeState.FORCED, on] = 1
-                ctrl[DecodeState.FORCED_TOKEN, on] = f_tok[on, rows.n_model[on]]
-            st.ctrl.copy_(torch.from_numpy(ctrl))
-            # every row's next column is below P + its length + 1: the window that holds them
-            window = window_for(fns, P + int(rows.n.max()) + 1)
-            fns[window]()  # draws every row's token, feeds the ready rows'
-            stats["window_steps"][window] = stats["window_steps"].get(window, 0) + 1
-            stats["decode_steps"] += 1
-            out = st.out.cpu().numpy()  # (2, B): the one device-to-host copy of the step
-            t = out[0, ready].astype(np.int64)
-            at = rows.n[ready]
-            rows.tokens[ready, at] = t
-            rows.logprobs[ready, at] = out[1, ready]
-            rows.n[ready] += 1
-            rows.n_model[ready] += 1
-            stop = np.isin(t, stop_ids) | (rows.n[ready] >= R)
-            rows.state[ready[stop]] = _Rows.DONE
-            go = ~stop
-            for i in np.flatnonzero(go & may_close[t]):  # only rows whose token may close a call
-                b = int(ready[i])
-                calls = _turn_calls(rows, b, runner, tok)
-                if calls is None:
-                    continue
-                go[i] = False
-                if rows.turns[b] >= mt.max_assistant_turns:
-                    rows.state[b] = _Rows.DONE  # a call in the last allowed turn ends the row
-                else:
-                    rows.state[b] = _Rows.TOOL
-                    rows.calls[b] += sum(isinstance(c, ToolCall) for c in calls)
-                    pending[b] = runner.submit(calls) if leader else None
-            feed = ready[go]
-        # results that are in; block for one only when nothing can decode
-        resumed = _collect(pending, rows, block=not feed.size and bool(pending), stats=stats,
-                           group=group, leader=leader)
-        back = []
-        if resumed:
-            tp = time.perf_counter()
-            back = _append_results(resumed, rows, runner, R, budget, w, cache, st, cos, sin, dev)
-            stats["tool_prefill"] += time.perf_counter() - tp
-        ready = np.concatenate([feed, np.array(back, dtype=np.int64)])
-        stats["loop"] += time.perf_counter() - t0
-        if not ready.size and not pending:
-            return rows
+        f_tok, f_len = forced
+        on = rows.n_model[ready] < f_len[ready]
+        ctrl[DecodeState.FORCED, at[on]] = 1
+        ctrl[DecodeState.FORCED_TOKEN, at[on]] = f_tok[ready[on], rows.n_model[ready[on]]]
+    slots.st.ctrl.copy_(torch.from_numpy(ctrl))
+    # an unfinished row's next column is below P + its length + 1 (a finished row's cache is never
+    # read again, so its scratch write may land on it)
+    window = window_for(slots.fns, P + int(rows.n[rows.state != Rows.DONE].max()) + 1)
+    slots.fns[window]()  # draws every slot's token, feeds the ready rows'
+    stats["window_steps"][window] = stats["window_steps"].get(window, 0) + 1
+    stats["decode_steps"] += 1
+    stats["row_steps"] += slots.size
+    out = slots.st.out.cpu().numpy()  # (2, slots): the one device-to-host copy of the step
+    t = out[0, at].astype(np.int64)
+    n = rows.n[ready]
+    rows.tokens[ready, n] = t
+    rows.logprobs[ready, n] = out[1, at]
+    rows.n[ready] += 1
+    rows.n_model[ready] += 1
+    return t
 
 
-def _turn_calls(rows: _Rows, b: int, runner: ToolRunner, tok) -> Optional[list]:
+def _turn_calls(rows: Rows, b: int, runner: ToolRunner, tok) -> Optional[list]:
     """The calls that end row b's current model turn, or None (no complete call yet)."""
     start = int(rows.turn_start[b])
     tail = tok.decode(rows.text_ids(b, max(start, int(rows.n[b]) - TAIL_TOKENS)),
@@ -341,7 +374,7 @@ def _turn_calls(rows: _Rows, b: int, runner: ToolRunner, tok) -> Optional[list]:
     return runner.fmt.parse(tok.decode(rows.text_ids(b, start), skip_special_tokens=False))
 
 
-def _collect(pending: dict, rows: _Rows, *, block: bool, stats: dict, group=None,
+def _collect(pending: dict, rows: Rows, *, block: bool, stats: dict, group=None,
              leader: bool = True) -> dict:
     """{row: outcomes} of the finished calls (waiting for at least one when `block`); with a TP_g
     group, the leader's, broadcast (every rank has the same rows pending)."""
@@ -364,12 +397,12 @@ def _collect(pending: dict, rows: _Rows, *, block: bool, stats: dict, group=None
     return done
 
 
-def _append_results(resumed: dict, rows: _Rows, runner: ToolRunner, R: int, budget: int, w,
-                    cache, st: DecodeState, cos, sin, dev) -> list:
+def _append_results(resumed: dict, rows: Rows, runner: ToolRunner, R: int, budget: int, w,
+                    cache, slots: Slots, cos, sin, dev) -> list:
     """Append each resumed row's rendered results (cut to max_tool_response_length tokens and to
     the response budget) to its cache by `extend` over those rows (sub-batches of at most
     `budget` padded tokens; the call's closing token is in the cache already: the decode step
-    fed it) -> the rows that decode on, their next logits in st.logits."""
+    fed it) -> the rows that decode on, their next logits in the decode state's."""
     mt, tok = runner.mt, runner.tok
     appended = {}
     for b, outcomes in resumed.items():
@@ -381,9 +414,10 @@ def _append_results(resumed: dict, rows: _Rows, runner: ToolRunner, R: int, budg
         rows.tool[b, n:n + len(ids)] = 1
         rows.n[b] += len(ids)
         if not ids or len(ids) >= room:
-            rows.state[b] = _Rows.DONE
+            rows.state[b] = Rows.DONE
             continue
-        rows.state[b], rows.turns[b], rows.turn_start[b] = _Rows.DECODE, rows.turns[b] + 1, n + len(ids)
+        rows.state[b], rows.turn_start[b] = Rows.DECODE, n + len(ids)
+        rows.turns[b] += 1
         appended[b] = ids
     if not appended:
         return []
@@ -391,17 +425,19 @@ def _append_results(resumed: dict, rows: _Rows, runner: ToolRunner, R: int, budg
     for b in sorted(appended, key=lambda b: len(appended[b])):  # sub-batches of similar lengths
         n = len(appended[b])
         if batch and (len(batch) + 1) * max(longest, n) > budget:
-            _extend_rows(batch, appended, w, cache, st, cos, sin, dev)
+            _extend_rows(batch, appended, w, cache, slots, cos, sin, dev)
             batch, longest = [], 0
         batch.append(b)
         longest = max(longest, n)
-    _extend_rows(batch, appended, w, cache, st, cos, sin, dev)
+    _extend_rows(batch, appended, w, cache, slots, cos, sin, dev)
     return list(appended)
 
 
-def _extend_rows(order: list, appended: dict, w, cache, st: DecodeState, cos, sin, dev) -> None:
+def _extend_rows(order: list, appended: dict, w, cache, slots: Slots, cos, sin, dev) -> None:
     """One `extend` of rows `order` by their `appended` tokens (right-padded); their next logits
-    go to st.logits, their columns and positions advance (in place: the decode step's state)."""
+    go to the decode state's, their columns and positions advance (in place: the decode step's
+    state, at the rows' slots)."""
+    st = slots.st
     S = max(len(appended[b]) for b in order)
     r = len(order)
     ids_t = torch.zeros(r, S, dtype=torch.long)
@@ -410,7 +446,7 @@ def _extend_rows(order: list, appended: dict, w, cache, st: DecodeState, cos, si
         ids_t[i, :len(appended[b])] = torch.tensor(appended[b])
         valid[i, :len(appended[b])] = True
     ids_t, valid = ids_t.to(dev), valid.to(dev)
-    rows_t = torch.tensor(order, device=dev)
+    rows_t = torch.from_numpy(slots.of[order]).to(dev)
     steps = torch.arange(S, device=dev)[None]
     st.logits[rows_t] = extend(w, ids_t, st.pos[rows_t][:, None] + steps, valid, st.col[rows_t],
                                cache=cache, key_valid=st.key_valid, cos_tab=cos, sin_tab=sin,

@@ -20,6 +20,10 @@ no sync), so early steps do not read the whole cache. Appending tool
 results stays eager (`extend` of S > 1 tokens for the resumed rows) and writes the same tensors in
 place (`col`, `pos`, `key_valid`, the cache, the resumed rows' `logits`).
 
+Beside it, the host's side: `Rows` (each row's tokens, log-probs, tool mask, lengths, turn and
+state as numpy arrays) and `Slots` (which state row holds which chunk row; compaction moves the
+unfinished rows into a smaller state).
+
 A row whose drawn token stops it or closes a tool call was fed too: its K/V sits at its next
 column as it would after an append (a call's closing token goes into the cache first either way),
 and a finished row's cache is never read again.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from hybridflow.config import RolloutConfig
@@ -64,6 +69,52 @@ class DecodeState:
         self.pos.copy_(mask.sum(1))
         self.ctrl.zero_()
         self.out.zero_()
+
+
+class Rows:
+    """Host-side record of a chunk's B rows (numpy, updated by whole-array ops per step)."""
+    DECODE, TOOL, DONE = range(3)
+
+    def __init__(self, B: int, R: int):
+        self.tokens = np.zeros((B, R), dtype=np.int64)  # (B, R) the response so far
+        self.logprobs = np.zeros((B, R), dtype=np.float32)  # 0 on tool tokens
+        self.tool = np.zeros((B, R), dtype=np.int64)  # 1 on tool-result tokens
+        z = lambda: np.zeros(B, dtype=np.int64)  # noqa: E731
+        self.n, self.n_model, self.turn_start = z(), z(), z()  # lengths; where the turn began
+        self.turns, self.calls, self.errors, self.timeouts = z() + 1, z(), z(), z()
+        self.state = z()  # DECODE | TOOL | DONE
+
+    def text_ids(self, b: int, start: int) -> list:
+        return self.tokens[b, start:self.n[b]].tolist()
+
+
+class Slots:
+    """Where the chunk's rows sit in the current decode state: compaction moves the rows that are
+    not finished (decoding or waiting for a tool) into a smaller state's first slots."""
+
+    def __init__(self, B: int, step):
+        self.st, self.fns = step
+        self.of = np.arange(B)  # (B,) chunk row -> its slot (-1: dropped, finished)
+        self.ctrl = np.zeros((3, B), dtype=np.int64)
+
+    @property
+    def size(self) -> int:
+        return self.ctrl.shape[1]
+
+    def move(self, keep: np.ndarray, step, cache, *, columns: int) -> None:
+        """Rows `keep` (chunk rows) into `step`'s state, slots 0..len(keep)-1 (the rest of its
+        slots: copies of dropped rows, never fed); their cache rows over the first `columns`."""
+        st, fns = step
+        size = st.col.shape[0]
+        src = self.of[keep]
+        pad = np.setdiff1d(np.arange(self.size), src)[:size - len(src)]
+        order = torch.from_numpy(np.concatenate([src, pad])).to(st.col.device)
+        for name in ("logits", "col", "pos", "key_valid"):
+            getattr(st, name).copy_(getattr(self.st, name).index_select(0, order))
+        cache.gather_rows(order, columns=columns)
+        self.of[:] = -1
+        self.of[keep] = np.arange(len(keep))
+        self.st, self.fns, self.ctrl = st, fns, np.zeros((3, size), dtype=np.int64)
 
 
 def decode_step(gen, st: DecodeState, cfg: RolloutConfig, *, graphed: bool,

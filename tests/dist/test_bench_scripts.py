@@ -80,10 +80,13 @@ def test_bench_multi_turn_synthetic_times_every_variant(tmp_path):
                     "2", "--n", "2", "--max-new", "128", "--reps", "1", "--out", str(out)],
                    check=True, cwd=ROOT, env=ENV, capture_output=True)
     r = json.loads(out.read_text())
-    for name in ("eager", "graphed", "graphed_windows"):
+    for name in ("eager", "graphed", "graphed_windows", "tail_graphed_windows",
+                 "tail_graphed_windows_compact"):
         m = r[name]["metrics"]
         assert m["tool_calls/mean"] >= 1 and r[name]["tool_tokens"] > 0, name
-        assert r[name]["decode_steps"] > 0 and r["ratios"][name] > 0
+        assert r[name]["decode_steps"] > 0 and r["compaction_speedup"] > 0
+    assert r["tail_graphed_windows_compact"]["metrics"]["multi_turn/compactions"] >= 1
+    assert set(r["ratios"]) == {"eager", "graphed", "graphed_windows"}
     assert r["settings"]["rows"] == 4 and r["single_turn"]["wall_s"] > 0
     assert (r["graphed_windows"]["metrics"]["multi_turn/kv_columns_mean"]
             < r["graphed"]["metrics"]["multi_turn/kv_columns_mean"])

@@ -43,14 +43,14 @@ def test_auto_per_device(device, precision, dynamic, rollout, unset):
 
 
 def test_multi_turn_gets_graphs_and_windows_on_a_gpu():
-    """Multi-turn replays a CUDA graph of its own step with KV windows; the single-turn step's
-    compaction and compile stay off for it (validate would refuse them)."""
+    """Multi-turn replays a CUDA graph of its own step with KV windows and compaction; compile
+    stays off for it (validate would refuse it)."""
     cfg, notes = resolve_auto(_cfg(*GPU_JOB, "rollout.multi_turn.enable=true",
                                    "rollout.multi_turn.tool_config_path=calculator.yaml"),
                               device_type="cuda")
     r = cfg.rollout
     assert (r.cuda_graphs, r.decode_kv_window, r.compact_finished_rows, r.compile_decode) == \
-        (True, 64, False, False)
+        (True, 64, True, False)
     assert notes == []
     validate(cfg, world_size=1)
 

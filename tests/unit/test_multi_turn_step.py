@@ -148,6 +148,39 @@ def test_a_prompt_is_prefilled_once_for_its_samples(tmp_path):
     assert shared.group_ids.tolist() == [0, 0, 0, 1, 1, 1]
 
 
+@pytest.mark.parametrize("kv_window", [0, 64], ids=["whole_cache", "windows"])
+def test_compaction_keeps_greedy_rollouts(tmp_path, kv_window):
+    """rollout.compact_finished_rows: as rows finish, the rows still decoding or waiting for a
+    tool move into a smaller state (twice here: two rows run to the end); greedy tokens, tool
+    results and log-probs are those of the run without it (log-probs to the batch-size rounding
+    of a matmul), for fewer row-steps; sampled runs stay seeded-reproducible."""
+    tok = byte_tokenizer(tmp_path)
+    end = tok.encode("<|im_end|>")
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "q"}]))
+    runner = runner_for(tok, "hermes", tool_config(tmp_path, "calculator"))
+    forced = [end, tok.encode("ab") + end, tok.encode(call("2+2")) + tok.encode("x") + end,
+              tok.encode("abcdef") + end, tok.encode(call("3*3")), []]
+    outs = []
+    for compact, temperature in ((False, 0.0), (True, 0.0), (True, 1.0), (True, 1.0)):
+        gen = make_gen()
+        cfg = RolloutConfig(n=6, max_new_tokens=120, temperature=temperature,
+                            return_logprobs=True)
+        outs.append(generate_multi_turn(
+            gen, [prompt], cfg=cfg, runner=runner, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=4,
+            forced=forced, options=DecodeOptions(kernels="torch", kv_window=kv_window,
+                                                 compact_finished_rows=compact)))
+    (plain, m_plain), (packed, m_packed), (s1, m1), (s2, _) = outs
+    assert torch.equal(packed.response_ids, plain.response_ids)
+    assert torch.equal(packed.tool_mask, plain.tool_mask) and plain.tool_mask[2].any()
+    torch.testing.assert_close(packed.rollout_logprobs, plain.rollout_logprobs, rtol=1e-5,
+                               atol=1e-5)
+    assert m_plain["multi_turn/compactions"] == 0 and m_packed["multi_turn/compactions"] == 2
+    assert m_packed["multi_turn/decode_row_steps"] < m_plain["multi_turn/decode_row_steps"] / 2
+    assert m_packed["multi_turn/decode_steps"] == m_plain["multi_turn/decode_steps"]
+    assert torch.equal(s1.response_ids, s2.response_ids) and m1["multi_turn/compactions"] >= 1
+    assert torch.equal(s1.rollout_logprobs, s2.rollout_logprobs)
+
+
 def test_close_tokens(tmp_path):
     """Only tokens whose text holds the closing marker's last character can end a call: in the
     byte-level vocabulary, `>` and the specials that end with it (hermes), a backtick (code)."""

@@ -129,9 +129,9 @@ def test_multi_turn_config_checks():
 
     on = dict(enable=True, tool_config_path="tools.yaml")
     validate_multi_turn(RolloutConfig(multi_turn=MultiTurnConfig(**on)))
-    # its decode step is CUDA-graphed with KV windows
+    # its decode step is CUDA-graphed with KV windows and compaction
     validate_multi_turn(RolloutConfig(multi_turn=MultiTurnConfig(**on), cuda_graphs=True,
-                                      decode_kv_window=64))
+                                      decode_kv_window=64, compact_finished_rows=True))
     validate_multi_turn(RolloutConfig(multi_turn=MultiTurnConfig(enable=False, format="bogus")))
     for r, key in [(RolloutConfig(multi_turn=MultiTurnConfig(enable=True)), "tool_config_path"),
                    (RolloutConfig(multi_turn=MultiTurnConfig(**on, format="json")),
@@ -140,8 +140,9 @@ def test_multi_turn_config_checks():
                     "rollout.decode_kernels"),
                    (RolloutConfig(multi_turn=MultiTurnConfig(**on), compile_decode=True),
                     "rollout.compile_decode"),
-                   (RolloutConfig(multi_turn=MultiTurnConfig(**on), compact_finished_rows=True),
-                    "rollout.compact_finished_rows")]:
+                   (RolloutConfig(multi_turn=MultiTurnConfig(**on), quantization="fp8"),
+                    "rollout.quantization"),
+                   ]:
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
             validate_multi_turn(r)
 
