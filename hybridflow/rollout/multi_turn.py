@@ -336,8 +336,8 @@ def _prefill(gen: Generator, prompts: list, copy_of: torch.Tensor, st: DecodeSta
 def _step_rows(slots: Slots, rows: Rows, ready: np.ndarray, *, P: int, forced, stats: dict):
     """One decode step that samples (and feeds) the `ready` rows: their control row (forced
     tokens while `forced` = (tokens (B, F), counts (B,)) lasts), the window that holds every
-    unfinished row's next column, the replay, one device-to-host copy; the drawn tokens and
-    log-probs recorded -> the tokens (len(ready),)."""
+    state row's next column, the replay, one device-to-host copy; the drawn tokens and log-probs
+    recorded -> the tokens (len(ready),)."""
     ctrl, at = slots.ctrl, slots.of[ready]
     ctrl.fill(0)
     ctrl[DecodeState.READY, at] = 1
@@ -347,9 +347,9 @@ def _step_rows(slots: Slots, rows: Rows, ready: np.ndarray, *, P: int, forced, s
         ctrl[DecodeState.FORCED, at[on]] = 1
         ctrl[DecodeState.FORCED_TOKEN, at[on]] = f_tok[ready[on], rows.n_model[ready[on]]]
     slots.st.ctrl.copy_(torch.from_numpy(ctrl))
-    # an unfinished row's next column is below P + its length + 1 (a finished row's cache is never
-    # read again, so its scratch write may land on it)
-    window = window_for(slots.fns, P + int(rows.n[rows.state != Rows.DONE].max()) + 1)
+    # a row's next column is below P + its length + 1: the window that holds every row in the
+    # state (finished ones too, until compaction drops them: their cache stays intact)
+    window = window_for(slots.fns, P + int(rows.n[slots.of >= 0].max()) + 1)
     slots.fns[window]()  # draws every slot's token, feeds the ready rows'
     stats["window_steps"][window] = stats["window_steps"].get(window, 0) + 1
     stats["decode_steps"] += 1

@@ -46,16 +46,20 @@ def _run(fn, gen, tok, prompts, forced, path, **opts):
               options=DecodeOptions(kernels="torch", prefill_tokens=64, **opts))
 
 
-@pytest.mark.parametrize("kv_window", [0, 64])
-def test_graphed_step_equals_eager_step(tmp_path, kv_window):
+@pytest.mark.parametrize("kv_window, compact", [(0, False), (64, False), (64, True)],
+                         ids=["whole_cache", "windows", "windows_compaction"])
+def test_graphed_step_equals_eager_step(tmp_path, kv_window, compact):
+    """Compaction: graphs of every smaller state (min_graphed_bucket=1: these chunks are tiny)."""
     tok, prompts, forced, path = _setup(tmp_path)
     gen = _gen(torch.bfloat16)
-    graphed, m = _run(generate_multi_turn, gen, tok, prompts, forced, path, kv_window=kv_window)
-    assert m["tool_calls/mean"] > 0
+    more = dict(compact_finished_rows=True, min_graphed_bucket=1) if compact else {}
+    graphed, m = _run(generate_multi_turn, gen, tok, prompts, forced, path, kv_window=kv_window,
+                      **more)
+    assert m["tool_calls/mean"] > 0 and (m["multi_turn/compactions"] > 0) == compact
     assert all(type(fn).__name__ == "GraphedStep" for k, (_, fns) in gen._steps.items()
                if k[0] == "multi_turn" for fn in fns.values())
     eager, _ = _run(generate_multi_turn, gen, tok, prompts, forced, path, kv_window=kv_window,
-                    cuda_graphs=False)
+                    cuda_graphs=False, **more)
     assert torch.equal(graphed.response_ids, eager.response_ids)
     assert torch.equal(graphed.tool_mask, eager.tool_mask)
     assert torch.equal(graphed.rollout_logprobs, eager.rollout_logprobs)
