@@ -2,7 +2,7 @@
 
     python benchmarks/varlen_records.py --out benchmarks/results/cost/varlen_gsm8k.json
 
-Five records of the GSM8K recipe (hybridflow/conf/experiment/gsm8k_qwen_coder_0_5b.yaml:
+Seven records of the GSM8K recipe (hybridflow/conf/experiment/gsm8k_qwen_coder_0_5b.yaml:
 Qwen2.5-Coder-0.5B, 64 prompts x 8 samples, responses up to 1,024 tokens, token-budget packed
 micro-batches, generator kept, row compaction, KV windows), each a `calibrate.py` record whose
 config carries the step's lengths (`Workload.response_lengths`, fitted by cost.lengths to the run's
@@ -15,7 +15,11 @@ response-length statistics) and the code's options as they were then:
 - family "grpo_then" (the code the DAPO run had, 2026-12-01: PyTorch decode layers, unfused element-wise
   ops, no gradient accumulation fusion): the GRPO probe run beside the DAPO run, and the 124-step
   packed GRPO run (before the response-only LM head and bf16 logits), from their metrics.jsonl.
-- family "dapo" (the same code): DAPO with dynamic sampling, 39 steps: generation rounds and
+- family "grpo_older" (the 124-step run's code hours before it, before sequence packing and the
+  generation options: a generator built every step, no compaction or KV window, the LM head and
+  fp32 logits at every position): two runs with unpacked token budgets (lr 3e-6 and 1e-5), their ref and update passes
+  only (generation then re-captured its graphs every step, which the model does not cost).
+- family "dapo" (the same code as grpo_then): DAPO with dynamic sampling, 39 steps: generation rounds and
   prompt batches per step (gen_rounds, gen_prompt_factor: the means), 1,536 rows per call.
 Measured: medians over steps 2.. for the GRPO records; for DAPO the means over steps 2..40 (its
 steps are a mix of 1 round of 2 or 3 batches and 2 rounds, whose mean is what the model's mean
@@ -37,7 +41,9 @@ from hybridflow.cost.lengths import fit_stats  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RAW_COMMIT = "4b3c290^"   # the commit before benchmarks/results' raw run folders were pruned
-RAW = {"probe": "benchmarks/results/gsm8k_grpo_probe/metrics.jsonl",
+RAW = {"budget_lr3e-6": "benchmarks/results/gsm8k_token_budget/lr3e-6/metrics.jsonl",
+       "budget_lr1e-5": "benchmarks/results/gsm8k_token_budget/lr1e-5/metrics.jsonl",
+       "probe": "benchmarks/results/gsm8k_grpo_probe/metrics.jsonl",
        "packed": "benchmarks/results/gsm8k_packed/metrics.jsonl",
        "dapo": "benchmarks/results/gsm8k_dapo/metrics.jsonl"}
 STAGES = ("gen", "reshard", "ref", "update_actor")
@@ -106,6 +112,15 @@ def build() -> list[dict]:
         m["timing_s/step"] = med(rows, "timing_s/step")   # (validation is timed apart)
         recs.append(record(name, "grpo_then", cfg, m, RAW["probe" if rows is probe else "packed"],
                            {**s, **prompts}))
+    for key in ("budget_lr3e-6", "budget_lr1e-5"):   # unpacked token budgets, fresh generator
+        rows = raw_metrics(key)[1:]
+        s = shape_of(rows)
+        cfg = {**BASE, **THEN, **prompts, "pack_sequences": False, "keep_generator": False,
+               "compact_finished_rows": False, "decode_kv_window": 0, "response_logits_only": False,
+               "bf16_logits": False, "prefill_once_per_prompt": False,
+               "response_lengths": lengths(s["mean"], s, 512)}
+        m = {f"timing_s/{k}": med(rows, f"timing_s/{k}") for k in ("ref", "update_actor")}
+        recs.append(record(f"gsm8k-grpo-older-{key}", "grpo_older", cfg, m, RAW[key], {**s, **prompts}))
     s = shape_of(dapo)
     s["clip_ratio"] = statistics.fmean(r["response_length/clip_ratio"] for r in dapo)
     rounds = statistics.fmean(r["dynamic_sampling/rounds"] for r in dapo)

@@ -45,7 +45,7 @@ only the MoE coefficients (gen -> expert_decode_s; the forward/update stages -> 
 fitted after the rest with the rest held (`MOE_GROUPS`); the memory scales and the other groups are
 fitted on the dense records. Variable-length records (config `response_lengths`, hybridflow.cost.varlen)
 take part in every dense group but the passes', whose efficiencies and fixed costs come from the
-fixed-length records alone; the packed path's `packed_token_s` is then fitted on the
+fixed-length records alone; masked attention's `masked_attention_efficiency` is then fitted on the
 variable-length records with those held (`VARLEN_GROUPS`). In the nonlinear refinement every
 efficiency stays at most 1. A record may name a "family" (runs of one code, model and lengths): the
 leave-one-out then holds the family out together.
@@ -91,10 +91,10 @@ GROUPS = [(("reshard",), ("inv_comm_eff",)),
 # groups and the memory scales see only dense records, so adding an MoE record leaves the dense
 # fit as it was (the MoE passes' other costs cannot be told from theirs with so few records)
 MOE_GROUPS = [(("gen",), ("expert_decode_s",)), (PASS_STAGES, ("expert_pass_s",))]
-# The passes' efficiencies and fixed costs come from the fixed-length records alone; the packed
-# path's own cost is then fitted on the variable-length records (Workload.response_lengths) with
-# those held, so that a few packed records do not move what the fixed-length matrix measured
-VARLEN_GROUPS = [(PASS_STAGES, ("packed_token_s",))]
+# The passes' efficiencies and fixed costs come from the fixed-length records alone; masked
+# attention's own cost is then fitted on the variable-length records (Workload.response_lengths)
+# with those held, so that a few such records do not move what the fixed-length matrix measured
+VARLEN_GROUPS = [(PASS_STAGES, ("inv_masked_attn_eff",))]
 
 
 @dataclass

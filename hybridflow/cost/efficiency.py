@@ -74,13 +74,14 @@ shipped fit's values and where its records come from are in docs/perf_log.md):
   decode_bw_efficiency. The Triton decode layer's split-KV attention reads the cache with the
   weights, at decode_bw_efficiency. Fixed-length records hardly inform it (the weights are most of
   their bytes); the long-tail GSM8K records, whose decode reads 500-1,500 rows' caches, do.
-- packed_token_s 2e-8: seconds per real token, layer and attention kernel (1 forward, 2 fwd+bwd,
-  3 with recompute) of a packed
-  micro-batch (algo.pack_sequences: one row of many documents under a flex_attention document
-  mask), on the GPU side, on top of its FLOPs: what the packed path costs beyond the padded one
-  (flex_attention's block-sparse kernels at a small head_dim, the document mask's partial
-  blocks, the gathers of the scored positions). Empirical: only packed variable-length records
-  inform it.
+- masked_attention_efficiency 0.05: masked attention's extra cost: the attention FLOPs of a
+  micro-batch whose rows differ in length are charged once more per attention kernel (1 forward,
+  2 fwd+bwd) at this fraction of peak, on the GPU side. Such micro-batches need an attention mask
+  (a packed row's document mask under flex_attention, padded rows' explicit mask under SDPA's
+  memory-efficient kernel), where rows of one length run flash attention's maskless causal kernel,
+  as every fixed-length record did. Empirical: only variable-length records inform it; fitted on
+  the packed GSM8K runs it predicts the unpacked token-budget runs' passes within 12%
+  (docs/cost_model.md).
 - memory_scale 1.0: multiplies the predicted allocated peak (fit to perf/max_memory_allocated_gb).
 - activation_memory_scale 1.0: multiplies the activation component (stored activations, logits, the
   prefill scratch) before memory_scale: what the counted tensors miss per token (framework copies,
@@ -115,7 +116,7 @@ class Calibration:
     optimizer_step_s: float = 0.02
     step_overhead_s: float = 0.02
     row_overhead_s: float = 1e-4
-    packed_token_s: float = 2e-8
+    masked_attention_efficiency: float = 0.05
     expert_pass_s: float = 1e-4
     expert_decode_s: float = 1e-5
     memory_scale: float = 1.0
@@ -146,7 +147,8 @@ class Calibration:
                 "graphed_layer_pass_s": self.graphed_layer_pass_s,
                 "tp_collective_s": self.tp_collective_s,
                 "optimizer_step_s": self.optimizer_step_s, "step_overhead_s": self.step_overhead_s,
-                "row_overhead_s": self.row_overhead_s, "packed_token_s": self.packed_token_s,
+                "row_overhead_s": self.row_overhead_s,
+                "inv_masked_attn_eff": 1 / self.masked_attention_efficiency,
                 "expert_pass_s": self.expert_pass_s, "expert_decode_s": self.expert_decode_s}
 
     def with_coefs(self, **coefs: float) -> "Calibration":
@@ -156,6 +158,7 @@ class Calibration:
                  "inv_fused_forward_mfu": "fused_forward_mfu",
                  "inv_prefill_eff": "prefill_efficiency", "inv_decode_bw_eff": "decode_bw_efficiency",
                  "inv_torch_kv_eff": "torch_kv_efficiency",
+                 "inv_masked_attn_eff": "masked_attention_efficiency",
                  "inv_comm_eff": "comm_efficiency"}
         return replace(self, **{names.get(k, k): (1 / v if k in names else v) for k, v in coefs.items()})
 

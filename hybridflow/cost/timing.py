@@ -25,8 +25,9 @@ divide by DP):
   compactions' K/V copies at HBM bandwidth.
 - variable-length passes: the trainer's micro-batches of the step's rows (cost.varlen.pass_work):
   FLOPs of their computed tokens (matmuls), response tokens (LM head) and sum of squared row
-  lengths (attention); packed micro-batches add `packed_token_s` per real token, layer and
-  attention kernel (1 forward, 2 fwd+bwd), on the GPU side.
+  lengths (attention); micro-batches of rows of different lengths (packed, or padded) run masked
+  attention kernels: their attention FLOPs are charged once more per kernel (1 forward, 2
+  fwd+bwd) at `masked_attention_efficiency`, on the GPU side.
 - old_log_prob / ref / values: forward FLOPs at peak x forward MFU, plus a fixed cost per layer per
   micro-batch (`layer_pass_overhead_s`: kernel launches; at RL micro-batch sizes a small model's
   passes are launch-bound, not FLOP-bound), both times (1 + PP bubble); plus TP traffic under
@@ -97,7 +98,7 @@ IB_LATENCY_S = 30e-6       # per collective across nodes
 OVERLAP_P = 1.5
 HOST_COEFS = frozenset({"layer_pass_overhead_s", "graphed_layer_pass_s", "tp_collective_s"})
 GPU_COEFS = frozenset({"inv_forward_mfu", "inv_train_mfu", "inv_fused_forward_mfu",
-                       "inv_fused_train_mfu", "packed_token_s"})
+                       "inv_fused_train_mfu", "inv_masked_attn_eff"})
 
 
 def _side(rule: str | None, label: str, coef: str | None) -> str:
@@ -306,13 +307,15 @@ def _varlen_flops(shape: ModelConfig, work: PassWork, role: str) -> float:
             + 2 * shape.num_layers * shape.q_dim * work.attention)
 
 
-def _packed(t: StageTerms, layout: Layout, shape: ModelConfig, work: PassWork | None,
+def _masked(t: StageTerms, layout: Layout, shape: ModelConfig, gpu: GPU, work: PassWork | None,
             kernels: int, repeat: int = 1) -> None:
-    """The packed path's own cost per real token, layer and attention kernel (`packed_token_s`;
-    `kernels`: 1 forward, 2 forward + backward, 3 with recompute)."""
-    if work is not None and work.packed_tokens:
-        t.add("packed_tokens", "packed_token_s", repeat * work.packed_tokens * kernels
-              * shape.num_layers / (layout.tp_t * layout.pp_t))
+    """Masked attention's own cost: the attention FLOPs of the micro-batches whose rows differ in
+    length (2 L q_dim per attended token pair, forward) once more per attention kernel (`kernels`:
+    1 forward, 2 forward + backward, 3 with recompute) at `masked_attention_efficiency`."""
+    if work is not None and work.masked_attention:
+        flops = 2 * shape.num_layers * shape.q_dim * work.masked_attention / (layout.tp_t * layout.pp_t)
+        t.add("masked_attention", "inv_masked_attn_eff",
+              repeat * kernels * flops / (gpu.bf16_tflops * 1e12))
 
 
 def _multiple(layout: Layout) -> int:
@@ -336,7 +339,7 @@ def _forward(shape: ModelConfig, gpu: GPU, layout: Layout, w: Workload, role: st
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
             tokens=tokens, micro=micro, flushes=1, layer_passes=1, ep=ep,
             grouped_gemm=w.moe_grouped_gemm)
-    _packed(t, layout, shape, work, 1)
+    _masked(t, layout, shape, gpu, work, 1)
     return t
 
 
@@ -365,7 +368,7 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
             tokens=tokens, micro=opt_steps * micro, flushes=opt_steps,
             layer_passes=layer_passes, graphed=w.train_cuda_graphs, ep=plan.ep,
             grouped_gemm=w.moe_grouped_gemm)
-    _packed(t, layout, shape, work, layer_passes - 1, repeat=opt_steps)
+    _masked(t, layout, shape, gpu, work, layer_passes - 1, repeat=opt_steps)
     params = shape.num_params if role == "actor" else shape.num_critic_params
     fused = shape.attn_matmul_params if shape.moe.enabled else shape.layer_matmul_params
     accumulated = params - (shape.num_layers * fused  # (experts keep Megatron's linears)

@@ -21,7 +21,11 @@ Training passes (`pass_work`): a DP rank's rows split into micro-batches as the 
 (hybridflow.data.microbatch.token_budget_groups under dynamic_bsz, else fixed micro-batches of
 rows padded to the batch's longest row). A packed micro-batch (pack_sequences; rows of equal length
 run unpacked) computes its real tokens, attention over each row's own tokens (sum of l_i^2) and the
-LM head at its response tokens; an unpacked one rows x its longest prompt + response.
+LM head at its response tokens; an unpacked one rows x its longest prompt + response. Every
+micro-batch of rows of different lengths needs an attention mask (the packed row's document mask
+under flex_attention, padded rows' explicit mask under SDPA): its attention is `masked_attention`,
+whose FLOPs timing.py charges again at `masked_attention_efficiency` (rows of one length run flash
+attention's maskless causal kernel).
 """
 from __future__ import annotations
 
@@ -128,7 +132,7 @@ class PassWork:
     tokens: float          # tokens computed (real tokens when packed, else padded rows)
     head_tokens: float     # positions whose LM head is computed
     attention: float       # sum over rows of (attended length)^2: causal attention ~ 2 L q_dim x it
-    packed_tokens: float   # tokens of the packed micro-batches
+    masked_attention: float  # `attention` of the micro-batches whose attention needs a mask
 
 
 @functools.lru_cache(maxsize=256)
@@ -143,26 +147,29 @@ def pass_work(w: Workload, rows: int, max_tokens: int, multiple: int = 1) -> Pas
         per = max(1, max_tokens // width)
         micro = math.ceil(rows / per)
         head = rows * int(r.max()) if w.response_logits_only else rows * width
-        return PassWork(micro, float(rows * width), float(head), float(rows * width ** 2), 0.0)
+        masked = float(rows * width ** 2) if (r != r[0]).any() else 0.0   # rows padded: a mask
+        return PassWork(micro, float(rows * width), float(head), float(rows * width ** 2), masked)
     import torch
 
     from hybridflow.data.microbatch import token_budget_groups
 
     groups = token_budget_groups(torch.from_numpy(p), torch.from_numpy(r), max_tokens=max_tokens,
                                  multiple=multiple, packed=w.pack_sequences)
-    tokens = head = attention = packed = 0.0
+    tokens = head = attention = masked = 0.0
     for g in groups:
         gp, gr = p[g], r[g]
         lengths = gp + gr
         if w.pack_sequences and not (lengths == lengths[0]).all():
             real = float(lengths.sum())
             tokens += math.ceil(real / multiple) * multiple
-            packed += real
+            masked += float((lengths.astype(np.float64) ** 2).sum())
             head += float(gr.sum()) if w.response_logits_only else real
             attention += float((lengths.astype(np.float64) ** 2).sum())
         else:   # padded to the micro-batch's longest prompt + response
             width = math.ceil((int(gp.max()) + int(gr.max())) / multiple) * multiple
             tokens += len(g) * width
+            if not (lengths == lengths[0]).all():    # padding: an explicit attention mask
+                masked += len(g) * float(width) ** 2
             head += len(g) * (int(gr.max()) if w.response_logits_only else width)
             attention += len(g) * float(width) ** 2
-    return PassWork(len(groups), tokens, head, attention, packed)
+    return PassWork(len(groups), tokens, head, attention, masked)

@@ -123,12 +123,17 @@ def test_packed_pass_by_hand():
                  dynamic_bsz=True, pack_sequences=True, micro_batch_tokens=16)
     assert sorted(row_lengths(w, 4)) == [2, 2, 3, 9]
     p = pass_work(w, 4, 16)
-    assert (p.micro, p.tokens, p.packed_tokens) == (3, 13 + 13 + 6, 13)
+    assert (p.micro, p.tokens) == (3, 13 + 13 + 6)
+    assert p.masked_attention == 7 ** 2 + 6 ** 2          # the packed micro-batch's rows
     assert p.head_tokens == 9 + (3 + 2) + 2
     assert p.attention == 13 ** 2 + (7 ** 2 + 6 ** 2) + 6 ** 2
-    # unpacked token budgets: each micro-batch padded to its longest prompt + response
+    # unpacked token budgets: each micro-batch padded to its longest prompt + response; the one of
+    # rows of two lengths needs an attention mask (masked attention), single rows do not
     u = pass_work(replace(w, pack_sequences=False), 4, 16)
-    assert (u.micro, u.tokens, u.packed_tokens) == (3, 13 + 2 * 7 + 6, 0)
+    assert (u.micro, u.tokens, u.masked_attention) == (3, 13 + 2 * 7 + 6, 2 * 7 ** 2)
+    # fixed micro-batches: every row padded to the step's longest (4 + 9), 2 rows each, all masked
+    f = pass_work(replace(w, pack_sequences=False, dynamic_bsz=False), 4, 26)
+    assert (f.micro, f.tokens, f.masked_attention, f.attention) == (2, 4 * 13, 4 * 13 ** 2, 4 * 13 ** 2)
 
 
 def test_packed_terms_by_hand():
@@ -143,9 +148,11 @@ def test_packed_terms_by_hand():
              + 2 * s.num_layers * s.q_dim * 290)
     assert t["ref"].x["inv_fused_forward_mfu"] == pytest.approx(flops / peak)
     assert t["update_actor"].x["inv_fused_train_mfu"] == pytest.approx(3 * flops / peak)
-    # the packed path's cost: 13 packed tokens x 2 layers x 1 kernel forward, 2 fwd + bwd
-    assert t["ref"].x["packed_token_s"] == 13 * 2 * 1
-    assert t["update_actor"].x["packed_token_s"] == 13 * 2 * 2
+    # masked attention's cost: the packed micro-batch's attention FLOPs (2 L q_dim (7^2 + 6^2))
+    # once more per kernel: 1 forward, 2 fwd + bwd
+    masked = 2 * s.num_layers * s.q_dim * 85 / peak
+    assert t["ref"].x["inv_masked_attn_eff"] == pytest.approx(masked)
+    assert t["update_actor"].x["inv_masked_attn_eff"] == pytest.approx(2 * masked)
     assert t["ref"].x["layer_pass_overhead_s"] == 2 * 3 and t["other"].x["row_overhead_s"] == 4
 
 
@@ -172,7 +179,7 @@ TRUTH = Calibration(train_mfu=0.3, forward_mfu=0.45, fused_train_mfu=0.4, fused_
                     prefill_efficiency=0.5, decode_bw_efficiency=0.8, torch_kv_efficiency=0.3,
                     decode_layer_overhead_s=8e-5, fused_decode_layer_overhead_s=4e-5,
                     layer_pass_overhead_s=6e-4, optimizer_step_s=0.05, step_overhead_s=0.03,
-                    row_overhead_s=2e-4, packed_token_s=6e-8)
+                    row_overhead_s=2e-4, masked_attention_efficiency=0.03)
 
 
 def _records(calib=TRUTH):
@@ -201,7 +208,7 @@ def _records(calib=TRUTH):
 
 def test_fit_recovers_the_varlen_coefficients():
     fitted = fit(_records())
-    for k in ("packed_token_s", "torch_kv_efficiency", "row_overhead_s", "step_overhead_s",
+    for k in ("masked_attention_efficiency", "torch_kv_efficiency", "row_overhead_s", "step_overhead_s",
               "decode_bw_efficiency", "fused_train_mfu", "train_mfu", "layer_pass_overhead_s"):
         assert getattr(fitted, k) == pytest.approx(getattr(TRUTH, k), rel=1e-4), k
 
@@ -212,7 +219,8 @@ def test_families_are_held_out_together():
         r["family"] = "packed"
     rows = predict_vs_measured(recs, Calibration())
     # every packed record is predicted by a fit of the 4 fixed-length ones alone, which cannot see
-    # packed_token_s: it keeps its prior, and the packed records' passes come out short
+    # masked_attention_efficiency (their rows are all of one length): it keeps its prior, and the packed
+    # records' passes come out short
     ref = {r["name"]: r for r in rows if r["metric"] == "timing_s/update_actor"}
     assert all(ref[f"r{i}"]["error_pct"] < -1 for i in range(4, 8))
     assert all(abs(ref[f"r{i}"]["error_pct"]) < 1e-3 for i in range(4))
@@ -240,7 +248,7 @@ def test_cli_with_lengths(tmp_path):
     assert w["prompt_len"] == 100 and w["prompt_len_max"] == 180 and w["response_len_max"] == 1024
     assert w["response_len"] == pytest.approx(300, abs=3) and len(w["response_lengths"]) == 256
     assert rep["step_seconds"] == pytest.approx(sum(rep["stage_seconds"].values()))
-    assert rep["time_breakdown"]["ref"]["packed_tokens"] > 0
+    assert rep["time_breakdown"]["ref"]["masked_attention"] > 0
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"lengths": {"median": 3}}))
     r = _cli(*common, "--lengths", str(bad))

@@ -24,5 +24,6 @@ def test_prediction_at_the_measured_lengths():
     maxima = _prediction(cfg, "H200", 1)["timing_s"]
     # the training passes see ~460-token sequences instead of 1,280: much cheaper; generation still
     # decodes until the longest row (1,024) ends
-    assert measured["timing_s/update_actor"] < 0.5 * maxima["timing_s/update_actor"]
+    # (less than the token ratio: rows of different lengths run masked attention kernels)
+    assert measured["timing_s/update_actor"] < 0.75 * maxima["timing_s/update_actor"]
     assert 0.3 * maxima["timing_s/gen"] < measured["timing_s/gen"] < maxima["timing_s/gen"]
