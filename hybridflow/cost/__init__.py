@@ -3,7 +3,8 @@ parallel layout to use. CLI: `python -m hybridflow.cost --help`; fitting the eff
 measured runs: `python -m hybridflow.cost.calibrate --help`.
 
 Files: gpus (GPU table), shapes (the model: a config.ModelConfig from a name, YAML or config.json),
-workload (batch inputs, and the Plan: parallel.layout.Layout + memory options), flops, memory,
+workload (batch inputs, and the Plan: parallel.layout.Layout + memory options), lengths (response
+lengths as a distribution), varlen (a variable-length step row by row), flops, memory,
 timing (seconds per stage from `efficiency.Calibration`), search (layout search), estimate (entry points),
 report (CostReport), calibrate (fit the efficiencies from measured runs), validate (its per-config
 leave-one-out summary)."""
