@@ -1,9 +1,10 @@
-"""Where a packed pass spends its time: the GSM8K step's ref and update passes through the real Engine.
+"""Where a packed pass spends its time: the GSM8K step's ref and update passes through the Engine.
 
 The cost model charges micro-batches of rows of different lengths (packed, or padded: masked
 attention) their attention FLOPs once more per kernel at `masked_attention_efficiency` (0.9% of
-peak, fitted on the GSM8K records; ~1.3 s of the 5 s step) without knowing which kernels it is. This runs one step's rows (GSM8K-like lengths: 512 rows, prompts of --prompt-len,
-responses log-normal with --mean / --clip / --min, cut at --cap; random bf16 weights of --model)
+peak, fitted on the GSM8K records; ~1.3 s of the 5 s step) without knowing which kernels it is.
+This runs one step's rows (GSM8K-like lengths: 512 rows, prompts of --prompt-len, responses
+log-normal with --mean / --clip / --min, cut at --cap; random bf16 weights of --model)
 through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the update) as:
 - `packed`: token budgets of --forward-budget / --budget tokens, each micro-batch one packed row
   under a flex_attention document mask (algo.pack_sequences=true, the recipe);

@@ -17,10 +17,12 @@ response-length statistics) and the code's options as they were then:
   packed GRPO run (before the response-only LM head and bf16 logits), from their metrics.jsonl.
 - family "grpo_older" (the 124-step run's code hours before it, before sequence packing and the
   generation options: a generator built every step, no compaction or KV window, the LM head and
-  fp32 logits at every position): two runs with unpacked token budgets (lr 3e-6 and 1e-5), their ref and update passes
-  only (generation then re-captured its graphs every step, which the model does not cost).
-- family "dapo" (the same code as grpo_then): DAPO with dynamic sampling, 39 steps: generation rounds and
-  prompt batches per step (gen_rounds, gen_prompt_factor: the means), 1,536 rows per call.
+  fp32 logits at every position): two runs with unpacked token budgets (lr 3e-6 and 1e-5), their
+  ref and update passes only (generation then re-captured its graphs every step, which the model
+  does not cost).
+- family "dapo" (the same code as grpo_then): DAPO with dynamic sampling, 39 steps: generation
+  rounds and prompt batches per step (gen_rounds, gen_prompt_factor: the means), 1,536 rows per
+  call.
 Measured: medians over steps 2.. for the GRPO records; for DAPO the means over steps 2..40 (its
 steps are a mix of 1 round of 2 or 3 batches and 2 rounds, whose mean is what the model's mean
 rounds and batches describe); timing_s/step leaves validation out (it is timed apart). The raw

@@ -1,4 +1,4 @@
-"""Response lengths as a distribution: what the variable-length cost terms read (`Workload.response_lengths`).
+"""Response lengths as a distribution: what the variable-length terms read (`Workload.response_lengths`).
 
 A distribution is a sorted tuple of K representative lengths, each standing for 1/K of the rows (the
 quantiles at (k + 0.5) / K); `row_lengths` spreads it over a step's N rows. It comes from:

@@ -71,9 +71,8 @@ class Decode:
     chunks: int = 0
 
     def __add__(self, o: "Decode") -> "Decode":
-        return Decode(*(a + b for a, b in zip(
-            (self.steps, self.row_steps, self.row_columns, self.moved_bytes, self.compactions, self.chunks),
-            (o.steps, o.row_steps, o.row_columns, o.moved_bytes, o.compactions, o.chunks))))
+        fields = ("steps", "row_steps", "row_columns", "moved_bytes", "compactions", "chunks")
+        return Decode(*(getattr(self, f) + getattr(o, f) for f in fields))
 
 
 def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int, compact: bool,
