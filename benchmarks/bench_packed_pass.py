@@ -22,6 +22,7 @@ packed passes' top CUDA kernels (flex_attention, GEMMs, log-prob kernels, gather
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -69,8 +70,11 @@ def top_kernels(fn, rows: int = 25) -> list[dict]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    ev = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:rows]
-    return [{"name": e.key[:120], "cuda_s": e.device_time_total / 1e6, "calls": e.count} for e in ev]
+    def us(e):  # (torch 2.4+: device_time_total; older: cuda_time_total)
+        return getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+
+    ev = sorted(prof.key_averages(), key=lambda e: -us(e))[:rows]
+    return [{"name": e.key[:120], "cuda_s": us(e) / 1e6, "calls": e.count} for e in ev]
 
 
 def predicted(model_cfg, *, prompt_len, lengths, budget, fbudget, pack: bool, equal: bool,
@@ -121,7 +125,8 @@ def main(argv=None) -> int:
     cuda = a.device == "cuda"
     groups.init_distributed()
     ctx = groups.init_model_parallel(tp=1, pp=1, seed=1)
-    model_cfg = load_shape(a.model)
+    # packing needs our SDPA attention (transformer-engine's, where installed, takes no BlockMask)
+    model_cfg = dataclasses.replace(load_shape(a.model), attention_backend="sdpa")
     pts = fit_stats(mean=a.mean, cap=a.cap, clip_ratio=a.clip, shortest=a.min, rows=a.rows, k=a.rows)
     lengths = [int(x) for x in row_lengths(Workload(prompts_per_step=1, samples_per_prompt=1,
                                                     response_lengths=pts), a.rows)]
