@@ -153,9 +153,10 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
                         forced: Optional[list] = None) -> tuple[RolloutBatch, dict]:
     """`cfg.n` multi-turn trajectories per prompt (rows as Generator.generate orders them) ->
     (RolloutBatch with tool_mask, metrics). Of `options` (None: DecodeOptions.from_config(cfg))
-    prefill_tokens applies (the padded tokens of one prefill, of prompts or of appended tool
-    results: bounds the attention scores when many rows resume at once) and cuda_graphs (on a
-    GPU the decode step is a CUDA-graph replay per chunk size). `forced`: per row, model
+    these apply: prefill_tokens (the padded tokens of one prefill, of prompts or of appended tool
+    results: bounds the attention scores when many rows resume at once), cuda_graphs (on a GPU
+    the decode step is a CUDA-graph replay per state size and window), kv_window,
+    compact_finished_rows and min_graphed_bucket (compaction.py). `forced`: per row, model
     tokens to emit in place of samples while they last (their log-probs are still the model's):
     replays and tests."""
     opts = options or DecodeOptions.from_config(cfg)
