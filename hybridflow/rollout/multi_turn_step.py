@@ -11,14 +11,14 @@ returns a zero-argument function that
 2. feeds the drawn token of every `ready` row through `extend` (multi_turn.py) at the row's column
    and position (other rows: a masked token in the scratch column, never marked valid), writing
    the next logits into `logits` in place and advancing `col` / `pos` of the fed rows.
-Every op has a static shape and no host sync, so on a GPU the function is captured once per B
-(cuda_graph.GraphedStep: the generator's pool, side stream and registered RNG) and each step is
-one replay; on CPU or with rollout.cuda_graphs off it runs eagerly, the same ops. With
+Every op has a static shape and no host sync, so on a GPU the function is captured once per state
+size (cuda_graph.GraphedStep: the generator's pool, side stream and registered RNG) and each step
+is one replay; on CPU or with rollout.cuda_graphs off it runs eagerly, the same ops. With
 rollout.decode_kv_window W there is one step per window (the multiples of W below T, and T): the
-host picks, per step, the shortest that holds every row's next column (it knows each row's length;
-no sync), so early steps do not read the whole cache. Appending tool
-results stays eager (`extend` of S > 1 tokens for the resumed rows) and writes the same tensors in
-place (`col`, `pos`, `key_valid`, the cache, the resumed rows' `logits`).
+host picks, per step, the shortest that holds every state row's next column (it knows each row's
+length; no sync), so early steps do not read the whole cache. Appending tool results stays eager
+(`extend` of S > 1 tokens for the resumed rows) and writes the same tensors in place (`col`,
+`pos`, `key_valid`, the cache, the resumed rows' `logits`).
 
 Beside it, the host's side: `Rows` (each row's tokens, log-probs, tool mask, lengths, turn and
 state as numpy arrays) and `Slots` (which state row holds which chunk row; compaction moves the
