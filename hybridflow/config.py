@@ -114,8 +114,10 @@ class PartialRolloutConfig:
 @dataclass
 class MultiTurnConfig:
     """rollout.multi_turn (verl's names): generation that calls tools between assistant turns
-    (hybridflow/rollout/multi_turn.py). Off: one response per prompt. Decoding runs the eager torch
-    path (no CUDA graphs, Triton decode kernels, compile, KV windows or compaction)."""
+    (hybridflow/rollout/multi_turn.py). Off: one response per prompt. Its decode step is PyTorch
+    ops, a CUDA-graph replay on a GPU with KV windows and compaction (rollout.cuda_graphs,
+    decode_kv_window, compact_finished_rows); not the Triton decode kernels, compile or quantized
+    layers."""
     enable: bool = False
     # model turns per trajectory; a tool call in the last one ends it (its result is not appended)
     max_assistant_turns: int = 5
@@ -125,6 +127,7 @@ class MultiTurnConfig:
     tool_config_path: Optional[str] = None
     # "hermes": <tool_call>{json}</tool_call> calls, results as the chat template's tool messages;
     # "code": fenced ```python blocks run by the first tool, output appended as ```output blocks
+    # (check which one the model writes: benchmarks/tool_format_probe.py, docs/recipes.md)
     format: str = "hermes"
     # threads running tool calls (rows' calls run concurrently while other rows decode)
     tool_workers: int = 8
