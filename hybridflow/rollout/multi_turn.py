@@ -156,7 +156,8 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
     these apply: prefill_tokens (the padded tokens of one prefill, of prompts or of appended tool
     results: bounds the attention scores when many rows resume at once), cuda_graphs (on a GPU
     the decode step is a CUDA-graph replay per state size and window), kv_window,
-    compact_finished_rows and min_graphed_bucket (compaction.py). `forced`: per row, model
+    compact_finished_rows, min_graphed_bucket (compaction.py) and emulate_graphs. `forced`: per
+    row, model
     tokens to emit in place of samples while they last (their log-probs are still the model's):
     replays and tests."""
     opts = options or DecodeOptions.from_config(cfg)
@@ -172,7 +173,8 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
     T = -(-(P + R + 1) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE  # + the scratch column
     with torch.no_grad():
         gen._ensure_cache(rows=max(e - s for s, e in chunks), length=T)
-        graphed = opts.cuda_graphs and gen.device.type == "cuda"
+        # emulate_graphs: the graphed path's states, ladder and warm-ups off a GPU (tests)
+        graphed = opts.cuda_graphs and (gen.device.type == "cuda" or opts.emulate_graphs)
         # every chunk size's step before seeding: a capture's warm-up runs draw from the stream
         windows = kv_windows(gen._cache.length, opts.kv_window)
         targets = {e - s: _targets(e - s, opts, graphed) for s, e in chunks}

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from hybridflow.config import RolloutConfig
-from hybridflow.rollout.cuda_graph import GraphedStep
+from hybridflow.rollout.cuda_graph import GraphedStep, WarmedStep
 from hybridflow.rollout.sampling import _token_logprobs, sample
 
 
@@ -143,7 +143,9 @@ def decode_step(gen, st: DecodeState, cfg: RolloutConfig, *, graphed: bool,
 
     if not graphed:
         return step
+    st.ctrl.zero_()
+    if gen.device.type != "cuda":  # DecodeOptions.emulate_graphs: the warm-ups, then eager calls
+        return WarmedStep(step)
     if gen._pool is None:
         gen._pool, gen._side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
-    st.ctrl.zero_()
     return GraphedStep(step, pool=gen._pool, side=gen._side, generator=gen._rng)

@@ -181,6 +181,37 @@ def test_compaction_keeps_greedy_rollouts(tmp_path, kv_window):
     assert torch.equal(s1.rollout_logprobs, s2.rollout_logprobs)
 
 
+def test_emulated_graphs_equal_eager(tmp_path):
+    """DecodeOptions.emulate_graphs: the graphed path's host side on CPU (every state size's
+    steps made before the seed, with the warm-up runs a capture makes; windows; compaction into
+    ladder sizes from 1 row): the eager run's tokens, tool results and log-probs."""
+    tok = byte_tokenizer(tmp_path)
+    end = tok.encode("<|im_end|>")
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in ("6*7?", "a longer question")]
+    runner = runner_for(tok, "hermes", tool_config(tmp_path, "calculator"))
+    forced = [end, tok.encode(call("2+2")) + tok.encode("x") + end, tok.encode("abc") + end,
+              tok.encode(call("3*3")), [], tok.encode("de") + end]
+    outs = []
+    for emulate in (False, True):
+        gen = make_gen()
+        cfg = RolloutConfig(n=3, max_new_tokens=120, temperature=1.0, return_logprobs=True,
+                            max_batch_size=4)
+        opts = DecodeOptions(kernels="torch", kv_window=64, compact_finished_rows=True,
+                             min_graphed_bucket=1, emulate_graphs=emulate)
+        outs.append(generate_multi_turn(gen, prompts, cfg=cfg, runner=runner, eos_id=tok.eos_id,
+                                        pad_id=tok.pad_id, seed=6, forced=forced,
+                                        options=opts))
+        fns = [fn for k, (_, f) in gen._steps.items() if k[0] == "multi_turn" for fn in f.values()]
+        assert all(type(fn).__name__ == "WarmedStep" for fn in fns) == emulate
+    (eager, m_eager), (emulated, m_emulated) = outs
+    assert torch.equal(emulated.response_ids, eager.response_ids)
+    assert torch.equal(emulated.tool_mask, eager.tool_mask) and eager.tool_mask.any()
+    torch.testing.assert_close(emulated.rollout_logprobs, eager.rollout_logprobs, rtol=1e-5,
+                               atol=1e-5)
+    assert m_emulated["multi_turn/compactions"] == m_eager["multi_turn/compactions"] >= 1
+
+
 def test_close_tokens(tmp_path):
     """Only tokens whose text holds the closing marker's last character can end a call: in the
     byte-level vocabulary, `>` and the specials that end with it (hermes), a backtick (code)."""
