@@ -23,8 +23,8 @@ Resident through the whole step (DESIGN.md: actor and critic state stays on the 
 - `Workload.offload_params`: the actor's weights (LoRA: the frozen base; the adapters stay) are
   absent from the `values` and `update_critic` phases, from `ref` when the reference is a model
   of its own, and from `gen` where the generator holds its
-  own copy (`gen_owns_weights`): with a reshard the whole training shard leaves (the gen buffer then
-  holds the full TP_g shard, component `reshard_buffer`), with a quantized rollout the decoder's
+  own copy (`gen_owns_weights`): with a reshard the whole training shard leaves (the gen buffer,
+  component `reshard_buffer`, holds the full TP_g shard), with a quantized rollout the decoder's
   matrices leave (embedding, norms and LM head stay: the generator reads them in place; the
   matrices go to the host first and are quantized one at a time from there, so the bf16 matrices
   and the codes are never on the device together). Not for MoE generation. The quantized
@@ -33,9 +33,11 @@ Resident through the whole step (DESIGN.md: actor and critic state stays on the 
   the training shard and the gen buffer at once before the training shard leaves (not counted:
   no KV cache yet).
 Per phase, on top:
-- gen: the reshard buffer (the gen TP_g shard of the actor minus the training shard it contains; zero
-  when TP_g = TP and PP = 1), the KV cache of one generation wave, prefill scratch (one layer of the
-  wave's prompts) and last-position logits. Sequences that do not fit run in several waves;
+- gen: the reshard buffer (what `parallel.reshard.Resharder` allocates: the whole gen TP_g shard of
+  the actor, the rank's own training slice copied in, but for the replicated norms, which it
+  aliases at PP_t = 1; zero when TP_g = TP and PP = 1), the KV cache of one generation wave, prefill
+  scratch (one layer of the wave's prompts) and last-position logits. Sequences that do not fit run
+  in several waves;
 - old_log_prob / ref / values: one layer's activations for a micro-batch, and its logits (component
   `logits`: at the response positions only, `Workload.head_fraction`, or one chunk of them with
   `lm_head_chunk_tokens`; bf16, or fp32 with `bf16_logits` false);
@@ -233,27 +235,39 @@ def _prefetched_reference(shape: ModelConfig, plan: Plan, workload: Workload) ->
     return _reference_bytes(shape, plan)
 
 
+def replicated_params(shape: ModelConfig) -> int:
+    """Parameters every TP rank holds whole (the norms: two per layer, the QK norms, the final
+    one): a dense model's generation reads them in place at PP_t = 1 (`param_rules.REPLICATED`)."""
+    qk = 2 * shape.head_dim if shape.qk_layernorm else 0
+    return shape.num_layers * (2 * shape.hidden_size + qk) + shape.hidden_size
+
+
 def reshard_buffer_bytes(shape: ModelConfig, layout: Layout, plan: Plan | None = None) -> float:
-    """Bytes a GPU adds for generation's weights: the gen TP_g shard minus the training shard it
-    holds; MoE (in place, TP_g = TP), the experts it does not train (other EP ranks', and the
-    other expert-TP slices at expert TP 1), all-gathered for generation."""
+    """Bytes a GPU allocates for generation's weights. Dense: the Resharder's buffers hold the whole
+    gen TP_g shard (the rank's own training slice is copied in, not aliased), but for the
+    replicated norms, which at PP_t = 1 are the training parameters themselves (at PP_t > 1 the
+    other stages' norms are gathered too); zero when TP_g = TP and PP = 1 (everything aliased).
+    MoE (in place, TP_g = TP): the experts it does not train (other EP ranks', and the other
+    expert-TP slices at expert TP 1), all-gathered for generation."""
+    if shape.moe.enabled:
+        return reshard_received_bytes(shape, layout, plan)
+    if not layout.needs_reshard:
+        return 0.0     # generation reads the training weights in place
+    norms = replicated_params(shape)
+    own_norms = 0 if layout.pp_t == 1 else norms
+    return BYTES_PER_PARAM * ((shape.num_params - norms) / layout.tp_g + own_norms)
+
+
+def reshard_received_bytes(shape: ModelConfig, layout: Layout, plan: Plan | None = None) -> float:
+    """Bytes a GPU receives to build its generation weights: the gen TP_g shard minus the training
+    shard it holds; MoE, the experts it does not train (slices at expert TP 1 are views)."""
     if shape.moe.enabled:
         e = expert_params(shape)
         shard = plan.expert_shard if plan is not None else layout.tp_t * layout.pp_t
-        return max(0.0, BYTES_PER_PARAM * e * (1 / layout.tp_g - 1 / shard))  # (slices: views)
+        return max(0.0, BYTES_PER_PARAM * e * (1 / layout.tp_g - 1 / shard))
     if not layout.needs_reshard:
-        return 0.0     # generation reads the training weights in place
+        return 0.0
     return BYTES_PER_PARAM * shape.num_params * (1 / layout.tp_g - 1 / (layout.tp_t * layout.pp_t))
-
-
-def _gen_buffer_bytes(shape: ModelConfig, plan: Plan, workload: Workload) -> float:
-    """The reshard buffer of the gen phase; with the training shard offloaded it is counted whole
-    (the buffer holds the full TP_g shard, a copy of the training shard included)."""
-    lay = plan.layout
-    extra = 0.0
-    if workload.offload_params and lay.needs_reshard and gen_owns_weights(plan, workload, shape):
-        extra = BYTES_PER_PARAM * params_per_gpu(shape, plan)
-    return reshard_buffer_bytes(shape, lay, plan) + extra
 
 
 def _gen_bytes_per_seq(shape: ModelConfig, layout: Layout, workload: Workload) -> tuple[float, float]:
@@ -277,7 +291,7 @@ def gen_batch_size(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
     resident = _resident(shape, plan, workload)
     if workload.offload_grads:
         resident["actor_grads"] = 0.0
-    used = (sum(resident.values()) + _gen_buffer_bytes(shape, plan, workload)
+    used = (sum(resident.values()) + reshard_buffer_bytes(shape, lay, plan)
             + rollout_weights_bytes(shape, plan, workload)
             - offloaded_params_bytes(shape, plan, workload, "gen")
             + _prefetched_reference(shape, plan, workload))
@@ -341,7 +355,7 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
     for phase in phases_to_run(workload):
         c = dict.fromkeys(COMPONENTS, 0.0) | resident
         if phase == "gen":
-            c |= {"reshard_buffer": _gen_buffer_bytes(shape, plan, workload),
+            c |= {"reshard_buffer": reshard_buffer_bytes(shape, lay, plan),
                   "rollout_weights": rollout_weights_bytes(shape, plan, workload),
                   "kv_cache": batch * kv, "activations": batch * scratch}
             c["reference"] += _prefetched_reference(shape, plan, workload)

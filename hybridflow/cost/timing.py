@@ -65,7 +65,7 @@ from hybridflow.cost.efficiency import Calibration
 from hybridflow.cost.flops import (BYTES_PER_PARAM, ROLLOUT_BYTES_PER_WEIGHT, dense_params,
                                    forward_flops_per_token, kv_bytes_per_token, train_flops_per_token)
 from hybridflow.cost.gpus import GPU
-from hybridflow.cost.memory import gen_batch_size, reshard_buffer_bytes
+from hybridflow.cost.memory import gen_batch_size, reshard_received_bytes
 from hybridflow.cost.varlen import PassWork, decode_schedule, pass_work
 from hybridflow.cost.workload import Plan, Workload
 from hybridflow.model_config import ModelConfig
@@ -250,7 +250,7 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
 
 def _reshard(shape: ModelConfig, gpu: GPU, plan: Plan) -> StageTerms:
     t, layout = StageTerms(), plan.layout
-    received = reshard_buffer_bytes(shape, layout, plan)
+    received = reshard_received_bytes(shape, layout, plan)
     if received > 0:  # MoE: the EP group's all-gather of the experts
         span = plan.ep * layout.tp_t if shape.moe.enabled else layout.tp_t * layout.pp_t
         bw, lat = _link(gpu, span)
