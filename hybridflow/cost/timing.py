@@ -386,31 +386,41 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
     return t
 
 
-def _offload_params_copies(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
-                           stages: dict) -> None:
-    """actor.offload_params: the PCIe copies of the actor's weights, not hidden. Each time they
-    leave, the first drop of a step copies them to the host (full training: the optimizer step
-    changed them; LoRA's frozen base has its host copy from the first step); each return copies
-    them back. Gen cycle (the generator owns its weights): out in gen, back in gen's stage (the
-    prefetch runs behind the reward, usually shorter). Reference and critic cycles: out after the
-    actor's last forward (in `ref`, else `values`), back at the actor's update (with a critic;
-    else behind the advantages: counted in `ref`)."""
+def offload_params_copies(shape: ModelConfig, plan: Plan, w: Workload,
+                          stages) -> list[tuple[str, str, float]]:
+    """actor.offload_params: the PCIe copies of the actor's weights in one step, as the trainer
+    makes them: (stage, "d2h" or "h2d", bytes per GPU). A drop copies to the host only what
+    changed since the last copy (full training: every weight once a step, the optimizer step
+    changed them; LoRA's frozen base has its host copy from the first step); a return copies
+    back. With G the bytes leaving in generation (the generator owns its matrices) and L the
+    whole shard:
+    - gen: G to the host; a quantized rollout in place reads them back one matrix at a time to
+      quantize them (G again, host to device); and G back after generation, behind the reward,
+      unless a later pass keeps the weights away until the actor's update (the old_log_prob pass
+      skipped, and a reference model's pass or a critic to come: RolloutStage
+      params_back_after_gen);
+    - ref / values (the first of them the step runs, when the weights leave for it): L - G to the
+      host (L when G stayed), and L back at the actor's update with a critic, else behind the
+      advantages (counted in `ref`)."""
     from hybridflow.cost.memory import offloaded_params_bytes
 
-    pcie = gpu.pcie_gbps * 1e9
-    first_out = not w.lora_rank
-    cycles = [("gen", offloaded_params_bytes(shape, plan, w, "gen"), "gen")]
+    full = not w.lora_rank
+    gen = offloaded_params_bytes(shape, plan, w, "gen") if "gen" in stages else 0.0
     out = next((p for p in ("ref", "values") if p in stages
                 and offloaded_params_bytes(shape, plan, w, p)), None)
-    if out is not None:  # one stretch away from the first of them to the actor's update
-        cycles.append((out, offloaded_params_bytes(shape, plan, w, out),
-                       "update_actor" if w.has_critic else out))
-    for stage, nbytes, back in cycles:
-        if nbytes and stage in stages:
-            if first_out:
-                stages[stage].add("pcie", None, nbytes / pcie)
-                first_out = False
-            stages[back].add("pcie", None, nbytes / pcie)
+    # the trainer's LoRA reference (the actor's base) reads the weights: they come back after gen
+    held = (out is not None and w.skip_old_log_prob
+            and not (w.lora_rank and w.use_reference))
+    copies = []
+    if gen:
+        copies += [("gen", "d2h", gen)] if full else []
+        copies += [("gen", "h2d", gen)] if not plan.layout.needs_reshard else []  # quantize
+        copies += [] if held else [("gen", "h2d", gen)]
+    if out is not None:
+        local = offloaded_params_bytes(shape, plan, w, out)
+        copies += [(out, "d2h", local - gen)] if full and local > gen else []
+        copies.append(("update_actor" if w.has_critic else out, "h2d", local))
+    return copies
 
 
 def stage_terms(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
@@ -429,7 +439,8 @@ def stage_terms(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
         stages["values"] = _forward(shape, gpu, layout, w, "critic")
         stages["update_critic"] = _update(shape, gpu, plan, w, "critic")
     stages["update_actor"] = _update(shape, gpu, plan, w, "actor")
-    _offload_params_copies(shape, gpu, plan, w, stages)
+    for stage, _, nbytes in offload_params_copies(shape, plan, w, stages):
+        stages[stage].add("pcie", None, nbytes / (gpu.pcie_gbps * 1e9))
     stages["other"] = StageTerms([("step_overhead", "step_overhead_s", 1.0)])
     # reward, advantages and bookkeeping per generated row of this rank
     stages["other"].add("row_overhead", "row_overhead_s",
