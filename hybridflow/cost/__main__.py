@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
                         "else --response-len)")
     p.add_argument("--gen-max-batch-size", type=int,
                    help="rollout.max_batch_size: rows per generation chunk (default: as memory holds)")
+    p.add_argument("--batches-per-round", type=int, default=1, dest="gen_batches_per_round",
+                   help="algo.dynamic_sampling.batches_per_round: prompt batches of the largest "
+                        "generation call (sizes a kept generator's KV cache)")
     p.add_argument("--compact-finished-rows", action="store_true",
                    help="rollout.compact_finished_rows=true: live rows move to smaller decode buckets")
     p.add_argument("--kv-window", type=int, default=0, help="rollout.decode_kv_window (0: off)")
@@ -141,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             check_token_budget(key, value, longest=a.prompt_len + response,
                                how=f"--prompt-len + {flag} = {a.prompt_len} + {response}")
     varlen = dict(gen_max_batch_size=a.gen_max_batch_size,
+                  gen_batches_per_round=a.gen_batches_per_round,
                   compact_finished_rows=a.compact_finished_rows, decode_kv_window=a.kv_window,
                   dynamic_bsz=a.dynamic_bsz, pack_sequences=a.pack_sequences)
     cap = a.max_new_tokens or a.response_len_max or a.response_len

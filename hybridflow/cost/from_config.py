@@ -53,7 +53,9 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 max_new_tokens=r.max_new_tokens, gen_max_batch_size=r.max_batch_size,
                 compact_finished_rows=bool(r.compact_finished_rows),
                 decode_kv_window=int(r.decode_kv_window or 0), dynamic_bsz=bool(a.use_dynamic_bsz),
-                pack_sequences=bool(a.use_dynamic_bsz and a.pack_sequences))
+                pack_sequences=bool(a.use_dynamic_bsz and a.pack_sequences),
+                gen_batches_per_round=(a.dynamic_sampling.batches_per_round
+                                       if a.dynamic_sampling.enable else 1))
 
 
 def from_overrides(overrides: list[str], *, world_size: int, free_gib: float,

@@ -41,8 +41,10 @@ Per phase, on top:
 - old_log_prob / ref / values: one layer's activations for a micro-batch, and its logits (component
   `logits`: at the response positions only, `Workload.head_fraction`, or one chunk of them with
   `lm_head_chunk_tokens`; bf16, or fp32 with `bf16_logits` false);
-- with `keep_generator` (rollout.free_cache_engine=false, no reshard) the gen wave's KV cache stays
-  through every later phase too;
+- with `keep_generator` (rollout.free_cache_engine=false, no reshard) the KV cache is the one
+  kept from the run's largest generation call (under dynamic sampling a round of
+  `gen_batches_per_round` prompt batches, at most rollout.max_batch_size rows, rounded up to its
+  graph bucket), in gen and through every later phase;
 - update_actor / update_critic: stored activations (`flops.activation_bytes_per_token_layer`, the
   unfused SwiGLU's two extra tensors without `fused_elementwise`; with
   full recompute only each layer's bf16 input plus one layer's working set), 1F1B keeping
@@ -271,23 +273,32 @@ def reshard_received_bytes(shape: ModelConfig, layout: Layout, plan: Plan | None
 
 
 def _gen_bytes_per_seq(shape: ModelConfig, layout: Layout, workload: Workload) -> tuple[float, float]:
-    """(KV cache, scratch) bytes per sequence of a generation wave (the cache holds the longest
-    response)."""
+    """(KV cache, scratch) bytes per sequence of a generation wave. The cache holds the longest
+    prompt and rollout.max_new_tokens (the longest response without a cap), rounded up to the
+    generator's LENGTH_MULTIPLE."""
+    from hybridflow.cost.varlen import LENGTH_MULTIPLE
+
     prompt = workload.prompt_len_max or workload.prompt_len   # a chunk's prompts, left-padded
-    kv = (prompt + workload.longest_response) * kv_bytes_per_token(shape, layout.tp_g)
+    length = prompt + (workload.max_new_tokens or workload.longest_response)
+    length = -(-length // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+    kv = length * kv_bytes_per_token(shape, layout.tp_g)
     scratch = (workload.prompt_len * activation_bytes_per_token_layer(shape)
                + shape.vocab_size * LOGIT_BYTES) / layout.tp_g
     return kv, scratch
 
 
 def gen_batch_size(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
-                   calib: Calibration) -> tuple[int, int]:
+                   calib: Calibration, *, largest: bool = False) -> tuple[int, int]:
     """(sequences per wave, waves) for one gen replica: as many as the free memory holds (and
     rollout.max_batch_size allows); a call generates the step's rows, or under dynamic sampling
-    its share of the prompt batches of a round."""
+    its share of the prompt batches of a round (the mean call; `largest`: the run's largest call,
+    `Workload.gen_batches_per_round` prompt batches)."""
     lay = plan.layout
     w = workload
     per_replica = math.ceil(w.num_sequences * w.gen_prompt_factor / w.gen_rounds / lay.dp_g)
+    if largest:
+        per_replica = max(per_replica,
+                          math.ceil(w.num_sequences * w.gen_batches_per_round / lay.dp_g))
     resident = _resident(shape, plan, workload)
     if workload.offload_grads:
         resident["actor_grads"] = 0.0
@@ -300,6 +311,18 @@ def gen_batch_size(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
     batch = min(per_replica, w.gen_max_batch_size or per_replica,
                 max(1, int(free // (kv + scratch * calib.activation_memory_scale))))
     return batch, math.ceil(per_replica / batch)
+
+
+def _kept_cache_rows(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
+                     calib: Calibration) -> int:
+    """Rows of a kept generator's KV cache (rollout.free_cache_engine=false): the run's largest
+    generation call (a chunk of it, at most rollout.max_batch_size), rounded up to its CUDA-graph
+    bucket as the generator's _ensure_cache allocates it."""
+    from hybridflow.cost.varlen import bucket_sizes
+
+    rows, _ = gen_batch_size(shape, gpu, plan, workload, calib, largest=True)
+    cap = workload.gen_max_batch_size
+    return next(b for b in bucket_sizes(cap) if b >= rows) if cap and rows <= cap else rows
 
 
 def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str) -> tuple[float, float]:
@@ -351,13 +374,16 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
     batch, waves = gen_batch_size(shape, gpu, plan, workload, calib)
     phases = {}
     kv, scratch = _gen_bytes_per_seq(shape, lay, workload)
-    kept_kv = batch * kv if workload.keep_generator and not lay.needs_reshard else 0.0
+    kept = workload.keep_generator and not lay.needs_reshard
+    # a kept generator's cache only grows: the largest call's rows (its graph bucket), every step
+    cache_rows = _kept_cache_rows(shape, gpu, plan, workload, calib) if kept else batch
+    kept_kv = cache_rows * kv if kept else 0.0
     for phase in phases_to_run(workload):
         c = dict.fromkeys(COMPONENTS, 0.0) | resident
         if phase == "gen":
             c |= {"reshard_buffer": reshard_buffer_bytes(shape, lay, plan),
                   "rollout_weights": rollout_weights_bytes(shape, plan, workload),
-                  "kv_cache": batch * kv, "activations": batch * scratch}
+                  "kv_cache": cache_rows * kv, "activations": batch * scratch}
             c["reference"] += _prefetched_reference(shape, plan, workload)
         elif phase == "optimizer_step":  # offloaded state back for the step; activations gone
             trained = lora_params(shape, workload.lora_rank) if workload.lora_rank \

@@ -123,6 +123,10 @@ class Workload:
     # tail, and prompts generated per trained prompt (its metrics dynamic_sampling/rounds, /batches)
     gen_rounds: float = 1.0
     gen_prompt_factor: float = 1.0
+    # algo.dynamic_sampling.batches_per_round: prompt batches of the largest generation call of
+    # the run (the first round draws all of them, adaptive rounds at most that); a kept generator's
+    # KV cache is sized by that call (1: every call generates one step's prompts)
+    gen_batches_per_round: int = 1
 
     def __post_init__(self):
         if self.response_lengths is not None:
@@ -149,6 +153,9 @@ class Workload:
         if self.pack_sequences and not self.dynamic_bsz:
             raise ValueError("pack_sequences needs dynamic_bsz (algo.pack_sequences needs "
                              "algo.use_dynamic_bsz)")
+        if not isinstance(self.gen_batches_per_round, int) or self.gen_batches_per_round < 1:
+            raise ValueError(f"gen_batches_per_round must be a positive integer, got "
+                             f"{self.gen_batches_per_round!r}")
         if not self.gen_rounds >= 1 or not self.gen_prompt_factor >= 1:
             raise ValueError(f"gen_rounds ({self.gen_rounds}) and gen_prompt_factor "
                              f"({self.gen_prompt_factor}) must be >= 1")

@@ -301,7 +301,8 @@ def test_generation_call_rows_under_dynamic_sampling_and_the_batch_cap():
                                                       "response_lengths", "max_new_tokens",
                                                       "gen_rounds", "gen_prompt_factor",
                                                       "gen_max_batch_size")}).phases_gib["gen"]["kv_cache"]
-    per_row = (160 + 1000) * 2 * 24 * 2 * 64 * 2      # (longest prompt + response) x K/V bytes
+    # (longest prompt + max_new_tokens, rounded up to the generator's 64) x K/V bytes
+    per_row = 1216 * 2 * 24 * 2 * 64 * 2
     assert kv == pytest.approx(384 * per_row / 2 ** 30)
 
 
