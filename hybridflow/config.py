@@ -313,13 +313,19 @@ class AlgoConfig:
     forward_max_tokens_per_micro_batch_per_gpu: Optional[int] = None
     # Sequence packing (needs use_dynamic_bsz and PP=1): each token-budget micro-batch runs as ONE
     # row of its rows' real tokens back to back (no padding computed), attention limited to each
-    # row's own tokens by a flex_attention block mask (hybridflow/data/packing.py); the budget then
-    # counts real tokens. Same results as unpacked; no explicit SDPA mask, so the cuDNN masked-
+    # row's own tokens, causally (hybridflow/data/packing.py; the kernel: packed_attention below);
+    # the budget then counts real tokens. Same results as unpacked; no explicit SDPA mask, so the cuDNN masked-
     # backward bug routed around in models/attention.py does not arise. Needs SDPAttention
     # (model.attention_backend sdpa, or auto without transformer-engine). A micro-batch without
     # padding runs unpacked (equal rows need no mask). null (auto): on wherever use_dynamic_bsz is
     # and the attention is SDPA, else off
     pack_sequences: Optional[bool] = None
+    # the packed micro-batches' attention kernel (hybridflow/models/attention.py): "varlen": torch's
+    # varlen_attn (FlashAttention-2 over the rows' cu_seqlens, GQA native; CUDA, bf16/fp16, head_dim
+    # a multiple of 8 up to 256, compute capability 8.0+, torch 2.10+); "flex": a flex_attention
+    # document mask (compiled on CUDA); "auto": varlen where it runs, else flex, chosen once per
+    # run and printed by rank 0
+    packed_attention: str = "auto"
 
 
 def micro_batching(a: AlgoConfig, *, forward: bool) -> dict:

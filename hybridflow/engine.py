@@ -13,8 +13,9 @@ both give the same results; the budget only changes how much padding is computed
 Sequence packing (`pack`, algo.pack_sequences; on with token budgets on a GPU by default): each
 token-budget micro-batch that holds padding runs as ONE row of its rows' real tokens back to back (no
 padding computed but the tail to a multiple of TP under sequence parallel), attention limited to
-each row's own tokens, causally, by a flex_attention block mask (hybridflow.data.packing,
-hybridflow.models.attention.document_causal_mask). The budget then counts real tokens. The loss still
+each row's own tokens, causally (hybridflow.data.packing; hybridflow.models.attention: torch's
+varlen FlashAttention over the rows' cu_seqlens on CUDA, a flex_attention block mask elsewhere,
+algo.packed_attention). The budget then counts real tokens. The loss still
 sees the padded micro-batch: per-token results over the packed row are gathered into its (b, R_mb)
 layout (`PackedRows.unpack`, differentiable). No explicit SDPA mask is passed, so the cuDNN
 masked-backward bug routed around in models/attention.py does not arise; the per-layer CUDA graphs
@@ -54,7 +55,7 @@ from hybridflow.config import LoRAConfig, ModelConfig, OptimConfig, ParallelConf
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.data.microbatch import token_budget_groups
 from hybridflow.data.packing import PackedRows, pack_rows
-from hybridflow.models.attention import SDPAttention, document_causal_mask
+from hybridflow.models.attention import SDPAttention, choose_packed_attention, packed_documents
 from hybridflow.models.build import LM_ROLES, build_model
 from hybridflow.models.graphs import graph_layers
 from hybridflow.models.heads import ValueHead
@@ -91,7 +92,8 @@ class Engine:
                  parallel: ParallelConfig, precision: str, optim: Optional[OptimConfig] = None,
                  total_updates: int = 1, lora: Optional[LoRAConfig] = None, seed: int = 0,
                  offload_optimizer: bool = False, offload_grads: bool = False,
-                 router_replay: str = "disabled", offload_params: bool = False):
+                 router_replay: str = "disabled", offload_params: bool = False,
+                 packed_attention: str = "auto"):
         """`lora` (actor.lora / critic.lora, rank > 0; trainable roles): LoRA adapters on the
         decoder linears, the only parameters that train with a scalar role's value head
         (models/lora.py); `seed` draws their A factors.
@@ -104,7 +106,10 @@ class Engine:
         choice.
         `offload_params` (actor.offload_params): the weights (LoRA: the frozen base) can leave the
         device between passes (`params_to_host` / `params_to_device`; every pass brings them back
-        first; hybridflow/offload.py)."""
+        first; hybridflow/offload.py).
+        `packed_attention` (algo.packed_attention): the kernel of packed micro-batches, chosen at
+        the first one (models/attention.py `choose_packed_attention`; rank 0 prints the choice
+        once per run)."""
         self.role = role
         self.ctx = ctx
         self.model_cfg = model_cfg
@@ -215,6 +220,8 @@ class Engine:
 
             self._replay = Replay(self.module)
         self.sdpa = any(isinstance(m, SDPAttention) for m in self.module.modules())
+        self._packed_option = packed_attention
+        self._packed_kernel: Optional[str] = None  # chosen at the first packed micro-batch
         # LM roles on the last stage compute logits only where they are scored (the positions that
         # predict response tokens: LeanOutputLinear.select), not over the prompt; the results are
         # the same (tests/dist/test_response_logits.py). None (scalar heads, cheap anyway; set it
@@ -331,6 +338,7 @@ class Engine:
             if not self.sdpa:
                 raise ValueError("algo.pack_sequences=true needs SDPAttention: set "
                                  "model.attention_backend=sdpa (auto picked transformer-engine)")
+            self.packed_kernel()
             own = self.role == "reward"
             # a micro-batch of equal rows has no padding to leave out: it runs unpacked
             out = []
@@ -344,6 +352,18 @@ class Engine:
             return out, rows
         micro = [mb.padded_to(multiple) for mb in micro] if max_tokens is not None else micro
         return [(mb.to(self.device), not bool(mb.token_mask().all()), None) for mb in micro], rows
+
+    def packed_kernel(self) -> str:
+        """The packed micro-batches' attention kernel ("varlen" | "flex"), chosen once for this
+        engine's device, compute dtype and head_dim from algo.packed_attention."""
+        if self._packed_kernel is None:
+            c = self.tcfg
+            dtype = torch.bfloat16 if c.bf16 else torch.float16 if c.fp16 else torch.float32
+            self._packed_kernel, line = choose_packed_attention(
+                self._packed_option, device=self.device, dtype=dtype, head_dim=c.kv_channels)
+            if self.ctx.rank == 0:
+                _print_once(f"hybridflow: {line}")
+        return self._packed_kernel
 
     def _run(self, batch: RolloutBatch, *, micro_batch_size: int, forward_only: bool,
              loss_fn: Optional[LossFn], temperature: float, need_entropy: bool,
@@ -383,8 +403,9 @@ class Engine:
                         out = model(mb.input_ids(), mb.position_ids(),
                                     attention_mask(mb.token_mask(), padded=padded), **self._out_kw)
                     else:  # one row (1, S); its results are gathered back into mb's (b, R_mb)
-                        out = model(packed.input_ids, packed.position_ids,
-                                    document_causal_mask(packed.document_ids), **self._out_kw)
+                        docs = packed_documents(packed.document_ids, packed.cu_seqlens,
+                                                packed.max_seqlen, kernel=self._packed_kernel)
+                        out = model(packed.input_ids, packed.position_ids, docs, **self._out_kw)
             finally:
                 if select:
                     self._response_head.select = self._response_head.logprobs = None
@@ -615,6 +636,11 @@ class AdapterFreeReference:
 
     def onload(self, *, prefetch: bool = False) -> None:
         pass
+
+
+@functools.cache
+def _print_once(line: str) -> None:
+    print(line, flush=True)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

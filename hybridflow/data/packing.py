@@ -5,7 +5,8 @@ p_j real prompt tokens followed by its r_j real response tokens, at offset off_j
 the rows follow each other in micro-batch order, and the packed length S is padded at the end to a
 multiple of `multiple` (TP under sequence parallel). Each row is its own "document" (id j), the tail
 padding one more (id b); attention stays within a document and is causal
-(hybridflow.models.attention.document_causal_mask). Megatron applies RoPE by absolute position
+(hybridflow.models.attention: `cu_seqlens` / `max_seqlen` for the varlen kernel, the document ids
+for flex_attention's block mask). Megatron applies RoPE by absolute position
 0..S-1, and RoPE scores depend only on relative positions, so a row at an offset attends exactly as
 it does alone (the same reason left padding works).
 
@@ -36,6 +37,9 @@ class PackedRows:
     position_ids: torch.Tensor  # (1, S) int64, 0 at each row's first token
     targets: torch.Tensor  # (1, S) int64, the next packed token (0 at the end)
     document_ids: torch.Tensor  # (S,) int64, row j -> j, tail padding -> b
+    # (n + 1,) int32, where each non-empty document starts, then S (FlashAttention's cu_seqlens)
+    cu_seqlens: torch.Tensor
+    max_seqlen: int  # the longest document, known on the host
     gather: torch.Tensor  # (b, R) int64, packed position of each (row, response token)'s result
     valid: torch.Tensor  # (b, R) bool, k < r_j
     scored: torch.Tensor  # (n,) int64, gather[valid]: the positions whose results are kept
@@ -46,7 +50,7 @@ class PackedRows:
     def to(self, device) -> "PackedRows":
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device)
                                             for f in dataclasses.fields(self)
-                                            if getattr(self, f.name) is not None})
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """(1, S) per packed position -> (b, R) per response token; differentiable."""
@@ -78,10 +82,14 @@ def pack_rows(mb: RolloutBatch, *, multiple: int = 1, own_position: bool = False
     gather = offsets[:-1, None] + p[:, None] + k - (0 if own_position else 1)
     # past a row's response (and a prompt-less row's first token): any in-range index, masked
     gather = torch.where(valid, gather, 0).clamp(min=0)
+    docs = torch.cat([lengths, torch.tensor([s - real])])
+    docs = docs[docs > 0]  # rows without tokens, a tail of none: no document
+    cu_seqlens = torch.cat([docs.new_zeros(1), docs.cumsum(0)]).to(torch.int32)
     experts = mb.experts()
     if experts is not None:  # (real, L, k) in the ids' order, then the tail
         experts = experts[tokens]
         experts = torch.cat([experts, experts.new_full((s - real, *experts.shape[1:]), -1)])
     return PackedRows(input_ids=ids[None], position_ids=positions[None], targets=targets[None],
-                      document_ids=doc, gather=gather, valid=valid, scored=gather[valid],
+                      document_ids=doc, cu_seqlens=cu_seqlens, max_seqlen=int(docs.max()),
+                      gather=gather, valid=valid, scored=gather[valid],
                       experts=experts)

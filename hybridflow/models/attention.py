@@ -21,17 +21,26 @@ own longest row) do, and gave an inf/NaN gradient in about one GSM8K step in ten
 only those, run the memory-efficient kernel (K/V heads expanded, as it takes no `enable_gqa`); the
 forward-only passes and every other shape keep the default dispatch.
 
-Sequence packing (algo.pack_sequences, hybridflow/data/packing.py) passes a flex_attention
-`BlockMask` as `attention_mask` (Megatron hands it down untouched): attend within one document,
-causally, with no explicit dense mask. On CUDA it runs `torch.compile(flex_attention)` (compiled once,
-dynamic shapes); on CPU eager flex_attention when nothing will be differentiated, and SDPA with the
-same mask made dense otherwise (flex_attention has no CPU backward).
+Sequence packing (algo.pack_sequences, hybridflow/data/packing.py) passes a `PackedDocuments` as
+`attention_mask` (Megatron hands it down untouched): the packed row's documents (cu_seqlens, the
+longest one) and the kernel chosen for the run (algo.packed_attention, `choose_packed_attention`),
+attending within one document, causally, with no dense mask:
+- "varlen": torch's `torch.nn.attention.varlen.varlen_attn` (FlashAttention-2 varlen) on the
+  [total_tokens, heads, head_dim] view of Megatron's [s, 1, heads, head_dim] (no padding, no copy),
+  K/V with their own head count (GQA native), backward included. CUDA only, bf16/fp16, head_dim a
+  multiple of 8 up to 256, compute capability 8.0+, a torch that ships it (2.10+).
+- "flex": a flex_attention `BlockMask` document mask (`document_causal_mask`). On CUDA it runs
+  `torch.compile(flex_attention)` (compiled once, dynamic shapes); on CPU eager flex_attention when
+  nothing will be differentiated, and SDPA with the same mask made dense otherwise (flex_attention
+  has no CPU backward). The fallback wherever varlen does not apply.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -67,6 +76,16 @@ class SDPAttention(MegatronModule):
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
+        if isinstance(attention_mask, PackedDocuments) and attention_mask.kernel == "varlen":
+            if dropout_p > 0 or sq != sk or b != 1:
+                raise NotImplementedError("SDPAttention: packed documents need one packed row, no "
+                                          "attention dropout and no KV cache")
+            # [s, 1, h, d] -> [s, h, d]: a view (b = 1); the kernel reads rows of any stride
+            out = varlen_packed_attention(query[:, 0], key[:, 0], value[:, 0], attention_mask,
+                                          scale=self.softmax_scale)
+            return out.reshape(sq, b, nh * hd)
+        if isinstance(attention_mask, PackedDocuments):
+            attention_mask = attention_mask.block_mask
         if isinstance(attention_mask, BlockMask):
             if dropout_p > 0 or sq != sk:
                 raise NotImplementedError("SDPAttention: a block mask (packed sequences) needs no "
@@ -174,3 +193,95 @@ def packed_attention(q, k, v, block_mask: BlockMask, *, scale: float) -> torch.T
                                   torch.arange(sk, device=q.device)[None])  # (sq, sk)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
                                           enable_gqa=gqa)
+
+
+# --------------------------------------------------------------------------- varlen (FlashAttention)
+PACKED_KERNELS = ("varlen", "flex")
+
+
+@dataclass
+class PackedDocuments:
+    """A packed row's documents as SDPAttention's `attention_mask` (see the module docstring):
+    document i spans positions cu_seqlens[i]:cu_seqlens[i + 1], attended causally within itself."""
+    cu_seqlens: torch.Tensor  # (n + 1,) int32 on the device: 0, each document's end (the last: S)
+    max_seqlen: int  # the longest document (a host int: the varlen kernel's grid)
+    kernel: str  # "varlen" | "flex"
+    block_mask: Optional[BlockMask] = None  # flex: document_causal_mask of the row
+
+
+def packed_documents(document_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
+                     kernel: str) -> PackedDocuments:
+    """The `attention_mask` of a packed row for `kernel`; the block mask is built only for flex."""
+    if kernel not in PACKED_KERNELS:
+        raise ValueError(f"packed attention kernel {kernel!r} is not one of {PACKED_KERNELS}")
+    return PackedDocuments(cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen), kernel=kernel,
+                           block_mask=document_causal_mask(document_ids) if kernel == "flex"
+                           else None)
+
+
+@functools.cache
+def _varlen():
+    """(varlen_attn, its causal / GQA keywords) or None where this torch lacks it. torch 2.10
+    takes `is_causal`; later ones a causal `window_size` (-1, 0) and `enable_gqa` (2.10 reads fewer
+    K/V heads as GQA without a flag)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+def varlen_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """Why torch's varlen_attn cannot run the packed passes here; None where it can."""
+    if _varlen() is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (2.10+)"
+    if device.type != "cuda":
+        return f"varlen_attn runs on CUDA only (device {device.type})"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"varlen_attn takes bf16 or fp16 (the model computes in {dtype})"
+    if head_dim % 8 or head_dim > 256:
+        return f"FlashAttention-2 takes head_dim a multiple of 8 up to 256 (got {head_dim})"
+    if not torch.backends.cuda.is_flash_attention_available():
+        return "this torch build has no FlashAttention kernels"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 0):
+        return f"FlashAttention-2 needs compute capability 8.0+ (got {cap[0]}.{cap[1]})"
+    return None
+
+
+def choose_packed_attention(option: str, *, device: torch.device, dtype: torch.dtype,
+                            head_dim: int) -> tuple[str, str]:
+    """algo.packed_attention (auto | varlen | flex) -> (kernel, the line that says why). auto:
+    varlen where `varlen_unsupported` finds nothing against it, else flex; varlen where it cannot
+    run: a ValueError naming the key and the reason."""
+    if option not in ("auto", *PACKED_KERNELS):
+        raise ValueError(f"algo.packed_attention={option!r} is not one of "
+                         f"['auto', 'flex', 'varlen']")
+    if option == "flex":
+        return "flex", "packed attention: flex_attention document mask (algo.packed_attention=flex)"
+    why = varlen_unsupported(device, dtype, head_dim)
+    if why is None:
+        return "varlen", (f"packed attention: torch varlen_attn (FlashAttention-2 varlen; "
+                          f"algo.packed_attention={option})")
+    if option == "varlen":
+        raise ValueError(f"algo.packed_attention=varlen cannot run here: {why}; set "
+                         "algo.packed_attention=auto or flex")
+    return "flex", (f"packed attention: flex_attention document mask (algo.packed_attention=auto "
+                    f"falls back: {why})")
+
+
+def varlen_packed_attention(q, k, v, docs: PackedDocuments, *, scale: float) -> torch.Tensor:
+    """q (S, h, d), k/v (S, h_kv, d) of one packed row -> (S, h, d): each document of `docs`
+    attends causally within itself (FlashAttention-2 varlen; K/V heads as they are)."""
+    fn, causal, gqa_flag = _varlen()
+    if q.stride(-1) != 1:  # the kernel needs unit stride in head_dim only
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    gqa = {"enable_gqa": True} if gqa_flag and k.shape[1] != q.shape[1] else {}
+    return fn(q, k, v, docs.cu_seqlens, docs.cu_seqlens, docs.max_seqlen, docs.max_seqlen,
+              scale=scale, **causal, **gqa)

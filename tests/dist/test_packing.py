@@ -8,13 +8,19 @@ fp32: log-probs and entropies on real tokens (forward-only: eager flex_attention
 values, reward-model scores, and one actor train step from identical weights (training: the dense
 form of the same mask on CPU): metrics, every gradient, the grad norm and the weights after Adam.
 Layouts: one rank (TP=1), and TP=2 with sequence parallel (packed length padded to a multiple of 2).
+On CPU the packed kernel is flex_attention (torch's varlen_attn is CUDA only): the choice, printed
+once, and algo.packed_attention=varlen refused with the reason.
 """
+
+import contextlib
+import io
 
 import pytest
 import torch
 
 from tests.dist.launcher import run_ranks
-from tests.dist.test_dynamic_bsz import BUDGET, _batch, assert_same_results, engine_results, engines
+from tests.dist.test_dynamic_bsz import (BUDGET, MODEL, _batch, assert_same_results, engine_results,
+                                         engines)
 
 
 def _worker(tp: int, sp: bool):
@@ -45,3 +51,39 @@ def test_packed_matches_padded_token_budgets(world, tp, sp):
         torch.testing.assert_close(packed["scores"], padded["scores"], atol=1e-5, rtol=1e-5)
         print("max |packed - padded|:", diffs,
               "grad_norm", packed["metrics"]["grad_norm"] - padded["metrics"]["grad_norm"])
+
+
+def _choice_worker():
+    from hybridflow.config import ParallelConfig
+    from hybridflow.engine import Engine
+
+    ctx, _ = engines(1, False)
+    par = ParallelConfig(use_distributed_optimizer=False)
+    batch, out = _batch(), {}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        for role in ("actor", "ref"):  # two engines, one choice printed
+            eng = Engine(role=role, model_cfg=MODEL, ctx=ctx, parallel=par, precision="fp32")
+            lp = eng.compute_logprobs(batch, micro_batch_size=2, max_tokens=BUDGET, pack=True)
+            out[role] = (eng.packed_kernel(), bool(torch.isfinite(lp).all()))
+    out["printed"] = printed.getvalue()
+    eng = Engine(role="ref", model_cfg=MODEL, ctx=ctx, parallel=par, precision="fp32",
+                 packed_attention="varlen")
+    eng.compute_logprobs(batch, micro_batch_size=2, max_tokens=BUDGET)  # unpacked: no kernel
+    try:
+        eng.compute_logprobs(batch, micro_batch_size=2, max_tokens=BUDGET, pack=True)
+        out["varlen_error"] = None
+    except ValueError as e:
+        out["varlen_error"] = str(e)
+    return out
+
+
+def test_cpu_takes_flex_and_says_so_once():
+    res = run_ranks(_choice_worker, 1)[0]
+    assert res["actor"] == res["ref"] == ("flex", True)
+    assert res["printed"].splitlines() == [
+        "hybridflow: packed attention: flex_attention document mask (algo.packed_attention=auto "
+        "falls back: varlen_attn runs on CUDA only (device cpu))"]
+    assert res["varlen_error"] == ("algo.packed_attention=varlen cannot run here: varlen_attn runs "
+                                   "on CUDA only (device cpu); set algo.packed_attention=auto or "
+                                   "flex")

@@ -122,6 +122,18 @@ def test_pack_sequences_needs_budgets_and_no_pipeline(overrides, world_size):
     assert micro_batching(a, forward=True)["pack"] is True
 
 
+def test_packed_attention_option_errors():
+    assert _cfg().algo.packed_attention == "auto"
+    with pytest.raises(ValueError, match=r"algo.packed_attention='fa2' is not one of "
+                                         r"\['auto', 'flex', 'varlen'\]"):
+        _cfg("algo.packed_attention=fa2")
+    with pytest.raises(ValueError, match=r"algo.packed_attention=varlen needs "
+                                         r"trainer.precision=bf16"):
+        _cfg("algo.packed_attention=varlen", "trainer.precision=fp32")
+    for ok in ("flex", "varlen"):
+        assert _cfg(f"algo.packed_attention={ok}").algo.packed_attention == ok
+
+
 @pytest.mark.parametrize("multiple", [1, 2])
 def test_packed_groups_count_real_tokens(multiple):
     p, r = _lengths(200, 0)

@@ -1,5 +1,6 @@
 """Sequence packing's host side (hybridflow.data.packing) and its attention
-(hybridflow.models.attention.document_causal_mask / packed_attention) against padded references."""
+(hybridflow.models.attention: document_causal_mask / packed_attention, the documents' cu_seqlens for
+the varlen kernel, the kernel's choice) against padded references."""
 
 import pytest
 import torch
@@ -7,7 +8,8 @@ import torch.nn.functional as F
 
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.data.packing import pack_rows
-from hybridflow.models.attention import document_causal_mask, packed_attention
+from hybridflow.models.attention import (choose_packed_attention, document_causal_mask,
+                                        packed_attention, packed_documents)
 
 PROMPT_LENS, RESPONSE_LENS = [3, 1, 2], [2, 4, 1]
 
@@ -100,3 +102,105 @@ def test_packed_attention_equals_each_row_alone(lengths, grad):
     if grad:
         out.sum().backward()
         assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
+def _ragged_batch(prompts, responses, seed=0) -> RolloutBatch:
+    g = torch.Generator().manual_seed(seed)
+    b, p, r = len(prompts), max(prompts), max(max(responses), 1)
+    prompt_mask = (torch.arange(p)[None] >= p - torch.tensor(prompts)[:, None]).long()
+    response_mask = (torch.arange(r)[None] < torch.tensor(responses)[:, None]).long()
+    return RolloutBatch(prompt_ids=torch.randint(1, 50, (b, p), generator=g) * prompt_mask,
+                        prompt_mask=prompt_mask,
+                        response_ids=torch.randint(1, 50, (b, r), generator=g) * response_mask,
+                        response_mask=response_mask, group_ids=torch.arange(b),
+                        indices=torch.arange(b))
+
+
+@pytest.mark.parametrize("prompts,responses,multiple", [
+    (PROMPT_LENS, RESPONSE_LENS, 1),     # no tail: the documents are the rows
+    (PROMPT_LENS, RESPONSE_LENS, 4),     # a tail of 3: one more document
+    ([1], [0], 8),                       # one token, then a tail of 7
+    ([105, 97, 130, 1], [300, 1, 1024, 0], 1),  # GSM8K-like, off the 128 grid, a 1-token row
+    ([60, 68], [4, 4], 128),             # 128 real tokens: a multiple of 128 leaves no tail
+    ([5, 0, 3], [2, 0, 1], 2),           # a row without tokens: no document of its own
+])
+def test_packed_metadata_equals_the_row_documents(prompts, responses, multiple):
+    """cu_seqlens / max_seqlen (what varlen_attn reads) are the runs of document_ids (what the
+    flex mask reads): each non-empty row, then the tail padding."""
+    pk = pack_rows(_ragged_batch(prompts, responses), multiple=multiple)
+    s = pk.input_ids.shape[1]
+    ids, counts = torch.unique_consecutive(pk.document_ids, return_counts=True)
+    want = [p + r for p, r in zip(prompts, responses) if p + r]
+    if s > sum(want):
+        want.append(s - sum(want))
+    assert counts.tolist() == want and s % multiple == 0
+    assert pk.cu_seqlens.dtype == torch.int32
+    assert pk.cu_seqlens.tolist() == [0] + torch.cumsum(counts, 0).tolist()
+    assert pk.cu_seqlens[-1] == s and pk.max_seqlen == max(want)
+    for i in range(len(want)):  # each span holds exactly one document id
+        span = pk.document_ids[pk.cu_seqlens[i]:pk.cu_seqlens[i + 1]]
+        assert (span == ids[i]).all()
+    dev = pk.to("cpu")  # tensors move, the host int stays
+    assert dev.max_seqlen == pk.max_seqlen and torch.equal(dev.cu_seqlens, pk.cu_seqlens)
+
+
+def test_packed_documents_build_the_mask_only_for_flex():
+    pk = pack_rows(_batch(), multiple=4)
+    flex = packed_documents(pk.document_ids, pk.cu_seqlens, pk.max_seqlen, kernel="flex")
+    ref = document_causal_mask(pk.document_ids)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert torch.equal(getattr(flex.block_mask, name), getattr(ref, name)), name
+    varlen = packed_documents(pk.document_ids, pk.cu_seqlens, pk.max_seqlen, kernel="varlen")
+    assert varlen.block_mask is None and varlen.max_seqlen == 5
+    assert torch.equal(varlen.cu_seqlens, pk.cu_seqlens)
+    with pytest.raises(ValueError, match="'sdpa' is not one of"):
+        packed_documents(pk.document_ids, pk.cu_seqlens, pk.max_seqlen, kernel="sdpa")
+
+
+def test_sdpattention_runs_packed_documents_on_flex_on_cpu():
+    """The layer's packed branch ([s, 1, h, d] in, [s, 1, h * d] out) with the CPU fallback kernel:
+    each document attends causally within itself, as it would alone (GQA 4 / 2 heads)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from hybridflow.models.attention import SDPAttention
+
+    lengths = [5, 1, 9, 3]
+    doc = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))
+    cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                            num_query_groups=2, kv_channels=8)
+    layer = SDPAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                         attention_type="self").eval()
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(18, 1, 4, 8, generator=g)
+    k, v = (torch.randn(18, 1, 2, 8, generator=g) for _ in range(2))
+    out = layer(q, k, v, packed_documents(doc, cu, 9, kernel="flex"))
+    assert out.shape == (18, 1, 32)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qs, ks, vs = (t[a:b].permute(1, 2, 0, 3) for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True,
+                                             scale=8 ** -0.5)
+        torch.testing.assert_close(out[a:b], ref.permute(2, 0, 1, 3).reshape(b - a, 1, 32),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_choice_falls_back_to_flex_and_says_why():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    kernel, line = choose_packed_attention("auto", device=cpu, dtype=torch.bfloat16, head_dim=64)
+    assert kernel == "flex"
+    assert line == ("packed attention: flex_attention document mask (algo.packed_attention=auto "
+                    "falls back: varlen_attn runs on CUDA only (device cpu))")
+    # the reasons checked before any CUDA query: dtype, head_dim
+    assert "takes bf16 or fp16 (the model computes in torch.float32)" in choose_packed_attention(
+        "auto", device=cuda, dtype=torch.float32, head_dim=64)[1]
+    assert "head_dim a multiple of 8 up to 256 (got 100)" in choose_packed_attention(
+        "auto", device=cuda, dtype=torch.bfloat16, head_dim=100)[1]
+    assert choose_packed_attention("flex", device=cuda, dtype=torch.bfloat16, head_dim=64)[0] \
+        == "flex"
+    with pytest.raises(ValueError, match=r"algo.packed_attention=varlen cannot run here: "
+                                         r"varlen_attn runs on CUDA only \(device cpu\); set "
+                                         r"algo.packed_attention=auto or flex"):
+        choose_packed_attention("varlen", device=cpu, dtype=torch.bfloat16, head_dim=64)
+    with pytest.raises(ValueError, match=r"algo.packed_attention='fa3' is not one of"):
+        choose_packed_attention("fa3", device=cpu, dtype=torch.bfloat16, head_dim=64)
