@@ -7,15 +7,19 @@ This runs one step's rows (GSM8K-like lengths: 512 rows, prompts of --prompt-len
 log-normal with --mean / --clip / --min, cut at --cap; random bf16 weights of --model)
 through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the update) as:
 - `packed`: token budgets of --forward-budget / --budget tokens, each micro-batch one packed row
-  under a flex_attention document mask (algo.pack_sequences=true, the recipe);
+  under a flex_attention document mask (algo.pack_sequences=true, algo.packed_attention=flex);
+- `packed_varlen`: the same packed rows on torch's varlen_attn (FlashAttention-2 over the rows'
+  cu_seqlens; algo.packed_attention=varlen, what auto picks on CUDA);
 - `budget`: the same budgets, each micro-batch padded to its own longest row (pack_sequences=false);
 - `equal`: every row the mean length (prompt + round(mean)), the same budgets: the fixed-length
   shape the calibration's other records have, at the same real tokens.
 Per variant: seconds per pass (median of --iters after a warm-up pass), micro-batches, tokens
 computed; the cost model's prediction of the same pass (shipped calibration); with --profile the
-packed passes' top CUDA kernels (flex_attention, GEMMs, log-prob kernels, gathers).
+packed passes' top CUDA kernels (flex_attention or flash varlen, GEMMs, log-prob kernels, gathers).
 
   python benchmarks/bench_packed_pass.py --out benchmarks/results/packed_pass_h200.json --profile
+  python benchmarks/bench_packed_pass.py --variants packed,packed_varlen --profile \\
+      --out benchmarks/results/packed_varlen_h200.json  # flex vs varlen, ~2 min on one H200
   python benchmarks/bench_packed_pass.py --device cpu --model tiny --rows 16 --prompt-len 8 \\
       --mean 12 --cap 32 --forward-budget 256 --budget 128 --iters 1 --out /tmp/pp.json  # CPU smoke
 """
@@ -108,7 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--forward-budget", type=int, default=40960)
     ap.add_argument("--budget", type=int, default=20480)
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--variants", default="packed,budget,equal")
+    ap.add_argument("--variants", default="packed,packed_varlen,budget,equal")
     ap.add_argument("--profile", action="store_true", help="top CUDA kernels of the packed passes")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -132,15 +136,38 @@ def main(argv=None) -> int:
                                                     response_lengths=pts), a.rows)]
     precision = "bf16" if cuda else "fp32"
     par = ParallelConfig(use_distributed_optimizer=False)
-    ref = Engine(role="ref", model_cfg=model_cfg, ctx=ctx, parallel=par, precision=precision)
-    actor = Engine(role="actor", model_cfg=model_cfg, ctx=ctx, parallel=par, precision=precision,
-                   optim=OptimConfig(lr=1e-7, clip_grad=1.0), total_updates=1000)
+    pairs = {}
+
+    def engines(kernel: str):
+        """(ref, actor) whose packed micro-batches run `kernel`; one pair alive at a time."""
+        if kernel not in pairs:
+            pairs.clear()
+            torch.cuda.empty_cache() if cuda else None
+            pairs[kernel] = (
+                Engine(role="ref", model_cfg=model_cfg, ctx=ctx, parallel=par, precision=precision,
+                       packed_attention=kernel),
+                Engine(role="actor", model_cfg=model_cfg, ctx=ctx, parallel=par,
+                       precision=precision, optim=OptimConfig(lr=1e-7, clip_grad=1.0),
+                       total_updates=1000, packed_attention=kernel))
+        return pairs[kernel]
+
     algo = AlgoConfig(loss_agg_mode="token-mean", use_kl_loss=True, kl_loss_coef=0.001)
     results = {}
     for variant in a.variants.split(","):
         resp = [round(statistics.fmean(lengths))] * a.rows if variant == "equal" else lengths
         batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size).to(ctx.device)
-        pack = variant == "packed"
+        pack = variant.startswith("packed")
+        # the unpacked variants never pack: whichever pair is alive serves them
+        kernel = "varlen" if variant == "packed_varlen" else "flex" if pack else next(
+            iter(pairs), "flex")
+        ref, actor = engines(kernel)
+        if pack:
+            try:  # varlen where it cannot run (CPU, fp32, an older torch): recorded as skipped
+                actor.packed_kernel()
+            except ValueError as e:
+                results[variant] = {"skipped": str(e)}
+                print(f"{variant:13s} skipped: {e}", flush=True)
+                continue
         loss_fn = actor_objective(algo, num_tokens=int(batch.response_mask.sum()), num_seqs=a.rows)
 
         def fwd():
@@ -154,6 +181,7 @@ def main(argv=None) -> int:
                                         pack=pack)
         micro_u, _ = actor._micro_batches(batch, micro_batch_size=a.rows, max_tokens=a.budget,
                                           pack=pack)
+        assert not pack or actor.packed_kernel() == kernel, (variant, actor.packed_kernel())
 
         def computed(micro):   # tokens the micro-batches compute (a packed row: its real tokens)
             return sum(int(p.input_ids.numel()) if p is not None else int(mb.input_ids().numel())
@@ -163,6 +191,7 @@ def main(argv=None) -> int:
              "ref_micro_batches": len(micro_f), "update_micro_batches": len(micro_u),
              "ref_tokens_computed": computed(micro_f), "update_tokens_computed": computed(micro_u),
              "real_tokens": int(batch.token_mask().sum()),
+             "packed_attention": actor.packed_kernel() if pack else None,
              "predicted_s": predicted(model_cfg, prompt_len=a.prompt_len, lengths=resp,
                                       budget=a.budget, fbudget=a.forward_budget, pack=pack,
                                       equal=variant == "equal", device=a.device)}
@@ -171,7 +200,7 @@ def main(argv=None) -> int:
         if a.profile and cuda and pack:
             r["ref_top_kernels"], r["update_top_kernels"] = top_kernels(fwd), top_kernels(upd)
         results[variant] = r
-        print(f"{variant:7s} ref {r['ref_median_s']:.3f} s (pred {r['predicted_s']['ref']:.3f}), "
+        print(f"{variant:13s} ref {r['ref_median_s']:.3f} s (pred {r['predicted_s']['ref']:.3f}), "
               f"update {r['update_median_s']:.3f} s (pred {r['predicted_s']['update_actor']:.3f}), "
               f"micro {r['ref_micro_batches']}/{r['update_micro_batches']}, "
               f"tokens {r['ref_tokens_computed']}/{r['update_tokens_computed']} "

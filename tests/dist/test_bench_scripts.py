@@ -323,7 +323,7 @@ def test_router_replay_records_and_replays(tmp_path, graphs):
 
 
 def test_bench_packed_pass_times_every_variant(tmp_path):
-    # the packed, padded-budget and equal-length passes through the real Engine (tiny model, CPU):
+    # the packed (flex; varlen skipped on CPU), padded-budget and equal-length passes through the real Engine (tiny model, CPU):
     # packed micro-batches compute the real tokens, padded ones more, equal rows the same count
     out = tmp_path / "pp.json"
     subprocess.run([sys.executable, "benchmarks/bench_packed_pass.py", "--device", "cpu", "--model", "tiny",
@@ -331,7 +331,12 @@ def test_bench_packed_pass_times_every_variant(tmp_path):
                     "--forward-budget", "256", "--budget", "128", "--iters", "1", "--out", str(out)],
                    check=True, cwd=ROOT, env=ENV, capture_output=True)
     res = json.loads(out.read_text())["results"]
-    assert set(res) == {"packed", "budget", "equal"}
+    assert set(res) == {"packed", "packed_varlen", "budget", "equal"}
+    # torch's varlen_attn is CUDA only: the variant says why it did not run
+    assert res.pop("packed_varlen") == {"skipped": "algo.packed_attention=varlen cannot run here: "
+                                        "varlen_attn runs on CUDA only (device cpu); set "
+                                        "algo.packed_attention=auto or flex"}
+    assert res["packed"]["packed_attention"] == "flex"
     p, b = res["packed"], res["budget"]
     assert p["ref_tokens_computed"] == p["update_tokens_computed"] == p["real_tokens"]
     assert b["ref_tokens_computed"] > b["real_tokens"] and b["update_tokens_computed"] > b["real_tokens"]
