@@ -80,7 +80,7 @@ class SDPAttention(MegatronModule):
             if dropout_p > 0 or sq != sk or b != 1:
                 raise NotImplementedError("SDPAttention: packed documents need one packed row, no "
                                           "attention dropout and no KV cache")
-            # [s, 1, h, d] -> [s, h, d]: a view (b = 1); the kernel reads rows of any stride
+            # [s, 1, h, d] -> [s, h, d]: a view (b = 1); any token and head strides, unit in d
             out = varlen_packed_attention(query[:, 0], key[:, 0], value[:, 0], attention_mask,
                                           scale=self.softmax_scale)
             return out.reshape(sq, b, nh * hd)
