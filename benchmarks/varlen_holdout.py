@@ -32,7 +32,7 @@ from benchmarks.run_record import command, machine, versions, write_json  # noqa
 from benchmarks.varlen_records import RAW, RAW_COMMIT, raw_metrics  # noqa: E402
 from hybridflow.cost.calibrate import fit, load_records  # noqa: E402
 from hybridflow.cost.estimate import estimate_step_time  # noqa: E402
-from hybridflow.cost.from_config import from_overrides  # noqa: E402
+from hybridflow.cost.from_overrides import from_overrides  # noqa: E402
 from hybridflow.cost.gpus import get_gpu  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

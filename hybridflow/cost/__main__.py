@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _from_config(a) -> int:
     """The report for a trainer config (`--config`), in its own layout."""
-    from hybridflow.cost.from_config import from_overrides
+    from hybridflow.cost.from_overrides import from_overrides
     from hybridflow.cost.gpus import get_gpu
 
     free = a.gpu_memory_gib or get_gpu(a.gpu).memory_gib

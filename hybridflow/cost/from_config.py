@@ -56,35 +56,3 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 pack_sequences=bool(a.use_dynamic_bsz and a.pack_sequences),
                 gen_batches_per_round=(a.dynamic_sampling.batches_per_round
                                        if a.dynamic_sampling.enable else 1))
-
-
-def from_overrides(overrides: list[str], *, world_size: int, free_gib: float,
-                   lengths_path: str | None = None) -> tuple:
-    """(ModelConfig, Plan, Workload fields, notes) of the trainer config that `overrides` compose (e.g.
-    ["experiment=gsm8k_qwen_coder_0_5b"]), its auto options resolved as on a GPU with `free_gib`
-    free (token budgets included); `lengths_path`: the step's lengths (cost.lengths.load_lengths:
-    a metrics.jsonl, probe.json or lengths JSON), else every response runs to the cap."""
-    from hybridflow.config import load_config
-    from hybridflow.config_auto import resolve_auto, size_token_budgets
-    from hybridflow.cost.lengths import load_lengths
-
-    cfg, _ = resolve_auto(load_config(list(overrides)), device_type="cuda")
-    a, r, d = cfg.algo, cfg.rollout, cfg.data
-    if a.use_dynamic_bsz and (a.max_tokens_per_micro_batch_per_gpu is None
-                              or a.forward_max_tokens_per_micro_batch_per_gpu is None):
-        cfg, _ = size_token_budgets(cfg, world_size=world_size, free_gib=free_gib)
-    kernels = r.decode_kernels
-    if kernels == "auto":   # the generator's choice on a GPU
-        pow2 = cfg.model.head_dim >= 16 and not cfg.model.head_dim & (cfg.model.head_dim - 1)
-        kernels = "triton" if pow2 and not cfg.model.moe.enabled else "torch"
-    lengths = dict(prompt_len=d.max_prompt_length, response_len=r.max_new_tokens)
-    if lengths_path is not None:
-        lengths |= load_lengths(lengths_path, cap=r.max_new_tokens,
-                                num_rows=d.prompts_per_step * r.n)
-    notes = []
-    if a.dynamic_sampling.enable and "gen_rounds" not in lengths:
-        notes.append("the config samples dynamically (algo.dynamic_sampling); without a probe's "
-                     "metrics.jsonl (its dynamic_sampling/rounds and /batches) generation is costed "
-                     "as one prompt batch per step")
-    return (cfg.model, plan_for(cfg, world_size),
-            workload_fields(cfg, decode_kernels=kernels, lengths=lengths), notes)

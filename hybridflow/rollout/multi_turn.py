@@ -59,92 +59,18 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from hybridflow.config import RolloutConfig
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.rollout import compaction, decoder
 from hybridflow.rollout.cuda_graph import bucket_sizes
 from hybridflow.rollout.generator import LENGTH_MULTIPLE, Generator, kv_windows, window_for
-from hybridflow.rollout.multi_turn_step import DecodeState, Rows, Slots, decode_step
+from hybridflow.rollout.multi_turn_step import DecodeState, Rows, Slots, decode_step, extend  # noqa: F401
 from hybridflow.rollout.options import DecodeOptions
 from hybridflow.tools.base import ToolCall
 from hybridflow.tools.runner import ToolRunner
 
 TAIL_TOKENS = 8  # a turn's last tokens decoded each step to spot a closing marker
-
-
-def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-           start: torch.Tensor, *, cache, key_valid: torch.Tensor, cos_tab, sin_tab,
-           rows: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-           kv_len: Optional[int] = None) -> torch.Tensor:
-    """Run S new tokens per row against the cache; returns fp32 logits (r, V) at each row's last
-    valid new token.
-
-    ids, positions (r, S) int64: the tokens and their RoPE positions; valid (r, S) bool, a prefix
-    of each row (False: right padding, written to the scratch column L-1 and never seen); start
-    (r,) int64: the cache column of each row's first new token (token j goes to start + j). rows
-    (r,) int64: the cache rows (None: rows 0..r-1, a view without copies). key_valid (rows, T)
-    bool, the columns each cache row may attend to; updated in place with the new tokens'
-    columns. `out` (r, V) fp32: the logits are written into it (the decode step's static
-    buffer) and it is returned. `kv_len` L (rows None only; None: the cache length T): attend
-    over cache columns 0..L-1 only (a strided view, no copy); every row's valid columns and new
-    tokens must lie below L - 1 or be column L - 1 itself, which is also the scratch column of
-    padding (the caller picks L above every row's next column: a row's own scratch write there
-    comes before it reaches that column, which it then overwrites). Same math as
-    decoder.forward (torch path)."""
-    d = w.dims
-    r, S = ids.shape
-    hpg, hd = d.heads_per_group, d.head_dim
-    assert kv_len is None or rows is None, "attention windows are for the decode step's rows"
-    L = cache.length if kv_len is None else kv_len
-    steps = torch.arange(S, device=ids.device)
-    columns = torch.where(valid, start[:, None] + steps, L - 1)  # (r, S)
-    kv_rows = key_valid[:r, :L] if rows is None else key_valid.index_select(0, rows)  # (r, L)
-    t = torch.arange(L, device=ids.device)
-    # query j sees the row's old columns and new tokens 0..j; a padding query sees its own column
-    mask = kv_rows[:, None, :] | ((t >= start[:, None, None]) & (t <= columns[:, :, None])
-                                  & valid[:, :, None]) | (t == columns[:, :, None])
-    if S == 1:  # every head of a group sees the same columns: one broadcast row
-        mask = mask[:, None]  # (r, 1, 1, L)
-    else:  # query row h * S + j: head h of the group, new token j
-        mask = mask[:, None, None].expand(r, 1, hpg, S, L).reshape(r, 1, hpg * S, L)
-    x = decoder.embed(w, ids.masked_fill(~valid, 0)).reshape(r * S, d.hidden)
-    # the additive form SDPA would make of the boolean mask in every layer, made once
-    bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask,
-                                                                              float("-inf"))
-    cos = cos_tab[positions][:, :, None, None]  # (r, S, 1, 1, hd)
-    sin = sin_tab[positions][:, :, None, None]
-    row_ix = (torch.arange(r, device=ids.device) if rows is None else rows)[:, None].expand(r, S)
-    for i, layer in enumerate(w.layers):
-        h = decoder._norm(x, layer.ln1, d.eps)
-        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(r, S, d.groups, hpg + 2, hd)
-        qk = decoder._qk_norm(qkv[:, :, :, :hpg + 1], layer.q_norm, layer.k_norm, d.eps)
-        qk = qk * cos + qk.roll(hd // 2, -1) * sin  # (r, S, G, hpg+1, hd)
-        # the heads of a group fold into the query axis (as decode_step's): (r, G, hpg * S, hd)
-        # queries against the group's (r, G, L, hd) keys, no per-head K/V copy
-        q = qk[:, :, :, :hpg].permute(0, 2, 3, 1, 4).reshape(r, d.groups, hpg * S, hd)
-        kc, vc = cache.k[i], cache.v[i]  # (rows, G, T, hd)
-        kc[row_ix, :, columns] = qk[:, :, :, hpg]  # (r, S, G, hd) at (row, column)
-        vc[row_ix, :, columns] = qkv[:, :, :, hpg + 1]
-        if rows is None:
-            k, v = kc[:r, :, :L], vc[:r, :, :L]
-        else:
-            k, v = kc.index_select(0, rows), vc.index_select(0, rows)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (r, G, hpg * S, hd)
-        a = a.view(r, d.groups, hpg, S, hd).permute(0, 3, 1, 2, 4).reshape(r * S, d.heads * hd)
-        x = decoder._row_parallel_add(x, a, layer.proj, w)
-        x = decoder._mlp(x, layer, w)
-    n_new = valid.sum(1)  # (r,)
-    new_valid = (t >= start[:, None]) & (t < (start + n_new)[:, None])  # (r, L)
-    if rows is None:
-        key_valid[:r, :L] |= new_valid
-    else:
-        key_valid[rows] = kv_rows | new_valid
-    last = (valid.long().cumsum(1).argmax(1))  # the last valid new token of each row
-    h = x.view(r, S, d.hidden)[torch.arange(r, device=ids.device), last]
-    lg = decoder.logits(w, decoder._norm(h, w.final_ln, d.eps), fp32=out is None)
-    return lg if out is None else out.copy_(lg)  # the same fp32 values as logits(fp32=True)
 
 
 def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
