@@ -63,7 +63,8 @@ def _choice_worker():
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         for role in ("actor", "ref"):  # two engines, one choice printed
-            eng = Engine(role=role, model_cfg=MODEL, ctx=ctx, parallel=par, precision="fp32")
+            eng = Engine(role=role, model_cfg=MODEL, ctx=ctx, parallel=par, precision="fp32",
+                         packed_attention="auto")
             lp = eng.compute_logprobs(batch, micro_batch_size=2, max_tokens=BUDGET, pack=True)
             out[role] = (eng.packed_kernel(), bool(torch.isfinite(lp).all()))
     out["printed"] = printed.getvalue()

@@ -123,14 +123,14 @@ def test_pack_sequences_needs_budgets_and_no_pipeline(overrides, world_size):
 
 
 def test_packed_attention_option_errors():
-    assert _cfg().algo.packed_attention == "auto"
+    assert _cfg().algo.packed_attention == "flex"
     with pytest.raises(ValueError, match=r"algo.packed_attention='fa2' is not one of "
                                          r"\['auto', 'flex', 'varlen'\]"):
         _cfg("algo.packed_attention=fa2")
     with pytest.raises(ValueError, match=r"algo.packed_attention=varlen needs "
                                          r"trainer.precision=bf16"):
         _cfg("algo.packed_attention=varlen", "trainer.precision=fp32")
-    for ok in ("flex", "varlen"):
+    for ok in ("auto", "varlen"):
         assert _cfg(f"algo.packed_attention={ok}").algo.packed_attention == ok
 
 
