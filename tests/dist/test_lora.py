@@ -76,15 +76,11 @@ def _lora_worker(tp: int, sp: bool, pp: int = 1):
     return out
 
 
-def _dense_worker():
-    """1 rank: the base model with W + scale * B @ A, no adapters; its log-probs and weight grads."""
+def _fold_adapters(dense, lora) -> None:
+    """`dense` (an engine without adapters) gets W + scale * B @ A of `lora`'s adapters on the same
+    linears, into its weights and its optimizer's master copy."""
     from hybridflow.models.lora import adapters
 
-    ctx = groups.init_model_parallel(tp=1, pp=1, seed=3)
-    lora = _engine(ctx, 1, False, LORA)
-    dense = _engine(ctx, 1, False, None)
-    batch = _global_batch()
-    out = {"base_logprobs": dense.compute_logprobs(batch, micro_batch_size=2)}
     with torch.no_grad():
         linears = {id(m): a for m, a in adapters(lora.module)}
         dense_modules = dict(dense.module.named_modules())
@@ -92,6 +88,16 @@ def _dense_worker():
             if id(m) in linears:
                 dense_modules[name].weight.add_(linears[id(m)].delta_weight())
     dense.optimizer.reload_model_params()
+
+
+def _dense_worker():
+    """1 rank: the base model with W + scale * B @ A, no adapters; its log-probs and weight grads."""
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=3)
+    lora = _engine(ctx, 1, False, LORA)
+    dense = _engine(ctx, 1, False, None)
+    batch = _global_batch()
+    out = {"base_logprobs": dense.compute_logprobs(batch, micro_batch_size=2)}
+    _fold_adapters(dense, lora)
     out["logprobs"] = dense.compute_logprobs(batch, micro_batch_size=2)
     dense.train_step(batch, _loss_fn(int(batch.response_mask.sum())), micro_batch_size=2)
     out["grads"] = {n: p.main_grad.clone() for n, p in dense.module.named_parameters()}

@@ -16,7 +16,7 @@ from hybridflow.config import LoRAConfig, OptimConfig, ParallelConfig
 from hybridflow.parallel import groups
 from tests.dist.launcher import run_ranks
 from tests.dist.parity_util import fill_deterministic, gather_full
-from tests.dist.test_lora import _rows
+from tests.dist.test_lora import _fold_adapters, _rows
 from tests.dist.test_parallel_parity import MODEL, _global_batch
 
 LORA = LoRAConfig(rank=4, alpha=8.0, target_modules=["all-linear"])
@@ -73,20 +73,12 @@ def _lora_worker(tp: int, sp: bool):
 
 def _dense_worker():
     """1 rank: the base critic with W + scale * B @ A, no adapters; its values and grads."""
-    from hybridflow.models.lora import adapters
-
     ctx = groups.init_model_parallel(tp=1, pp=1, seed=3)
     lora = _engine(ctx, 1, False, LORA)
     dense = _engine(ctx, 1, False, None)
     batch = _global_batch()
     out = {"base_values": dense.compute_values(batch, micro_batch_size=2)}
-    with torch.no_grad():
-        linears = {id(m): a for m, a in adapters(lora.module)}
-        dense_modules = dict(dense.module.named_modules())
-        for name, m in lora.module.named_modules():
-            if id(m) in linears:
-                dense_modules[name].weight.add_(linears[id(m)].delta_weight())
-    dense.optimizer.reload_model_params()
+    _fold_adapters(dense, lora)
     out["values"] = dense.compute_values(batch, micro_batch_size=2)
     m = dense.train_step(batch, _value_loss(int(batch.response_mask.sum())), micro_batch_size=2)
     out["loss"] = m["vf_loss"]

@@ -311,3 +311,18 @@ def test_cli_notes_dynamic_sampling_without_its_rounds():
     assert r.returncode == 0, r.stderr
     assert "samples dynamically" in r.stderr and "one prompt batch per step" in r.stderr
     assert "ref" not in json.loads(r.stdout)["stage_seconds"]          # DAPO: no KL reference
+
+
+def test_mirrors_of_the_generator_stay_equal():
+    """cost/varlen.py keeps torch-free copies of the generator's bucket ladder, poll period, smallest
+    compaction bucket and cache-length rounding: they must equal the originals."""
+    from hybridflow.cost import varlen
+    from hybridflow.rollout import cuda_graph, generator
+    from hybridflow.rollout.options import DecodeOptions
+
+    for cap in (1, 2, 3, 16, 100, 512, 768, 1536):
+        assert varlen.bucket_sizes(cap) == cuda_graph.bucket_sizes(cap)
+    opts = DecodeOptions()
+    assert varlen.CHECK_EVERY == opts.check_every
+    assert varlen.MIN_GRAPHED_BUCKET == opts.min_graphed_bucket
+    assert varlen.LENGTH_MULTIPLE == generator.LENGTH_MULTIPLE
