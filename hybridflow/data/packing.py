@@ -70,19 +70,19 @@ def pack_rows(mb: RolloutBatch, *, multiple: int = 1, own_position: bool = False
     ids = mb.input_ids()[tokens]  # row-major: row 0's prompt + response, then row 1's, ...
     real = ids.numel()
     s = -(-max(real, 1) // multiple) * multiple
-    b = mb.batch_size
-    doc = torch.cat([torch.repeat_interleave(torch.arange(b), lengths),
-                     torch.full((s - real,), b, dtype=torch.long)])
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])  # (b + 1,)
-    positions = torch.arange(s) - offsets[doc]  # the tail counts from 0 as well
+    b, dev = mb.batch_size, ids.device  # a batch on the host (the trainer's) or on the device
+    doc = torch.cat([torch.repeat_interleave(torch.arange(b, device=dev), lengths),
+                     torch.full((s - real,), b, dtype=torch.long, device=dev)])
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])  # (b + 1,)
+    positions = torch.arange(s, device=dev) - offsets[doc]  # the tail counts from 0 as well
     ids = torch.nn.functional.pad(ids, (0, s - real))
     targets = torch.cat([ids[1:], ids.new_zeros(1)])
-    k = torch.arange(mb.response_ids.shape[1])[None]  # (1, R)
+    k = torch.arange(mb.response_ids.shape[1], device=dev)[None]  # (1, R)
     valid = k < r[:, None]
     gather = offsets[:-1, None] + p[:, None] + k - (0 if own_position else 1)
     # past a row's response (and a prompt-less row's first token): any in-range index, masked
     gather = torch.where(valid, gather, 0).clamp(min=0)
-    docs = torch.cat([lengths, torch.tensor([s - real])])
+    docs = torch.cat([lengths, lengths.new_tensor([s - real])])
     docs = docs[docs > 0]  # rows without tokens, a tail of none: no document
     cu_seqlens = torch.cat([docs.new_zeros(1), docs.cumsum(0)]).to(torch.int32)
     experts = mb.experts()
