@@ -17,6 +17,10 @@ traces); `--compile-mode` tries another torch.compile mode for the compiled deco
         --batches 64 256 --compile [--kernels torch triton] --out benchmarks/results/decode_profile_h200.json
     python benchmarks/profile_decode.py --models hybridflow/conf/model/tiny.yaml --device cpu --batches 2 \
         --prompt-len 8 --steps 4 --out /tmp/p.json                      # CPU smoke (CPU op times)
+
+`--multi-turn` profiles the multi-turn decode step instead (graphed and eager, per model x
+--batches rows x --columns attended cache columns, with its parts timed alone):
+profile_multi_turn.py says how.
 """
 
 from __future__ import annotations
@@ -62,12 +66,13 @@ def _greedy(gen, prompts, steps: int, opts: DecodeOptions):
     return lambda: gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0, options=opts)
 
 
-def _profiled(gen, prompts, *, steps: int, opts: DecodeOptions, device) -> dict:
-    """kernel (or aten op) name -> (time us, calls) of one generate call of `steps` new tokens."""
+def profile_calls(run, device, *, warm: bool = True) -> dict:
+    """kernel (or, on CPU, aten op) name -> (time us, calls) of one profiled run() (after one
+    unprofiled call when `warm`: allocation, capture, compilation)."""
     from torch.profiler import ProfilerActivity, profile
 
-    run = _greedy(gen, prompts, steps, opts)
-    run()  # allocate, capture (and compile)
+    if warm:
+        run()
     acts = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=acts) as prof:
         run()
@@ -79,6 +84,20 @@ def _profiled(gen, prompts, *, steps: int, opts: DecodeOptions, device) -> dict:
     if device.type != "cuda":  # CPU: aten ops only (their self time), not the Python frames
         events = [e for e in events if e.key.startswith("aten::")]
     return {e.key: (timeof(e), e.count) for e in events}
+
+
+def _profiled(gen, prompts, *, steps: int, opts: DecodeOptions, device) -> dict:
+    """kernel (or aten op) name -> (time us, calls) of one generate call of `steps` new tokens."""
+    return profile_calls(_greedy(gen, prompts, steps, opts), device)
+
+
+def per_step(short: dict, long: dict, steps: int) -> dict:
+    """key -> (time, calls) of a run of 2 x `steps` steps less one of `steps`, over `steps`: what
+    one step launched (the per-call work cancels). Call counts are exact; a time difference, exact
+    on the GPU's clock, can dip below 0 with CPU op timings: counted as 0 there."""
+    per = {k: (max(0.0, (t - short.get(k, (0, 0))[0]) / steps),
+               (n - short.get(k, (0, 0))[1]) / steps) for k, (t, n) in long.items()}
+    return {k: v for k, v in per.items() if v[1] > 0}
 
 
 def _by_kind(per: dict):
@@ -114,11 +133,7 @@ def profile_case(gen, prompts, *, steps: int, opts: DecodeOptions, device) -> di
     steps (the prefill and the per-call work cancel)."""
     short = _profiled(gen, prompts, steps=steps, opts=opts, device=device)
     long = _profiled(gen, prompts, steps=2 * steps, opts=opts, device=device)
-    # the kernels the extra steps launched (their call counts are exact); their time difference,
-    # exact on the GPU's clock, can dip below 0 with CPU op timings: counted as 0 there
-    per = {k: (max(0.0, (t - short.get(k, (0, 0))[0]) / steps), (n - short.get(k, (0, 0))[1]) / steps)
-           for k, (t, n) in long.items()}
-    per = {k: v for k, v in per.items() if v[1] > 0}
+    per = per_step(short, long, steps)  # the kernels the extra steps launched
     by_kind, count, top = _by_kind(per)
     # wall time of a step the same way (no profiler): kernel time + the gaps between kernels
     wall = [_wall_s(gen, prompts, steps=n, opts=opts, device=device) for n in (steps, 2 * steps)]
@@ -267,6 +282,16 @@ def main():
     ap.add_argument("--launchers", nargs="*", default=None, metavar="SUBSTRING",
                     help="also list the host ops that launch the kernels named with these "
                          "substrings (default Memcpy Memset), from a call without CUDA graphs")
+    ap.add_argument("--multi-turn", action="store_true",
+                    help="profile the multi-turn decode step instead (profile_multi_turn.py): "
+                         "graphed and eager per model x --batches rows x --columns")
+    ap.add_argument("--columns", type=int, nargs="+", default=[576, 1024],
+                    help="--multi-turn: the cache columns a step attends over")
+    ap.add_argument("--temperature", type=float, default=1.0, help="--multi-turn: rollout "
+                    "temperature (0: greedy; the log-probs are computed either way)")
+    ap.add_argument("--reps", type=int, default=20,
+                    help="--multi-turn: timed calls per isolated piece (median)")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model's")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -280,9 +305,19 @@ def main():
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
               "prompt_len": args.prompt_len, "steps": args.steps,
               "decode_options": dataclasses.asdict(base), "cases": []}
+    if args.multi_turn:
+        from run_record import versions
+
+        report.update(columns=args.columns, temperature=args.temperature, reps=args.reps,
+                      versions=versions("hybridflow", "transformers", "triton"))
+        for k in ("prompt_len", "decode_options"):  # the single-turn cases' settings
+            report.pop(k)
     for path in args.models:
         with open(path) as f:
-            cfg = ModelConfig(**yaml.safe_load(f))
+            spec = yaml.safe_load(f)
+        if args.layers:
+            spec["num_layers"] = args.layers
+        cfg = ModelConfig(**spec)
         torch.manual_seed(0)
         hf = hf_model(cfg, device=device, dtype=dtype)
         params = {n: t.clone() for n, t in to_megatron(hf.state_dict(), cfg).items()}
@@ -291,6 +326,14 @@ def main():
         hd = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
         gen = Generator(model_cfg=cfg, params=params, tp_group=None, device=device, dtype=dtype,
                         true_vocab_size=cfg.vocab_size)
+        if args.multi_turn:
+            import profile_multi_turn
+
+            profile_multi_turn.run(args, report, cfg=cfg, gen=gen, weight_bytes=weight_bytes,
+                                   device=device)
+            gen.release()
+            del gen
+            continue
         for B in args.batches:
             prompts = torch.randint(0, cfg.vocab_size, (B, args.prompt_len)).tolist()
             # K and V of every layer at the mean context of the steps measured
