@@ -25,12 +25,14 @@ the eager profile (split by their eager time where one name served several); nam
 run never launched fall back to profile_decode's name rules. `lines`: the eager step's kernel
 time per source line (top 25), the culprit's address.
 
-`pieces` (eager, CUDA-event timed, median of --reps, after a warm call) on the same shapes:
-sample(...), _token_logprobs(...), one extend of S=1 over the rows and columns (the step's call),
-the LM head (decoder.logits) and the fp32 copy of its logits into the state, and the bare SDPA
-of one layer (the step's q, the cache views) with the step's mask form (an additive bias of
-shape (r, 1, 1, L)), a boolean mask of that shape and no mask, each under the default dispatch
-and each forced backend (flash, efficient, cudnn, math; `null` where unsupported).
+`pieces` (median of --reps after a warm call; CUDA events on a GPU) on the same shapes, each
+called alone eagerly and (GPU, `graphed`) captured alone and replayed: sample(...),
+_token_logprobs(...), one extend of S=1 over the rows and columns (the step's call), the LM head
+(decoder.logits) and the fp32 copy of its logits into the state, and the bare SDPA of one layer
+(a query of the step's shape against the cache's views) with the step's mask form (an additive
+bias of shape (r, 1, 1, L)), a boolean mask of that shape and no mask; `sdpa_one_layer_forced`:
+each mask form under each forced backend (flash, efficient, cudnn, math; the error where one
+refuses it).
 
     python benchmarks/profile_decode.py --multi-turn \\
         --models hybridflow/conf/model/qwen2_5_coder_0_5b.yaml --batches 128 512 \\
@@ -42,6 +44,7 @@ and each forced backend (flash, efficient, cudnn, math; `null` where unsupported
 from __future__ import annotations
 
 import collections
+import functools
 import linecache
 import os
 import statistics
@@ -70,6 +73,11 @@ def _gemm(ops: tuple) -> bool:
     return any(o.startswith(_GEMM_OPS) for o in ops)
 
 
+@functools.cache
+def _rel(path: str) -> str:
+    return os.path.relpath(path, _ROOT)
+
+
 class LineTags(TorchFunctionMode):
     """Every torch call inside runs under record_function("@file:line func"), the innermost
     hybridflow frame that made it (calls made inside a call are not tagged again: the mode is
@@ -79,8 +87,8 @@ class LineTags(TorchFunctionMode):
         f = sys._getframe(1)
         while f is not None and not f.f_code.co_filename.startswith(_PKG):
             f = f.f_back
-        tag = (f"{TAG}{os.path.relpath(f.f_code.co_filename, _ROOT)}:{f.f_lineno} "
-               f"{f.f_code.co_name}" if f is not None else f"{TAG}?")
+        tag = (f"{TAG}{_rel(f.f_code.co_filename)}:{f.f_lineno} {f.f_code.co_name}"
+               if f is not None else f"{TAG}?")
         with torch.profiler.record_function(tag):
             return func(*args, **(kwargs or {}))
 
@@ -319,15 +327,36 @@ def timed_us(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
-def _guarded(fn, device, reps):
+def graphed_us(fn, device, reps: int, *, generator=None) -> float:
+    """Median us of `reps` replays of fn captured in a CUDA graph (its kernels without the host's
+    launch gaps; `generator` registered with the graph)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    if generator is not None:
+        g.register_generator_state(generator)
+    with torch.cuda.graph(g):
+        fn()
+    return timed_us(g.replay, device, reps)
+
+
+def _guarded(timer, fn, device, reps, **kw):
     try:
-        return timed_us(fn, device, reps)
+        return timer(fn, device, reps, **kw)
     except Exception as e:  # noqa: BLE001 - an unsupported backend / shape: recorded, not fatal
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
 def pieces(case: Case, device, reps: int) -> dict:
-    """The step's parts called alone on its shapes (eager, median us of `reps`)."""
+    """The step's parts called alone on its shapes, median us of `reps`: eager (CUDA events on a
+    GPU: an eager call's launch gaps included) and, on a GPU, `graphed` (each part captured alone
+    and replayed: its kernels back to back). The SDPA calls ("sdpa/<mask form>") are one layer's,
+    as extend makes them; `sdpa_one_layer_forced` "form/backend": each form under each forced
+    backend, eager (a string where the backend refuses it)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gen, st, rc = case.gen, case.st, case.rc
@@ -340,44 +369,44 @@ def pieces(case: Case, device, reps: int) -> dict:
     tok = torch.randint(0, d.true_vocab, (r,), device=device, generator=g)
     ready = st.ctrl[DecodeState.READY].bool()
     h = torch.randn(r, d.hidden, device=device, generator=g).to(gen.dtype)
+    q = torch.randn(r, d.groups, d.heads_per_group, d.head_dim, device=device,
+                    generator=g).to(gen.dtype)  # one layer's queries, (r, G, hpg, hd)
+    k, v = cache.k[0][:r, :, :L], cache.v[0][:r, :, :L]  # the cache's views, (r, G, L, hd)
+    keep = st.key_valid[:r, :L].clone()
+    keep[:, L - 1] = True  # the step's own column (its mask's `t == columns` term)
+    masks = {"step_bias": torch.zeros((r, 1, 1, L), dtype=gen.dtype, device=device).masked_fill_(
+        ~keep[:, None, None, :], float("-inf")),  # the additive (r, 1, 1, L) extend builds
+        "bool": keep[:, None, None, :], "none": None}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     with torch.no_grad():
         lg = decoder.logits(w, h, fp32=False)
-        res = {
-            "sample": timed_us(lambda: sample(st.logits, temperature=rc.temperature,
-                                              top_k=rc.top_k, top_p=rc.top_p,
-                                              generator=gen._rng), device, reps),
-            "token_logprobs": timed_us(lambda: _token_logprobs(st.logits, tok, inv_temp),
-                                       device, reps),
-            "extend_s1": timed_us(lambda: extend(
+        parts = {  # name: (fn, the generator it draws from)
+            "sample": (lambda: sample(st.logits, temperature=rc.temperature, top_k=rc.top_k,
+                                      top_p=rc.top_p, generator=gen._rng), gen._rng),
+            "token_logprobs": (lambda: _token_logprobs(st.logits, tok, inv_temp), None),
+            "extend_s1": (lambda: extend(
                 w, tok[:, None], st.pos[:, None], ready[:, None], st.col, cache=cache,
                 key_valid=st.key_valid, cos_tab=cos, sin_tab=sin, out=st.logits,
-                kv_len=case.kv_len), device, reps),
-            "lm_head": timed_us(lambda: decoder.logits(w, h, fp32=False), device, reps),
-            "logits_fp32_copy": timed_us(lambda: st.logits.copy_(lg), device, reps)}
-        # one layer's attention as extend calls it: q (r, G, hpg, hd) vs the cache's (r, G, L, hd)
-        q = torch.randn(r, d.groups, d.heads_per_group, d.head_dim, device=device,
-                        generator=g).to(gen.dtype)
-        k, v = cache.k[0][:r, :, :L], cache.v[0][:r, :, :L]
-        keep = st.key_valid[:r, :L].clone()
-        keep[:, L - 1] = True  # the step's own column (its mask's `t == columns` term)
-        boolean = keep[:, None, None, :]  # (r, 1, 1, L)
-        bias = torch.zeros(boolean.shape, dtype=gen.dtype, device=device).masked_fill_(
-            ~boolean, float("-inf"))
-        backends = {"default": None, "flash": SDPBackend.FLASH_ATTENTION,
+                kv_len=case.kv_len), None),
+            "lm_head": (lambda: decoder.logits(w, h, fp32=False), None),
+            "logits_fp32_copy": (lambda: st.logits.copy_(lg), None)}
+        for form, mask in masks.items():
+            parts[f"sdpa/{form}"] = (lambda mask=mask: sdpa(q, k, v, attn_mask=mask), None)
+        res = {name: _guarded(timed_us, fn, device, reps) for name, (fn, _) in parts.items()}
+        if device.type == "cuda":
+            res["graphed"] = {name: _guarded(graphed_us, fn, device, reps, generator=gen_)
+                              for name, (fn, gen_) in parts.items()}
+        backends = {"flash": SDPBackend.FLASH_ATTENTION,
                     "efficient": SDPBackend.EFFICIENT_ATTENTION,
                     "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
-        sdpa = {}
-        for form, mask in (("step_bias", bias), ("bool", boolean), ("none", None)):
+        forced = {}
+        for form, mask in masks.items():
             for name, be in backends.items():
                 def call(mask=mask, be=be):
-                    if be is None:
-                        return torch.nn.functional.scaled_dot_product_attention(
-                            q, k, v, attn_mask=mask)
                     with sdpa_kernel([be]):
-                        return torch.nn.functional.scaled_dot_product_attention(
-                            q, k, v, attn_mask=mask)
-                sdpa[f"{form}/{name}"] = _guarded(call, device, reps)
-        res["sdpa_one_layer"] = sdpa
+                        return sdpa(q, k, v, attn_mask=mask)
+                forced[f"{form}/{name}"] = _guarded(timed_us, call, device, reps)
+        res["sdpa_one_layer_forced"] = forced
         res["sdpa_layers"] = d.num_layers
     case.reset()
     return res
@@ -432,11 +461,7 @@ def run(args, report: dict, *, cfg, gen, weight_bytes: int, device) -> None:
                     pc = {"error": f"{type(e).__name__}: {e}"[:400]}
                 report.setdefault("multi_turn_pieces", []).append(dict(pieces=pc, **common))
                 write_json(args.out, report)
-                print(f"  pieces: " + ", ".join(f"{k} {v:.0f}" for k, v in pc.items()
-                                                if isinstance(v, float)), flush=True)
-                for k, v in (pc.get("sdpa_one_layer") or {}).items():
-                    print(f"    sdpa {k}: " + (f"{v:.1f} us" if isinstance(v, float) else v),
-                          flush=True)
+                _print_pieces(pc)
                 del eager, graphed
             del st
 
@@ -453,3 +478,12 @@ def _print(res: dict) -> None:
     for ln in res["lines"][:8]:
         print(f"    {ln['us_per_step']:8.1f} us {ln['calls_per_step']:5.1f}x {ln['kind']:11s} "
               f"{ln['line']}", flush=True)
+
+
+def _print_pieces(pc: dict) -> None:
+    fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)[:60]  # noqa: E731
+    for title, part in (("pieces eager", pc), ("pieces graphed", pc.get("graphed") or {}),
+                        ("sdpa forced backends", pc.get("sdpa_one_layer_forced") or {})):
+        items = [(k, v) for k, v in part.items() if isinstance(v, (float, str))]
+        if items:
+            print(f"  {title} (us): " + ", ".join(f"{k} {fmt(v)}" for k, v in items), flush=True)

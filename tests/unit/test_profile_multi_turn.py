@@ -18,6 +18,7 @@ import profile_multi_turn as pmt  # noqa: E402
 from profile_decode import per_step, profile_calls  # noqa: E402
 
 from hybridflow.config import RolloutConfig  # noqa: E402
+from hybridflow.rollout import decoder  # noqa: E402
 from hybridflow.rollout.multi_turn_step import DecodeState  # noqa: E402
 from hybridflow.rollout.sampling import _token_logprobs, sample  # noqa: E402
 from tests.unit.test_multi_turn import CFG, V, make_gen  # noqa: E402
@@ -81,8 +82,7 @@ def test_run_writes_both_modes_and_the_pieces(tmp_path):
                               out=str(out))
     report = {}
     gen = make_gen()
-    weight_bytes = sum(t.numel() * t.element_size() for t in gen.w.layers[0].__dict__.values()
-                       if isinstance(t, torch.Tensor))
+    weight_bytes = sum(t.numel() * t.element_size() for t in decoder.weight_tensors(gen.w))
     pmt.run(args, report, cfg=CFG, gen=gen, weight_bytes=weight_bytes, device=CPU)
     saved = json.loads(out.read_text())
     cases = {(c["columns"], c["mode"]): c for c in saved["multi_turn"]}
@@ -94,7 +94,7 @@ def test_run_writes_both_modes_and_the_pieces(tmp_path):
         assert c["wall_us_per_step"] > 0 and c["wall_us_per_step_host_io"] > 0
         hd = CFG.hidden_size // CFG.num_attention_heads
         assert c["kv_bytes"] == 2 * CFG.num_layers * 2 * CFG.num_query_groups * hd * L * 4
-        assert c["floor_us_per_step"] > 0
+        assert math.isclose(c["floor_us_per_step"], (weight_bytes + c["kv_bytes"]) / 4.3e12 * 1e6)
     for L in (40, 64):  # the graph replays the eager step's ops
         assert math.isclose(cases[(L, "graphed")]["kernels_per_step"],
                             cases[(L, "eager")]["kernels_per_step"], rel_tol=1e-9)
@@ -103,4 +103,6 @@ def test_run_writes_both_modes_and_the_pieces(tmp_path):
         for k in ("sample", "token_logprobs", "extend_s1", "lm_head", "logits_fp32_copy"):
             assert p[k] > 0, k
         for form in ("step_bias", "bool", "none"):
-            assert p["sdpa_one_layer"][f"{form}/default"] > 0
+            assert p[f"sdpa/{form}"] > 0
+            assert isinstance(p["sdpa_one_layer_forced"][f"{form}/math"], float)
+        assert "graphed" not in p  # CPU: no graphs
