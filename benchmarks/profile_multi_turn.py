@@ -114,14 +114,14 @@ def line_kind(tag: str, ops: tuple) -> tuple:
         kind = "norm"
     elif text.startswith(("kc[", "vc[")):
         kind = "kv_write"
+    elif func in ("embed", "step", "decode_step") or "embed(" in text:
+        kind = "other"
     elif func == "extend" and ("cos" in text or "sin" in text):
         kind = "rope"
     elif func == "extend" and any(s in text for s in ("mask", "bias", "key_valid", "kv_rows",
                                                        "columns =", "new_valid",
                                                        "t = torch.arange")):
         kind = "mask"
-    elif func in ("embed", "step", "decode_step"):
-        kind = "other"
     else:
         kind = "elementwise"
     return kind, where

@@ -8,8 +8,10 @@ import collections
 import json
 import math
 import os
+import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,3 +108,19 @@ def test_run_writes_both_modes_and_the_pieces(tmp_path):
             assert p[f"sdpa/{form}"] > 0
             assert isinstance(p["sdpa_one_layer_forced"][f"{form}/math"], float)
         assert "graphed" not in p  # CPU: no graphs
+
+
+@pytest.mark.slow
+def test_cli_smoke(tmp_path):
+    """The documented CPU smoke: profile_decode.py --multi-turn end to end (model load, cases)."""
+    out = tmp_path / "mt.json"
+    subprocess.run([sys.executable, "benchmarks/profile_decode.py", "--multi-turn", "--models",
+                    "hybridflow/conf/model/tiny.yaml", "--device", "cpu", "--batches", "2",
+                    "--columns", "64", "--steps", "4", "--reps", "2", "--out", str(out)],
+                   check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+                   capture_output=True)
+    report = json.loads(out.read_text())
+    assert [(c["mode"], c["batch"], c["columns"]) for c in report["multi_turn"]] == [
+        ("eager", 2, 64), ("graphed", 2, 64)]
+    assert report["columns"] == [64] and "hybridflow" in report["versions"]
+    assert report["multi_turn_pieces"][0]["pieces"]["extend_s1"] > 0
