@@ -36,7 +36,8 @@ refuses it).
 
     python benchmarks/profile_decode.py --multi-turn \\
         --models hybridflow/conf/model/qwen2_5_coder_0_5b.yaml --batches 128 512 \\
-        --columns 576 1024 --out benchmarks/results/multi_turn_profile_h200.json
+        --columns 576 1024 --steps 8 --out benchmarks/results/multi_turn_profile_h200.json
+        # one H200: ~2-3 min (most of it the host parsing the tagged eager profiles)
     python benchmarks/profile_decode.py --multi-turn --models hybridflow/conf/model/tiny.yaml \\
         --device cpu --batches 2 --columns 64 --steps 4 --reps 2 --out /tmp/mt.json  # CPU smoke
 """
