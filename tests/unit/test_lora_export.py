@@ -19,9 +19,12 @@ def _tokens(vocab):
     return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def save_adapted_actor(root: str, hf_dir: str, targets: list, adapter_only: bool = False):
+def save_adapted_actor(root: str, hf_dir: str, targets: list, adapter_only: bool = False,
+                       greedy_prompts: list | None = None, max_new_tokens: int = 0):
     """Spawned rank: an actor from the HF base with random nonzero adapters; save (the whole model,
-    or with `adapter_only` the adapters and the base's identity, as training does); its logits."""
+    or with `adapter_only` the adapters and the base's identity, as training does); its logits,
+    or with `greedy_prompts` its greedy responses as the rollout generates them (the in-place
+    generator on the weights with the adapters merged in)."""
     import dataclasses
 
     from hybridflow.checkpoint import save_checkpoint
@@ -54,7 +57,20 @@ def save_adapted_actor(root: str, hf_dir: str, targets: list, adapter_only: bool
         lora_dict.update(adapter_only=True, base=base_identity(cfg, eng.module, seed=3))
     save_checkpoint(root, step=2, models={"actor": [eng.model]}, model_configs={"actor": cfg},
                     adapter_configs={"actor": lora_dict})
-    return logits
+    if greedy_prompts is None:
+        return logits
+    from hybridflow.config import RolloutConfig
+    from hybridflow.models.lora import is_adapter_name, merged_adapters
+    from hybridflow.rollout import Generator
+
+    with merged_adapters(eng.module):  # as the rollout stage does (stage.py)
+        params = {n: p for n, p in eng.module.named_parameters() if not is_adapter_name(n)}
+        gen = Generator(model_cfg=cfg, params=params, tp_group=None, device=torch.device("cpu"),
+                        dtype=torch.float32, true_vocab_size=cfg.vocab_size)
+        out = gen.generate(greedy_prompts, cfg=RolloutConfig(max_new_tokens=max_new_tokens,
+                                                             temperature=0.0),
+                           eos_id=-1, pad_id=0, seed=0)
+    return [out.response_ids[i].tolist() for i in range(len(greedy_prompts))]
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +115,70 @@ def test_peft_adapter_loads_with_our_logits(hf_base, tmp_path, targets):
         merged_dir, attn_implementation="eager", dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, ours, rtol=1e-4, atol=1e-4)
+
+
+def test_peft_adapter_greedy_tokens_equal_ours(hf_base, tmp_path):
+    """The exported adapter on the HF base, under transformers + peft (unmerged), generates
+    greedily the tokens our generator does with the adapters merged in, prompt by prompt; and the
+    pieces benchmarks/peft_export_eval.py scores a checkpoint with read it right."""
+    peft = pytest.importorskip("peft")
+    import sys
+
+    import transformers
+
+    from hybridflow.export import main
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import peft_export_eval as pe
+
+    prompts, max_new = [[3, 17, 99, 5], [42, 7], [7, 8, 9, 10, 11, 12, 13]], 12
+    root = str(tmp_path / "ckpt")
+    ours = run_ranks(save_adapted_actor, 1, root, hf_base, ["all-linear"], False, prompts,
+                     max_new)[0]
+    out = str(tmp_path / "adapter")
+    assert main([root, out]) == 0
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_base, attn_implementation="eager", dtype=torch.float32).eval()
+    plain = [base.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    model = peft.PeftModel.from_pretrained(base, out).eval()
+    with torch.no_grad():
+        theirs = [model.generate(input_ids=torch.tensor([p]), max_new_tokens=max_new,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):]
+                  .tolist() for p in prompts]
+    assert theirs == ours
+    assert plain != ours  # the adapters change the greedy answers
+    step = pe.resolve_checkpoint(root)
+    assert step == os.path.join(root, "step_2")
+    assert pe.lora_overrides(step) == ["actor.lora.rank=4", "actor.lora.alpha=8.0",
+                                       "actor.lora.dropout=0.0",
+                                       "actor.lora.target_modules=[all-linear]"]
+    linked = tmp_path / "score" / "checkpoints"
+    pe.link_step(step, linked)
+    from hybridflow.checkpoint import latest_step
+
+    assert latest_step(str(linked)) == 2 and os.path.samefile(linked / "step_2", step)
+
+
+def test_peft_eval_comparison():
+    """Agreement counts and identical generations of two validations of the same problems."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import peft_export_eval as pe
+
+    a = {"scores": {"math_exact": [1, 1, 0, 0, 1], "gsm8k_strict": [1, 0, 0, 0, 0]},
+         "responses": ["x #### 3<|im_end|>", "y", "z", "w<|endoftext|>", "v"]}
+    b = {"scores": {"math_exact": [1, 0, 0, 1, 1], "gsm8k_strict": [1, 0, 0, 0, 1]},
+         "responses": ["x #### 3", "y2", "z", "w", "v "]}
+    got = pe.compare(a, b)
+    assert got["identical_generations"] == 4
+    m = got["math_exact"]
+    assert (m["both_right"], m["both_wrong"], m["only_a"], m["only_b"], m["agree"]) == (2, 1, 1, 1, 3)
+    assert m["mcnemar_p"] == 1.0 and m["accuracy_a"] == m["accuracy_b"] == 0.6
+    s = got["gsm8k_strict"]
+    assert (s["only_a"], s["only_b"], s["agree"]) == (0, 1, 4)
+    assert pe.accuracy(a) == {"math_exact": 0.6, "gsm8k_strict": 0.2}
 
 
 def _tensors(path: str) -> dict:
