@@ -29,6 +29,9 @@ Choices:
 - Accuracy is the training rule (`math_exact`); `gsm8k_strict` is reported beside it. Agreement is
   problem by problem (`hybridflow.validation.paired_comparison`: discordant counts, McNemar's exact
   p); generations count as identical when their texts are equal with the trailing stop token removed.
+- Each stage's result is kept in `--work` with its settings (training.json, ours_adapter.json,
+  ours_base.json, transformers_peft.json); a rerun with the same settings reuses the stages that
+  finished.
 - transformers marks a GGUF-loaded model as quantized; the base is rebuilt as a plain model first
   (gsm8k_hf_eval.load_model(trainable=True)) so peft wraps ordinary Linear layers.
 """
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -135,8 +139,28 @@ def read_validation(output_dir: Path) -> dict:
             "metrics": metrics}
 
 
+def cached(path: Path, key: dict, compute) -> dict:
+    """`compute()`, kept in `path` with `key`; a later call with the same key reads it back (a
+    rerun after a failure does not repeat the stages that finished)."""
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            print(f"reusing {path}", flush=True)
+            return saved["value"]
+    value = compute()
+    write_json(path, {"key": key, "value": value})
+    return value
+
+
 def ours_validation(overrides: list[str], output_dir: Path, *, step_dir: str | None) -> dict:
     """Our validation (trainer.val_only) of the base model (`step_dir` None) or of a checkpoint."""
+    return cached(output_dir.with_suffix(".json"), {"overrides": overrides, "step_dir": step_dir},
+                  lambda: _ours_validation(overrides, output_dir, step_dir=step_dir))
+
+
+def _ours_validation(overrides: list[str], output_dir: Path, *, step_dir: str | None) -> dict:
+    if output_dir.exists():
+        shutil.rmtree(output_dir)  # an unfinished earlier attempt
     fixed = ["trainer.val_only=true", f"trainer.output_dir={output_dir}"]
     if step_dir is None:
         fixed.append("trainer.resume=false")
@@ -269,11 +293,18 @@ def main(argv=None) -> dict:
         train = train_overrides(steps=args.train_steps, lr=args.lr, rank=args.rank, alpha=args.alpha,
                                 prompts=args.prompts, samples=args.samples,
                                 max_new_tokens=args.train_max_new_tokens, output_dir=str(run_dir))
-        train_s = run_train([*base_overrides, *train], work / "train.log")
-        metrics = [json.loads(x) for x in open(run_dir / "metrics.jsonl") if x.strip()]
-        result["training"] = {"overrides": train, "seconds": train_s,
-                              "reward_per_step": [m.get("critic/score/mean") for m in metrics],
-                              "grad_norm_per_step": [m.get("actor/grad_norm") for m in metrics]}
+
+        def make():
+            if run_dir.exists():
+                shutil.rmtree(run_dir)  # an unfinished earlier attempt
+            train_s = run_train([*base_overrides, *train], work / "train.log")
+            metrics = [json.loads(x) for x in open(run_dir / "metrics.jsonl") if x.strip()]
+            return {"overrides": train, "seconds": train_s,
+                    "reward_per_step": [m.get("critic/score/mean") for m in metrics],
+                    "grad_norm_per_step": [m.get("actor/grad_norm") for m in metrics]}
+
+        result["training"] = cached(work / "training.json", {"overrides": [*base_overrides, *train]},
+                                    make)
         step_dir = resolve_checkpoint(str(run_dir))
     else:
         step_dir = resolve_checkpoint(args.checkpoint)
@@ -291,8 +322,12 @@ def main(argv=None) -> dict:
     print(f"ours: {accuracy(ours)} ({ours['seconds']:.0f} s)", flush=True)
     base = ours_validation(base_overrides, work / "ours_base", step_dir=None)
     print(f"base: {accuracy(base)} ({base['seconds']:.0f} s)", flush=True)
-    hf = peft_validation(args.model, str(adapter), records, max_new_tokens=args.max_new_tokens,
-                         batch_size=args.batch_size)
+    hf = cached(work / "transformers_peft.json",
+                {"model": args.model, "checkpoint": step_dir, "val": str(val_file),
+                 "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size},
+                lambda: peft_validation(args.model, str(adapter), records,
+                                        max_new_tokens=args.max_new_tokens,
+                                        batch_size=args.batch_size))
     print(f"transformers+peft: {accuracy(hf)} ({hf['seconds']:.0f} s)", flush=True)
 
     n = len(records)

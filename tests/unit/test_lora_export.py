@@ -181,6 +181,24 @@ def test_peft_eval_comparison():
     assert pe.accuracy(a) == {"math_exact": 0.6, "gsm8k_strict": 0.2}
 
 
+def test_peft_eval_stages_are_reused_by_settings(tmp_path):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import peft_export_eval as pe
+
+    calls = []
+
+    def stage(v):
+        return lambda: calls.append(v) or {"v": v}
+
+    path = tmp_path / "stage.json"
+    assert pe.cached(path, {"limit": 2}, stage(1)) == {"v": 1}
+    assert pe.cached(path, {"limit": 2}, stage(2)) == {"v": 1}  # same settings: kept
+    assert pe.cached(path, {"limit": 3}, stage(3)) == {"v": 3}  # other settings: run again
+    assert calls == [1, 3]
+
+
 def _tensors(path: str) -> dict:
     from safetensors.torch import load_file
 
