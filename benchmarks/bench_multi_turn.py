@@ -18,11 +18,18 @@ which also captures the graphs; then the median of --reps calls):
 and, with a long tail of lengths (three rows in four stop 0-119 tokens after their calls),
   tail_graphed_windows          as graphed_windows
   tail_graphed_windows_compact  + rollout.compact_finished_rows (the GPU default).
-Per variant: wall seconds, decode steps, ms per step, the time appending tool results and
-waiting for tools, calls per row.
+Tool results are held and appended together (rollout.multi_turn.append_wait_steps, its default)
+in every variant but the `*_at_once` twins of graphed_windows and tail_graphed_windows_compact
+(append_wait_steps=0: each poll's results at once). `--tool-latency-ms L --tool-jitter-ms J`: each
+calculator call takes L + [0, J) ms (fixed per call; the runner's 16 threads), so results come in
+spread over the steps as a sandboxed tool's do; 0 (the default): they come in together.
+Per variant: wall seconds, decode steps, ms per step, the time appending tool results
+(`tool_prefill_s`) in how many extend calls (`append_calls`), waiting for tools, calls per row.
 
     python benchmarks/bench_multi_turn.py --synthetic \
         --out benchmarks/results/multi_turn_ab_h200.json
+    python benchmarks/bench_multi_turn.py --synthetic --tool-latency-ms 20 --tool-jitter-ms 40 \
+        --out benchmarks/results/multi_turn_hold_h200.json  # results spread out
     python benchmarks/bench_multi_turn.py --synthetic --device cpu --dtype float32 --layers 1 \
         --vocab 1024 --prompts 2 --n 2 --max-new 128 --reps 1 --out /tmp/mt_ab.json  # CPU smoke
 
@@ -103,7 +110,25 @@ def random_params(cfg, *, device, dtype, seed: int = 0) -> dict:
     return p
 
 
+def slow_runner(latency_ms: float, jitter_ms: float):
+    """A ToolRunner class whose turns take latency_ms + [0, jitter_ms) ms more (fixed per call
+    by a hash of its items), for results that come in spread out as a sandbox's do."""
+    import zlib
+
+    from hybridflow.tools.runner import ToolRunner
+
+    class SlowRunner(ToolRunner):
+        def _run(self, items):
+            u = zlib.crc32(repr(items).encode()) / 2 ** 32
+            time.sleep((latency_ms + jitter_ms * u) / 1e3)
+            return super()._run(items)
+
+    return SlowRunner
+
+
 def synthetic(a) -> dict:
+    import dataclasses
+
     import numpy as np
     import torch
     import yaml
@@ -142,22 +167,28 @@ def synthetic(a) -> dict:
     tools = load_tool_config("calculator.yaml")
     mt = MultiTurnConfig(enable=True, tool_config_path="calculator.yaml", max_assistant_turns=4,
                          max_tool_response_length=256, tool_workers=16)
-    runner = ToolRunner(tools, fmt=ToolFormat("hermes", tokenizer=tok, tools=tools),
-                        tokenizer=tok, mt=mt)
+    runner_cls = (slow_runner(a.tool_latency_ms, a.tool_jitter_ms)
+                  if a.tool_latency_ms or a.tool_jitter_ms else ToolRunner)
     rc = RolloutConfig(n=a.n, max_new_tokens=a.max_new, temperature=1.0, max_batch_size=rows,
                        return_logprobs=True)
     cache = max(map(len, prompts)) + a.max_new
     window = max(64, -(-cache // 8 // 64) * 64)
-    variants = {  # name: (options, forced tokens per row)
-        "eager": (DecodeOptions(kernels="torch", cuda_graphs=False), forced),
-        "graphed": (DecodeOptions(kernels="torch"), forced),
-        "graphed_windows": (DecodeOptions(kernels="torch", kv_window=window), forced),
-        "tail_graphed_windows": (DecodeOptions(kernels="torch", kv_window=window), tail),
-        "tail_graphed_windows_compact": (DecodeOptions(kernels="torch", kv_window=window,
-                                                       compact_finished_rows=True), tail)}
+    at_once = dataclasses.replace(mt, append_wait_steps=0)
+    windows = DecodeOptions(kernels="torch", kv_window=window)
+    compact = DecodeOptions(kernels="torch", kv_window=window, compact_finished_rows=True)
+    variants = {  # name: (options, forced tokens per row, rollout.multi_turn)
+        "eager": (DecodeOptions(kernels="torch", cuda_graphs=False), forced, mt),
+        "graphed": (DecodeOptions(kernels="torch"), forced, mt),
+        "graphed_windows": (windows, forced, mt),
+        "graphed_windows_at_once": (windows, forced, at_once),
+        "tail_graphed_windows": (windows, tail, mt),
+        "tail_graphed_windows_compact": (compact, tail, mt),
+        "tail_graphed_windows_compact_at_once": (compact, tail, at_once)}
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     out = {}
-    for name, (opts, pattern) in variants.items():
+    for name, (opts, pattern, mt_v) in variants.items():
+        runner = runner_cls(tools, fmt=ToolFormat("hermes", tokenizer=tok, tools=tools),
+                            tokenizer=tok, mt=mt_v)
         times, metrics = [], None
         for rep in range(a.reps + 1):  # the first: warm-up (and graph capture)
             sync()
@@ -173,9 +204,15 @@ def synthetic(a) -> dict:
         out[name] = {"first_call_s": times[0], "wall_s": wall, "decode_steps": steps,
                      "ms_per_step": 1e3 * wall / max(steps, 1),
                      "model_tokens": int((mask * (1 - tool)).sum()),
-                     "tool_tokens": int((mask * tool).sum()), "metrics": metrics}
+                     "tool_tokens": int((mask * tool).sum()),
+                     "append_wait_steps": mt_v.append_wait_steps,
+                     "append_calls": metrics["multi_turn/append_calls"],
+                     "tool_prefill_s": metrics["timing_s/tool_prefill"], "metrics": metrics}
         print(name, f"{wall:.2f}s", f"{out[name]['ms_per_step']:.2f} ms/step",
-              f"calls/row {metrics['tool_calls/mean']:.2f}", flush=True)
+              f"calls/row {metrics['tool_calls/mean']:.2f}",
+              f"append_calls {out[name]['append_calls']:.0f}",
+              f"tool_prefill {out[name]['tool_prefill_s']:.3f}s", flush=True)
+        runner.close()
         gen.release()  # each variant's graphs and cache go; the next captures its own
     single = RolloutConfig(n=a.n, max_new_tokens=a.max_new, temperature=1.0, max_batch_size=rows,
                            return_logprobs=True, decode_kv_window=window if dev.type == "cuda"
@@ -194,10 +231,14 @@ def synthetic(a) -> dict:
                      for k in variants if not k.startswith("tail")}
     out["compaction_speedup"] = (out["tail_graphed_windows"]["wall_s"]
                                  / out["tail_graphed_windows_compact"]["wall_s"])
+    # wall time appending each poll's results at once / held (the default), same options
+    out["hold_speedup"] = {k: out[k + "_at_once"]["wall_s"] / out[k]["wall_s"]
+                           for k in ("graphed_windows", "tail_graphed_windows_compact")}
     out["settings"] = {"rows": rows, "kv_window": window,
+                       "append_wait_steps": mt.append_wait_steps,
+                       "append_batch_rows": mt.append_batch_rows,
                        "forced": "1-2 calculator calls per row; tail_*: 3/4 of rows stop 0-119 "
                                  "tokens after them"}
-    runner.close()
     return out
 
 
@@ -267,6 +308,10 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=None,
                     help="synthetic: a smaller vocabulary (smoke); default Qwen's")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--tool-latency-ms", type=float, default=0.0,
+                    help="synthetic: each tool call takes this long (results come in spread out)")
+    ap.add_argument("--tool-jitter-ms", type=float, default=0.0,
+                    help="synthetic: + up to this much more per call (fixed per call)")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--device", default="cuda")

@@ -113,11 +113,11 @@ class PartialRolloutConfig:
 
 @dataclass
 class MultiTurnConfig:
-    """rollout.multi_turn (verl's names): generation that calls tools between assistant turns
-    (hybridflow/rollout/multi_turn.py). Off: one response per prompt. Its decode step is PyTorch
-    ops, a CUDA-graph replay on a GPU with KV windows and compaction (rollout.cuda_graphs,
-    decode_kv_window, compact_finished_rows); not the Triton decode kernels, compile or quantized
-    layers."""
+    """rollout.multi_turn (verl's names; append_* are ours): generation that calls tools between
+    assistant turns (hybridflow/rollout/multi_turn.py). Off: one response per prompt. Its decode
+    step is PyTorch ops, a CUDA-graph replay on a GPU with KV windows and compaction
+    (rollout.cuda_graphs, decode_kv_window, compact_finished_rows); not the Triton decode kernels,
+    compile or quantized layers."""
     enable: bool = False
     # model turns per trajectory; a tool call in the last one ends it (its result is not appended)
     max_assistant_turns: int = 5
@@ -131,6 +131,14 @@ class MultiTurnConfig:
     format: str = "hermes"
     # threads running tool calls (rows' calls run concurrently while other rows decode)
     tool_workers: int = 8
+    # results that are in are held and appended together, one eager `extend` (a full forward
+    # pass) for many rows instead of one per result as they trickle in: a held result is
+    # appended at the latest this many decode steps after it came in, as soon as
+    # append_batch_rows rows are held, when no row could decode otherwise, and at the end.
+    # 0: each result at the poll it came in (the rows resume sooner, in more calls)
+    append_wait_steps: int = 16
+    # append the held results as soon as this many rows hold one (1: at once)
+    append_batch_rows: int = 64
 
 
 @dataclass

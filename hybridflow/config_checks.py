@@ -27,6 +27,11 @@ def _positive(key: str, value) -> None:
         raise ValueError(f"{key}={value!r} must be a positive number")
 
 
+def _int_at_least(key: str, value, lo: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{key}={value!r} must be an integer >= {lo} ({what})")
+
+
 def validate_moe(cfg: ModelConfig, *, tp: int, ep: int = 1, etp: int | None = None,
                  prefix: str = "model") -> None:
     """model.moe against itself and the expert layout (EP, expert TP)."""
@@ -435,6 +440,11 @@ def validate_multi_turn(r) -> None:
     _positive("rollout.multi_turn.max_assistant_turns", m.max_assistant_turns)
     _positive("rollout.multi_turn.max_tool_response_length", m.max_tool_response_length)
     _positive("rollout.multi_turn.tool_workers", m.tool_workers)
+    # results held and appended together (multi_turn.py): decode steps, rows
+    _int_at_least("rollout.multi_turn.append_wait_steps", m.append_wait_steps, 0,
+                  "decode steps a tool result may be held before it is appended; 0: at once")
+    _int_at_least("rollout.multi_turn.append_batch_rows", m.append_batch_rows, 1,
+                  "held rows whose results are appended together; 1: at once")
     if not m.tool_config_path:
         raise ValueError("rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path "
                          "(a tool config YAML: tools: - class_name, config, tool_schema)")

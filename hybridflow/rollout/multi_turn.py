@@ -31,15 +31,23 @@ at most rollout.max_batch_size rows:
 - A row whose turn ends in a complete call (`ToolFormat`: `</tool_call>`, or a closing ``` fence
   of a ```python block; the step fed that closing token already) pauses; its calls go to a
   thread pool (ToolRunner) and the other rows keep decoding; results are polled between steps
-  (and waited for only when no row can decode). At TP_g > 1 only the generation group's rank 0
-  runs tools; it broadcasts which results are in and what they are at each poll, so every rank
-  appends the same tokens at the same step.
+  (and waited for only when no row can decode and none is held). Results that are in are held
+  and appended together (an append is a forward pass whatever its rows, and a process-backed
+  tool's results trickle in one or two per step), at the latest
+  rollout.multi_turn.append_wait_steps decode steps after the oldest came in, as soon as
+  append_batch_rows rows hold one, or when no row could decode otherwise (0 steps: each poll's
+  results at once). At TP_g > 1 only the generation group's rank 0 runs tools; it broadcasts
+  which results are in and what they are at each poll, and the holding decides on step counts
+  and those broadcasts only (never wall time), so every rank appends the same tokens at the
+  same step.
 - Limits: rollout.multi_turn.max_assistant_turns model turns per row (a call in the last one ends
   the row), a tool result cut to max_tool_response_length tokens, and rollout.max_new_tokens for
   the whole response (model and tool tokens together; a result that does not fit is cut and ends
   the row). Stop at EOS / rollout.stop_token_ids as single-turn.
-- Seeded sampling is reproducible as far as the tools' timing is: the decode step at which a
-  result is appended depends on when the call finished (every row samples from one stream).
+- Seeded sampling is reproducible as far as the tools' timing is: the poll at which a result
+  comes in depends on when the call finished (every row samples from one stream); holding
+  moves its append later by a number of steps fixed by the polls' outcomes. Greedy output does
+  not depend on when a result is appended.
 Output: a RolloutBatch whose response holds every turn and tool result, response_mask 1 over all
 of it (the context the trainer's forward sees), tool_mask 1 on the tool results' tokens (the loss,
 KL and advantages skip them: RolloutBatch.loss_mask), and rollout_logprobs 0 on tool tokens.
@@ -88,7 +96,8 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
     replays and tests."""
     opts = options or DecodeOptions.from_config(cfg)
     stats = {"tool_wait": 0.0, "tool_prefill": 0.0, "loop": 0.0, "decode_steps": 0,
-             "window_steps": {}, "row_steps": 0, "compactions": 0}
+             "window_steps": {}, "row_steps": 0, "compactions": 0, "append_calls": 0,
+             "append_rows": 0}
     N, R = len(prompts) * cfg.n, cfg.max_new_tokens
     ids, mask = gen._padded_prompts(prompts, cfg, pad_id)  # checks prompts and cfg
     P = ids.shape[1]
@@ -144,6 +153,12 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
                # rows the decode steps computed (rollout.compact_finished_rows drops finished ones)
                "multi_turn/decode_row_steps": float(stats["row_steps"]),
                "multi_turn/compactions": float(stats["compactions"]),
+               # eager extend calls appending tool results, and the rows each appended on average
+               # (rollout.multi_turn.append_wait_steps / append_batch_rows hold results for fewer,
+               # larger calls)
+               "multi_turn/append_calls": float(stats["append_calls"]),
+               "multi_turn/append_rows_mean": stats["append_rows"]
+               / max(1, stats["append_calls"]),
                # cache columns a decode step attended over, on average (rollout.decode_kv_window)
                "multi_turn/kv_columns_mean": sum((k or gen._cache.length) * v for k, v in
                                                  stats["window_steps"].items())
@@ -194,12 +209,15 @@ def _run_chunk(gen: Generator, prompts: list, copy_of: torch.Tensor, cfg: Rollou
     group = w.group if w.dims.tp_size > 1 else None
     leader = group is None or dist.get_rank(group) == 0
     pending: dict = {}  # row -> Future of its turn's outcomes (None off the leader)
+    held: dict = {}  # row -> (outcomes, the chunk's decode step they came in after)
     ready = np.arange(B)  # rows whose next-token logits are in the decode state
+    step = 0  # the chunk's decode steps so far (the same on every TP_g rank)
     while True:
         t0 = time.perf_counter()
         feed = ready[:0]  # rows that sampled a token and decode on
         if ready.size:
             t = _step_rows(slots, rows, ready, P=P, forced=forced, stats=stats)
+            step += 1
             stop = np.isin(t, stop_ids) | (rows.n[ready] >= R)
             rows.state[ready[stop]] = Rows.DONE
             go = ~stop
@@ -216,14 +234,17 @@ def _run_chunk(gen: Generator, prompts: list, copy_of: torch.Tensor, cfg: Rollou
                     rows.calls[b] += sum(isinstance(c, ToolCall) for c in calls)
                     pending[b] = runner.submit(calls) if leader else None
             feed = ready[go]
-        # results that are in; block for one only when nothing can decode
-        resumed = _collect(pending, rows, block=not feed.size and bool(pending), stats=stats,
-                           group=group, leader=leader)
+        # results that are in (block for one only when nothing can decode and none is held),
+        # held until one of them has waited its steps, enough rows hold one, or nothing decodes
+        done = _collect(pending, rows, block=not feed.size and bool(pending) and not held,
+                        stats=stats, group=group, leader=leader)
+        held.update((b, (outcomes, step)) for b, outcomes in done.items())
         back = []
-        if resumed:
+        if held and _flush(held, step, mt, decoding=int(feed.size)):
             tp = time.perf_counter()
-            back = _append_results(resumed, rows, runner, R, budget, w, cache, slots,
-                                   *gen._tables, gen.device)
+            back = _append_results({b: o for b, (o, _) in held.items()}, rows, runner, R, budget,
+                                   w, cache, slots, *gen._tables, gen.device, stats=stats)
+            held.clear()
             stats["tool_prefill"] += time.perf_counter() - tp
         ready = np.concatenate([feed, np.array(back, dtype=np.int64)])
         live = np.flatnonzero(rows.state != Rows.DONE)
@@ -233,8 +254,18 @@ def _run_chunk(gen: Generator, prompts: list, copy_of: torch.Tensor, cfg: Rollou
                        columns=min(cache.length, P + int(rows.n[live].max()) + 1))
             stats["compactions"] += 1
         stats["loop"] += time.perf_counter() - t0
-        if not ready.size and not pending:
+        if not ready.size and not pending and not held:
             return rows
+
+
+def _flush(held: dict, step: int, mt, *, decoding: int) -> bool:
+    """Whether the `held` results ({row: (outcomes, step they came in after)}) are appended now,
+    at the chunk's decode step `step` with `decoding` rows decoding on: the oldest has waited
+    mt.append_wait_steps steps, mt.append_batch_rows rows hold one, or no row decodes (never a
+    step without work while results are in). Host state only: every TP_g rank decides alike."""
+    oldest = min(s for _, s in held.values())
+    return (not decoding or step - oldest >= mt.append_wait_steps
+            or len(held) >= mt.append_batch_rows)
 
 
 def _prefill(gen: Generator, prompts: list, copy_of: torch.Tensor, st: DecodeState, *,
@@ -327,7 +358,7 @@ def _collect(pending: dict, rows: Rows, *, block: bool, stats: dict, group=None,
 
 
 def _append_results(resumed: dict, rows: Rows, runner: ToolRunner, R: int, budget: int, w,
-                    cache, slots: Slots, cos, sin, dev) -> list:
+                    cache, slots: Slots, cos, sin, dev, *, stats: dict) -> list:
     """Append each resumed row's rendered results (cut to max_tool_response_length tokens and to
     the response budget) to its cache by `extend` over those rows (sub-batches of at most
     `budget` padded tokens; the call's closing token is in the cache already: the decode step
@@ -354,19 +385,22 @@ def _append_results(resumed: dict, rows: Rows, runner: ToolRunner, R: int, budge
     for b in sorted(appended, key=lambda b: len(appended[b])):  # sub-batches of similar lengths
         n = len(appended[b])
         if batch and (len(batch) + 1) * max(longest, n) > budget:
-            _extend_rows(batch, appended, w, cache, slots, cos, sin, dev)
+            _extend_rows(batch, appended, w, cache, slots, cos, sin, dev, stats=stats)
             batch, longest = [], 0
         batch.append(b)
         longest = max(longest, n)
-    _extend_rows(batch, appended, w, cache, slots, cos, sin, dev)
+    _extend_rows(batch, appended, w, cache, slots, cos, sin, dev, stats=stats)
     return list(appended)
 
 
-def _extend_rows(order: list, appended: dict, w, cache, slots: Slots, cos, sin, dev) -> None:
+def _extend_rows(order: list, appended: dict, w, cache, slots: Slots, cos, sin, dev, *,
+                 stats: dict) -> None:
     """One `extend` of rows `order` by their `appended` tokens (right-padded); their next logits
     go to the decode state's, their columns and positions advance (in place: the decode step's
-    state, at the rows' slots)."""
+    state, at the rows' slots). Counted in stats (append_calls, append_rows)."""
     st = slots.st
+    stats["append_calls"] += 1
+    stats["append_rows"] += len(order)
     S = max(len(appended[b]) for b in order)
     r = len(order)
     ids_t = torch.zeros(r, S, dtype=torch.long)

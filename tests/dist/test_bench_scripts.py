@@ -77,16 +77,22 @@ def test_bench_multi_turn_synthetic_times_every_variant(tmp_path):
     out = tmp_path / "mt.json"
     subprocess.run([sys.executable, "benchmarks/bench_multi_turn.py", "--synthetic", "--device",
                     "cpu", "--dtype", "float32", "--layers", "1", "--vocab", "1024", "--prompts",
-                    "2", "--n", "2", "--max-new", "128", "--reps", "1", "--out", str(out)],
+                    "2", "--n", "2", "--max-new", "160", "--reps", "1", "--tool-latency-ms", "5",
+                    "--tool-jitter-ms", "20", "--out", str(out)],
                    check=True, cwd=ROOT, env=ENV, capture_output=True)
     r = json.loads(out.read_text())
-    for name in ("eager", "graphed", "graphed_windows", "tail_graphed_windows",
-                 "tail_graphed_windows_compact"):
+    for name in ("eager", "graphed", "graphed_windows", "graphed_windows_at_once",
+                 "tail_graphed_windows", "tail_graphed_windows_compact",
+                 "tail_graphed_windows_compact_at_once"):
         m = r[name]["metrics"]
         assert m["tool_calls/mean"] >= 1 and r[name]["tool_tokens"] > 0, name
         assert r[name]["decode_steps"] > 0 and r["compaction_speedup"] > 0
+        assert r[name]["append_calls"] == m["multi_turn/append_calls"] >= 1, name
+        assert r[name]["append_wait_steps"] == (0 if name.endswith("_at_once") else 16)
+    for name in r["hold_speedup"]:  # held results: never more extend calls than at once
+        assert r[name]["append_calls"] <= r[name + "_at_once"]["append_calls"]
     assert r["tail_graphed_windows_compact"]["metrics"]["multi_turn/compactions"] >= 1
-    assert set(r["ratios"]) == {"eager", "graphed", "graphed_windows"}
+    assert set(r["ratios"]) == {"eager", "graphed", "graphed_windows", "graphed_windows_at_once"}
     assert r["settings"]["rows"] == 4 and r["single_turn"]["wall_s"] > 0
     assert (r["graphed_windows"]["metrics"]["multi_turn/kv_columns_mean"]
             < r["graphed"]["metrics"]["multi_turn/kv_columns_mean"])

@@ -41,7 +41,9 @@ def _setup(tmp_path):
 def _run(fn, gen, tok, prompts, forced, path, **opts):
     cfg = RolloutConfig(n=1, max_new_tokens=320, temperature=1.0, return_logprobs=True,
                         max_batch_size=3)  # chunks of 3 and 2 rows
-    return fn(gen, prompts, cfg=cfg, runner=runner_for(tok, "hermes", path), eos_id=tok.eos_id,
+    # results appended at the poll they come in, as the eager reference loop does
+    runner = runner_for(tok, "hermes", path, append_wait_steps=0)
+    return fn(gen, prompts, cfg=cfg, runner=runner, eos_id=tok.eos_id,
               pad_id=tok.pad_id, seed=7, forced=forced,
               options=DecodeOptions(kernels="torch", prefill_tokens=64, **opts))
 

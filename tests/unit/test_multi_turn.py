@@ -100,12 +100,14 @@ def reference_logprobs(gen, prompt, response):
 
 
 def run(gen, tok, fmt_kind, cfg_path, prompts, forced, *, max_new=320, turns=4,
-        prefill_tokens=16384, temperature=1.0):
+        prefill_tokens=16384, temperature=1.0, runner_cls=ToolRunner, **hold):
+    """`hold`: rollout.multi_turn.append_wait_steps / append_batch_rows (default: the config's)."""
     tools = load_tool_config(cfg_path)
     mt = MultiTurnConfig(enable=True, format=fmt_kind, max_assistant_turns=turns,
-                         max_tool_response_length=64, tool_config_path=cfg_path, tool_workers=2)
-    runner = ToolRunner(tools, fmt=ToolFormat(fmt_kind, tokenizer=tok, tools=tools),
-                          tokenizer=tok, mt=mt)
+                         max_tool_response_length=64, tool_config_path=cfg_path, tool_workers=2,
+                         **hold)
+    runner = runner_cls(tools, fmt=ToolFormat(fmt_kind, tokenizer=tok, tools=tools),
+                        tokenizer=tok, mt=mt)
     try:
         return generate_multi_turn(gen, prompts, cfg=RolloutConfig(
             n=1, max_new_tokens=max_new, temperature=temperature, return_logprobs=True,
@@ -156,10 +158,12 @@ def test_extend_equals_full_prefill():
         assert kv[b].nonzero()[:, 0].tolist() == list(range(10, 10 + len(s)))
 
 
+@pytest.mark.parametrize("wait_steps", [0, 16], ids=["append_at_once", "hold"])
 @pytest.mark.parametrize("prefill_tokens", [16384, 1], ids=["one_extend", "row_by_row"])
-def test_hermes_calls_match_a_full_prefill(tmp_path, prefill_tokens):
+def test_hermes_calls_match_a_full_prefill(tmp_path, prefill_tokens, wait_steps):
     """prefill_tokens=1: one prefill per prompt, and results that come in together are appended
-    by one extend per row."""
+    by one extend per row. wait_steps: rollout.multi_turn.append_wait_steps (results held and
+    appended together; tests/unit/test_multi_turn_append.py times it)."""
     tok = byte_tokenizer(tmp_path)
     gen = make_gen()
     end = tok.encode("<|im_end|>")
@@ -170,7 +174,8 @@ def test_hermes_calls_match_a_full_prefill(tmp_path, prefill_tokens):
               tok.encode(call("2+3")) + tok.encode(call("5*5")) + tok.encode("25") + end,
               tok.encode("no tools") + end]
     (batch, metrics), runner = run(gen, tok, "hermes", tool_config(tmp_path, "calculator"),
-                                    prompts, forced, prefill_tokens=prefill_tokens)
+                                    prompts, forced, prefill_tokens=prefill_tokens,
+                                    append_wait_steps=wait_steps)
     assert batch.tool_mask is not None and batch.rollout_logprobs is not None
     for b in range(4):
         n = int(batch.response_mask[b].sum())

@@ -30,10 +30,13 @@ class SyncRunner(ToolRunner):
         return f
 
 
-def runner_for(tok, kind, path, turns=3):
+def runner_for(tok, kind, path, turns=3, **hold):
+    """`hold`: rollout.multi_turn.append_wait_steps / append_batch_rows; the eager reference loop
+    appends each result at the poll it came in (append_wait_steps=0)."""
     tools = load_tool_config(path)
     mt = MultiTurnConfig(enable=True, format=kind, max_assistant_turns=turns,
-                         max_tool_response_length=24, tool_config_path=path, tool_workers=1)
+                         max_tool_response_length=24, tool_config_path=path, tool_workers=1,
+                         **hold)
     return SyncRunner(tools, fmt=ToolFormat(kind, tokenizer=tok, tools=tools), tokenizer=tok,
                       mt=mt)
 
@@ -70,7 +73,8 @@ def test_graph_ready_loop_equals_the_eager_loop(tmp_path, mode, kv_window):
         # longer prompt grew it, which re-created the generator's RNG unseeded (the new loop
         # sizes it once, before seeding)
         gen._ensure_cache(rows=3, length=384)
-        outs.append((fn(gen, prompts, cfg=cfg, runner=runner_for(tok, "hermes", path),
+        outs.append((fn(gen, prompts, cfg=cfg,
+                        runner=runner_for(tok, "hermes", path, append_wait_steps=0),
                         eos_id=tok.eos_id, pad_id=tok.pad_id, seed=5, options=opts,
                         forced=forced), gen))
     ((ref, ref_m, ref_valid), ref_gen), ((new, new_m), new_gen) = outs

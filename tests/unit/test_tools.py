@@ -133,6 +133,15 @@ def test_multi_turn_config_checks():
     validate_multi_turn(RolloutConfig(multi_turn=MultiTurnConfig(**on), cuda_graphs=True,
                                       decode_kv_window=64, compact_finished_rows=True))
     validate_multi_turn(RolloutConfig(multi_turn=MultiTurnConfig(enable=False, format="bogus")))
+    # results appended at once, or held without a step bound
+    validate_multi_turn(RolloutConfig(multi_turn=MultiTurnConfig(
+        **on, append_wait_steps=0, append_batch_rows=1)))
+    validate_multi_turn(RolloutConfig(multi_turn=MultiTurnConfig(**on, append_wait_steps=10**6)))
+    for key, bad in (("append_wait_steps", -1), ("append_wait_steps", 2.5),
+                     ("append_wait_steps", True), ("append_batch_rows", 0),
+                     ("append_batch_rows", "8")):
+        with pytest.raises(ValueError, match=rf"rollout\.multi_turn\.{key}=.* must be an integer"):
+            validate_multi_turn(RolloutConfig(multi_turn=MultiTurnConfig(**on, **{key: bad})))
     for r, key in [(RolloutConfig(multi_turn=MultiTurnConfig(enable=True)), "tool_config_path"),
                    (RolloutConfig(multi_turn=MultiTurnConfig(**on, format="json")),
                     "rollout.multi_turn.format"),
