@@ -35,7 +35,8 @@ Per variant: wall seconds, decode steps, ms per step, the time appending tool re
 
 Real model (GGUF, GSM8K prompts, the code interpreter, `--format hermes|code`, data.system_prompt
 as `--system`): wall time split into decoding, waiting for tools and appending results, turns and
-calls per trajectory and two sample trajectories.
+calls per trajectory, the extend calls that appended results and two sample trajectories;
+`--append-wait-steps 0` appends each poll's results at once (the held default otherwise).
 
     python benchmarks/bench_multi_turn.py --gguf FILE --data DIR/val.jsonl --prompts 64 --n 8 \
         --max-new 1024 --out results/multi_turn_h200.json
@@ -110,6 +111,12 @@ def random_params(cfg, *, device, dtype, seed: int = 0) -> dict:
     return p
 
 
+def hold_options(a) -> dict:
+    """rollout.multi_turn.append_wait_steps / append_batch_rows from the flags (None: default)."""
+    return {k: v for k, v in (("append_wait_steps", a.append_wait_steps),
+                              ("append_batch_rows", a.append_batch_rows)) if v is not None}
+
+
 def slow_runner(latency_ms: float, jitter_ms: float):
     """A ToolRunner class whose turns take latency_ms + [0, jitter_ms) ms more (fixed per call
     by a hash of its items), for results that come in spread out as a sandbox's do."""
@@ -166,7 +173,7 @@ def synthetic(a) -> dict:
             for i, f in enumerate(forced)]
     tools = load_tool_config("calculator.yaml")
     mt = MultiTurnConfig(enable=True, tool_config_path="calculator.yaml", max_assistant_turns=4,
-                         max_tool_response_length=256, tool_workers=16)
+                         max_tool_response_length=256, tool_workers=16, **hold_options(a))
     runner_cls = (slow_runner(a.tool_latency_ms, a.tool_jitter_ms)
                   if a.tool_latency_ms or a.tool_jitter_ms else ToolRunner)
     rc = RolloutConfig(n=a.n, max_new_tokens=a.max_new, temperature=1.0, max_batch_size=rows,
@@ -258,7 +265,7 @@ def real(a) -> dict:
     cfg, params = load_gguf(a.gguf)
     tools = load_tool_config("code_interpreter.yaml")
     mt = MultiTurnConfig(enable=True, tool_config_path="code_interpreter.yaml", format=a.format,
-                         max_assistant_turns=a.turns, tool_workers=16)
+                         max_assistant_turns=a.turns, tool_workers=16, **hold_options(a))
     runner = ToolRunner(tools, fmt=ToolFormat(a.format, tokenizer=tok, tools=tools),
                         tokenizer=tok, mt=mt)
     gen = Generator(model_cfg=cfg, params=params, tp_group=None, device=a.device,
@@ -308,6 +315,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=None,
                     help="synthetic: a smaller vocabulary (smoke); default Qwen's")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--append-wait-steps", type=int, default=None,
+                    help="rollout.multi_turn.append_wait_steps (synthetic: of the held variants; "
+                         "default: the config's)")
+    ap.add_argument("--append-batch-rows", type=int, default=None,
+                    help="rollout.multi_turn.append_batch_rows (default: the config's)")
     ap.add_argument("--tool-latency-ms", type=float, default=0.0,
                     help="synthetic: each tool call takes this long (results come in spread out)")
     ap.add_argument("--tool-jitter-ms", type=float, default=0.0,
