@@ -56,6 +56,7 @@ from run_record import command, machine, versions, write_json  # noqa: E402
 
 RULES = ("math_exact", "gsm8k_strict")  # the recipe's reward.fn and reward.val_fns
 STOP_TEXTS = ("<|im_end|>", "<|endoftext|>")
+STAGES = ("ours_adapter", "ours_base", "transformers_peft")
 
 
 # ---- our side: hybridflow.train subprocesses ---------------------------------------------------
@@ -96,6 +97,26 @@ def lora_overrides(step_dir: str) -> list[str]:
     targets = ",".join(lora["target_modules"])
     return [f"actor.lora.rank={lora['rank']}", f"actor.lora.alpha={lora['alpha']}",
             f"actor.lora.dropout={lora['dropout']}", f"actor.lora.target_modules=[{targets}]"]
+
+
+def sampler_overrides(step_dir: str) -> list[str]:
+    """The batch keys resuming the checkpoint checks (its prompt sampler's state), with a
+    training batch shape that fits them; validation (greedy, one answer per prompt) uses none."""
+    path = os.path.join(step_dir, "trainer_state.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        sampler = json.load(f).get("sampler", {})
+    out = []
+    if "batch_size" in sampler:
+        b = sampler["batch_size"]
+        out += [f"data.prompts_per_step={b}", "rollout.n=2", f"algo.ppo_mini_batch_size={2 * b}",
+                "algo.micro_batch_size_per_gpu=1", "algo.forward_micro_batch_size_per_gpu=1"]
+    if "seed" in sampler:
+        out.append(f"trainer.seed={sampler['seed']}")
+    if "shuffle" in sampler:
+        out.append(f"data.shuffle={str(bool(sampler['shuffle'])).lower()}")
+    return out
 
 
 def run_train(overrides: list[str], log: Path) -> float:
@@ -167,7 +188,7 @@ def _ours_validation(overrides: list[str], output_dir: Path, *, step_dir: str | 
     else:
         link_step(step_dir, output_dir / "checkpoints")
         fixed += ["trainer.resume=true", "trainer.resume_allow_data_change=true",
-                  *lora_overrides(step_dir)]
+                  *lora_overrides(step_dir), *sampler_overrides(step_dir)]
     seconds = run_train([*overrides, *fixed], output_dir.with_suffix(".log"))
     return {**read_validation(output_dir), "seconds": seconds}
 
@@ -262,6 +283,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=4, help="--train-steps: prompts per step")
     ap.add_argument("--samples", type=int, default=4, help="--train-steps: samples per prompt")
     ap.add_argument("--train-max-new-tokens", type=int, default=256)
+    ap.add_argument("--only", choices=STAGES,
+                    help="run this one stage (kept in --work) and stop: stages in parallel processes; "
+                         "a last call without it reuses them and writes --out")
     args = ap.parse_args(argv)
     if args.limit <= 0 or args.max_new_tokens <= 0:
         raise ValueError(f"--limit and --max-new-tokens must be positive (got {args.limit}, "
@@ -312,22 +336,36 @@ def main(argv=None) -> dict:
     print(f"checkpoint {step_dir}", flush=True)
 
     adapter = work / "adapter"
-    export(step_dir, str(adapter))  # the PEFT adapter directory, not merged
+    if args.only in (None, "transformers_peft"):
+        export(step_dir, str(adapter))  # the PEFT adapter directory, not merged
+    if args.only == "ours_adapter":
+        ours_validation(base_overrides, work / "ours_adapter", step_dir=step_dir)
+        return {}
+    if args.only == "ours_base":
+        ours_validation(base_overrides, work / "ours_base", step_dir=None)
+        return {}
     with open(adapter / "adapter_config.json", encoding="utf-8") as f:
         conf = json.load(f)
     result["adapter"] = {"dir": str(adapter), "r": conf["r"], "lora_alpha": conf["lora_alpha"],
                          "target_modules": conf["target_modules"]}
 
+    def peft_stage() -> dict:
+        return cached(work / "transformers_peft.json",
+                      {"model": args.model, "checkpoint": step_dir, "val": str(val_file),
+                       "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size},
+                      lambda: peft_validation(args.model, str(adapter), records,
+                                              max_new_tokens=args.max_new_tokens,
+                                              batch_size=args.batch_size))
+
+    if args.only == "transformers_peft":
+        peft_stage()
+        return {}
+
     ours = ours_validation(base_overrides, work / "ours_adapter", step_dir=step_dir)
     print(f"ours: {accuracy(ours)} ({ours['seconds']:.0f} s)", flush=True)
     base = ours_validation(base_overrides, work / "ours_base", step_dir=None)
     print(f"base: {accuracy(base)} ({base['seconds']:.0f} s)", flush=True)
-    hf = cached(work / "transformers_peft.json",
-                {"model": args.model, "checkpoint": step_dir, "val": str(val_file),
-                 "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size},
-                lambda: peft_validation(args.model, str(adapter), records,
-                                        max_new_tokens=args.max_new_tokens,
-                                        batch_size=args.batch_size))
+    hf = peft_stage()
     print(f"transformers+peft: {accuracy(hf)} ({hf['seconds']:.0f} s)", flush=True)
 
     n = len(records)
