@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,24 +26,19 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from gsm8k_variants import paired, summarize  # noqa: E402
 from run_record import command, write_json  # noqa: E402
 
-SPLIT = {"decode": "timing_s/multi_turn_decode", "tool_prefill": "timing_s/tool_prefill",
-         "tool_wait": "timing_s/tool_wait", "gen": "timing_s/gen", "update_actor": "timing_s/update_actor",
-         "ref": "timing_s/ref", "step": "timing_s/step"}
+# the tool run's step split: name -> its timing_s/<stage>
+SPLIT = {"decode": "multi_turn_decode", "tool_prefill": "tool_prefill", "tool_wait": "tool_wait",
+         "gen": "gen", "update_actor": "update_actor", "ref": "ref", "step": "step"}
+TOOL_PER_STEP = ("tool_calls/mean", "num_turns/mean", "tool_errors/mean")
 STEP_RATIO_GOAL = 1.5
 
 
-def _steps(run_dir: str) -> dict:
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if line.strip()]
-    return {r["step"]: r for r in rows if "timing_s/step" in r}  # a step logged again: the last
-
-
 def report(tools_dir: str, single_dir: str) -> dict:
-    tools, single = summarize(tools_dir), summarize(single_dir)
-    by_step = _steps(tools_dir)
-    timed = [s for s in sorted(by_step) if s > 1 and s != min(by_step)]
-    split = {name: round(statistics.median(by_step[s][k] for s in timed if k in by_step[s]), 3)
-             for name, k in SPLIT.items() if any(k in by_step[s] for s in timed)}
-    per_step = lambda k: [[s, round(by_step[s][k], 4)] for s in sorted(by_step) if k in by_step[s]]  # noqa: E731
+    tools = summarize(tools_dir, stages=tuple(SPLIT.values()),
+                      per_step=TOOL_PER_STEP + tuple(f"timing_s/{k}" for k in SPLIT.values()))
+    single = summarize(single_dir)
+    split = {name: round(tools["stages_s"][k], 3) for name, k in SPLIT.items() if k in tools["stages_s"]}
+    per_step = lambda k: [[s, round(v, 4)] for s, v in sorted(tools["per_step"].get(k, []))]  # noqa: E731
     tool_val, single_val = dict(tools["val_accuracy"]), dict(single["val_accuracy"])
     common = sorted(set(tool_val) & set(single_val))
     last = common[-1] if common else None
@@ -67,7 +61,7 @@ def report(tools_dir: str, single_dir: str) -> dict:
         "tool_calls_per_trajectory": per_step("tool_calls/mean"),
         "turns_per_trajectory": per_step("num_turns/mean"),
         "tool_errors_per_trajectory": per_step("tool_errors/mean"),
-        "step_split_per_step": {name: per_step(k) for name, k in SPLIT.items()},
+        "step_split_per_step": {name: per_step(f"timing_s/{k}") for name, k in SPLIT.items()},
         "peak_gb": tools["peak_gb"], "single_turn_peak_gb": single["peak_gb"],
         "goal": {"last_common_step": last, "val_above_single_turn": above,
                  "step_ratio_at_most": STEP_RATIO_GOAL,

@@ -46,9 +46,11 @@ MISMATCH = ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max
 PER_STEP = ("critic/score/mean", "response_length/mean", "num_turns/mean", "tool_calls/mean")
 
 
-def summarize(run_dir: str, skip: int = 1) -> dict:
+def summarize(run_dir: str, skip: int = 1, stages: tuple = STAGES,
+              per_step: tuple = MISMATCH + PER_STEP) -> dict:
     """One run's metrics.jsonl -> val curve, medians over the steps after the first `skip` (the
-    first step compiles and captures; a resumed run's first step is left out too)."""
+    first step compiles and captures; a resumed run's first step is left out too) of
+    `timing_s/<stage>` for each of `stages`, and the `per_step` metrics step by step."""
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if line.strip()]
     steps = [r for r in rows if "timing_s/step" in r]
     firsts, seen = set(), set()
@@ -65,12 +67,12 @@ def summarize(run_dir: str, skip: int = 1) -> dict:
         "steps": max(by_step) if by_step else 0,
         "val_accuracy": sorted(dict(val).items()),
         "step_s": med("timing_s/step"),
-        "stages_s": {s: med(f"timing_s/{s}") for s in STAGES if med(f"timing_s/{s}") is not None},
+        "stages_s": {s: med(f"timing_s/{s}") for s in stages if med(f"timing_s/{s}") is not None},
         "steps_timed": len(timed),
         "peak_gb": max((r.get("perf/max_memory_allocated_gb", 0.0) for r in steps), default=None),
         "mismatch_median": {k: med(k) for k in MISMATCH if med(k) is not None},
         "per_step": {k: [[r["step"], r[k]] for r in by_step.values() if k in r]
-                     for k in MISMATCH + PER_STEP if any(k in r for r in steps)},
+                     for k in per_step if any(k in r for r in steps)},
     }
 
 

@@ -47,3 +47,30 @@ def test_summary_leaves_out_first_and_resumed_steps_and_pairs_problems(tmp_path)
     assert pair[4]["only_a"] == 0 and pair[4]["only_b"] == 2 and pair[4]["accuracy_b"] == 0.75
     assert "vs_base_problem_by_problem" not in b
     assert json.load(open(tmp_path / "o.json"))["variants"]["fp8"]["steps"] == 4
+
+
+def test_tools_report_splits_the_step_and_compares_at_common_steps(tmp_path):
+    import gsm8k_tools_report
+
+    key = "val-core/gsm8k/reward/mean@1"
+    tool = lambda s, t, calls: _step(s, t, **{  # noqa: E731
+        "timing_s/multi_turn_decode": t * 0.5, "timing_s/tool_prefill": t * 0.25,
+        "timing_s/tool_wait": 0.1, "tool_calls/mean": calls, "num_turns/mean": 1 + calls})
+    tools = [{"step": 0, key: 0.25}, tool(1, 60.0, 0.5), tool(2, 12.0, 0.25), tool(3, 8.0, 0.75),
+             {"step": 3, key: 0.75}]
+    single = [{"step": 0, key: 0.5}, _step(1, 20.0), _step(2, 4.0), _step(3, 4.0), {"step": 3, key: 0.5},
+              _step(4, 4.0), {"step": 4, key: 0.5}]
+    _write(tmp_path / "tools", tools, [(0, [1, 0, 0, 0]), (3, [1, 1, 1, 0])])
+    _write(tmp_path / "single", single, [(0, [1, 1, 0, 0]), (3, [1, 0, 1, 0]), (4, [1, 0, 1, 0])])
+    out = gsm8k_tools_report.main(["--tools", str(tmp_path / "tools"), "--single-turn",
+                                   str(tmp_path / "single"), "--out", str(tmp_path / "o.json")])
+    assert out["step_s"] == 10.0 and out["single_turn_step_s"] == 4.0 and out["step_ratio"] == 2.5
+    assert out["step_split_median_s"]["decode"] == 5.0  # median over steps 2 and 3 of t / 2
+    assert out["step_split_median_s"]["tool_prefill"] == 2.5
+    assert out["tool_calls_per_trajectory"] == [[1, 0.5], [2, 0.25], [3, 0.75]]
+    assert out["single_turn_val_accuracy"] == [[0, 0.5], [3, 0.5]]  # the tool run's steps only
+    assert out["goal"] == {"last_common_step": 3, "val_above_single_turn": True,
+                           "step_ratio_at_most": 1.5, "step_ratio_met": False, "steps_wanted": 60,
+                           "steps_met": False}
+    pair = {p["step"]: p for p in out["vs_single_turn_problem_by_problem"]}
+    assert pair[3]["only_a"] == 1 and pair[3]["only_b"] == 0
