@@ -62,18 +62,24 @@ def _lora_worker(tp: int, sp: bool, pp: int = 1):
     out["unmerge_exact"] = all(torch.equal(p, before[n]) for n, p in eng.module.named_parameters())
     metrics = eng.train_step(batch, _loss_fn(int(batch.response_mask.sum())), micro_batch_size=2)
     out["loss"] = metrics["pg_loss"]
-    trainable = {n: p for n, p in eng.module.named_parameters() if p.requires_grad}
-    out["trainable"] = sorted(trainable)
-    out["grads"] = gather_full({n: p.main_grad for n, p in trainable.items()},
-                               num_layers=MODEL.num_layers)
-    out["adapters"] = gather_full({n: before[n] for n in trainable}, num_layers=MODEL.num_layers)
-    out["optimizer_numel"] = sum(p.numel() for g in eng.optimizer.param_groups
-                                 for p in g["params"])
-    out["grad_buffer_numel"] = sum(b.grad_data.numel() for b in eng.model.buffers)
-    out["adapter_numel"] = eng.num_adapter_params
-    out["frozen_changed"] = any(not torch.equal(p, before[n])
-                                for n, p in eng.module.named_parameters() if n not in trainable)
+    out.update(_trained_state(eng, before))
+    out["frozen_changed"] = any(not torch.equal(p, before[n]) for n, p in eng.module.named_parameters()
+                                if n not in out["trainable"])
     return out
+
+
+def _trained_state(eng, before: dict) -> dict:
+    """After a train step: the trainable parameters' names, their gathered gradients and values
+    `before` it, and the optimizer's, grad buffer's and adapters' element counts."""
+    trainable = {n: p for n, p in eng.module.named_parameters() if p.requires_grad}
+    return {"trainable": sorted(trainable),
+            "grads": gather_full({n: p.main_grad for n, p in trainable.items()},
+                                 num_layers=MODEL.num_layers),
+            "adapters": gather_full({n: before[n] for n in trainable}, num_layers=MODEL.num_layers),
+            "optimizer_numel": sum(p.numel() for g in eng.optimizer.param_groups
+                                   for p in g["params"]),
+            "grad_buffer_numel": sum(b.grad_data.numel() for b in eng.model.buffers),
+            "adapter_numel": eng.num_adapter_params}
 
 
 def _fold_adapters(dense, lora) -> None:

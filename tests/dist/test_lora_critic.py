@@ -15,8 +15,8 @@ import torch
 from hybridflow.config import LoRAConfig, OptimConfig, ParallelConfig
 from hybridflow.parallel import groups
 from tests.dist.launcher import run_ranks
-from tests.dist.parity_util import fill_deterministic, gather_full
-from tests.dist.test_lora import _fold_adapters, _rows
+from tests.dist.parity_util import fill_deterministic
+from tests.dist.test_lora import _fold_adapters, _rows, _trained_state
 from tests.dist.test_parallel_parity import MODEL, _global_batch
 
 LORA = LoRAConfig(rank=4, alpha=8.0, target_modules=["all-linear"])
@@ -57,15 +57,7 @@ def _lora_worker(tp: int, sp: bool):
     metrics = eng.train_step(batch, _value_loss(int(batch.response_mask.sum())),
                              micro_batch_size=2)
     out["loss"] = metrics["vf_loss"]
-    trainable = {n: p for n, p in eng.module.named_parameters() if p.requires_grad}
-    out["trainable"] = sorted(trainable)
-    out["grads"] = gather_full({n: p.main_grad for n, p in trainable.items()},
-                               num_layers=MODEL.num_layers)
-    out["adapters"] = gather_full({n: before[n] for n in trainable}, num_layers=MODEL.num_layers)
-    out["optimizer_numel"] = sum(p.numel() for g in eng.optimizer.param_groups
-                                 for p in g["params"])
-    out["grad_buffer_numel"] = sum(b.grad_data.numel() for b in eng.model.buffers)
-    out["adapter_numel"] = eng.num_adapter_params
+    out.update(_trained_state(eng, before))
     out["changed"] = sorted(n for n, p in eng.module.named_parameters()
                             if not torch.equal(p, before[n]))
     return out
