@@ -115,9 +115,10 @@ class PartialRolloutConfig:
 class MultiTurnConfig:
     """rollout.multi_turn (verl's names; append_* are ours): generation that calls tools between
     assistant turns (hybridflow/rollout/multi_turn.py). Off: one response per prompt. Its decode
-    step is PyTorch ops, a CUDA-graph replay on a GPU with KV windows and compaction
-    (rollout.cuda_graphs, decode_kv_window, compact_finished_rows); not the Triton decode kernels,
-    compile or quantized layers."""
+    step runs the single-turn step's layers (rollout.decode_kernels: the Triton kernels or PyTorch
+    ops) and sampler, a CUDA-graph replay on a GPU with KV windows and compaction
+    (rollout.cuda_graphs, decode_kv_window, compact_finished_rows); not compiled or quantized
+    layers."""
     enable: bool = False
     # model turns per trajectory; a tool call in the last one ends it (its result is not appended)
     max_assistant_turns: int = 5

@@ -429,8 +429,9 @@ def _validate_recipes(cfg: Config) -> None:
 
 def validate_multi_turn(r) -> None:
     """rollout.multi_turn: its keys, and the decode options it does not run with (its decode step
-    is PyTorch ops, a CUDA-graph replay on GPU, with KV windows and compaction; null (auto) values
-    of the others resolve to off for it)."""
+    runs the single-turn step's layers, decode_kernels torch or triton, a CUDA-graph replay on
+    GPU, with KV windows and compaction; not compile or quantized layers: null (auto) values of
+    those resolve to off for it)."""
     m = r.multi_turn
     if not m.enable:
         return
@@ -449,17 +450,15 @@ def validate_multi_turn(r) -> None:
         raise ValueError("rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path "
                          "(a tool config YAML: tools: - class_name, config, tool_schema)")
     clashes = [(key, value, fix) for key, value, bad, fix in (
-        ("rollout.decode_kernels", r.decode_kernels, r.decode_kernels == "triton", "torch or auto"),
         ("rollout.compile_decode", r.compile_decode, r.compile_decode is True, "null or false"),
         # its step's matrices are plain tensors (the quantized layers are the single-turn step's)
         ("rollout.quantization", r.quantization, r.quantization != "none", "none")) if bad]
     if clashes:
         key, value, fix = clashes[0]
-        raise ValueError(f"rollout.multi_turn.enable=true decodes with PyTorch ops on the "
-                         f"generator's plain weights (CUDA graphs, rollout.decode_kv_window and "
-                         f"compact_finished_rows apply; the single-turn Triton kernels, compile "
-                         f"and quantized layers do not): {key}={value!r} does not apply to it; "
-                         f"set {key} to {fix}")
+        raise ValueError(f"rollout.multi_turn.enable=true decodes on the generator's plain "
+                         f"weights (rollout.decode_kernels, CUDA graphs, decode_kv_window and "
+                         f"compact_finished_rows apply; compiled and quantized layers do not): "
+                         f"{key}={value!r} does not apply to it; set {key} to {fix}")
 
 
 def validate_partial(cfg: Config, *, dp: int) -> None:

@@ -253,20 +253,43 @@ def _norm_args(qkv: torch.Tensor, q_norm, k_norm, hd: int) -> tuple:
     return q_norm, k_norm, True
 
 
+def mark_columns(key_valid: torch.Tensor, cur: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+    """key_valid[b, cur[b]] = True (cur (1,): the one column of every row; (B,): row b's own), in
+    place and returned; `rows` (B,) bool / int: only where it is set (the other rows' entries
+    unchanged). Static shapes, no host sync."""
+    if rows is None and cur.shape[0] == 1:
+        return key_valid.index_fill_(1, cur, True)
+    at = cur.expand(key_valid.shape[0])[:, None]  # (B, 1)
+    if rows is None:
+        return key_valid.scatter_(1, at, True)
+    return key_valid.scatter_(1, at, key_valid.gather(1, at) | rows.bool()[:, None])
+
+
+def write_column(cache: torch.Tensor, cur: torch.Tensor, x: torch.Tensor) -> None:
+    """cache (B, G, T, hd)[b, :, cur[b]] = x (B, G, 1, hd) (cur (1,): one column for every row;
+    (B,): row b's own), in place."""
+    if cur.shape[0] == 1:
+        cache.index_copy_(2, cur, x)
+    else:
+        cache.scatter_(2, cur[:, None, None, None].expand(x.shape), x)
+
+
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, cur: torch.Tensor, *, hpg: int,
                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
                   eps: float = 0.0) -> torch.Tensor:
     """The decode step's RoPE on the q heads and k of every (row, group) (q_norm / k_norm: after
     their norm, `qk_norm`), k and v written at cache column `cur`, as PyTorch ops (the twin of
-    kernels/rope_attention.py); returns the rotated q (B, G, hpg, hd), contiguous."""
+    kernels/rope_attention.py; `cur` (1,) or, a column per row, (B,)); returns the rotated q
+    (B, G, hpg, hd), contiguous."""
     B, G, R, hd = qkv.shape
     if R != hpg + 2:
         raise ValueError(f"qkv has {R} rows per group, expected hpg + 2 = {hpg + 2}")
     qk = qk_norm(qkv[:, :, :hpg + 1], q_norm, k_norm, eps)
     qk = torch.addcmul(qk * cos[:, None, None], qk.roll(hd // 2, -1), sin[:, None, None])
-    k_cache.index_copy_(2, cur, qk[:, :, hpg:])
-    v_cache.index_copy_(2, cur, qkv[:, :, hpg + 1:])
+    write_column(k_cache, cur, qk[:, :, hpg:])
+    write_column(v_cache, cur, qkv[:, :, hpg + 1:])
     return qk[:, :, :hpg].contiguous()
 
 

@@ -41,12 +41,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rope_attn_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, cur_ptr, valid_ptr,
-                          m_ptr, l_ptr, acc_ptr, out_ptr, pf_ptr, pf_bytes, qn_ptr, kn_ptr, eps,
+                          mark_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, pf_ptr, pf_bytes, qn_ptr, kn_ptr,
+                          eps,
                           G, HPG, kv_len, scale,
                           s_xb, s_xg, s_xr, s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt, s_mb, s_mt,
                           s_ob, s_og, s_oh, NSPLIT: tl.constexpr, BLOCKS: tl.constexpr,
                           H_PAD: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
                           IEEE: tl.constexpr, TABLES: tl.constexpr, MARK: tl.constexpr,
+                          PER_ROW: tl.constexpr = False, MARK_ROWS: tl.constexpr = False,
                           QK_NORM: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                           PDL: tl.constexpr = False):
         pdl_enter(PDL)
@@ -78,13 +80,20 @@ if HAVE_TRITON:
              + qr * s[None, :]).to(qx.dtype)
         k_new = ((kx.to(tl.float32) * c).to(kx.dtype).to(tl.float32) + kr * s).to(kx.dtype)
         v_new = tl.load(base + (HPG + 1) * s_xr + d)
-        cur = tl.load(cur_ptr)
+        if PER_ROW:  # this row's own column
+            cur = tl.load(cur_ptr + b)
+        else:  # one column for every row
+            cur = tl.load(cur_ptr)
         if split == 0:
             tl.store(kc_ptr + b * s_kb + g * s_kg + cur * s_kt + d, k_new)
             tl.store(vc_ptr + b * s_vb + g * s_vg + cur * s_vt + d, v_new)
             if MARK:  # column cur valid for later steps (no program of this launch reads it)
                 if g == 0:
-                    tl.store(valid_ptr + b * s_mb + cur * s_mt, 1)
+                    if MARK_ROWS:  # only the rows whose mark is set; the others keep theirs
+                        tl.store(valid_ptr + b * s_mb + cur * s_mt, 1,
+                                 mask=tl.load(mark_ptr + b) != 0)
+                    else:
+                        tl.store(valid_ptr + b * s_mb + cur * s_mt, 1)
         m, lsum, acc = _attend_blocks(q, kc_ptr + b * s_kb + g * s_kg, vc_ptr + b * s_vb + g * s_vg,
                                       valid_ptr + b * s_mb, s_kt, s_vt, s_mt, kv_len, scale, split,
                                       cur, BLOCKS=BLOCKS, H_PAD=H_PAD, HD=HD, BLOCK=BLOCK, IEEE=IEEE)
@@ -113,15 +122,19 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
                    v_cache: torch.Tensor, cur: torch.Tensor, key_valid: torch.Tensor, *, hpg: int,
                    positions: torch.Tensor | None = None, scale: float | None = None,
                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                   eps: float = 0.0, mark_valid: bool = False, prefetch: torch.Tensor | None = None,
+                   eps: float = 0.0, mark_valid: bool | torch.Tensor = False,
+                   prefetch: torch.Tensor | None = None,
                    splits: int | None = None, pdl: bool = False,
                    impl: str = "auto") -> torch.Tensor:
     """layer_ops.rope_kv_write then layer_ops.decode_attention over the given cache columns, in one
     kernel (the module docstring); "torch": those two twins. With `positions` (B,) int64, cos and
     sin are the RoPE tables (T_max, hd) and each row reads its position's entries (no gathered
     copy). `q_norm`, `k_norm` (hd,): Qwen3's q/k norm (epsilon `eps`) before RoPE.
-    `mark_valid`: also set key_valid[:, cur] (the decode step's own column, which this kernel
-    never reads: it folds the token in from registers), so the step needs no fill of its own.
+    `cur` (1,) int64: every row's K/V goes to that column; (B,): row b's to column cur[b] (the
+    multi-turn step, whose rows sit at different columns).
+    `mark_valid`: also set key_valid[b, cur[b]] (the decode step's own column, which this kernel
+    never reads: it folds the token in from registers), so the step needs no fill of its own; a
+    (B,) bool / int tensor: only in the rows where it is set (the others' entries unchanged).
     `prefetch`: a tensor (the output projection's weight) each program hints into L2 when done
     (sm_90+; kernels/_dispatch.prefetch_l2). `splits`: the split count of the columns (None:
     layer_ops.num_splits for the device; tests force counts)."""
@@ -133,13 +146,20 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
         raise ValueError(f"qkv has {R} rows per group, expected hpg + 2 = {hpg + 2}")
     if key_valid.shape != (B, T):
         raise ValueError(f"key_valid has shape {tuple(key_valid.shape)}, expected {(B, T)}")
+    if cur.shape not in ((1,), (B,)):
+        raise ValueError(f"cur has shape {tuple(cur.shape)}, expected (1,) or ({B},)")
+    rows_marked = torch.is_tensor(mark_valid)
+    if rows_marked and mark_valid.shape != (B,):
+        raise ValueError(f"mark_valid has shape {tuple(mark_valid.shape)}, expected ({B},)")
     scale = 1.0 / math.sqrt(hd) if scale is None else scale
     if not use_triton(qkv, impl):
-        if mark_valid:
-            key_valid.index_fill_(1, cur, True)
+        # the kernel attends to the current token whatever key_valid says of its column
+        seen = layer_ops.mark_columns(key_valid.clone(), cur)
+        if rows_marked or mark_valid:
+            layer_ops.mark_columns(key_valid, cur, mark_valid if rows_marked else None)
         q = layer_ops.rope_kv_write(qkv, cos, sin, k_cache, v_cache, cur, hpg=hpg, q_norm=q_norm,
                                     k_norm=k_norm, eps=eps)
-        return layer_ops.decode_attention(q, k_cache, v_cache, key_valid, scale=scale)
+        return layer_ops.decode_attention(q, k_cache, v_cache, seen, scale=scale)
     layer_ops._check_head_dim(hd)
     if (qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride()
             or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
@@ -159,13 +179,18 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     if B:
         valid = key_valid.view(torch.uint8) if key_valid.dtype == torch.bool else key_valid
         pf, pf_bytes, pf_on = prefetch_args(qkv, prefetch)
+        mark = cur  # stands in when every row is marked or none
+        if rows_marked:
+            mark = mark_valid.view(torch.uint8) if mark_valid.dtype == torch.bool else mark_valid
         _rope_attn_kernel[(B * G, nsplit)](
             qkv, cos, sin, cur if positions is None else positions, k_cache, v_cache, cur, valid,
-            m, lsum, acc, out, pf, pf_bytes, qn, kn, eps, G, hpg, T, scale,
+            mark, m, lsum, acc, out, pf, pf_bytes, qn, kn, eps, G,
+            hpg, T, scale,
             *qkv.stride()[:3], cos.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
             valid.stride(0), valid.stride(1), *out.stride()[:3], NSPLIT=nsplit, BLOCKS=blocks,
             H_PAD=h_pad, HD=hd, BLOCK=layer_ops.BLOCK_T, IEEE=qkv.dtype == torch.float32,
-            TABLES=positions is not None, MARK=mark_valid, QK_NORM=norm_on, PREFETCH=pf_on,
+            TABLES=positions is not None, MARK=rows_marked or bool(mark_valid),
+            PER_ROW=cur.shape[0] > 1, MARK_ROWS=rows_marked, QK_NORM=norm_on, PREFETCH=pf_on,
             num_warps=layer_ops.ATTN_WARPS, num_stages=layer_ops.ATTN_STAGES,
             **launch_opts(qkv, pdl))
         if nsplit > 1:

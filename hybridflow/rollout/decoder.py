@@ -345,12 +345,14 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
 def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: torch.Tensor,
                 key_valid: torch.Tensor, *, cache, cos_tab: torch.Tensor, sin_tab: torch.Tensor,
                 kv_len: Optional[int] = None, opts: DecodeOptions = DecodeOptions(kernels="torch"),
-                experts: Optional[torch.Tensor] = None):
+                experts: Optional[torch.Tensor] = None, mark: Optional[torch.Tensor] = None):
     """One token per row against the static cache; graph-capturable (no host sync, static shapes).
 
-    tokens, positions (B,) int64; cur (1,) int64: the cache column this token is written to;
-    key_valid (B, T) bool, updated in place (column `cur` becomes valid). `kv_len`: attend over
-    cache columns 0..kv_len-1 only (the caller keeps cur < kv_len; None: all T). `opts` (resolved:
+    tokens, positions (B,) int64; cur (1,) int64: the cache column this token is written to, or
+    (B,): row b's own column cur[b] (the multi-turn step); key_valid (B, T) bool, updated in place
+    (column cur[b] of row b becomes valid; `mark` (B,) bool / int: only in the rows where it is
+    set, the others' entries unchanged; every row attends to its own token either way). `kv_len`:
+    attend over cache columns 0..kv_len-1 only (the caller keeps cur < kv_len; None: all T). `opts` (resolved:
     kernels "torch" or "triton"): "torch" runs RoPE, KV writes and SDPA as PyTorch ops, with
     opts.compile each layer's pure parts compiled (TP_g = 1); "triton" the fused kernels
     (`_decode_step_fused`). Returns logits (B, V) in the weights' dtype.
@@ -366,10 +368,15 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     seen = key_valid if kv_len is None else key_valid[:, :kv_len]
     if opts.kernels == "triton":  # it marks column cur valid itself
         return _decode_step_fused(w, tokens, positions, cur, seen, cache=cache, cos_tab=cos_tab,
-                                  sin_tab=sin_tab, kv_len=kv_len, opts=opts)
-    key_valid.index_fill_(1, cur, True)
+                                  sin_tab=sin_tab, kv_len=kv_len, opts=opts, mark=mark)
+    from hybridflow.kernels.layer_ops import mark_columns, write_column
+
+    before = None if mark is None else key_valid.gather(1, cur.expand(B)[:, None])
+    mark_columns(key_valid, cur)  # every row sees its own token
     bias = torch.zeros(seen.shape, dtype=cos_tab.dtype, device=tokens.device)
     bias = bias.masked_fill_(~seen, float("-inf"))[:, None, None, :]  # (B, 1, 1, kv_len)
+    if mark is not None:  # the unmarked rows' entries as they were
+        key_valid.scatter_(1, cur.expand(B)[:, None], before | mark.bool()[:, None])
     cos = cos_tab.index_select(0, positions)[:, None, None, :]  # (B, 1, 1, hd)
     sin = sin_tab.index_select(0, positions)[:, None, None, :]
     attn_in, attn_out = _layer_parts(opts)
@@ -378,8 +385,8 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
         x, qk, v = attn_in(x, y, layer.ln1, layer.qkv_w, layer.qkv_b, layer.q_norm, layer.k_norm,
                            cos, sin, d.eps, (d.groups, hpg, hd))
         kc, vc = cache.layer(i, B)
-        kc.index_copy_(2, cur, qk[:, :, hpg:])
-        vc.index_copy_(2, cur, v)
+        write_column(kc, cur, qk[:, :, hpg:])
+        write_column(vc, cur, v)
         if kv_len is not None:
             kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
         # the heads of a group act as hpg query positions sharing that group's K/V
@@ -396,15 +403,16 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
 
 
 def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_tab, sin_tab,
-                       kv_len, opts: DecodeOptions):
+                       kv_len, opts: DecodeOptions, mark=None):
     """decode_step with the layer as Triton kernels and cuBLAS (impl "triton": on CPU only under
     TRITON_INTERPRET=1, the tests' way), per layer:
     1. the residual sum + RMSNorm as one kernel (add_rms_norm; in the first layer at TP = 1 it
        also does the embedding lookup, `rows=`: no launch of its own);
     2. cuBLAS's QKV GEMM;
     3. (the q/k norm +) RoPE + the K/V write + split-KV attention as one kernel
-       (kernels/rope_attention.py; in the first layer it also marks column cur valid: it never
-       reads that column itself);
+       (kernels/rope_attention.py; cur (1,) or a column per row (B,); in the first layer it
+       also marks column cur valid, in the rows `mark` sets when given: it never reads that
+       column itself);
     4. the projection accumulated in place into the residual (cuBLAS's beta = 1; an out-of-place
        addmm, as inductor makes, first copies the residual);
     5. the second norm kernel, then fc1 + SwiGLU as one Triton GEMM at buckets of at least
@@ -430,7 +438,7 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
         return (t.codes if isinstance(t, QuantWeight) else t) if name in hints else None
 
     if not w.layers:  # no attention kernel to mark the column
-        seen.index_fill_(1, cur, True)
+        kern.mark_columns(seen, cur, mark)
     # the layer input is x + y (y None: x); x None: the first norm gathers the embedding (TP = 1)
     x, y = (None if d.tp_size == 1 else embed(w, tokens)), None
     for i, layer in enumerate(w.layers):
@@ -445,7 +453,8 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
             kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
         a = rope_attention(qkv, cos_tab, sin_tab, kc, vc, cur, seen, hpg=hpg, positions=positions,
                            q_norm=layer.q_norm, k_norm=layer.k_norm, eps=d.eps,
-                           mark_valid=i == 0, prefetch=hint("proj", layer.proj), pdl=pdl,
+                           mark_valid=(True if mark is None else mark) if i == 0 else False,
+                           prefetch=hint("proj", layer.proj), pdl=pdl,
                            impl="triton").reshape(B, d.heads * hd)
         if d.tp_size == 1:  # x is this step's own buffer (add_rms_norm's sum, or the embedding)
             x = lin(a, layer.proj, residual=x)

@@ -95,6 +95,10 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
     tokens to emit in place of samples while they last (their log-probs are still the model's):
     replays and tests."""
     opts = options or DecodeOptions.from_config(cfg)
+    if gen.cfg.moe.enabled and opts.kernels == "auto":  # the Triton layers are dense-only
+        opts = opts.replace(kernels="torch")
+    opts = opts.resolved(gen.device, gen.w.dims.head_dim)
+    gen._check_options(opts)
     stats = {"tool_wait": 0.0, "tool_prefill": 0.0, "loop": 0.0, "decode_steps": 0,
              "window_steps": {}, "row_steps": 0, "compactions": 0, "append_calls": 0,
              "append_rows": 0}
@@ -114,7 +118,8 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
         windows = kv_windows(gen._cache.length, opts.kv_window)
         targets = {e - s: _targets(e - s, opts, graphed) for s, e in chunks}
         sizes = {b for s, e in chunks for b in (e - s, *targets[e - s])}
-        steps = {b: _step(gen, b, cfg, graphed, windows) for b in sorted(sizes, reverse=True)}
+        steps = {b: _step(gen, b, cfg, graphed, windows, opts)
+                 for b in sorted(sizes, reverse=True)}
         gen._rng.manual_seed(seed)
         hosts = []
         for s, e in chunks:
@@ -175,14 +180,17 @@ def _targets(B: int, opts: DecodeOptions, graphed: bool) -> list:
                                          min_graphed=opts.min_graphed_bucket) if b < B]
 
 
-def _step(gen: Generator, B: int, cfg: RolloutConfig, graphed: bool, windows: list):
-    """(DecodeState, {kv_len: step}) of chunks of B rows, kept on the generator (its release()
-    drops them with the other captured steps; a cache that grows releases them too)."""
+def _step(gen: Generator, B: int, cfg: RolloutConfig, graphed: bool, windows: list,
+          opts: DecodeOptions):
+    """(DecodeState, {kv_len: step}) of chunks of B rows, kept on the generator per `opts`
+    (resolved; its release() drops them with the other captured steps; a cache that grows
+    releases them too)."""
     key = ("multi_turn", B, gen._cache.length, cfg.temperature, cfg.top_k, cfg.top_p, graphed,
-           tuple(windows))
+           tuple(windows), opts)
     if key not in gen._steps:
-        st = DecodeState(B, gen._cache.length, gen.w.dims.true_vocab, gen.device)
-        gen._steps[key] = (st, {kv_len: decode_step(gen, st, cfg, graphed=graphed, kv_len=kv_len)
+        st = DecodeState(B, gen._cache.length, gen.w.dims.true_vocab, gen.device, gen.dtype)
+        gen._steps[key] = (st, {kv_len: decode_step(gen, st, cfg, graphed=graphed, kv_len=kv_len,
+                                                    opts=opts)
                                 for kv_len in windows})
     return gen._steps[key]
 
@@ -411,9 +419,10 @@ def _extend_rows(order: list, appended: dict, w, cache, slots: Slots, cos, sin, 
     ids_t, valid = ids_t.to(dev), valid.to(dev)
     rows_t = torch.from_numpy(slots.of[order]).to(dev)
     steps = torch.arange(S, device=dev)[None]
-    st.logits[rows_t] = extend(w, ids_t, st.pos[rows_t][:, None] + steps, valid, st.col[rows_t],
-                               cache=cache, key_valid=st.key_valid, cos_tab=cos, sin_tab=sin,
-                               rows=rows_t)
+    lg = extend(w, ids_t, st.pos[rows_t][:, None] + steps, valid, st.col[rows_t], cache=cache,
+                key_valid=st.key_valid, cos_tab=cos, sin_tab=sin, rows=rows_t)
+    # fp32 values of the weights' dtype: the state's dtype holds them exactly
+    st.logits.index_copy_(0, rows_t, lg.to(st.logits.dtype))
     lens = valid.sum(1)
     st.col[rows_t] += lens
     st.pos[rows_t] += lens

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from hybridflow.config import RolloutConfig
 from hybridflow.rollout import decoder
 from hybridflow.rollout.cuda_graph import GraphedStep, WarmedStep
-from hybridflow.rollout.sampling import _token_logprobs, sample
+from hybridflow.rollout.options import DecodeOptions
+from hybridflow.rollout.sampling import sample
 
 
 def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
@@ -121,9 +122,12 @@ class DecodeState:
 
     READY, FORCED, FORCED_TOKEN = range(3)  # the rows of `ctrl`
 
-    def __init__(self, rows: int, length: int, vocab: int, device):
+    def __init__(self, rows: int, length: int, vocab: int, device,
+                 dtype: torch.dtype = torch.float32):
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=device)  # noqa: E731
-        self.logits = z(rows, vocab, dt=torch.float32)  # (B, V) each row's next-token logits
+        # (B, V) each row's next-token logits, in `dtype` (the generator's: the decoder's logits
+        # are that dtype's values, fp32 ones too, so holding them in it rounds nothing)
+        self.logits = z(rows, vocab, dt=dtype)
         self.col, self.pos = z(rows), z(rows)  # (B,) next cache column, next position
         self.key_valid = z(rows, length, dt=torch.bool)  # (B, T) the columns a row attends to
         # (3, B) written by the host before each step: ready (1: sample and feed the row),
@@ -193,24 +197,42 @@ class Slots:
 
 
 def decode_step(gen, st: DecodeState, cfg: RolloutConfig, *, graphed: bool,
-                kv_len: Optional[int] = None):
+                kv_len: Optional[int] = None,
+                opts: DecodeOptions = DecodeOptions(kernels="torch")):
     """The step over `st` on `gen`'s weights, cache and generator, attending over the first
     `kv_len` cache columns (None: all; the caller keeps every row's next column below it):
-    captured (graphed, CUDA) or the plain function. The capture's warm-up runs feed no row (ctrl
-    is zero) but draw from the generator: seed it after."""
+    captured (graphed, CUDA) or the plain function. `opts` (resolved): kernels "triton" feeds the
+    rows through decoder.decode_step's fused layers (a column per row), "torch" through `extend`;
+    the sampler is the single-turn step's call either way (opts.kernels, opts.pdl, compiled with
+    opts.compile). The capture's warm-up runs feed no row (ctrl is zero) but draw from the
+    generator: seed it after."""
     w, cache, (cos, sin) = gen.w, gen._cache, gen._tables
-    inv_temp = 1.0 if cfg.temperature == 0.0 else 1.0 / cfg.temperature
+    if opts.kernels not in ("torch", "triton"):
+        raise ValueError(f"decode_step needs resolved DecodeOptions (kernels torch or triton), "
+                         f"got kernels={opts.kernels!r}")
+    fused = opts.kernels == "triton"
+    scratch = (kv_len or cache.length) - 1  # the column non-ready rows write to, never valid
 
     def step():
-        tok, _ = sample(st.logits, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                        generator=gen._rng)
-        tok = torch.where(st.ctrl[DecodeState.FORCED].bool(), st.ctrl[DecodeState.FORCED_TOKEN],
-                          tok)
+        ctrl = st.ctrl
+        tok, lp = sample(st.logits, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                         generator=gen._rng, need_logprobs=True, kernels=opts.kernels,
+                         pdl=opts.pdl,
+                         compile_backend=opts.compile_backend if opts.compile else None,
+                         replace=(ctrl[DecodeState.FORCED].bool(),
+                                  ctrl[DecodeState.FORCED_TOKEN]))
         st.out[0].copy_(tok)
-        st.out[1].copy_(_token_logprobs(st.logits, tok, inv_temp))
-        ready = st.ctrl[DecodeState.READY]
-        extend(w, tok[:, None], st.pos[:, None], ready.bool()[:, None], st.col, cache=cache,
-               key_valid=st.key_valid, cos_tab=cos, sin_tab=sin, out=st.logits, kv_len=kv_len)
+        st.out[1].copy_(lp)
+        ready = ctrl[DecodeState.READY]
+        if fused:  # row b at its own column, the non-ready rows at the scratch column
+            cur = torch.where(ready.bool(), st.col, scratch)
+            st.logits.copy_(decoder.decode_step(
+                w, tok, st.pos, cur, st.key_valid, cache=cache, cos_tab=cos, sin_tab=sin,
+                kv_len=kv_len, opts=opts, mark=ready))
+        else:
+            extend(w, tok[:, None], st.pos[:, None], ready.bool()[:, None], st.col, cache=cache,
+                   key_valid=st.key_valid, cos_tab=cos, sin_tab=sin, out=st.logits,
+                   kv_len=kv_len)
         st.col.add_(ready)
         st.pos.add_(ready)
 

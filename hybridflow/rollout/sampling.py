@@ -68,9 +68,13 @@ def _compiled(backend: str):
 
 def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
            generator: Optional[torch.Generator] = None, need_logprobs: bool = False,
-           compile_backend: Optional[str] = None, kernels: str = "torch", pdl: bool = False):
+           compile_backend: Optional[str] = None, kernels: str = "torch", pdl: bool = False,
+           replace: Optional[tuple] = None):
     """logits (B, V) over the true vocabulary, any float dtype -> (tokens (B,) int64, logprobs (B,)
     fp32 or None). `compile_backend`: run the race and the log-probs through torch.compile.
+    `replace` (where (B,) bool, tokens (B,) int64): those rows emit the given token in place of
+    the draw (replays, tests; the draw still consumes the stream), their log-probs the given
+    token's.
     `kernels` (a resolved rollout.decode_kernels): "triton" takes greedy's argmax by the Triton
     kernel for CUDA logits (launched with `pdl`), "torch" by torch.argmax."""
     race_argmax, token_logprobs = (_compiled(compile_backend) if compile_backend else
@@ -92,6 +96,8 @@ def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: f
         # a 0 draw (possible at fp32 resolution) must not turn 0/0 into NaN for filtered tokens
         choice = torch.argmax(probs / race.clamp_min_(torch.finfo(race.dtype).tiny), dim=-1)
         tokens = choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
+    if replace is not None:
+        tokens = torch.where(replace[0], replace[1], tokens)
     if not need_logprobs:
         return tokens, None
     return tokens, token_logprobs(logits, tokens, inv_temp)

@@ -137,6 +137,8 @@ def test_multi_turn_config_checks():
     validate_multi_turn(RolloutConfig(multi_turn=MultiTurnConfig(
         **on, append_wait_steps=0, append_batch_rows=1)))
     validate_multi_turn(RolloutConfig(multi_turn=MultiTurnConfig(**on, append_wait_steps=10**6)))
+    # the multi-turn step runs the single-turn step's Triton layers too
+    validate_multi_turn(RolloutConfig(multi_turn=MultiTurnConfig(**on), decode_kernels="triton"))
     for key, bad in (("append_wait_steps", -1), ("append_wait_steps", 2.5),
                      ("append_wait_steps", True), ("append_batch_rows", 0),
                      ("append_batch_rows", "8")):
@@ -145,8 +147,6 @@ def test_multi_turn_config_checks():
     for r, key in [(RolloutConfig(multi_turn=MultiTurnConfig(enable=True)), "tool_config_path"),
                    (RolloutConfig(multi_turn=MultiTurnConfig(**on, format="json")),
                     "rollout.multi_turn.format"),
-                   (RolloutConfig(multi_turn=MultiTurnConfig(**on), decode_kernels="triton"),
-                    "rollout.decode_kernels"),
                    (RolloutConfig(multi_turn=MultiTurnConfig(**on), compile_decode=True),
                     "rollout.compile_decode"),
                    (RolloutConfig(multi_turn=MultiTurnConfig(**on), quantization="fp8"),
