@@ -269,8 +269,9 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32, help="new tokens of the profiled call")
     ap.add_argument("--compile", action="store_true", help="also profile rollout.compile_decode")
-    ap.add_argument("--kernels", nargs="+", default=["torch"], choices=["torch", "triton"],
-                    help="rollout.decode_kernels values to profile (each with and without --compile)")
+    ap.add_argument("--kernels", nargs="+", default=None, choices=["torch", "triton"],
+                    help="rollout.decode_kernels values to profile (each with and without "
+                         "--compile; default torch, with --multi-turn on a GPU torch and triton)")
     ap.add_argument("--no-eager", action="store_true", help="with --compile: the compiled cases only")
     add_decode_option_flags(ap)  # --pdl, --prefetch-weights, ..., --compile-mode
     ap.add_argument("--timeline", action="store_true",
@@ -296,6 +297,9 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.kernels is None:
+        args.kernels = (["torch", "triton"] if args.multi_turn and device.type == "cuda"
+                        else ["torch"])
     if args.no_eager and not args.compile:
         ap.error("--no-eager profiles the compiled cases only: it needs --compile")
     modes = ([True] if args.no_eager else [False, True]) if args.compile else [False]

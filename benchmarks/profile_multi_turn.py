@@ -5,7 +5,9 @@ random-init weights of the model shape (bf16; profile_decode's transformers mode
 Megatron names), `rows` rows all fed each step (every row decoding; ctrl READY = 1), attending
 over `columns` cache columns (the step's kv_len: a decode_kv_window of that width, or the whole
 cache when it is the widest), rollout temperature --temperature (1: the race draw and the
-log-probs of every token, as the GSM8K tool job runs). Per model x rows x columns, two cases:
+log-probs of every token, as the GSM8K tool job runs), per --kernels value (rollout.decode_kernels:
+"triton" runs the single-turn step's fused layers, decoder.decode_step with a column per row;
+"torch" `extend` of one token). Per model x kernels x rows x columns, two cases:
 - graphed: decode_step(graphed=True), one CUDA-graph replay per step (rollout.cuda_graphs);
 - eager: the same function run as PyTorch ops (rollout.cuda_graphs=false).
 Each: kernel time per step (profiled runs of --steps and 2 x --steps steps, their difference over
@@ -19,7 +21,9 @@ by the line (and function) that launched it: sampling (sampling.sample), logprob
 (sampling._token_logprobs), gemm (mm/addmm/linear), attention (the SDPA call, any copies SDPA
 makes of its mask included), mask (extend's mask/bias building and key_valid bookkeeping), rope
 (cos/sin gathers and the rotation), kv_write (the cache writes), norm, elementwise (the rest of
-the layers and the logits copy), other (embedding, the step's own bookkeeping). Kernel names
+the layers and the logits copy), other (embedding, the step's own bookkeeping); a kernel no
+tagged torch call launched (the fused path's Triton kernels) takes profile_decode's name rules
+(`where` "(Triton launch)"). Kernel names
 are the same in a replayed graph, so a graphed kernel's time goes to the kinds its name had in
 the eager profile (split by their eager time where one name served several); names the eager
 run never launched fall back to profile_decode's name rules. `lines`: the eager step's kernel
@@ -27,8 +31,8 @@ time per source line (top 25), the culprit's address.
 
 `pieces` (median of --reps after a warm call; CUDA events on a GPU) on the same shapes, each
 called alone eagerly and (GPU, `graphed`) captured alone and replayed: sample(...),
-_token_logprobs(...), one extend of S=1 over the rows and columns (the step's call), the LM head
-(decoder.logits) and the fp32 copy of its logits into the state, and the bare SDPA of one layer
+_token_logprobs(...), one extend of S=1 over the rows and columns (the torch step's call), the LM
+head (decoder.logits) and the copy of its logits into the state, and the bare SDPA of one layer
 (a query of the step's shape against the cache's views) with the step's mask form (an additive
 bias of shape (r, 1, 1, L)), a boolean mask of that shape and no mask; `sdpa_one_layer_forced`:
 each mask form under each forced backend (flash, efficient, cudnn, math; the error where one
@@ -36,8 +40,9 @@ refuses it).
 
     python benchmarks/profile_decode.py --multi-turn \\
         --models hybridflow/conf/model/qwen2_5_coder_0_5b.yaml --batches 128 512 \\
-        --columns 576 1024 --steps 8 --out benchmarks/results/multi_turn_profile_h200.json
-        # one H200: ~2-3 min (most of it the host parsing the tagged eager profiles)
+        --columns 576 1024 --steps 8 --kernels torch triton \\
+        --out benchmarks/results/multi_turn_profile_h200.json
+        # one H200: a few minutes (most of it the host parsing the tagged eager profiles)
     python benchmarks/profile_decode.py --multi-turn --models hybridflow/conf/model/tiny.yaml \\
         --device cpu --batches 2 --columns 64 --steps 4 --reps 2 --out /tmp/mt.json  # CPU smoke
 """
@@ -59,6 +64,7 @@ import hybridflow
 from hybridflow.config import RolloutConfig
 from hybridflow.rollout import decoder
 from hybridflow.rollout.multi_turn_step import DecodeState, decode_step, extend
+from hybridflow.rollout.options import DecodeOptions
 from hybridflow.rollout.sampling import _token_logprobs, sample
 
 MT_KINDS = ("gemm", "attention", "mask", "kv_write", "rope", "norm", "sampling", "logprobs",
@@ -145,6 +151,8 @@ def profile_tagged(run, device) -> dict:
     LineTags (after one untagged, unprofiled call)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from profile_decode import kind_of
+
     run()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof, LineTags():
@@ -167,6 +175,8 @@ def profile_tagged(run, device) -> dict:
         tag, ops = _chain(e)
         kind, where = line_kind(tag, ops)
         for name, t in items:
+            if tag == TAG + "?" and not ops and device.type == "cuda":  # a Triton launch
+                kind, where = kind_of(name), "(Triton launch)"
             rec = out[(name, kind, where)]
             rec[0] += t
             rec[1] += 1
@@ -229,7 +239,7 @@ class Case:
     `columns - 1 - max_steps` with the columns before it valid, all rows fed."""
 
     def __init__(self, gen, st: DecodeState, rc: RolloutConfig, *, columns: int, graphed: bool,
-                 max_steps: int):
+                 max_steps: int, opts: DecodeOptions = DecodeOptions(kernels="torch")):
         T = gen._cache.length
         self.kv_len = None if columns >= T else columns
         self.c0 = columns - 1 - max_steps
@@ -237,7 +247,7 @@ class Case:
             raise ValueError(f"--columns {columns} must exceed the steps of a profiled run + 2 "
                              f"({max_steps + 2}): lower --steps")
         self.gen, self.st, self.rc, self.columns = gen, st, rc, columns
-        self.step = decode_step(gen, st, rc, graphed=graphed, kv_len=self.kv_len)
+        self.step = decode_step(gen, st, rc, graphed=graphed, kv_len=self.kv_len, opts=opts)
 
     def reset(self) -> None:
         st = self.st
@@ -390,7 +400,7 @@ def pieces(case: Case, device, reps: int) -> dict:
                 key_valid=st.key_valid, cos_tab=cos, sin_tab=sin, out=st.logits,
                 kv_len=case.kv_len), None),
             "lm_head": (lambda: decoder.logits(w, h, fp32=False), None),
-            "logits_fp32_copy": (lambda: st.logits.copy_(lg), None)}
+            "logits_copy": (lambda: st.logits.copy_(lg), None)}
         for form, mask in masks.items():
             parts[f"sdpa/{form}"] = (lambda mask=mask: sdpa(q, k, v, attn_mask=mask), None)
         res = {name: _guarded(timed_us, fn, device, reps) for name, (fn, _) in parts.items()}
@@ -427,48 +437,56 @@ def run(args, report: dict, *, cfg, gen, weight_bytes: int, device) -> None:
     gen._ensure_cache(rows=max(args.batches), length=T)
     max_steps = 2 * args.steps + 1
     out = report.setdefault("multi_turn", [])
+    kinds = [DecodeOptions(kernels=k).resolved(device, d.head_dim) for k in getattr(args, "kernels", None) or ["torch"]]
     with torch.no_grad():
         for B in args.batches:
-            st = DecodeState(B, gen._cache.length, d.true_vocab, device)
+            st = DecodeState(B, gen._cache.length, d.true_vocab, device, gen.dtype)
             st.logits.normal_()
             for L in args.columns:
                 kv_bytes = 2 * d.num_layers * B * d.groups * d.head_dim * L * gen.dtype.itemsize
                 floor_us = (weight_bytes + kv_bytes) / COPY_BW * 1e6
                 common = dict(model=cfg.name, batch=B, columns=L, floor_us_per_step=floor_us,
                               kv_bytes=kv_bytes, weight_bytes=weight_bytes,
-                              logits_bytes=B * d.true_vocab * 4)
-                eager = Case(gen, st, rc, columns=L, graphed=False, max_steps=max_steps)
-                graphed = Case(gen, st, rc, columns=L, graphed=True, max_steps=max_steps)
-                eager_per = None
-                for mode, case in (("eager", eager), ("graphed", graphed)):
-                    try:
-                        res, eager_per = profile_mode(case, eager, args.steps, device,
-                                                      eager_per=eager_per)
-                    except Exception as e:  # noqa: BLE001 - keep the other cases' numbers
-                        res = {"error": f"{type(e).__name__}: {e}"[:400]}
-                    res.update(mode=mode, **common)
-                    if mode == "graphed" and res.get("kernels_per_step") == 0:
-                        res["note"] = ("the profiler saw no kernels in the graph replays (CUPTI "
-                                       "without graph tracing): the eager case's kinds stand")
-                    if "us_per_step" in res:  # of the kernel time (as profile_decode), of wall
-                        res["floor_fraction"] = floor_us / max(res["us_per_step"], 1e-9)
-                        res["floor_fraction_wall"] = floor_us / res["wall_us_per_step"]
-                    out.append(res)
-                    write_json(args.out, report)
-                    _print(res)
-                try:
-                    pc = pieces(eager, device, args.reps)
-                except Exception as e:  # noqa: BLE001
-                    pc = {"error": f"{type(e).__name__}: {e}"[:400]}
-                report.setdefault("multi_turn_pieces", []).append(dict(pieces=pc, **common))
-                write_json(args.out, report)
-                _print_pieces(pc)
-                del eager, graphed
+                              logits_bytes=B * d.true_vocab * gen.dtype.itemsize)
+                for opts in kinds:
+                    eager = Case(gen, st, rc, columns=L, graphed=False, max_steps=max_steps,
+                                 opts=opts)
+                    graphed = Case(gen, st, rc, columns=L, graphed=True, max_steps=max_steps,
+                                   opts=opts)
+                    eager_per = None
+                    for mode, case in (("eager", eager), ("graphed", graphed)):
+                        try:
+                            res, eager_per = profile_mode(case, eager, args.steps, device,
+                                                          eager_per=eager_per)
+                        except Exception as e:  # noqa: BLE001 - keep the other cases' numbers
+                            res = {"error": f"{type(e).__name__}: {e}"[:400]}
+                        res.update(mode=mode, kernels=opts.kernels, **common)
+                        if mode == "graphed" and res.get("kernels_per_step") == 0:
+                            res["note"] = ("the profiler saw no kernels in the graph replays "
+                                           "(CUPTI without graph tracing): the eager case's "
+                                           "kinds stand")
+                        if "us_per_step" in res:  # of the kernel time (as profile_decode), wall
+                            res["floor_fraction"] = floor_us / max(res["us_per_step"], 1e-9)
+                            res["floor_fraction_wall"] = floor_us / res["wall_us_per_step"]
+                        out.append(res)
+                        write_json(args.out, report)
+                        _print(res)
+                    if opts.kernels == "torch":  # the pieces are the torch step's (extend's)
+                        try:
+                            pc = pieces(eager, device, args.reps)
+                        except Exception as e:  # noqa: BLE001
+                            pc = {"error": f"{type(e).__name__}: {e}"[:400]}
+                        report.setdefault("multi_turn_pieces", []).append(dict(pieces=pc,
+                                                                               **common))
+                        write_json(args.out, report)
+                        _print_pieces(pc)
+                    del eager, graphed
             del st
 
 
 def _print(res: dict) -> None:
-    head = f"{res['model']} rows={res['batch']} columns={res['columns']} {res['mode']}"
+    head = (f"{res['model']} rows={res['batch']} columns={res['columns']} {res['kernels']} "
+            f"{res['mode']}")
     if "error" in res:
         print(f"{head}: {res['error']}", flush=True)
         return

@@ -46,9 +46,10 @@ def test_tags_attribute_every_op_of_the_step():
                        pmt.profile_tagged(case.run(2 * steps), CPU), steps)
         case.reset()
         one_step = ops_of(case.step)
+        forced = (st.ctrl[DecodeState.FORCED].bool(), st.ctrl[DecodeState.FORCED_TOKEN])
         alone = {"logprobs": ops_of(lambda: _token_logprobs(st.logits, st.col, 1.0)),
-                 "sampling": ops_of(lambda: sample(st.logits, temperature=1.0,
-                                                   generator=gen._rng))}
+                 "sampling": ops_of(lambda: sample(  # the forced tokens' replacement too
+                     st.logits, temperature=1.0, generator=gen._rng, replace=forced))}
     calls, lines = collections.defaultdict(collections.Counter), collections.defaultdict(set)
     for (name, kind, where), (_, n) in per.items():
         calls[kind][name] += n
@@ -102,7 +103,7 @@ def test_run_writes_both_modes_and_the_pieces(tmp_path):
                             cases[(L, "eager")]["kernels_per_step"], rel_tol=1e-9)
     (pieces40, pieces64) = saved["multi_turn_pieces"]
     for p in (pieces40["pieces"], pieces64["pieces"]):
-        for k in ("sample", "token_logprobs", "extend_s1", "lm_head", "logits_fp32_copy"):
+        for k in ("sample", "token_logprobs", "extend_s1", "lm_head", "logits_copy"):
             assert p[k] > 0, k
         for form in ("step_bias", "bool", "none"):
             assert p[f"sdpa/{form}"] > 0
