@@ -8,9 +8,11 @@ with plain filler tokens plus the ChatML / <tool_call> specials, 64 random promp
 tokens x n=8 = 512 rows in one chunk, 256 new tokens, temperature 1. A forced-call pattern: every
 row writes 16-63 filler tokens and a calculator call (`<tool_call>{"name": "calculator", ...}
 </tool_call>`), every other row a second one after more filler; after its forced tokens a row
-samples freely (random weights: it runs to the budget). Timed variants (a warm-up call first,
-which also captures the graphs; then the median of --reps calls):
-  eager            the decode step as plain PyTorch ops (rollout.cuda_graphs=false)
+samples freely (random weights: it runs to the budget). Every variant decodes with --kernels
+(rollout.decode_kernels; auto: the single-turn step's Triton layers on a GPU, PyTorch ops on CPU).
+Timed variants (a warm-up call first, which also captures the graphs; then the median of --reps
+calls):
+  eager            the decode step without graphs (rollout.cuda_graphs=false)
   graphed          one CUDA-graph replay per step, the whole cache attended
   graphed_windows  a graph per KV window (rollout.decode_kv_window: an eighth of the cache)
   single_turn      Generator.generate on the same rows without tools (its GPU defaults but
@@ -18,6 +20,8 @@ which also captures the graphs; then the median of --reps calls):
 and, with a long tail of lengths (three rows in four stop 0-119 tokens after their calls),
   tail_graphed_windows          as graphed_windows
   tail_graphed_windows_compact  + rollout.compact_finished_rows (the GPU default).
+With triton kernels, `*_torch` twins of graphed_windows and tail_graphed_windows_compact run the
+torch step (`extend`) on the same rows (`fused_speedup`: their wall time over the fused one's).
 Tool results are held and appended together (rollout.multi_turn.append_wait_steps, its default)
 in every variant but the `*_at_once` twins of graphed_windows and tail_graphed_windows_compact
 (append_wait_steps=0: each poll's results at once). `--tool-latency-ms L --tool-jitter-ms J`: each
@@ -181,16 +185,21 @@ def synthetic(a) -> dict:
     cache = max(map(len, prompts)) + a.max_new
     window = max(64, -(-cache // 8 // 64) * 64)
     at_once = dataclasses.replace(mt, append_wait_steps=0)
-    windows = DecodeOptions(kernels="torch", kv_window=window)
-    compact = DecodeOptions(kernels="torch", kv_window=window, compact_finished_rows=True)
+    kernels = DecodeOptions(kernels=a.kernels).resolved(dev, cfg.head_dim).kernels
+    windows = DecodeOptions(kernels=kernels, kv_window=window)
+    compact = DecodeOptions(kernels=kernels, kv_window=window, compact_finished_rows=True)
     variants = {  # name: (options, forced tokens per row, rollout.multi_turn)
-        "eager": (DecodeOptions(kernels="torch", cuda_graphs=False), forced, mt),
-        "graphed": (DecodeOptions(kernels="torch"), forced, mt),
+        "eager": (DecodeOptions(kernels=kernels, cuda_graphs=False), forced, mt),
+        "graphed": (DecodeOptions(kernels=kernels), forced, mt),
         "graphed_windows": (windows, forced, mt),
         "graphed_windows_at_once": (windows, forced, at_once),
         "tail_graphed_windows": (windows, tail, mt),
         "tail_graphed_windows_compact": (compact, tail, mt),
         "tail_graphed_windows_compact_at_once": (compact, tail, at_once)}
+    if kernels == "triton":  # the torch step (extend) on the same rows, for the A/B
+        variants["graphed_windows_torch"] = (windows.replace(kernels="torch"), forced, mt)
+        variants["tail_graphed_windows_compact_torch"] = (compact.replace(kernels="torch"),
+                                                          tail, mt)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     out = {}
     for name, (opts, pattern, mt_v) in variants.items():
@@ -236,12 +245,15 @@ def synthetic(a) -> dict:
     print("single_turn", f"{out['single_turn']['wall_s']:.2f}s", flush=True)
     out["ratios"] = {k: out[k]["wall_s"] / out["single_turn"]["wall_s"]
                      for k in variants if not k.startswith("tail")}
+    if kernels == "triton":  # wall time with the torch step / with the fused one
+        out["fused_speedup"] = {k: out[k + "_torch"]["wall_s"] / out[k]["wall_s"]
+                                for k in ("graphed_windows", "tail_graphed_windows_compact")}
     out["compaction_speedup"] = (out["tail_graphed_windows"]["wall_s"]
                                  / out["tail_graphed_windows_compact"]["wall_s"])
     # wall time appending each poll's results at once / held (the default), same options
     out["hold_speedup"] = {k: out[k + "_at_once"]["wall_s"] / out[k]["wall_s"]
                            for k in ("graphed_windows", "tail_graphed_windows_compact")}
-    out["settings"] = {"rows": rows, "kv_window": window,
+    out["settings"] = {"rows": rows, "kv_window": window, "decode_kernels": kernels,
                        "append_wait_steps": mt.append_wait_steps,
                        "append_batch_rows": mt.append_batch_rows,
                        "forced": "1-2 calculator calls per row; tail_*: 3/4 of rows stop 0-119 "
@@ -325,6 +337,9 @@ def main() -> None:
     ap.add_argument("--tool-jitter-ms", type=float, default=0.0,
                     help="synthetic: + up to this much more per call (fixed per call)")
     ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
+                    help="synthetic: rollout.decode_kernels of the variants (auto: triton on a "
+                         "GPU, then also *_torch twins of two variants for the A/B)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")

@@ -437,7 +437,8 @@ def run(args, report: dict, *, cfg, gen, weight_bytes: int, device) -> None:
     gen._ensure_cache(rows=max(args.batches), length=T)
     max_steps = 2 * args.steps + 1
     out = report.setdefault("multi_turn", [])
-    kinds = [DecodeOptions(kernels=k).resolved(device, d.head_dim) for k in getattr(args, "kernels", None) or ["torch"]]
+    kinds = [DecodeOptions(kernels=k).resolved(device, d.head_dim)
+             for k in getattr(args, "kernels", None) or ["torch"]]
     with torch.no_grad():
         for B in args.batches:
             st = DecodeState(B, gen._cache.length, d.true_vocab, device, gen.dtype)

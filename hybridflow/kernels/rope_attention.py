@@ -9,7 +9,10 @@ its split with the current token's column left out; split 0 writes k and v into 
 program waits on another's store). With one split per (row, group) the program writes the
 output, else the splits' max, sum of exp and P @ V go through `layer_ops._attn_combine_kernel`.
 The sums run in another order than the twins' (the current column last), so results agree to
-rounding. The decode step hands it the RoPE tables and the rows' positions (no gathered cos / sin
+rounding. `cur` is one column for every row (1,) (the single-turn step) or one per row (B,) (the
+multi-turn step, whose rows sit at different columns; a constexpr picks the load, so the (1,) path
+is unchanged); `mark_valid` may name the rows to mark (the multi-turn step's ready rows: the
+others write a scratch column that must stay invalid). The decode step hands it the RoPE tables and the rows' positions (no gathered cos / sin
 copies) and lets it mark column `cur` valid in the first layer (`mark_valid`: no fill launch).
 With `q_norm`, `k_norm` (Qwen3's per-head RMSNorm, applied before RoPE) the program norms the q
 heads and k it has just loaded (layer_ops._norm_rows; twin: layer_ops.qk_norm inside
@@ -41,8 +44,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rope_attn_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, cur_ptr, valid_ptr,
-                          mark_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, pf_ptr, pf_bytes, qn_ptr, kn_ptr,
-                          eps,
+                          mark_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, pf_ptr, pf_bytes, qn_ptr,
+                          kn_ptr, eps,
                           G, HPG, kv_len, scale,
                           s_xb, s_xg, s_xr, s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt, s_mb, s_mt,
                           s_ob, s_og, s_oh, NSPLIT: tl.constexpr, BLOCKS: tl.constexpr,

@@ -352,8 +352,8 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     (B,): row b's own column cur[b] (the multi-turn step); key_valid (B, T) bool, updated in place
     (column cur[b] of row b becomes valid; `mark` (B,) bool / int: only in the rows where it is
     set, the others' entries unchanged; every row attends to its own token either way). `kv_len`:
-    attend over cache columns 0..kv_len-1 only (the caller keeps cur < kv_len; None: all T). `opts` (resolved:
-    kernels "torch" or "triton"): "torch" runs RoPE, KV writes and SDPA as PyTorch ops, with
+    attend over cache columns 0..kv_len-1 only (the caller keeps cur < kv_len; None: all T).
+    `opts` (resolved: kernels "torch" or "triton"): "torch" runs RoPE, KV writes and SDPA as PyTorch ops, with
     opts.compile each layer's pure parts compiled (TP_g = 1); "triton" the fused kernels
     (`_decode_step_fused`). Returns logits (B, V) in the weights' dtype.
 

@@ -12,10 +12,9 @@ at most rollout.max_batch_size rows:
 - Every row owns its next cache column (`col`) and position (`pos`): rows at different turns share
   one batch, each writing its own columns. `extend` (below) is the one step function: it runs S new
   tokens per row at those columns/positions, attending to the row's valid cache columns plus the
-  new tokens causally. A decode step (multi_turn_step.py) draws every row's token and runs
-  `extend` of one token for every row of the chunk (rows that are not decoding - waiting for a
-  tool or finished - are fed a masked token whose K/V lands in a scratch column, never marked
-  valid) over static state: on a GPU it is one CUDA-graph replay (rollout.cuda_graphs), per KV
+  new tokens causally. A decode step (multi_turn_step.py) draws every row's token and feeds one
+  token for every row of the chunk (rows that are not decoding - waiting for a tool or finished -
+  write their K/V into a scratch column, never marked valid) over static state: on a GPU it is one CUDA-graph replay (rollout.cuda_graphs), per KV
   window with rollout.decode_kv_window. Appending a tool result is an eager `extend` of its
   tokens for the resumed rows only (a short prefill at the rows' next positions, no re-sending of
   the conversation), in place on the same state, which also gives their next token's logits.
@@ -51,11 +50,14 @@ at most rollout.max_batch_size rows:
 Output: a RolloutBatch whose response holds every turn and tool result, response_mask 1 over all
 of it (the context the trainer's forward sees), tool_mask 1 on the tool results' tokens (the loss,
 KL and advantages skip them: RolloutBatch.loss_mask), and rollout_logprobs 0 on tool tokens.
-The step is PyTorch ops on plain weights (not the single-turn step's Triton layers, compile or
-quantized layers: config_checks.validate_multi_turn refuses those when set). The math is
-decoder.forward's, so the cache after any number of turns equals a from-scratch prefill of the
-whole conversation (tests/unit/test_multi_turn.py); graphed equals eager
-(tests/gpu/test_multi_turn_gpu.py).
+The decode step runs the single-turn step's layers on plain weights: with rollout.decode_kernels
+triton (auto on a GPU) decoder.decode_step's fused Triton layers with a cache column per row, with
+torch `extend` (multi_turn_step.py); not compiled or quantized layers
+(config_checks.validate_multi_turn refuses those when set). The prefill and the appends are
+`decoder.forward` / `extend` (PyTorch ops). The math is decoder.forward's, so the cache after any
+number of turns equals a from-scratch prefill of the whole conversation
+(tests/unit/test_multi_turn.py); the fused step gives the torch step's tokens
+(tests/unit/test_multi_turn_fused.py); graphed equals eager (tests/gpu/test_multi_turn_gpu.py).
 """
 
 from __future__ import annotations
@@ -87,13 +89,14 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
                         forced: Optional[list] = None) -> tuple[RolloutBatch, dict]:
     """`cfg.n` multi-turn trajectories per prompt (rows as Generator.generate orders them) ->
     (RolloutBatch with tool_mask, metrics). Of `options` (None: DecodeOptions.from_config(cfg))
-    these apply: prefill_tokens (the padded tokens of one prefill, of prompts or of appended tool
-    results: bounds the attention scores when many rows resume at once), cuda_graphs (on a GPU
-    the decode step is a CUDA-graph replay per state size and window), kv_window,
-    compact_finished_rows, min_graphed_bucket (compaction.py) and emulate_graphs. `forced`: per
-    row, model
-    tokens to emit in place of samples while they last (their log-probs are still the model's):
-    replays and tests."""
+    these apply: kernels (resolved as Generator.generate does: "auto" is triton on a GPU, torch
+    for MoE; the decode step's layers and sampler, multi_turn_step.py), pdl and the other kernel
+    launch options, compile (the sampler only), prefill_tokens (the padded tokens of one
+    prefill, of prompts or of appended tool results: bounds the attention scores when many rows
+    resume at once), cuda_graphs (on a GPU the decode step is a CUDA-graph replay per state size
+    and window), kv_window, compact_finished_rows, min_graphed_bucket (compaction.py) and
+    emulate_graphs. `forced`: per row, model tokens to emit in place of samples while they last
+    (their log-probs are still the model's): replays and tests."""
     opts = options or DecodeOptions.from_config(cfg)
     if gen.cfg.moe.enabled and opts.kernels == "auto":  # the Triton layers are dense-only
         opts = opts.replace(kernels="torch")

@@ -1,16 +1,26 @@
 """The decode step of multi-turn generation as one graph-capturable function over static state.
 
 `DecodeState` holds everything the step reads and writes, allocated once per chunk size B (and
-cache length): the next-token logits of every row, each row's next cache column and position, its
-valid cache columns, the host's per-step control row and the step's output row. `decode_step`
-returns a zero-argument function that
-1. draws a token for every row from `logits` (rollout.temperature / top_k / top_p, the generator's
-   seeded stream), replaces it by the forced token where the control row says so (replays and
-   tests), and writes each row's token and its log-prob (log_softmax(logits / T), as `sample`'s)
-   into `out`, one (2, B) tensor: the host reads it with one device-to-host copy per step;
-2. feeds the drawn token of every `ready` row through `extend` (multi_turn.py) at the row's column
-   and position (other rows: a masked token in the scratch column, never marked valid), writing
-   the next logits into `logits` in place and advancing `col` / `pos` of the fed rows.
+cache length): the next-token logits of every row (in the generator's dtype, as the single-turn
+step's: the decoder's logits are values of that dtype, the fp32 ones `extend` returns too), each
+row's next cache column and position, its valid cache columns, the host's per-step control row and
+the step's output row. `decode_step` returns a zero-argument function that
+1. draws a token for every row from `logits` by the single-turn step's sampler call
+   (sampling.sample: rollout.temperature / top_k / top_p, the generator's seeded stream, the
+   resolved DecodeOptions' kernels / pdl, compiled with its compile), replaced by the forced token
+   where the control row says so (replays and tests; `sample(replace=)`), and writes each row's
+   token and its log-prob (log_softmax(logits / T)) into `out`, one (2, B) tensor: the host reads
+   it with one device-to-host copy per step;
+2. feeds the token of every `ready` row at the row's column and position, writing the next logits
+   into `logits` in place and advancing `col` / `pos` of the fed rows. Other rows write their K/V
+   into the scratch column (the window's last, L - 1), never marked valid. With
+   DecodeOptions.kernels "triton" the feed is the single-turn step itself, decoder.decode_step on
+   its fused layers (add_rms_norm kernels, cuBLAS GEMMs with the residual added in place, the
+   fused SwiGLU, and kernels/rope_attention.py's one kernel for RoPE + the K/V write + split-KV
+   attention) with a cache column per row (cur = col where ready, else L - 1) and the column
+   marked valid in the ready rows only; with "torch" it is `extend` of one token (multi_turn.py:
+   PyTorch ops, SDPA with an additive mask), the reference the fused path is tested against
+   (tests/unit/test_multi_turn_fused.py).
 Every op has a static shape and no host sync, so on a GPU the function is captured once per state
 size (cuda_graph.GraphedStep: the generator's pool, side stream and registered RNG) and each step
 is one replay; on CPU or with rollout.cuda_graphs off it runs eagerly, the same ops. With

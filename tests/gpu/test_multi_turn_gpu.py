@@ -2,7 +2,11 @@
 window) gives exactly the eager step's tokens and log-probs; in fp32 the tokens, log-probs and K/V
 of the eager loop it replaced (tests/unit/multi_turn_reference.py); in bf16 the rows resumed after
 tool calls give the log-probs of a from-scratch prefill of the whole conversation, within bf16
-tolerance."""
+tolerance. With rollout.decode_kernels=triton (the single-turn step's fused layers, a model of
+head_dim 16): graphed equals eager exactly, and the forced rollouts' log-probs are the torch
+step's and a full prefill's within bf16 tolerance."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -16,12 +20,13 @@ from tests.unit.test_multi_turn import CFG, V, byte_tokenizer, call, params, too
 from tests.unit.test_multi_turn_step import runner_for, states
 
 pytestmark = pytest.mark.gpu
+CFG16 = dataclasses.replace(CFG, kv_channels=16)  # the Triton kernels' head_dim (>= 16)
 
 QUESTIONS = ("What is 6*7?", "Two steps: 2+3 then 5*5", "no tools here", "x", "longer one here")
 
 
-def _gen(dtype):
-    return Generator(model_cfg=CFG, params={k: v.cuda() for k, v in params(CFG).items()},
+def _gen(dtype, cfg=CFG):
+    return Generator(model_cfg=cfg, params={k: v.cuda() for k, v in params(cfg).items()},
                      tp_group=None, device="cuda", dtype=dtype, true_vocab_size=V)
 
 
@@ -38,14 +43,14 @@ def _setup(tmp_path):
     return tok, prompts, forced, tool_config(tmp_path, "calculator")
 
 
-def _run(fn, gen, tok, prompts, forced, path, **opts):
+def _run(fn, gen, tok, prompts, forced, path, kernels="torch", **opts):
     cfg = RolloutConfig(n=1, max_new_tokens=320, temperature=1.0, return_logprobs=True,
                         max_batch_size=3)  # chunks of 3 and 2 rows
     # results appended at the poll they come in, as the eager reference loop does
     runner = runner_for(tok, "hermes", path, append_wait_steps=0)
     return fn(gen, prompts, cfg=cfg, runner=runner, eos_id=tok.eos_id,
               pad_id=tok.pad_id, seed=7, forced=forced,
-              options=DecodeOptions(kernels="torch", prefill_tokens=64, **opts))
+              options=DecodeOptions(kernels=kernels, prefill_tokens=64, **opts))
 
 
 @pytest.mark.parametrize("kv_window, compact", [(0, False), (64, False), (64, True)],
@@ -108,3 +113,43 @@ def test_resumed_rows_match_a_full_prefill_bf16(tmp_path, cuda_graphs):
         # (other GEMM shapes and attention kernels), by a few bf16 ulps of the logits
         torch.testing.assert_close(got[model], ref[model].float(), rtol=0.02, atol=0.1)
         assert (got[model] - ref[model].float()).abs().mean() < 0.02
+
+
+def _prefill_logprobs(gen, prompt, resp):
+    """log_softmax of a from-scratch prefill of prompt + resp at resp's tokens (fp32)."""
+    cos, sin = decoder.rope_tables(gen.w.inv_freq, 512, dtype=gen.dtype, device="cuda")
+    seq = torch.tensor([prompt + resp], device="cuda")
+    lg = decoder.forward(gen.w, seq, torch.arange(seq.shape[1], device="cuda")[None],
+                         torch.ones_like(seq).bool(), cos_tab=cos, sin_tab=sin)[0]
+    return torch.log_softmax(lg[len(prompt) - 1:-1], -1).gather(
+        1, torch.tensor(resp, device="cuda")[:, None])[:, 0].float()
+
+
+def test_fused_step_bf16(tmp_path):
+    """decode_kernels=triton, bf16, forced rows (every token given, so the runs compare token for
+    token), KV windows and compaction: graphed == eager bit for bit; the log-probs of the model's
+    tokens are the torch step's and a full prefill's within bf16 rounding."""
+    tok, prompts, forced, path = _setup(tmp_path)
+    end = tok.encode("<|im_end|>")
+    forced = forced[:3] + [forced[3] + tok.encode("two") + end, tok.encode("plain") + end]
+    more = dict(kv_window=64, compact_finished_rows=True, min_graphed_bucket=1)
+    gen = _gen(torch.bfloat16, CFG16)
+    runs = {name: _run(generate_multi_turn, gen, tok, prompts, forced, path, kernels=k,
+                       cuda_graphs=g, **more)
+            for name, k, g in (("fused", "triton", True), ("fused_eager", "triton", False),
+                               ("torch", "torch", True))}
+    (fused, m), (eager, _), (ref, _) = runs["fused"], runs["fused_eager"], runs["torch"]
+    assert m["tool_calls/mean"] > 0 and m["multi_turn/compactions"] > 0
+    assert torch.equal(fused.response_ids, eager.response_ids)
+    assert torch.equal(fused.rollout_logprobs, eager.rollout_logprobs)
+    assert torch.equal(fused.response_ids, ref.response_ids)
+    assert torch.equal(fused.tool_mask, ref.tool_mask)
+    model = (fused.response_mask * (1 - fused.tool_mask)).bool()
+    diff = (fused.rollout_logprobs - ref.rollout_logprobs)[model].abs()
+    assert diff.max() < 0.1 and diff.mean() < 0.02, (diff.max(), diff.mean())
+    for b in range(len(prompts)):
+        n = int(fused.response_mask[b].sum())
+        want = _prefill_logprobs(gen, prompts[b], fused.response_ids[b, :n].tolist())
+        got = fused.rollout_logprobs[b, :n].cuda()
+        keep = model[b, :n].cuda()
+        torch.testing.assert_close(got[keep], want[keep], rtol=0.02, atol=0.1)

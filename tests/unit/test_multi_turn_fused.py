@@ -1,4 +1,4 @@
-"""The multi-turn decode step on the single-turn step's fused layers (rollout.decode_kernels=triton):
+"""The multi-turn decode step on the single-turn step's fused layers (decode_kernels=triton):
 the RoPE + K/V write + attention kernel with a cache column per row (kernels/rope_attention.py and
 its twins), decoder.decode_step with per-row columns and marks, the step's scratch column for rows
 that are not fed, and whole multi-turn rollouts against the torch path. The Triton parts run
