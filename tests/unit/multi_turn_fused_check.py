@@ -1,7 +1,7 @@
 """Run by tests/unit/test_multi_turn_fused.py in a fresh interpreter with TRITON_INTERPRET=1 (set
 before the first import of the kernels; tests/unit/decode_kernels_check.py says why). Arguments:
 the section ("kernels": rope_attention, decoder.decode_step and the step's scratch column;
-"rollout": generate_multi_turn) and a scratch directory. Prints one JSON object of results."""
+"rollout": generate_multi_turn; "tp2": it at TP_g = 2) and a scratch directory. Prints one JSON object of results."""
 
 import dataclasses
 import json
@@ -214,11 +214,57 @@ def rollout_cases(tmp):
     return out
 
 
+def _tp2_rank(tmp):
+    """One rank of TP_g = 2 (gloo, one query group per rank): the same shards run the multi-turn
+    rollout with both decode_kernels values (forced calls, then greedy; windows)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from hybridflow.parallel import groups, param_rules
+
+    groups.init_model_parallel(tp=2, pp=1, seed=0)
+    group = ps.get_tensor_model_parallel_group()
+    rank = dist.get_rank(group)
+    tmp = pathlib.Path(tmp) / f"rank{rank}"
+    tmp.mkdir(parents=True)
+    tok = byte_tokenizer(tmp)
+    end = tok.encode("<|im_end|>")
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in ("6*7?", "x")]
+    forced = [tok.encode(call("6*7")) + tok.encode("42") + end, tok.encode("ab")]
+    path = tool_config(tmp, "calculator")
+    shards = {n: param_rules.shard_tensor(n, t, tp_rank=rank, tp_size=2).contiguous()
+              for n, t in params(CFG16).items()}
+    cfg = RolloutConfig(n=1, max_new_tokens=72, temperature=0.0, return_logprobs=True,
+                        max_batch_size=2)
+    runs = {}
+    for kernels in ("torch", "triton"):
+        gen = Generator(model_cfg=CFG16, params=shards, tp_group=group, device="cpu",
+                        dtype=torch.float32, true_vocab_size=V)
+        runs[kernels], _ = generate_multi_turn(
+            gen, prompts, cfg=cfg, runner=runner_for(tok, "hermes", path), eos_id=tok.eos_id,
+            pad_id=tok.pad_id, seed=3, forced=forced,
+            options=DecodeOptions(kernels=kernels, prefill_tokens=64, kv_window=64))
+    ref, got = runs["torch"], runs["triton"]
+    return {"tokens_equal": bool(torch.equal(ref.response_ids, got.response_ids)),
+            "tool_mask_equal": bool(torch.equal(ref.tool_mask, got.tool_mask)),
+            "tool_tokens": int(ref.tool_mask.sum()), "tokens": int(ref.response_mask.sum()),
+            "logprob_err": (ref.rollout_logprobs - got.rollout_logprobs).abs().max().item()}
+
+
+def tp2_cases(tmp):
+    from tests.dist.launcher import run_ranks
+
+    return run_ranks(_tp2_rank, 2, str(tmp))
+
+
 if __name__ == "__main__":
     section, tmp = sys.argv[1], pathlib.Path(sys.argv[2])
     if section == "kernels":
         res = {"rope_attention": rope_attention_cases(), "decoder": decoder_cases(),
                "scratch": scratch_cases()}
-    else:
+    elif section == "rollout":
         res = rollout_cases(tmp)
+    else:
+        res = tp2_cases(tmp)
     print(json.dumps(res))

@@ -83,6 +83,17 @@ def test_multi_turn_rollout_triton_equals_torch(tmp_path):
     assert out["compaction"]["compactions"][0] == out["compaction"]["compactions"][1] >= 1, out
 
 
+@pytest.mark.slow
+def test_multi_turn_rollout_triton_at_tp2(tmp_path):
+    """TP_g = 2 (2 gloo ranks, one query group each): the fused step's tokens, tool masks and
+    log-probs are the torch step's on both ranks."""
+    ranks = _check("tp2", tmp_path)
+    assert len(ranks) == 2
+    for c in ranks:
+        assert c["tokens_equal"] and c["tool_mask_equal"], c
+        assert c["tool_tokens"] > 0 and c["tokens"] > 100 and c["logprob_err"] < 1e-4, c
+
+
 def test_twin_with_a_column_per_row_equals_a_loop_of_rows():
     """The PyTorch twin of rope_attention (no interpreter): distinct columns per row, some rows
     marked: each row as the (1,) twin computes it alone, its K/V at its own column only."""
