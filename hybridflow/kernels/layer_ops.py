@@ -21,7 +21,9 @@ PyTorch twins.
   programs alone fill the device, else up to one per BLOCK_T columns).
 - `rope_kv_write` and `decode_attention`: the decode step's RoPE + K/V write and its attention as
   PyTorch ops, the reference twins of kernels/rope_attention.py (the decoder's eager code: SDPA
-  with an additive mask; columns with key_valid false get no weight).
+  with an additive mask; columns with key_valid false get no weight). `write_column` and
+  `mark_columns`: the K/V write and the key_valid mark at one column for every row (cur (1,)) or
+  a column per row (cur (B,), the multi-turn step's), static shapes.
 
 Shapes: qkv (B, G, hpg + 2, hd) (a view of the QKV projection, rows grouped per KV group as in
 Megatron's packed layout); cos, sin (B, hd); k_cache, v_cache (B, G, T, hd) strided views of the KV
