@@ -145,7 +145,7 @@ class LeanColumnParallelLinear(ColumnParallelLinear):
         out = _linear(self, x, weight, bias)  # (s, b, out/tp)
         lora = self._modules.get("lora")  # models/lora.py: its own collectives on input_
         if lora is not None and lora.enabled:
-            out = out + lora(input_)
+            out = lora.add_to(out, input_)
         return self._finish(out, runtime_gather_output)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -274,7 +274,7 @@ class LeanRowParallelLinear(RowParallelLinear):
                 out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
         lora = self._modules.get("lora")  # models/lora.py: added after the base's reduction
         if lora is not None and lora.enabled:
-            out = out + lora(x)
+            out = lora.add_to(out, x)
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None

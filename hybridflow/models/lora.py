@@ -3,7 +3,8 @@
 `apply_lora(model, cfg)` gives each targeted linear of every decoder layer a `LoRAAdapter` child
 (`<linear>.lora`, parameters `lora.A.<peft name>` and `lora.B.<peft name>`) and freezes every
 other parameter, so DDP's grad buffers and the optimizer hold only the adapters. The lean linears
-(models/linear.py) add `adapter(x)` to their output while `adapter.enabled`.
+(models/linear.py) add `adapter(x)` to their output while `adapter.enabled`, inside one GEMM
+(`LoRAAdapter.add_to`: out + h (scale B)^T as addmm, h = dropout(x) A^T).
 
 Targets are PEFT's module names, mapped onto Megatron's fused linears:
     q_proj, k_proj, v_proj -> linear_qkv  (rows grouped per query group: [q heads of g; k_g; v_g])
@@ -44,7 +45,7 @@ from __future__ import annotations
 import math
 import zlib
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -120,71 +121,70 @@ class LoRAAdapter(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The update for the linear's own input `x` (column: (s, b, in), s/t under SP; row:
-        (s, b, in/t)); returns what to add to its output."""
-        x = self.drop(x)
-        if self.kind == "row":
-            (name,) = list(self.A)
-            h = F.linear(x, self.A[name])  # (s, b, r) partial over TP
-            if self._tp > 1:
-                h = (reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group) if self.sp
-                     else reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
-            return F.linear(h, self.B[name]) * self.scale
+        (s, b, in/t)); returns what to add to its output (`add_to` adds it in the same GEMM)."""
+        h = self._low_rank(x)
+        return F.linear(h, self.b_matrix())
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out + forward(x) as one GEMM with the sum in its epilogue (addmm, beta = 1): the
+        output-sized tensor is read and written once, with no scaled, concatenated or zero-filled
+        copy of the update in between, forward or backward."""
+        h = self._low_rank(x)
+        n = out.shape[-1]
+        return torch.addmm(out.reshape(-1, n), h.reshape(-1, h.shape[-1]),
+                           self.b_matrix().t()).view(out.shape)
+
+    def _low_rank(self, x: torch.Tensor) -> torch.Tensor:
+        """h = dropout(x) A^T with its TP collective: (s, b, k r), the k targeted parts' r columns
+        side by side (column kind: over the full sequence; row: reduced over TP)."""
+        h = F.linear(self.drop(x), self.a_matrix())
+        if self._tp == 1:
+            return h
+        if self.kind == "row":  # a partial sum over this rank's input slice
+            return (reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
+                    if self.sp else reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
         from hybridflow.models.linear import _CopyToTP
 
-        names = list(self.A)
-        a = self.A[names[0]] if len(names) == 1 else torch.cat([self.A[n] for n in names])
-        h = F.linear(x, a)  # (s', b, k r)
-        if self._tp > 1:
-            h = (gather_from_sequence_parallel_region(h, group=self.tp_group) if self.sp
-                 else _CopyToTP.apply(h, self.tp_group))
-        hs = dict(zip(names, h.split(self.rank, dim=-1)))
-        lead = h.shape[:-1]
+        return (gather_from_sequence_parallel_region(h, group=self.tp_group) if self.sp
+                else _CopyToTP.apply(h, self.tp_group))
+
+    def b_matrix(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """scale * B as one (out_local, k r) matrix over `_low_rank`'s columns: part j's rows (in
+        every group) read columns j r..(j + 1) r, an untargeted part's rows are zero. `dtype`:
+        the factors cast first (the merge's fp32), else their own."""
+        names = list(self.B)
+        cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))  # noqa: E731
+        if self.kind == "row" or (len(self.parts) == 1 and self.groups == 1):
+            return cast(self.B[names[0]]) * self.scale
+        k, r = len(names), self.rank
         pieces = []
         for name, rows, targeted in self.parts:
             if targeted:
-                d = F.linear(hs[name], self.B[name]) * self.scale
-                pieces.append(d.view(*lead, self.groups, rows))
+                j = names.index(name)
+                b = cast(self.B[name]).view(self.groups, rows, r)
+                pieces.append(F.pad(b, (j * r, (k - 1 - j) * r)))
             else:
-                pieces.append(h.new_zeros(*lead, self.groups, rows))
-        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
-        return out.reshape(*lead, -1)
+                pieces.append(cast(self.B[names[0]]).new_zeros(self.groups, rows, k * r))
+        return (torch.cat(pieces, dim=1) * self.scale).reshape(-1, k * r)
 
-    def weight_blocks(self, weight: torch.Tensor, rows: int = 1024):
-        """(block of `weight`, its rows of B, A): views covering every targeted row of the base
-        weight in blocks of at most `rows` rows, so that a merge's fp32 temporaries stay small."""
-        if self.kind == "row":
-            (name,) = list(self.A)
-            for r0 in range(0, weight.shape[0], rows):
-                yield weight[r0:r0 + rows], self.B[name][r0:r0 + rows], self.A[name]
-            return
-        total = sum(r for _, r, _ in self.parts)
-        w3 = weight.view(self.groups, total, weight.shape[1])
-        offset = 0
-        for name, n, targeted in self.parts:
-            if targeted:
-                b3 = self.B[name].view(self.groups, n, self.rank)
-                for g in range(self.groups):
-                    for r0 in range(0, n, rows):
-                        yield (w3[g, offset + r0:offset + min(n, r0 + rows)],
-                               b3[g, r0:r0 + rows], self.A[name])
-            offset += n
+    def a_matrix(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The A factors stacked as `_low_rank` multiplies them: (k r, in_local)."""
+        a = list(self.A.values())
+        a = a[0] if len(a) == 1 else torch.cat(a)
+        return a if dtype is None else a.to(dtype)
+
+    def weight_blocks(self, weight: torch.Tensor, rows: int = 4096):
+        """(block of `weight`, its rows of b_matrix (fp32), a_matrix (fp32)): row blocks of at most
+        `rows` rows covering the base weight, whose update is the product of the two (so that a
+        merge's fp32 temporaries are a few blocks, not a weight, in few launches)."""
+        b, a = self.b_matrix(torch.float32), self.a_matrix(torch.float32)
+        for r0 in range(0, weight.shape[0], rows):
+            yield weight[r0:r0 + rows], b[r0:r0 + rows], a
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """scale * B @ A in the base weight's local layout, fp32: (out_local, in_local)."""
-        if self.kind == "row":
-            (name,) = list(self.A)
-            return (self.B[name].float() @ self.A[name].float()) * self.scale
-        pieces = []
-        in_f = next(iter(self.A.values())).shape[1]
-        for name, rows, targeted in self.parts:
-            if targeted:
-                d = (self.B[name].float() @ self.A[name].float()) * self.scale
-                pieces.append(d.view(self.groups, rows, in_f))
-            else:
-                pieces.append(torch.zeros(self.groups, rows, in_f,
-                                          device=self.B[next(iter(self.B))].device))
-        return torch.cat(pieces, dim=1).reshape(-1, in_f)
+        return self.b_matrix(torch.float32) @ self.a_matrix(torch.float32)
 
 
 def _seed(seed: int, layer: int, name: str, salt: str = "") -> int:
@@ -273,23 +273,25 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def merged_copy(adapter: LoRAAdapter, weight: torch.Tensor, *, block_rows: int = 1024,
+def merged_copy(adapter: LoRAAdapter, weight: torch.Tensor, *, block_rows: int = 4096,
                 inplace: bool = False) -> torch.Tensor:
     """A copy of `weight` (the adapted linear's, any device; `inplace`: `weight` itself, a copy
     already) holding the bits `merged_adapters` writes into it: W + scale * B @ A rounded to its
     dtype, by the same ops in the same blocks."""
     out = weight if inplace else weight.clone()
-    for w, b, at in adapter.weight_blocks(out, block_rows):
-        w.copy_((w.float() + (b.float() @ at.float()) * adapter.scale).to(w.dtype))
+    for w, b, a in adapter.weight_blocks(out, block_rows):
+        w.copy_((w.float() + b @ a).to(w.dtype))
     return out
 
 
 @contextmanager
-def merged_adapters(model, *, block_rows: int = 1024):
+def merged_adapters(model, *, block_rows: int = 4096):
     """Inside the `with`, each adapted linear's weight holds W + scale * B @ A (rounded to its
     dtype) and its adapter is off (the forward then equals the adapted one up to that rounding);
     after it, W is restored bit for bit (see the module docstring). Computed `block_rows` rows at
-    a time (fp32 temporaries of a few such blocks, not of a whole weight)."""
+    a time (fp32 temporaries of a few such blocks, not of a whole weight). The positions to fix
+    and their old values go to the host without waiting for the copies (pinned memory; the
+    restore's copies back are ordered after them on the same stream)."""
     saved = []
     try:
         with torch.no_grad():
@@ -298,12 +300,12 @@ def merged_adapters(model, *, block_rows: int = 1024):
                     continue
                 fixes = []
                 for w, b, at in a.weight_blocks(linear.weight, block_rows):
-                    d = (b.float() @ at.float()) * a.scale
+                    d = b @ at
                     merged = (w.float() + d).to(w.dtype)
                     back = (merged.float() - d).to(w.dtype)
                     wrong = (_bits(back) != _bits(w)).view(-1).nonzero().squeeze(1)
                     # kept on the host: int32 offsets in the block and the old values
-                    fixes.append((wrong.to(torch.int32).cpu(), w.view(-1)[wrong].cpu()))
+                    fixes.append((_to_host(wrong.to(torch.int32)), _to_host(w.view(-1)[wrong])))
                     w.copy_(merged)
                 a.enabled = False
                 saved.append((linear, a, fixes))
@@ -314,6 +316,14 @@ def merged_adapters(model, *, block_rows: int = 1024):
                 a.enabled = True
                 blocks = a.weight_blocks(linear.weight, block_rows)
                 for (w, b, at), (wrong, keep) in zip(blocks, fixes):
-                    d = (b.float() @ at.float()) * a.scale
-                    w.copy_((w.float() - d).to(w.dtype))
-                    w.view(-1)[wrong.to(w.device, torch.long)] = keep.to(w.device)
+                    w.copy_((w.float() - b @ at).to(w.dtype))
+                    w.view(-1)[wrong.to(w.device, torch.long, non_blocking=True)] = keep.to(
+                        w.device, non_blocking=True)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """t on the host: a pinned copy not waited for (CUDA), else t itself or a plain copy."""
+    if not t.is_cuda:
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
