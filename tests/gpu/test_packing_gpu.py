@@ -169,8 +169,11 @@ def test_engine_packed_micro_batch_varlen_equals_flex(single_rank_ctx):
     loss_fn = actor_objective(algo, num_tokens=int(batch.response_mask.sum()), num_seqs=b)
     kw = dict(micro_batch_size=b, max_tokens=4096, pack=True)  # one packed micro-batch
     res = {}
-    for kernel in ("varlen", "flex"):
-        eng = Engine(role="actor", model_cfg=model, ctx=single_rank_ctx, precision="bf16",
+    # varlen and flex in bf16, and flex in fp32 as the reference both are held to: two bf16
+    # kernels that sum in different orders differ by bf16 rounding (up to ~0.06 in a log-prob here),
+    # so varlen must be as close to the fp32 result as flex is, not bit-close to flex
+    for kernel, precision in (("varlen", "bf16"), ("flex", "bf16"), ("flex", "fp32")):
+        eng = Engine(role="actor", model_cfg=model, ctx=single_rank_ctx, precision=precision,
                      parallel=ParallelConfig(use_distributed_optimizer=False),
                      optim=OptimConfig(lr=1e-4, clip_grad=0.0), total_updates=1,
                      packed_attention=kernel)
@@ -181,20 +184,33 @@ def test_engine_packed_micro_batch_varlen_equals_flex(single_rank_ctx):
         lp = eng.compute_logprobs(batch, temperature=1.0, **kw)
         m = eng.train_step(batch, loss_fn, need_entropy=True, **kw)
         assert eng.packed_kernel() == kernel
-        res[kernel] = (lp.float(), m, {n: q.main_grad.float().clone()
-                                       for n, q in eng.module.named_parameters()})
+        res[kernel, precision] = (lp.float(), m, {n: q.main_grad.float().clone()
+                                                  for n, q in eng.module.named_parameters()})
         del eng
-    (lp_v, m_v, g_v), (lp_f, m_f, g_f) = res["varlen"], res["flex"]
+    (lp_v, m_v, g_v), (lp_f, m_f, g_f) = res["varlen", "bf16"], res["flex", "bf16"]
+    lp_r, m_r, g_r = res["flex", "fp32"]
     mask = batch.response_mask.bool().to(lp_v.device)  # the log-probs come back on the host
+    err = {k: float((res[k][0] - lp_r)[mask].abs().max()) for k in (("varlen", "bf16"),
+                                                                     ("flex", "bf16"))}
+    assert err["varlen", "bf16"] <= 1.5 * err["flex", "bf16"] + 1e-2, err
     lp_diff = float((lp_v - lp_f)[mask].abs().max())
-    assert lp_diff <= 5e-2, lp_diff
+    assert lp_diff <= 0.15, lp_diff
     assert (lp_v[~mask] == 0).all()
+
+    def rel(g):
+        return {n: float((g[n] - g_r[n]).norm() / g_r[n].norm().clamp(min=1e-12)) for n in g_r}
+
+    rel_v, rel_f = rel(g_v), rel(g_f)
+    worst = max(rel_v, key=lambda n: rel_v[n] - 1.5 * rel_f[n])
+    assert rel_v[worst] <= 1.5 * rel_f[worst] + 1e-2, (worst, rel_v[worst], rel_f[worst])
     grad_diffs = {n: float((g_v[n] - g_f[n]).norm() / g_f[n].norm().clamp(min=1e-12))
                   for n in g_f}
-    worst = max(grad_diffs, key=grad_diffs.get)
-    assert grad_diffs[worst] <= 3e-2, (worst, grad_diffs[worst])
     for key in ("actor/pg_loss", "actor/kl_loss"):
-        if key in m_f:
-            assert abs(m_v[key] - m_f[key]) <= 2e-2 * max(1.0, abs(m_f[key])), (key, m_v, m_f)
-    print(f"varlen vs flex: log-probs max |diff| {lp_diff:.4f}, worst gradient {worst} "
-          f"{grad_diffs[worst]:.4f} of its norm")
+        if key in m_r:
+            for m in (m_v, m_f):
+                assert abs(m[key] - m_r[key]) <= 2e-2 * max(1.0, abs(m_r[key])), (key, m, m_r)
+    worst_vf = max(grad_diffs, key=grad_diffs.get)
+    print(f"log-probs max |error| vs fp32: varlen {err['varlen', 'bf16']:.4f}, flex "
+          f"{err['flex', 'bf16']:.4f}; varlen vs flex {lp_diff:.4f}; worst gradient vs fp32 "
+          f"{worst}: varlen {rel_v[worst]:.4f}, flex {rel_f[worst]:.4f}; varlen vs flex "
+          f"{worst_vf} {grad_diffs[worst_vf]:.4f} of its norm")
