@@ -333,9 +333,9 @@ class AlgoConfig:
     # varlen_attn (FlashAttention-2 over the rows' cu_seqlens, GQA native; CUDA, bf16/fp16, head_dim
     # a multiple of 8 up to 256, compute capability 8.0+, torch 2.10+); "flex": a flex_attention
     # document mask (compiled on CUDA; the default: the kernel every recorded GPU result ran);
-    # "auto": varlen where it runs, else flex, chosen once per run and printed by rank 0. varlen's
-    # GPU tests and its A/B (benchmarks/bench_packed_pass.py --variants packed,packed_varlen) have
-    # not run yet: the default moves to auto once they show it correct and faster
+    # "auto": varlen where it runs, else flex, chosen once per run and printed by rank 0. varlen
+    # is faster on one H200 (docs/perf_log.md); the default moves to auto once its Engine-level GPU
+    # equality test (tests/gpu/test_packing_gpu.py) passes
     packed_attention: str = "flex"
 
 
