@@ -148,6 +148,11 @@ class Generator:
         del w
         self.quantized_bytes = quantized_bytes(self.w)  # the codes + scales this generator holds
         self._rng = torch.Generator(device=self.device)
+        # the fused sampler's stream (rollout.kernel_options.fused_sampler): [key, counter] on the
+        # device, re-keyed by every call's seed; captured steps read and advance it in place
+        from hybridflow.kernels.sample import new_rng_state  # kernels: imported when used
+
+        self._rng_state = new_rng_state(0, self.device)
         self._cache: Optional[KVCache] = None
         self._tables = None  # rope (cos, sin) for the cache length
         # (rows, max_new, sampling key, windows, DecodeOptions) -> (buffers, {kv_len: step fn})
@@ -221,7 +226,7 @@ class Generator:
             sizes = sorted(set(bucket.values()), reverse=True) + targets[::-1]
             steps = {b: self._step(b, R, key, cfg, opts, graphed, windows, record)
                      for b in dict.fromkeys(sizes)}
-            self._rng.manual_seed(seed)  # after any capture: warm-up runs consume randomness
+            self.reseed(seed)  # after any capture: warm-up runs consume randomness
             self.stats = _new_stats()
         with torch.no_grad():
             outs = [self._run_chunk(steps, bucket[c], ids_p[runs[c][0]:runs[c][1]],
@@ -266,6 +271,14 @@ class Generator:
         """Quantized generators: rewrite the codes from `params` (the updated weights) in place."""
         if self.quantization != "none":
             requantize_weights_(self.w, decoder.load_weights(self.cfg, params, **self._load))
+
+    def reseed(self, seed: int) -> None:
+        """Restart both sampling streams from `seed`: the torch Generator's and the fused
+        sampler's (key = seed, counter 0), each in place (captured graphs keep reading them)."""
+        from hybridflow.kernels.sample import seed_rng_state_
+
+        self._rng.manual_seed(seed)
+        seed_rng_state_(self._rng_state, seed)
 
     def release(self) -> None:
         """Free the KV cache, captured graphs and static buffers (not the weights)."""
@@ -373,6 +386,7 @@ class Generator:
         if step_kernel:
             from hybridflow.kernels import next_token as ksampling
         max_new = buf.out_tokens.shape[1]
+        rng_state = self._rng_state if opts.fused_sampler else None
 
         def step():
             logits = decoder.decode_step(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
@@ -392,7 +406,7 @@ class Generator:
                 tok, lp = sample(logits, temperature=cfg.temperature, top_k=cfg.top_k,
                                  top_p=cfg.top_p, generator=self._rng,
                                  need_logprobs=cfg.return_logprobs, kernels=opts.kernels,
-                                 pdl=opts.pdl,
+                                 pdl=opts.pdl, rng_state=rng_state,
                                  compile_backend=opts.compile_backend if opts.compile else None)
             if step_kernel:
                 ksampling.advance_rows(
@@ -441,7 +455,8 @@ class Generator:
                 last, mask = last.index_select(0, copy_of), mask.index_select(0, copy_of)
             tok, lp = sample(last, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                              generator=self._rng, need_logprobs=cfg.return_logprobs,
-                             kernels=opts.kernels, pdl=opts.pdl)
+                             kernels=opts.kernels, pdl=opts.pdl,
+                             rng_state=self._rng_state if opts.fused_sampler else None)
             buf, fns = steps[b]
             buf.reset(tok=tok, lp=lp, lengths=mask.sum(1), mask=mask, pad_id=pad_id)
             out_tok = torch.full((B + 1, R), pad_id, dtype=torch.long, device=self.device)  # row B:

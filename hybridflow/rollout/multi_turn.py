@@ -123,7 +123,7 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
         sizes = {b for s, e in chunks for b in (e - s, *targets[e - s])}
         steps = {b: _step(gen, b, cfg, graphed, windows, opts)
                  for b in sorted(sizes, reverse=True)}
-        gen._rng.manual_seed(seed)
+        gen.reseed(seed)
         hosts = []
         for s, e in chunks:
             # rows s..e-1 are copies of prompts lo..hi-1: each prefilled once
