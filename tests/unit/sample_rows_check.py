@@ -1,9 +1,10 @@
-"""Run by tests/unit/test_sample_rows.py in a fresh interpreter with TRITON_INTERPRET=1 (Triton's CPU
-interpreter reads the variable when the kernels are defined): kernels/sample.sample_rows's Triton
-kernels against log_softmax, torch.argmax and their PyTorch twin, and generation with
-rollout.kernel_options.fused_sampler. Prints one JSON object of results. The interpreter runs a
-program in ~20 ms, so the cases keep to a few hundred programs; the many-draw statistics run on
-the twin (tests/unit/test_sample_rows.py), whose Philox words are checked equal here."""
+"""Run by tests/unit/test_sample_rows.py in a fresh interpreter with TRITON_INTERPRET=1 (Triton's
+CPU interpreter reads the variable when the kernels are defined): kernels/sample.sample_rows's
+Triton kernels against log_softmax, torch.argmax and their PyTorch twin ("kernels"), and
+generation with rollout.kernel_options.fused_sampler ("generation"; a scratch directory as the
+second argument). Prints one JSON object of results. The interpreter runs a program in ~20 ms, so
+the cases keep to a few hundred programs; the many-draw statistics run on the twin
+(tests/unit/test_sample_rows.py), whose Philox words are checked equal here."""
 
 import json
 import os

@@ -94,7 +94,7 @@ def test_generation_with_the_fused_sampler(tmp_path):
     assert m["counters"][0] == 0 and min(m["counters"][1:]) >= 5, m  # only the fused runs draw
 
 
-# ---- the twin, in process -----------------------------------------------------------------------
+# ---- the twin, in process ------------------------------------------------------------------------
 
 def test_philox_known_answers():
     """Random123's Philox4x32-10 known-answer vectors (what tl.philox computes; the interpreted
@@ -171,7 +171,7 @@ def test_bad_input_names_what_was_expected():
                        replace=(torch.ones(3, dtype=torch.bool), torch.zeros(3, dtype=torch.long)))
 
 
-# ---- wiring ----------------------------------------------------------------------------------------
+# ---- wiring -------------------------------------------------------------------------------------
 
 def test_sample_takes_the_fused_path_only_where_it_applies():
     """sampling.sample with rng_state: kernels "triton", T > 0, no top-k / top-p draws from the
