@@ -211,13 +211,13 @@ def sample_rows(logits: torch.Tensor, inv_temp: float, rng_state: torch.Tensor, 
     if not B:
         rng_state[1:].add_(1)
         return tokens, lp
-    where, given = replace if replace is not None else (tokens, tokens)  # unread without it
+    where, given = ((replace[0].contiguous().view(torch.uint8), replace[1].contiguous())
+                    if replace is not None else (tokens, tokens))  # unread without it
     _race_chunk_kernel[(B, nchunk)](logits, rng_state, score, idx, zb, m, s, float(inv_temp), V,
                                     logits.stride(0), nchunk, CHUNK=chunk, QUADS=quads,
                                     ROUNDS=ROUNDS, num_warps=4, **launch_opts(logits, pdl))
-    _race_final_kernel[(B,)](score, idx, zb, m, s, logits,
-                             where.view(torch.uint8) if replace is not None else where, given,
-                             tokens, tokens if lp is None else lp, rng_state, float(inv_temp), V,
+    _race_final_kernel[(B,)](score, idx, zb, m, s, logits, where, given, tokens,
+                             tokens if lp is None else lp, rng_state, float(inv_temp), V,
                              logits.stride(0), nchunk,
                              N_PAD=max(16, triton.next_power_of_2(nchunk)),
                              HAS_REPLACE=replace is not None, HAS_LP=lp is not None, num_warps=1,
