@@ -198,6 +198,10 @@ def add_decode_option_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--swiglu-gemm-min-rows", type=int, default=None,
                     help="the fewest decode rows (graph bucket) that run fc1 + SwiGLU as one "
                          "Triton GEMM (rollout.kernel_options.swiglu_gemm_min_rows)")
+    ap.add_argument("--fused-sampler", choices=["on", "off"], default=None,
+                    help="with --decode-kernels triton and a temperature draw: the draw and its "
+                         "log-prob as kernels/sample.py's two passes over the logits "
+                         "(rollout.kernel_options.fused_sampler)")
     ap.add_argument("--compile-mode", default=None,
                     help="torch.compile mode of rollout.compile_decode (e.g. "
                          "max-autotune-no-cudagraphs; rollout.kernel_options.compile_mode)")
@@ -209,6 +213,7 @@ def decode_options(args, **fields) -> DecodeOptions:
              "prefetch_weights": args.prefetch_weights,
              "prefetch_min_rows": args.prefetch_min_rows,
              "swiglu_gemm_min_rows": args.swiglu_gemm_min_rows,
+             "fused_sampler": None if args.fused_sampler is None else args.fused_sampler == "on",
              "compile_mode": args.compile_mode}
     return DecodeOptions(**fields, **{k: v for k, v in given.items() if v is not None})
 

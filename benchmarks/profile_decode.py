@@ -49,7 +49,8 @@ KINDS = (
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "addmm", "aten::mm", "matmul", "linear")),
     ("norm", ("layer_norm", "rms_norm", "norm_kernel")),
     ("kv_write", ("index_copy", "index_put", "scatter", "_rope_kv")),  # + RoPE in the kernel
-    ("sampling", ("argmax", "softmax", "exponential", "topk", "sort", "reduce", "max_kernel")),
+    ("sampling", ("argmax", "softmax", "exponential", "topk", "sort", "reduce", "max_kernel",
+                  "_race_")),  # _race_*: kernels/sample.py (rollout.kernel_options.fused_sampler)
     ("elementwise", ("elementwise", "vectorized", "triton", "copy", "fill", "cat", "roll", "mul",
                      "add", "silu")),
 )

@@ -7,7 +7,8 @@ over `columns` cache columns (the step's kv_len: a decode_kv_window of that widt
 cache when it is the widest), rollout temperature --temperature (1: the race draw and the
 log-probs of every token, as the GSM8K tool job runs), per --kernels value (rollout.decode_kernels:
 "triton" runs the single-turn step's fused layers, decoder.decode_step with a column per row;
-"torch" `extend` of one token). Per model x kernels x rows x columns, two cases:
+"torch" `extend` of one token; with --fused-sampler on the draw and its log-prob are
+kernels/sample.py's under "triton"). Per model x kernels x rows x columns, two cases:
 - graphed: decode_step(graphed=True), one CUDA-graph replay per step (rollout.cuda_graphs);
 - eager: the same function run as PyTorch ops (rollout.cuda_graphs=false).
 Each: kernel time per step (profiled runs of --steps and 2 x --steps steps, their difference over
@@ -31,10 +32,11 @@ time per source line (top 25), the culprit's address.
 
 `pieces` (median of --reps after a warm call; CUDA events on a GPU) on the same shapes, each
 called alone eagerly and (GPU, `graphed`) captured alone and replayed: sample(...),
-_token_logprobs(...), one extend of S=1 over the rows and columns (the torch step's call), the LM
-head (decoder.logits) and the copy of its logits into the state, and the bare SDPA of one layer
-(a query of the step's shape against the cache's views) with the step's mask form (an additive
-bias of shape (r, 1, 1, L)), a boolean mask of that shape and no mask; `sdpa_one_layer_forced`:
+_token_logprobs(...), both as kernels/sample.sample_rows (at a temperature > 0), one extend of
+S=1 over the rows and columns (the torch step's call), the LM head (decoder.logits) and the
+copy of its logits into the state, and the bare SDPA of one layer (a query of the step's shape
+against the cache's views) with the step's mask form (an additive bias of shape (r, 1, 1, L)), a
+boolean mask of that shape and no mask; `sdpa_one_layer_forced`:
 each mask form under each forced backend (flash, efficient, cudnn, math; the error where one
 refuses it).
 
@@ -62,6 +64,7 @@ from torch.overrides import TorchFunctionMode
 
 import hybridflow
 from hybridflow.config import RolloutConfig
+from hybridflow.kernels.sample import new_rng_state, sample_rows
 from hybridflow.rollout import decoder
 from hybridflow.rollout.multi_turn_step import DecodeState, decode_step, extend
 from hybridflow.rollout.options import DecodeOptions
@@ -375,6 +378,7 @@ def pieces(case: Case, device, reps: int) -> dict:
     d = w.dims
     r, L = st.col.shape[0], case.columns
     inv_temp = 1.0 if rc.temperature == 0.0 else 1.0 / rc.temperature
+    rng_state = new_rng_state(0, device)
     case.reset()
     g = torch.Generator(device=device).manual_seed(0)
     tok = torch.randint(0, d.true_vocab, (r,), device=device, generator=g)
@@ -395,6 +399,9 @@ def pieces(case: Case, device, reps: int) -> dict:
             "sample": (lambda: sample(st.logits, temperature=rc.temperature, top_k=rc.top_k,
                                       top_p=rc.top_p, generator=gen._rng), gen._rng),
             "token_logprobs": (lambda: _token_logprobs(st.logits, tok, inv_temp), None),
+            # both of the above as kernels/sample.py's two passes (fused_sampler; T > 0 only)
+            **({"sample_rows": (lambda: sample_rows(st.logits, inv_temp, rng_state), None)}
+               if rc.temperature > 0 else {}),
             "extend_s1": (lambda: extend(
                 w, tok[:, None], st.pos[:, None], ready[:, None], st.col, cache=cache,
                 key_valid=st.key_valid, cos_tab=cos, sin_tab=sin, out=st.logits,
@@ -437,7 +444,8 @@ def run(args, report: dict, *, cfg, gen, weight_bytes: int, device) -> None:
     gen._ensure_cache(rows=max(args.batches), length=T)
     max_steps = 2 * args.steps + 1
     out = report.setdefault("multi_turn", [])
-    kinds = [DecodeOptions(kernels=k).resolved(device, d.head_dim)
+    fused_sampler = getattr(args, "fused_sampler", None) == "on"  # profile_decode's flag
+    kinds = [DecodeOptions(kernels=k, fused_sampler=fused_sampler).resolved(device, d.head_dim)
              for k in getattr(args, "kernels", None) or ["torch"]]
     with torch.no_grad():
         for B in args.batches:
@@ -461,7 +469,8 @@ def run(args, report: dict, *, cfg, gen, weight_bytes: int, device) -> None:
                                                           eager_per=eager_per)
                         except Exception as e:  # noqa: BLE001 - keep the other cases' numbers
                             res = {"error": f"{type(e).__name__}: {e}"[:400]}
-                        res.update(mode=mode, kernels=opts.kernels, **common)
+                        res.update(mode=mode, kernels=opts.kernels,
+                                   fused_sampler=opts.fused_sampler, **common)
                         if mode == "graphed" and res.get("kernels_per_step") == 0:
                             res["note"] = ("the profiler saw no kernels in the graph replays "
                                            "(CUPTI without graph tracing): the eager case's "

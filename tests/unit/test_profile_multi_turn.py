@@ -103,7 +103,8 @@ def test_run_writes_both_modes_and_the_pieces(tmp_path):
                             cases[(L, "eager")]["kernels_per_step"], rel_tol=1e-9)
     (pieces40, pieces64) = saved["multi_turn_pieces"]
     for p in (pieces40["pieces"], pieces64["pieces"]):
-        for k in ("sample", "token_logprobs", "extend_s1", "lm_head", "logits_copy"):
+        for k in ("sample", "token_logprobs", "sample_rows", "extend_s1", "lm_head",
+                  "logits_copy"):
             assert p[k] > 0, k
         for form in ("step_bias", "bool", "none"):
             assert p[f"sdpa/{form}"] > 0
