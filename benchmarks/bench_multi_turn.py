@@ -24,7 +24,9 @@ With triton kernels, `*_torch` twins of graphed_windows and tail_graphed_windows
 torch step (`extend`) on the same rows (`fused_speedup`: their wall time over the fused one's).
 Tool results are held and appended together (rollout.multi_turn.append_wait_steps, its default)
 in every variant but the `*_at_once` twins of graphed_windows and tail_graphed_windows_compact
-(append_wait_steps=0: each poll's results at once). `--tool-latency-ms L --tool-jitter-ms J`: each
+(append_wait_steps=0: each poll's results at once) and the `*_fed` twins
+(rollout.multi_turn.append=decode: a result's tokens fed one per decode step, no extend;
+`fed_speedup`: held wall time over fed). `--tool-latency-ms L --tool-jitter-ms J`: each
 calculator call takes L + [0, J) ms (fixed per call; the runner's 16 threads), so results come in
 spread over the steps as a sandboxed tool's do; 0 (the default): they come in together.
 Per variant: wall seconds, decode steps, ms per step, the time appending tool results
@@ -185,6 +187,7 @@ def synthetic(a) -> dict:
     cache = max(map(len, prompts)) + a.max_new
     window = max(64, -(-cache // 8 // 64) * 64)
     at_once = dataclasses.replace(mt, append_wait_steps=0)
+    fed = dataclasses.replace(mt, append="decode")  # results fed through the decode step
     kernels = DecodeOptions(kernels=a.kernels).resolved(dev, cfg.head_dim).kernels
     windows = DecodeOptions(kernels=kernels, kv_window=window)
     compact = DecodeOptions(kernels=kernels, kv_window=window, compact_finished_rows=True)
@@ -195,7 +198,9 @@ def synthetic(a) -> dict:
         "graphed_windows_at_once": (windows, forced, at_once),
         "tail_graphed_windows": (windows, tail, mt),
         "tail_graphed_windows_compact": (compact, tail, mt),
-        "tail_graphed_windows_compact_at_once": (compact, tail, at_once)}
+        "tail_graphed_windows_compact_at_once": (compact, tail, at_once),
+        "graphed_windows_fed": (windows, forced, fed),
+        "tail_graphed_windows_compact_fed": (compact, tail, fed)}
     if kernels == "triton":  # the torch step (extend) on the same rows, for the A/B
         variants["graphed_windows_torch"] = (windows.replace(kernels="torch"), forced, mt)
         variants["tail_graphed_windows_compact_torch"] = (compact.replace(kernels="torch"),
@@ -222,7 +227,9 @@ def synthetic(a) -> dict:
                      "model_tokens": int((mask * (1 - tool)).sum()),
                      "tool_tokens": int((mask * tool).sum()),
                      "append_wait_steps": mt_v.append_wait_steps,
+                     "append": mt_v.append,
                      "append_calls": metrics["multi_turn/append_calls"],
+                     "fed_tool_tokens": metrics["multi_turn/fed_tool_tokens"],
                      "tool_prefill_s": metrics["timing_s/tool_prefill"], "metrics": metrics}
         print(name, f"{wall:.2f}s", f"{out[name]['ms_per_step']:.2f} ms/step",
               f"calls/row {metrics['tool_calls/mean']:.2f}",
@@ -253,6 +260,9 @@ def synthetic(a) -> dict:
     # wall time appending each poll's results at once / held (the default), same options
     out["hold_speedup"] = {k: out[k + "_at_once"]["wall_s"] / out[k]["wall_s"]
                            for k in ("graphed_windows", "tail_graphed_windows_compact")}
+    # wall time with results appended by `extend` (held) / fed through the decode step
+    out["fed_speedup"] = {k: out[k]["wall_s"] / out[k + "_fed"]["wall_s"]
+                          for k in ("graphed_windows", "tail_graphed_windows_compact")}
     out["settings"] = {"rows": rows, "kv_window": window, "decode_kernels": kernels,
                        "append_wait_steps": mt.append_wait_steps,
                        "append_batch_rows": mt.append_batch_rows,

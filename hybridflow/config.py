@@ -145,6 +145,11 @@ class MultiTurnConfig:
     append_wait_steps: int = 16
     # append the held results as soon as this many rows hold one (1: at once)
     append_batch_rows: int = 64
+    # how a tool result enters its row's cache: "prefill", an eager `extend` over its tokens (held
+    # and batched as above); "decode", fed one token per decode step through the decode step
+    # itself (forced tokens, inside its CUDA graph: no forward pass of its own, as every slot is
+    # computed each step anyway; the row samples again after the result's last token)
+    append: str = "prefill"
 
 
 @dataclass

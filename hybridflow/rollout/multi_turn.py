@@ -35,7 +35,11 @@ at most rollout.max_batch_size rows:
   tool's results trickle in one or two per step), at the latest
   rollout.multi_turn.append_wait_steps decode steps after the oldest came in, as soon as
   append_batch_rows rows hold one, or when no row could decode otherwise (0 steps: each poll's
-  results at once). At TP_g > 1 only the generation group's rank 0 runs tools; it broadcasts
+  results at once). With rollout.multi_turn.append=decode a result is not appended by `extend`
+  at all: its tokens go to the row's queue and the decode step feeds them one per step as forced
+  tokens (recorded as tool tokens, log-prob 0; no stop or call check on them), which costs no
+  forward pass of its own (the step computes every slot anyway) but delays the row by as many
+  steps as the result has tokens. At TP_g > 1 only the generation group's rank 0 runs tools; it broadcasts
   which results are in and what they are at each poll, and the holding decides on step counts
   and those broadcasts only (never wall time), so every rank appends the same tokens at the
   same step.
@@ -63,6 +67,7 @@ number of turns equals a from-scratch prefill of the whole conversation
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Optional
 
@@ -104,7 +109,7 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
     gen._check_options(opts)
     stats = {"tool_wait": 0.0, "tool_prefill": 0.0, "loop": 0.0, "decode_steps": 0,
              "window_steps": {}, "row_steps": 0, "compactions": 0, "append_calls": 0,
-             "append_rows": 0}
+             "append_rows": 0, "fed_tokens": 0}
     N, R = len(prompts) * cfg.n, cfg.max_new_tokens
     ids, mask = gen._padded_prompts(prompts, cfg, pad_id)  # checks prompts and cfg
     P = ids.shape[1]
@@ -167,6 +172,8 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
                "multi_turn/append_calls": float(stats["append_calls"]),
                "multi_turn/append_rows_mean": stats["append_rows"]
                / max(1, stats["append_calls"]),
+               # tool-result tokens fed through the decode step (rollout.multi_turn.append=decode)
+               "multi_turn/fed_tool_tokens": float(stats["fed_tokens"]),
                # cache columns a decode step attended over, on average (rollout.decode_kv_window)
                "multi_turn/kv_columns_mean": sum((k or gen._cache.length) * v for k, v in
                                                  stats["window_steps"].items())
@@ -221,18 +228,20 @@ def _run_chunk(gen: Generator, prompts: list, copy_of: torch.Tensor, cfg: Rollou
     leader = group is None or dist.get_rank(group) == 0
     pending: dict = {}  # row -> Future of its turn's outcomes (None off the leader)
     held: dict = {}  # row -> (outcomes, the chunk's decode step they came in after)
+    queue: dict = {}  # append "decode": row -> its result's tokens still to feed (a deque)
     ready = np.arange(B)  # rows whose next-token logits are in the decode state
     step = 0  # the chunk's decode steps so far (the same on every TP_g rank)
     while True:
         t0 = time.perf_counter()
         feed = ready[:0]  # rows that sampled a token and decode on
         if ready.size:
-            t = _step_rows(slots, rows, ready, P=P, forced=forced, stats=stats)
+            t, fed = _step_rows(slots, rows, ready, P=P, forced=forced, stats=stats, queue=queue)
             step += 1
-            stop = np.isin(t, stop_ids) | (rows.n[ready] >= R)
+            # a fed tool token neither stops its row nor closes a call
+            stop = (np.isin(t, stop_ids) & ~fed) | (rows.n[ready] >= R)
             rows.state[ready[stop]] = Rows.DONE
             go = ~stop
-            for i in np.flatnonzero(go & may_close[t]):  # only rows whose token may close a call
+            for i in np.flatnonzero(go & may_close[t] & ~fed):  # rows whose token may close a call
                 b = int(ready[i])
                 calls = _turn_calls(rows, b, runner, tok)
                 if calls is None:
@@ -246,11 +255,17 @@ def _run_chunk(gen: Generator, prompts: list, copy_of: torch.Tensor, cfg: Rollou
                     pending[b] = runner.submit(calls) if leader else None
             feed = ready[go]
         # results that are in (block for one only when nothing can decode and none is held),
-        # held until one of them has waited its steps, enough rows hold one, or nothing decodes
+        # held until one of them has waited its steps, enough rows hold one, or nothing decodes;
+        # with append "decode" each goes to its row's queue at once
         done = _collect(pending, rows, block=not feed.size and bool(pending) and not held,
                         stats=stats, group=group, leader=leader)
-        held.update((b, (outcomes, step)) for b, outcomes in done.items())
         back = []
+        if mt.append == "decode":
+            for b, ids in _result_tokens(done, rows, runner, R).items():
+                queue[b] = deque(ids)
+                back.append(b)
+        else:
+            held.update((b, (outcomes, step)) for b, outcomes in done.items())
         if held and _flush(held, step, mt, decoding=int(feed.size)):
             tp = time.perf_counter()
             back = _append_results({b: o for b, (o, _) in held.items()}, rows, runner, R, budget,
@@ -304,11 +319,14 @@ def _prefill(gen: Generator, prompts: list, copy_of: torch.Tensor, st: DecodeSta
     return P
 
 
-def _step_rows(slots: Slots, rows: Rows, ready: np.ndarray, *, P: int, forced, stats: dict):
+def _step_rows(slots: Slots, rows: Rows, ready: np.ndarray, *, P: int, forced, stats: dict,
+               queue: Optional[dict] = None):
     """One decode step that samples (and feeds) the `ready` rows: their control row (forced
-    tokens while `forced` = (tokens (B, F), counts (B,)) lasts), the window that holds every
-    state row's next column, the replay, one device-to-host copy; the drawn tokens and log-probs
-    recorded -> the tokens (len(ready),)."""
+    tokens while `forced` = (tokens (B, F), counts (B,)) lasts; a row in `queue` (append
+    "decode": row -> deque of its tool result's tokens) is fed the next of those instead, recorded
+    as a tool token), the window that holds every state row's next column, the replay, one
+    device-to-host copy; the drawn (or fed) tokens and log-probs recorded -> (the tokens
+    (len(ready),), which of them were fed tool tokens (len(ready),) bool)."""
     ctrl, at = slots.ctrl, slots.of[ready]
     ctrl.fill(0)
     ctrl[DecodeState.READY, at] = 1
@@ -317,6 +335,11 @@ def _step_rows(slots: Slots, rows: Rows, ready: np.ndarray, *, P: int, forced, s
         on = rows.n_model[ready] < f_len[ready]
         ctrl[DecodeState.FORCED, at[on]] = 1
         ctrl[DecodeState.FORCED_TOKEN, at[on]] = f_tok[ready[on], rows.n_model[ready[on]]]
+    fed = np.zeros(len(ready), dtype=bool)
+    if queue:
+        fed = np.fromiter((int(b) in queue for b in ready), dtype=bool, count=len(ready))
+        ctrl[DecodeState.FORCED, at[fed]] = 1
+        ctrl[DecodeState.FORCED_TOKEN, at[fed]] = [queue[int(b)].popleft() for b in ready[fed]]
     slots.st.ctrl.copy_(torch.from_numpy(ctrl))
     # a row's next column is below P + its length + 1: the window that holds every row in the
     # state (finished ones too, until compaction drops them: their cache stays intact)
@@ -329,10 +352,16 @@ def _step_rows(slots: Slots, rows: Rows, ready: np.ndarray, *, P: int, forced, s
     t = out[0, at].astype(np.int64)
     n = rows.n[ready]
     rows.tokens[ready, n] = t
-    rows.logprobs[ready, n] = out[1, at]
+    rows.logprobs[ready, n] = np.where(fed, 0.0, out[1, at])
+    rows.tool[ready, n] = fed
     rows.n[ready] += 1
-    rows.n_model[ready] += 1
-    return t
+    rows.n_model[ready] += ~fed
+    if fed.any():
+        stats["fed_tokens"] += int(fed.sum())
+        for b in ready[fed]:
+            if not queue[int(b)]:
+                del queue[int(b)]  # its last result token is in: it samples from the next step
+    return t, fed
 
 
 def _turn_calls(rows: Rows, b: int, runner: ToolRunner, tok) -> Optional[list]:
@@ -368,28 +397,41 @@ def _collect(pending: dict, rows: Rows, *, block: bool, stats: dict, group=None,
     return done
 
 
-def _append_results(resumed: dict, rows: Rows, runner: ToolRunner, R: int, budget: int, w,
-                    cache, slots: Slots, cos, sin, dev, *, stats: dict) -> list:
-    """Append each resumed row's rendered results (cut to max_tool_response_length tokens and to
-    the response budget) to its cache by `extend` over those rows (sub-batches of at most
-    `budget` padded tokens; the call's closing token is in the cache already: the decode step
-    fed it) -> the rows that decode on, their next logits in the decode state's."""
+def _result_tokens(resumed: dict, rows: Rows, runner: ToolRunner, R: int) -> dict:
+    """{row: the tokens of its rendered results (cut to max_tool_response_length and to the
+    response budget)} for the resumed rows that go on, each set to decode its next turn after
+    them; a row whose results leave no room for a model token gets them written here and ends."""
     mt, tok = runner.mt, runner.tok
-    appended = {}
+    out = {}
     for b, outcomes in resumed.items():
         ids = tok.encode(runner.fmt.render(outcomes))[:mt.max_tool_response_length]
         n = int(rows.n[b])
         room = R - n
         ids = ids[:room]  # a result that fills the budget leaves no room for a model token
-        rows.tokens[b, n:n + len(ids)] = ids
-        rows.tool[b, n:n + len(ids)] = 1
-        rows.n[b] += len(ids)
         if not ids or len(ids) >= room:
+            rows.tokens[b, n:n + len(ids)] = ids
+            rows.tool[b, n:n + len(ids)] = 1
+            rows.n[b] += len(ids)
             rows.state[b] = Rows.DONE
             continue
         rows.state[b], rows.turn_start[b] = Rows.DECODE, n + len(ids)
         rows.turns[b] += 1
-        appended[b] = ids
+        out[b] = ids
+    return out
+
+
+def _append_results(resumed: dict, rows: Rows, runner: ToolRunner, R: int, budget: int, w,
+                    cache, slots: Slots, cos, sin, dev, *, stats: dict) -> list:
+    """Append each resumed row's rendered results (`_result_tokens`) to its cache by `extend`
+    over those rows (sub-batches of at most `budget` padded tokens; the call's closing token is in
+    the cache already: the decode step fed it) -> the rows that decode on, their next logits in
+    the decode state's."""
+    appended = _result_tokens(resumed, rows, runner, R)
+    for b, ids in appended.items():
+        n = int(rows.n[b])
+        rows.tokens[b, n:n + len(ids)] = ids
+        rows.tool[b, n:n + len(ids)] = 1
+        rows.n[b] += len(ids)
     if not appended:
         return []
     batch, longest = [], 0

@@ -158,12 +158,14 @@ def test_extend_equals_full_prefill():
         assert kv[b].nonzero()[:, 0].tolist() == list(range(10, 10 + len(s)))
 
 
-@pytest.mark.parametrize("wait_steps", [0, 16], ids=["append_at_once", "hold"])
+@pytest.mark.parametrize("append,wait_steps", [("prefill", 0), ("prefill", 16), ("decode", 16)],
+                         ids=["append_at_once", "hold", "fed_by_decode"])
 @pytest.mark.parametrize("prefill_tokens", [16384, 1], ids=["one_extend", "row_by_row"])
-def test_hermes_calls_match_a_full_prefill(tmp_path, prefill_tokens, wait_steps):
+def test_hermes_calls_match_a_full_prefill(tmp_path, prefill_tokens, append, wait_steps):
     """prefill_tokens=1: one prefill per prompt, and results that come in together are appended
     by one extend per row. wait_steps: rollout.multi_turn.append_wait_steps (results held and
-    appended together; tests/unit/test_multi_turn_append.py times it)."""
+    appended together; tests/unit/test_multi_turn_append.py times it). append "decode": the
+    results' tokens fed one per decode step instead of an extend (the same conversation)."""
     tok = byte_tokenizer(tmp_path)
     gen = make_gen()
     end = tok.encode("<|im_end|>")
@@ -175,7 +177,13 @@ def test_hermes_calls_match_a_full_prefill(tmp_path, prefill_tokens, wait_steps)
               tok.encode("no tools") + end]
     (batch, metrics), runner = run(gen, tok, "hermes", tool_config(tmp_path, "calculator"),
                                     prompts, forced, prefill_tokens=prefill_tokens,
-                                    append_wait_steps=wait_steps)
+                                    append_wait_steps=wait_steps, append=append)
+    tool_tokens = int(batch.tool_mask.sum())
+    if append == "decode":  # no extend: every result token went through a decode step
+        assert metrics["multi_turn/append_calls"] == 0
+        assert metrics["multi_turn/fed_tool_tokens"] == tool_tokens > 0
+    else:
+        assert metrics["multi_turn/append_calls"] > 0 and metrics["multi_turn/fed_tool_tokens"] == 0
     assert batch.tool_mask is not None and batch.rollout_logprobs is not None
     for b in range(4):
         n = int(batch.response_mask[b].sum())

@@ -228,3 +228,44 @@ def test_close_tokens(tmp_path):
     code = runner_for(tok, "code", path).close_tokens(V)
     assert sorted(code.nonzero()[0]) == ids("`")
     assert DecodeState(2, 64, V, "cpu").out.dtype == torch.float64  # token ids stay exact
+
+
+def test_results_fed_by_the_decode_step_equal_appended_ones(tmp_path):
+    """rollout.multi_turn.append=decode: each tool result's tokens go through the (emulated)
+    graphed decode step as forced tokens, one per step, with windows and compaction into ladder
+    sizes from 1 row; greedy, the rollout is the one appended by `extend`: the same tokens and
+    tool masks, model log-probs to rounding, no extend call, every tool token fed."""
+    tok = byte_tokenizer(tmp_path)
+    end = tok.encode("<|im_end|>")
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in ("6*7?", "a longer question")]
+    forced = [end, tok.encode(call("2+2")) + tok.encode("x") + end, tok.encode("abc") + end,
+              tok.encode(call("3*3")) + tok.encode(call("1+1")) + end, [],
+              tok.encode("de") + end]
+    outs = []
+    for append in ("prefill", "decode"):
+        runner = runner_for(tok, "hermes", tool_config(tmp_path, "calculator"), append=append)
+        gen = make_gen()
+        cfg = RolloutConfig(n=3, max_new_tokens=150, temperature=0.0, return_logprobs=True,
+                            max_batch_size=4)
+        opts = DecodeOptions(kernels="torch", kv_window=64, compact_finished_rows=True,
+                             min_graphed_bucket=1, emulate_graphs=True)
+        outs.append(generate_multi_turn(gen, prompts, cfg=cfg, runner=runner, eos_id=tok.eos_id,
+                                        pad_id=tok.pad_id, seed=6, forced=forced,
+                                        options=opts))
+        runner.close()
+    (app, m_app), (fed, m_fed) = outs
+    assert torch.equal(fed.response_ids, app.response_ids)
+    assert torch.equal(fed.tool_mask, app.tool_mask) and int(app.tool_mask.sum()) > 20
+    torch.testing.assert_close(fed.rollout_logprobs, app.rollout_logprobs, rtol=1e-4, atol=1e-4)
+    assert m_app["multi_turn/append_calls"] >= 1 and m_fed["multi_turn/append_calls"] == 0
+    # every tool token went through a step but those of a result that filled the response
+    # budget (written as the row ended: nothing decodes after it)
+    trailing = 0
+    for b in range(fed.response_ids.shape[0]):
+        mask = fed.tool_mask[b, :int(fed.response_mask[b].sum())].tolist()
+        while mask and mask[-1]:
+            trailing += mask.pop()
+    assert m_fed["multi_turn/fed_tool_tokens"] == int(fed.tool_mask.sum()) - trailing > 20
+    assert m_fed["multi_turn/compactions"] >= 1
+    assert m_fed["num_turns/mean"] == m_app["num_turns/mean"] and m_fed["num_turns/max"] >= 2
