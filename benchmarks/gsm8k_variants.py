@@ -10,6 +10,7 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
            alpha=32 and 3e-5 it trailed the full run for its first 29 steps)
   partial  rollout.partial (512 decode steps per step, 32 extra prompts in flight), TIS cap 2.0
   tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter)
+  tools_fed  the same with rollout.multi_turn.append=decode (results fed through the decode step)
 
 On one H200, after `bash benchmarks/gsm8k_h200.sh setup`, one variant per device call (each ~6-7
 minutes for 60 steps with validation every 5), resumable while the machine stays warm:
@@ -41,6 +42,7 @@ VARIANTS = {
     "partial": ("rollout.partial.enable=true rollout.partial.max_decode_steps=512 "
                 "rollout.partial.extra_prompts=32 rollout.max_batch_size=768 algo.tis_imp_ratio_cap=2.0"),
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
+    "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.append=decode",
 }
 STAGES = ("gen", "reshard", "reward", "old_log_prob", "ref", "adv", "update_actor", "val")
 MISMATCH = ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max", "rollout_corr/kl")
