@@ -89,9 +89,10 @@ class DecodeKernelOptions:
     # activation quantization) instead of torch._scaled_mm; 0: always _scaled_mm
     fp8_weight_only_max_rows: int = 0
     # rollout.decode_kernels=triton, temperature > 0 without top-k / top-p: the draw and its
-    # log-prob as one Triton pass over the logits (hybridflow/kernels/sample.py: a counter-based
-    # Philox stream keyed by rollout.seed) instead of PyTorch's exponential race + log_softmax;
-    # other sampling settings keep the PyTorch sampler. Off until measured on a GPU
+    # log-prob as two Triton passes that read the logits once (hybridflow/kernels/sample.py: a
+    # counter-based Philox stream on the device, keyed by each generate call's seed) instead of
+    # PyTorch's exponential race + log_softmax passes; other sampling settings keep the PyTorch
+    # sampler. Off until measured on a GPU
     fused_sampler: bool = False
     # torch.compile backend and mode of rollout.compile_decode (CPU tests: aot_eager)
     compile_backend: str = "inductor"
