@@ -50,6 +50,19 @@ def logprob_cases():
     return out
 
 
+def strided_cases():
+    """Rows of a padded vocabulary (a (B, V) view of (B, V + 7) logits, row stride V + 7): the
+    kernel reads only the view's ids; equals the twin on a contiguous copy."""
+    g = torch.Generator().manual_seed(2)
+    full = torch.randn(3, 300 + 7, generator=g).to(torch.bfloat16)
+    full[:, 300:] = 100.0  # padded ids: would win every draw if read
+    x = full[:, :300]
+    tok, lp = ks.sample_rows(x, 1.0, ks.new_rng_state(4, "cpu"), impl="triton")
+    ttok, tlp = ks.sample_rows(x.contiguous(), 1.0, ks.new_rng_state(4, "cpu"), impl="torch")
+    return {"tokens_equal": bool(torch.equal(tok, ttok)), "max_token": int(tok.max()),
+            "lp_err": (lp - tlp).abs().max().item()}
+
+
 def replace_cases():
     """`replace`: the given rows emit the given token and its log-prob (read back from the logits),
     the others the draw (the twin's)."""
@@ -198,7 +211,8 @@ def multi_turn_cases(tmp):
 if __name__ == "__main__":
     section = sys.argv[1]
     if section == "kernels":
-        result = {"logprobs": logprob_cases(), "replace": replace_cases(),
+        result = {"logprobs": logprob_cases(), "strided": strided_cases(),
+                  "replace": replace_cases(),
                   "stream": stream_cases(), "edge": edge_cases()}
     else:
         result = {"generation": generation_cases(), "multi_turn": multi_turn_cases(sys.argv[2])}

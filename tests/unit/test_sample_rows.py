@@ -58,6 +58,11 @@ def test_kernel_logprobs_equal_log_softmax(kernels_checked):
         assert c["counter"] == [11, 2] and c["twin_counter"] == [11, 1], c
 
 
+def test_kernel_reads_a_strided_view(kernels_checked):
+    c = kernels_checked["strided"]
+    assert c["tokens_equal"] and c["max_token"] < 300 and c["lp_err"] < 5e-6, c
+
+
 def test_kernel_replace_rows(kernels_checked):
     c = kernels_checked["replace"]
     assert c["given_rows"] == [7, 299] and c["drawn_equal"] and c["lp_err"] < 5e-6, c
