@@ -8,17 +8,19 @@ fused with programmatic dependent launch): us per call eager (--reps back-to-bac
 CUDA events, launches included) and graphed (a CUDA graph of --reps calls, the torch way's
 generator registered with it; median of 5 replays); the log-probs' largest difference from
 log_softmax; the floor of reading the logits once at COPY_BW. Then pass 1's tiling (--chunks x
---quads: ids per program, tiles of 4 * quads ids) graphed, for picking the defaults. JSON after
-every batch (benchmarks/run_record.py: machine, versions, command; written atomically).
+--quads x --warps: ids per program, tiles of 4 * quads ids, warps per program) graphed, for
+picking the defaults. JSON after every batch (benchmarks/run_record.py: machine, versions,
+command; written atomically).
 
     python benchmarks/bench_sampler.py --out benchmarks/results/sampler_h200.json
     python benchmarks/bench_sampler.py --device cpu --vocab 1000 --batches 4 --reps 2 \\
-        --chunks 1024 --quads 64 --out /tmp/sampler.json  # CPU smoke (the twin, no graphs)
+        --chunks 1024 --quads 64 --warps 4 --out /tmp/sampler.json  # CPU smoke (the twin)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -106,6 +108,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--chunks", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--quads", type=int, nargs="+", default=[128, 256])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="benchmarks/results/sampler_h200.json")
     args = ap.parse_args()
@@ -132,14 +135,13 @@ def main():
         tok, lp = ks.sample_rows(logits, 1.0 / args.temperature, state)
         ref = torch.log_softmax(logits.float() / args.temperature, -1).gather(1, tok[:, None])
         case["fused_lp_err"] = (lp - ref.squeeze(1)).abs().max().item()
-        for chunk in args.chunks:
-            for quads in args.quads:
-                if chunk % (4 * quads) == 0:
-                    fn = fused_way(True, chunk=chunk, quads=quads)
-                    key = f"chunk{chunk}_quads{quads}"
-                    case["tiling_graph_us"][key] = (graph_us(fn, None, args.reps)
-                                                    if device.type == "cuda"
-                                                    else eager_us(fn, device, args.reps))
+        for chunk, quads, warps in itertools.product(args.chunks, args.quads, args.warps):
+            if chunk % (4 * quads) == 0:
+                fn = fused_way(True, chunk=chunk, quads=quads, warps=warps)
+                key = f"chunk{chunk}_quads{quads}_warps{warps}"
+                case["tiling_graph_us"][key] = (graph_us(fn, None, args.reps)
+                                                if device.type == "cuda"
+                                                else eager_us(fn, device, args.reps))
         timed = case["graph_us"] or case["eager_us"]
         case["speedup"] = timed["torch"] / timed["fused"]
         case["speedup_no_lp"] = timed["torch_no_lp"] / timed["fused_no_lp"]

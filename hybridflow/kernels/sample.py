@@ -188,13 +188,13 @@ def _check(logits, inv_temp, rng_state, replace, chunk, quads):
 
 def sample_rows(logits: torch.Tensor, inv_temp: float, rng_state: torch.Tensor, *,
                 replace: Optional[tuple] = None, need_logprobs: bool = True, pdl: bool = False,
-                impl: str = "auto", chunk: int = 8192, quads: int = 256):
+                impl: str = "auto", chunk: int = 8192, quads: int = 256, warps: int = 4):
     """logits (B, V) over the true vocabulary (any float dtype, last dimension contiguous),
     inv_temp = 1 / temperature > 0, rng_state (2,) int64 [key, counter] on the logits' device
     (advanced in place) -> (tokens (B,) int64, log_softmax(logits * inv_temp) at the tokens (B,)
     fp32, or None without `need_logprobs`). `replace` (where (B,) bool, tokens (B,) int64): those
     rows emit the given token and its log-prob (the draw is still made). Kernel shape: `chunk`
-    ids per program of pass 1, tiles of 4 * `quads` ids."""
+    ids per program of pass 1, tiles of 4 * `quads` ids, `warps` warps per program."""
     _check(logits, inv_temp, rng_state, replace, chunk, quads)
     if not use_triton(logits, impl):
         return _sample_rows_torch(logits, inv_temp, rng_state, replace, need_logprobs)
@@ -215,7 +215,7 @@ def sample_rows(logits: torch.Tensor, inv_temp: float, rng_state: torch.Tensor, 
                     if replace is not None else (tokens, tokens))  # unread without it
     _race_chunk_kernel[(B, nchunk)](logits, rng_state, score, idx, zb, m, s, float(inv_temp), V,
                                     logits.stride(0), nchunk, CHUNK=chunk, QUADS=quads,
-                                    ROUNDS=ROUNDS, num_warps=4, **launch_opts(logits, pdl))
+                                    ROUNDS=ROUNDS, num_warps=warps, **launch_opts(logits, pdl))
     _race_final_kernel[(B,)](score, idx, zb, m, s, logits, where, given, tokens,
                              tokens if lp is None else lp, rng_state, float(inv_temp), V,
                              logits.stride(0), nchunk,
