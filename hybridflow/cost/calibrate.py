@@ -47,7 +47,11 @@ fitted on the dense records. Variable-length records (config `response_lengths`,
 take part in every dense group but the passes', whose efficiencies and fixed costs come from the
 fixed-length records alone; masked attention's `masked_attention_efficiency` is then fitted on the
 variable-length records with those held (`VARLEN_GROUPS`). In the nonlinear refinement every
-efficiency stays at most 1. A record may name a "family" (runs of one code, model and lengths): the
+efficiency stays at most 1. Quantized-rollout records (config `rollout_quantization` fp8 / int4)
+inform only the quantized coefficients (gen -> fp8_decode_layer_s, 1/int4_decode_efficiency),
+fitted last with the rest held (`QUANT_GROUPS`), each against its family's bf16 record of the same
+call when there is one (measured minus that record's miss); the records of such a family stay out
+of every other group and of the memory fit. A record may name a "family" (runs of one code, model and lengths): the
 leave-one-out then holds the family out together.
 
 `--validation PATH` also writes the per-config leave-one-out summary (validate.py). Outputs are
@@ -71,7 +75,7 @@ from hybridflow.cost.gpus import GPU, get_gpu
 from hybridflow.cost.memory import memory_for
 from hybridflow.cost.shapes import load_shape
 from hybridflow.cost.timing import stage_terms
-from hybridflow.cost.validate import format_validation, validation
+from hybridflow.cost.validate import QUANT_KEY, format_validation, validation
 from hybridflow.cost.workload import Plan, Workload, make_plan
 from hybridflow.model_config import ModelConfig
 
@@ -95,6 +99,13 @@ MOE_GROUPS = [(("gen",), ("expert_decode_s",)), (PASS_STAGES, ("expert_pass_s",)
 # attention's own cost is then fitted on the variable-length records (Workload.response_lengths)
 # with those held, so that a few such records do not move what the fixed-length matrix measured
 VARLEN_GROUPS = [(PASS_STAGES, ("inv_masked_attn_eff",))]
+# Quantized-rollout coefficients (Workload.rollout_quantization), fitted last on the quantized
+# records alone with the rest held. A quantized record's family (the same call) may hold its bf16
+# baseline: the quantized generation is then fitted as measured minus the bf16 model's miss on
+# that baseline, so the coefficients describe what quantization adds on that very workload. The
+# records of a family that holds a quantized one (the baselines too) stay out of the other groups
+# and the memory fit: adding them leaves the rest of the fit as it was.
+QUANT_GROUPS = [(("gen",), ("fp8_decode_layer_s", "inv_int4_decode_eff"))]
 
 
 @dataclass
@@ -313,22 +324,62 @@ def _fit_memory(runs: list[Run], base: Calibration) -> Calibration:
     return new
 
 
+def _quantized(run: Run) -> bool:
+    return run.workload.rollout_quantization != "none"
+
+
+def quantized_families(records: list[dict]) -> tuple[list[bool], list[int | None]]:
+    """Per record: whether it belongs to the quantized set (a quantized record, or any record of
+    a family that holds one), and the index of its bf16 baseline (a record of its family whose
+    config says rollout_quantization none; None for the rest)."""
+    quant = [r["config"].get("rollout_quantization", "none") != "none" for r in records]
+    fams = [r.get("family") for r in records]
+    qfams = {f for f, q in zip(fams, quant) if q and f is not None}
+    in_set = [q or (f is not None and f in qfams) for q, f in zip(quant, fams)]
+    baseline = [next((j for j, (g, qj) in enumerate(zip(fams, quant))
+                      if q and f is not None and g == f and not qj), None)
+                for f, q in zip(fams, quant)]
+    return in_set, baseline
+
+
+def _baseline_corrected(run: Run, base: tuple | None, coefs: dict[str, float]) -> Run:
+    """`run` with its measured gen less its bf16 baseline's miss (measured - predicted); `base`:
+    the baseline's (Run, stage terms)."""
+    key = "timing_s/gen"
+    if base is None or key not in run.metrics or key not in base[0].metrics:
+        return run
+    miss = base[0].metrics[key] - base[1]["gen"].seconds(coefs)
+    return replace(run, metrics=run.metrics | {key: run.metrics[key] - miss})
+
+
 def fit(records: list[dict], base: Calibration | None = None) -> Calibration:
     """Calibration fitted to `records` (see the module docstring); `base` supplies the priors."""
     base = base or Calibration()
     runs = [parse_record(r, f"run{i}") for i, r in enumerate(records)]
+    in_qset, baseline = quantized_families(records)
+    quant = [_quantized(r) for r in runs]
+    # kept out of the other groups: the quantized set (only quantized records when it is all
+    # there is: its bf16 records then fit the groups the quantized step holds)
+    out = quant if all(in_qset) else in_qset
+    pool = [i for i, x in enumerate(out) if not x]
     moe = [r.shape.moe.enabled for r in runs]
-    dense = [r for r, m in zip(runs, moe) if not m] or runs   # (MoE records only: fit them all)
-    calib = _fit_memory(dense, base)
+    dense_i = [i for i in pool if not moe[i]] or pool   # (MoE records only: fit them all)
+    calib = _fit_memory([runs[i] for i in dense_i], base)
     terms = [stage_terms(r.shape, r.gpu, r.plan, r.workload, calib) for r in runs]
     runs = [_with_other(r, t) for r, t in zip(runs, terms)]
     coefs = calib.coefs()
     varlen = [r.workload.response_lengths is not None for r in runs]
-    main = [(r, t, v) for r, t, m, v in zip(runs, terms, moe, varlen) if not m or len(dense) == len(runs)]
+    main = [(runs[i], terms[i], varlen[i]) for i in pool if not moe[i] or len(dense_i) == len(pool)]
     steps = [(GROUPS, main),
-             (VARLEN_GROUPS, [(r, t, v) for r, t, m, v in zip(runs, terms, moe, varlen) if v and not m]),
-             (MOE_GROUPS, [(r, t, v) for r, t, m, v in zip(runs, terms, moe, varlen) if m])]
+             (VARLEN_GROUPS, [(runs[i], terms[i], varlen[i]) for i in pool
+                              if varlen[i] and not moe[i]]),
+             (MOE_GROUPS, [(runs[i], terms[i], varlen[i]) for i in pool if moe[i]]),
+             (QUANT_GROUPS, [(i, terms[i], varlen[i]) for i, q in enumerate(quant) if q])]
     for groups, pairs in steps:
+        if groups is QUANT_GROUPS:   # against the same call's bf16 record, the rest held
+            pairs = [(_baseline_corrected(runs[i], None if baseline[i] is None else
+                                          (runs[baseline[i]], terms[baseline[i]]), coefs), t, v)
+                     for i, t, v in pairs]
         for stages, unknowns in groups:
             use = pairs
             if groups is GROUPS and stages == PASS_STAGES:    # fixed-length records (if any)
@@ -365,12 +416,20 @@ def predict_vs_measured(records: list[dict], calibration=None) -> list[dict]:
     if len(set(group)) < 2:
         raise ValueError("leave-one-out needs records of at least 2 families")
     fits: dict[str, Calibration] = {}
+    _, baseline = quantized_families(records)
     rows = []
     for i, rec in enumerate(records):
         run = parse_record(rec, f"run{i}")
         if group[i] not in fits:
             fits[group[i]] = fit([r for r, g in zip(records, group) if g != group[i]], base)
         pred = predict(run, fits[group[i]])
+        gen, b = "timing_s/gen", baseline[i]
+        if b is not None and gen in run.metrics and gen in records[b].get("metrics", {}):
+            # the quantized coefficients' own check: from the same call's bf16 measurement
+            bf16 = parse_record(records[b], f"run{b}")
+            pred[QUANT_KEY] = (bf16.metrics[gen] + pred[gen]
+                               - predict(bf16, fits[group[i]])[gen])
+            run.metrics[QUANT_KEY] = run.metrics[gen]
         for metric, measured in run.metrics.items():
             if metric in pred:
                 p = pred[metric]

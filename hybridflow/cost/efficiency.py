@@ -63,6 +63,21 @@ shipped fit's values and where its records come from are in docs/perf_log.md):
 - expert_decode_s 1e-5: MoE only: fixed seconds per expert per layer per decode step: the
   CUDA-graph decode's MoE MLP runs every expert's small GEMMs one after another
   (rollout/moe.py `dense`); their weight reads are charged apart (hbm_read).
+- fp8_decode_layer_s 2e-5: rollout.quantization=fp8 only: fixed seconds per layer per decode step
+  that fp8 adds over bf16 (Workload.rollout_quantization), an MoE layer half of it (its two
+  quantized attention matrices of four): each of the layer's GEMMs first quantizes its activation
+  rows (one more kernel), then torch._scaled_mm, whose latency at decode row counts is above
+  cuBLAS's bf16 GEMM (quant_gemm_probe_h200.json: bf16 7-28 us per GEMM, latency-bound, well
+  above its weight-read floor; fp8's activation pass plus GEMM a few us more per GEMM inside the
+  decode graph). The halved weight bytes are still charged in `hbm_read`
+  (flops.ROLLOUT_BYTES_PER_WEIGHT); at these shapes the latency, not the bytes, limits a step.
+- int4_decode_efficiency 0.01: rollout.quantization=int4 only: fraction of bf16 peak at which the
+  Triton weight-only int4 kernel runs the quantized layer weights' FLOPs in generation ((prefilled
+  tokens + decode row-steps) x 2 x quantized params, charged on top of the bf16 model's
+  generation): its cost grows with the rows, compute-bound at ~0.4-1% of peak in the probe (0.5B
+  fc1: 0.17 ms at 64 rows, 0.44 ms at 256), where bf16 cuBLAS stays latency-bound.
+  Both are fitted on the generation benchmark's quantized records against the same call's bf16
+  records (calibrate.QUANT_GROUPS), so no trainer record moves them.
 - step_overhead_s 0.02: seconds per step outside the modelled stages (the stage "other"): reward,
   advantages, metrics, host syncs between stages; a few tens of milliseconds.
 - row_overhead_s 1e-4: seconds of the stage "other" per generated row of a DP rank: the reward
@@ -119,6 +134,8 @@ class Calibration:
     masked_attention_efficiency: float = 0.05
     expert_pass_s: float = 1e-4
     expert_decode_s: float = 1e-5
+    fp8_decode_layer_s: float = 2e-5
+    int4_decode_efficiency: float = 0.01
     memory_scale: float = 1.0
     activation_memory_scale: float = 1.0
     memory_headroom_gib: float = 4.0
@@ -149,7 +166,9 @@ class Calibration:
                 "optimizer_step_s": self.optimizer_step_s, "step_overhead_s": self.step_overhead_s,
                 "row_overhead_s": self.row_overhead_s,
                 "inv_masked_attn_eff": 1 / self.masked_attention_efficiency,
-                "expert_pass_s": self.expert_pass_s, "expert_decode_s": self.expert_decode_s}
+                "expert_pass_s": self.expert_pass_s, "expert_decode_s": self.expert_decode_s,
+                "fp8_decode_layer_s": self.fp8_decode_layer_s,
+                "inv_int4_decode_eff": 1 / self.int4_decode_efficiency}
 
     def with_coefs(self, **coefs: float) -> "Calibration":
         """The inverse of coefs(): a copy with the named coefficients replaced."""
@@ -159,7 +178,8 @@ class Calibration:
                  "inv_prefill_eff": "prefill_efficiency", "inv_decode_bw_eff": "decode_bw_efficiency",
                  "inv_torch_kv_eff": "torch_kv_efficiency",
                  "inv_masked_attn_eff": "masked_attention_efficiency",
-                 "inv_comm_eff": "comm_efficiency"}
+                 "inv_comm_eff": "comm_efficiency",
+                 "inv_int4_decode_eff": "int4_decode_efficiency"}
         return replace(self, **{names.get(k, k): (1 / v if k in names else v) for k, v in coefs.items()})
 
     def to_dict(self) -> dict:

@@ -6,8 +6,8 @@ is the sum of its parts, except where two kinds of work overlap (OVERLAP_P): for
 host side (per-layer and TP collective launches) and GPU side (FLOPs, TP bytes); decode's FLOPs and
 its HBM reads.
 The parts (compute, decode_compute, layer_overhead, optimizer, pp_bubble, hbm_read, decode_overhead,
-tp_comm, tp_latency, ep_comm, dp_comm, reshard_comm, latency, pcie, step_overhead) let the report
-say where the time goes. MoE models: FLOPs count the active parameters (router + top_k experts),
+quant_overhead, quant_compute, tp_comm, tp_latency, ep_comm, dp_comm, reshard_comm, latency, pcie,
+step_overhead) let the report say where the time goes. MoE models: FLOPs count the active parameters (router + top_k experts),
 memory every expert, a decode step reads (and multiplies) every expert, and under EP each layer
 pass adds the all-to-all of each token's hidden state to its top_k experts and back (`ep_comm`). Per stage (per GPU; the work is assumed split evenly, ceil() where sequences do not
 divide by DP):
@@ -18,7 +18,11 @@ divide by DP):
   same rate overlapped (OVERLAP_P) with each decode step's reads of the gen weight shard and the
   wave's KV cache at HBM bandwidth x decode eff; plus a fixed cost per layer per decode step
   (`decode_layer_overhead_s`: the CUDA graph's small kernels, with sampling folded in); plus TP_g
-  all-reduces (2 per layer per step). Every response runs to full length, unless the workload is
+  all-reduces (2 per layer per step). A quantized rollout (`Workload.rollout_quantization`) reads
+  its layer weights at their bytes (flops.ROLLOUT_BYTES_PER_WEIGHT) and pays what its kernels cost
+  over bf16's at decode row counts: fp8 a fixed cost per layer per decode step
+  (`fp8_decode_layer_s`, `quant_overhead`), int4 its weight-only kernel's FLOPs over the prefilled
+  tokens and decode row-steps at `int4_decode_efficiency` (`quant_compute`). Every response runs to full length, unless the workload is
   variable-length (`Workload.varlen`): then the decode steps, bucket rows and attended columns come
   from cost.varlen's simulation of the generator (chunks, graph buckets, compaction, KV windows,
   the long tail), the PyTorch decode layer's KV reads at their own efficiency (`kv_read`), and
@@ -210,7 +214,8 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
         prompt = w.prompt_len_max or w.prompt_len
         prefilled = (prompts + d.chunks - 1) if w.prefill_once_per_prompt else rows
         steps, row_steps, row_columns = calls * d.steps, calls * d.row_steps, calls * d.row_columns
-        prefill = calls * prefilled * prompt * forward_flops_per_token(shape, prompt) / tp_g
+        prefill_tokens = calls * prefilled * prompt
+        prefill = prefill_tokens * forward_flops_per_token(shape, prompt) / tp_g
         t.add("compaction", None, calls * d.moved_bytes * kv_token / (gpu.hbm_gbps * 1e9))
         collectives, comm_tokens = 2 * shape.num_layers * (steps + calls * d.chunks), \
             calls * (row_steps + prefilled * prompt)
@@ -221,7 +226,8 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
         row_columns = row_steps * (w.prompt_len + w.response_len / 2)
         prefilled = math.ceil(w.prompts_per_step / plan.layout.dp_g) if w.prefill_once_per_prompt \
             else per_replica  # rows run through the prefill (a prompt group stays on one replica)
-        prefill = prefilled * w.prompt_len * forward_flops_per_token(shape, w.prompt_len) / tp_g
+        prefill_tokens = prefilled * w.prompt_len
+        prefill = prefill_tokens * forward_flops_per_token(shape, w.prompt_len) / tp_g
         collectives = 2 * shape.num_layers * waves * (1 + w.longest_response)
         comm_tokens = per_replica * w.seq_len
     decode = (row_steps * 2 * shape.num_decode_params
@@ -241,6 +247,13 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
         t.add("hbm_read", "inv_decode_bw_eff", (steps * weights + kv) / (gpu.hbm_gbps * 1e9))
     t.add("decode_overhead", "fused_decode_layer_overhead_s" if w.decode_kernels == "triton"
           else "decode_layer_overhead_s", steps * shape.num_layers)
+    # what the quantized kernels cost over bf16's at decode row counts (only when quantized)
+    if w.rollout_quantization == "fp8":   # activation quantization + _scaled_mm latency per GEMM
+        gemms = 2 if shape.moe.enabled else 4          # the quantized matrices of a layer
+        t.add("quant_overhead", "fp8_decode_layer_s", steps * shape.num_layers * gemms / 4)
+    elif w.rollout_quantization == "int4":  # the weight-only kernel: compute-bound, per row
+        rows = prefill_tokens + row_steps
+        t.add("quant_compute", "inv_int4_decode_eff", rows * 2 * quantized / tp_g / peak)
     if shape.moe.enabled:  # the graphed decode's MoE MLP runs every expert, one after another
         t.add("expert_overhead", "expert_decode_s", steps * shape.num_layers * shape.moe.num_experts)
     _tp_comm(t, shape, gpu, tp_g, shape.num_layers, comm_tokens, all_reduces=2,
