@@ -9,8 +9,8 @@ from hybridflow.cost.efficiency import Calibration, load_calibration, shipped_ca
 from hybridflow.cost.gpus import get_gpu
 from hybridflow.cost.memory import MemoryEstimate, memory_for
 from hybridflow.cost.report import CostReport
-from hybridflow.cost.search import (Evaluation, evaluate, graphs_compatible, reason, runners_up,
-                                    search, suggest)
+from hybridflow.cost.search import (Evaluation, evaluate, graphs_compatible, quantization_choice,
+                                    reason, runners_up, search, suggest)
 from hybridflow.cost.shapes import load_shape
 from hybridflow.cost.timing import actor_model_flops, step_seconds
 from hybridflow.cost.workload import Plan, Workload, make_plan
@@ -139,6 +139,8 @@ def _report(shape, gpu, num_gpus, work, calib: Calibration, ranked: list[Evaluat
                      "and per generated row (stage 'other')",
                      "calibration: " + ("the shipped H200 fit" if calib == shipped_calibration()
                                         else "priors (no fit)" if calib == Calibration() else "given")]
+    quant = quantization_choice(shape, gpu, num_gpus, work, calib, best,
+                                plan=best.plan if forced else None)
     if mem.gen_waves > 1:
         notes.append(f"generation runs in {mem.gen_waves} waves per replica: the KV cache takes the "
                      "memory left free (as vLLM's gpu_memory_utilization), so the gen peak is the capacity")
@@ -162,5 +164,7 @@ def _report(shape, gpu, num_gpus, work, calib: Calibration, ranked: list[Evaluat
                      "peak_memory_gib": ev.memory.peak_gib, "fits": ev.fits, "reason": reason(ev, best)}
                     for ev in runners_up(ranked)],
         overflow=None if best.fits else best.overflow(),
-        suggestions=[] if best.fits else suggest(shape, gpu, num_gpus, work, calib),
+        suggestions=[] if best.fits else suggest(shape, gpu, num_gpus, work, calib)
+        + ([quant["reason"]] if quant["recommended"] else []),
+        quantization=quant,
         calibration=calib.to_dict(), notes=notes)

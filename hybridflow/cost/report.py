@@ -36,6 +36,9 @@ class CostReport:
     runners_up: list[dict] = field(default_factory=list)   # layout, step_seconds, peak, fits, reason
     overflow: dict | None = None          # component, phase, gib, peak_gib, capacity_gib
     suggestions: list[str] = field(default_factory=list)
+    # rollout.quantization: recommended mode (None: keep the workload's), reason, each mode's
+    # predicted step (search.quantization_choice)
+    quantization: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -82,6 +85,13 @@ class CostReport:
                   f"  throughput {self.throughput:,.0f} tokens/s/GPU, actor MFU {100 * self.mfu_actor:.1f}%",
                   "", f"total: {self.steps} steps, {self.gpu_hours:,.1f} GPU-hours, "
                   f"${self.cost:,.2f} at ${self.price_per_gpu_hour:.2f}/GPU-hour"]
+        if self.quantization:
+            q = self.quantization
+            lines += ["", f"rollout.quantization ({w['rollout_quantization']} given): {q['reason']}"]
+            lines += [f"  {m:<5} {o['step_s']:8.2f} s/step, gen {o['gen_s']:.2f} s"
+                      + ("" if o["fits"] else ", won't fit")
+                      + (" (with actor.offload_params)" if o["offload_params"] else "")
+                      for m, o in q["options"].items()]
         if self.overflow:
             o = self.overflow
             lines += ["", f"overflow: {o['component']} ({o['gib']:.1f} GiB) at {o['phase']}; "

@@ -209,3 +209,79 @@ def memory_options(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Worklo
                 f"{' + '.join(needs)}: {ev.plan.short()}, peak {ev.memory.peak_gib:.1f} of "
                 f"{ev.memory.capacity_gib:.1f} GiB, {ev.step:.1f} s/step")
     return None
+
+
+QUANT_MODES = ("none", "fp8", "int4")   # rollout.quantization
+# what a quantized rollout adds to generation, and what it saves: timing._gen's part labels
+_QUANT_COST = {"fp8": ("quant_overhead", "its activation quantization and _scaled_mm latency "
+                                         "per layer per decode step"),
+               "int4": ("quant_compute", "its weight-only kernel's compute-bound GEMMs")}
+
+
+def _best_with(shape, gpu, num_gpus, workload, calib, plan: Plan | None) -> Evaluation | None:
+    """The best evaluation of `workload`: on `plan` when the layout is forced, else searched."""
+    if plan is not None:
+        return evaluate(shape, gpu, plan, workload, calib)
+    ranked = search(shape, gpu, num_gpus, workload, calib)
+    return ranked[0] if ranked else None
+
+
+def quantization_choice(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Workload,
+                        calib: Calibration, best: Evaluation, plan: Plan | None = None) -> dict:
+    """rollout.quantization for this step: each mode's best predicted step (the same layout when
+    `plan` forces one, else searched; with actor.offload_params too where the mode alone does not
+    fit: the quantized codes let the bf16 matrices leave the GPU in generation), and the mode to
+    recommend: another mode than the workload's only when it fits and is predicted faster, or fits
+    where the workload's does not. Considered when generation is the step's largest stage, when
+    the workload is already quantized, or when nothing fits. Returns {"recommended": mode or None,
+    "reason": one line, "options": {mode: {step_s, gen_s, fits, offload_params}}}."""
+    current = workload.rollout_quantization
+    stages = {k: v for k, v in best.seconds.items() if k != "step"}
+    largest = max(stages, key=stages.get)
+    if current == "none" and largest != "gen" and best.fits:
+        return {"recommended": None, "options": {},
+                "reason": f"keep none, not considered: generation is {100 * stages['gen'] / best.step:.0f}% "
+                          f"of the step (the largest stage is {largest})"}
+    options, evals = {}, {}
+    for mode in QUANT_MODES:
+        w = replace(workload, rollout_quantization=mode)
+        ev = best if mode == current else _best_with(shape, gpu, num_gpus, w, calib, plan)
+        if (ev is None or not ev.fits) and mode != "none" and not w.offload_params:
+            w = replace(w, offload_params=True)   # the codes in, the bf16 matrices out
+            ev = _best_with(shape, gpu, num_gpus, w, calib, plan) or ev
+        if ev is None:
+            continue
+        evals[mode] = (ev, w)
+        options[mode] = {"step_s": ev.step, "gen_s": ev.seconds["gen"], "fits": ev.fits,
+                         "offload_params": w.offload_params}
+    better = [m for m, (ev, _) in evals.items() if m != current and ev.fits
+              and (not best.fits or ev.step < best.step)]
+    if better:
+        mode = min(better, key=lambda m: evals[m][0].step)
+        ev, w = evals[mode]
+        why = (f"fits where {current} does not" if not best.fits else
+               f"predicted {ev.step:.2f} s/step vs {best.step:.2f} with {current} (gen "
+               f"{ev.seconds['gen']:.2f} vs {stages['gen']:.2f} s)")
+        extra = " + actor.offload_params=true" if w.offload_params and not workload.offload_params \
+            else ""
+        return {"recommended": mode, "options": options,
+                "reason": f"recommend rollout.quantization={mode}{extra}: {why}, {ev.plan.short()}"}
+    return {"recommended": None, "options": options,
+            "reason": f"keep {current}: " + "; ".join(_why_not(m, evals[m][0], best)
+                                                       for m in evals if m != current)}
+
+
+def _why_not(mode: str, ev: Evaluation, best: Evaluation) -> str:
+    """Why `mode` is not recommended over `best`: it does not fit, or its generation costs more
+    than the bytes it saves."""
+    if not ev.fits:
+        return f"{mode} does not fit either (peak {ev.memory.peak_gib:.1f} GiB)"
+    gen, base = ev.breakdown["gen"], best.breakdown["gen"]
+    delta = ev.step - best.step
+    head = f"{mode}: predicted {ev.step:.2f} s/step vs {best.step:.2f} ({delta:+.2f} s)"
+    if mode in _QUANT_COST:
+        label, what = _QUANT_COST[mode]
+        saved = base.get("hbm_read", 0.0) - gen.get("hbm_read", 0.0)
+        return (f"{head}: {what} (+{gen.get(label, 0.0):.2f} s) outweigh the weight reads "
+                f"it saves ({saved:.2f} s)")
+    return head
