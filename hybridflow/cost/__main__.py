@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="rollout.decode_kernels as generation runs it (the default auto: triton on "
                         "a GPU with a power-of-two head_dim)")
     p.add_argument("--rollout-quantization", choices=("none", "fp8", "int4"), default="none",
-                   help="rollout.quantization: the decode step reads fp8 / int4 layer weights")
+                   help="rollout.quantization: the decode step reads fp8 / int4 layer weights "
+                        "and pays the quantized kernels' fitted cost; the report compares every "
+                        "mode when generation is the largest stage")
     p.add_argument("--unfused-elementwise", action="store_false", dest="fused_elementwise",
                    help="parallel.fused_elementwise=false: Megatron's unfused RoPE and SwiGLU")
     p.add_argument("--train-cuda-graphs", action="store_true",
