@@ -332,7 +332,7 @@ def quantized_families(records: list[dict]) -> tuple[list[bool], list[int | None
     """Per record: whether it belongs to the quantized set (a quantized record, or any record of
     a family that holds one), and the index of its bf16 baseline (a record of its family whose
     config says rollout_quantization none; None for the rest)."""
-    quant = [r["config"].get("rollout_quantization", "none") != "none" for r in records]
+    quant = [(r.get("config") or {}).get("rollout_quantization", "none") != "none" for r in records]
     fams = [r.get("family") for r in records]
     qfams = {f for f, q in zip(fams, quant) if q and f is not None}
     in_set = [q or (f is not None and f in qfams) for q, f in zip(quant, fams)]
@@ -424,9 +424,9 @@ def predict_vs_measured(records: list[dict], calibration=None) -> list[dict]:
             fits[group[i]] = fit([r for r, g in zip(records, group) if g != group[i]], base)
         pred = predict(run, fits[group[i]])
         gen, b = "timing_s/gen", baseline[i]
-        if b is not None and gen in run.metrics and gen in records[b].get("metrics", {}):
+        bf16 = None if b is None else parse_record(records[b], f"run{b}")
+        if bf16 is not None and gen in run.metrics and gen in bf16.metrics:
             # the quantized coefficients' own check: from the same call's bf16 measurement
-            bf16 = parse_record(records[b], f"run{b}")
             pred[QUANT_KEY] = (bf16.metrics[gen] + pred[gen]
                                - predict(bf16, fits[group[i]])[gen])
             run.metrics[QUANT_KEY] = run.metrics[gen]

@@ -239,9 +239,10 @@ def quantization_choice(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: W
     stages = {k: v for k, v in best.seconds.items() if k != "step"}
     largest = max(stages, key=stages.get)
     if current == "none" and largest != "gen" and best.fits:
+        share = 100 * stages["gen"] / best.step
         return {"recommended": None, "options": {},
-                "reason": f"keep none, not considered: generation is {100 * stages['gen'] / best.step:.0f}% "
-                          f"of the step (the largest stage is {largest})"}
+                "reason": f"keep none, not considered: generation is {share:.0f}% of the step "
+                          f"(the largest stage is {largest})"}
     options, evals = {}, {}
     for mode in QUANT_MODES:
         w = replace(workload, rollout_quantization=mode)

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from hybridflow.cost import estimate_cost
-from hybridflow.cost.calibrate import fit, load_records, parse_record, predict, quantized_families
+from hybridflow.cost.calibrate import (fit, load_records, parse_record, predict,
+                                       predict_vs_measured, quantized_families)
 from hybridflow.cost.efficiency import Calibration, shipped_calibration
 from hybridflow.cost.timing import stage_breakdown
+from hybridflow.cost.validate import QUANT_KEY, validation
 
 ROOT = Path(__file__).resolve().parents[2]
 COST = ROOT / "benchmarks/results/cost"
@@ -73,6 +75,22 @@ def test_shipped_fit_reproduces_quantized_records():
     bytes_only = replace(shipped, fp8_decode_layer_s=0.0, int4_decode_efficiency=1e9)
     for mode, measured, predicted in _from_bf16(load_records([QUANT]), bytes_only):
         assert predicted < measured
+
+
+def test_leave_one_out_predicts_each_family_from_the_others():
+    """Each (shape, batch) family left out, its fp8 / int4 generation predicted from its bf16
+    measurement by the others' fit: fp8 within 10%, int4 (one other record) within 16%; the
+    validation judges these generation-only configs on that row, their bf16 ones on gen."""
+    records = load_records(DENSE + [QUANT])
+    rows = predict_vs_measured(records)
+    quant = {r["name"]: r for r in rows if r["metric"] == QUANT_KEY}
+    assert len(quant) == 6
+    for name, r in quant.items():
+        assert abs(r["error_pct"]) < (10 if name.endswith("fp8") else 16), name
+    configs = {c["name"]: c for c in validation(records, rows, command="")["validation"]["configs"]}
+    for name, c in configs.items():
+        want = QUANT_KEY if name in quant else "timing_s/gen" if "-gen-" in name else None
+        assert c.get("judged_on") == want, name
 
 
 def test_quantized_records_leave_the_dense_fit_unchanged():
@@ -147,3 +165,15 @@ def test_estimator_does_not_consider_quantization_when_training_dominates():
     r = estimate_cost(**(GEN_HEAVY | {"response_len": 128, "prompts_per_step": 128}))
     assert r.quantization["recommended"] is None and not r.quantization["options"]
     assert "not considered" in r.quantization["reason"]
+
+
+def test_estimator_considers_quantization_when_nothing_fits():
+    """Nothing fits (a 7B actor on one 24 GiB card): the quantized modes are tried with
+    actor.offload_params too; they do not fit either (the update phase is the peak), so none is
+    recommended and the reason says so."""
+    r = estimate_cost(**(GEN_HEAVY | {"model": "qwen2_7b", "gpu_memory_gib": 24}))
+    assert not r.fits
+    q = r.quantization
+    assert q["recommended"] is None
+    assert q["options"]["fp8"]["offload_params"] and not q["options"]["fp8"]["fits"]
+    assert "fp8 does not fit either" in q["reason"]
