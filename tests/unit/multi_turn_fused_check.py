@@ -168,7 +168,9 @@ def rollout_cases(tmp):
     """generate_multi_turn with kernels="triton" against "torch" (forced tool calls, then greedy;
     KV windows, emulated graphs, with and without compaction): the same tokens and tool masks,
     log-probs within rounding, the K/V equal where valid (without compaction: the state's rows
-    are then the cache's; compaction moves both runs' rows alike)."""
+    are then the cache's; compaction moves both runs' rows alike). "fed": the triton run feeds
+    the tool results through the decode step (rollout.multi_turn.append=decode), the torch run
+    appends them by `extend`: the same conversation and cache."""
     tok = byte_tokenizer(tmp)
     end = tok.encode("<|im_end|>")
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
@@ -179,7 +181,11 @@ def rollout_cases(tmp):
     cfg = RolloutConfig(n=2, max_new_tokens=84, temperature=0.0, return_logprobs=True,
                         max_batch_size=4)
     out = {}
-    for compact in (False, True):
+    for name, compact, append in (("windows", False, "prefill"), ("compaction", True, "prefill"),
+                                  ("fed", False, "decode")):
+        if name == "fed":  # room for the results to be appended (at 84 tokens they end the rows)
+            cfg = RolloutConfig(n=2, max_new_tokens=200, temperature=0.0, return_logprobs=True,
+                                max_batch_size=4)
         runs = {}
         for kernels in ("torch", "triton"):
             gen = Generator(model_cfg=CFG16_G1, params=params(CFG16_G1), tp_group=None,
@@ -188,7 +194,9 @@ def rollout_cases(tmp):
                                  compact_finished_rows=compact, min_graphed_bucket=1,
                                  emulate_graphs=True)
             batch, m = generate_multi_turn(
-                gen, prompts, cfg=cfg, runner=runner_for(tok, "hermes", path), eos_id=tok.eos_id,
+                gen, prompts, cfg=cfg, eos_id=tok.eos_id,
+                runner=runner_for(tok, "hermes", path,
+                                  append=append if kernels == "triton" else "prefill"),
                 pad_id=tok.pad_id, seed=3, forced=forced, options=opts)
             (st, _), = [v for k, v in gen._steps.items() if k[0] == "multi_turn" and k[1] == 4]
             runs[kernels] = (batch, m, gen, st)
@@ -201,7 +209,7 @@ def rollout_cases(tmp):
                     cols = s0.key_valid[b].nonzero()[:, 0]
                     kv_err = max(kv_err, (c0[:, b, :, cols] - c1[:, b, :, cols]).abs().max()
                                  .item())
-        out["compaction" if compact else "windows"] = {
+        out[name] = {
             "tokens_equal": bool(torch.equal(b0.response_ids, b1.response_ids)),
             "tool_mask_equal": bool(torch.equal(b0.tool_mask, b1.tool_mask)),
             "tool_tokens": int(b0.tool_mask.sum()), "tokens": int(b0.response_mask.sum()),
@@ -210,7 +218,9 @@ def rollout_cases(tmp):
             "compactions": [m0["multi_turn/compactions"], m1["multi_turn/compactions"]],
             "kv_columns_mean": [m0["multi_turn/kv_columns_mean"],
                                 m1["multi_turn/kv_columns_mean"]],
-            "steps": [m0["multi_turn/decode_steps"], m1["multi_turn/decode_steps"]]}
+            "steps": [m0["multi_turn/decode_steps"], m1["multi_turn/decode_steps"]],
+            "append_calls": [m0["multi_turn/append_calls"], m1["multi_turn/append_calls"]],
+            "fed_tool_tokens": m1["multi_turn/fed_tool_tokens"]}
     return out
 
 
