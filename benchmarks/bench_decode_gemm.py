@@ -41,9 +41,10 @@ MODELS = {"qwen2_0_5b": (896, 14, 2, 64, 4864, 151936, 24),
 WAYS = ("cublas", "cublaslt", "autotune")
 
 
-def graph_us(fn, reps: int = 20, replays: int = 5) -> float:
+def graph_us(fn, reps: int = 20, replays: int = 5, generator=None) -> float:
     """us per call on CUDA: a CUDA graph of `reps` calls (after 3 warm-up calls on a side stream),
-    median over `replays` replays."""
+    median over `replays` replays; `generator` (a CUDA torch.Generator the calls draw from, or
+    None) registered with the graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -51,6 +52,8 @@ def graph_us(fn, reps: int = 20, replays: int = 5) -> float:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
+    if generator is not None:
+        g.register_generator_state(generator)
     with torch.cuda.graph(g):
         for _ in range(reps):
             fn()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 import time
 
@@ -30,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_decode_gemm import graph_us  # noqa: E402
 from run_record import command, machine, versions, write_json  # noqa: E402
 
 from hybridflow.kernels import sample as ks  # noqa: E402
@@ -53,34 +53,6 @@ def eager_us(fn, device, reps: int) -> float:
     b.record()
     torch.cuda.synchronize()
     return a.elapsed_time(b) * 1e3 / reps
-
-
-def graph_us(fn, generator, reps: int, replays: int = 5) -> float:
-    """us per call: a CUDA graph of `reps` calls (after 3 warm-up calls on a side stream),
-    median over `replays` replays; `generator` (a CUDA torch.Generator or None) registered."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    if generator is not None:
-        g.register_generator_state(generator)
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
 
 
 def ways(logits, temperature: float, generator, state):
@@ -131,7 +103,7 @@ def main():
         for name, (fn, reg) in calls.items():
             case["eager_us"][name] = eager_us(fn, device, args.reps)
             if device.type == "cuda":
-                case["graph_us"][name] = graph_us(fn, reg, args.reps)
+                case["graph_us"][name] = graph_us(fn, args.reps, generator=reg)
         tok, lp = ks.sample_rows(logits, 1.0 / args.temperature, state)
         ref = torch.log_softmax(logits.float() / args.temperature, -1).gather(1, tok[:, None])
         case["fused_lp_err"] = (lp - ref.squeeze(1)).abs().max().item()
@@ -139,7 +111,7 @@ def main():
             if chunk % (4 * quads) == 0:
                 fn = fused_way(True, chunk=chunk, quads=quads, warps=warps)
                 key = f"chunk{chunk}_quads{quads}_warps{warps}"
-                case["tiling_graph_us"][key] = (graph_us(fn, None, args.reps)
+                case["tiling_graph_us"][key] = (graph_us(fn, args.reps)
                                                 if device.type == "cuda"
                                                 else eager_us(fn, device, args.reps))
         timed = case["graph_us"] or case["eager_us"]
