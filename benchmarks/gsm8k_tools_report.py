@@ -27,7 +27,8 @@ from gsm8k_variants import paired, summarize  # noqa: E402
 from run_record import command, write_json  # noqa: E402
 
 # the tool run's step split: name -> its timing_s/<stage>
-SPLIT = {"decode": "multi_turn_decode", "tool_prefill": "tool_prefill", "tool_wait": "tool_wait",
+SPLIT = {"decode": "multi_turn_decode", "decode_step_wait": "multi_turn_step_wait",
+         "decode_host": "multi_turn_host", "tool_prefill": "tool_prefill", "tool_wait": "tool_wait",
          "gen": "gen", "update_actor": "update_actor", "ref": "ref", "step": "step"}
 TOOL_PER_STEP = ("tool_calls/mean", "num_turns/mean", "tool_errors/mean")
 STEP_RATIO_GOAL = 1.5

@@ -109,7 +109,7 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
     gen._check_options(opts)
     stats = {"tool_wait": 0.0, "tool_prefill": 0.0, "loop": 0.0, "decode_steps": 0,
              "window_steps": {}, "row_steps": 0, "compactions": 0, "append_calls": 0,
-             "append_rows": 0, "fed_tokens": 0}
+             "append_rows": 0, "fed_tokens": 0, "step_wait": 0.0}
     N, R = len(prompts) * cfg.n, cfg.max_new_tokens
     ids, mask = gen._padded_prompts(prompts, cfg, pad_id)  # checks prompts and cfg
     P = ids.shape[1]
@@ -162,6 +162,11 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
                # the rest of the loop: sampling, decode steps, the per-step host work
                "timing_s/multi_turn_decode": stats["loop"] - stats["tool_wait"]
                - stats["tool_prefill"],
+               # of which launching each decode step and waiting for its tokens (the device's
+               # time, with any work queued before it), and the host's own work between steps
+               "timing_s/multi_turn_step_wait": stats["step_wait"],
+               "timing_s/multi_turn_host": stats["loop"] - stats["tool_wait"]
+               - stats["tool_prefill"] - stats["step_wait"],
                "multi_turn/decode_steps": float(stats["decode_steps"]),
                # rows the decode steps computed (rollout.compact_finished_rows drops finished ones)
                "multi_turn/decode_row_steps": float(stats["row_steps"]),
@@ -344,11 +349,13 @@ def _step_rows(slots: Slots, rows: Rows, ready: np.ndarray, *, P: int, forced, s
     # a row's next column is below P + its length + 1: the window that holds every row in the
     # state (finished ones too, until compaction drops them: their cache stays intact)
     window = window_for(slots.fns, P + int(rows.n[slots.of >= 0].max()) + 1)
+    t0 = time.perf_counter()
     slots.fns[window]()  # draws every slot's token, feeds the ready rows'
+    out = slots.st.out.cpu().numpy()  # (2, slots): the one device-to-host copy of the step
+    stats["step_wait"] += time.perf_counter() - t0  # the launch and the wait for the device
     stats["window_steps"][window] = stats["window_steps"].get(window, 0) + 1
     stats["decode_steps"] += 1
     stats["row_steps"] += slots.size
-    out = slots.st.out.cpu().numpy()  # (2, slots): the one device-to-host copy of the step
     t = out[0, at].astype(np.int64)
     n = rows.n[ready]
     rows.tokens[ready, n] = t

@@ -178,6 +178,10 @@ def test_hermes_calls_match_a_full_prefill(tmp_path, prefill_tokens, append, wai
     (batch, metrics), runner = run(gen, tok, "hermes", tool_config(tmp_path, "calculator"),
                                     prompts, forced, prefill_tokens=prefill_tokens,
                                     append_wait_steps=wait_steps, append=append)
+    decode = metrics["timing_s/multi_turn_decode"]  # split into the device's steps and the host
+    assert metrics["timing_s/multi_turn_step_wait"] > 0 and metrics["timing_s/multi_turn_host"] > 0
+    assert abs(metrics["timing_s/multi_turn_step_wait"] + metrics["timing_s/multi_turn_host"]
+               - decode) < 1e-9
     tool_tokens = int(batch.tool_mask.sum())
     if append == "decode":  # no extend: every result token went through a decode step
         assert metrics["multi_turn/append_calls"] == 0
