@@ -43,11 +43,12 @@ def _setup(tmp_path):
     return tok, prompts, forced, tool_config(tmp_path, "calculator")
 
 
-def _run(fn, gen, tok, prompts, forced, path, kernels="torch", **opts):
+def _run(fn, gen, tok, prompts, forced, path, kernels="torch", append="prefill", **opts):
     cfg = RolloutConfig(n=1, max_new_tokens=320, temperature=1.0, return_logprobs=True,
                         max_batch_size=3)  # chunks of 3 and 2 rows
-    # results appended at the poll they come in, as the eager reference loop does
-    runner = runner_for(tok, "hermes", path, append_wait_steps=0)
+    # results appended at the poll they come in, as the eager reference loop does (or fed through
+    # the decode step: rollout.multi_turn.append=decode)
+    runner = runner_for(tok, "hermes", path, append_wait_steps=0, append=append)
     return fn(gen, prompts, cfg=cfg, runner=runner, eos_id=tok.eos_id,
               pad_id=tok.pad_id, seed=7, forced=forced,
               options=DecodeOptions(kernels=kernels, prefill_tokens=64, **opts))
@@ -128,7 +129,8 @@ def _prefill_logprobs(gen, prompt, resp):
 def test_fused_step_bf16(tmp_path):
     """decode_kernels=triton, bf16, forced rows (every token given, so the runs compare token for
     token), KV windows and compaction: graphed == eager bit for bit; the log-probs of the model's
-    tokens are the torch step's and a full prefill's within bf16 rounding."""
+    tokens are the torch step's and a full prefill's within bf16 rounding; with the tool results
+    fed through the graphed step (append=decode) the same rollout, log-probs within bf16 rounding."""
     tok, prompts, forced, path = _setup(tmp_path)
     end = tok.encode("<|im_end|>")
     forced = forced[:3] + [forced[3] + tok.encode("two") + end, tok.encode("plain") + end]
@@ -138,7 +140,17 @@ def test_fused_step_bf16(tmp_path):
                        cuda_graphs=g, **more)
             for name, k, g in (("fused", "triton", True), ("fused_eager", "triton", False),
                                ("torch", "torch", True))}
+    # the results fed through the graphed fused step instead of appended by extend
+    runs["fed"] = _run(generate_multi_turn, gen, tok, prompts, forced, path, kernels="triton",
+                       cuda_graphs=True, append="decode", **more)
     (fused, m), (eager, _), (ref, _) = runs["fused"], runs["fused_eager"], runs["torch"]
+    fed, m_fed = runs["fed"]
+    assert m_fed["multi_turn/append_calls"] == 0 < m_fed["multi_turn/fed_tool_tokens"]
+    assert torch.equal(fed.response_ids, fused.response_ids)
+    assert torch.equal(fed.tool_mask, fused.tool_mask)
+    model_fed = (fed.response_mask * (1 - fed.tool_mask)).bool()
+    diff_fed = (fed.rollout_logprobs - fused.rollout_logprobs)[model_fed].abs()
+    assert diff_fed.max() < 0.1 and diff_fed.mean() < 0.02, (diff_fed.max(), diff_fed.mean())
     assert m["tool_calls/mean"] > 0 and m["multi_turn/compactions"] > 0
     assert torch.equal(fused.response_ids, eager.response_ids)
     assert torch.equal(fused.rollout_logprobs, eager.rollout_logprobs)
