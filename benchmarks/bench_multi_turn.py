@@ -26,7 +26,8 @@ Tool results are held and appended together (rollout.multi_turn.append_wait_step
 in every variant but the `*_at_once` twins of graphed_windows and tail_graphed_windows_compact
 (append_wait_steps=0: each poll's results at once) and the `*_fed` twins
 (rollout.multi_turn.append=decode: a result's tokens fed one per decode step, no extend;
-`fed_speedup`: held wall time over fed). `--tool-latency-ms L --tool-jitter-ms J`: each
+`fed_speedup`: held wall time over fed) and their `*_fed_ahead` twins (+ rollout.multi_turn.
+lookahead: each step launched before the previous one's tokens are read; `lookahead_speedup`). `--tool-latency-ms L --tool-jitter-ms J`: each
 calculator call takes L + [0, J) ms (fixed per call; the runner's 16 threads), so results come in
 spread over the steps as a sandboxed tool's do; 0 (the default): they come in together.
 Per variant: wall seconds, decode steps, ms per step, the time appending tool results
@@ -188,6 +189,7 @@ def synthetic(a) -> dict:
     window = max(64, -(-cache // 8 // 64) * 64)
     at_once = dataclasses.replace(mt, append_wait_steps=0)
     fed = dataclasses.replace(mt, append="decode")  # results fed through the decode step
+    ahead = dataclasses.replace(fed, lookahead=True)  # + each step launched before the last is read
     kernels = DecodeOptions(kernels=a.kernels).resolved(dev, cfg.head_dim).kernels
     windows = DecodeOptions(kernels=kernels, kv_window=window)
     compact = DecodeOptions(kernels=kernels, kv_window=window, compact_finished_rows=True)
@@ -200,7 +202,9 @@ def synthetic(a) -> dict:
         "tail_graphed_windows_compact": (compact, tail, mt),
         "tail_graphed_windows_compact_at_once": (compact, tail, at_once),
         "graphed_windows_fed": (windows, forced, fed),
-        "tail_graphed_windows_compact_fed": (compact, tail, fed)}
+        "tail_graphed_windows_compact_fed": (compact, tail, fed),
+        "graphed_windows_fed_ahead": (windows, forced, ahead),
+        "tail_graphed_windows_compact_fed_ahead": (compact, tail, ahead)}
     if kernels == "triton":  # the torch step (extend) on the same rows, for the A/B
         variants["graphed_windows_torch"] = (windows.replace(kernels="torch"), forced, mt)
         variants["tail_graphed_windows_compact_torch"] = (compact.replace(kernels="torch"),
@@ -230,6 +234,9 @@ def synthetic(a) -> dict:
                      "append": mt_v.append,
                      "append_calls": metrics["multi_turn/append_calls"],
                      "fed_tool_tokens": metrics["multi_turn/fed_tool_tokens"],
+                     "lookahead": mt_v.lookahead,
+                     "host_s": metrics["timing_s/multi_turn_host"],
+                     "step_wait_s": metrics["timing_s/multi_turn_step_wait"],
                      "tool_prefill_s": metrics["timing_s/tool_prefill"], "metrics": metrics}
         print(name, f"{wall:.2f}s", f"{out[name]['ms_per_step']:.2f} ms/step",
               f"calls/row {metrics['tool_calls/mean']:.2f}",
@@ -263,6 +270,9 @@ def synthetic(a) -> dict:
     # wall time with results appended by `extend` (held) / fed through the decode step
     out["fed_speedup"] = {k: out[k]["wall_s"] / out[k + "_fed"]["wall_s"]
                           for k in ("graphed_windows", "tail_graphed_windows_compact")}
+    # wall time fed step by step / fed with each step launched before the last one is read
+    out["lookahead_speedup"] = {k: out[k + "_fed"]["wall_s"] / out[k + "_fed_ahead"]["wall_s"]
+                                for k in ("graphed_windows", "tail_graphed_windows_compact")}
     out["settings"] = {"rows": rows, "kv_window": window, "decode_kernels": kernels,
                        "append_wait_steps": mt.append_wait_steps,
                        "append_batch_rows": mt.append_batch_rows,

@@ -14,7 +14,7 @@ kernels/sample.py's under "triton"). Per model x kernels x rows x columns, two c
 Each: kernel time per step (profiled runs of --steps and 2 x --steps steps, their difference over
 --steps, as profile_decode's single-turn cases), kernels per step, wall us per step (back-to-back
 steps, and `wall_us_per_step_host_io`: each step also copying the host's control row in and the
-drawn tokens / log-probs out, as multi_turn._step_rows does), the weight + KV read floor.
+drawn tokens / log-probs out, as multi_turn._launch and _read do), the weight + KV read floor.
 
 Kinds (MT_KINDS): the eager profile runs under a TorchFunctionMode that wraps every torch call
 in a record_function naming its innermost hybridflow source line, so each kernel is attributed
@@ -278,7 +278,7 @@ def _sync(device):
 def wall_us_per_step(case: Case, steps: int, device, *, host_io: bool = False) -> float:
     """Median over 3 runs (after a warm one) of the wall us per step of `steps` steps back to back
     (one sync at the end); `host_io`: each step also copies a host control row in and the step's
-    output out (multi_turn._step_rows' per-step transfers, its sync included)."""
+    output out (multi_turn._launch and _read: the per-step transfers, its sync included)."""
     import numpy as np
 
     ctrl = np.zeros(tuple(case.st.ctrl.shape), dtype=np.int64)

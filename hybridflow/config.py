@@ -151,6 +151,12 @@ class MultiTurnConfig:
     # itself (forced tokens, inside its CUDA graph: no forward pass of its own, as every slot is
     # computed each step anyway; the row samples again after the result's last token)
     append: str = "prefill"
+    # launch each decode step before reading the previous one's tokens, so that the host's work
+    # between steps (recording tokens, looking for calls, tools, compaction) overlaps the device's
+    # step instead of leaving it idle; a row that stopped or called a tool at step k has been fed
+    # once more at step k + 1: that token is dropped and, after a call, taken back in the cache
+    # at the next step. Needs append=decode
+    lookahead: bool = False
 
 
 @dataclass

@@ -442,6 +442,10 @@ def validate_multi_turn(r) -> None:
     _positive("rollout.multi_turn.max_tool_response_length", m.max_tool_response_length)
     _positive("rollout.multi_turn.tool_workers", m.tool_workers)
     _one_of("rollout.multi_turn.append", m.append, {"prefill", "decode"})
+    if m.lookahead and m.append != "decode":
+        raise ValueError(f"rollout.multi_turn.lookahead=true needs rollout.multi_turn.append=decode "
+                         f"(got {m.append!r}): an extend between steps would run behind a step "
+                         f"launched before the host saw its rows' calls")
     # results held and appended together (multi_turn.py): decode steps, rows
     _int_at_least("rollout.multi_turn.append_wait_steps", m.append_wait_steps, 0,
                   "decode steps a tool result may be held before it is appended; 0: at once")

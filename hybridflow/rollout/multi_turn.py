@@ -39,7 +39,12 @@ at most rollout.max_batch_size rows:
   at all: its tokens go to the row's queue and the decode step feeds them one per step as forced
   tokens (recorded as tool tokens, log-prob 0; no stop or call check on them), which costs no
   forward pass of its own (the step computes every slot anyway) but delays the row by as many
-  steps as the result has tokens. At TP_g > 1 only the generation group's rank 0 runs tools; it broadcasts
+  steps as the result has tokens. With rollout.multi_turn.lookahead (append=decode only) each
+  step is launched before the previous one's tokens are read (copied to pinned host memory, not
+  waited for), so the host's bookkeeping overlaps the device's step; a row that stopped or called
+  a tool at step k was fed once more at k + 1: that token is dropped (`Rows.epoch`) and, after a
+  call, taken back in the cache by the next step (DecodeState.ROLLBACK). At TP_g > 1 only the
+  generation group's rank 0 runs tools; it broadcasts
   which results are in and what they are at each poll, and the holding decides on step counts
   and those broadcasts only (never wall time), so every rank appends the same tokens at the
   same step.
@@ -69,7 +74,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, wait
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -109,7 +114,7 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
     gen._check_options(opts)
     stats = {"tool_wait": 0.0, "tool_prefill": 0.0, "loop": 0.0, "decode_steps": 0,
              "window_steps": {}, "row_steps": 0, "compactions": 0, "append_calls": 0,
-             "append_rows": 0, "fed_tokens": 0, "step_wait": 0.0}
+             "append_rows": 0, "fed_tokens": 0, "step_wait": 0.0, "dropped": 0}
     N, R = len(prompts) * cfg.n, cfg.max_new_tokens
     ids, mask = gen._padded_prompts(prompts, cfg, pad_id)  # checks prompts and cfg
     P = ids.shape[1]
@@ -126,7 +131,7 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
         windows = kv_windows(gen._cache.length, opts.kv_window)
         targets = {e - s: _targets(e - s, opts, graphed) for s, e in chunks}
         sizes = {b for s, e in chunks for b in (e - s, *targets[e - s])}
-        steps = {b: _step(gen, b, cfg, graphed, windows, opts)
+        steps = {b: _step(gen, b, cfg, graphed, windows, opts, runner.mt.lookahead)
                  for b in sorted(sizes, reverse=True)}
         gen.reseed(seed)
         hosts = []
@@ -179,6 +184,8 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
                / max(1, stats["append_calls"]),
                # tool-result tokens fed through the decode step (rollout.multi_turn.append=decode)
                "multi_turn/fed_tool_tokens": float(stats["fed_tokens"]),
+               # tokens lookahead's steps drew for rows that had stopped or called a tool
+               "multi_turn/lookahead_dropped": float(stats["dropped"]),
                # cache columns a decode step attended over, on average (rollout.decode_kv_window)
                "multi_turn/kv_columns_mean": sum((k or gen._cache.length) * v for k, v in
                                                  stats["window_steps"].items())
@@ -196,16 +203,16 @@ def _targets(B: int, opts: DecodeOptions, graphed: bool) -> list:
 
 
 def _step(gen: Generator, B: int, cfg: RolloutConfig, graphed: bool, windows: list,
-          opts: DecodeOptions):
+          opts: DecodeOptions, rollback: bool = False):
     """(DecodeState, {kv_len: step}) of chunks of B rows, kept on the generator per `opts`
     (resolved; its release() drops them with the other captured steps; a cache that grows
-    releases them too)."""
+    releases them too); `rollback`: steps that can take back a row's last token (lookahead)."""
     key = ("multi_turn", B, gen._cache.length, cfg.temperature, cfg.top_k, cfg.top_p, graphed,
-           tuple(windows), opts)
+           tuple(windows), opts, rollback)
     if key not in gen._steps:
         st = DecodeState(B, gen._cache.length, gen.w.dims.true_vocab, gen.device, gen.dtype)
         gen._steps[key] = (st, {kv_len: decode_step(gen, st, cfg, graphed=graphed, kv_len=kv_len,
-                                                    opts=opts)
+                                                    opts=opts, rollback=rollback)
                                 for kv_len in windows})
     return gen._steps[key]
 
@@ -236,34 +243,47 @@ def _run_chunk(gen: Generator, prompts: list, copy_of: torch.Tensor, cfg: Rollou
     queue: dict = {}  # append "decode": row -> its result's tokens still to feed (a deque)
     ready = np.arange(B)  # rows whose next-token logits are in the decode state
     step = 0  # the chunk's decode steps so far (the same on every TP_g rank)
+    # rollout.multi_turn.lookahead: the step launched before the previous one's tokens are read
+    ahead = mt.lookahead
+    flight: Optional[_Launched] = None  # (lookahead) the step launched, its tokens not yet read
+    rollback = ready[:0]  # (lookahead) rows fed one token past their call: taken back next step
     while True:
         t0 = time.perf_counter()
-        feed = ready[:0]  # rows that sampled a token and decode on
+        launched = None
         if ready.size:
-            t, fed = _step_rows(slots, rows, ready, P=P, forced=forced, stats=stats, queue=queue)
+            launched = _launch(slots, rows, ready, P=P, forced=forced, stats=stats, queue=queue,
+                               flight=flight, rollback=rollback)
+            rollback = ready[:0]
             step += 1
+        todo, flight = (flight, launched) if ahead else (launched, None)
+        if todo is not None:
+            got, t, fed = _read(todo, rows, stats)
             # a fed tool token neither stops its row nor closes a call
-            stop = (np.isin(t, stop_ids) & ~fed) | (rows.n[ready] >= R)
-            rows.state[ready[stop]] = Rows.DONE
-            go = ~stop
-            for i in np.flatnonzero(go & may_close[t] & ~fed):  # rows whose token may close a call
-                b = int(ready[i])
+            stop = (np.isin(t, stop_ids) & ~fed) | (rows.n[got] >= R)
+            rows.state[got[stop]] = Rows.DONE
+            rows.epoch[got[stop]] += 1
+            for i in np.flatnonzero(~stop & may_close[t] & ~fed):  # tokens that may close a call
+                b = int(got[i])
                 calls = _turn_calls(rows, b, runner, tok)
                 if calls is None:
                     continue
-                go[i] = False
+                rows.epoch[b] += 1  # the row leaves decoding: a token in flight is dropped
                 if rows.turns[b] >= mt.max_assistant_turns:
                     rows.state[b] = Rows.DONE  # a call in the last allowed turn ends the row
                 else:
                     rows.state[b] = Rows.TOOL
                     rows.calls[b] += sum(isinstance(c, ToolCall) for c in calls)
                     pending[b] = runner.submit(calls) if leader else None
-            feed = ready[go]
-        # results that are in (block for one only when nothing can decode and none is held),
-        # held until one of them has waited its steps, enough rows hold one, or nothing decodes;
-        # with append "decode" each goes to its row's queue at once
-        done = _collect(pending, rows, block=not feed.size and bool(pending) and not held,
-                        stats=stats, group=group, leader=leader)
+                    if flight is not None and b in flight.ready:  # fed once more meanwhile
+                        rollback = np.append(rollback, b)
+        # the rows the next step samples: those of the last launch still decoding
+        last = flight if flight is not None else todo
+        feed = ready[:0] if last is None else last.ready[rows.state[last.ready] == Rows.DECODE]
+        # results that are in (block for one only when nothing can decode, no step is in flight
+        # and none is held), held until one of them has waited its steps, enough rows hold one,
+        # or nothing decodes; with append "decode" each goes to its row's queue at once
+        done = _collect(pending, rows, block=not feed.size and flight is None
+                        and bool(pending) and not held, stats=stats, group=group, leader=leader)
         back = []
         if mt.append == "decode":
             for b, ids in _result_tokens(done, rows, runner, R).items():
@@ -277,15 +297,15 @@ def _run_chunk(gen: Generator, prompts: list, copy_of: torch.Tensor, cfg: Rollou
                                    w, cache, slots, *gen._tables, gen.device, stats=stats)
             held.clear()
             stats["tool_prefill"] += time.perf_counter() - tp
-        ready = np.concatenate([feed, np.array(back, dtype=np.int64)])
+        ready = np.union1d(feed, np.array(back, dtype=np.int64)) if back else feed
         live = np.flatnonzero(rows.state != Rows.DONE)
         new_b = compaction.target_bucket(len(live), slots.size, targets) if live.size else None
         if new_b is not None:  # the rows still decoding or waiting for a tool, in fewer slots
             slots.move(live, steps[new_b], cache,
-                       columns=min(cache.length, P + int(rows.n[live].max()) + 1))
+                       columns=min(cache.length, P + int(rows.n[live].max()) + 2))
             stats["compactions"] += 1
         stats["loop"] += time.perf_counter() - t0
-        if not ready.size and not pending and not held:
+        if not ready.size and flight is None and not pending and not held:
             return rows
 
 
@@ -324,38 +344,92 @@ def _prefill(gen: Generator, prompts: list, copy_of: torch.Tensor, st: DecodeSta
     return P
 
 
-def _step_rows(slots: Slots, rows: Rows, ready: np.ndarray, *, P: int, forced, stats: dict,
-               queue: Optional[dict] = None):
-    """One decode step that samples (and feeds) the `ready` rows: their control row (forced
-    tokens while `forced` = (tokens (B, F), counts (B,)) lasts; a row in `queue` (append
-    "decode": row -> deque of its tool result's tokens) is fed the next of those instead, recorded
-    as a tool token), the window that holds every state row's next column, the replay, one
-    device-to-host copy; the drawn (or fed) tokens and log-probs recorded -> (the tokens
-    (len(ready),), which of them were fed tool tokens (len(ready),) bool)."""
+class _Launched(NamedTuple):
+    """A decode step launched: the chunk rows it sampled, their slots and epochs then, which of
+    them it fed a tool token, its (2, slots) tokens and log-probs on the host (a copy that may
+    still be in flight) and the event after which they are there (None: there already)."""
+    ready: np.ndarray
+    at: np.ndarray
+    epoch: np.ndarray
+    fed: np.ndarray
+    out: torch.Tensor
+    event: Optional[torch.cuda.Event]
+
+
+def _launch(slots: Slots, rows: Rows, ready: np.ndarray, *, P: int, forced, stats: dict,
+            queue: dict, flight: Optional[_Launched] = None,
+            rollback: np.ndarray = np.zeros(0, dtype=np.int64)) -> _Launched:
+    """Launch one decode step that samples (and feeds) the `ready` rows: their control row
+    (forced tokens while `forced` = (tokens (B, F), counts (B,)) lasts; a row in `queue` (append
+    "decode": row -> deque of its tool result's tokens) is fed the next of those instead; the
+    `rollback` rows first take back their last token), the window that holds every state row's
+    next column, the replay, and the copy of its tokens to the host (not waited for). `flight`:
+    the step launched before, whose tokens the host has not read yet (lookahead): its rows count
+    one more token."""
     ctrl, at = slots.ctrl, slots.of[ready]
     ctrl.fill(0)
     ctrl[DecodeState.READY, at] = 1
+    ctrl[DecodeState.ROLLBACK, slots.of[rollback]] = 1
+    more = np.zeros(len(rows.n), dtype=np.int64)  # tokens in flight per chunk row
+    if flight is not None:
+        live = rows.epoch[flight.ready] == flight.epoch
+        more[flight.ready[live]] = 1
     if forced is not None:
         f_tok, f_len = forced
-        on = rows.n_model[ready] < f_len[ready]
+        n_model = rows.n_model[ready] + (more[ready] if flight is not None else 0)
+        if flight is not None:  # a fed tool token in flight is not a model token
+            more_fed = np.zeros(len(rows.n), dtype=bool)
+            more_fed[flight.ready[flight.fed & live]] = True
+            n_model = n_model - more_fed[ready]
+        on = n_model < f_len[ready]
         ctrl[DecodeState.FORCED, at[on]] = 1
-        ctrl[DecodeState.FORCED_TOKEN, at[on]] = f_tok[ready[on], rows.n_model[ready[on]]]
+        ctrl[DecodeState.FORCED_TOKEN, at[on]] = f_tok[ready[on], n_model[on]]
     fed = np.zeros(len(ready), dtype=bool)
     if queue:
         fed = np.fromiter((int(b) in queue for b in ready), dtype=bool, count=len(ready))
         ctrl[DecodeState.FORCED, at[fed]] = 1
-        ctrl[DecodeState.FORCED_TOKEN, at[fed]] = [queue[int(b)].popleft() for b in ready[fed]]
-    slots.st.ctrl.copy_(torch.from_numpy(ctrl))
-    # a row's next column is below P + its length + 1: the window that holds every row in the
-    # state (finished ones too, until compaction drops them: their cache stays intact)
-    window = window_for(slots.fns, P + int(rows.n[slots.of >= 0].max()) + 1)
+        ctrl[DecodeState.FORCED_TOKEN, at[fed]] = [_pop(queue, int(b)) for b in ready[fed]]
     t0 = time.perf_counter()
+    slots.st.ctrl.copy_(torch.from_numpy(ctrl))
+    # a row's next column is below P + its length (+ a token in flight) + 1: the window that holds
+    # every row in the state (finished ones too, until compaction drops them: their cache stays)
+    window = window_for(slots.fns, P + int((rows.n + more)[slots.of >= 0].max()) + 1)
     slots.fns[window]()  # draws every slot's token, feeds the ready rows'
-    out = slots.st.out.cpu().numpy()  # (2, slots): the one device-to-host copy of the step
-    stats["step_wait"] += time.perf_counter() - t0  # the launch and the wait for the device
+    out, event = slots.st.out, None
+    if out.is_cuda:  # to pinned memory, not waited for: the next step may run meanwhile
+        out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True).copy_(out,
+                                                                            non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    else:
+        out = out.clone()
+    stats["step_wait"] += time.perf_counter() - t0
     stats["window_steps"][window] = stats["window_steps"].get(window, 0) + 1
     stats["decode_steps"] += 1
     stats["row_steps"] += slots.size
+    return _Launched(ready, at, rows.epoch[ready].copy(), fed, out, event)
+
+
+def _pop(queue: dict, b: int) -> int:
+    """Row b's next queued tool token (the row leaves the queue with its last)."""
+    token = queue[b].popleft()
+    if not queue[b]:
+        del queue[b]  # its last result token is in: it samples from the next step on
+    return token
+
+
+def _read(f: _Launched, rows: Rows, stats: dict):
+    """Wait for launched step `f`'s tokens and record them for its rows that still decode as
+    they did then (a row that stopped or paused since, lookahead's, drops its token) -> (those
+    rows, their tokens, which were fed tool tokens), the rows' arrays."""
+    t0 = time.perf_counter()
+    if f.event is not None:
+        f.event.synchronize()
+    out = f.out.numpy()
+    stats["step_wait"] += time.perf_counter() - t0
+    keep = rows.epoch[f.ready] == f.epoch
+    stats["dropped"] += int((~keep).sum())
+    ready, at, fed = f.ready[keep], f.at[keep], f.fed[keep]
     t = out[0, at].astype(np.int64)
     n = rows.n[ready]
     rows.tokens[ready, n] = t
@@ -363,12 +437,8 @@ def _step_rows(slots: Slots, rows: Rows, ready: np.ndarray, *, P: int, forced, s
     rows.tool[ready, n] = fed
     rows.n[ready] += 1
     rows.n_model[ready] += ~fed
-    if fed.any():
-        stats["fed_tokens"] += int(fed.sum())
-        for b in ready[fed]:
-            if not queue[int(b)]:
-                del queue[int(b)]  # its last result token is in: it samples from the next step
-    return t, fed
+    stats["fed_tokens"] += int(fed.sum())
+    return ready, t, fed
 
 
 def _turn_calls(rows: Rows, b: int, runner: ToolRunner, tok) -> Optional[list]:

@@ -130,7 +130,7 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
 class DecodeState:
     """Static tensors of one chunk of B rows over a cache of T columns and a vocabulary of V."""
 
-    READY, FORCED, FORCED_TOKEN = range(3)  # the rows of `ctrl`
+    READY, FORCED, FORCED_TOKEN, ROLLBACK = range(4)  # the rows of `ctrl`
 
     def __init__(self, rows: int, length: int, vocab: int, device,
                  dtype: torch.dtype = torch.float32):
@@ -140,9 +140,11 @@ class DecodeState:
         self.logits = z(rows, vocab, dt=dtype)
         self.col, self.pos = z(rows), z(rows)  # (B,) next cache column, next position
         self.key_valid = z(rows, length, dt=torch.bool)  # (B, T) the columns a row attends to
-        # (3, B) written by the host before each step: ready (1: sample and feed the row),
-        # forced (1: emit FORCED_TOKEN instead of the draw), the forced token
-        self.ctrl = z(3, rows)
+        # (4, B) written by the host before each step: ready (1: sample and feed the row),
+        # forced (1: emit FORCED_TOKEN instead of the draw), the forced token, rollback (1: first
+        # take back the row's last fed token: rollout.multi_turn.lookahead fed it one step past
+        # its call)
+        self.ctrl = z(4, rows)
         self.out = z(2, rows, dt=torch.float64)  # (2, B) the step's token and its log-prob
 
     def tensors(self) -> list:
@@ -172,6 +174,7 @@ class Rows:
         self.n, self.n_model, self.turn_start = z(), z(), z()  # lengths; where the turn began
         self.turns, self.calls, self.errors, self.timeouts = z() + 1, z(), z(), z()
         self.state = z()  # DECODE | TOOL | DONE
+        self.epoch = z()  # bumped whenever the row stops decoding (lookahead drops its next token)
 
     def text_ids(self, b: int, start: int) -> list:
         return self.tokens[b, start:self.n[b]].tolist()
@@ -184,7 +187,7 @@ class Slots:
     def __init__(self, B: int, step):
         self.st, self.fns = step
         self.of = np.arange(B)  # (B,) chunk row -> its slot (-1: dropped, finished)
-        self.ctrl = np.zeros((3, B), dtype=np.int64)
+        self.ctrl = np.zeros((4, B), dtype=np.int64)
 
     @property
     def size(self) -> int:
@@ -203,19 +206,21 @@ class Slots:
         cache.gather_rows(order, columns=columns)
         self.of[:] = -1
         self.of[keep] = np.arange(len(keep))
-        self.st, self.fns, self.ctrl = st, fns, np.zeros((3, size), dtype=np.int64)
+        self.st, self.fns, self.ctrl = st, fns, np.zeros((4, size), dtype=np.int64)
 
 
 def decode_step(gen, st: DecodeState, cfg: RolloutConfig, *, graphed: bool,
                 kv_len: Optional[int] = None,
-                opts: DecodeOptions = DecodeOptions(kernels="torch")):
+                opts: DecodeOptions = DecodeOptions(kernels="torch"), rollback: bool = False):
     """The step over `st` on `gen`'s weights, cache and generator, attending over the first
     `kv_len` cache columns (None: all; the caller keeps every row's next column below it):
     captured (graphed, CUDA) or the plain function. `opts` (resolved): kernels "triton" feeds the
     rows through decoder.decode_step's fused layers (a column per row), "torch" through `extend`;
     the sampler is the single-turn step's call either way (opts.kernels, opts.pdl, compiled with
-    opts.compile). The capture's warm-up runs feed no row (ctrl is zero) but draw from the
-    generator: seed it after."""
+    opts.compile). `rollback`: the step first takes back the last fed token of the rows whose
+    ROLLBACK control is 1 (their column and position back by one, that column no longer valid),
+    as rollout.multi_turn.lookahead needs. The capture's warm-up runs feed no row (ctrl is zero)
+    but draw from the generator: seed it after."""
     w, cache, (cos, sin) = gen.w, gen._cache, gen._tables
     if opts.kernels not in ("torch", "triton"):
         raise ValueError(f"decode_step needs resolved DecodeOptions (kernels torch or triton), "
@@ -225,6 +230,12 @@ def decode_step(gen, st: DecodeState, cfg: RolloutConfig, *, graphed: bool,
 
     def step():
         ctrl = st.ctrl
+        if rollback:  # a no-op for the other rows (their column's validity written back as is)
+            back = ctrl[DecodeState.ROLLBACK]
+            st.col.sub_(back)
+            st.pos.sub_(back)
+            col = st.col[:, None]
+            st.key_valid.scatter_(1, col, st.key_valid.gather(1, col) & (back == 0)[:, None])
         tok, lp = sample(st.logits, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                          generator=gen._rng, need_logprobs=True, kernels=opts.kernels,
                          pdl=opts.pdl, rng_state=gen._rng_state if opts.fused_sampler else None,

@@ -92,7 +92,15 @@ def test_bench_multi_turn_synthetic_times_every_variant(tmp_path):
     for name in r["hold_speedup"]:  # held results: never more extend calls than at once
         assert r[name]["append_calls"] <= r[name + "_at_once"]["append_calls"]
     assert r["tail_graphed_windows_compact"]["metrics"]["multi_turn/compactions"] >= 1
-    assert set(r["ratios"]) == {"eager", "graphed", "graphed_windows", "graphed_windows_at_once"}
+    assert set(r["ratios"]) == {"eager", "graphed", "graphed_windows", "graphed_windows_at_once",
+                                "graphed_windows_fed", "graphed_windows_fed_ahead"}
+    for name in ("graphed_windows", "tail_graphed_windows_compact"):  # results fed, no extend
+        for twin, ahead in ((name + "_fed", False), (name + "_fed_ahead", True)):
+            m = r[twin]["metrics"]
+            assert r[twin]["append_calls"] == 0 and m["multi_turn/fed_tool_tokens"] > 0, twin
+            assert r[twin]["lookahead"] == ahead
+            assert (m["multi_turn/lookahead_dropped"] > 0) == ahead, twin
+        assert r["fed_speedup"][name] > 0 and r["lookahead_speedup"][name] > 0
     assert r["settings"]["rows"] == 4 and r["single_turn"]["wall_s"] > 0
     assert (r["graphed_windows"]["metrics"]["multi_turn/kv_columns_mean"]
             < r["graphed"]["metrics"]["multi_turn/kv_columns_mean"])

@@ -3,7 +3,8 @@ and broadcasts which results are in and what they are at each poll, so both rank
 tokens at the same steps (polling each its own thread pool would let the ranks see a result at
 different steps and run different collectives); results held for a joint append
 (rollout.multi_turn.append_wait_steps) are held alike on both ranks, and results fed through the
-decode step (rollout.multi_turn.append=decode) are fed alike."""
+decode step (rollout.multi_turn.append=decode) are fed alike, also one step ahead
+(rollout.multi_turn.lookahead)."""
 
 import torch
 
@@ -53,20 +54,24 @@ def _ranks_fn(tmp):
     # the results fed through the decode step instead (rollout.multi_turn.append=decode)
     (fed, m_fed), _ = run(gen2, tok, "hermes", cfg_path, prompts, forced, max_new=200,
                           temperature=0.0, append="decode", **hold)
+    # and each step launched before the previous one's tokens are read (lookahead)
+    (ahead, m_ahead), _ = run(gen2, tok, "hermes", cfg_path, prompts, forced, max_new=200,
+                              temperature=0.0, append="decode", lookahead=True, **hold)
     return {"tp1": tp1, "tp2": tp2, "metrics": m, "metrics_tp1": m1, "fed": fed,
-            "metrics_fed": m_fed}
+            "metrics_fed": m_fed, "ahead": ahead, "metrics_ahead": m_ahead}
 
 
 def test_multi_turn_tp2_equals_tp1(tmp_path):
     r0, r1 = run_ranks(_ranks_fn, 2, str(tmp_path))
     for r in (r0, r1):
         tp1 = r["tp1"]
-        for tp2 in (r["tp2"], r["fed"]):
+        for tp2 in (r["tp2"], r["fed"], r["ahead"]):
             assert torch.equal(tp1.response_ids, tp2.response_ids)
             assert torch.equal(tp1.tool_mask, tp2.tool_mask)
             assert torch.allclose(tp1.rollout_logprobs, tp2.rollout_logprobs, atol=1e-4, rtol=0)
         assert r["metrics_fed"]["multi_turn/append_calls"] == 0
         assert r["metrics_fed"]["multi_turn/fed_tool_tokens"] > 0
+        assert r["metrics_ahead"]["multi_turn/lookahead_dropped"] > 0
     assert r0["metrics"]["tool_calls/mean"] == r1["metrics"]["tool_calls/mean"] >= 1.0
     calls = r0["metrics"]["multi_turn/append_calls"]  # the same extend calls on both ranks
     assert r1["metrics"]["multi_turn/append_calls"] == calls

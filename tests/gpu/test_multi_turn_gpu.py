@@ -43,12 +43,14 @@ def _setup(tmp_path):
     return tok, prompts, forced, tool_config(tmp_path, "calculator")
 
 
-def _run(fn, gen, tok, prompts, forced, path, kernels="torch", append="prefill", **opts):
+def _run(fn, gen, tok, prompts, forced, path, kernels="torch", append="prefill",
+         lookahead=False, **opts):
     cfg = RolloutConfig(n=1, max_new_tokens=320, temperature=1.0, return_logprobs=True,
                         max_batch_size=3)  # chunks of 3 and 2 rows
     # results appended at the poll they come in, as the eager reference loop does (or fed through
     # the decode step: rollout.multi_turn.append=decode)
-    runner = runner_for(tok, "hermes", path, append_wait_steps=0, append=append)
+    runner = runner_for(tok, "hermes", path, append_wait_steps=0, append=append,
+                        lookahead=lookahead)
     return fn(gen, prompts, cfg=cfg, runner=runner, eos_id=tok.eos_id,
               pad_id=tok.pad_id, seed=7, forced=forced,
               options=DecodeOptions(kernels=kernels, prefill_tokens=64, **opts))
@@ -146,6 +148,13 @@ def test_fused_step_bf16(tmp_path):
     (fused, m), (eager, _), (ref, _) = runs["fused"], runs["fused_eager"], runs["torch"]
     fed, m_fed = runs["fed"]
     assert m_fed["multi_turn/append_calls"] == 0 < m_fed["multi_turn/fed_tool_tokens"]
+    # each step launched before the previous one's tokens are read (async copies to the host)
+    ahead, m_ahead = _run(generate_multi_turn, gen, tok, prompts, forced, path, kernels="triton",
+                          cuda_graphs=True, append="decode", lookahead=True, **more)
+    assert m_ahead["multi_turn/lookahead_dropped"] > 0
+    assert torch.equal(ahead.response_ids, fed.response_ids)
+    assert torch.equal(ahead.tool_mask, fed.tool_mask)
+    assert torch.equal(ahead.rollout_logprobs, fed.rollout_logprobs)
     assert torch.equal(fed.response_ids, fused.response_ids)
     assert torch.equal(fed.tool_mask, fused.tool_mask)
     model_fed = (fed.response_mask * (1 - fed.tool_mask)).bool()

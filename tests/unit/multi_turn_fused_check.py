@@ -182,8 +182,8 @@ def rollout_cases(tmp):
                         max_batch_size=4)
     out = {}
     for name, compact, append in (("windows", False, "prefill"), ("compaction", True, "prefill"),
-                                  ("fed", False, "decode")):
-        if name == "fed":  # room for the results to be appended (at 84 tokens they end the rows)
+                                  ("fed", False, "decode"), ("fed_ahead", False, "ahead")):
+        if name.startswith("fed"):  # room for the results to be appended (at 84 tokens they end the rows)
             cfg = RolloutConfig(n=2, max_new_tokens=200, temperature=0.0, return_logprobs=True,
                                 max_batch_size=4)
         runs = {}
@@ -196,7 +196,9 @@ def rollout_cases(tmp):
             batch, m = generate_multi_turn(
                 gen, prompts, cfg=cfg, eos_id=tok.eos_id,
                 runner=runner_for(tok, "hermes", path,
-                                  append=append if kernels == "triton" else "prefill"),
+                                  append=("decode" if append == "ahead" else append)
+                                  if kernels == "triton" else "prefill",
+                                  lookahead=append == "ahead" and kernels == "triton"),
                 pad_id=tok.pad_id, seed=3, forced=forced, options=opts)
             (st, _), = [v for k, v in gen._steps.items() if k[0] == "multi_turn" and k[1] == 4]
             runs[kernels] = (batch, m, gen, st)

@@ -76,14 +76,18 @@ def test_multi_turn_rollout_triton_equals_torch(tmp_path):
     same valid columns and K/V there."""
     out = _check("rollout", tmp_path)
     for name, c in out.items():
-        assert c["tokens_equal"] and c["tool_mask_equal"] and c["valid_equal"], (name, c)
+        assert c["tokens_equal"] and c["tool_mask_equal"], (name, c)
+        # (lookahead feeds a stopped row once more: one more valid column it never reads)
+        assert c["valid_equal"] or name == "fed_ahead", (name, c)
         assert c["tool_tokens"] > 0 and c["tokens"] > 100, (name, c)
         assert c["logprob_err"] < 1e-4, (name, c)
-        if name != "fed":  # (fed: a longer budget, and a decode step per result token)
+        if not name.startswith("fed"):  # (fed: a longer budget, a decode step per result token)
             assert c["steps"][0] == c["steps"][1] and c["kv_columns_mean"][0] < 128, (name, c)
-    assert out["windows"]["kv_err"] < 1e-4 and out["fed"]["kv_err"] < 1e-4, out
-    assert out["fed"]["append_calls"][1] == 0 < out["fed"]["append_calls"][0], out
-    assert out["fed"]["fed_tool_tokens"] > 0, out
+    assert out["windows"]["kv_err"] < 1e-4, out
+    for name in ("fed", "fed_ahead"):  # also launched one step ahead of the host (lookahead)
+        assert out[name]["kv_err"] < 1e-4, out
+        assert out[name]["append_calls"][1] == 0 < out[name]["append_calls"][0], out
+        assert out[name]["fed_tool_tokens"] > 0, out
     assert out["compaction"]["compactions"][0] == out["compaction"]["compactions"][1] >= 1, out
 
 

@@ -269,3 +269,41 @@ def test_results_fed_by_the_decode_step_equal_appended_ones(tmp_path):
     assert m_fed["multi_turn/fed_tool_tokens"] == int(fed.tool_mask.sum()) - trailing > 20
     assert m_fed["multi_turn/compactions"] >= 1
     assert m_fed["num_turns/mean"] == m_app["num_turns/mean"] and m_fed["num_turns/max"] >= 2
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["windows", "windows_compaction"])
+def test_lookahead_equals_the_step_by_step_loop(tmp_path, compact):
+    """rollout.multi_turn.lookahead: each step launched before the previous one's tokens are read
+    (rows that stopped or called a tool are fed once more, that token dropped and, after a call,
+    taken back in the cache) gives the loop's greedy rollout: the same tokens, tool masks and
+    turns, model log-probs to rounding (emulated graphs, windows, compaction from 1 row)."""
+    tok = byte_tokenizer(tmp_path)
+    end = tok.encode("<|im_end|>")
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in ("6*7?", "a longer question")]
+    forced = [end, tok.encode(call("2+2")) + tok.encode("x") + end, tok.encode("abc") + end,
+              tok.encode(call("3*3")) + tok.encode(call("1+1")) + end, [],
+              tok.encode("de") + end]
+    outs = []
+    for lookahead in (False, True):
+        runner = runner_for(tok, "hermes", tool_config(tmp_path, "calculator"), append="decode",
+                            lookahead=lookahead)
+        gen = make_gen()
+        cfg = RolloutConfig(n=3, max_new_tokens=150, temperature=0.0, return_logprobs=True,
+                            max_batch_size=4)
+        opts = DecodeOptions(kernels="torch", kv_window=64, compact_finished_rows=compact,
+                             min_graphed_bucket=1, emulate_graphs=True)
+        outs.append(generate_multi_turn(gen, prompts, cfg=cfg, runner=runner, eos_id=tok.eos_id,
+                                        pad_id=tok.pad_id, seed=6, forced=forced,
+                                        options=opts))
+        runner.close()
+    (plain, m_plain), (ahead, m_ahead) = outs
+    assert torch.equal(ahead.response_ids, plain.response_ids)
+    assert torch.equal(ahead.tool_mask, plain.tool_mask) and int(plain.tool_mask.sum()) > 20
+    torch.testing.assert_close(ahead.rollout_logprobs, plain.rollout_logprobs, rtol=1e-5,
+                               atol=1e-5)
+    assert m_ahead["num_turns/mean"] == m_plain["num_turns/mean"]
+    assert m_ahead["multi_turn/fed_tool_tokens"] == m_plain["multi_turn/fed_tool_tokens"] > 0
+    assert (m_ahead["multi_turn/compactions"] >= 1) == compact
+    # every row's last step and every call's was run once more, its token dropped
+    assert m_ahead["multi_turn/lookahead_dropped"] >= 6 and m_plain["multi_turn/lookahead_dropped"] == 0
