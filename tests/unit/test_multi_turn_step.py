@@ -230,11 +230,10 @@ def test_close_tokens(tmp_path):
     assert DecodeState(2, 64, V, "cpu").out.dtype == torch.float64  # token ids stay exact
 
 
-def test_results_fed_by_the_decode_step_equal_appended_ones(tmp_path):
-    """rollout.multi_turn.append=decode: each tool result's tokens go through the (emulated)
-    graphed decode step as forced tokens, one per step, with windows and compaction into ladder
-    sizes from 1 row; greedy, the rollout is the one appended by `extend`: the same tokens and
-    tool masks, model log-probs to rounding, no extend call, every tool token fed."""
+def _greedy_tool_rows(tmp_path, compact: bool, variants: list) -> list:
+    """(batch, metrics) of a greedy rollout of 6 rows (2 prompts x 3; forced turns with one or
+    two calculator calls) per rollout.multi_turn variant (dicts of MultiTurnConfig fields),
+    emulated graphs, KV windows, compaction from 1 row when `compact`."""
     tok = byte_tokenizer(tmp_path)
     end = tok.encode("<|im_end|>")
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
@@ -243,17 +242,25 @@ def test_results_fed_by_the_decode_step_equal_appended_ones(tmp_path):
               tok.encode(call("3*3")) + tok.encode(call("1+1")) + end, [],
               tok.encode("de") + end]
     outs = []
-    for append in ("prefill", "decode"):
-        runner = runner_for(tok, "hermes", tool_config(tmp_path, "calculator"), append=append)
-        gen = make_gen()
+    for variant in variants:
+        runner = runner_for(tok, "hermes", tool_config(tmp_path, "calculator"), **variant)
         cfg = RolloutConfig(n=3, max_new_tokens=150, temperature=0.0, return_logprobs=True,
                             max_batch_size=4)
-        opts = DecodeOptions(kernels="torch", kv_window=64, compact_finished_rows=True,
+        opts = DecodeOptions(kernels="torch", kv_window=64, compact_finished_rows=compact,
                              min_graphed_bucket=1, emulate_graphs=True)
-        outs.append(generate_multi_turn(gen, prompts, cfg=cfg, runner=runner, eos_id=tok.eos_id,
-                                        pad_id=tok.pad_id, seed=6, forced=forced,
-                                        options=opts))
+        outs.append(generate_multi_turn(make_gen(), prompts, cfg=cfg, runner=runner,
+                                        eos_id=tok.eos_id, pad_id=tok.pad_id, seed=6,
+                                        forced=forced, options=opts))
         runner.close()
+    return outs
+
+
+def test_results_fed_by_the_decode_step_equal_appended_ones(tmp_path):
+    """rollout.multi_turn.append=decode: each tool result's tokens go through the (emulated)
+    graphed decode step as forced tokens, one per step, with windows and compaction into ladder
+    sizes from 1 row; greedy, the rollout is the one appended by `extend`: the same tokens and
+    tool masks, model log-probs to rounding, no extend call, every tool token fed."""
+    outs = _greedy_tool_rows(tmp_path, True, [dict(append="prefill"), dict(append="decode")])
     (app, m_app), (fed, m_fed) = outs
     assert torch.equal(fed.response_ids, app.response_ids)
     assert torch.equal(fed.tool_mask, app.tool_mask) and int(app.tool_mask.sum()) > 20
@@ -277,26 +284,8 @@ def test_lookahead_equals_the_step_by_step_loop(tmp_path, compact):
     (rows that stopped or called a tool are fed once more, that token dropped and, after a call,
     taken back in the cache) gives the loop's greedy rollout: the same tokens, tool masks and
     turns, model log-probs to rounding (emulated graphs, windows, compaction from 1 row)."""
-    tok = byte_tokenizer(tmp_path)
-    end = tok.encode("<|im_end|>")
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
-               for q in ("6*7?", "a longer question")]
-    forced = [end, tok.encode(call("2+2")) + tok.encode("x") + end, tok.encode("abc") + end,
-              tok.encode(call("3*3")) + tok.encode(call("1+1")) + end, [],
-              tok.encode("de") + end]
-    outs = []
-    for lookahead in (False, True):
-        runner = runner_for(tok, "hermes", tool_config(tmp_path, "calculator"), append="decode",
-                            lookahead=lookahead)
-        gen = make_gen()
-        cfg = RolloutConfig(n=3, max_new_tokens=150, temperature=0.0, return_logprobs=True,
-                            max_batch_size=4)
-        opts = DecodeOptions(kernels="torch", kv_window=64, compact_finished_rows=compact,
-                             min_graphed_bucket=1, emulate_graphs=True)
-        outs.append(generate_multi_turn(gen, prompts, cfg=cfg, runner=runner, eos_id=tok.eos_id,
-                                        pad_id=tok.pad_id, seed=6, forced=forced,
-                                        options=opts))
-        runner.close()
+    outs = _greedy_tool_rows(tmp_path, compact, [dict(append="decode"),
+                                                 dict(append="decode", lookahead=True)])
     (plain, m_plain), (ahead, m_ahead) = outs
     assert torch.equal(ahead.response_ids, plain.response_ids)
     assert torch.equal(ahead.tool_mask, plain.tool_mask) and int(plain.tool_mask.sum()) > 20
