@@ -184,6 +184,12 @@ def _from_config(a) -> int:
     from hybridflow.cost.from_overrides import from_overrides
     from hybridflow.cost.gpus import get_gpu
 
+    from hybridflow.config import load_config
+
+    # the trainer's own cap (trainer.gpu_memory_limit_gib) bounds the card as --gpu-memory-gib does
+    caps = [c for c in (a.gpu_memory_gib, load_config(list(a.config)).trainer.gpu_memory_limit_gib)
+            if c]
+    a.gpu_memory_gib = min(caps) if caps else None
     free = a.gpu_memory_gib or get_gpu(a.gpu).memory_gib
     model, plan, fields, notes = from_overrides(a.config, world_size=a.num_gpus, free_gib=free,
                                                 lengths_path=a.lengths)

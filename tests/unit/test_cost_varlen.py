@@ -313,6 +313,22 @@ def test_cli_notes_dynamic_sampling_without_its_rounds():
     assert "ref" not in json.loads(r.stdout)["stage_seconds"]          # DAPO: no KL reference
 
 
+def test_cli_config_takes_the_trainers_memory_cap():
+    """trainer.gpu_memory_limit_gib in the overrides bounds the card as --gpu-memory-gib does (the
+    smaller of the two when both are given): the peak is judged against it."""
+    args = ["--config", "experiment=gsm8k_qwen_coder_0_5b", "--num-gpus", "1", "--json"]
+    full = json.loads(_cli(*args).stdout)
+    capped = _cli(*args[:2], "trainer.gpu_memory_limit_gib=24", *args[2:])
+    assert capped.returncode == 0, capped.stderr
+    capped = json.loads(capped.stdout)
+    both = json.loads(_cli(*args[:2], "trainer.gpu_memory_limit_gib=24", *args[2:],
+                           "--gpu-memory-gib", "40").stdout)
+    assert capped["gpu"] == both["gpu"] == "H200@24GiB" and full["gpu"] == "H200"
+    assert capped["memory_capacity_gib"] < full["memory_capacity_gib"]
+    # the recipe's token budgets are its own: a 24 GiB card cannot hold its update
+    assert full["fits"] and not capped["fits"] and "won't fit" in capped["reason"]
+
+
 def test_mirrors_of_the_generator_stay_equal():
     """cost/varlen.py keeps torch-free copies of the generator's bucket ladder, poll period, smallest
     compaction bucket and cache-length rounding: they must equal the originals."""
