@@ -63,7 +63,7 @@ from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear
                                       LeanRowParallelLinear, LogprobSpec)
 from hybridflow.models.logprob import vocab_parallel_logprobs
 from hybridflow.models.lora import adapters_disabled, apply_lora
-from hybridflow.offload import GradBufferRelease, OptimizerOffload, ParamOffload
+from hybridflow.offload import GradBufferRelease, OptimizerOffload, ParamOffload, host_copy
 from hybridflow.parallel.context import ParallelContext
 
 LossFn = Callable[[dict, RolloutBatch], tuple[torch.Tensor, dict]]
@@ -245,7 +245,7 @@ class Engine:
         assert not self.trainable, "only frozen roles are offloaded"
         params = list(self.model.parameters())
         if self._host is None:
-            self._host = [_host_copy(p.data) for p in params]
+            self._host = [host_copy(p.data) for p in params]
         self.wait_onload()  # a prefetch still copying into the device tensors dropped here
         for p, h in zip(params, self._host):
             p.data = h
@@ -262,7 +262,7 @@ class Engine:
             return
         # off the device only after offload(): host tensors, on a CUDA device (a checkpoint load
         # may have put unpinned ones there)
-        host = [p.data if p.data.is_pinned() else _host_copy(p.data) for p in params]
+        host = [p.data if p.data.is_pinned() else host_copy(p.data) for p in params]
         self._host = host
         dev = [torch.empty_like(h, device=self.device) for h in host]
         if self._copy_stream is None:
@@ -641,14 +641,6 @@ class AdapterFreeReference:
 @functools.cache
 def _print_once(line: str) -> None:
     print(line, flush=True)
-
-
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """`t` in host memory, pinned when CUDA is there (asynchronous copies back)."""
-    if not torch.cuda.is_available():
-        return t.detach().to("cpu")
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t.detach())
 
 
 def _lm_head(pred, targets, *, tp_group, temperature, true_vocab, entropy):

@@ -36,6 +36,16 @@ import torch
 from hybridflow.checkpoint.optim import _parts
 
 
+def host_copy(t: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:
+    """`t` in host memory, pinned when CUDA is there (so copies back can be asynchronous); without
+    CUDA, `t` itself on the host. `non_blocking`: the copy from the device is not waited for
+    (stream-ordered: a later copy back on the same stream, or an event, orders a use after it)."""
+    if not torch.cuda.is_available():
+        return t.detach().to("cpu")
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t.detach(), non_blocking=non_blocking)
+
+
 class OptimizerOffload:
     def __init__(self, optimizer, *, model_params, device):
         self.optimizer = optimizer

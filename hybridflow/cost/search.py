@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from hybridflow.config_checks import QUANTIZATION
 from hybridflow.cost.efficiency import Calibration
 from hybridflow.cost.gpus import GPU, GPUS
 from hybridflow.cost.memory import MemoryEstimate, memory_for
@@ -211,7 +212,6 @@ def memory_options(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Worklo
     return None
 
 
-QUANT_MODES = ("none", "fp8", "int4")   # rollout.quantization
 # what a quantized rollout adds to generation, and what it saves: timing._gen's part labels
 _QUANT_COST = {"fp8": ("quant_overhead", "its activation quantization and _scaled_mm latency "
                                          "per layer per decode step"),
@@ -244,7 +244,7 @@ def quantization_choice(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: W
                 "reason": f"keep none, not considered: generation is {share:.0f}% of the step "
                           f"(the largest stage is {largest})"}
     options, evals = {}, {}
-    for mode in QUANT_MODES:
+    for mode in QUANTIZATION:
         w = replace(workload, rollout_quantization=mode)
         ev = best if mode == current else _best_with(shape, gpu, num_gpus, w, calib, plan)
         if (ev is None or not ev.fits) and mode != "none" and not w.offload_params:

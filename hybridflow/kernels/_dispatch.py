@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 
@@ -24,6 +25,11 @@ except ImportError:  # CPU-only installs: the PyTorch twins serve
 # between two kernels (launch and the programs' start-up overlap the predecessor's last
 # programs); the results are those of the plain launch. Captured into CUDA graphs as programmatic
 # edges.
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run through its CPU interpreter (TRITON_INTERPRET=1, the tests')."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def use_triton(t: torch.Tensor, impl: str) -> bool:

@@ -292,6 +292,8 @@ def merged_adapters(model, *, block_rows: int = 4096):
     a time (fp32 temporaries of a few such blocks, not of a whole weight). The positions to fix
     and their old values go to the host without waiting for the copies (pinned memory; the
     restore's copies back are ordered after them on the same stream)."""
+    from hybridflow.offload import host_copy  # (offload imports checkpoint, which imports us)
+
     saved = []
     try:
         with torch.no_grad():
@@ -305,7 +307,8 @@ def merged_adapters(model, *, block_rows: int = 4096):
                     back = (merged.float() - d).to(w.dtype)
                     wrong = (_bits(back) != _bits(w)).view(-1).nonzero().squeeze(1)
                     # kept on the host: int32 offsets in the block and the old values
-                    fixes.append((_to_host(wrong.to(torch.int32)), _to_host(w.view(-1)[wrong])))
+                    fixes.append((host_copy(wrong.to(torch.int32), non_blocking=True),
+                                  host_copy(w.view(-1)[wrong], non_blocking=True)))
                     w.copy_(merged)
                 a.enabled = False
                 saved.append((linear, a, fixes))
@@ -320,10 +323,3 @@ def merged_adapters(model, *, block_rows: int = 4096):
                     w.view(-1)[wrong.to(w.device, torch.long, non_blocking=True)] = keep.to(
                         w.device, non_blocking=True)
 
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """t on the host: a pinned copy not waited for (CUDA), else t itself or a plain copy."""
-    if not t.is_cuda:
-        return t.cpu()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)

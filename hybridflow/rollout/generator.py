@@ -48,7 +48,6 @@ Layout of a call:
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Optional
 
 import numpy as np
@@ -272,6 +271,11 @@ class Generator:
         if self.quantization != "none":
             requantize_weights_(self.w, decoder.load_weights(self.cfg, params, **self._load))
 
+    def sampler_stream(self, opts: DecodeOptions) -> Optional[torch.Tensor]:
+        """The fused sampler's device stream when `opts` ask for it (sampling.sample's
+        `rng_state`), else None (the PyTorch sampler on `_rng`)."""
+        return self._rng_state if opts.fused_sampler else None
+
     def reseed(self, seed: int) -> None:
         """Restart both sampling streams from `seed`: the torch Generator's and the fused
         sampler's (key = seed, counter 0), each in place (captured graphs keep reading them)."""
@@ -386,7 +390,7 @@ class Generator:
         if step_kernel:
             from hybridflow.kernels import next_token as ksampling
         max_new = buf.out_tokens.shape[1]
-        rng_state = self._rng_state if opts.fused_sampler else None
+        rng_state = self.sampler_stream(opts)
 
         def step():
             logits = decoder.decode_step(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
@@ -456,7 +460,7 @@ class Generator:
             tok, lp = sample(last, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                              generator=self._rng, need_logprobs=cfg.return_logprobs,
                              kernels=opts.kernels, pdl=opts.pdl,
-                             rng_state=self._rng_state if opts.fused_sampler else None)
+                             rng_state=self.sampler_stream(opts))
             buf, fns = steps[b]
             buf.reset(tok=tok, lp=lp, lengths=mask.sum(1), mask=mask, pad_id=pad_id)
             out_tok = torch.full((B + 1, R), pad_id, dtype=torch.long, device=self.device)  # row B:
@@ -501,11 +505,12 @@ def _check_decode_kernels(device: torch.device, head_dim: int) -> None:
     """rollout.decode_kernels=triton: triton, a CUDA device (or its CPU interpreter,
     TRITON_INTERPRET=1, as the tests run it) and a power-of-two head_dim >= 16."""
     from hybridflow.kernels import layer_ops as kern
+    from hybridflow.kernels._dispatch import interpreting
 
     if not kern.HAVE_TRITON:
         raise ValueError("rollout.decode_kernels=triton needs the triton package (it ships with "
                          "CUDA builds of torch); set rollout.decode_kernels=torch")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and not interpreting():
         raise ValueError(f"rollout.decode_kernels=triton needs a CUDA device (generation runs on "
                          f"{device.type}); set rollout.decode_kernels=torch")
     if not kern.head_dim_supported(head_dim):

@@ -371,16 +371,14 @@ def _launch(slots: Slots, rows: Rows, ready: np.ndarray, *, P: int, forced, stat
     ctrl[DecodeState.READY, at] = 1
     ctrl[DecodeState.ROLLBACK, slots.of[rollback]] = 1
     more = np.zeros(len(rows.n), dtype=np.int64)  # tokens in flight per chunk row
+    model = np.zeros_like(more)  # of which model tokens (not fed tool tokens)
     if flight is not None:
         live = rows.epoch[flight.ready] == flight.epoch
         more[flight.ready[live]] = 1
+        model[flight.ready[live & ~flight.fed]] = 1
     if forced is not None:
         f_tok, f_len = forced
-        n_model = rows.n_model[ready] + (more[ready] if flight is not None else 0)
-        if flight is not None:  # a fed tool token in flight is not a model token
-            more_fed = np.zeros(len(rows.n), dtype=bool)
-            more_fed[flight.ready[flight.fed & live]] = True
-            n_model = n_model - more_fed[ready]
+        n_model = rows.n_model[ready] + model[ready]
         on = n_model < f_len[ready]
         ctrl[DecodeState.FORCED, at[on]] = 1
         ctrl[DecodeState.FORCED_TOKEN, at[on]] = f_tok[ready[on], n_model[on]]
@@ -486,15 +484,21 @@ def _result_tokens(resumed: dict, rows: Rows, runner: ToolRunner, R: int) -> dic
         room = R - n
         ids = ids[:room]  # a result that fills the budget leaves no room for a model token
         if not ids or len(ids) >= room:
-            rows.tokens[b, n:n + len(ids)] = ids
-            rows.tool[b, n:n + len(ids)] = 1
-            rows.n[b] += len(ids)
+            _write_tool_tokens(rows, b, ids)
             rows.state[b] = Rows.DONE
             continue
         rows.state[b], rows.turn_start[b] = Rows.DECODE, n + len(ids)
         rows.turns[b] += 1
         out[b] = ids
     return out
+
+
+def _write_tool_tokens(rows: Rows, b: int, ids: list) -> None:
+    """Row b's record extended by tool-result tokens `ids` (marked as tool tokens)."""
+    n = int(rows.n[b])
+    rows.tokens[b, n:n + len(ids)] = ids
+    rows.tool[b, n:n + len(ids)] = 1
+    rows.n[b] += len(ids)
 
 
 def _append_results(resumed: dict, rows: Rows, runner: ToolRunner, R: int, budget: int, w,
@@ -505,10 +509,7 @@ def _append_results(resumed: dict, rows: Rows, runner: ToolRunner, R: int, budge
     the decode state's."""
     appended = _result_tokens(resumed, rows, runner, R)
     for b, ids in appended.items():
-        n = int(rows.n[b])
-        rows.tokens[b, n:n + len(ids)] = ids
-        rows.tool[b, n:n + len(ids)] = 1
-        rows.n[b] += len(ids)
+        _write_tool_tokens(rows, b, ids)
     if not appended:
         return []
     batch, longest = [], 0

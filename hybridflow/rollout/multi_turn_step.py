@@ -131,6 +131,7 @@ class DecodeState:
     """Static tensors of one chunk of B rows over a cache of T columns and a vocabulary of V."""
 
     READY, FORCED, FORCED_TOKEN, ROLLBACK = range(4)  # the rows of `ctrl`
+    CTRL_ROWS = 4
 
     def __init__(self, rows: int, length: int, vocab: int, device,
                  dtype: torch.dtype = torch.float32):
@@ -144,7 +145,7 @@ class DecodeState:
         # forced (1: emit FORCED_TOKEN instead of the draw), the forced token, rollback (1: first
         # take back the row's last fed token: rollout.multi_turn.lookahead fed it one step past
         # its call)
-        self.ctrl = z(4, rows)
+        self.ctrl = z(self.CTRL_ROWS, rows)
         self.out = z(2, rows, dt=torch.float64)  # (2, B) the step's token and its log-prob
 
     def tensors(self) -> list:
@@ -187,7 +188,7 @@ class Slots:
     def __init__(self, B: int, step):
         self.st, self.fns = step
         self.of = np.arange(B)  # (B,) chunk row -> its slot (-1: dropped, finished)
-        self.ctrl = np.zeros((4, B), dtype=np.int64)
+        self.ctrl = np.zeros((DecodeState.CTRL_ROWS, B), dtype=np.int64)
 
     @property
     def size(self) -> int:
@@ -206,7 +207,8 @@ class Slots:
         cache.gather_rows(order, columns=columns)
         self.of[:] = -1
         self.of[keep] = np.arange(len(keep))
-        self.st, self.fns, self.ctrl = st, fns, np.zeros((4, size), dtype=np.int64)
+        self.st, self.fns, self.ctrl = st, fns, np.zeros((DecodeState.CTRL_ROWS, size),
+                                                        dtype=np.int64)
 
 
 def decode_step(gen, st: DecodeState, cfg: RolloutConfig, *, graphed: bool,
@@ -238,7 +240,7 @@ def decode_step(gen, st: DecodeState, cfg: RolloutConfig, *, graphed: bool,
             st.key_valid.scatter_(1, col, st.key_valid.gather(1, col) & (back == 0)[:, None])
         tok, lp = sample(st.logits, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                          generator=gen._rng, need_logprobs=True, kernels=opts.kernels,
-                         pdl=opts.pdl, rng_state=gen._rng_state if opts.fused_sampler else None,
+                         pdl=opts.pdl, rng_state=gen.sampler_stream(opts),
                          compile_backend=opts.compile_backend if opts.compile else None,
                          replace=(ctrl[DecodeState.FORCED].bool(),
                                   ctrl[DecodeState.FORCED_TOKEN]))

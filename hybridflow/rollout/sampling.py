@@ -32,7 +32,6 @@ Choices:
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -88,12 +87,12 @@ def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: f
     stream, not `generator`'s); None: the PyTorch sampler always."""
     if (rng_state is not None and kernels == "triton" and temperature > 0.0 and top_k == 0
             and top_p >= 1.0):
+        from hybridflow.kernels._dispatch import interpreting
         from hybridflow.kernels.sample import sample_rows
 
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests run the kernel too
         return sample_rows(logits, 1.0 / temperature, rng_state, replace=replace,
-                           need_logprobs=need_logprobs, pdl=pdl,
-                           impl="triton" if logits.is_cuda or interpreted else "torch")
+                           need_logprobs=need_logprobs, pdl=pdl,  # (CPU tests run the kernel too)
+                           impl="triton" if logits.is_cuda or interpreting() else "torch")
     race_argmax, token_logprobs = (_compiled(compile_backend) if compile_backend else
                                    (_race_argmax, _token_logprobs))
     inv_temp = 1.0 if temperature == 0.0 else 1.0 / temperature
