@@ -91,9 +91,11 @@ class DecodeKernelOptions:
     # rollout.decode_kernels=triton, temperature > 0 without top-k / top-p: the draw and its
     # log-prob as two Triton passes that read the logits once (hybridflow/kernels/sample.py: a
     # counter-based Philox stream on the device, keyed by each generate call's seed) instead of
-    # PyTorch's exponential race + log_softmax passes; other sampling settings keep the PyTorch
-    # sampler. Off until measured on a GPU
-    fused_sampler: bool = False
+    # PyTorch's exponential race + log_softmax passes (6.5x faster graphed on one H200: 48 vs
+    # 311 us at 64 rows, 313 vs 2,050 us at 512; benchmarks/results/sampler_h200.json); other
+    # sampling settings keep the PyTorch sampler. false: the PyTorch sampler (the generator's
+    # torch.Generator stream) everywhere
+    fused_sampler: bool = True
     # torch.compile backend and mode of rollout.compile_decode (CPU tests: aot_eager)
     compile_backend: str = "inductor"
     compile_mode: Optional[str] = None
@@ -349,11 +351,11 @@ class AlgoConfig:
     # the packed micro-batches' attention kernel (hybridflow/models/attention.py): "varlen": torch's
     # varlen_attn (FlashAttention-2 over the rows' cu_seqlens, GQA native; CUDA, bf16/fp16, head_dim
     # a multiple of 8 up to 256, compute capability 8.0+, torch 2.10+); "flex": a flex_attention
-    # document mask (compiled on CUDA; the default: the kernel every recorded GPU result ran);
-    # "auto": varlen where it runs, else flex, chosen once per run and printed by rank 0. varlen
-    # is faster on one H200 (docs/perf_log.md); the default moves to auto once its Engine-level GPU
-    # equality test (tests/gpu/test_packing_gpu.py) passes
-    packed_attention: str = "flex"
+    # document mask (compiled on CUDA); "auto": varlen where it runs, else flex, chosen once per
+    # run and printed by rank 0. varlen is faster on one H200 (GSM8K step: ref pass 0.48 vs
+    # 0.71 s, update 1.53 vs 1.77 s; benchmarks/results/packed_varlen_h200.json) and agrees with
+    # flex as closely as flex with itself against an fp32 reference (tests/gpu/test_packing_gpu.py)
+    packed_attention: str = "auto"
 
 
 def micro_batching(a: AlgoConfig, *, forward: bool) -> dict:

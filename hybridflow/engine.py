@@ -93,7 +93,7 @@ class Engine:
                  total_updates: int = 1, lora: Optional[LoRAConfig] = None, seed: int = 0,
                  offload_optimizer: bool = False, offload_grads: bool = False,
                  router_replay: str = "disabled", offload_params: bool = False,
-                 packed_attention: str = "flex"):
+                 packed_attention: str = "auto"):
         """`lora` (actor.lora / critic.lora, rank > 0; trainable roles): LoRA adapters on the
         decoder linears, the only parameters that train with a scalar role's value head
         (models/lora.py); `seed` draws their A factors.

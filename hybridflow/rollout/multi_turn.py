@@ -122,7 +122,8 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
         raise ValueError(f"longest prompt {P} + rollout.max_new_tokens={R} exceeds model."
                          f"max_position_embeddings={gen.cfg.max_position_embeddings}")
     chunks = [(s, min(s + cfg.max_batch_size, N)) for s in range(0, N, cfg.max_batch_size)]
-    T = -(-(P + R + 1) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE  # + the scratch column
+    # + the scratch column; lookahead: + the column of the token a full row is fed once more
+    T = -(-(P + R + 1 + runner.mt.lookahead) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
     with torch.no_grad():
         gen._ensure_cache(rows=max(e - s for s, e in chunks), length=T)
         # emulate_graphs: the graphed path's states, ladder and warm-ups off a GPU (tests)

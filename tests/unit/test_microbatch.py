@@ -123,7 +123,7 @@ def test_pack_sequences_needs_budgets_and_no_pipeline(overrides, world_size):
 
 
 def test_packed_attention_option_errors():
-    assert _cfg().algo.packed_attention == "flex"
+    assert _cfg().algo.packed_attention == "auto"
     with pytest.raises(ValueError, match=r"algo.packed_attention='fa2' is not one of "
                                          r"\['auto', 'flex', 'varlen'\]"):
         _cfg("algo.packed_attention=fa2")

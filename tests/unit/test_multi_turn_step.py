@@ -230,10 +230,12 @@ def test_close_tokens(tmp_path):
     assert DecodeState(2, 64, V, "cpu").out.dtype == torch.float64  # token ids stay exact
 
 
-def _greedy_tool_rows(tmp_path, compact: bool, variants: list) -> list:
+def _greedy_tool_rows(tmp_path, compact: bool, variants: list, *, fill_cache: bool = False) -> list:
     """(batch, metrics) of a greedy rollout of 6 rows (2 prompts x 3; forced turns with one or
     two calculator calls) per rollout.multi_turn variant (dicts of MultiTurnConfig fields),
-    emulated graphs, KV windows, compaction from 1 row when `compact`."""
+    emulated graphs, KV windows, compaction from 1 row when `compact`. `fill_cache`: two rows
+    run to the response limit, one of them after a call, the limit set so that a row that reaches
+    it ends on the cache's last column but one (prompt + response + 1 = a multiple of 64)."""
     tok = byte_tokenizer(tmp_path)
     end = tok.encode("<|im_end|>")
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
@@ -241,10 +243,14 @@ def _greedy_tool_rows(tmp_path, compact: bool, variants: list) -> list:
     forced = [end, tok.encode(call("2+2")) + tok.encode("x") + end, tok.encode("abc") + end,
               tok.encode(call("3*3")) + tok.encode(call("1+1")) + end, [],
               tok.encode("de") + end]
+    R = 150
+    if fill_cache:
+        forced[4:] = [tok.encode("z" * 300), tok.encode(call("2+2")) + tok.encode("y" * 300)]
+        R = 127 - max(len(p) for p in prompts)
     outs = []
     for variant in variants:
         runner = runner_for(tok, "hermes", tool_config(tmp_path, "calculator"), **variant)
-        cfg = RolloutConfig(n=3, max_new_tokens=150, temperature=0.0, return_logprobs=True,
+        cfg = RolloutConfig(n=3, max_new_tokens=R, temperature=0.0, return_logprobs=True,
                             max_batch_size=4)
         opts = DecodeOptions(kernels="torch", kv_window=64, compact_finished_rows=compact,
                              min_graphed_bucket=1, emulate_graphs=True)
@@ -296,3 +302,19 @@ def test_lookahead_equals_the_step_by_step_loop(tmp_path, compact):
     assert (m_ahead["multi_turn/compactions"] >= 1) == compact
     # every row's last step and every call's was run once more, its token dropped
     assert m_ahead["multi_turn/lookahead_dropped"] >= 6 and m_plain["multi_turn/lookahead_dropped"] == 0
+
+
+def test_lookahead_rows_that_fill_the_cache(tmp_path):
+    """Lookahead feeds a row that reached the response limit once more (its token dropped): the
+    cache keeps a column for it, and the steps after it (another row still decoding after its
+    tool call) run; the rollout is the loop's."""
+    (plain, _), (ahead, m_ahead) = _greedy_tool_rows(
+        tmp_path, False, [dict(append="decode"), dict(append="decode", lookahead=True)],
+        fill_cache=True)
+    R = plain.response_ids.shape[1]
+    assert int((plain.response_mask.sum(1) == R).sum()) >= 2
+    assert torch.equal(ahead.response_ids, plain.response_ids)
+    assert torch.equal(ahead.tool_mask, plain.tool_mask)
+    torch.testing.assert_close(ahead.rollout_logprobs, plain.rollout_logprobs, rtol=1e-5,
+                               atol=1e-5)
+    assert m_ahead["multi_turn/lookahead_dropped"] >= 6

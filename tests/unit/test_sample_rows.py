@@ -199,10 +199,10 @@ def test_sample_takes_the_fused_path_only_where_it_applies():
 
 def test_fused_sampler_option():
     cfg = RolloutConfig()
-    assert cfg.kernel_options.fused_sampler is False
-    assert DecodeOptions.from_config(cfg).fused_sampler is False
-    cfg.kernel_options.fused_sampler = True
+    assert cfg.kernel_options.fused_sampler is True
     assert DecodeOptions.from_config(cfg).fused_sampler is True
+    cfg.kernel_options.fused_sampler = False
+    assert DecodeOptions.from_config(cfg).fused_sampler is False
     validate_rollout_options(cfg)
     cfg.kernel_options.fused_sampler = "yes"
     with pytest.raises(ValueError, match="rollout.kernel_options.fused_sampler"):
