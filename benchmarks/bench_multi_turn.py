@@ -180,7 +180,8 @@ def synthetic(a) -> dict:
             for i, f in enumerate(forced)]
     tools = load_tool_config("calculator.yaml")
     mt = MultiTurnConfig(enable=True, tool_config_path="calculator.yaml", max_assistant_turns=4,
-                         max_tool_response_length=256, tool_workers=16, **hold_options(a))
+                         max_tool_response_length=256, tool_workers=16, append="prefill",
+                         **hold_options(a))  # held and prefilled; fed below
     runner_cls = (slow_runner(a.tool_latency_ms, a.tool_jitter_ms)
                   if a.tool_latency_ms or a.tool_jitter_ms else ToolRunner)
     rc = RolloutConfig(n=a.n, max_new_tokens=a.max_new, temperature=1.0, max_batch_size=rows,
@@ -188,7 +189,7 @@ def synthetic(a) -> dict:
     cache = max(map(len, prompts)) + a.max_new
     window = max(64, -(-cache // 8 // 64) * 64)
     at_once = dataclasses.replace(mt, append_wait_steps=0)
-    fed = dataclasses.replace(mt, append="decode")  # results fed through the decode step
+    fed = dataclasses.replace(mt, append="decode", lookahead=False)  # fed by the decode step
     ahead = dataclasses.replace(fed, lookahead=True)  # + each step launched before the last is read
     kernels = DecodeOptions(kernels=a.kernels).resolved(dev, cfg.head_dim).kernels
     windows = DecodeOptions(kernels=kernels, kv_window=window)
@@ -234,7 +235,7 @@ def synthetic(a) -> dict:
                      "append": mt_v.append,
                      "append_calls": metrics["multi_turn/append_calls"],
                      "fed_tool_tokens": metrics["multi_turn/fed_tool_tokens"],
-                     "lookahead": mt_v.lookahead,
+                     "lookahead": mt_v.lookahead_on,
                      "host_s": metrics["timing_s/multi_turn_host"],
                      "step_wait_s": metrics["timing_s/multi_turn_step_wait"],
                      "tool_prefill_s": metrics["timing_s/tool_prefill"], "metrics": metrics}

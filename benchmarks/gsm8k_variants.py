@@ -9,9 +9,10 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
   lora     actor.lora.rank=32 alpha=64 (all-linear), actor_optim.lr=5e-5 (PEFT users' range; at
            alpha=32 and 3e-5 it trailed the full run for its first 29 steps)
   partial  rollout.partial (512 decode steps per step, 32 extra prompts in flight), TIS cap 2.0
-  tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter)
-  tools_fed  the same with rollout.multi_turn.append=decode (results fed through the decode step)
-  tools_ahead  tools_fed with rollout.multi_turn.lookahead=true (steps launched one ahead)
+  tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter; tool results fed
+           through the decode step, each step launched before the last is read: the defaults)
+  tools_fed  the same without lookahead (rollout.multi_turn.lookahead=false)
+  tools_held  results held and prefilled by an eager extend (rollout.multi_turn.append=prefill)
 
 On one H200, after `bash benchmarks/gsm8k_h200.sh setup`, one variant per device call (each ~6-7
 minutes for 60 steps with validation every 5), resumable while the machine stays warm:
@@ -43,9 +44,8 @@ VARIANTS = {
     "partial": ("rollout.partial.enable=true rollout.partial.max_decode_steps=512 "
                 "rollout.partial.extra_prompts=32 rollout.max_batch_size=768 algo.tis_imp_ratio_cap=2.0"),
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
-    "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.append=decode",
-    "tools_ahead": ("experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.append=decode "
-                    "rollout.multi_turn.lookahead=true"),
+    "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.lookahead=false",
+    "tools_held": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.append=prefill",
 }
 STAGES = ("gen", "reshard", "reward", "old_log_prob", "ref", "adv", "update_actor", "val")
 MISMATCH = ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max", "rollout_corr/kl")

@@ -151,14 +151,22 @@ class MultiTurnConfig:
     # how a tool result enters its row's cache: "prefill", an eager `extend` over its tokens (held
     # and batched as above); "decode", fed one token per decode step through the decode step
     # itself (forced tokens, inside its CUDA graph: no forward pass of its own, as every slot is
-    # computed each step anyway; the row samples again after the result's last token)
-    append: str = "prefill"
+    # computed each step anyway; the row samples again after the result's last token). decode is
+    # the default: on one H200 (benchmarks/results/multi_turn_fed_h200.json, 512 rows, 20-60 ms
+    # tools) with lookahead 3.6-3.7 ms per decode step vs 5.8-5.9 held and prefilled, the
+    # rollout's wall time 2.15 vs 2.25 s; the same greedy rollouts (tests)
+    append: str = "decode"
     # launch each decode step before reading the previous one's tokens, so that the host's work
     # between steps (recording tokens, looking for calls, tools, compaction) overlaps the device's
     # step instead of leaving it idle; a row that stopped or called a tool at step k has been fed
     # once more at step k + 1: that token is dropped and, after a call, taken back in the cache
-    # at the next step. Needs append=decode
-    lookahead: bool = False
+    # at the next step. true needs append=decode; null: on with append=decode
+    lookahead: Optional[bool] = None
+
+    @property
+    def lookahead_on(self) -> bool:
+        """`lookahead` resolved: null is on exactly with append=decode."""
+        return self.append == "decode" if self.lookahead is None else bool(self.lookahead)
 
 
 @dataclass

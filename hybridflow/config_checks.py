@@ -442,6 +442,8 @@ def validate_multi_turn(r) -> None:
     _positive("rollout.multi_turn.max_tool_response_length", m.max_tool_response_length)
     _positive("rollout.multi_turn.tool_workers", m.tool_workers)
     _one_of("rollout.multi_turn.append", m.append, {"prefill", "decode"})
+    if m.lookahead is not None and not isinstance(m.lookahead, bool):
+        raise ValueError(f"rollout.multi_turn.lookahead: {m.lookahead!r} is not true, false or null")
     if m.lookahead and m.append != "decode":
         raise ValueError(f"rollout.multi_turn.lookahead=true needs rollout.multi_turn.append=decode "
                          f"(got {m.append!r}): an extend between steps would run behind a step "

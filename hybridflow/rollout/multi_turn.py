@@ -123,7 +123,7 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
                          f"max_position_embeddings={gen.cfg.max_position_embeddings}")
     chunks = [(s, min(s + cfg.max_batch_size, N)) for s in range(0, N, cfg.max_batch_size)]
     # + the scratch column; lookahead: + the column of the token a full row is fed once more
-    T = -(-(P + R + 1 + runner.mt.lookahead) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+    T = -(-(P + R + 1 + runner.mt.lookahead_on) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
     with torch.no_grad():
         gen._ensure_cache(rows=max(e - s for s, e in chunks), length=T)
         # emulate_graphs: the graphed path's states, ladder and warm-ups off a GPU (tests)
@@ -132,7 +132,7 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
         windows = kv_windows(gen._cache.length, opts.kv_window)
         targets = {e - s: _targets(e - s, opts, graphed) for s, e in chunks}
         sizes = {b for s, e in chunks for b in (e - s, *targets[e - s])}
-        steps = {b: _step(gen, b, cfg, graphed, windows, opts, runner.mt.lookahead)
+        steps = {b: _step(gen, b, cfg, graphed, windows, opts, runner.mt.lookahead_on)
                  for b in sorted(sizes, reverse=True)}
         gen.reseed(seed)
         hosts = []
@@ -245,7 +245,7 @@ def _run_chunk(gen: Generator, prompts: list, copy_of: torch.Tensor, cfg: Rollou
     ready = np.arange(B)  # rows whose next-token logits are in the decode state
     step = 0  # the chunk's decode steps so far (the same on every TP_g rank)
     # rollout.multi_turn.lookahead: the step launched before the previous one's tokens are read
-    ahead = mt.lookahead
+    ahead = mt.lookahead_on
     flight: Optional[_Launched] = None  # (lookahead) the step launched, its tokens not yet read
     rollback = ready[:0]  # (lookahead) rows fed one token past their call: taken back next step
     while True:

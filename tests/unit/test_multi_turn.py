@@ -101,11 +101,13 @@ def reference_logprobs(gen, prompt, response):
 
 def run(gen, tok, fmt_kind, cfg_path, prompts, forced, *, max_new=320, turns=4,
         prefill_tokens=16384, temperature=1.0, runner_cls=ToolRunner, **hold):
-    """`hold`: rollout.multi_turn.append_wait_steps / append_batch_rows (default: the config's)."""
+    """`hold`: rollout.multi_turn.append_wait_steps / append_batch_rows (default: the config's),
+    append and lookahead (default: held results prefilled, no lookahead; the tests of the decode
+    path ask for it)."""
     tools = load_tool_config(cfg_path)
     mt = MultiTurnConfig(enable=True, format=fmt_kind, max_assistant_turns=turns,
                          max_tool_response_length=64, tool_config_path=cfg_path, tool_workers=2,
-                         **hold)
+                         **{"append": "prefill", "lookahead": False, **hold})
     runner = runner_cls(tools, fmt=ToolFormat(fmt_kind, tokenizer=tok, tools=tools),
                         tokenizer=tok, mt=mt)
     try:

@@ -31,12 +31,13 @@ class SyncRunner(ToolRunner):
 
 
 def runner_for(tok, kind, path, turns=3, **hold):
-    """`hold`: rollout.multi_turn.append_wait_steps / append_batch_rows; the eager reference loop
-    appends each result at the poll it came in (append_wait_steps=0)."""
+    """`hold`: rollout.multi_turn.append_wait_steps / append_batch_rows, append and lookahead
+    (default: held results prefilled, no lookahead); the eager reference loop appends each result
+    at the poll it came in (append_wait_steps=0)."""
     tools = load_tool_config(path)
     mt = MultiTurnConfig(enable=True, format=kind, max_assistant_turns=turns,
                          max_tool_response_length=24, tool_config_path=path, tool_workers=1,
-                         **hold)
+                         **{"append": "prefill", "lookahead": False, **hold})
     return SyncRunner(tools, fmt=ToolFormat(kind, tokenizer=tok, tools=tools), tokenizer=tok,
                       mt=mt)
 
