@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="algo.use_dynamic_bsz=true: --micro-batch-tokens is a token budget")
     p.add_argument("--pack-sequences", action="store_true",
                    help="algo.pack_sequences=true (with --dynamic-bsz): packed rows of real tokens")
+    p.add_argument("--packed-attention", choices=("varlen", "flex"), default="varlen",
+                   help="the packed rows' attention kernel as a GPU run resolves algo.packed_attention "
+                        "(auto: varlen)")
     p.add_argument("--steps", type=int)
     p.add_argument("--epochs", type=float)
     p.add_argument("--dataset-size", type=int)
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     varlen = dict(gen_max_batch_size=a.gen_max_batch_size,
                   gen_batches_per_round=a.gen_batches_per_round,
                   compact_finished_rows=a.compact_finished_rows, decode_kv_window=a.kv_window,
-                  dynamic_bsz=a.dynamic_bsz, pack_sequences=a.pack_sequences)
+                  dynamic_bsz=a.dynamic_bsz, pack_sequences=a.pack_sequences,
+                  packed_attention=a.packed_attention)
     cap = a.max_new_tokens or a.response_len_max or a.response_len
     if a.max_new_tokens is not None or a.lengths:
         varlen["max_new_tokens"] = cap

@@ -73,10 +73,11 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
     of the named GPU's (a 24 GiB card, or trainer.gpu_memory_limit_gib on a bigger one).
     `varlen`: Workload's variable-length fields (response_lengths, prompt_len_max, max_new_tokens,
     gen_max_batch_size, compact_finished_rows, decode_kv_window, dynamic_bsz, pack_sequences,
-    gen_rounds, gen_prompt_factor, gen_batches_per_round, response_logits_only, bf16_logits)."""
+    packed_attention, gen_rounds, gen_prompt_factor, gen_batches_per_round, response_logits_only,
+    bf16_logits)."""
     allowed = {"response_lengths", "prompt_len_max", "max_new_tokens", "gen_max_batch_size",
                "compact_finished_rows", "decode_kv_window", "dynamic_bsz", "pack_sequences",
-               "gen_rounds", "gen_prompt_factor", "gen_batches_per_round", "response_logits_only",
+               "packed_attention", "gen_rounds", "gen_prompt_factor", "gen_batches_per_round", "response_logits_only",
                "bf16_logits"}
     if set(varlen) - allowed:
         raise TypeError(f"estimate_cost: unknown arguments {sorted(set(varlen) - allowed)}")

@@ -24,6 +24,17 @@ def micro_batch_tokens(cfg: Config, *, forward: bool) -> int:
                                                          + cfg.rollout.max_new_tokens)
 
 
+def packed_attention_on_gpu(cfg: Config) -> str:
+    """algo.packed_attention as a GPU run resolves it (models/attention.choose_packed_attention on
+    an sm_80+ GPU with torch 2.10+): auto or varlen -> "varlen" unless the run is fp32 or the head
+    size is not a multiple of 8 up to 256, else "flex"."""
+    head_dim = cfg.model.head_dim
+    if (cfg.algo.packed_attention == "flex" or cfg.trainer.precision == "fp32"
+            or head_dim % 8 or head_dim > 256):
+        return "flex"
+    return "varlen"
+
+
 def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = None) -> dict:
     """`Workload` keyword arguments for one step of `cfg` (a config whose auto options are
     resolved). `lengths`: prompt_len / response_len / response_len_max, or response_lengths (a
@@ -54,5 +65,6 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 compact_finished_rows=bool(r.compact_finished_rows),
                 decode_kv_window=int(r.decode_kv_window or 0), dynamic_bsz=bool(a.use_dynamic_bsz),
                 pack_sequences=bool(a.use_dynamic_bsz and a.pack_sequences),
+                packed_attention=packed_attention_on_gpu(cfg),
                 gen_batches_per_round=(a.dynamic_sampling.batches_per_round
                                        if a.dynamic_sampling.enable else 1))

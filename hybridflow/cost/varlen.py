@@ -124,6 +124,14 @@ def decode_schedule(w: Workload, rows: int, batch: int) -> Decode:
     return total
 
 
+# algo.packed_attention=varlen: a packed micro-batch's attention costs this share of what flex's
+# document mask costs beyond maskless attention (`masked_attention`). From the GSM8K passes run
+# both ways on one H200 (benchmarks/results/packed_varlen_h200.json: ref 0.484 vs 0.706 s, update
+# 1.525 vs 1.767 s): the share at which the model's two varlen passes drop from its flex ones by
+# the measured ratio (0.812). One A/B, not a fit over records.
+VARLEN_MASKED_SHARE = 0.59
+
+
 @dataclass(frozen=True)
 class PassWork:
     """One pass over a DP rank's rows: micro-batches and the tokens they compute."""
@@ -161,7 +169,8 @@ def pass_work(w: Workload, rows: int, max_tokens: int, multiple: int = 1) -> Pas
         if w.pack_sequences and not (lengths == lengths[0]).all():
             real = float(lengths.sum())
             tokens += math.ceil(real / multiple) * multiple
-            masked += float((lengths.astype(np.float64) ** 2).sum())
+            share = VARLEN_MASKED_SHARE if w.packed_attention == "varlen" else 1.0
+            masked += share * float((lengths.astype(np.float64) ** 2).sum())
             head += float(gr.sum()) if w.response_logits_only else real
             attention += float((lengths.astype(np.float64) ** 2).sum())
         else:   # padded to the micro-batch's longest prompt + response

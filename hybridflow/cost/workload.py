@@ -119,6 +119,9 @@ class Workload:
     dynamic_bsz: bool = False
     # algo.pack_sequences: each token-budget micro-batch as one packed row of real tokens
     pack_sequences: bool = False
+    # algo.packed_attention as a GPU run resolves it: "flex", a flex_attention document mask (every
+    # packed record's kernel); "varlen", FlashAttention-2 varlen over the documents (cost.varlen)
+    packed_attention: str = "flex"
     # dynamic sampling (algo.dynamic_sampling): generation calls per step, each paying the long
     # tail, and prompts generated per trained prompt (its metrics dynamic_sampling/rounds, /batches)
     gen_rounds: float = 1.0
@@ -150,6 +153,9 @@ class Workload:
         if not isinstance(self.decode_kv_window, int) or self.decode_kv_window < 0:
             raise ValueError(f"decode_kv_window must be 0 (off) or a positive integer, got "
                              f"{self.decode_kv_window!r}")
+        if self.packed_attention not in ("flex", "varlen"):
+            raise ValueError(f"packed_attention {self.packed_attention!r}: expected 'flex' or "
+                             f"'varlen'")
         if self.pack_sequences and not self.dynamic_bsz:
             raise ValueError("pack_sequences needs dynamic_bsz (algo.pack_sequences needs "
                              "algo.use_dynamic_bsz)")

@@ -16,7 +16,7 @@ from hybridflow.cost import Calibration
 from hybridflow.cost.calibrate import fit, parse_record, predict, predict_vs_measured
 from hybridflow.cost.lengths import fit_stats, from_metrics, from_quantiles, load_lengths, quantile_points
 from hybridflow.cost.timing import stage_terms
-from hybridflow.cost.varlen import decode_schedule, pass_work, row_lengths
+from hybridflow.cost.varlen import VARLEN_MASKED_SHARE, decode_schedule, pass_work, row_lengths
 from hybridflow.cost.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,6 +134,24 @@ def test_packed_pass_by_hand():
     # fixed micro-batches: every row padded to the step's longest (4 + 9), 2 rows each, all masked
     f = pass_work(replace(w, pack_sequences=False, dynamic_bsz=False), 4, 26)
     assert (f.micro, f.tokens, f.masked_attention, f.attention) == (2, 4 * 13, 4 * 13 ** 2, 4 * 13 ** 2)
+    # packed rows on varlen: the packed micro-batch's attention at VARLEN_MASKED_SHARE of flex's
+    # extra cost; padded micro-batches keep their mask (varlen runs only packed rows)
+    v = pass_work(replace(w, packed_attention="varlen"), 4, 16)
+    assert v.masked_attention == pytest.approx(VARLEN_MASKED_SHARE * (7 ** 2 + 6 ** 2))
+    assert (v.micro, v.tokens, v.attention) == (p.micro, p.tokens, p.attention)
+    uv = pass_work(replace(w, pack_sequences=False, packed_attention="varlen"), 4, 16)
+    assert uv.masked_attention == u.masked_attention
+    with pytest.raises(ValueError, match="packed_attention 'sdpa'"):
+        replace(w, packed_attention="sdpa")
+
+
+def test_packed_attention_from_config():
+    from hybridflow.config import load_config
+    from hybridflow.cost.from_config import packed_attention_on_gpu
+
+    assert packed_attention_on_gpu(load_config([])) == "varlen"   # auto: varlen on a GPU
+    assert packed_attention_on_gpu(load_config(["algo.packed_attention=flex"])) == "flex"
+    assert packed_attention_on_gpu(load_config(["trainer.precision=fp32"])) == "flex"
 
 
 def test_packed_terms_by_hand():
