@@ -40,8 +40,10 @@ at most rollout.max_batch_size rows:
   tokens (recorded as tool tokens, log-prob 0; no stop or call check on them), which costs no
   forward pass of its own (the step computes every slot anyway) but delays the row by as many
   steps as the result has tokens. With rollout.multi_turn.lookahead (append=decode only) each
-  step is launched before the previous one's tokens are read (copied to pinned host memory, not
-  waited for), so the host's bookkeeping overlaps the device's step; a row that stopped or called
+  step is launched before the previous one's tokens are read, so the host's bookkeeping overlaps
+  the device's step (on a GPU the control rows go up and the tokens come back through pinned
+  buffers by non-blocking copies, multi_turn_step.StepCopies: neither waits for the step in
+  flight); a row that stopped or called
   a tool at step k was fed once more at k + 1: that token is dropped (`Rows.epoch`) and, after a
   call, taken back in the cache by the next step (DecodeState.ROLLBACK). At TP_g > 1 only the
   generation group's rank 0 runs tools; it broadcasts
@@ -85,7 +87,8 @@ from hybridflow.data.batch import RolloutBatch
 from hybridflow.rollout import compaction, decoder
 from hybridflow.rollout.cuda_graph import bucket_sizes
 from hybridflow.rollout.generator import LENGTH_MULTIPLE, Generator, kv_windows, window_for
-from hybridflow.rollout.multi_turn_step import DecodeState, Rows, Slots, decode_step, extend  # noqa: F401
+from hybridflow.rollout.multi_turn_step import (DecodeState, Rows, Slots, StepCopies,  # noqa: F401
+                                               decode_step, extend)
 from hybridflow.rollout.options import DecodeOptions
 from hybridflow.tools.base import ToolCall
 from hybridflow.tools.runner import ToolRunner
@@ -385,23 +388,23 @@ def _launch(slots: Slots, rows: Rows, ready: np.ndarray, *, P: int, forced, stat
         ctrl[DecodeState.FORCED_TOKEN, at[on]] = f_tok[ready[on], n_model[on]]
     fed = np.zeros(len(ready), dtype=bool)
     if queue:
-        fed = np.fromiter((int(b) in queue for b in ready), dtype=bool, count=len(ready))
+        fed = np.isin(ready, np.fromiter(queue, dtype=np.int64, count=len(queue)))
         ctrl[DecodeState.FORCED, at[fed]] = 1
         ctrl[DecodeState.FORCED_TOKEN, at[fed]] = [_pop(queue, int(b)) for b in ready[fed]]
-    t0 = time.perf_counter()
-    slots.st.ctrl.copy_(torch.from_numpy(ctrl))
     # a row's next column is below P + its length (+ a token in flight) + 1: the window that holds
     # every row in the state (finished ones too, until compaction drops them: their cache stays)
     window = window_for(slots.fns, P + int((rows.n + more)[slots.of >= 0].max()) + 1)
-    slots.fns[window]()  # draws every slot's token, feeds the ready rows'
-    out, event = slots.st.out, None
-    if out.is_cuda:  # to pinned memory, not waited for: the next step may run meanwhile
-        out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True).copy_(out,
-                                                                            non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+    st = slots.st
+    t0 = time.perf_counter()
+    if st.out.is_cuda:  # through pinned buffers, not waited for: the step in flight runs on
+        if st.copies is None:
+            st.copies = StepCopies(st)
+        # draws every slot's token, feeds the ready rows'
+        out, event = st.copies.launch(st, ctrl, slots.fns[window])
     else:
-        out = out.clone()
+        st.ctrl.copy_(torch.from_numpy(ctrl))
+        slots.fns[window]()
+        out, event = st.out.clone(), None
     stats["step_wait"] += time.perf_counter() - t0
     stats["window_steps"][window] = stats["window_steps"].get(window, 0) + 1
     stats["decode_steps"] += 1

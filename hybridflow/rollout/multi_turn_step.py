@@ -147,6 +147,8 @@ class DecodeState:
         # its call)
         self.ctrl = z(self.CTRL_ROWS, rows)
         self.out = z(2, rows, dt=torch.float64)  # (2, B) the step's token and its log-prob
+        # on a GPU: the pinned buffers of the per-step copies (made at the first launch)
+        self.copies: Optional[StepCopies] = None
 
     def tensors(self) -> list:
         return [self.logits, self.col, self.pos, self.key_valid, self.ctrl, self.out]
@@ -161,6 +163,48 @@ class DecodeState:
         self.pos.copy_(mask.sum(1))
         self.ctrl.zero_()
         self.out.zero_()
+
+
+class StepCopies:
+    """A decode state's per-step host copies on a GPU: its control rows (host -> device) and its
+    output row (device -> host) go through pinned buffers, DEPTH of each used in turn, with
+    non-blocking copies. A copy from pageable memory would synchronize the stream (under
+    rollout.multi_turn.lookahead: wait for the step in flight), and a pinned buffer allocated per
+    step costs the caching host allocator's bookkeeping every step.
+
+    Launch j uses pair j % DEPTH, which launch j + DEPTH rewrites. Safe because the decode loop
+    reads launch j (multi_turn._read: waits for j's event, recorded on the stream after j's control
+    copy, replay and output copy, and takes its tokens out of the output buffer by copies) before
+    it launches j + 2: with lookahead a launch is read in the loop's next iteration, which
+    launches at most j + 1; without, in its own. So when j + 2 rewrites the pinned control rows
+    their copy to the device has run, and its output copy lands in a buffer the host has read.
+    `launch` synchronizes the pair's last event before rewriting anyway (complete by then: no
+    wait), so the device side of that ordering is checked, not assumed."""
+
+    DEPTH = 2
+
+    def __init__(self, st: "DecodeState"):
+        pin = lambda t: torch.zeros(t.shape, dtype=t.dtype, pin_memory=True)  # noqa: E731
+        self.ctrl = [pin(st.ctrl) for _ in range(self.DEPTH)]
+        self.ctrl_np = [c.numpy() for c in self.ctrl]
+        self.out = [pin(st.out) for _ in range(self.DEPTH)]
+        self.events: list = [None] * self.DEPTH
+        self.next = 0
+
+    def launch(self, st: "DecodeState", ctrl: np.ndarray, step) -> tuple:
+        """Copy `ctrl` to st.ctrl, run `step` (a replay), copy st.out back, none waited for ->
+        (the pinned output, the event after which it is there)."""
+        i = self.next
+        self.next = (i + 1) % self.DEPTH
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        self.ctrl_np[i][...] = ctrl
+        st.ctrl.copy_(self.ctrl[i], non_blocking=True)
+        step()
+        out = self.out[i].copy_(st.out, non_blocking=True)
+        self.events[i] = event = torch.cuda.Event()
+        event.record()
+        return out, event
 
 
 class Rows:

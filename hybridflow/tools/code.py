@@ -1,9 +1,14 @@
 """`code_interpreter`: Python code run in a sandboxed process per call.
 
 Each call: a fresh temporary working directory (deleted after), `python -I -B` (isolated: no user
-site, no PYTHON* env, no bytecode writes) running a small runner (`_CHILD_SOURCE`: an audit hook, then the snippet), with
+site, no PYTHON* env, no bytecode writes) running a small runner (`_CHILD_SOURCE`: the limits, an
+audit hook, then the snippet), with
 - wall time `timeout_s` (the process group is killed), CPU time `cpu_s` (RLIMIT_CPU), address space
-  `memory_mb` (RLIMIT_AS), output file size (RLIMIT_FSIZE) and no core files;
+  `memory_mb` (RLIMIT_AS), output file size (RLIMIT_FSIZE) and no core files: the runner sets them
+  (the hard limits too, so the snippet cannot raise them) before it reads the snippet. Not a `preexec_fn`:
+  that makes subprocess fork() the whole trainer (page tables of every host mapping) with the GIL
+  held, stalling the decode loop for each call; without it the spawn is a vfork/exec, and the wait
+  for the child blocks on a pidfd (no polling wake-ups that take the GIL);
 - no network: the child starts in a new, empty network namespace (`unshare -rn`) when the machine
   allows unprivileged user namespaces (probed once); in every case its audit hook refuses every
   `socket.*` event, so a connection attempt raises PermissionError either way;
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
-import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -33,11 +38,19 @@ from hybridflow.tools.base import Tool, ToolTimeout, register_tool
 # the child process's runner, written into each call's working directory (see its docstring)
 _CHILD_SOURCE = r'''"""Runs in the sandbox's child process (python -I -B this_file WORKDIR): installs an audit hook that
 refuses process creation, sockets and writes outside WORKDIR, then executes
-WORKDIR/snippet.py with WORKDIR as the working directory. Audit hooks cannot be removed once added."""
+WORKDIR/snippet.py with WORKDIR as the working directory. Audit hooks cannot be removed once added.
+Before anything else: the resource limits of argv[2:] (CPU seconds, address-space and file-size
+bytes), soft and hard, and no core files."""
 
 import os
+import resource
 import sys
 
+_CPU, _MEM, _FSIZE = (int(a) for a in sys.argv[2:5])
+resource.setrlimit(resource.RLIMIT_CPU, (_CPU, _CPU + 1))
+resource.setrlimit(resource.RLIMIT_AS, (_MEM, _MEM))
+resource.setrlimit(resource.RLIMIT_FSIZE, (_FSIZE, _FSIZE))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 ROOT = os.path.realpath(sys.argv[1])
 _PROCESS = {"os.system", "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn",
             "os.kill", "os.killpg", "subprocess.Popen", "pty.spawn", "os.startfile",
@@ -116,6 +129,21 @@ def truncate_middle(text: str, limit: int) -> str:
         note) else text[:limit]
 
 
+def _wait(proc: subprocess.Popen, timeout: float) -> int:
+    """proc.wait(timeout) blocking on a pidfd (Linux >= 5.3): one wake-up when the child exits,
+    where Popen.wait polls with sleeps of 0.5-50 ms, each taking the GIL."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # no pidfd here: Popen's polling wait
+        return proc.wait(timeout=timeout)
+    try:
+        if not select.select([fd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+    finally:
+        os.close(fd)
+    return proc.wait()
+
+
 def run_python(code: str, *, timeout_s: float = 10.0, cpu_s: int = 10, memory_mb: int = 1024,
                max_output_chars: int = 2048, isolate_network: bool = True) -> tuple[str, str]:
     """Run `code` in the sandbox -> (output text, status): status "ok", "error" (nonzero exit: an
@@ -127,14 +155,8 @@ def run_python(code: str, *, timeout_s: float = 10.0, cpu_s: int = 10, memory_mb
         out_path = Path(work, ".output")
         limit_bytes = 4 * max(max_output_chars, 1024) + 65536
 
-        def limits():
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-            mem = memory_mb * 1024 * 1024
-            resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-        cmd = [sys.executable, "-I", "-B", str(Path(work, ".runner.py")), work]
+        cmd = [sys.executable, "-I", "-B", str(Path(work, ".runner.py")), work, str(int(cpu_s)),
+               str(memory_mb * 1024 * 1024), str(limit_bytes)]
         if isolate_network and network_namespace_available():
             cmd = ["unshare", "-rn", *cmd]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work,
@@ -143,9 +165,9 @@ def run_python(code: str, *, timeout_s: float = 10.0, cpu_s: int = 10, memory_mb
         with open(out_path, "wb") as out:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, cwd=work, env=env,
-                                    preexec_fn=limits, start_new_session=True)
+                                    start_new_session=True)
             try:
-                rc = proc.wait(timeout=timeout_s)
+                rc = _wait(proc, timeout_s)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()

@@ -35,8 +35,10 @@ def test_code_runs_and_files_stay_in_its_directory():
      False),
     ("import os\nos.remove(os.path.expanduser('/etc/hostname'))", "outside the working", False),
     ("1 / 0", "ZeroDivisionError", False),
+    ("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))",
+     "not allowed to raise maximum limit", False),
 ], ids=["infinite_loop", "memory_bomb", "network", "os_system", "subprocess", "write_outside",
-        "remove_outside", "exception"])
+        "remove_outside", "exception", "raise_limits"])
 def test_sandbox_limits_end_as_error_text(code, expect, timeout):
     out = interp(timeout_s=4, cpu_s=2, memory_mb=512).run(
         ToolCall("code_interpreter", {"code": code}))
