@@ -158,6 +158,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.code:
         sys.path.insert(0, str(Path(a.code).resolve()))
+    import numpy as np
     import torch
 
     import hybridflow
@@ -211,6 +212,10 @@ def main() -> None:
                                               eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed,
                                               forced=forced)
 
+    # the model tokens whose text holds a backtick: the rows whose turn text the loop decodes
+    close = ToolRunner(tools, fmt=ToolFormat("code", tokenizer=tok, tools=tools), tokenizer=tok,
+                       mt=mt).close_tokens(gen.w.dims.true_vocab)
+    may_close = sum(int(close[f].sum()) for f in map(np.array, forced)) / sum(map(len, forced))
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
     run(0)  # warm-up: close_tokens, graph capture, allocator
     sync()
@@ -249,7 +254,7 @@ def main() -> None:
            "settings": {**vars(a), "step": step_kind, "rows": rows},
            "hybridflow_path": str(Path(hybridflow.__file__).parent),
            "host_us_per_step_median": statistics.median(r[key] for r in timed),
-           "rollout_sha": sha, "model_tokens": int(((1 - tmask) * batch.response_mask.cpu()).sum()),
+           "rollout_sha": sha, "may_close_fraction": may_close, "model_tokens": int(((1 - tmask) * batch.response_mask.cpu()).sum()),
            "tool_tokens": int((tmask * batch.response_mask.cpu()).sum()), "reps": reps,
            "sample": tok.decode(resp[0, :int(lens[0])].tolist(), skip_special_tokens=False)}
     write_json(a.out, out)

@@ -230,8 +230,10 @@ def _run_chunk(gen: Generator, prompts: list, copy_of: torch.Tensor, cfg: Rollou
     B, R = len(copy_of), cfg.max_new_tokens
     P = _prefill(gen, prompts, copy_of, steps[B][0], pad_id=pad_id, budget=budget)
     rows, slots = Rows(B, R), Slots(B, steps[B])
-    stop_ids = np.array([eos_id, *cfg.stop_token_ids], dtype=np.int64)
     may_close = runner.close_tokens(w.dims.true_vocab)  # (V,) bool
+    is_stop = np.zeros(len(may_close), dtype=bool)  # (V,) bool: a lookup, not np.isin per step
+    stop_ids = np.array([eos_id, *cfg.stop_token_ids], dtype=np.int64)
+    is_stop[stop_ids[(stop_ids >= 0) & (stop_ids < len(may_close))]] = True
     if forced is not None:  # (B, longest) tokens, their counts
         f_len = np.array([len(f) for f in forced], dtype=np.int64)
         f_tok = np.zeros((B, max(1, int(f_len.max()))), dtype=np.int64)
@@ -263,7 +265,7 @@ def _run_chunk(gen: Generator, prompts: list, copy_of: torch.Tensor, cfg: Rollou
         if todo is not None:
             got, t, fed = _read(todo, rows, stats)
             # a fed tool token neither stops its row nor closes a call
-            stop = (np.isin(t, stop_ids) & ~fed) | (rows.n[got] >= R)
+            stop = (is_stop[t] & ~fed) | (rows.n[got] >= R)
             rows.state[got[stop]] = Rows.DONE
             rows.epoch[got[stop]] += 1
             for i in np.flatnonzero(~stop & may_close[t] & ~fed):  # tokens that may close a call
@@ -388,7 +390,9 @@ def _launch(slots: Slots, rows: Rows, ready: np.ndarray, *, P: int, forced, stat
         ctrl[DecodeState.FORCED_TOKEN, at[on]] = f_tok[ready[on], n_model[on]]
     fed = np.zeros(len(ready), dtype=bool)
     if queue:
-        fed = np.isin(ready, np.fromiter(queue, dtype=np.int64, count=len(queue)))
+        queued = np.zeros(len(rows.n), dtype=bool)
+        queued[np.fromiter(queue, dtype=np.int64, count=len(queue))] = True
+        fed = queued[ready]
         ctrl[DecodeState.FORCED, at[fed]] = 1
         ctrl[DecodeState.FORCED_TOKEN, at[fed]] = [_pop(queue, int(b)) for b in ready[fed]]
     # a row's next column is below P + its length (+ a token in flight) + 1: the window that holds

@@ -137,7 +137,9 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int:
     except (AttributeError, OSError):  # no pidfd here: Popen's polling wait
         return proc.wait(timeout=timeout)
     try:
-        if not select.select([fd], [], [], timeout)[0]:
+        poll = select.poll()  # not select.select: a trainer's descriptors may pass FD_SETSIZE
+        poll.register(fd, select.POLLIN)
+        if not poll.poll(max(0, int(timeout * 1000))):
             raise subprocess.TimeoutExpired(proc.args, timeout)
     finally:
         os.close(fd)
