@@ -56,13 +56,18 @@ def _run(fn, gen, tok, prompts, forced, path, kernels="torch", append="prefill",
               options=DecodeOptions(kernels=kernels, prefill_tokens=64, **opts))
 
 
-@pytest.mark.parametrize("kv_window, compact", [(0, False), (64, False), (64, True)],
-                         ids=["whole_cache", "windows", "windows_compaction"])
-def test_graphed_step_equals_eager_step(tmp_path, kv_window, compact):
-    """Compaction: graphs of every smaller state (min_graphed_bucket=1: these chunks are tiny)."""
+@pytest.mark.parametrize("kv_window, compact, append, lookahead", [
+    (0, False, "prefill", False), (64, False, "prefill", False), (64, True, "prefill", False),
+    (64, True, "decode", False), (64, True, "decode", True)],
+    ids=["whole_cache", "windows", "windows_compaction", "fed", "fed_lookahead"])
+def test_graphed_step_equals_eager_step(tmp_path, kv_window, compact, append, lookahead):
+    """Compaction: graphs of every smaller state (min_graphed_bucket=1: these chunks are tiny).
+    Lookahead: each replay is launched before the previous step's tokens are read, its control
+    rows and tokens through the pinned buffers (multi_turn_step.StepCopies) in turn."""
     tok, prompts, forced, path = _setup(tmp_path)
     gen = _gen(torch.bfloat16)
     more = dict(compact_finished_rows=True, min_graphed_bucket=1) if compact else {}
+    more.update(append=append, lookahead=lookahead)
     graphed, m = _run(generate_multi_turn, gen, tok, prompts, forced, path, kv_window=kv_window,
                       **more)
     assert m["tool_calls/mean"] > 0 and (m["multi_turn/compactions"] > 0) == compact
