@@ -303,7 +303,13 @@ def _run_chunk(gen: Generator, prompts: list, copy_of: torch.Tensor, cfg: Rollou
                                    w, cache, slots, *gen._tables, gen.device, stats=stats)
             held.clear()
             stats["tool_prefill"] += time.perf_counter() - tp
-        ready = np.union1d(feed, np.array(back, dtype=np.int64)) if back else feed
+        if back:  # np.union1d's sorted union by a mask (union1d hashes: ~0.4 ms at 512 rows)
+            mark = np.zeros(B, dtype=bool)
+            mark[feed] = True
+            mark[back] = True
+            ready = np.flatnonzero(mark)
+        else:
+            ready = feed
         live = np.flatnonzero(rows.state != Rows.DONE)
         new_b = compaction.target_bucket(len(live), slots.size, targets) if live.size else None
         if new_b is not None:  # the rows still decoding or waiting for a tool, in fewer slots
