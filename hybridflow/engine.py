@@ -62,7 +62,7 @@ from hybridflow.models.heads import ValueHead
 from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear,
                                       LeanRowParallelLinear, LogprobSpec)
 from hybridflow.models.logprob import vocab_parallel_logprobs
-from hybridflow.models.lora import adapters_disabled, apply_lora
+from hybridflow.models.lora import adapters_disabled, apply_lora, factors_fixed
 from hybridflow.offload import GradBufferRelease, OptimizerOffload, ParamOffload, host_copy
 from hybridflow.parallel.context import ParallelContext
 
@@ -447,7 +447,9 @@ class Engine:
             self.graphed = self._capture_graphs(micro) if self._want_graphs else 0
         else:
             self.model.eval()
-        with torch.set_grad_enabled(not forward_only):
+        # LoRA: the adapters' factors stay as they are for the pass (models/lora.py)
+        fixed = factors_fixed(self.module) if self.lora is not None else contextlib.nullcontext()
+        with torch.set_grad_enabled(not forward_only), fixed:
             outs = get_forward_backward_func(pp_size=self.ctx.pp_size)(
                 forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
                 num_microbatches=n_micro, seq_length=seq_len,

@@ -142,10 +142,13 @@ class LeanColumnParallelLinear(ColumnParallelLinear):
                 runtime_gather_output: Optional[bool] = None):
         x, weight = self._prepare(input_, weight)  # (s, b, h)
         bias = None if self.skip_bias_add else self.bias
-        out = _linear(self, x, weight, bias)  # (s, b, out/tp)
         lora = self._modules.get("lora")  # models/lora.py: its own collectives on input_
-        if lora is not None and lora.enabled:
-            out = lora.add_to(out, input_)
+        if lora is not None and lora.enabled and lora.fusable(self, weight, bias):  # TP = 1
+            out = lora.fused_linear(x, weight, bias)
+        else:
+            out = _linear(self, x, weight, bias)  # (s, b, out/tp)
+            if lora is not None and lora.enabled:
+                out = lora.add_to(out, input_)
         return self._finish(out, runtime_gather_output)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -266,15 +269,18 @@ class LeanRowParallelLinear(RowParallelLinear):
         x = input_
         if not self.input_is_parallel and self._tp > 1:
             x = scatter_to_tensor_model_parallel_region(x, group=self.tp_group)
-        out = _linear(self, x, self.weight, None)  # (s, b, h) partial sum over this rank's slice
-        if self._tp > 1:
-            if self.sequence_parallel:  # (s, b, h) -> (s/tp, b, h)
-                out = reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group)
-            else:
-                out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
         lora = self._modules.get("lora")  # models/lora.py: added after the base's reduction
-        if lora is not None and lora.enabled:
-            out = lora.add_to(out, x)
+        if lora is not None and lora.enabled and lora.fusable(self, self.weight, None):  # TP = 1
+            out = lora.fused_linear(x, self.weight, None)
+        else:
+            out = _linear(self, x, self.weight, None)  # (s, b, h) partial sum over this rank's slice
+            if self._tp > 1:
+                if self.sequence_parallel:  # (s, b, h) -> (s/tp, b, h)
+                    out = reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group)
+                else:
+                    out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+            if lora is not None and lora.enabled:
+                out = lora.add_to(out, x)
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None

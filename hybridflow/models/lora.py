@@ -134,6 +134,78 @@ class LoRAAdapter(torch.nn.Module):
         return torch.addmm(out.reshape(-1, n), h.reshape(-1, h.shape[-1]),
                            self.b_matrix().t()).view(out.shape)
 
+    def fusable(self, layer, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+        """Whether `fused_linear` computes `layer`'s output (base and update) here: TP = 1, no
+        dropout in this pass and a frozen base; in a pass that trains the factors, also
+        parallel.gradient_accumulation_fusion on `layer` and DDP's main_grad on every factor."""
+        if self._tp != 1 or (isinstance(self.drop, torch.nn.Dropout) and self.drop.training) \
+                or weight.requires_grad or (bias is not None and bias.requires_grad):
+            return False
+        factors = self.factors()
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in factors)):
+            return True
+        return layer.fuse_wgrad and all(hasattr(p, "main_grad") for p in factors)
+
+    def factors(self) -> list:
+        """[A factors..., B factors...] in `a_matrix` / `b_matrix` order (the Parameter objects,
+        listed once: moves, dtype casts and loads keep them)."""
+        found = self.__dict__.get("_factors")
+        if found is None:
+            found = self.__dict__["_factors"] = [*self.A.values(), *self.B.values()]
+        return found
+
+    def gemm_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a_matrix(), b_matrix()) without autograd; inside `factors_fixed` made once and reused
+        (the micro-batches of a pass do not rebuild the concatenated and zero-padded matrices for
+        every linear), but not while a CUDA graph is captured (its replays must rebuild them)."""
+        cached = self.__dict__.get("_gemm_cache")
+        if cached is not None:
+            return cached
+        with torch.no_grad():
+            ab = (self.a_matrix(), self.b_matrix())
+        if self.__dict__.get("_fixed") and not (ab[0].is_cuda
+                                                and torch.cuda.is_current_stream_capturing()):
+            self.__dict__["_gemm_cache"] = ab
+        return ab
+
+    def fused_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                     bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """F.linear(x, weight, bias) + forward(x) where `fusable`: the values of `add_to` on the
+        base output (the same GEMMs, the update added in place), as one autograd node whose
+        backward adds the factors' gradients into their main_grad (`_FusedLoRALinear`)."""
+        factors = self.factors()
+        if torch.is_grad_enabled() and any(p.requires_grad for p in factors):
+            return _FusedLoRALinear.apply(x, weight, bias, self, *factors)
+        with torch.no_grad():
+            out, _ = _base_plus_update(x.reshape(-1, x.shape[-1]), weight, bias,
+                                       *self.gemm_factors())
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _accumulate_b(self, main_grads: list, grad: torch.Tensor, h: torch.Tensor) -> None:
+        """Each B factor's main_grad += scale * (its rows of grad (N, out))^T @ (its columns of
+        h (N, k r)): one GEMM per factor where its rows are one block, else (QKV's rows per query
+        group) one GEMM for all and a strided add per factor."""
+        from hybridflow.models.linear import accumulate_wgrad
+
+        names, r = list(self.B), self.rank
+        hs = h * self.scale if self.scale != 1 else h
+        if self.groups == 1:
+            off = 0
+            for name, n, targeted in self.parts:
+                if targeted:
+                    j = names.index(name)
+                    accumulate_wgrad(main_grads[j], grad[:, off:off + n], hs[:, j * r:(j + 1) * r])
+                off += n
+            return
+        g = grad.t().mm(h).view(self.groups, -1, len(names) * r)
+        off = 0
+        for name, n, targeted in self.parts:
+            if targeted:
+                j = names.index(name)
+                main_grads[j].view(self.groups, n, r).add_(
+                    g[:, off:off + n, j * r:(j + 1) * r], alpha=self.scale)
+            off += n
+
     def _low_rank(self, x: torch.Tensor) -> torch.Tensor:
         """h = dropout(x) A^T with its TP collective: (s, b, k r), the k targeted parts' r columns
         side by side (column kind: over the full sequence; row: reduced over TP)."""
@@ -148,24 +220,27 @@ class LoRAAdapter(torch.nn.Module):
         return (gather_from_sequence_parallel_region(h, group=self.tp_group) if self.sp
                 else _CopyToTP.apply(h, self.tp_group))
 
-    def b_matrix(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def b_matrix(self, dtype: Optional[torch.dtype] = None, *, scaled: bool = True) -> torch.Tensor:
         """scale * B as one (out_local, k r) matrix over `_low_rank`'s columns: part j's rows (in
-        every group) read columns j r..(j + 1) r, an untargeted part's rows are zero. `dtype`:
-        the factors cast first (the merge's fp32), else their own."""
+        every group) read columns j r..(j + 1) r, an untargeted part's rows are zero (one zero-fill
+        and a copy per part). `dtype`: the factors cast first (the merge's fp32), else their own;
+        `scaled=False`: B without the scale."""
         names = list(self.B)
-        cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))  # noqa: E731
+        first = self.B[names[0]]
         if self.kind == "row" or (len(self.parts) == 1 and self.groups == 1):
-            return cast(self.B[names[0]]) * self.scale
+            b = first if dtype is None else first.to(dtype)
+            return b * self.scale if scaled else b
         k, r = len(names), self.rank
-        pieces = []
-        for name, rows, targeted in self.parts:
+        rows = sum(n for _, n, _ in self.parts)
+        out = first.new_zeros(self.groups, rows, k * r, dtype=dtype)
+        off = 0
+        for name, n, targeted in self.parts:
             if targeted:
                 j = names.index(name)
-                b = cast(self.B[name]).view(self.groups, rows, r)
-                pieces.append(F.pad(b, (j * r, (k - 1 - j) * r)))
-            else:
-                pieces.append(cast(self.B[names[0]]).new_zeros(self.groups, rows, k * r))
-        return (torch.cat(pieces, dim=1) * self.scale).reshape(-1, k * r)
+                out[:, off:off + n, j * r:(j + 1) * r] = self.B[name].view(self.groups, n, r)
+            off += n
+        out = out.view(-1, k * r)
+        return out * self.scale if scaled else out
 
     def a_matrix(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The A factors stacked as `_low_rank` multiplies them: (k r, in_local)."""
@@ -186,6 +261,57 @@ class LoRAAdapter(torch.nn.Module):
         """scale * B @ A in the base weight's local layout, fp32: (out_local, in_local)."""
         return self.b_matrix(torch.float32) @ self.a_matrix(torch.float32)
 
+
+
+def _base_plus_update(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x W^T + bias + (x a^T) b^T, h = x a^T) for 2-D x: `add_to`'s GEMMs, the update added into
+    the base output in place (no output-sized copy)."""
+    out = F.linear(x, weight, bias)
+    h = F.linear(x, a)
+    return out.addmm_(h, b.t()), h
+
+
+class _FusedLoRALinear(torch.autograd.Function):
+    """A frozen TP = 1 linear with its adapter as ONE autograd node (`LoRAAdapter.fused_linear`).
+
+    The autograd path (`add_to`) is ~25 nodes per adapted linear (A's concat, B's zero-fill and
+    copies, the scale, views, the two GEMMs) plus an AccumulateGrad and a Python DDP hook
+    (main_grad += grad) per factor, and a separate input-gradient sum: at 7 targets that doubled a
+    layer's backward ops, and a small model's packed update waits on the host for them. Here:
+    forward = the base GEMM, h = x A^T, out += h (scale B)^T in place; backward = the input
+    gradient as grad W + (grad scale B) A in two GEMMs accumulating into one tensor, and the
+    factors' gradients added into DDP's fp32 main_grad by their GEMMs (models/linear.py
+    `accumulate_wgrad`, as parallel.gradient_accumulation_fusion does for trained weights);
+    autograd gets none for them, so no hook runs. Values are `add_to`'s (same GEMMs, same order)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, adapter, *factors):
+        x2d = x.reshape(-1, x.shape[-1])
+        a, b = adapter.gemm_factors()
+        out, h = _base_plus_update(x2d, weight, bias, a, b)
+        ctx.save_for_backward(x2d, weight, a, b, h)
+        ctx.adapter, ctx.x_shape = adapter, x.shape
+        # the buffers themselves (activation recompute hands backward copies of saved tensors)
+        ctx.main_grads = [p.main_grad for p in factors]
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        from hybridflow.models.linear import accumulate_wgrad
+
+        x2d, weight, a, b, h = ctx.saved_tensors
+        ad = ctx.adapter
+        grad = grad.reshape(-1, grad.shape[-1])
+        gh = grad.mm(b)  # dL/dh (b holds the scale)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.mm(weight).addmm_(gh, a).view(ctx.x_shape)
+        n_a, r = len(ad.A), ad.rank
+        for j, main_grad in enumerate(ctx.main_grads[:n_a]):
+            accumulate_wgrad(main_grad, gh[:, j * r:(j + 1) * r], x2d)
+        ad._accumulate_b(ctx.main_grads[n_a:], grad, h)
+        return (grad_x, None, None, None) + (None,) * len(ctx.main_grads)
 
 def _seed(seed: int, layer: int, name: str, salt: str = "") -> int:
     return zlib.crc32(f"{salt}{seed}/{layer}/{name}".encode()) & 0x7FFFFFFF
@@ -252,6 +378,23 @@ def adapters(model) -> Iterator[tuple[torch.nn.Module, LoRAAdapter]]:
 
 def has_adapters(model) -> bool:
     return next(adapters(model), None) is not None
+
+
+@contextmanager
+def factors_fixed(model):
+    """Inside the `with` the factors of `model`'s adapters do not change (a pass's forwards and
+    backwards, before its optimizer step): each adapter builds the matrices its fused GEMMs read
+    once (`gemm_factors`), and drops them on exit. Outside, every forward builds them anew: the
+    optimizer writes the factors through `.data`, which no version counter sees."""
+    found = [a for _, a in adapters(model)]
+    for a in found:
+        a.__dict__["_fixed"] = True
+    try:
+        yield
+    finally:
+        for a in found:
+            a.__dict__["_fixed"] = False
+            a.__dict__.pop("_gemm_cache", None)
 
 
 @contextmanager

@@ -359,6 +359,27 @@ def test_bench_packed_pass_times_every_variant(tmp_path):
         assert r["predicted_s"]["ref"] > 0 and r["predicted_s"]["update_actor"] > 0
 
 
+def test_bench_lora_update_times_both_sides(tmp_path):
+    # the full and the LoRA update through the real Engine (tiny model, CPU): LoRA's linears on the
+    # fused path, only the adapters trained, per-layer op counts of each phase
+    out = tmp_path / "lora.json"
+    subprocess.run([sys.executable, "benchmarks/bench_lora_update.py", "--device", "cpu", "--model",
+                    "tiny", "--rows", "8", "--prompt-len", "8", "--mean", "12", "--min", "2", "--cap",
+                    "32", "--budget", "64", "--rank", "4", "--alpha", "8", "--iters", "1", "--profile",
+                    "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
+    rec = json.loads(out.read_text())
+    res = rec["results"]
+    full, lora = res["full"], res["lora"]
+    assert lora["adapter_path"] == "fused" and full["micro_batches"] == lora["micro_batches"] > 1
+    assert lora["trainable_tensors"] == rec["layers"] * 7 * 2
+    assert lora["trainable_params"] < full["trainable_params"]
+    assert res["lora_over_full"] == lora["update_median_s"] / full["update_median_s"]
+    for r in (full, lora):
+        assert r["update_median_s"] > 0 and r["fwd_bwd_median_s"] > 0
+        assert r["profile"]["forward"]["aten_ops"] > 0 and r["profile"]["backward"]["aten_ops"] > 0
+        assert r["profile"]["optimizer"]["aten_ops"] > 0
+
+
 def test_bench_sampler_times_every_way(tmp_path):
     """The sampler comparison on CPU (the fused way's PyTorch twin, no graphs): every way and tiling
     timed at each batch, the fused log-probs equal to log_softmax, the read floor from the shape."""

@@ -1,0 +1,245 @@
+"""The actor update with LoRA against the full-parameter update, through the real Engine.
+
+One GSM8K-like update (rows with prompts of --prompt-len and log-normal responses of mean --mean,
+cut at --cap; random weights of --model, --layers / --vocab to shrink it) runs as packed token-budget
+micro-batches of --budget tokens through `Engine.train_step`, once with every parameter training and
+once with LoRA adapters (rank --rank, alpha --alpha, --targets; the base frozen). Per side: seconds
+per update (median of --iters after a warm-up), split into the forward + backward of the
+micro-batches and the rest (optimizer step, grad-norm, zeroing), and the adapter path taken
+(`fused`: models/lora.py's one-node linears with the gradients added into DDP's main_grad, or
+`autograd`). With --profile: per phase (forward, backward, optimizer, finite-check, zero) the
+top-level aten ops and, on CUDA, the kernels and their summed device time (a pass whose kernel time
+is far below its wall time waits on the host: launch-bound), also per layer (forward and backward:
+per layer and micro-batch).
+
+  python benchmarks/bench_lora_update.py --profile --out benchmarks/results/lora_update_h200.json
+      # one H200, < 2 min: Qwen2.5-Coder-0.5B, 512 rows (~220k tokens), budget 20,480
+  python benchmarks/bench_lora_update.py --device cpu --layers 2 --vocab 4096 --rows 8 \\
+      --prompt-len 16 --mean 48 --min 16 --cap 96 --budget 1024 --iters 2 --profile \\
+      --out /tmp/lora_update.json                                            # CPU smoke, ~1 min
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import functools
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_packed_pass import make_batch  # noqa: E402
+from benchmarks.run_record import command, machine, versions, write_json  # noqa: E402
+
+PHASES = ("forward", "backward", "optimizer", "finite", "zero")
+
+
+def _labelled(obj, name: str, label: str, cuda: bool, spent: dict) -> None:
+    """obj.name runs under a profiler label and adds its wall seconds to spent[label]."""
+    from torch.profiler import record_function
+
+    fn = getattr(obj, name)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with record_function(f"PH_{label}"):
+            out = fn(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+        spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+        return out
+    setattr(obj, name, wrapped)
+
+
+def _phase(event) -> tuple[str | None, bool]:
+    """(the PH_ label above a profiler event or None, whether it ran inside another aten op)."""
+    p, nested, backward = event.cpu_parent, False, False
+    while p is not None:
+        if p.name.startswith("aten::"):
+            nested = True
+        if p.name.startswith("autograd::engine::evaluate_function"):
+            backward = True
+        if p.name.startswith("PH_"):
+            label = p.name[3:]
+            return ("backward" if backward else "forward") if label == "fwdbwd" else label, nested
+        p = p.cpu_parent
+    return None, nested
+
+
+def profile_update(fn, cuda: bool, layers: int, micro_batches: int) -> dict:
+    """Per phase: top-level aten ops (and, on CUDA, kernels and their device seconds), also per
+    layer and micro-batch (the phase's whole count over layers x micro-batches: the embedding, head
+    and loss ops included, a small share at a real depth)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    ops = collections.defaultdict(collections.Counter)
+    kernels, kernel_s = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.name.startswith("aten::"):
+            phase, nested = _phase(e)
+            if phase is not None and not nested:
+                ops[phase][e.name[6:]] += 1
+        if cuda:
+            for k in getattr(e, "kernels", ()):  # launched under this CPU op
+                phase, _ = _phase(e) if not e.name.startswith("PH_") else (e.name[3:], False)
+                phase = phase or "other"
+                kernels[phase] += 1
+                kernel_s[phase] += k.duration / 1e6
+    out = {}
+    for phase in PHASES:
+        c = ops.get(phase, collections.Counter())
+        per = layers * (micro_batches if phase in ("forward", "backward") else 1)
+        out[phase] = {"aten_ops": sum(c.values()), "aten_ops_per_layer": sum(c.values()) / per,
+                      "top_ops": dict(c.most_common(12))}
+        if cuda:
+            out[phase].update(kernels=kernels[phase], kernels_per_layer=kernels[phase] / per,
+                              kernel_s=kernel_s[phase])
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2_5_coder_0_5b")
+    ap.add_argument("--layers", type=int, default=0, help="0: the model's")
+    ap.add_argument("--vocab", type=int, default=0, help="0: the model's")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--precision", default=None, help="bf16 (CUDA default) or fp32 (CPU default)")
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=105)
+    ap.add_argument("--mean", type=float, default=300.0)
+    ap.add_argument("--clip", type=float, default=0.0078, help="share of rows at the cap")
+    ap.add_argument("--min", type=float, default=93.0, help="the shortest response")
+    ap.add_argument("--cap", type=int, default=1024)
+    ap.add_argument("--budget", type=int, default=20480)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--alpha", type=float, default=64.0)
+    ap.add_argument("--targets", default="all-linear")
+    ap.add_argument("--sides", default="full,lora")
+    ap.add_argument("--no-fusion", action="store_true",
+                    help="parallel.gradient_accumulation_fusion=false (LoRA: the autograd path)")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+
+    from hybridflow.algo.objectives import actor_objective
+    from hybridflow.config import AlgoConfig, LoRAConfig, OptimConfig, ParallelConfig
+    from hybridflow.cost.lengths import fit_stats
+    from hybridflow.cost.shapes import load_shape
+    from hybridflow.cost.varlen import row_lengths
+    from hybridflow.cost.workload import Workload
+    from hybridflow.engine import Engine
+    from hybridflow.parallel import groups
+
+    cuda = a.device == "cuda"
+    precision = a.precision or ("bf16" if cuda else "fp32")
+    groups.init_distributed()
+    ctx = groups.init_model_parallel(tp=1, pp=1, seed=1)
+    shape = {"attention_backend": "sdpa"}
+    if a.layers:
+        shape["num_layers"] = a.layers
+    if a.vocab:
+        shape["vocab_size"] = a.vocab
+    model_cfg = dataclasses.replace(load_shape(a.model), **shape)
+    pts = fit_stats(mean=a.mean, cap=a.cap, clip_ratio=a.clip, shortest=a.min, rows=a.rows, k=a.rows)
+    lengths = [int(x) for x in row_lengths(Workload(prompts_per_step=1, samples_per_prompt=1,
+                                                    response_lengths=pts), a.rows)]
+    batch = make_batch(a.prompt_len, lengths, model_cfg.vocab_size)
+    algo = AlgoConfig(loss_agg_mode="token-mean", use_kl_loss=True, kl_loss_coef=0.001)
+    loss_fn = actor_objective(algo, num_tokens=int(batch.response_mask.sum()), num_seqs=a.rows)
+    par = ParallelConfig(use_distributed_optimizer=False,
+                         gradient_accumulation_fusion=not a.no_fusion)
+    results = {}
+    for side in a.sides.split(","):
+        lora = LoRAConfig(rank=a.rank, alpha=a.alpha, target_modules=a.targets.split(",")) \
+            if side == "lora" else None
+        eng = Engine(role="actor", model_cfg=model_cfg, ctx=ctx, parallel=par, precision=precision,
+                     optim=OptimConfig(lr=5e-5 if lora else 3e-6, clip_grad=1.0),
+                     total_updates=1000, lora=lora, packed_attention="auto")
+        spent: dict = {}
+        _labelled(eng, "_run", "fwdbwd", cuda, spent)
+        _labelled(eng.optimizer, "step", "optimizer", cuda, spent)
+        _labelled(eng, "_grads_finite", "finite", cuda, spent)
+        _labelled(eng.model, "zero_grad_buffer", "zero", cuda, spent)
+
+        def upd():
+            eng.train_step(batch, loss_fn, micro_batch_size=a.rows, max_tokens=a.budget, pack=True,
+                           need_entropy=True)
+
+        micro, _ = eng._micro_batches(batch, micro_batch_size=a.rows, max_tokens=a.budget, pack=True)
+        upd()  # warm-up: compiles, allocator
+        times, fwdbwd = [], []
+        for _ in range(a.iters):
+            spent.clear()
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            upd()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            fwdbwd.append(spent["fwdbwd"])
+        r = {"update_s": times, "update_median_s": statistics.median(times),
+             "fwd_bwd_median_s": statistics.median(fwdbwd),
+             "rest_median_s": statistics.median(t - f for t, f in zip(times, fwdbwd)),
+             "micro_batches": len(micro),
+             "tokens": sum(int(p.input_ids.numel()) if p is not None else int(mb.input_ids().numel())
+                           for mb, _, p in micro),
+             "trainable_params": sum(p.numel() for p in eng.module.parameters() if p.requires_grad),
+             "trainable_tensors": sum(1 for p in eng.module.parameters() if p.requires_grad)}
+        if lora:
+            from hybridflow.models.lora import adapters
+
+            linear, ad = next(adapters(eng.module))
+            with torch.enable_grad():
+                fused = getattr(ad, "fusable", None)
+                r["adapter_path"] = "fused" if fused and fused(linear, linear.weight, None) \
+                    else "autograd"
+        if a.profile:
+            with contextlib.redirect_stdout(sys.stderr):
+                r["profile"] = profile_update(upd, cuda, model_cfg.num_layers, len(micro))
+        results[side] = r
+        print(f"{side:5s} update {r['update_median_s']:.3f} s (fwd+bwd {r['fwd_bwd_median_s']:.3f}, "
+              f"rest {r['rest_median_s']:.3f}), {r['micro_batches']} micro-batches, "
+              f"{r['tokens']} tokens" + (f", adapters {r.get('adapter_path')}" if lora else ""),
+              flush=True)
+        if a.profile:
+            for phase, p in r["profile"].items():
+                extra = (f", {p['kernels_per_layer']:.0f} kernels/layer, {p['kernel_s']:.3f} s "
+                         "kernels") if cuda else ""
+                print(f"   {phase:9s} {p['aten_ops_per_layer']:6.1f} ops/layer{extra}", flush=True)
+        del eng
+        if cuda:
+            torch.cuda.empty_cache()
+    if "full" in results and "lora" in results:
+        results["lora_over_full"] = (results["lora"]["update_median_s"]
+                                     / results["full"]["update_median_s"])
+    write_json(a.out, {"benchmark": "LoRA vs full-parameter actor update", "model": a.model,
+                       "layers": model_cfg.num_layers, "vocab": model_cfg.vocab_size,
+                       "precision": precision, "machine": machine(),
+                       "versions": versions("megatron-core"), "command": command(),
+                       "lora": {"rank": a.rank, "alpha": a.alpha, "targets": a.targets},
+                       "lengths": {"rows": a.rows, "prompt_len": a.prompt_len,
+                                   "response_mean": statistics.fmean(lengths),
+                                   "response_max": max(lengths)},
+                       "budget": a.budget, "results": results})
+    print(f"wrote {a.out}")
+    groups.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
