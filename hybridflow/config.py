@@ -43,7 +43,9 @@ class ParallelConfig:
     # the decoder layers' weight gradients added into DDP's fp32 main_grad by their backward GEMM
     # (Megatron's gradient_accumulation_fusion, without apex: models/linear.py accumulate_wgrad)
     # instead of a bf16 gradient that DDP's hook then adds in a second pass; trainable roles, the
-    # local layer spec (not transformer-engine's)
+    # local layer spec (not transformer-engine's). With LoRA at TP = 1 (no adapter dropout) it
+    # also makes each adapted linear one autograd node that adds its factors' gradients so
+    # (models/lora.py fused_linear)
     gradient_accumulation_fusion: bool = True
     # on CUDA, each decoder layer's training forward and backward replayed as one CUDA graph
     # (models/graphs.py, as torch.cuda.make_graphed_callables), captured once at the shape of the

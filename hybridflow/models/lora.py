@@ -141,8 +141,8 @@ class LoRAAdapter(torch.nn.Module):
         if self._tp != 1 or (isinstance(self.drop, torch.nn.Dropout) and self.drop.training) \
                 or weight.requires_grad or (bias is not None and bias.requires_grad):
             return False
-        factors = self.factors()
-        if not (torch.is_grad_enabled() and any(p.requires_grad for p in factors)):
+        factors = self.factors()  # all train or none (apply_lora): the first stands for all
+        if not (torch.is_grad_enabled() and factors[0].requires_grad):
             return True
         return layer.fuse_wgrad and all(hasattr(p, "main_grad") for p in factors)
 
@@ -174,7 +174,7 @@ class LoRAAdapter(torch.nn.Module):
         base output (the same GEMMs, the update added in place), as one autograd node whose
         backward adds the factors' gradients into their main_grad (`_FusedLoRALinear`)."""
         factors = self.factors()
-        if torch.is_grad_enabled() and any(p.requires_grad for p in factors):
+        if torch.is_grad_enabled() and factors[0].requires_grad:
             return _FusedLoRALinear.apply(x, weight, bias, self, *factors)
         with torch.no_grad():
             out, _ = _base_plus_update(x.reshape(-1, x.shape[-1]), weight, bias,
@@ -189,6 +189,9 @@ class LoRAAdapter(torch.nn.Module):
 
         names, r = list(self.B), self.rank
         hs = h * self.scale if self.scale != 1 else h
+        if len(self.parts) == 1:  # row kind, or a column linear of one part
+            accumulate_wgrad(main_grads[0], grad, hs)
+            return
         if self.groups == 1:
             off = 0
             for name, n, targeted in self.parts:
@@ -309,7 +312,7 @@ class _FusedLoRALinear(torch.autograd.Function):
             grad_x = grad.mm(weight).addmm_(gh, a).view(ctx.x_shape)
         n_a, r = len(ad.A), ad.rank
         for j, main_grad in enumerate(ctx.main_grads[:n_a]):
-            accumulate_wgrad(main_grad, gh[:, j * r:(j + 1) * r], x2d)
+            accumulate_wgrad(main_grad, gh if n_a == 1 else gh[:, j * r:(j + 1) * r], x2d)
         ad._accumulate_b(ctx.main_grads[n_a:], grad, h)
         return (grad_x, None, None, None) + (None,) * len(ctx.main_grads)
 

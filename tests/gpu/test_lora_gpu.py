@@ -1,6 +1,7 @@
 """LoRA on a GPU (models/lora.py): the merge for generation restores the bf16 weights bit for bit
 with its host copies not waited for (pinned, stream-ordered), and the adapter's fused add
-(`add_to`: one addmm) equals the base output plus the low-rank update, forward and backward."""
+(`add_to`: one addmm) equals the base output plus the low-rank update, forward and backward, and
+the fused path (`fused_linear`) equals it in bf16."""
 
 import pytest
 import torch
@@ -48,3 +49,26 @@ def test_add_to_equals_dense_update():
     (gx,) = torch.autograd.grad(out, x, g)
     (gd,) = torch.autograd.grad(dense, x, g)
     torch.testing.assert_close(gx, gd, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_linear_equals_add_to_in_bf16():
+    """The fused path (base + adapter as one node, the factors' gradients added into fp32
+    main_grad by mixed-dtype GEMMs on strided slices) against `add_to` + autograd, bf16 on CUDA."""
+    import types
+
+    holder = _holder()
+    ad, weight = holder.linear.lora, holder.linear.weight.requires_grad_(False)
+    x = torch.randn(512, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(512, 2, weight.shape[0], device="cuda", dtype=torch.bfloat16)
+    ref = ad.add_to(torch.nn.functional.linear(x, weight), x)
+    ref_gx, *ref_gf = torch.autograd.grad(ref, [x, *ad.factors()], g)
+    for p in ad.factors():
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    assert ad.fusable(types.SimpleNamespace(fuse_wgrad=True), weight, None)
+    out = ad.fused_linear(x, weight, None)
+    assert torch.equal(out, ref)
+    out.backward(g)
+    torch.testing.assert_close(x.grad, ref_gx, atol=2e-2, rtol=2e-2)
+    for p, want in zip(ad.factors(), ref_gf):
+        assert p.grad is None
+        torch.testing.assert_close(p.main_grad, want.float(), atol=0.5, rtol=2e-2)
