@@ -180,6 +180,8 @@ def main(argv=None) -> int:
                            need_entropy=True)
 
         micro, _ = eng._micro_batches(batch, micro_batch_size=a.rows, max_tokens=a.budget, pack=True)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         upd()  # warm-up: compiles, allocator
         times, fwdbwd = [], []
         for _ in range(a.iters):
@@ -200,6 +202,10 @@ def main(argv=None) -> int:
                            for mb, _, p in micro),
              "trainable_params": sum(p.numel() for p in eng.module.parameters() if p.requires_grad),
              "trainable_tensors": sum(1 for p in eng.module.parameters() if p.requires_grad)}
+        if cuda:  # allocator retries (cudaFree + malloc under memory pressure) would stall a pass
+            stats = torch.cuda.memory_stats()
+            r.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                     alloc_retries=stats.get("num_alloc_retries", 0))
         if lora:
             from hybridflow.models.lora import adapters
 

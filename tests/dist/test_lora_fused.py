@@ -1,9 +1,9 @@
 """LoRA's fused linears through the real Engine (one rank, fp32): an actor with
 parallel.gradient_accumulation_fusion (the default: `LoRAAdapter.fused_linear`, the factors'
 gradients added into DDP's main_grad, the GEMM matrices made once per pass) against one without it
-(the autograd path: `.grad` and DDP's hooks), from the same weights and adapters, over two
-token-budget updates (several micro-batches each, so the once-per-pass matrices serve more than
-one): the same loss, gradients, updated adapters and, after each update, log-probs (a stale matrix
+(the autograd path: `.grad` and DDP's hooks), and one with fusion and activation recompute, from
+the same weights and adapters, over two token-budget updates (several micro-batches each, so the
+once-per-pass matrices serve more than one): the same loss, gradients, updated adapters and, after each update, log-probs (a stale matrix
 from before the optimizer step would show there)."""
 
 import torch
@@ -25,8 +25,10 @@ def _worker():
     ctx = groups.init_model_parallel(tp=1, pp=1, seed=3)
     batch = _batch()
     out = {}
-    for fused in (True, False):
-        par = ParallelConfig(gradient_accumulation_fusion=fused)
+    for name, fused, recompute in (("fused", True, False), ("autograd", False, False),
+                                   ("fused_recompute", True, True)):
+        par = ParallelConfig(gradient_accumulation_fusion=fused,
+                             activation_checkpointing=recompute)
         eng = Engine(role="actor", model_cfg=MODEL, ctx=ctx, parallel=par, precision="fp32",
                      optim=OptimConfig(lr=1e-2, clip_grad=0.0), lora=LORA)
         fill_deterministic(eng.module, num_layers=MODEL.num_layers)
@@ -43,15 +45,22 @@ def _worker():
             res[f"params{step}"] = {n: p.detach().clone() for n, p in trained.items()}
             res[f"logprobs{step}"] = eng.compute_logprobs(batch, micro_batch_size=2,
                                                           max_tokens=BUDGET)
-        out["fused" if fused else "autograd"] = res
+        out[name] = res
     return out
 
 
 def test_fused_lora_update_matches_autograd_path():
     res = run_ranks(_worker, 1)[0]
-    fused, ref = res["fused"], res["autograd"]
-    assert fused["micro_batches"] > 1
-    assert fused["paths"] == {True} and ref["paths"] == {False}
+    ref = res["autograd"]
+    assert ref["paths"] == {False} and res["fused"]["micro_batches"] > 1
+    for fused in (res["fused"], res["fused_recompute"]):  # also recomputed in backward
+        assert fused["paths"] == {True}
+        _assert_same(fused, ref)
+    # the second update moved the adapters again: its log-probs are not the first's
+    assert (ref["logprobs1"] - ref["logprobs0"]).abs().max() > 1e-4
+
+
+def _assert_same(fused: dict, ref: dict) -> None:
     for step in range(2):
         assert abs(fused[f"loss{step}"] - ref[f"loss{step}"]) < 1e-6
         for key in ("grads", "params"):
@@ -61,5 +70,3 @@ def test_fused_lora_update_matches_autograd_path():
                 torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-6, msg=f"{key}{step} {n}")
         torch.testing.assert_close(fused[f"logprobs{step}"], ref[f"logprobs{step}"], rtol=1e-5,
                                    atol=1e-5)
-    # the second update moved the adapters again: its log-probs are not the first's
-    assert (fused["logprobs1"] - fused["logprobs0"]).abs().max() > 1e-4
