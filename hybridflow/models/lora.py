@@ -177,9 +177,7 @@ class LoRAAdapter(torch.nn.Module):
         if torch.is_grad_enabled() and factors[0].requires_grad:
             return _FusedLoRALinear.apply(x, weight, bias, self, *factors)
         with torch.no_grad():
-            out, _ = _base_plus_update(x.reshape(-1, x.shape[-1]), weight, bias,
-                                       *self.gemm_factors())
-        return out.view(*x.shape[:-1], out.shape[-1])
+            return _base_plus_update(x, weight, bias, *self.gemm_factors())[0]
 
     def _accumulate_b(self, main_grads: list, grad: torch.Tensor, h: torch.Tensor) -> None:
         """Each B factor's main_grad += scale * (its rows of grad (N, out))^T @ (its columns of
@@ -268,11 +266,12 @@ class LoRAAdapter(torch.nn.Module):
 
 def _base_plus_update(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x W^T + bias + (x a^T) b^T, h = x a^T) for 2-D x: `add_to`'s GEMMs, the update added into
+    """(x W^T + bias + (x a^T) b^T, h = x a^T as (N, k r)): `add_to`'s GEMMs, the update added into
     the base output in place (no output-sized copy)."""
     out = F.linear(x, weight, bias)
-    h = F.linear(x, a)
-    return out.addmm_(h, b.t()), h
+    h = F.linear(x.reshape(-1, x.shape[-1]), a)
+    out.view(-1, out.shape[-1]).addmm_(h, b.t())
+    return out, h
 
 
 class _FusedLoRALinear(torch.autograd.Function):
@@ -290,26 +289,26 @@ class _FusedLoRALinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, adapter, *factors):
-        x2d = x.reshape(-1, x.shape[-1])
         a, b = adapter.gemm_factors()
-        out, h = _base_plus_update(x2d, weight, bias, a, b)
-        ctx.save_for_backward(x2d, weight, a, b, h)
-        ctx.adapter, ctx.x_shape = adapter, x.shape
+        out, h = _base_plus_update(x, weight, bias, a, b)
+        ctx.save_for_backward(x, weight, a, b, h)
+        ctx.adapter = adapter
         # the buffers themselves (activation recompute hands backward copies of saved tensors)
         ctx.main_grads = [p.main_grad for p in factors]
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         from hybridflow.models.linear import accumulate_wgrad
 
-        x2d, weight, a, b, h = ctx.saved_tensors
+        x, weight, a, b, h = ctx.saved_tensors
         ad = ctx.adapter
+        x2d = x.reshape(-1, x.shape[-1])
         grad = grad.reshape(-1, grad.shape[-1])
         gh = grad.mm(b)  # dL/dh (b holds the scale)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad.mm(weight).addmm_(gh, a).view(ctx.x_shape)
+            grad_x = grad.mm(weight).addmm_(gh, a).view(x.shape)
         n_a, r = len(ad.A), ad.rank
         for j, main_grad in enumerate(ctx.main_grads[:n_a]):
             accumulate_wgrad(main_grad, gh if n_a == 1 else gh[:, j * r:(j + 1) * r], x2d)

@@ -3,8 +3,8 @@ parallel.gradient_accumulation_fusion (the default: `LoRAAdapter.fused_linear`, 
 gradients added into DDP's main_grad, the GEMM matrices made once per pass) against one without it
 (the autograd path: `.grad` and DDP's hooks), and one with fusion and activation recompute, from
 the same weights and adapters, over two token-budget updates (several micro-batches each, so the
-once-per-pass matrices serve more than one): the same loss, gradients, updated adapters and, after each update, log-probs (a stale matrix
-from before the optimizer step would show there)."""
+once-per-pass matrices serve more than one): the same loss, gradients, updated adapters and,
+after each update, log-probs (a stale matrix from before the optimizer step would show there)."""
 
 import torch
 
