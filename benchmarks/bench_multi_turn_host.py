@@ -254,7 +254,8 @@ def main() -> None:
            "settings": {**vars(a), "step": step_kind, "rows": rows},
            "hybridflow_path": str(Path(hybridflow.__file__).parent),
            "host_us_per_step_median": statistics.median(r[key] for r in timed),
-           "rollout_sha": sha, "may_close_fraction": may_close, "model_tokens": int(((1 - tmask) * batch.response_mask.cpu()).sum()),
+           "rollout_sha": sha, "may_close_fraction": may_close,
+           "model_tokens": int(((1 - tmask) * batch.response_mask.cpu()).sum()),
            "tool_tokens": int((tmask * batch.response_mask.cpu()).sum()), "reps": reps,
            "sample": tok.decode(resp[0, :int(lens[0])].tolist(), skip_special_tokens=False)}
     write_json(a.out, out)

@@ -4,11 +4,11 @@ Each call: a fresh temporary working directory (deleted after), `python -I -B` (
 site, no PYTHON* env, no bytecode writes) running a small runner (`_CHILD_SOURCE`: the limits, an
 audit hook, then the snippet), with
 - wall time `timeout_s` (the process group is killed), CPU time `cpu_s` (RLIMIT_CPU), address space
-  `memory_mb` (RLIMIT_AS), output file size (RLIMIT_FSIZE) and no core files: the runner sets them
-  (the hard limits too, so the snippet cannot raise them) before it reads the snippet. Not a `preexec_fn`:
-  that makes subprocess fork() the whole trainer (page tables of every host mapping) with the GIL
-  held, stalling the decode loop for each call; without it the spawn is a vfork/exec, and the wait
-  for the child blocks on a pidfd (no polling wake-ups that take the GIL);
+  `memory_mb` (RLIMIT_AS), output file size (RLIMIT_FSIZE) and no core files: the runner sets
+  them (the hard limits too, so the snippet cannot raise them) before it reads the snippet. Not a
+  `preexec_fn`: that makes subprocess fork() the whole trainer (page tables of every host
+  mapping) with the GIL held, stalling the decode loop for each call; without it the spawn is a
+  vfork/exec, and the wait for the child blocks on a pidfd (no polling wake-ups taking the GIL);
 - no network: the child starts in a new, empty network namespace (`unshare -rn`) when the machine
   allows unprivileged user namespaces (probed once); in every case its audit hook refuses every
   `socket.*` event, so a connection attempt raises PermissionError either way;
