@@ -33,7 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_packed_pass import make_batch  # noqa: E402
+from benchmarks.bench_packed_pass import add_length_args, gsm8k_lengths, make_batch  # noqa: E402
 from benchmarks.run_record import command, machine, versions, write_json  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer", "finite", "zero")
@@ -117,12 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=0, help="0: the model's")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--precision", default=None, help="bf16 (CUDA default) or fp32 (CPU default)")
-    ap.add_argument("--rows", type=int, default=512)
-    ap.add_argument("--prompt-len", type=int, default=105)
-    ap.add_argument("--mean", type=float, default=300.0)
-    ap.add_argument("--clip", type=float, default=0.0078, help="share of rows at the cap")
-    ap.add_argument("--min", type=float, default=93.0, help="the shortest response")
-    ap.add_argument("--cap", type=int, default=1024)
+    add_length_args(ap)
     ap.add_argument("--budget", type=int, default=20480)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--alpha", type=float, default=64.0)
@@ -137,10 +132,7 @@ def main(argv=None) -> int:
 
     from hybridflow.algo.objectives import actor_objective
     from hybridflow.config import AlgoConfig, LoRAConfig, OptimConfig, ParallelConfig
-    from hybridflow.cost.lengths import fit_stats
     from hybridflow.cost.shapes import load_shape
-    from hybridflow.cost.varlen import row_lengths
-    from hybridflow.cost.workload import Workload
     from hybridflow.engine import Engine
     from hybridflow.parallel import groups
 
@@ -154,9 +146,7 @@ def main(argv=None) -> int:
     if a.vocab:
         shape["vocab_size"] = a.vocab
     model_cfg = dataclasses.replace(load_shape(a.model), **shape)
-    pts = fit_stats(mean=a.mean, cap=a.cap, clip_ratio=a.clip, shortest=a.min, rows=a.rows, k=a.rows)
-    lengths = [int(x) for x in row_lengths(Workload(prompts_per_step=1, samples_per_prompt=1,
-                                                    response_lengths=pts), a.rows)]
+    lengths = gsm8k_lengths(a)
     batch = make_batch(a.prompt_len, lengths, model_cfg.vocab_size)
     algo = AlgoConfig(loss_agg_mode="token-mean", use_kl_loss=True, kl_loss_coef=0.001)
     loss_fn = actor_objective(algo, num_tokens=int(batch.response_mask.sum()), num_seqs=a.rows)

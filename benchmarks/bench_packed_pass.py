@@ -99,16 +99,32 @@ def predicted(model_cfg, *, prompt_len, lengths, budget, fbudget, pack: bool, eq
     return {"ref": t["ref"], "update_actor": t["update_actor"]}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2_5_coder_0_5b")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+def add_length_args(ap: argparse.ArgumentParser) -> None:
+    """The GSM8K step's rows and response-length distribution (--rows ... --cap)."""
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--prompt-len", type=int, default=105)
     ap.add_argument("--mean", type=float, default=300.0)
     ap.add_argument("--clip", type=float, default=0.0078, help="share of rows at the cap")
     ap.add_argument("--min", type=float, default=93.0, help="the shortest response")
     ap.add_argument("--cap", type=int, default=1024)
+
+
+def gsm8k_lengths(a) -> list:
+    """The response lengths of `a.rows` rows fitted to add_length_args' statistics (cost.lengths)."""
+    from hybridflow.cost.lengths import fit_stats
+    from hybridflow.cost.varlen import row_lengths
+    from hybridflow.cost.workload import Workload
+
+    pts = fit_stats(mean=a.mean, cap=a.cap, clip_ratio=a.clip, shortest=a.min, rows=a.rows, k=a.rows)
+    return [int(x) for x in row_lengths(Workload(prompts_per_step=1, samples_per_prompt=1,
+                                                 response_lengths=pts), a.rows)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2_5_coder_0_5b")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    add_length_args(ap)
     ap.add_argument("--forward-budget", type=int, default=40960)
     ap.add_argument("--budget", type=int, default=20480)
     ap.add_argument("--iters", type=int, default=3)
@@ -119,10 +135,7 @@ def main(argv=None) -> int:
 
     from hybridflow.algo.objectives import actor_objective
     from hybridflow.config import AlgoConfig, OptimConfig, ParallelConfig
-    from hybridflow.cost.lengths import fit_stats
     from hybridflow.cost.shapes import load_shape
-    from hybridflow.cost.varlen import row_lengths
-    from hybridflow.cost.workload import Workload
     from hybridflow.engine import Engine
     from hybridflow.parallel import groups
 
@@ -131,9 +144,7 @@ def main(argv=None) -> int:
     ctx = groups.init_model_parallel(tp=1, pp=1, seed=1)
     # packing needs our SDPA attention (transformer-engine's, where installed, takes no BlockMask)
     model_cfg = dataclasses.replace(load_shape(a.model), attention_backend="sdpa")
-    pts = fit_stats(mean=a.mean, cap=a.cap, clip_ratio=a.clip, shortest=a.min, rows=a.rows, k=a.rows)
-    lengths = [int(x) for x in row_lengths(Workload(prompts_per_step=1, samples_per_prompt=1,
-                                                    response_lengths=pts), a.rows)]
+    lengths = gsm8k_lengths(a)
     precision = "bf16" if cuda else "fp32"
     par = ParallelConfig(use_distributed_optimizer=False)
     pairs = {}
