@@ -87,7 +87,15 @@ def profile_update(fn, cuda: bool, layers: int, micro_batches: int) -> dict:
             torch.cuda.synchronize()
     ops = collections.defaultdict(collections.Counter)
     kernels, kernel_s = collections.Counter(), collections.Counter()
+    by_name, by_name_n = collections.Counter(), collections.Counter()  # every kernel, any thread
+    runtime, runtime_n = collections.Counter(), collections.Counter()  # cuda* API calls (host)
     for e in prof.events():
+        if e.name.startswith("cuda") and not e.name.startswith("cuda::"):
+            runtime[e.name] += e.cpu_time_total / 1e6
+            runtime_n[e.name] += 1
+        for k in getattr(e, "kernels", ()):
+            by_name[k.name[:120]] += k.duration / 1e6
+            by_name_n[k.name[:120]] += 1
         if e.name.startswith("aten::"):
             phase, nested = _phase(e)
             if phase is not None and not nested:
@@ -99,6 +107,12 @@ def profile_update(fn, cuda: bool, layers: int, micro_batches: int) -> dict:
                 kernels[phase] += 1
                 kernel_s[phase] += k.duration / 1e6
     out = {}
+    if cuda:  # backward runs on autograd's device thread, outside the PH_ labels: all kernels here
+        out["all_kernels"] = {"kernels": sum(by_name_n.values()), "kernel_s": sum(by_name.values()),
+                              "top": {n: [by_name_n[n], t] for n, t in by_name.most_common(25)}}
+        out["cuda_api"] = {n: [runtime_n[n], t] for n, t in runtime.most_common(12)}
+        self_cpu = sorted(prof.key_averages(), key=lambda k: -k.self_cpu_time_total)[:20]
+        out["top_self_cpu"] = {k.key: [k.count, k.self_cpu_time_total / 1e6] for k in self_cpu}
     for phase in PHASES:
         c = ops.get(phase, collections.Counter())
         per = layers * (micro_batches if phase in ("forward", "backward") else 1)
@@ -196,6 +210,20 @@ def main(argv=None) -> int:
             stats = torch.cuda.memory_stats()
             r.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                      alloc_retries=stats.get("num_alloc_retries", 0))
+            before = torch.cuda.memory_stats().get("num_device_alloc", 0)
+            torch.cuda.set_sync_debug_mode(1)  # warns at every synchronizing call
+            import warnings
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                upd()
+                torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode(0)
+            syncs = collections.Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught
+                                        if "synchroniz" in str(w.message))
+            r.update(device_mallocs_per_update=torch.cuda.memory_stats().get("num_device_alloc", 0)
+                     - before, syncs_per_update=dict(syncs.most_common(8)))
+            print(f"{side}: {r['device_mallocs_per_update']} cudaMallocs, syncs "
+                  f"{sum(syncs.values())}: {dict(syncs.most_common(4))}", flush=True)
         if lora:
             from hybridflow.models.lora import adapters
 
@@ -214,6 +242,16 @@ def main(argv=None) -> int:
               flush=True)
         if a.profile:
             for phase, p in r["profile"].items():
+                if phase in ("cuda_api", "top_self_cpu"):
+                    print(f"   {phase}:", flush=True)
+                    for n, (c, t) in list(p.items())[:12]:
+                        print(f"     {t:7.3f} s {c:6d}x {n[:90]}", flush=True)
+                    continue
+                if phase == "all_kernels":
+                    print(f"   all kernels: {p['kernels']} launches, {p['kernel_s']:.3f} s", flush=True)
+                    for n, (c, t) in list(p["top"].items())[:15]:
+                        print(f"     {t:7.3f} s {c:6d}x {n[:90]}", flush=True)
+                    continue
                 extra = (f", {p['kernels_per_layer']:.0f} kernels/layer, {p['kernel_s']:.3f} s "
                          "kernels") if cuda else ""
                 print(f"   {phase:9s} {p['aten_ops_per_layer']:6.1f} ops/layer{extra}", flush=True)
