@@ -73,8 +73,6 @@ class SDPAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b, nh, hd = query.shape
         sk = key.shape[0]
-        # [s, b, h, d] -> [b, h, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
         if isinstance(attention_mask, PackedDocuments) and attention_mask.kernel == "varlen":
             if dropout_p > 0 or sq != sk or b != 1:
@@ -84,6 +82,8 @@ class SDPAttention(MegatronModule):
             out = varlen_packed_attention(query[:, 0], key[:, 0], value[:, 0], attention_mask,
                                           scale=self.softmax_scale)
             return out.reshape(sq, b, nh * hd)
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if isinstance(attention_mask, PackedDocuments):
             attention_mask = attention_mask.block_mask
         if isinstance(attention_mask, BlockMask):

@@ -10,7 +10,8 @@ only, the CPU path is unchanged):
 - SwiGLU: Megatron's own fusion (`bias_activation_fusion`: `SwiGLUFunction`, torch.compile'd
   forward and backward kernels that keep only fc1's output for backward);
 - RoPE: Megatron's bshd RoPE (rotate-half, whole head) through torch.compile (one kernel
-  forward, one backward; dynamic shapes) over its cos / sin tables made once per call, installed
+  forward, one backward; dynamic shapes) over its cos / sin tables made once per `freqs` tensor
+  (all layers of a pass share them), installed
   in place of the unfused function that
   `megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb` calls (interleaved,
   MLA and partial rotations keep Megatron's own).
@@ -30,6 +31,7 @@ _UNFUSED_ROPE = rope_utils._apply_rotary_pos_emb_bshd
 def use_fused_rope(enabled: bool) -> None:
     """Process-wide: Megatron's RoPE (bshd layout) compiled on CUDA tensors, or as shipped."""
     rope_utils._apply_rotary_pos_emb_bshd = _fused_rope if enabled else _UNFUSED_ROPE
+    _TABLES.clear()
 
 
 @functools.cache
@@ -48,8 +50,33 @@ def _fused_rope(t, freqs, rotary_interleaved=False, multi_latent_attention=False
     if not t.is_cuda or rotary_interleaved or multi_latent_attention or partial:
         return _UNFUSED_ROPE(t, freqs, rotary_interleaved=rotary_interleaved,
                              multi_latent_attention=multi_latent_attention, mscale=mscale)
-    # the tables once per call, as Megatron rounds them ((s, 1, 1, hd): small); compiled with
-    # them inside, inductor evaluated cos and sin for every element of t
-    cos = (torch.cos(freqs) * mscale).to(t.dtype)
-    sin = (torch.sin(freqs) * mscale).to(t.dtype)
-    return _compiled_rope()(t, cos, sin)
+    return _compiled_rope()(t, *_TABLES.get(freqs, t.dtype, mscale))
+
+
+class _RopeTables:
+    """cos / sin tables of the last `freqs` seen, as Megatron rounds them ((s, 1, 1, hd): small;
+    compiled with them inside, inductor evaluated cos and sin for every element of t). Every layer
+    of a pass rotates q and k by the same `freqs` tensor: made once, not 2 x layers times (six
+    launches each). Fresh while a CUDA graph is captured: the graph must compute them from its
+    static input at every replay, not read a table made before the capture."""
+
+    def __init__(self):
+        self._key = None
+        self._tables = None
+
+    def get(self, freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
+        capturing = freqs.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = (freqs, freqs._version, dtype, mscale)
+        if not capturing and self._key is not None and self._key[0] is freqs \
+                and self._key[1:] == key[1:]:
+            return self._tables
+        tables = ((torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype))
+        if not capturing:
+            self._key, self._tables = key, tables
+        return tables
+
+    def clear(self) -> None:
+        self._key = self._tables = None
+
+
+_TABLES = _RopeTables()

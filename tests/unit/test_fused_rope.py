@@ -25,3 +25,22 @@ def test_cpu_interleaved_and_partial_use_megatrons(monkeypatch):
     half = torch.randn(5, 1, 1, 4)
     assert torch.equal(fused._fused_rope(t, half), fused._UNFUSED_ROPE(t, half))
     assert not calls
+
+
+def test_tables_made_once_per_freqs_tensor():
+    tables = fused._RopeTables()
+    freqs = torch.randn(6, 1, 1, 8)
+    cos, sin = tables.get(freqs, torch.bfloat16, 1.0)
+    assert torch.equal(cos, torch.cos(freqs).to(torch.bfloat16))
+    assert torch.equal(sin, torch.sin(freqs).to(torch.bfloat16))
+    again = tables.get(freqs, torch.bfloat16, 1.0)
+    assert again[0] is cos and again[1] is sin  # every layer's q and k: no new launches
+    # another dtype, scale or tensor (even with equal values), or an in-place change: made anew
+    assert tables.get(freqs, torch.float32, 1.0)[0].dtype == torch.float32
+    assert torch.equal(tables.get(freqs, torch.float32, 0.5)[0], torch.cos(freqs) * 0.5)
+    assert tables.get(freqs.clone(), torch.float32, 0.5)[0] is not tables.get(freqs, torch.float32,
+                                                                             0.5)[0]
+    before = tables.get(freqs, torch.float32, 1.0)[0]
+    freqs.mul_(2)
+    after = tables.get(freqs, torch.float32, 1.0)[0]
+    assert after is not before and torch.equal(after, torch.cos(freqs))
