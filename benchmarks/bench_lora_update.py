@@ -25,10 +25,12 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import gc
 import os
 import statistics
 import sys
 import time
+import weakref
 
 import torch
 
@@ -255,7 +257,13 @@ def main(argv=None) -> int:
                 extra = (f", {p['kernels_per_layer']:.0f} kernels/layer, {p['kernel_s']:.3f} s "
                          "kernels") if cuda else ""
                 print(f"   {phase:9s} {p['aten_ops_per_layer']:6.1f} ops/layer{extra}", flush=True)
-        del eng
+        # the engine sits in reference cycles (its wrapped methods, the update closure, DDP's
+        # hooks): without a collection the next side's peak would count its weights, gradients
+        # and optimizer state too
+        gone = weakref.ref(eng)
+        del eng, upd
+        gc.collect()
+        r["engine_freed"] = gone() is None
         if cuda:
             torch.cuda.empty_cache()
     if "full" in results and "lora" in results:
