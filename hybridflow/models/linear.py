@@ -66,14 +66,16 @@ class _CopyToTP(torch.autograd.Function):
         return grad, None
 
 
-def accumulate_wgrad(main_grad: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:
-    """main_grad (out, in) += grad (N, out)^T @ x (N, in), accumulated in main_grad's dtype."""
+def accumulate_wgrad(main_grad: torch.Tensor, grad: torch.Tensor, x: torch.Tensor,
+                     alpha: float = 1.0) -> None:
+    """main_grad (out, in) += alpha * grad (N, out)^T @ x (N, in), accumulated in main_grad's
+    dtype."""
     if grad.dtype == main_grad.dtype:
-        main_grad.addmm_(grad.t(), x)
+        main_grad.addmm_(grad.t(), x, alpha=alpha)
     elif main_grad.is_cuda:  # bf16 inputs, fp32 accumulate and output: one cuBLAS GEMM, beta = 1
-        torch.addmm(main_grad, grad.t(), x, out_dtype=main_grad.dtype, out=main_grad)
+        torch.addmm(main_grad, grad.t(), x, out_dtype=main_grad.dtype, alpha=alpha, out=main_grad)
     else:  # no mixed-dtype GEMM on CPU: what autograd + DDP's hook do
-        main_grad.add_(grad.t().mm(x))
+        main_grad.add_(grad.t().mm(x), alpha=alpha)
 
 
 class _LinearWgradIntoMainGrad(torch.autograd.Function):

@@ -54,6 +54,9 @@ from megatron.core.tensor_parallel.mappings import (gather_from_sequence_paralle
                                                     reduce_from_tensor_model_parallel_region,
                                                     reduce_scatter_to_sequence_parallel_region)
 
+from hybridflow.models.linear import (LeanColumnParallelLinear, LeanRowParallelLinear, _CopyToTP,
+                                      accumulate_wgrad)
+
 # PEFT module name -> (Megatron linear of the layer, its attribute path)
 PEFT_TARGETS = {
     "q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
@@ -137,14 +140,16 @@ class LoRAAdapter(torch.nn.Module):
     def fusable(self, layer, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
         """Whether `fused_linear` computes `layer`'s output (base and update) here: TP = 1, no
         dropout in this pass and a frozen base; in a pass that trains the factors, also
-        parallel.gradient_accumulation_fusion on `layer` and DDP's main_grad on every factor."""
+        parallel.gradient_accumulation_fusion on `layer` and DDP's main_grad on every factor
+        (looked up once per pass inside `factors_fixed`)."""
         if self._tp != 1 or (isinstance(self.drop, torch.nn.Dropout) and self.drop.training) \
                 or weight.requires_grad or (bias is not None and bias.requires_grad):
             return False
         factors = self.factors()  # all train or none (apply_lora): the first stands for all
         if not (torch.is_grad_enabled() and factors[0].requires_grad):
             return True
-        return layer.fuse_wgrad and all(hasattr(p, "main_grad") for p in factors)
+        return layer.fuse_wgrad and self._per_pass(
+            "main_grads", lambda: all(hasattr(p, "main_grad") for p in factors))
 
     def factors(self) -> list:
         """[A factors..., B factors...] in `a_matrix` / `b_matrix` order (the Parameter objects,
@@ -154,58 +159,59 @@ class LoRAAdapter(torch.nn.Module):
             found = self.__dict__["_factors"] = [*self.A.values(), *self.B.values()]
         return found
 
-    def gemm_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(a_matrix(), b_matrix()) without autograd; inside `factors_fixed` made once and reused
-        (the micro-batches of a pass do not rebuild the concatenated and zero-padded matrices for
-        every linear), but not while a CUDA graph is captured (its replays must rebuild them)."""
-        cached = self.__dict__.get("_gemm_cache")
-        if cached is not None:
-            return cached
-        with torch.no_grad():
-            ab = (self.a_matrix(), self.b_matrix())
-        if self.__dict__.get("_fixed") and not (ab[0].is_cuda
-                                                and torch.cuda.is_current_stream_capturing()):
-            self.__dict__["_gemm_cache"] = ab
-        return ab
+    def gemm_plan(self) -> "_GemmPlan":
+        """What the fused GEMMs read (`_GemmPlan`), made from the factors without autograd; inside
+        `factors_fixed` made once and reused (the micro-batches of a pass do not rebuild the
+        concatenated and zero-padded matrices, nor list the main_grads, for every linear)."""
+        return self._per_pass("plan", lambda: _GemmPlan(self))
+
+    def _per_pass(self, key: str, make):
+        """make(), inside `factors_fixed` made at the first call and kept to the end of the pass,
+        but not while a CUDA graph is captured (its replays must make it anew); else each call."""
+        memo = self.__dict__.get("_pass")
+        if memo is None:
+            return make()
+        if key not in memo:
+            made = make()
+            if not _capturing():
+                memo[key] = made
+            return made
+        return memo[key]
 
     def fused_linear(self, x: torch.Tensor, weight: torch.Tensor,
                      bias: Optional[torch.Tensor]) -> torch.Tensor:
         """F.linear(x, weight, bias) + forward(x) where `fusable`: the values of `add_to` on the
         base output (the same GEMMs, the update added in place), as one autograd node whose
         backward adds the factors' gradients into their main_grad (`_FusedLoRALinear`)."""
-        factors = self.factors()
-        if torch.is_grad_enabled() and factors[0].requires_grad:
-            return _FusedLoRALinear.apply(x, weight, bias, self, *factors)
+        plan, first = self.gemm_plan(), self.factors()[0]
+        if torch.is_grad_enabled() and first.requires_grad:
+            # the first factor only makes autograd record the node (x may need no gradient)
+            return _FusedLoRALinear.apply(x, weight, bias, plan.with_grads(), first)
         with torch.no_grad():
-            return _base_plus_update(x, weight, bias, *self.gemm_factors())[0]
+            return _base_plus_update(x, weight, bias, plan)[0]
 
-    def _accumulate_b(self, main_grads: list, grad: torch.Tensor, h: torch.Tensor) -> None:
-        """Each B factor's main_grad += scale * (its rows of grad (N, out))^T @ (its columns of
-        h (N, k r)): one GEMM per factor where its rows are one block, else (QKV's rows per query
-        group) one GEMM for all and a strided add per factor."""
-        from hybridflow.models.linear import accumulate_wgrad
-
+    def _b_index(self, device: torch.device) -> torch.Tensor:
+        """Where the B factors' gradients lie in grad^T h ((out_local, k r), h's columns as
+        `b_matrix` reads them), as flat indices into it: factor by factor, each in its own
+        row-major layout (qkv: its rows in every query group). Made once per device (a layout,
+        not values), but not while a CUDA graph is captured (its kernels have not run yet)."""
+        found = self.__dict__.get("_b_take")
+        if found is not None and found.device == device:
+            return found
         names, r = list(self.B), self.rank
-        hs = h * self.scale if self.scale != 1 else h
-        if len(self.parts) == 1:  # row kind, or a column linear of one part
-            accumulate_wgrad(main_grads[0], grad, hs)
-            return
-        if self.groups == 1:
-            off = 0
-            for name, n, targeted in self.parts:
-                if targeted:
-                    j = names.index(name)
-                    accumulate_wgrad(main_grads[j], grad[:, off:off + n], hs[:, j * r:(j + 1) * r])
-                off += n
-            return
-        g = grad.t().mm(h).view(self.groups, -1, len(names) * r)
-        off = 0
+        rows = sum(n for _, n, _ in self.parts)
+        grid = torch.arange(self.groups * rows * len(names) * r, device=device)
+        grid = grid.view(self.groups, rows, len(names) * r)
+        blocks, off = [], 0
         for name, n, targeted in self.parts:
             if targeted:
                 j = names.index(name)
-                main_grads[j].view(self.groups, n, r).add_(
-                    g[:, off:off + n, j * r:(j + 1) * r], alpha=self.scale)
+                blocks.append(grid[:, off:off + n, j * r:(j + 1) * r].reshape(-1))
             off += n
+        found = torch.cat(blocks)
+        if not _capturing():
+            self.__dict__["_b_take"] = found
+        return found
 
     def _low_rank(self, x: torch.Tensor) -> torch.Tensor:
         """h = dropout(x) A^T with its TP collective: (s, b, k r), the k targeted parts' r columns
@@ -216,8 +222,6 @@ class LoRAAdapter(torch.nn.Module):
         if self.kind == "row":  # a partial sum over this rank's input slice
             return (reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
                     if self.sp else reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
-        from hybridflow.models.linear import _CopyToTP
-
         return (gather_from_sequence_parallel_region(h, group=self.tp_group) if self.sp
                 else _CopyToTP.apply(h, self.tp_group))
 
@@ -263,15 +267,85 @@ class LoRAAdapter(torch.nn.Module):
         return self.b_matrix(torch.float32) @ self.a_matrix(torch.float32)
 
 
+class _GemmPlan:
+    """What one adapter's fused GEMMs read (`LoRAAdapter.gemm_plan`): a_matrix (k r, in), the
+    scaled b_matrix (out, k r) and their transposes, and, made by the first forward that trains
+    the factors, `grads` (`_FactorGrads`: where and how the backward adds their gradients)."""
+
+    def __init__(self, adapter: LoRAAdapter):
+        with torch.no_grad():
+            self.a, self.b = adapter.a_matrix(), adapter.b_matrix()
+        self.at, self.bt = self.a.t(), self.b.t()
+        self.adapter, self.grads = adapter, None
+
+    def with_grads(self) -> "_GemmPlan":
+        if self.grads is None:
+            self.grads = _FactorGrads(self.adapter, self.a.device)
+        return self
+
+
+class _FactorGrads:
+    """Where `_FusedLoRALinear.backward` adds one adapter's factor gradients (their main_grad),
+    and how, in few launches whatever the main_grads' layout. A: dL/dh^T x as one (k r, in) GEMM
+    for all the A factors (as autograd computes it), its row blocks added by one `_foreach_add_`
+    (one GEMM straight into main_grad for a single factor). B: a factor over all the output rows
+    (row kind) takes one GEMM; else grad^T h (out, k r) is one GEMM, the blocks the B factors read
+    are gathered from it (one `take`) and added by one `_foreach_add_`, with the scale as its
+    alpha."""
+
+    def __init__(self, ad: LoRAAdapter, device: torch.device):
+        self.scale, self.rank = ad.scale, ad.rank
+        self.a = [p.main_grad for p in ad.A.values()]
+        b = [p.main_grad for p in ad.B.values()]
+        self.b_whole = b[0] if ad.kind == "row" or (len(ad.parts) == 1 and ad.groups == 1) \
+            else None
+        if self.b_whole is None:
+            self.b = [g.view(-1) for g in b]
+            self.b_sizes = [g.numel() for g in b]
+            self.b_take = ad._b_index(device)
+
+    def add_a(self, gh: torch.Tensor, x: torch.Tensor) -> None:
+        """A's main_grads += gh (N, k r: dL/dh)^T @ x (N, in)."""
+        if len(self.a) == 1:
+            accumulate_wgrad(self.a[0], gh, x)
+        else:
+            grads = _wgrad(gh, x, self.a[0].dtype)
+            torch._foreach_add_(self.a, grads.split(self.rank))
+
+    def add_b(self, grad: torch.Tensor, h: torch.Tensor) -> None:
+        """B's main_grads += scale * (their rows of grad (N, out))^T @ (their columns of h)."""
+        if self.b_whole is not None:
+            accumulate_wgrad(self.b_whole, grad, h, alpha=self.scale)
+            return
+        blocks = _wgrad(grad, h, self.b[0].dtype).take(self.b_take)
+        torch._foreach_add_(self.b, blocks.split(self.b_sizes), alpha=self.scale)
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _wgrad(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad (N, out)^T @ x (N, in) in `dtype` (main_grad's): accumulated in it by one GEMM on CUDA;
+    on CPU (no mixed-dtype GEMM) in the inputs' dtype, then cast."""
+    if grad.dtype == dtype:
+        return grad.t().mm(x)
+    if grad.is_cuda:
+        return torch.mm(grad.t(), x, out_dtype=dtype)
+    return grad.t().mm(x).to(dtype)
+
 
 def _base_plus_update(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x W^T + bias + (x a^T) b^T, h = x a^T as (N, k r)): `add_to`'s GEMMs, the update added into
-    the base output in place (no output-sized copy)."""
+                      plan: _GemmPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x W^T + bias + (x a^T) b^T, x as (N, in), h = x a^T as (N, k r)): `add_to`'s GEMMs, the
+    update added into the base output in place (no output-sized copy; the output is the base
+    GEMM's own tensor, not a view)."""
     out = F.linear(x, weight, bias)
-    h = F.linear(x.reshape(-1, x.shape[-1]), a)
-    out.view(-1, out.shape[-1]).addmm_(h, b.t())
-    return out, h
+    x2d = x.reshape(-1, x.shape[-1])
+    h = x2d.mm(plan.at)
+    out.view(-1, out.shape[-1]).addmm_(h, plan.bt)
+    return out, x2d, h
 
 
 class _FusedLoRALinear(torch.autograd.Function):
@@ -283,37 +357,36 @@ class _FusedLoRALinear(torch.autograd.Function):
     layer's backward ops, and a small model's packed update waits on the host for them. Here:
     forward = the base GEMM, h = x A^T, out += h (scale B)^T in place; backward = the input
     gradient as grad W + (grad scale B) A in two GEMMs accumulating into one tensor, and the
-    factors' gradients added into DDP's fp32 main_grad by their GEMMs (models/linear.py
-    `accumulate_wgrad`, as parallel.gradient_accumulation_fusion does for trained weights);
-    autograd gets none for them, so no hook runs. Values are `add_to`'s (same GEMMs, same order)."""
+    factors' gradients added into DDP's fp32 main_grad by their GEMMs (`_FactorGrads`, with
+    models/linear.py `accumulate_wgrad`, as parallel.gradient_accumulation_fusion does for trained
+    weights); autograd gets none for them, so no hook runs. Forward values are `add_to`'s (same
+    GEMMs, same order), and so are the gradients on CPU (the same GEMMs). A small model's update
+    waits on the host for every op dispatched here, so they are few: 5 top-level aten ops forward
+    (3 GEMMs), 9 backward for a row-parallel linear (4 GEMMs), 14 for qkv or fc1 (5 GEMMs, a
+    `take` and 2 `_foreach_add_`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, adapter, *factors):
-        a, b = adapter.gemm_factors()
-        out, h = _base_plus_update(x, weight, bias, a, b)
-        ctx.save_for_backward(x, weight, a, b, h)
-        ctx.adapter = adapter
-        # the buffers themselves (activation recompute hands backward copies of saved tensors)
-        ctx.main_grads = [p.main_grad for p in factors]
+    def forward(ctx, x, weight, bias, plan, first_factor):
+        out, x2d, h = _base_plus_update(x, weight, bias, plan)
+        ctx.save_for_backward(x2d, weight, h)
+        # the plan holds the main_grad buffers themselves (activation recompute hands backward
+        # copies of the saved tensors)
+        ctx.plan, ctx.x_shape = plan, x.shape
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        from hybridflow.models.linear import accumulate_wgrad
-
-        x, weight, a, b, h = ctx.saved_tensors
-        ad = ctx.adapter
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d, weight, h = ctx.saved_tensors
+        plan = ctx.plan
         grad = grad.reshape(-1, grad.shape[-1])
-        gh = grad.mm(b)  # dL/dh (b holds the scale)
+        gh = grad.mm(plan.b)  # dL/dh (b holds the scale)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad.mm(weight).addmm_(gh, a).view(x.shape)
-        n_a, r = len(ad.A), ad.rank
-        for j, main_grad in enumerate(ctx.main_grads[:n_a]):
-            accumulate_wgrad(main_grad, gh if n_a == 1 else gh[:, j * r:(j + 1) * r], x2d)
-        ad._accumulate_b(ctx.main_grads[n_a:], grad, h)
-        return (grad_x, None, None, None) + (None,) * len(ctx.main_grads)
+            grad_x = grad.mm(weight).addmm_(gh, plan.a).view(ctx.x_shape)
+        plan.grads.add_a(gh, x2d)
+        plan.grads.add_b(grad, h)
+        return grad_x, None, None, None, None
+
 
 def _seed(seed: int, layer: int, name: str, salt: str = "") -> int:
     return zlib.crc32(f"{salt}{seed}/{layer}/{name}".encode()) & 0x7FFFFFFF
@@ -325,8 +398,6 @@ def apply_lora(model, *, rank: int, alpha: float, dropout: float, target_modules
     `salt` makes another role's A factors differ from the actor's at the same seed (the critic's:
     "critic/"); `key`: the option named by errors. Returns the number of adapter parameters
     (elements) on this rank."""
-    from hybridflow.models.linear import LeanColumnParallelLinear, LeanRowParallelLinear
-
     targets = resolve_targets(target_modules, key=f"{key}.target_modules")
     cfg = model.config
     hd = cfg.kv_channels
@@ -385,18 +456,17 @@ def has_adapters(model) -> bool:
 @contextmanager
 def factors_fixed(model):
     """Inside the `with` the factors of `model`'s adapters do not change (a pass's forwards and
-    backwards, before its optimizer step): each adapter builds the matrices its fused GEMMs read
-    once (`gemm_factors`), and drops them on exit. Outside, every forward builds them anew: the
-    optimizer writes the factors through `.data`, which no version counter sees."""
+    backwards, before its optimizer step): each adapter makes what its fused GEMMs read once
+    (`gemm_plan`), and drops it on exit. Outside, every forward makes it anew: the optimizer
+    writes the factors through `.data`, which no version counter sees."""
     found = [a for _, a in adapters(model)]
     for a in found:
-        a.__dict__["_fixed"] = True
+        a.__dict__["_pass"] = {}
     try:
         yield
     finally:
         for a in found:
-            a.__dict__["_fixed"] = False
-            a.__dict__.pop("_gemm_cache", None)
+            a.__dict__.pop("_pass", None)
 
 
 @contextmanager

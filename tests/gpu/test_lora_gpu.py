@@ -51,10 +51,14 @@ def test_add_to_equals_dense_update():
     torch.testing.assert_close(gx, gd, atol=1e-4, rtol=1e-4)
 
 
-def test_fused_linear_equals_add_to_in_bf16():
+@pytest.mark.parametrize("buffers", ["apart", "ddp"])
+def test_fused_linear_equals_add_to_in_bf16(buffers):
     """The fused path (base + adapter as one node, the factors' gradients added into fp32
-    main_grad by mixed-dtype GEMMs on strided slices) against `add_to` + autograd, bf16 on CUDA."""
+    main_grad by mixed-dtype GEMMs, a gather and multi-tensor adds) against `add_to` + autograd,
+    bf16 on CUDA, main_grads apart or in one buffer as DDP lays them out."""
     import types
+
+    from tests.unit.test_lora_fused import _give_main_grads
 
     holder = _holder()
     ad, weight = holder.linear.lora, holder.linear.weight.requires_grad_(False)
@@ -62,8 +66,7 @@ def test_fused_linear_equals_add_to_in_bf16():
     g = torch.randn(512, 2, weight.shape[0], device="cuda", dtype=torch.bfloat16)
     ref = ad.add_to(torch.nn.functional.linear(x, weight), x)
     ref_gx, *ref_gf = torch.autograd.grad(ref, [x, *ad.factors()], g)
-    for p in ad.factors():
-        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    _give_main_grads(ad, buffers)
     assert ad.fusable(types.SimpleNamespace(fuse_wgrad=True), weight, None)
     out = ad.fused_linear(x, weight, None)
     assert torch.equal(out, ref)
