@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hybridflow.config import ModelConfig  # noqa: E402
+from hybridflow.config import DecodeKernelOptions, ModelConfig  # noqa: E402
 from hybridflow.kernels import layer_ops as kern  # noqa: E402
 from hybridflow.kernels import rope_attention as fused  # noqa: E402
 from hybridflow.kernels import next_token as ksampling  # noqa: E402
@@ -259,7 +259,11 @@ def generation_cases():
     out = {}
     for name, kw in {"greedy_window_compaction": dict(max_new_tokens=90, decode_kv_window=64,
                                                       compact_finished_rows=True),
-                     "sampled_n3": dict(n=3, temperature=1.0, max_new_tokens=20)}.items():
+                     # PyTorch's draws on both paths: the fused sampler (the default with the
+                     # kernels) draws from its own stream (tests/unit/test_sample_rows.py)
+                     "sampled_n3": dict(n=3, temperature=1.0, max_new_tokens=20,
+                                        kernel_options=DecodeKernelOptions(fused_sampler=False)),
+                     }.items():
         gen = make(cfg)
         generate = polled(gen, 4)
         ref = generate(PROMPTS, cfg=rc(**kw), eos_id=5, pad_id=0, seed=7)
