@@ -225,16 +225,15 @@ class LoRAAdapter(torch.nn.Module):
         return (gather_from_sequence_parallel_region(h, group=self.tp_group) if self.sp
                 else _CopyToTP.apply(h, self.tp_group))
 
-    def b_matrix(self, dtype: Optional[torch.dtype] = None, *, scaled: bool = True) -> torch.Tensor:
+    def b_matrix(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """scale * B as one (out_local, k r) matrix over `_low_rank`'s columns: part j's rows (in
         every group) read columns j r..(j + 1) r, an untargeted part's rows are zero (one zero-fill
-        and a copy per part). `dtype`: the factors cast first (the merge's fp32), else their own;
-        `scaled=False`: B without the scale."""
+        and a copy per part). `dtype`: the factors cast first (the merge's fp32), else their own."""
         names = list(self.B)
         first = self.B[names[0]]
         if self.kind == "row" or (len(self.parts) == 1 and self.groups == 1):
             b = first if dtype is None else first.to(dtype)
-            return b * self.scale if scaled else b
+            return b * self.scale
         k, r = len(names), self.rank
         rows = sum(n for _, n, _ in self.parts)
         out = first.new_zeros(self.groups, rows, k * r, dtype=dtype)
@@ -244,8 +243,7 @@ class LoRAAdapter(torch.nn.Module):
                 j = names.index(name)
                 out[:, off:off + n, j * r:(j + 1) * r] = self.B[name].view(self.groups, n, r)
             off += n
-        out = out.view(-1, k * r)
-        return out * self.scale if scaled else out
+        return out.view(-1, k * r) * self.scale
 
     def a_matrix(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The A factors stacked as `_low_rank` multiplies them: (k r, in_local)."""
