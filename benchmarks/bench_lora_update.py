@@ -35,7 +35,8 @@ import weakref
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_packed_pass import add_length_args, gsm8k_lengths, make_batch  # noqa: E402
+from benchmarks.bench_packed_pass import (add_length_args, gsm8k_lengths, make_batch,  # noqa: E402
+                                          timed)
 from benchmarks.run_record import command, machine, versions, write_json  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer", "finite", "zero")
@@ -188,18 +189,15 @@ def main(argv=None) -> int:
         micro, _ = eng._micro_batches(batch, micro_batch_size=a.rows, max_tokens=a.budget, pack=True)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        upd()  # warm-up: compiles, allocator
-        times, fwdbwd = [], []
-        for _ in range(a.iters):
+        fwdbwd = []
+
+        def upd_split():  # one update, its forward + backward seconds kept
             spent.clear()
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
             upd()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
             fwdbwd.append(spent["fwdbwd"])
+
+        times = timed(upd_split, a.iters, cuda)  # after a warm-up: compiles, allocator
+        fwdbwd = fwdbwd[1:]  # the warm-up's left out
         r = {"update_s": times, "update_median_s": statistics.median(times),
              "fwd_bwd_median_s": statistics.median(fwdbwd),
              "rest_median_s": statistics.median(t - f for t, f in zip(times, fwdbwd)),
@@ -250,7 +248,8 @@ def main(argv=None) -> int:
                         print(f"     {t:7.3f} s {c:6d}x {n[:90]}", flush=True)
                     continue
                 if phase == "all_kernels":
-                    print(f"   all kernels: {p['kernels']} launches, {p['kernel_s']:.3f} s", flush=True)
+                    print(f"   all kernels: {p['kernels']} launches, {p['kernel_s']:.3f} s",
+                          flush=True)
                     for n, (c, t) in list(p["top"].items())[:15]:
                         print(f"     {t:7.3f} s {c:6d}x {n[:90]}", flush=True)
                     continue
@@ -261,7 +260,7 @@ def main(argv=None) -> int:
         # hooks): without a collection the next side's peak would count its weights, gradients
         # and optimizer state too
         gone = weakref.ref(eng)
-        del eng, upd
+        del eng, upd, upd_split
         gc.collect()
         r["engine_freed"] = gone() is None
         if cuda:
