@@ -61,22 +61,20 @@ class _RopeTables:
     static input at every replay, not read a table made before the capture."""
 
     def __init__(self):
-        self._key = None
-        self._tables = None
+        self.clear()
 
     def get(self, freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
         capturing = freqs.is_cuda and torch.cuda.is_current_stream_capturing()
-        key = (freqs, freqs._version, dtype, mscale)
-        if not capturing and self._key is not None and self._key[0] is freqs \
-                and self._key[1:] == key[1:]:
+        key = (freqs._version, dtype, mscale)
+        if not capturing and freqs is self._freqs and key == self._key:
             return self._tables
         tables = ((torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype))
         if not capturing:
-            self._key, self._tables = key, tables
+            self._freqs, self._key, self._tables = freqs, key, tables
         return tables
 
     def clear(self) -> None:
-        self._key = self._tables = None
+        self._freqs = self._key = self._tables = None
 
 
 _TABLES = _RopeTables()
