@@ -7,7 +7,9 @@ once with LoRA adapters (rank --rank, alpha --alpha, --targets; the base frozen)
 per update (median of --iters after a warm-up), split into the forward + backward of the
 micro-batches and the rest (optimizer step, grad-norm, zeroing), and the adapter path taken
 (`fused`: models/lora.py's one-node linears with the gradients added into DDP's main_grad, or
-`autograd`). With --profile: per phase (forward, backward, optimizer, finite-check, zero) the
+`autograd`). A side named `<side>+graphs` (e.g. --sides full,lora,full+graphs,lora+graphs) runs
+with parallel.train_cuda_graphs: its packed micro-batches padded to one shape and each layer's
+forward and backward replayed as CUDA graphs (models/graphs.py). With --profile: per phase (forward, backward, optimizer, finite-check, zero) the
 top-level aten ops and, on CUDA, the kernels and their summed device time (a pass whose kernel time
 is far below its wall time waits on the host: launch-bound), also per layer (forward and backward:
 per layer and micro-batch).
@@ -139,7 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--alpha", type=float, default=64.0)
     ap.add_argument("--targets", default="all-linear")
-    ap.add_argument("--sides", default="full,lora")
+    ap.add_argument("--sides", default="full,lora",
+                    help="comma-separated: full, lora, full+graphs, lora+graphs")
     ap.add_argument("--no-fusion", action="store_true",
                     help="parallel.gradient_accumulation_fusion=false (LoRA: the autograd path)")
     ap.add_argument("--iters", type=int, default=5)
@@ -167,12 +170,15 @@ def main(argv=None) -> int:
     batch = make_batch(a.prompt_len, lengths, model_cfg.vocab_size)
     algo = AlgoConfig(loss_agg_mode="token-mean", use_kl_loss=True, kl_loss_coef=0.001)
     loss_fn = actor_objective(algo, num_tokens=int(batch.response_mask.sum()), num_seqs=a.rows)
-    par = ParallelConfig(use_distributed_optimizer=False,
-                         gradient_accumulation_fusion=not a.no_fusion)
     results = {}
     for side in a.sides.split(","):
+        kind, _, option = side.partition("+")
+        if kind not in ("full", "lora") or option not in ("", "graphs"):
+            raise SystemExit(f"--sides: {side!r} is not one of full, lora, full+graphs, lora+graphs")
+        par = ParallelConfig(use_distributed_optimizer=False, train_cuda_graphs=option == "graphs",
+                             gradient_accumulation_fusion=not a.no_fusion)
         lora = LoRAConfig(rank=a.rank, alpha=a.alpha, target_modules=a.targets.split(",")) \
-            if side == "lora" else None
+            if kind == "lora" else None
         eng = Engine(role="actor", model_cfg=model_cfg, ctx=ctx, parallel=par, precision=precision,
                      optim=OptimConfig(lr=5e-5 if lora else 3e-6, clip_grad=1.0),
                      total_updates=1000, lora=lora, packed_attention="auto")
@@ -209,7 +215,10 @@ def main(argv=None) -> int:
         if cuda:  # allocator retries (cudaFree + malloc under memory pressure) would stall a pass
             stats = torch.cuda.memory_stats()
             r.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-                     alloc_retries=stats.get("num_alloc_retries", 0))
+                     peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+                     alloc_retries=stats.get("num_alloc_retries", 0),
+                     graphed_micro_batches=eng.graphed,
+                     graph_shape=str(eng._graph_shape) if eng._graph_shape else None)
             before = torch.cuda.memory_stats().get("num_device_alloc", 0)
             torch.cuda.set_sync_debug_mode(1)  # warns at every synchronizing call
             import warnings
@@ -236,7 +245,7 @@ def main(argv=None) -> int:
             with contextlib.redirect_stdout(sys.stderr):
                 r["profile"] = profile_update(upd, cuda, model_cfg.num_layers, len(micro))
         results[side] = r
-        print(f"{side:5s} update {r['update_median_s']:.3f} s (fwd+bwd {r['fwd_bwd_median_s']:.3f}, "
+        print(f"{side:11s} update {r['update_median_s']:.3f} s (fwd+bwd {r['fwd_bwd_median_s']:.3f}, "
               f"rest {r['rest_median_s']:.3f}), {r['micro_batches']} micro-batches, "
               f"{r['tokens']} tokens" + (f", adapters {r.get('adapter_path')}" if lora else ""),
               flush=True)
@@ -265,9 +274,10 @@ def main(argv=None) -> int:
         r["engine_freed"] = gone() is None
         if cuda:
             torch.cuda.empty_cache()
-    if "full" in results and "lora" in results:
-        results["lora_over_full"] = (results["lora"]["update_median_s"]
-                                     / results["full"]["update_median_s"])
+    for opt in ("", "+graphs"):
+        if "full" + opt in results and "lora" + opt in results:
+            results["lora_over_full" + opt.replace("+", "_")] = (
+                results["lora" + opt]["update_median_s"] / results["full" + opt]["update_median_s"])
     write_json(a.out, {"benchmark": "LoRA vs full-parameter actor update", "model": a.model,
                        "layers": model_cfg.num_layers, "vocab": model_cfg.vocab_size,
                        "precision": precision, "machine": machine(),

@@ -49,9 +49,11 @@ class ParallelConfig:
     gradient_accumulation_fusion: bool = True
     # on CUDA, each decoder layer's training forward and backward replayed as one CUDA graph
     # (models/graphs.py, as torch.cuda.make_graphed_callables), captured once at the shape of the
-    # first update's most common micro-batch; micro-batches of another shape, with left-padded
-    # prompts (an attention mask) or packed run the eager layers (`<role>/graphed_micro_batch_frac`
-    # says the share that replayed). Without TE a layer is ~75 kernel launches forward and
+    # first update's most common micro-batch; packed micro-batches (algo.pack_sequences, varlen
+    # attention) are padded to the token budget with a fixed count of documents and captured at
+    # that shape (again if a pass's rows outgrow it); micro-batches of another shape, with
+    # left-padded prompts (an attention mask) or packed for flex_attention run the eager layers
+    # (`<role>/graphed_micro_batch_frac` says the share that replayed). Without TE a layer is ~75 kernel launches forward and
     # backward, ~50 us of host time each: small micro-batches are bound by the host, and one graph
     # replay per layer removes that. Each layer's backward graph adds its weight gradients into
     # DDP's main_grad; the graphs' pool keeps one micro-batch's activations reserved and their

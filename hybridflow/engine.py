@@ -18,8 +18,10 @@ varlen FlashAttention over the rows' cu_seqlens on CUDA, a flex_attention block 
 algo.packed_attention). The budget then counts real tokens. The loss still
 sees the padded micro-batch: per-token results over the packed row are gathered into its (b, R_mb)
 layout (`PackedRows.unpack`, differentiable). No explicit SDPA mask is passed, so the cuDNN
-masked-backward bug routed around in models/attention.py does not arise; the per-layer CUDA graphs
-(models/graphs.py) run only unmasked calls, so packed micro-batches run the eager layers.
+masked-backward bug routed around in models/attention.py does not arise. With the per-layer CUDA
+graphs of the update (parallel.train_cuda_graphs, models/graphs.py) the packed rows of a training
+pass are padded to one static shape (`_fit_to_shape`: the token budget, a fixed count of documents,
+a fixed longest one) whose cu_seqlens go into the capture's buffer: those micro-batches replay.
 
 Loss scaling: loss functions (hybridflow.algo) normalise by *global* denominators (tokens or sequences
 of the whole mini-batch across micro-batches and DP ranks). Megatron divides each micro-batch loss by
@@ -54,10 +56,10 @@ from hybridflow.checkpoint.optim import use_fused_adam
 from hybridflow.config import LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.data.microbatch import token_budget_groups
-from hybridflow.data.packing import PackedRows, pack_rows
+from hybridflow.data.packing import PackedRows, PackedShape, fit_packed, pack_rows, shape_for
 from hybridflow.models.attention import SDPAttention, choose_packed_attention, packed_documents
 from hybridflow.models.build import LM_ROLES, build_model
-from hybridflow.models.graphs import graph_layers
+from hybridflow.models.graphs import graph_layers, ungraph_layers
 from hybridflow.models.heads import ValueHead
 from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear,
                                       LeanRowParallelLinear, LogprobSpec)
@@ -135,10 +137,15 @@ class Engine:
                     p.requires_grad_(True)
         self._lm_chunk = parallel.lm_head_chunk_tokens
         # parallel.train_cuda_graphs (CUDA only; _capture_graphs): the (seq_len, rows) the layers
-        # were captured at, None until the first training pass
+        # were captured at, or the PackedShape of a packed capture; None until the first training
+        # pass. `_fit_packed`: the update's packed rows padded to one PackedShape (`_packed_shape`
+        # chooses it, `_graph_docs` is the capture's documents)
         self._want_graphs = (parallel.train_cuda_graphs and optim is not None
                              and ctx.device.type == "cuda")
-        self._graph_shape: Optional[tuple[int, int]] = None
+        self._fit_packed = self._want_graphs
+        self._graph_shape: Optional[tuple[int, int] | PackedShape] = None
+        self._next_packed_shape: Optional[PackedShape] = None
+        self._graph_docs = None
         self.graphed = 0  # micro-batches of the last training pass that replayed the graphs
         self.module = model  # the bare GPTModel (for reshard, checkpoint import/export)
         self.tcfg = model.config
@@ -313,12 +320,13 @@ class Engine:
 
     # ------------------------------------------------------------------ passes
     def _micro_batches(self, batch: RolloutBatch, *, micro_batch_size: int,
-                       max_tokens: Optional[int], pack: bool = False
+                       max_tokens: Optional[int], pack: bool = False, fit: bool = False
                        ) -> tuple[list[tuple[RolloutBatch, bool, Optional[PackedRows]]],
                                   Optional[torch.Tensor]]:
         """The micro-batches on the device, each with whether it holds padding (read on the host,
         before the copy, so the schedule never waits on the GPU for it) and (`pack`) its packed
-        row, and (token budgets only) `rows` (B,): result row k belongs to batch row rows[k]."""
+        row, and (token budgets only) `rows` (B,): result row k belongs to batch row rows[k].
+        `fit`: the packed rows padded to one PackedShape where they fit (`_packed_shape`)."""
         # under sequence parallel the sequence is split over TP: its length must divide
         multiple = self.ctx.tp_size if self.tcfg.sequence_parallel else 1
         rows = None
@@ -341,17 +349,40 @@ class Engine:
             self.packed_kernel()
             own = self.role == "reward"
             # a micro-batch of equal rows has no padding to leave out: it runs unpacked
-            out = []
+            host = []
             for mb in micro:
                 whole = mb.padded_to(multiple)
                 if bool(whole.token_mask().all()):
-                    out.append((whole.to(self.device), False, None))
+                    host.append((whole, None))
                 else:
-                    out.append((mb.to(self.device), False,
-                                pack_rows(mb, multiple=multiple, own_position=own).to(self.device)))
-            return out, rows
+                    host.append((mb, pack_rows(mb, multiple=multiple, own_position=own)))
+            if fit:
+                host = self._fit_to_shape(host, max_tokens=max_tokens, multiple=multiple)
+            return [(mb.to(self.device), False, None if p is None else p.to(self.device))
+                    for mb, p in host], rows
         micro = [mb.padded_to(multiple) for mb in micro] if max_tokens is not None else micro
         return [(mb.to(self.device), not bool(mb.token_mask().all()), None) for mb in micro], rows
+
+    def _fit_to_shape(self, host: list, *, max_tokens: int, multiple: int) -> list:
+        """The packed rows of `host` [(micro-batch, packed or None)] fitted to the packed CUDA
+        graphs' shape (those that fit; the rest stay as they are and run the eager layers). The
+        shape: `length` the token budget (a multiple of `multiple`), the documents and longest row
+        from this pass (`shape_for`, with headroom); kept while at most a quarter of a pass's
+        packed rows miss it, else grown to them (`_next_packed_shape`: the capture follows)."""
+        length = -(-max_tokens // multiple) * multiple
+        packed = [p for _, p in host if p is not None and p.input_ids.shape[1] <= length]
+        if not packed or (self._packed_kernel != "varlen" and self._want_graphs):
+            return host  # flex builds a block mask per micro-batch: nothing static to capture
+        shape = self._graph_shape if isinstance(self._graph_shape, PackedShape) else None
+        fitted = [None if shape is None else fit_packed(p, shape) for p in packed]
+        if shape is None or 4 * sum(f is None for f in fitted) > len(packed):
+            shape = shape_for(packed, length=length, at_least=shape)
+            fitted = [fit_packed(p, shape) for p in packed]
+        self._next_packed_shape = shape
+        done = iter(fitted)
+        return [(mb, None if p is None else (
+                    (next(done) or p) if p.input_ids.shape[1] <= length else p))
+                for mb, p in host]
 
     def packed_kernel(self) -> str:
         """The packed micro-batches' attention kernel ("varlen" | "flex"), chosen once for this
@@ -373,8 +404,9 @@ class Engine:
         if not replaying and batch.prompt_experts is not None:  # not carried to the device
             batch = dataclasses.replace(batch, prompt_experts=None, response_experts=None)
         self.params_to_device()  # offload_params: every pass reads the weights
-        micro, rows = self._micro_batches(batch, micro_batch_size=micro_batch_size,
-                                          max_tokens=max_tokens, pack=pack)
+        micro, rows = self._micro_batches(
+            batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, pack=pack,
+            fit=self._fit_packed and self.trainable and not forward_only)
         # shapes for the pipeline schedules (PP > 1 runs only fixed micro-batches, all alike)
         seq_len = max(mb.prompt_len + mb.response_ids.shape[1] for mb, _, _ in micro)
         tp_group = self.ctx.tp_group
@@ -403,8 +435,12 @@ class Engine:
                         out = model(mb.input_ids(), mb.position_ids(),
                                     attention_mask(mb.token_mask(), padded=padded), **self._out_kw)
                     else:  # one row (1, S); its results are gathered back into mb's (b, R_mb)
-                        docs = packed_documents(packed.document_ids, packed.cu_seqlens,
-                                                packed.max_seqlen, kernel=self._packed_kernel)
+                        docs = self._graph_docs if packed.fitted else None
+                        if docs is not None:  # the graphs' documents (the stream orders the copy
+                            docs.cu_seqlens.copy_(packed.cu_seqlens)  # after the last backward)
+                        else:
+                            docs = packed_documents(packed.document_ids, packed.cu_seqlens,
+                                                    packed.max_seqlen, kernel=self._packed_kernel)
                         out = model(packed.input_ids, packed.position_ids, docs, **self._out_kw)
             finally:
                 if select:
@@ -437,6 +473,9 @@ class Engine:
                     zero = output.sum() * 0.0
                     return zero, {k: v.detach() for k, v in res.items()}
                 loss, metrics = loss_fn(res, mb)
+                if not loss.requires_grad:  # Megatron would skip its backward without a word
+                    raise RuntimeError(f"role {self.role}: the training loss does not depend on "
+                                       "any trained parameter (no autograd graph reached it)")
                 kept = {"logprobs": res["logprobs"]} if keep_logprobs else {}
                 return loss * (n_micro * dp), {k: v.detach() for k, v in {**metrics, **kept}.items()}
 
@@ -478,27 +517,54 @@ class Engine:
 
     def _capture_graphs(self, micro: list) -> int:
         """parallel.train_cuda_graphs: capture the layers at the shape of this pass's most common
-        unmasked, unpacked micro-batch (once: later passes reuse it); returns how many of `micro`
+        unmasked, unpacked micro-batch (once: later passes reuse it), or, for packed micro-batches,
+        at the PackedShape they were fitted to (again when it grew); returns how many of `micro`
         replay them."""
+        shape = self._next_packed_shape
+        if shape is not None:
+            if shape != self._graph_shape:
+                self._capture_packed(shape)
+            return sum(1 for _, _, packed in micro if packed is not None and packed.fitted)
         shapes = [(mb.prompt_len + mb.response_ids.shape[1], mb.batch_size)
                   for mb, padded, packed in micro if packed is None and not padded]
         if self._graph_shape is None and shapes:
             seq_len, rows = Counter(shapes).most_common(1)[0][0]
-            # Megatron's DDP keeps each parameter's gradient accumulator node (its grad hook
-            # hangs there), made on the default stream at wrap time; the capture's backward runs
-            # on a side stream and would sync with it (cudaErrorStreamCaptureImplicit). Drop
-            # those nodes for the capture and hook fresh ones after, as DDP's __init__ does.
-            self.model.grad_accs.clear()
-            graph_layers(self.module, micro_batch_size=rows, seq_len=seq_len)
-            # the warm-up passes' weight gradients went into main_grad (fused accumulation)
-            self.model.zero_grad_buffer()
-            for p in self.model.module.parameters():
-                if p.requires_grad:
-                    acc = p.expand_as(p).grad_fn.next_functions[0][0]
-                    acc.register_hook(self.model._make_backward_post_hook(p))
-                    self.model.grad_accs.append(acc)
+            self._graphed_capture(micro_batch_size=rows, seq_len=seq_len)
             self._graph_shape = (seq_len, rows)
         return shapes.count(self._graph_shape)
+
+    def _capture_packed(self, shape: PackedShape) -> None:
+        """The layers captured for packed rows of `shape` (the last capture's graphs dropped),
+        with a static cu_seqlens buffer holding a valid layout until the first copy."""
+        if self._graph_shape is not None:
+            ungraph_layers(self.module)
+            self._graph_docs = None
+            torch.cuda.empty_cache()
+        whole = [shape.max_seqlen] * (shape.length // shape.max_seqlen)
+        if shape.length % shape.max_seqlen:
+            whole.append(shape.length % shape.max_seqlen)
+        ends = torch.tensor(whole).cumsum(0)
+        cu = torch.full((shape.documents + 1,), shape.length, dtype=torch.int32)
+        cu[0], cu[1:len(whole) + 1] = 0, ends
+        self._graph_docs = packed_documents(None, cu.to(self.device), shape.max_seqlen,
+                                            kernel="varlen")
+        self._graphed_capture(micro_batch_size=1, seq_len=shape.length, docs=self._graph_docs)
+        self._graph_shape = shape
+
+    def _graphed_capture(self, **capture) -> None:
+        # Megatron's DDP keeps each parameter's gradient accumulator node (its grad hook
+        # hangs there), made on the default stream at wrap time; the capture's backward runs
+        # on a side stream and would sync with it (cudaErrorStreamCaptureImplicit). Drop
+        # those nodes for the capture and hook fresh ones after, as DDP's __init__ does.
+        self.model.grad_accs.clear()
+        graph_layers(self.module, **capture)
+        # the warm-up passes' weight gradients went into main_grad (fused accumulation)
+        self.model.zero_grad_buffer()
+        for p in self.model.module.parameters():
+            if p.requires_grad:
+                acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                acc.register_hook(self.model._make_backward_post_hook(p))
+                self.model.grad_accs.append(acc)
 
     # `max_tokens` (below): micro-batches by token budget instead of `micro_batch_size` rows;
     # `pack`: each of them run as one packed row (see the module docstring)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from hybridflow.data.batch import RolloutBatch
 
@@ -46,6 +47,8 @@ class PackedRows:
     # (S, L, k) int16, the rows' recorded expert ids (RolloutBatch.experts) following their tokens,
     # -1 on the tail; None when the micro-batch has none
     experts: Optional[torch.Tensor] = None
+    # fit to a PackedShape (`fit_packed`): the static shape the update's CUDA graphs replay
+    fitted: bool = False
 
     def to(self, device) -> "PackedRows":
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device)
@@ -93,3 +96,76 @@ def pack_rows(mb: RolloutBatch, *, multiple: int = 1, own_position: bool = False
                       document_ids=doc, cu_seqlens=cu_seqlens, max_seqlen=int(docs.max()),
                       gather=gather, valid=valid, scored=gather[valid],
                       experts=experts)
+
+
+@dataclass(frozen=True)
+class PackedShape:
+    """One static shape for packed rows (the update's CUDA graphs, models/graphs.py): `length`
+    tokens, exactly `documents` documents in cu_seqlens (zero-length ones at the end), none longer
+    than `max_seqlen` (the varlen kernel's grid: documents x max_seqlen / 128 blocks per head, so
+    both are kept tight)."""
+    length: int
+    documents: int
+    max_seqlen: int
+
+
+def _row_lengths(packed: PackedRows) -> torch.Tensor:
+    """The real rows' lengths (the documents before the tail), on the host."""
+    docs = packed.cu_seqlens.diff().cpu()
+    s, b = packed.input_ids.shape[1], packed.valid.shape[0]
+    real = int((packed.document_ids < b).sum())
+    return docs[:-1] if s > real else docs
+
+
+def shape_for(packed: list[PackedRows], *, length: int, at_least: Optional[PackedShape] = None,
+              headroom: float = 1.25) -> PackedShape:
+    """A PackedShape of `length` tokens for `packed` (on the host, none longer): max_seqlen their
+    longest row rounded up to 128 (at most `length`), documents the most any of them then takes
+    (its rows and its tail's pieces) times `headroom`, rounded up to 8; neither below
+    `at_least`'s (a shape grown from the last one)."""
+    rows = [_row_lengths(p) for p in packed]
+    longest = max((int(r.max()) for r in rows if r.numel()), default=1)
+    m = min(-(-longest // 128) * 128, length)
+    if at_least is not None:
+        m = max(m, at_least.max_seqlen)
+    need = max(r.numel() + -(-(length - int(r.sum())) // m) for r in rows)
+    docs = -(-int(need * headroom) // 8) * 8
+    if at_least is not None:
+        docs = max(docs, at_least.documents)
+    return PackedShape(length=length, documents=docs, max_seqlen=m)
+
+
+def fit_packed(packed: PackedRows, shape: PackedShape) -> Optional[PackedRows]:
+    """`packed` (on the host) at `shape`: its tail padded to shape.length tokens as documents of
+    at most shape.max_seqlen (ids b, b + 1, ...), cu_seqlens at shape.documents + 1 entries (the
+    extra documents empty) and max_seqlen = shape.max_seqlen; the real tokens, their positions
+    and every gather index unchanged. None where it does not fit (longer, more documents, or a
+    row longer than max_seqlen)."""
+    rows = _row_lengths(packed)
+    real = int(rows.sum())
+    tail = shape.length - real
+    if tail < 0 or (rows.numel() and int(rows.max()) > shape.max_seqlen):
+        return None
+    pieces = [shape.max_seqlen] * (tail // shape.max_seqlen)
+    if tail % shape.max_seqlen:
+        pieces.append(tail % shape.max_seqlen)
+    if rows.numel() + len(pieces) > shape.documents:
+        return None
+    b = packed.valid.shape[0]
+    pad = shape.length - packed.input_ids.shape[1]
+    tail_docs = torch.repeat_interleave(torch.arange(b, b + len(pieces)),
+                                        torch.tensor(pieces, dtype=torch.long))
+    tail_pos = torch.cat([torch.arange(n) for n in pieces]) if pieces else torch.zeros(0, dtype=torch.long)
+    ids = F.pad(packed.input_ids, (0, pad))
+    docs = torch.cat([rows.to(torch.long), torch.tensor(pieces, dtype=torch.long),
+                      torch.zeros(shape.documents - rows.numel() - len(pieces), dtype=torch.long)])
+    experts = packed.experts
+    if experts is not None:
+        experts = torch.cat([experts, experts.new_full((pad, *experts.shape[1:]), -1)])
+    return dataclasses.replace(
+        packed, input_ids=ids,
+        position_ids=torch.cat([packed.position_ids[0, :real], tail_pos])[None],
+        targets=torch.cat([ids[0, 1:], ids.new_zeros(1)])[None],
+        document_ids=torch.cat([packed.document_ids[:real], tail_docs]),
+        cu_seqlens=torch.cat([docs.new_zeros(1), docs.cumsum(0)]).to(torch.int32),
+        max_seqlen=shape.max_seqlen, experts=experts, fitted=True)

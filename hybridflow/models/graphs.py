@@ -7,8 +7,14 @@ transformer layer's forward and backward are captured once with `torch.cuda.make
 replayed as one launch each. The layers keep their modules, parameter names and hooks: only the
 instance's `forward` is wrapped, and it replays the graph only for calls that match the capture:
   grad enabled, module in training mode, hidden states of the captured shape/dtype/device, no mask
-  (causal), the captured rotary table shape and no other per-call inputs (KV cache, packing, ...).
+  (causal; a packed capture: its own documents, below), the captured rotary table shape and no
+  other per-call inputs (KV cache, ...).
 Anything else (eval, no_grad log-prob passes, a different length, generation) runs the eager layer.
+Packed micro-batches (one row of variable-length documents, torch's varlen FlashAttention) replay
+graphs captured at one `PackedShape` (hybridflow/data/packing.py): the engine pads each packed row
+to its length, with a fixed count of documents (empty ones at the end) and a fixed longest one,
+writes its cu_seqlens into the capture's static buffer and passes the capture's `PackedDocuments`
+itself, which is what a call must carry to replay.
 
 Constraints (checked where they can be): capture after DDP has moved parameters into its buffers
 (graphs hold raw addresses); PP=1, since a graph holds one micro-batch's activations and needs each
@@ -42,21 +48,25 @@ _PER_CALL_INPUTS = ("context", "context_mask", "rotary_pos_cos", "rotary_pos_sin
 
 
 class _LayerCall(torch.nn.Module):
-    """(hidden (s, b, h), rotary (s, 1, 1, d)) -> hidden: one layer as a graphable module."""
+    """(hidden (s, b, h), rotary (s, 1, 1, d)) -> hidden: one layer as a graphable module (`docs`:
+    the static PackedDocuments of a packed capture, else causal without a mask)."""
 
-    def __init__(self, layer: TransformerLayer):
+    def __init__(self, layer: TransformerLayer, docs=None):
         super().__init__()
-        self.layer = layer
+        self.layer, self.docs = layer, docs
 
     def forward(self, hidden, rotary):
-        out, _ = TransformerLayer.forward(self.layer, hidden_states=hidden, attention_mask=None,
+        out, _ = TransformerLayer.forward(self.layer, hidden_states=hidden, attention_mask=self.docs,
                                           rotary_pos_emb=rotary)
         return out
 
 
-def graph_layers(model, *, micro_batch_size: int, seq_len: int, num_warmup_iters: int = 2) -> None:
+def graph_layers(model, *, micro_batch_size: int, seq_len: int, docs=None,
+                 num_warmup_iters: int = 2) -> None:
     """Capture every decoder layer of `model` (a GPTModel stage, training mode, on CUDA) for input
-    (seq_len, micro_batch_size, hidden) and route matching calls to the graphs."""
+    (seq_len, micro_batch_size, hidden) and route matching calls to the graphs. `docs`: a packed
+    capture (micro_batch_size 1): the PackedDocuments (static cu_seqlens buffer holding a valid
+    layout, fixed max_seqlen) that the calls to replay pass as their attention mask."""
     cfg = model.config
     if cfg.pipeline_model_parallel_size > 1:
         raise ValueError("graph_layers needs pipeline_model_parallel_size=1 (1F1B keeps several "
@@ -74,7 +84,9 @@ def graph_layers(model, *, micro_batch_size: int, seq_len: int, num_warmup_iters
     # (s, 1, 1, d) float32; the same lru-cached tensor GPTModel.forward gets, so no copy per replay
     rotary = model.rotary_pos_emb(seq_len, packed_seq=False, cp_group=None)
     shape = (s_local, micro_batch_size, cfg.hidden_size)
-    calls = tuple(_LayerCall(layer) for layer in layers)
+    if docs is not None and micro_batch_size != 1:
+        raise ValueError("graph_layers: a packed capture is one row (micro_batch_size=1)")
+    calls = tuple(_LayerCall(layer, docs) for layer in layers)
     samples = tuple((torch.randn(shape, device=device, dtype=cfg.params_dtype, requires_grad=True),
                      rotary) for _ in calls)
     params = [tuple(p for p in layer.parameters() if p.requires_grad) for layer in layers]
@@ -85,7 +97,7 @@ def graph_layers(model, *, micro_batch_size: int, seq_len: int, num_warmup_iters
                                                     num_warmup_iters=num_warmup_iters)
     for layer, g in zip(layers, graphed):
         layer.forward = _dispatch(layer.forward, g, shape=shape, dtype=cfg.params_dtype,
-                                  rotary_shape=tuple(rotary.shape))
+                                  rotary_shape=tuple(rotary.shape), docs=docs)
 
 
 def _layer_backward(out, x, params, grad_out):
@@ -99,10 +111,13 @@ def _layer_backward(out, x, params, grad_out):
 
 
 class _Replay(torch.autograd.Function):
-    """(hidden, rotary) -> hidden through one layer's captured forward and backward graphs."""
+    """(hidden, rotary) -> hidden through one layer's captured forward and backward graphs.
+    `anchor`: one of the layer's trained parameters, an input only so that autograd records the
+    node when the hidden states need no gradient (a frozen embedding under LoRA: the layers'
+    adapters still train); it gets none here (the graph adds every weight gradient itself)."""
 
     @staticmethod
-    def forward(ctx, graphs, hidden, rotary):
+    def forward(ctx, graphs, hidden, rotary, anchor):
         for static, new in ((graphs.x, hidden), (graphs.rotary, rotary)):
             if static.data_ptr() != new.data_ptr():
                 static.copy_(new)
@@ -117,19 +132,19 @@ class _Replay(torch.autograd.Function):
         if g.grad_out.data_ptr() != grad.data_ptr():
             g.grad_out.copy_(grad)
         g.bwd.replay()
-        return None, g.grad_in.detach(), None
+        return None, g.grad_in.detach(), None, None
 
 
 class _LayerGraphs:
     """One layer's graphs and the static tensors they read and write."""
 
-    def __init__(self, x, rotary):
-        self.x, self.rotary = x, rotary
+    def __init__(self, x, rotary, anchor):
+        self.x, self.rotary, self.anchor = x, rotary, anchor
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         self.out = self.grad_out = self.grad_in = None
 
     def __call__(self, hidden, rotary):
-        return _Replay.apply(self, hidden, rotary)
+        return _Replay.apply(self, hidden, rotary, self.anchor)
 
 
 def _capture_into_main_grad(calls, samples, params, num_warmup_iters: int) -> list:
@@ -147,7 +162,8 @@ def _capture_into_main_grad(calls, samples, params, num_warmup_iters: int) -> li
         out = None
     torch.cuda.synchronize()
     pool = torch.cuda.graph_pool_handle()
-    graphs = [_LayerGraphs(x, rotary) for x, rotary in samples]
+    graphs = [_LayerGraphs(x, rotary, ps[0] if ps else None)
+              for (x, rotary), ps in zip(samples, params)]
     for call, g in zip(calls, graphs):
         with torch.cuda.graph(g.fwd, pool=pool):
             g.out = call(g.x, g.rotary)
@@ -168,9 +184,9 @@ def ungraph_layers(model) -> None:
         layer.__dict__.pop("forward", None)
 
 
-def _dispatch(eager, graphed, *, shape, dtype, rotary_shape):
+def _dispatch(eager, graphed, *, shape, dtype, rotary_shape, docs=None):
     def forward(hidden_states, attention_mask=None, rotary_pos_emb=None, **kwargs):
-        if (torch.is_grad_enabled() and eager.__self__.training and attention_mask is None
+        if (torch.is_grad_enabled() and eager.__self__.training and attention_mask is docs
                 and tuple(hidden_states.shape) == shape and hidden_states.dtype == dtype
                 and hidden_states.is_cuda and isinstance(rotary_pos_emb, torch.Tensor)
                 and tuple(rotary_pos_emb.shape) == rotary_shape

@@ -53,6 +53,52 @@ def test_packed_matches_padded_token_budgets(world, tp, sp):
               "grad_norm", packed["metrics"]["grad_norm"] - padded["metrics"]["grad_norm"])
 
 
+def _fitted_worker(tp: int, sp: bool):
+    """One update with the packed rows as they are, and fitted to one PackedShape (padded to the
+    token budget, a fixed count of documents: what the update's CUDA graphs replay; on CPU the
+    layers run eagerly on the padded rows), from the same weights."""
+    from tests.dist.test_dynamic_bsz import ALGO, gather_full
+    from hybridflow.algo.objectives import actor_objective
+
+    _, engine = engines(tp, sp)
+    batch = _batch()
+    out = {}
+    for name, fit in (("packed", False), ("fitted", True)):
+        eng = engine("actor")
+        eng._fit_packed = fit
+        loss_fn = actor_objective(ALGO, num_tokens=int(batch.response_mask.sum()),
+                                  num_seqs=batch.batch_size)
+        metrics = eng.train_step(batch, loss_fn, temperature=0.7, need_entropy=True,
+                                 micro_batch_size=2, max_tokens=BUDGET, pack=True,
+                                 keep_logprobs=True)
+        grads = {k: p.main_grad for k, p in eng.module.named_parameters()}
+        micro, _ = eng._micro_batches(batch, micro_batch_size=2, max_tokens=BUDGET, pack=True,
+                                      fit=fit)
+        out[name] = {"metrics": metrics, "grads": gather_full(grads, num_layers=MODEL.num_layers),
+                     "shapes": [tuple(p.input_ids.shape) for _, _, p in micro if p is not None],
+                     "fitted": [p.fitted for _, _, p in micro if p is not None],
+                     "shape": eng._next_packed_shape}
+    return out
+
+
+@pytest.mark.parametrize("world,tp,sp", [(1, 1, False), (2, 2, True)], ids=["tp1", "tp2_sp"])
+def test_packed_rows_fitted_to_one_shape_give_the_same_update(world, tp, sp):
+    for res in run_ranks(_fitted_worker, world, tp, sp):
+        packed, fitted = res["packed"], res["fitted"]
+        shape = fitted["shape"]
+        assert shape is not None and shape.length == BUDGET and packed["shape"] is None
+        assert all(fitted["fitted"]) and len(fitted["shapes"]) > 1
+        assert set(fitted["shapes"]) == {(1, BUDGET)} and set(packed["shapes"]) != {(1, BUDGET)}
+        for key, value in packed["metrics"].items():
+            if key == "logprobs":
+                torch.testing.assert_close(fitted["metrics"][key], value, atol=1e-5, rtol=1e-5)
+            elif key != "lr":
+                assert abs(fitted["metrics"][key] - value) < 1e-5 * max(1.0, abs(value)), key
+        assert packed["metrics"]["grad_norm"] > 0
+        for name, g in packed["grads"].items():
+            torch.testing.assert_close(fitted["grads"][name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def _choice_worker():
     from hybridflow.config import ParallelConfig
     from hybridflow.engine import Engine

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.data.batch import RolloutBatch
-from hybridflow.data.packing import pack_rows
+from hybridflow.data.packing import PackedShape, fit_packed, pack_rows, shape_for
 from hybridflow.models.attention import (choose_packed_attention, document_causal_mask,
                                         packed_attention, packed_documents)
 
@@ -204,3 +204,53 @@ def test_kernel_choice_falls_back_to_flex_and_says_why():
         choose_packed_attention("varlen", device=cpu, dtype=torch.bfloat16, head_dim=64)
     with pytest.raises(ValueError, match=r"algo.packed_attention='fa3' is not one of"):
         choose_packed_attention("fa3", device=cpu, dtype=torch.bfloat16, head_dim=64)
+
+
+@pytest.mark.parametrize("prompts,responses,multiple", [
+    (PROMPT_LENS, RESPONSE_LENS, 1),
+    (PROMPT_LENS, RESPONSE_LENS, 4),
+    ([105, 97, 130, 1], [300, 1, 1024, 0], 2),
+    ([5, 0, 3], [2, 0, 1], 2),
+])
+def test_fit_packed_pads_to_one_shape_and_keeps_the_rows(prompts, responses, multiple):
+    """A packed row at a PackedShape (the update's CUDA graphs): its real tokens, positions and
+    gather indices unchanged, the tail in pieces no longer than max_seqlen, then empty documents
+    to the fixed count; document_ids and cu_seqlens still describe the same spans."""
+    pk = pack_rows(_ragged_batch(prompts, responses), multiple=multiple)
+    real = sum(p + r for p, r in zip(prompts, responses))
+    shape = shape_for([pk], length=pk.input_ids.shape[1] + 300)
+    assert shape.max_seqlen % 128 == 0 and shape.max_seqlen >= max(p + r for p, r in zip(prompts, responses))
+    f = fit_packed(pk, shape)
+    assert f is not None and f.fitted and not pk.fitted
+    assert f.input_ids.shape == (1, shape.length) and f.max_seqlen == shape.max_seqlen
+    assert f.cu_seqlens.shape == (shape.documents + 1,) and f.cu_seqlens.dtype == torch.int32
+    assert f.cu_seqlens[-1] == shape.length and (f.cu_seqlens.diff() >= 0).all()
+    assert f.cu_seqlens.diff().max() <= shape.max_seqlen
+    assert torch.equal(f.input_ids[:, :real], pk.input_ids[:, :real]) and (f.input_ids[:, real:] == 0).all()
+    assert torch.equal(f.position_ids[:, :real], pk.position_ids[:, :real])
+    assert torch.equal(f.targets[:, :real - 1], pk.targets[:, :real - 1])
+    for name in ("gather", "valid", "scored"):
+        assert torch.equal(getattr(f, name), getattr(pk, name)), name
+    # the non-empty documents are the runs of document_ids, each counted from position 0
+    docs = f.cu_seqlens.diff()
+    ids, counts = torch.unique_consecutive(f.document_ids, return_counts=True)
+    assert counts.tolist() == docs[docs > 0].tolist()
+    for i, (a, b) in enumerate(zip(f.cu_seqlens[:-1].tolist(), f.cu_seqlens[1:].tolist())):
+        assert torch.equal(f.position_ids[0, a:b], torch.arange(b - a)), i
+    # what does not fit: a shorter length, too few documents, a row longer than max_seqlen
+    longest = max(p + r for p, r in zip(prompts, responses))
+    assert fit_packed(pk, PackedShape(real - 1, shape.documents, shape.max_seqlen)) is None
+    assert fit_packed(pk, PackedShape(shape.length, len([1 for p, r in zip(prompts, responses) if p + r]), shape.max_seqlen)) is None
+    if longest > 1:
+        assert fit_packed(pk, PackedShape(shape.length, shape.documents, longest - 1)) is None
+
+
+def test_shape_for_takes_the_most_documents_with_headroom_and_grows():
+    a = pack_rows(_ragged_batch([3] * 6, [2] * 6), multiple=1)   # 6 rows of 5, a tail of 320
+    b = pack_rows(_ragged_batch([100, 20], [150, 9]), multiple=1)  # a row of 250: max_seqlen 256
+    shape = shape_for([a, b], length=100 + 250)
+    # a: 6 rows + the tail in 2 pieces of <= 256 = 8 documents, x 1.25 = 10, rounded up to 16
+    assert shape == PackedShape(length=350, documents=16, max_seqlen=256)
+    assert fit_packed(a, shape) is not None and fit_packed(b, shape) is not None
+    grown = shape_for([a], length=350, at_least=PackedShape(350, 16, 512))
+    assert grown == PackedShape(length=350, documents=16, max_seqlen=512)
