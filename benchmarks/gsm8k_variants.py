@@ -8,6 +8,7 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
   int4     rollout.quantization=int4
   lora     actor.lora.rank=32 alpha=64 (all-linear), actor_optim.lr=5e-5 (PEFT users' range; at
            alpha=32 and 3e-5 it trailed the full run for its first 29 steps)
+  lora_graphs  the same with the update's layers as CUDA graphs (parallel.train_cuda_graphs)
   partial  rollout.partial (512 decode steps per step, 32 extra prompts in flight), TIS cap 2.0
   tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter; tool results fed
            through the decode step, each step launched before the last is read: the defaults)
@@ -41,6 +42,7 @@ VARIANTS = {
     "fp8": "rollout.quantization=fp8",
     "int4": "rollout.quantization=int4",
     "lora": "actor.lora.rank=32 actor.lora.alpha=64 actor_optim.lr=5e-5",
+    "lora_graphs": "actor.lora.rank=32 actor.lora.alpha=64 actor_optim.lr=5e-5 parallel.train_cuda_graphs=true",
     "partial": ("rollout.partial.enable=true rollout.partial.max_decode_steps=512 "
                 "rollout.partial.extra_prompts=32 rollout.max_batch_size=768 algo.tis_imp_ratio_cap=2.0"),
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",

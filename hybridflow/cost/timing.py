@@ -364,7 +364,9 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
     per_mini = math.ceil(w.num_sequences / w.mini_batches / layout.dp_t)
     work = None
     if w.varlen:
-        work = pass_work(w, per_mini, w.micro_batch_tokens, _multiple(layout))
+        # the update's CUDA graphs pad each packed micro-batch to the budget (models/graphs.py)
+        padded = w.train_cuda_graphs and w.pack_sequences and w.packed_attention == "varlen"
+        work = pass_work(w, per_mini, w.micro_batch_tokens, _multiple(layout), padded)
         micro, tokens = work.micro, opt_steps * work.tokens
         flops = opt_steps * (layer_passes * _varlen_flops(shape, work, role) / shard)
         head_tokens = opt_steps * work.head_tokens

@@ -143,9 +143,12 @@ class PassWork:
 
 
 @functools.lru_cache(maxsize=256)
-def pass_work(w: Workload, rows: int, max_tokens: int, multiple: int = 1) -> PassWork:
+def pass_work(w: Workload, rows: int, max_tokens: int, multiple: int = 1,
+              padded_to_budget: bool = False) -> PassWork:
     """The micro-batches of `rows` rows under `max_tokens` tokens per micro-batch (token budget, or
-    rows x the longest row for fixed micro-batches)."""
+    rows x the longest row for fixed micro-batches). `padded_to_budget`: each packed micro-batch
+    computes the whole budget (the update's CUDA graphs replay one static shape: the rows' tokens,
+    then padding; its attention is only the rows')."""
     r = row_lengths(w, rows)
     p = np.full(rows, w.prompt_len, dtype=np.int64)
     if not w.dynamic_bsz:   # the step's rows padded to its longest prompt and response
@@ -168,7 +171,7 @@ def pass_work(w: Workload, rows: int, max_tokens: int, multiple: int = 1) -> Pas
         lengths = gp + gr
         if w.pack_sequences and not (lengths == lengths[0]).all():
             real = float(lengths.sum())
-            tokens += math.ceil(real / multiple) * multiple
+            tokens += math.ceil(max(real, max_tokens if padded_to_budget else 0) / multiple) * multiple
             share = VARLEN_MASKED_SHARE if w.packed_attention == "varlen" else 1.0
             masked += share * float((lengths.astype(np.float64) ** 2).sum())
             head += float(gr.sum()) if w.response_logits_only else real

@@ -112,9 +112,9 @@ def _layer_backward(out, x, params, grad_out):
 
 class _Replay(torch.autograd.Function):
     """(hidden, rotary) -> hidden through one layer's captured forward and backward graphs.
-    `anchor`: one of the layer's trained parameters, an input only so that autograd records the
-    node when the hidden states need no gradient (a frozen embedding under LoRA: the layers'
-    adapters still train); it gets none here (the graph adds every weight gradient itself)."""
+    `anchor`: a leaf that requires a gradient, an input only so that autograd records the node
+    when the hidden states need none (a frozen embedding under LoRA: the layers' adapters still
+    train, inside the graph); it gets no gradient, and it is no parameter (no DDP hook fires)."""
 
     @staticmethod
     def forward(ctx, graphs, hidden, rotary, anchor):
@@ -162,8 +162,8 @@ def _capture_into_main_grad(calls, samples, params, num_warmup_iters: int) -> li
         out = None
     torch.cuda.synchronize()
     pool = torch.cuda.graph_pool_handle()
-    graphs = [_LayerGraphs(x, rotary, ps[0] if ps else None)
-              for (x, rotary), ps in zip(samples, params)]
+    anchor = torch.zeros((), device=samples[0][0].device, requires_grad=True)
+    graphs = [_LayerGraphs(x, rotary, anchor) for x, rotary in samples]
     for call, g in zip(calls, graphs):
         with torch.cuda.graph(g.fwd, pool=pool):
             g.out = call(g.x, g.rotary)

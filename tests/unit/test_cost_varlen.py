@@ -141,6 +141,10 @@ def test_packed_pass_by_hand():
     assert (v.micro, v.tokens, v.attention) == (p.micro, p.tokens, p.attention)
     uv = pass_work(replace(w, pack_sequences=False, packed_attention="varlen"), 4, 16)
     assert uv.masked_attention == u.masked_attention
+    # the update's CUDA graphs pad each packed micro-batch to the budget: [7, 6] computes 16; the
+    # single rows run unpacked at their width; attention and the LM head stay the rows'
+    g = pass_work(replace(w, packed_attention="varlen"), 4, 16, 1, True)
+    assert (g.micro, g.tokens, g.attention, g.head_tokens) == (3, 13 + 16 + 6, v.attention, v.head_tokens)
     with pytest.raises(ValueError, match="packed_attention 'sdpa'"):
         replace(w, packed_attention="sdpa")
 

@@ -34,6 +34,7 @@ def _fake_graphs(layer, shape):
     x = torch.zeros(shape, requires_grad=True)
     g = G._LayerGraphs.__new__(G._LayerGraphs)
     g.x, g.rotary, g.fwd, g.bwd = x, None, _Eager(), _Eager()
+    g.anchor = torch.zeros((), requires_grad=True)
     g.out, g.grad_out, g.grad_in = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
     live = {}
 
@@ -62,12 +63,14 @@ def ctx(single_rank_ctx):
     return single_rank_ctx
 
 
-def _step(ctx, fake: bool):
+def _step(ctx, fake: bool, lora_rank: int = 0):
+    from hybridflow.config import LoRAConfig
     from hybridflow.engine import Engine
     from tests.dist.parity_util import fill_deterministic
 
     eng = Engine(role="actor", model_cfg=MODEL, ctx=ctx, parallel=ParallelConfig(), precision="fp32",
-                 optim=OptimConfig(lr=1e-3))
+                 optim=OptimConfig(lr=1e-3),
+                 lora=LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank) if lora_rank else None)
     fill_deterministic(eng.module, num_layers=MODEL.num_layers)
     eng.optimizer.reload_model_params()
     fired = []
@@ -78,7 +81,8 @@ def _step(ctx, fake: bool):
         # which parameters' DDP hooks fire: the layers' must not (their grads are in main_grad)
         names = {p: n for n, p in eng.module.named_parameters()}
         for p in eng.module.parameters():
-            p.register_post_accumulate_grad_hook(lambda q: fired.append(names[q]))
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda q: fired.append(names[q]))
     g = torch.Generator().manual_seed(0)
     ones = torch.ones(B, P, dtype=torch.long)
     batch = RolloutBatch(prompt_ids=torch.randint(1, 50, (B, P), generator=g), prompt_mask=ones,
@@ -91,10 +95,15 @@ def _step(ctx, fake: bool):
     return m, {n: p.detach().clone() for n, p in eng.module.named_parameters()}, fired
 
 
-def test_replay_path_matches_eager(ctx):
-    m_e, w_e, _ = _step(ctx, fake=False)
-    m_g, w_g, fired = _step(ctx, fake=True)
-    assert fired and not any(".layers." in n for n in fired)
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_replay_path_matches_eager(ctx, lora_rank):
+    """LoRA: the embedding is frozen, so the first layer's input needs no gradient; the replay
+    node must still be recorded (its `anchor` input) or no backward runs and nothing trains."""
+    m_e, w_e, _ = _step(ctx, fake=False, lora_rank=lora_rank)
+    m_g, w_g, fired = _step(ctx, fake=True, lora_rank=lora_rank)
+    assert not any(".layers." in n for n in fired)
+    assert bool(fired) == (not lora_rank)  # LoRA: only adapters train, all inside the layers
+    assert m_e["grad_norm"] > 0
     for k, v in m_e.items():
         assert m_g[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
     for n, w in w_e.items():
