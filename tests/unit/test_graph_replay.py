@@ -108,3 +108,91 @@ def test_replay_path_matches_eager(ctx, lora_rank):
         assert m_g[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
     for n, w in w_e.items():
         torch.testing.assert_close(w_g[n], w, rtol=1e-6, atol=1e-7, msg=n)
+
+
+# --- packed micro-batches: the engine's side (shape, static documents, growth) --------------------
+PACK_P = [5, 3, 4, 2, 5, 1, 4, 3]
+PACK_R = [9, 2, 6, 1, 3, 7, 2, 5]
+BUDGET = 32
+
+
+def _ragged(short: bool = False) -> RolloutBatch:
+    """Rows of varied lengths; `short`: 16 rows of 2-3 tokens (micro-batches of more rows, more
+    documents than the first capture holds)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [1, 2] * 8 if short else PACK_P
+    resp = [1] * len(prompts) if short else PACK_R
+    b, p, r = len(prompts), max(prompts), max(resp)
+    prompt_mask = (torch.arange(p)[None] >= p - torch.tensor(prompts)[:, None]).long()
+    response_mask = (torch.arange(r)[None] < torch.tensor(resp)[:, None]).long()
+    return RolloutBatch(prompt_ids=torch.randint(1, 50, (b, p), generator=g) * prompt_mask,
+                        prompt_mask=prompt_mask,
+                        response_ids=torch.randint(1, 50, (b, r), generator=g) * response_mask,
+                        response_mask=response_mask, group_ids=torch.arange(b) // 2,
+                        indices=torch.arange(b), old_logprobs=-3.9 + 0.1 * torch.randn(b, r, generator=g),
+                        advantages=torch.randn(b, 1, generator=g) * response_mask)
+
+
+def _packed_steps(ctx, fake: bool, monkeypatch):
+    """Two updates (ragged rows, then one-token responses: more documents per micro-batch) as
+    packed token-budget micro-batches; `fake`: the engine's packed-graph path with a stand-in
+    capture whose "replay" runs the eager layer on flex documents rebuilt from the capture's
+    static cu_seqlens (what the varlen kernel would read), only for calls carrying that object."""
+    from hybridflow import engine as E
+    from hybridflow.models.attention import packed_documents
+    from tests.dist.parity_util import fill_deterministic
+
+    captures, replays = [], []
+
+    def fake_graph_layers(model, *, micro_batch_size, seq_len, docs=None):
+        assert docs is not None and micro_batch_size == 1
+        captures.append((seq_len, docs.cu_seqlens.numel() - 1, docs.max_seqlen))
+        for layer in model.decoder.layers:
+            eager = layer.forward
+
+            def forward(hidden_states, attention_mask=None, eager=eager, **kw):
+                if attention_mask is docs:
+                    assert hidden_states.shape[0] == seq_len
+                    lens = docs.cu_seqlens.diff().long()
+                    ids = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+                    attention_mask = packed_documents(ids, docs.cu_seqlens, docs.max_seqlen,
+                                                      kernel="flex")
+                    replays.append(1)
+                return eager(hidden_states, attention_mask=attention_mask, **kw)
+
+            layer.forward = forward
+
+    eng = E.Engine(role="actor", model_cfg=MODEL, ctx=ctx, parallel=ParallelConfig(),
+                   precision="fp32", optim=OptimConfig(lr=1e-3), total_updates=2)
+    fill_deterministic(eng.module, num_layers=MODEL.num_layers)
+    eng.optimizer.reload_model_params()
+    if fake:
+        monkeypatch.setattr(E, "graph_layers", fake_graph_layers)
+        eng._want_graphs = eng._fit_packed = True
+        eng.packed_kernel()
+        eng._packed_kernel = "varlen"  # what a GPU picks; the stand-in replays on flex
+    out = []
+    for batch in (_ragged(), _ragged(short=True)):
+        loss_fn = actor_objective(AlgoConfig(), num_tokens=int(batch.response_mask.sum()),
+                                  num_seqs=batch.batch_size)
+        m = eng.train_step(batch, loss_fn, micro_batch_size=2, max_tokens=BUDGET, pack=True)
+        out.append((m, {n: p.detach().clone() for n, p in eng.module.named_parameters()},
+                    eng._graph_shape))
+    return out, captures, len(replays)
+
+
+def test_packed_replay_path_matches_eager(ctx, monkeypatch):
+    eager, _, _ = _packed_steps(ctx, False, monkeypatch)
+    graphed, captures, replays = _packed_steps(ctx, True, monkeypatch)
+    # captured at the budget, then again with more documents for the short rows
+    assert len(captures) == 2 and captures[0][0] == captures[1][0] == BUDGET
+    assert captures[1][1] > captures[0][1]
+    assert graphed[0][2].length == BUDGET and graphed[1][2].documents == captures[1][1]
+    # every packed micro-batch replays; the short rows' micro-batch of equal rows runs unpacked
+    assert [m["graphed_micro_batch_frac"] for m, _, _ in graphed] == [1.0, 0.5]
+    assert replays > 0 and replays % MODEL.num_layers == 0
+    for (m_e, w_e, _), (m_g, w_g, _) in zip(eager, graphed):
+        for k, v in m_e.items():
+            assert m_g[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+        for n, w in w_e.items():
+            torch.testing.assert_close(w_g[n], w, rtol=1e-5, atol=1e-6, msg=n)
