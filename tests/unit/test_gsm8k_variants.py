@@ -74,3 +74,26 @@ def test_tools_report_splits_the_step_and_compares_at_common_steps(tmp_path):
                            "steps_met": False}
     pair = {p["step"]: p for p in out["vs_single_turn_problem_by_problem"]}
     assert pair[3]["only_a"] == 1 and pair[3]["only_b"] == 0
+
+
+def test_speed_file_medians_mfu_and_peers(tmp_path):
+    """benchmarks/gsm8k_speed.py: medians of steps 2.. of a step run, each pass's MFU from its
+    steps' own tokens (FLOPs over seconds, median over steps), TRL and the cost model beside."""
+    import gsm8k_speed
+
+    rows = [dict(_step(s, t, **{"timing_s/update_actor": u, "timing_s/ref": u / 3,
+                                "perf/total_num_tokens": 512 * 400, "response_length/mean": 300.0,
+                                "perf/max_memory_allocated_gb": 40.0 + s}))
+            for s, t, u in ((1, 60.0, 9.0), (2, 4.0, 1.5), (3, 5.0, 1.5), (4, 4.5, 1.5))]
+    _write(tmp_path / "step", rows, [])
+    json.dump({"workloads": {"gsm8k": {"trl_step_s": 90.0}}}, open(tmp_path / "trl.json", "w"))
+    json.dump({"step_seconds": 4.95}, open(tmp_path / "cost.json", "w"))
+    out = gsm8k_speed.main(["--step", str(tmp_path / "step" / "metrics.jsonl"),
+                            "--trl", str(tmp_path / "trl.json"), "--cost", str(tmp_path / "cost.json"),
+                            "--out", str(tmp_path / "o.json")])
+    assert out["ours_step_s"] == 4.5 and out["steps_timed"] == 3 and out["peak_memory_gb"] == 44.0
+    assert out["stages"]["update_actor"] == 1.5 and "note" in out  # fewer than 20 steps
+    assert out["speedup_vs_trl"] == 20.0 and abs(out["cost_model_error"] - 0.1) < 1e-9
+    # the same tokens each step: the ref pass is a third of the update's FLOPs in a third of its
+    # time, so both run at the same MFU, a plausible one for 0.5B at ~200k tokens in 1.5 s
+    assert abs(out["mfu"]["update"] - out["mfu"]["ref"]) < 1e-9 and 0.2 < out["mfu"]["update"] < 0.6
