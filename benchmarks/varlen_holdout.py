@@ -12,6 +12,10 @@ the family's run is predicted from its trainer config and a probe's lengths, as
 - GRPO today (gsm8k_step_h200.json, the recipe as written: 4.77 s): config
   experiment=gsm8k_qwen_coder_0_5b; lengths from the GRPO probe run beside the DAPO run (12 steps,
   another code version, the same model and data: a probe's lengths, not this run's);
+- GRPO of 2026-12-04 (gsm8k_graphs_h200/full: 3.87 s, varlen packed attention): the recipe as
+  written; lengths from the first 12 steps of the recipe's 60-step run of an earlier stop (another
+  run, before this one). VARLEN_MASKED_SHARE (cost.varlen) was chosen on this family's records, so
+  its hold-out is out of sample for every fitted coefficient but that one;
 - DAPO (gsm8k_dapo_h200.json, the mean of steps 2-40): config experiment=gsm8k_qwen_coder_0_5b
   algo=dapo with the run's options and the code's options of then; lengths and dynamic-sampling
   rounds from its first 5 steps (a 5-step probe of DAPO itself: how many prompt batches dynamic
@@ -40,7 +44,12 @@ RECIPE = ["experiment=gsm8k_qwen_coder_0_5b"]
 THEN = ["rollout.decode_kernels=torch", "rollout.compile_decode=false",
         "parallel.fused_elementwise=false", "parallel.gradient_accumulation_fusion=false"]
 CASES = {
-    "grpo_now": {"overrides": RECIPE, "probe": ("probe", None), "record": "gsm8k-grpo-now-recipe"},
+    # (that run's packed passes ran flex_attention: varlen became the default after it)
+    "grpo_now": {"overrides": RECIPE + ["algo.packed_attention=flex"], "probe": ("probe", None),
+                 "record": "gsm8k-grpo-now-recipe"},
+    "grpo_today": {"overrides": RECIPE,
+                   "probe": ("benchmarks/results/gsm8k_lora_h200/base/metrics.jsonl", 12),
+                   "record": "gsm8k-grpo-today-recipe"},
     "dapo": {"overrides": RECIPE + ["algo=dapo", "algo.use_kl_loss=false",
                                     "reward.overlong_buffer.len=256", "rollout.max_batch_size=1536"]
              + THEN, "probe": ("dapo", 5), "record": "gsm8k-dapo-then"},
@@ -59,7 +68,14 @@ def run(out: str) -> dict:
         calib = fit([r for r in records if r.get("family") != family])
         measured = next(r for r in records if r["name"] == case["record"])["metrics"]
         key, steps = case["probe"]
-        probe = raw_metrics(key)[:steps] if steps else raw_metrics(key)
+        if key in RAW:
+            probe = raw_metrics(key)
+            where = f"{RAW[key]} at {RAW_COMMIT}"
+        else:  # a run in the working tree
+            probe = [r for r in map(json.loads, open(os.path.join(ROOT, key)))
+                     if "timing_s/step" in r]
+            where = key
+        probe = probe[:steps] if steps else probe
         with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
             f.write("".join(json.dumps(r) + "\n" for r in probe))
         try:
@@ -78,7 +94,7 @@ def run(out: str) -> dict:
                                "error_pct": 100 * (stages[stage] - v) / v}
         result["cases"][family] = {
             "record": case["record"], "overrides": case["overrides"],
-            "probe": f"{RAW[key]} at {RAW_COMMIT}" + (f", steps 1-{steps}" if steps else ""),
+            "probe": where + (f", steps 1-{steps}" if steps else ""),
             "calibration_without_family": calib.to_dict(),
             "workload": {k: v for k, v in fields.items()
                          if k not in ("response_lengths", "response_len")}

@@ -12,6 +12,11 @@ response-length statistics) and the code's options as they were then:
   its speed options on auto (budgets 64,000 / 177,920, KV window 192). That run kept only its mean
   response length per step: the tail (share at the cap, shortest row) and the prompts are the
   GRPO probe's below (same model and data).
+- family "grpo_today" (the code of 2026-12-04: the above plus varlen packed attention, the fused
+  sampler, RoPE tables once per pass, LoRA's fused linears), from
+  benchmarks/results/gsm8k_graphs_h200/: the recipe as written, and with
+  parallel.train_cuda_graphs (its packed update micro-batches padded to the budget and graphed);
+  12 steps each, lengths and prompts from their own metrics.
 - family "grpo_then" (the code the DAPO run had, 2026-12-01: PyTorch decode layers, unfused element-wise
   ops, no gradient accumulation fusion): the GRPO probe run beside the DAPO run, and the 124-step
   packed GRPO run (before the response-only LM head and bf16 logits), from their metrics.jsonl.
@@ -105,6 +110,17 @@ def build() -> list[dict]:
         recs.append(record(f"gsm8k-grpo-now-{variant}", "grpo_now", cfg, m,
                            "benchmarks/results/gsm8k_step_h200.json", {"mean": mean, **prompts,
                                                                        "tail_from": "grpo probe"}))
+    for variant, extra in (("recipe", {}), ("train-graphs", {"train_cuda_graphs": True})):
+        src = f"benchmarks/results/gsm8k_graphs_h200/{'full' if variant == 'recipe' else 'full_graphs'}/metrics.jsonl"
+        rows = [r for r in map(json.loads, open(os.path.join(ROOT, src))) if "timing_s/step" in r][1:]
+        s = shape_of(rows)
+        today = {"prompt_len": round(med(rows, "prompt_length/mean")),
+                 "prompt_len_max": round(med(rows, "prompt_length/max"))}
+        cfg = {**BASE, **NOW, **today, **extra, "packed_attention": "varlen",
+               "response_lengths": lengths(s["mean"], s, 512)}
+        m = {f"timing_s/{k}": med(rows, f"timing_s/{k}") for k in STAGES}
+        m["timing_s/step"] = med(rows, "timing_s/step")
+        recs.append(record(f"gsm8k-grpo-today-{variant}", "grpo_today", cfg, m, src, {**s, **today}))
     for name, rows, extra in (("gsm8k-grpo-then-probe", probe, {}),
                               ("gsm8k-grpo-then-124steps", packed,
                                {"response_logits_only": False, "bf16_logits": False})):
