@@ -148,6 +148,8 @@ def build() -> list[dict]:
                  "prompt_len_max": round(med(dapo, "prompt_length/max"))}
     cfg = {**BASE, **THEN, **d_prompts, "use_reference": False, "gen_max_batch_size": 1536,
            "gen_rounds": round(rounds, 4), "gen_prompt_factor": round(batches, 4),
+           # the kept generator's cache is its largest call: a round of 3 prompt batches
+           "gen_batches_per_round": int(max(r["dynamic_sampling/batches"] for r in dapo)),
            "response_lengths": lengths(s["mean"], s, rows)}
     m = {f"timing_s/{k}": statistics.fmean(r[f"timing_s/{k}"] for r in dapo)
          for k in ("gen", "reshard", "update_actor")}
