@@ -357,11 +357,12 @@ def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str)
 def _graph_pool(shape: ModelConfig, plan: Plan, workload: Workload) -> float:
     """Bytes the training CUDA graphs keep allocated from their capture on: per layer the static
     input, output and their two gradients of one micro-batch (bf16, the sequence split over TP
-    under sequence parallelism), and with `graph_weight_grads_held` the layers' bf16 weight
-    gradients."""
+    under sequence parallelism; a token budget's micro-batch: the budget, the shape packed rows
+    are padded to), and with `graph_weight_grads_held` the layers' bf16 weight gradients."""
     lay = plan.layout
     layers = shape.num_layers // lay.pp_t
-    tokens = workload.seqs_per_micro_batch * workload.seq_len
+    tokens = (workload.micro_batch_tokens if workload.dynamic_bsz and workload.micro_batch_tokens
+              else workload.seqs_per_micro_batch * workload.seq_len)
     static = 4 * BYTES_PER_PARAM * tokens * shape.hidden_size / lay.tp_t * layers
     grads = BYTES_PER_PARAM * layers * shape.layer_params / lay.tp_t
     return static + (grads if workload.graph_weight_grads_held else 0.0)

@@ -741,6 +741,11 @@ def test_train_cuda_graphs_replace_the_update_launch_cost():
         assert comps["graph_pool"] == pytest.approx(static)
         assert held.phases_gib[phase]["graph_pool"] == pytest.approx(static + grads)
         assert sum(comps.values()) == pytest.approx(sum(mem[False].phases_gib[phase].values()) + static)
+    # token budgets: the graphs' shape is the budget (packed rows are padded to it)
+    budget = estimate_memory(**{**base, "dynamic_bsz": True, "micro_batch_tokens": 4096},
+                             calibration=Calibration(), train_cuda_graphs=True)
+    per_token = 4 * 2 * shape.hidden_size * shape.num_layers / GIB
+    assert budget.phases_gib["update_actor"]["graph_pool"] == pytest.approx(4096 * per_token)
 
 
 def test_gradient_accumulation_fusion_leaves_the_layer_weights_out_of_the_accumulation():
