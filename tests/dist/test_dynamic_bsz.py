@@ -20,6 +20,7 @@ from hybridflow.data.microbatch import token_budget_groups
 from hybridflow.parallel import groups
 from hybridflow.parallel.dp import dp_sum
 from tests.dist.launcher import run_ranks
+from tests.ragged import ragged_batch
 from tests.dist.parity_util import fill_deterministic, gather_full
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
@@ -33,17 +34,7 @@ RESPONSE_LENS = [10, 9, 4, 10, 6, 8, 1, 3, 2, 4, 1, 2]
 
 
 def _batch() -> RolloutBatch:
-    g = torch.Generator().manual_seed(0)
-    b, p, r = len(PROMPT_LENS), max(PROMPT_LENS), max(RESPONSE_LENS)
-    prompt_mask = (torch.arange(p)[None] >= p - torch.tensor(PROMPT_LENS)[:, None]).long()  # left pad
-    response_mask = (torch.arange(r)[None] < torch.tensor(RESPONSE_LENS)[:, None]).long()
-    return RolloutBatch(
-        prompt_ids=torch.randint(1, 50, (b, p), generator=g) * prompt_mask, prompt_mask=prompt_mask,
-        response_ids=torch.randint(1, 50, (b, r), generator=g) * response_mask,
-        response_mask=response_mask, group_ids=torch.arange(b) // 2, indices=torch.arange(b),
-        old_logprobs=-3.9 + 0.1 * torch.randn(b, r, generator=g),
-        ref_logprobs=-3.9 + 0.1 * torch.randn(b, r, generator=g),
-        advantages=torch.randn(b, 1, generator=g) * response_mask)
+    return ragged_batch(PROMPT_LENS, RESPONSE_LENS)
 
 
 def engines(tp: int, sp: bool):

@@ -14,6 +14,7 @@ from hybridflow.algo.objectives import actor_objective
 from hybridflow.config import AlgoConfig, ModelConfig, OptimConfig, ParallelConfig
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.models import graphs as layer_graphs
+from tests.ragged import ragged_batch
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -128,18 +129,8 @@ BUDGET = 96  # tokens per packed micro-batch: 3-6 micro-batches of 1-12 rows
 def _ragged(seed: int, short: bool = False) -> RolloutBatch:
     """Rows of varied lengths (`short`: one-token responses, so a micro-batch holds more rows,
     more documents than a capture made for the others)."""
-    g = torch.Generator().manual_seed(seed)
-    resp = [1] * len(PACK_RESPONSES) if short else PACK_RESPONSES
-    b, p, r = len(PACK_PROMPTS), max(PACK_PROMPTS), max(resp)
-    prompt_mask = (torch.arange(p)[None] >= p - torch.tensor(PACK_PROMPTS)[:, None]).long()
-    response_mask = (torch.arange(r)[None] < torch.tensor(resp)[:, None]).long()
-    return RolloutBatch(
-        prompt_ids=torch.randint(1, 100, (b, p), generator=g) * prompt_mask, prompt_mask=prompt_mask,
-        response_ids=torch.randint(1, 100, (b, r), generator=g) * response_mask,
-        response_mask=response_mask, group_ids=torch.arange(b) // 2, indices=torch.arange(b),
-        old_logprobs=-4.6 + 0.1 * torch.randn(b, r, generator=g),
-        ref_logprobs=-4.6 + 0.1 * torch.randn(b, r, generator=g),
-        advantages=torch.randn(b, 1, generator=g) * response_mask)
+    return ragged_batch(PACK_PROMPTS, [1] * len(PACK_PROMPTS) if short else PACK_RESPONSES,
+                        seed=seed, vocab=100, logprob=-4.6)
 
 
 def _run_packed(ctx, graphs: bool, batches, *, lora_rank: int = 0) -> list[dict]:

@@ -10,6 +10,7 @@ import torch
 from hybridflow.algo.objectives import actor_objective
 from hybridflow.config import AlgoConfig, ModelConfig, OptimConfig, ParallelConfig
 from hybridflow.data.batch import RolloutBatch
+from tests.ragged import ragged_batch
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                     num_query_groups=2, vocab_size=50, add_qkv_bias=True)
@@ -119,18 +120,9 @@ BUDGET = 32
 def _ragged(short: bool = False) -> RolloutBatch:
     """Rows of varied lengths; `short`: 16 rows of 2-3 tokens (micro-batches of more rows, more
     documents than the first capture holds)."""
-    g = torch.Generator().manual_seed(1)
-    prompts = [1, 2] * 8 if short else PACK_P
-    resp = [1] * len(prompts) if short else PACK_R
-    b, p, r = len(prompts), max(prompts), max(resp)
-    prompt_mask = (torch.arange(p)[None] >= p - torch.tensor(prompts)[:, None]).long()
-    response_mask = (torch.arange(r)[None] < torch.tensor(resp)[:, None]).long()
-    return RolloutBatch(prompt_ids=torch.randint(1, 50, (b, p), generator=g) * prompt_mask,
-                        prompt_mask=prompt_mask,
-                        response_ids=torch.randint(1, 50, (b, r), generator=g) * response_mask,
-                        response_mask=response_mask, group_ids=torch.arange(b) // 2,
-                        indices=torch.arange(b), old_logprobs=-3.9 + 0.1 * torch.randn(b, r, generator=g),
-                        advantages=torch.randn(b, 1, generator=g) * response_mask)
+    if short:
+        return ragged_batch([1, 2] * 8, [1] * 16, seed=1)
+    return ragged_batch(PACK_P, PACK_R, seed=1)
 
 
 def _packed_steps(ctx, fake: bool, monkeypatch):
