@@ -108,6 +108,11 @@ def validate(cfg: Config, *, world_size: int) -> None:
         raise ValueError("parallel.train_cuda_graphs=true and parallel.activation_checkpointing=true: "
                          "a graphed layer replays its saved activations, it cannot recompute them; "
                          "set one of them to false")
+    for key, lora in (("actor.lora", cfg.actor.lora), ("critic.lora", cfg.critic.lora)):
+        if p.train_cuda_graphs and lora.rank > 0 and lora.dropout > 0:
+            raise ValueError(f"parallel.train_cuda_graphs=true and {key}.dropout={lora.dropout}: a "
+                             "graphed layer would replay one dropout mask every step; set "
+                             f"{key}.dropout=0 or parallel.train_cuda_graphs=false")
     if p.train_cuda_graphs and p.pipeline_parallel_size > 1:
         raise ValueError(f"parallel.train_cuda_graphs=true needs parallel.pipeline_parallel_size=1, "
                          f"got {p.pipeline_parallel_size}: 1F1B keeps several micro-batches in "

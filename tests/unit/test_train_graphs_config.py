@@ -16,6 +16,8 @@ MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attent
      "parallel.train_cuda_graphs=true and parallel.activation_checkpointing=true"),
     (["parallel.train_cuda_graphs=true", "parallel.pipeline_parallel_size=2"], 2,
      "pipeline_parallel_size=1, got 2"),
+    (["parallel.train_cuda_graphs=true", "actor.lora.rank=8", "actor.lora.dropout=0.1"], 1,
+     "actor.lora.dropout=0.1: a graphed layer would replay one dropout mask"),
 ])
 def test_refused_combinations(overrides, world_size, match):
     from hybridflow.config import load_config
