@@ -138,7 +138,7 @@ class Engine:
         self._lm_chunk = parallel.lm_head_chunk_tokens
         # parallel.train_cuda_graphs (CUDA only; _capture_graphs): the (seq_len, rows) the layers
         # were captured at, or the PackedShape of a packed capture; None until the first training
-        # pass. `_fit_packed`: the update's packed rows padded to one PackedShape (`_packed_shape`
+        # pass. `_fit_packed`: the update's packed rows padded to one PackedShape (`_fit_to_shape`
         # chooses it, `_graph_docs` is the capture's documents)
         self._want_graphs = (parallel.train_cuda_graphs and optim is not None
                              and ctx.device.type == "cuda")
@@ -326,7 +326,7 @@ class Engine:
         """The micro-batches on the device, each with whether it holds padding (read on the host,
         before the copy, so the schedule never waits on the GPU for it) and (`pack`) its packed
         row, and (token budgets only) `rows` (B,): result row k belongs to batch row rows[k].
-        `fit`: the packed rows padded to one PackedShape where they fit (`_packed_shape`)."""
+        `fit`: the packed rows padded to one PackedShape where they fit (`_fit_to_shape`)."""
         # under sequence parallel the sequence is split over TP: its length must divide
         multiple = self.ctx.tp_size if self.tcfg.sequence_parallel else 1
         rows = None
@@ -552,6 +552,7 @@ class Engine:
         self._graph_shape = shape
 
     def _graphed_capture(self, **capture) -> None:
+        """graph_layers(self.module, **capture) with DDP's gradient hooks made anew around it."""
         # Megatron's DDP keeps each parameter's gradient accumulator node (its grad hook
         # hangs there), made on the default stream at wrap time; the capture's backward runs
         # on a side stream and would sync with it (cudaErrorStreamCaptureImplicit). Drop
