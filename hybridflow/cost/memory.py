@@ -59,7 +59,9 @@ Per phase, on top:
   peak is set in the update phase of the first step, when the capture holds one micro-batch's
   activations as live tensors, as an eager update does; after it, the replayed activations live in
   the graphs' private pool (reserved memory, not counted as allocated: perf/max_memory_allocated_gb is the
-  run's maximum, from the start).
+  run's maximum, from the start). That pool stays reserved through generation and the other passes:
+  `reserved_peak_gib` adds each trained role's update activations to every phase but its own, and
+  `fits` (hence the automatic token budgets) takes the larger of it and the allocated peak.
 MoE (`ModelConfig.moe`): the experts' weights, grads (and the reference's weights) are split over
 EP x expert TP x PP (`Plan.expert_shard`), the rest over TP x PP; the optimizer's 12 bytes/param
 over every rank either way (the distributed optimizer shards the experts over the expert-DP ranks:
@@ -103,6 +105,11 @@ class MemoryEstimate:
     capacity_gib: float                       # usable: memory_gib - headroom
     gen_batch: int                            # sequences per generation wave per gen replica
     gen_waves: int
+    # what the caching allocator holds at the worst phase, when more than is allocated: with
+    # train_cuda_graphs each trained role's graphs keep one update micro-batch's activations in
+    # their private pool from the capture on, through every other phase (reserved there, not
+    # allocated: the records' peaks, and `peak_gib`, do not show it)
+    reserved_peak_gib: float = 0.0
 
     @property
     def components_gib(self) -> dict[str, float]:
@@ -110,7 +117,7 @@ class MemoryEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.peak_gib <= self.capacity_gib
+        return max(self.peak_gib, self.reserved_peak_gib) <= self.capacity_gib
 
     @property
     def largest_component(self) -> str:
@@ -403,7 +410,13 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
             c["graph_pool"] = _graph_pool(shape, plan, workload)
         phases[phase] = {k: v * calib.memory_scale / GIB for k, v in c.items()}
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
+    reserved = 0.0
+    if workload.train_cuda_graphs:  # the graphs' pools hold their update's activations
+        held = {p: phases[p]["activations"] for p in ("update_actor", "update_critic")
+                if p in phases}
+        reserved = max(sum(c.values()) + sum(a for q, a in held.items() if q != p)
+                       for p, c in phases.items())
     return MemoryEstimate(phases_gib=phases, peak_phase=peak_phase,
                           peak_gib=sum(phases[peak_phase].values()),
                           capacity_gib=gpu.memory_gib - calib.memory_headroom_gib,
-                          gen_batch=batch, gen_waves=waves)
+                          gen_batch=batch, gen_waves=waves, reserved_peak_gib=reserved)

@@ -114,14 +114,18 @@ def search(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Workload,
 def reason(ev: Evaluation, best: Evaluation, forced: bool = False) -> str:
     """One line: why this layout is where it is in the ranking."""
     m = ev.memory
+    # the update graphs' pools hold reserved memory beyond the allocated peak (memory_for)
+    pool = (f"; {m.reserved_peak_gib:.1f} GiB reserved with the update's CUDA graphs"
+            if m.reserved_peak_gib > m.peak_gib else "")
     if not ev.fits:
         o = ev.overflow()
         return (f"won't fit: {o['component']} {o['gib']:.1f} GiB at {o['phase']}, "
-                f"peak {m.peak_gib:.1f} > {m.capacity_gib:.1f} GiB")
+                f"peak {m.peak_gib:.1f} > {m.capacity_gib:.1f} GiB" if m.peak_gib > m.capacity_gib
+                else f"won't fit: peak {m.peak_gib:.1f} of {m.capacity_gib:.1f} GiB{pool}")
     if ev is best:
         head = "forced layout" if forced else "fastest layout that fits"
         return (f"{head}: {ev.step:.2f} s/step, peak {m.peak_gib:.1f} of {m.capacity_gib:.1f} GiB "
-                f"(at {m.peak_phase})")
+                f"(at {m.peak_phase}){pool}")
     deltas = {k: v - best.seconds.get(k, 0.0) for k, v in ev.seconds.items() if k != "step"}
     stage = max(deltas, key=deltas.get)
     return (f"{ev.step / best.step:.2f}x the best step time, mostly {stage} "

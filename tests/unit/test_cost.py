@@ -741,6 +741,14 @@ def test_train_cuda_graphs_replace_the_update_launch_cost():
         assert comps["graph_pool"] == pytest.approx(static)
         assert held.phases_gib[phase]["graph_pool"] == pytest.approx(static + grads)
         assert sum(comps.values()) == pytest.approx(sum(mem[False].phases_gib[phase].values()) + static)
+    # the graphs' pool keeps the update's activations through generation and the other passes:
+    # reserved there, not allocated; what must fit is the larger of the two
+    m = mem[True]
+    act = m.phases_gib["update_actor"]["activations"]
+    assert m.reserved_peak_gib == pytest.approx(max(
+        sum(c.values()) + (act if p != "update_actor" else 0.0) for p, c in m.phases_gib.items()))
+    assert m.reserved_peak_gib > sum(m.phases_gib["gen"].values()) and mem[False].reserved_peak_gib == 0
+    assert m.fits == (max(m.peak_gib, m.reserved_peak_gib) <= m.capacity_gib)
     # token budgets: the graphs' shape is the budget (packed rows are padded to it)
     budget = estimate_memory(**{**base, "dynamic_bsz": True, "micro_batch_tokens": 4096},
                              calibration=Calibration(), train_cuda_graphs=True)
