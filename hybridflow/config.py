@@ -53,12 +53,12 @@ class ParallelConfig:
     # attention) are padded to the token budget with a fixed count of documents and captured at
     # that shape (again if a pass's rows outgrow it); micro-batches of another shape, with
     # left-padded prompts (an attention mask) or packed for flex_attention run the eager layers
-    # (`<role>/graphed_micro_batch_frac` says the share that replayed). Without TE a layer is ~75 kernel launches forward and
-    # backward, ~50 us of host time each: small micro-batches are bound by the host, and one graph
-    # replay per layer removes that. Each layer's backward graph adds its weight gradients into
-    # DDP's main_grad; the graphs' pool keeps one micro-batch's activations reserved and their
-    # static inputs and outputs allocated for the run. PP = 1, no activation recompute; CPU runs
-    # are unchanged
+    # (`<role>/graphed_micro_batch_frac` says the share that replayed). Without TE a layer is ~75
+    # kernel launches forward and backward, ~50 us of host time each: small micro-batches are
+    # bound by the host, and one graph replay per layer removes that. Each layer's backward graph
+    # adds its weight gradients into DDP's main_grad; the graphs' pool keeps one micro-batch's
+    # activations reserved and their static inputs and outputs allocated for the run. PP = 1, no
+    # activation recompute; CPU runs are unchanged
     train_cuda_graphs: bool = False
     # MoE models (model.moe): experts split over this many ranks (Megatron's expert model
     # parallelism; EP ranks come out of the DP x TP ranks of a stage: EP x ETP divides DP x TP and

@@ -379,10 +379,8 @@ class Engine:
             shape = shape_for(packed, length=length, at_least=shape)
             fitted = [fit_packed(p, shape) for p in packed]
         self._next_packed_shape = shape
-        done = iter(fitted)
-        return [(mb, None if p is None else (
-                    (next(done) or p) if p.input_ids.shape[1] <= length else p))
-                for mb, p in host]
+        fitted = {id(p): f for p, f in zip(packed, fitted)}
+        return [(mb, fitted.get(id(p)) or p) for mb, p in host]
 
     def packed_kernel(self) -> str:
         """The packed micro-batches' attention kernel ("varlen" | "flex"), chosen once for this
@@ -540,14 +538,8 @@ class Engine:
             ungraph_layers(self.module)
             self._graph_docs = None
             torch.cuda.empty_cache()
-        whole = [shape.max_seqlen] * (shape.length // shape.max_seqlen)
-        if shape.length % shape.max_seqlen:
-            whole.append(shape.length % shape.max_seqlen)
-        ends = torch.tensor(whole).cumsum(0)
-        cu = torch.full((shape.documents + 1,), shape.length, dtype=torch.int32)
-        cu[0], cu[1:len(whole) + 1] = 0, ends
-        self._graph_docs = packed_documents(None, cu.to(self.device), shape.max_seqlen,
-                                            kernel="varlen")
+        self._graph_docs = packed_documents(None, shape.placeholder_cu_seqlens().to(self.device),
+                                            shape.max_seqlen, kernel="varlen")
         self._graphed_capture(micro_batch_size=1, seq_len=shape.length, docs=self._graph_docs)
         self._graph_shape = shape
 

@@ -117,11 +117,12 @@ def reason(ev: Evaluation, best: Evaluation, forced: bool = False) -> str:
     # the update graphs' pools hold reserved memory beyond the allocated peak (memory_for)
     pool = (f"; {m.reserved_peak_gib:.1f} GiB reserved with the update's CUDA graphs"
             if m.reserved_peak_gib > m.peak_gib else "")
+    if not ev.fits and m.peak_gib <= m.capacity_gib:  # only the graphs' reserved pool overflows
+        return f"won't fit: peak {m.peak_gib:.1f} of {m.capacity_gib:.1f} GiB{pool}"
     if not ev.fits:
         o = ev.overflow()
         return (f"won't fit: {o['component']} {o['gib']:.1f} GiB at {o['phase']}, "
-                f"peak {m.peak_gib:.1f} > {m.capacity_gib:.1f} GiB" if m.peak_gib > m.capacity_gib
-                else f"won't fit: peak {m.peak_gib:.1f} of {m.capacity_gib:.1f} GiB{pool}")
+                f"peak {m.peak_gib:.1f} > {m.capacity_gib:.1f} GiB")
     if ev is best:
         head = "forced layout" if forced else "fastest layout that fits"
         return (f"{head}: {ev.step:.2f} s/step, peak {m.peak_gib:.1f} of {m.capacity_gib:.1f} GiB "

@@ -108,6 +108,22 @@ class PackedShape:
     documents: int
     max_seqlen: int
 
+    def cu_seqlens(self, lengths: list) -> torch.Tensor:
+        """(documents + 1,) int32: 0, then the ends of documents of `lengths`, then empty ones."""
+        docs = torch.tensor(list(lengths) + [0] * (self.documents - len(lengths)), dtype=torch.long)
+        return torch.cat([docs.new_zeros(1), docs.cumsum(0)]).to(torch.int32)
+
+    def placeholder_cu_seqlens(self) -> torch.Tensor:
+        """A valid layout of this shape (the whole length as documents of max_seqlen): what a
+        capture's static cu_seqlens hold until the first micro-batch's are copied in."""
+        return self.cu_seqlens(_pieces(self.length, self.max_seqlen))
+
+
+def _pieces(tokens: int, longest: int) -> list:
+    """`tokens` (a tail, or a whole length) as documents of at most `longest`."""
+    whole, rest = divmod(tokens, longest)
+    return [longest] * whole + ([rest] if rest else [])
+
 
 def _row_lengths(packed: PackedRows) -> torch.Tensor:
     """The real rows' lengths (the documents before the tail), on the host."""
@@ -128,7 +144,7 @@ def shape_for(packed: list[PackedRows], *, length: int, at_least: Optional[Packe
     m = min(-(-longest // 128) * 128, length)
     if at_least is not None:
         m = max(m, at_least.max_seqlen)
-    need = max(r.numel() + -(-(length - int(r.sum())) // m) for r in rows)
+    need = max(r.numel() + len(_pieces(length - int(r.sum()), m)) for r in rows)
     docs = -(-int(need * headroom) // 8) * 8
     if at_least is not None:
         docs = max(docs, at_least.documents)
@@ -146,19 +162,15 @@ def fit_packed(packed: PackedRows, shape: PackedShape) -> Optional[PackedRows]:
     tail = shape.length - real
     if tail < 0 or (rows.numel() and int(rows.max()) > shape.max_seqlen):
         return None
-    pieces = [shape.max_seqlen] * (tail // shape.max_seqlen)
-    if tail % shape.max_seqlen:
-        pieces.append(tail % shape.max_seqlen)
+    pieces = _pieces(tail, shape.max_seqlen)
     if rows.numel() + len(pieces) > shape.documents:
         return None
     b = packed.valid.shape[0]
     pad = shape.length - packed.input_ids.shape[1]
     tail_docs = torch.repeat_interleave(torch.arange(b, b + len(pieces)),
                                         torch.tensor(pieces, dtype=torch.long))
-    tail_pos = torch.cat([torch.arange(n) for n in pieces]) if pieces else torch.zeros(0, dtype=torch.long)
+    tail_pos = torch.cat([torch.arange(n) for n in pieces] or [torch.zeros(0, dtype=torch.long)])
     ids = F.pad(packed.input_ids, (0, pad))
-    docs = torch.cat([rows.to(torch.long), torch.tensor(pieces, dtype=torch.long),
-                      torch.zeros(shape.documents - rows.numel() - len(pieces), dtype=torch.long)])
     experts = packed.experts
     if experts is not None:
         experts = torch.cat([experts, experts.new_full((pad, *experts.shape[1:]), -1)])
@@ -167,5 +179,5 @@ def fit_packed(packed: PackedRows, shape: PackedShape) -> Optional[PackedRows]:
         position_ids=torch.cat([packed.position_ids[0, :real], tail_pos])[None],
         targets=torch.cat([ids[0, 1:], ids.new_zeros(1)])[None],
         document_ids=torch.cat([packed.document_ids[:real], tail_docs]),
-        cu_seqlens=torch.cat([docs.new_zeros(1), docs.cumsum(0)]).to(torch.int32),
+        cu_seqlens=shape.cu_seqlens(rows.tolist() + pieces),
         max_seqlen=shape.max_seqlen, experts=experts, fitted=True)
