@@ -9,8 +9,8 @@ micro-batches and the rest (optimizer step, grad-norm, zeroing), and the adapter
 (`fused`: models/lora.py's one-node linears with the gradients added into DDP's main_grad, or
 `autograd`). A side named `<side>+graphs` (e.g. --sides full,lora,full+graphs,lora+graphs) runs
 with parallel.train_cuda_graphs: its packed micro-batches padded to one shape and each layer's
-forward and backward replayed as CUDA graphs (models/graphs.py). With --profile: per phase (forward, backward, optimizer, finite-check, zero) the
-top-level aten ops and, on CUDA, the kernels and their summed device time (a pass whose kernel time
+forward and backward replayed as CUDA graphs (models/graphs.py). With --profile: per phase
+(forward, backward, optimizer, finite-check, zero) the top-level aten ops and, on CUDA, the kernels and their summed device time (a pass whose kernel time
 is far below its wall time waits on the host: launch-bound), also per layer (forward and backward:
 per layer and micro-batch).
 
