@@ -2,7 +2,7 @@
 
     python benchmarks/varlen_records.py --out benchmarks/results/cost/varlen_gsm8k.json
 
-Seven records of the GSM8K recipe (hybridflow/conf/experiment/gsm8k_qwen_coder_0_5b.yaml:
+Ten records of the GSM8K recipe (hybridflow/conf/experiment/gsm8k_qwen_coder_0_5b.yaml:
 Qwen2.5-Coder-0.5B, 64 prompts x 8 samples, responses up to 1,024 tokens, token-budget packed
 micro-batches, generator kept, row compaction, KV windows), each a `calibrate.py` record whose
 config carries the step's lengths (`Workload.response_lengths`, fitted by cost.lengths to the run's
@@ -16,7 +16,8 @@ response-length statistics) and the code's options as they were then:
   sampler, RoPE tables once per pass, LoRA's fused linears), from
   benchmarks/results/gsm8k_graphs_h200/: the recipe as written, and with
   parallel.train_cuda_graphs (its packed update micro-batches padded to the budget and graphed);
-  12 steps each, lengths and prompts from their own metrics.
+  12 steps each, lengths and prompts from their own metrics; and the recipe with LoRA (rank 32),
+  12 steps in the same call, its mean length from its summary and the rest from the recipe run.
 - family "grpo_then" (the code the DAPO run had, 2026-12-01: PyTorch decode layers, unfused element-wise
   ops, no gradient accumulation fusion): the GRPO probe run beside the DAPO run, and the 124-step
   packed GRPO run (before the response-only LM head and bf16 logits), from their metrics.jsonl.
@@ -92,6 +93,21 @@ def record(name, family, config, metrics, source, lens):
             "config": config, "metrics": {k: round(v, 6) for k, v in metrics.items()}}
 
 
+def lora_today(recipe: dict, tail: dict, prompts: dict) -> dict:
+    """The recipe with LoRA (rank 32, alpha 64, lr 5e-5), run in the same call as the recipe
+    record: its summary kept each step's mean response length and the stage medians, so the
+    tail (share at the cap, shortest row) is the recipe run's, and so are the prompts (same data
+    and seed)."""
+    src = "benchmarks/results/gsm8k_graphs_h200/lora/gsm8k_step_h200.json"
+    run = json.load(open(os.path.join(ROOT, src)))
+    mean = statistics.median(v for step, v in run["per_step"]["response_length/mean"] if step > 1)
+    cfg = {**recipe, "lora_rank": 32, "response_lengths": lengths(mean, tail, 512)}
+    m = {f"timing_s/{k}": run["ours_stages_s"][k] for k in STAGES} | {
+        "timing_s/step": run["ours_step_s"]}
+    return record("gsm8k-grpo-today-lora", "grpo_today", cfg, m, src,
+                  {"mean": mean, **prompts, "tail_from": "the recipe run of the same call"})
+
+
 def build() -> list[dict]:
     probe, packed, dapo = raw_metrics("probe")[1:], raw_metrics("packed")[1:], raw_metrics("dapo")[1:]
     prompts = {"prompt_len": round(med(probe, "prompt_length/mean")),
@@ -121,6 +137,8 @@ def build() -> list[dict]:
         m = {f"timing_s/{k}": med(rows, f"timing_s/{k}") for k in STAGES}
         m["timing_s/step"] = med(rows, "timing_s/step")
         recs.append(record(f"gsm8k-grpo-today-{variant}", "grpo_today", cfg, m, src, {**s, **today}))
+        if variant == "recipe":
+            recs.append(lora_today(cfg, s, today))
     for name, rows, extra in (("gsm8k-grpo-then-probe", probe, {}),
                               ("gsm8k-grpo-then-124steps", packed,
                                {"response_logits_only": False, "bf16_logits": False})):

@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                         "in the ref stage, not behind generation")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="actor.lora.rank (all-linear): grads and optimizer state only for adapters, "
-                        "no reference copy")
+                        "no reference copy; the update without the base's weight gradients, plus "
+                        "the adapters' traffic and the merge before generation")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="actor.offload_optimizer=true: master weights and Adam state on the host")
     p.add_argument("--offload-grads", action="store_true",

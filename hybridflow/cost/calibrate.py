@@ -51,8 +51,13 @@ efficiency stays at most 1. Quantized-rollout records (config `rollout_quantizat
 inform only the quantized coefficients (gen -> fp8_decode_layer_s, 1/int4_decode_efficiency),
 fitted last with the rest held (`QUANT_GROUPS`), each against its family's bf16 record of the same
 call when there is one (measured minus that record's miss); the records of such a family stay out
-of every other group and of the memory fit. A record may name a "family" (runs of one code, model and lengths): the
-leave-one-out then holds the family out together.
+of every other group and of the memory fit. LoRA records (config `lora_rank` or `critic_lora_rank`)
+inform only the LoRA coefficients (reshard -> lora_merge_block_s; the forward/update stages ->
+1/lora_bw_efficiency, lora_layer_pass_s), fitted last with the rest held, each against its
+family's full-parameter record (measured minus that record's miss, stage by stage); a record marked
+`"baseline_only": true` is such a baseline and takes part in no fit (`LORA_GROUPS`). A record may
+name a "family" (runs of one code, model and lengths): the leave-one-out then holds the family out
+together.
 
 `--validation PATH` also writes the per-config leave-one-out summary (validate.py). Outputs are
 written atomically; user errors (a results file that does not parse, names the file) are one line,
@@ -106,6 +111,14 @@ VARLEN_GROUPS = [(PASS_STAGES, ("inv_masked_attn_eff",))]
 # records of a family that holds a quantized one (the baselines too) stay out of the other groups
 # and the memory fit: adding them leaves the rest of the fit as it was.
 QUANT_GROUPS = [(("gen",), ("fp8_decode_layer_s", "inv_int4_decode_eff"))]
+# LoRA coefficients (Workload.lora_rank / critic_lora_rank), fitted after the rest on the LoRA
+# records alone with the rest held, each against its family's full-parameter record (the same call,
+# preferably with the same train_cuda_graphs): every stage measured minus that record's miss. Only
+# the LoRA records themselves stay out of the other groups and the memory fit. A record marked
+# "baseline_only" (a full-parameter run measured only to pair with LoRA ones, e.g. an update
+# benchmark's) serves as such a baseline and is fitted in no group.
+LORA_GROUPS = [(("reshard",), ("lora_merge_block_s",)),
+               (PASS_STAGES, ("inv_lora_bw_eff", "lora_layer_pass_s"))]
 
 
 @dataclass
@@ -342,14 +355,39 @@ def quantized_families(records: list[dict]) -> tuple[list[bool], list[int | None
     return in_set, baseline
 
 
-def _baseline_corrected(run: Run, base: tuple | None, coefs: dict[str, float]) -> Run:
-    """`run` with its measured gen less its bf16 baseline's miss (measured - predicted); `base`:
-    the baseline's (Run, stage terms)."""
-    key = "timing_s/gen"
-    if base is None or key not in run.metrics or key not in base[0].metrics:
+def _lora(config: dict) -> bool:
+    return bool(config.get("lora_rank") or config.get("critic_lora_rank"))
+
+
+def lora_families(records: list[dict]) -> tuple[list[bool], list[int | None]]:
+    """Per record: whether it is a LoRA record, and the index of its full-parameter baseline (a
+    record of its family without LoRA, one with the same train_cuda_graphs first; None for the
+    rest)."""
+    cfgs = [r.get("config") or {} for r in records]
+    lora = [_lora(c) for c in cfgs]
+    fams = [r.get("family") for r in records]
+    baseline = []
+    for i, (f, c) in enumerate(zip(fams, cfgs)):
+        full = [j for j, (g, lj) in enumerate(zip(fams, lora)) if lora[i] and f is not None
+                and g == f and not lj]
+        same = [j for j in full if cfgs[j].get("train_cuda_graphs", False)
+                == c.get("train_cuda_graphs", False)]
+        baseline.append((same or full or [None])[0])
+    return lora, baseline
+
+
+def _baseline_corrected(run: Run, base: tuple | None, coefs: dict[str, float],
+                        stages=("gen",)) -> Run:
+    """`run` with each of its measured `stages` less its baseline's miss there (measured -
+    predicted); `base`: the baseline's (Run, stage terms)."""
+    if base is None:
         return run
-    miss = base[0].metrics[key] - base[1]["gen"].seconds(coefs)
-    return replace(run, metrics=run.metrics | {key: run.metrics[key] - miss})
+    metrics = dict(run.metrics)
+    for stage in stages:
+        key = f"timing_s/{stage}"
+        if key in run.metrics and key in base[0].metrics and stage in base[1]:
+            metrics[key] -= base[0].metrics[key] - base[1][stage].seconds(coefs)
+    return replace(run, metrics=metrics)
 
 
 def fit(records: list[dict], base: Calibration | None = None) -> Calibration:
@@ -357,10 +395,13 @@ def fit(records: list[dict], base: Calibration | None = None) -> Calibration:
     base = base or Calibration()
     runs = [parse_record(r, f"run{i}") for i, r in enumerate(records)]
     in_qset, baseline = quantized_families(records)
+    lora, lora_base = lora_families(records)
     quant = [_quantized(r) for r in runs]
     # kept out of the other groups: the quantized set (only quantized records when it is all
-    # there is: its bf16 records then fit the groups the quantized step holds)
+    # there is: its bf16 records then fit the groups the quantized step holds), the LoRA records
+    # and the baseline-only ones
     out = quant if all(in_qset) else in_qset
+    out = [o or lo or bool(r.get("baseline_only")) for o, lo, r in zip(out, lora, records)]
     pool = [i for i, x in enumerate(out) if not x]
     moe = [r.shape.moe.enabled for r in runs]
     dense_i = [i for i in pool if not moe[i]] or pool   # (MoE records only: fit them all)
@@ -374,12 +415,18 @@ def fit(records: list[dict], base: Calibration | None = None) -> Calibration:
              (VARLEN_GROUPS, [(runs[i], terms[i], varlen[i]) for i in pool
                               if varlen[i] and not moe[i]]),
              (MOE_GROUPS, [(runs[i], terms[i], varlen[i]) for i in pool if moe[i]]),
-             (QUANT_GROUPS, [(i, terms[i], varlen[i]) for i, q in enumerate(quant) if q])]
+             (QUANT_GROUPS, [(i, terms[i], varlen[i]) for i, q in enumerate(quant) if q]),
+             (LORA_GROUPS, [(i, terms[i], varlen[i]) for i, lo in enumerate(lora) if lo])]
     for groups, pairs in steps:
         if groups is QUANT_GROUPS:   # against the same call's bf16 record, the rest held
             pairs = [(_baseline_corrected(runs[i], None if baseline[i] is None else
                                           (runs[baseline[i]], terms[baseline[i]]), coefs), t, v)
                      for i, t, v in pairs]
+        elif groups is LORA_GROUPS:  # against the same call's full-parameter record
+            stages = ("reshard",) + PASS_STAGES
+            pairs = [(_baseline_corrected(runs[i], None if lora_base[i] is None else
+                                          (runs[lora_base[i]], terms[lora_base[i]]), coefs,
+                                          stages), t, v) for i, t, v in pairs]
         for stages, unknowns in groups:
             use = pairs
             if groups is GROUPS and stages == PASS_STAGES:    # fixed-length records (if any)

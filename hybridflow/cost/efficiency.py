@@ -78,6 +78,23 @@ shipped fit's values and where its records come from are in docs/perf_log.md):
   fc1: 0.17 ms at 64 rows, 0.44 ms at 256), where bf16 cuBLAS stays latency-bound.
   Both are fitted on the generation benchmark's quantized records against the same call's bf16
   records (calibrate.QUANT_GROUPS), so no trainer record moves them.
+- lora_bw_efficiency 0.5: LoRA only (Workload.lora_rank, critic_lora_rank): fraction of HBM
+  bandwidth at which the adapters' GEMMs move their activations (flops.lora_bytes_per_token_layer:
+  each adapted linear's input and output read again, the output written again, forward and
+  backward), on the GPU side of a pass. At rank 16-64 these GEMMs are skinny: their reads, not
+  their FLOPs, bound them (a profiled 0.5B update: the adapters' GEMMs 579 us per layer and
+  micro-batch against 845 us of the base weight gradients they spare).
+- lora_layer_pass_s 4e-4: LoRA only: host seconds per layer pass that the adapters' launches add
+  to an eager pass (the four adapted linears' extra GEMMs and adds, a dozen or so launches at a
+  few tens of us each: the profiled update launched 50% more kernels than the full one); the
+  update's CUDA graphs (train_cuda_graphs) hold them in the replay.
+- lora_merge_block_s 2e-4: LoRA only: seconds per row block of the merge before generation
+  (models/lora.py merged_adapters, flops.lora_merge_work): each block's dozen launches and its
+  host wait for the positions the unmerge must fix; the merge's bytes are charged apart
+  (flops.LORA_MERGE_BYTES_PER_PARAM at HBM bandwidth x timing.GRAD_ACCUM_BW_EFF, measured for
+  such mixed-dtype element-wise kernels).
+  The three are fitted on the LoRA records alone, the rest held, each against the same call's
+  full-parameter record where there is one (calibrate.LORA_GROUPS); no other record moves them.
 - step_overhead_s 0.02: seconds per step outside the modelled stages (the stage "other"): reward,
   advantages, metrics, host syncs between stages; a few tens of milliseconds.
 - row_overhead_s 1e-4: seconds of the stage "other" per generated row of a DP rank: the reward
@@ -136,6 +153,9 @@ class Calibration:
     expert_decode_s: float = 1e-5
     fp8_decode_layer_s: float = 2e-5
     int4_decode_efficiency: float = 0.01
+    lora_bw_efficiency: float = 0.5
+    lora_layer_pass_s: float = 4e-4
+    lora_merge_block_s: float = 2e-4
     memory_scale: float = 1.0
     activation_memory_scale: float = 1.0
     memory_headroom_gib: float = 4.0
@@ -168,7 +188,10 @@ class Calibration:
                 "inv_masked_attn_eff": 1 / self.masked_attention_efficiency,
                 "expert_pass_s": self.expert_pass_s, "expert_decode_s": self.expert_decode_s,
                 "fp8_decode_layer_s": self.fp8_decode_layer_s,
-                "inv_int4_decode_eff": 1 / self.int4_decode_efficiency}
+                "inv_int4_decode_eff": 1 / self.int4_decode_efficiency,
+                "inv_lora_bw_eff": 1 / self.lora_bw_efficiency,
+                "lora_layer_pass_s": self.lora_layer_pass_s,
+                "lora_merge_block_s": self.lora_merge_block_s}
 
     def with_coefs(self, **coefs: float) -> "Calibration":
         """The inverse of coefs(): a copy with the named coefficients replaced."""
@@ -179,7 +202,8 @@ class Calibration:
                  "inv_torch_kv_eff": "torch_kv_efficiency",
                  "inv_masked_attn_eff": "masked_attention_efficiency",
                  "inv_comm_eff": "comm_efficiency",
-                 "inv_int4_decode_eff": "int4_decode_efficiency"}
+                 "inv_int4_decode_eff": "int4_decode_efficiency",
+                 "inv_lora_bw_eff": "lora_bw_efficiency"}
         return replace(self, **{names.get(k, k): (1 / v if k in names else v) for k, v in coefs.items()})
 
     def to_dict(self) -> dict:

@@ -48,6 +48,54 @@ def train_flops_per_token(shape: ModelConfig, seq_len: int, role: str = "actor",
     return passes * forward_flops_per_token(shape, seq_len, role, head_fraction)
 
 
+def lora_adapted_linears(shape: ModelConfig, tp: int = 1) -> list[tuple[int, int]]:
+    """(input, output) widths of the weights all-linear LoRA adapts in a layer on one of `tp`
+    ranks, one adapter per fused linear (models/lora.py: q/k/v share linear_qkv's, gate/up
+    linear_fc1's): the column-parallel qkv and fc1 split their outputs, the row-parallel proj and
+    fc2 their inputs."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    qkv = shape.q_dim + 2 * shape.kv_dim
+    return [(h, qkv // tp), (shape.q_dim // tp, h), (h, 2 * f // tp), (f // tp, h)]
+
+
+def lora_bytes_per_token_layer(shape: ModelConfig, tp: int = 1) -> tuple[float, float]:
+    """(forward, backward) bytes of bf16 activations the LoRA adapters' GEMMs read and write per
+    token and layer on one of `tp` ranks, beyond the base linears': forward, h = x A^T reads the
+    input and out + h (s B)^T reads and writes the base's output (in + 2 out); backward,
+    dh = g (s B) and dB read the output gradient, dA reads the input again and dx += dh A reads and
+    writes the input gradient (3 in + 2 out). The rank-r tensors are negligible; at a small rank
+    the GEMMs are bound by these reads, not by their FLOPs (timing: `inv_lora_bw_eff`). Sequence
+    parallelism (the model's TP > 1) splits each of these tensors over TP, by features or by
+    sequence."""
+    fwd = bwd = 0.0
+    for n_in, n_out in lora_adapted_linears(shape):
+        fwd += BYTES_PER_PARAM * (n_in + 2 * n_out)
+        bwd += BYTES_PER_PARAM * (3 * n_in + 2 * n_out)
+    return fwd / tp, bwd / tp
+
+
+# The LoRA merge before generation (models/lora.py merged_adapters), bytes per adapted weight, in
+# row blocks of LORA_MERGE_BLOCK_ROWS: D = B A written in fp32 (4); W upcast (2 read, 4 written),
+# W + D (8 read, 4 written) and rounded to bf16 (4 read, 2 written): 24; the same back from the
+# merged block (24); the two bf16 results' bits compared (4 read, 1 written) and the mask scanned
+# (1); the merged block copied in (4): 62. Each block also waits on the host for its nonzero()
+# (`lora_merge_block_s`). The restore after generation recomputes D and subtracts it (4 + 24,
+# copied in: 4 more) and waits for nothing.
+LORA_MERGE_BYTES_PER_PARAM = 62
+LORA_UNMERGE_BYTES_PER_PARAM = 32
+LORA_MERGE_BLOCK_ROWS = 4096
+
+
+def lora_merge_work(shape: ModelConfig, tp: int = 1) -> tuple[int, int]:
+    """(adapted weights, row blocks) of one rank's all-linear LoRA merge: every layer's qkv,
+    proj, fc1 and fc2 weights (out x in on this rank), in blocks of LORA_MERGE_BLOCK_ROWS rows."""
+    params = blocks = 0
+    for n_in, n_out in lora_adapted_linears(shape, tp):
+        params += n_in * n_out
+        blocks += math.ceil(n_out / LORA_MERGE_BLOCK_ROWS)
+    return shape.num_layers * params, shape.num_layers * blocks
+
+
 def decode_flops_per_token(shape: ModelConfig, context: float) -> float:
     """One generated token attending to `context` cached positions (MoE: every expert, as the
     in-place decode step runs them; ModelConfig.num_decode_params)."""

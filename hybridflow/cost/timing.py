@@ -53,6 +53,14 @@ divide by DP):
   parameter of the DP shard, at peak bandwidth).
 - other: `step_overhead_s` per step and `row_overhead_s` per generated row of a DP rank (reward,
   advantages, bookkeeping), so the stages sum to the step.
+- LoRA (`Workload.lora_rank`, `critic_lora_rank`; all-linear): the update drops the frozen base's
+  weight-gradient FLOPs (one forward's matmuls) and adds the adapters' FLOPs; the passes that run
+  the adapters (update, old_log_prob, a LoRA critic's values; not the LoRA reference, whose
+  adapters are off) add their activation traffic (flops.lora_bytes_per_token_layer) at HBM
+  bandwidth x lora_bw_efficiency on the GPU side and, eager, `lora_layer_pass_s` per layer pass on
+  the host side (part `lora`); the optimizer and grad accumulation cover the adapters only;
+  `reshard` adds the merge (flops.LORA_MERGE_BYTES_PER_PARAM at HBM bandwidth x GRAD_ACCUM_BW_EFF,
+  `lora_merge_block_s` per row block) and `other` the restore after generation.
 PP bubble of 1F1B: (PP - 1) / micro-batches. Ring collectives move 2 (n-1)/n of the data per GPU for
 an all-reduce, (n-1)/n for a gather/scatter. Generation's TP_g all-reduces (inside CUDA graphs) and the
 reshard / DP collectives pay a fixed latency per collective (const term, NVLINK/IB_LATENCY_S).
@@ -66,10 +74,13 @@ import math
 from dataclasses import dataclass, field
 
 from hybridflow.cost.efficiency import Calibration
-from hybridflow.cost.flops import (BYTES_PER_PARAM, ROLLOUT_BYTES_PER_WEIGHT, dense_params,
-                                   forward_flops_per_token, kv_bytes_per_token, train_flops_per_token)
+from hybridflow.cost.flops import (BYTES_PER_PARAM, LORA_MERGE_BYTES_PER_PARAM,
+                                   LORA_UNMERGE_BYTES_PER_PARAM, ROLLOUT_BYTES_PER_WEIGHT,
+                                   dense_params, forward_flops_per_token, kv_bytes_per_token,
+                                   lora_bytes_per_token_layer, lora_merge_work,
+                                   train_flops_per_token)
 from hybridflow.cost.gpus import GPU
-from hybridflow.cost.memory import gen_batch_size, reshard_received_bytes
+from hybridflow.cost.memory import gen_batch_size, lora_params, reshard_received_bytes
 from hybridflow.cost.varlen import PassWork, decode_schedule, pass_work
 from hybridflow.cost.workload import Plan, Workload
 from hybridflow.model_config import ModelConfig
@@ -100,9 +111,10 @@ IB_LATENCY_S = 30e-6       # per collective across nodes
 # reaches; 1.5 is the most physical p of the equally good ones, which matters when extrapolating to
 # larger, GPU-bound models (docs/cost_model.md has the scan).
 OVERLAP_P = 1.5
-HOST_COEFS = frozenset({"layer_pass_overhead_s", "graphed_layer_pass_s", "tp_collective_s"})
+HOST_COEFS = frozenset({"layer_pass_overhead_s", "graphed_layer_pass_s", "tp_collective_s",
+                        "lora_layer_pass_s"})
 GPU_COEFS = frozenset({"inv_forward_mfu", "inv_train_mfu", "inv_fused_forward_mfu",
-                       "inv_fused_train_mfu", "inv_masked_attn_eff"})
+                       "inv_fused_train_mfu", "inv_masked_attn_eff", "inv_lora_bw_eff"})
 
 
 def _side(rule: str | None, label: str, coef: str | None) -> str:
@@ -261,8 +273,14 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
     return t
 
 
-def _reshard(shape: ModelConfig, gpu: GPU, plan: Plan) -> StageTerms:
+def _reshard(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload) -> StageTerms:
     t, layout = StageTerms(), plan.layout
+    if w.lora_rank:  # the adapters merged into the training weights before the switch
+        params, blocks = lora_merge_work(shape, layout.tp_t)
+        params /= layout.pp_t
+        t.add("lora_merge", None, LORA_MERGE_BYTES_PER_PARAM * params
+              / (gpu.hbm_gbps * 1e9 * GRAD_ACCUM_BW_EFF))
+        t.add("lora_merge", "lora_merge_block_s", blocks / layout.pp_t)
     received = reshard_received_bytes(shape, layout, plan)
     if received > 0:  # MoE: the EP group's all-gather of the experts
         span = plan.ep * layout.tp_t if shape.moe.enabled else layout.tp_t * layout.pp_t
@@ -274,11 +292,15 @@ def _reshard(shape: ModelConfig, gpu: GPU, plan: Plan) -> StageTerms:
 
 def _passes(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, *, ideal: float, coef: str,
             tokens: float, micro: int, flushes: int, layer_passes: int,
-            graphed: bool = False, ep: int = 1, grouped_gemm: bool = False) -> None:
+            graphed: bool = False, ep: int = 1, grouped_gemm: bool = False,
+            lora_bytes: float = 0.0) -> None:
     """Compute, fixed per-layer cost, PP bubble and TP traffic of `micro` micro-batches in `flushes`
     pipeline flushes (optimizer steps), each micro-batch run through the stage's layers
     `layer_passes` times (1: forward, 3: fwd+bwd, 4: fwd+bwd with recompute); `graphed`: the layer
-    passes are CUDA graph replays (parallel.train_cuda_graphs, PP = 1: no bubble)."""
+    passes are CUDA graph replays (parallel.train_cuda_graphs, PP = 1: no bubble). `lora_bytes`:
+    the LoRA adapters' activation traffic of the whole stage on this GPU (GPU side, at HBM
+    bandwidth x lora_bw_efficiency); with it, eager layer passes also pay the adapters' launches
+    (`lora_layer_pass_s` per layer pass; graphed, they are inside the replay)."""
     layers = shape.num_layers // layout.pp_t
     bubble = (layout.pp_t - 1) * flushes / micro
     overhead = layers * micro * layer_passes
@@ -287,6 +309,13 @@ def _passes(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, *, idea
     t.add("layer_overhead", per_layer, overhead)
     t.add("pp_bubble", coef, ideal * bubble)
     t.add("pp_bubble", per_layer, overhead * bubble)
+    if lora_bytes:
+        traffic = lora_bytes / (gpu.hbm_gbps * 1e9)
+        t.add("lora", "inv_lora_bw_eff", traffic)
+        t.add("pp_bubble", "inv_lora_bw_eff", traffic * bubble)
+        if not graphed:
+            t.add("lora", "lora_layer_pass_s", overhead)
+            t.add("pp_bubble", "lora_layer_pass_s", overhead * bubble)
     # SP: a layer's forward all-gathers twice and reduce-scatters twice (the bytes of 2 all-reduces);
     # backward mirrors it (twice the launches, the same collectives), recompute repeats the forward.
     comm_passes = max(1, layer_passes - 1)
@@ -335,8 +364,29 @@ def _multiple(layout: Layout) -> int:
     return layout.tp_t if layout.tp_t > 1 else 1   # SP: a micro-batch's length divides by TP
 
 
+def _lora_rank(w: Workload, role: str) -> int:
+    return w.critic_lora_rank if role == "critic" else w.lora_rank
+
+
+def _frozen_wgrad_flops(shape: ModelConfig, role: str, tokens: float, head_tokens: float) -> float:
+    """The weight-gradient FLOPs of a pass's matmuls (one forward's worth: 2 per weight per
+    token, the LM head's at its head positions), which a LoRA model's frozen base skips."""
+    head = 0 if role == "critic" else shape.embedding_params
+    return 2 * (dense_params(shape, role) - head) * tokens + 2 * head * head_tokens
+
+
+def _lora_bytes(shape: ModelConfig, layout: Layout, tokens: float, passes: str) -> float:
+    """The adapters' activation bytes on one GPU over `tokens` tokens of its stage's layers;
+    `passes`: "f" forward, "fb" forward + backward, "ffb" with recompute."""
+    fwd, bwd = lora_bytes_per_token_layer(shape, layout.tp_t)
+    per_token = passes.count("f") * fwd + passes.count("b") * bwd
+    return tokens * per_token * shape.num_layers / layout.pp_t
+
+
 def _forward(shape: ModelConfig, gpu: GPU, layout: Layout, w: Workload, role: str,
-             ep: int = 1) -> StageTerms:
+             ep: int = 1, adapters: bool = False) -> StageTerms:
+    """A forward-only pass of `role`; `adapters`: a LoRA model's pass with its adapters on (the
+    old_log_prob and values passes; a LoRA actor's reference pass turns them off)."""
     t, shard = StageTerms(overlap="pass"), layout.tp_t * layout.pp_t
     seqs = math.ceil(w.num_sequences / layout.dp_t)
     work = None
@@ -348,10 +398,11 @@ def _forward(shape: ModelConfig, gpu: GPU, layout: Layout, w: Workload, role: st
         micro, tokens = math.ceil(seqs / w.seqs_per_forward_micro_batch), seqs * w.seq_len
         flops = seqs * w.seq_len * forward_flops_per_token(shape, w.seq_len, role,
                                                            w.head_fraction) / shard
+    lora = _lora_bytes(shape, layout, tokens, "f") if adapters and _lora_rank(w, role) else 0.0
     coef = "inv_fused_forward_mfu" if w.fused_elementwise else "inv_forward_mfu"
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
             tokens=tokens, micro=micro, flushes=1, layer_passes=1, ep=ep,
-            grouped_gemm=w.moe_grouped_gemm)
+            grouped_gemm=w.moe_grouped_gemm, lora_bytes=lora)
     _masked(t, layout, shape, gpu, work, 1)
     return t
 
@@ -378,16 +429,26 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
                                                          w.head_fraction) / shard
     if w.lm_head_chunk_tokens and role != "critic":  # each chunk's logits made again in backward
         flops += head_tokens * 2 * shape.embedding_params / shard
+    rank, lora = _lora_rank(w, role), 0.0
+    if rank:  # LoRA: the frozen base computes no weight gradients; the adapters' own FLOPs
+        # (2 per adapter weight per token per pass) and activation traffic
+        flops += (2 * lora_params(shape, rank) * layer_passes * tokens
+                  - _frozen_wgrad_flops(shape, role, tokens, head_tokens)) / shard
+        lora = _lora_bytes(shape, layout, tokens, "ffb" if plan.recompute else "fb")
     coef = "inv_fused_train_mfu" if w.fused_elementwise else "inv_train_mfu"
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
             tokens=tokens, micro=opt_steps * micro, flushes=opt_steps,
             layer_passes=layer_passes, graphed=w.train_cuda_graphs, ep=plan.ep,
-            grouped_gemm=w.moe_grouped_gemm)
+            grouped_gemm=w.moe_grouped_gemm, lora_bytes=lora)
     _masked(t, layout, shape, gpu, work, layer_passes - 1, repeat=opt_steps)
     params = shape.num_params if role == "actor" else shape.num_critic_params
     fused = shape.attn_matmul_params if shape.moe.enabled else shape.layer_matmul_params
     accumulated = params - (shape.num_layers * fused  # (experts keep Megatron's linears)
                             if w.gradient_accumulation_fusion else 0)
+    if rank:  # only the adapters (and a critic's value head) train; with the fusion their
+        # gradients go into main_grad inside their own GEMMs
+        params = lora_params(shape, rank) + (shape.hidden_size + 1 if role == "critic" else 0)
+        accumulated = 0 if w.gradient_accumulation_fusion else params
     t.add("grad_accum", None, opt_steps * micro * GRAD_ACCUM_BYTES_PER_PARAM * accumulated / shard
           / (gpu.hbm_gbps * 1e9 * GRAD_ACCUM_BW_EFF))
     t.add("optimizer", "optimizer_step_s", opt_steps)
@@ -442,21 +503,25 @@ def stage_terms(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
                 calib: Calibration) -> dict[str, StageTerms]:
     """The linear terms of every stage the step runs, in the trainer's order."""
     layout = plan.layout
-    stages = {"reshard": _reshard(shape, gpu, plan), "gen": _gen(shape, gpu, plan, w, calib)}
+    stages = {"reshard": _reshard(shape, gpu, plan, w), "gen": _gen(shape, gpu, plan, w, calib)}
     if not w.skip_old_log_prob:
-        stages["old_log_prob"] = _forward(shape, gpu, layout, w, "actor", plan.ep)
+        stages["old_log_prob"] = _forward(shape, gpu, layout, w, "actor", plan.ep, adapters=True)
     if w.use_reference:
         stages["ref"] = _forward(shape, gpu, layout, w, "actor", plan.ep)
         if plan.offload_ref and not w.offload_ref_prefetch:  # else hidden behind generation
             stages["ref"].add("pcie", None, BYTES_PER_PARAM * shape.num_params
                               / (layout.tp_t * layout.pp_t) / (gpu.pcie_gbps * 1e9))
     if w.has_critic:
-        stages["values"] = _forward(shape, gpu, layout, w, "critic")
+        stages["values"] = _forward(shape, gpu, layout, w, "critic", adapters=True)
         stages["update_critic"] = _update(shape, gpu, plan, w, "critic")
     stages["update_actor"] = _update(shape, gpu, plan, w, "actor")
     for stage, _, nbytes in offload_params_copies(shape, plan, w, stages):
         stages[stage].add("pcie", None, nbytes / (gpu.pcie_gbps * 1e9))
     stages["other"] = StageTerms([("step_overhead", "step_overhead_s", 1.0)])
+    if w.lora_rank:  # the training weights restored after generation (models/lora.py)
+        params = lora_merge_work(shape, layout.tp_t)[0] / layout.pp_t
+        stages["other"].add("lora_unmerge", None, LORA_UNMERGE_BYTES_PER_PARAM * params
+                            / (gpu.hbm_gbps * 1e9 * GRAD_ACCUM_BW_EFF))
     # reward, advantages and bookkeeping per generated row of this rank
     stages["other"].add("row_overhead", "row_overhead_s",
                         math.ceil(w.num_sequences * w.gen_prompt_factor / layout.dp_t))
