@@ -25,6 +25,8 @@ import functools
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
+from hybridflow.models.graphs import capturing
+
 _UNFUSED_ROPE = rope_utils._apply_rotary_pos_emb_bshd
 
 
@@ -64,12 +66,12 @@ class _RopeTables:
         self.clear()
 
     def get(self, freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
-        capturing = freqs.is_cuda and torch.cuda.is_current_stream_capturing()
+        fresh = capturing()
         key = (freqs._version, dtype, mscale)
-        if not capturing and freqs is self._freqs and key == self._key:
+        if not fresh and freqs is self._freqs and key == self._key:
             return self._tables
         tables = ((torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype))
-        if not capturing:
+        if not fresh:
             self._freqs, self._key, self._tables = freqs, key, tables
         return tables
 

@@ -42,6 +42,11 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (never without CUDA)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 _PER_CALL_INPUTS = ("context", "context_mask", "rotary_pos_cos", "rotary_pos_sin",
                     "rotary_pos_cos_sin", "attention_bias", "inference_context", "packed_seq_params",
                     "sequence_len_offset", "padding_mask")

@@ -54,6 +54,7 @@ from megatron.core.tensor_parallel.mappings import (gather_from_sequence_paralle
                                                     reduce_from_tensor_model_parallel_region,
                                                     reduce_scatter_to_sequence_parallel_region)
 
+from hybridflow.models.graphs import capturing
 from hybridflow.models.linear import (LeanColumnParallelLinear, LeanRowParallelLinear, _CopyToTP,
                                       accumulate_wgrad)
 
@@ -173,7 +174,7 @@ class LoRAAdapter(torch.nn.Module):
             return make()
         if key not in memo:
             made = make()
-            if not _capturing():
+            if not capturing():
                 memo[key] = made
             return made
         return memo[key]
@@ -209,7 +210,7 @@ class LoRAAdapter(torch.nn.Module):
                 blocks.append(grid[:, off:off + n, j * r:(j + 1) * r].reshape(-1))
             off += n
         found = torch.cat(blocks)
-        if not _capturing():
+        if not capturing():
             self.__dict__["_b_take"] = found
         return found
 
@@ -317,11 +318,6 @@ class _FactorGrads:
             return
         blocks = _wgrad(grad, h, self.b[0].dtype).take(self.b_take)
         torch._foreach_add_(self.b, blocks.split(self.b_sizes), alpha=self.scale)
-
-
-def _capturing() -> bool:
-    """Whether a CUDA graph is being captured on the current stream."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _wgrad(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridflow.models.graphs import capturing
+
 
 @dataclass
 class MoEWeights:
@@ -112,5 +114,4 @@ def dense(h: torch.Tensor, m: MoEWeights, out=None) -> torch.Tensor:
 def moe_mlp(h: torch.Tensor, m: MoEWeights, out=None) -> torch.Tensor:
     """This TP_g rank's partial MoE output for the normed rows h (n, D). `out`: a buffer of n x k
     elements that receives each row's chosen experts (actor.router_replay records them)."""
-    capturing = h.is_cuda and torch.cuda.is_current_stream_capturing()
-    return dense(h, m, out) if capturing else sparse(h, m, out)
+    return dense(h, m, out) if capturing() else sparse(h, m, out)
