@@ -94,6 +94,10 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--int4-kernel-max-rows", type=int, default=64,
+                    help="rollout.kernel_options.int4_kernel_max_rows: int4 GEMMs of more rows "
+                         "(the prefill; decode batches above it) dequantize the weight once and "
+                         "run cuBLAS")
     ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="H200: 4.8 TB/s")
     ap.add_argument("--out", default="benchmarks/results/quantized_rollout_h200.json")
     args = ap.parse_args()
@@ -102,7 +106,8 @@ def main():
     P, R = args.prompt_len, args.new_tokens
     report = {"generation": {}, "floors": {}, "quantized_gb": {},
               "setup": {"prompt_len": P, "new_tokens": R, "reps": args.reps, "dtype": str(dtype),
-                        "hbm_gbps": args.hbm_gbps, "decode_kernels": "auto", "cuda_graphs": True},
+                        "hbm_gbps": args.hbm_gbps, "decode_kernels": "auto", "cuda_graphs": True,
+                        "int4_kernel_max_rows": args.int4_kernel_max_rows},
               "machine": machine(), "versions": versions("triton"), "command": command()}
     for name in args.models:
         with open(os.path.join(CONF, MODELS[name])) as f:
@@ -121,7 +126,8 @@ def main():
                 window = max(64, math.ceil((P + R) / 8 / 64) * 64)  # config_auto's choice
                 opts = DecodeOptions.from_config(rc).replace(
                     kv_window=window if device.type == "cuda" else 0,
-                    fp8_weight_only_max_rows=B if mode == "fp8_weight_only" else 0)
+                    fp8_weight_only_max_rows=B if mode == "fp8_weight_only" else 0,
+                    int4_kernel_max_rows=args.int4_kernel_max_rows)
 
                 def run():
                     if device.type == "cuda":

@@ -92,6 +92,11 @@ class DecodeKernelOptions:
     # codes widened to bf16 in a Triton GEMM, hybridflow/kernels/quant.py; no per-token
     # activation quantization) instead of torch._scaled_mm; 0: always _scaled_mm
     fp8_weight_only_max_rows: int = 0
+    # rollout.quantization=int4: GEMMs of at most this many rows (decode) run the tiled Triton
+    # kernel that dequantizes the codes in registers; more rows (prefill) dequantize the weight
+    # once into a temporary of the model dtype and run cuBLAS on it (the tiled kernel would
+    # dequantize it again for every 64 rows)
+    int4_kernel_max_rows: int = 64
     # rollout.decode_kernels=triton, temperature > 0 without top-k / top-p: the draw and its
     # log-prob as two Triton passes that read the logits once (hybridflow/kernels/sample.py: a
     # counter-based Philox stream on the device, keyed by each generate call's seed) instead of

@@ -522,7 +522,8 @@ def validate_rollout_options(cfg) -> None:
         if name not in PREFETCHABLE:
             raise ValueError(f"rollout.kernel_options.prefetch_weights: {name!r} is not one of "
                              f"{', '.join(PREFETCHABLE)}")
-    for key in ("prefetch_min_rows", "swiglu_gemm_min_rows", "fp8_weight_only_max_rows"):
+    for key in ("prefetch_min_rows", "swiglu_gemm_min_rows", "fp8_weight_only_max_rows",
+                "int4_kernel_max_rows"):
         value = getattr(k, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"rollout.kernel_options.{key}: {value!r} is not a row count >= 0")

@@ -5,9 +5,11 @@ the fp8 per-token activation quantization, each with its PyTorch twin.
 AWQ-style as 4-bit codes packed eight to an int32 along K (`qweight` (N, K / 8): code k of row n
 in word k // 8, bits 4 * (k % 8)), with one scale and one offset per group of GROUP = 128 columns
 (`scales`, `mins` (N, K / GROUP), the model dtype): w[n, k] = q[n, k] * scale + min. The kernel
-reads the packed codes (a quarter of the bf16 bytes), dequantizes each (BLOCK_K = GROUP, BLOCK_N)
-tile in registers (fp32 math, rounded to x's dtype: exactly the twin's dequantized weight) and
-feeds tl.dot; no bf16 copy of the weight is ever written.
+reads the packed codes (a quarter of the bf16 bytes) as each output row's contiguous words,
+dequantizes each (BLOCK_N, BLOCK_K) tile in registers (fp32 math, rounded to x's dtype: exactly
+the twin's dequantized weight) and feeds tl.dot with its transpose; no bf16 copy of the weight is
+written. It dequantizes the weight once per BLOCK_M rows, so more than `kernel_max_rows` rows (a
+prefill) instead dequantize it once into a temporary (`dequantize_int4`'s kernel) for F.linear.
 `fp8_weight_only_linear(x, codes, scales)`: the same kernel over E4M3 codes (N, K) widened to x's
 dtype (exact), the per-output-channel scale applied to the sum.
 Both take a bias and a `residual` added in the epilogue (in place: the decode's residual stream,
@@ -42,22 +44,31 @@ GROUP = 128  # int4 columns per scale / offset (the K tile of the kernel)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
+# int4 GEMMs of more rows than this (prefill) dequantize the weight once into a temporary of the
+# model dtype and run cuBLAS on it: the tiled kernel dequantizes the whole weight again for every
+# BLOCK_M rows (rollout.kernel_options.int4_kernel_max_rows)
+KERNEL_MAX_ROWS = 64
+
+
 class Config(NamedTuple):
     block_m: int
     block_n: int
+    block_k: int
     split_k: int
     warps: int
     stages: int
 
 
 def config_for(M: int, N: int, K: int, *, sms: int = 132) -> Config:
-    """Tiles for an (M, K) x (K, N) int4 GEMM: 16..64-row tiles, 64 columns, and K split until
-    about two programs per SM run (decode's narrow GEMMs), at most one split per K group."""
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    """Tiles for an (M, K) x (K, N) weight-only GEMM: 16..64-row tiles, 64 columns, 32-column K
+    steps, and K split until about two programs per SM run (decode's narrow GEMMs), at most one
+    split per K group. The (rows, warps) pairs keep every tile in registers on sm_90 (ptxas: 128 /
+    168 / 144 registers, no spills; 64-column K steps spilled or hit 255)."""
+    block_m, warps = (16, 4) if M <= 16 else (32, 4) if M <= 32 else (64, 8)
     block_n = 64
     tiles = -(-M // block_m) * -(-N // block_n)
     split = max(1, min(K // GROUP, -(-2 * sms // tiles)))
-    return Config(block_m, block_n, split, 4, 3)
+    return Config(block_m, block_n, 32, split, warps, 2)
 
 
 if HAVE_TRITON:
@@ -65,7 +76,8 @@ if HAVE_TRITON:
     @triton.jit
     def _wo_kernel(a_ptr, q_ptr, s_ptr, z_ptr, b_ptr, r_ptr, out_ptr, M, N, G, s_am, s_qn, s_sn,
                    s_rm, s_os, s_om, ITERS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr,
+                   FP8: tl.constexpr,
                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                    PDL: tl.constexpr = False):
         """Weight-only GEMM tile: int4 codes (FP8 False; scale + offset per K group) or E4M3 codes
@@ -80,30 +92,36 @@ if HAVE_TRITON:
         rm_in = tl.where(rm < M, rm, 0).to(tl.int64)  # out-of-range rows/columns read row 0
         rn_in = tl.where(rn < N, rn, 0).to(tl.int64)
         g0 = pid_k * ITERS  # this program's K groups: g0 .. min(g0 + ITERS, G) - 1
-        a_ptrs = a_ptr + rm_in[:, None] * s_am + (g0 * BLOCK_K + rk)[None, :]
+        a_ptrs = a_ptr + rm_in[:, None] * s_am + (g0 * GROUP_K + rk)[None, :]
+        # the weight tile as (BLOCK_N, BLOCK_K) rows, each row's codes contiguous: coalesced loads
         if FP8:
-            q_ptrs = q_ptr + rn_in[None, :] * s_qn + (g0 * BLOCK_K + rk)[:, None]
-        else:  # eight codes per int32 along K: each word read for its 8 rows of the tile (L1)
-            q_ptrs = q_ptr + rn_in[None, :] * s_qn + (g0 * BLOCK_K // 8 + rk // 8)[:, None]
-        shifts = ((rk % 8) * 4)[:, None]  # (BLOCK_K, 1)
+            q_ptrs = q_ptr + rn_in[:, None] * s_qn + (g0 * GROUP_K + rk)[None, :]
+        else:  # eight codes per int32 along K: a row's BLOCK_K / 8 words, unpacked in registers
+            rw = tl.arange(0, BLOCK_K // 8)
+            q_ptrs = q_ptr + rn_in[:, None] * s_qn + (g0 * GROUP_K // 8 + rw)[None, :]
+            shifts = tl.arange(0, 8) * 4
         sz = rn_in * s_sn + g0
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for i in range(0, ITERS):
             ok = g0 + i < G  # the last split may hold fewer groups: masked loads add nothing
-            a = tl.load(a_ptrs, mask=ok, other=0.0)
-            if FP8:
-                w = tl.load(q_ptrs, mask=ok, other=0.0).to(a.dtype)  # E4M3 values: exact
-            else:
-                q = (tl.load(q_ptrs, mask=ok, other=0) >> shifts) & 0xF  # (BLOCK_K, BLOCK_N)
+            if not FP8:  # the group's scale and offset per output row
                 s = tl.load(s_ptr + sz, mask=ok, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + sz, mask=ok, other=0.0).to(tl.float32)
-                w = (q.to(tl.float32) * s[None, :] + z[None, :]).to(a.dtype)
-            if a.dtype == tl.float32:  # fp32 (CPU tests): full-precision products
-                acc = tl.dot(a, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w, acc)
-            a_ptrs += BLOCK_K
-            q_ptrs += BLOCK_K if FP8 else BLOCK_K // 8
+            for j in tl.static_range(GROUP_K // BLOCK_K):  # a group in BLOCK_K-column steps
+                a = tl.load(a_ptrs, mask=ok, other=0.0)
+                if FP8:
+                    w = tl.load(q_ptrs, mask=ok, other=0.0).to(a.dtype)  # E4M3 values: exact
+                else:
+                    words = tl.load(q_ptrs, mask=ok, other=0)  # (BLOCK_N, BLOCK_K / 8)
+                    q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF,
+                                   (BLOCK_N, BLOCK_K))  # code k of a row: word k // 8, bits 4 (k % 8)
+                    w = (q.to(tl.float32) * s[:, None] + z[:, None]).to(a.dtype)
+                if a.dtype == tl.float32:  # fp32 (CPU tests): full-precision products
+                    acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, tl.trans(w), acc)
+                a_ptrs += BLOCK_K
+                q_ptrs += BLOCK_K if FP8 else BLOCK_K // 8
             sz += 1
         if FP8:  # per output channel
             acc *= tl.load(s_ptr + rn_in)[None, :]
@@ -139,6 +157,27 @@ if HAVE_TRITON:
         tl.store(out_ptr + m * s_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _dequant_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, s_qn, s_sn, s_on, BLOCK_N: tl.constexpr,
+                        GROUP_K: tl.constexpr):
+        """One (BLOCK_N, GROUP_K) tile of the int4 weight, dequantized in fp32 and rounded to the
+        output's dtype: the twin's bits (with bf16 / fp16 scales q * scale is exact in fp32, so a
+        fused multiply-add rounds as the twin's multiply, then add)."""
+        pid_n, g = tl.program_id(0), tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = rn < N
+        rn_in = tl.where(ok, rn, 0).to(tl.int64)
+        words = tl.load(q_ptr + rn_in[:, None] * s_qn + g * (GROUP_K // 8)
+                        + tl.arange(0, GROUP_K // 8)[None, :])
+        q = tl.reshape((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF,
+                       (BLOCK_N, GROUP_K))
+        s = tl.load(s_ptr + rn_in * s_sn + g).to(tl.float32)
+        z = tl.load(z_ptr + rn_in * s_sn + g).to(tl.float32)
+        w = q.to(tl.float32) * s[:, None] + z[:, None]
+        cols = g * GROUP_K + tl.arange(0, GROUP_K)
+        tl.store(out_ptr + rn_in[:, None] * s_on + cols[None, :],
+                 w.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+    @triton.jit
     def _fp8_rows_kernel(x_ptr, out_ptr, scale_ptr, K, s_xm, s_om, BLOCK: tl.constexpr,
                          PDL: tl.constexpr = False):
         row = tl.program_id(0).to(tl.int64)
@@ -152,9 +191,12 @@ if HAVE_TRITON:
 
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor,
-                    mins: torch.Tensor) -> torch.Tensor:
+                    mins: torch.Tensor, *, impl: str = "torch") -> torch.Tensor:
     """(N, K / 8) packed codes + (N, K / GROUP) scales / offsets -> the weight (N, K) in the
-    scales' dtype (fp32 math, rounded once, as the kernel's tiles)."""
+    scales' dtype (fp32 math, rounded once, as the kernel's tiles). `impl` as int4_linear's
+    (default: the PyTorch twin)."""
+    if use_triton(qweight, impl):
+        return _dequantize(qweight, scales, mins)
     N, words = qweight.shape
     shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
     q = ((qweight[:, :, None] >> shifts) & 0xF).reshape(N, words * 8)  # (N, K)
@@ -165,15 +207,19 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor,
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 mins: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
                 residual: Optional[torch.Tensor] = None, pdl: bool = False,
-                impl: str = "auto") -> torch.Tensor:
+                impl: str = "auto", kernel_max_rows: int = KERNEL_MAX_ROWS) -> torch.Tensor:
     """x (M, K) @ W^T (+ bias) for the packed int4 W (N, K) -> (M, N) in x's dtype; with
-    `residual` (M, N) the product is added into it in place and it is returned."""
+    `residual` (M, N) the product is added into it in place and it is returned. More than
+    `kernel_max_rows` rows: the weight dequantized once (a temporary), then F.linear; the same
+    values either way (each dequantized weight exactly the twin's)."""
     (M, K), N = x.shape, qweight.shape[0]
     if K % GROUP or qweight.shape[1] * 8 != K or scales.shape != (N, K // GROUP):
         raise ValueError(f"int4_linear: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
                          f"{tuple(scales.shape)} are not (M, K), (N, K/8), (N, K/{GROUP})")
-    if not use_triton(x, impl):
-        out = F.linear(x, dequantize_int4(qweight, scales, mins).to(x.dtype), bias)
+    fused = use_triton(x, impl)
+    if not fused or M > kernel_max_rows:
+        w = dequantize_int4(qweight, scales, mins, impl="triton" if fused else "torch")
+        out = F.linear(x, w.to(x.dtype), bias)
         return out if residual is None else residual.add_(out)
     return _weight_only(x, qweight, scales, mins, bias, residual, fp8=False, pdl=pdl)
 
@@ -214,13 +260,25 @@ def _weight_only(x, codes, scales, mins, bias, residual, *, fp8: bool, pdl: bool
     _wo_kernel[grid](x, codes, scales, mins if mins is not None else scales, b, r, dst, M, N,
                      groups, x.stride(0), codes.stride(0), scales.stride(0), r.stride(0),
                      dst.stride(0) if split > 1 else 0, dst.stride(-2), ITERS=iters,
-                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, FP8=fp8,
+                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_K=GROUP,
+                     FP8=fp8,
                      SPLIT=split > 1, num_warps=cfg.warps, num_stages=cfg.stages, **flags)
     if split > 1:
         block = 1024
         _split_sum[(triton.cdiv(M * N, block),)](dst, b, r, out, M, N, dst.stride(0),
                                                  dst.stride(1), r.stride(0), out.stride(0),
                                                  SPLITS=split, BLOCK=block, num_warps=4, **flags)
+    return out
+
+
+def _dequantize(qweight, scales, mins):
+    N, K = qweight.shape[0], qweight.shape[1] * 8
+    out = torch.empty((N, K), dtype=scales.dtype, device=qweight.device)
+    if N:
+        block_n = 32  # ptxas on sm_90: 126 registers, no spills (64 rows: 255 and spills)
+        _dequant_kernel[(triton.cdiv(N, block_n), K // GROUP)](
+            qweight, scales, mins, out, N, qweight.stride(0), scales.stride(0), out.stride(0),
+            BLOCK_N=block_n, GROUP_K=GROUP, num_warps=4)
     return out
 
 

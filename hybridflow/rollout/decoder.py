@@ -519,9 +519,10 @@ def _layer_parts(opts: DecodeOptions):
 
 def _linear_for(opts: DecodeOptions, fused: bool):
     """quantize.linear with this call's choices bound: the Triton kernels (fused) or each kernel's
-    dispatch default, PDL, and the fp8 weight-only row bound."""
+    dispatch default, PDL, and the fp8 weight-only and int4 kernel row bounds."""
     return functools.partial(linear, pdl=opts.pdl and fused, impl="triton" if fused else "auto",
-                             fp8_weight_only_max_rows=opts.fp8_weight_only_max_rows)
+                             fp8_weight_only_max_rows=opts.fp8_weight_only_max_rows,
+                             int4_kernel_max_rows=opts.int4_kernel_max_rows)
 
 
 @functools.cache

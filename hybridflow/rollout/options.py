@@ -46,6 +46,7 @@ class DecodeOptions:
     prefetch_min_rows: int = 256
     swiglu_gemm_min_rows: int = 256
     fp8_weight_only_max_rows: int = 0
+    int4_kernel_max_rows: int = 64
     fused_sampler: bool = True
     compile_backend: str = "inductor"
     compile_mode: Optional[str] = None
@@ -79,6 +80,7 @@ class DecodeOptions:
                    prefetch_min_rows=k.prefetch_min_rows,
                    swiglu_gemm_min_rows=k.swiglu_gemm_min_rows,
                    fp8_weight_only_max_rows=k.fp8_weight_only_max_rows,
+                   int4_kernel_max_rows=k.int4_kernel_max_rows,
                    fused_sampler=bool(k.fused_sampler),
                    compile_backend=k.compile_backend, compile_mode=k.compile_mode)
 

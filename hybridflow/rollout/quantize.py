@@ -9,7 +9,8 @@
   quantized: no extra pass over them, a little less error).
 - "int4": weight-only, 4-bit codes packed eight to an int32 along K (AWQ's packing) with a scale
   and an offset (the group's min) per 128 columns, w = q * scale + min (asymmetric, round to
-  nearest); kernels.quant.int4_linear dequantizes tiles in registers. A quarter of the bytes (plus
+  nearest); kernels.quant.int4_linear dequantizes tiles in registers at decode row counts, and
+  the whole weight once into a temporary for a prefill's many rows. A quarter of the bytes (plus
   a sixteenth for the scales and offsets in bf16).
 The embedding, norms and LM head stay in the model dtype (the LM head is the one GEMM whose error
 lands directly in the sampled distribution).
@@ -30,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.config_checks import QUANTIZATION
-from hybridflow.kernels.quant import (FP8_MAX, GROUP, fp8_weight_only_linear, int4_linear,
-                                      quant_rows_fp8)
+from hybridflow.kernels.quant import (FP8_MAX, GROUP, KERNEL_MAX_ROWS, fp8_weight_only_linear,
+                                      int4_linear, quant_rows_fp8)
 
 MODES = QUANTIZATION  # rollout.quantization
 MATRICES = ("qkv_w", "proj", "fc1", "fc2")  # the decoder.Layer fields quantized
@@ -117,11 +118,14 @@ def requantize_(q: QuantWeight, w: torch.Tensor) -> QuantWeight:
 
 def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, *,
            residual: Optional[torch.Tensor] = None, pdl: bool = False, impl: str = "auto",
-           fp8_weight_only_max_rows: int = 0) -> torch.Tensor:
+           fp8_weight_only_max_rows: int = 0,
+           int4_kernel_max_rows: int = KERNEL_MAX_ROWS) -> torch.Tensor:
     """x (..., K) @ w^T (+ bias) -> (..., N) in x's dtype; w a tensor or a QuantWeight. With
     `residual` (x 2-D) the product is added into it in place and it is returned. `impl` picks the
     kernels or their twins (kernels._dispatch); fp8 GEMMs of at most `fp8_weight_only_max_rows`
-    rows run weight-only (kernels.quant.fp8_weight_only_linear: no activation quantization)."""
+    rows run weight-only (kernels.quant.fp8_weight_only_linear: no activation quantization);
+    int4 GEMMs of more than `int4_kernel_max_rows` rows dequantize the weight once
+    (kernels.quant.int4_linear)."""
     if not isinstance(w, QuantWeight):
         if residual is not None:
             if bias is None:
@@ -131,7 +135,8 @@ def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, *,
     lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
     kw = dict(bias=bias, residual=residual, pdl=pdl, impl=impl)
     if w.mode == "int4":
-        out = int4_linear(x2, w.codes, w.scales, w.mins, **kw)
+        out = int4_linear(x2, w.codes, w.scales, w.mins, kernel_max_rows=int4_kernel_max_rows,
+                          **kw)
     elif x2.shape[0] <= fp8_weight_only_max_rows and x2.shape[1] % GROUP == 0:
         out = fp8_weight_only_linear(x2, w.codes, w.scales, **kw)
     else:

@@ -1,7 +1,8 @@
 """Quantized rollouts on a GPU (rollout.quantization): torch._scaled_mm's fp8 linear (row-wise
 scales, bf16 out) against the fp32 product of the dequantized operands; the fp8 row kernel against
 its twin (the hardware's E4M3 rounding); the weight-only Triton GEMMs (int4, fp8) in bf16 against
-the dequantized product at decode and prefill row counts (split K too, bias + residual fused);
+the dequantized product at decode and prefill row counts (split K too, bias + residual fused), the
+int4 dequantization kernel's bits against its twin;
 generation with CUDA graphs on quantized weights equals the
 eager decode, for both modes, with the fused kernels and the torch path, and requantize keeps the
 captured graphs valid (after it, graphs replay what a fresh generator generates)."""
@@ -55,6 +56,21 @@ def test_weight_only_kernels_bf16_equal_the_dequantized_product(M, mode):
         out = linear(x, q, b, residual=r.clone(), fp8_weight_only_max_rows=1 << 20)
         assert out.dtype == torch.bfloat16
         assert (out.float() - ref).abs().max() <= 2 ** -7 * ref.abs().max() + 1e-3, (N, K)
+
+
+def test_int4_dequantization_kernel_gives_the_twins_bits():
+    """The weight int4 GEMMs of more than kernel_max_rows rows dequantize once (prefill): the
+    kernel's bf16 bits are the twin's; int4_linear at 65 rows (that path) equals it at 64 (the
+    tiled kernel) row for row within bf16 rounding."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for N, K in ((1152, 896), (17920, 1536), (100, 384)):
+        q = quantize((torch.randn(N, K, device="cuda", generator=g) * 0.02).bfloat16(), "int4")
+        ref = kq.dequantize_int4(q.codes, q.scales, q.mins)
+        assert torch.equal(kq.dequantize_int4(q.codes, q.scales, q.mins, impl="triton"), ref)
+        x = torch.randn(65, K, device="cuda", generator=g).bfloat16()
+        many = kq.int4_linear(x, q.codes, q.scales, q.mins)
+        tiled = kq.int4_linear(x, q.codes, q.scales, q.mins, kernel_max_rows=65)
+        assert (many.float() - tiled.float()).abs().max() <= 2 ** -7 * tiled.abs().max().float()
 
 
 @pytest.mark.parametrize("mode", ["fp8", "fp8_weight_only", "int4"])

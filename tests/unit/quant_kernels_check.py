@@ -14,16 +14,19 @@ from hybridflow.rollout.options import DecodeOptions
 from hybridflow.rollout.quantize import quantize
 from tests.unit.test_rollout import PROMPTS, random_params
 
-out = {"int4": [], "fp8_rows": [], "generate": []}
+out = {"int4": [], "fp8_rows": [], "generate": [], "dequant": []}
 g = torch.Generator().manual_seed(0)
 # (M, N, K): one row, odd rows and columns (masked tiles), K split over programs (the last: 7
-# groups in 4 splits of 2, the last one short)
-for M, N, K in ((1, 64, 128), (5, 96, 384), (33, 200, 640), (64, 64, 1280), (2, 2816, 896)):
+# groups in 4 splits of 2, the last one short), each row-tile size (16, 32, 64); more rows than
+# kq.KERNEL_MAX_ROWS: int4 through the dequantized weight, fp8 weight-only in two row tiles
+for M, N, K in ((1, 64, 128), (5, 96, 384), (20, 64, 256), (33, 200, 640), (64, 64, 1280),
+                (2, 2816, 896), (100, 96, 384)):
     w = torch.randn(N, K, generator=g)
     x = torch.randn(M, K, generator=g)
     b, r = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
     q, q8 = quantize(w, "int4"), quantize(w, "fp8")
-    case = {"shape": [M, N, K], "split": config_for(M, N, K).split_k, "err": 0.0}
+    case = {"shape": [M, N, K], "split": config_for(M, N, K).split_k, "err": 0.0,
+            "dequantized": M > kq.KERNEL_MAX_ROWS}
     for name, fn, args in (("int4", kq.int4_linear, (q.codes, q.scales, q.mins)),
                            ("fp8", kq.fp8_weight_only_linear, (q8.codes, q8.scales))):
         # plain, + bias, + bias into a residual (in place)
@@ -36,6 +39,13 @@ for M, N, K in ((1, 64, 128), (5, 96, 384), (33, 200, 640), (64, 64, 1280), (2, 
                 case["in_place"] = case.get("in_place", True) and got is got_kw["residual"]
             case["err"] = max(case["err"], float((got - ref).abs().max() / ref.abs().max()))
     out["int4"].append(case)
+# the int4 dequantization kernel: the twin's bits (fp32 here: the interpreter truncates to bf16
+# where torch and the GPU round to nearest; tests/gpu checks bf16)
+for N, K, dtype in ((64, 128, torch.float32), (100, 384, torch.float32)):
+    q = quantize(torch.randn(N, K, generator=g).to(dtype), "int4")
+    ref = kq.dequantize_int4(q.codes, q.scales, q.mins)
+    got = kq.dequantize_int4(q.codes, q.scales, q.mins, impl="triton")
+    out["dequant"].append({"shape": [N, K], "dtype": str(dtype), "equal": bool(torch.equal(got, ref))})
 # rows whose values are e4m3 numbers times a power of two, the row's amax 448 of them: x / scale
 # is exact, so the codes need no rounding (the interpreter's fp8 rounding is not the GPU's)
 for M, K in ((1, 16), (7, 96), (4, 1000)):

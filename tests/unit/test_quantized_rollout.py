@@ -142,8 +142,17 @@ def test_weight_only_triton_kernels_equal_their_twins(interpreted):
     and K split over programs (evenly and not), the split sums in their own kernel."""
     cases = interpreted["int4"]
     assert any(c["split"] > 1 for c in cases) and any(c["split"] == 1 for c in cases)
+    assert {c["shape"][0] > 32 for c in cases} == {True, False}
+    assert any(c["dequantized"] for c in cases) and not all(c["dequantized"] for c in cases)
     for c in cases:  # fp32: summation order only (relative to the largest output)
         assert c["err"] <= 2e-6 and c["in_place"], c
+
+
+def test_int4_dequantization_kernel_gives_the_twins_bits(interpreted):
+    """The weight that int4 GEMMs of many rows (prefill) dequantize once: bit for bit the twin's,
+    masked rows included (fp32; bf16 on the GPU: tests/gpu/test_quantized_gpu.py)."""
+    cases = interpreted["dequant"]
+    assert len(cases) == 2 and all(c["equal"] for c in cases), cases
 
 
 def test_fp8_row_kernel_equals_its_twin(interpreted):
