@@ -57,8 +57,12 @@ def memory_metrics() -> dict[str, float]:
             return {"perf/max_rss_gb": rss_gb}
         except Exception:
             return {}
+    # alloc_retries (so far in the run): each time the caching allocator found no free block, it
+    # freed its cache, synchronised the device and asked CUDA again; a count that grows step after
+    # step says the memory cap (trainer.gpu_memory_limit_gib) or fragmentation is costing time
     return {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
-            "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
+            "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
+            "perf/alloc_retries": float(torch.cuda.memory_stats().get("num_alloc_retries", 0))}
 
 
 class MetricsLogger:
