@@ -30,6 +30,7 @@ CPU_TOKEN_BUDGET = 16384  # use_dynamic_bsz=true on CPU with no budget set
 # the share of the free memory the automatic budgets may plan for: the memory model leaves out
 # allocator fragmentation and optimizer-step temporaries beyond its calibrated headroom
 MEMORY_SHARE = 0.85
+FORWARD_PHASES = ("old_log_prob", "ref", "values")
 
 
 def apply_memory_limit(limit_gib, device) -> tuple:
@@ -160,7 +161,11 @@ def size_token_budgets(cfg: Config, *, world_size: int, free_gib: float) -> tupl
     Each budget is a whole number of longest rows (prompt + response maxima): the largest whose
     phases (the update's for the training budget, the forward-only passes' for the other) the cost
     model's memory estimate fits in MEMORY_SHARE of the free memory, at most what one micro-batch
-    per mini-batch (training) or per step (forward) needs; at least one row.
+    per mini-batch (training) or per step (forward) needs; at least one row. The training budget
+    comes first (the forward one at one row, or as set), then the forward one beside it. With
+    parallel.train_cuda_graphs a phase counts what the other roles' update graphs keep reserved
+    in it (cost.memory: `reserved_phases_gib`), and the training budget, which sizes those pools,
+    must leave every phase within the share.
     """
     from hybridflow.cost.efficiency import shipped_calibration
     from hybridflow.cost.from_config import plan_for, workload_fields
@@ -181,28 +186,34 @@ def size_token_budgets(cfg: Config, *, world_size: int, free_gib: float) -> tupl
     train_phases = ("update_actor", "update_critic")
 
     fields = workload_fields(cfg, decode_kernels="triton")
+    every_phase = cfg.parallel.train_cuda_graphs  # the update graphs' pools sit in all of them
 
-    def fits(tokens: int, phases) -> bool:
-        work = Workload(**{**fields, "micro_batch_tokens": tokens,
-                           "forward_micro_batch_tokens": tokens})
+    def fits(train: int, forward: int, phases) -> bool:
+        work = Workload(**{**fields, "micro_batch_tokens": train,
+                           "forward_micro_batch_tokens": forward})
         est = memory_for(cfg.model, gpu, plan, work, calib)
-        return all(sum(c.values()) <= capacity for ph, c in est.phases_gib.items() if ph in phases)
+        return all(max(sum(c.values()), est.reserved_phases_gib[ph]) <= capacity
+                   for ph, c in est.phases_gib.items() if ph in phases)
 
-    def largest(max_rows: int, phases) -> int:
+    def largest(max_rows: int, fits_rows) -> int:
         best = 1
         for rows in range(1, max_rows + 1):  # a few hundred evaluations of closed-form sums
-            if not fits(rows * row, phases):
+            if not fits_rows(rows * row):
                 break
             best = rows
         return best * row
 
     values, said = {}, []
-    if a.max_tokens_per_micro_batch_per_gpu is None:
-        values["max_tokens_per_micro_batch_per_gpu"] = largest(mini_rows, train_phases)
-        said.append(f"training {values['max_tokens_per_micro_batch_per_gpu']}")
-    if a.forward_max_tokens_per_micro_batch_per_gpu is None:
+    train = a.max_tokens_per_micro_batch_per_gpu
+    forward = a.forward_max_tokens_per_micro_batch_per_gpu
+    if train is None:
+        phases = ("gen",) + train_phases + FORWARD_PHASES if every_phase else train_phases
+        train = values["max_tokens_per_micro_batch_per_gpu"] = largest(
+            mini_rows, lambda t: fits(t, forward or row, phases))
+        said.append(f"training {train}")
+    if forward is None:
         values["forward_max_tokens_per_micro_batch_per_gpu"] = largest(
-            step_rows, ("old_log_prob", "ref", "values"))
+            step_rows, lambda t: fits(train, t, FORWARD_PHASES))
         said.append(f"forward {values['forward_max_tokens_per_micro_batch_per_gpu']}")
     line = (f"auto: token budgets per micro-batch: {', '.join(said)} tokens (rows of up to {row} "
             f"tokens; sized for {free_gib:.0f} GiB free per GPU)")

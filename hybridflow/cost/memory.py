@@ -60,8 +60,10 @@ Per phase, on top:
   activations as live tensors, as an eager update does; after it, the replayed activations live in
   the graphs' private pool (reserved memory, not counted as allocated: perf/max_memory_allocated_gb is the
   run's maximum, from the start). That pool stays reserved through generation and the other passes:
-  `reserved_peak_gib` adds each trained role's update activations to every phase but its own, and
-  `fits` (hence the automatic token budgets) takes the larger of it and the allocated peak.
+  `reserved_peak_gib` adds each trained role's update activations to every phase but its own
+  (`reserved_phases_gib` per phase), `fits` (hence the automatic token budgets) takes the larger
+  of it and the allocated peak, and generation's batch is what the memory holds beside the graphs'
+  tensors and pools.
 MoE (`ModelConfig.moe`): the experts' weights, grads (and the reference's weights) are split over
 EP x expert TP x PP (`Plan.expert_shard`), the rest over TP x PP; the optimizer's 12 bytes/param
 over every rank either way (the distributed optimizer shards the experts over the expert-DP ranks:
@@ -79,7 +81,7 @@ activation component alone: what grows with the micro-batch beyond the counted t
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from hybridflow.cost.efficiency import Calibration
 from hybridflow.cost.flops import BYTES_PER_PARAM, activation_bytes_per_token_layer, kv_bytes_per_token
@@ -110,6 +112,9 @@ class MemoryEstimate:
     # their private pool from the capture on, through every other phase (reserved there, not
     # allocated: the records' peaks, and `peak_gib`, do not show it)
     reserved_peak_gib: float = 0.0
+    # per phase: what it allocates plus the pools the other trained roles' graphs hold there
+    # (equal to phases_gib's sums without train_cuda_graphs)
+    reserved_phases_gib: dict[str, float] = field(default_factory=dict)
 
     @property
     def components_gib(self) -> dict[str, float]:
@@ -313,6 +318,10 @@ def gen_batch_size(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
             + rollout_weights_bytes(shape, plan, workload)
             - offloaded_params_bytes(shape, plan, workload, "gen")
             + _prefetched_reference(shape, plan, workload))
+    if workload.train_cuda_graphs:  # the update graphs' tensors and pools, from the first step on
+        used += _graph_pool(shape, plan, workload) + sum(
+            _activations(shape, plan, workload, p)[0] * calib.activation_memory_scale
+            for p in ("update_actor", "update_critic") if p in phases_to_run(workload))
     free = (gpu.memory_gib - calib.memory_headroom_gib) * GIB / calib.memory_scale - used
     kv, scratch = _gen_bytes_per_seq(shape, lay, workload)
     batch = min(per_replica, w.gen_max_batch_size or per_replica,
@@ -410,13 +419,13 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
             c["graph_pool"] = _graph_pool(shape, plan, workload)
         phases[phase] = {k: v * calib.memory_scale / GIB for k, v in c.items()}
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
-    reserved = 0.0
-    if workload.train_cuda_graphs:  # the graphs' pools hold their update's activations
-        held = {p: phases[p]["activations"] for p in ("update_actor", "update_critic")
-                if p in phases}
-        reserved = max(sum(c.values()) + sum(a for q, a in held.items() if q != p)
-                       for p, c in phases.items())
+    held = {p: phases[p]["activations"] for p in ("update_actor", "update_critic")
+            if p in phases and workload.train_cuda_graphs}  # the graphs' pools
+    by_phase = {p: sum(c.values()) + sum(a for q, a in held.items() if q != p)
+                for p, c in phases.items()}
     return MemoryEstimate(phases_gib=phases, peak_phase=peak_phase,
                           peak_gib=sum(phases[peak_phase].values()),
                           capacity_gib=gpu.memory_gib - calib.memory_headroom_gib,
-                          gen_batch=batch, gen_waves=waves, reserved_peak_gib=reserved)
+                          gen_batch=batch, gen_waves=waves,
+                          reserved_peak_gib=max(by_phase.values()) if held else 0.0,
+                          reserved_phases_gib=by_phase)

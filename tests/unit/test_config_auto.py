@@ -109,6 +109,41 @@ def test_budgets_shrink_with_memory_and_keep_a_set_value():
     assert kept.max_tokens_per_micro_batch_per_gpu == 4096
 
 
+def test_budgets_leave_room_for_the_update_graphs_pools():
+    """With parallel.train_cuda_graphs the update graphs keep one micro-batch's activations
+    reserved through generation and the forward passes: the budgets chosen keep every phase,
+    pools included, within the share of the memory they are sized for; the training budget no
+    larger and the forward one smaller than without graphs."""
+    from dataclasses import replace
+
+    from hybridflow.config_auto import MEMORY_SHARE
+    from hybridflow.cost.efficiency import shipped_calibration
+    from hybridflow.cost.from_config import plan_for, workload_fields
+    from hybridflow.cost.gpus import get_gpu
+    from hybridflow.cost.memory import memory_for
+    from hybridflow.cost.workload import Workload
+
+    job = ("experiment=gsm8k_qwen_coder_0_5b", "actor.lora.rank=32", "actor.lora.alpha=64",
+           "algo.max_tokens_per_micro_batch_per_gpu=null",
+           "algo.forward_max_tokens_per_micro_batch_per_gpu=null")
+    calib, free = shipped_calibration(), 60.0
+    sized = {}
+    for graphs in (False, True):
+        cfg, _ = resolve_auto(_cfg(*job, f"parallel.train_cuda_graphs={str(graphs).lower()}"),
+                              device_type="cuda")
+        cfg = size_token_budgets(cfg, world_size=1, free_gib=free)[0]
+        est = memory_for(cfg.model, replace(get_gpu("H200"), memory_gib=free), plan_for(cfg, 1),
+                         Workload(**workload_fields(cfg, decode_kernels="triton")), calib)
+        share = MEMORY_SHARE * est.capacity_gib
+        assert max(est.reserved_phases_gib.values()) <= share
+        assert (est.reserved_peak_gib > est.peak_gib) is graphs
+        sized[graphs] = cfg.algo
+    assert sized[False].max_tokens_per_micro_batch_per_gpu == 21 * 1280
+    assert sized[True].max_tokens_per_micro_batch_per_gpu <= 21 * 1280
+    assert sized[True].forward_max_tokens_per_micro_batch_per_gpu < \
+        sized[False].forward_max_tokens_per_micro_batch_per_gpu
+
+
 def test_gpu_template_names_what_is_missing():
     with pytest.raises(ValueError, match=r"HYBRIDFLOW_MODEL.*model.hf_path"):
         load_config(["experiment=gpu_template"])
