@@ -86,8 +86,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    src = json.load(open(os.path.join(ROOT, SOURCE)))
     write_json(a.out, {"benchmark": "the LoRA update benchmark as cost-model records",
-                       "machine": {"gpu": "NVIDIA H200", "host": "vm"}, "command": command(),
+                       "machine": src["machine"], "versions": src["versions"],
+                       "command": src["update_bench"]["command"], "derived": command(),
+                       "note": f"derived from {SOURCE} (update_bench: two device calls; machine, "
+                               "versions and command are that run's)",
                        "records": build()})
     print(f"wrote {a.out}")
     return 0
