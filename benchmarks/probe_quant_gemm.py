@@ -5,9 +5,15 @@ Triton kernel) and torch's tinygemm int4 kernel (torch._weight_int4pack_mm, the 
 int4 weight-only layout calls), fed our int4 codes (w = q * scale + min -> tinygemm's scale and
 zero) with its error against our dequantized product. Milliseconds by triton.testing.do_bench
 (eager launches: our Triton kernels carry their launch cost here, which a decode step's CUDA
-graph does not), and each GEMM's bf16 weight-read floor at 4.8 TB/s.
+graph does not), and each GEMM's bf16 weight-read floor at 4.8 TB/s. With --graphs every
+timing replays a CUDA graph of the call (triton.testing.do_bench_cudagraph: no launch cost, as in
+the decode). With --sweep also the weight-only kernels (int4, fp8) at a grid of tiles
+(kernels.quant.Config: 16-64-row tiles, 32-128 columns, 32- or 64-column K steps, 4 or 8 warps,
+K split as config_for splits): per GEMM the default's time, the best tiles and theirs, to choose
+config_for's.
 
   python benchmarks/probe_quant_gemm.py --out benchmarks/results/quant_gemm_probe_h200.json   # one H200, ~30 s
+  python benchmarks/probe_quant_gemm.py --graphs --sweep --rows 1 64 --out ...              # ~2 min
 """
 from __future__ import annotations
 
@@ -38,14 +44,46 @@ def to_tinygemm(q, tiles: int = 8):
     return packed, torch.stack([scale.t(), zero.t()], -1).contiguous()
 
 
+def sweep(bench, kq, x, q4, q8, ref) -> dict:
+    """The weight-only kernels at a grid of tiles: {mode: {"default": [tiles, ms], "best": [tiles,
+    ms]}}, each product checked against the dequantized one (int4; fp8 against its own default)."""
+    import itertools
+
+    (m, k), n = x.shape, q4.codes.shape[0]
+    default = kq.config_for(m, n, k)
+    block_ms = sorted({b for b in (16, 32, 64) if b >= min(m, 64) or b == 64})[:2]
+    out = {}
+    for mode, fn, args in (("int4", kq.int4_linear, (q4.codes, q4.scales, q4.mins)),
+                           ("fp8_weight_only", kq.fp8_weight_only_linear, (q8.codes, q8.scales))):
+        want = fn(x, *args).float() if mode != "int4" else ref
+        timed = {}
+        for bm, bn, bk, warps in itertools.product(block_ms, (32, 64, 128), (32, 64), (4, 8)):
+            tiles = -(-m // bm) * -(-n // bn)   # K split as config_for would for these tiles
+            split = max(1, min(k // kq.GROUP, -(-2 * 132 // tiles)))
+            cfg = kq.Config(bm, bn, bk, split, warps, default.stages)
+            got = fn(x, *args, config=cfg).float()
+            if (got - want).abs().max() > 2 ** -7 * want.abs().max() + 1e-3:
+                raise AssertionError(f"{mode} {cfg}: wrong product")
+            timed[cfg] = bench(lambda: fn(x, *args, config=cfg))
+        best = min(timed, key=timed.get)
+        out[mode] = {"default": [list(default), round(bench(lambda: fn(x, *args)), 4)],
+                     "best": [list(best), round(timed[best], 4)]}
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--graphs", action="store_true", help="time CUDA-graph replays of each call")
+    ap.add_argument("--sweep", action="store_true", help="the weight-only kernels' tiles too")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
 
+    from hybridflow.kernels import quant as kq
     from hybridflow.rollout.quantize import linear, quantize
+
+    bench = do_bench_cudagraph if args.graphs else do_bench
 
     torch.manual_seed(0)
     res = {}
@@ -58,16 +96,19 @@ def main(argv=None) -> dict:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = F.linear(x, q4.dequantize().to(torch.bfloat16)).float()
                 tiny = torch._weight_int4pack_mm(x, tw, 128, sz).float()
-                r = {"bf16": do_bench(lambda: F.linear(x, w)),
-                     "int4_ours": do_bench(lambda: linear(x, q4)),
-                     "fp8": do_bench(lambda: linear(x, q8)),
-                     "fp8_weight_only": do_bench(lambda: linear(x, q8, fp8_weight_only_max_rows=1 << 20)),
-                     "tinygemm_int4": do_bench(lambda: torch._weight_int4pack_mm(x, tw, 128, sz)),
+                r = {"bf16": bench(lambda: F.linear(x, w)),
+                     "int4_ours": bench(lambda: linear(x, q4)),
+                     "fp8": bench(lambda: linear(x, q8)),
+                     "fp8_weight_only": bench(lambda: linear(x, q8, fp8_weight_only_max_rows=1 << 20)),
+                     "tinygemm_int4": bench(lambda: torch._weight_int4pack_mm(x, tw, 128, sz)),
                      "tinygemm_rel_err": float((tiny - ref).abs().max() / ref.abs().max()),
                      "bf16_floor": (n * k * 2 + m * (n + k) * 2) / 4.8e12 * 1e3}
                 res[f"{model}/{name}/{m}"] = {a: round(b, 4) for a, b in r.items()}
+                if args.sweep and m <= kq.KERNEL_MAX_ROWS:
+                    res[f"{model}/{name}/{m}"]["tiles"] = sweep(bench, kq, x, q4, q8, ref)
                 print(model, name, m, res[f"{model}/{name}/{m}"], flush=True)
-    out = {"benchmark": "one decode GEMM per quantization mode (ms, do_bench, eager launches)",
+    how = "CUDA-graph replays" if args.graphs else "eager launches"
+    out = {"benchmark": f"one decode GEMM per quantization mode (ms, do_bench, {how})",
            "machine": machine(), "versions": versions("torch", "triton"), "command": command(),
            "results": res}
     write_json(args.out, out)

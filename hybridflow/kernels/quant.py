@@ -207,11 +207,13 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor,
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 mins: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
                 residual: Optional[torch.Tensor] = None, pdl: bool = False,
-                impl: str = "auto", kernel_max_rows: int = KERNEL_MAX_ROWS) -> torch.Tensor:
+                impl: str = "auto", kernel_max_rows: int = KERNEL_MAX_ROWS,
+                config: Optional[Config] = None) -> torch.Tensor:
     """x (M, K) @ W^T (+ bias) for the packed int4 W (N, K) -> (M, N) in x's dtype; with
     `residual` (M, N) the product is added into it in place and it is returned. More than
     `kernel_max_rows` rows: the weight dequantized once (a temporary), then F.linear; the same
-    values either way (each dequantized weight exactly the twin's)."""
+    values either way (each dequantized weight exactly the twin's). `config`: the kernel's tiles
+    (default `config_for`; benchmarks/probe_quant_gemm.py --sweep times others)."""
     (M, K), N = x.shape, qweight.shape[0]
     if K % GROUP or qweight.shape[1] * 8 != K or scales.shape != (N, K // GROUP):
         raise ValueError(f"int4_linear: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
@@ -221,16 +223,18 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         w = dequantize_int4(qweight, scales, mins, impl="triton" if fused else "torch")
         out = F.linear(x, w.to(x.dtype), bias)
         return out if residual is None else residual.add_(out)
-    return _weight_only(x, qweight, scales, mins, bias, residual, fp8=False, pdl=pdl)
+    return _weight_only(x, qweight, scales, mins, bias, residual, fp8=False, pdl=pdl,
+                        config=config)
 
 
 def fp8_weight_only_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *,
                            bias: Optional[torch.Tensor] = None,
                            residual: Optional[torch.Tensor] = None, pdl: bool = False,
-                           impl: str = "auto") -> torch.Tensor:
+                           impl: str = "auto", config: Optional[Config] = None) -> torch.Tensor:
     """x (M, K) @ (codes * scales)^T (+ bias) for E4M3 codes (N, K) with per-output-channel fp32
-    scales (1, N), the activations unquantized (the codes widened to x's dtype); `residual` as in
-    int4_linear. The twin: the fp32 product of x and the codes, scaled, rounded once."""
+    scales (1, N), the activations unquantized (the codes widened to x's dtype); `residual` and
+    `config` as in int4_linear. The twin: the fp32 product of x and the codes, scaled, rounded
+    once."""
     (M, K), N = x.shape, codes.shape[0]
     if K % GROUP or codes.shape[1] != K:
         raise ValueError(f"fp8_weight_only_linear: x {tuple(x.shape)}, codes {tuple(codes.shape)} "
@@ -239,13 +243,17 @@ def fp8_weight_only_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.T
         out = F.linear(x.float(), codes.float()) * scales
         out = out if bias is None else out + bias.float()
         return out.to(x.dtype) if residual is None else residual.add_(out)
-    return _weight_only(x, codes, scales, None, bias, residual, fp8=True, pdl=pdl)
+    return _weight_only(x, codes, scales, None, bias, residual, fp8=True, pdl=pdl, config=config)
 
 
-def _weight_only(x, codes, scales, mins, bias, residual, *, fp8: bool, pdl: bool):
+def _weight_only(x, codes, scales, mins, bias, residual, *, fp8: bool, pdl: bool,
+                 config: Optional[Config] = None):
     x = x.contiguous()
     (M, K), N = x.shape, codes.shape[0]
-    cfg, groups = config_for(M, N, K), K // GROUP
+    cfg, groups = config or config_for(M, N, K), K // GROUP
+    if GROUP % cfg.block_k or cfg.block_k % 16:
+        raise ValueError(f"weight-only GEMM: block_k {cfg.block_k} must divide the group "
+                         f"({GROUP}) and be a multiple of 16")
     iters = -(-groups // cfg.split_k)
     split = -(-groups // iters)  # each split: `iters` groups (the last one may have fewer)
     out = residual if residual is not None else torch.empty((M, N), dtype=x.dtype,
