@@ -7,7 +7,9 @@ defaults otherwise (auto token budgets, sized under the cap). Each cap runs in i
 full-parameter 7B needs over 140 GiB, so every cap trains LoRA adapters; 24 GiB also recomputes
 activations). Reported per cap: median seconds per step after the first, the run's peak allocated
 memory (perf/max_memory_allocated_gb, GiB) and the cost model's predicted peak for the same
-configuration (its token budgets as the trainer chose them).
+configuration (its token budgets as the trainer chose them) and seconds per step. `--extra`
+adds overrides to every cap's options (e.g. rollout.free_cache_engine=true: at 24 GiB the kept
+KV cache holds the update to one-row micro-batches).
 
   python benchmarks/small_cards.py --out benchmarks/results/small_cards_h200.json     # one H200
   python benchmarks/small_cards.py --model tiny --prompts 2 --samples 2 --response 4 --steps 2 \\
@@ -85,6 +87,24 @@ def predicted_peak(args, cap: int, options: tuple, budgets: dict) -> float | Non
     return None if est is None else round(est.peak_gib, 2)
 
 
+def predicted_step(args, cap: int, overrides: list) -> float | None:
+    """The cost model's seconds per step for the trainer config the run composed (its token
+    budgets included), from `python -m hybridflow.cost --config`'s path (None for the tiny model)."""
+    if args.model == "tiny":
+        return None
+    from hybridflow.cost.efficiency import shipped_calibration
+    from hybridflow.cost.from_overrides import from_overrides
+    from hybridflow.cost.gpus import get_gpu
+    from hybridflow.cost.timing import step_seconds
+    from hybridflow.cost.workload import Workload
+
+    keep = [o for o in overrides if not o.startswith(("trainer.output_dir=",
+                                                      "trainer.gpu_memory_limit_gib="))]
+    shape, plan, fields, _ = from_overrides(keep, world_size=1, free_gib=float(cap))
+    return round(step_seconds(shape, get_gpu("H200"), plan, Workload(**fields),
+                              shipped_calibration())["step"], 3)
+
+
 def run_cap(args, cap: int, options: tuple, work: str) -> dict:
     """One run under `cap` GiB with `options`: its median step, peak and the model's prediction
     (a failed run: its exit code, and what the model predicted)."""
@@ -105,12 +125,14 @@ def run_cap(args, cap: int, options: tuple, work: str) -> dict:
                    if est else {})}
     est = predicted(args, cap, options, budgets)
     med = bench_rl_step.summarize(rows)["median_later_steps"]
+    sized = [f"algo.{k}={v}" for k, v in budgets.items()]
     return {"step_s": round(med["timing_s/step"], 3),
             "peak_gib": round(med.get("perf/max_memory_allocated_gb", 0.0), 2),
             "options": list(options),
             "predicted_peak_gib": round(est.peak_gib, 2) if est else None,
             "predicted_fits": est.fits if est else None,
             "predicted_peak_phase": est.peak_phase if est else None,
+            "predicted_step_s": predicted_step(args, cap, list(ovr) + sized),
             "auto_token_budgets": budgets, "overrides": ovr,
             "stages_s": {k[len("timing_s/"):]: round(v, 3) for k, v in med.items()
                          if k.startswith("timing_s/")}}
@@ -125,6 +147,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=3, help="steps per cap; the first is reported apart")
     ap.add_argument("--caps", default="24,48,80", help="GiB caps, comma-separated")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--extra", nargs="*", default=[], metavar="OVERRIDE",
+                    help="trainer overrides added to every cap's options (an A/B: e.g. "
+                         "rollout.free_cache_engine=true)")
     ap.add_argument("--offload-params-ab", action="store_true",
                     help="the first cap only, AB_OPTIONS with actor.offload_params off and on")
     args = ap.parse_args(argv)
@@ -142,7 +167,7 @@ def main(argv=None) -> dict:
                       f"{res.get('predicted_peak_gib')}, fits {res.get('predicted_fits')})",
                       flush=True)
         for cap in [] if args.offload_params_ab else caps:
-            options = OPTIONS.get(cap, LORA)
+            options = OPTIONS.get(cap, LORA) + tuple(args.extra)
             res = results[str(cap)] = run_cap(args, cap, options, os.path.join(work, str(cap)))
             print(f"cap {cap} GiB: {res.get('step_s', res.get('error'))} s/step, peak "
                   f"{res.get('peak_gib')} GiB (predicted {res.get('predicted_peak_gib')}), "
