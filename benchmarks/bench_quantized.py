@@ -94,7 +94,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--int4-kernel-max-rows", type=int, default=64,
+    ap.add_argument("--int4-kernel-max-rows", type=int, default=256,
                     help="rollout.kernel_options.int4_kernel_max_rows: int4 GEMMs of more rows "
                          "(the prefill; decode batches above it) dequantize the weight once and "
                          "run cuBLAS")

@@ -95,8 +95,8 @@ class DecodeKernelOptions:
     # rollout.quantization=int4: GEMMs of at most this many rows (decode) run the tiled Triton
     # kernel that dequantizes the codes in registers; more rows (prefill) dequantize the weight
     # once into a temporary of the model dtype and run cuBLAS on it (the tiled kernel would
-    # dequantize it again for every 64 rows)
-    int4_kernel_max_rows: int = 64
+    # dequantize it again for every 64 rows; the temporary moves over twice bf16's bytes)
+    int4_kernel_max_rows: int = 256
     # rollout.decode_kernels=triton, temperature > 0 without top-k / top-p: the draw and its
     # log-prob as two Triton passes that read the logits once (hybridflow/kernels/sample.py: a
     # counter-based Philox stream on the device, keyed by each generate call's seed) instead of

@@ -46,8 +46,10 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 # int4 GEMMs of more rows than this (prefill) dequantize the weight once into a temporary of the
 # model dtype and run cuBLAS on it: the tiled kernel dequantizes the whole weight again for every
-# BLOCK_M rows (rollout.kernel_options.int4_kernel_max_rows)
-KERNEL_MAX_ROWS = 64
+# BLOCK_M rows, which a prefill's thousands of rows make its cost; the temporary path moves 4.5
+# bytes per weight (codes in, bf16 out and back into cuBLAS), over twice bf16's 2, so decode
+# buckets stay tiled (rollout.kernel_options.int4_kernel_max_rows)
+KERNEL_MAX_ROWS = 256
 
 
 class Config(NamedTuple):

@@ -46,7 +46,7 @@ class DecodeOptions:
     prefetch_min_rows: int = 256
     swiglu_gemm_min_rows: int = 256
     fp8_weight_only_max_rows: int = 0
-    int4_kernel_max_rows: int = 64
+    int4_kernel_max_rows: int = 256
     fused_sampler: bool = True
     compile_backend: str = "inductor"
     compile_mode: Optional[str] = None
