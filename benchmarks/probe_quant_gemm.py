@@ -99,7 +99,8 @@ def main(argv=None) -> dict:
                 r = {"bf16": bench(lambda: F.linear(x, w)),
                      "int4_ours": bench(lambda: linear(x, q4)),
                      "fp8": bench(lambda: linear(x, q8)),
-                     "fp8_weight_only": bench(lambda: linear(x, q8, fp8_weight_only_max_rows=1 << 20)),
+                     "fp8_weight_only": bench(
+                         lambda: linear(x, q8, fp8_weight_only_max_rows=1 << 20)),
                      "tinygemm_int4": bench(lambda: torch._weight_int4pack_mm(x, tw, 128, sz)),
                      "tinygemm_rel_err": float((tiny - ref).abs().max() / ref.abs().max()),
                      "bf16_floor": (n * k * 2 + m * (n + k) * 2) / 4.8e12 * 1e3}

@@ -89,7 +89,8 @@ def predicted_peak(args, cap: int, options: tuple, budgets: dict) -> float | Non
 
 def predicted_step(args, cap: int, overrides: list) -> float | None:
     """The cost model's seconds per step for the trainer config the run composed (its token
-    budgets included), from `python -m hybridflow.cost --config`'s path (None for the tiny model)."""
+    budgets included), as `python -m hybridflow.cost --config` costs it (None for the tiny
+    model)."""
     if args.model == "tiny":
         return None
     from hybridflow.cost.efficiency import shipped_calibration

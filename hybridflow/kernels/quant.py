@@ -115,8 +115,9 @@ if HAVE_TRITON:
                     w = tl.load(q_ptrs, mask=ok, other=0.0).to(a.dtype)  # E4M3 values: exact
                 else:
                     words = tl.load(q_ptrs, mask=ok, other=0)  # (BLOCK_N, BLOCK_K / 8)
+                    # code k of a row: word k // 8, bits 4 (k % 8)
                     q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF,
-                                   (BLOCK_N, BLOCK_K))  # code k of a row: word k // 8, bits 4 (k % 8)
+                                   (BLOCK_N, BLOCK_K))
                     w = (q.to(tl.float32) * s[:, None] + z[:, None]).to(a.dtype)
                 if a.dtype == tl.float32:  # fp32 (CPU tests): full-precision products
                     acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")

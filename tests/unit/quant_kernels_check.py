@@ -51,7 +51,8 @@ for N, K, dtype in ((64, 128, torch.float32), (100, 384, torch.float32)):
     q = quantize(torch.randn(N, K, generator=g).to(dtype), "int4")
     ref = kq.dequantize_int4(q.codes, q.scales, q.mins)
     got = kq.dequantize_int4(q.codes, q.scales, q.mins, impl="triton")
-    out["dequant"].append({"shape": [N, K], "dtype": str(dtype), "equal": bool(torch.equal(got, ref))})
+    out["dequant"].append({"shape": [N, K], "dtype": str(dtype),
+                           "equal": bool(torch.equal(got, ref))})
 # rows whose values are e4m3 numbers times a power of two, the row's amax 448 of them: x / scale
 # is exact, so the codes need no rounding (the interpreter's fp8 rounding is not the GPU's)
 for M, K in ((1, 16), (7, 96), (4, 1000)):
