@@ -193,7 +193,7 @@ def size_token_budgets(cfg: Config, *, world_size: int, free_gib: float) -> tupl
                            "forward_micro_batch_tokens": forward})
         est = memory_for(cfg.model, gpu, plan, work, calib)
         return all(max(sum(c.values()), est.reserved_phases_gib[ph]) <= capacity
-                   for ph, c in est.phases_gib.items() if ph in phases)
+                   for ph, c in est.phases_gib.items() if phases is None or ph in phases)
 
     def largest(max_rows: int, fits_rows) -> int:
         best = 1
@@ -207,7 +207,7 @@ def size_token_budgets(cfg: Config, *, world_size: int, free_gib: float) -> tupl
     train = a.max_tokens_per_micro_batch_per_gpu
     forward = a.forward_max_tokens_per_micro_batch_per_gpu
     if train is None:
-        phases = ("gen",) + train_phases + FORWARD_PHASES if every_phase else train_phases
+        phases = None if every_phase else train_phases  # (None: every phase)
         train = values["max_tokens_per_micro_batch_per_gpu"] = largest(
             mini_rows, lambda t: fits(t, forward or row, phases))
         said.append(f"training {train}")
