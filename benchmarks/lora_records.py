@@ -54,7 +54,9 @@ mean=lengths["response_mean_arg"], cap=lengths["cap"],
             "micro_batch_tokens": budget, "dynamic_bsz": True, "pack_sequences": True,
             "packed_attention": "varlen", "skip_old_log_prob": True, "decode_kernels": "triton",
             "fused_elementwise": True, "gradient_accumulation_fusion": True, "dtype": "bf16",
-            "train_cuda_graphs": option == "graphs", "lora_rank": 32 if kind == "lora" else 0}
+            "train_cuda_graphs": option == "graphs", "lora_rank": 32 if kind == "lora" else 0,
+            # (that code padded every packed micro-batch to the graphs' shape)
+            **({"graph_min_fill": 0.0} if option == "graphs" else {})}
 
 
 def build() -> list[dict]:

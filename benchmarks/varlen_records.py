@@ -126,7 +126,9 @@ def build() -> list[dict]:
         recs.append(record(f"gsm8k-grpo-now-{variant}", "grpo_now", cfg, m,
                            "benchmarks/results/gsm8k_step_h200.json", {"mean": mean, **prompts,
                                                                        "tail_from": "grpo probe"}))
-    for variant, extra in (("recipe", {}), ("train-graphs", {"train_cuda_graphs": True})):
+    # (that code padded every packed micro-batch to the graphs' shape: graph_min_fill 0)
+    for variant, extra in (("recipe", {}),
+                           ("train-graphs", {"train_cuda_graphs": True, "graph_min_fill": 0.0})):
         src = f"benchmarks/results/gsm8k_graphs_h200/{'full' if variant == 'recipe' else 'full_graphs'}/metrics.jsonl"
         rows = [r for r in map(json.loads, open(os.path.join(ROOT, src))) if "timing_s/step" in r][1:]
         s = shape_of(rows)

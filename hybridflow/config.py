@@ -52,7 +52,8 @@ class ParallelConfig:
     # first update's most common micro-batch; packed micro-batches (algo.pack_sequences, varlen
     # attention) are padded to the token budget with a fixed count of documents and captured at
     # that shape (again if a pass's rows outgrow it); micro-batches of another shape, with
-    # left-padded prompts (an attention mask) or packed for flex_attention run the eager layers
+    # left-padded prompts (an attention mask), packed for flex_attention or packed into less than
+    # half the budget (a pass's last, usually: padding it would cost more) run the eager layers
     # (`<role>/graphed_micro_batch_frac` says the share that replayed). Without TE a layer is ~75
     # kernel launches forward and backward, ~50 us of host time each: small micro-batches are
     # bound by the host, and one graph replay per layer removes that. Each layer's backward graph

@@ -293,29 +293,31 @@ def _reshard(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload) -> StageTerm
 def _passes(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, *, ideal: float, coef: str,
             tokens: float, micro: int, flushes: int, layer_passes: int,
             graphed: bool = False, ep: int = 1, grouped_gemm: bool = False,
-            lora_bytes: float = 0.0) -> None:
+            lora_bytes: float = 0.0, eager_micro: int = 0) -> None:
     """Compute, fixed per-layer cost, PP bubble and TP traffic of `micro` micro-batches in `flushes`
     pipeline flushes (optimizer steps), each micro-batch run through the stage's layers
     `layer_passes` times (1: forward, 3: fwd+bwd, 4: fwd+bwd with recompute); `graphed`: the layer
     passes are CUDA graph replays (parallel.train_cuda_graphs, PP = 1: no bubble). `lora_bytes`:
     the LoRA adapters' activation traffic of the whole stage on this GPU (GPU side, at HBM
     bandwidth x lora_bw_efficiency); with it, eager layer passes also pay the adapters' launches
-    (`lora_layer_pass_s` per layer pass; graphed, they are inside the replay)."""
+    (`lora_layer_pass_s` per layer pass; graphed, they are inside the replay). `eager_micro` of
+    the graphed micro-batches run the eager layers instead (too small to pad to the shape)."""
     layers = shape.num_layers // layout.pp_t
     bubble = (layout.pp_t - 1) * flushes / micro
     overhead = layers * micro * layer_passes
-    per_layer = "graphed_layer_pass_s" if graphed else "layer_pass_overhead_s"
+    eager = layers * (eager_micro if graphed else micro) * layer_passes
     t.add("compute", coef, ideal)
-    t.add("layer_overhead", per_layer, overhead)
+    t.add("layer_overhead", "layer_pass_overhead_s", eager)
+    t.add("layer_overhead", "graphed_layer_pass_s", overhead - eager)
     t.add("pp_bubble", coef, ideal * bubble)
-    t.add("pp_bubble", per_layer, overhead * bubble)
+    t.add("pp_bubble", "layer_pass_overhead_s", eager * bubble)
+    t.add("pp_bubble", "graphed_layer_pass_s", (overhead - eager) * bubble)
     if lora_bytes:
         traffic = lora_bytes / (gpu.hbm_gbps * 1e9)
         t.add("lora", "inv_lora_bw_eff", traffic)
         t.add("pp_bubble", "inv_lora_bw_eff", traffic * bubble)
-        if not graphed:
-            t.add("lora", "lora_layer_pass_s", overhead)
-            t.add("pp_bubble", "lora_layer_pass_s", overhead * bubble)
+        t.add("lora", "lora_layer_pass_s", eager)
+        t.add("pp_bubble", "lora_layer_pass_s", eager * bubble)
     # SP: a layer's forward all-gathers twice and reduce-scatters twice (the bytes of 2 all-reduces);
     # backward mirrors it (twice the launches, the same collectives), recompute repeats the forward.
     comm_passes = max(1, layer_passes - 1)
@@ -439,7 +441,8 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
             tokens=tokens, micro=opt_steps * micro, flushes=opt_steps,
             layer_passes=layer_passes, graphed=w.train_cuda_graphs, ep=plan.ep,
-            grouped_gemm=w.moe_grouped_gemm, lora_bytes=lora)
+            grouped_gemm=w.moe_grouped_gemm, lora_bytes=lora,
+            eager_micro=opt_steps * work.eager_micro if work is not None else 0)
     _masked(t, layout, shape, gpu, work, layer_passes - 1, repeat=opt_steps)
     params = shape.num_params if role == "actor" else shape.num_critic_params
     fused = shape.attn_matmul_params if shape.moe.enabled else shape.layer_matmul_params

@@ -142,6 +142,7 @@ class PassWork:
     head_tokens: float     # positions whose LM head is computed
     attention: float       # sum over rows of (attended length)^2: causal attention ~ 2 L q_dim x it
     masked_attention: float  # `attention` of the micro-batches whose attention needs a mask
+    eager_micro: int = 0   # padded_to_budget: the micro-batches too small to pad (eager layers)
 
 
 @functools.lru_cache(maxsize=256)
@@ -150,7 +151,8 @@ def pass_work(w: Workload, rows: int, max_tokens: int, multiple: int = 1,
     """The micro-batches of `rows` rows under `max_tokens` tokens per micro-batch (token budget, or
     rows x the longest row for fixed micro-batches). `padded_to_budget`: each packed micro-batch
     computes the whole budget (the update's CUDA graphs replay one static shape: the rows' tokens,
-    then padding; its attention is only the rows')."""
+    then padding; its attention is only the rows'), but those under `w.graph_min_fill` of it,
+    which run the eager layers unpadded (`eager_micro`)."""
     r = row_lengths(w, rows)
     p = np.full(rows, w.prompt_len, dtype=np.int64)
     if not w.dynamic_bsz:   # the step's rows padded to its longest prompt and response
@@ -168,12 +170,15 @@ def pass_work(w: Workload, rows: int, max_tokens: int, multiple: int = 1,
     groups = token_budget_groups(torch.from_numpy(p), torch.from_numpy(r), max_tokens=max_tokens,
                                  multiple=multiple, packed=w.pack_sequences)
     tokens = head = attention = masked = 0.0
+    eager = 0
     for g in groups:
         gp, gr = p[g], r[g]
         lengths = gp + gr
         if w.pack_sequences and not (lengths == lengths[0]).all():
             real = float(lengths.sum())
-            tokens += math.ceil(max(real, max_tokens if padded_to_budget else 0) / multiple) * multiple
+            pad = padded_to_budget and real >= w.graph_min_fill * max_tokens
+            eager += padded_to_budget and not pad
+            tokens += math.ceil(max(real, max_tokens if pad else 0) / multiple) * multiple
             share = VARLEN_MASKED_SHARE if w.packed_attention == "varlen" else 1.0
             masked += share * float((lengths.astype(np.float64) ** 2).sum())
             head += float(gr.sum()) if w.response_logits_only else real
@@ -185,4 +190,4 @@ def pass_work(w: Workload, rows: int, max_tokens: int, multiple: int = 1,
                 masked += len(g) * float(width) ** 2
             head += len(g) * (int(gr.max()) if w.response_logits_only else width)
             attention += len(g) * float(width) ** 2
-    return PassWork(len(groups), tokens, head, attention, masked)
+    return PassWork(len(groups), tokens, head, attention, masked, int(eager))

@@ -70,6 +70,10 @@ class Workload:
     # DDP's main_grad themselves say true: those graphs also held the layers' weight gradients
     # (bf16) as static outputs for the run
     graph_weight_grads_held: bool = False
+    # under train_cuda_graphs, packed micro-batches of fewer real tokens than this share of the
+    # budget run the eager layers, unpadded (data.packing.GRAPH_MIN_FILL); records of the graphs
+    # measured before say 0 (every packed micro-batch padded to the budget)
+    graph_min_fill: float = 0.5
     # parallel.gradient_accumulation_fusion (the trainer's default): the decoder layers' weight
     # gradients go into DDP's main_grad inside their backward GEMM, not through a bf16 gradient and
     # a second pass per micro-batch (timing.GRAD_ACCUM_*); records measured before say false

@@ -145,6 +145,10 @@ def test_packed_pass_by_hand():
     # single rows run unpacked at their width; attention and the LM head stay the rows'
     g = pass_work(replace(w, packed_attention="varlen"), 4, 16, 1, True)
     assert (g.micro, g.tokens, g.attention, g.head_tokens) == (3, 13 + 16 + 6, v.attention, v.head_tokens)
+    assert g.eager_micro == 0   # 13 of 16 tokens: at least graph_min_fill (0.5) of the budget
+    # under graph_min_fill of the budget a packed micro-batch runs the eager layers, unpadded
+    e = pass_work(replace(w, packed_attention="varlen", graph_min_fill=0.9), 4, 16, 1, True)
+    assert (e.tokens, e.eager_micro) == (13 + 13 + 6, 1)
     with pytest.raises(ValueError, match="packed_attention 'sdpa'"):
         replace(w, packed_attention="sdpa")
 

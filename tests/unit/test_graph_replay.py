@@ -125,11 +125,12 @@ def _ragged(short: bool = False) -> RolloutBatch:
     return ragged_batch(PACK_P, PACK_R, seed=1)
 
 
-def _packed_steps(ctx, fake: bool, monkeypatch):
+def _packed_steps(ctx, fake: bool, monkeypatch, batches=None):
     """Two updates (ragged rows, then one-token responses: more documents per micro-batch) as
     packed token-budget micro-batches; `fake`: the engine's packed-graph path with a stand-in
     capture whose "replay" runs the eager layer on flex documents rebuilt from the capture's
-    static cu_seqlens (what the varlen kernel would read), only for calls carrying that object."""
+    static cu_seqlens (what the varlen kernel would read), counted for calls carrying that object;
+    the eager layers' varlen calls (micro-batches that do not replay) run on flex the same way."""
     from hybridflow import engine as E
     from hybridflow.models.attention import packed_documents
     from tests.dist.parity_util import fill_deterministic
@@ -145,11 +146,13 @@ def _packed_steps(ctx, fake: bool, monkeypatch):
             def forward(hidden_states, attention_mask=None, eager=eager, **kw):
                 if attention_mask is docs:
                     assert hidden_states.shape[0] == seq_len
-                    lens = docs.cu_seqlens.diff().long()
-                    ids = torch.repeat_interleave(torch.arange(lens.numel()), lens)
-                    attention_mask = packed_documents(ids, docs.cu_seqlens, docs.max_seqlen,
-                                                      kernel="flex")
                     replays.append(1)
+                if getattr(attention_mask, "kernel", None) == "varlen":  # (CUDA only): on flex
+                    m = attention_mask
+                    lens = m.cu_seqlens.diff().long()
+                    ids = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+                    attention_mask = packed_documents(ids, m.cu_seqlens, m.max_seqlen,
+                                                      kernel="flex")
                 return eager(hidden_states, attention_mask=attention_mask, **kw)
 
             layer.forward = forward
@@ -164,7 +167,7 @@ def _packed_steps(ctx, fake: bool, monkeypatch):
         eng.packed_kernel()
         eng._packed_kernel = "varlen"  # what a GPU picks; the stand-in replays on flex
     out = []
-    for batch in (_ragged(), _ragged(short=True)):
+    for batch in batches or (_ragged(), _ragged(short=True)):
         loss_fn = actor_objective(AlgoConfig(), num_tokens=int(batch.response_mask.sum()),
                                   num_seqs=batch.batch_size)
         m = eng.train_step(batch, loss_fn, micro_batch_size=2, max_tokens=BUDGET, pack=True)
@@ -188,3 +191,25 @@ def test_packed_replay_path_matches_eager(ctx, monkeypatch):
             assert m_g[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
         for n, w in w_e.items():
             torch.testing.assert_close(w_g[n], w, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_a_small_last_micro_batch_runs_eager(ctx, monkeypatch):
+    """A packed micro-batch under GRAPH_MIN_FILL of the budget (the pass's last: two rows, 6 of
+    32 tokens) is not padded to the captured shape: it runs the eager layers while the others
+    replay (at GRAPH_MIN_FILL 0 it replays too), and the update equals the eager one."""
+    from hybridflow import engine as E
+
+    batch = [ragged_batch(PACK_P + [2, 1], PACK_R + [2, 2], seed=1)]
+    eager, _, _ = _packed_steps(ctx, False, monkeypatch, batches=batch)
+    graphed, captures, replays = _packed_steps(ctx, True, monkeypatch, batches=batch)
+    assert 6 < E.GRAPH_MIN_FILL * BUDGET and len(captures) == 1
+    assert graphed[0][0]["graphed_micro_batch_frac"] == pytest.approx(2 / 3)
+    assert replays == 2 * MODEL.num_layers  # two micro-batches' forward through the layers
+    (m_e, w_e, _), (m_g, w_g, _) = eager[0], graphed[0]
+    for k, v in m_e.items():
+        assert m_g[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    for n, w in w_e.items():  # (Adam scales the few near-zero gradients' rounding up to ~1e-5)
+        torch.testing.assert_close(w_g[n], w, rtol=1e-5, atol=5e-5, msg=n)
+    monkeypatch.setattr(E, "GRAPH_MIN_FILL", 0.0)
+    padded, _, _ = _packed_steps(ctx, True, monkeypatch, batches=batch)
+    assert padded[0][0]["graphed_micro_batch_frac"] == 1.0
