@@ -548,6 +548,11 @@ def step_seconds(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
 
 
 def actor_model_flops(shape: ModelConfig, w: Workload) -> float:
-    """Useful FLOPs of the actor update in one step (no recompute), for MFU."""
-    return w.ppo_epochs * w.tokens_per_step * train_flops_per_token(
-        shape, w.seq_len, head_fraction=w.head_fraction)
+    """Useful FLOPs of the actor update in one step (no recompute), for MFU; with LoRA, without
+    the frozen base's weight gradients and with the adapters' own."""
+    tokens = w.ppo_epochs * w.tokens_per_step
+    flops = tokens * train_flops_per_token(shape, w.seq_len, head_fraction=w.head_fraction)
+    if w.lora_rank:
+        flops += (3 * 2 * lora_params(shape, w.lora_rank) * tokens
+                  - _frozen_wgrad_flops(shape, "actor", tokens, tokens * w.head_fraction))
+    return flops

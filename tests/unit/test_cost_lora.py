@@ -212,3 +212,20 @@ def test_shipped_fit_and_held_out_gsm8k_lora_step():
         assert pred[key] == pytest.approx(run.metrics[key], rel=0.10), key
     merge = predict(run, shipped)["timing_s/reshard"]
     assert merge == pytest.approx(run.metrics["timing_s/reshard"], rel=0.10)
+
+
+def test_lora_model_flops_for_mfu():
+    """The actor MFU's useful FLOPs with LoRA: the full update's less the frozen base's weight
+    gradients (one forward's matmuls, the LM head at the response positions), plus the adapters'
+    forward and backward."""
+    from hybridflow.cost.timing import actor_model_flops
+    from hybridflow.cost.workload import Workload
+
+    s = load_shape("qwen2_1_5b")
+    w = Workload(prompts_per_step=8, samples_per_prompt=8, prompt_len=128, response_len=256)
+    lora = replace(w, lora_rank=16)
+    tokens = w.tokens_per_step
+    wgrad = 2 * (s.num_dense_params - s.embedding_params) * tokens \
+        + 2 * s.embedding_params * tokens * w.head_fraction
+    assert actor_model_flops(s, lora) == pytest.approx(
+        actor_model_flops(s, w) - wgrad + 6 * lora_params(s, 16) * tokens, rel=1e-12)
