@@ -89,8 +89,9 @@ shipped fit's values and where its records come from are in docs/perf_log.md):
   few tens of us each: the profiled update launched 50% more kernels than the full one); the
   update's CUDA graphs (train_cuda_graphs) hold them in the replay.
 - lora_merge_block_s 2e-4: LoRA only: seconds per row block of the merge before generation
-  (models/lora.py merged_adapters, flops.lora_merge_work): each block's dozen launches and its
-  host wait for the positions the unmerge must fix; the merge's bytes are charged apart
+  (models/lora.py merged_adapters, flops.lora_merge_work): each block's dozen launches and (in
+  the record it is fitted on) its host wait for the positions the unmerge must fix, which the
+  merge now makes once per many blocks; the merge's bytes are charged apart
   (flops.LORA_MERGE_BYTES_PER_PARAM at HBM bandwidth x timing.GRAD_ACCUM_BW_EFF, measured for
   such mixed-dtype element-wise kernels).
   The three are fitted on the LoRA records alone, the rest held, each against the same call's

@@ -78,9 +78,10 @@ def lora_bytes_per_token_layer(shape: ModelConfig, tp: int = 1) -> tuple[float, 
 # row blocks of LORA_MERGE_BLOCK_ROWS: D = B A written in fp32 (4); W upcast (2 read, 4 written),
 # W + D (8 read, 4 written) and rounded to bf16 (4 read, 2 written): 24; the same back from the
 # merged block (24); the two bf16 results' bits compared (4 read, 1 written) and the mask scanned
-# (1); the merged block copied in (4): 62. Each block also waits on the host for its nonzero()
-# (`lora_merge_block_s`). The restore after generation recomputes D and subtracts it (4 + 24,
-# copied in: 4 more) and waits for nothing.
+# (1); the merged block copied in (4): 62. Each block also costs its launches
+# (`lora_merge_block_s`, fitted when every block made the host wait for its nonzero(); the merge
+# now waits once per many blocks, so the term is an upper bound until refitted). The restore after
+# generation recomputes D and subtracts it (4 + 24, copied in: 4 more) and waits for nothing.
 LORA_MERGE_BYTES_PER_PARAM = 62
 LORA_UNMERGE_BYTES_PER_PARAM = 32
 LORA_MERGE_BLOCK_ROWS = 4096

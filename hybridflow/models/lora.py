@@ -36,7 +36,7 @@ merge time (comparing bits) and their original values kept in host memory (6 byt
 offset and the bf16 value; in bf16 about 1% of positions for an update of 0.5% of the weights'
 scale, 5% at 5%, 22% at 50%). D is recomputed for the unmerge with the same ops on the same inputs (bitwise
 reproducible on one device). The work goes in blocks of rows, so its fp32 temporaries are a few
-blocks, not a weight.
+blocks, not a weight; the host waits for the positions once per many weights, not per block.
 The reference policy is the same model under `adapters_disabled(model)`.
 """
 
@@ -494,41 +494,68 @@ def merged_copy(adapter: LoRAAdapter, weight: torch.Tensor, *, block_rows: int =
 
 
 @contextmanager
-def merged_adapters(model, *, block_rows: int = 4096):
+def merged_adapters(model, *, block_rows: int = 4096, sync_elements: int = 1 << 26):
     """Inside the `with`, each adapted linear's weight holds W + scale * B @ A (rounded to its
     dtype) and its adapter is off (the forward then equals the adapted one up to that rounding);
     after it, W is restored bit for bit (see the module docstring). Computed `block_rows` rows at
-    a time (fp32 temporaries of a few such blocks, not of a whole weight). The positions to fix
-    and their old values go to the host without waiting for the copies (pinned memory; the
-    restore's copies back are ordered after them on the same stream)."""
+    a time (fp32 temporaries of a few such blocks, not of a whole weight). Finding the positions
+    to fix makes the host wait for the device; it does so once per `sync_elements` weights'
+    elements (their merged blocks and masks held until then: 3 bytes an element), not once per
+    block. The positions and their old values go to the host without waiting for the copies
+    (pinned memory; the restore's copies back are ordered after them on the same stream)."""
     from hybridflow.offload import host_copy  # (offload imports checkpoint, which imports us)
 
-    saved = []
+    saved, pending = [], []  # pending: (linear, adapter, its blocks' masks, merged blocks)
+
+    def flush():
+        if not pending:
+            return
+        masks = torch.cat([m for _, _, ms, _ in pending for m in ms])
+        wrong = masks.nonzero().squeeze(1)  # the one wait for the device
+        sizes = [linear.weight.numel() for linear, _, _, _ in pending]
+        ends = torch.tensor(sizes, device=wrong.device).cumsum(0)
+        cuts = [0] + torch.searchsorted(wrong, ends).tolist()
+        start = 0
+        for (linear, a, _, merged), lo, hi, n in zip(pending, cuts, cuts[1:], sizes):
+            w = linear.weight
+            local = wrong[lo:hi] - start
+            # kept on the host: int32 offsets in the weight and the old values
+            fixes = (host_copy(local.to(torch.int32), non_blocking=True),
+                     host_copy(w.view(-1)[local], non_blocking=True))
+            for (block, _, _), m in zip(a.weight_blocks(w, block_rows), merged):
+                block.copy_(m)
+            a.enabled = False
+            saved.append((linear, a, fixes))
+            start += n
+        pending.clear()
+
     try:
         with torch.no_grad():
+            held = 0
             for linear, a in adapters(model):
                 if not a.enabled:
                     continue
-                fixes = []
+                masks, merged = [], []
                 for w, b, at in a.weight_blocks(linear.weight, block_rows):
                     d = b @ at
-                    merged = (w.float() + d).to(w.dtype)
-                    back = (merged.float() - d).to(w.dtype)
-                    wrong = (_bits(back) != _bits(w)).view(-1).nonzero().squeeze(1)
-                    # kept on the host: int32 offsets in the block and the old values
-                    fixes.append((host_copy(wrong.to(torch.int32), non_blocking=True),
-                                  host_copy(w.view(-1)[wrong], non_blocking=True)))
-                    w.copy_(merged)
-                a.enabled = False
-                saved.append((linear, a, fixes))
+                    m = (w.float() + d).to(w.dtype)
+                    back = (m.float() - d).to(w.dtype)
+                    masks.append((_bits(back) != _bits(w)).view(-1))
+                    merged.append(m)
+                pending.append((linear, a, masks, merged))
+                held += linear.weight.numel()
+                if held >= sync_elements:
+                    flush()
+                    held = 0
+            flush()
         yield
     finally:
         with torch.no_grad():
-            for linear, a, fixes in reversed(saved):
+            for linear, a, (wrong, keep) in reversed(saved):
                 a.enabled = True
-                blocks = a.weight_blocks(linear.weight, block_rows)
-                for (w, b, at), (wrong, keep) in zip(blocks, fixes):
-                    w.copy_((w.float() - b @ at).to(w.dtype))
-                    w.view(-1)[wrong.to(w.device, torch.long, non_blocking=True)] = keep.to(
-                        w.device, non_blocking=True)
+                w = linear.weight
+                for block, b, at in a.weight_blocks(w, block_rows):
+                    block.copy_((block.float() - b @ at).to(block.dtype))
+                w.view(-1)[wrong.to(w.device, torch.long, non_blocking=True)] = keep.to(
+                    w.device, non_blocking=True)
 

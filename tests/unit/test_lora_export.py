@@ -285,6 +285,38 @@ def test_bf16_merge_unmerge_is_bit_exact():
     assert torch.equal(w.view(torch.int16), before.view(torch.int16))
 
 
+@pytest.mark.parametrize("sync_elements", [1, 2 * 144 * 64, 1 << 26],
+                         ids=["every_weight", "two_weights", "all_at_once"])
+def test_merge_of_several_weights_between_host_waits(sync_elements):
+    """The merge finds the positions to fix for several weights at once (a host wait per
+    sync_elements weights' elements, not per block): each weight holds merged_copy's bits
+    inside, and every weight's bits come back after, however the weights are grouped."""
+    from hybridflow.models.lora import LoRAAdapter, merged_adapters, merged_copy
+
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    for i in range(3):
+        lin = torch.nn.Linear(64, 3 * 48, bias=False).to(torch.bfloat16)
+        lin.lora = LoRAAdapter(
+            kind="column", parts=[("q_proj", 32, True), ("k_proj", 8, False),
+                                  ("v_proj", 8, True)],
+            groups=3, in_local=64, in_full=64, rank=4, alpha=8.0, dropout=0.0, tp_group=_Group(),
+            tp_rank=0, sequence_parallel=False, dtype=torch.bfloat16, device="cpu",
+            seeds={"q_proj": 1 + i, "v_proj": 2 + i})
+        for b in lin.lora.B.values():
+            torch.nn.init.normal_(b, std=0.5)
+        holder.add_module(f"linear{i}", lin)
+    linears = [holder.linear0, holder.linear1, holder.linear2]
+    before = [lin.weight.detach().clone() for lin in linears]
+    want = [merged_copy(lin.lora, w, block_rows=5) for lin, w in zip(linears, before)]
+    with merged_adapters(holder, block_rows=5, sync_elements=sync_elements):
+        for lin, m in zip(linears, want):
+            assert not lin.lora.enabled
+            assert torch.equal(lin.weight.view(torch.int16), m.view(torch.int16))
+    for lin, w in zip(linears, before):
+        assert lin.lora.enabled and torch.equal(lin.weight.view(torch.int16), w.view(torch.int16))
+
+
 def test_config_errors():
     from hybridflow.config import load_config
     from hybridflow.config_checks import validate
