@@ -5,7 +5,9 @@ cut at --cap; random weights of --model, --layers / --vocab to shrink it) runs a
 micro-batches of --budget tokens through `Engine.train_step`, once with every parameter training and
 once with LoRA adapters (rank --rank, alpha --alpha, --targets; the base frozen). Per side: seconds
 per update (median of --iters after a warm-up), split into the forward + backward of the
-micro-batches and the rest (optimizer step, grad-norm, zeroing), and the adapter path taken
+micro-batches and the rest (optimizer step, grad-norm, zeroing); for LoRA, the switch around
+generation on the trained adapters (the merge into the weights and the restore); and the
+adapter path taken
 (`fused`: models/lora.py's one-node linears with the gradients added into DDP's main_grad, or
 `autograd`). A side named `<side>+graphs` (e.g. --sides full,lora,full+graphs,lora+graphs) runs
 with parallel.train_cuda_graphs: its packed micro-batches padded to one shape and each layer's
@@ -129,6 +131,30 @@ def profile_update(fn, cuda: bool, layers: int, micro_batches: int) -> dict:
     return out
 
 
+def switch_seconds(module, reps: int, cuda: bool) -> dict:
+    """The LoRA switch around generation on the adapters the updates trained: the merge into the
+    weights (`merged_adapters` entered) and the restore (left), medians of `reps`, synchronized."""
+    from hybridflow.models.lora import merged_adapters
+
+    def now():
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    merge, restore = [], []
+    for _ in range(reps + 1):  # the first: warm-up
+        t0 = now()
+        switch = merged_adapters(module)
+        switch.__enter__()
+        t1 = now()
+        switch.__exit__(None, None, None)
+        t2 = now()
+        merge.append(t1 - t0)
+        restore.append(t2 - t1)
+    return {"merge_median_s": statistics.median(merge[1:]),
+            "restore_median_s": statistics.median(restore[1:])}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2_5_coder_0_5b")
@@ -236,6 +262,7 @@ def main(argv=None) -> int:
         if lora:
             from hybridflow.models.lora import adapters
 
+            r.update(switch_seconds(eng.module, max(3, a.iters), cuda))
             linear, ad = next(adapters(eng.module))
             with torch.enable_grad():
                 fused = getattr(ad, "fusable", None)
@@ -247,7 +274,9 @@ def main(argv=None) -> int:
         results[side] = r
         print(f"{side:11s} update {r['update_median_s']:.3f} s (fwd+bwd {r['fwd_bwd_median_s']:.3f}, "
               f"rest {r['rest_median_s']:.3f}), {r['micro_batches']} micro-batches, "
-              f"{r['tokens']} tokens" + (f", adapters {r.get('adapter_path')}" if lora else ""),
+              f"{r['tokens']} tokens" + (f", adapters {r.get('adapter_path')}, merge "
+                                         f"{r['merge_median_s']:.4f} s, restore "
+                                         f"{r['restore_median_s']:.4f} s" if lora else ""),
               flush=True)
         if a.profile:
             for phase, p in r["profile"].items():

@@ -374,6 +374,8 @@ def test_bench_lora_update_times_both_sides(tmp_path):
     assert lora["trainable_tensors"] == rec["layers"] * 7 * 2
     assert lora["trainable_params"] < full["trainable_params"]
     assert res["lora_over_full"] == lora["update_median_s"] / full["update_median_s"]
+    assert lora["merge_median_s"] > 0 and lora["restore_median_s"] > 0
+    assert "merge_median_s" not in full
     for r in (full, lora):
         assert r["update_median_s"] > 0 and r["fwd_bwd_median_s"] > 0
         assert r["profile"]["forward"]["aten_ops"] > 0 and r["profile"]["backward"]["aten_ops"] > 0
