@@ -156,6 +156,8 @@ def switch_seconds(module, reps: int, cuda: bool) -> dict:
 
 
 def main(argv=None) -> int:
+    from hybridflow.config import AlgoConfig, LoRAConfig, OptimConfig, ParallelConfig
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2_5_coder_0_5b")
     ap.add_argument("--layers", type=int, default=0, help="0: the model's")
@@ -169,6 +171,9 @@ def main(argv=None) -> int:
     ap.add_argument("--targets", default="all-linear")
     ap.add_argument("--sides", default="full,lora",
                     help="comma-separated: full, lora, full+graphs, lora+graphs")
+    ap.add_argument("--graphs-min-fill", type=float, default=ParallelConfig.train_graphs_min_fill,
+                    help="parallel.train_graphs_min_fill for the +graphs sides: packed "
+                         "micro-batches under this share of the budget run eager (0: all padded)")
     ap.add_argument("--no-fusion", action="store_true",
                     help="parallel.gradient_accumulation_fusion=false (LoRA: the autograd path)")
     ap.add_argument("--iters", type=int, default=5)
@@ -177,7 +182,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     from hybridflow.algo.objectives import actor_objective
-    from hybridflow.config import AlgoConfig, LoRAConfig, OptimConfig, ParallelConfig
     from hybridflow.cost.shapes import load_shape
     from hybridflow.engine import Engine
     from hybridflow.parallel import groups
@@ -202,7 +206,8 @@ def main(argv=None) -> int:
         if kind not in ("full", "lora") or option not in ("", "graphs"):
             raise SystemExit(f"--sides: {side!r} is not one of full, lora, full+graphs, lora+graphs")
         par = ParallelConfig(use_distributed_optimizer=False, train_cuda_graphs=option == "graphs",
-                             gradient_accumulation_fusion=not a.no_fusion)
+                             gradient_accumulation_fusion=not a.no_fusion,
+                             train_graphs_min_fill=a.graphs_min_fill)
         lora = LoRAConfig(rank=a.rank, alpha=a.alpha, target_modules=a.targets.split(",")) \
             if kind == "lora" else None
         eng = Engine(role="actor", model_cfg=model_cfg, ctx=ctx, parallel=par, precision=precision,

@@ -53,7 +53,7 @@ class ParallelConfig:
     # attention) are padded to the token budget with a fixed count of documents and captured at
     # that shape (again if a pass's rows outgrow it); micro-batches of another shape, with
     # left-padded prompts (an attention mask), packed for flex_attention or packed into less than
-    # half the budget (a pass's last, usually: padding it would cost more) run the eager layers
+    # train_graphs_min_fill of the budget run the eager layers
     # (`<role>/graphed_micro_batch_frac` says the share that replayed). Without TE a layer is ~75
     # kernel launches forward and backward, ~50 us of host time each: small micro-batches are
     # bound by the host, and one graph replay per layer removes that. Each layer's backward graph
@@ -61,6 +61,11 @@ class ParallelConfig:
     # activations reserved and their static inputs and outputs allocated for the run. PP = 1, no
     # activation recompute; CPU runs are unchanged
     train_cuda_graphs: bool = False
+    # with train_cuda_graphs: a packed micro-batch holding fewer real tokens than this share of the
+    # token budget runs the eager layers unpadded instead of being padded to the captured shape (a
+    # GSM8K update's last micro-batch holds 4,396 of 20,480 tokens, 90% of the pass's padding,
+    # which costs more GPU time than one micro-batch's eager launches); 0: every one padded
+    train_graphs_min_fill: float = 0.5
     # MoE models (model.moe): experts split over this many ranks (Megatron's expert model
     # parallelism; EP ranks come out of the DP x TP ranks of a stage: EP x ETP divides DP x TP and
     # EP divides model.moe.num_experts). Tokens travel to their experts' ranks by all-to-all

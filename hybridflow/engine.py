@@ -56,8 +56,7 @@ from hybridflow.checkpoint.optim import use_fused_adam
 from hybridflow.config import LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.data.microbatch import token_budget_groups
-from hybridflow.data.packing import (GRAPH_MIN_FILL, PackedRows, PackedShape, fit_packed,
-                                     pack_rows, shape_for)
+from hybridflow.data.packing import PackedRows, PackedShape, fit_packed, pack_rows, shape_for
 from hybridflow.models.attention import SDPAttention, choose_packed_attention, packed_documents
 from hybridflow.models.build import LM_ROLES, build_model
 from hybridflow.models.graphs import graph_layers, ungraph_layers
@@ -144,6 +143,7 @@ class Engine:
         self._want_graphs = (parallel.train_cuda_graphs and optim is not None
                              and ctx.device.type == "cuda")
         self._fit_packed = self._want_graphs
+        self._graph_min_fill = parallel.train_graphs_min_fill
         self._graph_shape: Optional[tuple[int, int] | PackedShape] = None
         self._next_packed_shape: Optional[PackedShape] = None
         self._graph_docs = None
@@ -370,11 +370,11 @@ class Engine:
         shape: `length` the token budget (a multiple of `multiple`), the documents and longest row
         from this pass (`shape_for`, with headroom); kept while at most a quarter of a pass's
         packed rows miss it, else grown to them (`_next_packed_shape`: the capture follows).
-        Packed rows of fewer than GRAPH_MIN_FILL of the budget's tokens (a pass's last
-        micro-batch, usually) stay eager: padded, they would compute the rest of the budget."""
+        Packed rows of fewer than parallel.train_graphs_min_fill of the budget's tokens (a pass's
+        last micro-batch, usually) stay eager: padded, they would compute the rest of the budget."""
         length = -(-max_tokens // multiple) * multiple
         packed = [p for _, p in host if p is not None
-                  and GRAPH_MIN_FILL * length <= p.input_ids.shape[1] <= length]
+                  and self._graph_min_fill * length <= p.input_ids.shape[1] <= length]
         if not packed or (self._packed_kernel != "varlen" and self._want_graphs):
             return host  # flex builds a block mask per micro-batch: nothing static to capture
         shape = self._graph_shape if isinstance(self._graph_shape, PackedShape) else None

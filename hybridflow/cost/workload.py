@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hybridflow.config import ParallelConfig
 from hybridflow.config_checks import validate_model, validate_moe
 from hybridflow.model_config import ModelConfig
 from hybridflow.parallel.layout import Layout
@@ -70,10 +71,10 @@ class Workload:
     # DDP's main_grad themselves say true: those graphs also held the layers' weight gradients
     # (bf16) as static outputs for the run
     graph_weight_grads_held: bool = False
-    # under train_cuda_graphs, packed micro-batches of fewer real tokens than this share of the
-    # budget run the eager layers, unpadded (data.packing.GRAPH_MIN_FILL); records of the graphs
-    # measured before say 0 (every packed micro-batch padded to the budget)
-    graph_min_fill: float = 0.5
+    # parallel.train_graphs_min_fill: under train_cuda_graphs, packed micro-batches of fewer real
+    # tokens than this share of the budget run the eager layers, unpadded; records of the graphs
+    # measured before it existed say 0 (every packed micro-batch padded to the budget)
+    graph_min_fill: float = ParallelConfig.train_graphs_min_fill
     # parallel.gradient_accumulation_fusion (the trainer's default): the decoder layers' weight
     # gradients go into DDP's main_grad inside their backward GEMM, not through a bf16 gradient and
     # a second pass per micro-batch (timing.GRAD_ACCUM_*); records measured before say false

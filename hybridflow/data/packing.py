@@ -31,12 +31,6 @@ import torch.nn.functional as F
 
 from hybridflow.data.batch import RolloutBatch
 
-# Under the update's CUDA graphs, packed micro-batches holding fewer real tokens than this share of
-# the token budget run the eager layers instead of being padded to the captured shape: a GSM8K
-# update's last micro-batch holds 4,396 of 20,480 tokens (90% of the pass's padding), and padding
-# it costs more GPU time than one micro-batch's eager launches (cost.varlen mirrors it)
-GRAPH_MIN_FILL = 0.5
-
 
 @dataclass
 class PackedRows:

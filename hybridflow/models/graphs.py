@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+
 def capturing() -> bool:
     """Whether a CUDA graph is being captured on the current stream (never without CUDA)."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()

@@ -18,7 +18,7 @@ import io
 import pytest
 import torch
 
-from hybridflow.data.packing import GRAPH_MIN_FILL
+from hybridflow.config import ParallelConfig
 from tests.dist.launcher import run_ranks
 from tests.dist.test_dynamic_bsz import (BUDGET, MODEL, _batch, assert_same_results, engine_results,
                                          engines)
@@ -88,8 +88,8 @@ def test_packed_rows_fitted_to_one_shape_give_the_same_update(world, tp, sp):
         packed, fitted = res["packed"], res["fitted"]
         shape = fitted["shape"]
         assert shape is not None and shape.length == BUDGET and packed["shape"] is None
-        # every packed row fitted but those under GRAPH_MIN_FILL of the budget (they stay eager)
-        small = [n < GRAPH_MIN_FILL * BUDGET for _, n in packed["shapes"]]
+        # every packed row fitted but those under train_graphs_min_fill of the budget (eager)
+        small = [n < ParallelConfig.train_graphs_min_fill * BUDGET for _, n in packed["shapes"]]
         assert fitted["fitted"] == [not s for s in small] and sum(fitted["fitted"]) > 1
         assert {s for s, f in zip(fitted["shapes"], fitted["fitted"]) if f} == {(1, BUDGET)}
         assert set(packed["shapes"]) != {(1, BUDGET)}

@@ -125,7 +125,8 @@ def _ragged(short: bool = False) -> RolloutBatch:
     return ragged_batch(PACK_P, PACK_R, seed=1)
 
 
-def _packed_steps(ctx, fake: bool, monkeypatch, batches=None):
+def _packed_steps(ctx, fake: bool, monkeypatch, batches=None,
+                  min_fill: float = ParallelConfig.train_graphs_min_fill):
     """Two updates (ragged rows, then one-token responses: more documents per micro-batch) as
     packed token-budget micro-batches; `fake`: the engine's packed-graph path with a stand-in
     capture whose "replay" runs the eager layer on flex documents rebuilt from the capture's
@@ -157,7 +158,8 @@ def _packed_steps(ctx, fake: bool, monkeypatch, batches=None):
 
             layer.forward = forward
 
-    eng = E.Engine(role="actor", model_cfg=MODEL, ctx=ctx, parallel=ParallelConfig(),
+    eng = E.Engine(role="actor", model_cfg=MODEL, ctx=ctx,
+                   parallel=ParallelConfig(train_graphs_min_fill=min_fill),
                    precision="fp32", optim=OptimConfig(lr=1e-3), total_updates=2)
     fill_deterministic(eng.module, num_layers=MODEL.num_layers)
     eng.optimizer.reload_model_params()
@@ -194,15 +196,13 @@ def test_packed_replay_path_matches_eager(ctx, monkeypatch):
 
 
 def test_a_small_last_micro_batch_runs_eager(ctx, monkeypatch):
-    """A packed micro-batch under GRAPH_MIN_FILL of the budget (the pass's last: two rows, 6 of
-    32 tokens) is not padded to the captured shape: it runs the eager layers while the others
-    replay (at GRAPH_MIN_FILL 0 it replays too), and the update equals the eager one."""
-    from hybridflow import engine as E
-
+    """A packed micro-batch under parallel.train_graphs_min_fill of the budget (the pass's last:
+    two rows, 6 of 32 tokens) is not padded to the captured shape: it runs the eager layers while
+    the others replay (at 0 it replays too), and the update equals the eager one."""
     batch = [ragged_batch(PACK_P + [2, 1], PACK_R + [2, 2], seed=1)]
     eager, _, _ = _packed_steps(ctx, False, monkeypatch, batches=batch)
     graphed, captures, replays = _packed_steps(ctx, True, monkeypatch, batches=batch)
-    assert 6 < E.GRAPH_MIN_FILL * BUDGET and len(captures) == 1
+    assert 6 < ParallelConfig.train_graphs_min_fill * BUDGET and len(captures) == 1
     assert graphed[0][0]["graphed_micro_batch_frac"] == pytest.approx(2 / 3)
     assert replays == 2 * MODEL.num_layers  # two micro-batches' forward through the layers
     (m_e, w_e, _), (m_g, w_g, _) = eager[0], graphed[0]
@@ -210,6 +210,5 @@ def test_a_small_last_micro_batch_runs_eager(ctx, monkeypatch):
         assert m_g[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
     for n, w in w_e.items():  # (Adam scales the few near-zero gradients' rounding up to ~1e-5)
         torch.testing.assert_close(w_g[n], w, rtol=1e-5, atol=5e-5, msg=n)
-    monkeypatch.setattr(E, "GRAPH_MIN_FILL", 0.0)
-    padded, _, _ = _packed_steps(ctx, True, monkeypatch, batches=batch)
+    padded, _, _ = _packed_steps(ctx, True, monkeypatch, batches=batch, min_fill=0.0)
     assert padded[0][0]["graphed_micro_batch_frac"] == 1.0

@@ -18,6 +18,8 @@ MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attent
      "pipeline_parallel_size=1, got 2"),
     (["parallel.train_cuda_graphs=true", "actor.lora.rank=8", "actor.lora.dropout=0.1"], 1,
      "actor.lora.dropout=0.1: a graphed layer would replay one dropout mask"),
+    (["parallel.train_graphs_min_fill=1.5"], 1,
+     r"parallel.train_graphs_min_fill=1.5: expected a share of the token budget in \[0, 1\]"),
 ])
 def test_refused_combinations(overrides, world_size, match):
     from hybridflow.config import load_config
