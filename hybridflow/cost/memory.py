@@ -320,8 +320,7 @@ def gen_batch_size(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
             + _prefetched_reference(shape, plan, workload))
     if workload.train_cuda_graphs:  # the update graphs' tensors and pools, from the first step on
         used += _graph_pool(shape, plan, workload) + sum(
-            _activations(shape, plan, workload, p)[0] * calib.activation_memory_scale
-            for p in ("update_actor", "update_critic") if p in phases_to_run(workload))
+            _held_pools(shape, plan, workload, calib).values())
     free = (gpu.memory_gib - calib.memory_headroom_gib) * GIB / calib.memory_scale - used
     kv, scratch = _gen_bytes_per_seq(shape, lay, workload)
     batch = min(per_replica, w.gen_max_batch_size or per_replica,
@@ -368,6 +367,17 @@ def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str)
     if workload.lm_head_chunk_tokens and phase == "update_actor":
         head_grad = shape.vocab_size / tp * shape.hidden_size * HEAD_GRAD_BYTES
     return micro_tokens * kept, head(micro_tokens) + head_grad
+
+
+def _held_pools(shape: ModelConfig, plan: Plan, workload: Workload,
+                calib: Calibration) -> dict[str, float]:
+    """Update phase -> bytes its CUDA graphs' private pool keeps reserved through every other
+    phase (one micro-batch's stored activations, scaled as that phase's are); {} without
+    train_cuda_graphs."""
+    if not workload.train_cuda_graphs:
+        return {}
+    return {p: _activations(shape, plan, workload, p)[0] * calib.activation_memory_scale
+            for p in ("update_actor", "update_critic") if p in phases_to_run(workload)}
 
 
 def _graph_pool(shape: ModelConfig, plan: Plan, workload: Workload) -> float:
@@ -419,8 +429,8 @@ def memory_for(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
             c["graph_pool"] = _graph_pool(shape, plan, workload)
         phases[phase] = {k: v * calib.memory_scale / GIB for k, v in c.items()}
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
-    held = {p: phases[p]["activations"] for p in ("update_actor", "update_critic")
-            if p in phases and workload.train_cuda_graphs}  # the graphs' pools
+    held = {p: v * calib.memory_scale / GIB
+            for p, v in _held_pools(shape, plan, workload, calib).items()}
     by_phase = {p: sum(c.values()) + sum(a for q, a in held.items() if q != p)
                 for p, c in phases.items()}
     return MemoryEstimate(phases_gib=phases, peak_phase=peak_phase,
