@@ -500,8 +500,8 @@ def merged_adapters(model, *, block_rows: int = 4096, sync_elements: int = 1 << 
     after it, W is restored bit for bit (see the module docstring). Computed `block_rows` rows at
     a time (fp32 temporaries of a few such blocks, not of a whole weight). Finding the positions
     to fix makes the host wait for the device; it does so once per `sync_elements` weights'
-    elements (their merged blocks and masks held until then: 3 bytes an element), not once per
-    block. The positions and their old values go to the host without waiting for the copies
+    elements (their merged blocks and masks held until then, the masks joined for the wait: 4
+    bytes an element at most), not once per block. The positions and their old values go to the host without waiting for the copies
     (pinned memory; the restore's copies back are ordered after them on the same stream)."""
     from hybridflow.offload import host_copy  # (offload imports checkpoint, which imports us)
 
@@ -531,7 +531,6 @@ def merged_adapters(model, *, block_rows: int = 4096, sync_elements: int = 1 << 
 
     try:
         with torch.no_grad():
-            held = 0
             for linear, a in adapters(model):
                 if not a.enabled:
                     continue
@@ -543,10 +542,8 @@ def merged_adapters(model, *, block_rows: int = 4096, sync_elements: int = 1 << 
                     masks.append((_bits(back) != _bits(w)).view(-1))
                     merged.append(m)
                 pending.append((linear, a, masks, merged))
-                held += linear.weight.numel()
-                if held >= sync_elements:
+                if sum(lin.weight.numel() for lin, *_ in pending) >= sync_elements:
                     flush()
-                    held = 0
             flush()
         yield
     finally:
