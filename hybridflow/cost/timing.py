@@ -343,11 +343,17 @@ def _ep_comm(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, ep: in
     t.add("ep_comm", "inv_comm_eff", volume / bw)
 
 
-def _varlen_flops(shape: ModelConfig, work: PassWork, role: str) -> float:
-    """Forward FLOPs of a pass over variable-length rows: the layers' matmuls per computed token,
-    the LM head per head position, causal attention 2 L q_dim per (row length)^2."""
+def _matmul_flops(shape: ModelConfig, role: str, tokens: float, head_tokens: float) -> float:
+    """One forward's matmul FLOPs: 2 per weight per computed token, the LM head's at its head
+    positions (also the weight gradients' FLOPs, which a LoRA model's frozen base skips)."""
     head = 0 if role == "critic" else shape.embedding_params
-    return (2 * (dense_params(shape, role) - head) * work.tokens + 2 * head * work.head_tokens
+    return 2 * (dense_params(shape, role) - head) * tokens + 2 * head * head_tokens
+
+
+def _varlen_flops(shape: ModelConfig, work: PassWork, role: str) -> float:
+    """Forward FLOPs of a pass over variable-length rows: the matmuls (`_matmul_flops`), causal
+    attention 2 L q_dim per (row length)^2."""
+    return (_matmul_flops(shape, role, work.tokens, work.head_tokens)
             + 2 * shape.num_layers * shape.q_dim * work.attention)
 
 
@@ -368,13 +374,6 @@ def _multiple(layout: Layout) -> int:
 
 def _lora_rank(w: Workload, role: str) -> int:
     return w.critic_lora_rank if role == "critic" else w.lora_rank
-
-
-def _frozen_wgrad_flops(shape: ModelConfig, role: str, tokens: float, head_tokens: float) -> float:
-    """The weight-gradient FLOPs of a pass's matmuls (one forward's worth: 2 per weight per
-    token, the LM head's at its head positions), which a LoRA model's frozen base skips."""
-    head = 0 if role == "critic" else shape.embedding_params
-    return 2 * (dense_params(shape, role) - head) * tokens + 2 * head * head_tokens
 
 
 def _lora_bytes(shape: ModelConfig, layout: Layout, tokens: float, passes: str) -> float:
@@ -435,7 +434,7 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
     if rank:  # LoRA: the frozen base computes no weight gradients; the adapters' own FLOPs
         # (2 per adapter weight per token per pass) and activation traffic
         flops += (2 * lora_params(shape, rank) * layer_passes * tokens
-                  - _frozen_wgrad_flops(shape, role, tokens, head_tokens)) / shard
+                  - _matmul_flops(shape, role, tokens, head_tokens)) / shard
         lora = _lora_bytes(shape, layout, tokens, "ffb" if plan.recompute else "fb")
     coef = "inv_fused_train_mfu" if w.fused_elementwise else "inv_train_mfu"
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
@@ -554,5 +553,5 @@ def actor_model_flops(shape: ModelConfig, w: Workload) -> float:
     flops = tokens * train_flops_per_token(shape, w.seq_len, head_fraction=w.head_fraction)
     if w.lora_rank:
         flops += (3 * 2 * lora_params(shape, w.lora_rank) * tokens
-                  - _frozen_wgrad_flops(shape, "actor", tokens, tokens * w.head_fraction))
+                  - _matmul_flops(shape, "actor", tokens, tokens * w.head_fraction))
     return flops
