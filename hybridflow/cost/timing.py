@@ -350,6 +350,14 @@ def _matmul_flops(shape: ModelConfig, role: str, tokens: float, head_tokens: flo
     return 2 * (dense_params(shape, role) - head) * tokens + 2 * head * head_tokens
 
 
+def _lora_flops(shape: ModelConfig, role: str, rank: int, tokens: float, head_tokens: float,
+                layer_passes: int) -> float:
+    """What LoRA changes in an update's FLOPs: the frozen base computes no weight gradients (one
+    forward's matmuls fewer), the adapters add theirs (2 per adapter weight per token per pass)."""
+    return (2 * lora_params(shape, rank) * layer_passes * tokens
+            - _matmul_flops(shape, role, tokens, head_tokens))
+
+
 def _varlen_flops(shape: ModelConfig, work: PassWork, role: str) -> float:
     """Forward FLOPs of a pass over variable-length rows: the matmuls (`_matmul_flops`), causal
     attention 2 L q_dim per (row length)^2."""
@@ -431,10 +439,8 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
     if w.lm_head_chunk_tokens and role != "critic":  # each chunk's logits made again in backward
         flops += head_tokens * 2 * shape.embedding_params / shard
     rank, lora = _lora_rank(w, role), 0.0
-    if rank:  # LoRA: the frozen base computes no weight gradients; the adapters' own FLOPs
-        # (2 per adapter weight per token per pass) and activation traffic
-        flops += (2 * lora_params(shape, rank) * layer_passes * tokens
-                  - _matmul_flops(shape, role, tokens, head_tokens)) / shard
+    if rank:  # LoRA: its FLOPs and the adapters' activation traffic
+        flops += _lora_flops(shape, role, rank, tokens, head_tokens, layer_passes) / shard
         lora = _lora_bytes(shape, layout, tokens, "ffb" if plan.recompute else "fb")
     coef = "inv_fused_train_mfu" if w.fused_elementwise else "inv_train_mfu"
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
@@ -552,6 +558,5 @@ def actor_model_flops(shape: ModelConfig, w: Workload) -> float:
     tokens = w.ppo_epochs * w.tokens_per_step
     flops = tokens * train_flops_per_token(shape, w.seq_len, head_fraction=w.head_fraction)
     if w.lora_rank:
-        flops += (3 * 2 * lora_params(shape, w.lora_rank) * tokens
-                  - _matmul_flops(shape, "actor", tokens, tokens * w.head_fraction))
+        flops += _lora_flops(shape, "actor", w.lora_rank, tokens, tokens * w.head_fraction, 3)
     return flops
