@@ -58,9 +58,7 @@ def sweep(bench, kq, x, q4, q8, ref) -> dict:
         want = fn(x, *args).float() if mode != "int4" else ref
         timed = {}
         for bm, bn, bk, warps in itertools.product(block_ms, (32, 64, 128), (32, 64), (4, 8)):
-            tiles = -(-m // bm) * -(-n // bn)   # K split as config_for would for these tiles
-            split = max(1, min(k // kq.GROUP, -(-2 * 132 // tiles)))
-            cfg = kq.Config(bm, bn, bk, split, warps, default.stages)
+            cfg = kq.Config(bm, bn, bk, kq.split_for(m, n, k, bm, bn), warps, default.stages)
             got = fn(x, *args, config=cfg).float()
             if (got - want).abs().max() > 2 ** -7 * want.abs().max() + 1e-3:
                 raise AssertionError(f"{mode} {cfg}: wrong product")

@@ -68,9 +68,14 @@ def config_for(M: int, N: int, K: int, *, sms: int = 132) -> Config:
     168 / 144 registers, no spills; 64-column K steps spilled or hit 255)."""
     block_m, warps = (16, 4) if M <= 16 else (32, 4) if M <= 32 else (64, 8)
     block_n = 64
+    return Config(block_m, block_n, 32, split_for(M, N, K, block_m, block_n, sms=sms), warps, 2)
+
+
+def split_for(M: int, N: int, K: int, block_m: int, block_n: int, *, sms: int = 132) -> int:
+    """K splits for (block_m, block_n) tiles: until about two programs per SM run, at most one
+    per K group."""
     tiles = -(-M // block_m) * -(-N // block_n)
-    split = max(1, min(K // GROUP, -(-2 * sms // tiles)))
-    return Config(block_m, block_n, 32, split, warps, 2)
+    return max(1, min(K // GROUP, -(-2 * sms // tiles)))
 
 
 if HAVE_TRITON:
