@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.run_record import command, write_json  # noqa: E402
@@ -36,21 +35,16 @@ SIDES = {("call_1", "full"): "call_1", ("call_1", "lora"): "call_1",
          ("call_1", "full+graphs"): "graphs", ("call_2", "lora+graphs"): "graphs"}
 
 
-def config(lengths: dict, side: str, budget: int) -> dict:
-    """A calibrate.py record config of one benchmark side."""
-    from hybridflow.cost.lengths import fit_stats
-
-    pts = fit_stats(  # the benchmark's rows, one length each
-mean=lengths["response_mean_arg"], cap=lengths["cap"],
-                    clip_ratio=lengths["clip"], shortest=lengths["min"], rows=lengths["rows"],
-                    k=lengths["rows"])
+def config(d, lengths: list, side: str, budget: int) -> dict:
+    """A calibrate.py record config of one benchmark side: `d` the benchmark's length arguments,
+    `lengths` its rows' response lengths."""
     kind, _, option = side.partition("+")
     return {"model": "qwen2_5_coder_0_5b", "gpu": "H200", "num_gpus": 1,
             "layout": {"tp": 1, "pp": 1, "dp": 1, "tp_gen": 1, "offload_ref": False,
                        "recompute": False},
-            "algorithm": "grpo", "prompts_per_step": lengths["rows"] // 8, "samples_per_prompt": 8,
-            "prompt_len": lengths["prompt_len"], "max_new_tokens": lengths["cap"],
-            "response_lengths": list(pts), "ppo_epochs": 1, "mini_batches": 1,
+            "algorithm": "grpo", "prompts_per_step": d.rows // 8, "samples_per_prompt": 8,
+            "prompt_len": d.prompt_len, "max_new_tokens": d.cap,
+            "response_lengths": lengths, "ppo_epochs": 1, "mini_batches": 1,
             "micro_batch_tokens": budget, "dynamic_bsz": True, "pack_sequences": True,
             "packed_attention": "varlen", "skip_old_log_prob": True, "decode_kernels": "triton",
             "fused_elementwise": True, "gradient_accumulation_fusion": True, "dtype": "bf16",
@@ -59,24 +53,23 @@ mean=lengths["response_mean_arg"], cap=lengths["cap"],
             **({"graph_min_fill": 0.0} if option == "graphs" else {})}
 
 
-def build() -> list[dict]:
-    from benchmarks.bench_packed_pass import add_length_args
+def build(src: dict) -> list[dict]:
+    """The records of `src` (SOURCE's JSON)."""
+    from benchmarks.bench_packed_pass import add_length_args, gsm8k_lengths
 
-    src = json.load(open(os.path.join(ROOT, SOURCE)))
     ap = argparse.ArgumentParser()
     add_length_args(ap)
-    d = SimpleNamespace(**vars(ap.parse_args([])))   # the benchmark's default lengths
+    d = ap.parse_args([])   # the benchmark's default lengths
     assert (d.rows, d.prompt_len, d.cap) == (src["lengths"]["rows"], src["lengths"]["prompt_len"],
                                              src["lengths"]["response_max"])
-    lengths = {"rows": d.rows, "prompt_len": d.prompt_len, "cap": d.cap, "clip": d.clip,
-               "min": d.min, "response_mean_arg": d.mean}
+    lengths = gsm8k_lengths(d)   # the benchmark's rows, one length each
     recs = []
     for (call, side), family in SIDES.items():
         r = src["update_bench"][call]["results"][side]
         rec = {"name": f"lora-update-bench-{call.replace('_', '')}-{side.replace('+', '-')}",
                "family": f"lora_update_bench_{family}",
                "source_run": f"{SOURCE} update_bench.{call}.results.{side}",
-               "config": config(lengths, side, src["budget"]),
+               "config": config(d, lengths, side, src["budget"]),
                "metrics": {"timing_s/update_actor": round(r["update_median_s"], 6)}}
         if side.startswith("full"):
             rec["baseline_only"] = True
@@ -94,7 +87,7 @@ def main(argv=None) -> int:
                        "command": src["update_bench"]["command"], "derived": command(),
                        "note": f"derived from {SOURCE} (update_bench: two device calls; machine, "
                                "versions and command are that run's)",
-                       "records": build()})
+                       "records": build(src)})
     print(f"wrote {a.out}")
     return 0
 
