@@ -105,8 +105,8 @@ def validate(cfg: Config, *, world_size: int) -> None:
         raise ValueError(f"parallel.lm_head_chunk_tokens={p.lm_head_chunk_tokens}: expected 0 (off) "
                          "or a positive number of positions")
     if not 0.0 <= p.train_graphs_min_fill <= 1.0:
-        raise ValueError(f"parallel.train_graphs_min_fill={p.train_graphs_min_fill}: expected a share "
-                         "of the token budget in [0, 1]")
+        raise ValueError(f"parallel.train_graphs_min_fill={p.train_graphs_min_fill}: expected a "
+                         "share of the token budget in [0, 1]")
     if p.train_cuda_graphs and p.activation_checkpointing:
         raise ValueError("parallel.train_cuda_graphs=true and parallel.activation_checkpointing=true: "
                          "a graphed layer replays its saved activations, it cannot recompute them; "

@@ -501,8 +501,9 @@ def merged_adapters(model, *, block_rows: int = 4096, sync_elements: int = 1 << 
     a time (fp32 temporaries of a few such blocks, not of a whole weight). Finding the positions
     to fix makes the host wait for the device; it does so once per `sync_elements` weights'
     elements (their merged blocks and masks held until then, the masks joined for the wait: 4
-    bytes an element at most), not once per block. The positions and their old values go to the host without waiting for the copies
-    (pinned memory; the restore's copies back are ordered after them on the same stream)."""
+    bytes an element at most), not once per block. The positions and their old values go to the
+    host without waiting for the copies (pinned memory; the restore's copies back are ordered
+    after them on the same stream)."""
     from hybridflow.offload import host_copy  # (offload imports checkpoint, which imports us)
 
     saved, pending = [], []  # pending: (linear, adapter, its blocks' masks, merged blocks)
