@@ -246,6 +246,13 @@ class RolloutConfig:
     # the quantized model's: it turns on rollout.return_logprobs and, unless set,
     # algo.tis_imp_ratio_cap=2.0 (truncated importance sampling; one line says so)
     quantization: str = "none"
+    # the KV cache's storage: "auto" (the weights' dtype) or "fp8" (E4M3 codes with one fp32 scale
+    # per token and KV head, kernels/kv_fp8.py: 1 + 4 / head_dim bytes a value, about half of bf16's
+    # K/V reads per decode step and room for about twice the rows). The prefill attends exactly;
+    # decode reads the rounded keys and values, so the log-probs are the fp8-cache model's: like
+    # `quantization` it turns on rollout.return_logprobs and, unless set, algo.tis_imp_ratio_cap.
+    # Single-turn decoding only
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -519,8 +526,9 @@ class TrainerConfig:
     # in output_dir; e.g. a peer's HF snapshots scored by the same validation as ours
     val_only: bool = False
     val_max_new_tokens: Optional[int] = None  # None: rollout.max_new_tokens
-    # validation generates with rollout.quantization too (true) or with the unquantized weights
-    # (false: the model's own greedy answers; the val metrics carry val-aux/quantized)
+    # validation generates with rollout.quantization and rollout.kv_cache_dtype too (true) or with
+    # the unquantized weights and cache (false: the model's own greedy answers; the val metrics
+    # carry val-aux/quantized)
     val_quantized: bool = False
     val_log_generations: int = 8  # rows appended to <output_dir>/val_generations.jsonl per validation
     progress_bar: bool = True

@@ -14,7 +14,8 @@ A run with no overrides is fast on a GPU and exact and simple on CPU. On a CUDA 
   `rollout.decode_kv_window` -> about an eighth of the KV cache (a multiple of 64) with CUDA-graph
   decoding (multi-turn too); `rollout.compile_decode` -> on with CUDA-graph decoding at TP_g = 1
   (not for multi-turn: its step is not compiled).
-With `rollout.quantization` (fp8 / int4), on any device: `rollout.return_logprobs` -> true and
+With `rollout.quantization` (fp8 / int4) or `rollout.kv_cache_dtype=fp8`, on any device:
+`rollout.return_logprobs` -> true and
 `algo.tis_imp_ratio_cap` -> 2.0 when unset (one line says so).
 On CPU every one of them is off (fp32, fixed micro-batches of `micro_batch_size_per_gpu` rows).
 A value the user set is kept. Where a GPU run cannot use an option, one `auto:` line says why.
@@ -123,7 +124,7 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
         if compiled and tp_g > 1:
             notes.append(f"auto: rollout.compile_decode=false: it compiles a generation TP of 1 "
                          f"(rollout.tensor_parallel_size is {tp_g})")
-    if r.quantization != "none":
+    if r.quantization != "none" or r.kv_cache_dtype != "auto":
         cfg = _quantized_rollout_defaults(cfg, notes)
         if r.compile_decode is None and r.decode_kernels == "torch":
             rollout["compile_decode"] = False  # the compiled torch layers take plain weights
@@ -134,17 +135,20 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
 
 
 def _quantized_rollout_defaults(cfg: Config, notes: list) -> Config:
-    """rollout.quantization: the rollout log-probs on (they are the quantized model's: the mismatch
-    metrics read them every step) and truncated importance sampling at cap 2.0 (verl's FP8
-    rollout recipe) unless algo.tis_imp_ratio_cap is set."""
+    """rollout.quantization / kv_cache_dtype: the rollout log-probs on (they are the quantized
+    model's: the mismatch metrics read them every step) and truncated importance sampling at cap
+    2.0 (verl's FP8 rollout recipe) unless algo.tis_imp_ratio_cap is set."""
     r, a = cfg.rollout, cfg.algo
     if not r.return_logprobs:
         cfg = _replace(cfg, "rollout", return_logprobs=True)
     if a.tis_imp_ratio_cap is None:
         cfg = _replace(cfg, "algo", tis_imp_ratio_cap=2.0)
-        notes.append(f"quantized rollout (rollout.quantization={r.quantization}): truncated "
-                     f"importance sampling on, algo.tis_imp_ratio_cap=2.0 (set it to change the "
-                     f"cap); rollout.return_logprobs=true")
+        what = ", ".join(f"rollout.{k}={v}" for k, v in (("quantization", r.quantization),
+                                                          ("kv_cache_dtype", r.kv_cache_dtype))
+                         if v not in ("none", "auto"))
+        notes.append(f"quantized rollout ({what}): truncated importance sampling on, "
+                     f"algo.tis_imp_ratio_cap=2.0 (set it to change the cap); "
+                     f"rollout.return_logprobs=true")
     return cfg
 
 

@@ -14,6 +14,7 @@ KERNELS = ("auto", "triton", "torch")  # rollout.decode_kernels
 # norm, proj by the fused RoPE + attention kernel, fc1 by the second norm, fc2 by fc1's Triton GEMM
 PREFETCHABLE = ("qkv", "proj", "fc1", "fc2")
 QUANTIZATION = ("none", "fp8", "int4")  # rollout.quantization
+KV_CACHE_DTYPES = ("auto", "fp8")  # rollout.kv_cache_dtype
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -467,12 +468,15 @@ def validate_multi_turn(r) -> None:
     clashes = [(key, value, fix) for key, value, bad, fix in (
         ("rollout.compile_decode", r.compile_decode, r.compile_decode is True, "null or false"),
         # its step's matrices are plain tensors (the quantized layers are the single-turn step's)
-        ("rollout.quantization", r.quantization, r.quantization != "none", "none")) if bad]
+        ("rollout.quantization", r.quantization, r.quantization != "none", "none"),
+        # its step reads the cache as plain tensors
+        ("rollout.kv_cache_dtype", r.kv_cache_dtype, r.kv_cache_dtype != "auto", "auto")) if bad]
     if clashes:
         key, value, fix = clashes[0]
         raise ValueError(f"rollout.multi_turn.enable=true decodes on the generator's plain "
                          f"weights (rollout.decode_kernels, CUDA graphs, decode_kv_window and "
-                         f"compact_finished_rows apply; compiled and quantized layers do not): "
+                         f"compact_finished_rows apply; compiled and quantized layers and an fp8 "
+                         f"KV cache do not): "
                          f"{key}={value!r} does not apply to it; set {key} to {fix}")
 
 
@@ -502,9 +506,11 @@ def validate_partial(cfg: Config, *, dp: int) -> None:
 
 
 def _validate_quantization(cfg: Config) -> None:
-    """rollout.quantization: a known mode, and the combinations that cannot run quantized."""
+    """rollout.quantization and rollout.kv_cache_dtype: known modes, and the combinations that
+    cannot run quantized."""
     r = cfg.rollout
     _one_of("rollout.quantization", r.quantization, QUANTIZATION)
+    _one_of("rollout.kv_cache_dtype", r.kv_cache_dtype, KV_CACHE_DTYPES)
     if r.quantization == "none":
         return
     if r.compile_decode and r.decode_kernels == "torch":

@@ -233,6 +233,7 @@ class Trainer:
                 self.actor.params_offloaded_most_bytes() / 2**30)
         if cfg.rollout.quantization != "none":  # the generator's codes + scales (freed with it)
             metrics["perf/rollout_quantized_weights_gb"] = self.rollout.quantized_bytes / 2**30
+        metrics["perf/kv_cache_gb"] = self.rollout.kv_cache_bytes / 2**30
         metrics.update(self.throughput(batch, metrics["timing_s/step"]))
         return metrics
 

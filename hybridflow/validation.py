@@ -36,7 +36,8 @@ class Validator:
         self.gen_cfg = dataclasses.replace(
             r, n=1, temperature=0.0, top_k=0, top_p=1.0, ignore_eos=False, return_logprobs=False,
             max_new_tokens=t.val_max_new_tokens or r.max_new_tokens,
-            quantization=r.quantization if t.val_quantized else "none")
+            quantization=r.quantization if t.val_quantized else "none",
+            kv_cache_dtype=r.kv_cache_dtype if t.val_quantized else "auto")
         self.rules = {}
         if cfg.reward.fn is not None:
             self.rules["reward"] = get_reward_fn(cfg.reward.fn)
@@ -79,8 +80,10 @@ class Validator:
         metrics = {"val-aux/response_length/mean": float(s[:, 0].sum()) / n,
                    "val-aux/response_length/max": float(s[:, 1].max()),
                    "val-aux/response_length/clip_ratio": float(s[:, 2].sum()) / n,
-                   # 1: generated with rollout.quantization (trainer.val_quantized), 0: unquantized
-                   "val-aux/quantized": float(self.gen_cfg.quantization != "none")}
+                   # 1: generated with rollout.quantization or kv_cache_dtype
+                   # (trainer.val_quantized), 0: unquantized
+                   "val-aux/quantized": float(self.gen_cfg.quantization != "none"
+                                              or self.gen_cfg.kv_cache_dtype != "auto")}
         for source, acc in sorted(totals.items()):
             for k, name in enumerate(self.rules):
                 group = "val-core" if name == "reward" else "val-aux"

@@ -23,7 +23,8 @@ PyTorch twins.
   PyTorch ops, the reference twins of kernels/rope_attention.py (the decoder's eager code: SDPA
   with an additive mask; columns with key_valid false get no weight). `write_column` and
   `mark_columns`: the K/V write and the key_valid mark at one column for every row (cur (1,)) or
-  a column per row (cur (B,), the multi-turn step's), static shapes.
+  a column per row (cur (B,), the multi-turn step's), static shapes. With an fp8 cache
+  (kernels/kv_fp8.Fp8KV) the twins quantize what they write and dequantize what they read.
 
 Shapes: qkv (B, G, hpg + 2, hd) (a view of the QKV projection, rows grouped per KV group as in
 Megatron's packed layout); cos, sin (B, hd); k_cache, v_cache (B, G, T, hd) strided views of the KV
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ._dispatch import HAVE_TRITON, launch_opts, prefetch_args, use_triton
+from .kv_fp8 import Fp8KV, quantize_kv, readable
 
 if HAVE_TRITON:  # CPU-only installs: the PyTorch twins serve
     import triton
@@ -103,11 +105,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attend_blocks(q, k_base, v_base, valid_base, s_kt, s_vt, s_mt, kv_len, scale, split, skip,
+                       ks_base, vs_base, s_kst, s_vst,
                        BLOCKS: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr,
-                       BLOCK: tl.constexpr, IEEE: tl.constexpr):
+                       BLOCK: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr = False):
         """Online softmax of one (row, group)'s queries q (H_PAD, HD) over split `split`'s BLOCKS
         blocks of cache columns (the last split's may run past kv_len), column `skip` left out
-        (-1: none) -> (max, sum of exp, P @ V) in fp32."""
+        (-1: none) -> (max, sum of exp, P @ V) in fp32. FP8: the caches hold E4M3 codes with a
+        scale per column (ks_base, vs_base; column stride s_kst, s_vst), dequantized to q's dtype
+        as kv_cache.dequantize_kv rounds."""
         d = tl.arange(0, HD)
         m = tl.full([H_PAD], -1e30, tl.float32)
         lsum = tl.zeros([H_PAD], tl.float32)
@@ -116,6 +121,9 @@ if HAVE_TRITON:
             t = (split * BLOCKS + i) * BLOCK + tl.arange(0, BLOCK)
             in_range = t < kv_len
             k = tl.load(k_base + t[:, None] * s_kt + d[None, :], mask=in_range[:, None], other=0.0)
+            if FP8:
+                ks = tl.load(ks_base + t * s_kst, mask=in_range, other=0.0)
+                k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
             valid = tl.load(valid_base + t * s_mt, mask=in_range, other=0) != 0
             valid = valid & (t != skip)
             if IEEE:  # fp32 inputs: full-precision products (the default would be TF32 on the GPU)
@@ -128,6 +136,9 @@ if HAVE_TRITON:
             p = tl.exp(sc - new_m[:, None])  # 0 on masked columns
             lsum = lsum * alpha + tl.sum(p, 1)
             v = tl.load(v_base + t[:, None] * s_vt + d[None, :], mask=in_range[:, None], other=0.0)
+            if FP8:
+                vs = tl.load(vs_base + t * s_vst, mask=in_range, other=0.0)
+                v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -268,10 +279,14 @@ def mark_columns(key_valid: torch.Tensor, cur: torch.Tensor,
     return key_valid.scatter_(1, at, key_valid.gather(1, at) | rows.bool()[:, None])
 
 
-def write_column(cache: torch.Tensor, cur: torch.Tensor, x: torch.Tensor) -> None:
+def write_column(cache, cur: torch.Tensor, x: torch.Tensor) -> None:
     """cache (B, G, T, hd)[b, :, cur[b]] = x (B, G, 1, hd) (cur (1,): one column for every row;
-    (B,): row b's own), in place."""
-    if cur.shape[0] == 1:
+    (B,): row b's own), in place; an fp8 cache (kv_cache.Fp8KV) gets x's codes and scales."""
+    if isinstance(cache, Fp8KV):
+        codes, scale = quantize_kv(x)
+        write_column(cache.codes.view(torch.uint8), cur, codes.view(torch.uint8))
+        write_column(cache.scale[..., None], cur, scale[..., None])
+    elif cur.shape[0] == 1:
         cache.index_copy_(2, cur, x)
     else:
         cache.scatter_(2, cur[:, None, None, None].expand(x.shape), x)
@@ -392,7 +407,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      key_valid: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale, over the valid columns) v for the hpg queries of each (row, group),
     as PyTorch's SDPA with an additive mask (the twin of kernels/rope_attention.py): q (B, G, hpg,
-    hd), caches (B, G, T, hd), key_valid (B, T) -> (B, G, hpg, hd) in q's dtype."""
+    hd), caches (B, G, T, hd) (an fp8 cache dequantized to q's dtype first), key_valid (B, T) ->
+    (B, G, hpg, hd) in q's dtype."""
+    k_cache, v_cache = readable(k_cache, q.dtype), readable(v_cache, q.dtype)
     B, G, hpg, hd = q.shape
     T = k_cache.shape[2]
     if key_valid.shape != (B, T):

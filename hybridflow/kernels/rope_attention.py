@@ -21,7 +21,11 @@ rope_kv_write): no extra pass over the projection.
 Shapes: qkv (B, G, hpg + 2, hd) (the QKV projection's view); cos, sin (B, hd), or the tables
 (T_max, hd) with `positions`; k_cache, v_cache (B, G, T, hd) strided views of the attended columns
 0..T-1 (cur < T); key_valid (B, T) bool (column `cur` is not read); returns (B, G, hpg, hd) in
-qkv's dtype.
+qkv's dtype. The caches may be fp8 (kernels/kv_fp8.Fp8KV, rollout.kv_cache_dtype=fp8): the program
+then quantizes k and v as kv_fp8.quantize_kv does (the same bits), writes codes and scales, folds
+the current token in at its dequantized value (what later steps read back) and dequantizes each
+block of columns it attends over to qkv's dtype (the twins: write_column / decode_attention on the
+Fp8KV).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 
 from . import layer_ops
 from ._dispatch import HAVE_TRITON, launch_opts, prefetch_args, use_triton
+from .kv_fp8 import Fp8KV
 
 if HAVE_TRITON:
     import triton
@@ -43,17 +48,38 @@ if HAVE_TRITON:
     from .layer_ops import _norm_rows  # the q/k norm
 
     @triton.jit
+    def _quantize_row(x):
+        """x (HD,) -> (E4M3 codes, fp32 scale), the bits of kv_fp8.quantize_kv: IEEE divisions,
+        then each value rounded to the E4M3 grid in fp32 (to nearest even: adding 2^(e + 20), e
+        its binade's exponent, at least the subnormals' -6, leaves a multiple of 2^(e - 3)) and
+        the sign put back, so the cast is exact (Triton's interpreter rounds a carry into the next
+        binade wrongly; the GPU's cvt would round alike)."""
+        xf = x.to(tl.float32)
+        amax = tl.max(tl.abs(xf), 0)
+        sc = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+        y = tl.math.div_rn(xf, sc + tl.zeros_like(xf))
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        a = tl.abs(y)
+        e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+        c = ((e + 147) << 23).to(tl.float32, bitcast=True)  # 2^(e + 20)
+        r = (a + c) - c
+        sign = y.to(tl.int32, bitcast=True) & -2147483648
+        r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        return r.to(tl.float8e4nv), sc
+
+    @triton.jit
     def _rope_attn_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, cur_ptr, valid_ptr,
                           mark_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, pf_ptr, pf_bytes, qn_ptr,
-                          kn_ptr, eps,
+                          kn_ptr, eps, ks_ptr, vs_ptr,
                           G, HPG, kv_len, scale,
                           s_xb, s_xg, s_xr, s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt, s_mb, s_mt,
-                          s_ob, s_og, s_oh, NSPLIT: tl.constexpr, BLOCKS: tl.constexpr,
+                          s_ob, s_og, s_oh, s_ksb, s_ksg, s_kst, s_vsb, s_vsg, s_vst,
+                          NSPLIT: tl.constexpr, BLOCKS: tl.constexpr,
                           H_PAD: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr,
                           IEEE: tl.constexpr, TABLES: tl.constexpr, MARK: tl.constexpr,
                           PER_ROW: tl.constexpr = False, MARK_ROWS: tl.constexpr = False,
                           QK_NORM: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                          PDL: tl.constexpr = False):
+                          FP8: tl.constexpr = False, PDL: tl.constexpr = False):
         pdl_enter(PDL)
         pid = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -87,9 +113,20 @@ if HAVE_TRITON:
             cur = tl.load(cur_ptr + b)
         else:  # one column for every row
             cur = tl.load(cur_ptr)
+        if FP8:  # as kv_fp8.quantize_kv: the codes written, their dequantized values used
+            k_codes, k_sc = _quantize_row(k_new)
+            v_codes, v_sc = _quantize_row(v_new)
+            k_new = (k_codes.to(tl.float32) * k_sc).to(kx.dtype)
+            v_new = (v_codes.to(tl.float32) * v_sc).to(kx.dtype)
         if split == 0:
-            tl.store(kc_ptr + b * s_kb + g * s_kg + cur * s_kt + d, k_new)
-            tl.store(vc_ptr + b * s_vb + g * s_vg + cur * s_vt + d, v_new)
+            if FP8:
+                tl.store(kc_ptr + b * s_kb + g * s_kg + cur * s_kt + d, k_codes)
+                tl.store(vc_ptr + b * s_vb + g * s_vg + cur * s_vt + d, v_codes)
+                tl.store(ks_ptr + b * s_ksb + g * s_ksg + cur * s_kst, k_sc)
+                tl.store(vs_ptr + b * s_vsb + g * s_vsg + cur * s_vst, v_sc)
+            else:
+                tl.store(kc_ptr + b * s_kb + g * s_kg + cur * s_kt + d, k_new)
+                tl.store(vc_ptr + b * s_vb + g * s_vg + cur * s_vt + d, v_new)
             if MARK:  # column cur valid for later steps (no program of this launch reads it)
                 if g == 0:
                     if MARK_ROWS:  # only the rows whose mark is set; the others keep theirs
@@ -99,7 +136,10 @@ if HAVE_TRITON:
                         tl.store(valid_ptr + b * s_mb + cur * s_mt, 1)
         m, lsum, acc = _attend_blocks(q, kc_ptr + b * s_kb + g * s_kg, vc_ptr + b * s_vb + g * s_vg,
                                       valid_ptr + b * s_mb, s_kt, s_vt, s_mt, kv_len, scale, split,
-                                      cur, BLOCKS=BLOCKS, H_PAD=H_PAD, HD=HD, BLOCK=BLOCK, IEEE=IEEE)
+                                      cur, ks_ptr + b * s_ksb + g * s_ksg,
+                                      vs_ptr + b * s_vsb + g * s_vsg, s_kst, s_vst,
+                                      BLOCKS=BLOCKS, H_PAD=H_PAD, HD=HD, BLOCK=BLOCK, IEEE=IEEE,
+                                      FP8=FP8)
         if split == 0:  # the current token, from registers (P rounded to v's dtype as in tl.dot)
             sc = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
             new_m = tl.maximum(m, sc)
@@ -145,6 +185,9 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     if positions is not None and not use_triton(qkv, impl):
         cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
     T = k_cache.shape[2]
+    fp8 = isinstance(k_cache, Fp8KV)
+    if fp8 != isinstance(v_cache, Fp8KV):
+        raise ValueError("rope_attention: k_cache and v_cache must both be fp8 (Fp8KV) or neither")
     if R != hpg + 2:
         raise ValueError(f"qkv has {R} rows per group, expected hpg + 2 = {hpg + 2}")
     if key_valid.shape != (B, T):
@@ -164,8 +207,10 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
                                     k_norm=k_norm, eps=eps)
         return layer_ops.decode_attention(q, k_cache, v_cache, seen, scale=scale)
     layer_ops._check_head_dim(hd)
+    kc, vc = (k_cache.codes, v_cache.codes) if fp8 else (k_cache, v_cache)
+    ks, vs = (k_cache.scale, v_cache.scale) if fp8 else (qkv, qkv)  # (unread stand-ins)
     if (qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride()
-            or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
+            or kc.stride(-1) != 1 or vc.stride(-1) != 1):
         raise ValueError("rope_attention needs qkv, cos, sin and the caches contiguous in the last "
                          "dimension and cos, sin of the same strides")
     qn, kn, norm_on = layer_ops._norm_args(qkv, q_norm, k_norm, hd)
@@ -186,14 +231,17 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
         if rows_marked:
             mark = mark_valid.view(torch.uint8) if mark_valid.dtype == torch.bool else mark_valid
         _rope_attn_kernel[(B * G, nsplit)](
-            qkv, cos, sin, cur if positions is None else positions, k_cache, v_cache, cur, valid,
-            mark, m, lsum, acc, out, pf, pf_bytes, qn, kn, eps, G,
+            qkv, cos, sin, cur if positions is None else positions, kc, vc, cur, valid,
+            mark, m, lsum, acc, out, pf, pf_bytes, qn, kn, eps, ks, vs, G,
             hpg, T, scale,
-            *qkv.stride()[:3], cos.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
-            valid.stride(0), valid.stride(1), *out.stride()[:3], NSPLIT=nsplit, BLOCKS=blocks,
+            *qkv.stride()[:3], cos.stride(0), *kc.stride()[:3], *vc.stride()[:3],
+            valid.stride(0), valid.stride(1), *out.stride()[:3],
+            *(ks.stride()[:3] if fp8 else (0, 0, 0)), *(vs.stride()[:3] if fp8 else (0, 0, 0)),
+            NSPLIT=nsplit, BLOCKS=blocks,
             H_PAD=h_pad, HD=hd, BLOCK=layer_ops.BLOCK_T, IEEE=qkv.dtype == torch.float32,
             TABLES=positions is not None, MARK=rows_marked or bool(mark_valid),
             PER_ROW=cur.shape[0] > 1, MARK_ROWS=rows_marked, QK_NORM=norm_on, PREFETCH=pf_on,
+            FP8=fp8,
             num_warps=layer_ops.ATTN_WARPS, num_stages=layer_ops.ATTN_STAGES,
             **launch_opts(qkv, pdl))
         if nsplit > 1:

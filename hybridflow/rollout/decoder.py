@@ -31,6 +31,10 @@ The math follows Megatron's local spec exactly (so logits match `GPTModel` to fp
   MoE models (model.moe): the router and experts of rollout/moe.py in `_mlp` (torch path only).
 Which variant runs is decided by a `DecodeOptions` (rollout/options.py) passed in, never by module
 state.
+- fp8 KV cache (rollout.kv_cache_dtype=fp8, kernels/kv_fp8.py): K/V stored as E4M3 codes with a
+  scale per (row, group, column); the prefill attends over its exact K/V and writes them quantized,
+  a decode step writes its token's K/V quantized and attends over the dequantized cache (the fused
+  kernel dequantizes block by block; the PyTorch path dequantizes the attended columns first).
 - Quantized rollouts (rollout.quantization, rollout/quantize.py): a layer's qkv_w / proj / fc1 /
   fc2 may be QuantWeights; every matmul with them goes through `quantize.linear` (F.linear for a
   plain tensor; the residual adds as its `residual=`, in place). The LM head stays unquantized.
@@ -51,6 +55,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridflow.config import ModelConfig
+from hybridflow.kernels.kv_fp8 import readable, write_columns
 from hybridflow.rollout.moe import MoEWeights, load_moe, moe_mlp
 from hybridflow.rollout.options import DecodeOptions
 from hybridflow.rollout.quantize import QuantWeight, linear
@@ -317,10 +322,19 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
         qkv = lin(h, layer.qkv_w, layer.qkv_b).view(B, S, d.groups, hpg + 2, hd)
         if fused:
             kc, vc = cache.layer(i, cache_row0 + B, cache_row0)
-            q = kern.rope_kv_prefill(qkv, cos, sin, kc, vc, hpg=hpg, q_norm=layer.q_norm,
+            if cache.fp8:  # rotated into a scratch pair, attended exactly, quantized into the cache
+                kc = vc = None
+                k, v = (torch.empty((B, d.groups, S, hd), dtype=qkv.dtype, device=qkv.device)
+                        for _ in range(2))
+            else:
+                k, v = kc[:, :, :S], vc[:, :, :S]  # (B, G, S, hd)
+            q = kern.rope_kv_prefill(qkv, cos, sin, k, v, hpg=hpg, q_norm=layer.q_norm,
                                      k_norm=layer.k_norm, eps=d.eps, pdl=pdl, impl="triton")
             q = q.view(B, S, d.heads, hd).transpose(1, 2)  # (B, H, S, hd)
-            k, v = kc[:, :, :S], vc[:, :, :S]  # (B, G, S, hd)
+            if kc is None:
+                kc, vc = cache.layer(i, cache_row0 + B, cache_row0)
+                write_columns(kc, k)
+                write_columns(vc, v)
         else:
             qk = _qk_norm(qkv[:, :, :, :hpg + 1], layer.q_norm, layer.k_norm, d.eps)
             qk = qk * cos + qk.roll(hd // 2, -1) * sin  # (B, S, G, hpg+1, hd)
@@ -329,8 +343,8 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
             v = qkv[:, :, :, hpg + 1].transpose(1, 2)
             if cache is not None:
                 kc, vc = cache.layer(i, cache_row0 + B, cache_row0)
-                kc[:, :, :S].copy_(k)
-                vc[:, :, :S].copy_(v)
+                write_columns(kc, k)
+                write_columns(vc, v)
         # query head j reads K/V group j // hpg (no per-head K/V copy)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hpg > 1)
         x = _row_parallel_add(x, a.transpose(1, 2).reshape(B * S, d.heads * hd), layer.proj, w,
@@ -390,7 +404,8 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
         if kv_len is not None:
             kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
         # the heads of a group act as hpg query positions sharing that group's K/V
-        a = F.scaled_dot_product_attention(qk[:, :, :hpg], kc, vc, attn_mask=bias)
+        a = F.scaled_dot_product_attention(qk[:, :, :hpg], readable(kc, qk.dtype),
+                                           readable(vc, qk.dtype), attn_mask=bias)
         a = a.reshape(B, d.heads * hd)
         if d.tp_size == 1 and layer.moe is None:
             x, y = attn_out(x, a, layer.proj, layer.ln2, layer.fc1, layer.fc2, d.eps)

@@ -37,6 +37,9 @@ Layout of a call:
   quantized once at construction (the generator holds the codes, not a bf16 copy; they go with it);
   `requantize(params)` rewrites them in place from updated weights, so a generator kept across
   steps keeps its captured graphs. Log-probs are the quantized model's.
+- fp8 KV cache (`cfg.kv_cache_dtype` "fp8", kernels/kv_fp8.py): the cache holds E4M3 codes and a
+  scale per (row, KV head, column), allocated per call's kind (a call of the other kind replaces
+  the cache and its graphs). Log-probs are the fp8-cache model's.
 - Stopping: a row finishes at EOS, any `cfg.stop_token_ids`, or `max_new_tokens`; finished rows
   emit pad. Every `options.check_every` steps the live-row count is polled asynchronously (no host
   sync per step): the loop ends once every row finished, and with `options.compact_finished_rows`
@@ -219,7 +222,8 @@ class Generator:
             # a chunk's rows s..e-1 are copies of prompts s // n .. (e - 1) // n
             runs = {c: (c[0] // cfg.n, (c[1] - 1) // cfg.n + 1) for c in chunks}
             length = -(-(P + R) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
-            self._ensure_cache(rows=max(bucket.values()), length=length)
+            self._ensure_cache(rows=max(bucket.values()), length=length,
+                               fp8=cfg.kv_cache_dtype == "fp8")
             windows = kv_windows(self._cache.length, opts.kv_window)
             # every bucket a chunk may use, captured up front: warm-ups write the cache/buffers
             sizes = sorted(set(bucket.values()), reverse=True) + targets[::-1]
@@ -259,6 +263,11 @@ class Generator:
         aliases in place; a quantized matrix's codes are its own)."""
         return frozenset(t.untyped_storage().data_ptr() for t in decoder.weight_tensors(self.w)
                          if torch.is_tensor(t))
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache this generator holds now (codes and scales of an fp8 one)."""
+        return 0 if self._cache is None else self._cache.nbytes
 
     def reusable(self, params: dict) -> bool:
         """Whether a later call may keep this generator (and its KV cache and captured graphs) for
@@ -339,15 +348,18 @@ class Generator:
         ids[mask] = flat  # row-major: each row's ids in order
         return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))
 
-    def _ensure_cache(self, *, rows: int, length: int) -> None:
-        if self._cache is not None and self._cache.fits(rows=rows, length=length):
-            return
-        if self._cache is not None:  # grow: graphs captured on the old views must go
+    def _ensure_cache(self, *, rows: int, length: int, fp8: bool = False) -> None:
+        """A KV cache of at least rows x length (fp8: rollout.kv_cache_dtype=fp8's codes and
+        scales), the present one when it fits and is of that kind."""
+        if self._cache is not None and self._cache.fp8 == fp8:
+            if self._cache.fits(rows=rows, length=length):
+                return
+            # grow: graphs captured on the old views must go
             rows, length = max(rows, self._cache.rows), max(length, self._cache.length)
         self.release()
         d = self.w.dims
         self._cache = KVCache(num_layers=d.num_layers, rows=rows, groups=d.groups, length=length,
-                              head_dim=d.head_dim, dtype=self.dtype, device=self.device)
+                              head_dim=d.head_dim, dtype=self.dtype, device=self.device, fp8=fp8)
         self._tables = decoder.rope_tables(self.w.inv_freq, length, dtype=self.dtype,
                                            device=self.device)
 

@@ -119,6 +119,9 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
              "window_steps": {}, "row_steps": 0, "compactions": 0, "append_calls": 0,
              "append_rows": 0, "fed_tokens": 0, "step_wait": 0.0, "dropped": 0}
     N, R = len(prompts) * cfg.n, cfg.max_new_tokens
+    if cfg.kv_cache_dtype != "auto":  # (config_checks refuses it for a run)
+        raise ValueError(f"rollout.kv_cache_dtype={cfg.kv_cache_dtype!r}: multi-turn decoding "
+                         f"reads its cache as plain tensors; set rollout.kv_cache_dtype=auto")
     ids, mask = gen._padded_prompts(prompts, cfg, pad_id)  # checks prompts and cfg
     P = ids.shape[1]
     if P + R > gen.cfg.max_position_embeddings:

@@ -70,8 +70,9 @@ class RolloutStage:
         # critic's reads them (Trainer._plan_param_offload)
         self.params_back_after_gen = True
         self._quantized_at = None  # (step, round) the kept generator's codes were made for
-        # bytes of the last generator's quantized weights (rollout.quantization; 0: none)
-        self.quantized_bytes = 0
+        # bytes of the last generator's quantized weights (rollout.quantization; 0: none) and of
+        # its KV cache at the end of the last call (rollout.kv_cache_dtype=fp8: codes + scales)
+        self.quantized_bytes = self.kv_cache_bytes = 0
         if not cfg.rollout.free_cache_engine and self.resharder is not None and ctx.rank == 0:
             print("hybridflow: warning: rollout.free_cache_engine=false does little with "
                   "resharding (rollout.tensor_parallel_size != parallel.tensor_parallel_size or "
@@ -138,6 +139,7 @@ class RolloutStage:
                                          options=DecodeOptions.from_config(r),
                                          record_experts=self.record_experts
                                          if record_experts is None else record_experts)
+                self.kv_cache_bytes = gen.kv_cache_bytes
                 if self._kept is not gen:
                     gen.release()
                 del gen

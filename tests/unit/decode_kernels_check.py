@@ -425,10 +425,83 @@ def tp2_cases():
     return run_ranks(_tp2_rank, 2)
 
 
+def kv_fp8_cases():
+    """rollout.kv_cache_dtype=fp8: rope_attention on an Fp8KV cache against its twins (write_column
+    quantizing, decode_attention dequantizing): the same codes and scales at column cur (one column,
+    and a column per row) and nothing else written, the output within fp32 rounding, with 1, 2 and
+    one-per-block splits; and the generator with the kernels (the prefill's scratch pair
+    quantized into the cache, windows, compaction) against the torch path, both on fp8 caches."""
+    from hybridflow.kernels.kv_fp8 import Fp8KV, quantize_kv
+
+    out = {"attention": [], "generation": {}}
+    g = torch.Generator().manual_seed(5)
+    for B, G, hpg, hd, T, per_row in [(3, 2, 7, 64, 200, False), (4, 1, 2, 32, 130, True)]:
+        x = torch.randn(2, B, G, T, hd, generator=g) * 3
+        codes, scale = quantize_kv(x)
+        qkv = torch.randn(B, G, hpg + 2, hd, generator=g)
+        cos_t, sin_t = tables(hd)
+        # position 0 (cos 1, sin 0): k after RoPE is the projection's, bit for bit on both sides,
+        # so the codes and scales must be too
+        pos = torch.zeros(B, dtype=torch.long)
+        cur = (torch.randint(0, T, (B,), generator=g) if per_row
+               else torch.tensor([T // 2]))
+        valid = torch.rand(B, T, generator=g) < 0.6
+
+        def cache():
+            return [Fp8KV(codes[i].clone(), scale[i].clone()) for i in range(2)]
+
+        ref_k, ref_v = cache()
+        ref = fused.rope_attention(qkv, cos_t, sin_t, ref_k, ref_v, cur, valid, hpg=hpg,
+                                   positions=pos, impl="torch")
+        case = {"shape": [B, G, hpg, hd, T], "per_row": per_row, "err": 0.0, "bits_equal": True,
+                "only_cur_written": True}
+        for target in (1, 2 * B * G, 10_000):
+            k, v = cache()
+            a = fused.rope_attention(qkv, cos_t, sin_t, k, v, cur, valid, hpg=hpg, positions=pos,
+                                     splits=kern.num_splits(B * G, T, qkv.device, target=target),
+                                     impl="triton")
+            case["err"] = max(case["err"], (a - ref).abs().max().item())
+            for got, want, before in ((k, ref_k, codes[0]), (v, ref_v, codes[1])):
+                case["bits_equal"] &= bool(
+                    torch.equal(got.codes.view(torch.uint8), want.codes.view(torch.uint8))
+                    and torch.equal(got.scale, want.scale))
+                cols = (got.codes.view(torch.uint8) != before.view(torch.uint8)).any(-1)
+                written = cols.nonzero()
+                case["only_cur_written"] &= bool(
+                    (written[:, 2] == cur.expand(B)[written[:, 0]]).all())
+        pos = torch.randint(0, 256, (B,), generator=g)  # RoPE'd k: equal to rounding
+        ref_k, ref_v = cache()
+        ref = fused.rope_attention(qkv, cos_t, sin_t, ref_k, ref_v, cur, valid, hpg=hpg,
+                                   positions=pos, impl="torch")
+        k, v = cache()
+        a = fused.rope_attention(qkv, cos_t, sin_t, k, v, cur, valid, hpg=hpg, positions=pos,
+                                 impl="triton")
+        case["rope_err"] = (a - ref).abs().max().item()
+        out["attention"].append(case)
+    cfg = CFG16
+    gen = make(cfg)
+    for name, kw in {"greedy_window_compaction": dict(max_new_tokens=72, decode_kv_window=64,
+                                                      compact_finished_rows=True),
+                     "sampled_n3": dict(n=3, temperature=1.0, max_new_tokens=12,
+                                        kernel_options=DecodeKernelOptions(fused_sampler=False)),
+                     }.items():
+        generate = polled(gen, 4)
+        ref = generate(PROMPTS, cfg=rc(**kw, kv_cache_dtype="fp8"), eos_id=5, pad_id=0, seed=7)
+        got = generate(PROMPTS, cfg=rc(**kw, kv_cache_dtype="fp8", decode_kernels="triton"),
+                       eos_id=5, pad_id=0, seed=7)
+        out["generation"][name] = {
+            "tokens_equal": bool(torch.equal(ref.response_ids, got.response_ids)),
+            "mask_equal": bool(torch.equal(ref.response_mask, got.response_mask)),
+            "logprob_err": (ref.rollout_logprobs - got.rollout_logprobs).abs().max().item(),
+            "fp8_cache": bool(gen._cache.fp8), "compactions": gen.stats["compactions"],
+            "tokens": int(ref.response_mask.sum())}
+    return out
+
+
 if __name__ == "__main__":
     print(json.dumps({"rope_attention": rope_attention_cases(), "argmax": argmax_cases(),
                       "prefill": prefill_cases(), "swiglu": swiglu_cases(),
                       "advance": advance_cases(), "silu_mul": silu_mul_cases(),
                       "add_rms_norm": add_rms_norm_cases(), "generation": generation_cases(),
                       "qk_norm": qk_norm_cases(),
-                      "launch": launch_cases(), "tp2": tp2_cases()}))
+                      "launch": launch_cases(), "tp2": tp2_cases(), "kv_fp8": kv_fp8_cases()}))

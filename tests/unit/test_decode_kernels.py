@@ -7,7 +7,8 @@ left-padded keys, a row whose only key is its own token; 1, 2 and one-per-block 
 writing only the current column of the given layer; with Qwen3's q/k norm fused into the RoPE
 kernels too; the generator with the kernels generates the torch path's tokens, greedy with windows
 and compaction and sampled with n = 3 (and for a q/k-norm model), at TP_g = 1 and (2 gloo ranks)
-TP_g = 2; DecodeOptions.pdl reaches every launch.
+TP_g = 2; DecodeOptions.pdl reaches every launch; on an fp8 KV cache (rollout.kv_cache_dtype=fp8)
+the kernel writes its twins' codes and scales and the generation equals the torch path's.
 bf16 and CUDA graphs: tests/gpu/test_decode_kernels_gpu.py. Also: clear errors where the kernels
 do not apply."""
 
@@ -188,3 +189,20 @@ def test_decode_kernels_errors_name_the_key(monkeypatch):
         small = make()  # head_dim 8
         with pytest.raises(ValueError, match="power-of-two head_dim >= 16 \\(the model has 8\\)"):
             small.generate(PROMPTS, cfg=rc(decode_kernels="triton"), eos_id=5, pad_id=0, seed=0)
+
+
+def test_fp8_kv_cache_in_the_fused_kernel(checked):
+    """rollout.kv_cache_dtype=fp8: the fused kernel writes the codes and scales its twins write (the
+    same bits where RoPE leaves k as projected; the fp32 rounding of RoPE otherwise), only at
+    column cur, attends over the dequantized cache as the twins do, and the generator with the
+    kernels (the prefill's K/V quantized from a scratch pair, windows, compaction) generates the
+    torch path's tokens on the fp8 cache."""
+    for case in checked["kv_fp8"]["attention"]:
+        assert case["bits_equal"] and case["only_cur_written"], case
+        assert case["err"] < 2e-5 and case["rope_err"] < 2e-5, case
+    assert any(c["per_row"] for c in checked["kv_fp8"]["attention"])
+    gens = checked["kv_fp8"]["generation"]
+    for name, case in gens.items():
+        assert case["tokens_equal"] and case["mask_equal"] and case["fp8_cache"], (name, case)
+        assert case["logprob_err"] < 1e-4 and case["tokens"] > 100, (name, case)
+    assert gens["greedy_window_compaction"]["compactions"] > 0
