@@ -1,12 +1,16 @@
 """Quantized rollouts (rollout.quantization): generation time per mode (none = bf16, fp8, int4;
 and fp8_weight_only: the fp8 codes without activation quantization,
-rollout.kernel_options.fp8_weight_only_max_rows) in one process, Qwen2-0.5B and Qwen2-1.5B shapes
+rollout.kernel_options.fp8_weight_only_max_rows; kv_fp8: bf16 weights with rollout.kv_cache_dtype=fp8,
+and fp8+kv_fp8 both) in one process, Qwen2-0.5B and Qwen2-1.5B shapes
 (random init, bf16), 128-token prompts + 256 forced new tokens (no EOS), batch 64 and 256, the
 product's GPU decode path (decode_kernels auto: the Triton kernels; CUDA graphs; the auto KV
 window, an eighth of the cache). Each (mode, model, batch): one warm-up call (capture, Triton
 compiles), then the median of --reps calls. Also each mode's read floor: per decode step the
 weights it streams (quantized matrices + the bf16 LM head and norms) and the KV cache columns
-written so far, at --hbm-gbps.
+written so far (bf16, or fp8 codes + scales), at --hbm-gbps.
+
+    python benchmarks/bench_quantized.py --modes none kv_fp8 --batches 64 256 512 \
+        --new-tokens 1024 --out benchmarks/results/kv_fp8_h200.json     # the fp8 KV cache
 
     python benchmarks/bench_quantized.py                                   # one H200, ~2-3 min
     python benchmarks/bench_quantized.py --device cpu --models small --batches 2 \\
@@ -38,6 +42,9 @@ from hybridflow.rollout.options import DecodeOptions  # noqa: E402
 from hybridflow.rollout.quantize import MATRICES  # noqa: E402
 from run_record import command, machine, versions, write_json  # noqa: E402
 
+# --modes: (rollout.quantization, rollout.kv_cache_dtype)
+MODES = {"none": ("none", "auto"), "fp8": ("fp8", "auto"), "fp8_weight_only": ("fp8", "auto"),
+         "int4": ("int4", "auto"), "kv_fp8": ("none", "fp8"), "fp8+kv_fp8": ("fp8", "fp8")}
 MODELS = {"qwen2_0_5b": "qwen2_0_5b.yaml", "qwen2_1_5b": "qwen2_1_5b.yaml", "small": "small.yaml"}
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hybridflow",
                     "conf", "model")
@@ -67,16 +74,19 @@ def random_params(cfg: ModelConfig, *, device, dtype) -> dict:
     return p
 
 
-def floor_s(gen: Generator, cfg: ModelConfig, *, B: int, P: int, R: int, gbps: float) -> float:
+def floor_s(gen: Generator, cfg: ModelConfig, *, B: int, P: int, R: int, gbps: float,
+            kv_fp8: bool = False) -> float:
     """Seconds to read, per decode step, every weight the step streams (quantized matrices at their
-    bytes, the rest in bf16) plus the K/V written so far, at `gbps`."""
+    bytes, the rest in bf16) plus the K/V written so far (bf16, or fp8 codes + fp32 scales), at
+    `gbps`."""
     w = gen.w
     matrices = sum(getattr(layer, f).nbytes for layer in w.layers for f in MATRICES)  # dense
     rest = w.output.nbytes + w.final_ln.nbytes + sum(
         t.nbytes for layer in w.layers for t in (layer.ln1, layer.ln2, layer.qkv_b)
         if t is not None)
     hd = w.dims.head_dim
-    kv_per_col = 2 * cfg.num_layers * w.dims.groups * hd * 2 * B  # bf16 K and V, all rows
+    per_head = hd + 4 if kv_fp8 else 2 * hd
+    kv_per_col = 2 * cfg.num_layers * w.dims.groups * per_head * B  # K and V, all rows
     kv = sum(kv_per_col * (P + s) for s in range(R - 1))
     return ((R - 1) * (matrices + rest) + kv) / (gbps * 1e9)
 
@@ -87,9 +97,10 @@ def main():
     ap.add_argument("--models", nargs="+", default=["qwen2_0_5b", "qwen2_1_5b"],
                     choices=list(MODELS))
     ap.add_argument("--modes", nargs="+", default=["none", "fp8", "fp8_weight_only", "int4"],
-                    choices=["none", "fp8", "fp8_weight_only", "int4"],
+                    choices=list(MODES),
                     help="fp8_weight_only: fp8 with rollout.kernel_options."
-                         "fp8_weight_only_max_rows covering the decode batches")
+                         "fp8_weight_only_max_rows covering the decode batches; kv_fp8: "
+                         "rollout.kv_cache_dtype=fp8 on bf16 weights")
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -116,13 +127,13 @@ def main():
         for mode in args.modes:
             gen = Generator(model_cfg=cfg, params=params, tp_group=None, device=device,
                             dtype=dtype, true_vocab_size=cfg.vocab_size,
-                            quantization=mode.split("_")[0])
+                            quantization=MODES[mode][0])
             report["quantized_gb"].setdefault(mode, {})[name] = gen.quantized_bytes / 1e9
             for B in args.batches:
                 g = torch.Generator().manual_seed(B)
                 prompts = torch.randint(0, cfg.vocab_size, (B, P), generator=g).tolist()
                 rc = RolloutConfig(max_new_tokens=R, temperature=0.0, max_batch_size=B,
-                                   return_logprobs=True)
+                                   return_logprobs=True, kv_cache_dtype=MODES[mode][1])
                 window = max(64, math.ceil((P + R) / 8 / 64) * 64)  # config_auto's choice
                 opts = DecodeOptions.from_config(rc).replace(
                     kv_window=window if device.type == "cuda" else 0,
@@ -143,7 +154,8 @@ def main():
                 secs = statistics.median(run() for _ in range(args.reps))
                 report["generation"].setdefault(mode, {}).setdefault(name, {})[str(B)] = secs
                 report["floors"].setdefault(mode, {}).setdefault(name, {})[str(B)] = floor_s(
-                    gen, cfg, B=B, P=P, R=R, gbps=args.hbm_gbps)
+                    gen, cfg, B=B, P=P, R=R, gbps=args.hbm_gbps,
+                    kv_fp8=MODES[mode][1] == "fp8")
                 print(f"{name} {mode:4s} B={B}: {secs:.3f} s (floor "
                       f"{report['floors'][mode][name][str(B)]:.3f} s)", flush=True)
             gen.release()

@@ -41,6 +41,7 @@ VARIANTS = {
     "base": "",
     "fp8": "rollout.quantization=fp8",
     "int4": "rollout.quantization=int4",
+    "kv_fp8": "rollout.kv_cache_dtype=fp8",
     "lora": "actor.lora.rank=32 actor.lora.alpha=64 actor_optim.lr=5e-5",
     "lora_graphs": "actor.lora.rank=32 actor.lora.alpha=64 actor_optim.lr=5e-5 parallel.train_cuda_graphs=true",
     "partial": ("rollout.partial.enable=true rollout.partial.max_decode_steps=512 "

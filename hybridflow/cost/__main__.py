@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="rollout.quantization: the decode step reads fp8 / int4 layer weights "
                         "and pays the quantized kernels' fitted cost; the report compares every "
                         "mode when generation is the largest stage")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="rollout.kv_cache_dtype: fp8 caches, reads and moves 1 + 4 / head_dim "
+                        "bytes per K/V value (bf16: 2): more rows per generation wave, fewer KV "
+                        "bytes per decode step")
     p.add_argument("--unfused-elementwise", action="store_false", dest="fused_elementwise",
                    help="parallel.fused_elementwise=false: Megatron's unfused RoPE and SwiGLU")
     p.add_argument("--train-cuda-graphs", action="store_true",
@@ -173,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         forward_micro_batch_tokens=a.forward_micro_batch_tokens, use_reference=a.use_reference,
         skip_old_log_prob=a.skip_old_log_prob, keep_generator=a.keep_generator,
         lm_head_chunk_tokens=a.lm_head_chunk_tokens, decode_kernels=a.decode_kernels,
-        rollout_quantization=a.rollout_quantization, fused_elementwise=a.fused_elementwise, train_cuda_graphs=a.train_cuda_graphs,
+        rollout_quantization=a.rollout_quantization, kv_cache_dtype=a.kv_cache_dtype,
+        fused_elementwise=a.fused_elementwise, train_cuda_graphs=a.train_cuda_graphs,
         gradient_accumulation_fusion=a.gradient_accumulation_fusion,
         offload_ref_prefetch=a.offload_ref_prefetch, lora_rank=a.lora_rank,
         offload_optimizer=a.offload_optimizer, offload_grads=a.offload_grads,

@@ -108,9 +108,16 @@ def kv_heads_per_gpu(shape: ModelConfig, tp: int) -> int:
     return math.ceil(shape.num_query_groups / tp)
 
 
-def kv_bytes_per_token(shape: ModelConfig, tp: int = 1) -> int:
-    """K and V of every layer for one cached token, on one of `tp` ranks."""
-    return 2 * shape.num_layers * kv_heads_per_gpu(shape, tp) * shape.head_dim * BYTES_PER_PARAM
+# rollout.kv_cache_dtype=fp8 (kernels/kv_fp8.py): a byte per value plus an fp32 scale per token
+# and KV head
+KV_FP8_SCALE_BYTES = 4
+
+
+def kv_bytes_per_token(shape: ModelConfig, tp: int = 1, *, fp8: bool = False) -> int:
+    """K and V of every layer for one cached token, on one of `tp` ranks (bf16, or fp8 codes and
+    their scales)."""
+    per_head = shape.head_dim + KV_FP8_SCALE_BYTES if fp8 else shape.head_dim * BYTES_PER_PARAM
+    return 2 * shape.num_layers * kv_heads_per_gpu(shape, tp) * per_head
 
 
 def activation_bytes_per_token_layer(shape: ModelConfig, *, fused_swiglu: bool = True) -> int:

@@ -293,7 +293,7 @@ def _gen_bytes_per_seq(shape: ModelConfig, layout: Layout, workload: Workload) -
     prompt = workload.prompt_len_max or workload.prompt_len   # a chunk's prompts, left-padded
     length = prompt + (workload.max_new_tokens or workload.longest_response)
     length = -(-length // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
-    kv = length * kv_bytes_per_token(shape, layout.tp_g)
+    kv = length * kv_bytes_per_token(shape, layout.tp_g, fp8=workload.kv_cache_dtype == "fp8")
     scratch = (workload.prompt_len * activation_bytes_per_token_layer(shape)
                + shape.vocab_size * LOGIT_BYTES) / layout.tp_g
     return kv, scratch

@@ -215,7 +215,7 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
     t, tp_g = StageTerms(overlap="decode"), plan.layout.tp_g
     peak = gpu.bf16_tflops * 1e12
     batch, waves = gen_batch_size(shape, gpu, plan, w, calib)
-    kv_token = kv_bytes_per_token(shape, tp_g)
+    kv_token = kv_bytes_per_token(shape, tp_g, fp8=w.kv_cache_dtype == "fp8")
     if w.varlen:   # row by row: buckets, compaction, KV windows, the long tail (cost.varlen)
         calls = w.gen_rounds
         rows = math.ceil(w.num_sequences * w.gen_prompt_factor / w.gen_rounds / plan.layout.dp_g)

@@ -58,6 +58,9 @@ class Workload:
     # rollout.quantization: the bytes per layer weight the decode step reads
     # (flops.ROLLOUT_BYTES_PER_WEIGHT); the records measured so far say "none"
     rollout_quantization: str = "none"
+    # rollout.kv_cache_dtype: "fp8" caches (and reads, moves) 1 + 4 / head_dim bytes per K/V value
+    # instead of 2 (flops.kv_bytes_per_token); the records measured so far say "auto"
+    kv_cache_dtype: str = "auto"
     # parallel.fused_elementwise (the trainer's default): the training passes' RoPE and SwiGLU as
     # fused kernels (own fitted MFUs; the unfused SwiGLU also keeps two more ffn-wide tensors per
     # token and layer); records measured before it existed say false
@@ -188,6 +191,8 @@ class Workload:
         if self.rollout_quantization not in ("none", "fp8", "int4"):
             raise ValueError(f"rollout_quantization {self.rollout_quantization!r}: expected "
                              f"'none', 'fp8' or 'int4'")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: expected 'auto' or 'fp8'")
         if self.decode_kernels not in ("torch", "triton"):
             raise ValueError(f"decode_kernels {self.decode_kernels!r}: expected 'torch' or 'triton'")
         if not isinstance(self.lm_head_chunk_tokens, int) or self.lm_head_chunk_tokens < 0:

@@ -173,3 +173,39 @@ def test_config_keys():
     for extra, want in (([], "auto"), (["trainer.val_quantized=true"], "fp8")):
         v = Validator(_config("rollout.kv_cache_dtype=fp8", *extra), ctx, rollout=None, dataset=[])
         assert v.gen_cfg.kv_cache_dtype == want
+
+
+def test_cost_model_reads_the_fp8_cache_bytes():
+    """flops.kv_bytes_per_token: hd + 4 bytes per KV head and side (fp8 codes + scale) against
+    2 hd; the decode's KV read term and the generation wave's cache scale with it, the weight
+    reads and everything else unchanged; the config key reaches the workload."""
+    from hybridflow.cost import Calibration
+    from hybridflow.cost.calibrate import parse_record
+    from hybridflow.cost.flops import kv_bytes_per_token
+    from hybridflow.cost.from_config import workload_fields
+    from hybridflow.cost.memory import memory_for
+    from hybridflow.cost.timing import stage_terms
+    from tests.unit.test_cost import TINY_WORK
+
+    runs = {}
+    for kv in ("auto", "fp8"):
+        r = parse_record({"config": {"model": "qwen2_1_5b", "gpu": "H200", "num_gpus": 1,
+                                     "layout": {"tp": 1}, **TINY_WORK, "kv_cache_dtype": kv}})
+        runs[kv] = (r, stage_terms(r.shape, r.gpu, r.plan, r.workload, Calibration()))
+    shape = runs["auto"][0].shape
+    ratio = (shape.head_dim + 4) / (2 * shape.head_dim)
+    assert kv_bytes_per_token(shape, fp8=True) == pytest.approx(
+        ratio * kv_bytes_per_token(shape))
+    w = runs["auto"][0].workload
+    kv_auto = w.num_sequences * w.response_len * (w.prompt_len + w.response_len / 2) \
+        * kv_bytes_per_token(shape) / (runs["auto"][0].gpu.hbm_gbps * 1e9)
+    read = {k: t["gen"].x["inv_decode_bw_eff"] for k, (_, t) in runs.items()}
+    assert read["auto"] - read["fp8"] == pytest.approx(kv_auto * (1 - ratio))
+    for stage in ("update_actor", "ref"):
+        assert runs["auto"][1][stage].x == runs["fp8"][1][stage].x
+    mem = {k: memory_for(r.shape, r.gpu, r.plan, r.workload, Calibration())
+           for k, (r, _) in runs.items()}
+    assert mem["fp8"].phases_gib["gen"]["kv_cache"] == pytest.approx(
+        ratio * mem["auto"].phases_gib["gen"]["kv_cache"])
+    fields = workload_fields(_config("rollout.kv_cache_dtype=fp8"), decode_kernels="triton")
+    assert fields["kv_cache_dtype"] == "fp8"
