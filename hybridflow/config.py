@@ -205,7 +205,9 @@ class RolloutConfig:
     # each generation. false keeps them across steps (no re-capture per step; costs their memory
     # during training) where generation uses the training weights in place (TP_g == TP, PP == 1);
     # with resharding the gathered weights move every step and the generator is rebuilt anyway.
-    # null (auto): false on a GPU where generation runs in place, else true
+    # null (auto): false on a GPU where generation runs in place, else true; true also where the
+    # automatic token budgets would give the update less than half the tokens per micro-batch with
+    # the generator kept (a tight memory cap)
     free_cache_engine: Optional[bool] = None
     # decode attends over the first multiple of this many cache columns that holds every written
     # slot (a CUDA graph per window), not the whole prompt + max_new_tokens cache: early steps of a

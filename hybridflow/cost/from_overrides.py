@@ -15,14 +15,16 @@ def from_overrides(overrides: list[str], *, world_size: int, free_gib: float,
     free (token budgets included); `lengths_path`: the step's lengths (cost.lengths.load_lengths:
     a metrics.jsonl, probe.json or lengths JSON), else every response runs to the cap."""
     from hybridflow.config import load_config
-    from hybridflow.config_auto import resolve_auto, size_token_budgets
+    from hybridflow.config_auto import budgets_unset, resolve_auto, size_for_memory
     from hybridflow.cost.lengths import load_lengths
 
-    cfg, _ = resolve_auto(load_config(list(overrides)), device_type="cuda")
+    cfg = load_config(list(overrides))
+    cache_auto = cfg.rollout.free_cache_engine is None
+    cfg, _ = resolve_auto(cfg, device_type="cuda")
+    if budgets_unset(cfg):
+        cfg, _ = size_for_memory(cfg, world_size=world_size, free_gib=free_gib,
+                                 cache_auto=cache_auto)
     a, r, d = cfg.algo, cfg.rollout, cfg.data
-    if a.use_dynamic_bsz and (a.max_tokens_per_micro_batch_per_gpu is None
-                              or a.forward_max_tokens_per_micro_batch_per_gpu is None):
-        cfg, _ = size_token_budgets(cfg, world_size=world_size, free_gib=free_gib)
     kernels = r.decode_kernels
     if kernels == "auto":   # the generator's choice on a GPU
         pow2 = cfg.model.head_dim >= 16 and not cfg.model.head_dim & (cfg.model.head_dim - 1)

@@ -151,3 +151,35 @@ def test_gpu_template_names_what_is_missing():
                        "data.val_files=v.jsonl"])
     validate(cfg, world_size=8)
     assert cfg.algo.use_dynamic_bsz is None and cfg.trainer.precision == "auto"  # speed left to auto
+
+
+def test_generator_freed_where_keeping_it_starves_the_update():
+    """rollout.free_cache_engine left null (in place on a GPU: kept) is turned true where the kept
+    KV cache would leave the update less than half the training budget it gets freed (Qwen2-7B
+    LoRA with recompute under 24 GiB: 416 against 2,496 tokens), with a line that says so; kept
+    at 48 GiB (4,160 against 4,576), where the user set it, and where the budgets are set."""
+    from hybridflow.config_auto import size_for_memory
+
+    job = ("model=qwen2_7b", "algo=grpo", "rollout.n=8", "data.synthetic=copy",
+           "data.max_prompt_length=160",
+           "data.prompts_per_step=8", "rollout.max_new_tokens=256", "rollout.ignore_eos=true",
+           "algo.ppo_mini_batch_size=64", "actor.lora.rank=16", "actor.lora.alpha=32",
+           "parallel.activation_checkpointing=true")
+
+    def sized(*extra, free_gib):
+        raw = _cfg(*job, *extra)
+        cfg, _ = resolve_auto(raw, device_type="cuda")
+        return size_for_memory(cfg, world_size=1, free_gib=free_gib,
+                               cache_auto=raw.rollout.free_cache_engine is None)
+
+    cfg, lines = sized(free_gib=24.0)
+    assert cfg.rollout.free_cache_engine is True
+    assert cfg.algo.max_tokens_per_micro_batch_per_gpu == 2496
+    assert "rollout.free_cache_engine=true" in lines[0] and "416-token" in lines[0]
+    cfg, lines = sized(free_gib=48.0)
+    assert cfg.rollout.free_cache_engine is False and len(lines) == 1
+    cfg, _ = sized("rollout.free_cache_engine=false", free_gib=24.0)
+    assert cfg.rollout.free_cache_engine is False
+    assert cfg.algo.max_tokens_per_micro_batch_per_gpu == 416
+    cfg, _ = sized("algo.max_tokens_per_micro_batch_per_gpu=416", free_gib=24.0)
+    assert cfg.rollout.free_cache_engine is False
