@@ -8,8 +8,9 @@ full-parameter 7B needs over 140 GiB, so every cap trains LoRA adapters; 24 GiB 
 activations). Reported per cap: median seconds per step after the first, the run's peak allocated
 memory (perf/max_memory_allocated_gb, GiB) and the cost model's predicted peak for the same
 configuration (its token budgets as the trainer chose them) and seconds per step. `--extra`
-adds overrides to every cap's options (e.g. rollout.free_cache_engine=true: at 24 GiB the kept
-KV cache holds the update to one-row micro-batches).
+adds overrides to every cap's options (e.g. rollout.free_cache_engine=false: at 24 GiB the
+automatic choice frees the generator, whose kept KV cache would hold the update to one-row
+micro-batches; false is the A/B).
 
   python benchmarks/small_cards.py --out benchmarks/results/small_cards_h200.json     # one H200
   python benchmarks/small_cards.py --model tiny --prompts 2 --samples 2 --response 4 --steps 2 \\
