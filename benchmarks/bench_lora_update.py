@@ -174,6 +174,9 @@ def main(argv=None) -> int:
     ap.add_argument("--graphs-min-fill", type=float, default=ParallelConfig.train_graphs_min_fill,
                     help="parallel.train_graphs_min_fill for the +graphs sides: packed "
                          "micro-batches under this share of the budget run eager (0: all padded)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="parallel.activation_checkpointing=true (every layer's forward again in "
+                         "the backward; not with the +graphs sides)")
     ap.add_argument("--no-fusion", action="store_true",
                     help="parallel.gradient_accumulation_fusion=false (LoRA: the autograd path)")
     ap.add_argument("--iters", type=int, default=5)
@@ -206,6 +209,7 @@ def main(argv=None) -> int:
         if kind not in ("full", "lora") or option not in ("", "graphs"):
             raise SystemExit(f"--sides: {side!r} is not one of full, lora, full+graphs, lora+graphs")
         par = ParallelConfig(use_distributed_optimizer=False, train_cuda_graphs=option == "graphs",
+                             activation_checkpointing=a.recompute,
                              gradient_accumulation_fusion=not a.no_fusion,
                              train_graphs_min_fill=a.graphs_min_fill)
         lora = LoRAConfig(rank=a.rank, alpha=a.alpha, target_modules=a.targets.split(",")) \
