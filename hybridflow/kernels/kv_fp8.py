@@ -35,21 +35,9 @@ class Fp8KV:
                              f"only, got {index!r}")
         return Fp8KV(self.codes[index], self.scale[index])
 
-    def __iter__(self):  # like a tensor: over the first dimension
-        return (self[i] for i in range(self.codes.shape[0]))
-
     @property
     def shape(self) -> torch.Size:
         return self.codes.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.numel() * self.codes.element_size() + \
-            self.scale.numel() * self.scale.element_size()
 
     def tensors(self) -> tuple:
         return self.codes, self.scale
