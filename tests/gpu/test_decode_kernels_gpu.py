@@ -190,7 +190,10 @@ def test_advance_rows_under_a_graph():
     assert (st["out_tokens"][:, [0, 4]] == -1).all()
 
 
-def test_generator_with_kernels_under_graphs():
+def small_generator(**free_kw):
+    """A 2-layer fp32 generator on the GPU (head_dim 32, 37 ids), 24 random prompts, 150 new tokens
+    and stop ids that leave rows 0, 5 and 14 running to the end (a greedy run of `free_kw`'s
+    RolloutConfig keys first) -> (gen, prompts, R, stops)."""
     from tests.unit.test_compaction import random_prompts, uneven_stops
     from tests.unit.test_rollout import random_params
 
@@ -199,9 +202,13 @@ def test_generator_with_kernels_under_graphs():
     gen = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
                     device=torch.device("cuda"), dtype=torch.float32, true_vocab_size=37)
     prompts, R = random_prompts(24, vocab=37), 150
-    free = gen.generate(prompts, cfg=_torch_path(max_new_tokens=R, temperature=0.0),
+    free = gen.generate(prompts, cfg=_torch_path(max_new_tokens=R, temperature=0.0, **free_kw),
                         eos_id=-1, pad_id=0, seed=0).response_ids
-    stops = uneven_stops(free.cpu(), [0, 5, 14], 37)
+    return gen, prompts, R, uneven_stops(free.cpu(), [0, 5, 14], 37)
+
+
+def test_generator_with_kernels_under_graphs():
+    gen, prompts, R, stops = small_generator()
     cfg = _torch_path(max_new_tokens=R, temperature=0.0, max_batch_size=20, return_logprobs=True,
                       stop_token_ids=stops[:2], compact_finished_rows=True, decode_kv_window=64)
     # polls every 2 steps, graphed compaction buckets down to 1 row
