@@ -2,8 +2,8 @@
 (the hardware's E4M3 cast after the kernel's own rounding: bit for bit where RoPE leaves k as
 projected), its attention over the fp8 cache equals the twins' within bf16 rounding, and the
 generator under CUDA graphs (buckets, windows, compaction) on the fp8 cache generates the eager
-PyTorch path's greedy tokens (fp32), and with the kernels nearly every row's. The speed is measured by benchmarks/bench_quantized.py
-(--kv-cache-dtype)."""
+PyTorch path's greedy tokens (fp32), and with the kernels nearly every row's. The speed is
+measured by benchmarks/bench_quantized.py (--modes kv_fp8)."""
 
 import pytest
 import torch
