@@ -252,8 +252,7 @@ class RolloutConfig:
     # per token and KV head, kernels/kv_fp8.py: 1 + 4 / head_dim bytes a value, about half of bf16's
     # K/V reads per decode step and room for about twice the rows). The prefill attends exactly;
     # decode reads the rounded keys and values, so the log-probs are the fp8-cache model's: like
-    # `quantization` it turns on rollout.return_logprobs and, unless set, algo.tis_imp_ratio_cap.
-    # Single-turn decoding only
+    # `quantization` it turns on rollout.return_logprobs and, unless set, algo.tis_imp_ratio_cap
     kv_cache_dtype: str = "auto"
 
 

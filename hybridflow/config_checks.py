@@ -468,15 +468,12 @@ def validate_multi_turn(r) -> None:
     clashes = [(key, value, fix) for key, value, bad, fix in (
         ("rollout.compile_decode", r.compile_decode, r.compile_decode is True, "null or false"),
         # its step's matrices are plain tensors (the quantized layers are the single-turn step's)
-        ("rollout.quantization", r.quantization, r.quantization != "none", "none"),
-        # its step reads the cache as plain tensors
-        ("rollout.kv_cache_dtype", r.kv_cache_dtype, r.kv_cache_dtype != "auto", "auto")) if bad]
+        ("rollout.quantization", r.quantization, r.quantization != "none", "none")) if bad]
     if clashes:
         key, value, fix = clashes[0]
         raise ValueError(f"rollout.multi_turn.enable=true decodes on the generator's plain "
                          f"weights (rollout.decode_kernels, CUDA graphs, decode_kv_window and "
-                         f"compact_finished_rows apply; compiled and quantized layers and an fp8 "
-                         f"KV cache do not): "
+                         f"compact_finished_rows apply; compiled and quantized layers do not): "
                          f"{key}={value!r} does not apply to it; set {key} to {fix}")
 
 

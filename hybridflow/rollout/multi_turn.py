@@ -119,9 +119,6 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
              "window_steps": {}, "row_steps": 0, "compactions": 0, "append_calls": 0,
              "append_rows": 0, "fed_tokens": 0, "step_wait": 0.0, "dropped": 0}
     N, R = len(prompts) * cfg.n, cfg.max_new_tokens
-    if cfg.kv_cache_dtype != "auto":  # (config_checks refuses it for a run)
-        raise ValueError(f"rollout.kv_cache_dtype={cfg.kv_cache_dtype!r}: multi-turn decoding "
-                         f"reads its cache as plain tensors; set rollout.kv_cache_dtype=auto")
     ids, mask = gen._padded_prompts(prompts, cfg, pad_id)  # checks prompts and cfg
     P = ids.shape[1]
     if P + R > gen.cfg.max_position_embeddings:
@@ -131,7 +128,8 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
     # + the scratch column; lookahead: + the column of the token a full row is fed once more
     T = -(-(P + R + 1 + runner.mt.lookahead_on) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
     with torch.no_grad():
-        gen._ensure_cache(rows=max(e - s for s, e in chunks), length=T)
+        gen._ensure_cache(rows=max(e - s for s, e in chunks), length=T,
+                          fp8=cfg.kv_cache_dtype == "fp8")
         # emulate_graphs: the graphed path's states, ladder and warm-ups off a GPU (tests)
         graphed = opts.cuda_graphs and (gen.device.type == "cuda" or opts.emulate_graphs)
         # every chunk size's step before seeding: a capture's warm-up runs draw from the stream

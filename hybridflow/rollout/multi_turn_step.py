@@ -28,7 +28,9 @@ rollout.decode_kv_window W there is one step per window (the multiples of W belo
 host picks, per step, the shortest that holds every state row's next column (it knows each row's
 length; no sync), so early steps do not read the whole cache. Appending tool results stays eager
 (`extend` of S > 1 tokens for the resumed rows) and writes the same tensors in place (`col`,
-`pos`, `key_valid`, the cache, the resumed rows' `logits`).
+`pos`, `key_valid`, the cache, the resumed rows' `logits`). On an fp8 cache
+(rollout.kv_cache_dtype=fp8, kernels/kv_fp8.py) `extend` writes the new tokens' codes and scales
+and attends over the dequantized columns, its own new tokens too, as the fused step does.
 
 Beside it, the host's side: `Rows` (each row's tokens, log-probs, tool mask, lengths, turn and
 state as numpy arrays) and `Slots` (which state row holds which chunk row; compaction moves the
@@ -48,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.config import RolloutConfig
+from hybridflow.kernels.kv_fp8 import Fp8KV, quantize_kv, readable
 from hybridflow.rollout import decoder
 from hybridflow.rollout.cuda_graph import GraphedStep, WarmedStep
 from hybridflow.rollout.options import DecodeOptions
@@ -105,12 +108,9 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
         # queries against the group's (r, G, L, hd) keys, no per-head K/V copy
         q = qk[:, :, :, :hpg].permute(0, 2, 3, 1, 4).reshape(r, d.groups, hpg * S, hd)
         kc, vc = cache.k[i], cache.v[i]  # (rows, G, T, hd)
-        kc[row_ix, :, columns] = qk[:, :, :, hpg]  # (r, S, G, hd) at (row, column)
-        vc[row_ix, :, columns] = qkv[:, :, :, hpg + 1]
-        if rows is None:
-            k, v = kc[:r, :, :L], vc[:r, :, :L]
-        else:
-            k, v = kc.index_select(0, rows), vc.index_select(0, rows)
+        _put(kc, row_ix, columns, qk[:, :, :, hpg])  # (r, S, G, hd) at (row, column)
+        _put(vc, row_ix, columns, qkv[:, :, :, hpg + 1])
+        k, v = (readable(_rows(c, r, L, rows), q.dtype) for c in (kc, vc))
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (r, G, hpg * S, hd)
         a = a.view(r, d.groups, hpg, S, hd).permute(0, 3, 1, 2, 4).reshape(r * S, d.heads * hd)
         x = decoder._row_parallel_add(x, a, layer.proj, w)
@@ -125,6 +125,27 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
     h = x.view(r, S, d.hidden)[torch.arange(r, device=ids.device), last]
     lg = decoder.logits(w, decoder._norm(h, w.final_ln, d.eps), fp32=out is None)
     return lg if out is None else out.copy_(lg)  # the same fp32 values as logits(fp32=True)
+
+
+def _put(side, row_ix: torch.Tensor, columns: torch.Tensor, x: torch.Tensor) -> None:
+    """side (rows, G, T, hd)[row_ix, :, columns] = x (r, S, G, hd); an fp8 side (Fp8KV) gets x's
+    codes and scales (its codes through a uint8 view: no float8 index_put on CPU)."""
+    if isinstance(side, Fp8KV):
+        codes, scale = quantize_kv(x)
+        side.codes.view(torch.uint8)[row_ix, :, columns] = codes.view(torch.uint8)
+        side.scale[row_ix, :, columns] = scale
+    else:
+        side[row_ix, :, columns] = x
+
+
+def _rows(side, r: int, L: int, rows: Optional[torch.Tensor]):
+    """The attended part of a cache side: rows 0..r-1 over columns 0..L-1 (a view), or `rows`."""
+    if rows is None:
+        return side[:r, :, :L]
+    if isinstance(side, Fp8KV):
+        return Fp8KV(side.codes.view(torch.uint8).index_select(0, rows).view(side.codes.dtype),
+                     side.scale.index_select(0, rows))
+    return side.index_select(0, rows)
 
 
 class DecodeState:

@@ -16,6 +16,7 @@ import torch  # noqa: E402
 
 from hybridflow.config import RolloutConfig  # noqa: E402
 from hybridflow.kernels import rope_attention as fused  # noqa: E402
+from hybridflow.kernels.kv_fp8 import readable  # noqa: E402
 from hybridflow.rollout import Generator, decoder  # noqa: E402
 from hybridflow.rollout.kv_cache import KVCache  # noqa: E402
 from hybridflow.rollout.multi_turn import generate_multi_turn  # noqa: E402
@@ -170,7 +171,8 @@ def rollout_cases(tmp):
     log-probs within rounding, the K/V equal where valid (without compaction: the state's rows
     are then the cache's; compaction moves both runs' rows alike). "fed": the triton run feeds
     the tool results through the decode step (rollout.multi_turn.append=decode), the torch run
-    appends them by `extend`: the same conversation and cache."""
+    appends them by `extend`: the same conversation and cache; "fp8_fed" the same on an fp8 KV
+    cache (rollout.kv_cache_dtype=fp8: both round what they write; K/V compared dequantized)."""
     tok = byte_tokenizer(tmp)
     end = tok.encode("<|im_end|>")
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
@@ -182,10 +184,12 @@ def rollout_cases(tmp):
                         max_batch_size=4)
     out = {}
     for name, compact, append in (("windows", False, "prefill"), ("compaction", True, "prefill"),
-                                  ("fed", False, "decode"), ("fed_ahead", False, "ahead")):
-        if name.startswith("fed"):  # room for the results to be appended (at 84 tokens they end the rows)
+                                  ("fed", False, "decode"), ("fed_ahead", False, "ahead"),
+                                  ("fp8_fed", False, "decode")):
+        if "fed" in name:  # room for the results to be appended (at 84 tokens they end the rows)
             cfg = RolloutConfig(n=2, max_new_tokens=200, temperature=0.0, return_logprobs=True,
-                                max_batch_size=4)
+                                max_batch_size=4,
+                                kv_cache_dtype="fp8" if name.startswith("fp8") else "auto")
         runs = {}
         for kernels in ("torch", "triton"):
             gen = Generator(model_cfg=CFG16_G1, params=params(CFG16_G1), tp_group=None,
@@ -207,6 +211,7 @@ def rollout_cases(tmp):
         if not compact:
             kv_err = 0.0
             for c0, c1 in ((g0._cache.k, g1._cache.k), (g0._cache.v, g1._cache.v)):
+                c0, c1 = readable(c0, torch.float32), readable(c1, torch.float32)
                 for b in range(4):
                     cols = s0.key_valid[b].nonzero()[:, 0]
                     kv_err = max(kv_err, (c0[:, b, :, cols] - c1[:, b, :, cols]).abs().max()
@@ -222,7 +227,7 @@ def rollout_cases(tmp):
                                 m1["multi_turn/kv_columns_mean"]],
             "steps": [m0["multi_turn/decode_steps"], m1["multi_turn/decode_steps"]],
             "append_calls": [m0["multi_turn/append_calls"], m1["multi_turn/append_calls"]],
-            "fed_tool_tokens": m1["multi_turn/fed_tool_tokens"]}
+            "fed_tool_tokens": m1["multi_turn/fed_tool_tokens"], "fp8": bool(g1._cache.fp8)}
     return out
 
 

@@ -2,8 +2,9 @@
 tests/unit/test_decode_kernels.py): the per-token, per-KV-head E4M3 round trip within its bound,
 a KV cache of codes + scales written by the prefill and the decode steps where the bf16 cache is
 written (the values within the bound, only the written columns touched), teacher-forced decode
-logits equal to the exact cache's with each K/V rounded as written, compaction and windows carrying the scales (greedy equal with
-and without them, under emulated graphs), the config keys and what they refuse or turn on."""
+logits equal to the exact cache's with each K/V rounded as written, compaction and windows
+carrying the scales (greedy equal with and without them, under emulated graphs), the config keys
+and what they turn on (multi-turn: tests/unit/test_multi_turn.py)."""
 
 import dataclasses
 
@@ -156,9 +157,8 @@ def _config(*overrides):
 def test_config_keys():
     with pytest.raises(ValueError, match="rollout.kv_cache_dtype='bf16' is not one of"):
         validate(_config("rollout.kv_cache_dtype=bf16"), world_size=1)
-    with pytest.raises(ValueError, match="rollout.kv_cache_dtype='fp8' does not apply"):
-        validate(_config("rollout.kv_cache_dtype=fp8", "rollout.multi_turn.enable=true",
-                         "rollout.multi_turn.tool_config_path=calculator.yaml"), world_size=1)
+    validate(_config("rollout.kv_cache_dtype=fp8", "rollout.multi_turn.enable=true",
+                     "rollout.multi_turn.tool_config_path=calculator.yaml"), world_size=1)
     validate(_config("rollout.kv_cache_dtype=fp8", "rollout.quantization=fp8"), world_size=1)
     # like a quantized rollout: the rollout log-probs and TIS on, with a line that says so
     cfg, notes = resolve_auto(_config("rollout.kv_cache_dtype=fp8"), device_type="cpu")

@@ -100,7 +100,8 @@ def reference_logprobs(gen, prompt, response):
 
 
 def run(gen, tok, fmt_kind, cfg_path, prompts, forced, *, max_new=320, turns=4,
-        prefill_tokens=16384, temperature=1.0, runner_cls=ToolRunner, **hold):
+        prefill_tokens=16384, temperature=1.0, runner_cls=ToolRunner, kv_cache_dtype="auto",
+        **hold):
     """`hold`: rollout.multi_turn.append_wait_steps / append_batch_rows (default: the config's),
     append and lookahead (default: held results prefilled, no lookahead; the tests of the decode
     path ask for it)."""
@@ -113,7 +114,7 @@ def run(gen, tok, fmt_kind, cfg_path, prompts, forced, *, max_new=320, turns=4,
     try:
         return generate_multi_turn(gen, prompts, cfg=RolloutConfig(
             n=1, max_new_tokens=max_new, temperature=temperature, return_logprobs=True,
-            max_batch_size=8), runner=runner, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=3,
+            max_batch_size=8, kv_cache_dtype=kv_cache_dtype), runner=runner, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=3,
             options=DecodeOptions(kernels="torch", prefill_tokens=prefill_tokens),
             forced=forced), runner
     finally:
@@ -279,3 +280,33 @@ def test_chat_prompts_get_the_tools_and_the_system_prompt(tmp_path):
     assert ds[1].prompt_text.startswith("[calculator]<|im_start|>system\nown<|im_end|>")
     plain = PromptDataset.from_records(recs, tokenizer=tok, max_prompt_length=512)
     assert plain[0].prompt_text == "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_fp8_cache_appends_by_extend_as_by_decode(tmp_path):
+    """rollout.kv_cache_dtype=fp8: the forced conversation's tool results appended by an extend
+    and fed through decode steps give the same log-probs (both write the rounded K/V and attend
+    over it, their own new tokens too), the model's tokens are the forced ones, and the log-probs
+    differ from the exact cache's (the rounding is there) by a fraction of their spread."""
+    tok = byte_tokenizer(tmp_path)
+    end = tok.encode("<|im_end|>")
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in ("What is 6*7?", "Two steps please")]
+    forced = [tok.encode(call("6*7")) + tok.encode("It is 42") + end,
+              tok.encode(call("2+3")) + tok.encode(call("5*5")) + tok.encode("25") + end]
+    cfg_path = tool_config(tmp_path, "calculator")
+    gen = make_gen()
+    out = {}
+    for name, kv, append in (("exact", "auto", "prefill"), ("extend", "fp8", "prefill"),
+                             ("decode", "fp8", "decode")):
+        (out[name], _), _ = run(gen, tok, "hermes", cfg_path, prompts, forced, append=append,
+                                kv_cache_dtype=kv)
+        assert gen._cache.fp8 is (kv == "fp8")
+    for b in range(2):
+        n = int(out["exact"].response_mask[b].sum())
+        tool = out["exact"].tool_mask[b, :n].bool()
+        for name in ("extend", "decode"):
+            assert torch.equal(out[name].response_ids[b, :n], out["exact"].response_ids[b, :n])
+        lp = {k: v.rollout_logprobs[b, :n][~tool] for k, v in out.items()}
+        torch.testing.assert_close(lp["extend"], lp["decode"], rtol=1e-4, atol=1e-4)
+        diff = (lp["extend"] - lp["exact"]).abs()
+        assert diff.max() > 0 and diff.mean() < 0.25 * lp["exact"].std()

@@ -72,8 +72,8 @@ def test_a_non_ready_rows_scratch_write_never_becomes_valid(kernels_checked):
 def test_multi_turn_rollout_triton_equals_torch(tmp_path):
     """generate_multi_turn, decode_kernels triton vs torch (forced tool calls then greedy; KV
     windows, emulated CUDA graphs, with and without compaction; and the triton run feeding tool
-    results through the decode step): the same tokens and tool masks, log-probs to rounding, the
-    same valid columns and K/V there."""
+    results through the decode step, also on an fp8 KV cache): the same tokens and tool masks,
+    log-probs to rounding, the same valid columns and K/V there."""
     out = _check("rollout", tmp_path)
     for name, c in out.items():
         assert c["tokens_equal"] and c["tool_mask_equal"], (name, c)
@@ -81,10 +81,11 @@ def test_multi_turn_rollout_triton_equals_torch(tmp_path):
         assert c["valid_equal"] or name == "fed_ahead", (name, c)
         assert c["tool_tokens"] > 0 and c["tokens"] > 100, (name, c)
         assert c["logprob_err"] < 1e-4, (name, c)
-        if not name.startswith("fed"):  # (fed: a longer budget, a decode step per result token)
+        if "fed" not in name:  # (fed: a longer budget, a decode step per result token)
             assert c["steps"][0] == c["steps"][1] and c["kv_columns_mean"][0] < 128, (name, c)
     assert out["windows"]["kv_err"] < 1e-4, out
-    for name in ("fed", "fed_ahead"):  # also launched one step ahead of the host (lookahead)
+    assert out["fp8_fed"]["fp8"] and not out["fed"]["fp8"], out
+    for name in ("fed", "fed_ahead", "fp8_fed"):  # fed_ahead: launched one step ahead (lookahead)
         assert out[name]["kv_err"] < 1e-4, out
         assert out[name]["append_calls"][1] == 0 < out[name]["append_calls"][0], out
         assert out[name]["fed_tool_tokens"] > 0, out
