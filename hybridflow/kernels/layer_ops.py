@@ -112,7 +112,7 @@ if HAVE_TRITON:
         blocks of cache columns (the last split's may run past kv_len), column `skip` left out
         (-1: none) -> (max, sum of exp, P @ V) in fp32. FP8: the caches hold E4M3 codes with a
         scale per column (ks_base, vs_base; column stride s_kst, s_vst), dequantized to q's dtype
-        as kv_cache.dequantize_kv rounds."""
+        as kv_fp8.dequantize_kv rounds."""
         d = tl.arange(0, HD)
         m = tl.full([H_PAD], -1e30, tl.float32)
         lsum = tl.zeros([H_PAD], tl.float32)
@@ -281,7 +281,7 @@ def mark_columns(key_valid: torch.Tensor, cur: torch.Tensor,
 
 def write_column(cache, cur: torch.Tensor, x: torch.Tensor) -> None:
     """cache (B, G, T, hd)[b, :, cur[b]] = x (B, G, 1, hd) (cur (1,): one column for every row;
-    (B,): row b's own), in place; an fp8 cache (kv_cache.Fp8KV) gets x's codes and scales."""
+    (B,): row b's own), in place; an fp8 cache (kv_fp8.Fp8KV) gets x's codes and scales."""
     if isinstance(cache, Fp8KV):
         codes, scale = quantize_kv(x)
         write_column(cache.codes.view(torch.uint8), cur, codes.view(torch.uint8))

@@ -322,17 +322,13 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
         qkv = lin(h, layer.qkv_w, layer.qkv_b).view(B, S, d.groups, hpg + 2, hd)
         if fused:
             kc, vc = cache.layer(i, cache_row0 + B, cache_row0)
-            if cache.fp8:  # rotated into a scratch pair, attended exactly, quantized into the cache
-                kc = vc = None
-                k, v = (torch.empty((B, d.groups, S, hd), dtype=qkv.dtype, device=qkv.device)
-                        for _ in range(2))
-            else:
-                k, v = kc[:, :, :S], vc[:, :, :S]  # (B, G, S, hd)
+            # (B, G, S, hd); fp8: a scratch pair, attended exactly, then quantized into the cache
+            k, v = ((torch.empty((B, d.groups, S, hd), dtype=qkv.dtype, device=qkv.device)
+                     for _ in range(2)) if cache.fp8 else (kc[:, :, :S], vc[:, :, :S]))
             q = kern.rope_kv_prefill(qkv, cos, sin, k, v, hpg=hpg, q_norm=layer.q_norm,
                                      k_norm=layer.k_norm, eps=d.eps, pdl=pdl, impl="triton")
             q = q.view(B, S, d.heads, hd).transpose(1, 2)  # (B, H, S, hd)
-            if kc is None:
-                kc, vc = cache.layer(i, cache_row0 + B, cache_row0)
+            if cache.fp8:
                 write_columns(kc, k)
                 write_columns(vc, v)
         else:
