@@ -36,7 +36,7 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
+from hybridflow.config import DecodeKernelOptions, ModelConfig, RolloutConfig  # noqa: E402
 from hybridflow.rollout import Generator  # noqa: E402
 from hybridflow.rollout.options import DecodeOptions  # noqa: E402
 from hybridflow.rollout.quantize import MATRICES  # noqa: E402
@@ -105,7 +105,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--int4-kernel-max-rows", type=int, default=256,
+    ap.add_argument("--int4-kernel-max-rows", type=int,
+                    default=DecodeKernelOptions().int4_kernel_max_rows,
                     help="rollout.kernel_options.int4_kernel_max_rows: int4 GEMMs of more rows "
                          "(the prefill; decode batches above it) dequantize the weight once and "
                          "run cuBLAS")

@@ -21,8 +21,10 @@ from typing import Optional
 
 import torch
 
-from hybridflow.config import RolloutConfig
+from hybridflow.config import DecodeKernelOptions, RolloutConfig
 from hybridflow.config_checks import KERNELS, PREFETCHABLE
+
+_K = DecodeKernelOptions()  # the rollout.kernel_options defaults, mirrored below
 
 
 
@@ -41,15 +43,15 @@ class DecodeOptions:
     compact_finished_rows: bool = False  # rollout.compact_finished_rows (compaction.py)
 
     # rollout.kernel_options.*: see DecodeKernelOptions in hybridflow/config.py for each
-    pdl: bool = True
-    prefetch_weights: tuple = ("qkv", "proj")  # sorted into PREFETCHABLE's order
-    prefetch_min_rows: int = 256
-    swiglu_gemm_min_rows: int = 256
-    fp8_weight_only_max_rows: int = 0
-    int4_kernel_max_rows: int = 256
-    fused_sampler: bool = True
-    compile_backend: str = "inductor"
-    compile_mode: Optional[str] = None
+    pdl: bool = _K.pdl
+    prefetch_weights: tuple = tuple(_K.prefetch_weights)  # sorted into PREFETCHABLE's order
+    prefetch_min_rows: int = _K.prefetch_min_rows
+    swiglu_gemm_min_rows: int = _K.swiglu_gemm_min_rows
+    fp8_weight_only_max_rows: int = _K.fp8_weight_only_max_rows
+    int4_kernel_max_rows: int = _K.int4_kernel_max_rows
+    fused_sampler: bool = _K.fused_sampler
+    compile_backend: str = _K.compile_backend
+    compile_mode: Optional[str] = _K.compile_mode
 
     check_every: int = 16  # decode steps between stop polls (and compaction decisions)
     prefill_tokens: int = 16384  # prompt tokens per prefill sub-batch (bounds activation memory)
