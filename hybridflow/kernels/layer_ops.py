@@ -111,8 +111,10 @@ if HAVE_TRITON:
         """Online softmax of one (row, group)'s queries q (H_PAD, HD) over split `split`'s BLOCKS
         blocks of cache columns (the last split's may run past kv_len), column `skip` left out
         (-1: none) -> (max, sum of exp, P @ V) in fp32. FP8: the caches hold E4M3 codes with a
-        scale per column (ks_base, vs_base; column stride s_kst, s_vst), dequantized to q's dtype
-        as kv_fp8.dequantize_kv rounds."""
+        scale per column (ks_base, vs_base; column stride s_kst, s_vst): the codes go into the dot
+        products as they are (exact in q's dtype), each column's K scale multiplies its scores and
+        its V scale its softmax weights before P V (no dequantized (BLOCK, HD) tile; the twin,
+        which dequantizes first, rounds in another place)."""
         d = tl.arange(0, HD)
         m = tl.full([H_PAD], -1e30, tl.float32)
         lsum = tl.zeros([H_PAD], tl.float32)
@@ -121,24 +123,25 @@ if HAVE_TRITON:
             t = (split * BLOCKS + i) * BLOCK + tl.arange(0, BLOCK)
             in_range = t < kv_len
             k = tl.load(k_base + t[:, None] * s_kt + d[None, :], mask=in_range[:, None], other=0.0)
-            if FP8:
-                ks = tl.load(ks_base + t * s_kst, mask=in_range, other=0.0)
-                k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
+            if FP8:  # E4M3 codes are exact in q's dtype: their scales multiply the products
+                k = k.to(q.dtype)
             valid = tl.load(valid_base + t * s_mt, mask=in_range, other=0) != 0
             valid = valid & (t != skip)
             if IEEE:  # fp32 inputs: full-precision products (the default would be TF32 on the GPU)
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
-                sc = tl.dot(q, tl.trans(k)) * scale  # (H_PAD, BLOCK) fp32
-            sc = tl.where(valid[None, :], sc, float("-inf"))
+                sc = tl.dot(q, tl.trans(k))  # (H_PAD, BLOCK) fp32
+            if FP8:
+                sc = sc * tl.load(ks_base + t * s_kst, mask=in_range, other=0.0)[None, :]
+            sc = tl.where(valid[None, :], sc * scale, float("-inf"))
             new_m = tl.maximum(m, tl.max(sc, 1))  # stays finite: m starts at -1e30
             alpha = tl.exp(m - new_m)
             p = tl.exp(sc - new_m[:, None])  # 0 on masked columns
             lsum = lsum * alpha + tl.sum(p, 1)
             v = tl.load(v_base + t[:, None] * s_vt + d[None, :], mask=in_range[:, None], other=0.0)
-            if FP8:
-                vs = tl.load(vs_base + t * s_vst, mask=in_range, other=0.0)
-                v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
+            if FP8:  # P V = (P diag(scales)) codes
+                v = v.to(q.dtype)
+                p = p * tl.load(vs_base + t * s_vst, mask=in_range, other=0.0)[None, :]
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
