@@ -122,7 +122,7 @@ def line_kind(tag: str, ops: tuple) -> tuple:
         kind = "gemm"
     elif func in ("_norm", "_qk_norm"):
         kind = "norm"
-    elif text.startswith(("kc[", "vc[")):
+    elif func == "_put" or text.startswith(("kc[", "vc[")):
         kind = "kv_write"
     elif func in ("embed", "step", "decode_step") or "embed(" in text:
         kind = "other"
