@@ -47,6 +47,8 @@ SPEED = ("trainer.precision=bf16",
          "rollout.compile_decode=true")
 PROMPT_LETTERS = 120  # the copy task's default: 120 letters + 8 tokens = 128-token prompts
 AUTO_BUDGETS = re.compile(r"auto: token budgets per micro-batch: (.*?) tokens")
+# the generator freed where keeping it would starve the update (config_auto.size_for_memory)
+AUTO_FREED = "auto: rollout.free_cache_engine=true"
 STAGES = ["reshard", "gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic",
           "update_actor", "step"]
 
@@ -84,7 +86,9 @@ def overrides(algo: str, args, out_dir: str) -> list[str]:
 
 
 def run(algo: str, args, workdir: str) -> tuple[list[dict], list[str], dict]:
-    """(metrics rows, overrides, the token budgets the trainer chose where they were auto)."""
+    """(metrics rows, overrides, the token budgets the trainer chose where they were auto). The
+    overrides returned also hold rollout.free_cache_engine=true when the trainer chose it (its
+    `auto:` line): the config as the trainer ran it."""
     out_dir = os.path.join(workdir, algo)
     ovr = overrides(algo, args, out_dir)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
@@ -97,6 +101,8 @@ def run(algo: str, args, workdir: str) -> tuple[list[dict], list[str], dict]:
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         for line in proc.stdout:  # echoed as it comes; the auto budgets read on the way
             sys.stdout.write(line)
+            if AUTO_FREED in line:
+                ovr = [*ovr, "rollout.free_cache_engine=true"]
             m = AUTO_BUDGETS.search(line)
             if m:
                 for part in m.group(1).split(","):
