@@ -190,10 +190,11 @@ def test_advance_rows_under_a_graph():
     assert (st["out_tokens"][:, [0, 4]] == -1).all()
 
 
-def small_generator(**free_kw):
-    """A 2-layer fp32 generator on the GPU (head_dim 32, 37 ids), 24 random prompts, 150 new tokens
-    and stop ids that leave rows 0, 5 and 14 running to the end (a greedy run of `free_kw`'s
-    RolloutConfig keys first) -> (gen, prompts, R, stops)."""
+def small_generator(R: int = 90, **free_kw):
+    """A 2-layer fp32 generator on the GPU (head_dim 32, 37 ids), 24 random prompts, R new tokens
+    and the ids that rows 0, 5 and 14 never produce in a greedy run of `free_kw`'s RolloutConfig
+    keys (stop ids that leave them running to the end; none when they use every id)
+    -> (gen, prompts, R, stops)."""
     from tests.unit.test_compaction import random_prompts, uneven_stops
     from tests.unit.test_rollout import random_params
 
@@ -201,7 +202,7 @@ def small_generator(**free_kw):
                         num_query_groups=2, vocab_size=37, add_qkv_bias=True)  # head_dim 32
     gen = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
                     device=torch.device("cuda"), dtype=torch.float32, true_vocab_size=37)
-    prompts, R = random_prompts(24, vocab=37), 150
+    prompts = random_prompts(24, vocab=37)
     free = gen.generate(prompts, cfg=_torch_path(max_new_tokens=R, temperature=0.0, **free_kw),
                         eos_id=-1, pad_id=0, seed=0).response_ids
     return gen, prompts, R, uneven_stops(free.cpu(), [0, 5, 14], 37)
@@ -214,6 +215,8 @@ def test_generator_with_kernels_under_graphs():
     # polls every 2 steps, graphed compaction buckets down to 1 row
     base = DecodeOptions.from_config(cfg).replace(check_every=2, min_graphed_bucket=1)
     ref = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0, options=base)
+    # (at 150 new tokens rows 0, 5 and 14 used every id: no stop id, nothing compacted)
+    assert stops and gen.stats["compactions"] > 0
     fused = base.replace(kernels="triton")
     # the Triton fc1 GEMM and every L2 hint at this test's few rows
     gemm = fused.replace(swiglu_gemm_min_rows=0, prefetch_min_rows=0,
