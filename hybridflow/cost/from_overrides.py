@@ -21,9 +21,11 @@ def from_overrides(overrides: list[str], *, world_size: int, free_gib: float,
     cfg = load_config(list(overrides))
     cache_auto = cfg.rollout.free_cache_engine is None
     cfg, _ = resolve_auto(cfg, device_type="cuda")
+    notes = []
     if budgets_unset(cfg):
-        cfg, _ = size_for_memory(cfg, world_size=world_size, free_gib=free_gib,
-                                 cache_auto=cache_auto)
+        cfg, lines = size_for_memory(cfg, world_size=world_size, free_gib=free_gib,
+                                     cache_auto=cache_auto)
+        notes += lines  # the trainer's `auto:` lines for these choices
     a, r, d = cfg.algo, cfg.rollout, cfg.data
     kernels = r.decode_kernels
     if kernels == "auto":   # the generator's choice on a GPU
@@ -33,7 +35,6 @@ def from_overrides(overrides: list[str], *, world_size: int, free_gib: float,
     if lengths_path is not None:
         lengths |= load_lengths(lengths_path, cap=r.max_new_tokens,
                                 num_rows=d.prompts_per_step * r.n)
-    notes = []
     if a.dynamic_sampling.enable and "gen_rounds" not in lengths:
         notes.append("the config samples dynamically (algo.dynamic_sampling); without a probe's "
                      "metrics.jsonl (its dynamic_sampling/rounds and /batches) generation is costed "
