@@ -44,9 +44,10 @@ def _setup(tmp_path):
 
 
 def _run(fn, gen, tok, prompts, forced, path, kernels="torch", append="prefill",
-         lookahead=False, **opts):
+         lookahead=False, kv_cache_dtype="auto", **opts):
     cfg = RolloutConfig(n=1, max_new_tokens=320, temperature=1.0, return_logprobs=True,
-                        max_batch_size=3)  # chunks of 3 and 2 rows
+                        max_batch_size=3,  # chunks of 3 and 2 rows
+                        kv_cache_dtype=kv_cache_dtype)
     # results appended at the poll they come in, as the eager reference loop does (or fed through
     # the decode step: rollout.multi_turn.append=decode)
     runner = runner_for(tok, "hermes", path, append_wait_steps=0, append=append,
@@ -176,3 +177,34 @@ def test_fused_step_bf16(tmp_path):
         got = fused.rollout_logprobs[b, :n].cuda()
         keep = model[b, :n].cuda()
         torch.testing.assert_close(got[keep], want[keep], rtol=0.02, atol=0.1)
+
+
+def test_fp8_cache_fused_step_bf16(tmp_path):
+    """rollout.kv_cache_dtype=fp8, bf16, forced rows (every token given), KV windows and
+    compaction: the fused step graphed == eager bit for bit; the torch step (results appended by
+    extend) and the fused step with the results fed through it give the same rollout, the model's
+    log-probs within bf16 rounding of the fused step's (the same rounded cache, summed in another
+    order)."""
+    tok, prompts, forced, path = _setup(tmp_path)
+    end = tok.encode("<|im_end|>")
+    forced = forced[:3] + [forced[3] + tok.encode("two") + end, tok.encode("plain") + end]
+    more = dict(kv_window=64, compact_finished_rows=True, min_graphed_bucket=1,
+                kv_cache_dtype="fp8")
+    gen = _gen(torch.bfloat16, CFG16)
+    runs = {name: _run(generate_multi_turn, gen, tok, prompts, forced, path, kernels=k,
+                       cuda_graphs=g, append=append, **more)[0]
+            for name, k, g, append in (("fused", "triton", True, "prefill"),
+                                       ("fused_eager", "triton", False, "prefill"),
+                                       ("torch", "torch", True, "prefill"),
+                                       ("fed", "triton", True, "decode"))}
+    assert gen._cache.fp8
+    fused = runs["fused"]
+    assert torch.equal(fused.response_ids, runs["fused_eager"].response_ids)
+    assert torch.equal(fused.rollout_logprobs, runs["fused_eager"].rollout_logprobs)
+    for name in ("torch", "fed"):
+        other = runs[name]
+        assert torch.equal(other.response_ids, fused.response_ids)
+        assert torch.equal(other.tool_mask, fused.tool_mask)
+        model = (fused.response_mask * (1 - fused.tool_mask)).bool()
+        diff = (other.rollout_logprobs - fused.rollout_logprobs)[model].abs()
+        assert diff.max() < 0.1 and diff.mean() < 0.02, (name, diff.max(), diff.mean())
