@@ -44,12 +44,14 @@ class Fp8KV:
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., hd) -> (codes (..., hd) float8_e4m3fn, scale (...,) fp32): scale = amax / 448 over
-    the last dimension (1 where it is all zero), codes = x / scale rounded to nearest even. The
-    Triton decode kernel (kernels/rope_attention.py) computes the same bits."""
+    """x (..., hd) -> (codes (..., hd) float8_e4m3fn, scale (...,) fp32): scale = amax x fp32(1 /
+    448) over the last dimension (1 where it is all zero; a product, as every device rounds it
+    alike: CUDA's division by a scalar is itself a product with its reciprocal), codes = x / scale
+    rounded to nearest even. The Triton decode kernel (kernels/rope_attention.py) computes the
+    same bits."""
     xf = x.float()
     amax = xf.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * (1.0 / FP8_MAX), torch.ones_like(amax))
     codes = (xf / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(KV_FP8)
     return codes, scale
 

@@ -49,14 +49,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _quantize_row(x):
-        """x (HD,) -> (E4M3 codes, fp32 scale), the bits of kv_fp8.quantize_kv: IEEE divisions,
+        """x (HD,) -> (E4M3 codes, fp32 scale), the bits of kv_fp8.quantize_kv: the scale a product with fp32(1 / 448), codes an IEEE division,
         then each value rounded to the E4M3 grid in fp32 (to nearest even: adding 2^(e + 20), e
         its binade's exponent, at least the subnormals' -6, leaves a multiple of 2^(e - 3)) and
         the sign put back, so the cast is exact (Triton's interpreter rounds a carry into the next
         binade wrongly; the GPU's cvt would round alike)."""
         xf = x.to(tl.float32)
         amax = tl.max(tl.abs(xf), 0)
-        sc = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+        sc = tl.where(amax > 0, amax * (1.0 / 448.0), 1.0)
         y = tl.math.div_rn(xf, sc + tl.zeros_like(xf))
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         a = tl.abs(y)
