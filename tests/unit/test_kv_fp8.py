@@ -40,7 +40,7 @@ def test_round_trip_within_the_e4m3_bound():
     assert scale[0, 0, 0] == 1 and (codes[0, 0, 0].float() == 0).all()
     # every head's largest value lands on +-448: the full range is used, nothing clips
     assert torch.allclose(codes.float().abs().amax(-1)[scale != 1], torch.tensor(FP8_MAX))
-    assert back[1, 1, 3, 5] == 1e4 and (back[1, 1, 2] - x[1, 1, 2]).abs().max() < 1e-2
+    assert abs(back[1, 1, 3, 5] - 1e4) < 1e-2 and (back[1, 1, 2] - x[1, 1, 2]).abs().max() < 1e-2
     # bf16 input: the same codes as its fp32 values
     xb = x.bfloat16()
     assert torch.equal(quantize_kv(xb)[0].view(torch.uint8),
