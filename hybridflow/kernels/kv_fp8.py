@@ -1,7 +1,8 @@
 """The fp8 KV cache format (rollout.kv_cache_dtype=fp8; the cache itself: rollout/kv_cache.py).
 
 One side (K or V) is an `Fp8KV`: E4M3 codes (..., T, hd) plus one fp32 scale per (..., T), value =
-code * scale, the scale amax x fp32(1 / 448) of the head_dim values it covers (a per-token, per-KV-head
+code * scale, the scale amax x fp32(1 / 448) of the head_dim values it covers (a per-token,
+per-KV-head
 scale: no calibration, no value clipped; 1 + 4 / head_dim bytes per value against bf16's 2). An
 Fp8KV slices like the tensor it stands for over every dimension but head_dim, so the decoder's
 views (`KVCache.layer`, `[:, :, :kv_len]`) read alike. The writes quantize (`write_columns`,
