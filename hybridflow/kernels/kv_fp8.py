@@ -2,8 +2,8 @@
 
 One side (K or V) is an `Fp8KV`: E4M3 codes (..., T, hd) plus one fp32 scale per (..., T), value =
 code * scale, the scale amax x fp32(1 / 448) of the head_dim values it covers (a per-token,
-per-KV-head scale: no calibration, no value clipped; 1 + 4 / head_dim bytes per value against bf16's 2). An
-Fp8KV slices like the tensor it stands for over every dimension but head_dim, so the decoder's
+per-KV-head scale: no calibration, no value clipped; 1 + 4 / head_dim bytes per value against
+bf16's 2). An Fp8KV slices like the tensor it stands for over every dimension but head_dim, so the decoder's
 views (`KVCache.layer`, `[:, :, :kv_len]`) read alike. The writes quantize (`write_columns`,
 `layer_ops.write_column`, kernels/rope_attention.py's kernel, bit for bit as `quantize_kv`); the
 PyTorch readers dequantize to the compute dtype (`readable`); the Triton decode attention reads the
