@@ -42,12 +42,24 @@ def test_fp8_rope_attention_matches_its_twins(dtype, B, G, hpg, hd, T):
         rk, rv = cache()
         ref = rope_attention(qkv, cos_t, sin_t, rk, rv, cur, valid, hpg=hpg, positions=pos,
                              impl="torch")
+        # the attention of the twin's rotated q over the same codes and scales, in fp32
+        ek, ev = cache()
+        q = kern.rope_kv_write(qkv, cos_t.index_select(0, pos), sin_t.index_select(0, pos), ek, ev,
+                               cur, hpg=hpg)
+        exact = kern.decode_attention(q.float(), ek, ev, kern.mark_columns(valid.clone(), cur))
+        twin_err = (ref.float() - exact).abs()
         for splits in (None, 1, 2):
             k, v = cache()
             a = rope_attention(qkv, cos_t, sin_t, k, v, cur, valid, hpg=hpg, positions=pos,
                                splits=splits, impl="triton")
-            tol = 2e-2 if dtype == torch.bfloat16 else 1e-4  # (values 4x the other tests')
-            torch.testing.assert_close(a.float(), ref.float(), atol=tol, rtol=tol)
+            if dtype == torch.bfloat16:
+                # the kernel rounds in other places than its twin (codes into the products as
+                # they are, the V scales folded into P): no further from the fp32 attention than
+                # the twin is (values 4x the other tests': kernel and twin differ by up to 0.125)
+                err = (a.float() - exact).abs()
+                assert err.max() <= 1.5 * twin_err.max() and err.mean() <= 1.5 * twin_err.mean()
+            else:
+                torch.testing.assert_close(a.float(), ref.float(), atol=1e-4, rtol=1e-4)
             if not pos.any():  # k as projected: the same bits
                 for got, want in ((k, rk), (v, rv)):
                     assert torch.equal(got.codes.view(torch.uint8), want.codes.view(torch.uint8))
