@@ -7,8 +7,9 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
   fp8      rollout.quantization=fp8 (sets algo.tis_imp_ratio_cap=2.0 itself)
   int4     rollout.quantization=int4
   lora     actor.lora.rank=32 alpha=64 (all-linear), actor_optim.lr=5e-5 (PEFT users' range; at
-           alpha=32 and 3e-5 it trailed the full run for its first 29 steps)
-  lora_graphs  the same with the update's layers as CUDA graphs (parallel.train_cuda_graphs)
+           alpha=32 and 3e-5 it trailed the full run for its first 29 steps), eager update
+  lora_graphs  the same with the update's layers as CUDA graphs (parallel.train_cuda_graphs, a
+           LoRA run's default on a GPU)
   partial  rollout.partial (512 decode steps per step, 32 extra prompts in flight), TIS cap 2.0
   tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter; tool results fed
            through the decode step, each step launched before the last is read: the defaults)
@@ -42,8 +43,10 @@ VARIANTS = {
     "fp8": "rollout.quantization=fp8",
     "int4": "rollout.quantization=int4",
     "kv_fp8": "rollout.kv_cache_dtype=fp8",
-    "lora": "actor.lora.rank=32 actor.lora.alpha=64 actor_optim.lr=5e-5",
-    "lora_graphs": "actor.lora.rank=32 actor.lora.alpha=64 actor_optim.lr=5e-5 parallel.train_cuda_graphs=true",
+    "lora": ("actor.lora.rank=32 actor.lora.alpha=64 actor_optim.lr=5e-5 "
+             "parallel.train_cuda_graphs=false"),
+    "lora_graphs": ("actor.lora.rank=32 actor.lora.alpha=64 actor_optim.lr=5e-5 "
+                    "parallel.train_cuda_graphs=true"),
     "partial": ("rollout.partial.enable=true rollout.partial.max_decode_steps=512 "
                 "rollout.partial.extra_prompts=32 rollout.max_batch_size=768 algo.tis_imp_ratio_cap=2.0"),
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",

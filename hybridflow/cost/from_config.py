@@ -55,7 +55,7 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 keep_generator=not r.free_cache_engine, rollout_quantization=r.quantization,
                 kv_cache_dtype=r.kv_cache_dtype,
                 lm_head_chunk_tokens=p.lm_head_chunk_tokens, decode_kernels=decode_kernels,
-                fused_elementwise=p.fused_elementwise, train_cuda_graphs=p.train_cuda_graphs,
+                fused_elementwise=p.fused_elementwise, train_cuda_graphs=bool(p.train_cuda_graphs),
                 graph_min_fill=p.train_graphs_min_fill,
                 gradient_accumulation_fusion=p.gradient_accumulation_fusion,
                 offload_ref_prefetch=cfg.trainer.offload_ref_prefetch, dtype="bf16",

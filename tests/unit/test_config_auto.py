@@ -183,3 +183,32 @@ def test_generator_freed_where_keeping_it_starves_the_update():
     assert cfg.algo.max_tokens_per_micro_batch_per_gpu == 416
     cfg, _ = sized("algo.max_tokens_per_micro_batch_per_gpu=416", free_gib=24.0)
     assert cfg.rollout.free_cache_engine is False
+
+
+@pytest.mark.parametrize("extra, graphs, note", [
+    ((), False, None),  # full-parameter training: eager
+    (("actor.lora.rank=16",), True, None),  # a LoRA update replays as graphs
+    (("actor.lora.rank=16", "parallel.activation_checkpointing=true"), False,
+     "parallel.activation_checkpointing=true"),
+    (("actor.lora.rank=16", "actor.lora.dropout=0.05"), False, "actor.lora.dropout > 0"),
+    (("actor.lora.rank=16", "actor.offload_params=true"), False, "actor.offload_params=true"),
+    (("actor.lora.rank=16", "parallel.train_cuda_graphs=false"), False, None),  # the user's value
+    (("parallel.train_cuda_graphs=true",), True, None),
+])
+def test_update_graphs_on_for_a_lora_update_on_a_gpu(extra, graphs, note):
+    cfg, notes = resolve_auto(_cfg(*GPU_JOB, *extra), device_type="cuda")
+    assert cfg.parallel.train_cuda_graphs is graphs
+    lines = [n for n in notes if "train_cuda_graphs" in n]
+    assert (lines == []) if note is None else (len(lines) == 1 and note in lines[0])
+    validate(cfg, world_size=1)
+    assert resolve_auto(_cfg(*GPU_JOB, *extra), device_type="cpu")[0].parallel.train_cuda_graphs \
+        is ("parallel.train_cuda_graphs=true" in extra)
+
+
+def test_update_graphs_stay_off_with_a_full_parameter_critic():
+    """PPO with a LoRA actor and a full critic: the critic's update would be graphed too, where
+    the padding costs what the host saves; with a LoRA critic both replay."""
+    ppo = ["model=qwen2_0_5b", "algo=ppo", "data.synthetic=copy", "actor.lora.rank=16"]
+    assert resolve_auto(_cfg(*ppo), device_type="cuda")[0].parallel.train_cuda_graphs is False
+    cfg, _ = resolve_auto(_cfg(*ppo, "critic.lora.rank=16"), device_type="cuda")
+    assert cfg.parallel.train_cuda_graphs is True
