@@ -20,7 +20,7 @@ QUANT = COST / "quant_gen_h200.json"
 DENSE = [COST / "rl_1_5b_x1_mb8.json", COST / "rl_0_5b_x1_mb64f64_kv64_tk_fe.json"]
 QUANT_COEFS = ("fp8_decode_layer_s", "int4_decode_efficiency")
 # the fitted form's stated in-sample error (docs/cost_model.md), predicted from each call's bf16
-ERROR = {"fp8": 0.07, "int4": 0.12}
+ERROR = {"fp8": 0.08, "int4": 0.12}
 
 
 def _from_bf16(records, calib):
@@ -43,7 +43,7 @@ def test_records_are_the_benchmark_measurements():
     batch, and each family holds one bf16 record of the same call."""
     bench = json.loads((ROOT / "benchmarks/results/quantized_rollout_h200.json").read_text())
     records = load_records([QUANT])
-    assert len(records) == 10
+    assert len(records) == 12
     for rec in records:
         c = rec["config"]
         key = {"none": "bf16"}.get(c["rollout_quantization"], c["rollout_quantization"])
@@ -69,7 +69,7 @@ def test_shipped_fit_reproduces_quantized_records():
     for k in QUANT_COEFS:
         assert getattr(fitted, k) == pytest.approx(getattr(shipped, k), rel=1e-6)
     rows = _from_bf16(load_records([QUANT]), shipped)
-    assert sorted(m for m, *_ in rows) == ["fp8"] * 4 + ["int4"] * 2
+    assert sorted(m for m, *_ in rows) == ["fp8"] * 4 + ["int4"] * 4
     for mode, measured, predicted in rows:
         assert predicted == pytest.approx(measured, rel=ERROR[mode]), mode
     bytes_only = replace(shipped, fp8_decode_layer_s=0.0, int4_decode_efficiency=1e9)
@@ -79,14 +79,14 @@ def test_shipped_fit_reproduces_quantized_records():
 
 def test_leave_one_out_predicts_each_family_from_the_others():
     """Each (shape, batch) family left out, its fp8 / int4 generation predicted from its bf16
-    measurement by the others' fit: fp8 within 10%, int4 (one other record) within 16%; the
+    measurement by the others' fit: fp8 within 11%, int4 within 12%; the
     validation judges these generation-only configs on that row, their bf16 ones on gen."""
     records = load_records(DENSE + [QUANT])
     rows = predict_vs_measured(records)
     quant = {r["name"]: r for r in rows if r["metric"] == QUANT_KEY}
-    assert len(quant) == 6
+    assert len(quant) == 8
     for name, r in quant.items():
-        assert abs(r["error_pct"]) < (10 if name.endswith("fp8") else 16), name
+        assert abs(r["error_pct"]) < (11 if name.endswith("fp8") else 12), name
     configs = {c["name"]: c for c in validation(records, rows, command="")["validation"]["configs"]}
     for name, c in configs.items():
         want = QUANT_KEY if name in quant else "timing_s/gen" if "-gen-" in name else None
