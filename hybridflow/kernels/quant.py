@@ -62,13 +62,18 @@ class Config(NamedTuple):
 
 
 def config_for(M: int, N: int, K: int, *, sms: int = 132) -> Config:
-    """Tiles for an (M, K) x (K, N) weight-only GEMM: 16..64-row tiles, 64 columns, 32-column K
-    steps, and K split until about two programs per SM run (decode's narrow GEMMs), at most one
-    split per K group. The (rows, warps) pairs keep every tile in registers on sm_90 (ptxas: 128 /
-    168 / 144 registers, no spills; 64-column K steps spilled or hit 255)."""
-    block_m, warps = (16, 4) if M <= 16 else (32, 4) if M <= 32 else (64, 8)
-    block_n = 64
-    return Config(block_m, block_n, 32, split_for(M, N, K, block_m, block_n, sms=sms), warps, 2)
+    """Tiles for an (M, K) x (K, N) weight-only GEMM, and K split until about two programs per SM
+    run (decode's narrow GEMMs), at most one split per K group. Up to 32 rows: 16- or 32-row tiles,
+    64 columns, 32-column K steps, 4 warps. More rows: 64-row tiles, 4 warps, 64-column K steps,
+    32 columns up to 64 rows and 128 beyond: in a sweep of the tiles under CUDA graphs on an H200
+    (benchmarks/results/quant_gemm_sweep_h200.json, the Qwen2 0.5B / 1.5B layer GEMMs at 64 and
+    256 rows) these were the fastest for 10 of the 16 int4 GEMMs, and every fastest tile had 4
+    warps (1.1-2.5x faster than the 8-warp, 32-column K steps used before)."""
+    if M <= 32:
+        block_m = 16 if M <= 16 else 32
+        return Config(block_m, 64, 32, split_for(M, N, K, block_m, 64, sms=sms), 4, 2)
+    block_n = 32 if M <= 64 else 128
+    return Config(64, block_n, 64, split_for(M, N, K, 64, block_n, sms=sms), 4, 2)
 
 
 def split_for(M: int, N: int, K: int, block_m: int, block_n: int, *, sms: int = 132) -> int:
