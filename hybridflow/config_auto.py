@@ -120,8 +120,10 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
     if r.compact_finished_rows is None:
         rollout["compact_finished_rows"] = windows
     if r.decode_kv_window is None:
-        cache = cfg.data.max_prompt_length + r.max_new_tokens
-        rollout["decode_kv_window"] = max(64, math.ceil(cache / 8 / 64) * 64) if windows else 0
+        freed = rollout.get("free_cache_engine", r.free_cache_engine)
+        rollout["decode_kv_window"] = _auto_window(cfg) if windows and not freed else 0
+        if windows and freed:
+            notes.append(FREED_WINDOW_NOTE)
     if r.compile_decode is None:
         tp_g = r.tensor_parallel_size or p.tensor_parallel_size
         rollout["compile_decode"] = compiled and tp_g == 1
@@ -136,6 +138,17 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
         notes.append("auto: rollout.cuda_graphs=false: decode runs eagerly, so compaction, KV "
                      "windows and compiled decoding stay off")
     return _replace(cfg, "rollout", **rollout), notes
+
+
+FREED_WINDOW_NOTE = ("auto: rollout.decode_kv_window=0: the generator is freed after generation "
+                     "(rollout.free_cache_engine=true), so each KV window's decode graph would be "
+                     "captured again every step")
+
+
+def _auto_window(cfg: Config) -> int:
+    """About an eighth of the prompt + response cache, in multiples of 64 columns (at least 64)."""
+    cache = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    return max(64, math.ceil(cache / 8 / 64) * 64)
 
 
 def _lora_update_graphs(cfg: Config, gpu: bool, notes: list) -> bool:
@@ -255,15 +268,17 @@ def size_token_budgets(cfg: Config, *, world_size: int, free_gib: float) -> tupl
     return _replace(cfg, "algo", **values), line
 
 
-def size_for_memory(cfg: Config, *, world_size: int, free_gib: float,
-                    cache_auto: bool) -> tuple[Config, list[str]]:
+def size_for_memory(cfg: Config, *, world_size: int, free_gib: float, cache_auto: bool,
+                    window_auto: bool = False) -> tuple[Config, list[str]]:
     """`size_token_budgets`, and with `cache_auto` (rollout.free_cache_engine left null, resolved
     false: generation in place on a GPU) the generator's cache decided beside the budgets: a kept
     generator's KV cache and graphs sit through training, so under a tight memory cap they can
     starve the update (Qwen2-7B LoRA under 24 GiB: 416-token micro-batches kept against 2,496
     freed; the kept run's update took 20 of its 23.7 s per step). The generator is freed (its
     decode graphs re-captured every step, a fixed cost) when keeping it would leave the update less
-    than half the training budget it gets freed. Returns (cfg, the `auto:` lines)."""
+    than half the training budget it gets freed; with `window_auto` (rollout.decode_kv_window left
+    null) its KV windows go with it (`resolve_auto`'s rule for a freed generator). Returns (cfg,
+    the `auto:` lines)."""
     sized, line = size_token_budgets(cfg, world_size=world_size, free_gib=free_gib)
     if not (cache_auto and cfg.rollout.free_cache_engine is False
             and cfg.algo.max_tokens_per_micro_batch_per_gpu is None):
@@ -274,10 +289,14 @@ def size_for_memory(cfg: Config, *, world_size: int, free_gib: float,
     freed_t = freed.algo.max_tokens_per_micro_batch_per_gpu
     if 2 * kept_t >= freed_t:
         return sized, [line]
-    return freed, [f"auto: rollout.free_cache_engine=true: a generator kept across steps would "
-                   f"hold its KV cache through training and leave the update {kept_t}-token "
-                   f"micro-batches, against {freed_t} with it freed after generation (its decode "
-                   f"graphs are then captured every step)", freed_line]
+    lines = [f"auto: rollout.free_cache_engine=true: a generator kept across steps would hold its "
+             f"KV cache through training and leave the update {kept_t}-token micro-batches, "
+             f"against {freed_t} with it freed after generation (its decode graphs are then "
+             f"captured every step)", freed_line]
+    if window_auto and freed.rollout.decode_kv_window:
+        freed = _replace(freed, "rollout", decode_kv_window=0)
+        lines.append(FREED_WINDOW_NOTE)
+    return freed, lines
 
 
 def resolve_for_run(cfg: Config, ctx) -> Config:
@@ -290,6 +309,7 @@ def resolve_for_run(cfg: Config, ctx) -> Config:
     from hybridflow.config_checks import validate
 
     cache_auto = cfg.rollout.free_cache_engine is None
+    window_auto = cfg.rollout.decode_kv_window is None
     cfg, notes = resolve_auto(cfg, device_type=ctx.device.type)
     limit = apply_memory_limit(cfg.trainer.gpu_memory_limit_gib, ctx.device)
     if limit[1]:
@@ -301,7 +321,8 @@ def resolve_for_run(cfg: Config, ctx) -> Config:
         free_t = torch.tensor([float(free)], device=ctx.device)
         dist.all_reduce(free_t, op=dist.ReduceOp.MIN)  # one budget on every rank of a TP group
         cfg, lines = size_for_memory(cfg, world_size=dist.get_world_size(),
-                                     free_gib=free_t.item() / 2 ** 30, cache_auto=cache_auto)
+                                     free_gib=free_t.item() / 2 ** 30, cache_auto=cache_auto,
+                                     window_auto=window_auto)
         notes += lines
     validate(cfg, world_size=dist.get_world_size())
     if ctx.rank == 0:

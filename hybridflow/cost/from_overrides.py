@@ -20,11 +20,12 @@ def from_overrides(overrides: list[str], *, world_size: int, free_gib: float,
 
     cfg = load_config(list(overrides))
     cache_auto = cfg.rollout.free_cache_engine is None
+    window_auto = cfg.rollout.decode_kv_window is None
     cfg, _ = resolve_auto(cfg, device_type="cuda")
     notes = []
     if budgets_unset(cfg):
         cfg, lines = size_for_memory(cfg, world_size=world_size, free_gib=free_gib,
-                                     cache_auto=cache_auto)
+                                     cache_auto=cache_auto, window_auto=window_auto)
         notes += lines  # the trainer's `auto:` lines for these choices
     a, r, d = cfg.algo, cfg.rollout, cfg.data
     kernels = r.decode_kernels

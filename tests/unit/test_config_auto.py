@@ -212,3 +212,30 @@ def test_update_graphs_stay_off_with_a_full_parameter_critic():
     assert resolve_auto(_cfg(*ppo), device_type="cuda")[0].parallel.train_cuda_graphs is False
     cfg, _ = resolve_auto(_cfg(*ppo, "critic.lora.rank=16"), device_type="cuda")
     assert cfg.parallel.train_cuda_graphs is True
+
+
+def test_a_freed_generator_gets_no_kv_windows():
+    """Each KV window is a decode graph; a generator freed after generation captures them again
+    every step, so the auto window is 0 for it (a user's window is kept), and the budgets' own
+    choice to free the generator takes an auto window with it."""
+    from hybridflow.config_auto import FREED_WINDOW_NOTE, size_for_memory
+
+    cfg, notes = resolve_auto(_cfg(*GPU_JOB, "rollout.free_cache_engine=true"), device_type="cuda")
+    assert cfg.rollout.decode_kv_window == 0 and FREED_WINDOW_NOTE in notes
+    cfg, notes = resolve_auto(_cfg(*GPU_JOB, "rollout.free_cache_engine=true",
+                                   "rollout.decode_kv_window=128"), device_type="cuda")
+    assert cfg.rollout.decode_kv_window == 128 and FREED_WINDOW_NOTE not in notes
+    # Qwen2-7B LoRA + recompute under 24 GiB: keeping the generator would starve the update
+    job = ["model=qwen2_7b", "algo=grpo", "data.synthetic=copy", "data.max_prompt_length=160",
+           "data.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=256",
+           "algo.ppo_mini_batch_size=64", "actor.lora.rank=16", "actor.lora.alpha=32",
+           "parallel.activation_checkpointing=true"]
+    for window, want in ((None, 0), (64, 64)):
+        extra = [] if window is None else [f"rollout.decode_kv_window={window}"]
+        kept, _ = resolve_auto(_cfg(*job, *extra), device_type="cuda")
+        assert kept.rollout.free_cache_engine is False and kept.rollout.decode_kv_window == 64
+        sized, lines = size_for_memory(kept, world_size=1, free_gib=24.0, cache_auto=True,
+                                       window_auto=window is None)
+        assert sized.rollout.free_cache_engine is True
+        assert sized.rollout.decode_kv_window == want
+        assert (FREED_WINDOW_NOTE in lines) is (window is None)
