@@ -17,8 +17,9 @@ written so far (bf16, or fp8 codes + scales), at --hbm-gbps.
         --prompt-len 8 --new-tokens 4 --reps 1 --out /tmp/q.json          # CPU smoke
 
 Writes --out (default benchmarks/results/quantized_rollout_h200.json): `generation`
-{mode: {model: {batch: seconds}}}, `floors` (same keys), `quantized_gb` {mode: {model: GB}},
-machine, versions, command.
+{mode: {model: {batch: seconds}}} (mode none as `bf16`), `floors` (same keys), `quantized_gb`
+{mode: {model: GB}}, machine, versions, command; after every measurement, with `complete` false
+until the last (a device call's limit keeps what was measured).
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def main():
             gen = Generator(model_cfg=cfg, params=params, tp_group=None, device=device,
                             dtype=dtype, true_vocab_size=cfg.vocab_size,
                             quantization=MODES[mode][0])
-            report["quantized_gb"].setdefault(mode, {})[name] = gen.quantized_bytes / 1e9
+            report["quantized_gb"].setdefault("bf16" if mode == "none" else mode, {})[name] = \
+                gen.quantized_bytes / 1e9
             for B in args.batches:
                 g = torch.Generator().manual_seed(B)
                 prompts = torch.randint(0, cfg.vocab_size, (B, P), generator=g).tolist()
@@ -153,23 +155,26 @@ def main():
 
                 run()  # warm-up: cache, graph capture, Triton compiles
                 secs = statistics.median(run() for _ in range(args.reps))
-                report["generation"].setdefault(mode, {}).setdefault(name, {})[str(B)] = secs
-                report["floors"].setdefault(mode, {}).setdefault(name, {})[str(B)] = floor_s(
+                key = "bf16" if mode == "none" else mode  # the results file's name for it
+                report["generation"].setdefault(key, {}).setdefault(name, {})[str(B)] = secs
+                report["floors"].setdefault(key, {}).setdefault(name, {})[str(B)] = floor_s(
                     gen, cfg, B=B, P=P, R=R, gbps=args.hbm_gbps,
                     kv_fp8=MODES[mode][1] == "fp8")
                 print(f"{name} {mode:4s} B={B}: {secs:.3f} s (floor "
-                      f"{report['floors'][mode][name][str(B)]:.3f} s)", flush=True)
+                      f"{report['floors'][key][name][str(B)]:.3f} s)", flush=True)
+                # what is measured so far, in case the device call's limit ends the run
+                write_json(args.out, {**report, "complete": False})
             gen.release()
             del gen
         del params
         if device.type == "cuda":
             torch.cuda.empty_cache()
     gen_ = report["generation"]
-    if "none" in gen_:
-        report["speedup_vs_bf16"] = {m: {n: {b: gen_["none"][n][b] / s for b, s in per.items()}
+    if "bf16" in gen_:
+        report["speedup_vs_bf16"] = {m: {n: {b: gen_["bf16"][n][b] / s for b, s in per.items()}
                                          for n, per in models.items()}
-                                     for m, models in gen_.items() if m != "none"}
-    write_json(args.out, report)
+                                     for m, models in gen_.items() if m != "bf16"}
+    write_json(args.out, {**report, "complete": True})
     print(f"wrote {args.out}")
 
 

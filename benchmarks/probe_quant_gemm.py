@@ -85,6 +85,10 @@ def main(argv=None) -> dict:
 
     torch.manual_seed(0)
     res = {}
+    how = "CUDA-graph replays" if args.graphs else "eager launches"
+    out = {"benchmark": f"one decode GEMM per quantization mode (ms, do_bench, {how})",
+           "machine": machine(), "versions": versions("torch", "triton"), "command": command(),
+           "results": res}
     for model, mats in SHAPES.items():
         for name, (n, k) in mats.items():
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -106,11 +110,8 @@ def main(argv=None) -> dict:
                 if args.sweep and m <= kq.KERNEL_MAX_ROWS:
                     res[f"{model}/{name}/{m}"]["tiles"] = sweep(bench, kq, x, q4, q8, ref)
                 print(model, name, m, res[f"{model}/{name}/{m}"], flush=True)
-    how = "CUDA-graph replays" if args.graphs else "eager launches"
-    out = {"benchmark": f"one decode GEMM per quantization mode (ms, do_bench, {how})",
-           "machine": machine(), "versions": versions("torch", "triton"), "command": command(),
-           "results": res}
-    write_json(args.out, out)
+                write_json(args.out, {**out, "complete": False})  # if the call's limit ends it
+    write_json(args.out, {**out, "complete": True})
     return out
 
 
