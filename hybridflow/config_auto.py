@@ -170,7 +170,8 @@ def _lora_update_graphs(cfg: Config, gpu: bool, notes: list) -> bool:
         *((f"{key}.dropout > 0", lora.dropout > 0) for key, lora in roles),
         ("actor.offload_grads=true", a.offload_grads),
         ("actor.offload_params=true", a.offload_params),
-        (f"actor.router_replay={a.router_replay}", a.router_replay != "disabled")) if on]
+        (f"actor.router_replay={a.router_replay}", a.router_replay != "disabled"),
+        ("a mixture-of-experts model", cfg.model.moe.enabled)) if on]
     if blocked:
         notes.append("auto: parallel.train_cuda_graphs=false: a LoRA update replays its layers as "
                      f"CUDA graphs, but not with {', '.join(blocked)}")

@@ -192,6 +192,8 @@ def test_generator_freed_where_keeping_it_starves_the_update():
      "parallel.activation_checkpointing=true"),
     (("actor.lora.rank=16", "actor.lora.dropout=0.05"), False, "actor.lora.dropout > 0"),
     (("actor.lora.rank=16", "actor.offload_params=true"), False, "actor.offload_params=true"),
+    (("actor.lora.rank=16", "actor.lora.target_modules=[q_proj,v_proj]", "model=qwen3_moe_2b",
+      "parallel.sequence_parallel=false"), False, "a mixture-of-experts model"),
     (("actor.lora.rank=16", "parallel.train_cuda_graphs=false"), False, None),  # the user's value
     (("parallel.train_cuda_graphs=true",), True, None),
 ])
