@@ -88,10 +88,10 @@ def predicted_peak(args, cap: int, options: tuple, budgets: dict) -> float | Non
     return None if est is None else round(est.peak_gib, 2)
 
 
-def predicted_step(args, cap: int, overrides: list) -> float | None:
-    """The cost model's seconds per step for the trainer config the run composed (its token
-    budgets included), as `python -m hybridflow.cost --config` costs it (None for the tiny
-    model)."""
+def predicted_step(args, cap: int, overrides: list) -> dict | None:
+    """The cost model's seconds per stage ("step" the whole) for the trainer config the run
+    composed (its token budgets included), as `python -m hybridflow.cost --config` costs it (None
+    for the tiny model)."""
     if args.model == "tiny":
         return None
     from hybridflow.cost.efficiency import shipped_calibration
@@ -103,8 +103,8 @@ def predicted_step(args, cap: int, overrides: list) -> float | None:
     keep = [o for o in overrides if not o.startswith(("trainer.output_dir=",
                                                       "trainer.gpu_memory_limit_gib="))]
     shape, plan, fields, _ = from_overrides(keep, world_size=1, free_gib=float(cap))
-    return round(step_seconds(shape, get_gpu("H200"), plan, Workload(**fields),
-                              shipped_calibration())["step"], 3)
+    stages = step_seconds(shape, get_gpu("H200"), plan, Workload(**fields), shipped_calibration())
+    return {k: round(v, 3) for k, v in stages.items() if isinstance(v, float)}
 
 
 def run_cap(args, cap: int, options: tuple, work: str) -> dict:
@@ -128,13 +128,15 @@ def run_cap(args, cap: int, options: tuple, work: str) -> dict:
     est = predicted(args, cap, options, budgets)
     med = bench_rl_step.summarize(rows)["median_later_steps"]
     sized = [f"algo.{k}={v}" for k, v in budgets.items()]
+    stages = predicted_step(args, cap, list(ovr) + sized)
     return {"step_s": round(med["timing_s/step"], 3),
             "peak_gib": round(med.get("perf/max_memory_allocated_gb", 0.0), 2),
             "options": list(options),
             "predicted_peak_gib": round(est.peak_gib, 2) if est else None,
             "predicted_fits": est.fits if est else None,
             "predicted_peak_phase": est.peak_phase if est else None,
-            "predicted_step_s": predicted_step(args, cap, list(ovr) + sized),
+            "predicted_step_s": stages["step"] if stages else None,
+            "predicted_stages_s": stages,
             "auto_token_budgets": budgets, "overrides": ovr,
             "stages_s": {k[len("timing_s/"):]: round(v, 3) for k, v in med.items()
                          if k.startswith("timing_s/")}}
