@@ -60,9 +60,9 @@ class ParallelConfig:
     # adds its weight gradients into DDP's main_grad; the graphs' pool keeps one micro-batch's
     # activations reserved and their static inputs and outputs allocated for the run. PP = 1, no
     # activation recompute; CPU runs are unchanged. null: on for a dense model's LoRA update on a
-    # GPU (every trained role with adapters and without dropout; its many small launches bind it to
-    # the host), off for full-parameter training (on the GSM8K recipe the padding costs what the
-    # host saves)
+    # GPU at TP = 1 (every trained role with adapters and without dropout; its many small launches
+    # bind it to the host), off for full-parameter training (on the GSM8K recipe the padding costs
+    # what the host saves)
     train_cuda_graphs: Optional[bool] = None
     # with train_cuda_graphs: a packed micro-batch holding fewer real tokens than this share of the
     # token budget runs the eager layers unpadded instead of being padded to the captured shape (a

@@ -166,6 +166,8 @@ def _lora_update_graphs(cfg: Config, gpu: bool, notes: list) -> bool:
     p, a = cfg.parallel, cfg.actor
     blocked = [name for name, on in (
         ("parallel.pipeline_parallel_size > 1", p.pipeline_parallel_size > 1),
+        # the layers' TP collectives inside the captured graphs: not yet run on GPUs
+        ("parallel.tensor_parallel_size > 1", p.tensor_parallel_size > 1),
         ("parallel.activation_checkpointing=true", p.activation_checkpointing),
         *((f"{key}.dropout > 0", lora.dropout > 0) for key, lora in roles),
         ("actor.offload_grads=true", a.offload_grads),

@@ -192,19 +192,22 @@ def test_generator_freed_where_keeping_it_starves_the_update():
      "parallel.activation_checkpointing=true"),
     (("actor.lora.rank=16", "actor.lora.dropout=0.05"), False, "actor.lora.dropout > 0"),
     (("actor.lora.rank=16", "actor.offload_params=true"), False, "actor.offload_params=true"),
+    (("actor.lora.rank=16", "parallel.tensor_parallel_size=2"), False,
+     "parallel.tensor_parallel_size > 1"),
     (("actor.lora.rank=16", "actor.lora.target_modules=[q_proj,v_proj]", "model=qwen3_moe_2b",
       "parallel.sequence_parallel=false"), False, "a mixture-of-experts model"),
     (("actor.lora.rank=16", "parallel.train_cuda_graphs=false"), False, None),  # the user's value
     (("parallel.train_cuda_graphs=true",), True, None),
 ])
 def test_update_graphs_on_for_a_lora_update_on_a_gpu(extra, graphs, note):
-    cfg, notes = resolve_auto(_cfg(*GPU_JOB, *extra), device_type="cuda")
+    ws = 2 if "parallel.tensor_parallel_size=2" in extra else 1
+    cfg, notes = resolve_auto(_cfg(*GPU_JOB, *extra, world_size=ws), device_type="cuda")
     assert cfg.parallel.train_cuda_graphs is graphs
     lines = [n for n in notes if "train_cuda_graphs" in n]
     assert (lines == []) if note is None else (len(lines) == 1 and note in lines[0])
-    validate(cfg, world_size=1)
-    assert resolve_auto(_cfg(*GPU_JOB, *extra), device_type="cpu")[0].parallel.train_cuda_graphs \
-        is ("parallel.train_cuda_graphs=true" in extra)
+    validate(cfg, world_size=ws)
+    on_cpu, _ = resolve_auto(_cfg(*GPU_JOB, *extra, world_size=ws), device_type="cpu")
+    assert on_cpu.parallel.train_cuda_graphs is ("parallel.train_cuda_graphs=true" in extra)
 
 
 def test_update_graphs_stay_off_with_a_full_parameter_critic():
