@@ -130,8 +130,8 @@ def main():
             gen = Generator(model_cfg=cfg, params=params, tp_group=None, device=device,
                             dtype=dtype, true_vocab_size=cfg.vocab_size,
                             quantization=MODES[mode][0])
-            report["quantized_gb"].setdefault("bf16" if mode == "none" else mode, {})[name] = \
-                gen.quantized_bytes / 1e9
+            key = "bf16" if mode == "none" else mode  # the results file's name for it
+            report["quantized_gb"].setdefault(key, {})[name] = gen.quantized_bytes / 1e9
             for B in args.batches:
                 g = torch.Generator().manual_seed(B)
                 prompts = torch.randint(0, cfg.vocab_size, (B, P), generator=g).tolist()
@@ -155,7 +155,6 @@ def main():
 
                 run()  # warm-up: cache, graph capture, Triton compiles
                 secs = statistics.median(run() for _ in range(args.reps))
-                key = "bf16" if mode == "none" else mode  # the results file's name for it
                 report["generation"].setdefault(key, {}).setdefault(name, {})[str(B)] = secs
                 report["floors"].setdefault(key, {}).setdefault(name, {})[str(B)] = floor_s(
                     gen, cfg, B=B, P=P, R=R, gbps=args.hbm_gbps,

@@ -88,7 +88,7 @@ def predicted_peak(args, cap: int, options: tuple, budgets: dict) -> float | Non
     return None if est is None else round(est.peak_gib, 2)
 
 
-def predicted_step(args, cap: int, overrides: list) -> dict | None:
+def predicted_stages(args, cap: int, overrides: list) -> dict | None:
     """The cost model's seconds per stage ("step" the whole) for the trainer config the run
     composed (its token budgets included), as `python -m hybridflow.cost --config` costs it (None
     for the tiny model)."""
@@ -128,7 +128,7 @@ def run_cap(args, cap: int, options: tuple, work: str) -> dict:
     est = predicted(args, cap, options, budgets)
     med = bench_rl_step.summarize(rows)["median_later_steps"]
     sized = [f"algo.{k}={v}" for k, v in budgets.items()]
-    stages = predicted_step(args, cap, list(ovr) + sized)
+    stages = predicted_stages(args, cap, list(ovr) + sized)
     return {"step_s": round(med["timing_s/step"], 3),
             "peak_gib": round(med.get("perf/max_memory_allocated_gb", 0.0), 2),
             "options": list(options),

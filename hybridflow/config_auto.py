@@ -11,10 +11,14 @@ A run with no overrides is fast on a GPU and exact and simple on CPU. On a CUDA 
 - `rollout.free_cache_engine` -> false where generation reads the training weights in place
   (TP_g = TP, PP = 1; the generator, its KV cache and captured graphs kept across steps), true where
   a reshard gathers new weights every step, or where keeping them would leave the update less than
-  half the token budget it gets without them (a tight memory cap: `size_for_memory`); `rollout.compact_finished_rows` -> on and
-  `rollout.decode_kv_window` -> about an eighth of the KV cache (a multiple of 64) with CUDA-graph
-  decoding (multi-turn too); `rollout.compile_decode` -> on with CUDA-graph decoding at TP_g = 1
-  (not for multi-turn: its step is not compiled).
+  half the token budget it gets without them (a tight memory cap: `size_for_memory`);
+  `rollout.compact_finished_rows` -> on and `rollout.decode_kv_window` -> about an eighth of the
+  KV cache (a multiple of 64) with CUDA-graph decoding (multi-turn too), 0 for a generator freed
+  after generation (its windows' graphs would be captured every step); `rollout.compile_decode`
+  -> on with CUDA-graph decoding at TP_g = 1 (not for multi-turn: its step is not compiled);
+- `parallel.train_cuda_graphs` -> on for a LoRA update (every trained role with adapters) at
+  TP = PP = 1 on a dense model, unless a setting it cannot run with is set
+  (`config_checks.train_graphs_conflicts`).
 With `rollout.quantization` (fp8 / int4) or `rollout.kv_cache_dtype=fp8`, on any device:
 `rollout.return_logprobs` -> true and
 `algo.tis_imp_ratio_cap` -> 2.0 when unset (one line says so).
@@ -27,6 +31,7 @@ import dataclasses
 import math
 
 from hybridflow.config import Config
+from hybridflow.config_checks import train_graphs_conflicts, validate
 
 CPU_TOKEN_BUDGET = 16384  # use_dynamic_bsz=true on CPU with no budget set
 # the share of the free memory the automatic budgets may plan for: the memory model leaves out
@@ -163,17 +168,12 @@ def _lora_update_graphs(cfg: Config, gpu: bool, notes: list) -> bool:
         roles.append(("critic.lora", cfg.critic.lora))
     if not gpu or any(lora.rank == 0 for _, lora in roles):
         return False
-    p, a = cfg.parallel, cfg.actor
-    blocked = [name for name, on in (
-        ("parallel.pipeline_parallel_size > 1", p.pipeline_parallel_size > 1),
-        # the layers' TP collectives inside the captured graphs: not yet run on GPUs
-        ("parallel.tensor_parallel_size > 1", p.tensor_parallel_size > 1),
-        ("parallel.activation_checkpointing=true", p.activation_checkpointing),
-        *((f"{key}.dropout > 0", lora.dropout > 0) for key, lora in roles),
-        ("actor.offload_grads=true", a.offload_grads),
-        ("actor.offload_params=true", a.offload_params),
-        (f"actor.router_replay={a.router_replay}", a.router_replay != "disabled"),
-        ("a mixture-of-experts model", cfg.model.moe.enabled)) if on]
+    blocked = [setting for setting, _ in train_graphs_conflicts(cfg)]
+    # not measured: the layers' TP collectives inside captured graphs, an MoE layer's routing
+    if cfg.parallel.tensor_parallel_size > 1:
+        blocked.append("parallel.tensor_parallel_size > 1")
+    if cfg.model.moe.enabled:
+        blocked.append("a mixture-of-experts model")
     if blocked:
         notes.append("auto: parallel.train_cuda_graphs=false: a LoRA update replays its layers as "
                      f"CUDA graphs, but not with {', '.join(blocked)}")
@@ -271,19 +271,19 @@ def size_token_budgets(cfg: Config, *, world_size: int, free_gib: float) -> tupl
     return _replace(cfg, "algo", **values), line
 
 
-def size_for_memory(cfg: Config, *, world_size: int, free_gib: float, cache_auto: bool,
-                    window_auto: bool = False) -> tuple[Config, list[str]]:
-    """`size_token_budgets`, and with `cache_auto` (rollout.free_cache_engine left null, resolved
-    false: generation in place on a GPU) the generator's cache decided beside the budgets: a kept
-    generator's KV cache and graphs sit through training, so under a tight memory cap they can
-    starve the update (Qwen2-7B LoRA under 24 GiB: 416-token micro-batches kept against 2,496
-    freed; the kept run's update took 20 of its 23.7 s per step). The generator is freed (its
-    decode graphs re-captured every step, a fixed cost) when keeping it would leave the update less
-    than half the training budget it gets freed; with `window_auto` (rollout.decode_kv_window left
-    null) its KV windows go with it (`resolve_auto`'s rule for a freed generator). Returns (cfg,
-    the `auto:` lines)."""
+def size_for_memory(cfg: Config, *, asked, world_size: int,
+                    free_gib: float) -> tuple[Config, list[str]]:
+    """`size_token_budgets`, and where `asked` (the rollout options as set, before `resolve_auto`)
+    left rollout.free_cache_engine null and it resolved false (generation in place on a GPU), the
+    generator's cache decided beside the budgets: a kept generator's KV cache and graphs sit
+    through training, so under a tight memory cap they can starve the update (Qwen2-7B LoRA under
+    24 GiB: 416-token micro-batches kept against 2,496 freed; the kept run's update took 20 of its
+    23.7 s per step). The generator is freed (its decode graphs re-captured every step, a fixed
+    cost) when keeping it would leave the update less than half the training budget it gets freed;
+    an auto rollout.decode_kv_window goes with it (`resolve_auto`'s rule for a freed generator).
+    Returns (cfg, the `auto:` lines)."""
     sized, line = size_token_budgets(cfg, world_size=world_size, free_gib=free_gib)
-    if not (cache_auto and cfg.rollout.free_cache_engine is False
+    if not (asked.free_cache_engine is None and cfg.rollout.free_cache_engine is False
             and cfg.algo.max_tokens_per_micro_batch_per_gpu is None):
         return sized, [line]
     freed, freed_line = size_token_budgets(_replace(cfg, "rollout", free_cache_engine=True),
@@ -296,7 +296,7 @@ def size_for_memory(cfg: Config, *, world_size: int, free_gib: float, cache_auto
              f"KV cache through training and leave the update {kept_t}-token micro-batches, "
              f"against {freed_t} with it freed after generation (its decode graphs are then "
              f"captured every step)", freed_line]
-    if window_auto and freed.rollout.decode_kv_window:
+    if asked.decode_kv_window is None and freed.rollout.decode_kv_window:
         freed = _replace(freed, "rollout", decode_kv_window=0)
         lines.append(FREED_WINDOW_NOTE)
     return freed, lines
@@ -309,10 +309,7 @@ def resolve_for_run(cfg: Config, ctx) -> Config:
     import torch
     import torch.distributed as dist
 
-    from hybridflow.config_checks import validate
-
-    cache_auto = cfg.rollout.free_cache_engine is None
-    window_auto = cfg.rollout.decode_kv_window is None
+    asked = cfg.rollout
     cfg, notes = resolve_auto(cfg, device_type=ctx.device.type)
     limit = apply_memory_limit(cfg.trainer.gpu_memory_limit_gib, ctx.device)
     if limit[1]:
@@ -323,9 +320,8 @@ def resolve_for_run(cfg: Config, ctx) -> Config:
             free = min(free, limit[0] - torch.cuda.memory_reserved(ctx.device))
         free_t = torch.tensor([float(free)], device=ctx.device)
         dist.all_reduce(free_t, op=dist.ReduceOp.MIN)  # one budget on every rank of a TP group
-        cfg, lines = size_for_memory(cfg, world_size=dist.get_world_size(),
-                                     free_gib=free_t.item() / 2 ** 30, cache_auto=cache_auto,
-                                     window_auto=window_auto)
+        cfg, lines = size_for_memory(cfg, asked=asked, world_size=dist.get_world_size(),
+                                     free_gib=free_t.item() / 2 ** 30)
         notes += lines
     validate(cfg, world_size=dist.get_world_size())
     if ctx.rank == 0:

@@ -108,19 +108,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if not 0.0 <= p.train_graphs_min_fill <= 1.0:
         raise ValueError(f"parallel.train_graphs_min_fill={p.train_graphs_min_fill}: expected a "
                          "share of the token budget in [0, 1]")
-    if p.train_cuda_graphs and p.activation_checkpointing:
-        raise ValueError("parallel.train_cuda_graphs=true and parallel.activation_checkpointing=true: "
-                         "a graphed layer replays its saved activations, it cannot recompute them; "
-                         "set one of them to false")
-    for key, lora in (("actor.lora", cfg.actor.lora), ("critic.lora", cfg.critic.lora)):
-        if p.train_cuda_graphs and lora.rank > 0 and lora.dropout > 0:
-            raise ValueError(f"parallel.train_cuda_graphs=true and {key}.dropout={lora.dropout}: a "
-                             "graphed layer would replay one dropout mask every step; set "
-                             f"{key}.dropout=0 or parallel.train_cuda_graphs=false")
-    if p.train_cuda_graphs and p.pipeline_parallel_size > 1:
-        raise ValueError(f"parallel.train_cuda_graphs=true needs parallel.pipeline_parallel_size=1, "
-                         f"got {p.pipeline_parallel_size}: 1F1B keeps several micro-batches in "
-                         "flight and a layer's graph holds one")
+    conflicts = train_graphs_conflicts(cfg) if p.train_cuda_graphs else []
+    if conflicts:
+        raise ValueError(conflicts[0][1])
     validate_model(cfg.model, tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size)
     _positive("parallel.expert_parallel_size", p.expert_parallel_size)
     if p.expert_tensor_parallel_size is not None:
@@ -271,16 +261,42 @@ def validate(cfg: Config, *, world_size: int) -> None:
                          "(1: every collection is a full one)")
     validate_lora(cfg)
     validate_router_replay(cfg)
-    if cfg.actor.offload_grads and cfg.parallel.train_cuda_graphs:
-        raise ValueError("actor.offload_grads=true and parallel.train_cuda_graphs=true: the "
-                         "captured graphs hold the gradient buffers' addresses; turn one off")
-    if cfg.actor.offload_params and cfg.parallel.train_cuda_graphs:
-        raise ValueError("actor.offload_params=true and parallel.train_cuda_graphs=true: the "
-                         "captured graphs hold the weights' addresses; turn one off")
     limit = cfg.trainer.gpu_memory_limit_gib
     if limit is not None and not limit > 0:
         raise ValueError(f"trainer.gpu_memory_limit_gib={limit} must be a positive number of GiB "
                          "(null: the whole device)")
+
+
+def train_graphs_conflicts(cfg: Config) -> list[tuple[str, str]]:
+    """The settings parallel.train_cuda_graphs cannot run with, as (the setting, the error a run
+    that asks for both gets); config_auto leaves the graphs off where any is set."""
+    p, a = cfg.parallel, cfg.actor
+    found = []
+    if p.activation_checkpointing:
+        found.append(("parallel.activation_checkpointing=true",
+                      "parallel.train_cuda_graphs=true and parallel.activation_checkpointing=true: "
+                      "a graphed layer replays its saved activations, it cannot recompute them; "
+                      "set one of them to false"))
+    for key, lora in (("actor.lora", a.lora), ("critic.lora", cfg.critic.lora)):
+        if lora.rank > 0 and lora.dropout > 0:
+            found.append((f"{key}.dropout={lora.dropout}",
+                          f"parallel.train_cuda_graphs=true and {key}.dropout={lora.dropout}: a "
+                          "graphed layer would replay one dropout mask every step; set "
+                          f"{key}.dropout=0 or parallel.train_cuda_graphs=false"))
+    if p.pipeline_parallel_size > 1:
+        found.append((f"parallel.pipeline_parallel_size={p.pipeline_parallel_size}",
+                      f"parallel.train_cuda_graphs=true needs parallel.pipeline_parallel_size=1, "
+                      f"got {p.pipeline_parallel_size}: 1F1B keeps several micro-batches in "
+                      "flight and a layer's graph holds one"))
+    if a.offload_grads:
+        found.append(("actor.offload_grads=true",
+                      "actor.offload_grads=true and parallel.train_cuda_graphs=true: the "
+                      "captured graphs hold the gradient buffers' addresses; turn one off"))
+    if a.offload_params:
+        found.append(("actor.offload_params=true",
+                      "actor.offload_params=true and parallel.train_cuda_graphs=true: the "
+                      "captured graphs hold the weights' addresses; turn one off"))
+    return found
 
 
 def validate_router_replay(cfg: Config) -> None:

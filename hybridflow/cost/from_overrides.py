@@ -18,14 +18,12 @@ def from_overrides(overrides: list[str], *, world_size: int, free_gib: float,
     from hybridflow.config_auto import budgets_unset, resolve_auto, size_for_memory
     from hybridflow.cost.lengths import load_lengths
 
-    cfg = load_config(list(overrides))
-    cache_auto = cfg.rollout.free_cache_engine is None
-    window_auto = cfg.rollout.decode_kv_window is None
-    cfg, _ = resolve_auto(cfg, device_type="cuda")
+    asked = load_config(list(overrides))
+    cfg, _ = resolve_auto(asked, device_type="cuda")
     notes = []
     if budgets_unset(cfg):
-        cfg, lines = size_for_memory(cfg, world_size=world_size, free_gib=free_gib,
-                                     cache_auto=cache_auto, window_auto=window_auto)
+        cfg, lines = size_for_memory(cfg, asked=asked.rollout, world_size=world_size,
+                                     free_gib=free_gib)
         notes += lines  # the trainer's `auto:` lines for these choices
     a, r, d = cfg.algo, cfg.rollout, cfg.data
     kernels = r.decode_kernels

@@ -169,8 +169,7 @@ def test_generator_freed_where_keeping_it_starves_the_update():
     def sized(*extra, free_gib):
         raw = _cfg(*job, *extra)
         cfg, _ = resolve_auto(raw, device_type="cuda")
-        return size_for_memory(cfg, world_size=1, free_gib=free_gib,
-                               cache_auto=raw.rollout.free_cache_engine is None)
+        return size_for_memory(cfg, asked=raw.rollout, world_size=1, free_gib=free_gib)
 
     cfg, lines = sized(free_gib=24.0)
     assert cfg.rollout.free_cache_engine is True
@@ -190,7 +189,7 @@ def test_generator_freed_where_keeping_it_starves_the_update():
     (("actor.lora.rank=16",), True, None),  # a LoRA update replays as graphs
     (("actor.lora.rank=16", "parallel.activation_checkpointing=true"), False,
      "parallel.activation_checkpointing=true"),
-    (("actor.lora.rank=16", "actor.lora.dropout=0.05"), False, "actor.lora.dropout > 0"),
+    (("actor.lora.rank=16", "actor.lora.dropout=0.05"), False, "actor.lora.dropout=0.05"),
     (("actor.lora.rank=16", "actor.offload_params=true"), False, "actor.offload_params=true"),
     (("actor.lora.rank=16", "parallel.tensor_parallel_size=2"), False,
      "parallel.tensor_parallel_size > 1"),
@@ -237,10 +236,10 @@ def test_a_freed_generator_gets_no_kv_windows():
            "parallel.activation_checkpointing=true"]
     for window, want in ((None, 0), (64, 64)):
         extra = [] if window is None else [f"rollout.decode_kv_window={window}"]
-        kept, _ = resolve_auto(_cfg(*job, *extra), device_type="cuda")
+        raw = _cfg(*job, *extra)
+        kept, _ = resolve_auto(raw, device_type="cuda")
         assert kept.rollout.free_cache_engine is False and kept.rollout.decode_kv_window == 64
-        sized, lines = size_for_memory(kept, world_size=1, free_gib=24.0, cache_auto=True,
-                                       window_auto=window is None)
+        sized, lines = size_for_memory(kept, asked=raw.rollout, world_size=1, free_gib=24.0)
         assert sized.rollout.free_cache_engine is True
         assert sized.rollout.decode_kv_window == want
         assert (FREED_WINDOW_NOTE in lines) is (window is None)
