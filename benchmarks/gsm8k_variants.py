@@ -10,7 +10,6 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
            alpha=32 and 3e-5 it trailed the full run for its first 29 steps), eager update
   lora_graphs  the same with the update's layers as CUDA graphs (parallel.train_cuda_graphs, a
            LoRA run's default on a GPU)
-  ref_tail trainer.ref_in_gen_tail=true (the reference pass over finished rows under the tail)
   partial  rollout.partial (512 decode steps per step, 32 extra prompts in flight), TIS cap 2.0
   tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter; tool results fed
            through the decode step, each step launched before the last is read: the defaults)
@@ -44,7 +43,6 @@ VARIANTS = {
     "fp8": "rollout.quantization=fp8",
     "int4": "rollout.quantization=int4",
     "kv_fp8": "rollout.kv_cache_dtype=fp8",
-    "ref_tail": "trainer.ref_in_gen_tail=true",
     "lora": ("actor.lora.rank=32 actor.lora.alpha=64 actor_optim.lr=5e-5 "
              "parallel.train_cuda_graphs=false"),
     "lora_graphs": ("actor.lora.rank=32 actor.lora.alpha=64 actor_optim.lr=5e-5 "

@@ -511,13 +511,6 @@ class TrainerConfig:
     # on the GPU through generation (whose wave sizing sees them) but not through the update;
     # false: copied at the start of the ref pass, on the GPU only there
     offload_ref_prefetch: bool = True
-    # the reference pass over the rows generation has finished, run while the last ones still
-    # decode (hybridflow/rollout/tail_ref.py: its own thread and CUDA stream): it starts once
-    # compaction has moved the live rows into a bucket of at most ref_in_gen_tail_rows. Needs a
-    # reference model of its own (not LoRA's base), single-turn generation in one chunk with
-    # compaction, TP = PP = 1 (config_checks.ref_tail_conflicts). null: off
-    ref_in_gen_tail: Optional[bool] = None
-    ref_in_gen_tail_rows: int = 64
     # cap this process's GPU memory at N GiB (torch.cuda.set_per_process_memory_fraction of the
     # device's total), e.g. 24 to run as on a 24 GB card; the automatic token budgets are sized for
     # it. null: the whole device. Ignored with a warning line on CPU (nothing to cap there)

@@ -111,14 +111,6 @@ def validate(cfg: Config, *, world_size: int) -> None:
     conflicts = train_graphs_conflicts(cfg) if p.train_cuda_graphs else []
     if conflicts:
         raise ValueError(conflicts[0][1])
-    _positive("trainer.ref_in_gen_tail_rows", cfg.trainer.ref_in_gen_tail_rows)
-    conflicts = ref_tail_conflicts(cfg) if cfg.trainer.ref_in_gen_tail else []
-    if conflicts:
-        raise ValueError(f"trainer.ref_in_gen_tail=true cannot run with {', '.join(conflicts)}: "
-                         "the early reference pass needs a reference model of its own on the "
-                         "generating ranks, single-turn generation in one chunk with "
-                         "rollout.compact_finished_rows, and TP = PP = 1; set "
-                         "trainer.ref_in_gen_tail=false")
     validate_model(cfg.model, tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size)
     _positive("parallel.expert_parallel_size", p.expert_parallel_size)
     if p.expert_tensor_parallel_size is not None:
@@ -305,32 +297,6 @@ def train_graphs_conflicts(cfg: Config) -> list[tuple[str, str]]:
                       "actor.offload_params=true and parallel.train_cuda_graphs=true: the "
                       "captured graphs hold the weights' addresses; turn one off"))
     return found
-
-
-def ref_tail_conflicts(cfg: Config) -> list[str]:
-    """The settings trainer.ref_in_gen_tail cannot run with (rollout/tail_ref.py)."""
-    a, r, p, t = cfg.algo, cfg.rollout, cfg.parallel, cfg.trainer
-    checks = [
-        (not (a.use_kl_loss or a.use_kl_in_reward),
-         "algo.use_kl_loss=false and algo.use_kl_in_reward=false (no reference model)"),
-        (cfg.actor.lora.rank > 0,
-         f"actor.lora.rank={cfg.actor.lora.rank} (the reference is the actor's base weights, "
-         "which hold the merged adapters while generating)"),
-        (t.offload_ref, "trainer.offload_ref=true"),
-        (cfg.actor.offload_params, "actor.offload_params=true"),
-        (r.multi_turn.enable, "rollout.multi_turn.enable=true"),
-        (r.partial.enable, "rollout.partial.enable=true"),
-        (a.dynamic_sampling.enable, "algo.dynamic_sampling.enable=true"),
-        (r.compact_finished_rows is False, "rollout.compact_finished_rows=false"),
-        (p.tensor_parallel_size > 1,
-         f"parallel.tensor_parallel_size={p.tensor_parallel_size}"),
-        (p.pipeline_parallel_size > 1,
-         f"parallel.pipeline_parallel_size={p.pipeline_parallel_size}"),
-        ((r.tensor_parallel_size or p.tensor_parallel_size) != p.tensor_parallel_size,
-         f"rollout.tensor_parallel_size={r.tensor_parallel_size}"),
-        (cfg.model.moe.enabled, "a mixture-of-experts model"),
-    ]
-    return [what for hit, what in checks if hit]
 
 
 def validate_router_replay(cfg: Config) -> None:

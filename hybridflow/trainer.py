@@ -86,14 +86,6 @@ class Trainer:
             local_groups=self.sampler.local_batch_size,
             local_extra=pc.extra_prompts // ctx.dp_size) if pc.enable else None
         self.partial_queue: list = []
-        # trainer.ref_in_gen_tail: the reference pass over finished rows while the tail decodes
-        self.tail_ref = None
-        if cfg.trainer.ref_in_gen_tail and self.ref is not None:
-            from hybridflow.rollout.tail_ref import TailReference
-
-            self.tail_ref = TailReference(
-                self.ref, live_rows=cfg.trainer.ref_in_gen_tail_rows, temperature=self.temperature,
-                fwd=micro_batching(cfg.algo, forward=True), device=ctx.device)
         self.skipped = SkippedUpdates(output_dir=cfg.trainer.output_dir, rank=dist.get_rank(),
                                       max_skipped_steps=cfg.trainer.max_skipped_steps)
         self.checkpointer = Checkpointer(self)
@@ -183,11 +175,6 @@ class Trainer:
                 with timer("gc"):
                     gc.collect(generation)
             batch, reward_metrics = self.generate_and_score(timer)
-            if self.tail_ref is not None:  # the rows that finished early were scored meanwhile
-                with timer("ref"):
-                    batch.ref_logprobs = self.tail_ref.finish(batch)
-                reward_metrics["perf/ref_in_gen_tail_frac"] = (
-                    self.tail_ref.early_rows / batch.batch_size)
             if cfg.trainer.balance_batch and self.ctx.dp_size > 1:
                 with timer("balance"):
                     batch, balance_metrics = balance_rows(
@@ -206,7 +193,7 @@ class Trainer:
                 replay_metrics = self.actor.replay_metrics("moe/router_mismatch_frac")
             if "ref" in away:
                 self.actor.params_to_host()
-            if self.ref is not None and batch.ref_logprobs is None:
+            if self.ref is not None:
                 with timer("ref"):
                     if cfg.trainer.offload_ref:
                         self.ref.onload()
@@ -272,8 +259,7 @@ class Trainer:
 
         def one_round(num_batches: int = 1):
             items = [self.dataset[i] for _ in range(num_batches) for i in self.sampler.next_batch()]
-            batch = self.rollout.generate(items, step=self.step, round_index=next(rounds),
-                                          timer=timer, tail=self.tail_ref)
+            batch = self.rollout.generate(items, step=self.step, round_index=next(rounds), timer=timer)
             with timer("reward"):
                 batch.scores, metrics = self.rollout.score(items, batch)
             return batch, metrics

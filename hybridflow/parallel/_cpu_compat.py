@@ -172,9 +172,3 @@ def install() -> None:
 
 def installed() -> bool:
     return _INSTALLED
-
-
-def for_thread():
-    """A context that gives the calling (non-main) thread the shims' device mode, once installed
-    (torch function modes are per thread); a no-op context otherwise."""
-    return _CudaToCpuMode() if _INSTALLED else contextlib.nullcontext()

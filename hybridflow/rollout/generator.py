@@ -169,7 +169,7 @@ class Generator:
     # ---- public -------------------------------------------------------------------------------
     def generate(self, prompts: list, *, cfg: RolloutConfig, eos_id: int, pad_id: int,
                  seed: int, options: Optional[DecodeOptions] = None,
-                 record_experts: bool = False, tail: Optional["TailHook"] = None) -> RolloutBatch:
+                 record_experts: bool = False) -> RolloutBatch:
         """Sample `cfg.n` responses per prompt. Returns the rows as the trainer consumes them, on
         the device: B = len(prompts) * n rows [p0s0, p0s1, ..., p1s0, ...], prompts LEFT-padded to
         the longest (pad_id), responses right-padded to the longest produced, masks 1 up to and
@@ -184,11 +184,7 @@ class Generator:
         `record_experts` (MoE models; actor.router_replay=R3): the batch also carries the experts
         every MoE layer routed each prompt and response token to (`prompt_experts`,
         `response_experts`, int16, -1 where nothing was routed: prompt padding, a response's
-        last token and what follows it).
-        `tail` (a TailHook; one chunk, no recording): once compaction moves the live rows into a
-        bucket of at most `tail.live_rows`, the rows already finished are handed to
-        `tail.start(rows, batch)` (their indices and a host RolloutBatch of them, built as the
-        returned batch builds them) while decoding goes on."""
+        last token and what follows it)."""
         opts = options or DecodeOptions.from_config(cfg)
         if self.cfg.moe.enabled and opts.kernels == "auto":  # the Triton layers are dense-only
             opts = opts.replace(kernels="torch")
@@ -235,32 +231,32 @@ class Generator:
                      for b in dict.fromkeys(sizes)}
             self.reseed(seed)  # after any capture: warm-up runs consume randomness
             self.stats = _new_stats()
-        stop = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
-
-        def rows_batch(rows, tokens, logprobs, experts=None) -> RolloutBatch:
-            return _rows_batch(rows, tokens, logprobs, ids_p=ids_p, mask_p=mask_p,
-                               prompt_of_row=prompt_of_row, stop=stop, pad_id=pad_id,
-                               experts=experts)
-
-        on_done = None
-        if tail is not None and len(chunks) == 1 and record is None:
-            def on_done(rows, tokens, logprobs):  # rows (n,) host, tokens / logprobs (n, R)
-                tail.start(rows, rows_batch(rows.to(self.device), tokens,
-                                            logprobs if cfg.return_logprobs else None).to("cpu"))
         with torch.no_grad():
             outs = [self._run_chunk(steps, bucket[c], ids_p[runs[c][0]:runs[c][1]],
                                     mask_p[runs[c][0]:runs[c][1]],
                                     prompt_of_row[c[0]:c[1]] - runs[c][0], cfg, opts, pad_id,
-                                    targets, record,
-                                    on_done=on_done, done_bucket=tail.live_rows if tail else 0)
+                                    targets, record)
                     for c in chunks]
         with record_function("generate.finish"):
-            experts = None
+            tokens = torch.cat([o[0] for o in outs])  # (N, R)
+            stop = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
+            is_stop = (tokens[..., None] == stop).any(-1)  # the first stop is the real one
+            lengths = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, R)  # (N,)
+            width = max(int(lengths.max()), 1)
+            resp_mask = (torch.arange(width, device=self.device) < lengths[:, None]).long()
+            logprobs = None
+            if cfg.return_logprobs:
+                logprobs = torch.cat([o[1] for o in outs])[:, :width] * resp_mask
+            prompt_experts = response_experts = None
             if record is not None:
-                experts = (torch.cat([o[2] for o in outs]), torch.cat([o[3] for o in outs]))
-            return rows_batch(None, torch.cat([o[0] for o in outs]),  # (N, R)
-                              torch.cat([o[1] for o in outs]) if cfg.return_logprobs else None,
-                              experts)
+                prompt_experts = torch.cat([o[2] for o in outs])
+                response_experts = torch.cat([o[3] for o in outs])[:, :width]
+        return RolloutBatch(prompt_ids=ids_p.index_select(0, prompt_of_row),
+                            prompt_mask=mask_p.index_select(0, prompt_of_row),
+                            response_ids=tokens[:, :width].masked_fill(resp_mask == 0, pad_id),
+                            response_mask=resp_mask, group_ids=prompt_of_row,
+                            indices=prompt_of_row.clone(), rollout_logprobs=logprobs,
+                            prompt_experts=prompt_experts, response_experts=response_experts)
 
     def weight_storages(self) -> frozenset:
         """Data pointers of the storages of every plain tensor the generator reads (those it
@@ -447,15 +443,11 @@ class Generator:
         return step
 
     def _run_chunk(self, steps: dict, b: int, ids, mask, copy_of, cfg: RolloutConfig,
-                   opts: DecodeOptions, pad_id: int, targets: list, record: Optional[tuple], *,
-                   on_done=None, done_bucket: int = 0):
+                   opts: DecodeOptions, pad_id: int, targets: list, record: Optional[tuple]):
         """Prefill the chunk's distinct prompts ids, mask (U, P) once each, then decode their copies
         copy_of (B,) (chunk row -> row of ids) in bucket b (compacting into `targets`) -> (tokens
         (B, R), logprobs (B, R), and with `record` (L, k) the routed experts of the prompt
-        (B, P, L, k) and response tokens (B, R, L, k); else None, None) before trimming.
-        `on_done(rows, tokens, logprobs)`: called once, after the first compaction into a bucket
-        of at most `done_bucket` rows, with the chunk rows finished by then (host indices) and
-        their outputs (the flush before a compaction wrote them; nothing writes them after)."""
+        (B, P, L, k) and response tokens (B, R, L, k); else None, None) before trimming."""
         (U, P), B = ids.shape, copy_of.shape[0]
         R = cfg.max_new_tokens
         with record_function("generate.prefill"):
@@ -512,48 +504,8 @@ class Generator:
                                                  columns=P + s)
                     (buf, fns), b = steps[new_b], new_b
                     self.stats["compactions"] += 1
-                    if on_done is not None and b <= done_bucket:
-                        live_rows = row_map[(row_map < B) & ~buf.finished].cpu()  # a sync
-                        done = torch.ones(B, dtype=torch.bool)
-                        done[live_rows] = False
-                        rows = done.nonzero()[:, 0]
-                        if len(rows):
-                            d = rows.to(self.device)
-                            on_done(rows, out_tok.index_select(0, d), out_lp.index_select(0, d))
-                        on_done = None
             compaction.flush(buf, row_map, out_tok, out_lp, out_exp)
         return (out_tok[:B], out_lp[:B], pre, None if out_exp is None else out_exp[:B])
-
-
-class TailHook:
-    """What `Generator.generate(tail=...)` calls while the long tail decodes: `start(rows,
-    batch)` gets the rows finished once the live ones fit in `live_rows` (a compaction bucket)."""
-
-    live_rows: int
-
-    def start(self, rows: torch.Tensor, batch: RolloutBatch) -> None:
-        raise NotImplementedError
-
-
-def _rows_batch(rows, tokens, logprobs, *, ids_p, mask_p, prompt_of_row, stop, pad_id: int,
-                experts=None) -> RolloutBatch:
-    """The RolloutBatch of `rows` (None: all) from their sampled `tokens` (n, R) (pad after the
-    stop), `logprobs` (n, R) or None, and `experts` (prompt (n, P, L, k), response (n, R, L, k))
-    or None: responses cut after the first stop and right-padded to the longest, masks 1 up to
-    and including the stop, prompts left-padded as generated."""
-    R = tokens.shape[1]
-    of_row = prompt_of_row if rows is None else prompt_of_row.index_select(0, rows)
-    is_stop = (tokens[..., None] == stop).any(-1)  # the first stop is the real one
-    lengths = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, R)  # (n,)
-    width = max(int(lengths.max()), 1)
-    resp_mask = (torch.arange(width, device=tokens.device) < lengths[:, None]).long()
-    return RolloutBatch(prompt_ids=ids_p.index_select(0, of_row),
-                        prompt_mask=mask_p.index_select(0, of_row),
-                        response_ids=tokens[:, :width].masked_fill(resp_mask == 0, pad_id),
-                        response_mask=resp_mask, group_ids=of_row, indices=of_row.clone(),
-                        rollout_logprobs=None if logprobs is None else logprobs[:, :width] * resp_mask,
-                        prompt_experts=None if experts is None else experts[0],
-                        response_experts=None if experts is None else experts[1][:, :width])
 
 
 def _new_stats() -> dict:

@@ -92,13 +92,10 @@ class RolloutStage:
         return self.resharder.gather()
 
     def generate(self, items, *, step: int, timer, rollout_cfg=None, seed=None,
-                 round_index: int = 0, record_experts: bool | None = None,
-                 tail=None) -> RolloutBatch:
+                 round_index: int = 0, record_experts: bool | None = None) -> RolloutBatch:
         """Sample `rollout_cfg.n` (default: the rollout config's) responses for this DP rank's
         `items`; every rank of the DP replica returns the same rows, on the CPU.
-        `record_experts` (None: as actor.router_replay asks): the rows carry their routing.
-        `tail` (Generator.generate's TailHook): given the rows finished early in single-turn
-        generation by one replica (rows in this call's order); None: not called."""
+        `record_experts` (None: as actor.router_replay asks): the rows carry their routing."""
         r = rollout_cfg or self.cfg.rollout
         ctx = self.ctx
         # chunk j of the DP replica's prompts for gen replica j (sizes differ by at most one)
@@ -136,17 +133,12 @@ class RolloutStage:
                     merge.close()  # training weights may go (LoRA: unmerged first; the host
                     self.actor.params_to_host(keep=gen.weight_storages())  # copy is the base)
                 with torch.no_grad():
-                    if self.tools:
-                        batch = self._multi_turn(gen, mine, r, seed)
-                    else:
-                        batch = gen.generate(
-                            [it.prompt_ids for it in mine], cfg=r,
-                            eos_id=-1 if r.ignore_eos else self.tok.eos_id,
-                            pad_id=self.tok.pad_id, seed=seed,
-                            options=DecodeOptions.from_config(r),
-                            record_experts=self.record_experts
-                            if record_experts is None else record_experts,
-                            tail=None if split else tail)
+                    batch = self._multi_turn(gen, mine, r, seed) if self.tools else gen.generate([it.prompt_ids for it in mine], cfg=r,
+                                         eos_id=-1 if r.ignore_eos else self.tok.eos_id,
+                                         pad_id=self.tok.pad_id, seed=seed,
+                                         options=DecodeOptions.from_config(r),
+                                         record_experts=self.record_experts
+                                         if record_experts is None else record_experts)
                 self.kv_cache_bytes = gen.kv_cache_bytes
                 if self._kept is not gen:
                     gen.release()
