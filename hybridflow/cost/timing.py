@@ -6,7 +6,7 @@ is the sum of its parts, except where two kinds of work overlap (OVERLAP_P): for
 host side (per-layer and TP collective launches) and GPU side (FLOPs, TP bytes); decode's FLOPs and
 its HBM reads.
 The parts (compute, decode_compute, layer_overhead, optimizer, pp_bubble, hbm_read, decode_overhead,
-quant_overhead, quant_compute, tp_comm, tp_latency, ep_comm, dp_comm, reshard_comm, latency, pcie,
+quant_overhead, quant_compute, quant_dequant, tp_comm, tp_latency, ep_comm, dp_comm, reshard_comm, latency, pcie,
 step_overhead) let the report say where the time goes. MoE models: FLOPs count the active parameters (router + top_k experts),
 memory every expert, a decode step reads (and multiplies) every expert, and under EP each layer
 pass adds the all-to-all of each token's hidden state to its top_k experts and back (`ep_comm`). Per stage (per GPU; the work is assumed split evenly, ceil() where sequences do not
@@ -21,8 +21,10 @@ divide by DP):
   all-reduces (2 per layer per step). A quantized rollout (`Workload.rollout_quantization`) reads
   its layer weights at their bytes (flops.ROLLOUT_BYTES_PER_WEIGHT) and pays what its kernels cost
   over bf16's at decode row counts: fp8 a fixed cost per layer per decode step
-  (`fp8_decode_layer_s`, `quant_overhead`), int4 its weight-only kernel's FLOPs over the prefilled
-  tokens and decode row-steps at `int4_decode_efficiency` (`quant_compute`). Every response runs to full length, unless the workload is
+  (`fp8_decode_layer_s`, `quant_overhead`), int4 its weight-only kernel's FLOPs over the decode
+  row-steps of buckets of at most `Workload.int4_kernel_max_rows` rows at `int4_decode_efficiency`
+  (`quant_compute`), and for each prefill sub-batch and wider decode step a bf16 copy of every
+  quantized matrix written and read (`quant_dequant`). Every response runs to full length, unless the workload is
   variable-length (`Workload.varlen`): then the decode steps, bucket rows and attended columns come
   from cost.varlen's simulation of the generator (chunks, graph buckets, compaction, KV windows,
   the long tail), the PyTorch decode layer's KV reads at their own efficiency (`kv_read`), and
@@ -99,6 +101,10 @@ ADAM_BYTES_PER_PARAM = 4 + 3 * 8 + 2
 GRAD_ACCUM_BYTES_PER_PARAM = 2 + 2 + 4 + 4
 GRAD_ACCUM_BW_EFF = 0.46
 NVLINK_LATENCY_S = 10e-6   # per collective inside a node
+# an int4 GEMM wider than the weight-only kernel takes: the bf16 weight written, then read by cuBLAS
+INT4_DEQUANT_BYTES_PER_WEIGHT = 2 * BYTES_PER_PARAM
+DEVICE_COPY_EFF = 0.9  # of HBM bandwidth, a streaming device copy on an H200 (docs/perf_log.md)
+PREFILL_TOKENS = 16384  # prompt tokens per prefill sub-batch (DecodeOptions.prefill_tokens)
 IB_LATENCY_S = 30e-6       # per collective across nodes
 
 
@@ -226,7 +232,9 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
         prompt = w.prompt_len_max or w.prompt_len
         prefilled = (prompts + d.chunks - 1) if w.prefill_once_per_prompt else rows
         steps, row_steps, row_columns = calls * d.steps, calls * d.row_steps, calls * d.row_columns
+        wide_steps, wide_row_steps = calls * d.wide_steps, calls * d.wide_row_steps
         prefill_tokens = calls * prefilled * prompt
+        prefills = calls * d.chunks * math.ceil(prefilled * prompt / d.chunks / PREFILL_TOKENS)
         prefill = prefill_tokens * forward_flops_per_token(shape, prompt) / tp_g
         t.add("compaction", None, calls * d.moved_bytes * kv_token / (gpu.hbm_gbps * 1e9))
         collectives, comm_tokens = 2 * shape.num_layers * (steps + calls * d.chunks), \
@@ -240,6 +248,9 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
             else per_replica  # rows run through the prefill (a prompt group stays on one replica)
         prefill_tokens = prefilled * w.prompt_len
         prefill = prefill_tokens * forward_flops_per_token(shape, w.prompt_len) / tp_g
+        wide = math.ceil(per_replica / waves) > w.int4_kernel_max_rows
+        wide_steps, wide_row_steps = (steps, row_steps) if wide else (0, 0.0)
+        prefills = waves * math.ceil(prefill_tokens / waves / PREFILL_TOKENS)
         collectives = 2 * shape.num_layers * waves * (1 + w.longest_response)
         comm_tokens = per_replica * w.seq_len
     decode = (row_steps * 2 * shape.num_decode_params
@@ -263,9 +274,14 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
     if w.rollout_quantization == "fp8":   # activation quantization + _scaled_mm latency per GEMM
         gemms = 2 if shape.moe.enabled else 4          # the quantized matrices of a layer
         t.add("quant_overhead", "fp8_decode_layer_s", steps * shape.num_layers * gemms / 4)
-    elif w.rollout_quantization == "int4":  # the weight-only kernel: compute-bound, per row
-        rows = prefill_tokens + row_steps
-        t.add("quant_compute", "inv_int4_decode_eff", rows * 2 * quantized / tp_g / peak)
+    elif w.rollout_quantization == "int4":
+        # decode GEMMs of at most int4_kernel_max_rows rows: the weight-only kernel, compute-bound
+        t.add("quant_compute", "inv_int4_decode_eff",
+              (row_steps - wide_row_steps) * 2 * quantized / tp_g / peak)
+        # wider ones (prefill sub-batches, wide decode buckets) dequantize each matrix to bf16
+        # (written, then read by cuBLAS) and run at bf16's rate, counted above
+        t.add("quant_dequant", None, (prefills + wide_steps) * quantized
+              * INT4_DEQUANT_BYTES_PER_WEIGHT / tp_g / (gpu.hbm_gbps * 1e9 * DEVICE_COPY_EFF))
     if shape.moe.enabled:  # the graphed decode's MoE MLP runs every expert, one after another
         t.add("expert_overhead", "expert_decode_s", steps * shape.num_layers * shape.moe.num_experts)
     _tp_comm(t, shape, gpu, tp_g, shape.num_layers, comm_tokens, all_reduces=2,

@@ -69,14 +69,19 @@ class Decode:
     moved_bytes: float = 0.0   # K/V bytes read + written by compactions (x kv bytes per token)
     compactions: int = 0
     chunks: int = 0
+    # steps (and their row-steps) in buckets of more than `wide_rows` rows: an int4 rollout's
+    # GEMMs there dequantize the weight and run bf16 (rollout.kernel_options.int4_kernel_max_rows)
+    wide_steps: int = 0
+    wide_row_steps: float = 0.0
 
     def __add__(self, o: "Decode") -> "Decode":
-        fields = ("steps", "row_steps", "row_columns", "moved_bytes", "compactions", "chunks")
+        fields = ("steps", "row_steps", "row_columns", "moved_bytes", "compactions", "chunks",
+                  "wide_steps", "wide_row_steps")
         return Decode(*(getattr(self, f) + getattr(o, f) for f in fields))
 
 
 def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int, compact: bool,
-           window: int, exact_end: bool) -> Decode:
+           window: int, exact_end: bool, wide_rows: int) -> Decode:
     n = len(lengths)
     ladder = bucket_sizes(max_batch)
     b = next(x for x in ladder if x >= n)
@@ -104,8 +109,10 @@ def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int,
                 rows[s + 1:] = b
                 moved += 2 * b * (prompt + s)
                 compactions += 1
+    wide = rows > wide_rows
     return Decode(steps=steps, row_steps=float(rows.sum()), row_columns=float((rows * cols).sum()),
-                  moved_bytes=moved, compactions=compactions, chunks=1)
+                  moved_bytes=moved, compactions=compactions, chunks=1,
+                  wide_steps=int(wide.sum()), wide_row_steps=float(rows[wide].sum()))
 
 
 @functools.lru_cache(maxsize=256)
@@ -120,7 +127,8 @@ def decode_schedule(w: Workload, rows: int, batch: int) -> Decode:
     for lo in range(0, rows, batch):
         total = total + _chunk(lengths[lo:lo + batch], prompt=prompt, cap=w.max_new_tokens,
                                max_batch=max_batch, compact=w.compact_finished_rows,
-                               window=w.decode_kv_window, exact_end=exact_end)
+                               window=w.decode_kv_window, exact_end=exact_end,
+                               wide_rows=w.int4_kernel_max_rows)
     return total
 
 

@@ -58,6 +58,9 @@ class Workload:
     # rollout.quantization: the bytes per layer weight the decode step reads
     # (flops.ROLLOUT_BYTES_PER_WEIGHT); the records measured so far say "none"
     rollout_quantization: str = "none"
+    # rollout.kernel_options.int4_kernel_max_rows: int4 GEMMs of more rows (prefill, decode buckets
+    # above it) dequantize the weight to bf16 and run cuBLAS instead of the weight-only kernel
+    int4_kernel_max_rows: int = 256
     # rollout.kv_cache_dtype: "fp8" caches (and reads, moves) 1 + 4 / head_dim bytes per K/V value
     # instead of 2 (flops.kv_bytes_per_token); the records measured so far say "auto"
     kv_cache_dtype: str = "auto"

@@ -115,7 +115,7 @@ def test_quantized_records_leave_the_dense_fit_unchanged():
 
 def test_quantized_terms_charged_only_when_quantized():
     """fp8 adds fp8_decode_layer_s per layer per decode step, int4 its kernel's FLOPs at
-    int4_decode_efficiency; none adds neither."""
+    int4_decode_efficiency (and its prefill's dequantized copies); none adds neither."""
     rec = load_records([QUANT])[0]
     run = parse_record(rec)
     calib = shipped_calibration()
@@ -124,11 +124,48 @@ def test_quantized_terms_charged_only_when_quantized():
         gen = stage_breakdown(run.shape, run.gpu, run.plan, w, calib)["gen"]
         assert ("quant_overhead" in gen) is (mode == "fp8")
         assert ("quant_compute" in gen) is (mode == "int4")
+        assert ("quant_dequant" in gen) is (mode == "int4")
     w = replace(run.workload, rollout_quantization="fp8")
     one = stage_breakdown(run.shape, run.gpu, run.plan, w,
                           replace(calib, fp8_decode_layer_s=1e-5))["gen"]["quant_overhead"]
     steps = one / 1e-5 / run.shape.num_layers
     assert run.workload.response_len - 2 <= steps <= run.workload.response_len + 2
+
+
+def test_int4_kernel_only_up_to_its_rows_wider_gemms_dequantize():
+    """int4: the kernel's FLOPs over decode row-steps of buckets of at most int4_kernel_max_rows
+    rows; the prefill's sub-batches and every wider decode step pay a bf16 copy of each quantized
+    matrix (4 bytes per weight) instead."""
+    from hybridflow.cost.timing import (DEVICE_COPY_EFF, INT4_DEQUANT_BYTES_PER_WEIGHT,
+                                        stage_terms)
+
+    rec = next(r for r in load_records([QUANT]) if r["config"]["rollout_quantization"] == "int4")
+    run = parse_record(rec)
+    calib = shipped_calibration()
+    quantized = run.shape.num_layers * run.shape.layer_matmul_params
+    copy_s = quantized * INT4_DEQUANT_BYTES_PER_WEIGHT / (run.gpu.hbm_gbps * 1e9 * DEVICE_COPY_EFF)
+    w = replace(run.workload, rollout_quantization="int4")
+    rows = w.num_sequences
+    narrow = stage_breakdown(run.shape, run.gpu, run.plan, w, calib)["gen"]
+    assert narrow["quant_dequant"] == pytest.approx(copy_s * 1)  # one prefill sub-batch
+    kernel = stage_terms(run.shape, run.gpu, run.plan, w, calib)["gen"].x["inv_int4_decode_eff"]
+    peak = run.gpu.bf16_tflops * 1e12
+    assert kernel == pytest.approx(rows * w.response_len * 2 * quantized / peak, rel=0.02)
+    wide = replace(w, int4_kernel_max_rows=rows // 2)  # every decode step of this call is wider
+    t = stage_terms(run.shape, run.gpu, run.plan, wide, calib)["gen"]
+    assert t.x.get("inv_int4_decode_eff", 0.0) == 0.0
+    steps = stage_breakdown(run.shape, run.gpu, run.plan, wide, calib)["gen"]["quant_dequant"] \
+        / copy_s - 1
+    assert w.response_len - 2 <= steps <= w.response_len + 2
+
+
+def test_int4_kernel_rows_come_from_the_config():
+    from hybridflow.config import load_config
+    from hybridflow.cost.from_config import workload_fields
+
+    cfg = load_config(["experiment=demo", "rollout.quantization=int4",
+                       "rollout.kernel_options.int4_kernel_max_rows=64"])
+    assert workload_fields(cfg, decode_kernels="triton")["int4_kernel_max_rows"] == 64
 
 
 GEN_HEAVY = dict(model="qwen2_1_5b", gpu="H200", num_gpus=1, prompts_per_step=16,
