@@ -83,7 +83,7 @@ from hybridflow.cost.flops import (BYTES_PER_PARAM, LORA_MERGE_BYTES_PER_PARAM,
                                    train_flops_per_token)
 from hybridflow.cost.gpus import GPU
 from hybridflow.cost.memory import gen_batch_size, lora_params, reshard_received_bytes
-from hybridflow.cost.varlen import PassWork, decode_schedule, pass_work
+from hybridflow.cost.varlen import PREFILL_TOKENS, PassWork, decode_schedule, pass_work
 from hybridflow.cost.workload import Plan, Workload
 from hybridflow.model_config import ModelConfig
 from hybridflow.parallel.layout import Layout
@@ -101,11 +101,10 @@ ADAM_BYTES_PER_PARAM = 4 + 3 * 8 + 2
 GRAD_ACCUM_BYTES_PER_PARAM = 2 + 2 + 4 + 4
 GRAD_ACCUM_BW_EFF = 0.46
 NVLINK_LATENCY_S = 10e-6   # per collective inside a node
+IB_LATENCY_S = 30e-6       # per collective across nodes
 # an int4 GEMM wider than the weight-only kernel takes: the bf16 weight written, then read by cuBLAS
 INT4_DEQUANT_BYTES_PER_WEIGHT = 2 * BYTES_PER_PARAM
 DEVICE_COPY_EFF = 0.9  # of HBM bandwidth, a streaming device copy on an H200 (docs/perf_log.md)
-PREFILL_TOKENS = 16384  # prompt tokens per prefill sub-batch (DecodeOptions.prefill_tokens)
-IB_LATENCY_S = 30e-6       # per collective across nodes
 
 
 # Two kinds of work that overlap, but not fully: a forward/update pass's host side (per-layer kernel
@@ -217,6 +216,12 @@ def _tp_comm(t: StageTerms, shape: ModelConfig, gpu: GPU, tp: int, layers: int, 
         t.add("latency", None, num_collectives * lat)
 
 
+def _prefill_calls(tokens: float, groups: int) -> int:
+    """Prefill sub-batches of `tokens` prompt tokens split evenly over `groups` (chunks or waves),
+    each group in sub-batches of at most PREFILL_TOKENS."""
+    return groups * math.ceil(tokens / groups / PREFILL_TOKENS)
+
+
 def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibration) -> StageTerms:
     t, tp_g = StageTerms(overlap="decode"), plan.layout.tp_g
     peak = gpu.bf16_tflops * 1e12
@@ -234,7 +239,7 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
         steps, row_steps, row_columns = calls * d.steps, calls * d.row_steps, calls * d.row_columns
         wide_steps, wide_row_steps = calls * d.wide_steps, calls * d.wide_row_steps
         prefill_tokens = calls * prefilled * prompt
-        prefills = calls * d.chunks * math.ceil(prefilled * prompt / d.chunks / PREFILL_TOKENS)
+        prefills = _prefill_calls(prefill_tokens, calls * d.chunks)
         prefill = prefill_tokens * forward_flops_per_token(shape, prompt) / tp_g
         t.add("compaction", None, calls * d.moved_bytes * kv_token / (gpu.hbm_gbps * 1e9))
         collectives, comm_tokens = 2 * shape.num_layers * (steps + calls * d.chunks), \
@@ -250,7 +255,7 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
         prefill = prefill_tokens * forward_flops_per_token(shape, w.prompt_len) / tp_g
         wide = math.ceil(per_replica / waves) > w.int4_kernel_max_rows
         wide_steps, wide_row_steps = (steps, row_steps) if wide else (0, 0.0)
-        prefills = waves * math.ceil(prefill_tokens / waves / PREFILL_TOKENS)
+        prefills = _prefill_calls(prefill_tokens, waves)
         collectives = 2 * shape.num_layers * waves * (1 + w.longest_response)
         comm_tokens = per_replica * w.seq_len
     decode = (row_steps * 2 * shape.num_decode_params

@@ -40,6 +40,7 @@ from hybridflow.cost.workload import Workload
 CHECK_EVERY = 16          # rollout DecodeOptions.check_every: steps between stop polls
 MIN_GRAPHED_BUCKET = 16   # DecodeOptions.min_graphed_bucket: the smallest compaction bucket
 LENGTH_MULTIPLE = 64      # generator.LENGTH_MULTIPLE: the KV cache's length rounding
+PREFILL_TOKENS = 16384    # DecodeOptions.prefill_tokens: prompt tokens per prefill sub-batch
 
 
 def row_lengths(w: Workload, rows: int) -> np.ndarray:

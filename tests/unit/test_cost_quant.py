@@ -147,7 +147,7 @@ def test_int4_kernel_only_up_to_its_rows_wider_gemms_dequantize():
     w = replace(run.workload, rollout_quantization="int4")
     rows = w.num_sequences
     narrow = stage_breakdown(run.shape, run.gpu, run.plan, w, calib)["gen"]
-    assert narrow["quant_dequant"] == pytest.approx(copy_s * 1)  # one prefill sub-batch
+    assert narrow["quant_dequant"] == pytest.approx(copy_s)  # one prefill sub-batch
     kernel = stage_terms(run.shape, run.gpu, run.plan, w, calib)["gen"].x["inv_int4_decode_eff"]
     peak = run.gpu.bf16_tflops * 1e12
     assert kernel == pytest.approx(rows * w.response_len * 2 * quantized / peak, rel=0.02)

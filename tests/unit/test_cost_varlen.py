@@ -357,7 +357,8 @@ def test_cli_config_takes_the_trainers_memory_cap():
 
 def test_mirrors_of_the_generator_stay_equal():
     """cost/varlen.py keeps torch-free copies of the generator's bucket ladder, poll period, smallest
-    compaction bucket and cache-length rounding: they must equal the originals."""
+    compaction bucket, cache-length rounding and prefill sub-batch size: they must equal the
+    originals."""
     from hybridflow.cost import varlen
     from hybridflow.rollout import cuda_graph, generator
     from hybridflow.rollout.options import DecodeOptions
@@ -368,3 +369,4 @@ def test_mirrors_of_the_generator_stay_equal():
     assert varlen.CHECK_EVERY == opts.check_every
     assert varlen.MIN_GRAPHED_BUCKET == opts.min_graphed_bucket
     assert varlen.LENGTH_MULTIPLE == generator.LENGTH_MULTIPLE
+    assert varlen.PREFILL_TOKENS == opts.prefill_tokens
