@@ -114,6 +114,11 @@ class DecodeKernelOptions:
     # sampling settings keep the PyTorch sampler. false: the PyTorch sampler (the generator's
     # torch.Generator stream) everywhere
     fused_sampler: bool = True
+    # rollout.decode_kernels=triton: each row's attention reads only its own cache columns (from
+    # its first prompt token to the current one; none for a finished row still in the batch)
+    # instead of every column of the step's window (left padding, unwritten window columns and
+    # finished rows read and masked out)
+    own_columns_only: bool = True
     # torch.compile backend and mode of rollout.compile_decode (CPU tests: aot_eager)
     compile_backend: str = "inductor"
     compile_mode: Optional[str] = None

@@ -549,9 +549,10 @@ def validate_rollout_options(cfg) -> None:
         value = getattr(k, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"rollout.kernel_options.{key}: {value!r} is not a row count >= 0")
-    if not isinstance(k.fused_sampler, bool):
-        raise ValueError(f"rollout.kernel_options.fused_sampler: {k.fused_sampler!r} is not a "
-                         f"bool (true / false)")
+    for key in ("fused_sampler", "own_columns_only"):
+        if not isinstance(getattr(k, key), bool):
+            raise ValueError(f"rollout.kernel_options.{key}: {getattr(k, key)!r} is not a bool "
+                             f"(true / false)")
     if not isinstance(k.compile_backend, str) or not k.compile_backend:
         raise ValueError(f"rollout.kernel_options.compile_backend: {k.compile_backend!r} is not a "
                          f"torch.compile backend name (e.g. inductor)")

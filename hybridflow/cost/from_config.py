@@ -54,6 +54,8 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 skip_old_log_prob=skip_old_log_prob(cfg, step=cfg.trainer.critic_warmup)[0],
                 keep_generator=not r.free_cache_engine, rollout_quantization=r.quantization,
                 int4_kernel_max_rows=r.kernel_options.int4_kernel_max_rows,
+                own_columns_only=bool(r.kernel_options.own_columns_only)
+                and decode_kernels == "triton",
                 kv_cache_dtype=r.kv_cache_dtype,
                 lm_head_chunk_tokens=p.lm_head_chunk_tokens, decode_kernels=decode_kernels,
                 fused_elementwise=p.fused_elementwise, train_cuda_graphs=bool(p.train_cuda_graphs),

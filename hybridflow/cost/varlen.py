@@ -10,7 +10,8 @@ hybridflow.rollout.generator runs it: the chunk decodes in a graph bucket of b >
 powers of two below gen_max_batch_size, and it); token t (t = 0 is the prefill's) is one step
 of all b bucket rows, every row's attention over the columns written so far (P + t; with
 decode_kv_window W, over the multiple of W that holds them, at most the cache's P + cap columns
-rounded up to 64). Rows finish at their length; every CHECK_EVERY steps the live count is polled
+rounded up to 64); with own_columns_only, only the live rows, each over its own prompt_len + t
+columns). Rows finish at their length; every CHECK_EVERY steps the live count is polled
 one poll late (an upper bound), which ends the chunk once it was 0 (so a step whose longest row
 ends before max_new_tokens runs up to 2 polls past it) and, with compact_finished_rows, moves the
 live rows into the smallest ladder bucket (>= MIN_GRAPHED_BUCKET rows) that holds them when that
@@ -82,7 +83,7 @@ class Decode:
 
 
 def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int, compact: bool,
-           window: int, exact_end: bool, wide_rows: int) -> Decode:
+           window: int, exact_end: bool, wide_rows: int, own_prompt: float | None) -> Decode:
     n = len(lengths)
     ladder = bucket_sizes(max_batch)
     b = next(x for x in ladder if x >= n)
@@ -111,7 +112,11 @@ def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int,
                 moved += 2 * b * (prompt + s)
                 compactions += 1
     wide = rows > wide_rows
-    return Decode(steps=steps, row_steps=float(rows.sum()), row_columns=float((rows * cols).sum()),
+    row_columns = float((rows * cols).sum())
+    if own_prompt is not None:  # only live rows read, each its own prompt + tokens so far
+        live = n - np.searchsorted(np.sort(lengths), t, side="right")
+        row_columns = float((live * (own_prompt + t + 0.5)).sum())
+    return Decode(steps=steps, row_steps=float(rows.sum()), row_columns=row_columns,
                   moved_bytes=moved, compactions=compactions, chunks=1,
                   wide_steps=int(wide.sum()), wide_row_steps=float(rows[wide].sum()))
 
@@ -129,7 +134,8 @@ def decode_schedule(w: Workload, rows: int, batch: int) -> Decode:
         total = total + _chunk(lengths[lo:lo + batch], prompt=prompt, cap=w.max_new_tokens,
                                max_batch=max_batch, compact=w.compact_finished_rows,
                                window=w.decode_kv_window, exact_end=exact_end,
-                               wide_rows=w.int4_kernel_max_rows)
+                               wide_rows=w.int4_kernel_max_rows,
+                               own_prompt=w.prompt_len if w.own_columns_only else None)
     return total
 
 

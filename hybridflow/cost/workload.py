@@ -61,6 +61,10 @@ class Workload:
     # rollout.kernel_options.int4_kernel_max_rows: int4 GEMMs of more rows (prefill, decode buckets
     # above it) dequantize the weight to bf16 and run cuBLAS instead of the weight-only kernel
     int4_kernel_max_rows: int = 256
+    # rollout.kernel_options.own_columns_only (triton decode): a decode row's attention reads its
+    # own columns only (no left padding, no window columns past its token, nothing once it
+    # finished); records measured before say false
+    own_columns_only: bool = False
     # rollout.kv_cache_dtype: "fp8" caches (and reads, moves) 1 + 4 / head_dim bytes per K/V value
     # instead of 2 (flops.kv_bytes_per_token); the records measured so far say "auto"
     kv_cache_dtype: str = "auto"

@@ -16,7 +16,10 @@ others write a scratch column that must stay invalid). The decode step hands it 
 copies) and lets it mark column `cur` valid in the first layer (`mark_valid`: no fill launch).
 With `q_norm`, `k_norm` (Qwen3's per-head RMSNorm, applied before RoPE) the program norms the q
 heads and k it has just loaded (layer_ops._norm_rows; twin: layer_ops.qk_norm inside
-rope_kv_write): no extra pass over the projection.
+rope_kv_write): no extra pass over the projection. With `finished` (the generator's decode step)
+a program reads only its row's own columns, from the row's first prompt token to the current one,
+and nothing for a finished row: left padding, window columns not written yet and rows that wait
+for compaction cost no cache reads.
 
 Shapes: qkv (B, G, hpg + 2, hd) (the QKV projection's view); cos, sin (B, hd), or the tables
 (T_max, hd) with `positions`; k_cache, v_cache (B, G, T, hd) strided views of the attended columns
@@ -70,7 +73,7 @@ if HAVE_TRITON:
     @triton.jit
     def _rope_attn_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, cur_ptr, valid_ptr,
                           mark_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, pf_ptr, pf_bytes, qn_ptr,
-                          kn_ptr, eps, ks_ptr, vs_ptr,
+                          kn_ptr, eps, ks_ptr, vs_ptr, fin_ptr,
                           G, HPG, kv_len, scale,
                           s_xb, s_xg, s_xr, s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt, s_mb, s_mt,
                           s_ob, s_og, s_oh, s_ksb, s_ksg, s_kst, s_vsb, s_vsg, s_vst,
@@ -79,7 +82,8 @@ if HAVE_TRITON:
                           IEEE: tl.constexpr, TABLES: tl.constexpr, MARK: tl.constexpr,
                           PER_ROW: tl.constexpr = False, MARK_ROWS: tl.constexpr = False,
                           QK_NORM: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                          FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+                          FP8: tl.constexpr = False, OWN: tl.constexpr = False,
+                          PDL: tl.constexpr = False):
         pdl_enter(PDL)
         pid = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -134,10 +138,14 @@ if HAVE_TRITON:
                                  mask=tl.load(mark_ptr + b) != 0)
                     else:
                         tl.store(valid_ptr + b * s_mb + cur * s_mt, 1)
+        lo, hi = 0, kv_len
+        if OWN:  # the row's tokens: columns cur - position .. cur - 1 (none once it finished)
+            hi = cur
+            lo = tl.where(tl.load(fin_ptr + b) != 0, cur, cur - at)
         m, lsum, acc = _attend_blocks(q, kc_ptr + b * s_kb + g * s_kg, vc_ptr + b * s_vb + g * s_vg,
                                       valid_ptr + b * s_mb, s_kt, s_vt, s_mt, kv_len, scale, split,
                                       cur, ks_ptr + b * s_ksb + g * s_ksg,
-                                      vs_ptr + b * s_vsb + g * s_vsg, s_kst, s_vst,
+                                      vs_ptr + b * s_vsb + g * s_vsg, s_kst, s_vst, lo, hi,
                                       BLOCKS=BLOCKS, H_PAD=H_PAD, HD=HD, BLOCK=BLOCK, IEEE=IEEE,
                                       FP8=FP8)
         if split == 0:  # the current token, from registers (P rounded to v's dtype as in tl.dot)
@@ -167,6 +175,7 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
                    eps: float = 0.0, mark_valid: bool | torch.Tensor = False,
                    prefetch: torch.Tensor | None = None,
+                   finished: torch.Tensor | None = None,
                    splits: int | None = None, pdl: bool = False,
                    impl: str = "auto") -> torch.Tensor:
     """layer_ops.rope_kv_write then layer_ops.decode_attention over the given cache columns, in one
@@ -179,7 +188,12 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     never reads: it folds the token in from registers), so the step needs no fill of its own; a
     (B,) bool / int tensor: only in the rows where it is set (the others' entries unchanged).
     `prefetch`: a tensor (the output projection's weight) each program hints into L2 when done
-    (sm_90+; kernels/_dispatch.prefetch_l2). `splits`: the split count of the columns (None:
+    (sm_90+; kernels/_dispatch.prefetch_l2). `finished` (B,) bool, with `positions` and cur
+    (1,): each row's tokens are the columns cur - positions[b] .. cur - 1 (the generator's
+    left-padded layout: positions count real tokens), so the kernel reads only those blocks, and
+    none for a row where finished is set (its output is then its own token's V: the caller
+    discards it); the twin attends as without it (the same output for the unfinished rows).
+    `splits`: the split count of the columns (None:
     layer_ops.num_splits for the device; tests force counts)."""
     B, G, R, hd = qkv.shape
     if positions is not None and not use_triton(qkv, impl):
@@ -194,6 +208,11 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
         raise ValueError(f"key_valid has shape {tuple(key_valid.shape)}, expected {(B, T)}")
     if cur.shape not in ((1,), (B,)):
         raise ValueError(f"cur has shape {tuple(cur.shape)}, expected (1,) or ({B},)")
+    own = finished is not None
+    if own and (positions is None or cur.shape != (1,) or finished.shape != (B,)):
+        raise ValueError("rope_attention: `finished` needs `positions`, one column cur (1,) and "
+                         f"a ({B},) tensor, got cur {tuple(cur.shape)}, finished "
+                         f"{tuple(finished.shape)}")
     rows_marked = torch.is_tensor(mark_valid)
     if rows_marked and mark_valid.shape != (B,):
         raise ValueError(f"mark_valid has shape {tuple(mark_valid.shape)}, expected ({B},)")
@@ -232,7 +251,9 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
             mark = mark_valid.view(torch.uint8) if mark_valid.dtype == torch.bool else mark_valid
         _rope_attn_kernel[(B * G, nsplit)](
             qkv, cos, sin, cur if positions is None else positions, kc, vc, cur, valid,
-            mark, m, lsum, acc, out, pf, pf_bytes, qn, kn, eps, ks, vs, G,
+            mark, m, lsum, acc, out, pf, pf_bytes, qn, kn, eps, ks, vs,
+            (finished.view(torch.uint8) if finished.dtype == torch.bool else finished) if own
+            else cur, G,
             hpg, T, scale,
             *qkv.stride()[:3], cos.stride(0), *kc.stride()[:3], *vc.stride()[:3],
             valid.stride(0), valid.stride(1), *out.stride()[:3],
@@ -241,7 +262,7 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
             H_PAD=h_pad, HD=hd, BLOCK=layer_ops.BLOCK_T, IEEE=qkv.dtype == torch.float32,
             TABLES=positions is not None, MARK=rows_marked or bool(mark_valid),
             PER_ROW=cur.shape[0] > 1, MARK_ROWS=rows_marked, QK_NORM=norm_on, PREFETCH=pf_on,
-            FP8=fp8,
+            FP8=fp8, OWN=own,
             num_warps=layer_ops.ATTN_WARPS, num_stages=layer_ops.ATTN_STAGES,
             **launch_opts(qkv, pdl))
         if nsplit > 1:

@@ -355,13 +355,18 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
 def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: torch.Tensor,
                 key_valid: torch.Tensor, *, cache, cos_tab: torch.Tensor, sin_tab: torch.Tensor,
                 kv_len: Optional[int] = None, opts: DecodeOptions = DecodeOptions(kernels="torch"),
-                experts: Optional[torch.Tensor] = None, mark: Optional[torch.Tensor] = None):
+                experts: Optional[torch.Tensor] = None, mark: Optional[torch.Tensor] = None,
+                finished: Optional[torch.Tensor] = None):
     """One token per row against the static cache; graph-capturable (no host sync, static shapes).
 
     tokens, positions (B,) int64; cur (1,) int64: the cache column this token is written to, or
     (B,): row b's own column cur[b] (the multi-turn step); key_valid (B, T) bool, updated in place
     (column cur[b] of row b becomes valid; `mark` (B,) bool / int: only in the rows where it is
-    set, the others' entries unchanged; every row attends to its own token either way). `kv_len`:
+    set, the others' entries unchanged; every row attends to its own token either way).
+    `finished` (B,) bool, cur (1,), rows left-padded (each row's tokens fill the columns
+    cur - positions[b] .. cur - 1): the triton path's attention reads only those columns, and none
+    for the finished rows, whose logits are then not the model's (the caller discards them); the
+    torch path ignores it. `kv_len`:
     attend over cache columns 0..kv_len-1 only (the caller keeps cur < kv_len; None: all T).
     `opts` (resolved: kernels "torch" or "triton"): "torch" runs RoPE, KV writes and SDPA as PyTorch ops, with
     opts.compile each layer's pure parts compiled (TP_g = 1); "triton" the fused kernels
@@ -378,7 +383,8 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     seen = key_valid if kv_len is None else key_valid[:, :kv_len]
     if opts.kernels == "triton":  # it marks column cur valid itself
         return _decode_step_fused(w, tokens, positions, cur, seen, cache=cache, cos_tab=cos_tab,
-                                  sin_tab=sin_tab, kv_len=kv_len, opts=opts, mark=mark)
+                                  sin_tab=sin_tab, kv_len=kv_len, opts=opts, mark=mark,
+                                  finished=finished)
     from hybridflow.kernels.layer_ops import mark_columns, write_column
 
     before = None if mark is None else key_valid.gather(1, cur.expand(B)[:, None])
@@ -414,7 +420,7 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
 
 
 def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_tab, sin_tab,
-                       kv_len, opts: DecodeOptions, mark=None):
+                       kv_len, opts: DecodeOptions, mark=None, finished=None):
     """decode_step with the layer as Triton kernels and cuBLAS (impl "triton": on CPU only under
     TRITON_INTERPRET=1, the tests' way), per layer:
     1. the residual sum + RMSNorm as one kernel (add_rms_norm; in the first layer at TP = 1 it
@@ -465,7 +471,7 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
         a = rope_attention(qkv, cos_tab, sin_tab, kc, vc, cur, seen, hpg=hpg, positions=positions,
                            q_norm=layer.q_norm, k_norm=layer.k_norm, eps=d.eps,
                            mark_valid=(True if mark is None else mark) if i == 0 else False,
-                           prefetch=hint("proj", layer.proj), pdl=pdl,
+                           prefetch=hint("proj", layer.proj), finished=finished, pdl=pdl,
                            impl="triton").reshape(B, d.heads * hd)
         if d.tp_size == 1:  # x is this step's own buffer (add_rms_norm's sum, or the embedding)
             x = lin(a, layer.proj, residual=x)

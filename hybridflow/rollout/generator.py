@@ -403,11 +403,13 @@ class Generator:
             from hybridflow.kernels import next_token as ksampling
         max_new = buf.out_tokens.shape[1]
         rng_state = self.sampler_stream(opts)
+        # finished rows' logits are discarded (pad emitted, log-prob 0, routing not recorded)
+        own = buf.finished if opts.own_columns_only else None
 
         def step():
             logits = decoder.decode_step(w, buf.tokens, buf.positions, buf.cur, buf.key_valid,
                                          cache=cache, cos_tab=cos, sin_tab=sin, kv_len=kv_len,
-                                         opts=opts, experts=buf.experts)
+                                         opts=opts, experts=buf.experts, finished=own)
             if buf.experts is not None:  # the fed token is response token step - 1; a row
                 # that had finished fed its stop token or a post-stop sample: nothing to record
                 routed = buf.experts.masked_fill(buf.finished[:, None, None], -1)

@@ -190,6 +190,42 @@ def test_advance_rows_under_a_graph():
     assert (st["out_tokens"][:, [0, 4]] == -1).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B,G,hpg,hd,T", [(256, 2, 7, 64, 1024), (40, 2, 6, 128, 700)])
+def test_rope_attention_reads_only_each_rows_own_columns(dtype, B, G, hpg, hd, T):
+    """rope_attention's `finished` (the generator's step): with every column outside a row's own
+    (left padding, the window past cur, all of a finished row's) NaN, the unfinished rows' output
+    is bit-equal to the kernel's without it on a clean cache, for the device's split count and
+    forced ones; a finished row gets its own token's value."""
+    from hybridflow.kernels.rope_attention import rope_attention
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    cur_col = T - 100
+    clean = torch.randn(2, B, G, T, hd, generator=g, device="cuda").to(dtype)
+    qkv = torch.randn(B, G, hpg + 2, hd, generator=g, device="cuda").to(dtype)
+    cos_t, sin_t = (t.cuda().to(dtype) for t in _tables(hd, length=T))
+    pos = torch.randint(1, cur_col + 1, (B,), generator=g, device="cuda")
+    cur = torch.tensor([cur_col], device="cuda")
+    col = torch.arange(T, device="cuda")
+    valid = (col[None, :] >= cur_col - pos[:, None]) & (col[None, :] < cur_col)
+    finished = torch.rand(B, generator=g, device="cuda") < 0.3
+    poisoned = clean.clone()
+    poisoned[:, ~valid[:, None, :, None].expand(B, G, T, hd)] = float("nan")
+    poisoned[:, finished] = float("nan")
+    poisoned[:, :, :, cur_col] = clean[:, :, :, cur_col]
+    live = ~finished
+    for splits in (None, 1, 3, -(-T // kern.BLOCK_T)):
+        c = poisoned.clone()
+        a = rope_attention(qkv, cos_t, sin_t, c[0], c[1], cur, valid, hpg=hpg, positions=pos,
+                           finished=finished, splits=splits, impl="triton")
+        c = clean.clone()
+        plain = rope_attention(qkv, cos_t, sin_t, c[0], c[1], cur, valid, hpg=hpg, positions=pos,
+                               splits=splits, impl="triton")
+        assert torch.equal(a[live], plain[live])
+        torch.testing.assert_close(a[finished].float(), qkv[finished][:, :, hpg + 1:].expand(
+            -1, -1, hpg, -1).float(), atol=0, rtol=0)
+
+
 def small_generator(R: int = 90, **free_kw):
     """A 2-layer fp32 generator on the GPU (head_dim 32, 37 ids), 24 random prompts, R new tokens
     and the ids that rows 0, 5 and 14 never produce in a greedy run of `free_kw`'s RolloutConfig
@@ -224,7 +260,7 @@ def test_generator_with_kernels_under_graphs():
     no_lp = dataclasses.replace(cfg, return_logprobs=False)
     # one Generator for all variants: the captured steps are keyed by the options
     for rcfg, variant in ((cfg, fused), (cfg, fused.replace(compile=True)), (cfg, gemm),
-                          (no_lp, gemm)):
+                          (no_lp, gemm), (cfg, fused.replace(own_columns_only=False))):
         out = gen.generate(prompts, cfg=rcfg, eos_id=-1, pad_id=0, seed=0, options=variant)
         captured = len(gen._steps)
         again = gen.generate(prompts, cfg=rcfg, eos_id=-1, pad_id=0, seed=0, options=variant)

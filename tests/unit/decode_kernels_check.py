@@ -19,6 +19,9 @@ from hybridflow.kernels import rope_attention as fused  # noqa: E402
 from hybridflow.kernels import next_token as ksampling  # noqa: E402
 from hybridflow.rollout.options import PREFETCHABLE  # noqa: E402
 from tests.unit.test_rollout import PROMPTS, make, opts, polled, random_params, rc  # noqa: E402
+from tests.unit.triton_interp import patch  # noqa: E402
+
+patch()
 
 
 def tables(hd, length=256):
@@ -87,6 +90,51 @@ def rope_attention_cases():
                         (cache != before).nonzero()[:, [1, 4]].unique(dim=0),
                         torch.tensor([[1, kv // 2]]))),
                     "row0_is_its_value": (a[0] - qkv[0, :, hpg + 1][:, None]).abs().max().item()})
+    return out
+
+
+def own_columns_cases():
+    """rope_attention's `finished` (the generator's step): rows left-padded to different lengths
+    (row b's tokens in columns cur - pos[b] .. cur - 1), one row finished. The unfinished rows'
+    output equals the twin's on a clean cache and is bit-equal to the kernel without `finished`,
+    while every column outside a row's own (the padding, the window past cur, and all of the
+    finished row's) holds NaN: a column the kernel read would poison its row. The finished row's
+    output is its own token's V."""
+    out = []
+    g = torch.Generator().manual_seed(11)
+    for B, G, hpg, hd, T, cur_col in [(4, 2, 7, 64, 256, 150), (3, 1, 2, 16, 130, 129),
+                                      (5, 2, 3, 32, 200, 64)]:
+        cos_t, sin_t = tables(hd)
+        qkv = torch.randn(B, G, hpg + 2, hd, generator=g)
+        cur = torch.tensor([cur_col])
+        pos = torch.randint(1, cur_col + 1, (B,), generator=g)
+        pos[0] = cur_col  # a row without padding
+        col = torch.arange(T)
+        valid = (col[None, :] >= cur_col - pos[:, None]) & (col[None, :] < cur_col)
+        finished = torch.zeros(B, dtype=torch.bool)
+        finished[-1] = True
+        clean = torch.randn(2, B, G, T, hd, generator=g)
+        poisoned = clean.clone()
+        poisoned[:, ~valid[:, None, :, None].expand(B, G, T, hd)] = float("nan")
+        poisoned[:, -1] = float("nan")  # the finished row: none of its columns may be read
+        poisoned[:, :, :, cur_col] = clean[:, :, :, cur_col]  # (written by the kernel)
+        ref = fused.rope_attention(qkv, cos_t, sin_t, clean[0].clone(), clean[1].clone(), cur,
+                                   valid, hpg=hpg, positions=pos, impl="torch")
+        errs, equal = [], True
+        for target in (1, 2 * B * G, 10_000):
+            splits = kern.num_splits(B * G, T, qkv.device, target=target)
+            c = poisoned.clone()
+            a = fused.rope_attention(qkv, cos_t, sin_t, c[0], c[1], cur, valid, hpg=hpg,
+                                     positions=pos, finished=finished, splits=splits,
+                                     impl="triton")
+            c = clean.clone()
+            plain = fused.rope_attention(qkv, cos_t, sin_t, c[0], c[1], cur, valid, hpg=hpg,
+                                         positions=pos, splits=splits, impl="triton")
+            errs.append((a[:-1] - ref[:-1]).abs().max().item())
+            equal = equal and bool(torch.equal(a[:-1], plain[:-1]))
+        out.append({"shape": [B, G, hpg, hd, T, cur_col], "errs": errs, "bit_equal": equal,
+                    "finished_is_its_value": (a[-1] - qkv[-1, :, hpg + 1][:, None]).abs().max()
+                    .item()})
     return out
 
 
@@ -499,7 +547,8 @@ def kv_fp8_cases():
 
 
 if __name__ == "__main__":
-    print(json.dumps({"rope_attention": rope_attention_cases(), "argmax": argmax_cases(),
+    print(json.dumps({"rope_attention": rope_attention_cases(), "own": own_columns_cases(),
+                      "argmax": argmax_cases(),
                       "prefill": prefill_cases(), "swiglu": swiglu_cases(),
                       "advance": advance_cases(), "silu_mul": silu_mul_cases(),
                       "add_rms_norm": add_rms_norm_cases(), "generation": generation_cases(),

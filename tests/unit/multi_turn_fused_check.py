@@ -24,6 +24,9 @@ from hybridflow.rollout.multi_turn_step import DecodeState, decode_step  # noqa:
 from hybridflow.rollout.options import DecodeOptions  # noqa: E402
 from tests.unit.test_multi_turn import CFG, V, byte_tokenizer, call, params, tool_config  # noqa
 from tests.unit.test_multi_turn_step import runner_for  # noqa: E402
+from tests.unit.triton_interp import patch  # noqa: E402
+
+patch()
 
 # the kernels' head_dim: a power of two >= 16 (CFG's is 8); q/k norm and QKV bias on, as CFG
 CFG16 = dataclasses.replace(CFG, kv_channels=16)

@@ -13,6 +13,9 @@ from hybridflow.rollout import Generator
 from hybridflow.rollout.options import DecodeOptions
 from hybridflow.rollout.quantize import quantize
 from tests.unit.test_rollout import PROMPTS, random_params
+from tests.unit.triton_interp import patch
+
+patch()
 
 out = {"int4": [], "fp8_rows": [], "generate": [], "dequant": []}
 g = torch.Generator().manual_seed(0)

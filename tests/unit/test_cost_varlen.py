@@ -81,6 +81,21 @@ def test_decode_schedule_by_hand_poll_lag_and_window():
     assert decode_schedule(replace(w, max_new_tokens=None), 4, 4).steps == 9
 
 
+def test_own_columns_by_hand():
+    # rollout.kernel_options.own_columns_only: the same steps, but token t reads only the rows
+    # still live at it (lengths 2, 2, 3, 9: 4 rows at t < 2, 2 at t = 2, 1 up to t = 8, then none),
+    # each over its own prompt_len + t + 0.5 columns (the mean prompt; padding to the longest
+    # prompt, the window's unwritten columns and finished rows not read)
+    w = Workload(prompts_per_step=1, samples_per_prompt=4, prompt_len=4, prompt_len_max=6,
+                 response_lengths=(2, 2, 3, 9), max_new_tokens=64, gen_max_batch_size=4,
+                 decode_kv_window=8, own_columns_only=True)
+    d = decode_schedule(w, 4, 4)
+    live = [4, 4, 2] + [1] * 6
+    assert d.row_columns == sum(n * (4 + t + 0.5) for t, n in enumerate(live))
+    off = decode_schedule(replace(w, own_columns_only=False), 4, 4)
+    assert (d.steps, d.row_steps) == (off.steps, off.row_steps) and off.row_columns > d.row_columns
+
+
 def test_compaction_by_hand():
     # 64 rows: 60 end at 2 tokens, 4 run to 100 (cap 256). Bucket 64; the ladder under it is 16, 32
     # (>= 16 rows under CUDA graphs). The poll at step 32 reads step 16's count (4 live): 16 rows

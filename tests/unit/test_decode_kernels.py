@@ -54,6 +54,17 @@ def test_rope_attention_equals_the_two_kernels_twins(checked):
         assert case["mark_equal"] and case["marked"], case
 
 
+def test_rope_attention_reads_only_each_rows_own_columns(checked):
+    """With `finished` (the generator's step) the kernel reads a row's own columns only (the rest
+    is NaN in the check and no output is poisoned), bit-equal to the kernel without it and equal
+    to the twin for the unfinished rows; a finished row gets its own token's value."""
+    cases = checked["own"]
+    assert len(cases) == 3
+    for case in cases:
+        assert max(case["errs"]) < 1e-5 and case["bit_equal"], case
+        assert case["finished_is_its_value"] < 1e-6, case
+
+
 def test_argmax_kernel_equals_torch_argmax(checked):
     """kernels/sampling.argmax_rows: torch.argmax's ids, the first on ties (inside a chunk, across
     chunks and across lanes), in fp32 and fp16."""
