@@ -284,12 +284,12 @@ def _mlp(x, layer: Layer, w: Weights, swiglu=_swiglu, norm=_norm, lin=linear, ex
 
 def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *,
             cos_tab: torch.Tensor, sin_tab: torch.Tensor, cache=None, cache_row0: int = 0,
-            last_only: bool = False, opts: DecodeOptions = DecodeOptions(kernels="torch"),
+            cache_col0: int = 0, last_only: bool = False, opts: DecodeOptions = DecodeOptions(kernels="torch"),
             experts: Optional[torch.Tensor] = None):
     """Full causal forward over left-padded rows (prefill, or the no-cache reference).
 
     ids, positions (B, S) int64, valid (B, S) bool (False = left padding). With `cache`, K/V land in
-    columns 0..S-1 of cache rows cache_row0.. With opts.kernels "triton" (resolved, with a cache):
+    columns cache_col0..cache_col0+S-1 of cache rows cache_row0.. With opts.kernels "triton" (resolved, with a cache):
     RoPE and the K/V writes as one kernel (kernels.layer_ops.rope_kv_prefill), the attention reading
     K/V from the cache, the SwiGLU in one pass (kernels.layer_ops.silu_mul), the RMSNorms as
     kernels.layer_ops.add_rms_norm. Returns fp32 logits (B, S, V) or, with last_only, (B, V).
@@ -324,13 +324,14 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
             kc, vc = cache.layer(i, cache_row0 + B, cache_row0)
             # (B, G, S, hd); fp8: a scratch pair, attended exactly, then quantized into the cache
             k, v = ((torch.empty((B, d.groups, S, hd), dtype=qkv.dtype, device=qkv.device)
-                     for _ in range(2)) if cache.fp8 else (kc[:, :, :S], vc[:, :, :S]))
+                     for _ in range(2)) if cache.fp8 else (kc[:, :, cache_col0:cache_col0 + S],
+                                                           vc[:, :, cache_col0:cache_col0 + S]))
             q = kern.rope_kv_prefill(qkv, cos, sin, k, v, hpg=hpg, q_norm=layer.q_norm,
                                      k_norm=layer.k_norm, eps=d.eps, pdl=pdl, impl="triton")
             q = q.view(B, S, d.heads, hd).transpose(1, 2)  # (B, H, S, hd)
             if cache.fp8:
-                write_columns(kc, k)
-                write_columns(vc, v)
+                write_columns(kc, k, cache_col0)
+                write_columns(vc, v, cache_col0)
         else:
             qk = _qk_norm(qkv[:, :, :, :hpg + 1], layer.q_norm, layer.k_norm, d.eps)
             qk = qk * cos + qk.roll(hd // 2, -1) * sin  # (B, S, G, hpg+1, hd)
@@ -339,8 +340,8 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
             v = qkv[:, :, :, hpg + 1].transpose(1, 2)
             if cache is not None:
                 kc, vc = cache.layer(i, cache_row0 + B, cache_row0)
-                write_columns(kc, k)
-                write_columns(vc, v)
+                write_columns(kc, k, cache_col0)
+                write_columns(vc, v, cache_col0)
         # query head j reads K/V group j // hpg (no per-head K/V copy)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hpg > 1)
         x = _row_parallel_add(x, a.transpose(1, 2).reshape(B * S, d.heads * hd), layer.proj, w,

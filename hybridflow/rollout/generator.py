@@ -27,8 +27,10 @@ Layout of a call:
   per window and bucket, all on the bucket's buffers; the host picks one per step from the step
   index (no sync). Early steps of a long budget, when the batch is fullest, read a fraction of the
   cache. The output is the whole-cache output (the columns left out are masked there).
-- The prefill runs once per distinct prompt of a chunk (a chunk may cut a prompt's run of n copies:
-  that prompt is prefilled in both chunks), into the cache's first rows; its K/V columns 0..P-1 are
+- The prefill runs once per run of equal prompts of a chunk (a prompt's n copies, and equal
+  prompts side by side; a chunk may cut a run: that prompt is prefilled in both chunks), in
+  sub-batches of at most `options.prefill_tokens` tokens, each over the columns of its own widest
+  prompt (`prefill_batches`), into the cache's first rows; its K/V columns 0..P-1 are
   then copied to the rows of its copies and its last-column logits expanded to them, so each of the
   n rows draws its own first token from the same distribution. The first draw has the (B, V) shape
   of a per-row prefill, so the random stream, hence the output, is that of prefilling every row (up
@@ -219,8 +221,20 @@ class Generator:
             ids_p, mask_p = ids.to(self.device), mask.to(self.device)  # (len(prompts), P)
             prompt_of_row = torch.arange(len(prompts),
                                          device=self.device).repeat_interleave(cfg.n)
-            # a chunk's rows s..e-1 are copies of prompts s // n .. (e - 1) // n
-            runs = {c: (c[0] // cfg.n, (c[1] - 1) // cfg.n + 1) for c in chunks}
+            # one prefill per run of equal prompts: a prompt's n copies, and equal prompts side by
+            # side (partial rollouts send a group's rows as n = 1 prompts)
+            uniq, of_prompt = (_prefill_runs(ids.numpy(), mask.numpy()) if opts.share_prefill
+                               else (np.arange(len(prompts)),) * 2)
+            lens = mask.numpy().sum(1)[uniq]  # (prefills,) on the host
+            if len(uniq) < len(prompts):
+                sel = torch.from_numpy(uniq).to(self.device)
+                ids_u, mask_u = ids_p.index_select(0, sel), mask_p.index_select(0, sel)
+            else:
+                ids_u, mask_u = ids_p, mask_p
+            of_row = np.repeat(of_prompt, cfg.n)  # row -> its prefill (host)
+            prefill_of_row = torch.from_numpy(of_row).to(self.device)
+            # a chunk's rows s..e-1 are copies of prefills of_row[s] .. of_row[e - 1]
+            runs = {c: (int(of_row[c[0]]), int(of_row[c[1] - 1]) + 1) for c in chunks}
             length = -(-(P + R) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
             self._ensure_cache(rows=max(bucket.values()), length=length,
                                fp8=cfg.kv_cache_dtype == "fp8")
@@ -232,10 +246,10 @@ class Generator:
             self.reseed(seed)  # after any capture: warm-up runs consume randomness
             self.stats = _new_stats()
         with torch.no_grad():
-            outs = [self._run_chunk(steps, bucket[c], ids_p[runs[c][0]:runs[c][1]],
-                                    mask_p[runs[c][0]:runs[c][1]],
-                                    prompt_of_row[c[0]:c[1]] - runs[c][0], cfg, opts, pad_id,
-                                    targets, record)
+            outs = [self._run_chunk(steps, bucket[c], ids_u[runs[c][0]:runs[c][1]],
+                                    mask_u[runs[c][0]:runs[c][1]],
+                                    prefill_of_row[c[0]:c[1]] - runs[c][0],
+                                    lens[runs[c][0]:runs[c][1]], cfg, opts, pad_id, targets, record)
                     for c in chunks]
         with record_function("generate.finish"):
             tokens = torch.cat([o[0] for o in outs])  # (N, R)
@@ -444,29 +458,31 @@ class Generator:
 
         return step
 
-    def _run_chunk(self, steps: dict, b: int, ids, mask, copy_of, cfg: RolloutConfig,
+    def _run_chunk(self, steps: dict, b: int, ids, mask, copy_of, lens, cfg: RolloutConfig,
                    opts: DecodeOptions, pad_id: int, targets: list, record: Optional[tuple]):
-        """Prefill the chunk's distinct prompts ids, mask (U, P) once each, then decode their copies
-        copy_of (B,) (chunk row -> row of ids) in bucket b (compacting into `targets`) -> (tokens
-        (B, R), logprobs (B, R), and with `record` (L, k) the routed experts of the prompt
-        (B, P, L, k) and response tokens (B, R, L, k); else None, None) before trimming."""
+        """Prefill the chunk's distinct prompts ids, mask (U, P) (their lengths `lens` (U,) on the
+        host) once each, then decode their copies copy_of (B,) (chunk row -> row of ids) in
+        bucket b (compacting into `targets`) -> (tokens (B, R), logprobs (B, R), and with `record`
+        (L, k) the routed experts of the prompt (B, P, L, k) and response tokens (B, R, L, k);
+        else None, None) before trimming."""
         (U, P), B = ids.shape, copy_of.shape[0]
         R = cfg.max_new_tokens
         with record_function("generate.prefill"):
             positions = (mask.cumsum(1) - 1).clamp(min=0)
             cos, sin = self._tables
-            per = max(1, opts.prefill_tokens // P)
             pre = None if record is None else torch.full((U, P, *record), -1, dtype=torch.int16,
                                                          device=self.device)
-            last = torch.cat([decoder.forward(self.w, ids[r:r + per], positions[r:r + per],
-                                              mask[r:r + per].bool(), cos_tab=cos, sin_tab=sin,
-                                              cache=self._cache, cache_row0=r, last_only=True,
-                                              opts=opts,
-                                              experts=None if pre is None else pre[r:r + per])
-                              for r in range(0, U, per)])  # (U, V), K/V in cache rows 0..U-1
+            batches = prefill_batches(lens, opts.prefill_tokens)
+            # each sub-batch over its own widest prompt: its columns before P - width are padding
+            last = torch.cat([decoder.forward(self.w, ids[r:e, P - n:], positions[r:e, P - n:],
+                                              mask[r:e, P - n:].bool(), cos_tab=cos, sin_tab=sin,
+                                              cache=self._cache, cache_row0=r, cache_col0=P - n,
+                                              last_only=True, opts=opts,
+                                              experts=None if pre is None else pre[r:e, P - n:])
+                              for r, e, n in batches])  # (U, V), K/V in cache rows 0..U-1
             if pre is not None:  # left padding routes nothing
                 pre = pre.masked_fill(mask[:, :, None, None] == 0, -1).index_select(0, copy_of)
-            self.stats["prefills"] += -(-U // per)
+            self.stats["prefills"] += len(batches)
             self.stats["prefill_rows"] += U
             if U < B:  # each copy gets its prompt's K/V and logits (n = 1: nothing to share)
                 self._cache.gather_rows(copy_of, columns=P)
@@ -508,6 +524,28 @@ class Generator:
                     self.stats["compactions"] += 1
             compaction.flush(buf, row_map, out_tok, out_lp, out_exp)
         return (out_tok[:B], out_lp[:B], pre, None if out_exp is None else out_exp[:B])
+
+
+def _prefill_runs(ids: np.ndarray, mask: np.ndarray) -> tuple:
+    """Left-padded prompts ids, mask (N, P) -> (the first prompt of each run of equal ones (U,),
+    each prompt's run (N,)): a run is prefilled once."""
+    first = np.ones(len(ids), dtype=bool)
+    first[1:] = ~((ids[1:] == ids[:-1]).all(1) & (mask[1:] == mask[:-1]).all(1))
+    return np.flatnonzero(first), np.cumsum(first) - 1
+
+
+def prefill_batches(lengths: np.ndarray, tokens: int) -> list:
+    """Consecutive prefill sub-batches (start, end, width) of prompts of `lengths`: each takes
+    prompts while their count times the widest of them stays within `tokens` (one at least)."""
+    out, r, n = [], 0, len(lengths)
+    while r < n:
+        e, width = r + 1, int(lengths[r])
+        while e < n and (e + 1 - r) * max(width, int(lengths[e])) <= tokens:
+            width = max(width, int(lengths[e]))
+            e += 1
+        out.append((r, e, width))
+        r = e
+    return out
 
 
 def _new_stats() -> dict:

@@ -56,6 +56,9 @@ class DecodeOptions:
 
     check_every: int = 16  # decode steps between stop polls (and compaction decisions)
     prefill_tokens: int = 16384  # prompt tokens per prefill sub-batch (bounds activation memory)
+    # equal prompts side by side share one prefill, as a prompt's n copies do (off: the tests'
+    # per-row reference)
+    share_prefill: bool = True
     # smallest compaction target under CUDA graphs: below it a step costs about the same (weight
     # reads and launches), so a graph of fewer rows would be capture time for nothing
     min_graphed_bucket: int = 16

@@ -162,11 +162,14 @@ def prefills(gen) -> tuple:
     return gen.stats["prefills"], gen.stats["prefill_rows"]
 
 
-def per_row_prefill(gen, prompts, cfg, **kw):
+def per_row_prefill(gen, prompts, cfg, share_prefill=False, **kw):
     """The reference: each prompt repeated n times as n = 1 prompts, the same rows
-    [p0s0, p0s1, ..., p1s0, ...] with every row prefilled on its own."""
-    return gen.generate([p for p in prompts for _ in range(cfg.n)],
-                        cfg=dataclasses.replace(cfg, n=1), **kw)
+    [p0s0, p0s1, ..., p1s0, ...] with every row prefilled on its own (share_prefill: equal
+    prompts side by side share their prefill, the default)."""
+    rows = [p for p in prompts for _ in range(cfg.n)]
+    cfg = dataclasses.replace(cfg, n=1)
+    options = kw.pop("options", None) or opts(cfg)
+    return gen.generate(rows, cfg=cfg, options=options.replace(share_prefill=share_prefill), **kw)
 
 
 def assert_same_rows(a, b):
@@ -182,6 +185,9 @@ def test_prefill_shared_by_n_copies_matches_per_row_prefill(temperature):
     cfg = rc(n=4, temperature=temperature, top_p=0.9, max_new_tokens=12)
     ref = per_row_prefill(gen, PROMPTS, cfg, eos_id=-1, pad_id=0, seed=3)
     assert prefills(gen) == (1, 16)  # the reference does prefill every row
+    shared = per_row_prefill(gen, PROMPTS, cfg, share_prefill=True, eos_id=-1, pad_id=0, seed=3)
+    assert prefills(gen) == (1, 4)  # equal n = 1 prompts side by side: one prefill per run
+    assert_same_rows(shared, ref)
     out = gen.generate(PROMPTS, cfg=cfg, eos_id=-1, pad_id=0, seed=3)
     assert prefills(gen) == (1, 4)  # once per prompt
     # the first draw has the same (B, V) shape as with per-row prefill: same random stream, so
@@ -192,6 +198,33 @@ def test_prefill_shared_by_n_copies_matches_per_row_prefill(temperature):
         assert len({tuple(r) for r in out.response_ids[:4].tolist()}) > 1
     else:
         assert (out.response_ids == out.response_ids[::4].repeat_interleave(4, 0)).all()
+
+
+def test_prefill_batches_by_hand():
+    from hybridflow.rollout.generator import prefill_batches
+
+    # 8-token budget: [3, 7] at width 7 would be 14 tokens; [4, 2, 1] 3 x 4 = 12 > 8 -> [4, 2]
+    # at 4 (8 tokens), then [1, 9]: 2 x 9 > 8 -> [1], [9] alone (one prompt at least)
+    assert prefill_batches([3, 7, 4, 2, 1, 9], 8) == [(0, 1, 3), (1, 2, 7), (2, 4, 4),
+                                                      (4, 5, 1), (5, 6, 9)]
+    assert prefill_batches([2, 2, 2], 100) == [(0, 3, 2)]
+
+
+def test_prefill_sub_batches_over_their_own_width():
+    """Prefill sub-batches of prompts of very different lengths each run over their own widest
+    prompt's columns (the rest of the cache columns is left padding): the same rows as one
+    sub-batch over every column."""
+    gen = make()
+    prompts = [[7] * 40, [3, 4], [5, 6, 7], [9] * 33, [1]]
+    for temperature in (0.0, 1.0):
+        cfg = rc(n=2, temperature=temperature, max_new_tokens=10)
+        whole = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=5,
+                             options=opts(cfg, prefill_tokens=10_000))
+        assert prefills(gen) == (1, 5)
+        out = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=5,
+                           options=opts(cfg, prefill_tokens=40))
+        assert prefills(gen) == (4, 5)  # [40], [2, 3] at width 3, [33], [1] (2 x 33 > 40)
+        assert_same_rows(out, whole)
 
 
 def test_prefill_sharing_across_a_chunk_boundary():
