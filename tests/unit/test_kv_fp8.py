@@ -111,7 +111,8 @@ def test_teacher_forced_logits_are_the_rounded_caches():
 
     write_columns, write_column = decoder.write_columns, layer_ops.write_column
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(decoder, "write_columns", lambda part, x: write_columns(part, round_trip(x)))
+        mp.setattr(decoder, "write_columns",
+                   lambda part, x, start=0: write_columns(part, round_trip(x), start))
         mp.setattr(layer_ops, "write_column",
                    lambda cache, cur, x: write_column(cache, cur, round_trip(x)))
         emulated, cr = _prefill_and_decode(gen, prompt, tokens, fp8=False)
