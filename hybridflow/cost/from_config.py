@@ -72,4 +72,5 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 pack_sequences=bool(a.use_dynamic_bsz and a.pack_sequences),
                 packed_attention=packed_attention_on_gpu(cfg),
                 gen_batches_per_round=(a.dynamic_sampling.batches_per_round
-                                       if a.dynamic_sampling.enable else 1))
+                                       if a.dynamic_sampling.enable else 1),
+                partial_decode_steps=r.partial.max_decode_steps if r.partial.enable else 0)

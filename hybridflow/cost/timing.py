@@ -238,7 +238,7 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
         prefilled = (prompts + d.chunks - 1) if w.prefill_once_per_prompt else rows
         steps, row_steps, row_columns = calls * d.steps, calls * d.row_steps, calls * d.row_columns
         wide_steps, wide_row_steps = calls * d.wide_steps, calls * d.wide_row_steps
-        prefill_tokens = calls * prefilled * prompt
+        prefill_tokens = calls * (prefilled * prompt + d.carried_prefill_tokens)
         prefills = _prefill_calls(prefill_tokens, calls * d.chunks)
         prefill = prefill_tokens * forward_flops_per_token(shape, prompt) / tp_g
         t.add("compaction", None, calls * d.moved_bytes * kv_token / (gpu.hbm_gbps * 1e9))

@@ -16,7 +16,10 @@ one poll late (an upper bound), which ends the chunk once it was 0 (so a step wh
 ends before max_new_tokens runs up to 2 polls past it) and, with compact_finished_rows, moves the
 live rows into the smallest ladder bucket (>= MIN_GRAPHED_BUCKET rows) that holds them when that
 at least halves the bucket; the move copies the kept rows' K/V (read and written). So the long tail
-runs at a few rows, each step still reading every weight.
+runs at a few rows, each step still reading every weight. Partial rollouts
+(`Workload.partial_decode_steps` C) are costed in their steady state: a step's call holds every
+C-token segment of a step's worth of rows (`partial_segments`), a carried segment re-prefilled as
+prompt + the response before it and reading those columns too, and decodes at most C steps.
 
 Training passes (`pass_work`): a DP rank's rows split into micro-batches as the trainer does
 (hybridflow.data.microbatch.token_budget_groups under dynamic_bsz, else fixed micro-batches of
@@ -75,15 +78,17 @@ class Decode:
     # GEMMs there dequantize the weight and run bf16 (rollout.kernel_options.int4_kernel_max_rows)
     wide_steps: int = 0
     wide_row_steps: float = 0.0
+    # partial rollouts: tokens re-prefilled for the carried rows (prompt + response so far)
+    carried_prefill_tokens: float = 0.0
 
     def __add__(self, o: "Decode") -> "Decode":
         fields = ("steps", "row_steps", "row_columns", "moved_bytes", "compactions", "chunks",
-                  "wide_steps", "wide_row_steps")
+                  "wide_steps", "wide_row_steps", "carried_prefill_tokens")
         return Decode(*(getattr(self, f) + getattr(o, f) for f in fields))
 
 
 def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int, compact: bool,
-           window: int, exact_end: bool, wide_rows: int, own_prompt: float | None) -> Decode:
+           window: int, exact_end: bool, wide_rows: int, own_prompt) -> Decode:
     n = len(lengths)
     ladder = bucket_sizes(max_batch)
     b = next(x for x in ladder if x >= n)
@@ -114,8 +119,12 @@ def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int,
     wide = rows > wide_rows
     row_columns = float((rows * cols).sum())
     if own_prompt is not None:  # only live rows read, each its own prompt + tokens so far
-        live = n - np.searchsorted(np.sort(lengths), t, side="right")
-        row_columns = float((live * (own_prompt + t + 0.5)).sum())
+        order = np.argsort(lengths, kind="stable")
+        srt = lengths[order]
+        own = np.broadcast_to(np.asarray(own_prompt, dtype=np.float64), lengths.shape)[order]
+        done = np.searchsorted(srt, t, side="right")  # rows ended by token t
+        live_prompts = own.sum() - np.concatenate([[0.0], np.cumsum(own)])[done]
+        row_columns = float((live_prompts + (n - done) * (t + 0.5)).sum())
     return Decode(steps=steps, row_steps=float(rows.sum()), row_columns=row_columns,
                   moved_bytes=moved, compactions=compactions, chunks=1,
                   wide_steps=int(wide.sum()), wide_row_steps=float(rows[wide].sum()))
@@ -129,14 +138,30 @@ def decode_schedule(w: Workload, rows: int, batch: int) -> Decode:
     # fixed lengths without a cap: every row runs to its length (the forced-length records)
     exact_end = w.response_lengths is None
     max_batch = w.gen_max_batch_size or batch
-    total = Decode()
-    for lo in range(0, rows, batch):
-        total = total + _chunk(lengths[lo:lo + batch], prompt=prompt, cap=w.max_new_tokens,
+    cap, starts, carried = w.max_new_tokens, np.zeros(rows, dtype=np.int64), 0.0
+    if w.partial_decode_steps:  # the steady state: every segment of the step's rows in one call
+        lengths, starts = partial_segments(lengths, w.partial_decode_steps)
+        cap = min(cap or w.partial_decode_steps, w.partial_decode_steps)
+        batch = min(len(lengths), max_batch)
+        carried = float((w.prompt_len + starts[starts > 0]).sum())
+    total = Decode(carried_prefill_tokens=carried)
+    for lo in range(0, len(lengths), batch):
+        part = slice(lo, lo + batch)
+        total = total + _chunk(lengths[part], prompt=prompt + int(starts[part].max()), cap=cap,
                                max_batch=max_batch, compact=w.compact_finished_rows,
                                window=w.decode_kv_window, exact_end=exact_end,
                                wide_rows=w.int4_kernel_max_rows,
-                               own_prompt=w.prompt_len if w.own_columns_only else None)
+                               own_prompt=w.prompt_len + starts[part] if w.own_columns_only
+                               else None)
     return total
+
+
+def partial_segments(lengths: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Partial rollouts: responses of `lengths` decoded at most `cap` tokens per call -> (each
+    segment's length, the response tokens before it), the segments of a row side by side."""
+    parts = [(min(cap, int(n) - s), s) for n in lengths for s in range(0, int(n), cap)]
+    seg, start = zip(*parts)
+    return np.asarray(seg, dtype=np.int64), np.asarray(start, dtype=np.int64)
 
 
 # algo.packed_attention=varlen: a packed micro-batch's attention costs this share of what flex's

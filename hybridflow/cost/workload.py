@@ -145,6 +145,11 @@ class Workload:
     # the run (the first round draws all of them, adaptive rounds at most that); a kept generator's
     # KV cache is sized by that call (1: every call generates one step's prompts)
     gen_batches_per_round: int = 1
+    # rollout.partial.max_decode_steps when rollout.partial.enable (0: off): each call decodes at
+    # most this many tokens per row; a longer response runs over several steps, each re-prefilling
+    # the row's prompt + response so far (costed in the steady state: one step's call holds every
+    # segment of a step's worth of rows, cost.varlen)
+    partial_decode_steps: int = 0
 
     def __post_init__(self):
         if self.response_lengths is not None:
@@ -231,7 +236,8 @@ class Workload:
         """Whether the step's passes are costed row by row (hybridflow.cost.varlen)."""
         return (self.response_lengths is not None or self.dynamic_bsz or self.gen_rounds != 1
                 or self.gen_prompt_factor != 1 or self.compact_finished_rows
-                or self.decode_kv_window > 0 or self.prompt_len_max is not None)
+                or self.decode_kv_window > 0 or self.prompt_len_max is not None
+                or self.partial_decode_steps > 0)
 
     @property
     def head_fraction(self) -> float:

@@ -10,6 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hybridflow.cost import Calibration
@@ -94,6 +95,26 @@ def test_own_columns_by_hand():
     assert d.row_columns == sum(n * (4 + t + 0.5) for t, n in enumerate(live))
     off = decode_schedule(replace(w, own_columns_only=False), 4, 4)
     assert (d.steps, d.row_steps) == (off.steps, off.row_steps) and off.row_columns > d.row_columns
+
+
+def test_partial_rollouts_by_hand():
+    # rollout.partial at 4 tokens per call: responses of 2, 2, 3, 9 split into segments of
+    # (2), (2), (3), (4, 4, 1), the last row's re-prefilled at prompt + 4 and prompt + 8 tokens;
+    # one call holds all 6 segments (the steady state), decodes at most 4 steps and reads, per
+    # token t, the live segments' own prompts + t
+    from hybridflow.cost.varlen import partial_segments
+
+    seg, start = partial_segments(np.array([2, 2, 3, 9]), 4)
+    assert seg.tolist() == [2, 2, 3, 4, 4, 1] and start.tolist() == [0, 0, 0, 0, 4, 8]
+    w = Workload(prompts_per_step=1, samples_per_prompt=4, prompt_len=4,
+                 response_lengths=(2, 2, 3, 9), max_new_tokens=64, gen_max_batch_size=8,
+                 own_columns_only=True, partial_decode_steps=4)
+    d = decode_schedule(w, 4, 4)
+    assert d.carried_prefill_tokens == (4 + 4) + (4 + 8)
+    assert d.steps == 4 and d.row_steps == 8 * 4          # bucket 8 (6 rows), capped at 4 steps
+    prompts = [4, 4, 4, 4, 8, 12]
+    live = {0: range(6), 1: range(5), 2: [2, 3, 4], 3: [3, 4]}
+    assert d.row_columns == sum(prompts[i] + t + 0.5 for t, rows in live.items() for i in rows)
 
 
 def test_compaction_by_hand():
