@@ -122,8 +122,8 @@ if HAVE_TRITON:
         lsum = tl.zeros([H_PAD], tl.float32)
         acc = tl.zeros([H_PAD, HD], tl.float32)
         first = split * BLOCKS
-        for i in range(tl.maximum(lo // BLOCK - first, 0), tl.minimum(tl.cdiv(hi, BLOCK) - first,
-                                                                       BLOCKS)):
+        start = tl.maximum(lo // BLOCK - first, 0).to(tl.int32)
+        for i in range(start, tl.minimum(tl.cdiv(hi, BLOCK) - first, BLOCKS).to(tl.int32)):
             t = (first + i) * BLOCK + tl.arange(0, BLOCK)
             in_range = (t < kv_len) & (t >= lo) & (t < hi)
             k = tl.load(k_base + t[:, None] * s_kt + d[None, :], mask=in_range[:, None], other=0.0)
