@@ -4,7 +4,8 @@ RL rollouts stop at very different steps (GSM8K, Qwen2.5-0.5B: mean ~300 tokens,
 at the 1,024 cap), and a static decode batch runs every row until the longest stops. This times
 `Generator.generate` with `rollout.compact_finished_rows` on and off (rollout/compaction.py), and
 with `--kv-window W` also `rollout.decode_kv_window=W` alone and with compaction (decode attends
-over the written part of the cache only).
+over the written part of the cache only); with `--own-columns-ab` (and --kv-window) instead
+compaction + window with `rollout.kernel_options.own_columns_only` on ("on") and off ("off").
 
 Lengths: random-init weights (Qwen2-0.5B shape, bf16, as bench_generate.py) give a near-uniform
 next-token distribution, so sampling at T = 1 with k = V / --tail-mean random stop ids stops a row
@@ -40,7 +41,7 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_generate import hf_model, machine, timed, to_megatron  # noqa: E402
 from benchmarks.run_record import command, versions, write_json  # noqa: E402
-from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
+from hybridflow.config import DecodeKernelOptions, ModelConfig, RolloutConfig  # noqa: E402
 from hybridflow.rollout import Generator  # noqa: E402
 
 
@@ -63,6 +64,13 @@ def main():
     ap.add_argument("--kv-window", type=int, default=0,
                     help="also time rollout.decode_kv_window=W, alone ('window') and with "
                          "compaction ('on_window')")
+    ap.add_argument("--own-columns-ab", action="store_true",
+                    help="instead: compaction + --kv-window with the attention over each row's own "
+                         "columns ('own', rollout.kernel_options.own_columns_only) against every "
+                         "column of the window ('all')")
+    ap.add_argument("--prompt-spread", type=int, default=0,
+                    help="prompt lengths uniform in [prompt-len - spread, prompt-len] (left padding "
+                         "to the longest, as a GSM8K batch)")
     ap.add_argument("--out", default="benchmarks/results/generate_long_tail_h200.json")
     args = ap.parse_args()
     if args.reps < 3:
@@ -81,11 +89,19 @@ def main():
     stop = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:k].tolist()
     report = {"machine": machine(device), "versions": versions("transformers"), "command": command(),
               "model": cfg.name, "prompt_len": args.prompt_len, "new_tokens": R,
-              "tail_mean": args.tail_mean, "num_stop_ids": k, "results": {}}
+              "tail_mean": args.tail_mean, "num_stop_ids": k, "prompt_spread": args.prompt_spread,
+              "results": {}}
     for B in args.batches:
-        prompts = torch.randint(0, V, (B, args.prompt_len)).tolist()
+        spread = torch.randint(0, args.prompt_spread + 1, (B,)).tolist()
+        prompts = [torch.randint(0, V, (args.prompt_len - s,)).tolist() for s in spread]
         sides = {"on": dict(compact_finished_rows=True), "off": {}}
-        if args.kv_window:
+        if args.own_columns_ab:  # "on" / "off": the own-column attention on / off
+            if not args.kv_window:
+                raise ValueError("--own-columns-ab needs --kv-window (the recipe's window)")
+            both = dict(compact_finished_rows=True, decode_kv_window=args.kv_window)
+            sides = {"on": both, "off": dict(both, kernel_options=DecodeKernelOptions(
+                own_columns_only=False))}
+        elif args.kv_window:
             sides.update(window=dict(decode_kv_window=args.kv_window),
                          on_window=dict(compact_finished_rows=True, decode_kv_window=args.kv_window))
         rc = {side: RolloutConfig(max_new_tokens=R, temperature=1.0, max_batch_size=B,
