@@ -117,8 +117,8 @@ class DecodeKernelOptions:
     # rollout.decode_kernels=triton: each row's attention reads only its own cache columns (from
     # its first prompt token to the current one; none for a finished row still in the batch)
     # instead of every column of the step's window (left padding, unwritten window columns and
-    # finished rows read and masked out)
-    own_columns_only: bool = True
+    # finished rows read and masked out). Off until timed on a GPU (docs/performance.md)
+    own_columns_only: bool = False
     # torch.compile backend and mode of rollout.compile_decode (CPU tests: aot_eager)
     compile_backend: str = "inductor"
     compile_mode: Optional[str] = None

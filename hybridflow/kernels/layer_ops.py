@@ -107,12 +107,13 @@ if HAVE_TRITON:
     def _attend_blocks(q, k_base, v_base, valid_base, s_kt, s_vt, s_mt, kv_len, scale, split, skip,
                        ks_base, vs_base, s_kst, s_vst, lo, hi,
                        BLOCKS: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr,
-                       BLOCK: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr = False):
+                       BLOCK: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr = False,
+                       OWN: tl.constexpr = False):
         """Online softmax of one (row, group)'s queries q (H_PAD, HD) over split `split`'s BLOCKS
         blocks of cache columns (the last split's may run past kv_len), column `skip` left out
-        (-1: none) -> (max, sum of exp, P @ V) in fp32. Only columns lo..hi-1 are read: blocks
-        wholly outside are never loaded, the rest masked (lo 0, hi kv_len: all of them; the
-        key_valid mask applies inside). FP8: the caches hold E4M3 codes with a
+        (-1: none) -> (max, sum of exp, P @ V) in fp32. OWN: only columns lo..hi-1 are read (blocks
+        wholly outside never loaded, the rest masked; the key_valid mask applies inside); else
+        every block of the split (lo, hi unread). FP8: the caches hold E4M3 codes with a
         scale per column (ks_base, vs_base; column stride s_kst, s_vst): the codes go into the dot
         products as they are (exact in q's dtype), each column's K scale multiplies its scores and
         its V scale its softmax weights before P V (no dequantized (BLOCK, HD) tile; the twin,
@@ -121,11 +122,17 @@ if HAVE_TRITON:
         m = tl.full([H_PAD], -1e30, tl.float32)
         lsum = tl.zeros([H_PAD], tl.float32)
         acc = tl.zeros([H_PAD, HD], tl.float32)
-        first = split * BLOCKS
-        start = tl.maximum(lo // BLOCK - first, 0).to(tl.int32)
-        for i in range(start, tl.minimum(tl.cdiv(hi, BLOCK) - first, BLOCKS).to(tl.int32)):
-            t = (first + i) * BLOCK + tl.arange(0, BLOCK)
-            in_range = (t < kv_len) & (t >= lo) & (t < hi)
+        if OWN:  # the blocks that hold columns lo..hi-1
+            first = split * BLOCKS
+            start = tl.maximum(lo // BLOCK - first, 0).to(tl.int32)
+            stop = tl.minimum(tl.cdiv(hi, BLOCK) - first, BLOCKS).to(tl.int32)
+        else:
+            start, stop = 0, BLOCKS
+        for i in range(start, stop):
+            t = (split * BLOCKS + i) * BLOCK + tl.arange(0, BLOCK)
+            in_range = t < kv_len
+            if OWN:
+                in_range = in_range & (t >= lo) & (t < hi)
             k = tl.load(k_base + t[:, None] * s_kt + d[None, :], mask=in_range[:, None], other=0.0)
             if FP8:  # E4M3 codes are exact in q's dtype: their scales multiply the products
                 k = k.to(q.dtype)

@@ -147,7 +147,7 @@ if HAVE_TRITON:
                                       cur, ks_ptr + b * s_ksb + g * s_ksg,
                                       vs_ptr + b * s_vsb + g * s_vsg, s_kst, s_vst, lo, hi,
                                       BLOCKS=BLOCKS, H_PAD=H_PAD, HD=HD, BLOCK=BLOCK, IEEE=IEEE,
-                                      FP8=FP8)
+                                      FP8=FP8, OWN=OWN)
         if split == 0:  # the current token, from registers (P rounded to v's dtype as in tl.dot)
             sc = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
             new_m = tl.maximum(m, sc)

@@ -323,6 +323,8 @@ def generation_cases():
         gm = gen.generate(PROMPTS, cfg=tri, eos_id=5, pad_id=0, seed=7, options=gemm_opts)
         nolp = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton", return_logprobs=False),
                             eos_id=5, pad_id=0, seed=7, options=gemm_opts)
+        own = gen.generate(PROMPTS, cfg=tri, eos_id=5, pad_id=0, seed=7,
+                           options=opts(tri, check_every=4, own_columns_only=True))
         out[name] = {"gemm_tokens_equal": bool(torch.equal(ref.response_ids, gm.response_ids)),
                      "gemm_logprob_err": (ref.rollout_logprobs - gm.rollout_logprobs).abs().max()
                      .item(),
@@ -330,6 +332,9 @@ def generation_cases():
                                                                        nolp.response_ids)),
                      "gemm_mask_equal": bool(torch.equal(ref.response_mask, gm.response_mask)),
                      "tokens_equal": bool(torch.equal(ref.response_ids, got.response_ids)),
+                     "own_tokens_equal": bool(torch.equal(ref.response_ids, own.response_ids)),
+                     "own_logprob_err": (ref.rollout_logprobs - own.rollout_logprobs).abs().max()
+                     .item(),
                      "mask_equal": bool(torch.equal(ref.response_mask, got.response_mask)),
                      "logprob_err": (ref.rollout_logprobs - got.rollout_logprobs).abs().max().item(),
                      "compactions": compactions,

@@ -131,6 +131,8 @@ def test_generation_with_the_kernels_equals_torch(checked):
         assert case["gemm_tokens_equal"] and case["gemm_mask_equal"], (name, case)
         assert case["gemm_logprob_err"] < 1e-4 and case["gemm_no_logprobs_tokens_equal"], (name,
                                                                                           case)
+        # each row's attention over its own columns only (rollout.kernel_options.own_columns_only)
+        assert case["own_tokens_equal"] and case["own_logprob_err"] < 1e-4, (name, case)
         assert case["tokens"] > 50, (name, case)
     assert checked["generation"]["greedy_window_compaction"]["compactions"] > 0
 
