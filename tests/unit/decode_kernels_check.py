@@ -323,8 +323,10 @@ def generation_cases():
         gm = gen.generate(PROMPTS, cfg=tri, eos_id=5, pad_id=0, seed=7, options=gemm_opts)
         nolp = gen.generate(PROMPTS, cfg=rc(**kw, decode_kernels="triton", return_logprobs=False),
                             eos_id=5, pad_id=0, seed=7, options=gemm_opts)
+        # with prefill sub-batches of 8 tokens: [3], [7], [1], [5], each over its own columns
         own = gen.generate(PROMPTS, cfg=tri, eos_id=5, pad_id=0, seed=7,
-                           options=opts(tri, check_every=4, own_columns_only=True))
+                           options=opts(tri, check_every=4, own_columns_only=True,
+                                        prefill_tokens=8))
         out[name] = {"gemm_tokens_equal": bool(torch.equal(ref.response_ids, gm.response_ids)),
                      "gemm_logprob_err": (ref.rollout_logprobs - gm.rollout_logprobs).abs().max()
                      .item(),
@@ -540,9 +542,15 @@ def kv_fp8_cases():
                      }.items():
         generate = polled(gen, 4)
         ref = generate(PROMPTS, cfg=rc(**kw, kv_cache_dtype="fp8"), eos_id=5, pad_id=0, seed=7)
-        got = generate(PROMPTS, cfg=rc(**kw, kv_cache_dtype="fp8", decode_kernels="triton"),
-                       eos_id=5, pad_id=0, seed=7)
+        fcfg = rc(**kw, kv_cache_dtype="fp8", decode_kernels="triton")
+        got = generate(PROMPTS, cfg=fcfg, eos_id=5, pad_id=0, seed=7)
+        # own-column attention and prefill sub-batches over their own columns on the fp8 cache
+        own = gen.generate(PROMPTS, cfg=fcfg, eos_id=5, pad_id=0, seed=7,
+                           options=opts(fcfg, check_every=4, own_columns_only=True,
+                                        prefill_tokens=8))
         out["generation"][name] = {
+            "own_tokens_equal": bool(torch.equal(ref.response_ids, own.response_ids)),
+            "own_logprob_err": (ref.rollout_logprobs - own.rollout_logprobs).abs().max().item(),
             "tokens_equal": bool(torch.equal(ref.response_ids, got.response_ids)),
             "mask_equal": bool(torch.equal(ref.response_mask, got.response_mask)),
             "logprob_err": (ref.rollout_logprobs - got.rollout_logprobs).abs().max().item(),

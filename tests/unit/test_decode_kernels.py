@@ -218,4 +218,5 @@ def test_fp8_kv_cache_in_the_fused_kernel(checked):
     for name, case in gens.items():
         assert case["tokens_equal"] and case["mask_equal"] and case["fp8_cache"], (name, case)
         assert case["logprob_err"] < 1e-4 and case["tokens"] > 100, (name, case)
+        assert case["own_tokens_equal"] and case["own_logprob_err"] < 1e-4, (name, case)
     assert gens["greedy_window_compaction"]["compactions"] > 0
