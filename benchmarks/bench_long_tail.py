@@ -66,8 +66,8 @@ def main():
                          "compaction ('on_window')")
     ap.add_argument("--own-columns-ab", action="store_true",
                     help="instead: compaction + --kv-window with the attention over each row's own "
-                         "columns ('own', rollout.kernel_options.own_columns_only) against every "
-                         "column of the window ('all')")
+                         "columns ('on', rollout.kernel_options.own_columns_only) against every "
+                         "column of the window ('off')")
     ap.add_argument("--prompt-spread", type=int, default=0,
                     help="prompt lengths uniform in [prompt-len - spread, prompt-len] (left padding "
                          "to the longest, as a GSM8K batch)")
