@@ -69,8 +69,8 @@ def main():
                          "columns ('on', rollout.kernel_options.own_columns_only) against every "
                          "column of the window ('off')")
     ap.add_argument("--prompt-spread", type=int, default=0,
-                    help="prompt lengths uniform in [prompt-len - spread, prompt-len] (left padding "
-                         "to the longest, as a GSM8K batch)")
+                    help="prompt lengths uniform in [prompt-len - spread, prompt-len] (left "
+                         "padding to the longest, as a GSM8K batch)")
     ap.add_argument("--out", default="benchmarks/results/generate_long_tail_h200.json")
     args = ap.parse_args()
     if args.reps < 3:

@@ -10,7 +10,7 @@ hybridflow.rollout.generator runs it: the chunk decodes in a graph bucket of b >
 powers of two below gen_max_batch_size, and it); token t (t = 0 is the prefill's) is one step
 of all b bucket rows, every row's attention over the columns written so far (P + t; with
 decode_kv_window W, over the multiple of W that holds them, at most the cache's P + cap columns
-rounded up to 64); with own_columns_only, only the live rows, each over its own prompt_len + t
+rounded up to 64; with own_columns_only, only the live rows, each over its own prompt_len + t
 columns). Rows finish at their length; every CHECK_EVERY steps the live count is polled
 one poll late (an upper bound), which ends the chunk once it was 0 (so a step whose longest row
 ends before max_new_tokens runs up to 2 polls past it) and, with compact_finished_rows, moves the
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -82,9 +82,8 @@ class Decode:
     carried_prefill_tokens: float = 0.0
 
     def __add__(self, o: "Decode") -> "Decode":
-        fields = ("steps", "row_steps", "row_columns", "moved_bytes", "compactions", "chunks",
-                  "wide_steps", "wide_row_steps", "carried_prefill_tokens")
-        return Decode(*(getattr(self, f) + getattr(o, f) for f in fields))
+        return Decode(*(getattr(self, f.name) + getattr(o, f.name)
+                        for f in fields(self)))
 
 
 def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int, compact: bool,

@@ -284,13 +284,14 @@ def _mlp(x, layer: Layer, w: Weights, swiglu=_swiglu, norm=_norm, lin=linear, ex
 
 def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *,
             cos_tab: torch.Tensor, sin_tab: torch.Tensor, cache=None, cache_row0: int = 0,
-            cache_col0: int = 0, last_only: bool = False, opts: DecodeOptions = DecodeOptions(kernels="torch"),
+            cache_col0: int = 0, last_only: bool = False,
+            opts: DecodeOptions = DecodeOptions(kernels="torch"),
             experts: Optional[torch.Tensor] = None):
     """Full causal forward over left-padded rows (prefill, or the no-cache reference).
 
     ids, positions (B, S) int64, valid (B, S) bool (False = left padding). With `cache`, K/V land in
-    columns cache_col0..cache_col0+S-1 of cache rows cache_row0.. With opts.kernels "triton" (resolved, with a cache):
-    RoPE and the K/V writes as one kernel (kernels.layer_ops.rope_kv_prefill), the attention reading
+    columns cache_col0..cache_col0+S-1 of cache rows cache_row0.. With opts.kernels "triton"
+    (resolved, with a cache): RoPE and the K/V writes as one kernel (kernels.layer_ops.rope_kv_prefill), the attention reading
     K/V from the cache, the SwiGLU in one pass (kernels.layer_ops.silu_mul), the RMSNorms as
     kernels.layer_ops.add_rms_norm. Returns fp32 logits (B, S, V) or, with last_only, (B, V).
     `experts` (B, S, L, k) (MoE): receives each token's chosen experts per layer.

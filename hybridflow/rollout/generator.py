@@ -223,9 +223,10 @@ class Generator:
                                          device=self.device).repeat_interleave(cfg.n)
             # one prefill per run of equal prompts: a prompt's n copies, and equal prompts side by
             # side (partial rollouts send a group's rows as n = 1 prompts)
-            uniq, of_prompt = (_prefill_runs(ids.numpy(), mask.numpy()) if opts.share_prefill
+            mask_np = mask.numpy()
+            uniq, of_prompt = (_prefill_runs(ids.numpy(), mask_np) if opts.share_prefill
                                else (np.arange(len(prompts)),) * 2)
-            lens = mask.numpy().sum(1)[uniq]  # (prefills,) on the host
+            lens = mask_np.sum(1)[uniq]  # (prefills,) on the host
             if len(uniq) < len(prompts):
                 sel = torch.from_numpy(uniq).to(self.device)
                 ids_u, mask_u = ids_p.index_select(0, sel), mask_p.index_select(0, sel)

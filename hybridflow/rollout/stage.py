@@ -133,12 +133,16 @@ class RolloutStage:
                     merge.close()  # training weights may go (LoRA: unmerged first; the host
                     self.actor.params_to_host(keep=gen.weight_storages())  # copy is the base)
                 with torch.no_grad():
-                    batch = self._multi_turn(gen, mine, r, seed) if self.tools else gen.generate([it.prompt_ids for it in mine], cfg=r,
-                                         eos_id=-1 if r.ignore_eos else self.tok.eos_id,
-                                         pad_id=self.tok.pad_id, seed=seed,
-                                         options=DecodeOptions.from_config(r),
-                                         record_experts=self.record_experts
-                                         if record_experts is None else record_experts)
+                    if self.tools:
+                        batch = self._multi_turn(gen, mine, r, seed)
+                    else:
+                        batch = gen.generate(
+                            [it.prompt_ids for it in mine], cfg=r,
+                            eos_id=-1 if r.ignore_eos else self.tok.eos_id,
+                            pad_id=self.tok.pad_id, seed=seed,
+                            options=DecodeOptions.from_config(r),
+                            record_experts=self.record_experts
+                            if record_experts is None else record_experts)
                 self.kv_cache_bytes = gen.kv_cache_bytes
                 if self._kept is not gen:
                     gen.release()
