@@ -99,8 +99,8 @@ def main():
             if not args.kv_window:
                 raise ValueError("--own-columns-ab needs --kv-window (the recipe's window)")
             both = dict(compact_finished_rows=True, decode_kv_window=args.kv_window)
-            sides = {"on": both, "off": dict(both, kernel_options=DecodeKernelOptions(
-                own_columns_only=False))}
+            sides = {side: dict(both, kernel_options=DecodeKernelOptions(own_columns_only=own))
+                     for side, own in (("on", True), ("off", False))}
         elif args.kv_window:
             sides.update(window=dict(decode_kv_window=args.kv_window),
                          on_window=dict(compact_finished_rows=True, decode_kv_window=args.kv_window))

@@ -117,8 +117,11 @@ class DecodeKernelOptions:
     # rollout.decode_kernels=triton: each row's attention reads only its own cache columns (from
     # its first prompt token to the current one; none for a finished row still in the batch)
     # instead of every column of the step's window (left padding, unwritten window columns and
-    # finished rows read and masked out). Off until timed on a GPU (docs/performance.md)
-    own_columns_only: bool = False
+    # finished rows read and masked out; bit-equal outputs for the unfinished rows). GSM8K step on
+    # one H100: generation 1.98 -> 1.81 s; with rollout.partial 2.46 -> 1.61 s (carried rows no
+    # longer widen every row's reads); 512 rows of a synthetic long tail: 2.21 -> 2.02 s
+    # (benchmarks/results/gsm8k_step_ab_h100.json, generate_long_tail_own_columns_h100.json)
+    own_columns_only: bool = True
     # torch.compile backend and mode of rollout.compile_decode (CPU tests: aot_eager)
     compile_backend: str = "inductor"
     compile_mode: Optional[str] = None

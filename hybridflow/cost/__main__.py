@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-kernels", choices=("torch", "triton"), default="triton",
                    help="rollout.decode_kernels as generation runs it (the default auto: triton on "
                         "a GPU with a power-of-two head_dim)")
+    p.add_argument("--all-columns", action="store_false", dest="own_columns",
+                   help="rollout.kernel_options.own_columns_only=false: every decode row reads the "
+                        "K/V of every column of its window (left padding, unwritten columns and "
+                        "finished rows included); by default a triton decode row reads its own")
     p.add_argument("--rollout-quantization", choices=("none", "fp8", "int4"), default="none",
                    help="rollout.quantization: the decode step reads fp8 / int4 layer weights "
                         "and pays the quantized kernels' fitted cost; the report compares every "
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         offload_optimizer=a.offload_optimizer, offload_grads=a.offload_grads,
         offload_params=a.offload_params, critic_lora_rank=a.critic_lora_rank,
         moe_grouped_gemm=a.moe_grouped_gemm, gpu_memory_gib=a.gpu_memory_gib,
-        calibration=a.calibration, **varlen)
+        calibration=a.calibration, own_columns_only=a.own_columns and a.decode_kernels == "triton",
+        **varlen)
     print(report.to_json() if a.json else report)
     return 0
 

@@ -260,7 +260,7 @@ def test_generator_with_kernels_under_graphs():
     no_lp = dataclasses.replace(cfg, return_logprobs=False)
     # one Generator for all variants: the captured steps are keyed by the options
     for rcfg, variant in ((cfg, fused), (cfg, fused.replace(compile=True)), (cfg, gemm),
-                          (no_lp, gemm), (cfg, fused.replace(own_columns_only=True))):
+                          (no_lp, gemm), (cfg, fused.replace(own_columns_only=False))):
         out = gen.generate(prompts, cfg=rcfg, eos_id=-1, pad_id=0, seed=0, options=variant)
         captured = len(gen._steps)
         again = gen.generate(prompts, cfg=rcfg, eos_id=-1, pad_id=0, seed=0, options=variant)

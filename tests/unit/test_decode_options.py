@@ -20,14 +20,14 @@ def test_from_config_reads_the_rollout_keys():
                        "rollout.kernel_options.prefetch_min_rows=64",
                        "rollout.kernel_options.swiglu_gemm_min_rows=0",
                        "rollout.kernel_options.compile_backend=aot_eager",
-                       "rollout.kernel_options.own_columns_only=true"])
+                       "rollout.kernel_options.own_columns_only=false"])
     o = DecodeOptions.from_config(cfg.rollout)
     assert (o.kernels, o.compile, o.kv_window, o.compact_finished_rows, o.cuda_graphs) == (
         "torch", True, 128, True, False)
     assert (o.pdl, o.prefetch_weights, o.prefetch_min_rows, o.swiglu_gemm_min_rows) == (
         False, ("qkv", "proj", "fc1"), 64, 0)  # one order whatever the config's
     assert o.compile_backend == "aot_eager" and o.compile_mode is None
-    assert o.own_columns_only and not DecodeOptions().own_columns_only
+    assert not o.own_columns_only and DecodeOptions().own_columns_only
     # the defaults: the config's kernel options are the options' own
     assert DecodeOptions.from_config(rc()) == DecodeOptions(kernels="auto")
     assert hash(o) != hash(o.replace(pdl=True))
