@@ -188,11 +188,12 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     never reads: it folds the token in from registers), so the step needs no fill of its own; a
     (B,) bool / int tensor: only in the rows where it is set (the others' entries unchanged).
     `prefetch`: a tensor (the output projection's weight) each program hints into L2 when done
-    (sm_90+; kernels/_dispatch.prefetch_l2). `finished` (B,) bool, with `positions` and cur
-    (1,): each row's tokens are the columns cur - positions[b] .. cur - 1 (the generator's
-    left-padded layout: positions count real tokens), so the kernel reads only those blocks, and
-    none for a row where finished is set (its output is then its own token's V: the caller
-    discards it); the twin attends as without it (the same output for the unfinished rows).
+    (sm_90+; kernels/_dispatch.prefetch_l2). `finished` (B,) bool, with `positions`: each row's
+    tokens are the columns cur[b] - positions[b] .. cur[b] - 1 (positions count real tokens: the
+    generator's left-padded rows at one column cur (1,), or the multi-turn step's rows each at its
+    own column (B,)), so the kernel reads only those blocks, and none for a row where finished is
+    set (its output is then its own token's V: the caller discards it); the twin attends as
+    without it (the same output for the unfinished rows).
     `splits`: the split count of the columns (None:
     layer_ops.num_splits for the device; tests force counts)."""
     B, G, R, hd = qkv.shape
@@ -209,10 +210,10 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     if cur.shape not in ((1,), (B,)):
         raise ValueError(f"cur has shape {tuple(cur.shape)}, expected (1,) or ({B},)")
     own = finished is not None
-    if own and (positions is None or cur.shape != (1,) or finished.shape != (B,)):
-        raise ValueError("rope_attention: `finished` needs `positions`, one column cur (1,) and "
-                         f"a ({B},) tensor, got cur {tuple(cur.shape)}, finished "
-                         f"{tuple(finished.shape)}")
+    if own and (positions is None or finished.shape != (B,)):
+        raise ValueError(f"rope_attention: `finished` needs `positions` and a ({B},) tensor, got "
+                         f"positions {None if positions is None else tuple(positions.shape)}, "
+                         f"finished {tuple(finished.shape)}")
     rows_marked = torch.is_tensor(mark_valid)
     if rows_marked and mark_valid.shape != (B,):
         raise ValueError(f"mark_valid has shape {tuple(mark_valid.shape)}, expected ({B},)")

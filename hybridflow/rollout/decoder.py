@@ -365,8 +365,9 @@ def decode_step(w: Weights, tokens: torch.Tensor, positions: torch.Tensor, cur: 
     (B,): row b's own column cur[b] (the multi-turn step); key_valid (B, T) bool, updated in place
     (column cur[b] of row b becomes valid; `mark` (B,) bool / int: only in the rows where it is
     set, the others' entries unchanged; every row attends to its own token either way).
-    `finished` (B,) bool, cur (1,), rows left-padded (each row's tokens fill the columns
-    cur - positions[b] .. cur - 1): the triton path's attention reads only those columns, and none
+    `finished` (B,) bool, each row's tokens filling the columns cur[b] - positions[b] .. cur[b] - 1
+    (left-padded rows at one column, or the multi-turn step's rows at their own): the triton
+    path's attention reads only those columns, and none
     for the finished rows, whose logits are then not the model's (the caller discards them); the
     torch path ignores it. `kv_len`:
     attend over cache columns 0..kv_len-1 only (the caller keeps cur < kv_len; None: all T).

@@ -314,9 +314,13 @@ def decode_step(gen, st: DecodeState, cfg: RolloutConfig, *, graphed: bool,
         ready = ctrl[DecodeState.READY]
         if fused:  # row b at its own column, the non-ready rows at the scratch column
             cur = torch.where(ready.bool(), st.col, scratch)
+            # own columns: a row's tokens are columns col - pos .. col - 1 (left-padded prompt,
+            # then every fed or appended token at the next column); a row not fed reads none
+            # (its logits are rewritten before it is sampled again)
             st.logits.copy_(decoder.decode_step(
                 w, tok, st.pos, cur, st.key_valid, cache=cache, cos_tab=cos, sin_tab=sin,
-                kv_len=kv_len, opts=opts, mark=ready))
+                kv_len=kv_len, opts=opts, mark=ready,
+                finished=(ready == 0) if opts.own_columns_only else None))
         else:
             extend(w, tok[:, None], st.pos[:, None], ready.bool()[:, None], st.col, cache=cache,
                    key_valid=st.key_valid, cos_tab=cos, sin_tab=sin, out=st.logits,

@@ -87,7 +87,29 @@ def rope_attention_cases():
         expect = {(k, b, gg, int(cur[b])) for k in range(2) for b in range(B) for gg in range(G)}
         want_valid = base.clone()
         want_valid[torch.arange(B)[mark], cur[mark]] = True
+        # own columns with a column per row: row b's tokens are cur[b] - pos[b] .. cur[b] - 1;
+        # every other column NaN and valid (never read), row 1 finished (reads none)
+        lo = (torch.rand(B, generator=g) * (cur + 1)).long()
+        own_pos = cur - lo
+        cols = torch.arange(T)[None]
+        mine = (cols >= lo[:, None]) & (cols < cur[:, None])
+        fin = torch.zeros(B, dtype=torch.bool)
+        fin[1] = True
+        poisoned = cache.clone()
+        outside = ~(mine & ~fin[:, None])
+        poisoned[outside[None, :, None, :, None].expand_as(poisoned)] = float("nan")
+        inside = valid & mine
+        plain = fused.rope_attention(qkv, cos_t, sin_t, cache[0, :, :, :kv].clone(),
+                                     cache[1, :, :, :kv].clone(), cur, inside[:, :kv].clone(),
+                                     hpg=hpg, positions=own_pos, splits=splits, impl="triton")
+        own = fused.rope_attention(qkv, cos_t, sin_t, poisoned[0, :, :, :kv].clone(),
+                                   poisoned[1, :, :, :kv].clone(), cur,
+                                   (inside | ~mine)[:, :kv].clone(), hpg=hpg, positions=own_pos,
+                                   finished=fin, splits=splits, impl="triton")
+        live = ~fin
         out.append({"shape": [B, G, hpg, hd, T, kv, splits], "same_as_shared": same,
+                    "own_rows_bit_equal": bool(torch.equal(own[live], plain[live])),
+                    "own_finished_finite": bool(torch.isfinite(own[fin]).all()),
                     "attn_err": (a - ra).abs().max().item(), "cache_err":
                     (cc - rc).abs().max().item(), "twin_vs_loop": loop_err,
                     "only_own_columns": {tuple(r) for r in changed.tolist()} == expect,

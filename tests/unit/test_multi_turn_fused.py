@@ -43,8 +43,12 @@ def kernels_checked(tmp_path_factory):
 def test_rope_attention_with_a_column_per_row(kernels_checked):
     """cur (B,) all equal: the (1,) path's output, cache and key_valid, bit for bit (kernel and
     twin); distinct columns: the kernel equals the twin, the twin each row alone through the (1,)
-    twin; each row's K/V lands in its own column only; a (B,) mark_valid marks only its rows."""
+    twin; each row's K/V lands in its own column only; a (B,) mark_valid marks only its rows.
+    With `finished` (own columns): each row reads only cur[b] - positions[b] .. cur[b] - 1 (every
+    other column NaN poisons nothing), bit-equal to the kernel over those columns; a finished row
+    reads none."""
     for case in kernels_checked["rope_attention"]:
+        assert case["own_rows_bit_equal"] and case["own_finished_finite"], case
         assert case["same_as_shared"] == {"triton": True, "torch": True}, case
         assert case["attn_err"] < 1e-5 and case["cache_err"] < 1e-5, case
         assert case["twin_vs_loop"] < 1e-6, case
