@@ -18,6 +18,8 @@
 #   bash benchmarks/gsm8k_h200.sh step [STEPS] [k=v..]  # the recipe's step time: STEPS (24) steps
 #                                                         without validation or checkpoints, medians
 #                                                         over steps 2.. -> $OUT/gsm8k_step_h200.json
+#                                                         (experiment=NAME among the overrides: that
+#                                                         experiment's step, e.g. the tools recipe)
 #   bash benchmarks/gsm8k_h200.sh score DIR... [-- k=v..] # our validation of HF snapshots (TRL's,
 #                                                         trl_gsm8k.py --save-at) in one process
 # Everything lands in $OUT (metrics.jsonl, val_generations.jsonl, val_scores.jsonl, hf_eval.json,
@@ -80,10 +82,13 @@ step() {
   local steps=${1:-24}; [ $# -gt 0 ] && shift
   local dir=/tmp/gsm8k_step
   rm -rf "$dir"
-  local cmd=(python3 -m hybridflow.train experiment=gsm8k_qwen_coder_0_5b model.gguf_path="$GGUF"
+  local exp=experiment=gsm8k_qwen_coder_0_5b  # or the experiment the overrides name (tools)
+  for a in "$@"; do [[ $a == experiment=* ]] && exp=$a; done
+  local cmd=(python3 -m hybridflow.train "$exp" model.gguf_path="$GGUF"
     data.train_files="$DATA/train.parquet" data.val_files="$DATA/val.parquet" trainer.output_dir="$dir"
     trainer.progress_bar=false trainer.total_steps="$steps" trainer.val_before_train=false
-    trainer.val_every=0 trainer.save_every=0 "$@")
+    trainer.val_every=0 trainer.save_every=0)
+  for a in "$@"; do [[ $a == experiment=* ]] || cmd+=("$a"); done
   "${cmd[@]}" 2>&1 | tee "$OUT/step.log"
   python3 benchmarks/gsm8k_report.py --step-only --metrics "$dir/metrics.jsonl" \
     --command "${cmd[*]}" --out "$OUT/gsm8k_step_h200.json"
