@@ -42,6 +42,7 @@ from hybridflow.nonfinite import SkippedUpdates
 from hybridflow.parallel.balance import balance_rows
 from hybridflow.parallel.dp import all_gather_batch, dp_max, dp_sum
 from hybridflow.rollout.dynamic_sampling import chunking_warning, fill_informative
+from hybridflow.rollout import partial as partial_state
 from hybridflow.rollout.partial import PartialRollouts, batch_size_warning, row_items
 
 # Engine.train_step metrics logged under the role (`actor/grad_norm`, ...); the rest carry their own
@@ -427,12 +428,14 @@ class Trainer:
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict:
-        # RNG states are per rank: hybridflow.checkpoint saves and restores them itself
+        """The trainer's state for a checkpoint; a collective over DP with rollout.partial (every
+        rank's groups in flight). RNG states are per rank: hybridflow.checkpoint saves and
+        restores them itself."""
         return {"step": self.step, "sft_done": self.sft_done,
                 "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                 "kept_estimate": self.kept_estimate, "train_data": self.train_data,
-                "partial_in_flight": 0 if self.partial is None else (
-                    len(self.partial.groups) + len(self.partial_queue))}
+                "partial": None if self.partial is None else partial_state.gather_state(
+                    self.partial, self.partial_queue, self.ctx.dp_group)}
 
     def load_state_dict(self, state: dict, *, restart_epoch: bool = False) -> None:
         """restart_epoch: the training data changed (trainer.resume_allow_data_change)."""
@@ -441,11 +444,12 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"], restart_epoch=restart_epoch)
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.kept_estimate = state.get("kept_estimate")  # absent in checkpoints before it
-        dropped = state.get("partial_in_flight", 0)
-        if dropped and dist.get_rank() == 0:  # rollout.partial: in-flight rows are not saved
-            print(f"hybridflow: rollout.partial: {dropped} prompt groups in flight (or drawn) on "
-                  f"DP rank 0 when the checkpoint was saved are dropped; their prompts are "
-                  f"skipped for the rest of this epoch", flush=True)
+        self.partial_queue, line = partial_state.restore(
+            self.partial, state.get("partial"), dataset=self.dataset, dp_size=self.ctx.dp_size,
+            dp_rank=dist.get_rank(group=self.ctx.dp_group), restart_epoch=restart_epoch,
+            legacy_count=state.get("partial_in_flight", 0))
+        if line and dist.get_rank() == 0:
+            print(line, flush=True)
 
 
 def _without_experts(batch: RolloutBatch) -> RolloutBatch:

@@ -19,6 +19,11 @@ they are), and the step's decode is cut at the cap unless too few groups complet
 earlier tokens were sampled by an older policy: their rollout log-probs are kept, so
 algo.tis_imp_ratio_cap (truncated importance sampling) corrects them and rollout_corr/* measures the
 mismatch. The continuation re-prefills prompt + partial response (no KV cache kept across steps).
+
+Checkpoints keep the groups in flight (`state_dict`: each group's dataset index, the step that drew
+it, its rows' tokens, rollout log-probs and done flags), so a resumed run continues them: `deal`
+hands each DP rank its own groups back, or, saved at another DP size, every group to one rank in
+turn, oldest first.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from hybridflow.data.batch import RolloutBatch
 
@@ -65,6 +71,35 @@ class PartialRollouts:
     def add(self, items, step: int) -> None:
         for it in items:
             self.groups.append(Group(it, step, [Row(list(it.prompt_ids)) for _ in range(self.n)]))
+
+    def state_dict(self) -> list:
+        """The groups in flight, oldest first: (dataset index, step drawn, response lengths (n,),
+        tokens (sum of lengths,), rollout log-probs (float32, as recorded), done (n,)) each."""
+        out = []
+        for g in self.groups:
+            out.append((int(g.item.index), int(g.born),
+                        torch.tensor([len(r.tokens) for r in g.rows], dtype=torch.long),
+                        torch.tensor([t for r in g.rows for t in r.tokens], dtype=torch.long),
+                        torch.tensor([p for r in g.rows for p in r.logprobs],
+                                     dtype=torch.float32),
+                        torch.tensor([r.done for r in g.rows], dtype=torch.bool)))
+        return out
+
+    def load_state_dict(self, groups: list, item: Callable[[int], object]) -> None:
+        """The groups of `state_dict` in flight again; `item(index)`: the dataset item."""
+        self.groups = []
+        for index, born, lengths, tokens, logprobs, done in groups:
+            if len(lengths) != self.n:
+                raise ValueError(f"rollout.partial: a saved group holds {len(lengths)} rows, "
+                                 f"rollout.n={self.n}")
+            it = item(index)
+            ends = torch.cumsum(lengths, 0).tolist()
+            rows = []
+            for k, end in enumerate(ends):
+                start = end - int(lengths[k])
+                rows.append(Row(list(it.prompt_ids), tokens[start:end].tolist(),
+                                logprobs[start:end].tolist(), bool(done[k])))
+            self.groups.append(Group(it, born, rows))
 
     def _extend(self, rows: list, batch: RolloutBatch) -> None:
         """Append generated tokens (rows of `batch`, in order) to `rows`, within the budget."""
@@ -155,6 +190,55 @@ def batch_size_warning(*, local_groups: int, local_extra: int, n: int, gen_repli
             f"in-flight groups, data.prompts_per_step + rollout.partial.extra_prompts per DP rank, "
             f"x rollout.n={n}) in chunks of rollout.max_batch_size={max_batch_size}, one after "
             f"another; set rollout.max_batch_size={rows} where memory allows")
+
+
+def deal(saved: list, *, dp_size: int, dp_rank: int) -> dict:
+    """This DP rank's share of the in-flight state saved per DP rank (`saved`: one
+    {"groups": PartialRollouts.state_dict(), "queue": [dataset index, ...]} per rank). At the
+    saved DP size each rank gets its own back; at another, the groups of every rank, oldest first
+    (then by saved rank), go to the ranks in turn, and the queued prompts likewise."""
+    if len(saved) == dp_size:
+        return saved[dp_rank]
+    order = sorted(((g[1], r, k) for r, s in enumerate(saved) for k, g in enumerate(s["groups"])))
+    groups = [saved[r]["groups"][k] for _, r, k in order]
+    queue = [i for s in saved for i in s["queue"]]
+    return {"groups": groups[dp_rank::dp_size], "queue": queue[dp_rank::dp_size]}
+
+
+def gather_state(pr: PartialRollouts, queue: list, group) -> list:
+    """Every DP rank's in-flight groups and queued prompts (their dataset indices), in DP order:
+    a collective over the DP `group`, for the checkpoint rank 0 writes."""
+    mine = {"groups": pr.state_dict(), "queue": [int(it.index) for it in queue]}
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, mine, group=group)
+    return out
+
+
+def restore(pr: Optional[PartialRollouts], saved: Optional[list], *, dataset, dp_size: int,
+            dp_rank: int, restart_epoch: bool, legacy_count: int = 0) -> tuple[list, Optional[str]]:
+    """Put a checkpoint's in-flight state (`gather_state`'s list, None: none saved) back into
+    `pr` -> (this rank's queued dataset items, a log line or None). Dropped, with the line saying
+    why, when the run has rollout.partial off, the training data changed, or rollout.n did;
+    `legacy_count`: groups a checkpoint from before this state was saved counted as in flight."""
+    if not saved:
+        if legacy_count:
+            return [], (f"hybridflow: rollout.partial: {legacy_count} prompt groups in flight (or "
+                        f"drawn) on DP rank 0 when the checkpoint was saved were not saved with "
+                        f"it (an older hybridflow) and are dropped; their prompts are skipped for "
+                        f"the rest of this epoch")
+        return [], None
+    count = sum(len(s["groups"]) + len(s["queue"]) for s in saved)
+    why = ("rollout.partial.enable=false" if pr is None else
+           "the training data changed" if restart_epoch else
+           next((f"rollout.n={pr.n} differs from the saved groups' {len(g[2])}"
+                 for s in saved for g in s["groups"] if len(g[2]) != pr.n), None))
+    if why is not None:
+        return [], (f"hybridflow: rollout.partial: {count} prompt groups in flight (or drawn) when "
+                    f"the checkpoint was saved are dropped ({why}); their prompts are skipped "
+                    f"for the rest of this epoch")
+    mine = deal(saved, dp_size=dp_size, dp_rank=dp_rank)
+    pr.load_state_dict(mine["groups"], lambda i: dataset[i])
+    return [dataset[i] for i in mine["queue"]], None
 
 
 def row_items(prompts: list) -> list:

@@ -1,8 +1,8 @@
 """Partial rollouts through the real Trainer on 2 DP ranks (gloo, tiny demo model): every step
 trains prompts_per_step complete groups with the carried rows' tokens and log-probs, the metrics
-are the same on every rank, a resume drops the groups in flight with a log line (as designed: they
-are not checkpointed) and then runs on; with rollout.partial.enable=false the other partial keys
-change nothing (the step is today's, bitwise)."""
+are the same on every rank; a checkpoint keeps the groups in flight, so a resumed step is the
+uninterrupted run's step (its carried rows continued, every metric bit for bit); with
+rollout.partial.enable=false the other partial keys change nothing (the step is today's, bitwise)."""
 
 import pytest
 
@@ -39,17 +39,35 @@ def _runs(out_dir):
         history = trainer.train()
         return history, sizes
 
+    if out_dir.endswith("@1"):  # one rank resumes the 2-rank checkpoint: both ranks' groups
+        import shutil
+
+        out_dir = out_dir[:-2]
+        shutil.copytree(f"{out_dir}/on", f"{out_dir}/on_dp1")
+        return {"dp1": run("on_dp1", 3, *ON, "trainer.save_final=false")}
     return {"on": run("on", 2, *ON, "trainer.save_final=true"),
             "resumed": run("on", 3, *ON, "trainer.save_final=false"),
+            "straight": run("straight", 3, *ON, "trainer.save_final=false"),
             "off": run("off", 2, "trainer.save_final=false"),
             "off_keys": run("off_keys", 2, "rollout.partial.max_decode_steps=3",
-                            "rollout.partial.extra_prompts=2", "trainer.save_final=false")}
+                            "rollout.partial.extra_prompts=2", "trainer.save_final=false"),
+            "out_dir": out_dir}
 
 
 @pytest.fixture(scope="module")
 def both(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("partial_rollout"))
     return run_each(2, {"runs": (_runs, out_dir)})
+
+
+def test_resume_at_another_dp_size_continues_every_rank_groups(both, tmp_path_factory):
+    """The 2-rank checkpoint resumed on 1 rank: the groups both ranks had in flight continue
+    there (the carried rows are the 2-rank run's carried rows of step 3, summed over its ranks)."""
+    out_dir = both[0]["runs"]["out_dir"]
+    (dp1, _), = [run_each(1, {"runs": (_runs, out_dir + "@1")})[0]["runs"]["dp1"]]
+    straight = [r["straight"][0][2] for r in (both[0]["runs"], both[1]["runs"])]
+    assert len(dp1) == 1 and dp1[0]["partial/carried_rows"] > 0
+    assert dp1[0]["partial/carried_rows"] == straight[0]["partial/carried_rows"]
 
 
 def test_partial_rollouts_through_the_trainer(both):
@@ -67,11 +85,13 @@ def test_partial_rollouts_through_the_trainer(both):
             assert "rollout_corr/kl" in m and "rollout_corr/rollout_is_mean" in m
         # the first step draws prompts_per_step + extra_prompts groups: 1 per rank stays in flight
         assert history[0]["partial/carried_groups"] == 2
-        resumed, _ = r["resumed"]
-        assert len(resumed) == 1 and "partial/carried_rows" in resumed[0]
-        assert resumed[0]["partial/carried_rows"] == 0  # nothing carried across the resume
     strip = lambda h: [{k: v for k, v in m.items()  # noqa: E731
                         if not k.startswith(("timing", "perf/", "memory"))} for m in h]
+    for r in (r0, r1):  # the resumed step continues the saved groups: the uninterrupted step
+        (resumed, rsizes), (straight, ssizes) = r["resumed"], r["straight"]
+        assert len(resumed) == 1 and len(straight) == 3
+        assert straight[2]["partial/carried_rows"] > 0
+        assert strip(resumed) == strip(straight[2:]) and rsizes == ssizes[2:]
     assert strip(r0["on"][0]) == strip(r1["on"][0])  # DP-reduced metrics agree
     # off: the partial keys are not read
     for r in (r0, r1):

@@ -1,7 +1,8 @@
 """Partial rollouts (hybridflow/rollout/partial.py) on a tiny CPU generator: with a decode cap that
 forces carry-over, carried rows continue exactly where they stopped (greedy: the tokens of one
 uncapped generation), their earlier log-probs are the ones recorded when they were sampled, the
-trained groups are complete, staleness and the shortfall rule hold; and the config checks."""
+trained groups are complete, staleness and the shortfall rule hold; the in-flight state a checkpoint
+keeps round-trips and is dealt to the DP ranks; and the config checks."""
 
 import dataclasses
 
@@ -10,7 +11,7 @@ import torch
 
 from hybridflow.config import Config
 from hybridflow.config_checks import validate_partial
-from hybridflow.rollout.partial import PartialRollouts
+from hybridflow.rollout.partial import PartialRollouts, deal, restore
 from tests.unit.test_rollout import make, rc
 
 R, N, CAP = 14, 2, 4
@@ -128,6 +129,67 @@ def test_shortfall_and_staleness_finish_uncapped(setup):
     for step, groups, m in out:
         assert [g.born for g in groups] == sorted(g.born for g in groups)
         assert m["partial/staleness_max"] == max(step - g.born for g in groups)
+
+
+def _in_flight(items, *, n=N):
+    pr = PartialRollouts(n=n, max_new_tokens=R, stop_ids=[5], max_decode_steps=CAP,
+                         max_staleness=2, local_groups=2, local_extra=1)
+    pr.add(items[:3], 0)
+    pr.add(items[3:4], 1)
+    g = torch.Generator().manual_seed(0)
+    for k, grp in enumerate(pr.groups):
+        for j, r in enumerate(grp.rows):
+            r.tokens = torch.randint(1, 37, (k + 2 * j,), generator=g).tolist()
+            r.logprobs = (-torch.rand(len(r.tokens), generator=g)).tolist()  # float32 values
+            r.done = j == 0
+    return pr
+
+
+def _groups(pr):
+    return [(g.item.index, g.born, [(r.prompt, r.tokens, r.logprobs, r.done) for r in g.rows])
+            for g in pr.groups]
+
+
+def test_in_flight_state_round_trips_exactly():
+    """A checkpoint's in-flight groups come back as they were: dataset item, step drawn, every
+    row's tokens, recorded log-probs (bit for bit) and done flag; an empty row too."""
+    items = _items(6)
+    pr = _in_flight(items)
+    assert any(not r.tokens for g in pr.groups for r in g.rows)
+    back = _in_flight(items[4:])  # other groups, replaced by the loaded ones
+    back.load_state_dict(pr.state_dict(), lambda i: items[i])
+    assert _groups(back) == _groups(pr) and all(
+        b.item is items[b.item.index] for b in back.groups)
+
+
+def test_deal_gives_each_rank_its_own_or_every_group_in_turn():
+    grp = lambda index, born: (index, born)  # noqa: E731  (deal reads the step drawn only)
+    saved = [{"groups": [grp(0, 0), grp(1, 2)], "queue": [10, 11]},
+             {"groups": [grp(2, 1)], "queue": [12]}]
+    assert deal(saved, dp_size=2, dp_rank=1) is saved[1]
+    assert deal(saved, dp_size=1, dp_rank=0) == {"groups": [grp(0, 0), grp(2, 1), grp(1, 2)],
+                                                 "queue": [10, 11, 12]}
+    assert [deal(saved, dp_size=3, dp_rank=r) for r in range(3)] == [
+        {"groups": [grp(0, 0)], "queue": [10]}, {"groups": [grp(2, 1)], "queue": [11]},
+        {"groups": [grp(1, 2)], "queue": [12]}]
+
+
+def test_restore_puts_groups_back_or_says_why_it_drops_them():
+    items = _items(6)
+    saved = [{"groups": _in_flight(items).state_dict(), "queue": [4, 5]}]
+    pr = _in_flight(items[4:])
+    queue, line = restore(pr, saved, dataset=items, dp_size=1, dp_rank=0, restart_epoch=False)
+    assert line is None and queue == items[4:6] and _groups(pr) == _groups(_in_flight(items))
+    for args, why in (((None, saved), "rollout.partial.enable=false"),
+                      ((_in_flight(items, n=3), saved), "rollout.n=3 differs"),
+                      ((pr, saved, True), "the training data changed")):
+        queue, line = restore(*args[:2], dataset=items, dp_size=1, dp_rank=0,
+                              restart_epoch=args[2] if len(args) > 2 else False)
+        assert queue == [] and why in line and "6 prompt groups" in line, line
+    assert restore(pr, None, dataset=items, dp_size=1, dp_rank=0, restart_epoch=False) == ([], None)
+    _, line = restore(pr, None, dataset=items, dp_size=1, dp_rank=0, restart_epoch=False,
+                      legacy_count=3)
+    assert "3 prompt groups" in line and "older hybridflow" in line
 
 
 def _cfg(**partial):
