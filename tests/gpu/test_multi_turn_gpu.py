@@ -138,7 +138,8 @@ def test_fused_step_bf16(tmp_path):
     """decode_kernels=triton, bf16, forced rows (every token given, so the runs compare token for
     token), KV windows and compaction: graphed == eager bit for bit; the log-probs of the model's
     tokens are the torch step's and a full prefill's within bf16 rounding; with the tool results
-    fed through the graphed step (append=decode) the same rollout, log-probs within bf16 rounding."""
+    fed through the graphed step (append=decode) the same rollout, log-probs within bf16 rounding;
+    with every window column read (own_columns_only=false) the same bits."""
     tok, prompts, forced, path = _setup(tmp_path)
     end = tok.encode("<|im_end|>")
     forced = forced[:3] + [forced[3] + tok.encode("two") + end, tok.encode("plain") + end]
@@ -148,6 +149,10 @@ def test_fused_step_bf16(tmp_path):
                        cuda_graphs=g, **more)
             for name, k, g in (("fused", "triton", True), ("fused_eager", "triton", False),
                                ("torch", "torch", True))}
+    # every column of the window read (rollout.kernel_options.own_columns_only=false): the fed
+    # rows' outputs are bit for bit those of their own columns
+    runs["all_columns"] = _run(generate_multi_turn, gen, tok, prompts, forced, path,
+                               kernels="triton", cuda_graphs=True, own_columns_only=False, **more)
     # the results fed through the graphed fused step instead of appended by extend
     runs["fed"] = _run(generate_multi_turn, gen, tok, prompts, forced, path, kernels="triton",
                        cuda_graphs=True, append="decode", **more)
@@ -164,6 +169,8 @@ def test_fused_step_bf16(tmp_path):
     assert m["tool_calls/mean"] > 0 and m["multi_turn/compactions"] > 0
     assert torch.equal(fused.response_ids, eager.response_ids)
     assert torch.equal(fused.rollout_logprobs, eager.rollout_logprobs)
+    assert torch.equal(fused.response_ids, runs["all_columns"][0].response_ids)
+    assert torch.equal(fused.rollout_logprobs, runs["all_columns"][0].rollout_logprobs)
     for a, b in ((fed, fused), (fused, ref)):  # the same rollout, model log-probs to bf16 rounding
         assert torch.equal(a.response_ids, b.response_ids)
         assert torch.equal(a.tool_mask, b.tool_mask)
