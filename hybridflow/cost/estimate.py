@@ -9,8 +9,8 @@ from hybridflow.cost.efficiency import Calibration, load_calibration, shipped_ca
 from hybridflow.cost.gpus import get_gpu
 from hybridflow.cost.memory import MemoryEstimate, memory_for
 from hybridflow.cost.report import CostReport
-from hybridflow.cost.search import (Evaluation, evaluate, graphs_compatible, quantization_choice,
-                                    reason, runners_up, search, suggest)
+from hybridflow.cost.search import (Evaluation, evaluate, graphs_compatible, partial_choice,
+                                    quantization_choice, reason, runners_up, search, suggest)
 from hybridflow.cost.shapes import load_shape
 from hybridflow.cost.timing import actor_model_flops, step_seconds
 from hybridflow.cost.workload import Plan, Workload, make_plan
@@ -75,12 +75,13 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
     `varlen`: Workload's variable-length fields (response_lengths, prompt_len_max, max_new_tokens,
     gen_max_batch_size, compact_finished_rows, decode_kv_window, dynamic_bsz, pack_sequences,
     packed_attention, gen_rounds, gen_prompt_factor, gen_batches_per_round, response_logits_only,
-    bf16_logits, graph_min_fill, int4_kernel_max_rows, own_columns_only, partial_decode_steps)."""
+    bf16_logits, graph_min_fill, int4_kernel_max_rows, own_columns_only, partial_decode_steps,
+    partial_extra_prompts)."""
     allowed = {"response_lengths", "prompt_len_max", "max_new_tokens", "gen_max_batch_size",
                "compact_finished_rows", "decode_kv_window", "dynamic_bsz", "pack_sequences",
                "packed_attention", "gen_rounds", "gen_prompt_factor", "gen_batches_per_round",
                "response_logits_only", "bf16_logits", "graph_min_fill", "int4_kernel_max_rows",
-               "own_columns_only", "partial_decode_steps"}
+               "own_columns_only", "partial_decode_steps", "partial_extra_prompts"}
     if set(varlen) - allowed:
         raise TypeError(f"estimate_cost: unknown arguments {sorted(set(varlen) - allowed)}")
     shape, gpu_, calib = load_shape(model), get_gpu(gpu), load_calibration(calibration)
@@ -145,6 +146,8 @@ def _report(shape, gpu, num_gpus, work, calib: Calibration, ranked: list[Evaluat
                                         else "priors (no fit)" if calib == Calibration() else "given")]
     quant = quantization_choice(shape, gpu, num_gpus, work, calib, best,
                                 plan=best.plan if forced else None)
+    partial = partial_choice(shape, gpu, num_gpus, work, calib, best,
+                             plan=best.plan if forced else None)
     if mem.gen_waves > 1:
         notes.append(f"generation runs in {mem.gen_waves} waves per replica: the KV cache takes the "
                      "memory left free (as vLLM's gpu_memory_utilization), so the gen peak is the capacity")
@@ -170,5 +173,5 @@ def _report(shape, gpu, num_gpus, work, calib: Calibration, ranked: list[Evaluat
         overflow=None if best.fits else best.overflow(),
         suggestions=[] if best.fits else suggest(shape, gpu, num_gpus, work, calib)
         + ([quant["reason"]] if quant["recommended"] else []),
-        quantization=quant,
+        quantization=quant, partial=partial,
         calibration=calib.to_dict(), notes=notes)

@@ -304,13 +304,17 @@ def gen_batch_size(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
     """(sequences per wave, waves) for one gen replica: as many as the free memory holds (and
     rollout.max_batch_size allows); a call generates the step's rows, or under dynamic sampling
     its share of the prompt batches of a round (the mean call; `largest`: the run's largest call,
-    `Workload.gen_batches_per_round` prompt batches)."""
+    `Workload.gen_batches_per_round` prompt batches, or with partial rollouts every in-flight
+    group's rows)."""
     lay = plan.layout
     w = workload
     per_replica = math.ceil(w.num_sequences * w.gen_prompt_factor / w.gen_rounds / lay.dp_g)
     if largest:
         per_replica = max(per_replica,
                           math.ceil(w.num_sequences * w.gen_batches_per_round / lay.dp_g))
+        if w.partial_decode_steps:  # every in-flight group's rows (rollout.partial's first step)
+            extra = w.partial_extra_prompts * w.samples_per_prompt
+            per_replica = max(per_replica, math.ceil((w.num_sequences + extra) / lay.dp_g))
     resident = _resident(shape, plan, workload)
     if workload.offload_grads:
         resident["actor_grads"] = 0.0

@@ -39,6 +39,9 @@ class CostReport:
     # rollout.quantization: recommended mode (None: keep the workload's), reason, each mode's
     # predicted step (search.quantization_choice)
     quantization: dict = field(default_factory=dict)
+    # rollout.partial: recommended overrides (None: keep the workload's), reason, each decode
+    # cap's predicted step (search.partial_choice)
+    partial: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -92,6 +95,12 @@ class CostReport:
                       + ("" if o["fits"] else ", won't fit")
                       + (" (with actor.offload_params)" if o["offload_params"] else "")
                       for m, o in q["options"].items()]
+        if self.partial.get("options"):
+            p = self.partial
+            lines += ["", f"rollout.partial: {p['reason']}"]
+            lines += [f"  max_decode_steps {c:<5} {o['step_s']:8.2f} s/step, gen {o['gen_s']:.2f} s, "
+                      f"peak {o['peak_gib']:.1f} GiB" + ("" if o["fits"] else ", won't fit")
+                      for c, o in p["options"].items()]
         if self.overflow:
             o = self.overflow
             lines += ["", f"overflow: {o['component']} ({o['gib']:.1f} GiB) at {o['phase']}; "

@@ -150,6 +150,9 @@ class Workload:
     # the row's prompt + response so far (costed in the steady state: one step's call holds every
     # segment of a step's worth of rows, cost.varlen)
     partial_decode_steps: int = 0
+    # rollout.partial.extra_prompts (over all DP ranks): groups kept in flight beyond the step's;
+    # the first step generates all of them, the run's largest call (a kept KV cache's rows)
+    partial_extra_prompts: int = 0
 
     def __post_init__(self):
         if self.response_lengths is not None:

@@ -406,3 +406,46 @@ def test_mirrors_of_the_generator_stay_equal():
     assert varlen.MIN_GRAPHED_BUCKET == opts.min_graphed_bucket
     assert varlen.LENGTH_MULTIPLE == generator.LENGTH_MULTIPLE
     assert varlen.PREFILL_TOKENS == opts.prefill_tokens
+
+
+GSM8K_PROBE = ROOT / "benchmarks/results/gsm8k_graphs_h200/full/metrics.jsonl"
+
+
+def _gsm8k_report(capsys, *overrides, as_json=True):
+    from hybridflow.cost.__main__ import main
+
+    assert main(["--config", "experiment=gsm8k_qwen_coder_0_5b", *overrides, "--num-gpus", "1",
+                 "--gpu", "H100", "--lengths", str(GSM8K_PROBE)] + ["--json"] * as_json) == 0
+    out = capsys.readouterr().out
+    return json.loads(out) if as_json else out
+
+
+def test_partial_rollouts_first_step_rows_hold_the_kept_cache(capsys):
+    # rollout.partial's first step generates every in-flight group: (64 + 32) x 8 rows, the run's
+    # largest call, so a kept generator's cache holds 768 rows (512 without it)
+    on = _gsm8k_report(capsys, "rollout.partial.enable=true", "rollout.partial.max_decode_steps=512",
+                       "rollout.partial.extra_prompts=32", "rollout.max_batch_size=768",
+                       "algo.tis_imp_ratio_cap=2.0")
+    off = _gsm8k_report(capsys)
+    assert on["memory_gib"]["kv_cache"] == pytest.approx(off["memory_gib"]["kv_cache"] * 768 / 512)
+    assert "already on" in on["partial"]["reason"] and on["partial"]["recommended"] is None
+
+
+def test_estimator_suggests_partial_rollouts_for_a_long_tail(capsys):
+    """GSM8K's lengths (mean ~300, longest 1,024): every cap's predicted step is listed and the
+    fastest fitting one (>= 3% faster) is suggested with the overrides that run it; fixed lengths,
+    dynamic sampling or no long tail: not considered, and the reason says why."""
+    r = _gsm8k_report(capsys)
+    p = r["partial"]
+    assert set(p["options"]) == {"256", "384", "512"}  # (JSON keys)
+    best = min(p["options"], key=lambda c: p["options"][c]["step_s"])
+    assert p["options"][best]["step_s"] < 0.97 * r["step_seconds"]
+    assert p["recommended"] == (f"rollout.partial.enable=true rollout.partial.max_decode_steps="
+                                f"{best} rollout.partial.extra_prompts=32 "
+                                f"rollout.max_batch_size=768 algo.tis_imp_ratio_cap=2.0")
+    assert "rollout.partial: consider" in _gsm8k_report(capsys, as_json=False)
+    assert "check the val curve" in p["reason"]
+    for overrides, why in ((["algo=dapo", "reward.overlong_buffer.len=256"], "dynamic sampling"),
+                           (["rollout.max_new_tokens=400"], "no long tail")):
+        q = _gsm8k_report(capsys, *overrides)["partial"]
+        assert q["recommended"] is None and not q["options"] and why in q["reason"], q
