@@ -511,11 +511,9 @@ def validate_partial(cfg: Config, *, dp: int) -> None:
         raise ValueError("rollout.partial.enable=true needs rollout.return_logprobs=true: carried "
                          "rows keep their tokens' rollout log-probs (the older policy's), which "
                          "algo.tis_imp_ratio_cap and the rollout_corr/* metrics use")
-    for key, on in (("rollout.multi_turn.enable", r.multi_turn.enable),
-                    ("algo.dynamic_sampling.enable", cfg.algo.dynamic_sampling.enable)):
-        if on:
-            raise ValueError(f"rollout.partial.enable=true does not run with {key}=true yet; "
-                             f"turn one of them off")
+    if r.multi_turn.enable:
+        raise ValueError("rollout.partial.enable=true does not run with "
+                         "rollout.multi_turn.enable=true yet; turn one of them off")
 
 
 def _validate_quantization(cfg: Config) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 from typing import Optional
@@ -265,13 +266,16 @@ class Trainer:
                 batch.scores, metrics = self.rollout.score(items, batch)
             return batch, metrics
 
-        if cfg.rollout.partial.enable:
-            batch, metrics = self.partial_round(timer)
+        calls = itertools.count()  # rollout.partial's generate calls this step (their seeds)
+        if cfg.rollout.partial.enable and not ds.enable:
+            batch, metrics = self.partial_round(timer, calls)
         elif not ds.enable:
             batch, metrics = one_round()
-        else:
+        else:  # rounds of new prompts, or with rollout.partial of complete in-flight groups
+            next_round = (functools.partial(self.partial_round, timer, calls)
+                          if cfg.rollout.partial.enable else one_round)
             batch, metrics = fill_informative(
-                one_round, num_groups=self.sampler.local_batch_size, group_size=cfg.rollout.n,
+                next_round, num_groups=self.sampler.local_batch_size, group_size=cfg.rollout.n,
                 max_rounds=ds.max_rounds, dp_group=self.ctx.dp_group, pad_id=self.tokenizer.pad_id,
                 batches_per_round=ds.batches_per_round, adaptive=ds.adaptive,
                 kept_estimate=self.kept_estimate)
@@ -289,17 +293,18 @@ class Trainer:
                 dp_sum(float(penalty.mean()), group=self.ctx.dp_group) / self.ctx.dp_size)
         return batch, metrics
 
-    def partial_round(self, timer) -> tuple[RolloutBatch, dict]:
+    def partial_round(self, timer, calls, num_batches: int = 1) -> tuple[RolloutBatch, dict]:
         """rollout.partial: top the in-flight groups up with fresh prompts, one capped generation
-        (and an uncapped one for missing or stale groups), score the step's complete groups
-        (hybridflow/rollout/partial.py)."""
+        (and an uncapped one for missing or stale groups), score `num_batches` prompt batches'
+        worth of complete groups (a dynamic-sampling round may take several; hybridflow/rollout/
+        partial.py). `calls`: the step's generate-call counter (each call its own seeds)."""
         cfg, pr = self.cfg, self.partial
-        need = pr.fresh_needed()
+        L = self.sampler.local_batch_size
+        need = pr.fresh_needed(num_batches * L)
         while len(self.partial_queue) < need:  # whole sampler batches; the rest wait their turn
             self.partial_queue += [self.dataset[i] for i in self.sampler.next_batch()]
         pr.add(self.partial_queue[:need], self.step)
         self.partial_queue = self.partial_queue[need:]
-        calls = itertools.count()
 
         def gen_rows(prompts: list, max_new: int) -> RolloutBatch:
             r = dataclasses.replace(cfg.rollout, n=1, max_new_tokens=max_new)
@@ -307,10 +312,10 @@ class Trainer:
                                          rollout_cfg=r, round_index=next(calls))
 
         g = self.ctx.dp_group
-        groups, pm = pr.step(gen_rows, self.step,
+        groups, pm = pr.step(gen_rows, self.step, take=num_batches * L,
                              anywhere=lambda has: dp_sum(float(has), group=g) > 0)
-        L = self.sampler.local_batch_size
-        batch = pr.batch(groups, pad_id=self.tokenizer.pad_id, first_group=self.ctx.train.dp * L)
+        batch = pr.batch(groups, pad_id=self.tokenizer.pad_id,
+                         first_group=self.ctx.train.dp * len(groups))
         items = [grp.item for grp in groups]
         with timer("reward"):
             batch.scores, metrics = self.rollout.score(items, batch)

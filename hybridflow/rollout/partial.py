@@ -65,8 +65,11 @@ class PartialRollouts:
         self.local_groups, self.local_extra = local_groups, local_extra
         self.groups: list[Group] = []
 
-    def fresh_needed(self) -> int:
-        return max(self.local_groups + self.local_extra - len(self.groups), 0)
+    def fresh_needed(self, take: Optional[int] = None) -> int:
+        """Fresh groups to add before a step (or round) that trains `take` groups (None:
+        local_groups): the in-flight groups topped up to take + local_extra."""
+        take = self.local_groups if take is None else take
+        return max(take + self.local_extra - len(self.groups), 0)
 
     def add(self, items, step: int) -> None:
         for it in items:
@@ -125,14 +128,17 @@ class PartialRollouts:
         return int(batch.response_mask.sum(1).max())
 
     def step(self, gen_rows: Callable[[list, int], RolloutBatch], step: int,
-             anywhere: Optional[Callable[[bool], bool]] = None):
+             anywhere: Optional[Callable[[bool], bool]] = None, take: Optional[int] = None):
         """Steps 2-4 of the module doc on the in-flight groups (already topped up) ->
         (the groups to train on, oldest first; metrics of this rank). `anywhere(has_rows)`: whether
-        any DP rank has rows for a call (None: a single rank); every rank then makes the call."""
+        any DP rank has rows for a call (None: a single rank); every rank then makes the call.
+        `take`: complete groups to return (None: local_groups; a dynamic-sampling round takes its
+        prompt batches' worth)."""
+        take_n = self.local_groups if take is None else take
         carried_rows = sum(not r.done for g in self.groups if g.born < step for r in g.rows)
         decode = self._generate(self.groups, gen_rows, self.cap, anywhere)
         complete = [g for g in self.groups if g.complete]
-        short = max(self.local_groups - len(complete), 0)
+        short = max(take_n - len(complete), 0)
         incomplete = [g for g in self.groups if not g.complete]  # oldest first
         finish = [g for k, g in enumerate(incomplete)
                   if k < short or step - g.born >= self.max_staleness]
@@ -144,7 +150,7 @@ class PartialRollouts:
         budget = min(-(-budget // self.cap) * self.cap, self.R)
         decode += self._generate(finish, gen_rows, budget, anywhere)  # (every rank: it may join)
         ready = [g for g in self.groups if g.complete]  # oldest first (in-flight order)
-        take = ready[:self.local_groups]
+        take = ready[:take_n]
         taken = {id(g) for g in take}
         self.groups = [g for g in self.groups if id(g) not in taken]
         metrics = {"partial/carried_rows": float(carried_rows),

@@ -1,14 +1,15 @@
 """Partial rollouts through the real Trainer on 2 DP ranks (gloo, tiny demo model): every step
 trains prompts_per_step complete groups with the carried rows' tokens and log-probs, the metrics
 are the same on every rank; a checkpoint keeps the groups in flight, so a resumed step is the
-uninterrupted run's step (its carried rows continued, every metric bit for bit); with
+uninterrupted run's step (its carried rows continued, every metric bit for bit); with algo=dapo
+each dynamic-sampling round takes complete in-flight groups; with
 rollout.partial.enable=false the other partial keys change nothing (the step is today's, bitwise)."""
 
 import pytest
 
 from tests.dist.launcher import run_each
 
-BASE = ["algo=grpo", "trainer.sft_warmup_steps=0", "trainer.tensorboard=false",
+BASE = ["trainer.sft_warmup_steps=0", "trainer.tensorboard=false",
         "trainer.progress_bar=false", "data.prompts_per_step=4", "rollout.n=2",
         "rollout.max_new_tokens=8", "rollout.temperature=1.0", "rollout.return_logprobs=true",
         "algo.ppo_mini_batch_size=8", "algo.micro_batch_size_per_gpu=4",
@@ -26,8 +27,8 @@ def _runs(out_dir):
     from hybridflow.parallel import groups
     from hybridflow.trainer import Trainer
 
-    def run(name, steps, *extra):
-        cfg = load_config(["experiment=demo", *BASE, f"trainer.output_dir={out_dir}/{name}",
+    def run(name, steps, *extra, algo="algo=grpo"):
+        cfg = load_config(["experiment=demo", algo, *BASE, f"trainer.output_dir={out_dir}/{name}",
                            f"trainer.total_steps={steps}", *extra])
         validate(cfg, world_size=dist.get_world_size())
         ctx = groups.init_model_parallel(tp=1, pp=1, seed=cfg.trainer.seed)
@@ -36,8 +37,12 @@ def _runs(out_dir):
         score = trainer.rollout.score
         trainer.rollout.score = lambda items, b: sizes.append(
             (b.batch_size, b.group_ids.tolist(), bool((b.rollout_logprobs != 0).any()))) or score(items, b)
+        advantages = trainer.compute_advantages
+        trained = []  # each step's trained groups' scores (this rank's rows, pooled over DP)
+        trainer.compute_advantages = lambda b: trained.append(
+            (b.scores.tolist(), b.group_ids.tolist())) or advantages(b)
         history = trainer.train()
-        return history, sizes
+        return (history, sizes, trained) if algo == "algo=dapo" else (history, sizes)
 
     if out_dir.endswith("@1"):  # one rank resumes the 2-rank checkpoint: both ranks' groups
         import shutil
@@ -48,6 +53,8 @@ def _runs(out_dir):
     return {"on": run("on", 2, *ON, "trainer.save_final=true"),
             "resumed": run("on", 3, *ON, "trainer.save_final=false"),
             "straight": run("straight", 3, *ON, "trainer.save_final=false"),
+            "dapo": run("dapo", 3, *ON, "reward.overlong_buffer.len=4", "trainer.save_final=false",
+                        algo="algo=dapo"),
             "off": run("off", 2, "trainer.save_final=false"),
             "off_keys": run("off_keys", 2, "rollout.partial.max_decode_steps=3",
                             "rollout.partial.extra_prompts=2", "trainer.save_final=false"),
@@ -68,6 +75,26 @@ def test_resume_at_another_dp_size_continues_every_rank_groups(both, tmp_path_fa
     straight = [r["straight"][0][2] for r in (both[0]["runs"], both[1]["runs"])]
     assert len(dp1) == 1 and dp1[0]["partial/carried_rows"] > 0
     assert dp1[0]["partial/carried_rows"] == straight[0]["partial/carried_rows"]
+
+
+def test_dynamic_sampling_rounds_of_complete_in_flight_groups(both):
+    """algo=dapo with rollout.partial: each dynamic-sampling round takes its prompt batches' worth
+    of complete in-flight groups (capped decode, carried rows), the informative ones are kept and
+    pooled over DP; a step trains prompts_per_step groups, informative unless the cap was hit."""
+    for r in (both[0]["runs"], both[1]["runs"]):
+        history, sizes, trained = r["dapo"]
+        assert len(history) == 3 and len(trained) == 3
+        assert sum(m["partial/carried_rows"] for m in history) > 0
+        assert any(m["dynamic_sampling/cap_hit"] == 0 for m in history)
+        assert any(m["dynamic_sampling/kept_fraction"] < 1 for m in history)  # some filtered out
+        for m, (scores, gids) in zip(history, trained):
+            assert m["dynamic_sampling/rounds"] >= 1 and "partial/decode_steps" in m
+            assert len(scores) == 4 and len(set(gids)) == 2  # 2 groups of 2 rows per rank
+            informative = sum(len({s for s, g in zip(scores, gids) if g == k}) > 1
+                              for k in set(gids))
+            assert informative == 2 or m["dynamic_sampling/cap_hit"] == 1, (m, scores)
+        for b, gids, has_lp in sizes:  # a round scores whole complete groups
+            assert b % 2 == 0 and b >= 4 and has_lp
 
 
 def test_partial_rollouts_through_the_trainer(both):
