@@ -43,8 +43,8 @@ from hybridflow.nonfinite import SkippedUpdates
 from hybridflow.parallel.balance import balance_rows
 from hybridflow.parallel.dp import all_gather_batch, dp_max, dp_sum
 from hybridflow.rollout.dynamic_sampling import chunking_warning, fill_informative
-from hybridflow.rollout import partial as partial_state
-from hybridflow.rollout.partial import PartialRollouts, batch_size_warning, row_items
+from hybridflow.rollout.partial import (PartialRollouts, batch_size_warning, gather_state,
+                                        restore as restore_partial, row_items)
 
 # Engine.train_step metrics logged under the role (`actor/grad_norm`, ...); the rest carry their own
 ROLE_METRICS = ("grad_norm", "lr", "update_skipped", "graphed_micro_batch_frac")
@@ -439,7 +439,7 @@ class Trainer:
         return {"step": self.step, "sft_done": self.sft_done,
                 "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                 "kept_estimate": self.kept_estimate, "train_data": self.train_data,
-                "partial": None if self.partial is None else partial_state.gather_state(
+                "partial": None if self.partial is None else gather_state(
                     self.partial, self.partial_queue, self.ctx.dp_group)}
 
     def load_state_dict(self, state: dict, *, restart_epoch: bool = False) -> None:
@@ -449,7 +449,7 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"], restart_epoch=restart_epoch)
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.kept_estimate = state.get("kept_estimate")  # absent in checkpoints before it
-        self.partial_queue, line = partial_state.restore(
+        self.partial_queue, line = restore_partial(
             self.partial, state.get("partial"), dataset=self.dataset, dp_size=self.ctx.dp_size,
             dp_rank=dist.get_rank(group=self.ctx.dp_group), restart_epoch=restart_epoch,
             legacy_count=state.get("partial_in_flight", 0))

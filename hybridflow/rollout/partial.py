@@ -226,14 +226,14 @@ def restore(pr: Optional[PartialRollouts], saved: Optional[list], *, dataset, dp
     `pr` -> (this rank's queued dataset items, a log line or None). Dropped, with the line saying
     why, when the run has rollout.partial off, the training data changed, or rollout.n did;
     `legacy_count`: groups a checkpoint from before this state was saved counted as in flight."""
-    if not saved:
+    count = sum(len(s["groups"]) + len(s["queue"]) for s in saved or [])
+    if not count:
         if legacy_count:
             return [], (f"hybridflow: rollout.partial: {legacy_count} prompt groups in flight (or "
                         f"drawn) on DP rank 0 when the checkpoint was saved were not saved with "
                         f"it (an older hybridflow) and are dropped; their prompts are skipped for "
                         f"the rest of this epoch")
         return [], None
-    count = sum(len(s["groups"]) + len(s["queue"]) for s in saved)
     why = ("rollout.partial.enable=false" if pr is None else
            "the training data changed" if restart_epoch else
            next((f"rollout.n={pr.n} differs from the saved groups' {len(g[2])}"
