@@ -98,9 +98,9 @@ class CostReport:
         if self.partial.get("options"):
             p = self.partial
             lines += ["", f"rollout.partial: {p['reason']}"]
-            lines += [f"  max_decode_steps {c:<5} {o['step_s']:8.2f} s/step, gen {o['gen_s']:.2f} s, "
-                      f"peak {o['peak_gib']:.1f} GiB" + ("" if o["fits"] else ", won't fit")
-                      for c, o in p["options"].items()]
+            lines += [f"  max_decode_steps / max_batch_size {c:<9} {o['step_s']:6.2f} s/step, gen "
+                      f"{o['gen_s']:.2f} s, peak {o['peak_gib']:.1f} GiB"
+                      + ("" if o["fits"] else ", won't fit") for c, o in p["options"].items()]
         if self.overflow:
             o = self.overflow
             lines += ["", f"overflow: {o['component']} ({o['gib']:.1f} GiB) at {o['phase']}; "

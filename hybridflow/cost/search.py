@@ -296,12 +296,17 @@ def _why_not(mode: str, ev: Evaluation, best: Evaluation) -> str:
 def partial_choice(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Workload,
                    calib: Calibration, best: Evaluation, plan: Plan | None = None) -> dict:
     """rollout.partial for this step: the predicted step at a few decode caps (a quarter, three
-    eighths and half of rollout.max_new_tokens; extra_prompts half of a step's prompts, the first
-    step's rows in one call), and the cap to recommend when one fits and is predicted at least 3%
-    faster. Considered only when the response lengths are known, the longest is at least twice
-    the mean (the long tail a cap cuts), max_new_tokens is set, partial rollouts are off and every
-    step generates once (no dynamic sampling). Returns {"recommended": overrides or None,
-    "reason": one line, "options": {cap: {step_s, gen_s, fits, peak_gib}}}."""
+    eighths and half of rollout.max_new_tokens; extra_prompts half of a step's prompts) and two
+    rollout.max_batch_size values each (the steady state's rows per call, rounded up to 64: the
+    first step, which generates every in-flight group, then runs in two chunks; or the first
+    step's rows: one chunk always, but the steady state's call padded to that graph bucket), and
+    the choice to recommend when one fits and is predicted at least 3% faster. Considered only
+    when the response lengths are known, the longest is at least twice the mean (the long tail a
+    cap cuts), max_new_tokens is set, partial rollouts are off and every step generates once (no
+    dynamic sampling). Returns {"recommended": overrides or None, "reason": one line,
+    "options": {"<cap>/<max_batch_size>": {step_s, gen_s, fits, peak_gib}}}."""
+    from hybridflow.cost.varlen import partial_segments, row_lengths
+
     w = workload
     R = w.max_new_tokens
     why_not = ("already on" if w.partial_decode_steps else
@@ -309,35 +314,37 @@ def partial_choice(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Worklo
                else "no rollout.max_new_tokens" if R is None else
                "dynamic sampling generates more than once a step"
                if w.gen_rounds != 1 or w.gen_prompt_factor != 1 or w.gen_batches_per_round != 1
-               else
-               f"no long tail (longest {w.longest_response} < 2 x mean {w.response_len})"
+               else f"no long tail (longest {w.longest_response} < 2 x mean {w.response_len})"
                if w.longest_response < 2 * w.response_len else None)
     if why_not:
         return {"recommended": None, "options": {}, "reason": f"not considered: {why_not}"}
     dp = best.plan.layout.dp_g
     extra = max(dp, w.prompts_per_step // 2 // dp * dp)
-    rows = -(-(w.prompts_per_step + extra) * w.samples_per_prompt // dp)
+    rows = -(-w.num_sequences // dp)
+    first = -(-(w.prompts_per_step + extra) * w.samples_per_prompt // dp)
     options, evals = {}, {}
     for cap in sorted({max(64, R * k // 8 // 64 * 64) for k in (2, 3, 4)}):
         if cap >= R:
             continue
-        pw = replace(w, partial_decode_steps=cap, partial_extra_prompts=extra,
-                     gen_max_batch_size=max(rows, w.gen_max_batch_size or 0))
-        ev = _best_with(shape, gpu, num_gpus, pw, calib, plan)
-        if ev is None:
-            continue
-        evals[cap] = ev
-        options[cap] = {"step_s": ev.step, "gen_s": ev.seconds["gen"], "fits": ev.fits,
-                        "peak_gib": ev.memory.peak_gib}
-    better = [c for c, ev in evals.items() if ev.fits and ev.step < 0.97 * best.step]
+        steady = len(partial_segments(row_lengths(w, rows), cap)[0])
+        for mbs in sorted({min(-(-steady // 64) * 64, first), first}):
+            pw = replace(w, partial_decode_steps=cap, partial_extra_prompts=extra,
+                         gen_max_batch_size=mbs)
+            ev = _best_with(shape, gpu, num_gpus, pw, calib, plan)
+            if ev is None:
+                continue
+            evals[(cap, mbs)] = ev
+            options[f"{cap}/{mbs}"] = {"step_s": ev.step, "gen_s": ev.seconds["gen"],
+                                       "fits": ev.fits, "peak_gib": ev.memory.peak_gib}
+    better = [k for k, ev in evals.items() if ev.fits and ev.step < 0.97 * best.step]
     if not better:
         return {"recommended": None, "options": options,
                 "reason": f"keep off: no cap predicted 3% faster than {best.step:.2f} s/step"}
-    cap = min(better, key=lambda c: evals[c].step)
-    ev = evals[cap]
+    cap, mbs = min(better, key=lambda k: evals[k].step)
+    ev = evals[(cap, mbs)]
     keys = (f"rollout.partial.enable=true rollout.partial.max_decode_steps={cap} "
-            f"rollout.partial.extra_prompts={extra} rollout.max_batch_size="
-            f"{max(rows, w.gen_max_batch_size or 0)} algo.tis_imp_ratio_cap=2.0")
+            f"rollout.partial.extra_prompts={extra} rollout.max_batch_size={mbs} "
+            f"algo.tis_imp_ratio_cap=2.0")
     return {"recommended": keys, "options": options,
             "reason": f"consider {keys}: predicted {ev.step:.2f} s/step vs {best.step:.2f} (gen "
                       f"{ev.seconds['gen']:.2f} vs {best.seconds['gen']:.2f} s, peak "

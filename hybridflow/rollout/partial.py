@@ -187,15 +187,21 @@ class PartialRollouts:
 
 def batch_size_warning(*, local_groups: int, local_extra: int, n: int, gen_replicas: int,
                        max_batch_size: int):
-    """A start-up warning when the first step's rows per generate call (every in-flight group's n
-    rows) exceed rollout.max_batch_size: the call then runs in chunks, each paying the cap again."""
-    rows = -(-(local_groups + local_extra) * n // gen_replicas)
-    if rows <= max_batch_size:
+    """A start-up warning when a step's fresh rows alone (data.prompts_per_step x n per replica)
+    fill rollout.max_batch_size: every step's call then runs in chunks, one after another, each
+    paying the cap again. (Below the first step's rows, every in-flight group's, only that step
+    runs in chunks; `python -m hybridflow.cost` prices the choice.)"""
+    fresh = -(-local_groups * n // gen_replicas)
+    if fresh < max_batch_size:
         return None
-    return (f"hybridflow: warning: rollout.partial generates up to {rows} rows per call (the "
-            f"in-flight groups, data.prompts_per_step + rollout.partial.extra_prompts per DP rank, "
-            f"x rollout.n={n}) in chunks of rollout.max_batch_size={max_batch_size}, one after "
-            f"another; set rollout.max_batch_size={rows} where memory allows")
+    first = -(-(local_groups + local_extra) * n // gen_replicas)
+    room = min(-(-fresh * 9 // 8 // 64) * 64, first)
+    return (f"hybridflow: warning: rollout.partial generates {fresh} fresh rows per call "
+            f"(data.prompts_per_step x rollout.n={n} per generation replica) plus the carried "
+            f"ones, in chunks of rollout.max_batch_size={max_batch_size}, one after another, each "
+            f"paying the cap again; set rollout.max_batch_size to about {room} (room for the "
+            f"carried rows) where memory allows, or {first} (every in-flight group's rows: the "
+            f"first step in one call too)")
 
 
 def deal(saved: list, *, dp_size: int, dp_rank: int) -> dict:
