@@ -11,6 +11,8 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
   lora_graphs  the same with the update's layers as CUDA graphs (parallel.train_cuda_graphs, a
            LoRA run's default on a GPU)
   partial  rollout.partial (512 decode steps per step, 32 extra prompts in flight), TIS cap 2.0
+  partial_576  the same with rollout.max_batch_size=576 (the steady state's rows; the first step
+           runs in two chunks)
   tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter; tool results fed
            through the decode step, each step launched before the last is read: the defaults)
   tools_fed  the same without lookahead (rollout.multi_turn.lookahead=false)
@@ -49,6 +51,9 @@ VARIANTS = {
                     "parallel.train_cuda_graphs=true"),
     "partial": ("rollout.partial.enable=true rollout.partial.max_decode_steps=512 "
                 "rollout.partial.extra_prompts=32 rollout.max_batch_size=768 algo.tis_imp_ratio_cap=2.0"),
+    "partial_576": ("rollout.partial.enable=true rollout.partial.max_decode_steps=512 "
+                    "rollout.partial.extra_prompts=32 rollout.max_batch_size=576 "
+                    "algo.tis_imp_ratio_cap=2.0"),
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
     "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.lookahead=false",
     "tools_held": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.append=prefill",
