@@ -7,7 +7,8 @@ time (total_steps x median step), GPU-hours and money (`trainer.price_per_gpu_ho
 model's default for this GPU). Beside the measurement: the cost model's prediction for the same
 config and layout (hybridflow.cost) at the lengths the probe steps had (mean and longest prompt,
 the response lengths as a distribution fitted to their statistics), when the GPU is in its table
-(on CPU there is no prediction). probe.json's "lengths" are those statistics:
+(on CPU there is no prediction), and what the estimator would change at those lengths
+(rollout.quantization, rollout.partial: "consider"). probe.json's "lengths" are those statistics:
 `python -m hybridflow.cost --config ... --lengths probe.json` predicts other configs at them.
 """
 
@@ -68,7 +69,7 @@ def _length_stats(history: list[dict]) -> dict:
 
 
 def _prediction(cfg, gpu: str, world: int, history: list[dict] = ()) -> dict:
-    from hybridflow.cost import estimate_memory, estimate_step_time
+    from hybridflow.cost import estimate_memory, estimate_options, estimate_step_time
     from hybridflow.cost.from_config import plan_for, workload_fields
 
     kw = dict(model=cfg.model, gpu=gpu, num_gpus=world, layout=plan_for(cfg, world),
@@ -78,7 +79,7 @@ def _prediction(cfg, gpu: str, world: int, history: list[dict] = ()) -> dict:
     timing = {(k if k.startswith("timing_s/") else f"timing_s/{k}"): v
               for k, v in estimate_step_time(**kw).items()}
     return {"timing_s": timing, "peak_memory_gb": mem.peak_gib,
-            "peak_phase": mem.peak_phase}
+            "peak_phase": mem.peak_phase, "consider": estimate_options(**kw)}
 
 
 def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = None,
@@ -128,6 +129,8 @@ def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = 
         print(f"  peak memory/GPU   {peak:.1f} GB"
               + (f"  (predicted {record['predicted'].get('peak_memory_gb', float('nan')):.1f})"
                  if "predicted" in record and "peak_memory_gb" in record["predicted"] else ""))
+        for line in record.get("predicted", {}).get("consider", []):
+            print(f"  the cost model would {line}")
         full = record["full_run"]
         print(f"  full run: {cfg.trainer.total_steps} steps ({todo} to go) ~ {full['hours']:.2f} h, "
               f"{full['gpu_hours']:.2f} GPU-h" + (f", ${full['cost']:.2f}" if "cost" in full else ""))

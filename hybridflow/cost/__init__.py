@@ -9,13 +9,14 @@ timing (seconds per stage from `efficiency.Calibration`), search (layout search)
 report (CostReport), calibrate (fit the efficiencies from measured runs), validate (its per-config
 leave-one-out summary)."""
 from hybridflow.cost.efficiency import Calibration, load_calibration, shipped_calibration
-from hybridflow.cost.estimate import estimate_cost, estimate_memory, estimate_step_time
+from hybridflow.cost.estimate import (estimate_cost, estimate_memory, estimate_options,
+                                      estimate_step_time)
 from hybridflow.cost.gpus import GPUS, get_gpu
 from hybridflow.cost.memory import MemoryEstimate
 from hybridflow.cost.report import CostReport
 from hybridflow.cost.shapes import load_shape
 from hybridflow.cost.workload import Plan, Workload
 
-__all__ = ["estimate_cost", "estimate_memory", "estimate_step_time", "CostReport", "Calibration",
-           "MemoryEstimate", "Plan", "Workload", "GPUS", "get_gpu", "load_calibration", "load_shape",
+__all__ = ["estimate_cost", "estimate_memory", "estimate_options", "estimate_step_time",
+           "CostReport", "Calibration", "MemoryEstimate", "Plan", "Workload", "GPUS", "get_gpu", "load_calibration", "load_shape",
            "shipped_calibration"]

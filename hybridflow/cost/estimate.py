@@ -1,5 +1,6 @@
 """Public entry points: `estimate_cost` (search + report) and, for one fixed layout,
-`estimate_memory` and `estimate_step_time` (what the trainer's probe run puts beside its measurement)."""
+`estimate_memory`, `estimate_step_time` and `estimate_options` (what the trainer's probe run puts
+beside its measurement)."""
 from __future__ import annotations
 
 import math
@@ -31,6 +32,17 @@ def estimate_step_time(*, model, gpu, num_gpus: int, layout: dict | Plan, calibr
                        **workload) -> dict[str, float]:
     """Seconds per stage (`timing_s/<stage>` names) and "step" for one layout."""
     return step_seconds(*_fixed(model, gpu, num_gpus, layout, calibration, workload))
+
+
+def estimate_options(*, model, gpu, num_gpus: int, layout: dict | Plan, calibration=None,
+                     **workload) -> list[str]:
+    """What the estimator would change for one layout: its rollout.quantization and
+    rollout.partial recommendations (one line each, empty when it keeps the workload's)."""
+    shape, gpu_, plan, work, calib = _fixed(model, gpu, num_gpus, layout, calibration, workload)
+    best = evaluate(shape, gpu_, plan, work, calib)
+    choices = (quantization_choice(shape, gpu_, num_gpus, work, calib, best, plan=plan),
+               partial_choice(shape, gpu_, num_gpus, work, calib, best, plan=plan))
+    return [c["reason"] for c in choices if c["recommended"]]
 
 
 def _num_steps(steps, epochs, dataset_size, prompts_per_step) -> tuple[int, str | None]:

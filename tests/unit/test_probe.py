@@ -1,4 +1,5 @@
-"""The probe's cost-model prediction is made at the lengths its steps measured (hybridflow/probe.py)."""
+"""The probe's cost-model prediction is made at the lengths its steps measured, and says what the
+estimator would change at them (hybridflow/probe.py)."""
 
 import pytest
 
@@ -27,3 +28,21 @@ def test_prediction_at_the_measured_lengths():
     # (less than the token ratio: rows of different lengths run masked attention kernels)
     assert measured["timing_s/update_actor"] < 0.75 * maxima["timing_s/update_actor"]
     assert 0.3 * maxima["timing_s/gen"] < measured["timing_s/gen"] < maxima["timing_s/gen"]
+
+
+def test_prediction_says_what_the_estimator_would_change():
+    """GSM8K's lengths (mean ~300, longest 1,024, every step): partial rollouts are suggested with
+    the overrides that run them; the same run with them on, or with short responses: nothing."""
+    gsm8k = ["experiment=gsm8k_qwen_coder_0_5b", "rollout.decode_kernels=triton"]  # (as on a GPU)
+    history = [{"prompt_length/mean": 105.0, "prompt_length/max": 232.0,
+                "response_length/mean": m, "response_length/max": 1024.0,
+                "response_length/clip_ratio": 0.01} for m in (290.0, 300.0, 310.0)]
+    consider = _prediction(load_config(gsm8k), "H100", 1, history)["consider"]
+    assert len(consider) == 1 and consider[0].startswith("consider rollout.partial.enable=true")
+    on = gsm8k + ["rollout.partial.enable=true", "rollout.partial.max_decode_steps=512",
+                  "rollout.partial.extra_prompts=32", "rollout.max_batch_size=576",
+                  "algo.tis_imp_ratio_cap=2.0"]
+    assert _prediction(load_config(on), "H100", 1, history)["consider"] == []
+    short = [dict(h, **{"response_length/max": 400.0, "response_length/clip_ratio": 0.0})
+             for h in history]
+    assert _prediction(load_config(gsm8k), "H100", 1, short)["consider"] == []
