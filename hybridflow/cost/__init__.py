@@ -18,5 +18,5 @@ from hybridflow.cost.shapes import load_shape
 from hybridflow.cost.workload import Plan, Workload
 
 __all__ = ["estimate_cost", "estimate_memory", "estimate_options", "estimate_step_time",
-           "CostReport", "Calibration", "MemoryEstimate", "Plan", "Workload", "GPUS", "get_gpu", "load_calibration", "load_shape",
-           "shipped_calibration"]
+           "CostReport", "Calibration", "MemoryEstimate", "Plan", "Workload", "GPUS", "get_gpu",
+           "load_calibration", "load_shape", "shipped_calibration"]

@@ -309,13 +309,15 @@ def partial_choice(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Worklo
 
     w = workload
     R = w.max_new_tokens
-    why_not = ("already on" if w.partial_decode_steps else
-               "no response lengths (--lengths or a config's probe)" if w.response_lengths is None
-               else "no rollout.max_new_tokens" if R is None else
-               "dynamic sampling generates more than once a step"
-               if w.gen_rounds != 1 or w.gen_prompt_factor != 1 or w.gen_batches_per_round != 1
-               else f"no long tail (longest {w.longest_response} < 2 x mean {w.response_len})"
-               if w.longest_response < 2 * w.response_len else None)
+    why_not = next((why for refused, why in (
+        (w.partial_decode_steps, "already on"),
+        (w.response_lengths is None, "no response lengths (--lengths or a config's probe)"),
+        (R is None, "no rollout.max_new_tokens"),
+        (w.gen_rounds != 1 or w.gen_prompt_factor != 1 or w.gen_batches_per_round != 1,
+         "dynamic sampling generates more than once a step"),
+        (w.longest_response < 2 * w.response_len,
+         f"no long tail (longest {w.longest_response} < 2 x mean {w.response_len})"))
+        if refused), None)
     if why_not:
         return {"recommended": None, "options": {}, "reason": f"not considered: {why_not}"}
     dp = best.plan.layout.dp_g

@@ -91,10 +91,7 @@ class PartialRollouts:
     def load_state_dict(self, groups: list, item: Callable[[int], object]) -> None:
         """The groups of `state_dict` in flight again; `item(index)`: the dataset item."""
         self.groups = []
-        for index, born, lengths, tokens, logprobs, done in groups:
-            if len(lengths) != self.n:
-                raise ValueError(f"rollout.partial: a saved group holds {len(lengths)} rows, "
-                                 f"rollout.n={self.n}")
+        for index, born, lengths, tokens, logprobs, done in groups:  # (n checked by restore)
             it = item(index)
             ends = torch.cumsum(lengths, 0).tolist()
             rows = []
@@ -134,11 +131,11 @@ class PartialRollouts:
         any DP rank has rows for a call (None: a single rank); every rank then makes the call.
         `take`: complete groups to return (None: local_groups; a dynamic-sampling round takes its
         prompt batches' worth)."""
-        take_n = self.local_groups if take is None else take
+        take = self.local_groups if take is None else take
         carried_rows = sum(not r.done for g in self.groups if g.born < step for r in g.rows)
         decode = self._generate(self.groups, gen_rows, self.cap, anywhere)
         complete = [g for g in self.groups if g.complete]
-        short = max(take_n - len(complete), 0)
+        short = max(take - len(complete), 0)
         incomplete = [g for g in self.groups if not g.complete]  # oldest first
         finish = [g for k, g in enumerate(incomplete)
                   if k < short or step - g.born >= self.max_staleness]
@@ -150,15 +147,15 @@ class PartialRollouts:
         budget = min(-(-budget // self.cap) * self.cap, self.R)
         decode += self._generate(finish, gen_rows, budget, anywhere)  # (every rank: it may join)
         ready = [g for g in self.groups if g.complete]  # oldest first (in-flight order)
-        take = ready[:take_n]
-        taken = {id(g) for g in take}
+        chosen = ready[:take]
+        taken = {id(g) for g in chosen}
         self.groups = [g for g in self.groups if id(g) not in taken]
         metrics = {"partial/carried_rows": float(carried_rows),
                    "partial/carried_groups": float(len(self.groups)),
-                   "partial/staleness_max": float(max(step - g.born for g in take)),
+                   "partial/staleness_max": float(max(step - g.born for g in chosen)),
                    "partial/decode_steps": float(decode),
                    "partial/finished_uncapped_rows": float(finish_rows)}
-        return take, metrics
+        return chosen, metrics
 
     def batch(self, groups: list, *, pad_id: int, first_group: int) -> RolloutBatch:
         """The rows of `groups` (n consecutive rows each) as a RolloutBatch (CPU) with group ids

@@ -2,8 +2,8 @@
 trains prompts_per_step complete groups with the carried rows' tokens and log-probs, the metrics
 are the same on every rank; a checkpoint keeps the groups in flight, so a resumed step is the
 uninterrupted run's step (its carried rows continued, every metric bit for bit); with algo=dapo
-each dynamic-sampling round takes complete in-flight groups; with
-rollout.partial.enable=false the other partial keys change nothing (the step is today's, bitwise)."""
+each dynamic-sampling round takes complete in-flight groups; with rollout.partial.enable=false
+the other partial keys change nothing (the step is today's, bitwise)."""
 
 import pytest
 
