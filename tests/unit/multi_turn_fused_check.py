@@ -210,11 +210,12 @@ def rollout_cases(tmp):
     out = {}
     for name, compact, append in (("windows", False, "prefill"), ("compaction", True, "prefill"),
                                   ("fed", False, "decode"), ("fed_ahead", False, "ahead"),
-                                  ("fp8_fed", False, "decode")):
-        if "fed" in name:  # room for the results to be appended (at 84 tokens they end the rows)
-            cfg = RolloutConfig(n=2, max_new_tokens=200, temperature=0.0, return_logprobs=True,
-                                max_batch_size=4,
-                                kv_cache_dtype="fp8" if name.startswith("fp8") else "auto")
+                                  ("fp8_fed", False, "decode"), ("fp8_windows", False, "prefill"),
+                                  ("fp8_compaction", True, "prefill")):
+        # fed: room for the results to be appended (at 84 tokens they end the rows)
+        cfg = RolloutConfig(n=2, max_new_tokens=200 if "fed" in name else 84, temperature=0.0,
+                            return_logprobs=True, max_batch_size=4,
+                            kv_cache_dtype="fp8" if name.startswith("fp8") else "auto")
         runs = {}
         for kernels in ("torch", "triton"):
             gen = Generator(model_cfg=CFG16_G1, params=params(CFG16_G1), tp_group=None,
