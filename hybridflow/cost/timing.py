@@ -28,7 +28,9 @@ divide by DP):
   variable-length (`Workload.varlen`): then the decode steps, bucket rows and attended columns come
   from cost.varlen's simulation of the generator (chunks, graph buckets, compaction, KV windows,
   the long tail), the PyTorch decode layer's KV reads at their own efficiency (`kv_read`), and
-  compactions' K/V copies at HBM bandwidth.
+  compactions' K/V copies at HBM bandwidth. An fp8 KV cache (`Workload.kv_cache_dtype`) moves
+  its bytes in compactions and holds them in memory, but its decode reads are charged as bf16's:
+  the measured generation is no faster.
 - variable-length passes: the trainer's micro-batches of the step's rows (cost.varlen.pass_work):
   FLOPs of their computed tokens (matmuls), response tokens (LM head) and sum of squared row
   lengths (attention); micro-batches of rows of different lengths (packed, or padded) run masked
@@ -227,6 +229,9 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
     peak = gpu.bf16_tflops * 1e12
     batch, waves = gen_batch_size(shape, gpu, plan, w, calib)
     kv_token = kv_bytes_per_token(shape, tp_g, fp8=w.kv_cache_dtype == "fp8")
+    # the fp8 cache's decode attention reads its codes and scales no faster than bf16's K/V
+    # (kv_fp8_h100.json: generation x0.98-1.02 at 64-512 rows): charged at bf16's bytes
+    kv_read_token = kv_bytes_per_token(shape, tp_g)
     if w.varlen:   # row by row: buckets, compaction, KV windows, the long tail (cost.varlen)
         calls = w.gen_rounds
         rows = math.ceil(w.num_sequences * w.gen_prompt_factor / w.gen_rounds / plan.layout.dp_g)
@@ -267,7 +272,7 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
     quantized = shape.num_layers * per_layer
     weights = (ROLLOUT_BYTES_PER_WEIGHT[w.rollout_quantization] * quantized
                + BYTES_PER_PARAM * (shape.num_decode_params - quantized)) / tp_g  # MoE: every expert
-    kv = row_columns * kv_token
+    kv = row_columns * kv_read_token
     if w.decode_kernels == "torch":  # SDPA's masked kernel reads the K/V at its own rate
         t.add("hbm_read", "inv_decode_bw_eff", steps * weights / (gpu.hbm_gbps * 1e9))
         t.add("kv_read", "inv_torch_kv_eff", kv / (gpu.hbm_gbps * 1e9))

@@ -65,8 +65,8 @@ class Workload:
     # own columns only (no left padding, no window columns past its token, nothing once it
     # finished); records measured before say false
     own_columns_only: bool = False
-    # rollout.kv_cache_dtype: "fp8" caches (and reads, moves) 1 + 4 / head_dim bytes per K/V value
-    # instead of 2 (flops.kv_bytes_per_token); the records measured so far say "auto"
+    # rollout.kv_cache_dtype: "fp8" caches (and moves) 1 + 4 / head_dim bytes per K/V value
+    # instead of 2 (flops.kv_bytes_per_token); its decode reads cost bf16's (timing._gen)
     kv_cache_dtype: str = "auto"
     # parallel.fused_elementwise (the trainer's default): the training passes' RoPE and SwiGLU as
     # fused kernels (own fitted MFUs; the unfused SwiGLU also keeps two more ffn-wide tensors per

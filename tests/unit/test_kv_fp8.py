@@ -176,10 +176,11 @@ def test_config_keys():
         assert v.gen_cfg.kv_cache_dtype == want
 
 
-def test_cost_model_reads_the_fp8_cache_bytes():
+def test_cost_model_holds_the_fp8_cache_bytes_and_reads_at_bf16s_cost():
     """flops.kv_bytes_per_token: hd + 4 bytes per KV head and side (fp8 codes + scale) against
-    2 hd; the decode's KV read term and the generation wave's cache scale with it, the weight
-    reads and everything else unchanged; the config key reaches the workload."""
+    2 hd; the generation wave's cache scales with it, while the decode's read term stays bf16's
+    (measured: generation no faster on the fp8 cache), and the passes are unchanged; the config
+    key reaches the workload."""
     from hybridflow.cost import Calibration
     from hybridflow.cost.calibrate import parse_record
     from hybridflow.cost.flops import kv_bytes_per_token
@@ -197,11 +198,8 @@ def test_cost_model_reads_the_fp8_cache_bytes():
     ratio = (shape.head_dim + 4) / (2 * shape.head_dim)
     assert kv_bytes_per_token(shape, fp8=True) == pytest.approx(
         ratio * kv_bytes_per_token(shape))
-    w = runs["auto"][0].workload
-    kv_auto = w.num_sequences * w.response_len * (w.prompt_len + w.response_len / 2) \
-        * kv_bytes_per_token(shape) / (runs["auto"][0].gpu.hbm_gbps * 1e9)
     read = {k: t["gen"].x["inv_decode_bw_eff"] for k, (_, t) in runs.items()}
-    assert read["auto"] - read["fp8"] == pytest.approx(kv_auto * (1 - ratio))
+    assert read["auto"] == read["fp8"] > 0
     for stage in ("update_actor", "ref"):
         assert runs["auto"][1][stage].x == runs["fp8"][1][stage].x
     mem = {k: memory_for(r.shape, r.gpu, r.plan, r.workload, Calibration())
