@@ -59,6 +59,23 @@ def test_will_it_fit_names_what_it_needs():
         estimate_cost(gpu_memory_gib=1, **SEVEN_B)
 
 
+def test_will_it_fit_tries_the_fp8_kv_cache_first():
+    """A long-response GRPO step whose kept generator cache decides the peak: on a 24 GiB card the
+    fp8 KV cache (with recompute, which the search adds) is what is named, before LoRA or offload,
+    and with it the estimate fits."""
+    from hybridflow.cost.estimate import estimate_cost
+
+    work = dict(model="qwen2_5_coder_0_5b", gpu="H100", num_gpus=1, prompts_per_step=64,
+                samples_per_prompt=8, prompt_len=120, response_len=1024, max_new_tokens=1024,
+                keep_generator=True)
+    r = estimate_cost(gpu_memory_gib=24, **work)
+    assert not r.fits
+    line, = [s for s in r.suggestions if s.startswith("fits on")]
+    assert "the fp8 KV cache (rollout.kv_cache_dtype=fp8)" in line, line
+    assert "LoRA" not in line and "offload" not in line.split(":")[0], line
+    assert estimate_cost(gpu_memory_gib=24, kv_cache_dtype="fp8", **work).fits
+
+
 def test_memory_limit_config():
     from hybridflow.config import load_config
     from hybridflow.config_auto import apply_memory_limit
