@@ -10,9 +10,9 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
            alpha=32 and 3e-5 it trailed the full run for its first 29 steps), eager update
   lora_graphs  the same with the update's layers as CUDA graphs (parallel.train_cuda_graphs, a
            LoRA run's default on a GPU)
-  partial  rollout.partial (512 decode steps per step, 32 extra prompts in flight), TIS cap 2.0
-  partial_576  the same with rollout.max_batch_size=576 (the steady state's rows; the first step
-           runs in two chunks)
+  partial  rollout.partial (512 decode steps per step, 32 extra prompts in flight), TIS cap 2.0,
+           rollout.max_batch_size=576 (the steady state's rows; the first step runs in two chunks)
+  partial_768  the same at 768 rows (the first step's; the 60-step curves' setting)
   tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter; tool results fed
            through the decode step, each step launched before the last is read: the defaults)
   tools_fed  the same without lookahead (rollout.multi_turn.lookahead=false)
@@ -50,9 +50,9 @@ VARIANTS = {
     "lora_graphs": ("actor.lora.rank=32 actor.lora.alpha=64 actor_optim.lr=5e-5 "
                     "parallel.train_cuda_graphs=true"),
     "partial": ("rollout.partial.enable=true rollout.partial.max_decode_steps=512 "
-                "rollout.partial.extra_prompts=32 rollout.max_batch_size=768 algo.tis_imp_ratio_cap=2.0"),
-    "partial_576": ("rollout.partial.enable=true rollout.partial.max_decode_steps=512 "
-                    "rollout.partial.extra_prompts=32 rollout.max_batch_size=576 "
+                "rollout.partial.extra_prompts=32 rollout.max_batch_size=576 algo.tis_imp_ratio_cap=2.0"),
+    "partial_768": ("rollout.partial.enable=true rollout.partial.max_decode_steps=512 "
+                    "rollout.partial.extra_prompts=32 rollout.max_batch_size=768 "
                     "algo.tis_imp_ratio_cap=2.0"),
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
     "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.lookahead=false",
