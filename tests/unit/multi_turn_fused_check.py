@@ -196,8 +196,9 @@ def rollout_cases(tmp):
     log-probs within rounding, the K/V equal where valid (without compaction: the state's rows
     are then the cache's; compaction moves both runs' rows alike). "fed": the triton run feeds
     the tool results through the decode step (rollout.multi_turn.append=decode), the torch run
-    appends them by `extend`: the same conversation and cache; "fp8_fed" the same on an fp8 KV
-    cache (rollout.kv_cache_dtype=fp8: both round what they write; K/V compared dequantized)."""
+    appends them by `extend`: the same conversation and cache; "fp8_fed", "fp8_windows" and
+    "fp8_compaction" the same on an fp8 KV cache (rollout.kv_cache_dtype=fp8: both round what they
+    write; K/V compared dequantized)."""
     tok = byte_tokenizer(tmp)
     end = tok.encode("<|im_end|>")
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
@@ -205,8 +206,6 @@ def rollout_cases(tmp):
     forced = [tok.encode(call("6*7")) + tok.encode("42") + end, end, tok.encode("ab") + end,
               tok.encode(call("1+1"))]  # the last: greedy after its result, to the budget
     path = tool_config(tmp, "calculator")
-    cfg = RolloutConfig(n=2, max_new_tokens=84, temperature=0.0, return_logprobs=True,
-                        max_batch_size=4)
     out = {}
     for name, compact, append in (("windows", False, "prefill"), ("compaction", True, "prefill"),
                                   ("fed", False, "decode"), ("fed_ahead", False, "ahead"),
