@@ -140,6 +140,7 @@ class PartialRolloutConfig:
     max_decode_steps: int = 512
     # groups kept in flight beyond data.prompts_per_step (over all DP ranks; a multiple of DP):
     # the slack that lets a step find prompts_per_step complete groups without uncapped decode
+    # (per prompt batch: a dynamic-sampling round of k batches keeps k x extra_prompts)
     extra_prompts: int = 0
     # steps a group may wait: a group drawn at step s still incomplete at step s + max_staleness
     # is finished then without the cap

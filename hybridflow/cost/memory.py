@@ -312,9 +312,11 @@ def gen_batch_size(shape: ModelConfig, gpu: GPU, plan: Plan, workload: Workload,
     if largest:
         per_replica = max(per_replica,
                           math.ceil(w.num_sequences * w.gen_batches_per_round / lay.dp_g))
-        if w.partial_decode_steps:  # every in-flight group's rows (rollout.partial's first step)
+        if w.partial_decode_steps:  # every in-flight group's rows (rollout.partial's first step;
+            # a dynamic-sampling round of k prompt batches keeps k batches' slack)
             extra = w.partial_extra_prompts * w.samples_per_prompt
-            per_replica = max(per_replica, math.ceil((w.num_sequences + extra) / lay.dp_g))
+            per_replica = max(per_replica, math.ceil(w.gen_batches_per_round
+                                                     * (w.num_sequences + extra) / lay.dp_g))
     resident = _resident(shape, plan, workload)
     if workload.offload_grads:
         resident["actor_grads"] = 0.0

@@ -2,7 +2,8 @@
 
 Each DP rank keeps the prompt groups in flight (`PartialRollouts.groups`, oldest first). A step:
 1. tops the in-flight groups up to prompts_per_step / DP + extra_prompts / DP with fresh prompts
-   (`fresh_needed`; the caller draws them, a sampler batch at a time, and keeps the rest queued);
+   (`fresh_needed`; the caller draws them, a sampler batch at a time, and keeps the rest queued;
+   a dynamic-sampling round of k prompt batches: k times both);
 2. generates every unfinished row of them in one call (`gen_rows`: rows of n = 1, each prompt the
    row's prompt + the response so far) with at most `max_decode_steps` new tokens; a row keeps at
    most max_new_tokens response tokens in all (a continuation that decodes past its remaining
@@ -67,9 +68,12 @@ class PartialRollouts:
 
     def fresh_needed(self, take: Optional[int] = None) -> int:
         """Fresh groups to add before a step (or round) that trains `take` groups (None:
-        local_groups): the in-flight groups topped up to take + local_extra."""
+        local_groups): the in-flight groups topped up to take + local_extra per prompt batch of
+        local_groups (a dynamic-sampling round of k batches keeps k x local_extra, the slack a
+        step has for its one batch)."""
         take = self.local_groups if take is None else take
-        return max(take + self.local_extra - len(self.groups), 0)
+        batches = -(-take // self.local_groups)
+        return max(take + batches * self.local_extra - len(self.groups), 0)
 
     def add(self, items, step: int) -> None:
         for it in items:

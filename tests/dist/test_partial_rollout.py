@@ -22,6 +22,7 @@ ON = ["rollout.partial.enable=true", "rollout.partial.max_decode_steps=3",
 def _runs(out_dir):
     import torch.distributed as dist
 
+    from hybridflow.algo import overlong_penalty
     from hybridflow.config import load_config
     from hybridflow.config_checks import validate
     from hybridflow.parallel import groups
@@ -38,9 +39,15 @@ def _runs(out_dir):
         trainer.rollout.score = lambda items, b: sizes.append(
             (b.batch_size, b.group_ids.tolist(), bool((b.rollout_logprobs != 0).any()))) or score(items, b)
         advantages = trainer.compute_advantages
-        trained = []  # each step's trained groups' scores (this rank's rows, pooled over DP)
+        # each step's trained groups' scores before the overlong penalty (what dynamic sampling
+        # filtered on; this rank's rows, pooled over DP)
+        ob, R = cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens
+        penalty = (lambda b: overlong_penalty(b.response_mask.sum(1), max_len=R,
+                                              buffer_len=ob.len, penalty_factor=ob.penalty_factor)
+                   if ob.enable else 0.0)
+        trained = []
         trainer.compute_advantages = lambda b: trained.append(
-            (b.scores.tolist(), b.group_ids.tolist())) or advantages(b)
+            ((b.scores - penalty(b)).tolist(), b.group_ids.tolist())) or advantages(b)
         history = trainer.train()
         return (history, sizes, trained) if algo == "algo=dapo" else (history, sizes)
 
@@ -90,7 +97,7 @@ def test_dynamic_sampling_rounds_of_complete_in_flight_groups(both):
         for m, (scores, gids) in zip(history, trained):
             assert m["dynamic_sampling/rounds"] >= 1 and "partial/decode_steps" in m
             assert len(scores) == 4 and len(set(gids)) == 2  # 2 groups of 2 rows per rank
-            informative = sum(len({s for s, g in zip(scores, gids) if g == k}) > 1
+            informative = sum(len({round(s, 4) for s, g in zip(scores, gids) if g == k}) > 1
                               for k in set(gids))
             assert informative == 2 or m["dynamic_sampling/cap_hit"] == 1, (m, scores)
         for b, gids, has_lp in sizes:  # a round scores whole complete groups

@@ -224,19 +224,20 @@ def test_config_checks_name_the_keys():
 
 def test_a_round_takes_its_prompt_batches_worth_of_groups(setup):
     """`take` (a dynamic-sampling round of k prompt batches): the in-flight groups are topped up
-    to take + extra, and the step returns exactly `take` complete groups, oldest first."""
+    to take + k x extra (each prompt batch its slack), and the step returns exactly `take`
+    complete groups, oldest first."""
     gen, items, eos, ref = setup
     pr = PartialRollouts(n=N, max_new_tokens=R, stop_ids=[eos], max_decode_steps=CAP,
                          max_staleness=5, local_groups=2, local_extra=1)
-    assert pr.fresh_needed() == 3 and pr.fresh_needed(4) == 5
-    pr.add(items[:5], 0)
+    assert pr.fresh_needed() == 3 and pr.fresh_needed(4) == 6 and pr.fresh_needed(6) == 9
+    pr.add(items[:6], 0)
 
     def gen_rows(prompts, max_new):
         return gen.generate(prompts, cfg=rc(max_new_tokens=max_new, n=1), eos_id=eos, pad_id=0,
                             seed=0)
 
     groups, _ = pr.step(gen_rows, 0, take=4)
-    assert len(groups) == 4 and all(g.complete for g in groups) and len(pr.groups) == 1
+    assert len(groups) == 4 and all(g.complete for g in groups) and len(pr.groups) == 2
     assert pr.fresh_needed(4) == 4
 
 
