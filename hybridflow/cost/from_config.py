@@ -74,4 +74,5 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 gen_batches_per_round=(a.dynamic_sampling.batches_per_round
                                        if a.dynamic_sampling.enable else 1),
                 partial_decode_steps=r.partial.max_decode_steps if r.partial.enable else 0,
-                partial_extra_prompts=r.partial.extra_prompts if r.partial.enable else 0)
+                partial_extra_prompts=r.partial.extra_prompts if r.partial.enable else 0,
+                multi_turn=bool(r.multi_turn.enable))

@@ -189,7 +189,8 @@ def memory_options(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Worklo
     critic's, or a generator that owns its weights), their combinations, then each with one
     sequence per micro-batch, that fits (the search adds recompute and reference offload itself);
     None if none does."""
-    tries = [replace(workload, kv_cache_dtype="fp8")] if workload.kv_cache_dtype != "fp8" else []
+    tries = [replace(workload, kv_cache_dtype="fp8")] \
+        if workload.kv_cache_dtype != "fp8" and not workload.multi_turn else []
     for lora in sorted({workload.lora_rank, workload.lora_rank or LORA_RANK}):
         for offload in sorted({workload.offload_optimizer and workload.offload_grads, True}):
             for params in sorted({workload.offload_params, True}):
@@ -247,6 +248,10 @@ def quantization_choice(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: W
     current = workload.rollout_quantization
     stages = {k: v for k, v in best.seconds.items() if k != "step"}
     largest = max(stages, key=stages.get)
+    if workload.multi_turn:
+        return {"recommended": None, "options": {},
+                "reason": f"keep {current}, not considered: multi-turn rollouts decode on plain "
+                          f"weights"}
     if current == "none" and largest != "gen" and best.fits:
         share = 100 * stages["gen"] / best.step
         return {"recommended": None, "options": {},
@@ -315,6 +320,7 @@ def partial_choice(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Worklo
     R = w.max_new_tokens
     why_not = next((why for refused, why in (
         (w.partial_decode_steps, "already on"),
+        (w.multi_turn, "multi-turn rollouts do not run with partial rollouts"),
         (w.response_lengths is None, "no response lengths (--lengths or a config's probe)"),
         (R is None, "no rollout.max_new_tokens"),
         (w.gen_rounds != 1 or w.gen_prompt_factor != 1 or w.gen_batches_per_round != 1,

@@ -153,6 +153,11 @@ class Workload:
     # rollout.partial.extra_prompts (over all DP ranks): groups kept in flight beyond the step's;
     # the first step generates all of them, the run's largest call (a kept KV cache's rows)
     partial_extra_prompts: int = 0
+    # rollout.multi_turn.enable: generation with tool turns, costed as single-turn generation of
+    # the same lengths (tool waits, appended results and the multi-turn step's own costs are not
+    # modelled); the options its config refuses (quantized rollouts, partial rollouts, the fp8 KV
+    # cache) are never suggested for it
+    multi_turn: bool = False
 
     def __post_init__(self):
         if self.response_lengths is not None:

@@ -456,3 +456,29 @@ def test_estimator_suggests_partial_rollouts_for_a_long_tail(capsys):
                            (["rollout.max_new_tokens=400"], "no long tail")):
         q = _gsm8k_report(capsys, *overrides)["partial"]
         assert q["recommended"] is None and not q["options"] and why in q["reason"], q
+
+
+def test_multi_turn_is_never_offered_what_its_config_refuses(capsys):
+    """experiment=gsm8k_tools_qwen_coder_0_5b at GSM8K's long-tailed lengths: no partial rollouts
+    (refused with multi-turn), no quantized rollout; the assumptions say tool turns are not
+    modelled. A step that fits a 24 GiB card with the fp8 KV cache single-turn is offered
+    something else with multi-turn."""
+    from hybridflow.cost.estimate import estimate_cost
+    from hybridflow.cost.__main__ import main
+
+    base = ["--config", "experiment=gsm8k_tools_qwen_coder_0_5b", "--num-gpus", "1",
+            "--gpu", "H100", "--lengths", str(GSM8K_PROBE)]
+    assert main(base + ["--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["workload"]["multi_turn"] is True
+    assert r["partial"]["recommended"] is None and "multi-turn" in r["partial"]["reason"]
+    assert r["quantization"]["recommended"] is None and "multi-turn" in r["quantization"]["reason"]
+    assert any(n.startswith("multi-turn rollouts costed as single-turn") for n in r["notes"])
+    work = dict(model="qwen2_5_coder_0_5b", gpu="H100", num_gpus=1, prompts_per_step=64,
+                samples_per_prompt=8, prompt_len=120, response_len=1024, max_new_tokens=1024,
+                keep_generator=True, gpu_memory_gib=24)
+    fits = {mt: [s for s in estimate_cost(multi_turn=mt, **work).suggestions
+                 if s.startswith("fits on")] for mt in (False, True)}
+    assert len(fits[False]) == len(fits[True]) == 1, fits
+    assert "rollout.kv_cache_dtype=fp8" in fits[False][0]
+    assert "kv_cache_dtype" not in fits[True][0], fits
