@@ -159,8 +159,7 @@ def _report(shape, gpu, num_gpus, work, calib: Calibration, ranked: list[Evaluat
     if work.multi_turn:
         notes.append("multi-turn rollouts costed as single-turn generation of the same lengths: "
                      "tool waits, appended results and the multi-turn step's own costs are not "
-                     "modelled (one H100, the GSM8K tool job: generation 4.53 s at 335-token "
-                     "responses, the single-turn recipe's 1.78 s at 303)")
+                     "modelled, so generation is predicted low (docs/cost_model.md)")
     quant = quantization_choice(shape, gpu, num_gpus, work, calib, best,
                                 plan=best.plan if forced else None)
     partial = partial_choice(shape, gpu, num_gpus, work, calib, best,

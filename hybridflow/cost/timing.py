@@ -230,7 +230,7 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
     batch, waves = gen_batch_size(shape, gpu, plan, w, calib)
     kv_token = kv_bytes_per_token(shape, tp_g, fp8=w.kv_cache_dtype == "fp8")
     # the fp8 cache's decode attention reads its codes and scales no faster than bf16's K/V
-    # (kv_fp8_h100.json: generation x0.98-1.02 at 64-512 rows): charged at bf16's bytes
+    # (measured: docs/perf_log.md): charged at bf16's bytes
     kv_read_token = kv_bytes_per_token(shape, tp_g)
     if w.varlen:   # row by row: buckets, compaction, KV windows, the long tail (cost.varlen)
         calls = w.gen_rounds
