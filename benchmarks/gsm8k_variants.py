@@ -50,7 +50,8 @@ VARIANTS = {
     "lora_graphs": ("actor.lora.rank=32 actor.lora.alpha=64 actor_optim.lr=5e-5 "
                     "parallel.train_cuda_graphs=true"),
     "partial": ("rollout.partial.enable=true rollout.partial.max_decode_steps=512 "
-                "rollout.partial.extra_prompts=32 rollout.max_batch_size=576 algo.tis_imp_ratio_cap=2.0"),
+                "rollout.partial.extra_prompts=32 rollout.max_batch_size=576 "
+                "algo.tis_imp_ratio_cap=2.0"),
     "partial_768": ("rollout.partial.enable=true rollout.partial.max_decode_steps=512 "
                     "rollout.partial.extra_prompts=32 rollout.max_batch_size=768 "
                     "algo.tis_imp_ratio_cap=2.0"),

@@ -82,8 +82,9 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
     `layout` forces one layout (dict of tp, pp, dp, tp_gen, offload_ref, recompute, ep, etp); otherwise every
     buildable layout is searched. Nothing fitting is an answer: `fits=False`, `overflow` names the
     component, `suggestions` say what would fit (more or bigger GPUs, smaller micro-batches, and on
-    these GPUs LoRA / optimizer offload / parameter offload / recompute). `gpu_memory_gib`: the card's memory instead
-    of the named GPU's (a 24 GiB card, or trainer.gpu_memory_limit_gib on a bigger one).
+    these GPUs the fp8 KV cache / LoRA / optimizer offload / parameter offload / recompute).
+    `gpu_memory_gib`: the card's memory instead of the named GPU's (a 24 GiB card, or
+    trainer.gpu_memory_limit_gib on a bigger one).
     `varlen`: Workload's variable-length fields (response_lengths, prompt_len_max, max_new_tokens,
     gen_max_batch_size, compact_finished_rows, decode_kv_window, dynamic_bsz, pack_sequences,
     packed_attention, gen_rounds, gen_prompt_factor, gen_batches_per_round, response_logits_only,

@@ -293,7 +293,8 @@ def forward(w: Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch
     columns cache_col0..cache_col0+S-1 of cache rows cache_row0.. With opts.kernels "triton"
     (resolved, with a cache): RoPE and the K/V writes as one kernel
     (kernels.layer_ops.rope_kv_prefill), the attention reading K/V from the cache, the SwiGLU in
-    one pass (kernels.layer_ops.silu_mul), the RMSNorms as kernels.layer_ops.add_rms_norm. Returns fp32 logits (B, S, V) or, with last_only, (B, V).
+    one pass (kernels.layer_ops.silu_mul), the RMSNorms as kernels.layer_ops.add_rms_norm.
+    Returns fp32 logits (B, S, V) or, with last_only, (B, V).
     `experts` (B, S, L, k) (MoE): receives each token's chosen experts per layer.
     """
     d = w.dims

@@ -423,8 +423,8 @@ def _gsm8k_report(capsys, *overrides, as_json=True):
 def test_partial_rollouts_first_step_rows_hold_the_kept_cache(capsys):
     # rollout.partial's first step generates every in-flight group: (64 + 32) x 8 rows, the run's
     # largest call, so a kept generator's cache holds 768 rows (512 without it)
-    on = _gsm8k_report(capsys, "rollout.partial.enable=true", "rollout.partial.max_decode_steps=512",
-                       "rollout.partial.extra_prompts=32", "rollout.max_batch_size=768",
+    on = _gsm8k_report(capsys, "rollout.partial.enable=true",
+                       "rollout.partial.max_decode_steps=512", "rollout.partial.extra_prompts=32", "rollout.max_batch_size=768",
                        "algo.tis_imp_ratio_cap=2.0")
     off = _gsm8k_report(capsys)
     assert on["memory_gib"]["kv_cache"] == pytest.approx(off["memory_gib"]["kv_cache"] * 768 / 512)
