@@ -148,6 +148,24 @@ class PartialRolloutConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """rollout.speculative: the long tail of generation decoded by speculative sampling with
+    n-gram drafts (prompt lookup; hybridflow/rollout/speculative.py). Once at most `max_rows` rows
+    of a generate call are still running, each step feeds every row its last token and up to
+    `draft_tokens` tokens copied from where the row's last n tokens (n = ngram_max..ngram_min) last
+    occurred in its prompt or response, and keeps the leading drafts that pass the rejection test
+    plus one token drawn after them: the samples have the distribution of plain decoding
+    (temperature, top_k and top_p included; greedy output unchanged), only their random draws differ.
+    The tail's few rows leave a step's latency-bound weight reads and launches nearly idle, so a
+    step that checks several tokens costs about what one token's step costs. Single-turn only."""
+    enable: bool = False
+    max_rows: int = 16
+    draft_tokens: int = 4
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+
+@dataclass
 class MultiTurnConfig:
     """rollout.multi_turn (verl's names; append_* are ours): generation that calls tools between
     assistant turns (hybridflow/rollout/multi_turn.py). Off: one response per prompt. Its decode
@@ -256,6 +274,8 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     # partial rollouts: capped decode per step, unfinished rows carried to the next step
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
+    # the long tail by speculative sampling with n-gram drafts (exact samples, fewer steps)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # generate with a quantized copy of the policy's matmul weights (hybridflow/rollout/quantize.py):
     # "fp8" (E4M3, per-output-channel scales, per-token activation scales, torch._scaled_mm),
     # "int4" (weight-only, a scale and offset per 128 columns, a Triton GEMM) or "none". Quantized

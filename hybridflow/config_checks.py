@@ -241,6 +241,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
     validate_rollout_options(cfg)
     validate_multi_turn(cfg.rollout)
     validate_partial(cfg, dp=dp)
+    validate_speculative(cfg.rollout)
     _positive("trainer.total_steps", cfg.trainer.total_steps)
     _positive("trainer.collective_timeout_s", cfg.trainer.collective_timeout_s)
     if cfg.trainer.time_budget_s < 0:
@@ -519,6 +520,27 @@ def validate_partial(cfg: Config, *, dp: int) -> None:
     if r.multi_turn.enable:
         raise ValueError("rollout.partial.enable=true does not run with "
                          "rollout.multi_turn.enable=true yet; turn one of them off")
+
+
+def validate_speculative(r) -> None:
+    """rollout.speculative (`r`: the RolloutConfig): its keys, and what it does not run with."""
+    sp = r.speculative
+    if not sp.enable:
+        return
+    for key, what in (("max_rows", "rows still running when the tail starts"),
+                      ("draft_tokens", "tokens drafted per row and step"),
+                      ("ngram_min", "the shortest suffix looked up")):
+        _int_at_least(f"rollout.speculative.{key}", getattr(sp, key), 1, what)
+    if sp.ngram_max < sp.ngram_min:
+        raise ValueError(f"rollout.speculative.ngram_max={sp.ngram_max} must be >= "
+                         f"rollout.speculative.ngram_min={sp.ngram_min}")
+    if r.multi_turn.enable:
+        raise ValueError("rollout.speculative.enable=true decodes single-turn tails only; it does "
+                         "not run with rollout.multi_turn.enable=true: turn one of them off")
+    if r.quantization != "none":
+        raise ValueError(f"rollout.speculative.enable=true checks drafts on the generator's plain "
+                         f"weights; rollout.quantization={r.quantization!r} does not run with it: "
+                         f"set rollout.quantization=none or rollout.speculative.enable=false")
 
 
 def _validate_quantization(cfg: Config) -> None:

@@ -61,7 +61,7 @@ from torch.profiler import record_function
 
 from hybridflow.config import ModelConfig, RolloutConfig
 from hybridflow.data.batch import RolloutBatch
-from hybridflow.rollout import compaction, decoder
+from hybridflow.rollout import compaction, decoder, speculative
 from hybridflow.rollout.cuda_graph import (GraphedStep, StopPoller, WarmedStep, bucket_for,
                                            bucket_sizes, free_workspaces)
 from hybridflow.rollout.kv_cache import KVCache
@@ -244,13 +244,18 @@ class Generator:
             sizes = sorted(set(bucket.values()), reverse=True) + targets[::-1]
             steps = {b: self._step(b, R, key, cfg, opts, graphed, windows, record)
                      for b in dict.fromkeys(sizes)}
+            # rollout.speculative: the tail's step (rollout/speculative.py); not while recording
+            # the routed experts (its steps run the plain layers without recording)
+            tail_step = (speculative.tail_step_for(self, R, cfg, opts, key, stop_ids, graphed)
+                         if opts.spec_rows and record is None and R > 1 else None)
             self.reseed(seed)  # after any capture: warm-up runs consume randomness
             self.stats = _new_stats()
         with torch.no_grad():
             outs = [self._run_chunk(steps, bucket[c], ids_u[runs[c][0]:runs[c][1]],
                                     mask_u[runs[c][0]:runs[c][1]],
                                     prefill_of_row[c[0]:c[1]] - runs[c][0],
-                                    lens[runs[c][0]:runs[c][1]], cfg, opts, pad_id, targets, record)
+                                    lens[runs[c][0]:runs[c][1]], cfg, opts, pad_id, targets, record,
+                                    tail_step)
                     for c in chunks]
         with record_function("generate.finish"):
             tokens = torch.cat([o[0] for o in outs])  # (N, R)
@@ -460,7 +465,8 @@ class Generator:
         return step
 
     def _run_chunk(self, steps: dict, b: int, ids, mask, copy_of, lens, cfg: RolloutConfig,
-                   opts: DecodeOptions, pad_id: int, targets: list, record: Optional[tuple]):
+                   opts: DecodeOptions, pad_id: int, targets: list, record: Optional[tuple],
+                   tail_step: Optional[tuple] = None):
         """Prefill the chunk's distinct prompts ids, mask (U, P) (their lengths `lens` (U,) on the
         host) once each, then decode their copies copy_of (B,) (chunk row -> row of ids) in
         bucket b (compacting into `targets`) -> (tokens (B, R), logprobs (B, R), and with `record`
@@ -503,6 +509,7 @@ class Generator:
                 self._poller = StopPoller(self.device)
             poller, full_b = self._poller, b
             poller.reset()
+            tail = False
         with record_function("generate.decode"):
             for s in range(1, R):
                 window = window_for(fns, P + s)
@@ -516,6 +523,15 @@ class Generator:
                 live = poller.poll((~buf.finished).sum())  # an upper bound of the rows live now
                 if live == 0:
                     break
+                if tail_step is not None and live is not None and live <= opts.spec_rows \
+                        and s < R - 1:
+                    # the tail by speculative steps (rollout/speculative.py): it flushes the
+                    # bucket's outputs and writes the rest of the running rows' itself
+                    speculative.run_tail(self, tail_step, buf, row_map, out_tok, out_lp,
+                                         prompts=_prompt_lists(ids, mask, copy_of), P=P, s=s,
+                                         opts=opts, stats=self.stats)
+                    tail = True
+                    break
                 new_b = None if live is None else compaction.target_bucket(live, b, targets)
                 if new_b is not None:
                     compaction.flush(buf, row_map, out_tok, out_lp, out_exp)
@@ -523,8 +539,17 @@ class Generator:
                                                  columns=P + s)
                     (buf, fns), b = steps[new_b], new_b
                     self.stats["compactions"] += 1
-            compaction.flush(buf, row_map, out_tok, out_lp, out_exp)
+            if not tail:
+                compaction.flush(buf, row_map, out_tok, out_lp, out_exp)
         return (out_tok[:B], out_lp[:B], pre, None if out_exp is None else out_exp[:B])
+
+
+def _prompt_lists(ids: torch.Tensor, mask: torch.Tensor, copy_of: torch.Tensor) -> list:
+    """The real prompt tokens of every chunk row (host lists): row j's are ids[copy_of[j]]
+    where mask is set."""
+    ids_h, mask_h = ids.cpu().numpy(), mask.cpu().numpy().astype(bool)
+    per_prompt = [row[m].tolist() for row, m in zip(ids_h, mask_h)]
+    return [per_prompt[u] for u in copy_of.cpu().tolist()]
 
 
 def _prefill_runs(ids: np.ndarray, mask: np.ndarray) -> tuple:
@@ -551,7 +576,10 @@ def prefill_batches(lengths: np.ndarray, tokens: int) -> list:
 
 def _new_stats() -> dict:
     return {"decode_row_steps": 0, "decode_row_steps_uncompacted": 0, "compactions": 0,
-            "prefills": 0, "prefill_rows": 0, "window_steps": {}}
+            "prefills": 0, "prefill_rows": 0, "window_steps": {},
+            # rollout.speculative: tail steps, the rows they advanced (summed over steps), the
+            # tokens drafted and the tokens emitted
+            "spec_steps": 0, "spec_rows": 0, "spec_drafted": 0, "spec_tokens": 0}
 
 
 def _check_decode_kernels(device: torch.device, head_dim: int) -> None:

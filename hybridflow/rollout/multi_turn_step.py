@@ -60,9 +60,10 @@ from hybridflow.rollout.sampling import sample
 def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
            start: torch.Tensor, *, cache, key_valid: torch.Tensor, cos_tab, sin_tab,
            rows: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-           kv_len: Optional[int] = None) -> torch.Tensor:
+           kv_len: Optional[int] = None, every_position: bool = False) -> torch.Tensor:
     """Run S new tokens per row against the cache; returns fp32 logits (r, V) at each row's last
-    valid new token.
+    valid new token, or with `every_position` (r, S, V) at every new token (speculative decoding
+    checks a row's drafts by them; padding positions' values are meaningless).
 
     ids, positions (r, S) int64: the tokens and their RoPE positions; valid (r, S) bool, a prefix
     of each row (False: right padding, written to the scratch column L-1 and never seen); start
@@ -121,6 +122,9 @@ def extend(w: decoder.Weights, ids: torch.Tensor, positions: torch.Tensor, valid
         key_valid[:r, :L] |= new_valid
     else:
         key_valid[rows] = kv_rows | new_valid
+    if every_position:
+        lg = decoder.logits(w, decoder._norm(x, w.final_ln, d.eps)).view(r, S, -1)
+        return lg if out is None else out.copy_(lg)
     last = (valid.long().cumsum(1).argmax(1))  # the last valid new token of each row
     h = x.view(r, S, d.hidden)[torch.arange(r, device=ids.device), last]
     lg = decoder.logits(w, decoder._norm(h, w.final_ln, d.eps), fp32=out is None)

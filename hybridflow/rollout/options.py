@@ -54,6 +54,12 @@ class DecodeOptions:
     compile_backend: str = _K.compile_backend
     compile_mode: Optional[str] = _K.compile_mode
 
+    # rollout.speculative (rollout/speculative.py): the tail from this many running rows on by
+    # speculative sampling with n-gram drafts (0: off), drafts per row and step, the n-gram sizes
+    spec_rows: int = 0
+    spec_draft_tokens: int = 4
+    spec_ngram: tuple = (3, 1)
+
     check_every: int = 16  # decode steps between stop polls (and compaction decisions)
     prefill_tokens: int = 16384  # prompt tokens per prefill sub-batch (bounds activation memory)
     # equal prompts side by side share one prefill, as a prompt's n copies do (off: the tests'
@@ -89,7 +95,10 @@ class DecodeOptions:
                    int4_kernel_max_rows=k.int4_kernel_max_rows,
                    fused_sampler=bool(k.fused_sampler),
                    own_columns_only=bool(k.own_columns_only),
-                   compile_backend=k.compile_backend, compile_mode=k.compile_mode)
+                   compile_backend=k.compile_backend, compile_mode=k.compile_mode,
+                   spec_rows=r.speculative.max_rows if r.speculative.enable else 0,
+                   spec_draft_tokens=r.speculative.draft_tokens,
+                   spec_ngram=(r.speculative.ngram_max, r.speculative.ngram_min))
 
     def replace(self, **changes) -> "DecodeOptions":
         return dataclasses.replace(self, **changes)

@@ -1,0 +1,278 @@
+"""The long tail of a generate call by speculative sampling with n-gram drafts (rollout.speculative).
+
+When few rows are left running, a decode step is bound by reading the weights and launching its
+kernels, not by the rows: checking several tokens of each row in one step costs about what one token
+costs. The drafts come from the row itself (prompt lookup): the tokens that followed the last
+earlier occurrence of the row's last n tokens, n from `ngram_max` down to `ngram_min`, repeated
+with that period where the occurrence is close (a loop drafts its own continuation). Math
+reasoning copies numbers and phrases from the question, and a response that runs to
+max_new_tokens is often a loop, which is what holds the tail.
+
+One tail step, for the r rows still in the chunk's tail (`run_tail`):
+1. the host drafts up to k tokens per running row (`NgramDrafter`), fewer near max_new_tokens;
+2. `multi_turn_step.extend` feeds each row its pending token and its drafts at the row's own cache
+   columns and returns the logits at every fed position;
+3. `accept` keeps draft j while a uniform draw falls below its probability under the target
+   distribution p_j (log_softmax(logits / T), then top-k / top-p as the sampler filters), and
+   draws one more token after the kept ones: from p without the rejected draft (renormalised), or
+   from the distribution after the last draft when every draft was kept. This is speculative
+   sampling (Leviathan et al., Chen et al.) with a draft distribution that puts all its mass on
+   the drafted token: min(1, p / q) = p, and the residual (p - q)+ is p without the draft, so each
+   emitted token has exactly the distribution plain decoding samples from. Greedy (T = 0) keeps
+   the drafts equal to the argmax and emits the argmax after them: the plain greedy output;
+4. the emitted tokens (cut after a stop token or at max_new_tokens) and their log-probs (the plain
+   path's definition: log_softmax(logits / T) before filtering) go to the chunk's outputs; the
+   columns of rejected drafts are marked invalid again, and the next step overwrites them.
+The rows advance by different counts, so each keeps its own cache column, RoPE position and output
+column. One host read per step (the emitted tokens, for the next drafts).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from hybridflow.rollout import compaction
+from hybridflow.rollout.cuda_graph import GraphedStep, WarmedStep
+from hybridflow.rollout.multi_turn_step import extend
+from hybridflow.rollout.sampling import filter_logits
+
+
+class NgramDrafter:
+    """Per-row contexts (prompt + response so far) and, for each n in ngram_min..ngram_max, the
+    position after the last occurrence of every n-gram that has a continuation."""
+
+    def __init__(self, contexts: list, *, ngram_max: int, ngram_min: int):
+        self.sizes = list(range(ngram_max, ngram_min - 1, -1))
+        self.ctx = [[] for _ in contexts]
+        self.index = [{n: {} for n in self.sizes} for _ in contexts]
+        for i, c in enumerate(contexts):
+            self.append(i, c)
+
+    def append(self, i: int, tokens) -> None:
+        ctx, index = self.ctx[i], self.index[i]
+        for t in tokens:
+            e = len(ctx)  # the n-grams ending before position e now continue at e
+            for n in self.sizes:
+                if e >= n:
+                    index[n][tuple(ctx[e - n:e])] = e
+            ctx.append(int(t))
+
+    def draft(self, i: int, k: int) -> list:
+        """Up to k tokens that followed the last earlier occurrence of row i's longest matching
+        suffix, continued periodically past the context's end; [] when none matches."""
+        ctx, index = self.ctx[i], self.index[i]
+        L = len(ctx)
+        if k <= 0:
+            return []
+        for n in self.sizes:
+            if L < n:
+                continue
+            c = index[n].get(tuple(ctx[L - n:]))
+            if c is not None:
+                period = L - c  # the suffix recurs this many tokens later
+                return [ctx[c + j % period] for j in range(k)]
+        return []
+
+
+def accept(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torch.Tensor, *,
+           temperature: float, top_k: int, top_p: float,
+           generator: Optional[torch.Generator] = None, need_logprobs: bool = True):
+    """logits (r, S, V) fp32 at the fed positions (the pending token, then S - 1 drafts); drafts
+    (r, S - 1) int64; n_draft (r,) the real drafts per row. Returns (emitted (r, S), kept (r,),
+    logprobs (r, S) or None): row i emits emitted[i, :kept[i] + 1] (kept drafts, then one drawn
+    token); entries past that are meaningless."""
+    r, S, V = logits.shape
+    dev = logits.device
+    j = torch.arange(S - 1, device=dev)
+    real = j < n_draft[:, None]  # (r, S - 1)
+    inv_temp = 1.0 if temperature == 0.0 else 1.0 / temperature
+    if temperature == 0.0:
+        best = logits.argmax(-1)  # (r, S)
+        ok = (best[:, :-1] == drafts) & real
+        kept = ok.int().cumprod(1).sum(1)  # leading kept drafts
+        last = best.gather(1, kept[:, None]).squeeze(1)
+    else:
+        values, ids = filter_logits(logits.reshape(r * S, V) * inv_temp, top_k=top_k, top_p=top_p)
+        probs = torch.softmax(values, dim=-1)  # (r * S, K), 0 where filtered
+        if ids is not None:  # back to vocabulary order
+            probs = torch.zeros((r * S, V), dtype=probs.dtype, device=dev).scatter_(1, ids, probs)
+        probs = probs.view(r, S, V)
+        p_draft = probs[:, :-1].gather(2, drafts[..., None]).squeeze(-1)  # (r, S - 1)
+        u = torch.rand((r, S - 1), generator=generator, device=dev)
+        ok = (u < p_draft) & real
+        kept = ok.int().cumprod(1).sum(1)
+        p = probs.gather(1, kept[:, None, None].expand(r, 1, V)).squeeze(1)  # (r, V)
+        rejected = kept < n_draft
+        bad = drafts.gather(1, kept.clamp(max=S - 2)[:, None])  # the rejected draft (if any)
+        p = p.masked_fill(rejected[:, None] & (torch.arange(V, device=dev) == bad), 0.0)
+        race = torch.empty_like(p).exponential_(generator=generator)
+        last = torch.argmax(p / race.clamp_min_(torch.finfo(race.dtype).tiny), dim=-1)
+    padded = torch.cat([drafts, drafts.new_zeros(r, 1)], 1)  # (r, S)
+    emitted = torch.where(torch.arange(S, device=dev) < kept[:, None], padded, last[:, None])
+    if not need_logprobs:
+        return emitted, kept, None
+    logp = torch.log_softmax(logits * inv_temp, dim=-1).gather(2, emitted[..., None]).squeeze(-1)
+    return emitted, kept, logp
+
+
+class TailState:
+    """Static tensors of the speculative tail for `rows` rows (a bucket: rows beyond the running
+    ones are finished from the start), `S` fed tokens per row and step, `R` output columns, over
+    a cache of T columns: what a captured tail step reads and writes."""
+
+    def __init__(self, rows: int, S: int, R: int, T: int, device):
+        z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=device)  # noqa: E731
+        self.pend, self.pos, self.col, self.out_step = z(rows), z(rows), z(rows), z(rows)
+        self.finished = z(rows, dt=torch.bool)
+        self.key_valid = z(rows, T, dt=torch.bool)
+        self.drafts, self.n_draft = z(rows, S - 1), z(rows)  # written by the host every step
+        # the rows' output columns; S more each as scratch for masked writes (one per position)
+        self.out_tokens = z(rows, R + S)
+        self.out_logprobs = z(rows, R + S, dt=torch.float32)
+        # read by the host every step: the emitted tokens, their count, finished
+        self.ret = z(rows, S + 2)
+
+    def idle(self) -> None:
+        """Every row finished: what warm-up runs and captures run on (they then write only the
+        cache's scratch column and the outputs' scratch columns)."""
+        self.finished.fill_(True)
+        self.n_draft.zero_()
+        self.col.zero_()
+        self.out_step.zero_()
+
+
+def tail_step(gen, st: TailState, cfg, stop_ids: torch.Tensor):
+    """The zero-argument tail step over `st` (graph-capturable: static shapes, no host sync)."""
+    cache, (cos, sin) = gen._cache, gen._tables
+    rows, S = st.drafts.shape[0], st.drafts.shape[1] + 1
+    R = st.out_tokens.shape[1] - S
+    dev = st.pend.device
+    ar = torch.arange(S, device=dev)
+    t_ar = torch.arange(cache.length, device=dev)
+    row_ix = torch.arange(rows, device=dev)[:, None]
+
+    def step():
+        ids = torch.cat([st.pend[:, None], st.drafts], 1)  # (rows, S)
+        valid = (ar < (1 + st.n_draft)[:, None]) & ~st.finished[:, None]
+        logits = extend(gen.w, ids, st.pos[:, None] + ar, valid, st.col, cache=cache,
+                        key_valid=st.key_valid, cos_tab=cos, sin_tab=sin, every_position=True)
+        emitted, kept, lp = accept(logits, st.drafts, st.n_draft, temperature=cfg.temperature,
+                                   top_k=cfg.top_k, top_p=cfg.top_p, generator=gen._rng,
+                                   need_logprobs=cfg.return_logprobs)
+        n_emit = kept + 1
+        stop = (emitted[..., None] == stop_ids).any(-1) & (ar < n_emit[:, None])
+        n_emit = torch.where(stop.any(1), stop.int().argmax(1) + 1, n_emit)
+        n_emit = torch.minimum(n_emit, R - st.out_step).masked_fill(st.finished, 0)
+        # extend marked the drafts' columns valid: a rejected draft's column is free again
+        st.key_valid &= ~((t_ar > (st.col + kept)[:, None])
+                          & (t_ar <= (st.col + st.n_draft)[:, None]))
+        m = ar < n_emit[:, None]
+        at = (row_ix.expand(rows, S), torch.where(m, st.out_step[:, None] + ar, R + ar))
+        st.out_tokens.index_put_(at, emitted)
+        if lp is not None:
+            st.out_logprobs.index_put_(at, lp)
+        live = ~st.finished
+        last = emitted.gather(1, (n_emit - 1).clamp(min=0)[:, None]).squeeze(1)
+        st.pend.copy_(torch.where(live, last, st.pend))
+        st.pos.add_(torch.where(live, kept + 1, 0))
+        st.col.add_(torch.where(live, kept + 1, 0))
+        st.out_step.add_(n_emit)
+        st.finished |= stop.any(1) | (st.out_step >= R)
+        st.ret[:, :S].copy_(emitted)
+        st.ret[:, S] = n_emit
+        st.ret[:, S + 1] = st.finished.long()
+
+    return step
+
+
+def run_tail(gen, tail: tuple, buf, row_map: torch.Tensor, out_tok: torch.Tensor,
+             out_lp: torch.Tensor, *, prompts: list, P: int, s: int, opts, stats: dict) -> None:
+    """Decode the running rows of bucket `buf` to their ends by speculative steps, writing their
+    tokens and log-probs into the chunk's out_tok / out_lp (B + 1, R). Called after decode step s
+    (output columns 0..s written, each row's pending token is column s, for cache column P + s);
+    `prompts[c]` the real prompt tokens of chunk row c (host lists). The bucket's outputs are
+    flushed here; the caller does not flush them again. `tail`: `tail_step_for`'s (state, step)."""
+    compaction.flush(buf, row_map, out_tok, out_lp)
+    live = (~buf.finished).nonzero().squeeze(1)
+    r = int(live.numel())
+    if r == 0:
+        return
+    R = out_tok.shape[1]
+    k = opts.spec_draft_tokens
+    S = k + 1
+    st, step = tail
+    assert r <= st.drafts.shape[0], (r, st.drafts.shape)
+    gen._cache.gather_rows(live, columns=P + s)  # the running rows' K/V into cache rows 0..r-1
+    rows = row_map.index_select(0, live)  # (r,) chunk rows
+    st.idle()
+    st.finished[:r] = False
+    st.key_valid.zero_()
+    st.key_valid[:r] = buf.key_valid.index_select(0, live)
+    st.pend[:r] = buf.tokens.index_select(0, live)
+    st.pos[:r] = buf.positions.index_select(0, live)
+    st.col[:r] = P + s
+    st.out_step[:r] = s + 1
+    st.out_tokens.zero_()
+    st.out_logprobs.zero_()
+    st.out_tokens[:r, :R] = out_tok.index_select(0, rows)
+    st.out_logprobs[:r, :R] = out_lp.index_select(0, rows)
+    so_far = st.out_tokens[:r, :s + 1].tolist()
+    drafter = NgramDrafter([prompts[c] + t for c, t in zip(rows.tolist(), so_far)],
+                           ngram_max=opts.spec_ngram[0], ngram_min=opts.spec_ngram[1])
+    rows_b = st.drafts.shape[0]
+    steps_h = np.full(r, s + 1)  # output columns written per running row (host)
+    done_h = np.zeros(r, dtype=bool)
+    drafts_h = torch.zeros((rows_b, k), dtype=torch.long)
+    n_h = torch.zeros(rows_b, dtype=torch.long)
+    if gen.device.type == "cuda":
+        drafts_h, n_h = drafts_h.pin_memory(), n_h.pin_memory()
+    while not done_h.all():
+        drafts_h.zero_()
+        n_h.zero_()
+        for i in np.flatnonzero(~done_h):
+            d = drafter.draft(i, min(k, R - int(steps_h[i]) - 1))
+            drafts_h[i, :len(d)] = torch.tensor(d, dtype=torch.long)
+            n_h[i] = len(d)
+        st.drafts.copy_(drafts_h, non_blocking=True)
+        st.n_draft.copy_(n_h, non_blocking=True)
+        step()
+        ret = st.ret[:r].cpu().numpy()  # the step's one host read
+        n_emit = ret[:, S]
+        for i in np.flatnonzero(n_emit):
+            drafter.append(i, ret[i, :n_emit[i]])
+        steps_h += n_emit
+        done_h = ret[:, S + 1].astype(bool)
+        stats["spec_steps"] += 1
+        stats["spec_rows"] += int((n_emit > 0).sum())
+        stats["spec_drafted"] += int(n_h.sum())
+        stats["spec_tokens"] += int(n_emit.sum())
+        stats["decode_row_steps"] += rows_b
+    out_tok.index_copy_(0, rows, st.out_tokens[:r, :R])
+    out_lp.index_copy_(0, rows, st.out_logprobs[:r, :R])
+
+
+def tail_step_for(gen, R: int, cfg, opts, key: tuple, stop_ids: list, graphed: bool):
+    """(TailState, step) of a generate call's tail: opts.spec_rows rows, at most the cache's
+    (fewer running ones ride as finished padding: at that size a step costs its weight reads and
+    launches, not its rows), made once per output length, sampling `key` and options and kept
+    with the generator's decode steps (released with them). Made before the call's seeding: a
+    capture's warm-up runs draw random numbers."""
+    rows, S = min(opts.spec_rows, gen._cache.rows), opts.spec_draft_tokens + 1
+    k = ("speculative", rows, S, R, gen._cache.length, key, opts)
+    if k in gen._steps:
+        st, fns = gen._steps[k]
+        return st, fns[None]
+    st = TailState(rows, S, R, gen._cache.length, gen.device)
+    st.idle()
+    fn = tail_step(gen, st, cfg, torch.tensor(stop_ids, dtype=torch.long, device=gen.device))
+    if graphed and gen.device.type == "cuda":
+        if gen._pool is None:
+            gen._pool, gen._side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        fn = GraphedStep(fn, pool=gen._pool, side=gen._side, generator=gen._rng)
+    elif graphed:  # DecodeOptions.emulate_graphs: the warm-ups a capture makes
+        fn = WarmedStep(fn)
+    gen._steps[k] = (st, {None: fn})
+    return st, fn
