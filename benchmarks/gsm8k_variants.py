@@ -13,6 +13,8 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
   partial  rollout.partial (512 decode steps per step, 32 extra prompts in flight), TIS cap 2.0,
            rollout.max_batch_size=576 (the steady state's rows; the first step runs in two chunks)
   partial_768  the same at 768 rows (the first step's; the 60-step curves' setting)
+  spec     rollout.speculative (the tail from 16 running rows by speculative sampling with n-gram
+           drafts, 4 per row and step): the same samples' distribution, fewer tail steps
   tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter; tool results fed
            through the decode step, each step launched before the last is read: the defaults)
   tools_fed  the same without lookahead (rollout.multi_turn.lookahead=false)
@@ -55,6 +57,7 @@ VARIANTS = {
     "partial_768": ("rollout.partial.enable=true rollout.partial.max_decode_steps=512 "
                     "rollout.partial.extra_prompts=32 rollout.max_batch_size=768 "
                     "algo.tis_imp_ratio_cap=2.0"),
+    "spec": "rollout.speculative.enable=true",
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
     "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.lookahead=false",
     "tools_held": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.append=prefill",

@@ -276,3 +276,19 @@ def tail_step_for(gen, R: int, cfg, opts, key: tuple, stop_ids: list, graphed: b
         fn = WarmedStep(fn)
     gen._steps[k] = (st, {None: fn})
     return st, fn
+
+
+def speculative_metrics(stats: dict, *, into: dict) -> dict:
+    """A generate call's tail counts (Generator.stats) added into a step's metrics `into` (a step
+    may generate more than once: dynamic-sampling rounds): rollout/spec_steps (tail steps),
+    spec_row_steps (running rows advanced, summed over steps), spec_drafted, spec_tokens (emitted)
+    and the ratios spec_tokens_per_row_step and spec_draft_kept (kept drafts per drafted token;
+    a stop or the length cap may cut a row's last step short)."""
+    for key, name in (("spec_steps", "steps"), ("spec_rows", "row_steps"),
+                      ("spec_drafted", "drafted"), ("spec_tokens", "tokens")):
+        into[f"rollout/spec_{name}"] = into.get(f"rollout/spec_{name}", 0) + stats[key]
+    rows, tokens = into["rollout/spec_row_steps"], into["rollout/spec_tokens"]
+    into["rollout/spec_tokens_per_row_step"] = tokens / rows if rows else 0.0
+    drafted = into["rollout/spec_drafted"]
+    into["rollout/spec_draft_kept"] = (tokens - rows) / drafted if drafted else 0.0
+    return into

@@ -29,6 +29,7 @@ from hybridflow.reward import compute_rule_rewards, get_reward_fn
 from hybridflow.models.lora import is_adapter_name, merged_adapters
 from hybridflow.rollout.generator import Generator
 from hybridflow.rollout.options import DecodeOptions
+from hybridflow.rollout.speculative import speculative_metrics
 
 
 def _left_pad(rows: list[list[int]], pad_id: int, width: int):
@@ -55,7 +56,9 @@ class RolloutStage:
         # actor.router_replay=R3: the generator records each token's experts for the training passes
         self.record_experts = cfg.actor.router_replay == "R3" and cfg.model.moe.enabled
         self.tools = None  # rollout.multi_turn: the tool runner (hybridflow/rollout/multi_turn.py)
-        self.turn_metrics: dict = {}  # the last multi-turn generation's, merged into score's
+        # the last generation's own metrics (multi-turn: turns, tools; rollout.speculative: the
+        # tail's steps and drafts), merged into score's
+        self.turn_metrics: dict = {}
         if cfg.rollout.multi_turn.enable:
             from hybridflow.tools.runner import ToolRunner
             from hybridflow.tools import load_tool_config
@@ -144,6 +147,8 @@ class RolloutStage:
                             record_experts=self.record_experts
                             if record_experts is None else record_experts)
                 self.kv_cache_bytes = gen.kv_cache_bytes
+                if r.speculative.enable and not self.tools:
+                    speculative_metrics(gen.stats, into=self.turn_metrics)
                 if self._kept is not gen:
                     gen.release()
                 del gen
