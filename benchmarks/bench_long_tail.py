@@ -24,7 +24,8 @@ captures the ladder buckets too), then --reps calls alternating on/off (drift hi
 median `s`. JSON: results[B][on|off] = {first_s, s, s_all, stats (decode row-steps run, the same
 steps uncompacted, compactions), lengths}; speedup_first / speedup = off / on.
 The real-workload check is the GSM8K run's `timing_s/gen` with rollout.compact_finished_rows=true
-against =false.
+against =false. With --spec-ab the "on" side's stats count the speculative tail's steps
+(spec_steps, spec_tokens).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_generate import hf_model, machine, timed, to_megatron  # noqa: E402
 from benchmarks.run_record import command, versions, write_json  # noqa: E402
-from hybridflow.config import DecodeKernelOptions, ModelConfig, RolloutConfig  # noqa: E402
+from hybridflow.config import (DecodeKernelOptions, ModelConfig, RolloutConfig,  # noqa: E402
+                               SpeculativeConfig)
 from hybridflow.rollout import Generator  # noqa: E402
 
 
@@ -68,6 +70,12 @@ def main():
                     help="instead: compaction + --kv-window with the attention over each row's own "
                          "columns ('on', rollout.kernel_options.own_columns_only) against every "
                          "column of the window ('off')")
+    ap.add_argument("--spec-ab", type=int, default=0, metavar="ROWS",
+                    help="instead: compaction (+ --kv-window) with the tail from ROWS running rows "
+                         "by speculative sampling ('on', rollout.speculative, 4 drafts) against "
+                         "without ('off'). Random weights keep almost no draft: the time "
+                         "difference over the tail's steps is what a tail step costs more than a "
+                         "plain one (the GSM8K step's variant 'spec' measures the gain)")
     ap.add_argument("--prompt-spread", type=int, default=0,
                     help="prompt lengths uniform in [prompt-len - spread, prompt-len] (left "
                          "padding to the longest, as a GSM8K batch)")
@@ -101,6 +109,11 @@ def main():
             both = dict(compact_finished_rows=True, decode_kv_window=args.kv_window)
             sides = {side: dict(both, kernel_options=DecodeKernelOptions(own_columns_only=own))
                      for side, own in (("on", True), ("off", False))}
+        elif args.spec_ab:
+            both = dict(compact_finished_rows=True, decode_kv_window=args.kv_window)
+            sides = {"on": dict(both, speculative=SpeculativeConfig(enable=True,
+                                                                    max_rows=args.spec_ab)),
+                     "off": both}
         elif args.kv_window:
             sides.update(window=dict(decode_kv_window=args.kv_window),
                          on_window=dict(compact_finished_rows=True, decode_kv_window=args.kv_window))
