@@ -144,7 +144,7 @@ class TailState:
         self.out_step.zero_()
 
 
-def tail_step(gen, st: TailState, cfg, stop_ids: torch.Tensor):
+def tail_step(gen, st: TailState, cfg, opts, stop_ids: torch.Tensor):
     """The zero-argument tail step over `st` (graph-capturable: static shapes, no host sync)."""
     cache, (cos, sin) = gen._cache, gen._tables
     rows, S = st.drafts.shape[0], st.drafts.shape[1] + 1
@@ -154,11 +154,19 @@ def tail_step(gen, st: TailState, cfg, stop_ids: torch.Tensor):
     t_ar = torch.arange(cache.length, device=dev)
     row_ix = torch.arange(rows, device=dev)[:, None]
 
+    fused = fused_verify_applies(gen, opts)
+
     def step():
         ids = torch.cat([st.pend[:, None], st.drafts], 1)  # (rows, S)
-        valid = (ar < (1 + st.n_draft)[:, None]) & ~st.finished[:, None]
-        logits = extend(gen.w, ids, st.pos[:, None] + ar, valid, st.col, cache=cache,
-                        key_valid=st.key_valid, cos_tab=cos, sin_tab=sin, every_position=True)
+        if fused:
+            logits = verify_fused(gen.w, ids, st.pos, st.col, 1 + st.n_draft, st.finished,
+                                  st.key_valid, cache=cache, cos_tab=cos, sin_tab=sin, opts=opts)
+        else:
+            valid = (ar < (1 + st.n_draft)[:, None]) & ~st.finished[:, None]
+            # padding tokens at the row's own position (past it the tables may end)
+            positions = st.pos[:, None] + torch.where(valid, ar, 0)
+            logits = extend(gen.w, ids, positions, valid, st.col, cache=cache,
+                            key_valid=st.key_valid, cos_tab=cos, sin_tab=sin, every_position=True)
         emitted, kept, lp = accept(logits, st.drafts, st.n_draft, temperature=cfg.temperature,
                                    top_k=cfg.top_k, top_p=cfg.top_p, generator=gen._rng,
                                    need_logprobs=cfg.return_logprobs)
@@ -254,6 +262,49 @@ def run_tail(gen, tail: tuple, buf, row_map: torch.Tensor, out_tok: torch.Tensor
     out_lp.index_copy_(0, rows, st.out_logprobs[:r, :R])
 
 
+def fused_verify_applies(gen, opts) -> bool:
+    """Whether the tail step runs the decode step's Triton layers (`verify_fused`): with
+    rollout.decode_kernels resolved to triton, plain weights, a bf16 / fp16 / fp32 cache, no q/k
+    norm, dense layers, TP_g = 1; else PyTorch ops (multi_turn_step.extend)."""
+    w = gen.w
+    return (opts.kernels == "triton" and gen.quantization == "none" and not gen._cache.fp8
+            and w.dims.tp_size == 1
+            and all(l.q_norm is None and l.moe is None for l in w.layers))
+
+
+def verify_fused(w, ids: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
+                 n_valid: torch.Tensor, finished: torch.Tensor, key_valid: torch.Tensor, *, cache,
+                 cos_tab, sin_tab, opts) -> torch.Tensor:
+    """ids (r, S) fed at RoPE positions pos + j and cache columns col + j (j < n_valid, unless the
+    row is finished) -> logits (r, S, V) in the weights' dtype, on the single-turn decode step's
+    layers (decoder._decode_step_fused: norm kernels, cuBLAS with the residual added in place, the
+    SwiGLU kernel) over r x S rows, with kernels/spec_attention.py's attention; key_valid marked at
+    the written columns."""
+    from hybridflow.kernels import layer_ops as kern
+    from hybridflow.kernels.spec_attention import rope_attention_multi
+    from hybridflow.rollout import decoder
+
+    d = w.dims
+    r, S = ids.shape
+    hpg, hd, pdl = d.heads_per_group, d.head_dim, opts.pdl
+    lin = decoder._linear_for(opts, True)
+    x, y = None, None
+    for i, layer in enumerate(w.layers):
+        x, h = (kern.add_rms_norm(w.embed, None, layer.ln1, d.eps, rows=ids.reshape(-1), pdl=pdl,
+                                  impl="triton")
+                if x is None else kern.add_rms_norm(x, y, layer.ln1, d.eps, pdl=pdl,
+                                                    impl="triton"))
+        qkv = lin(h, layer.qkv_w, layer.qkv_b).view(r, S, d.groups, hpg + 2, hd)
+        kc, vc = cache.layer(i, r)
+        a = rope_attention_multi(qkv, cos_tab, sin_tab, kc, vc, col, pos, n_valid, finished,
+                                 key_valid, mark=i == 0, pdl=pdl, impl="triton")
+        x = lin(a.view(r * S, d.heads * hd), layer.proj, residual=x)
+        h = kern.add_rms_norm(x, None, layer.ln2, d.eps, pdl=pdl, impl="triton")[1]
+        x = lin(kern.silu_mul(lin(h, layer.fc1), pdl=pdl, impl="triton"), layer.fc2, residual=x)
+    h = kern.add_rms_norm(x, y, w.final_ln, d.eps, pdl=pdl, impl="triton")[1]
+    return decoder.logits(w, h, fp32=False).view(r, S, -1)
+
+
 def tail_step_for(gen, R: int, cfg, opts, key: tuple, stop_ids: list, graphed: bool):
     """(TailState, step) of a generate call's tail: opts.spec_rows rows, at most the cache's
     (fewer running ones ride as finished padding: at that size a step costs its weight reads and
@@ -267,7 +318,8 @@ def tail_step_for(gen, R: int, cfg, opts, key: tuple, stop_ids: list, graphed: b
         return st, fns[None]
     st = TailState(rows, S, R, gen._cache.length, gen.device)
     st.idle()
-    fn = tail_step(gen, st, cfg, torch.tensor(stop_ids, dtype=torch.long, device=gen.device))
+    fn = tail_step(gen, st, cfg, opts,
+                   torch.tensor(stop_ids, dtype=torch.long, device=gen.device))
     if graphed and gen.device.type == "cuda":
         if gen._pool is None:
             gen._pool, gen._side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()

@@ -1,0 +1,84 @@
+"""rollout.speculative on a GPU: the tail step captured as a CUDA graph (after compaction, with
+attention windows), on the decode kernels (speculative.verify_fused, kernels/spec_attention.py)
+and on PyTorch ops: fp32 greedy tokens equal plain decoding's, log-probs close, a second call
+captures nothing new; the attention kernel in bf16 within bf16 rounding of its twin. Sampled
+tails: tokens equal between the graphed and the eager tail (the same draws). The speed is for
+`benchmarks/bench_long_tail.py --spec-ab` and the GSM8K variant `spec`."""
+
+import pytest
+import torch
+
+from hybridflow.kernels import layer_ops as kern
+from hybridflow.kernels.spec_attention import rope_attention_multi
+from hybridflow.rollout.options import DecodeOptions
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+if not kern.HAVE_TRITON:
+    pytest.skip("needs triton", allow_module_level=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B,S,G,hpg,hd,T", [(16, 5, 2, 7, 64, 1280), (4, 3, 4, 6, 128, 512)])
+def test_kernel_matches_twin(dtype, B, S, G, hpg, hd, T):
+    from tests.unit.decode_kernels_check import tables
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(B, S, G, hpg + 2, hd, generator=g, device="cuda").to(dtype)
+    kc = torch.randn(B, G, T, hd, generator=g, device="cuda").to(dtype)
+    vc = torch.randn(B, G, T, hd, generator=g, device="cuda").to(dtype)
+    cos, sin = (t.to("cuda", dtype) for t in tables(hd, T))
+    pos = torch.randint(S, T // 2, (B,), generator=g, device="cuda")
+    col = pos + torch.randint(0, T // 4, (B,), generator=g, device="cuda")
+    n_valid = torch.randint(1, S + 1, (B,), generator=g, device="cuda")
+    finished = torch.zeros(B, dtype=torch.bool, device="cuda")
+    finished[-1] = True
+    key_valid = torch.rand(B, T, generator=g, device="cuda") < 0.9
+    outs = {}
+    for impl in ("triton", "torch"):
+        k, v, kv = kc.clone(), vc.clone(), key_valid.clone()
+        outs[impl] = (rope_attention_multi(qkv, cos, sin, k, v, col, pos, n_valid, finished, kv,
+                                           mark=True, impl=impl), k, v, kv)
+    ok = (torch.arange(S, device="cuda")[None] < n_valid[:, None]) & ~finished[:, None]
+    tol = dict(atol=2 ** -6, rtol=2 ** -6) if dtype == torch.bfloat16 else dict(atol=1e-5,
+                                                                                 rtol=1e-5)
+    torch.testing.assert_close(outs["triton"][0][ok].float(), outs["torch"][0][ok].float(), **tol)
+    for i in (1, 2, 3):
+        assert torch.equal(outs["triton"][i], outs["torch"][i])
+
+
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_graphed_tail_keeps_greedy_tokens(kernels):
+    from tests.gpu.test_decode_kernels_gpu import _torch_path, small_generator
+
+    gen, prompts, R, stops = small_generator()
+    cfg = _torch_path(max_new_tokens=R, temperature=0.0, max_batch_size=32, return_logprobs=True,
+                      stop_token_ids=stops[:2], compact_finished_rows=True, decode_kv_window=64)
+    base = DecodeOptions.from_config(cfg).replace(check_every=2, min_graphed_bucket=1,
+                                                  kernels=kernels)
+    ref = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0, options=base)
+    spec = base.replace(spec_rows=4, spec_draft_tokens=4)
+    out = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0, options=spec)
+    assert gen.stats["spec_steps"] > 0
+    captured = len(gen._steps)
+    again = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0, options=spec)
+    assert len(gen._steps) == captured
+    for o in (out, again):
+        assert torch.equal(o.response_ids, ref.response_ids)
+        assert torch.allclose(o.rollout_logprobs, ref.rollout_logprobs, atol=1e-4)
+
+
+def test_graphed_sampled_tail_equals_eager():
+    from tests.gpu.test_decode_kernels_gpu import _torch_path, small_generator
+
+    gen, prompts, R, stops = small_generator()
+    cfg = _torch_path(max_new_tokens=R, temperature=1.0, n=2, max_batch_size=64,
+                      return_logprobs=True, stop_token_ids=stops[:4])
+    o = DecodeOptions.from_config(cfg).replace(check_every=2, spec_rows=8, kernels="torch")
+    graphed = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=3, options=o)
+    eager = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=3,
+                         options=o.replace(cuda_graphs=False))
+    assert torch.equal(graphed.response_ids, eager.response_ids)
+    assert torch.allclose(graphed.rollout_logprobs, eager.rollout_logprobs, atol=1e-5)

@@ -1,0 +1,97 @@
+"""Run by tests/unit/test_spec_attention.py in a fresh interpreter with TRITON_INTERPRET=1 (set
+before the first import of the kernels). Prints one JSON object of results."""
+
+import json
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from hybridflow.config import DecodeKernelOptions  # noqa: E402
+
+from hybridflow.kernels.spec_attention import rope_attention_multi  # noqa: E402
+from tests.unit.decode_kernels_check import CFG16, tables  # noqa: E402
+from tests.unit.test_compaction import random_prompts, uneven_stops  # noqa: E402
+from tests.unit.test_rollout import make, opts, rc  # noqa: E402
+from tests.unit.triton_interp import patch  # noqa: E402
+
+patch()
+
+
+def kernel_cases():
+    """The kernel against its twin: 3 rows of S = 4 new tokens (one row with all valid, one with
+    2, one finished), left-padded cached columns, random key_valid holes, 1 / 2 / one-per-block
+    splits; the outputs of the valid tokens, the cache after the writes, the marks."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for G, hpg, hd, T, splits in ((2, 2, 16, 128, 1), (2, 3, 32, 128, 2), (1, 4, 16, 192, 3)):
+        B, S = 3, 4
+        qkv = torch.randn(B, S, G, hpg + 2, hd, generator=g)
+        kc = torch.randn(B, G, T, hd, generator=g)
+        vc = torch.randn(B, G, T, hd, generator=g)
+        cos, sin = tables(hd, 256)
+        col = torch.tensor([40, 70, 100])
+        pos = torch.tensor([30, 65, 90])  # first real columns 10, 5, 10
+        n_valid = torch.tensor([4, 2, 3])
+        finished = torch.tensor([False, False, True])
+        key_valid = torch.rand(B, T, generator=g) < 0.8
+        res = {}
+        for impl in ("triton", "torch"):
+            k, v, kv = kc.clone(), vc.clone(), key_valid.clone()
+            a = rope_attention_multi(qkv, cos, sin, k, v, col, pos, n_valid, finished, kv,
+                                     mark=True, splits=splits, impl=impl)
+            res[impl] = (a, k, v, kv)
+        (a, k, v, kv), (ta, tk, tv, tkv) = res["triton"], res["torch"]
+        ok = (torch.arange(S)[None] < n_valid[:, None]) & ~finished[:, None]
+        written = torch.zeros(B, T, dtype=torch.bool)
+        for b in range(B):
+            if not finished[b]:
+                written[b, col[b]:col[b] + n_valid[b]] = True
+        out.append({"shape": [G, hpg, hd, T], "splits": splits,
+                    "attn_err": (a - ta)[ok].abs().max().item(),
+                    "cache_err": max((k - tk).abs().max().item(), (v - tv).abs().max().item()),
+                    "only_written": bool(torch.equal(k.ne(kc).any(-1).any(1), written)
+                                         and torch.equal(v.ne(vc).any(-1).any(1), written)),
+                    "marks_equal": bool(torch.equal(kv, tkv)),
+                    "marks_are_written": bool(torch.equal(kv, key_valid | written))})
+    return out
+
+
+def generation_cases():
+    """The speculative tail on the decode kernels (verify_fused) against the PyTorch tail and
+    plain decoding: greedy tokens equal, log-probs close; sampled: the fused tail's log-probs
+    equal a cache-free forward (checked by the caller's tolerance)."""
+    gen = make(CFG16)
+    prompts = random_prompts(6, vocab=CFG16.vocab_size, seed=4)
+    free = gen.generate(prompts, cfg=rc(max_new_tokens=24), eos_id=-1, pad_id=0, seed=0)
+    stops = uneven_stops(free.response_ids, [0, 3], CFG16.vocab_size)
+    out = {}
+    # sampled: PyTorch's draws on both paths (the fused sampler draws from its own stream)
+    for name, kw in {"greedy": dict(),
+                     "sampled": dict(temperature=0.8, n=2, kernel_options=DecodeKernelOptions(
+                         fused_sampler=False))}.items():
+        res = {}
+        for side, dk, rows in (("plain", "torch", 0), ("tail_torch", "torch", 4),
+                               ("tail_fused", "triton", 4)):
+            c = rc(max_new_tokens=24, stop_token_ids=stops, max_batch_size=32,
+                   decode_kernels=dk, **kw)
+            res[side] = gen.generate(prompts, cfg=c, eos_id=-1, pad_id=0, seed=3,
+                                     options=opts(c, check_every=2, spec_rows=rows,
+                                                  spec_draft_tokens=3))
+            res[side + "_stats"] = dict(gen.stats)
+        p, t, f = res["plain"], res["tail_torch"], res["tail_fused"]
+        out[name] = {"fused_steps": res["tail_fused_stats"]["spec_steps"],
+                     "fused_tokens": res["tail_fused_stats"]["spec_tokens"],
+                     "fused_equals_torch_tail": bool(torch.equal(f.response_ids, t.response_ids)),
+                     "fused_equals_plain": bool(torch.equal(f.response_ids, p.response_ids)),
+                     "logprob_err": ((f.rollout_logprobs - t.rollout_logprobs).abs().max().item()
+                                     if f.rollout_logprobs.shape == t.rollout_logprobs.shape
+                                     else float("inf"))}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps({"kernel": kernel_cases(), "generation": generation_cases()}))

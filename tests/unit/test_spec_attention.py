@@ -1,0 +1,45 @@
+"""kernels/spec_attention.py (the speculative tail's attention over S new tokens per row) on CPU,
+through Triton's interpreter (TRITON_INTERPRET=1, in a fresh process:
+tests/unit/spec_attention_check.py): the kernel equals its PyTorch twin with 1, 2 and 3 splits
+(tokens past a row's n_valid and a finished row neither written nor marked, left-padded columns
+and key_valid holes not read), and the generator's tail on the decode kernels
+(speculative.verify_fused) emits the PyTorch tail's tokens, greedy (= plain decoding) and sampled.
+The GPU's bf16 and CUDA graphs: tests/gpu/test_speculative_gpu.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hybridflow.kernels import layer_ops as kern
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def checked():
+    if not kern.HAVE_TRITON:
+        pytest.skip("needs the triton package (its CPU interpreter)")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    run = subprocess.run([sys.executable, "tests/unit/spec_attention_check.py"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_kernel_equals_its_twin(checked):
+    cases = checked["kernel"]
+    assert [c["splits"] for c in cases] == [1, 2, 3]
+    for c in cases:
+        assert c["attn_err"] < 1e-5 and c["cache_err"] == 0.0, c
+        assert c["only_written"] and c["marks_equal"] and c["marks_are_written"], c
+
+
+def test_fused_tail_emits_the_torch_tails_tokens(checked):
+    g, s = checked["generation"]["greedy"], checked["generation"]["sampled"]
+    for case in (g, s):
+        assert case["fused_steps"] > 0 and case["fused_equals_torch_tail"], case
+        assert case["logprob_err"] < 1e-4, case
+    assert g["fused_equals_plain"] and g["fused_tokens"] > g["fused_steps"], g
