@@ -166,8 +166,10 @@ def test_decode_step_torch_with_a_column_per_row_equals_per_row_calls():
                                  cache=one, cos_tab=cos, sin_tab=sin,
                                  opts=DecodeOptions(kernels="torch"))
         torch.testing.assert_close(lg[b:b + 1], lb, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(cache.k[:, b:b + 1], one.k, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(cache.v[:, b:b + 1], one.v, rtol=1e-5, atol=1e-6)
+        # K/V: the QKV GEMM over 3 rows against 1 (BLAS blocks by batch size: ~1.5e-6 apart on
+        # some CPUs)
+        torch.testing.assert_close(cache.k[:, b:b + 1], one.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.v[:, b:b + 1], one.v, rtol=1e-5, atol=1e-5)
         assert bool(kv[b, cur[b]]) == bool(mark[b]) and torch.equal(kv[b, :cur[b]], vb[0, :cur[b]])
 
 
