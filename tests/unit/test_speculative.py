@@ -201,3 +201,19 @@ def test_options_and_config_checks():
         validate_speculative(dataclasses.replace(r, quantization="fp8"))
     Config()  # the default config carries the group, off
     assert not Config().rollout.speculative.enable
+
+
+def test_metrics_sum_over_a_steps_calls():
+    from hybridflow.rollout.speculative import speculative_metrics
+
+    m = speculative_metrics({"spec_steps": 3, "spec_rows": 10, "spec_drafted": 40,
+                             "spec_tokens": 30}, into={})
+    assert m["rollout/spec_tokens_per_row_step"] == 3.0 and m["rollout/spec_draft_kept"] == 0.5
+    speculative_metrics({"spec_steps": 1, "spec_rows": 2, "spec_drafted": 0, "spec_tokens": 2},
+                        into=m)  # a second generate call of the step (dynamic sampling)
+    assert (m["rollout/spec_steps"], m["rollout/spec_row_steps"]) == (4, 12)
+    assert m["rollout/spec_tokens_per_row_step"] == 32 / 12
+    assert m["rollout/spec_draft_kept"] == (32 - 12) / 40
+    empty = speculative_metrics({"spec_steps": 0, "spec_rows": 0, "spec_drafted": 0,
+                                 "spec_tokens": 0}, into={})
+    assert empty["rollout/spec_tokens_per_row_step"] == 0.0
