@@ -80,12 +80,13 @@ class NgramDrafter:
 def accept(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torch.Tensor, *,
            temperature: float, top_k: int, top_p: float,
            generator: Optional[torch.Generator] = None, need_logprobs: bool = True):
-    """logits (r, S, V) fp32 at the fed positions (the pending token, then S - 1 drafts); drafts
+    """logits (r, S, V) at the fed positions (the pending token, then S - 1 drafts); drafts
     (r, S - 1) int64; n_draft (r,) the real drafts per row. Returns (emitted (r, S), kept (r,),
     logprobs (r, S) or None): row i emits emitted[i, :kept[i] + 1] (kept drafts, then one drawn
     token); entries past that are meaningless."""
     r, S, V = logits.shape
     dev = logits.device
+    logits = logits.float()  # the fused step's are in the weights' dtype; the sampler reads fp32
     j = torch.arange(S - 1, device=dev)
     real = j < n_draft[:, None]  # (r, S - 1)
     inv_temp = 1.0 if temperature == 0.0 else 1.0 / temperature
