@@ -217,3 +217,15 @@ def test_metrics_sum_over_a_steps_calls():
     empty = speculative_metrics({"spec_steps": 0, "spec_rows": 0, "spec_drafted": 0,
                                  "spec_tokens": 0}, into={})
     assert empty["rollout/spec_tokens_per_row_step"] == 0.0
+
+
+def test_several_chunks_share_the_tail_step():
+    """max_batch_size below the rows: each chunk runs its own tail on the one captured step."""
+    gen, prompts, stops = _long_tail(seed=1)
+    cfg = rc(max_new_tokens=40, stop_token_ids=stops, max_batch_size=5)
+    plain = _run(gen, prompts, cfg, 0, emulate_graphs=True)
+    spec = _run(gen, prompts, cfg, 4, emulate_graphs=True)
+    assert gen.stats["spec_steps"] > 0
+    assert sum(k[0] == "speculative" for k in gen._steps) == 1
+    assert torch.equal(spec.response_ids, plain.response_ids)
+    assert torch.allclose(spec.rollout_logprobs, plain.rollout_logprobs, atol=1e-5, rtol=0)
