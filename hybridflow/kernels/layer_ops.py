@@ -161,15 +161,18 @@ if HAVE_TRITON:
         return m, lsum, acc
 
     @triton.jit
-    def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, G, HPG, s_ob, s_og, s_oh,
+    def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, G, HPG, s_ob, s_og, s_oh, s_os,
                              NSPLIT: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr,
-                             PDL: tl.constexpr = False):
+                             S: tl.constexpr = 1, PDL: tl.constexpr = False):
+        """The splits' partials of each (row, group)'s S x HPG query rows (token j = row // HPG,
+        head row % HPG; S = 1: a decode step's heads) -> out[b, j, g, h] (strides s_ob, s_os,
+        s_og, s_oh)."""
         pdl_enter(PDL)
         pid = tl.program_id(0).to(tl.int64)
         b, g = pid // G, pid % G
         h = tl.arange(0, H_PAD)
         d = tl.arange(0, HD)
-        rows = h[:, None] < HPG
+        rows = h[:, None] < S * HPG
         big_m = tl.full([H_PAD], -1e30, tl.float32)
         big_l = tl.zeros([H_PAD], tl.float32)
         o = tl.zeros([H_PAD, HD], tl.float32)
@@ -184,7 +187,8 @@ if HAVE_TRITON:
                            other=0.0)
             o = o * alpha[:, None] + part * beta[:, None]
             big_m = new_m
-        tl.store(out_ptr + b * s_ob + g * s_og + h[:, None] * s_oh + d[None, :],
+        tl.store(out_ptr + b * s_ob + (h // HPG)[:, None] * s_os + g * s_og
+                 + (h % HPG)[:, None] * s_oh + d[None, :],
                  (o / big_l[:, None]).to(out_ptr.dtype.element_ty), mask=rows)
 
 

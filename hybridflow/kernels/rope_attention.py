@@ -267,7 +267,8 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
             num_warps=layer_ops.ATTN_WARPS, num_stages=layer_ops.ATTN_STAGES,
             **launch_opts(qkv, pdl))
         if nsplit > 1:
-            layer_ops._attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, *out.stride()[:3],
-                                                  NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4,
+            layer_ops._attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg,
+                                                  *out.stride()[:3], 0, NSPLIT=nsplit,
+                                                  H_PAD=h_pad, HD=hd, num_warps=4,
                                                   **launch_opts(m, pdl))
     return out

@@ -9,7 +9,8 @@ rotates them, and attends every query over the row's own cached columns col[b] -
 col[b] - 1 where key_valid is set (its share of them: split-KV, as kernels/rope_attention.py); split
 0 writes the valid new keys and values into the cache and folds them in from registers, query j
 seeing new tokens 0..j (no program reads a column another program of the launch writes). With
-more than one split the partial max / sum of exp / P @ V are combined by a second kernel. `mark`:
+more than one split the partial max / sum of exp / P @ V are combined by a second kernel
+(layer_ops._attn_combine_kernel). `mark`:
 also set key_valid at the new tokens' columns (the first layer's call). A finished row writes
 nothing and reads no column; its output is meaningless (the caller discards it), as are the
 outputs of tokens j >= n_valid[b].
@@ -124,34 +125,6 @@ if HAVE_TRITON:
             tl.store(l_ptr + row * H_PAD + hq, lsum)
             tl.store(acc_ptr + (row * H_PAD + hq[:, None]) * HD + d[None, :], acc)
 
-    @triton.jit
-    def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, G, HPG, S, s_ob, s_os, s_og, s_oh,
-                        NSPLIT: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr,
-                        PDL: tl.constexpr = False):
-        pdl_enter(PDL)
-        pid = tl.program_id(0).to(tl.int64)
-        b, g = pid // G, pid % G
-        hq = tl.arange(0, H_PAD)
-        j, hh = hq // HPG, hq % HPG
-        q_ok = hq < S * HPG
-        d = tl.arange(0, HD)
-        big_m = tl.full([H_PAD], -1e30, tl.float32)
-        big_l = tl.zeros([H_PAD], tl.float32)
-        o = tl.zeros([H_PAD, HD], tl.float32)
-        for split in range(0, NSPLIT):
-            row = pid * NSPLIT + split
-            m = tl.load(m_ptr + row * H_PAD + hq)
-            new_m = tl.maximum(big_m, m)
-            alpha = tl.exp(big_m - new_m)
-            beta = tl.exp(m - new_m)
-            big_l = big_l * alpha + tl.load(l_ptr + row * H_PAD + hq) * beta
-            o = (o * alpha[:, None]
-                 + tl.load(acc_ptr + (row * H_PAD + hq[:, None]) * HD + d[None, :]) * beta[:, None])
-            big_m = new_m
-        tl.store(out_ptr + b * s_ob + j[:, None] * s_os + g * s_og + hh[:, None] * s_oh
-                 + d[None, :], (o / big_l[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=q_ok[:, None])
-
 
 def rope_attention_multi(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, col: torch.Tensor,
@@ -200,9 +173,10 @@ def rope_attention_multi(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             num_warps=layer_ops.ATTN_WARPS, num_stages=layer_ops.ATTN_STAGES,
             **launch_opts(qkv, pdl))
         if nsplit > 1:
-            _combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, S, *out.stride()[:4],
-                                      NSPLIT=nsplit, H_PAD=h_pad, HD=hd, num_warps=4,
-                                      **launch_opts(m, pdl))
+            s_ob, s_os, s_og, s_oh = out.stride()[:4]
+            layer_ops._attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, s_ob, s_og, s_oh,
+                                                  s_os, NSPLIT=nsplit, H_PAD=h_pad, HD=hd, S=S,
+                                                  num_warps=4, **launch_opts(m, pdl))
     return out
 
 
