@@ -238,13 +238,14 @@ def run_tail(gen, tail: tuple, buf, row_map: torch.Tensor, out_tok: torch.Tensor
     n_h = torch.zeros(rows_b, dtype=torch.long)
     if gen.device.type == "cuda":
         drafts_h, n_h = drafts_h.pin_memory(), n_h.pin_memory()
+    drafts_np, n_np = drafts_h.numpy(), n_h.numpy()  # the pinned buffers, written through numpy
     while not done_h.all():
-        drafts_h.zero_()
-        n_h.zero_()
+        drafts_np.fill(0)
+        n_np.fill(0)
         for i in np.flatnonzero(~done_h):
             d = drafter.draft(i, min(k, R - int(steps_h[i]) - 1))
-            drafts_h[i, :len(d)] = torch.tensor(d, dtype=torch.long)
-            n_h[i] = len(d)
+            drafts_np[i, :len(d)] = d
+            n_np[i] = len(d)
         st.drafts.copy_(drafts_h, non_blocking=True)
         st.n_draft.copy_(n_h, non_blocking=True)
         step()
@@ -256,7 +257,7 @@ def run_tail(gen, tail: tuple, buf, row_map: torch.Tensor, out_tok: torch.Tensor
         done_h = ret[:, S + 1].astype(bool)
         stats["spec_steps"] += 1
         stats["spec_rows"] += int((n_emit > 0).sum())
-        stats["spec_drafted"] += int(n_h.sum())
+        stats["spec_drafted"] += int(n_np.sum())
         stats["spec_tokens"] += int(n_emit.sum())
         stats["decode_row_steps"] += rows_b
     out_tok.index_copy_(0, rows, st.out_tokens[:r, :R])
