@@ -109,7 +109,8 @@ def study(rows: list, batch: int, max_rows: int, k: int, ngram: tuple) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", help="the Qwen2.5-Coder GGUF (sampling)")
-    ap.add_argument("--data", default=".gsm8k", help="python -m hybridflow.data.prepare gsm8k's dir")
+    ap.add_argument("--data", default=".gsm8k",
+                    help="the output dir of python -m hybridflow.data.prepare gsm8k")
     ap.add_argument("--samples", nargs="*", default=[], help="saved rows (JSON lists) to replay")
     ap.add_argument("--save-samples", help="write the sampled rows here")
     ap.add_argument("--prompts", type=int, default=32)

@@ -56,7 +56,7 @@ class Validator:
     def run(self, *, step: int, timer) -> dict:
         batch = self.rollout.generate(self.items, step=step, timer=timer,
                                       rollout_cfg=self.gen_cfg, seed=self.cfg.trainer.seed,
-                                      record_experts=False)
+                                      record_experts=False, step_metrics=False)
         scores = {name: self.rollout.rule_scores(self.items, batch, fn=fn)[0]
                   for name, fn in self.rules.items()}
         lengths = batch.response_mask.sum(1)

@@ -95,10 +95,13 @@ class RolloutStage:
         return self.resharder.gather()
 
     def generate(self, items, *, step: int, timer, rollout_cfg=None, seed=None,
-                 round_index: int = 0, record_experts: bool | None = None) -> RolloutBatch:
+                 round_index: int = 0, record_experts: bool | None = None,
+                 step_metrics: bool = True) -> RolloutBatch:
         """Sample `rollout_cfg.n` (default: the rollout config's) responses for this DP rank's
         `items`; every rank of the DP replica returns the same rows, on the CPU.
-        `record_experts` (None: as actor.router_replay asks): the rows carry their routing."""
+        `record_experts` (None: as actor.router_replay asks): the rows carry their routing.
+        `step_metrics` false (validation): the call's own metrics (the speculative tail's) stay
+        out of the training step's."""
         r = rollout_cfg or self.cfg.rollout
         ctx = self.ctx
         # chunk j of the DP replica's prompts for gen replica j (sizes differ by at most one)
@@ -147,7 +150,7 @@ class RolloutStage:
                             record_experts=self.record_experts
                             if record_experts is None else record_experts)
                 self.kv_cache_bytes = gen.kv_cache_bytes
-                if r.speculative.enable and not self.tools:
+                if r.speculative.enable and not self.tools and step_metrics:
                     speculative_metrics(gen.stats, into=self.turn_metrics)
                 if self._kept is not gen:
                     gen.release()

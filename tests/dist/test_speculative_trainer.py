@@ -48,7 +48,8 @@ def test_greedy_training_unchanged(runs):
             assert on["rollout/spec_steps"] > 0
             # the rollout log-probs come from another kernel path (equal to ~1e-8): the
             # mismatch metrics built on them differ by as much; nothing else may
-            differs = ("timing", "perf", "mem", "training/rollout_", "rollout_corr/", "rollout/spec")
+            differs = ("timing", "perf", "mem", "training/rollout_", "rollout_corr/",
+                       "rollout/spec")
             same = {k: v for k, v in off.items() if not k.startswith(differs)}
             assert len(same) > 20
             for k, v in same.items():

@@ -139,7 +139,8 @@ def _forward_logprobs(gen, batch, i: int, T: float) -> tuple:
     lg = decoder.forward(gen.w, ids, torch.arange(len(seq))[None], torch.ones_like(ids).bool(),
                          cos_tab=cos, sin_tab=sin)[0]
     lp = torch.log_softmax(lg.float() / T, -1)[len(p) - 1:len(seq) - 1]
-    return lp.gather(1, torch.tensor(seq[len(p):])[:, None]).squeeze(1), batch.rollout_logprobs[i, :n]
+    lp = lp.gather(1, torch.tensor(seq[len(p):])[:, None]).squeeze(1)
+    return lp, batch.rollout_logprobs[i, :n]
 
 
 @pytest.mark.parametrize("top_p,graphs", [(1.0, False), (0.9, True)])
