@@ -10,8 +10,9 @@ max_new_tokens is often a loop, which is what holds the tail.
 
 One tail step, for the r rows still in the chunk's tail (`run_tail`):
 1. the host drafts up to k tokens per running row (`NgramDrafter`), fewer near max_new_tokens;
-2. `multi_turn_step.extend` feeds each row its pending token and its drafts at the row's own cache
-   columns and returns the logits at every fed position;
+2. one forward feeds each row its pending token and its drafts at the row's own cache columns and
+   returns the logits at every fed position: `verify_fused` on the decode kernels (with
+   kernels/spec_attention.py), else `multi_turn_step.extend` (PyTorch ops);
 3. `accept` keeps draft j while a uniform draw falls below its probability under the target
    distribution p_j (log_softmax(logits / T), then top-k / top-p as the sampler filters), and
    draws one more token after the kept ones: from p without the rejected draft (renormalised), or
@@ -271,7 +272,7 @@ def fused_verify_applies(gen, opts) -> bool:
     w = gen.w
     return (opts.kernels == "triton" and gen.quantization == "none" and not gen._cache.fp8
             and w.dims.tp_size == 1
-            and all(l.q_norm is None and l.moe is None for l in w.layers))
+            and all(layer.q_norm is None and layer.moe is None for layer in w.layers))
 
 
 def verify_fused(w, ids: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
@@ -290,11 +291,11 @@ def verify_fused(w, ids: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
     r, S = ids.shape
     hpg, hd, pdl = d.heads_per_group, d.head_dim, opts.pdl
     lin = decoder._linear_for(opts, True)
-    x, y = None, None
+    x = None  # the first norm gathers the embedding
     for i, layer in enumerate(w.layers):
         x, h = (kern.add_rms_norm(w.embed, None, layer.ln1, d.eps, rows=ids.reshape(-1), pdl=pdl,
                                   impl="triton")
-                if x is None else kern.add_rms_norm(x, y, layer.ln1, d.eps, pdl=pdl,
+                if x is None else kern.add_rms_norm(x, None, layer.ln1, d.eps, pdl=pdl,
                                                     impl="triton"))
         qkv = lin(h, layer.qkv_w, layer.qkv_b).view(r, S, d.groups, hpg + 2, hd)
         kc, vc = cache.layer(i, r)
@@ -303,7 +304,7 @@ def verify_fused(w, ids: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
         x = lin(a.view(r * S, d.heads * hd), layer.proj, residual=x)
         h = kern.add_rms_norm(x, None, layer.ln2, d.eps, pdl=pdl, impl="triton")[1]
         x = lin(kern.silu_mul(lin(h, layer.fc1), pdl=pdl, impl="triton"), layer.fc2, residual=x)
-    h = kern.add_rms_norm(x, y, w.final_ln, d.eps, pdl=pdl, impl="triton")[1]
+    h = kern.add_rms_norm(x, None, w.final_ln, d.eps, pdl=pdl, impl="triton")[1]
     return decoder.logits(w, h, fp32=False).view(r, S, -1)
 
 
