@@ -20,6 +20,9 @@ runs at a few rows, each step still reading every weight. Partial rollouts
 (`Workload.partial_decode_steps` C) are costed in their steady state: a step's call holds every
 C-token segment of a step's worth of rows (`partial_segments`), a carried segment re-prefilled as
 prompt + the response before it and reading those columns too, and decodes at most C steps.
+The speculative tail (`Workload.spec_rows` M): from the first poll whose live count is at most M,
+the running rows advance `spec_tail_tokens_per_step` tokens per step, each step M x (1 + drafts)
+tokens of decode work that read every running row's own columns once.
 
 Training passes (`pass_work`): a DP rank's rows split into micro-batches as the trainer does
 (hybridflow.data.microbatch.token_budget_groups under dynamic_bsz, else fixed micro-batches of
@@ -87,7 +90,8 @@ class Decode:
 
 
 def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int, compact: bool,
-           window: int, exact_end: bool, wide_rows: int, own_prompt) -> Decode:
+           window: int, exact_end: bool, wide_rows: int, own_prompt,
+           spec: tuple | None = None) -> Decode:
     n = len(lengths)
     ladder = bucket_sizes(max_batch)
     b = next(x for x in ladder if x >= n)
@@ -115,6 +119,9 @@ def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int,
                 rows[s + 1:] = b
                 moved += 2 * b * (prompt + s)
                 compactions += 1
+    start = _spec_start(lengths, steps, spec[0]) if spec else None
+    if start is not None:  # plain steps through token `start`, then the speculative tail
+        t, rows, cols = t[:start + 1], rows[:start + 1], cols[:start + 1]
     wide = rows > wide_rows
     row_columns = float((rows * cols).sum())
     if own_prompt is not None:  # only live rows read, each its own prompt + tokens so far
@@ -124,9 +131,43 @@ def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int,
         done = np.searchsorted(srt, t, side="right")  # rows ended by token t
         live_prompts = own.sum() - np.concatenate([[0.0], np.cumsum(own)])[done]
         row_columns = float((live_prompts + (n - done) * (t + 0.5)).sum())
-    return Decode(steps=steps, row_steps=float(rows.sum()), row_columns=row_columns,
-                  moved_bytes=moved, compactions=compactions, chunks=1,
-                  wide_steps=int(wide.sum()), wide_row_steps=float(rows[wide].sum()))
+    out = Decode(steps=len(t), row_steps=float(rows.sum()), row_columns=row_columns,
+                 moved_bytes=moved, compactions=compactions, chunks=1,
+                 wide_steps=int(wide.sum()), wide_row_steps=float(rows[wide].sum()))
+    if start is not None:
+        own = prompt if own_prompt is None else own_prompt
+        out = out + _spec_tail(lengths, start, np.broadcast_to(np.asarray(own, dtype=np.float64),
+                                                               lengths.shape),
+                               tail_rows=min(spec[0], b), drafts=spec[1], per_step=spec[2])
+    return out
+
+
+def _spec_start(lengths: np.ndarray, steps: int, max_rows: int) -> int | None:
+    """The token after which rollout.speculative's tail takes over: the first stop poll whose
+    (one poll late) live count is at most max_rows, as the generator decides; None: never."""
+    srt = np.sort(lengths)
+    for s in range(2 * CHECK_EVERY, steps - 1, CHECK_EVERY):
+        if len(srt) - int(np.searchsorted(srt, s - CHECK_EVERY + 1, side="right")) <= max_rows:
+            return s
+    return None
+
+
+def _spec_tail(lengths: np.ndarray, start: int, prompts: np.ndarray, *, tail_rows: int,
+               drafts: int, per_step: float) -> Decode:
+    """The speculative tail after token `start`: each running row gains `per_step` tokens a step
+    until its length; every step computes tail_rows x (1 + drafts) tokens (the tail's static
+    rows, finished ones as padding) and reads each running row's own columns once."""
+    rest = lengths[lengths > start + 1] - (start + 1)
+    if not len(rest):
+        return Decode()
+    steps_of = np.ceil(rest / per_step).astype(np.int64)  # each row's tail steps
+    steps = int(steps_of.max())
+    u = np.arange(steps, dtype=np.float64)
+    live = (steps_of[None, :] > u[:, None])  # (steps, rows)
+    own = prompts[lengths > start + 1]
+    cols = own[None, :] + start + 1 + u[:, None] * per_step
+    return Decode(steps=steps, row_steps=float(steps * tail_rows * (1 + drafts)),
+                  row_columns=float((cols * live).sum()))
 
 
 @functools.lru_cache(maxsize=256)
@@ -151,7 +192,9 @@ def decode_schedule(w: Workload, rows: int, batch: int) -> Decode:
                                window=w.decode_kv_window, exact_end=exact_end,
                                wide_rows=w.int4_kernel_max_rows,
                                own_prompt=w.prompt_len + starts[part] if w.own_columns_only
-                               else None)
+                               else None,
+                               spec=(w.spec_rows, w.spec_draft_tokens, w.spec_tail_tokens_per_step)
+                               if w.spec_rows else None)
     return total
 
 

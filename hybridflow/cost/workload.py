@@ -153,6 +153,15 @@ class Workload:
     # rollout.partial.extra_prompts (over all DP ranks): groups kept in flight beyond the step's;
     # the first step generates all of them, the run's largest call (a kept KV cache's rows)
     partial_extra_prompts: int = 0
+    # rollout.speculative when enabled (0: off): a generate call's tail from this many running
+    # rows on decodes by speculative steps of spec_draft_tokens drafts, each a decode step of the
+    # tail's rows x (1 + drafts) tokens, the tail's rows gaining spec_tail_tokens_per_step
+    # tokens per step (a measured property of the model and data: a run's
+    # rollout/spec_tokens_per_row_step, or benchmarks/spec_tail_study.py's; the default is the
+    # GSM8K recipe's, docs/performance.md)
+    spec_rows: int = 0
+    spec_draft_tokens: int = 4
+    spec_tail_tokens_per_step: float = 2.7
     # rollout.multi_turn.enable: generation with tool turns, costed as single-turn generation of
     # the same lengths (tool waits, appended results and the multi-turn step's own costs are not
     # modelled); the options its config refuses (quantized rollouts, partial rollouts, the fp8 KV
@@ -245,7 +254,7 @@ class Workload:
         return (self.response_lengths is not None or self.dynamic_bsz or self.gen_rounds != 1
                 or self.gen_prompt_factor != 1 or self.compact_finished_rows
                 or self.decode_kv_window > 0 or self.prompt_len_max is not None
-                or self.partial_decode_steps > 0)
+                or self.partial_decode_steps > 0 or self.spec_rows > 0)
 
     @property
     def head_fraction(self) -> float:

@@ -482,3 +482,25 @@ def test_multi_turn_is_never_offered_what_its_config_refuses(capsys):
     assert len(fits[False]) == len(fits[True]) == 1, fits
     assert "rollout.kv_cache_dtype=fp8" in fits[False][0]
     assert "kv_cache_dtype" not in fits[True][0], fits
+
+
+def test_speculative_tail_steps():
+    """rollout.speculative in the schedule: plain steps through the first poll whose (one poll
+    late) live count is at most spec_rows, then ceil(rest / tokens_per_step) tail steps of
+    spec_rows x (1 + drafts) tokens each; off, or with no such poll, the plain schedule."""
+    from hybridflow.cost.varlen import decode_schedule
+
+    lengths = [20] * 39 + [200]
+    w = Workload(algorithm="grpo", prompts_per_step=40, samples_per_prompt=1, prompt_len=10,
+                 response_lengths=lengths, max_new_tokens=256, gen_max_batch_size=64)
+    plain = decode_schedule(w, 40, 40)
+    spec = decode_schedule(replace(w, spec_rows=4, spec_draft_tokens=4,
+                                               spec_tail_tokens_per_step=2.5), 40, 40)
+    # polls at 32 (39 rows of 20 tokens were live at 17), 48: one row left -> tail after token 48
+    tail = math.ceil((200 - 49) / 2.5)
+    assert spec.steps == 49 + tail < plain.steps
+    assert spec.row_steps == 49 * 64 + tail * 4 * 5  # the 64-row bucket, then 4 rows x 5 tokens
+    assert spec.row_columns < plain.row_columns
+    never = replace(w, spec_rows=4, response_lengths=[200] * 40)
+    assert decode_schedule(never, 40, 40) == decode_schedule(
+        replace(never, spec_rows=0), 40, 40)
