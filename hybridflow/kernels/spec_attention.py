@@ -32,6 +32,10 @@ import torch
 from . import layer_ops
 from ._dispatch import HAVE_TRITON, launch_opts, use_triton
 
+# the kernel holds S x hpg query rows (padded to 16, 32 or 64) where the decode kernel holds
+# hpg: 8 warps keep its tiles in registers (docs/perf_log.md)
+MULTI_WARPS = 8
+
 if HAVE_TRITON:
     import triton
     import triton.language as tl
@@ -170,8 +174,7 @@ def rope_attention_multi(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             *v_cache.stride()[:3], valid.stride(0), valid.stride(1), *out.stride()[:4],
             NSPLIT=nsplit, BLOCKS=blocks, H_PAD=h_pad, S_PAD=s_pad, HD=hd,
             BLOCK=layer_ops.BLOCK_T, IEEE=qkv.dtype == torch.float32, MARK=mark,
-            num_warps=layer_ops.ATTN_WARPS, num_stages=layer_ops.ATTN_STAGES,
-            **launch_opts(qkv, pdl))
+            num_warps=MULTI_WARPS, num_stages=layer_ops.ATTN_STAGES, **launch_opts(qkv, pdl))
         if nsplit > 1:
             s_ob, s_os, s_og, s_oh = out.stride()[:4]
             layer_ops._attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg, s_ob, s_og, s_oh,
