@@ -237,6 +237,17 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * s_o + col, (hf * rstd * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def split_scratch(programs: int, nsplit: int, h_pad: int, hd: int, out: torch.Tensor) -> tuple:
+    """(max, sum of exp, P @ V) fp32 partials of `programs` (row, group) programs' `nsplit`
+    splits for _attn_combine_kernel, h_pad query rows each; one split: `out` stands in for all
+    three (unused: the attention kernel writes the output itself)."""
+    if nsplit == 1:
+        return out, out, out
+    m = torch.empty((programs * nsplit, h_pad), dtype=torch.float32, device=out.device)
+    return m, torch.empty_like(m), torch.empty((programs * nsplit, h_pad, hd),
+                                               dtype=torch.float32, device=out.device)
+
+
 def num_splits(rows_x_groups: int, columns: int, device: torch.device, *,
                target: int = 0) -> int:
     """Splits of the attended columns per (row, group): 1 when the (row, group) programs alone fill

@@ -238,12 +238,7 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     blocks = -(-T // (nsplit * layer_ops.BLOCK_T))
     h_pad = max(16, triton.next_power_of_2(hpg))
     out = torch.empty((B, G, hpg, hd), dtype=qkv.dtype, device=qkv.device)
-    if nsplit > 1:
-        m = torch.empty((B * G * nsplit, h_pad), dtype=torch.float32, device=qkv.device)
-        lsum = torch.empty_like(m)
-        acc = torch.empty((B * G * nsplit, h_pad, hd), dtype=torch.float32, device=qkv.device)
-    else:
-        m = lsum = acc = out  # unused: the kernel writes the output itself
+    m, lsum, acc = layer_ops.split_scratch(B * G, nsplit, h_pad, hd, out)
     if B:
         valid = key_valid.view(torch.uint8) if key_valid.dtype == torch.bool else key_valid
         pf, pf_bytes, pf_on = prefetch_args(qkv, prefetch)

@@ -159,12 +159,7 @@ def rope_attention_multi(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     h_pad = max(16, triton.next_power_of_2(S * hpg))
     s_pad = max(16, triton.next_power_of_2(S))
     out = torch.empty((B, S, G, hpg, hd), dtype=qkv.dtype, device=qkv.device)
-    if nsplit > 1:
-        m = torch.empty((B * G * nsplit, h_pad), dtype=torch.float32, device=qkv.device)
-        lsum = torch.empty_like(m)
-        acc = torch.empty((B * G * nsplit, h_pad, hd), dtype=torch.float32, device=qkv.device)
-    else:
-        m = lsum = acc = out  # unused: the kernel writes the output itself
+    m, lsum, acc = layer_ops.split_scratch(B * G, nsplit, h_pad, hd, out)
     if B:
         valid = key_valid.view(torch.uint8) if key_valid.dtype == torch.bool else key_valid
         fin = finished.view(torch.uint8) if finished.dtype == torch.bool else finished
