@@ -69,10 +69,14 @@ def generation_cases():
     free = gen.generate(prompts, cfg=rc(max_new_tokens=24), eos_id=-1, pad_id=0, seed=0)
     stops = uneven_stops(free.response_ids, [0, 3], CFG16.vocab_size)
     out = {}
-    # sampled: PyTorch's draws on both paths (the fused sampler draws from its own stream)
-    for name, kw in {"greedy": dict(),
-                     "sampled": dict(temperature=0.8, n=2, kernel_options=DecodeKernelOptions(
-                         fused_sampler=False))}.items():
+    # sampled: PyTorch's draws on both paths (the fused sampler draws from its own stream);
+    # recipe: the GPU's way (graphed buckets emulated, compaction down to 1 row, a KV window)
+    cases = {"greedy": ({}, {}),
+             "sampled": (dict(temperature=0.8, n=2,
+                              kernel_options=DecodeKernelOptions(fused_sampler=False)), {}),
+             "recipe": (dict(compact_finished_rows=True, decode_kv_window=64),
+                        dict(emulate_graphs=True, min_graphed_bucket=1))}
+    for name, (kw, okw) in cases.items():
         res = {}
         for side, dk, rows in (("plain", "torch", 0), ("tail_torch", "torch", 4),
                                ("tail_fused", "triton", 4)):
@@ -80,7 +84,7 @@ def generation_cases():
                    decode_kernels=dk, **kw)
             res[side] = gen.generate(prompts, cfg=c, eos_id=-1, pad_id=0, seed=3,
                                      options=opts(c, check_every=2, spec_rows=rows,
-                                                  spec_draft_tokens=3))
+                                                  spec_draft_tokens=3, **okw))
             res[side + "_stats"] = dict(gen.stats)
         p, t, f = res["plain"], res["tail_torch"], res["tail_fused"]
         out[name] = {"fused_steps": res["tail_fused_stats"]["spec_steps"],
