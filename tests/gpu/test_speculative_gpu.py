@@ -23,7 +23,7 @@ if not kern.HAVE_TRITON:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("B,S,G,hpg,hd,T", [(16, 5, 2, 7, 64, 1280), (4, 3, 4, 6, 128, 512)])
 def test_kernel_matches_twin(dtype, B, S, G, hpg, hd, T):
-    from tests.unit.decode_kernels_check import tables
+    from tests.gpu.test_decode_kernels_gpu import _tables as tables
 
     g = torch.Generator(device="cuda").manual_seed(0)
     qkv = torch.randn(B, S, G, hpg + 2, hd, generator=g, device="cuda").to(dtype)
