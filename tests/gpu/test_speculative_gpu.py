@@ -45,8 +45,11 @@ def test_kernel_matches_twin(dtype, B, S, G, hpg, hd, T):
     tol = dict(atol=2 ** -6, rtol=2 ** -6) if dtype == torch.bfloat16 else dict(atol=1e-5,
                                                                                  rtol=1e-5)
     torch.testing.assert_close(outs["triton"][0][ok].float(), outs["torch"][0][ok].float(), **tol)
-    for i in (1, 2, 3):
-        assert torch.equal(outs["triton"][i], outs["torch"][i])
+    for i in (1, 2):  # the caches: RoPE rounded as the twin rounds, within one ulp (an FMA)
+        torch.testing.assert_close(outs["triton"][i].float(), outs["torch"][i].float(),
+                                   atol=2 ** -7 if dtype == torch.bfloat16 else 1e-6,
+                                   rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6)
+    assert torch.equal(outs["triton"][3], outs["torch"][3])  # the marks
 
 
 @pytest.mark.parametrize("kernels", ["triton", "torch"])
