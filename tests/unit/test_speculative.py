@@ -230,3 +230,16 @@ def test_several_chunks_share_the_tail_step():
     assert sum(k[0] == "speculative" for k in gen._steps) == 1
     assert torch.equal(spec.response_ids, plain.response_ids)
     assert torch.allclose(spec.rollout_logprobs, plain.rollout_logprobs, atol=1e-5, rtol=0)
+
+
+def test_without_logprobs_and_with_top_k():
+    """return_logprobs false (no log-prob pass in the tail); top_k = 1 at temperature 1 (a draw
+    that cannot change the token: the sampled path's output equals greedy decoding's)."""
+    gen, prompts, stops = _long_tail(seed=5)
+    cfg = rc(max_new_tokens=40, stop_token_ids=stops, max_batch_size=16, return_logprobs=False)
+    plain = _run(gen, prompts, cfg, 0)
+    spec = _run(gen, prompts, cfg, 4)
+    assert gen.stats["spec_steps"] > 0 and spec.rollout_logprobs is None
+    assert torch.equal(spec.response_ids, plain.response_ids)
+    topk1 = dataclasses.replace(cfg, temperature=1.0, top_k=1)
+    assert torch.equal(_run(gen, prompts, topk1, 4, seed=9).response_ids, plain.response_ids)
