@@ -12,30 +12,18 @@ the kernel writes its twins' codes and scales and the generation equals the torc
 bf16 and CUDA graphs: tests/gpu/test_decode_kernels_gpu.py. Also: clear errors where the kernels
 do not apply."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from hybridflow.config import ModelConfig, RolloutConfig
 from hybridflow.kernels import layer_ops as kern
 from tests.unit.test_rollout import PROMPTS, make, rc
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.unit.triton_interp import run_check
 
 
 @pytest.fixture(scope="module")
 def checked():
-    if not kern.HAVE_TRITON:
-        pytest.skip("needs the triton package (its CPU interpreter)")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    run = subprocess.run([sys.executable, "tests/unit/decode_kernels_check.py"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_check("decode_kernels_check.py")
 
 
 def test_rope_attention_equals_the_two_kernels_twins(checked):

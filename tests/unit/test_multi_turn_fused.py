@@ -5,34 +5,20 @@ that are not fed, and whole multi-turn rollouts against the torch path. The Trit
 through Triton's CPU interpreter in a fresh process (tests/unit/multi_turn_fused_check.py); the
 PyTorch twins also run here directly."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from hybridflow.kernels import layer_ops as kern
 from hybridflow.kernels import rope_attention as fused
 from hybridflow.rollout import decoder
 from hybridflow.rollout.kv_cache import KVCache
 from hybridflow.rollout.options import DecodeOptions
 from hybridflow.rollout.sampling import sample
 from tests.unit.test_multi_turn import make_gen
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.unit.triton_interp import run_check
 
 
 def _check(section: str, tmp) -> dict:
-    if not kern.HAVE_TRITON:
-        pytest.skip("needs the triton package (its CPU interpreter)")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    run = subprocess.run([sys.executable, "tests/unit/multi_turn_fused_check.py", section,
-                          str(tmp)], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_check("multi_turn_fused_check.py", section, tmp, timeout=900)
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,6 @@ GPU (_scaled_mm on CUDA, the int4 kernel in bf16, CUDA graphs): tests/gpu/test_q
 """
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -32,8 +28,8 @@ from hybridflow.rollout import Generator
 from hybridflow.rollout.options import DecodeOptions
 from hybridflow.rollout.quantize import QuantWeight, linear, quantize
 from tests.unit.test_rollout import PROMPTS, random_params, rc
+from tests.unit.triton_interp import run_check
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # every matrix dimension a multiple of 128 (int4 groups) and 16 (fp8)
 QCFG = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=128, num_attention_heads=4,
                    num_query_groups=2, vocab_size=37, add_qkv_bias=True)
@@ -128,13 +124,7 @@ def test_weight_only_twins_are_f_linear_with_the_dequantized_weight():
 
 @pytest.fixture(scope="module")
 def interpreted():
-    if not kq.HAVE_TRITON:
-        pytest.skip("needs the triton package (its CPU interpreter)")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    run = subprocess.run([sys.executable, "tests/unit/quant_kernels_check.py"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_check("quant_kernels_check.py")
 
 
 def test_weight_only_triton_kernels_equal_their_twins(interpreted):

@@ -11,34 +11,23 @@ against the wrong temperature, which it must fail), the Exp(1) draws' ends, and 
 the multi-turn step, interpreted; slow tier): reproducible under a seed, log-probs equal a
 teacher-forced recompute. On a GPU: tests/gpu/test_sample_gpu.py."""
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from hybridflow.config import RolloutConfig
 from hybridflow.config_checks import validate_rollout_options
-from hybridflow.kernels import layer_ops as kern
 from hybridflow.kernels import sample as ks
 from hybridflow.rollout.options import DecodeOptions
 from hybridflow.rollout.sampling import sample
+from tests.unit.triton_interp import run_check
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 P8 = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02])
 CHI2_7DOF_P001 = 24.32  # the chi-square distribution's 0.999 quantile at 7 degrees of freedom
 
 
 def _check(section: str, tmp) -> dict:
-    if not kern.HAVE_TRITON:
-        pytest.skip("needs the triton package (its CPU interpreter)")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    run = subprocess.run([sys.executable, "tests/unit/sample_rows_check.py", section, str(tmp)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_check("sample_rows_check.py", section, tmp, timeout=900)
 
 
 @pytest.fixture(scope="module")

@@ -7,27 +7,14 @@ and key_valid holes not read), and the generator's tail on the decode kernels
 emulated graph buckets, compaction and a KV window) and sampled.
 The GPU's bf16 and CUDA graphs: tests/gpu/test_speculative_gpu.py."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from hybridflow.kernels import layer_ops as kern
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.unit.triton_interp import run_check
 
 
 @pytest.fixture(scope="module")
 def checked():
-    if not kern.HAVE_TRITON:
-        pytest.skip("needs the triton package (its CPU interpreter)")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    run = subprocess.run([sys.executable, "tests/unit/spec_attention_check.py"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_check("spec_attention_check.py")
 
 
 def test_kernel_equals_its_twin(checked):
