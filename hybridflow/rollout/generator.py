@@ -255,7 +255,8 @@ class Generator:
                                     mask_u[runs[c][0]:runs[c][1]],
                                     prefill_of_row[c[0]:c[1]] - runs[c][0],
                                     lens[runs[c][0]:runs[c][1]], cfg, opts, pad_id, targets, record,
-                                    tail_step)
+                                    tail_step, None if tail_step is None
+                                    else [prompts[r // cfg.n] for r in range(*c)])
                     for c in chunks]
         with record_function("generate.finish"):
             tokens = torch.cat([o[0] for o in outs])  # (N, R)
@@ -466,12 +467,13 @@ class Generator:
 
     def _run_chunk(self, steps: dict, b: int, ids, mask, copy_of, lens, cfg: RolloutConfig,
                    opts: DecodeOptions, pad_id: int, targets: list, record: Optional[tuple],
-                   tail_step: Optional[tuple] = None):
+                   tail_step: Optional[tuple] = None, row_prompts: Optional[list] = None):
         """Prefill the chunk's distinct prompts ids, mask (U, P) (their lengths `lens` (U,) on the
         host) once each, then decode their copies copy_of (B,) (chunk row -> row of ids) in
         bucket b (compacting into `targets`) -> (tokens (B, R), logprobs (B, R), and with `record`
         (L, k) the routed experts of the prompt (B, P, L, k) and response tokens (B, R, L, k);
-        else None, None) before trimming."""
+        else None, None) before trimming. `tail_step` (rollout.speculative: speculative.py's
+        (state, step)) decodes the tail from the chunk rows' prompts `row_prompts`."""
         (U, P), B = ids.shape, copy_of.shape[0]
         R = cfg.max_new_tokens
         with record_function("generate.prefill"):
@@ -528,7 +530,7 @@ class Generator:
                     # the tail by speculative steps (rollout/speculative.py): it flushes the
                     # bucket's outputs and writes the rest of the running rows' itself
                     speculative.run_tail(self, tail_step, buf, row_map, out_tok, out_lp,
-                                         prompts=_prompt_lists(ids, mask, copy_of), P=P, s=s,
+                                         prompts=row_prompts, P=P, s=s,
                                          opts=opts, stats=self.stats)
                     tail = True
                     break
@@ -542,14 +544,6 @@ class Generator:
             if not tail:
                 compaction.flush(buf, row_map, out_tok, out_lp, out_exp)
         return (out_tok[:B], out_lp[:B], pre, None if out_exp is None else out_exp[:B])
-
-
-def _prompt_lists(ids: torch.Tensor, mask: torch.Tensor, copy_of: torch.Tensor) -> list:
-    """The real prompt tokens of every chunk row (host lists): row j's are ids[copy_of[j]]
-    where mask is set."""
-    ids_h, mask_h = ids.cpu().numpy(), mask.cpu().numpy().astype(bool)
-    per_prompt = [row[m].tolist() for row, m in zip(ids_h, mask_h)]
-    return [per_prompt[u] for u in copy_of.cpu().tolist()]
 
 
 def _prefill_runs(ids: np.ndarray, mask: np.ndarray) -> tuple:

@@ -203,8 +203,8 @@ def run_tail(gen, tail: tuple, buf, row_map: torch.Tensor, out_tok: torch.Tensor
     """Decode the running rows of bucket `buf` to their ends by speculative steps, writing their
     tokens and log-probs into the chunk's out_tok / out_lp (B + 1, R). Called after decode step s
     (output columns 0..s written, each row's pending token is column s, for cache column P + s);
-    `prompts[c]` the real prompt tokens of chunk row c (host lists). The bucket's outputs are
-    flushed here; the caller does not flush them again. `tail`: `tail_step_for`'s (state, step)."""
+    `prompts[c]` the prompt token ids of chunk row c (as given to generate). The bucket's outputs
+    are flushed here; the caller does not flush them again. `tail`: `tail_step_for`'s (state, step)."""
     compaction.flush(buf, row_map, out_tok, out_lp)
     live = (~buf.finished).nonzero().squeeze(1)
     r = int(live.numel())
@@ -230,7 +230,7 @@ def run_tail(gen, tail: tuple, buf, row_map: torch.Tensor, out_tok: torch.Tensor
     st.out_tokens[:r, :R] = out_tok.index_select(0, rows)
     st.out_logprobs[:r, :R] = out_lp.index_select(0, rows)
     so_far = st.out_tokens[:r, :s + 1].tolist()
-    drafter = NgramDrafter([prompts[c] + t for c, t in zip(rows.tolist(), so_far)],
+    drafter = NgramDrafter([list(prompts[c]) + t for c, t in zip(rows.tolist(), so_far)],
                            ngram_max=opts.spec_ngram[0], ngram_min=opts.spec_ngram[1])
     rows_b = st.drafts.shape[0]
     steps_h = np.full(r, s + 1)  # output columns written per running row (host)
