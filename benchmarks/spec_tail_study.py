@@ -31,9 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.run_record import command, machine, versions, write_json  # noqa: E402
+from hybridflow.rollout.options import DecodeOptions  # noqa: E402
 from hybridflow.rollout.speculative import NgramDrafter  # noqa: E402
-
-POLL = 16  # DecodeOptions.check_every: the tail starts at a stop poll
 
 
 def sample_rows(a) -> list:
@@ -88,7 +87,8 @@ def study(rows: list, batch: int, max_rows: int, k: int, ngram: tuple) -> dict:
         lengths = [len(r["response"]) for r in group]
         longest = max(lengths)
         # decode step s writes output column s; a row of length n is running until step n - 1
-        start = next((s for s in range(POLL, longest, POLL)
+        poll = DecodeOptions().check_every  # the tail starts at a stop poll
+        start = next((s for s in range(poll, longest, poll)
                       if sum(n > s + 1 for n in lengths) <= max_rows), None)
         plain += longest - 1
         if start is None:
