@@ -108,19 +108,21 @@ def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int,
         cols = prompt + t + 0.5      # the written columns, on average over the step's token
     rows = np.full(steps, float(b))
     moved, compactions = 0.0, 0
+    srt = np.sort(lengths)
+    # rollout.speculative: plain steps through token `start`, then the tail (the generator leaves
+    # its decode loop at that poll: no compaction there or later)
+    start = _spec_start(srt, steps, spec[0]) if spec else None
+    tail_rows = min(spec[0], b) if spec else 0  # the tail's static rows (the cache holds b)
     if compact:
         targets = [x for x in ladder if x >= MIN_GRAPHED_BUCKET and x < b]
-        srt = np.sort(lengths)
-        for s in range(2 * CHECK_EVERY, steps, CHECK_EVERY):   # the first poll has no snapshot
-            live = n - int(np.searchsorted(srt, s - CHECK_EVERY + 1, side="right"))
-            fit = next((x for x in targets if x >= max(live, 1)), None)
+        for s in range(2 * CHECK_EVERY, steps if start is None else start, CHECK_EVERY):
+            fit = next((x for x in targets if x >= max(_polled_live(srt, s), 1)), None)
             if fit is not None and fit <= b // 2:
                 b = fit
                 rows[s + 1:] = b
                 moved += 2 * b * (prompt + s)
                 compactions += 1
-    start = _spec_start(lengths, steps, spec[0]) if spec else None
-    if start is not None:  # plain steps through token `start`, then the speculative tail
+    if start is not None:
         t, rows, cols = t[:start + 1], rows[:start + 1], cols[:start + 1]
     wide = rows > wide_rows
     row_columns = float((rows * cols).sum())
@@ -138,18 +140,22 @@ def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int,
         own = prompt if own_prompt is None else own_prompt
         out = out + _spec_tail(lengths, start, np.broadcast_to(np.asarray(own, dtype=np.float64),
                                                                lengths.shape),
-                               tail_rows=min(spec[0], b), drafts=spec[1], per_step=spec[2])
+                               tail_rows=tail_rows, drafts=spec[1], per_step=spec[2])
     return out
 
 
-def _spec_start(lengths: np.ndarray, steps: int, max_rows: int) -> int | None:
-    """The token after which rollout.speculative's tail takes over: the first stop poll whose
-    (one poll late) live count is at most max_rows, as the generator decides; None: never."""
-    srt = np.sort(lengths)
-    for s in range(2 * CHECK_EVERY, steps - 1, CHECK_EVERY):
-        if len(srt) - int(np.searchsorted(srt, s - CHECK_EVERY + 1, side="right")) <= max_rows:
-            return s
-    return None
+def _polled_live(srt: np.ndarray, s: int) -> int:
+    """The live count the stop poll after token s reads (sorted lengths `srt`): the snapshot
+    taken one poll earlier, an upper bound (the first poll has none: polls start at
+    2 x CHECK_EVERY)."""
+    return len(srt) - int(np.searchsorted(srt, s - CHECK_EVERY + 1, side="right"))
+
+
+def _spec_start(srt: np.ndarray, steps: int, max_rows: int) -> int | None:
+    """The token after which rollout.speculative's tail takes over (sorted lengths `srt`): the
+    first stop poll whose live count is at most max_rows, as the generator decides; None: never."""
+    return next((s for s in range(2 * CHECK_EVERY, steps - 1, CHECK_EVERY)
+                 if _polled_live(srt, s) <= max_rows), None)
 
 
 def _spec_tail(lengths: np.ndarray, start: int, prompts: np.ndarray, *, tail_rows: int,

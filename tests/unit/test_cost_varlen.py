@@ -501,6 +501,13 @@ def test_speculative_tail_steps():
     assert spec.steps == 49 + tail < plain.steps
     assert spec.row_steps == 49 * 64 + tail * 4 * 5  # the 64-row bucket, then 4 rows x 5 tokens
     assert spec.row_columns < plain.row_columns
+    # with compaction: none from the tail's poll on (the generator leaves its loop there), and
+    # the tail's static rows are spec_rows (at most the cache's 64), not a compacted bucket's
+    wide = decode_schedule(replace(w, compact_finished_rows=True, spec_rows=32,
+                                   spec_tail_tokens_per_step=2.5), 40, 40)
+    assert decode_schedule(replace(w, compact_finished_rows=True), 40, 40).compactions == 1
+    assert wide.compactions == 0 and wide.moved_bytes == 0
+    assert wide.row_steps == 49 * 64 + tail * 32 * 5
     never = replace(w, spec_rows=4, response_lengths=[200] * 40)
     assert decode_schedule(never, 40, 40) == decode_schedule(
         replace(never, spec_rows=0), 40, 40)
