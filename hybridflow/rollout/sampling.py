@@ -53,6 +53,14 @@ def filter_logits(scaled: torch.Tensor, *, top_k: int, top_p: float):
     return values, ids
 
 
+def draw(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One index per row of `probs` (B, K) (unnormalised is fine; 0: never) by the exponential
+    race argmax(p / E)."""
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    # a 0 draw (possible at fp32 resolution) must not turn 0/0 into NaN for zero entries
+    return torch.argmax(probs / race.clamp_min_(torch.finfo(race.dtype).tiny), dim=-1)
+
+
 def _race_argmax(logits, race, inv_temp: float):
     """argmax(z / T - log E) per row: the exponential race without the softmax."""
     tiny = torch.finfo(torch.float32).tiny  # a 0 draw (fp32 resolution): finite, the row's winner
@@ -108,9 +116,7 @@ def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: f
     else:
         values, ids = filter_logits(logits.float() * inv_temp, top_k=top_k, top_p=top_p)
         probs = torch.softmax(values, dim=-1)  # (B, K); 0 where filtered
-        race = torch.empty_like(probs).exponential_(generator=generator)
-        # a 0 draw (possible at fp32 resolution) must not turn 0/0 into NaN for filtered tokens
-        choice = torch.argmax(probs / race.clamp_min_(torch.finfo(race.dtype).tiny), dim=-1)
+        choice = draw(probs, generator)
         tokens = choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
     if replace is not None:
         tokens = torch.where(replace[0], replace[1], tokens)

@@ -38,7 +38,7 @@ import torch
 from hybridflow.rollout import compaction
 from hybridflow.rollout.cuda_graph import GraphedStep, WarmedStep
 from hybridflow.rollout.multi_turn_step import extend
-from hybridflow.rollout.sampling import filter_logits
+from hybridflow.rollout.sampling import draw, filter_logits
 
 
 class NgramDrafter:
@@ -110,8 +110,7 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torch.Tensor, *,
         rejected = kept < n_draft
         bad = drafts.gather(1, kept.clamp(max=S - 2)[:, None])  # the rejected draft (if any)
         p = p.masked_fill(rejected[:, None] & (torch.arange(V, device=dev) == bad), 0.0)
-        race = torch.empty_like(p).exponential_(generator=generator)
-        last = torch.argmax(p / race.clamp_min_(torch.finfo(race.dtype).tiny), dim=-1)
+        last = draw(p, generator)
     padded = torch.cat([drafts, drafts.new_zeros(r, 1)], 1)  # (r, S)
     emitted = torch.where(torch.arange(S, device=dev) < kept[:, None], padded, last[:, None])
     if not need_logprobs:
