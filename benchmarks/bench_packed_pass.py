@@ -68,17 +68,24 @@ def timed(fn, iters: int, cuda: bool) -> list[float]:
     return out
 
 
-def top_kernels(fn, rows: int = 25) -> list[dict]:
+def top_kernels(fn, rows: int = 40) -> dict:
+    """The pass's CUDA kernels: the top `rows` by time, their sum and the wall time around them."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     def us(e):  # (torch 2.4+: device_time_total; older: cuda_time_total)
         return getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
 
-    ev = sorted(prof.key_averages(), key=lambda e: -us(e))[:rows]
-    return [{"name": e.key[:120], "cuda_s": us(e) / 1e6, "calls": e.count} for e in ev]
+    ev = sorted(prof.key_averages(), key=lambda e: -us(e))
+    return {"wall_s": wall, "kernel_s": sum(us(e) for e in ev) / 1e6,
+            "launches": sum(e.count for e in ev),
+            "top": [{"name": e.key[:120], "cuda_s": us(e) / 1e6, "calls": e.count}
+                    for e in ev[:rows]]}
 
 
 def predicted(model_cfg, *, prompt_len, lengths, budget, fbudget, pack: bool, equal: bool,
