@@ -82,12 +82,12 @@ def tail_steps(prompt: list, response: list, start: int, k: int, ngram: tuple) -
 def study(rows: list, batch: int, max_rows: int, k: int, ngram: tuple) -> dict:
     """Decode steps of batches of `batch` rows (in order), plain and with the tail."""
     plain = spec = tail_plain = tail_spec = tokens = 0
+    poll = DecodeOptions().check_every  # the tail starts at a stop poll
     for b0 in range(0, len(rows), batch):
         group = rows[b0:b0 + batch]
         lengths = [len(r["response"]) for r in group]
         longest = max(lengths)
         # decode step s writes output column s; a row of length n is running until step n - 1
-        poll = DecodeOptions().check_every  # the tail starts at a stop poll
         start = next((s for s in range(poll, longest, poll)
                       if sum(n > s + 1 for n in lengths) <= max_rows), None)
         plain += longest - 1

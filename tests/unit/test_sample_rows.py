@@ -11,7 +11,6 @@ against the wrong temperature, which it must fail), the Exp(1) draws' ends, and 
 the multi-turn step, interpreted; slow tier): reproducible under a seed, log-probs equal a
 teacher-forced recompute. On a GPU: tests/gpu/test_sample_gpu.py."""
 
-
 import pytest
 import torch
 
