@@ -76,6 +76,9 @@ def main():
                          "without ('off'). Random weights keep almost no draft: the time "
                          "difference over the tail's steps is what a tail step costs more than a "
                          "plain one (the GSM8K step's variant 'spec' measures the gain)")
+    ap.add_argument("--decode-kernels", default="auto", choices=("auto", "torch", "triton"),
+                    help="rollout.decode_kernels of every side (torch: the PyTorch decode step and "
+                         "speculative tail)")
     ap.add_argument("--prompt-spread", type=int, default=0,
                     help="prompt lengths uniform in [prompt-len - spread, prompt-len] (left "
                          "padding to the longest, as a GSM8K batch)")
@@ -118,7 +121,8 @@ def main():
             sides.update(window=dict(decode_kv_window=args.kv_window),
                          on_window=dict(compact_finished_rows=True, decode_kv_window=args.kv_window))
         rc = {side: RolloutConfig(max_new_tokens=R, temperature=1.0, max_batch_size=B,
-                                  stop_token_ids=stop, **kw) for side, kw in sides.items()}
+                                  stop_token_ids=stop, decode_kernels=args.decode_kernels, **kw)
+              for side, kw in sides.items()}
         run = lambda side: gen.generate(prompts, cfg=rc[side], eos_id=-1, pad_id=0,  # noqa
                                         seed=0)
         res = {}
