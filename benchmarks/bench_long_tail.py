@@ -31,6 +31,7 @@ against =false. With --spec-ab the "on" side's stats count the speculative tail'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -79,6 +80,9 @@ def main():
     ap.add_argument("--decode-kernels", default="auto", choices=("auto", "torch", "triton"),
                     help="rollout.decode_kernels of every side (torch: the PyTorch decode step and "
                          "speculative tail)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="rollout.kernel_options.pdl=false on every side (kernels launched without "
+                         "programmatic dependent launch)")
     ap.add_argument("--prompt-spread", type=int, default=0,
                     help="prompt lengths uniform in [prompt-len - spread, prompt-len] (left "
                          "padding to the longest, as a GSM8K batch)")
@@ -100,7 +104,7 @@ def main():
     stop = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:k].tolist()
     report = {"machine": machine(device), "versions": versions("transformers"), "command": command(),
               "model": cfg.name, "prompt_len": args.prompt_len, "new_tokens": R,
-              "tail_mean": args.tail_mean, "num_stop_ids": k, "prompt_spread": args.prompt_spread,
+              "tail_mean": args.tail_mean, "num_stop_ids": k, "pdl": not args.no_pdl, "prompt_spread": args.prompt_spread,
               "results": {}}
     for B in args.batches:
         spread = torch.randint(0, args.prompt_spread + 1, (B,)).tolist()
@@ -120,6 +124,10 @@ def main():
         elif args.kv_window:
             sides.update(window=dict(decode_kv_window=args.kv_window),
                          on_window=dict(compact_finished_rows=True, decode_kv_window=args.kv_window))
+        if args.no_pdl:
+            for kw in sides.values():
+                kw["kernel_options"] = dataclasses.replace(
+                    kw.get("kernel_options", DecodeKernelOptions()), pdl=False)
         rc = {side: RolloutConfig(max_new_tokens=R, temperature=1.0, max_batch_size=B,
                                   stop_token_ids=stop, decode_kernels=args.decode_kernels, **kw)
               for side, kw in sides.items()}

@@ -38,10 +38,14 @@ WARMUP = 2
 
 
 class GraphedStep:
-    """`fn` captured once (after `warmup` eager runs on a side stream); calling replays it."""
+    """`fn` captured once (after `warmup` eager runs on a side stream); calling replays it. The
+    graph reads the addresses of every tensor `fn` closes over, so `fn` is kept: dropping it would
+    free those tensors (index ramps, stop ids made by a step's factory) to the allocator while
+    the graph still reads them."""
 
     def __init__(self, fn: Callable[[], None], *, pool, side: torch.cuda.Stream,
                  generator: torch.Generator | None, warmup: int = WARMUP):
+        self.fn = fn
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # cuBLAS/SDPA workspaces and lazy inits happen here
             for _ in range(warmup):

@@ -190,6 +190,28 @@ def test_advance_rows_under_a_graph():
     assert (st["out_tokens"][:, [0, 4]] == -1).all()
 
 
+def test_graphed_step_keeps_the_tensors_its_step_closes_over():
+    """A step made by a factory closes over tensors nothing else holds (the speculative tail's
+    index ramps and stop ids): the graph reads their addresses, so GraphedStep must keep them
+    alive; freed, the allocator hands their blocks to the next tensors of that size."""
+    def factory(out):
+        ramp = torch.arange(64, device="cuda") * 3  # held by the closure only
+
+        def step():
+            out.copy_(ramp + 1)
+        return step
+
+    out = torch.zeros(64, dtype=torch.long, device="cuda")
+    graph = GraphedStep(factory(out), pool=None, side=torch.cuda.Stream(), generator=None,
+                        warmup=1)
+    junk = [torch.full((64,), -7, dtype=torch.long, device="cuda") for _ in range(32)]
+    out.zero_()
+    graph()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.arange(64, device="cuda") * 3 + 1), out[:8].tolist()
+    del junk
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("B,G,hpg,hd,T", [(256, 2, 7, 64, 1024), (40, 2, 6, 128, 700)])
 def test_rope_attention_reads_only_each_rows_own_columns(dtype, B, G, hpg, hd, T):
