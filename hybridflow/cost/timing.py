@@ -107,6 +107,12 @@ IB_LATENCY_S = 30e-6       # per collective across nodes
 # an int4 GEMM wider than the weight-only kernel takes: the bf16 weight written, then read by cuBLAS
 INT4_DEQUANT_BYTES_PER_WEIGHT = 2 * BYTES_PER_PARAM
 DEVICE_COPY_EFF = 0.9  # of HBM bandwidth, a streaming device copy on an H200 (docs/perf_log.md)
+# rollout.speculative: what one tail step costs beyond a decode step of its rows x (1 + drafts)
+# tokens: the host's round trip (read the emitted tokens, draft, copy the drafts in) and the
+# verify attention; the residual of the GSM8K recipe's A/B on an H100 with the tokens per row-step
+# it measured (benchmarks/results/gsm8k_spec_ab_h100.json, docs/performance.md), not a fit over
+# several records
+SPEC_TAIL_STEP_S = 6.2e-4
 
 
 # Two kinds of work that overlap, but not fully: a forward/update pass's host side (per-layer kernel
@@ -247,6 +253,7 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
         prefills = _prefill_calls(prefill_tokens, calls * d.chunks)
         prefill = prefill_tokens * forward_flops_per_token(shape, prompt) / tp_g
         t.add("compaction", None, calls * d.moved_bytes * kv_token / (gpu.hbm_gbps * 1e9))
+        t.add("spec_tail_step", None, calls * d.spec_steps * SPEC_TAIL_STEP_S)
         collectives, comm_tokens = 2 * shape.num_layers * (steps + calls * d.chunks), \
             calls * (row_steps + prefilled * prompt)
     else:  # every row prompt_len + response_len; per-step costs until each wave's longest ends

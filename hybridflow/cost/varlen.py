@@ -22,7 +22,8 @@ C-token segment of a step's worth of rows (`partial_segments`), a carried segmen
 prompt + the response before it and reading those columns too, and decodes at most C steps.
 The speculative tail (`Workload.spec_rows` M): from the first poll whose live count is at most M,
 the running rows advance `spec_tail_tokens_per_step` tokens per step, each step M x (1 + drafts)
-tokens of decode work that read every running row's own columns once.
+tokens of decode work that read every running row's own columns once (timing.py adds what a tail
+step costs beyond that, SPEC_TAIL_STEP_S).
 
 Training passes (`pass_work`): a DP rank's rows split into micro-batches as the trainer does
 (hybridflow.data.microbatch.token_budget_groups under dynamic_bsz, else fixed micro-batches of
@@ -83,6 +84,8 @@ class Decode:
     wide_row_steps: float = 0.0
     # partial rollouts: tokens re-prefilled for the carried rows (prompt + response so far)
     carried_prefill_tokens: float = 0.0
+    # rollout.speculative: the tail's steps (counted in `steps` too)
+    spec_steps: int = 0
 
     def __add__(self, o: "Decode") -> "Decode":
         return Decode(*(getattr(self, f.name) + getattr(o, f.name)
@@ -173,7 +176,7 @@ def _spec_tail(lengths: np.ndarray, start: int, prompts: np.ndarray, *, tail_row
     own = prompts[lengths > start + 1]
     cols = own[None, :] + start + 1 + u[:, None] * per_step
     return Decode(steps=steps, row_steps=float(steps * tail_rows * (1 + drafts)),
-                  row_columns=float((cols * live).sum()))
+                  row_columns=float((cols * live).sum()), spec_steps=steps)
 
 
 @functools.lru_cache(maxsize=256)

@@ -158,10 +158,10 @@ class Workload:
     # tail's rows x (1 + drafts) tokens, the tail's rows gaining spec_tail_tokens_per_step
     # tokens per step (a measured property of the model and data: a run's
     # rollout/spec_tokens_per_row_step, or benchmarks/spec_tail_study.py's; the default is the
-    # GSM8K recipe's, docs/performance.md)
+    # GSM8K recipe's on an H100, benchmarks/results/gsm8k_spec_ab_h100.json)
     spec_rows: int = 0
     spec_draft_tokens: int = 4
-    spec_tail_tokens_per_step: float = 2.7
+    spec_tail_tokens_per_step: float = 2.5
     # rollout.multi_turn.enable: generation with tool turns, costed as single-turn generation of
     # the same lengths (tool waits, appended results and the multi-turn step's own costs are not
     # modelled); the options its config refuses (quantized rollouts, partial rollouts, the fp8 KV
