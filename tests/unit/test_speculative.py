@@ -201,7 +201,7 @@ def test_options_and_config_checks():
     with pytest.raises(ValueError, match="rollout.quantization"):
         validate_speculative(dataclasses.replace(r, quantization="fp8"))
     Config()  # the default config carries the group, off
-    assert not Config().rollout.speculative.enable
+    assert Config().rollout.speculative.enable is None  # auto: config_auto decides
 
 
 def test_metrics_sum_over_a_steps_calls():
