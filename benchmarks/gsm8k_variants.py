@@ -58,6 +58,7 @@ VARIANTS = {
                     "rollout.partial.extra_prompts=32 rollout.max_batch_size=768 "
                     "algo.tis_imp_ratio_cap=2.0"),
     "spec": "rollout.speculative.enable=true",
+    "nospec": "rollout.speculative.enable=false",
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
     "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.lookahead=false",
     "tools_held": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.append=prefill",

@@ -157,8 +157,11 @@ class SpeculativeConfig:
     plus one token drawn after them: the samples have the distribution of plain decoding
     (temperature, top_k and top_p included; greedy output unchanged), only their random draws differ.
     The tail's few rows leave a step's latency-bound weight reads and launches nearly idle, so a
-    step that checks several tokens costs about what one token's step costs. Single-turn only."""
-    enable: bool = False
+    step that checks several tokens costs about what one token's step costs. Single-turn only.
+    enable null (auto): on where it applies and pays, a GPU run's single-turn, unquantized rollout
+    decoded by CUDA-graph replays whose generator is kept across steps (hybridflow.config_auto);
+    true: on wherever it runs (refused with multi-turn and quantized rollouts); false: off."""
+    enable: Optional[bool] = None
     max_rows: int = 16
     draft_tokens: int = 4
     ngram_max: int = 3

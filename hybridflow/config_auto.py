@@ -16,6 +16,9 @@ A run with no overrides is fast on a GPU and exact and simple on CPU. On a CUDA 
   KV cache (a multiple of 64) with CUDA-graph decoding (multi-turn too), 0 for a generator freed
   after generation (its windows' graphs would be captured every step); `rollout.compile_decode`
   -> on with CUDA-graph decoding at TP_g = 1 (not for multi-turn: its step is not compiled);
+  `rollout.speculative.enable` -> on with CUDA-graph single-turn decoding whose generator is kept
+  (its tail's graphs are captured once) where the tail runs the Triton decode layers (unquantized,
+  a plain-dtype cache, TP_g = 1, dense layers without q/k norms);
 - `parallel.train_cuda_graphs` -> on for a LoRA update (every trained role with adapters) at
   TP = PP = 1 on a dense model, unless a setting it cannot run with is set
   (`config_checks.train_graphs_conflicts`).
@@ -142,7 +145,22 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
     if gpu and not r.cuda_graphs:
         notes.append("auto: rollout.cuda_graphs=false: decode runs eagerly, so compaction, KV "
                      "windows and compiled decoding stay off")
+    if r.speculative.enable is None:
+        freed = rollout.get("free_cache_engine", r.free_cache_engine)
+        on = compiled and not freed and _speculative_tail_applies(cfg)
+        rollout["speculative"] = dataclasses.replace(r.speculative, enable=on)
     return _replace(cfg, "rollout", **rollout), notes
+
+
+def _speculative_tail_applies(cfg: Config) -> bool:
+    """Whether rollout.speculative's tail runs the decode step's own Triton layers (speculative.
+    fused_verify_applies, decided from the config): an unquantized rollout on a plain-dtype cache,
+    generation TP 1, dense layers without q/k norms, Triton decode kernels allowed. Elsewhere its
+    PyTorch fallback runs, which has not been measured to pay, so auto leaves it off."""
+    r, m = cfg.rollout, cfg.model
+    tp_g = r.tensor_parallel_size or cfg.parallel.tensor_parallel_size
+    return (r.quantization == "none" and r.kv_cache_dtype == "auto" and tp_g == 1
+            and r.decode_kernels != "torch" and not m.qk_layernorm and m.moe.num_experts == 0)
 
 
 FREED_WINDOW_NOTE = ("auto: rollout.decode_kv_window=0: the generator is freed after generation "
@@ -280,7 +298,8 @@ def size_for_memory(cfg: Config, *, asked, world_size: int,
     24 GiB: 416-token micro-batches kept against 2,496 freed; the kept run's update took 20 of its
     23.7 s per step). The generator is freed (its decode graphs re-captured every step, a fixed
     cost) when keeping it would leave the update less than half the training budget it gets freed;
-    an auto rollout.decode_kv_window goes with it (`resolve_auto`'s rule for a freed generator).
+    an auto rollout.decode_kv_window and an auto rollout.speculative.enable go with it
+    (`resolve_auto`'s rule for a freed generator).
     Returns (cfg, the `auto:` lines)."""
     sized, line = size_token_budgets(cfg, world_size=world_size, free_gib=free_gib)
     if not (asked.free_cache_engine is None and cfg.rollout.free_cache_engine is False
@@ -299,6 +318,9 @@ def size_for_memory(cfg: Config, *, asked, world_size: int,
     if asked.decode_kv_window is None and freed.rollout.decode_kv_window:
         freed = _replace(freed, "rollout", decode_kv_window=0)
         lines.append(FREED_WINDOW_NOTE)
+    if asked.speculative.enable is None and freed.rollout.speculative.enable:
+        freed = _replace(freed, "rollout", speculative=dataclasses.replace(
+            freed.rollout.speculative, enable=False))
     return freed, lines
 
 

@@ -525,7 +525,7 @@ def validate_partial(cfg: Config, *, dp: int) -> None:
 def validate_speculative(r) -> None:
     """rollout.speculative (`r`: the RolloutConfig): its keys, and what it does not run with."""
     sp = r.speculative
-    if not sp.enable:
+    if sp.enable is False:
         return
     for key, what in (("max_rows", "rows still running when the tail starts"),
                       ("draft_tokens", "tokens drafted per row and step"),
@@ -534,6 +534,8 @@ def validate_speculative(r) -> None:
     if sp.ngram_max < sp.ngram_min:
         raise ValueError(f"rollout.speculative.ngram_max={sp.ngram_max} must be >= "
                          f"rollout.speculative.ngram_min={sp.ngram_min}")
+    if sp.enable is None:  # auto: resolved where it applies (config_auto)
+        return
     if r.multi_turn.enable:
         raise ValueError("rollout.speculative.enable=true decodes single-turn tails only; it does "
                          "not run with rollout.multi_turn.enable=true: turn one of them off")

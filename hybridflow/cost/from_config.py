@@ -76,5 +76,5 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 partial_decode_steps=r.partial.max_decode_steps if r.partial.enable else 0,
                 partial_extra_prompts=r.partial.extra_prompts if r.partial.enable else 0,
                 multi_turn=bool(r.multi_turn.enable),
-                spec_rows=r.speculative.max_rows if r.speculative.enable else 0,
+                spec_rows=r.speculative.max_rows if r.speculative.enable is True else 0,
                 spec_draft_tokens=r.speculative.draft_tokens)

@@ -82,8 +82,8 @@ class DecodeOptions:
     @classmethod
     def from_config(cls, r: RolloutConfig) -> "DecodeOptions":
         """The options of `rollout` (a RolloutConfig). The null (auto) values of
-        compile_decode / decode_kv_window / compact_finished_rows, when not resolved for the
-        machine before (hybridflow.config_auto), count as off."""
+        compile_decode / decode_kv_window / compact_finished_rows / speculative.enable, when not
+        resolved for the machine before (hybridflow.config_auto), count as off."""
         k = r.kernel_options
         return cls(kernels=r.decode_kernels, cuda_graphs=bool(r.cuda_graphs),
                    compile=bool(r.compile_decode), kv_window=int(r.decode_kv_window or 0),
@@ -96,7 +96,7 @@ class DecodeOptions:
                    fused_sampler=bool(k.fused_sampler),
                    own_columns_only=bool(k.own_columns_only),
                    compile_backend=k.compile_backend, compile_mode=k.compile_mode,
-                   spec_rows=r.speculative.max_rows if r.speculative.enable else 0,
+                   spec_rows=r.speculative.max_rows if r.speculative.enable is True else 0,
                    spec_draft_tokens=r.speculative.draft_tokens,
                    spec_ngram=(r.speculative.ngram_max, r.speculative.ngram_min))
 

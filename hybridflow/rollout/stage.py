@@ -150,7 +150,7 @@ class RolloutStage:
                             record_experts=self.record_experts
                             if record_experts is None else record_experts)
                 self.kv_cache_bytes = gen.kv_cache_bytes
-                if r.speculative.enable and not self.tools and step_metrics:
+                if r.speculative.enable is True and not self.tools and step_metrics:
                     speculative_metrics(gen.stats, into=self.turn_metrics)
                 if self._kept is not gen:
                     gen.release()

@@ -243,3 +243,40 @@ def test_a_freed_generator_gets_no_kv_windows():
         assert sized.rollout.free_cache_engine is True
         assert sized.rollout.decode_kv_window == want
         assert (FREED_WINDOW_NOTE in lines) is (window is None)
+
+
+@pytest.mark.parametrize("extra, on", [
+    ((), True),  # a single-turn bf16 rollout, graphed, generator kept, Triton layers
+    (("rollout.speculative.enable=false",), False),  # the user's value
+    (("rollout.free_cache_engine=true",), False),  # its tail graphs would be captured every step
+    (("rollout.cuda_graphs=false",), False),
+    (("rollout.decode_kernels=torch",), False),  # the PyTorch fallback: not shown to pay
+    (("rollout.kv_cache_dtype=fp8",), False),
+    (("rollout.quantization=fp8",), False),  # refused with it when asked for
+    (("model=qwen3_0_6b",), False),  # q/k norms: the PyTorch fallback
+    (("rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=calculator.yaml"),
+     False),
+])
+def test_speculative_tail_on_where_it_runs_the_decode_layers(extra, on):
+    cfg, _ = resolve_auto(_cfg(*GPU_JOB, *extra), device_type="cuda")
+    assert cfg.rollout.speculative.enable is on
+    validate(cfg, world_size=1)
+    on_cpu, _ = resolve_auto(_cfg(*GPU_JOB, *extra), device_type="cpu")
+    assert on_cpu.rollout.speculative.enable is False
+
+
+def test_speculative_tail_goes_with_a_generator_the_budgets_free():
+    from hybridflow.config_auto import size_for_memory
+
+    job = ["model=qwen2_7b", "algo=grpo", "data.synthetic=copy", "data.max_prompt_length=160",
+           "data.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=256",
+           "algo.ppo_mini_batch_size=64", "actor.lora.rank=16", "actor.lora.alpha=32",
+           "parallel.activation_checkpointing=true"]
+    for asked, want in ((None, False), (True, True)):
+        extra = [] if asked is None else ["rollout.speculative.enable=true"]
+        raw = _cfg(*job, *extra)
+        kept, _ = resolve_auto(raw, device_type="cuda")
+        assert kept.rollout.speculative.enable is True
+        sized, _ = size_for_memory(kept, asked=raw.rollout, world_size=1, free_gib=24.0)
+        assert sized.rollout.free_cache_engine is True
+        assert sized.rollout.speculative.enable is want

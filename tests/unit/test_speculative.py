@@ -201,7 +201,7 @@ def test_options_and_config_checks():
     with pytest.raises(ValueError, match="rollout.quantization"):
         validate_speculative(dataclasses.replace(r, quantization="fp8"))
     Config()  # the default config carries the group, off
-    assert not Config().rollout.speculative.enable
+    assert Config().rollout.speculative.enable is None  # auto: config_auto decides
 
 
 def test_metrics_sum_over_a_steps_calls():
@@ -243,3 +243,35 @@ def test_without_logprobs_and_with_top_k():
     assert torch.equal(spec.response_ids, plain.response_ids)
     topk1 = dataclasses.replace(cfg, temperature=1.0, top_k=1)
     assert torch.equal(_run(gen, prompts, topk1, 4, seed=9).response_ids, plain.response_ids)
+
+
+@pytest.mark.parametrize("model, rollout", [
+    ({}, {}),
+    ({}, {"kv_cache_dtype": "fp8"}),
+    ({}, {"quantization": "fp8"}),
+    ({}, {"quantization": "int4"}),
+    ({}, {"decode_kernels": "torch"}),
+    ({"qk_layernorm": True}, {}),
+])
+def test_auto_tail_rule_is_the_run_time_rule(model, rollout):
+    """config_auto decides from the config what fused_verify_applies decides from the built
+    generator: the two must agree (widths of 128 so that int4 can quantize)."""
+    from hybridflow.config import load_config
+    from hybridflow.config_auto import _speculative_tail_applies
+    from hybridflow.rollout.generator import Generator
+    from hybridflow.rollout.speculative import fused_verify_applies
+    from tests.unit.test_quantized_rollout import QCFG
+    from tests.unit.test_rollout import random_params
+
+    base = load_config([])
+    cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, **model),
+                              rollout=dataclasses.replace(base.rollout, **rollout))
+    mc = dataclasses.replace(QCFG, **model)
+    gen = Generator(model_cfg=mc, params=random_params(mc), tp_group=None,
+                    device=torch.device("cpu"), dtype=torch.float32, true_vocab_size=37,
+                    quantization=cfg.rollout.quantization)
+    gen._ensure_cache(rows=2, length=16, fp8=cfg.rollout.kv_cache_dtype == "fp8")
+    kernels = "torch" if cfg.rollout.decode_kernels == "torch" else "triton"  # as on a GPU
+    o = DecodeOptions.from_config(cfg.rollout).replace(kernels=kernels)
+    assert fused_verify_applies(gen, o) is _speculative_tail_applies(cfg)
+    assert _speculative_tail_applies(cfg) is (not model and not rollout)
