@@ -142,3 +142,47 @@ def test_replay_hook_takes_the_own_choice_for_any_id_out_of_range():
         assert routing[row].nonzero().flatten().tolist() == ids
     assert torch.equal(routing[1:4], own[1:4])
     assert int(hook.recorded) == 3
+
+
+def test_graphed_step_keeps_what_its_step_closes_over(monkeypatch):
+    """A capture reads the addresses of every tensor the step closes over; GraphedStep must keep
+    the step (and so them) alive, or the allocator hands their blocks to later tensors while the
+    graph still reads them (the speculative tail's index ramps and stop ids). The capture calls
+    are stood in for on CPU; the GPU twin is tests/gpu/test_decode_kernels_gpu.py's."""
+    import contextlib
+    import gc
+    import weakref
+
+    from hybridflow.rollout import cuda_graph
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def register_generator_state(self, generator):
+            pass
+
+        def replay(self):
+            pass
+
+    fake = dict(stream=lambda s: contextlib.nullcontext(), current_stream=lambda: Stream(),
+                CUDAGraph=Graph, graph=lambda g, pool=None: contextlib.nullcontext())
+    for name, value in fake.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+
+    def factory():
+        ramp = torch.arange(8)  # held by the step's closure only
+
+        def step():
+            ramp.add_(0)
+        return step, weakref.ref(ramp)
+
+    step, ramp = factory()
+    graphed = cuda_graph.GraphedStep(step, pool=None, side=Stream(), generator=None)
+    del step
+    gc.collect()
+    assert ramp() is not None
+    del graphed
+    gc.collect()
+    assert ramp() is None
