@@ -14,7 +14,9 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
            rollout.max_batch_size=576 (the steady state's rows; the first step runs in two chunks)
   partial_768  the same at 768 rows (the first step's; the 60-step curves' setting)
   spec     rollout.speculative (the tail from 16 running rows by speculative sampling with n-gram
-           drafts, 4 per row and step): the same samples' distribution, fewer tail steps
+           drafts, 4 per row and step): the same samples' distribution, fewer tail steps; on
+           by default where the tail runs the decode kernels (auto), so `nospec` is its A/B
+  spec_device  the tail with its drafts made on the device, 4 tail steps per replay and host read
   tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter; tool results fed
            through the decode step, each step launched before the last is read: the defaults)
   tools_fed  the same without lookahead (rollout.multi_turn.lookahead=false)
@@ -59,6 +61,7 @@ VARIANTS = {
                     "algo.tis_imp_ratio_cap=2.0"),
     "spec": "rollout.speculative.enable=true",
     "nospec": "rollout.speculative.enable=false",
+    "spec_device": "rollout.speculative.device_steps=4",
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
     "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.lookahead=false",
     "tools_held": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.append=prefill",

@@ -52,8 +52,8 @@ def test_kernel_matches_twin(dtype, B, S, G, hpg, hd, T):
     assert torch.equal(outs["triton"][3], outs["torch"][3])  # the marks
 
 
-@pytest.mark.parametrize("kernels", ["triton", "torch"])
-def test_graphed_tail_keeps_greedy_tokens(kernels):
+@pytest.mark.parametrize("kernels,device_steps", [("triton", 0), ("torch", 0), ("triton", 4)])
+def test_graphed_tail_keeps_greedy_tokens(kernels, device_steps):
     from tests.gpu.test_decode_kernels_gpu import _torch_path, small_generator
 
     gen, prompts, R, stops = small_generator(R=40)
@@ -65,7 +65,7 @@ def test_graphed_tail_keeps_greedy_tokens(kernels):
     # the tail takes over once only the rows longer than R / 2 run: half the steps or more
     long = int((ref.response_mask.sum(1) > R // 2).sum())
     assert 1 <= long <= 16, ref.response_mask.sum(1)
-    spec = base.replace(spec_rows=long, spec_draft_tokens=4)
+    spec = base.replace(spec_rows=long, spec_draft_tokens=4, spec_device_steps=device_steps)
     out = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0, options=spec)
     assert gen.stats["spec_steps"] > 0
     captured = len(gen._steps)
@@ -76,15 +76,18 @@ def test_graphed_tail_keeps_greedy_tokens(kernels):
         assert torch.allclose(o.rollout_logprobs, ref.rollout_logprobs, atol=1e-4)
 
 
-def test_graphed_sampled_tail_reproduces():
+@pytest.mark.parametrize("device_steps", [0, 4])
+def test_graphed_sampled_tail_reproduces(device_steps):
     """Sampled: a seed's tail draws again the same tokens under the graphs (the tail step's draws
-    come from the generator's registered stream), and every emitted token's log-prob is finite."""
+    come from the generator's registered stream), and every emitted token's log-prob is finite;
+    with the drafts made on the device too."""
     from tests.gpu.test_decode_kernels_gpu import _torch_path, small_generator
 
     gen, prompts, R, stops = small_generator(R=40)
     cfg = _torch_path(max_new_tokens=R, temperature=1.0, n=2, max_batch_size=64,
                       return_logprobs=True, stop_token_ids=stops)
-    o = DecodeOptions.from_config(cfg).replace(check_every=2, spec_rows=16, kernels="triton")
+    o = DecodeOptions.from_config(cfg).replace(check_every=2, spec_rows=16, kernels="triton",
+                                               spec_device_steps=device_steps)
     a = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=3, options=o)
     assert gen.stats["spec_steps"] > 0
     b = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=3, options=o)
