@@ -9,7 +9,8 @@ reasoning copies numbers and phrases from the question, and a response that runs
 max_new_tokens is often a loop, which is what holds the tail.
 
 One tail step, for the r rows still in the chunk's tail (`run_tail`):
-1. the host drafts up to k tokens per running row (`NgramDrafter`), fewer near max_new_tokens;
+1. the host drafts up to k tokens per running row (`NgramDrafter`), fewer near max_new_tokens
+   (rollout.speculative.device_steps: the step drafts them itself by the same rule, spec_device.py);
 2. one forward feeds each row its pending token and its drafts at the row's own cache columns and
    returns the logits at every fed position: `verify_fused` on the decode kernels (with
    kernels/spec_attention.py), else `multi_turn_step.extend` (PyTorch ops);
@@ -25,7 +26,8 @@ One tail step, for the r rows still in the chunk's tail (`run_tail`):
    path's definition: log_softmax(logits / T) before filtering) go to the chunk's outputs; the
    columns of rejected drafts are marked invalid again, and the next step overwrites them.
 The rows advance by different counts, so each keeps its own cache column, RoPE position and output
-column. One host read per step (the emitted tokens, for the next drafts).
+column. One host read per step (the emitted tokens, for the next drafts); with device drafts one
+per device_steps steps (the finished flags).
 """
 
 from __future__ import annotations
