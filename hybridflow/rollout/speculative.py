@@ -88,6 +88,9 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torch.Tensor, *,
     logprobs (r, S) or None): row i emits emitted[i, :kept[i] + 1] (kept drafts, then one drawn
     token); entries past that are meaningless."""
     r, S, V = logits.shape
+    if temperature > 0.0 and not 0 < top_k < V and top_p >= 1.0:
+        return _accept_unfiltered(logits, drafts, n_draft, inv_temp=1.0 / temperature,
+                                  generator=generator, need_logprobs=need_logprobs)
     dev = logits.device
     logits = logits.float()  # the fused step's are in the weights' dtype; the sampler reads fp32
     j = torch.arange(S - 1, device=dev)
@@ -119,6 +122,41 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torch.Tensor, *,
         return emitted, kept, None
     logp = torch.log_softmax(logits * inv_temp, dim=-1).gather(2, emitted[..., None]).squeeze(-1)
     return emitted, kept, logp
+
+
+def _accept_unfiltered(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torch.Tensor, *,
+                       inv_temp: float, generator: Optional[torch.Generator],
+                       need_logprobs: bool):
+    """`accept` without top-k / top-p, reading the (r, S, V) logits once in their own dtype:
+    one pass of kernels/logprob_entropy.logprob_stats gives each position's log-sum-exp and its
+    draft's logit (p_draft = exp(x_draft - lse)), the drawn token is the exponential race
+    argmax(x / T - log E) over the kept position's row with the rejected draft left out (draw's
+    race on the same draws: p / E there), and the log-probs are x - lse at the emitted tokens.
+    The same random draws as the filtered path, so the same tokens up to rounding near a tie."""
+    from hybridflow.kernels.logprob_entropy import logprob_stats
+
+    r, S, V = logits.shape
+    dev = logits.device
+    real = torch.arange(S - 1, device=dev) < n_draft[:, None]  # (r, S - 1)
+    padded = torch.cat([drafts, drafts.new_zeros(r, 1)], 1)  # (r, S)
+    m, ssum, _, x_draft = logprob_stats(logits, padded, start=0, v_valid=V, inv_temp=inv_temp)
+    lse = m + ssum.log()  # (r, S)
+    u = torch.rand((r, S - 1), generator=generator, device=dev)
+    ok = (u < (x_draft[:, :-1] - lse[:, :-1]).exp()) & real
+    kept = ok.int().cumprod(1).sum(1)
+    row = logits.gather(1, kept[:, None, None].expand(r, 1, V)).squeeze(1)  # (r, V)
+    race = torch.empty((r, V), dtype=torch.float32, device=dev).exponential_(generator=generator)
+    score = row.float() * inv_temp - race.clamp_min_(torch.finfo(torch.float32).tiny).log_()
+    rejected = kept < n_draft
+    bad = drafts.gather(1, kept.clamp(max=S - 2)[:, None])  # the rejected draft (if any)
+    score.masked_fill_(rejected[:, None] & (torch.arange(V, device=dev) == bad), float("-inf"))
+    last = score.argmax(-1)
+    emitted = torch.where(torch.arange(S, device=dev) < kept[:, None], padded, last[:, None])
+    if not need_logprobs:
+        return emitted, kept, None
+    x_last = logits.gather(2, last[:, None, None].expand(r, S, 1)).squeeze(-1).float() * inv_temp
+    at_draft = torch.arange(S, device=dev) < kept[:, None]
+    return emitted, kept, torch.where(at_draft, x_draft, x_last) - lse
 
 
 class TailState:

@@ -87,6 +87,38 @@ def test_accept_samples_the_target_distribution(top_k, top_p):
         assert torch.allclose(lp[:, 0], full[0][emitted[:, 0]])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unfiltered_accept_is_the_filtered_paths_math(dtype):
+    """Without top-k / top-p, accept reads the logits once (log-sum-exp and the drafts' logits)
+    and races over the kept position's row: on the same draws it keeps the drafts and draws the
+    tokens the softmax path does (p / E against x / T - log E), with the same log-probs."""
+    from hybridflow.rollout.sampling import draw
+
+    r, S, V, T = 64, 5, 1000, 0.7
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(r, S, V, generator=g) * 2).to(dtype)
+    drafts = torch.randint(0, V, (r, S - 1), generator=g)
+    drafts[: r // 2] = logits[: r // 2, :-1].float().argmax(-1)  # likely kept
+    n_draft = torch.randint(0, S, (r,), generator=g)
+    emitted, kept, lp = accept(logits, drafts, n_draft, temperature=T, top_k=0, top_p=1.0,
+                               generator=torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(logits.float() / T, -1)
+    p_draft = probs[:, :-1].gather(2, drafts[..., None]).squeeze(-1)
+    u = torch.rand((r, S - 1), generator=gen)
+    want_kept = ((u < p_draft) & (torch.arange(S - 1) < n_draft[:, None])).int().cumprod(1).sum(1)
+    p = probs.gather(1, want_kept[:, None, None].expand(r, 1, V)).squeeze(1)
+    bad = drafts.gather(1, want_kept.clamp(max=S - 2)[:, None])
+    p = p.masked_fill((want_kept < n_draft)[:, None] & (torch.arange(V) == bad), 0.0)
+    last = draw(p, gen)
+    assert torch.equal(kept, want_kept) and 0 < int(kept.sum())
+    assert torch.equal(emitted[torch.arange(r), kept], last)
+    for i in range(r):
+        assert emitted[i, :kept[i]].tolist() == drafts[i, :kept[i]].tolist()
+    want_lp = torch.log_softmax(logits.float() / T, -1).gather(2, emitted[..., None]).squeeze(-1)
+    assert torch.allclose(lp, want_lp, atol=1e-5, rtol=0)
+
+
 def test_accept_greedy_keeps_the_argmax_prefix():
     logits = torch.zeros(3, 4, 5)
     best = torch.tensor([[1, 2, 3, 4], [1, 0, 3, 4], [0, 0, 0, 0]])
