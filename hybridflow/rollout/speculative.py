@@ -37,6 +37,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from hybridflow.kernels.logprob_entropy import logprob_stats
 from hybridflow.rollout import compaction, spec_device
 from hybridflow.rollout.cuda_graph import GraphedStep, WarmedStep
 from hybridflow.rollout.multi_turn_step import extend
@@ -92,31 +93,34 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torch.Tensor, *,
         return _accept_unfiltered(logits, drafts, n_draft, inv_temp=1.0 / temperature,
                                   generator=generator, need_logprobs=need_logprobs)
     dev = logits.device
-    logits = logits.float()  # the fused step's are in the weights' dtype; the sampler reads fp32
-    j = torch.arange(S - 1, device=dev)
-    real = j < n_draft[:, None]  # (r, S - 1)
-    inv_temp = 1.0 if temperature == 0.0 else 1.0 / temperature
-    if temperature == 0.0:
+    real = torch.arange(S - 1, device=dev) < n_draft[:, None]  # (r, S - 1)
+    padded = torch.cat([drafts, drafts.new_zeros(r, 1)], 1)  # (r, S)
+    if temperature == 0.0:  # the argmax in the logits' own dtype (exact), log-probs in one pass
         best = logits.argmax(-1)  # (r, S)
         ok = (best[:, :-1] == drafts) & real
         kept = ok.int().cumprod(1).sum(1)  # leading kept drafts
         last = best.gather(1, kept[:, None]).squeeze(1)
-    else:
-        values, ids = filter_logits(logits.reshape(r * S, V) * inv_temp, top_k=top_k, top_p=top_p)
-        probs = torch.softmax(values, dim=-1)  # (r * S, K), 0 where filtered
-        if ids is not None:  # back to vocabulary order
-            probs = torch.zeros((r * S, V), dtype=probs.dtype, device=dev).scatter_(1, ids, probs)
-        probs = probs.view(r, S, V)
-        p_draft = probs[:, :-1].gather(2, drafts[..., None]).squeeze(-1)  # (r, S - 1)
-        u = torch.rand((r, S - 1), generator=generator, device=dev)
-        ok = (u < p_draft) & real
-        kept = ok.int().cumprod(1).sum(1)
-        p = probs.gather(1, kept[:, None, None].expand(r, 1, V)).squeeze(1)  # (r, V)
-        rejected = kept < n_draft
-        bad = drafts.gather(1, kept.clamp(max=S - 2)[:, None])  # the rejected draft (if any)
-        p = p.masked_fill(rejected[:, None] & (torch.arange(V, device=dev) == bad), 0.0)
-        last = draw(p, generator)
-    padded = torch.cat([drafts, drafts.new_zeros(r, 1)], 1)  # (r, S)
+        emitted = torch.where(torch.arange(S, device=dev) < kept[:, None], padded, last[:, None])
+        if not need_logprobs:
+            return emitted, kept, None
+        m, ssum, _, x = logprob_stats(logits, emitted, start=0, v_valid=V)
+        return emitted, kept, x - (m + ssum.log())
+    logits = logits.float()  # the fused step's are in the weights' dtype; the sampler reads fp32
+    inv_temp = 1.0 / temperature
+    values, ids = filter_logits(logits.reshape(r * S, V) * inv_temp, top_k=top_k, top_p=top_p)
+    probs = torch.softmax(values, dim=-1)  # (r * S, K), 0 where filtered
+    if ids is not None:  # back to vocabulary order
+        probs = torch.zeros((r * S, V), dtype=probs.dtype, device=dev).scatter_(1, ids, probs)
+    probs = probs.view(r, S, V)
+    p_draft = probs[:, :-1].gather(2, drafts[..., None]).squeeze(-1)  # (r, S - 1)
+    u = torch.rand((r, S - 1), generator=generator, device=dev)
+    ok = (u < p_draft) & real
+    kept = ok.int().cumprod(1).sum(1)
+    p = probs.gather(1, kept[:, None, None].expand(r, 1, V)).squeeze(1)  # (r, V)
+    rejected = kept < n_draft
+    bad = drafts.gather(1, kept.clamp(max=S - 2)[:, None])  # the rejected draft (if any)
+    p = p.masked_fill(rejected[:, None] & (torch.arange(V, device=dev) == bad), 0.0)
+    last = draw(p, generator)
     emitted = torch.where(torch.arange(S, device=dev) < kept[:, None], padded, last[:, None])
     if not need_logprobs:
         return emitted, kept, None
@@ -133,8 +137,6 @@ def _accept_unfiltered(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torc
     argmax(x / T - log E) over the kept position's row with the rejected draft left out (draw's
     race on the same draws: p / E there), and the log-probs are x - lse at the emitted tokens.
     The same random draws as the filtered path, so the same tokens up to rounding near a tie."""
-    from hybridflow.kernels.logprob_entropy import logprob_stats
-
     r, S, V = logits.shape
     dev = logits.device
     real = torch.arange(S - 1, device=dev) < n_draft[:, None]  # (r, S - 1)
