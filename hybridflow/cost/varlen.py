@@ -202,7 +202,7 @@ def decode_schedule(w: Workload, rows: int, batch: int) -> Decode:
                                wide_rows=w.int4_kernel_max_rows,
                                own_prompt=w.prompt_len + starts[part] if w.own_columns_only
                                else None,
-                               spec=(w.spec_rows, w.spec_draft_tokens, w.spec_tail_tokens_per_step)
+                               spec=(w.spec_rows, w.spec_draft_tokens, w.spec_tokens_per_step)
                                if w.spec_rows else None)
     return total
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from hybridflow.config import ParallelConfig
 from hybridflow.config_checks import validate_model, validate_moe
@@ -157,11 +158,14 @@ class Workload:
     # rows on decodes by speculative steps of spec_draft_tokens drafts, each a decode step of the
     # tail's rows x (1 + drafts) tokens, the tail's rows gaining spec_tail_tokens_per_step
     # tokens per step (a measured property of the model and data: a run's
-    # rollout/spec_tokens_per_row_step, or benchmarks/spec_tail_study.py's; the default is the
-    # GSM8K recipe's on an H100, benchmarks/results/gsm8k_spec_ab_h100.json)
+    # rollout/spec_tokens_per_row_step, or benchmarks/spec_tail_study.py's). None: from
+    # spec_draft_accept, each draft kept with that probability once the ones before it were,
+    # (1 - a^(k + 1)) / (1 - a) tokens with k drafts; 0.645 gives the 2.5 tokens per row-step the
+    # GSM8K recipe's tail made with 4 drafts on an H100 (benchmarks/results/gsm8k_spec_ab_h100.json)
     spec_rows: int = 0
     spec_draft_tokens: int = 4
-    spec_tail_tokens_per_step: float = 2.5
+    spec_tail_tokens_per_step: Optional[float] = None
+    spec_draft_accept: float = 0.645
     # rollout.multi_turn.enable: generation with tool turns, costed as single-turn generation of
     # the same lengths (tool waits, appended results and the multi-turn step's own costs are not
     # modelled); the options its config refuses (quantized rollouts, partial rollouts, the fp8 KV
@@ -202,6 +206,12 @@ class Workload:
         if not self.gen_rounds >= 1 or not self.gen_prompt_factor >= 1:
             raise ValueError(f"gen_rounds ({self.gen_rounds}) and gen_prompt_factor "
                              f"({self.gen_prompt_factor}) must be >= 1")
+        if not 0.0 <= self.spec_draft_accept <= 1.0:
+            raise ValueError(f"spec_draft_accept={self.spec_draft_accept!r}: expected a "
+                             f"probability in [0, 1]")
+        if self.spec_tail_tokens_per_step is not None and not self.spec_tail_tokens_per_step >= 1:
+            raise ValueError(f"spec_tail_tokens_per_step={self.spec_tail_tokens_per_step!r}: a "
+                             f"running row gains at least 1 token per tail step")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm {self.algorithm!r}: expected one of {ALGORITHMS}")
         if self.dtype not in DTYPES:
@@ -255,6 +265,14 @@ class Workload:
                 or self.gen_prompt_factor != 1 or self.compact_finished_rows
                 or self.decode_kv_window > 0 or self.prompt_len_max is not None
                 or self.partial_decode_steps > 0 or self.spec_rows > 0)
+
+    @property
+    def spec_tokens_per_step(self) -> float:
+        """Tokens a running row of the speculative tail gains per step (see spec_draft_accept)."""
+        if self.spec_tail_tokens_per_step is not None:
+            return self.spec_tail_tokens_per_step
+        a, k = self.spec_draft_accept, self.spec_draft_tokens
+        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
     @property
     def head_fraction(self) -> float:

@@ -508,6 +508,15 @@ def test_speculative_tail_steps():
     assert decode_schedule(replace(w, compact_finished_rows=True), 40, 40).compactions == 1
     assert wide.compactions == 0 and wide.moved_bytes == 0
     assert wide.row_steps == 49 * 64 + tail * 32 * 5
+    # tokens per step from the draft acceptance: (1 - a^(k + 1)) / (1 - a); a given rate wins
+    assert replace(w, spec_draft_tokens=4).spec_tokens_per_step == pytest.approx(2.5, abs=0.02)
+    more = [replace(w, spec_draft_tokens=k).spec_tokens_per_step for k in (1, 2, 4, 8)]
+    assert more == sorted(more) and more[0] == pytest.approx(1.645) and more[-1] < 1 / 0.355
+    assert replace(w, spec_draft_accept=1.0, spec_draft_tokens=3).spec_tokens_per_step == 4.0
+    assert replace(w, spec_tail_tokens_per_step=1.7).spec_tokens_per_step == 1.7
+    for bad in (dict(spec_draft_accept=1.5), dict(spec_tail_tokens_per_step=0.5)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            replace(w, **bad)
     never = replace(w, spec_rows=4, response_lengths=[200] * 40)
     assert decode_schedule(never, 40, 40) == decode_schedule(
         replace(never, spec_rows=0), 40, 40)
