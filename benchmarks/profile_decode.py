@@ -217,13 +217,12 @@ def gpu_idle(kernels: list, ranges: list, *, min_gap_us: float = 20.0, top: int 
     for a, b in gaps:
         if b - a < min_gap_us:
             continue
-        covered = 0.0  # the labels do not nest: a gap's time goes to each by overlap
-        for la, lb, name in labels:
-            part = max(0.0, min(b, lb) - max(a, la))
-            by_phase[name] += part
-            covered += part
-        if b - a - covered > 0:
-            by_phase["none"] += b - a - covered
+        # a gap's time goes to the innermost label over each of its pieces (generate.spec_tail
+        # runs inside generate.decode), "none" outside every label
+        cuts = sorted({a, b, *(x for la, lb, _ in labels for x in (la, lb) if a < x < b)})
+        for x, y in zip(cuts, cuts[1:]):
+            label = covering((x + y) / 2, labels)
+            by_phase[label[2] if label else "none"] += y - x
         listed.append((a, b, covering(a, labels)))
     listed.sort(key=lambda g: g[1] - g[0], reverse=True)
     phase_us = collections.Counter()

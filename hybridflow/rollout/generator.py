@@ -529,9 +529,10 @@ class Generator:
                         and s < R - 1:
                     # the tail by speculative steps (rollout/speculative.py): it flushes the
                     # bucket's outputs and writes the rest of the running rows' itself
-                    speculative.run_tail(self, tail_step, buf, row_map, out_tok, out_lp,
-                                         prompts=row_prompts, P=P, s=s,
-                                         opts=opts, stats=self.stats)
+                    with record_function("generate.spec_tail"):
+                        speculative.run_tail(self, tail_step, buf, row_map, out_tok, out_lp,
+                                             prompts=row_prompts, P=P, s=s,
+                                             opts=opts, stats=self.stats)
                     tail = True
                     break
                 new_b = None if live is None else compaction.target_bucket(live, b, targets)

@@ -45,3 +45,13 @@ def test_no_labels_no_window():
     r = gpu_idle([(0, 10)], [(0, 10, "aten::mm")])
     assert r == {"window_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "idle_by_phase_us": {},
                  "phase_us": {}, "gaps": []}
+
+
+def test_a_nested_label_takes_its_share_of_a_gap():
+    """generate.spec_tail runs inside generate.decode: a gap over both counts once, the nested
+    label's part to it, the rest to decode."""
+    host = HOST + [(500, 700, "generate.spec_tail")]
+    r = gpu_idle([(0, 100), (300, 450), (900, 1000)], host, min_gap_us=0)
+    assert r["idle_by_phase_us"] == {"generate.prefill": 200, "generate.decode": 250,
+                                     "generate.spec_tail": 200}
+    assert r["idle_us"] == sum(r["idle_by_phase_us"].values())
