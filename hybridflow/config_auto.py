@@ -153,10 +153,12 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
 
 
 def _speculative_tail_applies(cfg: Config) -> bool:
-    """Whether rollout.speculative's tail runs the decode step's own Triton layers (speculative.
-    fused_verify_applies, decided from the config): an unquantized rollout on a plain-dtype cache,
-    generation TP 1, dense layers without q/k norms, Triton decode kernels allowed. Elsewhere its
-    PyTorch fallback runs, which has not been measured to pay, so auto leaves it off."""
+    """Whether auto turns rollout.speculative's tail on: where it runs the decode step's own
+    Triton layers (speculative.fused_verify_applies, decided from the config) as measured: an
+    unquantized rollout on a plain-dtype cache, generation TP 1, dense layers without q/k norms,
+    Triton decode kernels allowed. Elsewhere its PyTorch fallback runs, and a q/k-norm model's
+    fused step adds the norms' PyTorch ops per layer; neither has been measured to pay, so auto
+    leaves it off there."""
     r, m = cfg.rollout, cfg.model
     tp_g = r.tensor_parallel_size or cfg.parallel.tensor_parallel_size
     return (r.quantization == "none" and r.kv_cache_dtype == "auto" and tp_g == 1

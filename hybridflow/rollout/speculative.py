@@ -361,12 +361,11 @@ def _run_host(st: TailState, step, contexts: list, r: int, *, R: int, s: int, k:
 
 def fused_verify_applies(gen, opts) -> bool:
     """Whether the tail step runs the decode step's Triton layers (`verify_fused`): with
-    rollout.decode_kernels resolved to triton, plain weights, a bf16 / fp16 / fp32 cache, no q/k
-    norm, dense layers, TP_g = 1; else PyTorch ops (multi_turn_step.extend)."""
+    rollout.decode_kernels resolved to triton, plain weights, a bf16 / fp16 / fp32 cache, dense
+    layers (q/k norms included), TP_g = 1; else PyTorch ops (multi_turn_step.extend)."""
     w = gen.w
     return (opts.kernels == "triton" and gen.quantization == "none" and not gen._cache.fp8
-            and w.dims.tp_size == 1
-            and all(layer.q_norm is None and layer.moe is None for layer in w.layers))
+            and w.dims.tp_size == 1 and all(layer.moe is None for layer in w.layers))
 
 
 def verify_fused(w, ids: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
@@ -375,8 +374,8 @@ def verify_fused(w, ids: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
     """ids (r, S) fed at RoPE positions pos + j and cache columns col + j (j < n_valid, unless the
     row is finished) -> logits (r, S, V) in the weights' dtype, on the single-turn decode step's
     layers (decoder._decode_step_fused: norm kernels, cuBLAS with the residual added in place, the
-    SwiGLU kernel) over r x S rows, with kernels/spec_attention.py's attention; key_valid marked at
-    the written columns."""
+    SwiGLU kernel) over r x S rows, with kernels/spec_attention.py's attention (a q/k norm as
+    layer_ops.qk_norm's PyTorch ops before it); key_valid marked at the written columns."""
     from hybridflow.kernels import layer_ops as kern
     from hybridflow.kernels.spec_attention import rope_attention_multi
     from hybridflow.rollout import decoder
@@ -392,6 +391,9 @@ def verify_fused(w, ids: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
                 if x is None else kern.add_rms_norm(x, None, layer.ln1, d.eps, pdl=pdl,
                                                     impl="triton"))
         qkv = lin(h, layer.qkv_w, layer.qkv_b).view(r, S, d.groups, hpg + 2, hd)
+        if layer.q_norm is not None:  # Qwen3: q heads and k RMS-normed in place, before RoPE
+            qk = qkv[:, :, :, :hpg + 1]
+            qk.copy_(kern.qk_norm(qk, layer.q_norm, layer.k_norm, d.eps))
         kc, vc = cache.layer(i, r)
         a = rope_attention_multi(qkv, cos_tab, sin_tab, kc, vc, col, pos, n_valid, finished,
                                  key_valid, mark=i == 0, pdl=pdl, impl="triton")

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from hybridflow.config import DecodeKernelOptions  # noqa: E402
 
 from hybridflow.kernels.spec_attention import rope_attention_multi  # noqa: E402
-from tests.unit.decode_kernels_check import CFG16, tables  # noqa: E402
+from tests.unit.decode_kernels_check import CFG16, CFG_QK, tables  # noqa: E402
 from tests.unit.test_compaction import random_prompts, uneven_stops  # noqa: E402
 from tests.unit.test_rollout import make, opts, rc  # noqa: E402
 from tests.unit.triton_interp import patch  # noqa: E402
@@ -75,9 +75,15 @@ def generation_cases():
              "sampled": (dict(temperature=0.8, n=2,
                               kernel_options=DecodeKernelOptions(fused_sampler=False)), {}),
              "recipe": (dict(compact_finished_rows=True, decode_kv_window=64),
-                        dict(emulate_graphs=True, min_graphed_bucket=1))}
+                        dict(emulate_graphs=True, min_graphed_bucket=1)),
+             # Qwen3's q/k norms (last: it swaps the generator; the same prompts and stops)
+             "qk_norm": ({}, dict(emulate_graphs=True, min_graphed_bucket=1))}
     for name, (kw, okw) in cases.items():
         res = {}
+        if name == "qk_norm":
+            gen = make(CFG_QK)
+            free = gen.generate(prompts, cfg=rc(max_new_tokens=24), eos_id=-1, pad_id=0, seed=0)
+            stops = uneven_stops(free.response_ids, [0, 3], CFG_QK.vocab_size)
         for side, dk, rows in (("plain", "torch", 0), ("tail_torch", "torch", 4),
                                ("tail_fused", "triton", 4)):
             c = rc(max_new_tokens=24, stop_token_ids=stops, max_batch_size=32,

@@ -4,7 +4,7 @@ tests/unit/spec_attention_check.py): the kernel equals its PyTorch twin with 1, 
 (tokens past a row's n_valid and a finished row neither written nor marked, left-padded columns
 and key_valid holes not read), and the generator's tail on the decode kernels
 (speculative.verify_fused) emits the PyTorch tail's tokens, greedy (= plain decoding, also with
-emulated graph buckets, compaction and a KV window) and sampled.
+emulated graph buckets, compaction and a KV window, and on a q/k-norm model) and sampled.
 The GPU's bf16 and CUDA graphs: tests/gpu/test_speculative_gpu.py."""
 
 import pytest
@@ -30,6 +30,8 @@ def test_fused_tail_emits_the_torch_tails_tokens(checked):
     for case in cases.values():
         assert case["fused_steps"] > 0 and case["fused_equals_torch_tail"], case
         assert case["logprob_err"] < 1e-4, case
-    for name in ("greedy", "recipe"):  # graphed buckets, compaction and a window: greedy as plain
+    # graphed buckets, compaction and a window; Qwen3's q/k norms: greedy as plain
+    assert set(cases) == {"greedy", "sampled", "recipe", "qk_norm"}
+    for name in ("greedy", "recipe", "qk_norm"):
         g = cases[name]
         assert g["fused_equals_plain"] and g["fused_tokens"] > g["fused_steps"], (name, g)
