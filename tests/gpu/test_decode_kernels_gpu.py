@@ -248,16 +248,17 @@ def test_rope_attention_reads_only_each_rows_own_columns(dtype, B, G, hpg, hd, T
             -1, -1, hpg, -1).float(), atol=0, rtol=0)
 
 
-def small_generator(R: int = 90, **free_kw):
-    """A 2-layer fp32 generator on the GPU (head_dim 32, 37 ids), 24 random prompts, R new tokens
-    and the ids that rows 0, 5 and 14 never produce in a greedy run of `free_kw`'s RolloutConfig
-    keys (stop ids that leave them running to the end; none when they use every id)
-    -> (gen, prompts, R, stops)."""
+def small_generator(R: int = 90, qk_norm: bool = False, **free_kw):
+    """A 2-layer fp32 generator on the GPU (head_dim 32, 37 ids; `qk_norm`: with Qwen3's q/k
+    norms), 24 random prompts, R new tokens and the ids that rows 0, 5 and 14 never produce
+    in a greedy run of `free_kw`'s RolloutConfig keys (stop ids that leave them running to the
+    end; none when they use every id) -> (gen, prompts, R, stops)."""
     from tests.unit.test_compaction import random_prompts, uneven_stops
     from tests.unit.test_rollout import random_params
 
     cfg_m = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=192, num_attention_heads=4,
-                        num_query_groups=2, vocab_size=37, add_qkv_bias=True)  # head_dim 32
+                        num_query_groups=2, vocab_size=37, add_qkv_bias=True,
+                        qk_layernorm=qk_norm)  # head_dim 32
     gen = Generator(model_cfg=cfg_m, params=random_params(cfg_m), tp_group=None,
                     device=torch.device("cuda"), dtype=torch.float32, true_vocab_size=37)
     prompts = random_prompts(24, vocab=37)

@@ -52,11 +52,12 @@ def test_kernel_matches_twin(dtype, B, S, G, hpg, hd, T):
     assert torch.equal(outs["triton"][3], outs["torch"][3])  # the marks
 
 
-@pytest.mark.parametrize("kernels,device_steps", [("triton", 0), ("torch", 0), ("triton", 4)])
-def test_graphed_tail_keeps_greedy_tokens(kernels, device_steps):
+@pytest.mark.parametrize("kernels,device_steps,qk_norm", [
+    ("triton", 0, False), ("torch", 0, False), ("triton", 4, False), ("triton", 0, True)])
+def test_graphed_tail_keeps_greedy_tokens(kernels, device_steps, qk_norm):
     from tests.gpu.test_decode_kernels_gpu import _torch_path, small_generator
 
-    gen, prompts, R, stops = small_generator(R=40)
+    gen, prompts, R, stops = small_generator(R=40, qk_norm=qk_norm)
     cfg = _torch_path(max_new_tokens=R, temperature=0.0, max_batch_size=32, return_logprobs=True,
                       stop_token_ids=stops, compact_finished_rows=True, decode_kv_window=64)
     base = DecodeOptions.from_config(cfg).replace(check_every=2, min_graphed_bucket=1,
