@@ -20,6 +20,11 @@
 #                                                         over steps 2.. -> $OUT/gsm8k_step_h200.json
 #                                                         (experiment=NAME among the overrides: that
 #                                                         experiment's step, e.g. the tools recipe)
+#   bash benchmarks/gsm8k_h200.sh ab STEPS NAME...      # `step STEPS` of each named variant
+#                                                         (gsm8k_variants.py; base: the defaults) one
+#                                                         after another on this machine -> OUT/NAME/
+#                                                         (gsm8k_step_h200.json, metrics.jsonl) and
+#                                                         OUT/ab_summary.json, one line per variant
 #   bash benchmarks/gsm8k_h200.sh score DIR... [-- k=v..] # our validation of HF snapshots (TRL's,
 #                                                         trl_gsm8k.py --save-at) in one process
 # Everything lands in $OUT (metrics.jsonl, val_generations.jsonl, val_scores.jsonl, hf_eval.json,
@@ -63,10 +68,14 @@ train() {
     2>/dev/null || true
 }
 
+overrides_of() {  # a variant's overrides (benchmarks/gsm8k_variants.py)
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from gsm8k_variants import VARIANTS; print(VARIANTS[sys.argv[1]])" "$1"
+}
+
 variant() {
   local name=$1 budget=$2; shift 2
   local opts
-  opts=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from gsm8k_variants import VARIANTS; print(VARIANTS[sys.argv[1]])" "$name")
+  opts=$(overrides_of "$name")
   local exp=(experiment=gsm8k_qwen_coder_0_5b)
   [[ $opts == experiment=* ]] && exp=()
   mkdir -p "$OUT/$name"
@@ -92,6 +101,21 @@ step() {
   "${cmd[@]}" 2>&1 | tee "$OUT/step.log"
   python3 benchmarks/gsm8k_report.py --step-only --metrics "$dir/metrics.jsonl" \
     --command "${cmd[*]}" --out "$OUT/gsm8k_step_h200.json"
+}
+
+ab() {  # STEPS NAME...: the named variants' step times in one call, each after the other
+  local steps=$1; shift
+  local root=$OUT name opts
+  for name in "$@"; do
+    opts=$(overrides_of "$name")
+    OUT=$root/$name
+    mkdir -p "$OUT"
+    # shellcheck disable=SC2086  # the variant's overrides are words
+    step "$steps" $opts > "$OUT/ab.log" 2>&1 || { tail -20 "$OUT/ab.log"; OUT=$root; return 1; }
+    cp /tmp/gsm8k_step/metrics.jsonl "$OUT/metrics.jsonl"
+  done
+  OUT=$root
+  python3 benchmarks/gsm8k_variants.py --runs "$root" --out "$root/ab_summary.json"
 }
 
 score() {  # the experiment's validation (prompts, template, greedy, stops, rules) of each snapshot

@@ -13,6 +13,7 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
   partial  rollout.partial (512 decode steps per step, 32 extra prompts in flight), TIS cap 2.0,
            rollout.max_batch_size=576 (the steady state's rows; the first step runs in two chunks)
   partial_768  the same at 768 rows (the first step's; the 60-step curves' setting)
+  graphs   the full-parameter update's layers as CUDA graphs (parallel.train_cuda_graphs)
   spec     rollout.speculative (the tail from 16 running rows by speculative sampling with n-gram
            drafts, 4 per row and step): the same samples' distribution, fewer tail steps; on
            by default where the tail runs the decode kernels (auto), so `nospec` is its A/B
@@ -27,6 +28,8 @@ minutes for 60 steps with validation every 5), resumable while the machine stays
   bash benchmarks/gsm8k_h200.sh variant base 560      # RUN_DIR /tmp/gsm8k_base, OUT/base
   bash benchmarks/gsm8k_h200.sh variant fp8 560
   python benchmarks/gsm8k_variants.py --runs $OUT --out $OUT/gsm8k_variants_h200.json
+Step times only (no validation), several variants in one call on the same warm machine:
+  bash benchmarks/gsm8k_h200.sh ab 5 base spec_device nospec graphs   # OUT/NAME, OUT/ab_summary.json
 Run the variants one after another, never two on the GPU at once: two GSM8K runs sharing an H200
 took 10.6 and 14.5 s per step against ~5 s each alone (time-slicing, no overlap to gain).
 """
@@ -59,6 +62,7 @@ VARIANTS = {
     "partial_768": ("rollout.partial.enable=true rollout.partial.max_decode_steps=512 "
                     "rollout.partial.extra_prompts=32 rollout.max_batch_size=768 "
                     "algo.tis_imp_ratio_cap=2.0"),
+    "graphs": "parallel.train_cuda_graphs=true",
     "spec": "rollout.speculative.enable=true",
     "nospec": "rollout.speculative.enable=false",
     "spec_device": "rollout.speculative.device_steps=4",
