@@ -93,7 +93,8 @@ def from_metrics(rows: list[dict], *, cap: int, num_rows: int = 512) -> dict:
     """Workload lengths from the trainer's per-step metrics (medians over the steps; the longest
     prompt and response over all of them). With
     dynamic sampling also gen_rounds / gen_prompt_factor (the means of dynamic_sampling/rounds and
-    /batches)."""
+    /batches); where the speculative tail ran, spec_tail_tokens_per_step (the median of
+    rollout/spec_tokens_per_row_step, for that run's draft count)."""
     steps = [r for r in rows if "response_length/mean" in r]
     if not steps:
         raise ValueError("lengths: no step with response_length/mean (a trainer metrics.jsonl "
@@ -109,6 +110,10 @@ def from_metrics(rows: list[dict], *, cap: int, num_rows: int = 512) -> dict:
     if rounds and batches:   # dynamic sampling: the mean generation calls and prompt batches
         out["gen_rounds"] = max(1.0, statistics.fmean(rounds))
         out["gen_prompt_factor"] = max(1.0, statistics.fmean(batches))
+    tail = [r for r in steps if float(r.get("rollout/spec_row_steps", 0)) > 0]
+    if tail:  # the speculative tail ran: what a running row gained per tail step (its drafts')
+        out["spec_tail_tokens_per_step"] = max(
+            1.0, _median(tail, "rollout/spec_tokens_per_row_step"))
     p_mean = _median(steps, "prompt_length/mean")
     if p_mean is not None:
         out["prompt_len"] = max(1, round(p_mean))

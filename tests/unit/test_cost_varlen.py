@@ -56,6 +56,11 @@ def test_lengths_from_trainer_metrics(tmp_path):
     assert max(out["response_lengths"]) == 1024
     assert out["prompt_len"] == 100 and out["prompt_len_max"] == 155
     assert out["gen_rounds"] == 1.6 and out["gen_prompt_factor"] == 2.6
+    assert "spec_tail_tokens_per_step" not in out
+    # the speculative tail's rate where it ran (steps without tail steps left out)
+    tail = [dict(s, **{"rollout/spec_row_steps": float(i > 1), "rollout/spec_tokens_per_row_step":
+                       1.5 + i / 2 if i > 1 else 0.0}) for i, s in enumerate(steps, 1)]
+    assert from_metrics(tail, cap=1024)["spec_tail_tokens_per_step"] == 3.25  # of 2.5 3 3.5 4
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(s) + "\n" for s in steps))
     assert load_lengths(path, cap=1024) == out
