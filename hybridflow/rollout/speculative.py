@@ -50,10 +50,12 @@ class NgramDrafter:
 
     def __init__(self, contexts: list, *, ngram_max: int, ngram_min: int):
         self.sizes = list(range(ngram_max, ngram_min - 1, -1))
-        self.ctx = [[] for _ in contexts]
-        self.index = [{n: {} for n in self.sizes} for _ in contexts]
-        for i, c in enumerate(contexts):
-            self.append(i, c)
+        self.ctx = [[int(t) for t in c] for c in contexts]
+        # what `append` would have built token by token, in one pass per n-gram size: the n-gram
+        # ctx[j:j + n] continues at e = j + n for e <= L - 1 (later occurrences overwrite)
+        self.index = [{n: dict(zip(zip(*(c[m:len(c) - n + m] for m in range(n))),
+                                   range(n, len(c)))) for n in self.sizes}
+                      for c in self.ctx]
 
     def append(self, i: int, tokens) -> None:
         ctx, index = self.ctx[i], self.index[i]

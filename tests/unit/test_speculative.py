@@ -39,6 +39,12 @@ def test_drafter_matches_brute_force_lookup():
         for t in range(5, len(seq)):
             assert d.draft(0, 4) == brute_draft(seq[:t], 4, [3, 2, 1]), (trial, t)
             d.append(0, [seq[t]])
+        # contexts indexed at construction: the index the token-by-token appends build
+        whole = NgramDrafter([seq, seq[:1], []], ngram_max=3, ngram_min=1)
+        assert whole.index[0] == d.index[0] and whole.ctx[0] == d.ctx[0]
+        for t in range(len(seq)):
+            assert NgramDrafter([seq[:t]], ngram_max=3, ngram_min=1).draft(0, 4) == \
+                brute_draft(seq[:t], 4, [3, 2, 1])
     d = NgramDrafter([[7, 8, 9]], ngram_max=2, ngram_min=2)
     assert d.draft(0, 3) == []  # no earlier occurrence of [8, 9]
     d = NgramDrafter([[1, 2, 3, 1, 2]], ngram_max=2, ngram_min=1)
