@@ -44,12 +44,17 @@ from hybridflow.rollout.multi_turn_step import extend
 from hybridflow.rollout.sampling import draw, filter_logits
 
 
+def ngram_sizes(ngram_max: int, ngram_min: int) -> list:
+    """The n-gram sizes a draft looks up, longest first."""
+    return list(range(ngram_max, ngram_min - 1, -1))
+
+
 class NgramDrafter:
     """Per-row contexts (prompt + response so far) and, for each n in ngram_min..ngram_max, the
     position after the last occurrence of every n-gram that has a continuation."""
 
     def __init__(self, contexts: list, *, ngram_max: int, ngram_min: int):
-        self.sizes = list(range(ngram_max, ngram_min - 1, -1))
+        self.sizes = ngram_sizes(ngram_max, ngram_min)
         self.ctx = [[int(t) for t in c] for c in contexts]
         # what `append` would have built token by token, in one pass per n-gram size: the n-gram
         # ctx[j:j + n] continues at e = j + n for e <= L - 1 (later occurrences overwrite)
@@ -91,18 +96,18 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torch.Tensor, *,
     logprobs (r, S) or None): row i emits emitted[i, :kept[i] + 1] (kept drafts, then one drawn
     token); entries past that are meaningless."""
     r, S, V = logits.shape
-    if temperature > 0.0 and not 0 < top_k < V and top_p >= 1.0:
-        return _accept_unfiltered(logits, drafts, n_draft, inv_temp=1.0 / temperature,
-                                  generator=generator, need_logprobs=need_logprobs)
     dev = logits.device
     real = torch.arange(S - 1, device=dev) < n_draft[:, None]  # (r, S - 1)
     padded = torch.cat([drafts, drafts.new_zeros(r, 1)], 1)  # (r, S)
+    if temperature > 0.0 and not 0 < top_k < V and top_p >= 1.0:
+        return _accept_unfiltered(logits, drafts, n_draft, real, padded,
+                                  inv_temp=1.0 / temperature, generator=generator,
+                                  need_logprobs=need_logprobs)
     if temperature == 0.0:  # the argmax in the logits' own dtype (exact), log-probs in one pass
         best = logits.argmax(-1)  # (r, S)
         ok = (best[:, :-1] == drafts) & real
         kept = ok.int().cumprod(1).sum(1)  # leading kept drafts
-        last = best.gather(1, kept[:, None]).squeeze(1)
-        emitted = torch.where(torch.arange(S, device=dev) < kept[:, None], padded, last[:, None])
+        emitted = _emitted(padded, kept, best.gather(1, kept[:, None]).squeeze(1))
         if not need_logprobs:
             return emitted, kept, None
         m, ssum, _, x = logprob_stats(logits, emitted, start=0, v_valid=V)
@@ -119,20 +124,32 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torch.Tensor, *,
     ok = (u < p_draft) & real
     kept = ok.int().cumprod(1).sum(1)
     p = probs.gather(1, kept[:, None, None].expand(r, 1, V)).squeeze(1)  # (r, V)
-    rejected = kept < n_draft
-    bad = drafts.gather(1, kept.clamp(max=S - 2)[:, None])  # the rejected draft (if any)
-    p = p.masked_fill(rejected[:, None] & (torch.arange(V, device=dev) == bad), 0.0)
-    last = draw(p, generator)
-    emitted = torch.where(torch.arange(S, device=dev) < kept[:, None], padded, last[:, None])
+    emitted = _emitted(padded, kept, draw(p.masked_fill(_rejected(drafts, kept, n_draft, V), 0.0),
+                                          generator))
     if not need_logprobs:
         return emitted, kept, None
     logp = torch.log_softmax(logits * inv_temp, dim=-1).gather(2, emitted[..., None]).squeeze(-1)
     return emitted, kept, logp
 
 
-def _accept_unfiltered(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torch.Tensor, *,
-                       inv_temp: float, generator: Optional[torch.Generator],
-                       need_logprobs: bool):
+def _emitted(padded: torch.Tensor, kept: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Each row's kept drafts (padded (r, S)), then the token drawn after them (last (r,))."""
+    S = padded.shape[1]
+    return torch.where(torch.arange(S, device=padded.device) < kept[:, None], padded,
+                       last[:, None])
+
+
+def _rejected(drafts: torch.Tensor, kept: torch.Tensor, n_draft: torch.Tensor,
+              V: int) -> torch.Tensor:
+    """(r, V) bool: the draft a row rejected (the one after its kept ones), none where every
+    real draft was kept: what the token drawn after the kept drafts must not be."""
+    bad = drafts.gather(1, kept.clamp(max=drafts.shape[1] - 1)[:, None])
+    return (kept < n_draft)[:, None] & (torch.arange(V, device=drafts.device) == bad)
+
+
+def _accept_unfiltered(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torch.Tensor,
+                       real: torch.Tensor, padded: torch.Tensor, *, inv_temp: float,
+                       generator: Optional[torch.Generator], need_logprobs: bool):
     """`accept` without top-k / top-p, reading the (r, S, V) logits once in their own dtype:
     one pass of kernels/logprob_entropy.logprob_stats gives each position's log-sum-exp and its
     draft's logit (p_draft = exp(x_draft - lse)), the drawn token is the exponential race
@@ -141,8 +158,6 @@ def _accept_unfiltered(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torc
     The same random draws as the filtered path, so the same tokens up to rounding near a tie."""
     r, S, V = logits.shape
     dev = logits.device
-    real = torch.arange(S - 1, device=dev) < n_draft[:, None]  # (r, S - 1)
-    padded = torch.cat([drafts, drafts.new_zeros(r, 1)], 1)  # (r, S)
     m, ssum, _, x_draft = logprob_stats(logits, padded, start=0, v_valid=V, inv_temp=inv_temp)
     lse = m + ssum.log()  # (r, S)
     u = torch.rand((r, S - 1), generator=generator, device=dev)
@@ -151,11 +166,8 @@ def _accept_unfiltered(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torc
     row = logits.gather(1, kept[:, None, None].expand(r, 1, V)).squeeze(1)  # (r, V)
     race = torch.empty((r, V), dtype=torch.float32, device=dev).exponential_(generator=generator)
     score = row.float() * inv_temp - race.clamp_min_(torch.finfo(torch.float32).tiny).log_()
-    rejected = kept < n_draft
-    bad = drafts.gather(1, kept.clamp(max=S - 2)[:, None])  # the rejected draft (if any)
-    score.masked_fill_(rejected[:, None] & (torch.arange(V, device=dev) == bad), float("-inf"))
-    last = score.argmax(-1)
-    emitted = torch.where(torch.arange(S, device=dev) < kept[:, None], padded, last[:, None])
+    last = score.masked_fill_(_rejected(drafts, kept, n_draft, V), float("-inf")).argmax(-1)
+    emitted = _emitted(padded, kept, last)
     if not need_logprobs:
         return emitted, kept, None
     x_last = logits.gather(2, last[:, None, None].expand(r, S, 1)).squeeze(-1).float() * inv_temp
@@ -244,7 +256,7 @@ def tail_step(gen, st: TailState, cfg, opts, stop_ids: torch.Tensor):
 
     if not opts.spec_device_steps:
         return step
-    sizes = list(range(opts.spec_ngram[0], opts.spec_ngram[1] - 1, -1))
+    sizes = ngram_sizes(*opts.spec_ngram)
 
     def device_steps():  # opts.spec_device_steps tail steps, drafted from st.ctx
         for _ in range(opts.spec_device_steps):
