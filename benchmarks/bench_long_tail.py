@@ -107,8 +107,8 @@ def main():
     stop = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:k].tolist()
     report = {"machine": machine(device), "versions": versions("transformers"), "command": command(),
               "model": cfg.name, "prompt_len": args.prompt_len, "new_tokens": R,
-              "tail_mean": args.tail_mean, "num_stop_ids": k, "pdl": not args.no_pdl, "prompt_spread": args.prompt_spread,
-              "results": {}}
+              "tail_mean": args.tail_mean, "num_stop_ids": k, "pdl": not args.no_pdl,
+              "prompt_spread": args.prompt_spread, "results": {}}
     for B in args.batches:
         spread = torch.randint(0, args.prompt_spread + 1, (B,)).tolist()
         prompts = [torch.randint(0, V, (args.prompt_len - s,)).tolist() for s in spread]

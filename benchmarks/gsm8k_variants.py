@@ -29,7 +29,7 @@ minutes for 60 steps with validation every 5), resumable while the machine stays
   bash benchmarks/gsm8k_h200.sh variant fp8 560
   python benchmarks/gsm8k_variants.py --runs $OUT --out $OUT/gsm8k_variants_h200.json
 Step times only (no validation), several variants in one call on the same warm machine:
-  bash benchmarks/gsm8k_h200.sh ab 5 base spec_device nospec graphs   # OUT/NAME, OUT/ab_summary.json
+  bash benchmarks/gsm8k_h200.sh ab 5 base spec_device nospec graphs  # OUT/NAME, ab_summary.json
 Run the variants one after another, never two on the GPU at once: two GSM8K runs sharing an H200
 took 10.6 and 14.5 s per step against ~5 s each alone (time-slicing, no overlap to gain).
 """
