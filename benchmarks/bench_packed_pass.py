@@ -35,6 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # profile_decode's trace helpers
 from benchmarks.run_record import command, machine, versions, write_json  # noqa: E402
 
 
@@ -68,7 +69,7 @@ def timed(fn, iters: int, cuda: bool) -> list[float]:
     return out
 
 
-def top_kernels(fn, rows: int = 40) -> dict:
+def top_kernels(fn, rows: int = 80) -> dict:
     """The pass's CUDA kernels: the top `rows` by time, their sum and the wall time around them."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -86,6 +87,18 @@ def top_kernels(fn, rows: int = 40) -> dict:
             "launches": sum(e.count for e in ev),
             "top": [{"name": e.key[:120], "cuda_s": us(e) / 1e6, "calls": e.count}
                     for e in ev[:rows]]}
+
+
+def timeline(fn, device) -> dict:
+    """One traced pass: the device's idle time split by the engine's ranges ("engine.forward", ...;
+    gpu_idle) and by the host op whose kernel ended each gap, and the launchers of its
+    device-to-host copies and stream compactions (each one a wait for the GPU)."""
+    from profile_decode import gpu_idle, idle_by_launcher, traced
+
+    t = traced(fn, device)
+    return {"by_stage": gpu_idle([k[:2] for k in t["kernels"]], t["host"], prefix="engine."),
+            "by_launcher": idle_by_launcher(t["kernels"]),
+            "syncs": t["launched"](("Memcpy DtoH", "DeviceSelect", "DeviceCompact"))}
 
 
 def predicted(model_cfg, *, prompt_len, lengths, budget, fbudget, pack: bool, equal: bool,
@@ -137,6 +150,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--variants", default="packed,packed_varlen,budget,equal")
     ap.add_argument("--profile", action="store_true", help="top CUDA kernels of the packed passes")
+    ap.add_argument("--timeline", action="store_true",
+                    help="the packed passes traced: the GPU's idle time by the engine's stage and by "
+                         "the host op it waited for, and what launches the device-to-host copies")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
@@ -217,6 +233,9 @@ def main(argv=None) -> int:
                                                    statistics.median(r["update_s"]))
         if a.profile and cuda and pack:
             r["ref_top_kernels"], r["update_top_kernels"] = top_kernels(fwd), top_kernels(upd)
+        if a.timeline and pack:
+            r["ref_timeline"], r["update_timeline"] = (timeline(fwd, ctx.device),
+                                                       timeline(upd, ctx.device))
         results[variant] = r
         print(f"{variant:13s} ref {r['ref_median_s']:.3f} s (pred {r['predicted_s']['ref']:.3f}), "
               f"update {r['update_median_s']:.3f} s (pred {r['predicted_s']['update_actor']:.3f}), "

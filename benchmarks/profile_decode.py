@@ -164,35 +164,82 @@ def launchers(gen, prompts, *, steps: int, device, opts: DecodeOptions, match: t
     """Which host ops launch the kernels whose name holds one of `match` (e.g. "Memcpy"): a call of
     `steps` new tokens WITHOUT CUDA graphs (a replayed graph hides its launches), each such kernel
     counted under its launching op's chain of enclosing ops (innermost last) -> {chain: calls}."""
-    from torch.profiler import ProfilerActivity, profile
-
     run = _greedy(gen, prompts, steps, opts.replace(cuda_graphs=False))
     run()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    return traced(run, device)["launched"](match)
+
+
+def launch_chain(e, depth: int = 6) -> str:
+    """A host event and its enclosing ops, innermost first ("aten::mm < aten::linear < ...")."""
+    chain = []
+    while e is not None and len(chain) < depth:
+        chain.append(e.name)
+        e = e.cpu_parent
+    return " < ".join(chain)
+
+
+def traced(run, device, *, trace: str | None = None) -> dict:
+    """One profiled call of `run` (host ops on every thread, device kernels): `kernels`
+    [(start, end, launching chain)], `host` [(start, end, name)] in us on the profiler's clock, and
+    `launched(match)` -> {"kernel <- chain": calls} for the kernels whose name holds one of `match`;
+    `trace`: also a Chrome trace file."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
         run()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    found = collections.Counter()
-    for e in prof.events():
-        for k in getattr(e, "kernels", []):
-            if any(m.lower() in k.name.lower() for m in match):
-                chain, p = [], e
-                while p is not None and len(chain) < 6:
-                    chain.append(p.name)
-                    p = p.cpu_parent
-                found[f"{k.name[:40]} <- " + " < ".join(chain)] += 1
-    return dict(found.most_common(30))
+    if trace:
+        prof.export_chrome_trace(trace)
+    events = prof.events()
+    # the host ops (not the runtime calls, whose ids are the driver's): a kernel's link is its op's id
+    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and not e.linked_correlation_id}
+    kernels, host = [], []
+    for e in events:
+        span = (e.time_range.start, e.time_range.end)
+        if e.device_type == DeviceType.CUDA:
+            op = ops.get(e.linked_correlation_id)
+            kernels.append((*span, e.name, launch_chain(op) if op is not None else "?"))
+        elif e.device_type == DeviceType.CPU:
+            host.append((*span, e.name))
+
+    def launched(match: tuple) -> dict:
+        found = collections.Counter(f"{n[:40]} <- {c}" for _, _, n, c in kernels
+                                    if any(m.lower() in n.lower() for m in match))
+        return dict(found.most_common(30))
+
+    return {"kernels": [(a, b, c) for a, b, _, c in kernels], "host": host, "launched": launched}
 
 
-def gpu_idle(kernels: list, ranges: list, *, min_gap_us: float = 20.0, top: int = 10) -> dict:
+def idle_by_launcher(kernels: list, *, min_gap_us: float = 10.0, top: int = 15) -> dict:
+    """The device's idle gaps of at least `min_gap_us` between its first and last kernel, each
+    charged to the host chain that launched the kernel ending it (what the GPU waited for):
+    `kernels` [(start, end, chain)] -> {"idle_us", "gaps", "by_launcher": {chain: us} (top), ...}."""
+    by, count, idle, gaps, t = collections.Counter(), collections.Counter(), 0.0, 0, None
+    for a, b, chain in sorted(kernels):
+        if t is not None and a - t >= min_gap_us:
+            by[chain] += a - t
+            count[chain] += 1
+            idle += a - t
+            gaps += 1
+        t = b if t is None else max(t, b)
+    return {"idle_us": idle, "gaps": gaps,
+            "by_launcher": {c: {"us": us, "gaps": count[c]} for c, us in by.most_common(top)}}
+
+
+def gpu_idle(kernels: list, ranges: list, *, min_gap_us: float = 20.0, top: int = 10,
+             prefix: str = "generate.") -> dict:
     """Where the GPU sat idle during a traced call: `kernels` [(start, end)] of the device's work,
     `ranges` [(start, end, name)] of the host thread's ranges (the generator's "generate.*"
     phase labels, aten ops, CUDA runtime calls), all in us on the profiler's common clock. The
     window runs from the first phase label's start to the last kernel's (or label's) end; idle time
-    is the window less the union of the kernels. Each gap of at least `min_gap_us` is split among
+    is the window less the union of the kernels (`prefix`: the labels' start, e.g. "engine."
+    for a training pass's). Each gap of at least `min_gap_us` is split among
     the phases by overlap (what the host was doing while the GPU ran dry; "none" outside every
     label); the `top` longest are listed with the phase and the innermost host range at their start."""
-    labels = [r for r in ranges if r[2].startswith("generate.")]
+    labels = [r for r in ranges if r[2].startswith(prefix)]
     if not labels:
         return {"window_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "idle_by_phase_us": {},
                 "phase_us": {}, "gaps": []}
@@ -240,26 +287,10 @@ def profile_timeline(gen, prompts, *, steps: int, opts: DecodeOptions, device,
                      trace: str | None = None) -> dict:
     """One traced generate call of `steps` new tokens (host ranges and device kernels): the GPU's
     idle time by the generator's phase (gpu_idle); `trace`: also a Chrome trace file."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     run = _greedy(gen, prompts, steps, opts)
     run()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    if trace:
-        prof.export_chrome_trace(trace)
-    kern, host = [], []
-    for e in prof.events():
-        span = (e.time_range.start, e.time_range.end)
-        if e.device_type == DeviceType.CUDA:
-            kern.append(span)
-        elif e.device_type == DeviceType.CPU:
-            host.append((*span, e.name))
-    return gpu_idle(kern, host)
+    t = traced(run, device, trace=trace)
+    return gpu_idle([k[:2] for k in t["kernels"]], t["host"])
 
 
 def main():

@@ -44,6 +44,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import record_function
 from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -406,9 +407,10 @@ class Engine:
         if not replaying and batch.prompt_experts is not None:  # not carried to the device
             batch = dataclasses.replace(batch, prompt_experts=None, response_experts=None)
         self.params_to_device()  # offload_params: every pass reads the weights
-        micro, rows = self._micro_batches(
-            batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, pack=pack,
-            fit=self._fit_packed and self.trainable and not forward_only)
+        with record_function("engine.micro_batches"):  # profiler ranges: benchmarks' idle split
+            micro, rows = self._micro_batches(
+                batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, pack=pack,
+                fit=self._fit_packed and self.trainable and not forward_only)
         # shapes for the pipeline schedules (PP > 1 runs only fixed micro-batches, all alike)
         seq_len = max(mb.prompt_len + mb.response_ids.shape[1] for mb, _, _ in micro)
         tp_group = self.ctx.tp_group
@@ -416,6 +418,10 @@ class Engine:
         n_micro = self._n_micro = len(micro)
 
         def forward_step(data_iter, model):
+            with record_function("engine.forward"):
+                return _forward_step(data_iter, model)
+
+        def _forward_step(data_iter, model):
             mb, padded, packed = next(data_iter)
             experts = self._router_targets(mb, packed) if replaying else None
             # the LM head only at the positions that predict response tokens (see __init__)
@@ -449,6 +455,10 @@ class Engine:
                     self._response_head.select = self._response_head.logprobs = None
 
             def loss_func(output):
+                with record_function("engine.loss"):
+                    return _loss_func(output)
+
+            def _loss_func(output):
                 # outputs that predict response tokens; a reward model reads each token's own state
                 if packed is None:
                     p = mb.prompt_len
@@ -490,7 +500,7 @@ class Engine:
             self.model.eval()
         # LoRA: the adapters' factors stay as they are for the pass (models/lora.py)
         fixed = factors_fixed(self.module) if self.lora is not None else contextlib.nullcontext()
-        with torch.set_grad_enabled(not forward_only), fixed:
+        with torch.set_grad_enabled(not forward_only), fixed, record_function("engine.schedule"):
             outs = get_forward_backward_func(pp_size=self.ctx.pp_size)(
                 forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
                 num_microbatches=n_micro, seq_length=seq_len,
@@ -614,13 +624,14 @@ class Engine:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
         used_lr = self.optimizer.param_groups[0]["lr"]
-        finite = self._grads_finite()
-        if self._opt_offload is not None:  # the update's activations are freed by now
-            self._opt_offload.to_device()
-        use_fused_adam(self.optimizer)
-        # bf16 has no loss scaler to catch inf/NaN: Megatron's clip then skips clipping (a NaN norm
-        # fails `coeff < 1`) and Adam writes NaN into every weight. Skip the step instead.
-        ok, grad_norm, _ = self.optimizer.step() if finite else (False, None, None)
+        with record_function("engine.optimizer"):
+            finite = self._grads_finite()
+            if self._opt_offload is not None:  # the update's activations are freed by now
+                self._opt_offload.to_device()
+            use_fused_adam(self.optimizer)
+            # bf16 has no loss scaler to catch inf/NaN: Megatron's clip then skips clipping (a NaN
+            # norm fails `coeff < 1`) and Adam writes NaN into every weight. Skip the step instead.
+            ok, grad_norm, _ = self.optimizer.step() if finite else (False, None, None)
         if self._opt_offload is not None:
             self._opt_offload.to_host()
         if self._param_offload is not None:  # the host copy is stale from here on

@@ -360,10 +360,16 @@ def test_bench_packed_pass_times_every_variant(tmp_path):
     out = tmp_path / "pp.json"
     subprocess.run([sys.executable, "benchmarks/bench_packed_pass.py", "--device", "cpu", "--model", "tiny",
                     "--rows", "16", "--prompt-len", "8", "--mean", "12", "--min", "2", "--cap", "32",
-                    "--forward-budget", "256", "--budget", "128", "--iters", "1", "--out", str(out)],
+                    "--forward-budget", "256", "--budget", "128", "--iters", "1", "--timeline",
+                    "--out", str(out)],
                    check=True, cwd=ROOT, env=ENV, capture_output=True)
     res = json.loads(out.read_text())["results"]
     assert set(res) == {"packed", "packed_varlen", "budget", "equal"}
+    # --timeline: the traced packed passes' host time by the engine's stage (no kernels on CPU)
+    stages = res["packed"].pop("update_timeline")["by_stage"]["phase_us"]
+    assert {"engine.micro_batches", "engine.schedule", "engine.forward", "engine.loss",
+            "engine.optimizer"} <= set(stages)
+    assert "engine.optimizer" not in res["packed"].pop("ref_timeline")["by_stage"]["phase_us"]
     # torch's varlen_attn is CUDA only: the variant says why it did not run
     assert res.pop("packed_varlen") == {"skipped": "algo.packed_attention=varlen cannot run here: "
                                         "varlen_attn runs on CUDA only (device cpu); set "

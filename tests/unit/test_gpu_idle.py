@@ -7,7 +7,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from profile_decode import gpu_idle  # noqa: E402
+from profile_decode import gpu_idle, idle_by_launcher  # noqa: E402
 
 # the host: setup 0-100, prefill 100-300 (a sync op 250-300 inside), decode 300-900, finish 900-1000
 HOST = [(0, 100, "generate.setup"), (100, 300, "generate.prefill"), (250, 300, "cudaStreamSynchronize"),
@@ -55,3 +55,22 @@ def test_a_nested_label_takes_its_share_of_a_gap():
     assert r["idle_by_phase_us"] == {"generate.prefill": 200, "generate.decode": 250,
                                      "generate.spec_tail": 200}
     assert r["idle_us"] == sum(r["idle_by_phase_us"].values())
+
+
+def test_a_training_pass_labels_its_own_stages():
+    host = [(0, 100, "engine.micro_batches"), (100, 400, "engine.schedule"), (120, 300, "engine.forward")]
+    r = gpu_idle([(150, 200), (350, 400)], host, min_gap_us=0, prefix="engine.")
+    assert r["idle_by_phase_us"] == {"engine.micro_batches": 100, "engine.forward": 130,
+                                     "engine.schedule": 70}
+
+
+def test_each_gap_goes_to_the_launcher_of_the_kernel_that_ends_it():
+    # gaps: 100-130 (30, ended by an mm), 140-150 (10, below min_gap), 200-260 (60, an item's copy),
+    # 300-330 (30, another mm); the kernel under the first (50-100) leaves no gap
+    kernels = [(0, 100, "aten::mm"), (50, 100, "aten::add"), (130, 140, "aten::mm"),
+               (150, 200, "aten::silu"), (260, 300, "aten::item < engine.loss"), (330, 400, "aten::mm")]
+    r = idle_by_launcher(kernels, min_gap_us=20)
+    assert r["idle_us"] == 120 and r["gaps"] == 3
+    assert r["by_launcher"] == {"aten::item < engine.loss": {"us": 60, "gaps": 1},
+                                "aten::mm": {"us": 60, "gaps": 2}}
+    assert idle_by_launcher([]) == {"idle_us": 0.0, "gaps": 0, "by_launcher": {}}
