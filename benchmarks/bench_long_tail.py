@@ -77,9 +77,6 @@ def main():
                          "without ('off'). Random weights keep almost no draft: the time "
                          "difference over the tail's steps is what a tail step costs more than a "
                          "plain one (the GSM8K step's variant 'spec' measures the gain)")
-    ap.add_argument("--spec-device-steps", type=int, default=0, metavar="N",
-                    help="with --spec-ab: also the side 'device', the tail with its drafts made on "
-                         "the device, N steps per replay (rollout.speculative.device_steps)")
     ap.add_argument("--decode-kernels", default="auto", choices=("auto", "torch", "triton"),
                     help="rollout.decode_kernels of every side (torch: the PyTorch decode step and "
                          "speculative tail)")
@@ -124,9 +121,6 @@ def main():
             sides = {"on": dict(both, speculative=SpeculativeConfig(enable=True,
                                                                     max_rows=args.spec_ab)),
                      "off": both}
-            if args.spec_device_steps:
-                sides["device"] = dict(both, speculative=SpeculativeConfig(
-                    enable=True, max_rows=args.spec_ab, device_steps=args.spec_device_steps))
         elif args.kv_window:
             sides.update(window=dict(decode_kv_window=args.kv_window),
                          on_window=dict(compact_finished_rows=True, decode_kv_window=args.kv_window))
@@ -167,7 +161,7 @@ def main():
               f"first call off {r['off']['first_s']:.3f} s, on {r['on']['first_s']:.3f} s; "
               f"row-steps on/off {r['on']['stats']['decode_row_steps']}/"
               f"{r['off']['stats']['decode_row_steps']}")
-        for side in ("window", "on_window", "device"):
+        for side in ("window", "on_window"):
             if side in r:
                 print(f"  {side}: {r[side]['s']:.3f} s (x{r[side]['speedup']:.2f}), first call "
                       f"{r[side]['first_s']:.3f} s")

@@ -17,7 +17,6 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
   spec     rollout.speculative (the tail from 16 running rows by speculative sampling with n-gram
            drafts, 4 per row and step): the same samples' distribution, fewer tail steps; on
            by default where the tail runs the decode kernels (auto), so `nospec` is its A/B
-  spec_device  the tail with its drafts made on the device, 4 tail steps per replay and host read
   tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter; tool results fed
            through the decode step, each step launched before the last is read: the defaults)
   tools_fed  the same without lookahead (rollout.multi_turn.lookahead=false)
@@ -29,7 +28,7 @@ minutes for 60 steps with validation every 5), resumable while the machine stays
   bash benchmarks/gsm8k_h200.sh variant fp8 560
   python benchmarks/gsm8k_variants.py --runs $OUT --out $OUT/gsm8k_variants_h200.json
 Step times only (no validation), several variants in one call on the same warm machine:
-  bash benchmarks/gsm8k_h200.sh ab 5 base spec_device nospec graphs  # OUT/NAME, ab_summary.json
+  bash benchmarks/gsm8k_h200.sh ab 5 base nospec graphs  # OUT/NAME, OUT/ab_summary.json
 Run the variants one after another, never two on the GPU at once: two GSM8K runs sharing an H200
 took 10.6 and 14.5 s per step against ~5 s each alone (time-slicing, no overlap to gain).
 """
@@ -65,7 +64,6 @@ VARIANTS = {
     "graphs": "parallel.train_cuda_graphs=true",
     "spec": "rollout.speculative.enable=true",
     "nospec": "rollout.speculative.enable=false",
-    "spec_device": "rollout.speculative.device_steps=4",
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
     "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.lookahead=false",
     "tools_held": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.append=prefill",

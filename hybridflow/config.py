@@ -160,16 +160,12 @@ class SpeculativeConfig:
     step that checks several tokens costs about what one token's step costs. Single-turn only.
     enable null (auto): on where it applies and pays, a GPU run's single-turn, unquantized rollout
     decoded by CUDA-graph replays whose generator is kept across steps (hybridflow.config_auto);
-    true: on wherever it runs (refused with multi-turn and quantized rollouts); false: off.
-    device_steps: 0, the host drafts every tail step from the tokens it reads back; N >= 1, the
-    drafts are made on the device by the same rule (the same drafts), N tail steps per graph
-    replay and one host read per replay (hybridflow/rollout/spec_device.py)."""
+    true: on wherever it runs (refused with multi-turn and quantized rollouts); false: off."""
     enable: Optional[bool] = None
     max_rows: int = 16
     draft_tokens: int = 4
     ngram_max: int = 3
     ngram_min: int = 1
-    device_steps: int = 0
 
 
 @dataclass

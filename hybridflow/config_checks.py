@@ -531,8 +531,6 @@ def validate_speculative(r) -> None:
                       ("draft_tokens", "tokens drafted per row and step"),
                       ("ngram_min", "the shortest suffix looked up")):
         _int_at_least(f"rollout.speculative.{key}", getattr(sp, key), 1, what)
-    _int_at_least("rollout.speculative.device_steps", sp.device_steps, 0,
-                  "tail steps per replay with the drafts made on the device (0: host drafts)")
     if sp.ngram_max < sp.ngram_min:
         raise ValueError(f"rollout.speculative.ngram_max={sp.ngram_max} must be >= "
                          f"rollout.speculative.ngram_min={sp.ngram_min}")

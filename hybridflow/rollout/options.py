@@ -59,9 +59,6 @@ class DecodeOptions:
     spec_rows: int = 0
     spec_draft_tokens: int = 4
     spec_ngram: tuple = (3, 1)
-    # rollout.speculative.device_steps: drafts made inside the tail step, this many steps per
-    # replay and host read (rollout/spec_device.py); 0: the host drafts every step
-    spec_device_steps: int = 0
 
     check_every: int = 16  # decode steps between stop polls (and compaction decisions)
     prefill_tokens: int = 16384  # prompt tokens per prefill sub-batch (bounds activation memory)
@@ -101,8 +98,7 @@ class DecodeOptions:
                    compile_backend=k.compile_backend, compile_mode=k.compile_mode,
                    spec_rows=r.speculative.max_rows if r.speculative.enable is True else 0,
                    spec_draft_tokens=r.speculative.draft_tokens,
-                   spec_ngram=(r.speculative.ngram_max, r.speculative.ngram_min),
-                   spec_device_steps=r.speculative.device_steps)
+                   spec_ngram=(r.speculative.ngram_max, r.speculative.ngram_min))
 
     def replace(self, **changes) -> "DecodeOptions":
         return dataclasses.replace(self, **changes)

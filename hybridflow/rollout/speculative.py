@@ -9,8 +9,7 @@ reasoning copies numbers and phrases from the question, and a response that runs
 max_new_tokens is often a loop, which is what holds the tail.
 
 One tail step, for the r rows still in the chunk's tail (`run_tail`):
-1. the host drafts up to k tokens per running row (`NgramDrafter`), fewer near max_new_tokens
-   (rollout.speculative.device_steps: the step drafts them itself by the same rule, spec_device.py);
+1. the host drafts up to k tokens per running row (`NgramDrafter`), fewer near max_new_tokens;
 2. one forward feeds each row its pending token and its drafts at the row's own cache columns and
    returns the logits at every fed position: `verify_fused` on the decode kernels (with
    kernels/spec_attention.py), else `multi_turn_step.extend` (PyTorch ops);
@@ -26,8 +25,7 @@ One tail step, for the r rows still in the chunk's tail (`run_tail`):
    path's definition: log_softmax(logits / T) before filtering) go to the chunk's outputs; the
    columns of rejected drafts are marked invalid again, and the next step overwrites them.
 The rows advance by different counts, so each keeps its own cache column, RoPE position and output
-column. One host read per step (the emitted tokens, for the next drafts); with device drafts one
-per device_steps steps (the finished flags).
+column. One host read per step (the emitted tokens, for the next drafts).
 """
 
 from __future__ import annotations
@@ -38,15 +36,10 @@ import numpy as np
 import torch
 
 from hybridflow.kernels.logprob_entropy import logprob_stats
-from hybridflow.rollout import compaction, spec_device
+from hybridflow.rollout import compaction
 from hybridflow.rollout.cuda_graph import GraphedStep, WarmedStep
 from hybridflow.rollout.multi_turn_step import extend
 from hybridflow.rollout.sampling import draw, filter_logits
-
-
-def ngram_sizes(ngram_max: int, ngram_min: int) -> list:
-    """The n-gram sizes a draft looks up, longest first."""
-    return list(range(ngram_max, ngram_min - 1, -1))
 
 
 class NgramDrafter:
@@ -54,7 +47,7 @@ class NgramDrafter:
     position after the last occurrence of every n-gram that has a continuation."""
 
     def __init__(self, contexts: list, *, ngram_max: int, ngram_min: int):
-        self.sizes = ngram_sizes(ngram_max, ngram_min)
+        self.sizes = list(range(ngram_max, ngram_min - 1, -1))  # longest first
         self.ctx = [[int(t) for t in c] for c in contexts]
         # what `append` would have built token by token, in one pass per n-gram size: the n-gram
         # ctx[j:j + n] continues at e = j + n for e <= L - 1 (later occurrences overwrite)
@@ -180,16 +173,12 @@ class TailState:
     ones are finished from the start), `S` fed tokens per row and step, `R` output columns, over
     a cache of T columns: what a captured tail step reads and writes."""
 
-    def __init__(self, rows: int, S: int, R: int, T: int, device, *, device_drafts: bool = False):
+    def __init__(self, rows: int, S: int, R: int, T: int, device):
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=device)  # noqa: E731
         self.pend, self.pos, self.col, self.out_step = z(rows), z(rows), z(rows), z(rows)
         self.finished = z(rows, dt=torch.bool)
         self.key_valid = z(rows, T, dt=torch.bool)
-        # written by the host every step, or by the step itself from the contexts (spec_device)
-        self.drafts, self.n_draft = z(rows, S - 1), z(rows)
-        if device_drafts:  # the rows' prompt + response so far (at most T), S scratch columns
-            self.ctx, self.ctx_len = z(rows, T + S), z(rows)
-            self.counts = z(4)  # tail steps run, rows advanced, tokens drafted, tokens emitted
+        self.drafts, self.n_draft = z(rows, S - 1), z(rows)  # written by the host every step
         # the rows' output columns; S more each as scratch for masked writes (one per position)
         self.out_tokens = z(rows, R + S)
         self.out_logprobs = z(rows, R + S, dt=torch.float32)
@@ -254,24 +243,7 @@ def tail_step(gen, st: TailState, cfg, opts, stop_ids: torch.Tensor):
         st.ret[:, S] = n_emit
         st.ret[:, S + 1] = st.finished.long()
 
-    if not opts.spec_device_steps:
-        return step
-    sizes = ngram_sizes(*opts.spec_ngram)
-
-    def device_steps():  # opts.spec_device_steps tail steps, drafted from st.ctx
-        for _ in range(opts.spec_device_steps):
-            live = ~st.finished
-            drafts, count = spec_device.draft(st.ctx, st.ctx_len, k=S - 1, sizes=sizes,
-                                              limit=R - st.out_step - 1)
-            st.drafts.copy_(drafts)
-            st.n_draft.copy_(count.masked_fill(st.finished, 0))
-            step()
-            n_emit = st.ret[:, S]
-            spec_device.append(st.ctx, st.ctx_len, st.ret[:, :S], n_emit)
-            st.counts.add_(torch.stack([live.any().long(), (n_emit > 0).sum(),
-                                        st.n_draft.sum(), n_emit.sum()]))
-
-    return device_steps
+    return step
 
 
 def run_tail(gen, tail: tuple, buf, row_map: torch.Tensor, out_tok: torch.Tensor,
@@ -306,48 +278,14 @@ def run_tail(gen, tail: tuple, buf, row_map: torch.Tensor, out_tok: torch.Tensor
     st.out_tokens[:r, :R] = out_tok.index_select(0, rows)
     st.out_logprobs[:r, :R] = out_lp.index_select(0, rows)
     so_far = st.out_tokens[:r, :s + 1].tolist()
-    contexts = [list(prompts[c]) + t for c, t in zip(rows.tolist(), so_far)]
-    if opts.spec_device_steps:
-        _run_device(st, step, contexts, r, stats)
-    else:
-        _run_host(st, step, contexts, r, R=R, s=s, k=k, opts=opts, stats=stats)
-    out_tok.index_copy_(0, rows, st.out_tokens[:r, :R])
-    out_lp.index_copy_(0, rows, st.out_logprobs[:r, :R])
-
-
-def _run_device(st: TailState, step, contexts: list, r: int, stats: dict) -> None:
-    """The tail with drafts made on the device: the contexts in once, then replays of
-    opts.spec_device_steps steps each until the running rows finished (one host read a replay)."""
-    ctx = torch.zeros(st.ctx.shape, dtype=torch.long)
-    for i, c in enumerate(contexts):
-        ctx[i, :len(c)] = torch.tensor(c, dtype=torch.long)
-    st.ctx.copy_(ctx)
-    st.ctx_len.copy_(torch.tensor([len(c) for c in contexts] + [0] * (st.ctx.shape[0] - r)))
-    st.counts.zero_()
-    while True:
-        step()
-        if bool(st.finished[:r].all()):  # the replay's one host read
-            break
-    steps, rows_adv, drafted, tokens = st.counts.tolist()
-    stats["spec_steps"] += steps
-    stats["spec_rows"] += rows_adv
-    stats["spec_drafted"] += drafted
-    stats["spec_tokens"] += tokens
-    stats["decode_row_steps"] += steps * st.drafts.shape[0]
-
-
-def _run_host(st: TailState, step, contexts: list, r: int, *, R: int, s: int, k: int, opts,
-              stats: dict) -> None:
-    """The tail with the host drafting (NgramDrafter): one step per replay, the emitted tokens
-    read back after each for the next drafts."""
-    S = k + 1
-    drafter = NgramDrafter(contexts, ngram_max=opts.spec_ngram[0], ngram_min=opts.spec_ngram[1])
+    drafter = NgramDrafter([list(prompts[c]) + t for c, t in zip(rows.tolist(), so_far)],
+                           ngram_max=opts.spec_ngram[0], ngram_min=opts.spec_ngram[1])
     rows_b = st.drafts.shape[0]
     steps_h = np.full(r, s + 1)  # output columns written per running row (host)
     done_h = np.zeros(r, dtype=bool)
     drafts_h = torch.zeros((rows_b, k), dtype=torch.long)
     n_h = torch.zeros(rows_b, dtype=torch.long)
-    if st.drafts.device.type == "cuda":
+    if gen.device.type == "cuda":
         drafts_h, n_h = drafts_h.pin_memory(), n_h.pin_memory()
     drafts_np, n_np = drafts_h.numpy(), n_h.numpy()  # the pinned buffers, written through numpy
     while not done_h.all():
@@ -371,6 +309,8 @@ def _run_host(st: TailState, step, contexts: list, r: int, *, R: int, s: int, k:
         stats["spec_drafted"] += int(n_np.sum())
         stats["spec_tokens"] += int(n_emit.sum())
         stats["decode_row_steps"] += rows_b
+    out_tok.index_copy_(0, rows, st.out_tokens[:r, :R])
+    out_lp.index_copy_(0, rows, st.out_logprobs[:r, :R])
 
 
 def fused_verify_applies(gen, opts) -> bool:
@@ -429,8 +369,7 @@ def tail_step_for(gen, R: int, cfg, opts, key: tuple, stop_ids: list, graphed: b
     if k in gen._steps:
         st, fns = gen._steps[k]
         return st, fns[None]
-    st = TailState(rows, S, R, gen._cache.length, gen.device,
-                   device_drafts=bool(opts.spec_device_steps))
+    st = TailState(rows, S, R, gen._cache.length, gen.device)
     st.idle()
     fn = tail_step(gen, st, cfg, opts,
                    torch.tensor(stop_ids, dtype=torch.long, device=gen.device))

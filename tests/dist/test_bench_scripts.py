@@ -74,20 +74,18 @@ def test_bench_long_tail_times_every_variant(tmp_path):
 
 
 def test_bench_long_tail_speculative_ab(tmp_path):
-    """--spec-ab: the tail on one side only (and with device drafts on a third), all with
-    compaction and the window; --no-pdl reaches every side's kernel options."""
+    """--spec-ab: the tail on one side only, both with compaction and the window; --no-pdl reaches
+    every side's kernel options."""
     out = tmp_path / "spec.json"
     subprocess.run([sys.executable, "benchmarks/bench_long_tail.py", "--model",
                     "hybridflow/conf/model/tiny.yaml", "--device", "cpu", "--batches", "8",
                     "--prompt-len", "8", "--new-tokens", "80", "--tail-mean", "16",
-                    "--kv-window", "64", "--spec-ab", "4", "--spec-device-steps", "3",
-                    "--no-pdl", "--out", str(out)],
+                    "--kv-window", "64", "--spec-ab", "4", "--no-pdl", "--out", str(out)],
                    check=True, cwd=ROOT, env=ENV, capture_output=True)
     report = json.loads(out.read_text())
     res = report["results"]["8"]
     assert report["pdl"] is False and set(res) >= {"on", "off", "speedup"}
     assert res["on"]["stats"]["spec_steps"] > 0 and res["off"]["stats"]["spec_steps"] == 0
-    assert res["device"]["stats"]["spec_steps"] > 0 and res["device"]["speedup"] > 0
     assert res["on"]["reproducible"]
 
 

@@ -33,11 +33,11 @@ def test_ab_runs_each_variant_with_its_overrides(tmp_path):
     shim.chmod(0o755)
     out = tmp_path / "out"
     env = dict(os.environ, PATH=f"{shim.parent}:{os.environ['PATH']}", OUT=str(out))
-    subprocess.run(["bash", "benchmarks/gsm8k_h200.sh", "ab", "3", "base", "spec_device", "graphs"],
+    subprocess.run(["bash", "benchmarks/gsm8k_h200.sh", "ab", "3", "base", "nospec", "graphs"],
                    check=True, cwd=ROOT, env=env, capture_output=True)
     summary = json.loads((out / "ab_summary.json").read_text())["variants"]
-    assert set(summary) == {"base", "spec_device", "graphs"}
-    for name, want in (("base", ""), ("spec_device", "rollout.speculative.device_steps=4"),
+    assert set(summary) == {"base", "nospec", "graphs"}
+    for name, want in (("base", ""), ("nospec", "rollout.speculative.enable=false"),
                        ("graphs", "parallel.train_cuda_graphs=true")):
         rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
         assert [r["overrides"] for r in rows] == [want] * 3

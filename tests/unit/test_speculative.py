@@ -209,78 +209,6 @@ def test_sampled_rows_are_consistent_with_the_model(top_p, graphs):
         assert all(t == 99 for t in row[n:]) and (a.rollout_logprobs[i, n:] == 0).all()
 
 
-def test_device_drafts_are_the_host_drafters():
-    """spec_device.draft over random contexts (loops among them) and draft limits, then after
-    appends of uneven counts, equals NgramDrafter row for row; drafts past a row's count are 0."""
-    import random
-
-    from hybridflow.rollout import spec_device
-
-    rng = random.Random(0)
-    for trial in range(150):
-        B, V, k = rng.randint(1, 6), rng.choice([3, 5, 50]), rng.randint(1, 6)
-        nmax = rng.randint(1, 4)
-        nmin = rng.randint(1, nmax)
-        ctxs = []
-        for _ in range(B):
-            L = rng.randint(1, 40)
-            c = [rng.randrange(V) for _ in range(L)]
-            if rng.random() < 0.4 and L > 4:  # a loop: its own continuation is the draft
-                p = rng.randint(1, 4)
-                c = c[:L // 2] + [c[L // 2 + i % p] for i in range(L - L // 2)]
-            ctxs.append(c)
-        host = NgramDrafter(ctxs, ngram_max=nmax, ngram_min=nmin)
-        ctx, ctx_len = torch.zeros(B, 64, dtype=torch.long), torch.tensor([len(c) for c in ctxs])
-        for i, c in enumerate(ctxs):
-            ctx[i, :len(c)] = torch.tensor(c)
-        limit = torch.tensor([rng.randint(-1, k + 1) for _ in range(B)])
-        for rnd in range(2):
-            drafts, count = spec_device.draft(ctx, ctx_len, k=k, sizes=host.sizes, limit=limit)
-            for i in range(B):
-                n = int(count[i])
-                assert drafts[i, :n].tolist() == host.draft(i, min(k, int(limit[i]))), (trial, i)
-                assert (drafts[i, n:] == 0).all()
-            tokens, n_new = torch.randint(0, V, (B, 3)), torch.randint(0, 4, (B,))
-            spec_device.append(ctx, ctx_len, tokens, n_new)
-            for i in range(B):
-                host.append(i, tokens[i, :int(n_new[i])].tolist())
-            limit = torch.full((B,), k)
-
-
-@pytest.mark.parametrize("device_steps,graphs", [(1, False), (3, True)])
-def test_device_drafts_give_the_host_drafted_tail(device_steps, graphs):
-    """The tail with drafts made on the device: greedy output equals plain decoding; sampled, one
-    step per replay, it equals the host-drafted tail token for token (same drafts, same draws)
-    with the same statistics, and several steps per replay keep the outputs well formed."""
-    gen, prompts, stops = _long_tail()
-    cfg = rc(max_new_tokens=40, stop_token_ids=stops, max_batch_size=16,
-             compact_finished_rows=graphs)
-    kw = dict(emulate_graphs=graphs, spec_draft_tokens=3)
-    plain = _run(gen, prompts, cfg, 0, **kw)
-    dev = _run(gen, prompts, cfg, 4, spec_device_steps=device_steps, **kw)
-    assert gen.stats["spec_steps"] > 0 and gen.stats["spec_tokens"] > gen.stats["spec_steps"]
-    assert torch.equal(dev.response_ids, plain.response_ids)
-    assert torch.allclose(dev.rollout_logprobs, plain.rollout_logprobs, atol=1e-5, rtol=0)
-    sampled = rc(max_new_tokens=40, temperature=0.8, stop_token_ids=stops[:3], max_batch_size=16,
-                 compact_finished_rows=graphs)
-    host = _run(gen, prompts, sampled, 6, seed=3, **kw)
-    host_stats = {k: v for k, v in gen.stats.items() if k.startswith("spec")}
-    dev = _run(gen, prompts, sampled, 6, seed=3, spec_device_steps=device_steps, **kw)
-    dev_stats = {k: v for k, v in gen.stats.items() if k.startswith("spec")}
-    assert host_stats["spec_drafted"] > 0
-    if device_steps == 1:
-        assert dev_stats == host_stats
-        assert torch.equal(dev.response_ids, host.response_ids)
-        assert torch.equal(dev.rollout_logprobs, host.rollout_logprobs)
-    lengths = dev.response_mask.sum(1)
-    for i in range(dev.batch_size):
-        got, want = _forward_logprobs(gen, dev, i, 0.8)
-        assert torch.allclose(got, want, atol=2e-5, rtol=0), i
-        row, n = dev.response_ids[i].tolist(), int(lengths[i])
-        hits = [j for j, t in enumerate(row[:n]) if t in stops[:3]]
-        assert n == (hits[0] + 1 if hits else 40)
-
-
 def test_tail_respects_max_new_tokens_and_short_budgets():
     gen, prompts, stops = _long_tail(seed=3)
     for R in (3, 7):  # the tail may start one step before the end
@@ -296,14 +224,11 @@ def test_options_and_config_checks():
                                                     ngram_max=4, ngram_min=2))
     o = DecodeOptions.from_config(r)
     assert (o.spec_rows, o.spec_draft_tokens, o.spec_ngram) == (8, 5, (4, 2))
-    assert o.spec_device_steps == 0 and DecodeOptions.from_config(dataclasses.replace(
-        r, speculative=dataclasses.replace(r.speculative, device_steps=4))).spec_device_steps == 4
     assert DecodeOptions.from_config(RolloutConfig()).spec_rows == 0
     validate_speculative(r)
     bad = [(dict(draft_tokens=0), "rollout.speculative.draft_tokens"),
            (dict(max_rows=-1), "rollout.speculative.max_rows"),
-           (dict(ngram_max=1, ngram_min=2), "rollout.speculative.ngram_max"),
-           (dict(device_steps=-1), "rollout.speculative.device_steps")]
+           (dict(ngram_max=1, ngram_min=2), "rollout.speculative.ngram_max")]
     for change, key in bad:
         cfg = dataclasses.replace(r, speculative=dataclasses.replace(r.speculative, **change))
         with pytest.raises(ValueError, match=key):
