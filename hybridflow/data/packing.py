@@ -44,6 +44,9 @@ class PackedRows:
     gather: torch.Tensor  # (b, R) int64, packed position of each (row, response token)'s result
     valid: torch.Tensor  # (b, R) bool, k < r_j
     scored: torch.Tensor  # (n,) int64, gather[valid]: the positions whose results are kept
+    # (n,) int64, where each scored result goes in the flattened (b, R): valid's True entries,
+    # found on the host (a mask scatter's backward would find them on the device: a sync)
+    slots: torch.Tensor
     # (S, L, k) int16, the rows' recorded expert ids (RolloutBatch.experts) following their tokens,
     # -1 on the tail; None when the micro-batch has none
     experts: Optional[torch.Tensor] = None
@@ -63,7 +66,8 @@ class PackedRows:
     def unpack_scored(self, values: torch.Tensor) -> torch.Tensor:
         """(1, n) per `scored` position (in its order: row-major over `valid`) -> (b, R), 0 past
         each row's response; differentiable."""
-        return values.new_zeros(self.valid.shape).masked_scatter(self.valid, values[0])
+        b, r = self.valid.shape
+        return values.new_zeros(b * r).index_copy(0, self.slots, values[0]).view(b, r)
 
 
 def pack_rows(mb: RolloutBatch, *, multiple: int = 1, own_position: bool = False) -> PackedRows:
@@ -95,6 +99,7 @@ def pack_rows(mb: RolloutBatch, *, multiple: int = 1, own_position: bool = False
     return PackedRows(input_ids=ids[None], position_ids=positions[None], targets=targets[None],
                       document_ids=doc, cu_seqlens=cu_seqlens, max_seqlen=int(docs.max()),
                       gather=gather, valid=valid, scored=gather[valid],
+                      slots=valid.flatten().nonzero().squeeze(1),
                       experts=experts)
 
 

@@ -52,6 +52,22 @@ def test_unpack_is_differentiable():
     assert x.grad.sum() == sum(RESPONSE_LENS)  # each gathered position once
 
 
+def test_unpack_scored_places_each_result_and_its_gradient_as_a_mask_scatter_does():
+    pk = pack_rows(_batch())
+    n = int(pk.valid.sum())
+    assert pk.slots.tolist() == pk.valid.flatten().nonzero().squeeze(1).tolist()
+    x = torch.randn(1, n, requires_grad=True)
+    ref = torch.zeros(pk.valid.shape).masked_scatter(pk.valid, x[0])
+    out = pk.unpack_scored(x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    w = torch.randn(pk.valid.shape)
+    (gx,) = torch.autograd.grad((out * w).sum(), x)
+    torch.testing.assert_close(gx[0], w[pk.valid], rtol=0, atol=0)
+    # the slots come with the row through a fit to a static shape
+    fitted = fit_packed(pk, PackedShape(length=32, documents=8, max_seqlen=16))
+    assert fitted.slots is pk.slots
+
+
 @pytest.mark.parametrize("lengths", [[5, 7, 3, 1], [128, 128], [300, 17, 450, 1], [1000],
                                      [129, 127, 256, 2, 254, 1], [64] * 9])
 def test_document_mask_blocks_equal_create_block_mask(lengths):
