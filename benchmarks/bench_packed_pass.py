@@ -102,12 +102,13 @@ def timeline(fn, device) -> dict:
 
 
 def predicted(model_cfg, *, prompt_len, lengths, budget, fbudget, pack: bool, equal: bool,
-              device: str) -> dict:
+              device: str, kernel: str = "flex", gpu: str = "H200") -> dict:
     from hybridflow.cost import estimate_step_time
 
     work = dict(algorithm="grpo", prompts_per_step=len(lengths) // 8, samples_per_prompt=8,
                 prompt_len=prompt_len, micro_batch_tokens=budget, forward_micro_batch_tokens=fbudget,
                 skip_old_log_prob=True, dynamic_bsz=True, pack_sequences=pack,
+                packed_attention=kernel,
                 decode_kernels="triton" if device == "cuda" else "torch")
     if equal:
         work["response_len"] = round(statistics.fmean(lengths))
@@ -115,8 +116,16 @@ def predicted(model_cfg, *, prompt_len, lengths, budget, fbudget, pack: bool, eq
     else:
         work["response_lengths"] = list(lengths)
         work["max_new_tokens"] = max(lengths)
-    t = estimate_step_time(model=model_cfg, gpu="H200", num_gpus=1, layout={"tp": 1}, **work)
+    t = estimate_step_time(model=model_cfg, gpu=gpu, num_gpus=1, layout={"tp": 1}, **work)
     return {"ref": t["ref"], "update_actor": t["update_actor"]}
+
+
+def gpu_name(device: str) -> str:
+    """The cost model's name of this run's GPU (H100 / H200; H200 off a GPU or for others)."""
+    if device != "cuda":
+        return "H200"
+    name = torch.cuda.get_device_name()
+    return "H100" if "H100" in name else "H200"
 
 
 def add_length_args(ap: argparse.ArgumentParser) -> None:
@@ -228,7 +237,8 @@ def main(argv=None) -> int:
              "packed_attention": actor.packed_kernel() if pack else None,
              "predicted_s": predicted(model_cfg, prompt_len=a.prompt_len, lengths=resp,
                                       budget=a.budget, fbudget=a.forward_budget, pack=pack,
-                                      equal=variant == "equal", device=a.device)}
+                                      equal=variant == "equal", device=a.device,
+                                      kernel=kernel if pack else "flex", gpu=gpu_name(a.device))}
         r["ref_median_s"], r["update_median_s"] = (statistics.median(r["ref_s"]),
                                                    statistics.median(r["update_s"]))
         if a.profile and cuda and pack:
