@@ -10,6 +10,8 @@ through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the up
   under a flex_attention document mask (algo.pack_sequences=true, algo.packed_attention=flex);
 - `packed_varlen`: the same packed rows on torch's varlen_attn (FlashAttention-2 over the rows'
   cu_seqlens; algo.packed_attention=varlen, what auto picks on CUDA);
+- `packed_varlen_graphs`: those, the update's layers replayed as CUDA graphs over packed rows
+  padded to one shape (parallel.train_cuda_graphs; the prediction is the eager pass's);
 - `budget`: the same budgets, each micro-batch padded to its own longest row (pack_sequences=false);
 - `equal`: every row the mean length (prompt + round(mean)), the same budgets: the fixed-length
   shape the calibration's other records have, at the same real tokens.
@@ -181,18 +183,21 @@ def main(argv=None) -> int:
     par = ParallelConfig(use_distributed_optimizer=False)
     pairs = {}
 
-    def engines(kernel: str):
-        """(ref, actor) whose packed micro-batches run `kernel`; one pair alive at a time."""
-        if kernel not in pairs:
+    def engines(kernel: str, graphs: bool = False):
+        """(ref, actor) whose packed micro-batches run `kernel` (`graphs`: the actor's update as
+        CUDA graphs, parallel.train_cuda_graphs); one pair alive at a time."""
+        key = (kernel, graphs)
+        if key not in pairs:
             pairs.clear()
             torch.cuda.empty_cache() if cuda else None
-            pairs[kernel] = (
+            apar = dataclasses.replace(par, train_cuda_graphs=graphs)
+            pairs[key] = (
                 Engine(role="ref", model_cfg=model_cfg, ctx=ctx, parallel=par, precision=precision,
                        packed_attention=kernel),
-                Engine(role="actor", model_cfg=model_cfg, ctx=ctx, parallel=par,
+                Engine(role="actor", model_cfg=model_cfg, ctx=ctx, parallel=apar,
                        precision=precision, optim=OptimConfig(lr=1e-7, clip_grad=1.0),
                        total_updates=1000, packed_attention=kernel))
-        return pairs[kernel]
+        return pairs[key]
 
     algo = AlgoConfig(loss_agg_mode="token-mean", use_kl_loss=True, kl_loss_coef=0.001)
     results = {}
@@ -201,9 +206,10 @@ def main(argv=None) -> int:
         batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size).to(ctx.device)
         pack = variant.startswith("packed")
         # the unpacked variants never pack: whichever pair is alive serves them
-        kernel = "varlen" if variant == "packed_varlen" else "flex" if pack else next(
-            iter(pairs), "flex")
-        ref, actor = engines(kernel)
+        graphs = variant == "packed_varlen_graphs"
+        kernel = "varlen" if variant.startswith("packed_varlen") else "flex" if pack else next(
+            iter(pairs), ("flex",))[0]
+        ref, actor = engines(kernel, graphs)
         if pack:
             try:  # varlen where it cannot run (CPU, fp32, an older torch): recorded as skipped
                 actor.packed_kernel()
