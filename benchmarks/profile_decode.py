@@ -194,16 +194,21 @@ def traced(run, device, *, trace: str | None = None) -> dict:
     if trace:
         prof.export_chrome_trace(trace)
     events = prof.events()
-    # the host ops (not the runtime calls, whose ids are the driver's): a kernel's link is its op's id
-    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and not e.linked_correlation_id}
-    kernels, host = [], []
-    for e in events:
-        span = (e.time_range.start, e.time_range.end)
-        if e.device_type == DeviceType.CUDA:
-            op = ops.get(e.linked_correlation_id)
-            kernels.append((*span, e.name, launch_chain(op) if op is not None else "?"))
-        elif e.device_type == DeviceType.CPU:
-            host.append((*span, e.name))
+    # a kernel's link is its launching op's id; the runtime calls (cuda*, cu*) have ids of their own
+    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU
+           and not e.name.startswith("cu")}
+    host = [(e.time_range.start, e.time_range.end, e.name) for e in events
+            if e.device_type == DeviceType.CPU]
+    kernels = []
+    res = prof.profiler.kineto_results  # the raw events: their links on every torch version
+    t0 = res.trace_start_ns()
+    for k in res.events():
+        annotation = getattr(k, "is_user_annotation", lambda: False)()  # a range's GPU-track copy
+        if k.device_type() == DeviceType.CUDA and not annotation:
+            start = (k.start_ns() - t0) / 1e3
+            op = ops.get(k.linked_correlation_id())
+            kernels.append((start, start + k.duration_ns() / 1e3, k.name(),
+                            launch_chain(op) if op is not None else "?"))
 
     def launched(match: tuple) -> dict:
         found = collections.Counter(f"{n[:40]} <- {c}" for _, _, n, c in kernels
