@@ -67,6 +67,7 @@ from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear
 from hybridflow.models.logprob import vocab_parallel_logprobs
 from hybridflow.models.lora import adapters_disabled, apply_lora, factors_fixed
 from hybridflow.offload import GradBufferRelease, OptimizerOffload, ParamOffload, host_copy
+from hybridflow.parallel import multi_tensor
 from hybridflow.parallel.context import ParallelContext
 
 LossFn = Callable[[dict, RolloutBatch], tuple[torch.Tensor, dict]]
@@ -173,6 +174,7 @@ class Engine:
                 for linear in self.module.modules():
                     if type(linear) in (LeanColumnParallelLinear, LeanRowParallelLinear):
                         linear.fuse_wgrad = True
+            multi_tensor.install()  # the grad norm and param copies without a sync per tensor
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr,
                                 weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
