@@ -164,6 +164,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", action="store_true",
                     help="the packed passes traced: the GPU's idle time by the engine's stage and by "
                          "the host op it waited for, and what launches the device-to-host copies")
+    ap.add_argument("--megatron-optimizer-fallbacks", action="store_true",
+                    help="keep Megatron's local grad-norm / scale fallbacks (a sync per tensor) "
+                         "instead of parallel/multi_tensor.py's foreach kernels: the A/B of them")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
@@ -174,6 +177,10 @@ def main(argv=None) -> int:
     from hybridflow.parallel import groups
 
     cuda = a.device == "cuda"
+    if a.megatron_optimizer_fallbacks:
+        from hybridflow.parallel import multi_tensor
+
+        multi_tensor.install = lambda: None
     groups.init_distributed()
     ctx = groups.init_model_parallel(tp=1, pp=1, seed=1)
     # packing needs our SDPA attention (transformer-engine's, where installed, takes no BlockMask)
@@ -259,7 +266,9 @@ def main(argv=None) -> int:
               f"tokens {r['ref_tokens_computed']}/{r['update_tokens_computed']} "
               f"(real {r['real_tokens']})", flush=True)
     write_json(a.out, {"benchmark": "packed vs padded token-budget passes at GSM8K lengths",
-                       "model": a.model, "machine": machine(),
+                       "model": a.model,
+                       "optimizer_helpers": ("megatron fallbacks" if a.megatron_optimizer_fallbacks
+                                             else "foreach"), "machine": machine(),
                        "versions": versions("megatron-core"), "command": command(),
                        "lengths": {"rows": a.rows, "prompt_len": a.prompt_len,
                                    "response_mean": statistics.fmean(lengths),
