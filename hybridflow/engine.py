@@ -483,8 +483,9 @@ class Engine:
                 if packed is not None:
                     unpack = packed.unpack_scored if select else packed.unpack
                     res = {k: unpack(v) for k, v in res.items()}
-                if loss_fn is None:
-                    zero = output.sum() * 0.0
+                if loss_fn is None:  # forward only: the schedule's loss is a placeholder (not
+                    # output.sum() * 0: that reads the micro-batch's logits once more)
+                    zero = torch.zeros((), dtype=torch.float32, device=output.device)
                     return zero, {k: v.detach() for k, v in res.items()}
                 loss, metrics = loss_fn(res, mb)
                 if not loss.requires_grad:  # Megatron would skip its backward without a word

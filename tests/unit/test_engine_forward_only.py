@@ -1,0 +1,29 @@
+"""The Engine's forward-only passes (ref, old_log_prob, values): what they leave undone."""
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def test_a_forward_only_pass_does_not_read_its_logits_for_the_placeholder_loss(single_rank_ctx):
+    """compute_logprobs' micro-batches hand Megatron's schedule a constant zero as their loss:
+    summing the logits for it read the largest activation of the pass once more."""
+    from hybridflow.config import ModelConfig, ParallelConfig
+    from hybridflow.engine import Engine
+    from tests.dist.test_parallel_parity import _global_batch
+
+    vocab = 50
+    model = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                        num_query_groups=2, vocab_size=vocab)
+    eng = Engine(role="ref", model_cfg=model, ctx=single_rank_ctx, parallel=ParallelConfig(),
+                 precision="fp32")
+
+    class WholeSums(TorchDispatchMode):
+        seen = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.sum.default and args[0].shape[-1:] == (vocab,):
+                WholeSums.seen += 1
+            return func(*args, **(kwargs or {}))
+
+    with WholeSums():
+        logprobs = eng.compute_logprobs(_global_batch(), micro_batch_size=4)
+    assert WholeSums.seen == 0 and torch.isfinite(logprobs).all()
