@@ -11,7 +11,7 @@ through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the up
 - `packed_varlen`: the same packed rows on torch's varlen_attn (FlashAttention-2 over the rows'
   cu_seqlens; algo.packed_attention=varlen, what auto picks on CUDA);
 - `packed_varlen_graphs`: those, the update's layers replayed as CUDA graphs over packed rows
-  padded to one shape (parallel.train_cuda_graphs; the prediction is the eager pass's);
+  padded to one shape (parallel.train_cuda_graphs);
 - `budget`: the same budgets, each micro-batch padded to its own longest row (pack_sequences=false);
 - `equal`: every row the mean length (prompt + round(mean)), the same budgets: the fixed-length
   shape the calibration's other records have, at the same real tokens.
@@ -104,13 +104,13 @@ def timeline(fn, device) -> dict:
 
 
 def predicted(model_cfg, *, prompt_len, lengths, budget, fbudget, pack: bool, equal: bool,
-              device: str, kernel: str = "flex", gpu: str = "H200") -> dict:
+              device: str, kernel: str = "flex", gpu: str = "H200", graphs: bool = False) -> dict:
     from hybridflow.cost import estimate_step_time
 
     work = dict(algorithm="grpo", prompts_per_step=len(lengths) // 8, samples_per_prompt=8,
                 prompt_len=prompt_len, micro_batch_tokens=budget, forward_micro_batch_tokens=fbudget,
                 skip_old_log_prob=True, dynamic_bsz=True, pack_sequences=pack,
-                packed_attention=kernel,
+                packed_attention=kernel, train_cuda_graphs=graphs,
                 decode_kernels="triton" if device == "cuda" else "torch")
     if equal:
         work["response_len"] = round(statistics.fmean(lengths))
@@ -251,7 +251,8 @@ def main(argv=None) -> int:
              "predicted_s": predicted(model_cfg, prompt_len=a.prompt_len, lengths=resp,
                                       budget=a.budget, fbudget=a.forward_budget, pack=pack,
                                       equal=variant == "equal", device=a.device,
-                                      kernel=kernel if pack else "flex", gpu=gpu_name(a.device))}
+                                      kernel=kernel if pack else "flex", gpu=gpu_name(a.device),
+                                      graphs=graphs)}
         r["ref_median_s"], r["update_median_s"] = (statistics.median(r["ref_s"]),
                                                    statistics.median(r["update_s"]))
         if a.profile and cuda and pack:
