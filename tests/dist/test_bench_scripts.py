@@ -361,7 +361,9 @@ def test_bench_packed_pass_times_every_variant(tmp_path):
                     "--forward-budget", "256", "--budget", "128", "--iters", "1", "--timeline",
                     "--out", str(out)],
                    check=True, cwd=ROOT, env=ENV, capture_output=True)
-    res = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    assert report["optimizer_helpers"] == "foreach"  # parallel/multi_tensor.py, as the trainer
+    res = report["results"]
     assert set(res) == {"packed", "packed_varlen", "budget", "equal"}
     # --timeline: the traced packed passes' host time by the engine's stage (no kernels on CPU)
     stages = res["packed"].pop("update_timeline")["by_stage"]["phase_us"]
