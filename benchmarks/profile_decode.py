@@ -222,16 +222,28 @@ def idle_by_launcher(kernels: list, *, min_gap_us: float = 10.0, top: int = 15) 
     """The device's idle gaps of at least `min_gap_us` between its first and last kernel, each
     charged to the host chain that launched the kernel ending it (what the GPU waited for):
     `kernels` [(start, end, chain)] -> {"idle_us", "gaps", "by_launcher": {chain: us} (top), ...}."""
-    by, count, idle, gaps, t = collections.Counter(), collections.Counter(), 0.0, 0, None
-    for a, b, chain in sorted(kernels):
-        if t is not None and a - t >= min_gap_us:
-            by[chain] += a - t
-            count[chain] += 1
-            idle += a - t
-            gaps += 1
-        t = b if t is None else max(t, b)
-    return {"idle_us": idle, "gaps": gaps,
+    by, count = collections.Counter(), collections.Counter()
+    first = min((k[0] for k in kernels), default=0.0)
+    gaps = [g for g in _device_gaps(kernels, first)[1] if g[1] - g[0] >= min_gap_us]
+    for a, b, chain in gaps:
+        by[chain] += b - a
+        count[chain] += 1
+    return {"idle_us": float(sum(b - a for a, b, _ in gaps)), "gaps": len(gaps),
             "by_launcher": {c: {"us": us, "gaps": count[c]} for c, us in by.most_common(top)}}
+
+
+def _device_gaps(kernels: list, start: float) -> tuple[float, list]:
+    """The union of `kernels` [(start, end, ...)] from `start` on: (busy us, its gaps [(gap start,
+    gap end, the rest of the kernel that ends the gap)])."""
+    busy, gaps, t = 0.0, [], start  # t: the end of the device's work so far
+    for a, b, *rest in sorted(kernels):
+        if b <= t:
+            continue
+        if a > t:
+            gaps.append((t, a, *rest))
+        busy += b - max(a, t)
+        t = b
+    return busy, gaps
 
 
 def gpu_idle(kernels: list, ranges: list, *, min_gap_us: float = 20.0, top: int = 10,
@@ -250,14 +262,8 @@ def gpu_idle(kernels: list, ranges: list, *, min_gap_us: float = 20.0, top: int 
                 "phase_us": {}, "gaps": []}
     start = min(r[0] for r in labels)
     end = max([r[1] for r in labels] + [k[1] for k in kernels])
-    busy, gaps, t = 0.0, [], start  # t: the end of the device's work so far
-    for a, b in sorted(kernels):
-        if b <= t:
-            continue
-        if a > t:
-            gaps.append((t, a))
-        busy += b - max(a, t)
-        t = b
+    busy, gaps = _device_gaps(kernels, start)
+    t = max([start] + [k[1] for k in kernels])  # the end of the device's work
     if end > t:
         gaps.append((t, end))
 
