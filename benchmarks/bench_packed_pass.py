@@ -122,14 +122,6 @@ def predicted(model_cfg, *, prompt_len, lengths, budget, fbudget, pack: bool, eq
     return {"ref": t["ref"], "update_actor": t["update_actor"]}
 
 
-def gpu_name(device: str) -> str:
-    """The cost model's name of this run's GPU (H100 / H200; H200 off a GPU or for others)."""
-    if device != "cuda":
-        return "H200"
-    name = torch.cuda.get_device_name()
-    return "H100" if "H100" in name else "H200"
-
-
 def add_length_args(ap: argparse.ArgumentParser) -> None:
     """The GSM8K step's rows and response-length distribution (--rows ... --cap)."""
     ap.add_argument("--rows", type=int, default=512)
@@ -175,6 +167,7 @@ def main(argv=None) -> int:
     from hybridflow.cost.shapes import load_shape
     from hybridflow.engine import Engine
     from hybridflow.parallel import groups
+    from hybridflow.probe import gpu_name
 
     cuda = a.device == "cuda"
     if a.megatron_optimizer_fallbacks:
@@ -212,10 +205,11 @@ def main(argv=None) -> int:
         resp = [round(statistics.fmean(lengths))] * a.rows if variant == "equal" else lengths
         batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size).to(ctx.device)
         pack = variant.startswith("packed")
-        # the unpacked variants never pack: whichever pair is alive serves them
         graphs = variant == "packed_varlen_graphs"
-        kernel = "varlen" if variant.startswith("packed_varlen") else "flex" if pack else next(
-            iter(pairs), ("flex",))[0]
+        if pack:
+            kernel = "varlen" if variant.startswith("packed_varlen") else "flex"
+        else:  # the unpacked variants never pack: an alive pair with an eager update serves them
+            kernel = next((k for k, graphed in pairs if not graphed), "flex")
         ref, actor = engines(kernel, graphs)
         if pack:
             try:  # varlen where it cannot run (CPU, fp32, an older torch): recorded as skipped
@@ -251,7 +245,7 @@ def main(argv=None) -> int:
              "predicted_s": predicted(model_cfg, prompt_len=a.prompt_len, lengths=resp,
                                       budget=a.budget, fbudget=a.forward_budget, pack=pack,
                                       equal=variant == "equal", device=a.device,
-                                      kernel=kernel if pack else "flex", gpu=gpu_name(a.device),
+                                      kernel=kernel if pack else "flex", gpu=gpu_name() or "H200",
                                       graphs=graphs)}
         r["ref_median_s"], r["update_median_s"] = (statistics.median(r["ref_s"]),
                                                    statistics.median(r["update_s"]))

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 
 
-def _gpu_name() -> str | None:
+def gpu_name() -> str | None:
+    """The cost model's name of this process's GPU (hybridflow.cost.gpus), None off a known one."""
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
@@ -95,7 +96,7 @@ def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = 
     step_s = timing.get("timing_s/step", 0.0)
     todo = cfg.trainer.total_steps if remaining_steps is None else remaining_steps
     hours = step_s * todo / 3600
-    gpu = _gpu_name()
+    gpu = gpu_name()
     record = {"probe_steps": len(history), "num_gpus": world, "device": gpu or "cpu",
               "measured": {"timing_s": timing, "peak_memory_gb": peak,
                            "reward_trend": [h.get("critic/score/mean") for h in history]},
