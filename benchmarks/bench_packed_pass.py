@@ -203,7 +203,8 @@ def main(argv=None) -> int:
     results = {}
     for variant in a.variants.split(","):
         resp = [round(statistics.fmean(lengths))] * a.rows if variant == "equal" else lengths
-        batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size).to(ctx.device)
+        # on the host, as the trainer hands it to the passes (they select, pack and copy it)
+        batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size)
         pack = variant.startswith("packed")
         graphs = variant == "packed_varlen_graphs"
         if pack:

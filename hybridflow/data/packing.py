@@ -172,9 +172,11 @@ def fit_packed(packed: PackedRows, shape: PackedShape) -> Optional[PackedRows]:
         return None
     b = packed.valid.shape[0]
     pad = shape.length - packed.input_ids.shape[1]
+    dev = packed.position_ids.device
     tail_docs = torch.repeat_interleave(torch.arange(b, b + len(pieces)),
-                                        torch.tensor(pieces, dtype=torch.long))
-    tail_pos = torch.cat([torch.arange(n) for n in pieces] or [torch.zeros(0, dtype=torch.long)])
+                                        torch.tensor(pieces, dtype=torch.long)).to(dev)
+    tail_pos = torch.cat([torch.arange(n) for n in pieces]
+                         or [torch.zeros(0, dtype=torch.long)]).to(dev)
     ids = F.pad(packed.input_ids, (0, pad))
     experts = packed.experts
     if experts is not None:
@@ -184,5 +186,5 @@ def fit_packed(packed: PackedRows, shape: PackedShape) -> Optional[PackedRows]:
         position_ids=torch.cat([packed.position_ids[0, :real], tail_pos])[None],
         targets=torch.cat([ids[0, 1:], ids.new_zeros(1)])[None],
         document_ids=torch.cat([packed.document_ids[:real], tail_docs]),
-        cu_seqlens=shape.cu_seqlens(rows.tolist() + pieces),
+        cu_seqlens=shape.cu_seqlens(rows.tolist() + pieces).to(packed.cu_seqlens.device),
         max_seqlen=shape.max_seqlen, experts=experts, fitted=True)
