@@ -58,6 +58,7 @@ from hybridflow.config import LoRAConfig, ModelConfig, OptimConfig, ParallelConf
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.data.microbatch import token_budget_groups
 from hybridflow.data.packing import PackedRows, PackedShape, fit_packed, pack_rows, shape_for
+from hybridflow.data.transfer import to_device
 from hybridflow.models.attention import SDPAttention, choose_packed_attention, packed_documents
 from hybridflow.models.build import LM_ROLES, build_model
 from hybridflow.models.graphs import graph_layers, ungraph_layers
@@ -362,10 +363,11 @@ class Engine:
                     host.append((mb, pack_rows(mb, multiple=multiple, own_position=own)))
             if fit:
                 host = self._fit_to_shape(host, max_tokens=max_tokens, multiple=multiple)
-            return [(mb.to(self.device), False, None if p is None else p.to(self.device))
-                    for mb, p in host], rows
+            moved = to_device([x for pair in host for x in pair], self.device)
+            return [(mb, False, p) for mb, p in zip(moved[::2], moved[1::2])], rows
         micro = [mb.padded_to(multiple) for mb in micro] if max_tokens is not None else micro
-        return [(mb.to(self.device), not bool(mb.token_mask().all()), None) for mb in micro], rows
+        padded = [not bool(mb.token_mask().all()) for mb in micro]
+        return list(zip(to_device(micro, self.device), padded, [None] * len(micro))), rows
 
     def _fit_to_shape(self, host: list, *, max_tokens: int, multiple: int) -> list:
         """The packed rows of `host` [(micro-batch, packed or None)] fitted to the packed CUDA
