@@ -39,7 +39,7 @@ import contextlib
 import dataclasses
 import functools
 from collections import Counter
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -325,13 +325,14 @@ class Engine:
 
     # ------------------------------------------------------------------ passes
     def _micro_batches(self, batch: RolloutBatch, *, micro_batch_size: int,
-                       max_tokens: Optional[int], pack: bool = False, fit: bool = False
-                       ) -> tuple[list[tuple[RolloutBatch, bool, Optional[PackedRows]]],
-                                  Optional[torch.Tensor]]:
+                       max_tokens: Optional[int], pack: bool = False, fit: bool = False,
+                       lazy: bool = False) -> tuple[list, Optional[torch.Tensor]]:
         """The micro-batches on the device, each with whether it holds padding (read on the host,
         before the copy, so the schedule never waits on the GPU for it) and (`pack`) its packed
         row, and (token budgets only) `rows` (B,): result row k belongs to batch row rows[k].
-        `fit`: the packed rows padded to one PackedShape where they fit (`_fit_to_shape`)."""
+        `fit`: the packed rows padded to one PackedShape where they fit (`_fit_to_shape`).
+        `lazy`: each still on the host (`_Staged`), packed and copied when the schedule asks for
+        it, so that this host work runs behind the previous micro-batch's kernels."""
         # under sequence parallel the sequence is split over TP: its length must divide
         multiple = self.ctx.tp_size if self.tcfg.sequence_parallel else 1
         rows = None
@@ -354,20 +355,24 @@ class Engine:
             self.packed_kernel()
             own = self.role == "reward"
             # a micro-batch of equal rows has no padding to leave out: it runs unpacked
-            host = []
+            staged = []
             for mb in micro:
                 whole = mb.padded_to(multiple)
                 if bool(whole.token_mask().all()):
-                    host.append((whole, None))
+                    staged.append(_Staged(whole, False))
                 else:
-                    host.append((mb, pack_rows(mb, multiple=multiple, own_position=own)))
-            if fit:
-                host = self._fit_to_shape(host, max_tokens=max_tokens, multiple=multiple)
-            moved = to_device([x for pair in host for x in pair], self.device)
-            return [(mb, False, p) for mb, p in zip(moved[::2], moved[1::2])], rows
-        micro = [mb.padded_to(multiple) for mb in micro] if max_tokens is not None else micro
-        padded = [not bool(mb.token_mask().all()) for mb in micro]
-        return list(zip(to_device(micro, self.device), padded, [None] * len(micro))), rows
+                    staged.append(_Staged(mb, False, functools.partial(
+                        pack_rows, mb, multiple=multiple, own_position=own)))
+        else:
+            micro = [mb.padded_to(multiple) for mb in micro] if max_tokens is not None else micro
+            staged = [_Staged(mb, not bool(mb.token_mask().all())) for mb in micro]
+        if lazy and not fit:
+            return staged, rows
+        host = [(s.mb, None if s.pack is None else s.pack()) for s in staged]
+        if fit:
+            host = self._fit_to_shape(host, max_tokens=max_tokens, multiple=multiple)
+        moved = to_device([x for pair in host for x in pair], self.device)
+        return [(mb, s.padded, p) for mb, p, s in zip(moved[::2], moved[1::2], staged)], rows
 
     def _fit_to_shape(self, host: list, *, max_tokens: int, multiple: int) -> list:
         """The packed rows of `host` [(micro-batch, packed or None)] fitted to the packed CUDA
@@ -411,12 +416,13 @@ class Engine:
         if not replaying and batch.prompt_experts is not None:  # not carried to the device
             batch = dataclasses.replace(batch, prompt_experts=None, response_experts=None)
         self.params_to_device()  # offload_params: every pass reads the weights
+        graphed = self.trainable and not forward_only and self._want_graphs
         with record_function("engine.micro_batches"):  # profiler ranges: benchmarks' idle split
             micro, rows = self._micro_batches(
                 batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, pack=pack,
-                fit=self._fit_packed and self.trainable and not forward_only)
+                fit=self._fit_packed and self.trainable and not forward_only, lazy=not graphed)
         # shapes for the pipeline schedules (PP > 1 runs only fixed micro-batches, all alike)
-        seq_len = max(mb.prompt_len + mb.response_ids.shape[1] for mb, _, _ in micro)
+        seq_len = max(m[0].prompt_len + m[0].response_ids.shape[1] for m in micro)
         tp_group = self.ctx.tp_group
         dp = self.ctx.dp_size
         n_micro = self._n_micro = len(micro)
@@ -426,7 +432,7 @@ class Engine:
                 return _forward_step(data_iter, model)
 
         def _forward_step(data_iter, model):
-            mb, padded, packed = next(data_iter)
+            mb, padded, packed = _on_device(next(data_iter), self.device)
             experts = self._router_targets(mb, packed) if replaying else None
             # the LM head only at the positions that predict response tokens (see __init__)
             select = self._response_head is not None and (packed is None or packed.scored.numel())
@@ -509,7 +515,7 @@ class Engine:
             outs = get_forward_backward_func(pp_size=self.ctx.pp_size)(
                 forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
                 num_microbatches=n_micro, seq_length=seq_len,
-                micro_batch_size=max(mb.batch_size for mb, _, _ in micro),
+                micro_batch_size=max(m[0].batch_size for m in micro),
                 forward_only=forward_only, p2p_communicator=self._p2p,
                 pg_collection=self.ctx.pgs)
         return outs, rows
@@ -717,6 +723,21 @@ class AdapterFreeReference:
 
     def onload(self, *, prefetch: bool = False) -> None:
         pass
+
+
+class _Staged(NamedTuple):
+    """A micro-batch still on the host (Engine._micro_batches(lazy=True)): `pack` (if any) makes
+    its packed row; `_on_device` does that and the copy when the schedule runs it."""
+    mb: RolloutBatch
+    padded: bool
+    pack: Optional[Callable[[], PackedRows]] = None
+
+
+def _on_device(item, device) -> tuple:
+    if not isinstance(item, _Staged):
+        return item
+    mb, packed = to_device([item.mb, None if item.pack is None else item.pack()], device)
+    return mb, item.padded, packed
 
 
 @functools.cache

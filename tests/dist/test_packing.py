@@ -13,12 +13,14 @@ once, and algo.packed_attention=varlen refused with the reason.
 """
 
 import contextlib
+import dataclasses
 import io
 
 import pytest
 import torch
 
 from hybridflow.config import ParallelConfig
+from hybridflow.engine import _on_device
 from tests.dist.launcher import run_ranks
 from tests.dist.test_dynamic_bsz import (BUDGET, MODEL, _batch, assert_same_results, engine_results,
                                          engines)
@@ -30,6 +32,20 @@ def _worker(tp: int, sp: bool):
     actor = engine("actor", trainable=False)
     out = {"n_micro": len(actor._micro_batches(batch, micro_batch_size=2, max_tokens=BUDGET,
                                                pack=True)[0])}
+    # the passes' lazy micro-batches (packed and copied as the schedule reaches each) are the
+    # ones made up front, field by field
+    for pack in (False, True):
+        kw = dict(micro_batch_size=2, max_tokens=BUDGET, pack=pack)
+        now, rows = actor._micro_batches(batch, **kw)
+        later, rows_later = actor._micro_batches(batch, lazy=True, **kw)
+        assert torch.equal(rows, rows_later) and len(now) == len(later)
+        for a, b in zip(now, later):
+            b = _on_device(b, actor.device)
+            assert a[1] == b[1] and (a[2] is None) == (b[2] is None)
+            for x, y in zip(a[::2], b[::2]):
+                for f in ([] if x is None else dataclasses.fields(x)):
+                    u, v = getattr(x, f.name), getattr(y, f.name)
+                    assert (torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v), f.name
     for name, pack in (("padded", False), ("packed", True)):
         out[name] = engine_results(engine, batch, max_tokens=BUDGET, pack=pack, scores=True,
                                    num_tokens=int(batch.response_mask.sum()),
