@@ -12,10 +12,12 @@ through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the up
   cu_seqlens; algo.packed_attention=varlen, what auto picks on CUDA);
 - `packed_varlen_graphs`: those, the update's layers replayed as CUDA graphs over packed rows
   padded to one shape (parallel.train_cuda_graphs);
+- a `_torch` / `_liger` suffix on a packed variant: parallel.elementwise_kernels set to torch's
+  RMSNorm and Megatron's compiled SwiGLU, or liger-kernel's (without one: the default, auto);
 - `budget`: the same budgets, each micro-batch padded to its own longest row (pack_sequences=false);
 - `equal`: every row the mean length (prompt + round(mean)), the same budgets: the fixed-length
   shape the calibration's other records have, at the same real tokens.
-Per variant: seconds per pass (median of --iters after a warm-up pass), micro-batches, tokens
+Per variant: seconds per pass (median of --iters after two warm-up passes), micro-batches, tokens
 computed; the cost model's prediction of the same pass (shipped calibration); with --profile the
 packed passes' top CUDA kernels (flex_attention or flash varlen, GEMMs, log-prob kernels, gathers).
 
@@ -58,7 +60,8 @@ def make_batch(prompt_len: int, responses: list[int], vocab: int, seed: int = 0)
 
 
 def timed(fn, iters: int, cuda: bool) -> list[float]:
-    fn()  # warm-up: compiles flex_attention, allocator
+    for _ in range(2):  # warm-up: compiles (the second pass's shapes compile dynamic), allocator
+        fn()
     out = []
     for _ in range(iters):
         if cuda:
@@ -183,16 +186,18 @@ def main(argv=None) -> int:
     par = ParallelConfig(use_distributed_optimizer=False)
     pairs = {}
 
-    def engines(kernel: str, graphs: bool = False):
+    def engines(kernel: str, graphs: bool = False, elementwise: str = "auto"):
         """(ref, actor) whose packed micro-batches run `kernel` (`graphs`: the actor's update as
-        CUDA graphs, parallel.train_cuda_graphs); one pair alive at a time."""
-        key = (kernel, graphs)
+        CUDA graphs, parallel.train_cuda_graphs; `elementwise`: parallel.elementwise_kernels);
+        one pair alive at a time."""
+        key = (kernel, graphs, elementwise)
         if key not in pairs:
             pairs.clear()
             torch.cuda.empty_cache() if cuda else None
-            apar = dataclasses.replace(par, train_cuda_graphs=graphs)
+            rpar = dataclasses.replace(par, elementwise_kernels=elementwise)
+            apar = dataclasses.replace(rpar, train_cuda_graphs=graphs)
             pairs[key] = (
-                Engine(role="ref", model_cfg=model_cfg, ctx=ctx, parallel=par, precision=precision,
+                Engine(role="ref", model_cfg=model_cfg, ctx=ctx, parallel=rpar, precision=precision,
                        packed_attention=kernel),
                 Engine(role="actor", model_cfg=model_cfg, ctx=ctx, parallel=apar,
                        precision=precision, optim=OptimConfig(lr=1e-7, clip_grad=1.0),
@@ -207,11 +212,13 @@ def main(argv=None) -> int:
         batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size)
         pack = variant.startswith("packed")
         graphs = variant == "packed_varlen_graphs"
+        # _torch / _liger: parallel.elementwise_kernels set (else the config's default, auto)
+        elementwise = next((k for k in ("torch", "liger") if variant.endswith("_" + k)), "auto")
         if pack:
             kernel = "varlen" if variant.startswith("packed_varlen") else "flex"
         else:  # the unpacked variants never pack: an alive pair with an eager update serves them
-            kernel = next((k for k, graphed in pairs if not graphed), "flex")
-        ref, actor = engines(kernel, graphs)
+            kernel = next((k for k, graphed, _ in pairs if not graphed), "flex")
+        ref, actor = engines(kernel, graphs, elementwise)
         if pack:
             try:  # varlen where it cannot run (CPU, fp32, an older torch): recorded as skipped
                 actor.packed_kernel()
@@ -243,6 +250,7 @@ def main(argv=None) -> int:
              "ref_tokens_computed": computed(micro_f), "update_tokens_computed": computed(micro_u),
              "real_tokens": int(batch.token_mask().sum()),
              "packed_attention": actor.packed_kernel() if pack else None,
+             "elementwise_kernels": type(actor.module.decoder.final_layernorm).__name__,
              "predicted_s": predicted(model_cfg, prompt_len=a.prompt_len, lengths=resp,
                                       budget=a.budget, fbudget=a.forward_budget, pack=pack,
                                       equal=variant == "equal", device=a.device,
