@@ -12,8 +12,6 @@ through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the up
   cu_seqlens; algo.packed_attention=varlen, what auto picks on CUDA);
 - `packed_varlen_graphs`: those, the update's layers replayed as CUDA graphs over packed rows
   padded to one shape (parallel.train_cuda_graphs);
-- a `_torch` / `_liger` suffix on a packed variant: parallel.elementwise_kernels set to torch's
-  RMSNorm and Megatron's compiled SwiGLU, or liger-kernel's (without one: the default, auto);
 - `budget`: the same budgets, each micro-batch padded to its own longest row (pack_sequences=false);
 - `equal`: every row the mean length (prompt + round(mean)), the same budgets: the fixed-length
   shape the calibration's other records have, at the same real tokens.
@@ -186,18 +184,16 @@ def main(argv=None) -> int:
     par = ParallelConfig(use_distributed_optimizer=False)
     pairs = {}
 
-    def engines(kernel: str, graphs: bool = False, elementwise: str = "auto"):
+    def engines(kernel: str, graphs: bool = False):
         """(ref, actor) whose packed micro-batches run `kernel` (`graphs`: the actor's update as
-        CUDA graphs, parallel.train_cuda_graphs; `elementwise`: parallel.elementwise_kernels);
-        one pair alive at a time."""
-        key = (kernel, graphs, elementwise)
+        CUDA graphs, parallel.train_cuda_graphs); one pair alive at a time."""
+        key = (kernel, graphs)
         if key not in pairs:
             pairs.clear()
             torch.cuda.empty_cache() if cuda else None
-            rpar = dataclasses.replace(par, elementwise_kernels=elementwise)
-            apar = dataclasses.replace(rpar, train_cuda_graphs=graphs)
+            apar = dataclasses.replace(par, train_cuda_graphs=graphs)
             pairs[key] = (
-                Engine(role="ref", model_cfg=model_cfg, ctx=ctx, parallel=rpar, precision=precision,
+                Engine(role="ref", model_cfg=model_cfg, ctx=ctx, parallel=par, precision=precision,
                        packed_attention=kernel),
                 Engine(role="actor", model_cfg=model_cfg, ctx=ctx, parallel=apar,
                        precision=precision, optim=OptimConfig(lr=1e-7, clip_grad=1.0),
@@ -212,13 +208,11 @@ def main(argv=None) -> int:
         batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size)
         pack = variant.startswith("packed")
         graphs = variant == "packed_varlen_graphs"
-        # _torch / _liger: parallel.elementwise_kernels set (else the config's default, auto)
-        elementwise = next((k for k in ("torch", "liger") if variant.endswith("_" + k)), "auto")
         if pack:
             kernel = "varlen" if variant.startswith("packed_varlen") else "flex"
         else:  # the unpacked variants never pack: an alive pair with an eager update serves them
-            kernel = next((k for k, graphed, _ in pairs if not graphed), "flex")
-        ref, actor = engines(kernel, graphs, elementwise)
+            kernel = next((k for k, graphed in pairs if not graphed), "flex")
+        ref, actor = engines(kernel, graphs)
         if pack:
             try:  # varlen where it cannot run (CPU, fp32, an older torch): recorded as skipped
                 actor.packed_kernel()
@@ -250,7 +244,6 @@ def main(argv=None) -> int:
              "ref_tokens_computed": computed(micro_f), "update_tokens_computed": computed(micro_u),
              "real_tokens": int(batch.token_mask().sum()),
              "packed_attention": actor.packed_kernel() if pack else None,
-             "elementwise_kernels": type(actor.module.decoder.final_layernorm).__name__,
              "predicted_s": predicted(model_cfg, prompt_len=a.prompt_len, lengths=resp,
                                       budget=a.budget, fbudget=a.forward_budget, pack=pack,
                                       equal=variant == "equal", device=a.device,

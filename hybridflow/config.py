@@ -40,12 +40,6 @@ class ParallelConfig:
     # own functions: its bias_activation_fusion SwiGLU keeps only fc1's output for backward);
     # hybridflow/models/fused.py. CPU runs are unchanged either way
     fused_elementwise: bool = True
-    # whose kernels run the training passes' RMSNorm and fused SwiGLU on CUDA (with
-    # fused_elementwise): "liger" (liger-kernel's Triton kernels: RMSNorm with its weight gradient
-    # reduced per SM, SwiGLU read from fc1's concatenated output; pip install liger-kernel),
-    # "torch" (torch's RMSNorm, Megatron's compiled SwiGLU), "auto": liger where it is installed.
-    # CPU runs use torch's either way
-    elementwise_kernels: str = "auto"
     # the decoder layers' weight gradients added into DDP's fp32 main_grad by their backward GEMM
     # (Megatron's gradient_accumulation_fusion, without apex: models/linear.py accumulate_wgrad)
     # instead of a bf16 gradient that DDP's hook then adds in a second pass; trainable roles, the

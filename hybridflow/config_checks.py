@@ -6,13 +6,10 @@ mini-batch vs per-GPU micro-batches, or token budgets), and the algorithm recipe
 
 from __future__ import annotations
 
-import importlib.util
-
 from hybridflow.config import Config
 from hybridflow.model_config import ModelConfig
 
 KERNELS = ("auto", "triton", "torch")  # rollout.decode_kernels
-ELEMENTWISE_KERNELS = ("auto", "torch", "liger")  # parallel.elementwise_kernels
 # the decode step's GEMMs whose weight the kernel before it can hint into L2: qkv by the first
 # norm, proj by the fused RoPE + attention kernel, fc1 by the second norm, fc2 by fc1's Triton GEMM
 PREFETCHABLE = ("qkv", "proj", "fc1", "fc2")
@@ -20,11 +17,6 @@ QUANTIZATION = ("none", "fp8", "int4")  # rollout.quantization
 KV_CACHE_DTYPES = ("auto", "fp8")  # rollout.kv_cache_dtype
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
-
-
-def have_liger() -> bool:
-    """Whether liger-kernel is installed (parallel.elementwise_kernels=liger / auto)."""
-    return importlib.util.find_spec("liger_kernel") is not None
 
 def _one_of(key: str, value, allowed) -> None:
     if value not in allowed:
@@ -113,12 +105,6 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if p.lm_head_chunk_tokens < 0:
         raise ValueError(f"parallel.lm_head_chunk_tokens={p.lm_head_chunk_tokens}: expected 0 (off) "
                          "or a positive number of positions")
-    if p.elementwise_kernels not in ELEMENTWISE_KERNELS:
-        raise ValueError(f"parallel.elementwise_kernels={p.elementwise_kernels!r}: expected one of "
-                         f"{'/'.join(ELEMENTWISE_KERNELS)}")
-    if p.elementwise_kernels == "liger" and not have_liger():
-        raise ValueError("parallel.elementwise_kernels=liger needs liger-kernel (pip install "
-                         "liger-kernel, or 'hybridflow[gpu]'); auto uses torch's kernels without it")
     if not 0.0 <= p.train_graphs_min_fill <= 1.0:
         raise ValueError(f"parallel.train_graphs_min_fill={p.train_graphs_min_fill}: expected a "
                          "share of the token budget in [0, 1]")

@@ -32,8 +32,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hybridflow.config import ModelConfig
 from hybridflow.models.attention import SDPAttention
-from hybridflow.models.fused import (elementwise_kernels, liger_rms_norm, use_fused_rope,
-                                     use_swiglu_kernel)
+from hybridflow.models.fused import use_fused_rope
 from hybridflow.models.heads import ValueHead
 from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear,
                                       LeanRowParallelLinear)
@@ -113,17 +112,7 @@ class TorchRMSNorm(torch.nn.RMSNorm):
             setattr(p, "sequence_parallel", config.sequence_parallel)
 
 
-class LigerRMSNorm(TorchRMSNorm):
-    """TorchRMSNorm whose CUDA forward and backward are liger-kernel's (models/fused.py); the
-    same weight, CPU tensors through torch's."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_cuda:
-            return super().forward(x)
-        return liger_rms_norm(x, self.weight, self.eps)
-
-
-def layer_spec(cfg: ModelConfig, norm: type = TorchRMSNorm) -> ModuleSpec:
+def layer_spec(cfg: ModelConfig) -> ModuleSpec:
     backend = cfg.attention_backend
     experts = cfg.moe.num_experts if cfg.moe.enabled else None
     if experts is not None:
@@ -144,11 +133,11 @@ def layer_spec(cfg: ModelConfig, norm: type = TorchRMSNorm) -> ModuleSpec:
     # routed to it; runs on CPU and GPU); the attention as below
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm,
                                     num_experts=experts, moe_grouped_gemm=False)
-    spec.submodules.input_layernorm = norm
-    spec.submodules.pre_mlp_layernorm = norm
+    spec.submodules.input_layernorm = TorchRMSNorm
+    spec.submodules.pre_mlp_layernorm = TorchRMSNorm
     if cfg.qk_layernorm:  # built by SelfAttention with hidden_size=head_dim, eps=norm_epsilon
         attn = spec.submodules.self_attention.submodules
-        attn.q_layernorm = attn.k_layernorm = norm
+        attn.q_layernorm = attn.k_layernorm = TorchRMSNorm
     if backend in ("auto", "sdpa"):
         attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
         attn.core_attention = SDPAttention
@@ -160,27 +149,23 @@ def layer_spec(cfg: ModelConfig, norm: type = TorchRMSNorm) -> ModuleSpec:
 
 def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = False,
                 precision: str = "fp32", activation_checkpointing: bool = False,
-                fused_elementwise: bool = False, elementwise: str = "torch") -> GPTModel:
+                fused_elementwise: bool = False) -> GPTModel:
     """One pipeline stage of the model for `role` on this rank, in the training layout of the
     `ParallelContext` `ctx` (its groups are the model's). `activation_checkpointing`: every
     decoder layer recomputes its forward in backward (`checkpoint_layers`).
     `fused_elementwise` (parallel.fused_elementwise): RoPE and SwiGLU as fused kernels on CUDA
-    (models/fused.py); `elementwise` (parallel.elementwise_kernels): whose kernels run the RMSNorm
-    and that SwiGLU on CUDA."""
+    (models/fused.py)."""
     if role not in LM_ROLES + SCALAR_ROLES:
         raise ValueError(f"role={role!r} is not one of {LM_ROLES + SCALAR_ROLES}")
     tp, pp, pp_rank = ctx.tp_size, ctx.pp_size, ctx.train.pp
     tcfg = transformer_config(cfg, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
                               precision=precision, fused_elementwise=fused_elementwise,
                               ep=ctx.ep_size, etp=_group_size(getattr(ctx.pgs, "expt_tp", None)))
-    kind = elementwise_kernels(elementwise) if fused_elementwise else "torch"
-    use_fused_rope(fused_elementwise)  # process-wide: the last model built sets them
-    use_swiglu_kernel(kind)
-    norm = LigerRMSNorm if kind == "liger" else TorchRMSNorm
-    spec = layer_spec(cfg, norm)
+    use_fused_rope(fused_elementwise)  # process-wide: the last model built sets it
+    spec = layer_spec(cfg)
     block = TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(tcfg, None, pp_rank),
-        layer_norm=norm if spec.submodules.input_layernorm is norm else None)
+        layer_norm=TorchRMSNorm if spec.submodules.input_layernorm is TorchRMSNorm else None)
     if block.layer_norm is None:  # TE spec: let Megatron pick its fused norm
         block = spec
     pre, post = pp_rank == 0, pp_rank == pp - 1

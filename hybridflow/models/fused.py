@@ -15,13 +15,6 @@ only, the CPU path is unchanged):
   in place of the unfused function that
   `megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb` calls (interleaved,
   MLA and partial rotations keep Megatron's own).
-parallel.elementwise_kernels picks whose kernels run the RMSNorm and that SwiGLU on CUDA:
-- "torch": torch's RMSNorm and Megatron's compiled SwiGLU;
-- "liger": liger-kernel's Triton kernels (its Megatron integration's choices): the RMSNorm in fp32
-  throughout as torch's CUDA kernel computes it ("gemma" casting), its weight gradient summed per SM
-  in the backward kernel instead of a separate reduction; the SwiGLU read from fc1's [gate | up]
-  output in place, recomputing silu in the backward;
-- "auto": liger where it is installed.
 transformer-engine, where installed, has its own fused RoPE and SwiGLU (its layer spec).
 """
 
@@ -32,59 +25,9 @@ import functools
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
-from hybridflow.config_checks import have_liger
 from hybridflow.models.graphs import capturing
 
 _UNFUSED_ROPE = rope_utils._apply_rotary_pos_emb_bshd
-
-
-def elementwise_kernels(option: str) -> str:
-    """parallel.elementwise_kernels resolved: "liger" or "torch"."""
-    if option == "auto":
-        return "liger" if have_liger() else "torch"
-    return option
-
-
-def use_swiglu_kernel(kind: str) -> None:
-    """Process-wide, as use_fused_rope: the SwiGLU that Megatron's fused MLP path calls (its
-    module-level SwiGLUFunction, read by bias_swiglu_impl at every call) is liger's for CUDA
-    tensors (`kind` "liger") or Megatron's own."""
-    from megatron.core.fusions import fused_bias_swiglu
-
-    fused_bias_swiglu.SwiGLUFunction = _LigerSwiGLU if kind == "liger" else _MEGATRON_SWIGLU
-
-
-def _megatron_swiglu():
-    from megatron.core.fusions import fused_bias_swiglu
-
-    f = fused_bias_swiglu.SwiGLUFunction
-    return getattr(f, "megatron", f)
-
-
-class _LigerSwiGLU:
-    """Megatron's SwiGLUFunction.apply signature over liger's fused gate-up kernel; fp8 input
-    storage, CPU activation offload and CPU tensors keep Megatron's."""
-
-    @staticmethod
-    def apply(x, fp8_input_store=False, cpu_offload_input=False):
-        if fp8_input_store or cpu_offload_input or not x.is_cuda:
-            return _MEGATRON_SWIGLU.apply(x, fp8_input_store, cpu_offload_input)
-        from liger_kernel.ops import LigerFusedGateUpSiLUMulFunction
-
-        return LigerFusedGateUpSiLUMulFunction.apply(x, False)
-
-
-_MEGATRON_SWIGLU = _megatron_swiglu()
-_LigerSwiGLU.megatron = _MEGATRON_SWIGLU
-
-
-def liger_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm by liger's kernel, computed as torch's CUDA RMSNorm does (fp32 throughout, one
-    rounding to x's dtype); dY is not overwritten by the backward (in_place=False), as in liger's
-    Megatron integration."""
-    from liger_kernel.ops import LigerRMSNormFunction
-
-    return LigerRMSNormFunction.apply(x, weight, eps, 0.0, "gemma", False, None)
 
 
 def use_fused_rope(enabled: bool) -> None:
