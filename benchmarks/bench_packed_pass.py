@@ -10,6 +10,8 @@ through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the up
   under a flex_attention document mask (algo.pack_sequences=true, algo.packed_attention=flex);
 - `packed_varlen`: the same packed rows on torch's varlen_attn (FlashAttention-2 over the rows'
   cu_seqlens; algo.packed_attention=varlen, what auto picks on CUDA);
+- `packed_fa4`: the same packed rows on FlashAttention-4's kernels (algo.packed_attention=fa4;
+  flash-attn-4 installed, sm_90+; its prediction is varlen's);
 - `packed_varlen_graphs`: those, the update's layers replayed as CUDA graphs over packed rows
   padded to one shape (parallel.train_cuda_graphs);
 - `budget`: the same budgets, each micro-batch padded to its own longest row (pack_sequences=false);
@@ -209,7 +211,8 @@ def main(argv=None) -> int:
         pack = variant.startswith("packed")
         graphs = variant == "packed_varlen_graphs"
         if pack:
-            kernel = "varlen" if variant.startswith("packed_varlen") else "flex"
+            kernel = next((k for k in ("varlen", "fa4") if variant.startswith("packed_" + k)),
+                          "flex")
         else:  # the unpacked variants never pack: an alive pair with an eager update serves them
             kernel = next((k for k, graphed in pairs if not graphed), "flex")
         ref, actor = engines(kernel, graphs)
@@ -247,7 +250,8 @@ def main(argv=None) -> int:
              "predicted_s": predicted(model_cfg, prompt_len=a.prompt_len, lengths=resp,
                                       budget=a.budget, fbudget=a.forward_budget, pack=pack,
                                       equal=variant == "equal", device=a.device,
-                                      kernel=kernel if pack else "flex", gpu=gpu_name() or "H200",
+                                      kernel={"fa4": "varlen"}.get(kernel, kernel) if pack
+                                      else "flex", gpu=gpu_name() or "H200",
                                       graphs=graphs)}
         r["ref_median_s"], r["update_median_s"] = (statistics.median(r["ref_s"]),
                                                    statistics.median(r["update_s"]))

@@ -223,10 +223,10 @@ def validate(cfg: Config, *, world_size: int) -> None:
         raise ValueError(f"algo.pack_sequences=true needs model.attention_backend=sdpa or auto "
                          f"(got {cfg.model.attention_backend!r}): its documents run on "
                          f"varlen_attn or flex_attention in SDPAttention")
-    _one_of("algo.packed_attention", a.packed_attention, {"auto", "varlen", "flex"})
-    if a.packed_attention == "varlen" and cfg.trainer.precision == "fp32":
-        raise ValueError("algo.packed_attention=varlen needs trainer.precision=bf16 (or auto on a "
-                         "GPU): varlen_attn (FlashAttention-2) takes bf16/fp16, not fp32; set "
+    _one_of("algo.packed_attention", a.packed_attention, {"auto", "varlen", "flex", "fa4"})
+    if a.packed_attention in ("varlen", "fa4") and cfg.trainer.precision == "fp32":
+        raise ValueError(f"algo.packed_attention={a.packed_attention} needs trainer.precision=bf16 "
+                         "(or auto on a GPU): FlashAttention takes bf16/fp16, not fp32; set "
                          "algo.packed_attention=auto or flex")
     if a.use_dynamic_bsz:  # micro-batches by tokens: the row counts of _validate_micro_batches unused
         _validate_dynamic_bsz(cfg, dp=dp)

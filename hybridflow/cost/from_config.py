@@ -27,7 +27,8 @@ def micro_batch_tokens(cfg: Config, *, forward: bool) -> int:
 def packed_attention_on_gpu(cfg: Config) -> str:
     """algo.packed_attention as a GPU run resolves it (models/attention.choose_packed_attention on
     an sm_80+ GPU with torch 2.10+): auto or varlen -> "varlen" unless the run is fp32 or the head
-    size is not a multiple of 8 up to 256, else "flex"."""
+    size is not a multiple of 8 up to 256, else "flex". fa4 is costed as varlen: no measured
+    record of its own yet."""
     head_dim = cfg.model.head_dim
     if (cfg.algo.packed_attention == "flex" or cfg.trainer.precision == "fp32"
             or head_dim % 8 or head_dim > 256):

@@ -29,6 +29,11 @@ attending within one document, causally, with no dense mask:
   [total_tokens, heads, head_dim] view of Megatron's [s, 1, heads, head_dim] (no padding, no copy),
   K/V with their own head count (GQA native), backward included. CUDA only, bf16/fp16, head_dim a
   multiple of 8 up to 256, compute capability 8.0+, a torch that ships it (2.10+).
+- "fa4": FlashAttention-4's CuTe DSL kernels (`flash_attn.cute.flash_attn_varlen_func`, the
+  `flash-attn-4` package: on sm_90 FA3's Hopper algorithm, on sm_100 its own) on the same views and
+  cu_seqlens, GQA native, backward included; CUDA, bf16/fp16, compute capability 9.0+. Opt-in until
+  measured against "varlen"; the update's packed CUDA graphs (parallel.train_cuda_graphs) keep
+  varlen, so with fa4 the packed rows run eager.
 - "flex": a flex_attention `BlockMask` document mask (`document_causal_mask`). On CUDA it runs
   `torch.compile(flex_attention)` (compiled once, dynamic shapes); on CPU eager flex_attention when
   nothing will be differentiated, and SDPA with the same mask made dense otherwise (flex_attention
@@ -74,13 +79,13 @@ class SDPAttention(MegatronModule):
         sq, b, nh, hd = query.shape
         sk = key.shape[0]
         dropout_p = self.dropout_p if self.training else 0.0
-        if isinstance(attention_mask, PackedDocuments) and attention_mask.kernel == "varlen":
+        if isinstance(attention_mask, PackedDocuments) and attention_mask.kernel != "flex":
             if dropout_p > 0 or sq != sk or b != 1:
                 raise NotImplementedError("SDPAttention: packed documents need one packed row, no "
                                           "attention dropout and no KV cache")
             # [s, 1, h, d] -> [s, h, d]: a view (b = 1); any token and head strides, unit in d
-            out = varlen_packed_attention(query[:, 0], key[:, 0], value[:, 0], attention_mask,
-                                          scale=self.softmax_scale)
+            fn = fa4_packed_attention if attention_mask.kernel == "fa4" else varlen_packed_attention
+            out = fn(query[:, 0], key[:, 0], value[:, 0], attention_mask, scale=self.softmax_scale)
             return out.reshape(sq, b, nh * hd)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -196,7 +201,7 @@ def packed_attention(q, k, v, block_mask: BlockMask, *, scale: float) -> torch.T
 
 
 # --------------------------------------------------------------------------- varlen (FlashAttention)
-PACKED_KERNELS = ("varlen", "flex")
+PACKED_KERNELS = ("varlen", "flex", "fa4")
 
 
 @dataclass
@@ -205,7 +210,7 @@ class PackedDocuments:
     document i spans positions cu_seqlens[i]:cu_seqlens[i + 1], attended causally within itself."""
     cu_seqlens: torch.Tensor  # (n + 1,) int32 on the device: 0, each document's end (the last: S)
     max_seqlen: int  # the longest document (a host int: the varlen kernel's grid)
-    kernel: str  # "varlen" | "flex"
+    kernel: str  # "varlen" | "flex" | "fa4"
     block_mask: Optional[BlockMask] = None  # flex: document_causal_mask of the row
 
 
@@ -251,16 +256,49 @@ def varlen_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) 
     return None
 
 
+@functools.cache
+def _fa4():
+    """flash-attn-4's varlen function, or None where it is not installed."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def fa4_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """Why FlashAttention-4 cannot run the packed passes here; None where it can."""
+    if device.type != "cuda":
+        return f"FlashAttention-4 runs on CUDA only (device {device.type})"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"FlashAttention-4 takes bf16 or fp16 (the model computes in {dtype})"
+    if head_dim % 8 or head_dim > 256:
+        return f"FlashAttention-4 takes head_dim a multiple of 8 up to 256 (got {head_dim})"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (9, 0):
+        return f"FlashAttention-4 needs compute capability 9.0+ (got {cap[0]}.{cap[1]})"
+    if _fa4() is None:
+        return "flash-attn-4 is not installed (pip install flash-attn-4)"
+    return None
+
+
 def choose_packed_attention(option: str, *, device: torch.device, dtype: torch.dtype,
                             head_dim: int) -> tuple[str, str]:
-    """algo.packed_attention (auto | varlen | flex) -> (kernel, the line that says why). auto:
-    varlen where `varlen_unsupported` finds nothing against it, else flex; varlen where it cannot
-    run: a ValueError naming the key and the reason."""
+    """algo.packed_attention (auto | varlen | flex | fa4) -> (kernel, the line that says why).
+    auto: varlen where `varlen_unsupported` finds nothing against it, else flex; varlen or fa4
+    where it cannot run: a ValueError naming the key and the reason."""
     if option not in ("auto", *PACKED_KERNELS):
         raise ValueError(f"algo.packed_attention={option!r} is not one of "
-                         f"['auto', 'flex', 'varlen']")
+                         f"['auto', 'flex', 'varlen', 'fa4']")
     if option == "flex":
         return "flex", "packed attention: flex_attention document mask (algo.packed_attention=flex)"
+    if option == "fa4":
+        why = fa4_unsupported(device, dtype, head_dim)
+        if why is not None:
+            raise ValueError(f"algo.packed_attention=fa4 cannot run here: {why}; set "
+                             "algo.packed_attention=auto, varlen or flex")
+        return "fa4", ("packed attention: FlashAttention-4 varlen (flash_attn.cute; "
+                       "algo.packed_attention=fa4)")
     why = varlen_unsupported(device, dtype, head_dim)
     if why is None:
         return "varlen", (f"packed attention: torch varlen_attn (FlashAttention-2 varlen; "
@@ -285,3 +323,12 @@ def varlen_packed_attention(q, k, v, docs: PackedDocuments, *, scale: float) -> 
     gqa = {"enable_gqa": True} if gqa_flag and k.shape[1] != q.shape[1] else {}
     return fn(q, k, v, docs.cu_seqlens, docs.cu_seqlens, docs.max_seqlen, docs.max_seqlen,
               scale=scale, **causal, **gqa)
+
+
+def fa4_packed_attention(q, k, v, docs: PackedDocuments, *, scale: float) -> torch.Tensor:
+    """varlen_packed_attention on FlashAttention-4's kernels (flash_attn.cute)."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out, _ = _fa4()(q, k, v, cu_seqlens_q=docs.cu_seqlens, cu_seqlens_k=docs.cu_seqlens,
+                    max_seqlen_q=docs.max_seqlen, max_seqlen_k=docs.max_seqlen,
+                    softmax_scale=scale, causal=True)
+    return out

@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from hybridflow.models.attention import (  # noqa: E402
-    SDPAttention, choose_packed_attention, document_causal_mask, packed_attention,
-    packed_documents)
+    SDPAttention, choose_packed_attention, document_causal_mask, fa4_unsupported,
+    packed_attention, packed_documents)
 
 
 def test_compiled_flex_equals_each_document_alone():
@@ -99,8 +99,9 @@ def _within(got: torch.Tensor, ref: torch.Tensor, rel: float, what: str) -> floa
 
 
 def test_varlen_and_flex_equal_each_document_alone():
-    """SDPAttention's packed branch on both kernels, Megatron's layout: q/k/v are [s, 1, h, d]
-    views into one fused projection (as Megatron splits its linear_qkv), not contiguous tensors."""
+    """SDPAttention's packed branch on every kernel (fa4 where flash-attn-4 runs), Megatron's
+    layout: q/k/v are [s, 1, h, d] views into one fused projection (as Megatron splits its
+    linear_qkv), not contiguous tensors."""
     kernel, line = choose_packed_attention("auto", device=torch.device("cuda"),
                                            dtype=torch.bfloat16, head_dim=HD)
     assert kernel == "varlen", line  # torch 2.10+ on an sm80+ GPU
@@ -111,7 +112,9 @@ def test_varlen_and_flex_equal_each_document_alone():
     dout = torch.randn(s, 1, HQ * HD, device="cuda", dtype=torch.bfloat16)
     layer = _layer()
     results = {}
-    for kernel in ("varlen", "flex"):
+    # FlashAttention-4 (algo.packed_attention=fa4) where flash-attn-4 is installed on an sm_90+ GPU
+    fa4 = fa4_unsupported(torch.device("cuda"), torch.bfloat16, HD) is None
+    for kernel in ("varlen", "flex") + (("fa4",) if fa4 else ()):
         mixed.grad = None
         q, k, v = mixed[:, :, :HQ], mixed[:, :, HQ:HQ + HKV], mixed[:, :, HQ + HKV:]
         out = layer(q, k, v, _documents(kernel))
@@ -172,7 +175,9 @@ def test_engine_packed_micro_batch_varlen_equals_flex(single_rank_ctx):
     # varlen and flex in bf16, and flex in fp32 as the reference both are held to: two bf16
     # kernels that sum in different orders differ by bf16 rounding (up to ~0.06 in a log-prob here),
     # so varlen must be as close to the fp32 result as flex is, not bit-close to flex
-    for kernel, precision in (("varlen", "bf16"), ("flex", "bf16"), ("flex", "fp32")):
+    fa4 = fa4_unsupported(torch.device("cuda"), torch.bfloat16, HD) is None
+    for kernel, precision in (("varlen", "bf16"), ("flex", "bf16"), ("flex", "fp32")) + (
+            (("fa4", "bf16"),) if fa4 else ()):
         eng = Engine(role="actor", model_cfg=model, ctx=single_rank_ctx, precision=precision,
                      parallel=ParallelConfig(use_distributed_optimizer=False),
                      optim=OptimConfig(lr=1e-4, clip_grad=0.0), total_updates=1,
@@ -200,6 +205,13 @@ def test_engine_packed_micro_batch_varlen_equals_flex(single_rank_ctx):
     def rel(g):
         return {n: float((g[n] - g_r[n]).norm() / g_r[n].norm().clamp(min=1e-12)) for n in g_r}
 
+    if fa4:  # held to what varlen reaches against the fp32 reference
+        lp_4, _, g_4 = res["fa4", "bf16"]
+        err4 = float((lp_4 - lp_r)[mask].abs().max())
+        assert err4 <= 1.5 * err["varlen", "bf16"] + 1e-2, (err4, err)
+        rel_4, rel_vr = rel(g_4), rel(g_v)
+        worst4 = max(rel_4, key=lambda n: rel_4[n] - 1.5 * rel_vr[n])
+        assert rel_4[worst4] <= 1.5 * rel_vr[worst4] + 1e-2, (worst4, rel_4[worst4])
     rel_v, rel_f = rel(g_v), rel(g_f)
     worst = max(rel_v, key=lambda n: rel_v[n] - 1.5 * rel_f[n])
     assert rel_v[worst] <= 1.5 * rel_f[worst] + 1e-2, (worst, rel_v[worst], rel_f[worst])

@@ -125,12 +125,13 @@ def test_pack_sequences_needs_budgets_and_no_pipeline(overrides, world_size):
 def test_packed_attention_option_errors():
     assert _cfg().algo.packed_attention == "auto"
     with pytest.raises(ValueError, match=r"algo.packed_attention='fa2' is not one of "
-                                         r"\['auto', 'flex', 'varlen'\]"):
+                                         r"\['auto', 'fa4', 'flex', 'varlen'\]"):
         _cfg("algo.packed_attention=fa2")
-    with pytest.raises(ValueError, match=r"algo.packed_attention=varlen needs "
-                                         r"trainer.precision=bf16"):
-        _cfg("algo.packed_attention=varlen", "trainer.precision=fp32")
-    for ok in ("auto", "varlen"):
+    for kernel in ("varlen", "fa4"):
+        with pytest.raises(ValueError, match=rf"algo.packed_attention={kernel} needs "
+                                             r"trainer.precision=bf16"):
+            _cfg(f"algo.packed_attention={kernel}", "trainer.precision=fp32")
+    for ok in ("auto", "varlen", "fa4"):
         assert _cfg(f"algo.packed_attention={ok}").algo.packed_attention == ok
 
 

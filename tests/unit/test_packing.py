@@ -220,6 +220,57 @@ def test_kernel_choice_falls_back_to_flex_and_says_why():
         choose_packed_attention("varlen", device=cpu, dtype=torch.bfloat16, head_dim=64)
     with pytest.raises(ValueError, match=r"algo.packed_attention='fa3' is not one of"):
         choose_packed_attention("fa3", device=cpu, dtype=torch.bfloat16, head_dim=64)
+    # fa4: opt-in, refused where it cannot run, with the reason (none of these queries CUDA)
+    for device, dtype, head_dim, why in (
+            (cpu, torch.bfloat16, 64, r"FlashAttention-4 runs on CUDA only \(device cpu\)"),
+            (cuda, torch.float32, 64,
+             r"FlashAttention-4 takes bf16 or fp16 \(the model computes in torch.float32\)"),
+            (cuda, torch.bfloat16, 100,
+             r"FlashAttention-4 takes head_dim a multiple of 8 up to 256 \(got 100\)")):
+        with pytest.raises(ValueError, match=r"algo.packed_attention=fa4 cannot run here: " + why
+                           + r"; set algo.packed_attention=auto, varlen or flex"):
+            choose_packed_attention("fa4", device=device, dtype=dtype, head_dim=head_dim)
+
+
+def test_fa4_kernel_gets_the_packed_row_as_views_and_its_documents(monkeypatch):
+    """SDPAttention hands FlashAttention-4's varlen function the [S, heads, head_dim] views of one
+    packed row, the documents' cu_seqlens and longest length, causal, the softmax scale; here a
+    stand-in computes each document alone with SDPA, so the layer's output must equal flex's."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from hybridflow.models import attention
+
+    calls = []
+
+    def fake_fa4(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 softmax_scale, causal):
+        calls.append((q.shape, k.shape, cu_seqlens_q.tolist(), max_seqlen_q, causal))
+        assert cu_seqlens_k is cu_seqlens_q and max_seqlen_k == max_seqlen_q
+        out = torch.empty_like(q)
+        bounds = cu_seqlens_q.tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=softmax_scale,
+                                               enable_gqa=True)
+            out[a:b] = o.transpose(0, 1)
+        return out, None
+
+    monkeypatch.setattr(attention, "_fa4", lambda: fake_fa4)
+    lengths = [5, 1, 7, 3]
+    s, h, hkv, d = sum(lengths), 4, 2, 8
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    cu = torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(s, 1, h, d, generator=g)
+    k, v = (torch.randn(s, 1, hkv, d, generator=g) for _ in range(2))
+    layer = attention.SDPAttention.__new__(attention.SDPAttention)
+    torch.nn.Module.__init__(layer)
+    layer.attn_mask_type, layer.dropout_p, layer.softmax_scale = AttnMaskType.causal, 0.0, 0.3
+    layer.training = False
+    out = layer(q, k, v, attention.packed_documents(doc, cu, 7, kernel="fa4"))
+    ref = layer(q, k, v, attention.packed_documents(doc, cu, 7, kernel="flex"))
+    assert calls == [((s, h, d), (s, hkv, d), [0, 5, 6, 13, 16], 7, True)]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("prompts,responses,multiple", [
