@@ -57,7 +57,8 @@ from hybridflow.checkpoint.optim import use_fused_adam
 from hybridflow.config import LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.data.microbatch import token_budget_groups
-from hybridflow.data.packing import PackedRows, PackedShape, fit_packed, pack_rows, shape_for
+from hybridflow.data.packing import (PackedRows, PackedShape, fit_packed, fits, pack_rows,
+                                     packed_length, row_lengths, shape_for_rows)
 from hybridflow.data.transfer import to_device
 from hybridflow.models.attention import SDPAttention, choose_packed_attention, packed_documents
 from hybridflow.models.build import LM_ROLES, build_model
@@ -363,38 +364,40 @@ class Engine:
                 else:
                     staged.append(_Staged(mb, False, functools.partial(
                         pack_rows, mb, multiple=multiple, own_position=own)))
+            if fit:
+                staged = self._fit_to_shape(staged, max_tokens=max_tokens, multiple=multiple)
         else:
             micro = [mb.padded_to(multiple) for mb in micro] if max_tokens is not None else micro
             staged = [_Staged(mb, not bool(mb.token_mask().all())) for mb in micro]
-        if lazy and not fit:
+        if lazy:
             return staged, rows
         host = [(s.mb, None if s.pack is None else s.pack()) for s in staged]
-        if fit:
-            host = self._fit_to_shape(host, max_tokens=max_tokens, multiple=multiple)
         moved = to_device([x for pair in host for x in pair], self.device)
         return [(mb, s.padded, p) for mb, p, s in zip(moved[::2], moved[1::2], staged)], rows
 
-    def _fit_to_shape(self, host: list, *, max_tokens: int, multiple: int) -> list:
-        """The packed rows of `host` [(micro-batch, packed or None)] fitted to the packed CUDA
-        graphs' shape (those that fit; the rest stay as they are and run the eager layers). The
-        shape: `length` the token budget (a multiple of `multiple`), the documents and longest row
-        from this pass (`shape_for`, with headroom); kept while at most a quarter of a pass's
+    def _fit_to_shape(self, staged: list, *, max_tokens: int, multiple: int) -> list:
+        """The packed micro-batches of `staged` (`_Staged`) planned at the packed CUDA graphs'
+        shape, from their rows' lengths before any is packed (those that fit are packed and padded
+        to it when they run; the rest stay as they are and run the eager layers). The shape:
+        `length` the token budget (a multiple of `multiple`), the documents and longest row from
+        this pass (`shape_for_rows`, with headroom); kept while at most a quarter of a pass's
         packed rows miss it, else grown to them (`_next_packed_shape`: the capture follows).
         Packed rows of fewer than parallel.train_graphs_min_fill of the budget's tokens (a pass's
         last micro-batch, usually) stay eager: padded, they would compute the rest of the budget."""
         length = -(-max_tokens // multiple) * multiple
-        packed = [p for _, p in host if p is not None
-                  and self._graph_min_fill * length <= p.input_ids.shape[1] <= length]
-        if not packed or (self._packed_kernel != "varlen" and self._want_graphs):
-            return host  # flex builds a block mask per micro-batch: nothing static to capture
+        if self._packed_kernel != "varlen" and self._want_graphs:
+            return staged  # flex builds a block mask per micro-batch: nothing static to capture
+        rows = {i: row_lengths(s.mb) for i, s in enumerate(staged) if s.pack is not None}
+        rows = {i: r for i, r in rows.items()
+                if self._graph_min_fill * length <= packed_length(r, multiple) <= length}
+        if not rows:
+            return staged
         shape = self._graph_shape if isinstance(self._graph_shape, PackedShape) else None
-        fitted = [None if shape is None else fit_packed(p, shape) for p in packed]
-        if shape is None or 4 * sum(f is None for f in fitted) > len(packed):
-            shape = shape_for(packed, length=length, at_least=shape)
-            fitted = [fit_packed(p, shape) for p in packed]
+        if shape is None or 4 * sum(not fits(r, shape) for r in rows.values()) > len(rows):
+            shape = shape_for_rows(list(rows.values()), length=length, at_least=shape)
         self._next_packed_shape = shape
-        fitted = {id(p): f for p, f in zip(packed, fitted)}
-        return [(mb, fitted.get(id(p)) or p) for mb, p in host]
+        return [s._replace(pack=functools.partial(_pack_fitted, s.pack, shape), fitted=True)
+                if i in rows and fits(rows[i], shape) else s for i, s in enumerate(staged)]
 
     def packed_kernel(self) -> str:
         """The packed micro-batches' attention kernel ("varlen" | "flex"), chosen once for this
@@ -416,11 +419,10 @@ class Engine:
         if not replaying and batch.prompt_experts is not None:  # not carried to the device
             batch = dataclasses.replace(batch, prompt_experts=None, response_experts=None)
         self.params_to_device()  # offload_params: every pass reads the weights
-        graphed = self.trainable and not forward_only and self._want_graphs
         with record_function("engine.micro_batches"):  # profiler ranges: benchmarks' idle split
             micro, rows = self._micro_batches(
                 batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, pack=pack,
-                fit=self._fit_packed and self.trainable and not forward_only, lazy=not graphed)
+                fit=self._fit_packed and self.trainable and not forward_only, lazy=True)
         # shapes for the pipeline schedules (PP > 1 runs only fixed micro-batches, all alike)
         seq_len = max(m[0].prompt_len + m[0].response_ids.shape[1] for m in micro)
         tp_group = self.ctx.tp_group
@@ -547,9 +549,9 @@ class Engine:
         if shape is not None:
             if shape != self._graph_shape:
                 self._capture_packed(shape)
-            return sum(1 for _, _, packed in micro if packed is not None and packed.fitted)
-        shapes = [(mb.prompt_len + mb.response_ids.shape[1], mb.batch_size)
-                  for mb, padded, packed in micro if packed is None and not padded]
+            return sum(1 for m in micro if m.fitted)
+        shapes = [(m.mb.prompt_len + m.mb.response_ids.shape[1], m.mb.batch_size)
+                  for m in micro if m.pack is None and not m.padded]
         if self._graph_shape is None and shapes:
             seq_len, rows = Counter(shapes).most_common(1)[0][0]
             self._graphed_capture(micro_batch_size=rows, seq_len=seq_len)
@@ -727,10 +729,18 @@ class AdapterFreeReference:
 
 class _Staged(NamedTuple):
     """A micro-batch still on the host (Engine._micro_batches(lazy=True)): `pack` (if any) makes
-    its packed row; `_on_device` does that and the copy when the schedule runs it."""
+    its packed row (`fitted`: padded to the packed graphs' shape); `_on_device` does that and the
+    copy when the schedule runs it."""
     mb: RolloutBatch
     padded: bool
     pack: Optional[Callable[[], PackedRows]] = None
+    fitted: bool = False
+
+
+def _pack_fitted(pack: Callable[[], PackedRows], shape: PackedShape) -> PackedRows:
+    fitted = fit_packed(pack(), shape)
+    assert fitted is not None, "planned to fit by its row lengths (packing.fits)"
+    return fitted
 
 
 def _on_device(item, device) -> tuple:

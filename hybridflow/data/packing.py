@@ -138,13 +138,39 @@ def _row_lengths(packed: PackedRows) -> torch.Tensor:
     return docs[:-1] if s > real else docs
 
 
+def row_lengths(mb: RolloutBatch) -> torch.Tensor:
+    """The documents `pack_rows` makes of mb's rows, known before packing: each row's token count
+    (rows without tokens left out)."""
+    lengths = mb.prompt_mask.sum(1) + mb.response_mask.sum(1)
+    return lengths[lengths > 0]
+
+
+def packed_length(rows: torch.Tensor, multiple: int = 1) -> int:
+    """The length of the packed row `pack_rows` makes of documents `rows`."""
+    return -(-max(int(rows.sum()), 1) // multiple) * multiple
+
+
+def fits(rows: torch.Tensor, shape: PackedShape) -> bool:
+    """Whether a packed row of documents `rows` fits `shape` (`fit_packed` pads it, not None)."""
+    tail = shape.length - int(rows.sum())
+    if tail < 0 or (rows.numel() and int(rows.max()) > shape.max_seqlen):
+        return False
+    return rows.numel() + len(_pieces(tail, shape.max_seqlen)) <= shape.documents
+
+
 def shape_for(packed: list[PackedRows], *, length: int, at_least: Optional[PackedShape] = None,
               headroom: float = 1.25) -> PackedShape:
     """A PackedShape of `length` tokens for `packed` (on the host, none longer): max_seqlen their
     longest row rounded up to 128 (at most `length`), documents the most any of them then takes
     (its rows and its tail's pieces) times `headroom`, rounded up to 8; neither below
     `at_least`'s (a shape grown from the last one)."""
-    rows = [_row_lengths(p) for p in packed]
+    return shape_for_rows([_row_lengths(p) for p in packed], length=length, at_least=at_least,
+                          headroom=headroom)
+
+
+def shape_for_rows(rows: list[torch.Tensor], *, length: int,
+                   at_least: Optional[PackedShape] = None, headroom: float = 1.25) -> PackedShape:
+    """`shape_for` from each packed row's documents (`row_lengths`), before packing."""
     longest = max((int(r.max()) for r in rows if r.numel()), default=1)
     m = min(-(-longest // 128) * 128, length)
     if at_least is not None:
@@ -163,13 +189,10 @@ def fit_packed(packed: PackedRows, shape: PackedShape) -> Optional[PackedRows]:
     and every gather index unchanged. None where it does not fit (longer, more documents, or a
     row longer than max_seqlen)."""
     rows = _row_lengths(packed)
+    if not fits(rows, shape):
+        return None
     real = int(rows.sum())
-    tail = shape.length - real
-    if tail < 0 or (rows.numel() and int(rows.max()) > shape.max_seqlen):
-        return None
-    pieces = _pieces(tail, shape.max_seqlen)
-    if rows.numel() + len(pieces) > shape.documents:
-        return None
+    pieces = _pieces(shape.length - real, shape.max_seqlen)
     b = packed.valid.shape[0]
     pad = shape.length - packed.input_ids.shape[1]
     dev = packed.position_ids.device

@@ -321,3 +321,40 @@ def test_shape_for_takes_the_most_documents_with_headroom_and_grows():
     assert fit_packed(a, shape) is not None and fit_packed(b, shape) is not None
     grown = shape_for([a], length=350, at_least=PackedShape(350, 16, 512))
     assert grown == PackedShape(length=350, documents=16, max_seqlen=512)
+
+
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_fit_planned_from_row_lengths_agrees_with_packing(multiple):
+    """The graphed update plans which micro-batches fit the packed shape from their rows' lengths,
+    before packing any (Engine._fit_to_shape): the lengths, the packed length, the fit and the
+    shape are those the packed rows give."""
+    from hybridflow.data.packing import (_row_lengths, fits, packed_length, row_lengths,
+                                         shape_for_rows)
+
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(12):
+        b = int(torch.randint(1, 7, (1,), generator=g))
+        prompts = torch.randint(0, 40, (b,), generator=g).tolist()
+        responses = torch.randint(0, 90, (b,), generator=g).tolist()
+        p, r = max(prompts + [1]), max(responses + [1])
+        prompt_mask = (torch.arange(p)[None] >= p - torch.tensor(prompts)[:, None]).long()
+        response_mask = (torch.arange(r)[None] < torch.tensor(responses)[:, None]).long()
+        batches.append(RolloutBatch(
+            prompt_ids=torch.randint(1, 50, (b, p), generator=g) * prompt_mask,
+            prompt_mask=prompt_mask, response_ids=torch.randint(1, 50, (b, r), generator=g)
+            * response_mask, response_mask=response_mask, group_ids=torch.arange(b),
+            indices=torch.arange(b)))
+    packed = [pack_rows(mb, multiple=multiple) for mb in batches]
+    rows = [row_lengths(mb) for mb in batches]
+    for mb, p, r in zip(batches, packed, rows):
+        assert torch.equal(r, _row_lengths(p))
+        assert packed_length(r, multiple) == p.input_ids.shape[1]
+    seen = set()
+    for length, max_seqlen, documents in ((256, 128, 8), (400, 256, 16), (160, 64, 6)):
+        shape = PackedShape(length=length, documents=documents, max_seqlen=max_seqlen)
+        planned = [fits(r, shape) for r in rows]
+        assert planned == [fit_packed(p, shape) is not None for p in packed]
+        seen.update(planned)
+    assert seen == {True, False}  # both outcomes checked
+    assert shape_for_rows(rows, length=512) == shape_for(packed, length=512)
