@@ -242,17 +242,27 @@ def varlen_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) 
     """Why torch's varlen_attn cannot run the packed passes here; None where it can."""
     if _varlen() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (2.10+)"
-    if device.type != "cuda":
-        return f"varlen_attn runs on CUDA only (device {device.type})"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"varlen_attn takes bf16 or fp16 (the model computes in {dtype})"
-    if head_dim % 8 or head_dim > 256:
-        return f"FlashAttention-2 takes head_dim a multiple of 8 up to 256 (got {head_dim})"
-    if not torch.backends.cuda.is_flash_attention_available():
+    why = _flash_limits(device, dtype, head_dim, op="varlen_attn", kernel="FlashAttention-2",
+                        min_cap=(8, 0))
+    if why is None and not torch.backends.cuda.is_flash_attention_available():
         return "this torch build has no FlashAttention kernels"
+    return why
+
+
+def _flash_limits(device: torch.device, dtype: torch.dtype, head_dim: int, *, op: str,
+                  kernel: str, min_cap: tuple[int, int]) -> Optional[str]:
+    """What the FlashAttention kernels need, checked in this order (the first three before any
+    CUDA query): CUDA, bf16 / fp16, head_dim a multiple of 8 up to 256, compute capability."""
+    if device.type != "cuda":
+        return f"{op} runs on CUDA only (device {device.type})"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{op} takes bf16 or fp16 (the model computes in {dtype})"
+    if head_dim % 8 or head_dim > 256:
+        return f"{kernel} takes head_dim a multiple of 8 up to 256 (got {head_dim})"
     cap = torch.cuda.get_device_capability(device)
-    if cap < (8, 0):
-        return f"FlashAttention-2 needs compute capability 8.0+ (got {cap[0]}.{cap[1]})"
+    if cap < min_cap:
+        return (f"{kernel} needs compute capability {min_cap[0]}.{min_cap[1]}+ "
+                f"(got {cap[0]}.{cap[1]})")
     return None
 
 
@@ -268,18 +278,11 @@ def _fa4():
 
 def fa4_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
     """Why FlashAttention-4 cannot run the packed passes here; None where it can."""
-    if device.type != "cuda":
-        return f"FlashAttention-4 runs on CUDA only (device {device.type})"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"FlashAttention-4 takes bf16 or fp16 (the model computes in {dtype})"
-    if head_dim % 8 or head_dim > 256:
-        return f"FlashAttention-4 takes head_dim a multiple of 8 up to 256 (got {head_dim})"
-    cap = torch.cuda.get_device_capability(device)
-    if cap < (9, 0):
-        return f"FlashAttention-4 needs compute capability 9.0+ (got {cap[0]}.{cap[1]})"
-    if _fa4() is None:
+    why = _flash_limits(device, dtype, head_dim, op="FlashAttention-4", kernel="FlashAttention-4",
+                        min_cap=(9, 0))
+    if why is None and _fa4() is None:
         return "flash-attn-4 is not installed (pip install flash-attn-4)"
-    return None
+    return why
 
 
 def choose_packed_attention(option: str, *, device: torch.device, dtype: torch.dtype,
