@@ -400,8 +400,8 @@ class Engine:
                 if i in rows and fits(rows[i], shape) else s for i, s in enumerate(staged)]
 
     def packed_kernel(self) -> str:
-        """The packed micro-batches' attention kernel ("varlen" | "flex"), chosen once for this
-        engine's device, compute dtype and head_dim from algo.packed_attention."""
+        """The packed micro-batches' attention kernel ("varlen" | "flex" | "fa4"), chosen once for
+        this engine's device, compute dtype and head_dim from algo.packed_attention."""
         if self._packed_kernel is None:
             c = self.tcfg
             dtype = torch.bfloat16 if c.bf16 else torch.float16 if c.fp16 else torch.float32
