@@ -4,7 +4,8 @@ the logits, then the log-probs' fp32 copy, gather and logsumexp) against kernels
 (rollout.kernel_options.fused_sampler: two Triton passes that read the logits once).
 
 Per batch B (--batches) x --vocab bf16 logits and way (torch / fused, with and without log-probs,
-fused with programmatic dependent launch): us per call eager (--reps back-to-back calls between two
+fused with programmatic dependent launch, fused_cdf: the inverse-CDF draw,
+rollout.kernel_options.sampler_draw=cdf): us per call eager (--reps back-to-back calls between two
 CUDA events, launches included) and graphed (a CUDA graph of --reps calls, the torch way's
 generator registered with it; median of 5 replays); the log-probs' largest difference from
 log_softmax; the floor of reading the logits once at COPY_BW. Then pass 1's tiling (--chunks x
@@ -69,7 +70,9 @@ def ways(logits, temperature: float, generator, state):
 
     return {"torch": (torch_way(True), generator), "torch_no_lp": (torch_way(False), generator),
             "fused": (fused_way(True), None), "fused_no_lp": (fused_way(False), None),
-            "fused_pdl": (fused_way(True, pdl=True), None)}, fused_way
+            "fused_pdl": (fused_way(True, pdl=True), None),
+            "fused_cdf": (fused_way(True, draw="cdf"), None),
+            "fused_cdf_no_lp": (fused_way(False, draw="cdf"), None)}, fused_way
 
 
 def main():

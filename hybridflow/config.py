@@ -114,6 +114,12 @@ class DecodeKernelOptions:
     # sampling settings keep the PyTorch sampler. false: the PyTorch sampler (the generator's
     # torch.Generator stream) everywhere
     fused_sampler: bool = True
+    # the fused sampler's draw (hybridflow/kernels/sample.py): "race", the exponential race (a
+    # Philox word and two logs per vocabulary id); "cdf", the inverse CDF (one pass sums each
+    # chunk's mass, then one uniform per row and a scan of the chunk that holds it): the same
+    # distribution up to fp32 rounding of the running sums, other tokens for the same seed. An
+    # A/B option until measured on a GPU
+    sampler_draw: str = "race"
     # rollout.decode_kernels=triton: each row's attention reads only its own cache columns (from
     # its first prompt token to the current one; none for a finished row still in the batch, or
     # in the multi-turn step for a row not fed that step)

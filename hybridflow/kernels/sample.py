@@ -37,6 +37,7 @@ import torch
 
 from ._dispatch import HAVE_TRITON, launch_opts, use_triton
 
+DRAWS = ("race", "cdf")  # sample_rows's draw (rollout.kernel_options.sampler_draw)
 ROUNDS = 10  # Philox rounds (Random123's and Triton's default)
 _MASK32 = 0xFFFFFFFF
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85  # Philox4x32 (tl.philox's constants)
@@ -145,6 +146,95 @@ if HAVE_TRITON:
             tl.store(rng_ptr + 1, tl.load(rng_ptr + 1) + 1)
 
 
+    @triton.jit
+    def _mass_chunk_kernel(x_ptr, rng_ptr, u_ptr, m_ptr, s_ptr, inv_temp, V, s_x, NCHUNK,
+                           CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROUNDS: tl.constexpr,
+                           PDL: tl.constexpr = False):
+        """draw="cdf" pass 1, a program per (row, chunk): the chunk's max z and sum of
+        exp(z - max) (the race kernel's online sums); chunk 0's program also the row's uniform u
+        (Philox word 0 at counter (row, counter low, counter high, 2^32 - 1)), read here because
+        pass 2 advances the counter."""
+        pdl_enter(PDL)
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        if c == 0:
+            key = tl.load(rng_ptr)
+            ctr = tl.load(rng_ptr + 1)
+            one = tl.full([1], 0, tl.uint32)
+            r0, _, _, _ = tl.philox(key, one + row.to(tl.uint32),
+                                    one + (ctr & 0xFFFFFFFF).to(tl.uint32),
+                                    one + ((ctr >> 32) & 0xFFFFFFFF).to(tl.uint32),
+                                    tl.full([1], 0xFFFFFFFF, tl.uint32), ROUNDS)
+            u = tl.sum(r0.to(tl.float32), 0) * 2.3283064365386963e-10 + 1.1641532182693481e-10
+            tl.store(u_ptr + row, tl.minimum(u, 0.99999994039535522))
+        x_row = x_ptr + row.to(tl.int64) * s_x
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, CHUNK, BLOCK):
+            cols = c * CHUNK + start + tl.arange(0, BLOCK)
+            z = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_temp
+            d = z - m
+            e = tl.exp(-tl.abs(d))
+            s = tl.where(d > 0, s * e + 1.0, s + tl.where(z > float("-inf"), e, 0.0))
+            m = tl.maximum(m, z)
+        mx = tl.max(m, 0)
+        tl.store(m_ptr + row * NCHUNK + c, mx)
+        tl.store(s_ptr + row * NCHUNK + c,
+                 tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), 0))
+
+    @triton.jit
+    def _cdf_final_kernel(u_ptr, m_ptr, s_ptr, x_ptr, rep_ptr, rtok_ptr, tok_ptr, lp_ptr, rng_ptr,
+                          inv_temp, V, s_x, NCHUNK, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                          N_PAD: tl.constexpr, HAS_REPLACE: tl.constexpr,
+                          HAS_LP: tl.constexpr, PDL: tl.constexpr = False):
+        """draw="cdf" pass 2, a program per row: the chunk holding u x the row's total mass, then
+        the first id of that chunk whose running sum of exp(z - chunk max) passes the rest (the
+        last finite id of the chunk should fp32 rounding leave the sum short); the log-prob
+        z[token] - logsumexp(z); program 0 then advances the stream's counter."""
+        pdl_enter(PDL)
+        row = tl.program_id(0)
+        c = tl.arange(0, N_PAD)
+        ok = c < NCHUNK
+        m = tl.load(m_ptr + row * NCHUNK + c, mask=ok, other=float("-inf"))
+        s = tl.load(s_ptr + row * NCHUNK + c, mask=ok, other=0.0)
+        mx = tl.max(m, 0)
+        w = tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0)  # each chunk's mass
+        total = tl.sum(w, 0)
+        target = tl.load(u_ptr + row) * total
+        cum = tl.cumsum(w, 0)
+        # the chunk: the first whose running mass passes the target (else the last with mass)
+        k = tl.min(tl.where((cum > target) & (w > 0), c, N_PAD), 0)
+        last = tl.max(tl.where(w > 0, c, -1), 0)
+        k = tl.where(k == N_PAD, last, k)
+        before = tl.sum(tl.where(c < k, w, 0.0), 0)
+        m_k = tl.sum(tl.where(c == k, m, 0.0), 0)
+        rest = (target - before) / tl.exp(m_k - mx)  # in the chunk's own scale
+        x_row = x_ptr + row.to(tl.int64) * s_x
+        tok = tl.zeros((), tl.int32) + V  # nothing found yet
+        last_ok = tl.zeros((), tl.int32) - 1
+        carry = tl.zeros((), tl.float32)
+        for start in range(0, CHUNK, BLOCK):
+            cols = k * CHUNK + start + tl.arange(0, BLOCK)
+            z = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_temp
+            fin = z > float("-inf")
+            e = tl.where(fin, tl.exp(z - m_k), 0.0)
+            run = tl.cumsum(e, 0) + carry
+            first = tl.min(tl.where(fin & (run > rest), cols, V), 0)
+            tok = tl.where(tok == V, first, tok)
+            last_ok = tl.maximum(last_ok, tl.max(tl.where(fin, cols, -1), 0))
+            carry += tl.sum(e, 0)
+        tok = tl.where(tok == V, last_ok, tok).to(tl.int64)
+        if HAS_REPLACE:
+            forced = tl.load(rep_ptr + row) != 0
+            tok = tl.where(forced, tl.load(rtok_ptr + row), tok)
+        tl.store(tok_ptr + row, tok)
+        if HAS_LP:
+            z_tok = tl.load(x_row + tok).to(tl.float32) * inv_temp
+            tl.store(lp_ptr + row, z_tok - (mx + tl.log(total)))
+        if row == 0:
+            tl.store(rng_ptr + 1, tl.load(rng_ptr + 1) + 1)
+
+
 def new_rng_state(seed: int, device) -> torch.Tensor:
     """A stream for sample_rows: (2,) int64 [key, counter] on `device`, keyed by `seed`."""
     state = torch.zeros(2, dtype=torch.long, device=device)
@@ -188,16 +278,28 @@ def _check(logits, inv_temp, rng_state, replace, chunk, quads):
 
 def sample_rows(logits: torch.Tensor, inv_temp: float, rng_state: torch.Tensor, *,
                 replace: Optional[tuple] = None, need_logprobs: bool = True, pdl: bool = False,
-                impl: str = "auto", chunk: int = 8192, quads: int = 256, warps: int = 4):
+                impl: str = "auto", chunk: int = 8192, quads: int = 256, warps: int = 4,
+                draw: str = "race"):
     """logits (B, V) over the true vocabulary (any float dtype, last dimension contiguous),
     inv_temp = 1 / temperature > 0, rng_state (2,) int64 [key, counter] on the logits' device
     (advanced in place) -> (tokens (B,) int64, log_softmax(logits * inv_temp) at the tokens (B,)
     fp32, or None without `need_logprobs`). `replace` (where (B,) bool, tokens (B,) int64): those
     rows emit the given token and its log-prob (the draw is still made). Kernel shape: `chunk`
-    ids per program of pass 1, tiles of 4 * `quads` ids, `warps` warps per program."""
+    ids per program of pass 1, tiles of 4 * `quads` ids, `warps` warps per program.
+    `draw` (rollout.kernel_options.sampler_draw): "race", the exponential race (a Philox word and
+    two logs per id); "cdf", the inverse CDF (pass 1 sums each chunk's mass, pass 2 draws one
+    uniform per row and scans the one chunk that holds it): the same distribution to fp32
+    rounding of the running sums (ids below ~1e-7 of a row's mass are not resolved one by one),
+    other tokens for the same stream."""
     _check(logits, inv_temp, rng_state, replace, chunk, quads)
+    if draw not in DRAWS:
+        raise ValueError(f"sample_rows: draw={draw!r} is not one of {DRAWS}")
     if not use_triton(logits, impl):
-        return _sample_rows_torch(logits, inv_temp, rng_state, replace, need_logprobs)
+        fn = _sample_rows_torch if draw == "race" else _sample_rows_cdf_torch
+        return fn(logits, inv_temp, rng_state, replace, need_logprobs)
+    if draw == "cdf":
+        return _sample_rows_cdf(logits, inv_temp, rng_state, replace, need_logprobs, pdl=pdl,
+                                chunk=chunk, block=4 * quads, warps=warps)
     B, V = logits.shape
     dev = logits.device
     tile = 4 * quads
@@ -222,6 +324,32 @@ def sample_rows(logits: torch.Tensor, inv_temp: float, rng_state: torch.Tensor, 
                              N_PAD=max(16, triton.next_power_of_2(nchunk)),
                              HAS_REPLACE=replace is not None, HAS_LP=lp is not None, num_warps=1,
                              **launch_opts(logits, pdl))
+    return tokens, lp
+
+
+def _sample_rows_cdf(logits, inv_temp, rng_state, replace, need_logprobs, *, pdl, chunk, block,
+                     warps):
+    B, V = logits.shape
+    dev = logits.device
+    chunk = min(chunk, triton.cdiv(V, block) * block)
+    nchunk = triton.cdiv(V, chunk)
+    m, s = (torch.empty((B, nchunk), dtype=torch.float32, device=dev) for _ in range(2))
+    u = torch.empty((B,), dtype=torch.float32, device=dev)
+    tokens = torch.empty((B,), dtype=torch.long, device=dev)
+    lp = torch.empty((B,), dtype=torch.float32, device=dev) if need_logprobs else None
+    if not B:
+        rng_state[1:].add_(1)
+        return tokens, lp
+    where, given = ((replace[0].contiguous().view(torch.uint8), replace[1].contiguous())
+                    if replace is not None else (tokens, tokens))  # unread without it
+    _mass_chunk_kernel[(B, nchunk)](logits, rng_state, u, m, s, float(inv_temp), V,
+                                    logits.stride(0), nchunk, CHUNK=chunk, BLOCK=block,
+                                    ROUNDS=ROUNDS, num_warps=warps, **launch_opts(logits, pdl))
+    _cdf_final_kernel[(B,)](u, m, s, logits, where, given, tokens, tokens if lp is None else lp,
+                            rng_state, float(inv_temp), V, logits.stride(0), nchunk, CHUNK=chunk,
+                            BLOCK=block, N_PAD=max(16, triton.next_power_of_2(nchunk)),
+                            HAS_REPLACE=replace is not None, HAS_LP=lp is not None,
+                            num_warps=warps, **launch_opts(logits, pdl))
     return tokens, lp
 
 
@@ -270,6 +398,37 @@ def _sample_rows_torch(logits, inv_temp, rng_state, replace, need_logprobs):
     z = logits.float() * inv_temp
     score = z - exp1_of_words(uniform_words(rng_state, B, V)).log()
     tokens = torch.argmax(score, dim=-1)  # the first maximal id
+    if replace is not None:
+        tokens = torch.where(replace[0], replace[1], tokens)
+    rng_state[1:].add_(1)
+    if not need_logprobs:
+        return tokens, None
+    return tokens, z.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)
+
+
+def cdf_uniforms(rng_state: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows,) fp32: the uniform of each row that draw="cdf" uses at rng_state's counter."""
+    dev = rng_state.device
+    key, ctr = rng_state[0], rng_state[1]
+    row = torch.arange(rows, device=dev)
+    r0 = philox4x32(key, row, ctr & _MASK32, (ctr >> 32) & _MASK32,
+                    torch.full_like(row, _MASK32))[0]
+    return (r0.float() * _W_SCALE + _W_HALF).clamp_max_(_W_MAX)
+
+
+def _sample_rows_cdf_torch(logits, inv_temp, rng_state, replace, need_logprobs):
+    """draw="cdf" as PyTorch ops: the inverse CDF over the whole row (one running sum, not the
+    kernel's chunk masses: tokens equal the kernel's but where fp32 rounding of the two sums puts
+    u on the other side of a boundary)."""
+    B, V = logits.shape
+    z = logits.float() * inv_temp
+    mx = z.amax(-1, keepdim=True)
+    e = torch.exp(z - mx)  # 0 at -inf ids
+    cum = e.cumsum(-1)
+    target = cdf_uniforms(rng_state, B)[:, None] * cum[:, -1:]
+    past = (cum > target) & (e > 0)
+    last = torch.where(e > 0, torch.arange(V, device=z.device), -1).amax(-1)
+    tokens = torch.where(past.any(-1), past.float().argmax(-1), last)
     if replace is not None:
         tokens = torch.where(replace[0], replace[1], tokens)
     rng_state[1:].add_(1)

@@ -82,7 +82,8 @@ def _compiled(backend: str):
 def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
            generator: Optional[torch.Generator] = None, need_logprobs: bool = False,
            compile_backend: Optional[str] = None, kernels: str = "torch", pdl: bool = False,
-           replace: Optional[tuple] = None, rng_state: Optional[torch.Tensor] = None):
+           replace: Optional[tuple] = None, rng_state: Optional[torch.Tensor] = None,
+           fused_draw: str = "race"):
     """logits (B, V) over the true vocabulary, any float dtype -> (tokens (B,) int64, logprobs (B,)
     fp32 or None). `compile_backend`: run the race and the log-probs through torch.compile.
     `replace` (where (B,) bool, tokens (B,) int64): those rows emit the given token in place of
@@ -92,14 +93,16 @@ def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: f
     kernel for CUDA logits (launched with `pdl`), "torch" by torch.argmax.
     `rng_state` ((2,) int64 [key, counter], kernels/sample.py): with kernels "triton", temperature
     > 0, top_k 0 and top_p 1 the draw and its log-prob are kernels/sample.sample_rows's (its
-    stream, not `generator`'s); None: the PyTorch sampler always."""
+    stream, not `generator`'s), drawn by `fused_draw` (rollout.kernel_options.sampler_draw);
+    None: the PyTorch sampler always."""
     if (rng_state is not None and kernels == "triton" and temperature > 0.0 and top_k == 0
             and top_p >= 1.0):
         from hybridflow.kernels._dispatch import interpreting
         from hybridflow.kernels.sample import sample_rows
 
         return sample_rows(logits, 1.0 / temperature, rng_state, replace=replace,
-                           need_logprobs=need_logprobs, pdl=pdl,  # (CPU tests run the kernel too)
+                           need_logprobs=need_logprobs, pdl=pdl, draw=fused_draw,
+                           # (CPU tests run the kernel too)
                            impl="triton" if logits.is_cuda or interpreting() else "torch")
     race_argmax, token_logprobs = (_compiled(compile_backend) if compile_backend else
                                    (_race_argmax, _token_logprobs))

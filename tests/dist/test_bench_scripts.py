@@ -417,7 +417,8 @@ def test_bench_sampler_times_every_way(tmp_path):
     assert report["command"].startswith("python") and report["versions"]["torch"]
     assert [c["rows"] for c in report["cases"]] == [2, 4]
     for case in report["cases"]:
-        assert set(case["eager_us"]) == {"torch", "torch_no_lp", "fused", "fused_no_lp", "fused_pdl"}
+        assert set(case["eager_us"]) == {"torch", "torch_no_lp", "fused", "fused_no_lp", "fused_pdl",
+                                         "fused_cdf", "fused_cdf_no_lp"}
         assert all(v > 0 for v in case["eager_us"].values()) and case["graph_us"] == {}
         assert set(case["tiling_graph_us"]) == {"chunk1024_quads64_warps4", "chunk1024_quads128_warps4"}
         assert case["fused_lp_err"] < 1e-5 and case["speedup"] > 0

@@ -38,14 +38,15 @@ def _chi2(tokens, probs):
     return float(((counts - expected) ** 2 / expected).sum())
 
 
+@pytest.mark.parametrize("draw", ks.DRAWS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("B", [1, 64, 512])
-def test_kernel_matches_log_softmax_and_twin(B, dtype):
+def test_kernel_matches_log_softmax_and_twin(B, dtype, draw):
     x = _logits(B, dtype)
     x[:, 1000:9000] = float("-inf")  # masked ids, most of chunk 0
     state, twin_state = ks.new_rng_state(3, "cuda"), ks.new_rng_state(3, "cuda")
-    tok, lp = ks.sample_rows(x, 1 / 0.8, state, impl="triton")
-    ttok, tlp = ks.sample_rows(x, 1 / 0.8, twin_state, impl="torch")
+    tok, lp = ks.sample_rows(x, 1 / 0.8, state, impl="triton", draw=draw)
+    ttok, tlp = ks.sample_rows(x, 1 / 0.8, twin_state, impl="torch", draw=draw)
     ref = torch.log_softmax(x.float() / 0.8, -1).gather(1, tok[:, None]).squeeze(1)
     assert torch.allclose(lp, ref, atol=2e-5, rtol=0), (lp - ref).abs().max()
     assert ((tok < 1000) | (tok >= 9000)).all()
@@ -74,19 +75,21 @@ def test_replace_and_low_temperature():
     assert torch.equal(cold[clear], x32.argmax(-1)[clear])
 
 
+@pytest.mark.parametrize("draw", ks.DRAWS)
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_draws_chi_square_small_vocab(temperature):
+def test_draws_chi_square_small_vocab(temperature, draw):
     """4096 rows x 8 calls over 8 known probabilities (the kernel's own draws)."""
     z = P8.log().cuda()[None].expand(4096, 8).contiguous()
     state = ks.new_rng_state(2024, "cuda")
-    tokens = torch.cat([ks.sample_rows(z, 1 / temperature, state, need_logprobs=False)[0]
-                        for _ in range(8)])
+    tokens = torch.cat([ks.sample_rows(z, 1 / temperature, state, need_logprobs=False,
+                                       draw=draw)[0] for _ in range(8)])
     assert _chi2(tokens, torch.softmax(P8.log() / temperature, 0)) < 24.32  # 7 dof, p = 0.001
     if temperature != 1.0:
         assert _chi2(tokens, P8) > 250
 
 
-def test_draws_chi_square_over_the_chunks():
+@pytest.mark.parametrize("draw", ks.DRAWS)
+def test_draws_chi_square_over_the_chunks(draw):
     """The full vocabulary (19 chunks of 8192 ids): how often each chunk holds the draw, against
     its softmax mass; 512 rows x 40 calls. The logits favour some chunks so no chunk's mass is
     tiny or dominant."""
@@ -98,7 +101,8 @@ def test_draws_chi_square_over_the_chunks():
     chunk_of = torch.arange(V, device="cuda") // 8192
     chunk_mass = torch.zeros(19, device="cuda").index_add_(0, chunk_of, mass)
     state = ks.new_rng_state(5, "cuda")
-    tokens = torch.cat([ks.sample_rows(x, 1.0, state, need_logprobs=False)[0] for _ in range(40)])
+    tokens = torch.cat([ks.sample_rows(x, 1.0, state, need_logprobs=False, draw=draw)[0]
+                        for _ in range(40)])
     assert _chi2(tokens // 8192, chunk_mass) < 42.31  # 18 dof, p = 0.001
 
 

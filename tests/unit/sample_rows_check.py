@@ -208,12 +208,41 @@ def multi_turn_cases(tmp):
             "tokens": int(a.response_mask.sum()), "counters": counters}
 
 
+def cdf_cases():
+    """draw="cdf": bf16 / fp32 logits, one chunk and three (the last partial), -inf ids, `replace`:
+    the kernel's tokens against its twin's (tokens may differ only where u falls within fp32
+    rounding of a boundary: counted), log-probs against log_softmax, the counter advanced."""
+    out = []
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        for B, V, chunk, quads in [(1, 37, 8192, 256), (6, 2500, 1024, 64)]:
+            x = (torch.randn(B, V, generator=g) * 3).to(dtype)
+            x[:, ::7] = float("-inf")  # masked ids: never drawn
+            inv_temp = 1 / 0.7
+            where = torch.zeros(B, dtype=torch.bool)
+            where[-1] = B > 1
+            given = torch.full((B,), 5, dtype=torch.long)
+            state, twin_state = ks.new_rng_state(13, "cpu"), ks.new_rng_state(13, "cpu")
+            tok, lp = ks.sample_rows(x, inv_temp, state, impl="triton", chunk=chunk, quads=quads,
+                                     draw="cdf", replace=(where, given))
+            ttok, tlp = ks.sample_rows(x, inv_temp, twin_state, impl="torch", draw="cdf",
+                                       replace=(where, given))
+            out.append({"dtype": str(dtype), "B": B, "nchunk": -(-V // chunk),
+                        "lp_err": (lp - _lp_ref(x, tok, inv_temp)).abs().max().item(),
+                        "twin_lp_err": (tlp - _lp_ref(x, ttok, inv_temp)).abs().max().item(),
+                        "tokens_differ": int((tok != ttok).sum()),
+                        "masked_drawn": bool((tok[~where] % 7 == 0).any()),
+                        "given": tok[where].tolist(),
+                        "counter": state.tolist(), "twin_counter": twin_state.tolist()})
+    return out
+
+
 if __name__ == "__main__":
     section = sys.argv[1]
     if section == "kernels":
         result = {"logprobs": logprob_cases(), "strided": strided_cases(),
                   "replace": replace_cases(),
-                  "stream": stream_cases(), "edge": edge_cases()}
+                  "stream": stream_cases(), "edge": edge_cases(), "cdf": cdf_cases()}
     else:
         result = {"generation": generation_cases(), "multi_turn": multi_turn_cases(sys.argv[2])}
     print(json.dumps(result))

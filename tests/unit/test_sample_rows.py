@@ -46,6 +46,17 @@ def test_kernel_logprobs_equal_log_softmax(kernels_checked):
         assert c["counter"] == [11, 2] and c["twin_counter"] == [11, 1], c
 
 
+def test_cdf_kernel_draws_as_its_twin(kernels_checked):
+    cases = kernels_checked["cdf"]
+    assert {(c["dtype"], c["B"], c["nchunk"]) for c in cases} == {
+        (d, B, n) for d in ("torch.float32", "torch.bfloat16") for B, n in ((1, 1), (6, 3))}
+    for c in cases:
+        assert c["lp_err"] < 5e-6 and c["twin_lp_err"] < 5e-6, c
+        assert c["tokens_differ"] == 0 and not c["masked_drawn"], c
+        assert c["given"] == ([5] if c["B"] > 1 else []), c
+        assert c["counter"] == [13, 1] and c["twin_counter"] == [13, 1], c
+
+
 def test_kernel_reads_a_strided_view(kernels_checked):
     c = kernels_checked["strided"]
     assert c["tokens_equal"] and c["max_token"] < 300 and c["lp_err"] < 5e-6, c
@@ -124,6 +135,25 @@ def test_draws_follow_softmax_over_temperature(temperature):
     assert int(state[1]) == 6
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_cdf_draws_follow_softmax_over_temperature(temperature):
+    """draw="cdf" (the twin; the kernel draws its tokens, above): the same chi-square tests as
+    the race, and its own stream (other tokens than the race's for the same seed)."""
+    z = P8.log()[None].expand(4096, 8).contiguous()
+    state = ks.new_rng_state(77, "cpu")
+    tokens = torch.cat([ks.sample_rows(z, 1 / temperature, state, impl="torch", draw="cdf",
+                                       need_logprobs=False)[0] for _ in range(6)])
+    target = torch.softmax(P8.log() / temperature, 0)
+    assert _chi2(tokens, target) < CHI2_7DOF_P001
+    if temperature != 1.0:
+        assert _chi2(tokens, P8) > 10 * CHI2_7DOF_P001
+    race = ks.sample_rows(z, 1 / temperature, ks.new_rng_state(77, "cpu"), impl="torch",
+                          need_logprobs=False)[0]
+    assert (race != tokens[:4096]).any()
+    with pytest.raises(ValueError, match="draw='gumbel' is not one of"):
+        ks.sample_rows(z, 1.0, state, impl="torch", draw="gumbel")
+
+
 def test_exp1_draws_stay_finite_and_positive():
     """The words' ends: u = 0 gives the smallest draw (~1.2e-10, not 0: its score is finite),
     u = 2^32 - 1 the largest (~16.6, not inf); the series and the log agree where they meet;
@@ -183,6 +213,13 @@ def test_sample_takes_the_fused_path_only_where_it_applies():
         got = sample(x, generator=torch.Generator().manual_seed(1), rng_state=state, **kw)[0]
         assert torch.equal(ref, got), kw
     assert int(state[1]) == 1
+    # draw="cdf" (rollout.kernel_options.sampler_draw) reaches sample_rows
+    tok, lp = sample(x, temperature=0.8, kernels="triton", rng_state=state, need_logprobs=True,
+                     fused_draw="cdf")
+    state1 = ks.new_rng_state(5, "cpu")
+    state1[1] = 1
+    twin = ks.sample_rows(x, 1 / 0.8, state1, impl="torch", draw="cdf")
+    assert torch.equal(tok, twin[0]) and torch.allclose(lp, twin[1]) and int(state[1]) == 2
 
 
 def test_fused_sampler_option():
@@ -194,6 +231,15 @@ def test_fused_sampler_option():
     validate_rollout_options(cfg)
     cfg.kernel_options.fused_sampler = "yes"
     with pytest.raises(ValueError, match="rollout.kernel_options.fused_sampler"):
+        validate_rollout_options(cfg)
+    cfg = RolloutConfig()
+    assert DecodeOptions.from_config(cfg).sampler_draw == "race"
+    cfg.kernel_options.sampler_draw = "cdf"
+    validate_rollout_options(cfg)
+    assert DecodeOptions.from_config(cfg).sampler_draw == "cdf"
+    cfg.kernel_options.sampler_draw = "gumbel"
+    with pytest.raises(ValueError, match=r"rollout.kernel_options.sampler_draw: 'gumbel' is not "
+                                         r"one of race, cdf"):
         validate_rollout_options(cfg)
 
 
