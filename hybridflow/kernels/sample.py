@@ -398,6 +398,12 @@ def _sample_rows_torch(logits, inv_temp, rng_state, replace, need_logprobs):
     z = logits.float() * inv_temp
     score = z - exp1_of_words(uniform_words(rng_state, B, V)).log()
     tokens = torch.argmax(score, dim=-1)  # the first maximal id
+    return _twin_result(tokens, z, rng_state, replace, need_logprobs)
+
+
+def _twin_result(tokens, z, rng_state, replace, need_logprobs):
+    """The twins' common end: `replace` rows take their tokens, the counter advances, the
+    log-probs z[token] - logsumexp(z)."""
     if replace is not None:
         tokens = torch.where(replace[0], replace[1], tokens)
     rng_state[1:].add_(1)
@@ -429,9 +435,4 @@ def _sample_rows_cdf_torch(logits, inv_temp, rng_state, replace, need_logprobs):
     past = (cum > target) & (e > 0)
     last = torch.where(e > 0, torch.arange(V, device=z.device), -1).amax(-1)
     tokens = torch.where(past.any(-1), past.float().argmax(-1), last)
-    if replace is not None:
-        tokens = torch.where(replace[0], replace[1], tokens)
-    rng_state[1:].add_(1)
-    if not need_logprobs:
-        return tokens, None
-    return tokens, z.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)
+    return _twin_result(tokens, z, rng_state, replace, need_logprobs)
