@@ -53,10 +53,29 @@ if HAVE_TRITON:
     from ._dispatch import pdl_enter
 
     @triton.jit
+    def _uniform(u):
+        """W = (u + 1/2) / 2^32 in (0, 1) from uint32 words u, below 1 in fp32."""
+        return tl.minimum(u.to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10,
+                          0.99999994039535522)
+
+    @triton.jit
+    def _online_add(m, s, z):
+        """The running max m and sum s of exp(z - m) per lane with z added: one exp per id;
+        -inf z (masked ids, padding) add 0."""
+        d = z - m
+        e = tl.exp(-tl.abs(d))
+        s = tl.where(d > 0, s * e + 1.0, s + tl.where(z > float("-inf"), e, 0.0))
+        return tl.maximum(m, z), s
+
+    @triton.jit
+    def _rescaled(m, s, mx):
+        """Running sums s of exp(z - m) as sums of exp(z - mx) (0 where nothing was added)."""
+        return tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0)
+
+    @triton.jit
     def _exp1(u):
-        """An Exp(1) draw from uint32 words u: -log(1 - W), W = (u + 1/2) / 2^32 in (0, 1)."""
-        w = tl.minimum(u.to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10,
-                       0.99999994039535522)
+        """An Exp(1) draw from uint32 words u: -log(1 - W), W = _uniform(u)."""
+        w = _uniform(u)
         series = w * (1.0 + w * (0.5 + w * (0.33333334 + w * 0.25)))
         return tl.where(w < 0.03125, series, -tl.log(1.0 - w))
 
@@ -95,16 +114,12 @@ if HAVE_TRITON:
             best_s = tl.where(better, score, best_s)
             best_i = tl.where(better, cols, best_i)
             best_z = tl.where(better, z, best_z)
-            # online sum of exp(z - max), one exp per id; -inf z (masked ids, padding) add 0
-            d = z - m
-            e = tl.exp(-tl.abs(d))
-            s = tl.where(d > 0, s * e + 1.0, s + tl.where(z > float("-inf"), e, 0.0))
-            m = tl.maximum(m, z)
+            m, s = _online_add(m, s, z)
         best = tl.max(tl.max(best_s, 1), 0)
         first = tl.min(tl.min(tl.where((best_s == best) & (best_i < V), best_i, V), 1), 0)
         zb = tl.sum(tl.sum(tl.where(best_i == first, best_z, 0.0), 1), 0)
         mx = tl.max(tl.max(m, 1), 0)
-        sm = tl.sum(tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), 1), 0)
+        sm = tl.sum(tl.sum(_rescaled(m, s, mx), 1), 0)
         at = row * NCHUNK + c
         tl.store(score_ptr + at, best)
         tl.store(idx_ptr + at, first)
@@ -140,7 +155,7 @@ if HAVE_TRITON:
             m = tl.load(m_ptr + at, mask=ok, other=float("-inf"))
             s = tl.load(s_ptr + at, mask=ok, other=0.0)
             mx = tl.max(m, 0)
-            total = tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), 0)
+            total = tl.sum(_rescaled(m, s, mx), 0)
             tl.store(lp_ptr + row, z_tok - (mx + tl.log(total)))
         if row == 0:  # pass 1 read the counter; nothing of this kernel does
             tl.store(rng_ptr + 1, tl.load(rng_ptr + 1) + 1)
@@ -165,22 +180,18 @@ if HAVE_TRITON:
                                     one + (ctr & 0xFFFFFFFF).to(tl.uint32),
                                     one + ((ctr >> 32) & 0xFFFFFFFF).to(tl.uint32),
                                     tl.full([1], 0xFFFFFFFF, tl.uint32), ROUNDS)
-            u = tl.sum(r0.to(tl.float32), 0) * 2.3283064365386963e-10 + 1.1641532182693481e-10
-            tl.store(u_ptr + row, tl.minimum(u, 0.99999994039535522))
+            tl.store(u_ptr + row, tl.sum(_uniform(r0), 0))
         x_row = x_ptr + row.to(tl.int64) * s_x
         m = tl.full([BLOCK], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
         for start in range(0, CHUNK, BLOCK):
             cols = c * CHUNK + start + tl.arange(0, BLOCK)
             z = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_temp
-            d = z - m
-            e = tl.exp(-tl.abs(d))
-            s = tl.where(d > 0, s * e + 1.0, s + tl.where(z > float("-inf"), e, 0.0))
-            m = tl.maximum(m, z)
+            m, s = _online_add(m, s, z)
         mx = tl.max(m, 0)
         tl.store(m_ptr + row * NCHUNK + c, mx)
         tl.store(s_ptr + row * NCHUNK + c,
-                 tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), 0))
+                 tl.sum(_rescaled(m, s, mx), 0))
 
     @triton.jit
     def _cdf_final_kernel(u_ptr, m_ptr, s_ptr, x_ptr, rep_ptr, rtok_ptr, tok_ptr, lp_ptr, rng_ptr,
@@ -198,7 +209,7 @@ if HAVE_TRITON:
         m = tl.load(m_ptr + row * NCHUNK + c, mask=ok, other=float("-inf"))
         s = tl.load(s_ptr + row * NCHUNK + c, mask=ok, other=0.0)
         mx = tl.max(m, 0)
-        w = tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0)  # each chunk's mass
+        w = _rescaled(m, s, mx)  # each chunk's mass
         total = tl.sum(w, 0)
         target = tl.load(u_ptr + row) * total
         cum = tl.cumsum(w, 0)
@@ -386,9 +397,14 @@ def uniform_words(rng_state: torch.Tensor, rows: int, vocab: int) -> torch.Tenso
     return torch.stack(torch.broadcast_tensors(*words), -1).reshape(rows, -1)[:, :vocab]
 
 
+def uniform_of_words(u: torch.Tensor) -> torch.Tensor:
+    """W in (0, 1) of uint32 words u (int64), as the kernels' _uniform."""
+    return (u.float() * _W_SCALE + _W_HALF).clamp_max_(_W_MAX)
+
+
 def exp1_of_words(u: torch.Tensor) -> torch.Tensor:
     """The Exp(1) draws of uint32 words u (int64), as the kernel's _exp1."""
-    w = (u.float() * _W_SCALE + _W_HALF).clamp_max_(_W_MAX)
+    w = uniform_of_words(u)
     series = w * (1.0 + w * (0.5 + w * (1.0 / 3 + w * 0.25)))
     return torch.where(w < _SERIES_BELOW, series, -torch.log(1.0 - w))
 
@@ -419,7 +435,7 @@ def cdf_uniforms(rng_state: torch.Tensor, rows: int) -> torch.Tensor:
     row = torch.arange(rows, device=dev)
     r0 = philox4x32(key, row, ctr & _MASK32, (ctr >> 32) & _MASK32,
                     torch.full_like(row, _MASK32))[0]
-    return (r0.float() * _W_SCALE + _W_HALF).clamp_max_(_W_MAX)
+    return uniform_of_words(r0)
 
 
 def _sample_rows_cdf_torch(logits, inv_temp, rng_state, replace, need_logprobs):
