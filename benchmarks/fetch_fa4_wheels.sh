@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # FlashAttention-4 (algo.packed_attention=fa4) for the GPU machine, which has no network: its wheels
 # for Python 3.12 into .whl_fa4/, and the CUTLASS DSL's CUDA 13 library wheel (~92 MB, more than one
-# device call carries) split into 50 MB parts in .xfer_fa4/. List both in .git/info/exclude.
+# device call carries) split into a 54 MiB part and the rest in .xfer_fa4/. List both in .git/info/exclude.
 #   bash benchmarks/fetch_fa4_wheels.sh
 # On the machine: one call copies .xfer_fa4/00 to /tmp/xfer_fa4/; the next carries .xfer_fa4/01 and
-# .whl_fa4, joins the parts into the wheel's file name and installs everything with --no-deps.
+# .whl_fa4, joins the parts into the wheel's file name and unzips every wheel into one folder (the
+# DSL's library wheels share nvidia_cutlass_dsl/, which pip --target does not merge), then puts that
+# folder and its nvidia_cutlass_dsl/dsl_packages on PYTHONPATH (what the DSL's .pth file adds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=${PIP:-.venv/bin/pip}
@@ -14,9 +16,10 @@ mkdir -p .whl_fa4 .xfer_fa4
   --platform manylinux_2_28_x86_64 --dest .whl_fa4 \
   flash-attn-4==4.0.0b36 quack-kernels==0.6.5 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 \
   einops==0.8.2 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
-  nvidia-cutlass-dsl-libs-cu13==4.8.1
+  nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 \
+  cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 protobuf==7.36.2
 rm -f .xfer_fa4/*
-split -b 50M -d ".whl_fa4/$LIBS" .xfer_fa4/
+split -b 54M -d ".whl_fa4/$LIBS" .xfer_fa4/
 rm ".whl_fa4/$LIBS"
 ls -l .whl_fa4 .xfer_fa4
 echo "join on the machine: cat /tmp/xfer_fa4/* > /tmp/$LIBS"
