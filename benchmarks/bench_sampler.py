@@ -1,21 +1,21 @@
-"""A decode step's temperature draw and its log-probs at decode batch sizes: PyTorch's sampler as
-generation runs it today (sampling.sample: a (B, V) fp32 tensor of exponentials, the race over
-the logits, then the log-probs' fp32 copy, gather and logsumexp) against kernels/sample.sample_rows
-(rollout.kernel_options.fused_sampler: two Triton passes that read the logits once).
+"""A decode step's temperature draw and its log-probs at decode batch sizes: PyTorch's sampler
+(sampling.sample without a device stream: a (B, V) fp32 tensor of exponentials, the race over the
+logits, then the log-probs' fp32 copy, gather and logsumexp) against kernels/sample.sample_rows
+(rollout.kernel_options.fused_sampler: the inverse CDF in two Triton passes, each chunk's mass,
+then one uniform per row and a scan of the chunk that holds it).
 
 Per batch B (--batches) x --vocab bf16 logits and way (torch / fused, with and without log-probs,
-fused with programmatic dependent launch, fused_cdf: the inverse-CDF draw,
-rollout.kernel_options.sampler_draw=cdf): us per call eager (--reps back-to-back calls between two
-CUDA events, launches included) and graphed (a CUDA graph of --reps calls, the torch way's
+fused with programmatic dependent launch): us per call eager (--reps back-to-back calls between
+two CUDA events, launches included) and graphed (a CUDA graph of --reps calls, the torch way's
 generator registered with it; median of 5 replays); the log-probs' largest difference from
-log_softmax; the floor of reading the logits once at COPY_BW. Then pass 1's tiling (--chunks x
---quads x --warps: ids per program, tiles of 4 * quads ids, warps per program) graphed, for
-picking the defaults. JSON after every batch (benchmarks/run_record.py: machine, versions,
-command; written atomically).
+log_softmax; the floor of reading the logits once at COPY_BW. Then the kernels' tiling (--chunks
+x --blocks x --warps: ids per program of pass 1 and per scan of pass 2, ids per tile, warps per
+program) graphed, for picking the defaults. JSON after every batch (benchmarks/run_record.py:
+machine, versions, command; written atomically).
 
     python benchmarks/bench_sampler.py --out benchmarks/results/sampler_h200.json
     python benchmarks/bench_sampler.py --device cpu --vocab 1000 --batches 4 --reps 2 \\
-        --chunks 1024 --quads 64 --warps 4 --out /tmp/sampler.json  # CPU smoke (the twin)
+        --chunks 1024 --blocks 256 --warps 4 --out /tmp/sampler.json  # CPU smoke (the twin)
 """
 
 from __future__ import annotations
@@ -70,9 +70,7 @@ def ways(logits, temperature: float, generator, state):
 
     return {"torch": (torch_way(True), generator), "torch_no_lp": (torch_way(False), generator),
             "fused": (fused_way(True), None), "fused_no_lp": (fused_way(False), None),
-            "fused_pdl": (fused_way(True, pdl=True), None),
-            "fused_cdf": (fused_way(True, draw="cdf"), None),
-            "fused_cdf_no_lp": (fused_way(False, draw="cdf"), None)}, fused_way
+            "fused_pdl": (fused_way(True, pdl=True), None)}, fused_way
 
 
 def main():
@@ -82,7 +80,7 @@ def main():
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--chunks", type=int, nargs="+", default=[4096, 8192, 16384])
-    ap.add_argument("--quads", type=int, nargs="+", default=[128, 256])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[512, 1024])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="benchmarks/results/sampler_h200.json")
@@ -110,10 +108,10 @@ def main():
         tok, lp = ks.sample_rows(logits, 1.0 / args.temperature, state)
         ref = torch.log_softmax(logits.float() / args.temperature, -1).gather(1, tok[:, None])
         case["fused_lp_err"] = (lp - ref.squeeze(1)).abs().max().item()
-        for chunk, quads, warps in itertools.product(args.chunks, args.quads, args.warps):
-            if chunk % (4 * quads) == 0:
-                fn = fused_way(True, chunk=chunk, quads=quads, warps=warps)
-                key = f"chunk{chunk}_quads{quads}_warps{warps}"
+        for chunk, block, warps in itertools.product(args.chunks, args.blocks, args.warps):
+            if chunk % block == 0:
+                fn = fused_way(True, chunk=chunk, block=block, warps=warps)
+                key = f"chunk{chunk}_block{block}_warps{warps}"
                 case["tiling_graph_us"][key] = (graph_us(fn, args.reps)
                                                 if device.type == "cuda"
                                                 else eager_us(fn, device, args.reps))

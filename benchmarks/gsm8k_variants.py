@@ -64,7 +64,6 @@ VARIANTS = {
     "graphs": "parallel.train_cuda_graphs=true",
     "spec": "rollout.speculative.enable=true",
     "nospec": "rollout.speculative.enable=false",
-    "cdf": "rollout.kernel_options.sampler_draw=cdf",
     "fa4": "algo.packed_attention=fa4",
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
     "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.lookahead=false",

@@ -50,7 +50,7 @@ KINDS = (
     ("norm", ("layer_norm", "rms_norm", "norm_kernel")),
     ("kv_write", ("index_copy", "index_put", "scatter", "_rope_kv")),  # + RoPE in the kernel
     ("sampling", ("argmax", "softmax", "exponential", "topk", "sort", "reduce", "max_kernel",
-                  "_race_")),  # _race_*: kernels/sample.py (rollout.kernel_options.fused_sampler)
+                  "_mass_chunk", "_cdf_final")),  # kernels/sample.py's (fused_sampler)
     ("elementwise", ("elementwise", "vectorized", "triton", "copy", "fill", "cat", "roll", "mul",
                      "add", "silu")),
 )

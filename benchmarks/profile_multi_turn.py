@@ -4,7 +4,7 @@ The step is the product's: `multi_turn_step.DecodeState` + `decode_step` on a Ge
 random-init weights of the model shape (bf16; profile_decode's transformers model converted to
 Megatron names), `rows` rows all fed each step (every row decoding; ctrl READY = 1), attending
 over `columns` cache columns (the step's kv_len: a decode_kv_window of that width, or the whole
-cache when it is the widest), rollout temperature --temperature (1: the race draw and the
+cache when it is the widest), rollout temperature --temperature (1: a temperature draw and the
 log-probs of every token, as the GSM8K tool job runs), per --kernels value (rollout.decode_kernels:
 "triton" runs the single-turn step's fused layers, decoder.decode_step with a column per row;
 "torch" `extend` of one token; with --fused-sampler on the draw and its log-prob are

@@ -107,19 +107,13 @@ class DecodeKernelOptions:
     # dequantize it again for every 64 rows; the temporary moves over twice bf16's bytes)
     int4_kernel_max_rows: int = 256
     # rollout.decode_kernels=triton, temperature > 0 without top-k / top-p: the draw and its
-    # log-prob as two Triton passes that read the logits once (hybridflow/kernels/sample.py: a
-    # counter-based Philox stream on the device, keyed by each generate call's seed) instead of
-    # PyTorch's exponential race + log_softmax passes (6.5x faster graphed on one H200: 48 vs
-    # 311 us at 64 rows, 313 vs 2,050 us at 512; benchmarks/results/sampler_h200.json); other
-    # sampling settings keep the PyTorch sampler. false: the PyTorch sampler (the generator's
-    # torch.Generator stream) everywhere
+    # log-prob by the inverse CDF in two Triton passes (hybridflow/kernels/sample.py: each
+    # vocabulary chunk's mass, then one uniform per row from a counter-based Philox stream on
+    # the device, keyed by each generate call's seed, and a scan of the chunk that holds it)
+    # instead of PyTorch's exponential race + log_softmax passes (timings: docs/performance.md);
+    # other sampling settings keep the PyTorch sampler. false: the PyTorch sampler (the
+    # generator's torch.Generator stream) everywhere
     fused_sampler: bool = True
-    # the fused sampler's draw (hybridflow/kernels/sample.py): "race", the exponential race (a
-    # Philox word and two logs per vocabulary id); "cdf", the inverse CDF (one pass sums each
-    # chunk's mass, then one uniform per row and a scan of the chunk that holds it): the same
-    # distribution up to fp32 rounding of the running sums, other tokens for the same seed. An
-    # A/B option until measured on a GPU
-    sampler_draw: str = "race"
     # rollout.decode_kernels=triton: each row's attention reads only its own cache columns (from
     # its first prompt token to the current one; none for a finished row still in the batch, or
     # in the multi-turn step for a row not fed that step)

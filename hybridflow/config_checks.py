@@ -576,9 +576,6 @@ def validate_rollout_options(cfg) -> None:
         value = getattr(k, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"rollout.kernel_options.{key}: {value!r} is not a row count >= 0")
-    if k.sampler_draw not in ("race", "cdf"):
-        raise ValueError(f"rollout.kernel_options.sampler_draw: {k.sampler_draw!r} is not one of "
-                         f"race, cdf")
     for key in ("fused_sampler", "own_columns_only"):
         if not isinstance(getattr(k, key), bool):
             raise ValueError(f"rollout.kernel_options.{key}: {getattr(k, key)!r} is not a bool "

@@ -1,32 +1,38 @@
 """Temperature sampling from full-vocabulary logits and the drawn token's log-prob in two Triton
-passes that read the logits once, with a counter-based random stream held on the device.
+passes, with a counter-based random stream held on the device.
 
 `sample_rows(logits, inv_temp, rng_state)` draws one token per row of logits (B, V) from
-softmax(logits * inv_temp) by the exponential race (sampling.py's: argmax of z - log E, z = logit *
-inv_temp, E ~ Exp(1)) and returns its log-prob z[token] - logsumexp(z). PyTorch's sampler writes
-a (B, V) fp32 tensor of exponentials, then reads it and the logits for the race and again (a fp32
-copy, a gather, a logsumexp) for the log-probs: ~8 passes of 4 bytes per id where the logits are
-2 (bf16). Here:
-- pass 1, a program per (row, chunk of `chunk` ids): the logits read once in their own dtype,
-  z in fp32, the uniforms made in registers, and per chunk the best race score, its id, its z and
-  the online max / sum of exp(z - max) (a row split over ~19 programs at a 152k vocabulary, as
-  next_token.argmax_rows: one program per row leaves the device idle at a few hundred rows);
-- pass 2, a program per row: the chunks combined into the token (the first maximal id), the
-  logsumexp and the log-prob; rows of `replace` take the given token (its z read back from the
-  logits); program 0 then advances the stream's counter.
+softmax(z), z = logits * inv_temp, by the inverse CDF: one uniform u per row, and the token is the
+first id whose running sum of exp(z) passes u x the row's total mass; it returns that token and its
+log-prob z[token] - logsumexp(z). PyTorch's sampler (sampling.py's exponential race) writes a
+(B, V) fp32 tensor of exponentials, then reads it and the logits for the race and again (a fp32
+copy, a gather, a logsumexp) for the log-probs. Here one random number per row, not one per id:
+- pass 1, a program per (row, chunk of `chunk` ids): the chunk's logits read once in their own
+  dtype, z in fp32, the chunk's max z and sum of exp(z - max) (online, one exp per id; a row split
+  over ~19 programs at a 152k vocabulary, as next_token.argmax_rows: one program per row leaves
+  the device idle at a few hundred rows). Chunk 0's program also makes the row's uniform u, here
+  because pass 2 advances the counter;
+- pass 2, a program per row: the chunks' masses rescaled to the row's max give the total (and the
+  logsumexp); the chunk whose running mass first passes u x total holds the token, and a scan of
+  that one chunk (its logits read again) finds the first id whose running sum passes what is left;
+  the log-prob z[token] - logsumexp(z); rows of `replace` take the given token (its z read back
+  from the logits); program 0 then advances the stream's counter.
 Static shapes, no host sync: inside a captured CUDA graph each replay draws fresh numbers.
 
+Precision: the distribution is softmax(z)'s up to fp32 rounding of the running sums: an id below
+~1e-7 of its row's mass (fp32's resolution of a running sum) is not resolved one by one (its
+interval may round into a neighbour's); should rounding leave a chunk's scan short of its target,
+the chunk's last finite id is taken. -inf logits (masked ids) have no mass and are never drawn
+while a row has a finite logit.
+
 The stream: `rng_state` (2,) int64 = [key, counter] on the logits' device (`new_rng_state`,
-`seed_rng_state_`). The uniform of id i of row r in a call is output i % 4 of Philox4x32-10
-(Triton's tl.philox) under the 64-bit key with the counter (i // 4, r, counter low, counter high);
-a call uses the current counter and adds 1 to it. W = (u + 1/2) / 2^32 is uniform in (0, 1) and
-E = -log(1 - W), from a short series below W = 1/32 so that small E (the winners' tail) keep
-their precision (E >= 1.2e-10: the race reaches ids ~23 nats below the top one; an Exp(1) drawn
-by torch.exponential_ stops at 6e-8, 16.6 nats). No draw is 0 or 1, so no score is inf or NaN;
--inf logits (masked ids) score -inf and are never drawn while a row has a finite logit.
-`impl="torch"` (the twin, any device) computes the same Philox words with int64 tensor ops and the
-same formulas, advancing the same counter: tokens equal the kernel's up to float rounding of the
-logs at near-ties; log-probs equal to float rounding.
+`seed_rng_state_`). Row r's uniform in a call is word 0 of Philox4x32-10 (Triton's tl.philox)
+under the 64-bit key at the counter (r, counter low, counter high, 2^32 - 1): u = (word + 1/2) /
+2^32, in (0, 1) and below 1 in fp32. A call uses the current counter and adds 1 to it.
+`impl="torch"` (the twin, any device) computes the same Philox words with int64 tensor ops and
+takes the inverse CDF over the whole row (one running sum, where the kernel has chunk masses and
+a scan within one chunk), advancing the same counter: tokens equal the kernel's but where fp32
+rounding of the two sums puts u on the other side of a boundary; log-probs equal to float rounding.
 """
 
 from __future__ import annotations
@@ -37,14 +43,12 @@ import torch
 
 from ._dispatch import HAVE_TRITON, launch_opts, use_triton
 
-DRAWS = ("race", "cdf")  # sample_rows's draw (rollout.kernel_options.sampler_draw)
 ROUNDS = 10  # Philox rounds (Random123's and Triton's default)
 _MASK32 = 0xFFFFFFFF
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85  # Philox4x32 (tl.philox's constants)
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
-_W_SCALE, _W_HALF = 2.0 ** -32, 2.0 ** -33  # W = u * 2^-32 + 2^-33, u a uint32
-_W_MAX = 1.0 - 2.0 ** -24  # the largest fp32 below 1 (u near 2^32 rounds to 1.0 in fp32)
-_SERIES_BELOW = 1.0 / 32  # -log(1 - W) = W + W^2/2 + W^3/3 + W^4/4 + O(W^5) below it
+_W_SCALE, _W_HALF = 2.0 ** -32, 2.0 ** -33  # u = word * 2^-32 + 2^-33, word a uint32
+_W_MAX = 1.0 - 2.0 ** -24  # the largest fp32 below 1 (a word near 2^32 rounds to 1.0 in fp32)
 
 if HAVE_TRITON:
     import triton
@@ -53,122 +57,17 @@ if HAVE_TRITON:
     from ._dispatch import pdl_enter
 
     @triton.jit
-    def _uniform(u):
-        """W = (u + 1/2) / 2^32 in (0, 1) from uint32 words u, below 1 in fp32."""
-        return tl.minimum(u.to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10,
-                          0.99999994039535522)
-
-    @triton.jit
-    def _online_add(m, s, z):
-        """The running max m and sum s of exp(z - m) per lane with z added: one exp per id;
-        -inf z (masked ids, padding) add 0."""
-        d = z - m
-        e = tl.exp(-tl.abs(d))
-        s = tl.where(d > 0, s * e + 1.0, s + tl.where(z > float("-inf"), e, 0.0))
-        return tl.maximum(m, z), s
-
-    @triton.jit
     def _rescaled(m, s, mx):
         """Running sums s of exp(z - m) as sums of exp(z - mx) (0 where nothing was added)."""
         return tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0)
 
     @triton.jit
-    def _exp1(u):
-        """An Exp(1) draw from uint32 words u: -log(1 - W), W = _uniform(u)."""
-        w = _uniform(u)
-        series = w * (1.0 + w * (0.5 + w * (0.33333334 + w * 0.25)))
-        return tl.where(w < 0.03125, series, -tl.log(1.0 - w))
-
-    @triton.jit
-    def _race_chunk_kernel(x_ptr, rng_ptr, score_ptr, idx_ptr, zb_ptr, m_ptr, s_ptr, inv_temp, V,
-                           s_x, NCHUNK, CHUNK: tl.constexpr, QUADS: tl.constexpr,
-                           ROUNDS: tl.constexpr, PDL: tl.constexpr = False):
-        pdl_enter(PDL)
-        row = tl.program_id(0)
-        c = tl.program_id(1)
-        key = tl.load(rng_ptr)
-        ctr = tl.load(rng_ptr + 1)
-        q = tl.arange(0, QUADS)
-        k = tl.arange(0, 4)[None, :]
-        zero = tl.zeros([QUADS], tl.uint32)
-        c1 = zero + row.to(tl.uint32)
-        c2 = zero + (ctr & 0xFFFFFFFF).to(tl.uint32)
-        c3 = zero + ((ctr >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        x_row = x_ptr + row.to(tl.int64) * s_x
-        best_s = tl.full([QUADS, 4], float("-inf"), tl.float32)
-        best_i = tl.full([QUADS, 4], V, tl.int32)  # V: nothing seen yet in this lane
-        best_z = tl.zeros([QUADS, 4], tl.float32)
-        m = tl.full([QUADS, 4], float("-inf"), tl.float32)  # per lane: max z, sum exp(z - max)
-        s = tl.zeros([QUADS, 4], tl.float32)
-        for start in range(0, CHUNK, 4 * QUADS):
-            quad = (c * CHUNK + start) // 4 + q
-            cols = quad[:, None] * 4 + k
-            ok = cols < V
-            z = tl.load(x_row + cols, mask=ok, other=float("-inf")).to(tl.float32) * inv_temp
-            r0, r1, r2, r3 = tl.philox(key, quad.to(tl.uint32), c1, c2, c3, ROUNDS)
-            u = tl.where(k == 0, r0[:, None], tl.where(k == 1, r1[:, None],
-                                                       tl.where(k == 2, r2[:, None], r3[:, None])))
-            score = z - tl.log(_exp1(u))
-            # strictly greater keeps a lane's first id; a lane's first id is taken even at -inf
-            better = ok & ((score > best_s) | (best_i == V))
-            best_s = tl.where(better, score, best_s)
-            best_i = tl.where(better, cols, best_i)
-            best_z = tl.where(better, z, best_z)
-            m, s = _online_add(m, s, z)
-        best = tl.max(tl.max(best_s, 1), 0)
-        first = tl.min(tl.min(tl.where((best_s == best) & (best_i < V), best_i, V), 1), 0)
-        zb = tl.sum(tl.sum(tl.where(best_i == first, best_z, 0.0), 1), 0)
-        mx = tl.max(tl.max(m, 1), 0)
-        sm = tl.sum(tl.sum(_rescaled(m, s, mx), 1), 0)
-        at = row * NCHUNK + c
-        tl.store(score_ptr + at, best)
-        tl.store(idx_ptr + at, first)
-        tl.store(zb_ptr + at, zb)
-        tl.store(m_ptr + at, mx)
-        tl.store(s_ptr + at, sm)
-
-    @triton.jit
-    def _race_final_kernel(score_ptr, idx_ptr, zb_ptr, m_ptr, s_ptr, x_ptr, rep_ptr, rtok_ptr,
-                           tok_ptr, lp_ptr, rng_ptr, inv_temp, V, s_x, NCHUNK,
-                           N_PAD: tl.constexpr, HAS_REPLACE: tl.constexpr, HAS_LP: tl.constexpr,
-                           PDL: tl.constexpr = False):
-        pdl_enter(PDL)
-        row = tl.program_id(0)
-        c = tl.arange(0, N_PAD)
-        ok = c < NCHUNK
-        at = row * NCHUNK + c
-        v = tl.load(score_ptr + at, mask=ok, other=float("-inf"))
-        i = tl.load(idx_ptr + at, mask=ok, other=V)
-        best = tl.max(v, 0)
-        tok = tl.min(tl.where((v == best) & (i < V), i, V), 0)
-        z_tok = tl.sum(tl.where(i == tok, tl.load(zb_ptr + at, mask=ok, other=0.0), 0.0), 0)
-        tok = tok.to(tl.int64)
-        if HAS_REPLACE:
-            forced = tl.load(rep_ptr + row) != 0
-            given = tl.load(rtok_ptr + row)
-            z_given = tl.load(x_ptr + row.to(tl.int64) * s_x + given, mask=forced,
-                              other=0.0).to(tl.float32) * inv_temp
-            tok = tl.where(forced, given, tok)
-            z_tok = tl.where(forced, z_given, z_tok)
-        tl.store(tok_ptr + row, tok)
-        if HAS_LP:
-            m = tl.load(m_ptr + at, mask=ok, other=float("-inf"))
-            s = tl.load(s_ptr + at, mask=ok, other=0.0)
-            mx = tl.max(m, 0)
-            total = tl.sum(_rescaled(m, s, mx), 0)
-            tl.store(lp_ptr + row, z_tok - (mx + tl.log(total)))
-        if row == 0:  # pass 1 read the counter; nothing of this kernel does
-            tl.store(rng_ptr + 1, tl.load(rng_ptr + 1) + 1)
-
-
-    @triton.jit
     def _mass_chunk_kernel(x_ptr, rng_ptr, u_ptr, m_ptr, s_ptr, inv_temp, V, s_x, NCHUNK,
                            CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROUNDS: tl.constexpr,
                            PDL: tl.constexpr = False):
-        """draw="cdf" pass 1, a program per (row, chunk): the chunk's max z and sum of
-        exp(z - max) (the race kernel's online sums); chunk 0's program also the row's uniform u
-        (Philox word 0 at counter (row, counter low, counter high, 2^32 - 1)), read here because
-        pass 2 advances the counter."""
+        """Pass 1, a program per (row, chunk): the chunk's max z and sum of exp(z - max); chunk
+        0's program also the row's uniform u (Philox word 0 at counter (row, counter low, counter
+        high, 2^32 - 1)), read here because pass 2 advances the counter."""
         pdl_enter(PDL)
         row = tl.program_id(0)
         c = tl.program_id(1)
@@ -180,27 +79,32 @@ if HAVE_TRITON:
                                     one + (ctr & 0xFFFFFFFF).to(tl.uint32),
                                     one + ((ctr >> 32) & 0xFFFFFFFF).to(tl.uint32),
                                     tl.full([1], 0xFFFFFFFF, tl.uint32), ROUNDS)
-            tl.store(u_ptr + row, tl.sum(_uniform(r0), 0))
+            u = tl.minimum(r0.to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10,
+                           0.99999994039535522)  # (word + 1/2) / 2^32, below 1 in fp32
+            tl.store(u_ptr + row, tl.sum(u, 0))
         x_row = x_ptr + row.to(tl.int64) * s_x
-        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane: max z, sum exp(z - max)
         s = tl.zeros([BLOCK], tl.float32)
         for start in range(0, CHUNK, BLOCK):
             cols = c * CHUNK + start + tl.arange(0, BLOCK)
             z = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_temp
-            m, s = _online_add(m, s, z)
+            # one exp per id; -inf z (masked ids, padding) add 0
+            d = z - m
+            e = tl.exp(-tl.abs(d))
+            s = tl.where(d > 0, s * e + 1.0, s + tl.where(z > float("-inf"), e, 0.0))
+            m = tl.maximum(m, z)
         mx = tl.max(m, 0)
         tl.store(m_ptr + row * NCHUNK + c, mx)
-        tl.store(s_ptr + row * NCHUNK + c,
-                 tl.sum(_rescaled(m, s, mx), 0))
+        tl.store(s_ptr + row * NCHUNK + c, tl.sum(_rescaled(m, s, mx), 0))
 
     @triton.jit
     def _cdf_final_kernel(u_ptr, m_ptr, s_ptr, x_ptr, rep_ptr, rtok_ptr, tok_ptr, lp_ptr, rng_ptr,
                           inv_temp, V, s_x, NCHUNK, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                           N_PAD: tl.constexpr, HAS_REPLACE: tl.constexpr,
                           HAS_LP: tl.constexpr, PDL: tl.constexpr = False):
-        """draw="cdf" pass 2, a program per row: the chunk holding u x the row's total mass, then
-        the first id of that chunk whose running sum of exp(z - chunk max) passes the rest (the
-        last finite id of the chunk should fp32 rounding leave the sum short); the log-prob
+        """Pass 2, a program per row: the chunk holding u x the row's total mass, then the first
+        id of that chunk whose running sum of exp(z - chunk max) passes the rest (the last finite
+        id of the chunk should fp32 rounding leave the sum short); the log-prob
         z[token] - logsumexp(z); program 0 then advances the stream's counter."""
         pdl_enter(PDL)
         row = tl.program_id(0)
@@ -242,7 +146,7 @@ if HAVE_TRITON:
         if HAS_LP:
             z_tok = tl.load(x_row + tok).to(tl.float32) * inv_temp
             tl.store(lp_ptr + row, z_tok - (mx + tl.log(total)))
-        if row == 0:
+        if row == 0:  # pass 1 read the counter; nothing of this kernel does
             tl.store(rng_ptr + 1, tl.load(rng_ptr + 1) + 1)
 
 
@@ -263,7 +167,7 @@ def seed_rng_state_(state: torch.Tensor, seed: int) -> torch.Tensor:
     return state
 
 
-def _check(logits, inv_temp, rng_state, replace, chunk, quads):
+def _check(logits, inv_temp, rng_state, replace, chunk, block):
     if logits.dim() != 2:
         raise ValueError(f"sample_rows takes (B, V) logits, got shape {tuple(logits.shape)}")
     if logits.stride(-1) != 1:
@@ -277,8 +181,10 @@ def _check(logits, inv_temp, rng_state, replace, chunk, quads):
         raise ValueError(f"sample_rows: rng_state must be a (2,) int64 tensor on the logits' "
                          f"device {logits.device}, got {tuple(rng_state.shape)} {rng_state.dtype} "
                          f"on {rng_state.device}")
-    if chunk % (4 * quads):
-        raise ValueError(f"sample_rows: chunk {chunk} is not a multiple of 4 * quads {4 * quads}")
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"sample_rows: block {block} is not a power of two")
+    if chunk < block or chunk % block:
+        raise ValueError(f"sample_rows: chunk {chunk} is not a multiple of block {block}")
     if replace is not None:
         where, given = replace
         B = logits.shape[0]
@@ -289,59 +195,20 @@ def _check(logits, inv_temp, rng_state, replace, chunk, quads):
 
 def sample_rows(logits: torch.Tensor, inv_temp: float, rng_state: torch.Tensor, *,
                 replace: Optional[tuple] = None, need_logprobs: bool = True, pdl: bool = False,
-                impl: str = "auto", chunk: int = 8192, quads: int = 256, warps: int = 4,
-                draw: str = "race"):
+                impl: str = "auto", chunk: int = 8192, block: int = 1024, warps: int = 4):
     """logits (B, V) over the true vocabulary (any float dtype, last dimension contiguous),
     inv_temp = 1 / temperature > 0, rng_state (2,) int64 [key, counter] on the logits' device
     (advanced in place) -> (tokens (B,) int64, log_softmax(logits * inv_temp) at the tokens (B,)
     fp32, or None without `need_logprobs`). `replace` (where (B,) bool, tokens (B,) int64): those
     rows emit the given token and its log-prob (the draw is still made). Kernel shape: `chunk`
-    ids per program of pass 1, tiles of 4 * `quads` ids, `warps` warps per program.
-    `draw` (rollout.kernel_options.sampler_draw): "race", the exponential race (a Philox word and
-    two logs per id); "cdf", the inverse CDF (pass 1 sums each chunk's mass, pass 2 draws one
-    uniform per row and scans the one chunk that holds it): the same distribution to fp32
-    rounding of the running sums (ids below ~1e-7 of a row's mass are not resolved one by one),
-    other tokens for the same stream."""
-    _check(logits, inv_temp, rng_state, replace, chunk, quads)
-    if draw not in DRAWS:
-        raise ValueError(f"sample_rows: draw={draw!r} is not one of {DRAWS}")
+    ids per program of pass 1 (and per scan of pass 2), tiles of `block` ids (a power of two
+    dividing `chunk`), `warps` warps per program."""
+    _check(logits, inv_temp, rng_state, replace, chunk, block)
     if not use_triton(logits, impl):
-        fn = _sample_rows_torch if draw == "race" else _sample_rows_cdf_torch
-        return fn(logits, inv_temp, rng_state, replace, need_logprobs)
-    if draw == "cdf":
-        return _sample_rows_cdf(logits, inv_temp, rng_state, replace, need_logprobs, pdl=pdl,
-                                chunk=chunk, block=4 * quads, warps=warps)
+        return _sample_rows_torch(logits, inv_temp, rng_state, replace, need_logprobs)
     B, V = logits.shape
     dev = logits.device
-    tile = 4 * quads
-    chunk = min(chunk, triton.cdiv(V, tile) * tile)  # a small vocabulary: one chunk, no empty tiles
-    nchunk = triton.cdiv(V, chunk)
-    f32 = dict(dtype=torch.float32, device=dev)
-    score, zb, m, s = (torch.empty((B, nchunk), **f32) for _ in range(4))
-    idx = torch.empty((B, nchunk), dtype=torch.int32, device=dev)
-    tokens = torch.empty((B,), dtype=torch.long, device=dev)
-    lp = torch.empty((B,), **f32) if need_logprobs else None
-    if not B:
-        rng_state[1:].add_(1)
-        return tokens, lp
-    where, given = ((replace[0].contiguous().view(torch.uint8), replace[1].contiguous())
-                    if replace is not None else (tokens, tokens))  # unread without it
-    _race_chunk_kernel[(B, nchunk)](logits, rng_state, score, idx, zb, m, s, float(inv_temp), V,
-                                    logits.stride(0), nchunk, CHUNK=chunk, QUADS=quads,
-                                    ROUNDS=ROUNDS, num_warps=warps, **launch_opts(logits, pdl))
-    _race_final_kernel[(B,)](score, idx, zb, m, s, logits, where, given, tokens,
-                             tokens if lp is None else lp, rng_state, float(inv_temp), V,
-                             logits.stride(0), nchunk,
-                             N_PAD=max(16, triton.next_power_of_2(nchunk)),
-                             HAS_REPLACE=replace is not None, HAS_LP=lp is not None, num_warps=1,
-                             **launch_opts(logits, pdl))
-    return tokens, lp
-
-
-def _sample_rows_cdf(logits, inv_temp, rng_state, replace, need_logprobs, *, pdl, chunk, block,
-                     warps):
-    B, V = logits.shape
-    dev = logits.device
+    # a small vocabulary: one chunk, no empty tiles
     chunk = min(chunk, triton.cdiv(V, block) * block)
     nchunk = triton.cdiv(V, chunk)
     m, s = (torch.empty((B, nchunk), dtype=torch.float32, device=dev) for _ in range(2))
@@ -386,60 +253,19 @@ def philox4x32(key: torch.Tensor, c0, c1, c2, c3, rounds: int = ROUNDS):
     return c0, c1, c2, c3
 
 
-def uniform_words(rng_state: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
-    """(rows, vocab) int64: the uint32 word of each (row, id) that sample_rows draws from at
-    rng_state's current counter (id i: word i % 4 of counter (i // 4, row, counter))."""
-    dev = rng_state.device
-    key, ctr = rng_state[0], rng_state[1]
-    quad = torch.arange(-(-vocab // 4), device=dev)[None, :]
-    row = torch.arange(rows, device=dev)[:, None]
-    words = philox4x32(key, quad, row, ctr & _MASK32, (ctr >> 32) & _MASK32)
-    return torch.stack(torch.broadcast_tensors(*words), -1).reshape(rows, -1)[:, :vocab]
-
-
-def uniform_of_words(u: torch.Tensor) -> torch.Tensor:
-    """W in (0, 1) of uint32 words u (int64), as the kernels' _uniform."""
-    return (u.float() * _W_SCALE + _W_HALF).clamp_max_(_W_MAX)
-
-
-def exp1_of_words(u: torch.Tensor) -> torch.Tensor:
-    """The Exp(1) draws of uint32 words u (int64), as the kernel's _exp1."""
-    w = uniform_of_words(u)
-    series = w * (1.0 + w * (0.5 + w * (1.0 / 3 + w * 0.25)))
-    return torch.where(w < _SERIES_BELOW, series, -torch.log(1.0 - w))
-
-
-def _sample_rows_torch(logits, inv_temp, rng_state, replace, need_logprobs):
-    B, V = logits.shape
-    z = logits.float() * inv_temp
-    score = z - exp1_of_words(uniform_words(rng_state, B, V)).log()
-    tokens = torch.argmax(score, dim=-1)  # the first maximal id
-    return _twin_result(tokens, z, rng_state, replace, need_logprobs)
-
-
-def _twin_result(tokens, z, rng_state, replace, need_logprobs):
-    """The twins' common end: `replace` rows take their tokens, the counter advances, the
-    log-probs z[token] - logsumexp(z)."""
-    if replace is not None:
-        tokens = torch.where(replace[0], replace[1], tokens)
-    rng_state[1:].add_(1)
-    if not need_logprobs:
-        return tokens, None
-    return tokens, z.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)
-
-
-def cdf_uniforms(rng_state: torch.Tensor, rows: int) -> torch.Tensor:
-    """(rows,) fp32: the uniform of each row that draw="cdf" uses at rng_state's counter."""
+def row_uniforms(rng_state: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows,) fp32: the uniform u of each row that sample_rows draws with at rng_state's current
+    counter, as pass 1 makes it."""
     dev = rng_state.device
     key, ctr = rng_state[0], rng_state[1]
     row = torch.arange(rows, device=dev)
-    r0 = philox4x32(key, row, ctr & _MASK32, (ctr >> 32) & _MASK32,
-                    torch.full_like(row, _MASK32))[0]
-    return uniform_of_words(r0)
+    word = philox4x32(key, row, ctr & _MASK32, (ctr >> 32) & _MASK32,
+                      torch.full_like(row, _MASK32))[0]
+    return (word.float() * _W_SCALE + _W_HALF).clamp_max_(_W_MAX)
 
 
-def _sample_rows_cdf_torch(logits, inv_temp, rng_state, replace, need_logprobs):
-    """draw="cdf" as PyTorch ops: the inverse CDF over the whole row (one running sum, not the
+def _sample_rows_torch(logits, inv_temp, rng_state, replace, need_logprobs):
+    """sample_rows as PyTorch ops: the inverse CDF over the whole row (one running sum, not the
     kernel's chunk masses: tokens equal the kernel's but where fp32 rounding of the two sums puts
     u on the other side of a boundary)."""
     B, V = logits.shape
@@ -447,8 +273,13 @@ def _sample_rows_cdf_torch(logits, inv_temp, rng_state, replace, need_logprobs):
     mx = z.amax(-1, keepdim=True)
     e = torch.exp(z - mx)  # 0 at -inf ids
     cum = e.cumsum(-1)
-    target = cdf_uniforms(rng_state, B)[:, None] * cum[:, -1:]
+    target = row_uniforms(rng_state, B)[:, None] * cum[:, -1:]
     past = (cum > target) & (e > 0)
     last = torch.where(e > 0, torch.arange(V, device=z.device), -1).amax(-1)
     tokens = torch.where(past.any(-1), past.float().argmax(-1), last)
-    return _twin_result(tokens, z, rng_state, replace, need_logprobs)
+    if replace is not None:
+        tokens = torch.where(replace[0], replace[1], tokens)
+    rng_state[1:].add_(1)
+    if not need_logprobs:
+        return tokens, None
+    return tokens, z.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)

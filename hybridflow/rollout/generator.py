@@ -446,7 +446,6 @@ class Generator:
                                  top_p=cfg.top_p, generator=self._rng,
                                  need_logprobs=cfg.return_logprobs, kernels=opts.kernels,
                                  pdl=opts.pdl, rng_state=rng_state,
-                                 fused_draw=opts.sampler_draw,
                                  compile_backend=opts.compile_backend if opts.compile else None)
             if step_kernel:
                 ksampling.advance_rows(
@@ -500,8 +499,7 @@ class Generator:
             tok, lp = sample(last, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                              generator=self._rng, need_logprobs=cfg.return_logprobs,
                              kernels=opts.kernels, pdl=opts.pdl,
-                             rng_state=self.sampler_stream(opts),
-                             fused_draw=opts.sampler_draw)
+                             rng_state=self.sampler_stream(opts))
             buf, fns = steps[b]
             buf.reset(tok=tok, lp=lp, lengths=mask.sum(1), mask=mask, pad_id=pad_id)
             out_tok = torch.full((B + 1, R), pad_id, dtype=torch.long, device=self.device)  # row B:

@@ -310,7 +310,6 @@ def decode_step(gen, st: DecodeState, cfg: RolloutConfig, *, graphed: bool,
         tok, lp = sample(st.logits, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                          generator=gen._rng, need_logprobs=True, kernels=opts.kernels,
                          pdl=opts.pdl, rng_state=gen.sampler_stream(opts),
-                         fused_draw=opts.sampler_draw,
                          compile_backend=opts.compile_backend if opts.compile else None,
                          replace=(ctrl[DecodeState.FORCED].bool(),
                                   ctrl[DecodeState.FORCED_TOKEN]))

@@ -50,7 +50,6 @@ class DecodeOptions:
     fp8_weight_only_max_rows: int = _K.fp8_weight_only_max_rows
     int4_kernel_max_rows: int = _K.int4_kernel_max_rows
     fused_sampler: bool = _K.fused_sampler
-    sampler_draw: str = _K.sampler_draw
     own_columns_only: bool = _K.own_columns_only
     compile_backend: str = _K.compile_backend
     compile_mode: Optional[str] = _K.compile_mode
@@ -94,7 +93,7 @@ class DecodeOptions:
                    swiglu_gemm_min_rows=k.swiglu_gemm_min_rows,
                    fp8_weight_only_max_rows=k.fp8_weight_only_max_rows,
                    int4_kernel_max_rows=k.int4_kernel_max_rows,
-                   fused_sampler=bool(k.fused_sampler), sampler_draw=k.sampler_draw,
+                   fused_sampler=bool(k.fused_sampler),
                    own_columns_only=bool(k.own_columns_only),
                    compile_backend=k.compile_backend, compile_mode=k.compile_mode,
                    spec_rows=r.speculative.max_rows if r.speculative.enable is True else 0,

@@ -19,10 +19,11 @@ Choices:
   static shape and there is no host sync, so the sampler runs inside a captured CUDA graph (the
   generator is registered with the graph).
 - With a device stream `rng_state` (rollout.kernel_options.fused_sampler) and kernels="triton",
-  the temperature draw without top-k/top-p and its log-prob are kernels/sample.sample_rows: two
-  Triton passes that read the logits once (the race's uniforms made in registers from a Philox
-  counter in `rng_state`, advanced in place; not `generator`'s stream), through the Triton
-  interpreter on CPU under TRITON_INTERPRET=1; other settings take the paths above.
+  the temperature draw without top-k/top-p and its log-prob are kernels/sample.sample_rows: not
+  the race but the inverse CDF in two Triton passes (each vocabulary chunk's mass, then one
+  uniform per row from a Philox counter in `rng_state`, advanced in place, not `generator`'s
+  stream, and a scan of the chunk that holds it), through the Triton interpreter on CPU under
+  TRITON_INTERPRET=1; other settings take the paths above.
 - Log-probs (when asked) are those of the sampled token under the temperature-scaled distribution
   BEFORE top-k/top-p filtering: log_softmax(logits / T) (T = 1 for greedy). That is what verl's
   old-log-prob pass recomputes (it divides the logits by the rollout temperature), so the two can be
@@ -82,8 +83,7 @@ def _compiled(backend: str):
 def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
            generator: Optional[torch.Generator] = None, need_logprobs: bool = False,
            compile_backend: Optional[str] = None, kernels: str = "torch", pdl: bool = False,
-           replace: Optional[tuple] = None, rng_state: Optional[torch.Tensor] = None,
-           fused_draw: str = "race"):
+           replace: Optional[tuple] = None, rng_state: Optional[torch.Tensor] = None):
     """logits (B, V) over the true vocabulary, any float dtype -> (tokens (B,) int64, logprobs (B,)
     fp32 or None). `compile_backend`: run the race and the log-probs through torch.compile.
     `replace` (where (B,) bool, tokens (B,) int64): those rows emit the given token in place of
@@ -92,16 +92,15 @@ def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: f
     `kernels` (a resolved rollout.decode_kernels): "triton" takes greedy's argmax by the Triton
     kernel for CUDA logits (launched with `pdl`), "torch" by torch.argmax.
     `rng_state` ((2,) int64 [key, counter], kernels/sample.py): with kernels "triton", temperature
-    > 0, top_k 0 and top_p 1 the draw and its log-prob are kernels/sample.sample_rows's (its
-    stream, not `generator`'s), drawn by `fused_draw` (rollout.kernel_options.sampler_draw);
-    None: the PyTorch sampler always."""
+    > 0, top_k 0 and top_p 1 the draw and its log-prob are kernels/sample.sample_rows's (the
+    inverse CDF from its stream, not `generator`'s); None: the PyTorch sampler always."""
     if (rng_state is not None and kernels == "triton" and temperature > 0.0 and top_k == 0
             and top_p >= 1.0):
         from hybridflow.kernels._dispatch import interpreting
         from hybridflow.kernels.sample import sample_rows
 
         return sample_rows(logits, 1.0 / temperature, rng_state, replace=replace,
-                           need_logprobs=need_logprobs, pdl=pdl, draw=fused_draw,
+                           need_logprobs=need_logprobs, pdl=pdl,
                            # (CPU tests run the kernel too)
                            impl="triton" if logits.is_cuda or interpreting() else "torch")
     race_argmax, token_logprobs = (_compiled(compile_backend) if compile_backend else

@@ -4,7 +4,7 @@ Triton kernels against log_softmax, torch.argmax and their PyTorch twin ("kernel
 generation with rollout.kernel_options.fused_sampler ("generation"; a scratch directory as the
 second argument). Prints one JSON object of results. The interpreter runs a program in ~20 ms, so
 the cases keep to a few hundred programs; the many-draw statistics run on the twin
-(tests/unit/test_sample_rows.py), whose Philox words are checked equal here."""
+(tests/unit/test_sample_rows.py), whose Philox words and tokens are checked equal here."""
 
 import json
 import os
@@ -26,19 +26,20 @@ def _lp_ref(x, tokens, inv_temp):
 
 def logprob_cases():
     """Log-probs (and the logsumexp under them) against torch.log_softmax, bf16 and fp32 logits,
-    one row and several, a vocabulary of one chunk and of three (the last partial); the kernel's
-    tokens equal the twin's (the same Philox words), each call advances the counter by 1."""
+    one row and several, a vocabulary of one chunk and of three (the last partial), two tile
+    sizes; the kernel's tokens equal the twin's (the same uniforms; the two sums' fp32 roundings
+    differ by far less than these rows' gaps), each call advances the counter by 1."""
     out = []
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
-        for B, V, chunk, quads in [(1, 37, 8192, 256), (5, 2500, 1024, 64)]:
+        for B, V, chunk, block in [(1, 37, 8192, 1024), (5, 2500, 1024, 256)]:
             x = (torch.randn(B, V, generator=g) * 4).to(dtype)
             inv_temp = 1 / 0.7
             state, twin_state = ks.new_rng_state(11, "cpu"), ks.new_rng_state(11, "cpu")
-            tok, lp = ks.sample_rows(x, inv_temp, state, impl="triton", chunk=chunk, quads=quads)
+            tok, lp = ks.sample_rows(x, inv_temp, state, impl="triton", chunk=chunk, block=block)
             ttok, tlp = ks.sample_rows(x, inv_temp, twin_state, impl="torch")
             tok2, no_lp = ks.sample_rows(x, inv_temp, state, impl="triton", chunk=chunk,
-                                         quads=quads, need_logprobs=False)
+                                         block=block, need_logprobs=False)
             out.append({"dtype": str(dtype), "B": B, "V": V, "nchunk": -(-V // chunk),
                         "lp_err": (lp - _lp_ref(x, tok, inv_temp)).abs().max().item(),
                         "twin_lp_err": (tlp - _lp_ref(x, ttok, inv_temp)).abs().max().item(),
@@ -105,13 +106,13 @@ def edge_cases():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 2500, generator=g) * 3
     state = ks.new_rng_state(9, "cpu")
-    cold, _ = ks.sample_rows(x, 1e4, state, impl="triton", chunk=1024, quads=64)
+    cold, _ = ks.sample_rows(x, 1e4, state, impl="triton", chunk=1024, block=256)
     masked = x.clone()
     masked[:, 1024:2048] = float("-inf")
     masked[:, ::3] = float("-inf")
     masked[2, :] = float("-inf")
     masked[2, 2000] = 0.5  # a row with one finite logit: that id, log-prob 0
-    tok, lp = ks.sample_rows(masked, 1.0, state, impl="triton", chunk=1024, quads=64)
+    tok, lp = ks.sample_rows(masked, 1.0, state, impl="triton", chunk=1024, block=256)
     finite = torch.isfinite(masked.gather(1, tok[:, None]).squeeze(1))
     empty_tok, empty_lp = ks.sample_rows(torch.zeros(0, 50), 1.0, state, impl="triton")
     return {"cold_is_argmax": bool(torch.equal(cold, x.argmax(-1))),
@@ -208,14 +209,14 @@ def multi_turn_cases(tmp):
             "tokens": int(a.response_mask.sum()), "counters": counters}
 
 
-def cdf_cases():
-    """draw="cdf": bf16 / fp32 logits, one chunk and three (the last partial), -inf ids, `replace`:
+def masked_cases():
+    """bf16 / fp32 logits, one chunk and three (the last partial), every 7th id -inf, `replace`:
     the kernel's tokens against its twin's (tokens may differ only where u falls within fp32
     rounding of a boundary: counted), log-probs against log_softmax, the counter advanced."""
     out = []
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16):
-        for B, V, chunk, quads in [(1, 37, 8192, 256), (6, 2500, 1024, 64)]:
+        for B, V, chunk, block in [(1, 37, 8192, 1024), (6, 2500, 1024, 256)]:
             x = (torch.randn(B, V, generator=g) * 3).to(dtype)
             x[:, ::7] = float("-inf")  # masked ids: never drawn
             inv_temp = 1 / 0.7
@@ -223,9 +224,9 @@ def cdf_cases():
             where[-1] = B > 1
             given = torch.full((B,), 5, dtype=torch.long)
             state, twin_state = ks.new_rng_state(13, "cpu"), ks.new_rng_state(13, "cpu")
-            tok, lp = ks.sample_rows(x, inv_temp, state, impl="triton", chunk=chunk, quads=quads,
-                                     draw="cdf", replace=(where, given))
-            ttok, tlp = ks.sample_rows(x, inv_temp, twin_state, impl="torch", draw="cdf",
+            tok, lp = ks.sample_rows(x, inv_temp, state, impl="triton", chunk=chunk, block=block,
+                                     replace=(where, given))
+            ttok, tlp = ks.sample_rows(x, inv_temp, twin_state, impl="torch",
                                        replace=(where, given))
             out.append({"dtype": str(dtype), "B": B, "nchunk": -(-V // chunk),
                         "lp_err": (lp - _lp_ref(x, tok, inv_temp)).abs().max().item(),
@@ -242,7 +243,7 @@ if __name__ == "__main__":
     if section == "kernels":
         result = {"logprobs": logprob_cases(), "strided": strided_cases(),
                   "replace": replace_cases(),
-                  "stream": stream_cases(), "edge": edge_cases(), "cdf": cdf_cases()}
+                  "stream": stream_cases(), "edge": edge_cases(), "masked": masked_cases()}
     else:
         result = {"generation": generation_cases(), "multi_turn": multi_turn_cases(sys.argv[2])}
     print(json.dumps(result))

@@ -1,20 +1,20 @@
-"""kernels/sample.sample_rows (rollout.kernel_options.fused_sampler): temperature sampling and the
-drawn token's log-prob in two Triton passes over the logits, with a Philox stream in a device
-tensor. The Triton kernels run through Triton's CPU interpreter in a fresh process
-(tests/unit/sample_rows_check.py): log-probs equal log_softmax (bf16 and fp32 logits, one row and
-several, a vocabulary of one and of three chunks), `replace` rows, the counter (consecutive calls
-differ, a seed repeats), low temperatures, -inf logits, no rows, and the kernel's tokens equal the
-twin's (the same Philox words). Here, in process: the twin's Philox against Random123's
-known-answer vectors, the draws' distribution by a chi-square test against softmax(z / T) (and
-against the wrong temperature, which it must fail), the Exp(1) draws' ends, and the wiring
-(sampling.sample, DecodeOptions, the config check). Generation with the option (the generator and
-the multi-turn step, interpreted; slow tier): reproducible under a seed, log-probs equal a
-teacher-forced recompute. On a GPU: tests/gpu/test_sample_gpu.py."""
+"""kernels/sample.sample_rows (rollout.kernel_options.fused_sampler): temperature sampling by the
+inverse CDF and the drawn token's log-prob in two Triton passes over the logits, with a Philox
+stream in a device tensor. The Triton kernels run through Triton's CPU interpreter in a fresh
+process (tests/unit/sample_rows_check.py): log-probs equal log_softmax (bf16 and fp32 logits, one
+row and several, a vocabulary of one and of three chunks), `replace` rows, the counter
+(consecutive calls differ, a seed repeats), low temperatures, -inf logits, no rows, and the
+kernel's tokens equal the twin's (the same uniforms). Here, in process: the twin's Philox against
+Random123's known-answer vectors, the rows' uniforms, the draws' distribution by a chi-square
+test against softmax(z / T) (and against the wrong temperature, which it must fail), input
+errors, and the wiring (sampling.sample, DecodeOptions). Generation with the option (the
+generator and the multi-turn step, interpreted; slow tier): reproducible under a seed, log-probs
+equal a teacher-forced recompute. On a GPU: tests/gpu/test_sample_gpu.py."""
 
 import pytest
 import torch
 
-from hybridflow.config import RolloutConfig
+from hybridflow.config import RolloutConfig, load_config
 from hybridflow.config_checks import validate_rollout_options
 from hybridflow.kernels import sample as ks
 from hybridflow.rollout.options import DecodeOptions
@@ -46,8 +46,8 @@ def test_kernel_logprobs_equal_log_softmax(kernels_checked):
         assert c["counter"] == [11, 2] and c["twin_counter"] == [11, 1], c
 
 
-def test_cdf_kernel_draws_as_its_twin(kernels_checked):
-    cases = kernels_checked["cdf"]
+def test_kernel_masked_ids_and_replace_as_its_twin(kernels_checked):
+    cases = kernels_checked["masked"]
     assert {(c["dtype"], c["B"], c["nchunk"]) for c in cases} == {
         (d, B, n) for d in ("torch.float32", "torch.bfloat16") for B, n in ((1, 1), (6, 3))}
     for c in cases:
@@ -122,8 +122,9 @@ def _chi2(tokens: torch.Tensor, probs: torch.Tensor) -> float:
 def test_draws_follow_softmax_over_temperature(temperature):
     """rows x counter steps = 24,576 draws over V = 8 known probabilities at a fixed seed: a
     chi-square test against softmax(log p / T) passes at p = 0.001, one against softmax(log p)
-    (the temperature ignored) fails where T != 1. The kernel draws the same words
-    (tests above), so this is its distribution too; on a GPU test_sample_gpu.py tests it again."""
+    (the temperature ignored) fails where T != 1. The kernel draws the same tokens from the same
+    uniforms (tests above), so this is its distribution too; on a GPU test_sample_gpu.py tests it
+    again."""
     z = P8.log()[None].expand(4096, 8).contiguous()
     state = ks.new_rng_state(77, "cpu")
     tokens = torch.cat([ks.sample_rows(z, 1 / temperature, state, impl="torch",
@@ -135,39 +136,15 @@ def test_draws_follow_softmax_over_temperature(temperature):
     assert int(state[1]) == 6
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_cdf_draws_follow_softmax_over_temperature(temperature):
-    """draw="cdf" (the twin; the kernel draws its tokens, above): the same chi-square tests as
-    the race, and its own stream (other tokens than the race's for the same seed)."""
-    z = P8.log()[None].expand(4096, 8).contiguous()
-    state = ks.new_rng_state(77, "cpu")
-    tokens = torch.cat([ks.sample_rows(z, 1 / temperature, state, impl="torch", draw="cdf",
-                                       need_logprobs=False)[0] for _ in range(6)])
-    target = torch.softmax(P8.log() / temperature, 0)
-    assert _chi2(tokens, target) < CHI2_7DOF_P001
-    if temperature != 1.0:
-        assert _chi2(tokens, P8) > 10 * CHI2_7DOF_P001
-    race = ks.sample_rows(z, 1 / temperature, ks.new_rng_state(77, "cpu"), impl="torch",
-                          need_logprobs=False)[0]
-    assert (race != tokens[:4096]).any()
-    with pytest.raises(ValueError, match="draw='gumbel' is not one of"):
-        ks.sample_rows(z, 1.0, state, impl="torch", draw="gumbel")
-
-
-def test_exp1_draws_stay_finite_and_positive():
-    """The words' ends: u = 0 gives the smallest draw (~1.2e-10, not 0: its score is finite),
-    u = 2^32 - 1 the largest (~16.6, not inf); the series and the log agree where they meet;
-    a million draws have mean ~1."""
-    ends = ks.exp1_of_words(torch.tensor([0, 2 ** 32 - 1]))
-    assert 1e-10 < ends[0] < 2e-10 and 16 < ends[1] < 17
-    w = torch.tensor([1 / 32 - 1e-6, 1 / 32 + 1e-6])
-    u = ((w - 2 ** -33) / 2 ** -32).round().long()
-    e = ks.exp1_of_words(u)
-    assert torch.allclose(e, -torch.log1p(-w), rtol=1e-5)
-    words = ks.uniform_words(ks.new_rng_state(1, "cpu"), 1000, 1000)
-    draws = ks.exp1_of_words(words)
-    assert torch.isfinite(draws).all() and (draws > 0).all()
-    assert abs(draws.double().mean().item() - 1) < 0.01
+def test_row_uniforms_in_the_open_interval():
+    """The rows' uniforms: in (0, 1) (u x total below the total, so the scan ends at an id with
+    mass), mean ~1/2 over 100,000 rows, others at the next counter value."""
+    state = ks.new_rng_state(1, "cpu")
+    u = ks.row_uniforms(state, 100_000)
+    assert u.dtype == torch.float32 and (u > 0).all() and (u < 1).all()
+    assert abs(u.double().mean().item() - 0.5) < 0.005
+    state[1] += 1
+    assert (ks.row_uniforms(state, 100_000) != u).float().mean() > 0.99
 
 
 def test_twin_logprobs_and_replace():
@@ -192,6 +169,13 @@ def test_bad_input_names_what_was_expected():
     with pytest.raises(ValueError, match="replace"):
         ks.sample_rows(x, 1.0, ks.new_rng_state(0, "cpu"),
                        replace=(torch.ones(3, dtype=torch.bool), torch.zeros(3, dtype=torch.long)))
+    for chunk, block in ((1000, 256), (128, 256)):
+        with pytest.raises(ValueError, match=f"chunk {chunk} is not a multiple of block {block}"):
+            ks.sample_rows(x, 1.0, ks.new_rng_state(0, "cpu"), chunk=chunk, block=block)
+    with pytest.raises(ValueError, match="block 3072 is not a power of two"):
+        ks.sample_rows(x, 1.0, ks.new_rng_state(0, "cpu"), chunk=6144, block=3072)
+    with pytest.raises(ValueError, match="logits"):
+        ks.sample_rows(torch.zeros(2, 3, 4), 1.0, ks.new_rng_state(0, "cpu"))
 
 
 # ---- wiring -------------------------------------------------------------------------------------
@@ -213,13 +197,6 @@ def test_sample_takes_the_fused_path_only_where_it_applies():
         got = sample(x, generator=torch.Generator().manual_seed(1), rng_state=state, **kw)[0]
         assert torch.equal(ref, got), kw
     assert int(state[1]) == 1
-    # draw="cdf" (rollout.kernel_options.sampler_draw) reaches sample_rows
-    tok, lp = sample(x, temperature=0.8, kernels="triton", rng_state=state, need_logprobs=True,
-                     fused_draw="cdf")
-    state1 = ks.new_rng_state(5, "cpu")
-    state1[1] = 1
-    twin = ks.sample_rows(x, 1 / 0.8, state1, impl="torch", draw="cdf")
-    assert torch.equal(tok, twin[0]) and torch.allclose(lp, twin[1]) and int(state[1]) == 2
 
 
 def test_fused_sampler_option():
@@ -232,15 +209,9 @@ def test_fused_sampler_option():
     cfg.kernel_options.fused_sampler = "yes"
     with pytest.raises(ValueError, match="rollout.kernel_options.fused_sampler"):
         validate_rollout_options(cfg)
-    cfg = RolloutConfig()
-    assert DecodeOptions.from_config(cfg).sampler_draw == "race"
-    cfg.kernel_options.sampler_draw = "cdf"
-    validate_rollout_options(cfg)
-    assert DecodeOptions.from_config(cfg).sampler_draw == "cdf"
-    cfg.kernel_options.sampler_draw = "gumbel"
-    with pytest.raises(ValueError, match=r"rollout.kernel_options.sampler_draw: 'gumbel' is not "
-                                         r"one of race, cdf"):
-        validate_rollout_options(cfg)
+    # the inverse CDF is the one fused draw: the former choice of draw is an unknown key
+    with pytest.raises(ValueError, match="sampler_draw"):
+        load_config(["rollout.kernel_options.sampler_draw=cdf"])
 
 
 def test_seed_rng_state_in_place():
