@@ -64,7 +64,7 @@ VARIANTS = {
     "graphs": "parallel.train_cuda_graphs=true",
     "spec": "rollout.speculative.enable=true",
     "nospec": "rollout.speculative.enable=false",
-    "fa4": "algo.packed_attention=fa4",
+    "varlen": "algo.packed_attention=varlen",
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
     "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.lookahead=false",
     "tools_held": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.append=prefill",

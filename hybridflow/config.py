@@ -420,12 +420,13 @@ class AlgoConfig:
     # the packed micro-batches' attention kernel (hybridflow/models/attention.py): "varlen": torch's
     # varlen_attn (FlashAttention-2 over the rows' cu_seqlens, GQA native; CUDA, bf16/fp16, head_dim
     # a multiple of 8 up to 256, compute capability 8.0+, torch 2.10+); "flex": a flex_attention
-    # document mask (compiled on CUDA); "fa4": FlashAttention-4's CuTe kernels (pip install
-    # flash-attn-4; compute capability 9.0+; opt-in until measured against varlen; the update's
-    # packed CUDA graphs keep varlen); "auto": varlen where it runs, else flex, chosen once per
-    # run and printed by rank 0. varlen is faster on one H200 (GSM8K step: ref pass 0.48 vs
-    # 0.71 s, update 1.53 vs 1.77 s; benchmarks/results/packed_varlen_h200.json) and agrees with
-    # flex as closely as flex with itself against an fp32 reference (tests/gpu/test_packing_gpu.py)
+    # document mask (compiled on CUDA); "fa4": FlashAttention-4's CuTe kernels (flash-attn-4, in
+    # the gpu extra; compute capability 9.0+; compiled on first use, seconds once per process; the
+    # update's packed CUDA graphs keep varlen); "auto": fa4 where it runs, else varlen where it
+    # runs, else flex, chosen once per run and printed by rank 0 with the reason. Each is faster
+    # than the next (docs/performance.md: the GSM8K step's passes, flash-attn-4 against varlen on
+    # an H100 and varlen against flex on an H200), and the flash kernels agree with flex as
+    # closely as flex with itself against an fp32 reference (tests/gpu/test_packing_gpu.py)
     packed_attention: str = "auto"
 
 

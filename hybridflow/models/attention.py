@@ -31,13 +31,14 @@ attending within one document, causally, with no dense mask:
   multiple of 8 up to 256, compute capability 8.0+, a torch that ships it (2.10+).
 - "fa4": FlashAttention-4's CuTe DSL kernels (`flash_attn.cute.flash_attn_varlen_func`, the
   `flash-attn-4` package: on sm_90 FA3's Hopper algorithm, on sm_100 its own) on the same views and
-  cu_seqlens, GQA native, backward included; CUDA, bf16/fp16, compute capability 9.0+. Opt-in until
-  measured against "varlen"; the update's packed CUDA graphs (parallel.train_cuda_graphs) keep
-  varlen, so with fa4 the packed rows run eager.
+  cu_seqlens, GQA native, backward included; CUDA, bf16/fp16, compute capability 9.0+. What auto
+  picks where it runs (faster than "varlen" on an H100: docs/performance.md); its kernels compile
+  on first use (seconds, once per process). The update's packed CUDA graphs
+  (parallel.train_cuda_graphs) keep varlen.
 - "flex": a flex_attention `BlockMask` document mask (`document_causal_mask`). On CUDA it runs
   `torch.compile(flex_attention)` (compiled once, dynamic shapes); on CPU eager flex_attention when
   nothing will be differentiated, and SDPA with the same mask made dense otherwise (flex_attention
-  has no CPU backward). The fallback wherever varlen does not apply.
+  has no CPU backward). The fallback wherever neither flash kernel applies.
 """
 
 from __future__ import annotations
@@ -267,13 +268,20 @@ def _flash_limits(device: torch.device, dtype: torch.dtype, head_dim: int, *, op
 
 
 @functools.cache
-def _fa4():
-    """flash-attn-4's varlen function, or None where it is not installed."""
+def _fa4_import() -> tuple:
+    """(flash-attn-4's varlen function, None), or (None, why it cannot be imported)."""
     try:
         from flash_attn.cute import flash_attn_varlen_func
-    except ImportError:
-        return None
-    return flash_attn_varlen_func
+    except ImportError as e:
+        return None, f"flash-attn-4 is not installed (pip install flash-attn-4; {e})"
+    except Exception as e:  # installed but broken (its CUDA libraries): auto falls back, saying why
+        return None, f"flash-attn-4 does not import: {type(e).__name__}: {e}"
+    return flash_attn_varlen_func, None
+
+
+def _fa4():
+    """flash-attn-4's varlen function, or None where it cannot be imported."""
+    return _fa4_import()[0]
 
 
 def fa4_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
@@ -281,15 +289,16 @@ def fa4_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
     why = _flash_limits(device, dtype, head_dim, op="FlashAttention-4", kernel="FlashAttention-4",
                         min_cap=(9, 0))
     if why is None and _fa4() is None:
-        return "flash-attn-4 is not installed (pip install flash-attn-4)"
+        return _fa4_import()[1]
     return why
 
 
 def choose_packed_attention(option: str, *, device: torch.device, dtype: torch.dtype,
                             head_dim: int) -> tuple[str, str]:
     """algo.packed_attention (auto | varlen | flex | fa4) -> (kernel, the line that says why).
-    auto: varlen where `varlen_unsupported` finds nothing against it, else flex; varlen or fa4
-    where it cannot run: a ValueError naming the key and the reason."""
+    auto: fa4 where `fa4_unsupported` finds nothing against it, else varlen where
+    `varlen_unsupported` finds nothing, else flex; varlen or fa4 where it cannot run: a ValueError
+    naming the key and the reason."""
     if option not in ("auto", *PACKED_KERNELS):
         raise ValueError(f"algo.packed_attention={option!r} is not one of "
                          f"['auto', 'flex', 'varlen', 'fa4']")
@@ -302,10 +311,14 @@ def choose_packed_attention(option: str, *, device: torch.device, dtype: torch.d
                              "algo.packed_attention=auto, varlen or flex")
         return "fa4", ("packed attention: FlashAttention-4 varlen (flash_attn.cute; "
                        "algo.packed_attention=fa4)")
+    if option == "auto" and fa4_unsupported(device, dtype, head_dim) is None:
+        return "fa4", ("packed attention: FlashAttention-4 varlen (flash_attn.cute; "
+                       "algo.packed_attention=auto)")
     why = varlen_unsupported(device, dtype, head_dim)
     if why is None:
+        note = "" if option == "varlen" else f"; {fa4_unsupported(device, dtype, head_dim)}"
         return "varlen", (f"packed attention: torch varlen_attn (FlashAttention-2 varlen; "
-                          f"algo.packed_attention={option})")
+                          f"algo.packed_attention={option}{note})")
     if option == "varlen":
         raise ValueError(f"algo.packed_attention=varlen cannot run here: {why}; set "
                          "algo.packed_attention=auto or flex")

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.data.packing import PackedShape, fit_packed, pack_rows, shape_for
+from hybridflow.models import attention
 from hybridflow.models.attention import (choose_packed_attention, document_causal_mask,
                                         packed_attention, packed_documents)
 
@@ -220,7 +221,7 @@ def test_kernel_choice_falls_back_to_flex_and_says_why():
         choose_packed_attention("varlen", device=cpu, dtype=torch.bfloat16, head_dim=64)
     with pytest.raises(ValueError, match=r"algo.packed_attention='fa3' is not one of"):
         choose_packed_attention("fa3", device=cpu, dtype=torch.bfloat16, head_dim=64)
-    # fa4: opt-in, refused where it cannot run, with the reason (none of these queries CUDA)
+    # fa4 by name: refused where it cannot run, with the reason (none of these queries CUDA)
     for device, dtype, head_dim, why in (
             (cpu, torch.bfloat16, 64, r"FlashAttention-4 runs on CUDA only \(device cpu\)"),
             (cuda, torch.float32, 64,
@@ -232,13 +233,49 @@ def test_kernel_choice_falls_back_to_flex_and_says_why():
             choose_packed_attention("fa4", device=device, dtype=dtype, head_dim=head_dim)
 
 
+def test_auto_prefers_fa4_where_it_runs_else_varlen_saying_why(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(attention, "fa4_unsupported", lambda *a: None)
+    assert choose_packed_attention("auto", device=cuda, dtype=torch.bfloat16, head_dim=64) == (
+        "fa4", "packed attention: FlashAttention-4 varlen (flash_attn.cute; "
+               "algo.packed_attention=auto)")
+    why = "flash-attn-4 is not installed (pip install flash-attn-4; No module named 'flash_attn')"
+    monkeypatch.setattr(attention, "fa4_unsupported", lambda *a: why)
+    monkeypatch.setattr(attention, "varlen_unsupported", lambda *a: None)
+    assert choose_packed_attention("auto", device=cuda, dtype=torch.bfloat16, head_dim=64) == (
+        "varlen", "packed attention: torch varlen_attn (FlashAttention-2 varlen; "
+                  f"algo.packed_attention=auto; {why})")
+    # asked for by name: varlen, and no word of FlashAttention-4
+    assert choose_packed_attention("varlen", device=cuda, dtype=torch.bfloat16, head_dim=64)[1] \
+        == "packed attention: torch varlen_attn (FlashAttention-2 varlen; algo.packed_attention=varlen)"
+
+
+def test_a_broken_flash_attn_4_is_a_reason_not_a_crash(monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name == "flash_attn.cute":
+            raise RuntimeError("libcute_dsl_runtime.so: cannot open shared object file")
+        return real(name, *args, **kwargs)
+
+    attention._fa4_import.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", broken)
+    try:
+        assert attention._fa4() is None
+        assert attention._fa4_import()[1] == ("flash-attn-4 does not import: RuntimeError: "
+                                              "libcute_dsl_runtime.so: cannot open shared object "
+                                              "file")
+    finally:
+        attention._fa4_import.cache_clear()
+
+
 def test_fa4_kernel_gets_the_packed_row_as_views_and_its_documents(monkeypatch):
     """SDPAttention hands FlashAttention-4's varlen function the [S, heads, head_dim] views of one
     packed row, the documents' cu_seqlens and longest length, causal, the softmax scale; here a
     stand-in computes each document alone with SDPA, so the layer's output must equal flex's."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from hybridflow.models import attention
 
     calls = []
 
