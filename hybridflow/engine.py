@@ -60,7 +60,8 @@ from hybridflow.data.microbatch import token_budget_groups
 from hybridflow.data.packing import (PackedRows, PackedShape, fit_packed, fits, pack_rows,
                                      packed_length, row_lengths, shape_for_rows)
 from hybridflow.data.transfer import to_device
-from hybridflow.models.attention import SDPAttention, choose_packed_attention, packed_documents
+from hybridflow.models.attention import (SDPAttention, choose_packed_attention, packed_documents,
+                                         varlen_unsupported)
 from hybridflow.models.build import LM_ROLES, build_model
 from hybridflow.models.graphs import graph_layers, ungraph_layers
 from hybridflow.models.heads import ValueHead
@@ -385,7 +386,7 @@ class Engine:
         Packed rows of fewer than parallel.train_graphs_min_fill of the budget's tokens (a pass's
         last micro-batch, usually) stay eager: padded, they would compute the rest of the budget."""
         length = -(-max_tokens // multiple) * multiple
-        if self._packed_kernel != "varlen" and self._want_graphs:
+        if self._want_graphs and not self._graphs_run_varlen():
             return staged  # flex builds a block mask per micro-batch: nothing static to capture
         rows = {i: row_lengths(s.mb) for i, s in enumerate(staged) if s.pack is not None}
         rows = {i: r for i, r in rows.items()
@@ -399,14 +400,26 @@ class Engine:
         return [s._replace(pack=functools.partial(_pack_fitted, s.pack, shape), fitted=True)
                 if i in rows and fits(rows[i], shape) else s for i, s in enumerate(staged)]
 
+    def _graphs_run_varlen(self) -> bool:
+        """Whether the packed CUDA graphs can be captured: they run varlen (a static cu_seqlens
+        buffer), which this run's kernel is, or runs beside (fa4: the fitted micro-batches replay
+        on varlen, the others run fa4 eagerly)."""
+        kernel = self.packed_kernel()
+        if kernel != "fa4":
+            return kernel == "varlen"
+        return varlen_unsupported(self.device, self._compute_dtype(), self.tcfg.kv_channels) is None
+
+    def _compute_dtype(self) -> torch.dtype:
+        c = self.tcfg
+        return torch.bfloat16 if c.bf16 else torch.float16 if c.fp16 else torch.float32
+
     def packed_kernel(self) -> str:
         """The packed micro-batches' attention kernel ("varlen" | "flex" | "fa4"), chosen once for
         this engine's device, compute dtype and head_dim from algo.packed_attention."""
         if self._packed_kernel is None:
-            c = self.tcfg
-            dtype = torch.bfloat16 if c.bf16 else torch.float16 if c.fp16 else torch.float32
             self._packed_kernel, line = choose_packed_attention(
-                self._packed_option, device=self.device, dtype=dtype, head_dim=c.kv_channels)
+                self._packed_option, device=self.device, dtype=self._compute_dtype(),
+                head_dim=self.tcfg.kv_channels)
             if self.ctx.rank == 0:
                 _print_once(f"hybridflow: {line}")
         return self._packed_kernel

@@ -126,12 +126,14 @@ def _ragged(short: bool = False) -> RolloutBatch:
 
 
 def _packed_steps(ctx, fake: bool, monkeypatch, batches=None,
-                  min_fill: float = ParallelConfig.train_graphs_min_fill):
+                  min_fill: float = ParallelConfig.train_graphs_min_fill, kernel: str = "varlen"):
     """Two updates (ragged rows, then one-token responses: more documents per micro-batch) as
     packed token-budget micro-batches; `fake`: the engine's packed-graph path with a stand-in
     capture whose "replay" runs the eager layer on flex documents rebuilt from the capture's
     static cu_seqlens (what the varlen kernel would read), counted for calls carrying that object;
-    the eager layers' varlen calls (micro-batches that do not replay) run on flex the same way."""
+    the eager layers' varlen calls (micro-batches that do not replay) run on flex the same way.
+    `kernel`: the run's packed kernel; with fa4 the graphs still capture varlen, which runs beside
+    it, and the micro-batches that do not replay run fa4 (here on flex too)."""
     from hybridflow import engine as E
     from hybridflow.models.attention import packed_documents
     from tests.dist.parity_util import fill_deterministic
@@ -148,7 +150,7 @@ def _packed_steps(ctx, fake: bool, monkeypatch, batches=None,
                 if attention_mask is docs:
                     assert hidden_states.shape[0] == seq_len
                     replays.append(1)
-                if getattr(attention_mask, "kernel", None) == "varlen":  # (CUDA only): on flex
+                if getattr(attention_mask, "kernel", None) in ("varlen", "fa4"):  # CUDA: on flex
                     m = attention_mask
                     lens = m.cu_seqlens.diff().long()
                     ids = torch.repeat_interleave(torch.arange(lens.numel()), lens)
@@ -167,7 +169,8 @@ def _packed_steps(ctx, fake: bool, monkeypatch, batches=None,
         monkeypatch.setattr(E, "graph_layers", fake_graph_layers)
         eng._want_graphs = eng._fit_packed = True
         eng.packed_kernel()
-        eng._packed_kernel = "varlen"  # what a GPU picks; the stand-in replays on flex
+        eng._packed_kernel = kernel  # what a GPU picks; the stand-in replays on flex
+        monkeypatch.setattr(E, "varlen_unsupported", lambda *a: None)  # as beside fa4 on sm_90
     out = []
     for batch in batches or (_ragged(), _ragged(short=True)):
         loss_fn = actor_objective(AlgoConfig(), num_tokens=int(batch.response_mask.sum()),
@@ -178,9 +181,10 @@ def _packed_steps(ctx, fake: bool, monkeypatch, batches=None,
     return out, captures, len(replays)
 
 
-def test_packed_replay_path_matches_eager(ctx, monkeypatch):
+@pytest.mark.parametrize("kernel", ["varlen", "fa4"])
+def test_packed_replay_path_matches_eager(ctx, monkeypatch, kernel):
     eager, _, _ = _packed_steps(ctx, False, monkeypatch)
-    graphed, captures, replays = _packed_steps(ctx, True, monkeypatch)
+    graphed, captures, replays = _packed_steps(ctx, True, monkeypatch, kernel=kernel)
     # captured at the budget, then again with more documents for the short rows
     assert len(captures) == 2 and captures[0][0] == captures[1][0] == BUDGET
     assert captures[1][1] > captures[0][1]
