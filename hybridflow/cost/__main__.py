@@ -11,7 +11,9 @@ import sys
 from hybridflow import cli
 from hybridflow.config_checks import check_token_budget
 from hybridflow.cost.estimate import estimate_cost
-from hybridflow.cost.gpus import GPUS
+from hybridflow.cost.from_config import packed_kernel
+from hybridflow.cost.gpus import GPUS, get_gpu
+from hybridflow.cost.shapes import load_shape
 from hybridflow.cost.workload import ALGORITHMS
 
 
@@ -56,9 +58,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="algo.use_dynamic_bsz=true: --micro-batch-tokens is a token budget")
     p.add_argument("--pack-sequences", action="store_true",
                    help="algo.pack_sequences=true (with --dynamic-bsz): packed rows of real tokens")
-    p.add_argument("--packed-attention", choices=("varlen", "flex"), default="varlen",
-                   help="the packed rows' attention kernel as a GPU run resolves algo.packed_attention "
-                        "(auto: varlen)")
+    p.add_argument("--packed-attention", choices=("auto", "varlen", "flex", "fa4"),
+                   default="auto",
+                   help="algo.packed_attention: the packed rows' attention kernel (auto: fa4 on "
+                        "compute capability 9.0+ where flash-attn-4 is installed, else varlen, "
+                        "else flex)")
+    p.add_argument("--no-fa4", action="store_false", dest="fa4",
+                   help="the target has no flash-attn-4 (the gpu extra installs it): auto "
+                        "resolves to varlen (with --config too)")
     p.add_argument("--steps", type=int)
     p.add_argument("--epochs", type=float)
     p.add_argument("--dataset-size", type=int)
@@ -157,11 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None:
             check_token_budget(key, value, longest=a.prompt_len + response,
                                how=f"--prompt-len + {flag} = {a.prompt_len} + {response}")
+    packed = packed_kernel(a.packed_attention, gpu=get_gpu(a.gpu),
+                           head_dim=load_shape(a.model).head_dim, fa4_installed=a.fa4)
     varlen = dict(gen_max_batch_size=a.gen_max_batch_size,
                   gen_batches_per_round=a.gen_batches_per_round,
                   compact_finished_rows=a.compact_finished_rows, decode_kv_window=a.kv_window,
                   dynamic_bsz=a.dynamic_bsz, pack_sequences=a.pack_sequences,
-                  packed_attention=a.packed_attention)
+                  packed_attention=packed, cdf_sampler=a.decode_kernels == "triton")
     cap = a.max_new_tokens or a.response_len_max or a.response_len
     if a.max_new_tokens is not None or a.lengths:
         varlen["max_new_tokens"] = cap
@@ -197,7 +206,6 @@ def main(argv: list[str] | None = None) -> int:
 def _from_config(a) -> int:
     """The report for a trainer config (`--config`), in its own layout."""
     from hybridflow.cost.from_overrides import from_overrides
-    from hybridflow.cost.gpus import get_gpu
 
     from hybridflow.config import load_config
 
@@ -207,7 +215,8 @@ def _from_config(a) -> int:
     a.gpu_memory_gib = min(caps) if caps else None
     free = a.gpu_memory_gib or get_gpu(a.gpu).memory_gib
     model, plan, fields, notes = from_overrides(a.config, world_size=a.num_gpus, free_gib=free,
-                                                lengths_path=a.lengths)
+                                                lengths_path=a.lengths, gpu=a.gpu,
+                                                fa4_installed=a.fa4)
     for note in notes:
         print(f"hybridflow cost: note: {note}", file=sys.stderr)
     report = estimate_cost(model=model, gpu=a.gpu, num_gpus=a.num_gpus, layout=plan.to_dict(),

@@ -3,6 +3,7 @@ describes (used by the probe's prediction and by the automatic token budgets).""
 from __future__ import annotations
 
 from hybridflow.config import Config, micro_batching
+from hybridflow.cost.gpus import GPU, get_gpu
 from hybridflow.cost.workload import Plan
 from hybridflow.parallel.layout import Layout
 
@@ -24,23 +25,52 @@ def micro_batch_tokens(cfg: Config, *, forward: bool) -> int:
                                                          + cfg.rollout.max_new_tokens)
 
 
-def packed_attention_on_gpu(cfg: Config) -> str:
-    """algo.packed_attention as a GPU run resolves it (models/attention.choose_packed_attention on
-    an sm_80+ GPU with torch 2.10+): auto or varlen -> "varlen" unless the run is fp32 or the head
-    size is not a multiple of 8 up to 256, else "flex". fa4 is costed as varlen: no measured
-    record of its own yet."""
-    head_dim = cfg.model.head_dim
-    if (cfg.algo.packed_attention == "flex" or cfg.trainer.precision == "fp32"
-            or head_dim % 8 or head_dim > 256):
-        return "flex"
-    return "varlen"
+def packed_kernel(option: str, *, gpu: GPU, head_dim: int, fp32: bool = False,
+                  fa4_installed: bool = True) -> str:
+    """algo.packed_attention (auto | varlen | flex | fa4) -> the kernel a run on `gpu` takes
+    (models/attention.choose_packed_attention): FlashAttention-2 varlen needs bf16, head_dim a
+    multiple of 8 up to 256 and compute capability 8.0+; FlashAttention-4 the same at 9.0+ and
+    flash-attn-4 installed (`fa4_installed`: the gpu extra installs it). auto: fa4 where it runs,
+    else varlen where it runs, else flex; varlen where it cannot run: flex; fa4 where it cannot
+    run: ValueError (the trainer refuses it)."""
+    if option not in ("auto", "varlen", "flex", "fa4"):
+        raise ValueError(f"packed attention {option!r}: expected auto, varlen, flex or fa4")
+    flash = not fp32 and head_dim % 8 == 0 and head_dim <= 256   # what both FlashAttentions take
+    cap = gpu.compute_capability
+    fa4 = flash and cap >= (9, 0) and fa4_installed
+    if option == "fa4" and not fa4:
+        why = ("it takes bf16 and a head_dim a multiple of 8 up to 256" if not flash else
+               f"it needs compute capability 9.0+ (got {cap[0]}.{cap[1]})" if cap < (9, 0) else
+               "flash-attn-4 is not installed there (--no-fa4)")
+        raise ValueError(f"algo.packed_attention=fa4 cannot run on {gpu.name}: {why}")
+    if option in ("auto", "fa4") and fa4:
+        return "fa4"
+    return "varlen" if option != "flex" and flash and cap >= (8, 0) else "flex"
 
 
-def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = None) -> dict:
+def packed_attention_on_gpu(cfg: Config, *, gpu: str | GPU = "H200",
+                            fa4_installed: bool = True) -> str:
+    """algo.packed_attention as a run of `cfg` on `gpu` resolves it (`packed_kernel`)."""
+    return packed_kernel(cfg.algo.packed_attention, gpu=get_gpu(gpu), head_dim=cfg.model.head_dim,
+                         fp32=cfg.trainer.precision == "fp32", fa4_installed=fa4_installed)
+
+
+def fused_cdf_draw(cfg: Config, *, decode_kernels: str) -> bool:
+    """Whether decode steps draw by the fused sampler's inverse CDF (rollout/sampling.sample:
+    kernel_options.fused_sampler, the Triton decode layers, temperature > 0, no top-k / top-p);
+    else the PyTorch sampler."""
+    r = cfg.rollout
+    return (bool(r.kernel_options.fused_sampler) and decode_kernels == "triton"
+            and r.temperature > 0 and r.top_k == 0 and r.top_p >= 1.0)
+
+
+def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = None,
+                    gpu: str | GPU = "H200", fa4_installed: bool = True) -> dict:
     """`Workload` keyword arguments for one step of `cfg` (a config whose auto options are
     resolved). `lengths`: prompt_len / response_len / response_len_max, or response_lengths (a
     distribution, cost.lengths) and prompt_len / prompt_len_max, as measured; default the config's
-    maxima (every response runs to rollout.max_new_tokens)."""
+    maxima (every response runs to rollout.max_new_tokens). `gpu`, `fa4_installed`: the machine
+    the kernels are chosen on (`packed_attention_on_gpu`)."""
     from hybridflow.algo.on_policy import skip_old_log_prob
 
     a, p, r, d = cfg.algo, cfg.parallel, cfg.rollout, cfg.data
@@ -57,6 +87,7 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 int4_kernel_max_rows=r.kernel_options.int4_kernel_max_rows,
                 own_columns_only=bool(r.kernel_options.own_columns_only)
                 and decode_kernels == "triton",
+                cdf_sampler=fused_cdf_draw(cfg, decode_kernels=decode_kernels),
                 kv_cache_dtype=r.kv_cache_dtype,
                 lm_head_chunk_tokens=p.lm_head_chunk_tokens, decode_kernels=decode_kernels,
                 fused_elementwise=p.fused_elementwise, train_cuda_graphs=bool(p.train_cuda_graphs),
@@ -71,7 +102,8 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 compact_finished_rows=bool(r.compact_finished_rows),
                 decode_kv_window=int(r.decode_kv_window or 0), dynamic_bsz=bool(a.use_dynamic_bsz),
                 pack_sequences=bool(a.use_dynamic_bsz and a.pack_sequences),
-                packed_attention=packed_attention_on_gpu(cfg),
+                packed_attention=packed_attention_on_gpu(cfg, gpu=gpu,
+                                                         fa4_installed=fa4_installed),
                 gen_batches_per_round=(a.dynamic_sampling.batches_per_round
                                        if a.dynamic_sampling.enable else 1),
                 partial_decode_steps=r.partial.max_decode_steps if r.partial.enable else 0,

@@ -9,11 +9,14 @@ from hybridflow.cost.from_config import plan_for, workload_fields
 
 
 def from_overrides(overrides: list[str], *, world_size: int, free_gib: float,
-                   lengths_path: str | None = None) -> tuple:
+                   lengths_path: str | None = None, gpu: str = "H200",
+                   fa4_installed: bool = True) -> tuple:
     """(ModelConfig, Plan, Workload fields, notes) of the trainer config that `overrides` compose (e.g.
     ["experiment=gsm8k_qwen_coder_0_5b"]), its auto options resolved as on a GPU with `free_gib`
-    free (token budgets included); `lengths_path`: the step's lengths (cost.lengths.load_lengths:
-    a metrics.jsonl, probe.json or lengths JSON), else every response runs to the cap."""
+    free (token budgets included) and the packed-attention kernel as on `gpu` (`fa4_installed`:
+    whether flash-attn-4 is there); `lengths_path`: the step's lengths
+    (cost.lengths.load_lengths: a metrics.jsonl, probe.json or lengths JSON), else every response
+    runs to the cap."""
     from hybridflow.config import load_config
     from hybridflow.config_auto import budgets_unset, resolve_auto, size_for_memory
     from hybridflow.cost.lengths import load_lengths
@@ -39,4 +42,5 @@ def from_overrides(overrides: list[str], *, world_size: int, free_gib: float,
                      "metrics.jsonl (its dynamic_sampling/rounds and /batches) generation is costed "
                      "as one prompt batch per step")
     return (cfg.model, plan_for(cfg, world_size),
-            workload_fields(cfg, decode_kernels=kernels, lengths=lengths), notes)
+            workload_fields(cfg, decode_kernels=kernels, lengths=lengths, gpu=gpu,
+                            fa4_installed=fa4_installed), notes)

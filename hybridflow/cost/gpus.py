@@ -19,6 +19,8 @@ Every number is per GPU. Sources (NVIDIA datasheets unless said):
 Inter-node: `ib_gbps` is a typical NIC per GPU: 400 Gb/s NDR (50 GB/s) on Hopper/Blackwell HGX,
 200 Gb/s HDR (25 GB/s) on DGX A100, 100 Gb/s Ethernet (12.5 GB/s) on L40S/PCIe servers.
 `pcie_gbps` is host<->device per direction after protocol overhead (~85% of the link).
+Compute capability: NVIDIA's CUDA GPUs table (Hopper 9.0, Ampere A100 8.0, Ada L40S 8.9,
+Blackwell B200 10.0).
 Prices are rough 2025 on-demand cloud rates in USD per GPU-hour; pass `price_per_gpu_hour` for yours.
 """
 from __future__ import annotations
@@ -37,16 +39,19 @@ class GPU:
     pcie_gbps: float        # host <-> device, GB/s per direction, effective
     gpus_per_node: int      # size of the NVLink (or PCIe) domain
     price_per_hour: float   # default USD per GPU-hour
+    # CUDA compute capability (major, minor): which packed-attention kernels run there
+    # (from_config.packed_kernel: FlashAttention-2 varlen 8.0+, FlashAttention-4 9.0+)
+    compute_capability: tuple[int, int]
 
 
 GPUS: dict[str, GPU] = {g.name: g for g in [
-    GPU("H200", 989.0, 4800.0, 140.4, 450.0, 50.0, 55.0, 8, 3.50),
-    GPU("H100", 989.0, 3350.0, 79.6, 450.0, 50.0, 55.0, 8, 2.50),
-    GPU("H100-PCIe", 756.0, 2000.0, 79.6, 64.0, 12.5, 55.0, 8, 2.00),
-    GPU("A100-80GB", 312.0, 2039.0, 80.0, 300.0, 25.0, 27.0, 8, 1.60),
-    GPU("A100-40GB", 312.0, 1555.0, 40.0, 300.0, 25.0, 27.0, 8, 1.20),
-    GPU("L40S", 362.0, 864.0, 45.0, 32.0, 12.5, 27.0, 8, 0.90),
-    GPU("B200", 2250.0, 8000.0, 179.1, 900.0, 50.0, 55.0, 8, 5.50),
+    GPU("H200", 989.0, 4800.0, 140.4, 450.0, 50.0, 55.0, 8, 3.50, (9, 0)),
+    GPU("H100", 989.0, 3350.0, 79.6, 450.0, 50.0, 55.0, 8, 2.50, (9, 0)),
+    GPU("H100-PCIe", 756.0, 2000.0, 79.6, 64.0, 12.5, 55.0, 8, 2.00, (9, 0)),
+    GPU("A100-80GB", 312.0, 2039.0, 80.0, 300.0, 25.0, 27.0, 8, 1.60, (8, 0)),
+    GPU("A100-40GB", 312.0, 1555.0, 40.0, 300.0, 25.0, 27.0, 8, 1.20, (8, 0)),
+    GPU("L40S", 362.0, 864.0, 45.0, 32.0, 12.5, 27.0, 8, 0.90, (8, 9)),
+    GPU("B200", 2250.0, 8000.0, 179.1, 900.0, 50.0, 55.0, 8, 5.50, (10, 0)),
 ]}
 _ALIASES = {"H200-SXM": "H200", "H100-SXM": "H100", "A100": "A100-80GB", "A100-SXM-80GB": "A100-80GB",
             "A100-SXM-40GB": "A100-40GB"}

@@ -6,8 +6,8 @@ is the sum of its parts, except where two kinds of work overlap (OVERLAP_P): for
 host side (per-layer and TP collective launches) and GPU side (FLOPs, TP bytes); decode's FLOPs and
 its HBM reads.
 The parts (compute, decode_compute, layer_overhead, optimizer, pp_bubble, hbm_read, decode_overhead,
-quant_overhead, quant_compute, quant_dequant, tp_comm, tp_latency, ep_comm, dp_comm, reshard_comm, latency, pcie,
-step_overhead) let the report say where the time goes. MoE models: FLOPs count the active parameters (router + top_k experts),
+sampler_delta, quant_overhead, quant_compute, quant_dequant, tp_comm, tp_latency, ep_comm, dp_comm,
+reshard_comm, latency, pcie, step_overhead) let the report say where the time goes. MoE models: FLOPs count the active parameters (router + top_k experts),
 memory every expert, a decode step reads (and multiplies) every expert, and under EP each layer
 pass adds the all-to-all of each token's hidden state to its top_k experts and back (`ep_comm`). Per stage (per GPU; the work is assumed split evenly, ceil() where sequences do not
 divide by DP):
@@ -18,9 +18,14 @@ divide by DP):
   same rate overlapped (OVERLAP_P) with each decode step's reads of the gen weight shard and the
   wave's KV cache at HBM bandwidth x decode eff; plus a fixed cost per layer per decode step
   (`decode_layer_overhead_s`: the CUDA graph's small kernels, with sampling folded in); plus TP_g
-  all-reduces (2 per layer per step). A quantized rollout (`Workload.rollout_quantization`) reads
-  its layer weights at their bytes (flops.ROLLOUT_BYTES_PER_WEIGHT) and pays what its kernels cost
-  over bf16's at decode row counts: fp8 a fixed cost per layer per decode step
+  all-reduces (2 per layer per step). The records drew by the exponential race, whose draw the
+  fitted decode terms hold; the Triton decode's inverse-CDF draw (`Workload.cdf_sampler`) adds
+  what it takes beyond the race per decode step at the step's bucket rows (`sampler_delta`: fixed
+  seconds, SAMPLER_RACE_S / SAMPLER_CDF_S, each a + b x rows measured on one H100, not scaled per
+  GPU, b with the vocabulary; negative beyond a few rows), except in the speculative tail, whose
+  draw is PyTorch's. A quantized rollout (`Workload.rollout_quantization`) reads its layer weights
+  at their bytes (flops.ROLLOUT_BYTES_PER_WEIGHT) and pays what its kernels cost over bf16's at
+  decode row counts: fp8 a fixed cost per layer per decode step
   (`fp8_decode_layer_s`, `quant_overhead`), int4 its weight-only kernel's FLOPs over the decode
   row-steps of buckets of at most `Workload.int4_kernel_max_rows` rows at `int4_decode_efficiency`
   (`quant_compute`), and for each prefill sub-batch and wider decode step a bf16 copy of every
@@ -35,7 +40,9 @@ divide by DP):
   FLOPs of their computed tokens (matmuls), response tokens (LM head) and sum of squared row
   lengths (attention); micro-batches of rows of different lengths (packed, or padded) run masked
   attention kernels: their attention FLOPs are charged once more per kernel (1 forward, 2
-  fwd+bwd) at `masked_attention_efficiency`, on the GPU side.
+  fwd+bwd) at `masked_attention_efficiency`, on the GPU side; packed ones on FlashAttention's
+  varlen kernels at the kernel's share of it (cost.varlen.MASKED_SHARE; the update's graphed
+  micro-batches at varlen's, which the graphs capture).
 - old_log_prob / ref / values: forward FLOPs at peak x forward MFU, plus a fixed cost per layer per
   micro-batch (`layer_pass_overhead_s`: kernel launches; at RL micro-batch sizes a small model's
   passes are launch-bound, not FLOP-bound), both times (1 + PP bubble); plus TP traffic under
@@ -113,6 +120,13 @@ DEVICE_COPY_EFF = 0.9  # of HBM bandwidth, a streaming device copy on an H200 (d
 # it measured (benchmarks/results/gsm8k_spec_ab_h100.json, docs/performance.md), not a fit over
 # several records
 SPEC_TAIL_STEP_S = 6.2e-4
+# The fused sampler's draw per decode step, a + b x rows seconds (b at SAMPLER_VOCAB ids; it
+# scales with the vocabulary, the logits each row reads): least squares over bench_sampler.py's
+# 16-512 rows on one H100 (CUDA graphs, bf16 logits; docs/performance.md), for the exponential
+# race the calibration records drew by and the inverse CDF that replaced it.
+SAMPLER_VOCAB = 151_936
+SAMPLER_RACE_S = (9.06e-6, 5.94e-7)
+SAMPLER_CDF_S = (1.149e-5, 1.28e-7)
 
 
 # Two kinds of work that overlap, but not fully: a forward/update pass's host side (per-layer kernel
@@ -254,6 +268,7 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
         prefill = prefill_tokens * forward_flops_per_token(shape, prompt) / tp_g
         t.add("compaction", None, calls * d.moved_bytes * kv_token / (gpu.hbm_gbps * 1e9))
         t.add("spec_tail_step", None, calls * d.spec_steps * SPEC_TAIL_STEP_S)
+        spec_steps, spec_row_steps = calls * d.spec_steps, calls * d.spec_row_steps
         collectives, comm_tokens = 2 * shape.num_layers * (steps + calls * d.chunks), \
             calls * (row_steps + prefilled * prompt)
     else:  # every row prompt_len + response_len; per-step costs until each wave's longest ends
@@ -270,6 +285,7 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
         prefills = _prefill_calls(prefill_tokens, waves)
         collectives = 2 * shape.num_layers * waves * (1 + w.longest_response)
         comm_tokens = per_replica * w.seq_len
+        spec_steps, spec_row_steps = 0, 0.0
     decode = (row_steps * 2 * shape.num_decode_params
               + row_columns * 4 * shape.num_layers * shape.q_dim) / tp_g
     t.add("compute", "inv_prefill_eff", prefill / peak)
@@ -287,6 +303,9 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
         t.add("hbm_read", "inv_decode_bw_eff", (steps * weights + kv) / (gpu.hbm_gbps * 1e9))
     t.add("decode_overhead", "fused_decode_layer_overhead_s" if w.decode_kernels == "triton"
           else "decode_layer_overhead_s", steps * shape.num_layers)
+    if w.cdf_sampler and w.decode_kernels == "triton":  # (the speculative tail draws in PyTorch)
+        t.add("sampler_delta", None, sampler_delta(shape, steps - spec_steps,
+                                                   row_steps - spec_row_steps))
     # what the quantized kernels cost over bf16's at decode row counts (only when quantized)
     if w.rollout_quantization == "fp8":   # activation quantization + _scaled_mm latency per GEMM
         gemms = 2 if shape.moe.enabled else 4          # the quantized matrices of a layer
@@ -304,6 +323,13 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
     _tp_comm(t, shape, gpu, tp_g, shape.num_layers, comm_tokens, all_reduces=2,
              num_collectives=collectives, fitted_latency=False)
     return t
+
+
+def sampler_delta(shape: ModelConfig, steps: float, row_steps: float) -> float:
+    """Seconds the inverse-CDF draw takes beyond the race over `steps` decode steps of
+    `row_steps` rows in all (negative beyond a few rows a step)."""
+    (a0, b0), (a1, b1) = SAMPLER_RACE_S, SAMPLER_CDF_S
+    return (a1 - a0) * steps + (b1 - b0) * shape.vocab_size / SAMPLER_VOCAB * row_steps
 
 
 def _reshard(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload) -> StageTerms:
@@ -458,7 +484,9 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
     work = None
     if w.varlen:
         # the update's CUDA graphs pad each packed micro-batch to the budget (models/graphs.py)
-        padded = w.train_cuda_graphs and w.pack_sequences and w.packed_attention == "varlen"
+        # (they capture varlen: under fa4 too, the graphed micro-batches are varlen's)
+        padded = (w.train_cuda_graphs and w.pack_sequences
+                  and w.packed_attention in ("varlen", "fa4"))
         work = pass_work(w, per_mini, w.micro_batch_tokens, _multiple(layout), padded)
         micro, tokens = work.micro, opt_steps * work.tokens
         flops = opt_steps * (layer_passes * _varlen_flops(shape, work, role) / shard)

@@ -33,7 +33,10 @@ LM head at its response tokens; an unpacked one rows x its longest prompt + resp
 micro-batch of rows of different lengths needs an attention mask (the packed row's document mask
 under flex_attention, padded rows' explicit mask under SDPA): its attention is `masked_attention`,
 whose FLOPs timing.py charges again at `masked_attention_efficiency` (rows of one length run flash
-attention's maskless causal kernel).
+attention's maskless causal kernel). A packed micro-batch on FlashAttention's varlen kernels
+(`Workload.packed_attention` varlen or fa4) counts its kernel's share of that (`MASKED_SHARE`);
+one the update's CUDA graphs replay (`padded_to_budget`) counts varlen's, the kernel the graphs
+capture.
 """
 from __future__ import annotations
 
@@ -84,8 +87,9 @@ class Decode:
     wide_row_steps: float = 0.0
     # partial rollouts: tokens re-prefilled for the carried rows (prompt + response so far)
     carried_prefill_tokens: float = 0.0
-    # rollout.speculative: the tail's steps (counted in `steps` too)
+    # rollout.speculative: the tail's steps and row-steps (counted in `steps`, `row_steps` too)
     spec_steps: int = 0
+    spec_row_steps: float = 0.0
 
     def __add__(self, o: "Decode") -> "Decode":
         return Decode(*(getattr(self, f.name) + getattr(o, f.name)
@@ -175,8 +179,9 @@ def _spec_tail(lengths: np.ndarray, start: int, prompts: np.ndarray, *, tail_row
     live = (steps_of[None, :] > u[:, None])  # (steps, rows)
     own = prompts[lengths > start + 1]
     cols = own[None, :] + start + 1 + u[:, None] * per_step
-    return Decode(steps=steps, row_steps=float(steps * tail_rows * (1 + drafts)),
-                  row_columns=float((cols * live).sum()), spec_steps=steps)
+    row_steps = float(steps * tail_rows * (1 + drafts))
+    return Decode(steps=steps, row_steps=row_steps, row_columns=float((cols * live).sum()),
+                  spec_steps=steps, spec_row_steps=row_steps)
 
 
 @functools.lru_cache(maxsize=256)
@@ -223,6 +228,13 @@ def partial_segments(lengths: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndar
 # -0.9%; 0.59 +32% / +17%, 0 -26% / -18%). The earlier 0.59 came from one A/B of the two kernels
 # on passes of the older code (packed_varlen_h200.json: ref 0.484 vs 0.706 s).
 VARLEN_MASKED_SHARE = 0.3
+# algo.packed_attention=fa4 (FlashAttention-4's varlen kernels): chosen on the GSM8K recipe's A/B
+# of varlen against fa4 on one H100 (two pairs; docs/cost_model.md): the share that moves the
+# model's ref and update passes by what was measured, about 0.53 x varlen's (with the calibration
+# as it is). bench_packed_pass.py's A/B of the two kernels alone (random weights) gives 0.24.
+FA4_MASKED_SHARE = 0.16
+# each packed kernel's share of flex's masked-attention extra cost
+MASKED_SHARE = {"flex": 1.0, "varlen": VARLEN_MASKED_SHARE, "fa4": FA4_MASKED_SHARE}
 
 
 @dataclass(frozen=True)
@@ -270,7 +282,8 @@ def pass_work(w: Workload, rows: int, max_tokens: int, multiple: int = 1,
             pad = padded_to_budget and real >= w.graph_min_fill * max_tokens
             eager += padded_to_budget and not pad
             tokens += math.ceil(max(real, max_tokens if pad else 0) / multiple) * multiple
-            share = VARLEN_MASKED_SHARE if w.packed_attention == "varlen" else 1.0
+            # the update's graphs capture varlen whatever the eager passes run
+            share = MASKED_SHARE["varlen" if pad else w.packed_attention]
             masked += share * float((lengths.astype(np.float64) ** 2).sum())
             head += float(gr.sum()) if w.response_logits_only else real
             attention += float((lengths.astype(np.float64) ** 2).sum())

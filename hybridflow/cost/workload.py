@@ -66,6 +66,11 @@ class Workload:
     # own columns only (no left padding, no window columns past its token, nothing once it
     # finished); records measured before say false
     own_columns_only: bool = False
+    # triton decode: each step's draw by the fused sampler's inverse CDF (kernels/sample.py;
+    # temperature > 0, no top-k / top-p) instead of the exponential race every calibration record
+    # drew by, which the fitted decode terms hold: timing.py charges the difference
+    # (`sampler_delta`); records measured before say false
+    cdf_sampler: bool = False
     # rollout.kv_cache_dtype: "fp8" caches (and moves) 1 + 4 / head_dim bytes per K/V value
     # instead of 2 (flops.kv_bytes_per_token); its decode reads cost bf16's (timing._gen)
     kv_cache_dtype: str = "auto"
@@ -135,8 +140,11 @@ class Workload:
     dynamic_bsz: bool = False
     # algo.pack_sequences: each token-budget micro-batch as one packed row of real tokens
     pack_sequences: bool = False
-    # algo.packed_attention as a GPU run resolves it: "flex", a flex_attention document mask (every
-    # packed record's kernel); "varlen", FlashAttention-2 varlen over the documents (cost.varlen)
+    # algo.packed_attention as a GPU run resolves it (from_config.packed_kernel): "flex", a
+    # flex_attention document mask (every packed record's kernel but the varlen family's);
+    # "varlen", FlashAttention-2 varlen over the documents; "fa4", FlashAttention-4's (the
+    # update's graphed micro-batches still varlen's). Each its share of masked attention's cost
+    # (cost.varlen.MASKED_SHARE)
     packed_attention: str = "flex"
     # dynamic sampling (algo.dynamic_sampling): generation calls per step, each paying the long
     # tail, and prompts generated per trained prompt (its metrics dynamic_sampling/rounds, /batches)
@@ -194,9 +202,9 @@ class Workload:
         if not isinstance(self.decode_kv_window, int) or self.decode_kv_window < 0:
             raise ValueError(f"decode_kv_window must be 0 (off) or a positive integer, got "
                              f"{self.decode_kv_window!r}")
-        if self.packed_attention not in ("flex", "varlen"):
-            raise ValueError(f"packed_attention {self.packed_attention!r}: expected 'flex' or "
-                             f"'varlen'")
+        if self.packed_attention not in ("flex", "varlen", "fa4"):
+            raise ValueError(f"packed_attention {self.packed_attention!r}: expected 'flex', "
+                             f"'varlen' or 'fa4'")
         if self.pack_sequences and not self.dynamic_bsz:
             raise ValueError("pack_sequences needs dynamic_bsz (algo.pack_sequences needs "
                              "algo.use_dynamic_bsz)")

@@ -17,7 +17,8 @@ from hybridflow.cost import Calibration
 from hybridflow.cost.calibrate import fit, parse_record, predict, predict_vs_measured
 from hybridflow.cost.lengths import fit_stats, from_metrics, from_quantiles, load_lengths, quantile_points
 from hybridflow.cost.timing import stage_terms
-from hybridflow.cost.varlen import VARLEN_MASKED_SHARE, decode_schedule, pass_work, row_lengths
+from hybridflow.cost.varlen import (FA4_MASKED_SHARE, VARLEN_MASKED_SHARE, decode_schedule,
+                                   pass_work, row_lengths)
 from hybridflow.cost.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,6 +191,15 @@ def test_packed_pass_by_hand():
     # under graph_min_fill of the budget a packed micro-batch runs the eager layers, unpadded
     e = pass_work(replace(w, packed_attention="varlen", graph_min_fill=0.9), 4, 16, 1, True)
     assert (e.tokens, e.eager_micro) == (13 + 13 + 6, 1)
+    # fa4: its own share, between none and varlen's; the graphs capture varlen, so a graphed
+    # micro-batch counts varlen's share under fa4 too, an eager one fa4's
+    assert 0 < FA4_MASKED_SHARE < VARLEN_MASKED_SHARE
+    f4 = pass_work(replace(w, packed_attention="fa4"), 4, 16)
+    assert f4.masked_attention == pytest.approx(FA4_MASKED_SHARE * (7 ** 2 + 6 ** 2))
+    assert (f4.micro, f4.tokens, f4.attention) == (p.micro, p.tokens, p.attention)
+    assert pass_work(replace(w, packed_attention="fa4"), 4, 16, 1, True) == g
+    assert pass_work(replace(w, packed_attention="fa4", graph_min_fill=0.9), 4, 16, 1,
+                     True) == replace(e, masked_attention=f4.masked_attention)
     with pytest.raises(ValueError, match="packed_attention 'sdpa'"):
         replace(w, packed_attention="sdpa")
 
@@ -198,9 +208,67 @@ def test_packed_attention_from_config():
     from hybridflow.config import load_config
     from hybridflow.cost.from_config import packed_attention_on_gpu
 
-    assert packed_attention_on_gpu(load_config([])) == "varlen"   # auto: varlen on a GPU
+    # auto: fa4 on compute capability 9.0+ with flash-attn-4, else varlen (8.0+), else flex
+    for gpu in ("H100", "H200", "B200"):
+        assert packed_attention_on_gpu(load_config([]), gpu=gpu) == "fa4", gpu
+        assert packed_attention_on_gpu(load_config([]), gpu=gpu, fa4_installed=False) == "varlen"
+    for gpu in ("A100-80GB", "L40S"):
+        assert packed_attention_on_gpu(load_config([]), gpu=gpu) == "varlen", gpu
+    assert packed_attention_on_gpu(load_config(["algo.packed_attention=varlen"]),
+                                   gpu="H100") == "varlen"
+    assert packed_attention_on_gpu(load_config(["algo.packed_attention=fa4"]), gpu="H100") == "fa4"
     assert packed_attention_on_gpu(load_config(["algo.packed_attention=flex"])) == "flex"
     assert packed_attention_on_gpu(load_config(["trainer.precision=fp32"])) == "flex"
+    # fa4 where it cannot run: the trainer refuses it, so does the cost model
+    fa4 = load_config(["algo.packed_attention=fa4"])
+    with pytest.raises(ValueError, match=r"fa4 cannot run on A100-80GB: it needs compute "
+                                         r"capability 9.0\+ \(got 8.0\)"):
+        packed_attention_on_gpu(fa4, gpu="A100")
+    with pytest.raises(ValueError, match="flash-attn-4 is not installed there"):
+        packed_attention_on_gpu(fa4, gpu="H100", fa4_installed=False)
+
+
+def test_packed_kernel_follows_the_flash_limits():
+    from hybridflow.cost.from_config import packed_kernel
+    from hybridflow.cost.gpus import get_gpu
+
+    h100 = get_gpu("H100")
+    assert packed_kernel("auto", gpu=h100, head_dim=128) == "fa4"
+    assert packed_kernel("auto", gpu=h100, head_dim=256) == "fa4"
+    for bad in (dict(head_dim=260), dict(head_dim=12), dict(head_dim=64, fp32=True)):
+        assert packed_kernel("auto", gpu=h100, **bad) == "flex", bad
+        assert packed_kernel("varlen", gpu=h100, **bad) == "flex", bad
+        with pytest.raises(ValueError, match="bf16 and a head_dim a multiple of 8 up to 256"):
+            packed_kernel("fa4", gpu=h100, **bad)
+    with pytest.raises(ValueError, match="packed attention 'sdpa'"):
+        packed_kernel("sdpa", gpu=h100, head_dim=64)
+
+
+def test_fa4_in_the_pass_terms():
+    """fa4 charges less masked attention than varlen and more than none; the update's graphed
+    micro-batches stay varlen's (the graphs capture varlen)."""
+    from hybridflow.cost import get_gpu, load_shape
+    from hybridflow.cost.workload import make_plan
+
+    shape = load_shape("qwen2_0_5b")
+    plan = make_plan({"tp": 1}, 1, shape)
+    w = Workload(prompts_per_step=32, samples_per_prompt=8, prompt_len=100,
+                 response_lengths=(40, 100, 200, 300, 600, 1000), max_new_tokens=1024,
+                 dynamic_bsz=True, pack_sequences=True, micro_batch_tokens=16384,
+                 forward_micro_batch_tokens=32768)
+
+    def masked(**kw):
+        t = stage_terms(shape, get_gpu("H100"), plan, replace(w, **kw), Calibration())
+        return {k: t[k].x.get("inv_masked_attn_eff", 0.0) for k in ("ref", "update_actor")}
+
+    varlen, fa4 = masked(packed_attention="varlen"), masked(packed_attention="fa4")
+    for stage in varlen:
+        assert 0 < fa4[stage] < varlen[stage], stage
+        assert fa4[stage] == pytest.approx(varlen[stage] * FA4_MASKED_SHARE / VARLEN_MASKED_SHARE)
+    graphed = dict(train_cuda_graphs=True, graph_min_fill=0.0)  # every packed one replays
+    assert masked(packed_attention="fa4", **graphed)["update_actor"] == \
+        pytest.approx(masked(packed_attention="varlen", **graphed)["update_actor"])
+    assert masked(packed_attention="fa4", **graphed)["ref"] == pytest.approx(fa4["ref"])
 
 
 def test_packed_terms_by_hand():
@@ -525,3 +593,84 @@ def test_speculative_tail_steps():
     never = replace(w, spec_rows=4, response_lengths=[200] * 40)
     assert decode_schedule(never, 40, 40) == decode_schedule(
         replace(never, spec_rows=0), 40, 40)
+
+
+def test_sampler_delta():
+    """The inverse-CDF draw (Workload.cdf_sampler) against the race that the calibration's decode
+    terms hold: per decode step (a_cdf - a_race) + (b_cdf - b_race) x the step's bucket rows,
+    negative at more than a few rows and larger in size with more; none on the PyTorch decode
+    path or for the race; the speculative tail's steps (a PyTorch draw) left out."""
+    from hybridflow.cost import get_gpu, load_shape
+    from hybridflow.cost.timing import SAMPLER_CDF_S, SAMPLER_RACE_S, SAMPLER_VOCAB, sampler_delta
+    from hybridflow.cost.workload import make_plan
+
+    shape = load_shape("qwen2_5_coder_0_5b")
+    assert shape.vocab_size == SAMPLER_VOCAB
+    # the fits reproduce bench_sampler's 512-row step: 76.6 against 313.5 us
+    assert sampler_delta(shape, 1, 512) == pytest.approx((76.6 - 313.5) * 1e-6, abs=2e-6)
+    per_step = [sampler_delta(shape, 1, rows) for rows in (16, 64, 256, 512)]
+    assert per_step[0] < 0 and per_step == sorted(per_step, reverse=True)
+    (a0, b0), (a1, b1) = SAMPLER_RACE_S, SAMPLER_CDF_S
+    assert sampler_delta(replace(shape, vocab_size=SAMPLER_VOCAB // 2), 3, 100) == \
+        pytest.approx(3 * (a1 - a0) + 100 * (b1 - b0) / 2)
+
+    plan = make_plan({"tp": 1}, 1, shape)
+    w = Workload(prompts_per_step=64, samples_per_prompt=8, prompt_len=100,
+                 response_lengths=(40, 100, 200, 300, 600, 1000), max_new_tokens=1024,
+                 gen_max_batch_size=512, compact_finished_rows=True, cdf_sampler=True)
+
+    def delta(**kw):
+        t = stage_terms(shape, get_gpu("H100"), plan, replace(w, **kw), Calibration())["gen"]
+        return sum(x for label, _, x in t.parts if label == "sampler_delta")
+
+    d = decode_schedule(w, 512, 512)
+    assert delta() == pytest.approx(sampler_delta(shape, d.steps, d.row_steps)) and delta() < 0
+    assert delta(prompts_per_step=16) > delta()   # fewer rows a step: less saved
+    assert delta(cdf_sampler=False) == 0 and delta(decode_kernels="torch") == 0
+    tail = dict(response_lengths=tuple(range(20, 320, 5)) + (1000,), spec_rows=16,
+                spec_tail_tokens_per_step=2.5)   # ~8 rows of 1,000 tokens: a speculative tail
+    s = decode_schedule(replace(w, **tail), 512, 512)
+    assert s.spec_steps > 0 and s.spec_row_steps == s.spec_steps * 16 * 5
+    assert delta(**tail) == pytest.approx(
+        sampler_delta(shape, s.steps - s.spec_steps, s.row_steps - s.spec_row_steps))
+
+
+def test_sampler_from_config():
+    from hybridflow.config import load_config
+    from hybridflow.cost.from_config import fused_cdf_draw
+
+    assert fused_cdf_draw(load_config([]), decode_kernels="triton")
+    assert not fused_cdf_draw(load_config([]), decode_kernels="torch")
+    for off in ("rollout.kernel_options.fused_sampler=false", "rollout.top_k=50",
+                "rollout.top_p=0.9", "rollout.temperature=0"):
+        assert not fused_cdf_draw(load_config([off]), decode_kernels="triton"), off
+
+
+def test_cli_packed_attention_and_sampler(capsys):
+    """--packed-attention auto follows the trainer on --gpu (fa4 on compute capability 9.0+, varlen
+    with --no-fa4 or before 9.0), with --config too; fa4 where it cannot run is a user error; the
+    Triton decode draws by the inverse CDF (a sampler_delta part)."""
+    from hybridflow.cost.__main__ import main as cost_main
+
+    def run(*args):
+        assert cost_main([*args, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    flags = ["--model", "qwen2_0_5b", "--num-gpus", "1", "--tp", "1", "--prompts-per-step", "16",
+             "--response-len", "300", "--response-len-max", "1024", "--dynamic-bsz",
+             "--pack-sequences"]
+    for extra, kernel in (([], "fa4"), (["--no-fa4"], "varlen"), (["--gpu", "A100"], "varlen"),
+                          (["--packed-attention", "flex"], "flex")):
+        rep = run(*flags, "--gpu", "H100", *extra)
+        assert rep["workload"]["packed_attention"] == kernel, extra
+        assert rep["workload"]["cdf_sampler"] and rep["time_breakdown"]["gen"]["sampler_delta"] < 0
+    rep = run(*flags, "--decode-kernels", "torch")
+    assert not rep["workload"]["cdf_sampler"]
+    assert "sampler_delta" not in rep["time_breakdown"]["gen"]
+    assert cost_main([*flags, "--gpu", "A100", "--packed-attention", "fa4"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "hybridflow cost: error: algo.packed_attention=fa4 cannot run on A100-80GB: it needs "
+        "compute capability 9.0+ (got 8.0)")
+    config = ["--config", "experiment=gsm8k_qwen_coder_0_5b", "--num-gpus", "1", "--gpu", "H100"]
+    assert run(*config)["workload"]["packed_attention"] == "fa4"
+    assert run(*config, "--no-fa4")["workload"]["packed_attention"] == "varlen"
