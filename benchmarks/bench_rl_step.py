@@ -133,6 +133,7 @@ def calibration_record(algo: str, args, ovr: list[str], budgets: dict, metrics: 
     from hybridflow.config import load_config
     from hybridflow.config_auto import resolve_auto
     from hybridflow.cost.from_config import workload_fields
+    from hybridflow.models.attention import fa4_installed
 
     on_gpu = torch.cuda.is_available()
     cfg, _ = resolve_auto(load_config(ovr), device_type="cuda" if on_gpu else "cpu")
@@ -148,7 +149,8 @@ def calibration_record(algo: str, args, ovr: list[str], budgets: dict, metrics: 
         ("triton" if on_gpu and not cfg.model.moe.enabled else "torch")
     prompt_len = (cfg.data.synthetic_length or PROMPT_LETTERS) + 8
     rec = workload_fields(cfg, decode_kernels=kernels,
-                          lengths=dict(prompt_len=prompt_len, response_len=args.response))
+                          lengths=dict(prompt_len=prompt_len, response_len=args.response),
+                          fa4_installed=fa4_installed())
     if not a.use_dynamic_bsz:  # every row of the copy task is prompt + response tokens long
         rec.update(micro_batch_tokens=a.micro_batch_size_per_gpu * (prompt_len + args.response),
                    forward_micro_batch_tokens=(a.forward_micro_batch_size_per_gpu or a.micro_batch_size_per_gpu)

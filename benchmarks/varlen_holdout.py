@@ -46,17 +46,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = ["experiment=gsm8k_qwen_coder_0_5b"]
 THEN = ["rollout.decode_kernels=torch", "rollout.compile_decode=false",
         "parallel.fused_elementwise=false", "parallel.gradient_accumulation_fusion=false"]
+THEN_KERNELS = ["algo.packed_attention=varlen", "rollout.kernel_options.fused_sampler=false"]
 CASES = {
     # (that run's packed passes ran flex_attention: varlen became the default after it)
-    "grpo_now": {"overrides": RECIPE + ["algo.packed_attention=flex"], "probe": ("probe", None),
+    "grpo_now": {"overrides": RECIPE + ["algo.packed_attention=flex", THEN_KERNELS[1]],
+                 "probe": ("probe", None),
                  "record": "gsm8k-grpo-now-recipe"},
-    "grpo_today": {"overrides": RECIPE,
+    # (these ran FlashAttention-2 varlen and drew by the exponential race, as every calibration
+    # record did: the fused sampler off costs the race)
+    "grpo_today": {"overrides": RECIPE + THEN_KERNELS,
                    "probe": ("benchmarks/results/gsm8k_lora_h200/base/metrics.jsonl", 12),
                    "record": "gsm8k-grpo-today-recipe"},
     # the same family's LoRA run (rank 32, the recipe's LoRA settings), from the same probe
     "grpo_today_lora": {"family": "grpo_today",
-                        "overrides": RECIPE + ["actor.lora.rank=32", "actor.lora.alpha=64",
-                                               "actor_optim.lr=5e-5"],
+                        "overrides": RECIPE + THEN_KERNELS + [
+                            "actor.lora.rank=32", "actor.lora.alpha=64", "actor_optim.lr=5e-5"],
                         "probe": ("benchmarks/results/gsm8k_lora_h200/base/metrics.jsonl", 12),
                         "record": "gsm8k-grpo-today-lora"},
     "dapo": {"overrides": RECIPE + ["algo=dapo", "algo.use_kl_loss=false",

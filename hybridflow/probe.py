@@ -72,10 +72,12 @@ def _length_stats(history: list[dict]) -> dict:
 def _prediction(cfg, gpu: str, world: int, history: list[dict] = ()) -> dict:
     from hybridflow.cost import estimate_memory, estimate_options, estimate_step_time
     from hybridflow.cost.from_config import plan_for, workload_fields
+    from hybridflow.models.attention import fa4_installed
 
     kw = dict(model=cfg.model, gpu=gpu, num_gpus=world, layout=plan_for(cfg, world),
               **workload_fields(cfg, decode_kernels=_decode_kernels(cfg),
-                                lengths=_lengths(cfg, list(history))))
+                                lengths=_lengths(cfg, list(history)), gpu=gpu,
+                                fa4_installed=fa4_installed()))
     mem = estimate_memory(**kw)
     timing = {(k if k.startswith("timing_s/") else f"timing_s/{k}"): v
               for k, v in estimate_step_time(**kw).items()}

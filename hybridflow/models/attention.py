@@ -284,6 +284,11 @@ def _fa4():
     return _fa4_import()[0]
 
 
+def fa4_installed() -> bool:
+    """Whether flash-attn-4 imports here (what the cost model's `fa4_installed` asks)."""
+    return _fa4() is not None
+
+
 def fa4_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
     """Why FlashAttention-4 cannot run the packed passes here; None where it can."""
     why = _flash_limits(device, dtype, head_dim, op="FlashAttention-4", kernel="FlashAttention-4",
