@@ -59,9 +59,11 @@ def fused_cdf_draw(cfg: Config, *, decode_kernels: str) -> bool:
     """Whether decode steps draw by the fused sampler's inverse CDF (rollout/sampling.sample:
     kernel_options.fused_sampler, the Triton decode layers, temperature > 0, no top-k / top-p);
     else the PyTorch sampler."""
+    from hybridflow.rollout.sampling import fused_draw_applies
+
     r = cfg.rollout
-    return (bool(r.kernel_options.fused_sampler) and decode_kernels == "triton"
-            and r.temperature > 0 and r.top_k == 0 and r.top_p >= 1.0)
+    return bool(r.kernel_options.fused_sampler) and fused_draw_applies(
+        kernels=decode_kernels, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
 
 
 def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = None,

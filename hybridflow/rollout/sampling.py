@@ -80,6 +80,12 @@ def _compiled(backend: str):
             torch.compile(_token_logprobs, dynamic=True, backend=backend))
 
 
+def fused_draw_applies(*, kernels: str, temperature: float, top_k: int, top_p: float) -> bool:
+    """Whether `sample` draws by kernels/sample.sample_rows (given a device stream): the Triton
+    kernels, temperature > 0, no top-k / top-p."""
+    return kernels == "triton" and temperature > 0.0 and top_k == 0 and top_p >= 1.0
+
+
 def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
            generator: Optional[torch.Generator] = None, need_logprobs: bool = False,
            compile_backend: Optional[str] = None, kernels: str = "torch", pdl: bool = False,
@@ -94,8 +100,8 @@ def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: f
     `rng_state` ((2,) int64 [key, counter], kernels/sample.py): with kernels "triton", temperature
     > 0, top_k 0 and top_p 1 the draw and its log-prob are kernels/sample.sample_rows's (the
     inverse CDF from its stream, not `generator`'s); None: the PyTorch sampler always."""
-    if (rng_state is not None and kernels == "triton" and temperature > 0.0 and top_k == 0
-            and top_p >= 1.0):
+    if rng_state is not None and fused_draw_applies(kernels=kernels, temperature=temperature,
+                                                    top_k=top_k, top_p=top_p):
         from hybridflow.kernels._dispatch import interpreting
         from hybridflow.kernels.sample import sample_rows
 
