@@ -5,8 +5,7 @@ at the 1,024 cap), and a static decode batch runs every row until the longest st
 `Generator.generate` with `rollout.compact_finished_rows` on and off (rollout/compaction.py), and
 with `--kv-window W` also `rollout.decode_kv_window=W` alone and with compaction (decode attends
 over the written part of the cache only); with `--own-columns-ab` (and --kv-window) instead
-compaction + window with `rollout.kernel_options.own_columns_only` on ("on") and off ("off"); with
-`--combine-ab` (and --kv-window) the same with `rollout.kernel_options.fused_combine`.
+compaction + window with `rollout.kernel_options.own_columns_only` on ("on") and off ("off").
 
 Lengths: random-init weights (Qwen2-0.5B shape, bf16, as bench_generate.py) give a near-uniform
 next-token distribution, so sampling at T = 1 with k = V / --tail-mean random stop ids stops a row
@@ -72,9 +71,6 @@ def main():
                     help="instead: compaction + --kv-window with the attention over each row's own "
                          "columns ('on', rollout.kernel_options.own_columns_only) against every "
                          "column of the window ('off')")
-    ap.add_argument("--combine-ab", action="store_true",
-                    help="with --kv-window: compaction + window with "
-                         "rollout.kernel_options.fused_combine on (\"on\") and off (\"off\")")
     ap.add_argument("--spec-ab", type=int, default=0, metavar="ROWS",
                     help="instead: compaction (+ --kv-window) with the tail from ROWS running rows "
                          "by speculative sampling ('on', rollout.speculative, 4 drafts) against "
@@ -120,12 +116,6 @@ def main():
             both = dict(compact_finished_rows=True, decode_kv_window=args.kv_window)
             sides = {side: dict(both, kernel_options=DecodeKernelOptions(own_columns_only=own))
                      for side, own in (("on", True), ("off", False))}
-        elif args.combine_ab:  # "on" / "off": the last split program combines, or a kernel
-            if not args.kv_window:
-                raise ValueError("--combine-ab needs --kv-window (the recipe's window)")
-            both = dict(compact_finished_rows=True, decode_kv_window=args.kv_window)
-            sides = {side: dict(both, kernel_options=DecodeKernelOptions(fused_combine=on))
-                     for side, on in (("on", True), ("off", False))}
         elif args.spec_ab:
             both = dict(compact_finished_rows=True, decode_kv_window=args.kv_window)
             sides = {"on": dict(both, speculative=SpeculativeConfig(enable=True,

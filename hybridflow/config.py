@@ -123,12 +123,6 @@ class DecodeKernelOptions:
     # longer widen every row's reads); 512 rows of a synthetic long tail: 2.21 -> 2.02 s
     # (benchmarks/results/gsm8k_step_ab_h100.json, generate_long_tail_own_columns_h100.json)
     own_columns_only: bool = True
-    # rollout.decode_kernels=triton: where a decode step's attention splits each row's columns
-    # over several programs (fewer rows than fill the GPU: the long tail), the last split
-    # program of each (row, group) to finish combines the splits (a per-launch counter) instead
-    # of a second kernel launch per layer (hybridflow/kernels/layer_ops._last_split_combines).
-    # The same sums; an A/B option until measured on a GPU
-    fused_combine: bool = False
     # torch.compile backend and mode of rollout.compile_decode (CPU tests: aot_eager)
     compile_backend: str = "inductor"
     compile_mode: Optional[str] = None

@@ -161,11 +161,14 @@ if HAVE_TRITON:
         return m, lsum, acc
 
     @triton.jit
-    def _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, pid, G, HPG, s_ob, s_og, s_oh, s_os,
-                        NSPLIT: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr,
-                        S: tl.constexpr, CACHE: tl.constexpr):
-        """(row, group) `pid`'s NSPLIT partials -> its output rows (_attn_combine_kernel's body;
-        CACHE: the partials' load cache modifier)."""
+    def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, G, HPG, s_ob, s_og, s_oh, s_os,
+                             NSPLIT: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr,
+                             S: tl.constexpr = 1, PDL: tl.constexpr = False):
+        """The splits' partials of each (row, group)'s S x HPG query rows (token j = row // HPG,
+        head row % HPG; S = 1: a decode step's heads) -> out[b, j, g, h] (strides s_ob, s_os,
+        s_og, s_oh)."""
+        pdl_enter(PDL)
+        pid = tl.program_id(0).to(tl.int64)
         b, g = pid // G, pid % G
         h = tl.arange(0, H_PAD)
         d = tl.arange(0, HD)
@@ -175,43 +178,18 @@ if HAVE_TRITON:
         o = tl.zeros([H_PAD, HD], tl.float32)
         for split in range(0, NSPLIT):
             row = pid * NSPLIT + split
-            m = tl.load(m_ptr + row * H_PAD + h, cache_modifier=CACHE)
+            m = tl.load(m_ptr + row * H_PAD + h)
             new_m = tl.maximum(big_m, m)
             alpha = tl.exp(big_m - new_m)
             beta = tl.exp(m - new_m)
-            big_l = big_l * alpha + tl.load(l_ptr + row * H_PAD + h, cache_modifier=CACHE) * beta
+            big_l = big_l * alpha + tl.load(l_ptr + row * H_PAD + h) * beta
             part = tl.load(acc_ptr + (row * H_PAD + h[:, None]) * HD + d[None, :], mask=rows,
-                           other=0.0, cache_modifier=CACHE)
+                           other=0.0)
             o = o * alpha[:, None] + part * beta[:, None]
             big_m = new_m
         tl.store(out_ptr + b * s_ob + (h // HPG)[:, None] * s_os + g * s_og
                  + (h % HPG)[:, None] * s_oh + d[None, :],
                  (o / big_l[:, None]).to(out_ptr.dtype.element_ty), mask=rows)
-
-    @triton.jit
-    def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, G, HPG, s_ob, s_og, s_oh, s_os,
-                             NSPLIT: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr,
-                             S: tl.constexpr = 1, PDL: tl.constexpr = False):
-        """The splits' partials of each (row, group)'s S x HPG query rows (token j = row // HPG,
-        head row % HPG; S = 1: a decode step's heads) -> out[b, j, g, h] (strides s_ob, s_os,
-        s_og, s_oh)."""
-        pdl_enter(PDL)
-        _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, tl.program_id(0).to(tl.int64), G, HPG,
-                        s_ob, s_og, s_oh, s_os, NSPLIT=NSPLIT, H_PAD=H_PAD, HD=HD, S=S, CACHE="")
-
-    @triton.jit
-    def _last_split_combines(cnt_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, pid, G, HPG, s_ob, s_og,
-                             s_oh, NSPLIT: tl.constexpr, H_PAD: tl.constexpr, HD: tl.constexpr):
-        """A split program's end with rollout.kernel_options.fused_combine, its partials stored:
-        the (row, group)'s counter (zeroed for the launch) counts the splits done, the CTA's
-        stores ordered before it by a barrier and the atomic's release; the last split to arrive
-        combines all of them (loads through L2, after the atomic's acquire) in place of
-        _attn_combine_kernel's launch."""
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if done == NSPLIT - 1:
-            _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, pid, G, HPG, s_ob, s_og, s_oh, 0,
-                            NSPLIT=NSPLIT, H_PAD=H_PAD, HD=HD, S=1, CACHE=".cg")
 
 
 if HAVE_TRITON:

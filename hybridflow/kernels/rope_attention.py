@@ -7,8 +7,7 @@ k; v], rotates q and k (RoPE, rounded as the twin rounds), and attends over the 
 its split with the current token's column left out; split 0 writes k and v into cache column
 `cur` and folds the current token in from registers (no program reads that column back, so no
 program waits on another's store). With one split per (row, group) the program writes the
-output, else the splits' max, sum of exp and P @ V go through `layer_ops._attn_combine_kernel`
-(or, with `fused_combine`, the last split program of each (row, group) to finish combines them).
+output, else the splits' max, sum of exp and P @ V go through `layer_ops._attn_combine_kernel`.
 The sums run in another order than the twins' (the current column last), so results agree to
 rounding. `cur` is one column for every row (1,) (the single-turn step) or one per row (B,) (the
 multi-turn step, whose rows sit at different columns; a constexpr picks the load, so the (1,) path
@@ -49,7 +48,6 @@ if HAVE_TRITON:
     from ._dispatch import pdl_enter, prefetch_l2
 
     from .layer_ops import _attend_blocks  # the split's online softmax, column cur left out
-    from .layer_ops import _last_split_combines  # rollout.kernel_options.fused_combine
     from .layer_ops import _norm_rows  # the q/k norm
 
     @triton.jit
@@ -75,7 +73,7 @@ if HAVE_TRITON:
     @triton.jit
     def _rope_attn_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, cur_ptr, valid_ptr,
                           mark_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, pf_ptr, pf_bytes, qn_ptr,
-                          kn_ptr, eps, ks_ptr, vs_ptr, fin_ptr, cnt_ptr,
+                          kn_ptr, eps, ks_ptr, vs_ptr, fin_ptr,
                           G, HPG, kv_len, scale,
                           s_xb, s_xg, s_xr, s_cb, s_kb, s_kg, s_kt, s_vb, s_vg, s_vt, s_mb, s_mt,
                           s_ob, s_og, s_oh, s_ksb, s_ksg, s_kst, s_vsb, s_vsg, s_vst,
@@ -85,7 +83,7 @@ if HAVE_TRITON:
                           PER_ROW: tl.constexpr = False, MARK_ROWS: tl.constexpr = False,
                           QK_NORM: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                           FP8: tl.constexpr = False, OWN: tl.constexpr = False,
-                          FUSED_COMBINE: tl.constexpr = False, PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = False):
         pdl_enter(PDL)
         pid = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -167,9 +165,6 @@ if HAVE_TRITON:
             tl.store(m_ptr + row * H_PAD + h, m)
             tl.store(l_ptr + row * H_PAD + h, lsum)
             tl.store(acc_ptr + (row * H_PAD + h[:, None]) * HD + d[None, :], acc, mask=rows)
-            if FUSED_COMBINE:
-                _last_split_combines(cnt_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, pid, G, HPG, s_ob,
-                                     s_og, s_oh, NSPLIT=NSPLIT, H_PAD=H_PAD, HD=HD)
         if PREFETCH:  # the output projection's weights, after this program's K/V stream
             prefetch_l2(pf_ptr, pf_bytes, pid * NSPLIT + split, tl.num_programs(0) * NSPLIT)
 
@@ -181,7 +176,7 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
                    eps: float = 0.0, mark_valid: bool | torch.Tensor = False,
                    prefetch: torch.Tensor | None = None,
                    finished: torch.Tensor | None = None,
-                   splits: int | None = None, fused_combine: bool = False, pdl: bool = False,
+                   splits: int | None = None, pdl: bool = False,
                    impl: str = "auto") -> torch.Tensor:
     """layer_ops.rope_kv_write then layer_ops.decode_attention over the given cache columns, in one
     kernel (the module docstring); "torch": those two twins. With `positions` (B,) int64, cos and
@@ -200,10 +195,7 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     set (its output is then its own token's V: the caller discards it); the twin attends as
     without it (the same output for the unfinished rows).
     `splits`: the split count of the columns (None:
-    layer_ops.num_splits for the device; tests force counts). `fused_combine`
-    (rollout.kernel_options.fused_combine): with more than one split, the last split program of
-    each (row, group) to finish combines the splits (a zeroed counter per (row, group)) instead of
-    a second launch of layer_ops._attn_combine_kernel."""
+    layer_ops.num_splits for the device; tests force counts)."""
     B, G, R, hd = qkv.shape
     if positions is not None and not use_triton(qkv, impl):
         cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
@@ -250,9 +242,6 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     if B:
         valid = key_valid.view(torch.uint8) if key_valid.dtype == torch.bool else key_valid
         pf, pf_bytes, pf_on = prefetch_args(qkv, prefetch)
-        fuse = fused_combine and nsplit > 1
-        # the splits done per (row, group) (unread without fuse)
-        counters = torch.zeros(B * G, dtype=torch.int32, device=qkv.device) if fuse else cur
         mark = cur  # stands in when every row is marked or none
         if rows_marked:
             mark = mark_valid.view(torch.uint8) if mark_valid.dtype == torch.bool else mark_valid
@@ -260,7 +249,7 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
             qkv, cos, sin, cur if positions is None else positions, kc, vc, cur, valid,
             mark, m, lsum, acc, out, pf, pf_bytes, qn, kn, eps, ks, vs,
             (finished.view(torch.uint8) if finished.dtype == torch.bool else finished) if own
-            else cur, counters, G,
+            else cur, G,
             hpg, T, scale,
             *qkv.stride()[:3], cos.stride(0), *kc.stride()[:3], *vc.stride()[:3],
             valid.stride(0), valid.stride(1), *out.stride()[:3],
@@ -269,10 +258,10 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
             H_PAD=h_pad, HD=hd, BLOCK=layer_ops.BLOCK_T, IEEE=qkv.dtype == torch.float32,
             TABLES=positions is not None, MARK=rows_marked or bool(mark_valid),
             PER_ROW=cur.shape[0] > 1, MARK_ROWS=rows_marked, QK_NORM=norm_on, PREFETCH=pf_on,
-            FP8=fp8, OWN=own, FUSED_COMBINE=fuse,
+            FP8=fp8, OWN=own,
             num_warps=layer_ops.ATTN_WARPS, num_stages=layer_ops.ATTN_STAGES,
             **launch_opts(qkv, pdl))
-        if nsplit > 1 and not fuse:
+        if nsplit > 1:
             layer_ops._attn_combine_kernel[(B * G,)](m, lsum, acc, out, G, hpg,
                                                   *out.stride()[:3], 0, NSPLIT=nsplit,
                                                   H_PAD=h_pad, HD=hd, num_warps=4,

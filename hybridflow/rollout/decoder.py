@@ -475,8 +475,7 @@ def _decode_step_fused(w: Weights, tokens, positions, cur, seen, *, cache, cos_t
         a = rope_attention(qkv, cos_tab, sin_tab, kc, vc, cur, seen, hpg=hpg, positions=positions,
                            q_norm=layer.q_norm, k_norm=layer.k_norm, eps=d.eps,
                            mark_valid=(True if mark is None else mark) if i == 0 else False,
-                           prefetch=hint("proj", layer.proj), finished=finished,
-                           fused_combine=opts.fused_combine, pdl=pdl,
+                           prefetch=hint("proj", layer.proj), finished=finished, pdl=pdl,
                            impl="triton").reshape(B, d.heads * hd)
         if d.tp_size == 1:  # x is this step's own buffer (add_rms_norm's sum, or the embedding)
             x = lin(a, layer.proj, residual=x)

@@ -51,7 +51,6 @@ class DecodeOptions:
     int4_kernel_max_rows: int = _K.int4_kernel_max_rows
     fused_sampler: bool = _K.fused_sampler
     own_columns_only: bool = _K.own_columns_only
-    fused_combine: bool = _K.fused_combine
     compile_backend: str = _K.compile_backend
     compile_mode: Optional[str] = _K.compile_mode
 
@@ -96,7 +95,6 @@ class DecodeOptions:
                    int4_kernel_max_rows=k.int4_kernel_max_rows,
                    fused_sampler=bool(k.fused_sampler),
                    own_columns_only=bool(k.own_columns_only),
-                   fused_combine=bool(k.fused_combine),
                    compile_backend=k.compile_backend, compile_mode=k.compile_mode,
                    spec_rows=r.speculative.max_rows if r.speculative.enable is True else 0,
                    spec_draft_tokens=r.speculative.draft_tokens,
