@@ -33,7 +33,8 @@ attending within one document, causally, with no dense mask:
   `flash-attn-4` package: on sm_90 FA3's Hopper algorithm, on sm_100 its own) on the same views and
   cu_seqlens, GQA native, backward included; CUDA, bf16/fp16, compute capability 9.0+. What auto
   picks where it runs (faster than "varlen" on an H100: docs/performance.md); its kernels compile
-  on first use (seconds, once per process). The update's packed CUDA graphs
+  on first use (seconds) into an on-disk cache that later processes load
+  (`fa4_compile_cache_env`). The update's packed CUDA graphs
   (parallel.train_cuda_graphs) keep varlen.
 - "flex": a flex_attention `BlockMask` document mask (`document_causal_mask`). On CUDA it runs
   `torch.compile(flex_attention)` (compiled once, dynamic shapes); on CPU eager flex_attention when
@@ -44,8 +45,10 @@ attending within one document, causally, with no dense mask:
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -267,9 +270,39 @@ def _flash_limits(device: torch.device, dtype: torch.dtype, head_dim: int, *, op
     return None
 
 
+FA4_CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
+FA4_CACHE_DIR_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
+
+
+def fa4_compile_cache_env(environ=None) -> dict:
+    """The environment flash-attn-4 reads at import to keep its compiled kernels on disk, with
+    hybridflow's defaults where the user set nothing: the cache on, in
+    `$XDG_CACHE_HOME/hybridflow/flash_attention_cute` (`~/.cache/...`). Keys are the source
+    fingerprint of flash_attn.cute, the CuTe DSL version and each kernel's compile key (dtype, head
+    dims, GPU arch, ...), so a later process loads what an earlier one compiled instead of compiling
+    again. Off where that folder cannot be written; `FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED` set
+    by the user (0 or 1) is left as it is."""
+    environ = os.environ if environ is None else environ
+    if FA4_CACHE_ENV in environ:
+        return {}
+    path = environ.get(FA4_CACHE_DIR_ENV)
+    out = {} if path else {FA4_CACHE_DIR_ENV: os.path.join(
+        environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "hybridflow", "flash_attention_cute")}
+    try:  # flash-attn-4 creates it at import and would fail to import where it cannot
+        os.makedirs(path or out[FA4_CACHE_DIR_ENV], exist_ok=True)
+        writable = os.access(path or out[FA4_CACHE_DIR_ENV], os.W_OK)
+    except OSError:
+        writable = False
+    return {**out, FA4_CACHE_ENV: "1" if writable else "0"}
+
+
 @functools.cache
 def _fa4_import() -> tuple:
-    """(flash-attn-4's varlen function, None), or (None, why it cannot be imported)."""
+    """(flash-attn-4's varlen function, None), or (None, why it cannot be imported). Imported with
+    its on-disk compile cache on (`fa4_compile_cache_env`)."""
+    if importlib.util.find_spec("flash_attn") is not None:
+        os.environ.update(fa4_compile_cache_env())
     try:
         from flash_attn.cute import flash_attn_varlen_func
     except ImportError as e:

@@ -270,6 +270,26 @@ def test_a_broken_flash_attn_4_is_a_reason_not_a_crash(monkeypatch):
         attention._fa4_import.cache_clear()
 
 
+def test_fa4_compile_cache_defaults_on_in_the_user_cache_folder(tmp_path):
+    env = attention.fa4_compile_cache_env({"XDG_CACHE_HOME": str(tmp_path)})
+    folder = tmp_path / "hybridflow" / "flash_attention_cute"
+    assert env == {attention.FA4_CACHE_DIR_ENV: str(folder), attention.FA4_CACHE_ENV: "1"}
+    assert folder.is_dir()  # made here: flash-attn-4 would fail its import where it cannot
+    # the user's folder is kept; the user's switch, either way, leaves everything as it is
+    own = tmp_path / "own"
+    assert attention.fa4_compile_cache_env({attention.FA4_CACHE_DIR_ENV: str(own)}) == {
+        attention.FA4_CACHE_ENV: "1"}
+    for value in ("0", "1"):
+        assert attention.fa4_compile_cache_env({attention.FA4_CACHE_ENV: value}) == {}
+
+
+def test_fa4_compile_cache_off_where_its_folder_cannot_be_written(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    env = attention.fa4_compile_cache_env({attention.FA4_CACHE_DIR_ENV: str(blocker / "cache")})
+    assert env == {attention.FA4_CACHE_ENV: "0"}
+
+
 def test_fa4_kernel_gets_the_packed_row_as_views_and_its_documents(monkeypatch):
     """SDPAttention hands FlashAttention-4's varlen function the [S, heads, head_dim] views of one
     packed row, the documents' cu_seqlens and longest length, causal, the softmax scale; here a
