@@ -27,25 +27,25 @@ def micro_batch_tokens(cfg: Config, *, forward: bool) -> int:
 
 def packed_kernel(option: str, *, gpu: GPU, head_dim: int, fp32: bool = False,
                   fa4_installed: bool = True) -> str:
-    """algo.packed_attention (auto | varlen | flex | fa4) -> the kernel a run on `gpu` takes
-    (models/attention.choose_packed_attention): FlashAttention-2 varlen needs bf16, head_dim a
-    multiple of 8 up to 256 and compute capability 8.0+; FlashAttention-4 the same at 9.0+ and
-    flash-attn-4 installed (`fa4_installed`: the gpu extra installs it). auto: fa4 where it runs,
-    else varlen where it runs, else flex; varlen where it cannot run: flex; fa4 where it cannot
-    run: ValueError (the trainer refuses it)."""
-    if option not in ("auto", "varlen", "flex", "fa4"):
-        raise ValueError(f"packed attention {option!r}: expected auto, varlen, flex or fa4")
-    flash = not fp32 and head_dim % 8 == 0 and head_dim <= 256   # what both FlashAttentions take
-    cap = gpu.compute_capability
-    fa4 = flash and cap >= (9, 0) and fa4_installed
-    if option == "fa4" and not fa4:
-        why = ("it takes bf16 and a head_dim a multiple of 8 up to 256" if not flash else
-               f"it needs compute capability 9.0+ (got {cap[0]}.{cap[1]})" if cap < (9, 0) else
-               "flash-attn-4 is not installed there (--no-fa4)")
-        raise ValueError(f"algo.packed_attention=fa4 cannot run on {gpu.name}: {why}")
-    if option in ("auto", "fa4") and fa4:
-        return "fa4"
-    return "varlen" if option != "flex" and flash and cap >= (8, 0) else "flex"
+    """algo.packed_attention (auto | varlen | flex | fa4) -> the kernel a run on `gpu` takes: the
+    trainer's rule (models/packed_choice.choose) asked of the GPU table's compute capability, a
+    torch with varlen_attn and its kernels, and flash-attn-4 installed or not (`fa4_installed`:
+    the gpu extra installs it). varlen where it cannot run: flex (the trainer refuses it; its cost
+    is the fallback's); fa4 where it cannot run: the trainer's ValueError, naming the GPU."""
+    import torch
+
+    from hybridflow.models.packed_choice import FlashMachine, choose
+
+    machine = FlashMachine("cuda", lambda: gpu.compute_capability, lambda: None,
+                           lambda: None if fa4_installed
+                           else "flash-attn-4 is not installed there (--no-fa4)")
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    try:
+        return choose(option, machine, dtype=dtype, head_dim=head_dim, where=f"on {gpu.name}")[0]
+    except ValueError:
+        if option != "varlen":
+            raise
+        return "flex"
 
 
 def packed_attention_on_gpu(cfg: Config, *, gpu: str | GPU = "H200",

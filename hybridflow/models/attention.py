@@ -60,6 +60,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from hybridflow.models.packed_choice import (PACKED_KERNELS, FlashMachine, choose, fa4_why,
+                                             varlen_why)
+
 
 class SDPAttention(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -205,7 +208,6 @@ def packed_attention(q, k, v, block_mask: BlockMask, *, scale: float) -> torch.T
 
 
 # --------------------------------------------------------------------------- varlen (FlashAttention)
-PACKED_KERNELS = ("varlen", "flex", "fa4")
 
 
 @dataclass
@@ -242,32 +244,24 @@ def _varlen():
     return varlen_attn, causal, "enable_gqa" in params
 
 
-def varlen_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
-    """Why torch's varlen_attn cannot run the packed passes here; None where it can."""
+def _torch_varlen_missing() -> Optional[str]:
+    """Why this torch cannot run varlen_attn for want of the op or its kernels; None where it can."""
     if _varlen() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (2.10+)"
-    why = _flash_limits(device, dtype, head_dim, op="varlen_attn", kernel="FlashAttention-2",
-                        min_cap=(8, 0))
-    if why is None and not torch.backends.cuda.is_flash_attention_available():
+    if not torch.backends.cuda.is_flash_attention_available():
         return "this torch build has no FlashAttention kernels"
-    return why
-
-
-def _flash_limits(device: torch.device, dtype: torch.dtype, head_dim: int, *, op: str,
-                  kernel: str, min_cap: tuple[int, int]) -> Optional[str]:
-    """What the FlashAttention kernels need, checked in this order (the first three before any
-    CUDA query): CUDA, bf16 / fp16, head_dim a multiple of 8 up to 256, compute capability."""
-    if device.type != "cuda":
-        return f"{op} runs on CUDA only (device {device.type})"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"{op} takes bf16 or fp16 (the model computes in {dtype})"
-    if head_dim % 8 or head_dim > 256:
-        return f"{kernel} takes head_dim a multiple of 8 up to 256 (got {head_dim})"
-    cap = torch.cuda.get_device_capability(device)
-    if cap < min_cap:
-        return (f"{kernel} needs compute capability {min_cap[0]}.{min_cap[1]}+ "
-                f"(got {cap[0]}.{cap[1]})")
     return None
+
+
+def live_machine(device: torch.device) -> FlashMachine:
+    """This process on `device`, as the packed-attention rule (models/packed_choice) reads it."""
+    return FlashMachine(device.type, lambda: torch.cuda.get_device_capability(device),
+                        _torch_varlen_missing, lambda: _fa4_import()[1])
+
+
+def varlen_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """Why torch's varlen_attn cannot run the packed passes here; None where it can."""
+    return varlen_why(live_machine(device), dtype, head_dim)
 
 
 FA4_CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
@@ -324,44 +318,15 @@ def fa4_installed() -> bool:
 
 def fa4_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
     """Why FlashAttention-4 cannot run the packed passes here; None where it can."""
-    why = _flash_limits(device, dtype, head_dim, op="FlashAttention-4", kernel="FlashAttention-4",
-                        min_cap=(9, 0))
-    if why is None and _fa4() is None:
-        return _fa4_import()[1]
-    return why
+    return fa4_why(live_machine(device), dtype, head_dim)
 
 
 def choose_packed_attention(option: str, *, device: torch.device, dtype: torch.dtype,
                             head_dim: int) -> tuple[str, str]:
-    """algo.packed_attention (auto | varlen | flex | fa4) -> (kernel, the line that says why).
-    auto: fa4 where `fa4_unsupported` finds nothing against it, else varlen where
-    `varlen_unsupported` finds nothing, else flex; varlen or fa4 where it cannot run: a ValueError
-    naming the key and the reason."""
-    if option not in ("auto", *PACKED_KERNELS):
-        raise ValueError(f"algo.packed_attention={option!r} is not one of "
-                         f"['auto', 'flex', 'varlen', 'fa4']")
-    if option == "flex":
-        return "flex", "packed attention: flex_attention document mask (algo.packed_attention=flex)"
-    if option == "fa4":
-        why = fa4_unsupported(device, dtype, head_dim)
-        if why is not None:
-            raise ValueError(f"algo.packed_attention=fa4 cannot run here: {why}; set "
-                             "algo.packed_attention=auto, varlen or flex")
-        return "fa4", ("packed attention: FlashAttention-4 varlen (flash_attn.cute; "
-                       "algo.packed_attention=fa4)")
-    if option == "auto" and fa4_unsupported(device, dtype, head_dim) is None:
-        return "fa4", ("packed attention: FlashAttention-4 varlen (flash_attn.cute; "
-                       "algo.packed_attention=auto)")
-    why = varlen_unsupported(device, dtype, head_dim)
-    if why is None:
-        note = "" if option == "varlen" else f"; {fa4_unsupported(device, dtype, head_dim)}"
-        return "varlen", (f"packed attention: torch varlen_attn (FlashAttention-2 varlen; "
-                          f"algo.packed_attention={option}{note})")
-    if option == "varlen":
-        raise ValueError(f"algo.packed_attention=varlen cannot run here: {why}; set "
-                         "algo.packed_attention=auto or flex")
-    return "flex", (f"packed attention: flex_attention document mask (algo.packed_attention=auto "
-                    f"falls back: {why})")
+    """algo.packed_attention (auto | varlen | flex | fa4) -> (kernel, the line that says why) for
+    this process on `device` (models/packed_choice.choose: fa4 where it runs, else varlen, else
+    flex; varlen or fa4 by name where it cannot run: a ValueError naming the key and the reason)."""
+    return choose(option, live_machine(device), dtype=dtype, head_dim=head_dim)
 
 
 def varlen_packed_attention(q, k, v, docs: PackedDocuments, *, scale: float) -> torch.Tensor:

@@ -221,8 +221,8 @@ def test_packed_attention_from_config():
     assert packed_attention_on_gpu(load_config(["trainer.precision=fp32"])) == "flex"
     # fa4 where it cannot run: the trainer refuses it, so does the cost model
     fa4 = load_config(["algo.packed_attention=fa4"])
-    with pytest.raises(ValueError, match=r"fa4 cannot run on A100-80GB: it needs compute "
-                                         r"capability 9.0\+ \(got 8.0\)"):
+    with pytest.raises(ValueError, match=r"fa4 cannot run on A100-80GB: FlashAttention-4 needs "
+                                         r"compute capability 9.0\+ \(got 8.0\)"):
         packed_attention_on_gpu(fa4, gpu="A100")
     with pytest.raises(ValueError, match="flash-attn-4 is not installed there"):
         packed_attention_on_gpu(fa4, gpu="H100", fa4_installed=False)
@@ -238,9 +238,10 @@ def test_packed_kernel_follows_the_flash_limits():
     for bad in (dict(head_dim=260), dict(head_dim=12), dict(head_dim=64, fp32=True)):
         assert packed_kernel("auto", gpu=h100, **bad) == "flex", bad
         assert packed_kernel("varlen", gpu=h100, **bad) == "flex", bad
-        with pytest.raises(ValueError, match="bf16 and a head_dim a multiple of 8 up to 256"):
+        with pytest.raises(ValueError, match=r"fa4 cannot run on H100: FlashAttention-4 takes "
+                                             r"(bf16 or fp16|head_dim a multiple of 8 up to 256)"):
             packed_kernel("fa4", gpu=h100, **bad)
-    with pytest.raises(ValueError, match="packed attention 'sdpa'"):
+    with pytest.raises(ValueError, match="algo.packed_attention='sdpa' is not one of"):
         packed_kernel("sdpa", gpu=h100, head_dim=64)
 
 
@@ -669,8 +670,9 @@ def test_cli_packed_attention_and_sampler(capsys):
     assert "sampler_delta" not in rep["time_breakdown"]["gen"]
     assert cost_main([*flags, "--gpu", "A100", "--packed-attention", "fa4"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "hybridflow cost: error: algo.packed_attention=fa4 cannot run on A100-80GB: it needs "
-        "compute capability 9.0+ (got 8.0)")
+        "hybridflow cost: error: algo.packed_attention=fa4 cannot run on A100-80GB: "
+        "FlashAttention-4 needs compute capability 9.0+ (got 8.0); set algo.packed_attention=auto, "
+        "varlen or flex")
     config = ["--config", "experiment=gsm8k_qwen_coder_0_5b", "--num-gpus", "1", "--gpu", "H100"]
     assert run(*config)["workload"]["packed_attention"] == "fa4"
     assert run(*config, "--no-fa4")["workload"]["packed_attention"] == "varlen"

@@ -233,21 +233,34 @@ def test_kernel_choice_falls_back_to_flex_and_says_why():
             choose_packed_attention("fa4", device=device, dtype=dtype, head_dim=head_dim)
 
 
-def test_auto_prefers_fa4_where_it_runs_else_varlen_saying_why(monkeypatch):
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(attention, "fa4_unsupported", lambda *a: None)
-    assert choose_packed_attention("auto", device=cuda, dtype=torch.bfloat16, head_dim=64) == (
+def test_auto_prefers_fa4_where_it_runs_else_varlen_saying_why():
+    from hybridflow.models.packed_choice import FlashMachine, choose
+
+    def machine(cap=(9, 0), varlen=None, fa4=None):
+        return FlashMachine("cuda", lambda: cap, lambda: varlen, lambda: fa4)
+
+    bf16 = dict(dtype=torch.bfloat16, head_dim=64)
+    assert choose("auto", machine(), **bf16) == (
         "fa4", "packed attention: FlashAttention-4 varlen (flash_attn.cute; "
                "algo.packed_attention=auto)")
     why = "flash-attn-4 is not installed (pip install flash-attn-4; No module named 'flash_attn')"
-    monkeypatch.setattr(attention, "fa4_unsupported", lambda *a: why)
-    monkeypatch.setattr(attention, "varlen_unsupported", lambda *a: None)
-    assert choose_packed_attention("auto", device=cuda, dtype=torch.bfloat16, head_dim=64) == (
+    assert choose("auto", machine(fa4=why), **bf16) == (
         "varlen", "packed attention: torch varlen_attn (FlashAttention-2 varlen; "
                   f"algo.packed_attention=auto; {why})")
-    # asked for by name: varlen, and no word of FlashAttention-4
-    assert choose_packed_attention("varlen", device=cuda, dtype=torch.bfloat16, head_dim=64)[1] \
+    # an sm_80 card: varlen, saying why not fa4; flex where varlen's kernels are missing too
+    assert choose("auto", machine(cap=(8, 0)), **bf16)[1].endswith(
+        "FlashAttention-4 needs compute capability 9.0+ (got 8.0))")
+    assert choose("auto", machine(cap=(8, 0), varlen="no kernels"), **bf16) == (
+        "flex", "packed attention: flex_attention document mask (algo.packed_attention=auto "
+                "falls back: no kernels)")
+    # asked for by name: varlen, and no word of FlashAttention-4 (whose import is not even tried)
+    def no_import():
+        raise AssertionError("varlen by name asked flash-attn-4")
+    named = FlashMachine("cuda", lambda: (9, 0), lambda: None, no_import)
+    assert choose("varlen", named, **bf16)[1] \
         == "packed attention: torch varlen_attn (FlashAttention-2 varlen; algo.packed_attention=varlen)"
+    with pytest.raises(ValueError, match=r"algo.packed_attention=fa4 cannot run on H100: nope; "):
+        choose("fa4", machine(fa4="nope"), where="on H100", **bf16)
 
 
 def test_a_broken_flash_attn_4_is_a_reason_not_a_crash(monkeypatch):
