@@ -309,7 +309,8 @@ def partial_choice(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Worklo
     rollout.max_batch_size values each (the steady state's rows per call, rounded up to 64: the
     first step, which generates every in-flight group, then runs in two chunks; or the first
     step's rows: one chunk always, but the steady state's call padded to that graph bucket), and
-    the choice to recommend when one fits and is predicted at least 3% faster. Considered only
+    the choice to recommend when one fits and is predicted at least 3% faster, and the speculative
+    tail is off (with it on the pair was measured slower than predicted). Considered only
     when the response lengths are known, the longest is at least twice the mean (the long tail a
     cap cuts), max_new_tokens is set, partial rollouts are off and every step generates once (no
     dynamic sampling). Returns {"recommended": overrides or None, "reason": one line,
@@ -354,6 +355,13 @@ def partial_choice(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Worklo
                 "reason": f"keep off: no cap predicted 3% faster than {best.step:.2f} s/step"}
     cap, mbs = min(better, key=lambda k: evals[k].step)
     ev = evals[(cap, mbs)]
+    if w.spec_rows:  # the cap ends the calls before the tail the speculative steps would decode
+        return {"recommended": None, "options": options,
+                "reason": f"keep off: predicted {ev.step:.2f} s/step at cap {cap} vs "
+                          f"{best.step:.2f}, but with the speculative tail on partial rollouts "
+                          f"replace it, and that pair was measured slower than the tail alone "
+                          f"on the GSM8K recipe (docs/cost_model.md: the model does not predict "
+                          f"it); measure before turning them on"}
     keys = (f"rollout.partial.enable=true rollout.partial.max_decode_steps={cap} "
             f"rollout.partial.extra_prompts={extra} rollout.max_batch_size={mbs} "
             f"algo.tis_imp_ratio_cap=2.0")
