@@ -49,6 +49,7 @@ import importlib.util
 import inspect
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -264,6 +265,9 @@ def varlen_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) 
     return varlen_why(live_machine(device), dtype, head_dim)
 
 
+# what the CuTe DSL warns, several hundred characters long, each time it compiles one of
+# flash-attn-4's kernels (an argument it passes through as a Python object)
+FA4_COMPILE_NOISE = r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument"
 FA4_CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 FA4_CACHE_DIR_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
 
@@ -303,6 +307,7 @@ def _fa4_import() -> tuple:
         return None, f"flash-attn-4 is not installed (pip install flash-attn-4; {e})"
     except Exception as e:  # installed but broken (its CUDA libraries): auto falls back, saying why
         return None, f"flash-attn-4 does not import: {type(e).__name__}: {e}"
+    warnings.filterwarnings("ignore", message=FA4_COMPILE_NOISE, category=UserWarning)
     return flash_attn_varlen_func, None
 
 

@@ -296,6 +296,14 @@ def test_fa4_compile_cache_defaults_on_in_the_user_cache_folder(tmp_path):
         assert attention.fa4_compile_cache_env({attention.FA4_CACHE_ENV: value}) == {}
 
 
+def test_fa4_compile_noise_is_the_dsl_warning():
+    import re
+    line = ("Argument aux_data (position 17) cannot be converted to a JitArgument for function "
+            "'cutlass___call___flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90'. Its type")
+    assert re.match(attention.FA4_COMPILE_NOISE, line)
+    assert not re.match(attention.FA4_COMPILE_NOISE, "Argument q (position 0) is wrong")
+
+
 def test_fa4_compile_cache_off_where_its_folder_cannot_be_written(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
