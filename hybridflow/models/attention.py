@@ -246,7 +246,7 @@ def _varlen():
 
 
 def _torch_varlen_missing() -> Optional[str]:
-    """Why this torch cannot run varlen_attn for want of the op or its kernels; None where it can."""
+    """Why this torch cannot run varlen_attn (the op or its kernels missing); None where it can."""
     if _varlen() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (2.10+)"
     if not torch.backends.cuda.is_flash_attention_available():
@@ -283,16 +283,16 @@ def fa4_compile_cache_env(environ=None) -> dict:
     environ = os.environ if environ is None else environ
     if FA4_CACHE_ENV in environ:
         return {}
-    path = environ.get(FA4_CACHE_DIR_ENV)
-    out = {} if path else {FA4_CACHE_DIR_ENV: os.path.join(
+    own = environ.get(FA4_CACHE_DIR_ENV)
+    folder = own or os.path.join(
         environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "hybridflow", "flash_attention_cute")}
+        "hybridflow", "flash_attention_cute")
     try:  # flash-attn-4 creates it at import and would fail to import where it cannot
-        os.makedirs(path or out[FA4_CACHE_DIR_ENV], exist_ok=True)
-        writable = os.access(path or out[FA4_CACHE_DIR_ENV], os.W_OK)
+        os.makedirs(folder, exist_ok=True)
+        writable = os.access(folder, os.W_OK)
     except OSError:
         writable = False
-    return {**out, FA4_CACHE_ENV: "1" if writable else "0"}
+    return {**({} if own else {FA4_CACHE_DIR_ENV: folder}), FA4_CACHE_ENV: "1" if writable else "0"}
 
 
 @functools.cache
