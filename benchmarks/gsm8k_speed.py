@@ -97,9 +97,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--cost", help="the cost model's --json prediction of this step, made before")
     ap.add_argument("--dapo-step", help="metrics.jsonl of a DAPO run (algo=dapo) of the recipe")
     ap.add_argument("--dapo-cost", help="the cost model's --json prediction of the DAPO step")
+    ap.add_argument("--machine-from", help="a JSON written on the GPU machine (gsm8k_h200.sh step's "
+                    "report) whose machine and versions the file names")
+    ap.add_argument("--status", help="what the file shows and what it lacks, in words")
     ap.add_argument("--model", default="qwen2_5_coder_0_5b")
     ap.add_argument("--rows", type=int, default=512, help="sequences per step (64 x 8)")
-    ap.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
+    ap.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
+                    help="dense bf16 peak (H100 SXM and H200 share it)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
@@ -107,6 +111,8 @@ def main(argv=None) -> dict:
 
     out = {"benchmark": "GSM8K GRPO step (experiment=gsm8k_qwen_coder_0_5b) at speed",
            "command": command(), "peak_tflops": a.peak_tflops,
+           **({k: json.load(open(a.machine_from))[k] for k in ("machine", "versions")}
+              if a.machine_from else {}),
            **step_summary(a.step, model=a.model, rows_per_step=a.rows, peak_tflops=a.peak_tflops)}
     if out["steps_timed"] < 20:
         out["note"] = f"median of {out['steps_timed']} steps (the target asks for >= 20)"
@@ -130,6 +136,9 @@ def main(argv=None) -> dict:
                        "steps_timed": len(dapo)}
         if a.dapo_cost:
             out["dapo"]["cost_model_step_s"] = cost_step_s(a.dapo_cost)
+            out["dapo"]["cost_model_error"] = out["dapo"]["cost_model_step_s"] / out["dapo"]["step_s"] - 1
+    if a.status:
+        out["status"] = a.status
     write_json(a.out, out)
     mfu = " ".join(f"{k} {v:.1%}" for k, v in out["mfu"].items())
     print(f"step {out['ours_step_s']:.3f} s ({out['steps_timed']} steps)  MFU {mfu}  "

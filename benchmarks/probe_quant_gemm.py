@@ -10,10 +10,13 @@ timing replays a CUDA graph of the call (triton.testing.do_bench_cudagraph: no l
 the decode). With --sweep also the weight-only kernels (int4, fp8) at a grid of tiles
 (kernels.quant.Config: 16-64-row tiles, 32-128 columns, 32- or 64-column K steps, 4 or 8 warps,
 K split as config_for splits): per GEMM the default's time, the best tiles and theirs, to choose
-config_for's.
+config_for's. With --gemlite also gemlite's Triton kernels (A16W4 fed our int4 codes, scales and
+offsets; A16W8 fp8 weight-only; A8W8 fp8 with dynamic activation scales), each product's error
+against ours.
 
   python benchmarks/probe_quant_gemm.py --out benchmarks/results/quant_gemm_probe_h200.json   # one H200, ~30 s
   python benchmarks/probe_quant_gemm.py --graphs --sweep --rows 1 64 --out ...              # ~2 min
+  python benchmarks/probe_quant_gemm.py --graphs --gemlite --rows 1 64 256 --out ...         # gemlite 0.6
 """
 from __future__ import annotations
 
@@ -42,6 +45,22 @@ def to_tinygemm(q, tiles: int = 8):
     scale = q.scales.to(torch.bfloat16)
     zero = (q.mins.float() + 8 * q.scales.float()).to(torch.bfloat16)  # tinygemm: (q - 8) s + z
     return packed, torch.stack([scale.t(), zero.t()], -1).contiguous()
+
+
+def gemlite_linears(q4, w) -> dict:
+    """gemlite layers for the same weight: {"gemlite_int4": A16W4 from our int4 codes (w = q * scale
+    + min, gemlite's fma form: zeros = -min / scale), "gemlite_fp8_weight_only": A16W8 fp8
+    channel-wise, "gemlite_fp8_dynamic": A8W8 fp8 with per-token activation scales}."""
+    from gemlite.helper import A8W8_fp8_dynamic, A16W4_HQQ_INT, A16W8_FP8
+
+    n, kw = q4.codes.shape
+    shifts = torch.arange(0, 32, 4, device=q4.codes.device, dtype=torch.int32)
+    codes = ((q4.codes[..., None] >> shifts) & 15).view(n, kw * 8).to(torch.uint8)
+    zeros = -q4.mins.float() / q4.scales.float()
+    dev, dt = w.device, w.dtype
+    return {"gemlite_int4": A16W4_HQQ_INT(device=dev, dtype=dt).from_weights(codes, q4.scales, zeros),
+            "gemlite_fp8_weight_only": A16W8_FP8(device=dev, dtype=dt).from_weights(w.clone()),
+            "gemlite_fp8_dynamic": A8W8_fp8_dynamic(device=dev, dtype=dt).from_weights(w.clone())}
 
 
 def sweep(bench, kq, x, q4, q8, ref) -> dict:
@@ -74,6 +93,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--graphs", action="store_true", help="time CUDA-graph replays of each call")
     ap.add_argument("--sweep", action="store_true", help="the weight-only kernels' tiles too")
+    ap.add_argument("--gemlite", action="store_true", help="gemlite's kernels beside ours")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     from triton.testing import do_bench, do_bench_cudagraph
@@ -87,7 +107,8 @@ def main(argv=None) -> dict:
     res = {}
     how = "CUDA-graph replays" if args.graphs else "eager launches"
     out = {"benchmark": f"one decode GEMM per quantization mode (ms, do_bench, {how})",
-           "machine": machine(), "versions": versions("torch", "triton"), "command": command(),
+           "machine": machine(),
+           "versions": versions("torch", "triton", *(["gemlite"] if args.gemlite else [])), "command": command(),
            "results": res}
     for model, mats in SHAPES.items():
         for name, (n, k) in mats.items():
@@ -106,6 +127,14 @@ def main(argv=None) -> dict:
                      "tinygemm_int4": bench(lambda: torch._weight_int4pack_mm(x, tw, 128, sz)),
                      "tinygemm_rel_err": float((tiny - ref).abs().max() / ref.abs().max()),
                      "bf16_floor": (n * k * 2 + m * (n + k) * 2) / 4.8e12 * 1e3}
+                if args.gemlite:
+                    for tag, layer in gemlite_linears(q4, w).items():
+                        for _ in range(3):  # autotune and compile outside the timed graphs
+                            got = layer(x).float()
+                        torch.cuda.synchronize()
+                        r[tag] = bench(lambda: layer(x))
+                        ref_t = ref if tag == "gemlite_int4" else F.linear(x, w).float()
+                        r[tag + "_rel_err"] = float((got - ref_t).abs().max() / ref_t.abs().max())
                 res[f"{model}/{name}/{m}"] = {a: round(b, 4) for a, b in r.items()}
                 if args.sweep and m <= kq.KERNEL_MAX_ROWS:
                     res[f"{model}/{name}/{m}"]["tiles"] = sweep(bench, kq, x, q4, q8, ref)

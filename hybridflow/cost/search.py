@@ -310,7 +310,8 @@ def partial_choice(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Worklo
     first step, which generates every in-flight group, then runs in two chunks; or the first
     step's rows: one chunk always, but the steady state's call padded to that graph bucket), and
     the choice to recommend when one fits and is predicted at least 3% faster, and the speculative
-    tail is off (with it on the pair was measured slower than predicted). Considered only
+    tail is off (with it on the pair was measured no faster than the tail alone, against a
+    predicted gain). Considered only
     when the response lengths are known, the longest is at least twice the mean (the long tail a
     cap cuts), max_new_tokens is set, partial rollouts are off and every step generates once (no
     dynamic sampling). Returns {"recommended": overrides or None, "reason": one line,
@@ -359,7 +360,7 @@ def partial_choice(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Worklo
         return {"recommended": None, "options": options,
                 "reason": f"keep off: predicted {ev.step:.2f} s/step at cap {cap} vs "
                           f"{best.step:.2f}, but with the speculative tail on partial rollouts "
-                          f"replace it, and that pair was measured slower than the tail alone "
+                          f"replace it, and that pair was measured no faster than the tail alone "
                           f"on the GSM8K recipe (docs/cost_model.md: the model does not predict "
                           f"it); measure before turning them on"}
     keys = (f"rollout.partial.enable=true rollout.partial.max_decode_steps={cap} "

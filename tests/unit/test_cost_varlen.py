@@ -512,7 +512,7 @@ def test_estimator_suggests_partial_rollouts_for_a_long_tail(capsys):
     steady state's size, which pads the call to no larger graph bucket and holds fewer KV rows;
     dynamic sampling or no long tail: not considered, and the reason says why. With the
     speculative tail on (the recipe's default) the options are listed but none is suggested: that
-    pair was measured slower than the tail alone."""
+    pair was measured no faster than the tail alone."""
     tail = _gsm8k_report(capsys)["partial"]  # the recipe: the speculative tail on
     assert tail["recommended"] is None and "speculative tail on" in tail["reason"]
     assert tail["options"]
