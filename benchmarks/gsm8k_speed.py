@@ -97,8 +97,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--cost", help="the cost model's --json prediction of this step, made before")
     ap.add_argument("--dapo-step", help="metrics.jsonl of a DAPO run (algo=dapo) of the recipe")
     ap.add_argument("--dapo-cost", help="the cost model's --json prediction of the DAPO step")
-    ap.add_argument("--machine-from", help="a JSON written on the GPU machine (gsm8k_h200.sh step's "
-                    "report) whose machine and versions the file names")
+    ap.add_argument("--machine-from", help="a JSON written on the GPU machine (gsm8k_h200.sh "
+                    "step's report) whose machine and versions the file names")
     ap.add_argument("--status", help="what the file shows and what it lacks, in words")
     ap.add_argument("--model", default="qwen2_5_coder_0_5b")
     ap.add_argument("--rows", type=int, default=512, help="sequences per step (64 x 8)")
@@ -136,7 +136,8 @@ def main(argv=None) -> dict:
                        "steps_timed": len(dapo)}
         if a.dapo_cost:
             out["dapo"]["cost_model_step_s"] = cost_step_s(a.dapo_cost)
-            out["dapo"]["cost_model_error"] = out["dapo"]["cost_model_step_s"] / out["dapo"]["step_s"] - 1
+            d = out["dapo"]
+            d["cost_model_error"] = d["cost_model_step_s"] / d["step_s"] - 1
     if a.status:
         out["status"] = a.status
     write_json(a.out, out)

@@ -16,7 +16,9 @@ against ours.
 
   python benchmarks/probe_quant_gemm.py --out benchmarks/results/quant_gemm_probe_h200.json   # one H200, ~30 s
   python benchmarks/probe_quant_gemm.py --graphs --sweep --rows 1 64 --out ...              # ~2 min
-  python benchmarks/probe_quant_gemm.py --graphs --gemlite --rows 1 64 256 --out ...         # gemlite 0.6
+  python benchmarks/probe_quant_gemm.py --graphs --gemlite --rows 64 256 --out ...  # ~6 min
+(gemlite autotunes each shape at first call; its 1-row int4 kernel hit an illegal memory access
+on an H100, so no 1-row GEMMs with --gemlite.)
 """
 from __future__ import annotations
 
@@ -58,7 +60,8 @@ def gemlite_linears(q4, w) -> dict:
     codes = ((q4.codes[..., None] >> shifts) & 15).view(n, kw * 8).to(torch.uint8)
     zeros = -q4.mins.float() / q4.scales.float()
     dev, dt = w.device, w.dtype
-    return {"gemlite_int4": A16W4_HQQ_INT(device=dev, dtype=dt).from_weights(codes, q4.scales, zeros),
+    return {"gemlite_int4": A16W4_HQQ_INT(device=dev, dtype=dt).from_weights(codes, q4.scales,
+                                                                             zeros),
             "gemlite_fp8_weight_only": A16W8_FP8(device=dev, dtype=dt).from_weights(w.clone()),
             "gemlite_fp8_dynamic": A8W8_fp8_dynamic(device=dev, dtype=dt).from_weights(w.clone())}
 
@@ -108,8 +111,8 @@ def main(argv=None) -> dict:
     how = "CUDA-graph replays" if args.graphs else "eager launches"
     out = {"benchmark": f"one decode GEMM per quantization mode (ms, do_bench, {how})",
            "machine": machine(),
-           "versions": versions("torch", "triton", *(["gemlite"] if args.gemlite else [])), "command": command(),
-           "results": res}
+           "versions": versions("torch", "triton", *(["gemlite"] if args.gemlite else [])),
+           "command": command(), "results": res}
     for model, mats in SHAPES.items():
         for name, (n, k) in mats.items():
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
