@@ -97,3 +97,31 @@ def test_speed_file_medians_mfu_and_peers(tmp_path):
     # the same tokens each step: the ref pass is a third of the update's FLOPs in a third of its
     # time, so both run at the same MFU, a plausible one for 0.5B at ~200k tokens in 1.5 s
     assert abs(out["mfu"]["update"] - out["mfu"]["ref"]) < 1e-9 and 0.2 < out["mfu"]["update"] < 0.6
+
+
+def test_speed_file_names_its_machine_status_and_dapo_error(tmp_path):
+    """gsm8k_speed.py --machine-from / --status / --dapo-step + --dapo-cost: the file carries the
+    GPU report's machine and versions, the status line, and the DAPO prediction's error."""
+    import gsm8k_speed
+
+    rows = [dict(_step(s, t, **{"timing_s/update_actor": 1.5, "timing_s/ref": 0.5,
+                                "perf/total_num_tokens": 512 * 400, "response_length/mean": 300.0}))
+            for s, t in ((1, 30.0), (2, 3.5), (3, 3.6))]
+    _write(tmp_path / "step", rows, [])
+    dapo = [dict(_step(s, t)) for s, t in ((1, 20.0), (2, 5.0), (3, 5.2))]
+    _write(tmp_path / "dapo", dapo, [])
+    json.dump({"step_seconds": 4.6}, open(tmp_path / "dapo_cost.json", "w"))
+    report = {"machine": {"gpu": "NVIDIA H100 80GB HBM3", "gpus": 1},
+              "versions": {"torch": "2.11.0+cu130"}, "ours_step_s": 5.1}
+    json.dump(report, open(tmp_path / "report.json", "w"))
+    out = gsm8k_speed.main(["--step", str(tmp_path / "step" / "metrics.jsonl"),
+                            "--dapo-step", str(tmp_path / "dapo" / "metrics.jsonl"),
+                            "--dapo-cost", str(tmp_path / "dapo_cost.json"),
+                            "--machine-from", str(tmp_path / "report.json"),
+                            "--status", "incomplete: one H100", "--out", str(tmp_path / "o.json")])
+    assert out["machine"] == report["machine"] and out["versions"] == report["versions"]
+    assert "ours_step_s" in out and out["ours_step_s"] == 3.55   # the report's own step is not taken
+    assert out["status"] == "incomplete: one H100"
+    assert out["dapo"]["step_s"] == 5.1
+    assert abs(out["dapo"]["cost_model_error"] - (4.6 / 5.1 - 1)) < 1e-12
+    assert json.load(open(tmp_path / "o.json"))["status"] == "incomplete: one H100"
