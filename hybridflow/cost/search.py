@@ -313,8 +313,8 @@ def partial_choice(shape: ModelConfig, gpu: GPU, num_gpus: int, workload: Worklo
     tail is off (with it on the pair was measured no faster than the tail alone, against a
     predicted gain). Considered only when the response lengths are known, the longest is at least
     twice the mean (the long tail a cap cuts), max_new_tokens is set, partial rollouts are off and
-    every step generates once (no dynamic sampling). Returns {"recommended": overrides or None, "reason": one line,
-    "options": {"<cap>/<max_batch_size>": {step_s, gen_s, fits, peak_gib}}}."""
+    every step generates once (no dynamic sampling). Returns {"recommended": overrides or None,
+    "reason": one line, "options": {"<cap>/<max_batch_size>": {step_s, gen_s, fits, peak_gib}}}."""
     from hybridflow.cost.varlen import partial_segments, row_lengths
 
     w = workload
