@@ -8,7 +8,8 @@ Assembles what the device calls measured, nothing run here:
 - `--val-run` / `--baseline-val-run`: 60-step runs (`gsm8k_h200.sh variant ...`, metrics.jsonl and
   val_scores.jsonl) of the configuration measured and of today's recipe: `val_accuracy`,
   `baseline_val_accuracy` and the problem-by-problem comparison per validation;
-- `--trl`: a vs_trl JSON (bench_vs_trl.py) whose GSM8K workload gives `trl_step_s`;
+- `--trl`: TRL's run (trl_gsm8k.py's JSON, or bench_vs_trl.py's GSM8K workload) gives `trl_step_s`;
+  `--trl-ours-step`: our step run in the same session on the same machine, for `speedup_vs_trl`;
 - `--cost` / `--dapo-cost`: `python -m hybridflow.cost --config ... --lengths <probe> --json`
   written BEFORE the run (`cost_model_step_s`), and `--dapo-step` a DAPO run's metrics.jsonl.
 
@@ -73,12 +74,21 @@ def step_summary(path: str, *, model: str, rows_per_step: int, peak_tflops: floa
             "mean_response_length": statistics.fmean(r["response_length/mean"] for r in timed)}
 
 
-def trl_step_s(path: str) -> float:
+def trl_result(path: str) -> dict:
+    """`trl_step_s` and what it came from: a trl_gsm8k.py JSON (its `step_s_median`, the steps after
+    the first) or a bench_vs_trl.py JSON's GSM8K workload."""
     d = json.load(open(path))
+    if d.get("benchmark") == "trl_gsm8k":
+        if not d.get("step_s_median"):
+            raise SystemExit(f"--trl {path}: no step_s_median (TRL ran fewer than 2 steps)")
+        cfg = d.get("config", {})
+        return {"trl_step_s": d["step_s_median"], "trl_step_s_all": d["step_s"],
+                "trl_config": {k: cfg.get(k) for k in ("prompts_per_step", "samples", "micro_batch",
+                                                       "gradient_checkpointing", "weights")}}
     for name, w in d.get("workloads", {}).items():
         if "gsm8k" in name.lower() and "trl_step_s" in w:
-            return w["trl_step_s"]
-    raise SystemExit(f"--trl {path}: no GSM8K workload with trl_step_s")
+            return {"trl_step_s": w["trl_step_s"], "trl_step_s_all": w.get("trl_step_s_all")}
+    raise SystemExit(f"--trl {path}: neither a trl_gsm8k.py JSON nor a GSM8K workload with trl_step_s")
 
 
 def cost_step_s(path: str) -> float:
@@ -93,7 +103,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--step", required=True, help="metrics.jsonl of `gsm8k_h200.sh step N`")
     ap.add_argument("--val-run", help="run dir (metrics.jsonl, val_scores.jsonl) of >= 60 steps")
     ap.add_argument("--baseline-val-run", help="today's recipe, same steps and seed")
-    ap.add_argument("--trl", help="a bench_vs_trl.py JSON with the GSM8K workload")
+    ap.add_argument("--trl", help="a trl_gsm8k.py JSON, or a bench_vs_trl.py JSON with the GSM8K workload")
+    ap.add_argument("--trl-ours-step", help="metrics.jsonl of our `step N` run beside TRL's on the "
+                    "same machine (the speed-up is taken against it; default: --step)")
     ap.add_argument("--cost", help="the cost model's --json prediction of this step, made before")
     ap.add_argument("--dapo-step", help="metrics.jsonl of a DAPO run (algo=dapo) of the recipe")
     ap.add_argument("--dapo-cost", help="the cost model's --json prediction of the DAPO step")
@@ -125,8 +137,13 @@ def main(argv=None) -> dict:
         if a.val_run and os.path.isfile(mine) and os.path.isfile(base):
             out["vs_baseline_problem_by_problem"] = paired(base, mine)
     if a.trl:
-        out["trl_step_s"] = trl_step_s(a.trl)
-        out["speedup_vs_trl"] = out["trl_step_s"] / out["ours_step_s"]
+        out.update(trl_result(a.trl), trl_source=a.trl)
+        ours = out["ours_step_s"]
+        if a.trl_ours_step:
+            ours = step_summary(a.trl_ours_step, model=a.model, rows_per_step=a.rows,
+                                peak_tflops=a.peak_tflops)["ours_step_s"]
+            out["trl_ours_step_s"] = ours
+        out["speedup_vs_trl"] = out["trl_step_s"] / ours
     if a.cost:
         out["cost_model_step_s"] = cost_step_s(a.cost)
         out["cost_model_error"] = out["cost_model_step_s"] / out["ours_step_s"] - 1

@@ -204,7 +204,8 @@ def _lora_update_graphs(cfg: Config, gpu: bool, notes: list) -> bool:
 def _quantized_rollout_defaults(cfg: Config, notes: list) -> Config:
     """rollout.quantization / kv_cache_dtype: the rollout log-probs on (they are the quantized
     model's: the mismatch metrics read them every step) and truncated importance sampling at cap
-    2.0 (verl's FP8 rollout recipe) unless algo.tis_imp_ratio_cap is set."""
+    2.0 (verl's FP8 rollout recipe) unless algo.tis_imp_ratio_cap is set; int4 gets a line that it
+    lost accuracy where it was measured."""
     r, a = cfg.rollout, cfg.algo
     if not r.return_logprobs:
         cfg = _replace(cfg, "rollout", return_logprobs=True)
@@ -216,6 +217,10 @@ def _quantized_rollout_defaults(cfg: Config, notes: list) -> Config:
         notes.append(f"quantized rollout ({what}): truncated importance sampling on, "
                      f"algo.tis_imp_ratio_cap=2.0 (set it to change the cap); "
                      f"rollout.return_logprobs=true")
+    if r.quantization == "int4":
+        notes.append("rollout.quantization=int4: on the GSM8K recipe its rollouts fell below bf16's "
+                     "val accuracy over 60 steps (docs/performance.md, quantized rollouts); watch "
+                     "val and the rollout_corr/* mismatch metrics")
     return cfg
 
 

@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -125,3 +127,32 @@ def test_speed_file_names_its_machine_status_and_dapo_error(tmp_path):
     assert out["dapo"]["step_s"] == 5.1
     assert abs(out["dapo"]["cost_model_error"] - (4.6 / 5.1 - 1)) < 1e-12
     assert json.load(open(tmp_path / "o.json"))["status"] == "incomplete: one H100"
+
+
+def test_speed_file_takes_trl_gsm8k_json_against_a_same_machine_step(tmp_path):
+    """gsm8k_speed.py --trl with trl_gsm8k.py's own JSON (its median of the steps after the first,
+    every step and its batch kept) and --trl-ours-step: the speed-up against our step run on TRL's
+    machine, not against --step's; a TRL run of one step is refused by name."""
+    import gsm8k_speed
+
+    def steps(name, times):
+        _write(tmp_path / name, [dict(_step(s, t, **{"timing_s/update_actor": 1.5, "timing_s/ref": 0.5,
+                                                     "perf/total_num_tokens": 512 * 400,
+                                                     "response_length/mean": 300.0}))
+                                 for s, t in enumerate(times, 1)], [])
+        return str(tmp_path / name / "metrics.jsonl")
+
+    trl = {"benchmark": "trl_gsm8k", "step_s": [160.0, 111.0, 108.0], "step_s_median": 109.5,
+           "config": {"micro_batch": 64, "gradient_checkpointing": True, "lr": 1e-6}}
+    json.dump(trl, open(tmp_path / "trl.json", "w"))
+    out = gsm8k_speed.main(["--step", steps("run", [30.0, 3.5, 3.6]), "--trl", str(tmp_path / "trl.json"),
+                            "--trl-ours-step", steps("beside", [20.0, 3.0, 3.1, 3.2]),
+                            "--out", str(tmp_path / "o.json")])
+    assert out["ours_step_s"] == 3.55 and out["trl_ours_step_s"] == 3.1
+    assert out["trl_step_s"] == 109.5 and out["trl_step_s_all"] == trl["step_s"]
+    assert out["speedup_vs_trl"] == 109.5 / 3.1
+    assert out["trl_config"]["gradient_checkpointing"] is True and "lr" not in out["trl_config"]
+    json.dump(dict(trl, step_s=[160.0], step_s_median=None), open(tmp_path / "one.json", "w"))
+    with pytest.raises(SystemExit, match="one.json: no step_s_median"):
+        gsm8k_speed.main(["--step", steps("run2", [30.0, 3.5]), "--trl", str(tmp_path / "one.json"),
+                          "--out", str(tmp_path / "o2.json")])

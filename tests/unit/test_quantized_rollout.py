@@ -245,10 +245,12 @@ def test_quantized_rollout_defaults_turn_on_tis_and_logprobs():
     cfg, notes = resolve_auto(_config("rollout.quantization=fp8"), device_type="cpu")
     assert cfg.algo.tis_imp_ratio_cap == 2.0 and cfg.rollout.return_logprobs
     assert any("algo.tis_imp_ratio_cap=2.0" in line for line in notes)
+    assert not any("val accuracy" in line for line in notes)  # fp8 learned within noise
     cfg, notes = resolve_auto(_config("rollout.quantization=int4", "algo.tis_imp_ratio_cap=3.0"),
                               device_type="cuda")
     assert cfg.algo.tis_imp_ratio_cap == 3.0 and cfg.rollout.return_logprobs
     assert not any("tis_imp_ratio_cap" in line for line in notes)
+    assert any("int4" in line and "val accuracy" in line for line in notes)
     cfg, _ = resolve_auto(_config(), device_type="cpu")  # unquantized: unchanged
     assert cfg.algo.tis_imp_ratio_cap is None and not cfg.rollout.return_logprobs
     cfg, _ = resolve_auto(_config("rollout.quantization=fp8", "rollout.decode_kernels=torch"),
