@@ -25,7 +25,8 @@ packed passes' top CUDA kernels (flex_attention or flash varlen, GEMMs, log-prob
   python benchmarks/bench_packed_pass.py --variants packed,packed_varlen --profile \\
       --out benchmarks/results/packed_varlen_h200.json  # flex vs varlen, ~2 min on one H200
   python benchmarks/bench_packed_pass.py --device cpu --model tiny --rows 16 --prompt-len 8 \\
-      --mean 12 --cap 32 --min 4 --forward-budget 256 --budget 128 --iters 1 --out /tmp/pp.json  # CPU smoke
+      --mean 12 --cap 32 --min 4 --forward-budget 256 --budget 128 --iters 1 \\
+      --out /tmp/pp.json  # CPU smoke
 """
 from __future__ import annotations
 
