@@ -45,25 +45,31 @@ from hybridflow.cost.gpus import get_gpu  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = ["experiment=gsm8k_qwen_coder_0_5b"]
 THEN = ["rollout.decode_kernels=torch", "rollout.compile_decode=false",
-        "parallel.fused_elementwise=false", "parallel.gradient_accumulation_fusion=false"]
+        "parallel.fused_elementwise=false", "parallel.gradient_accumulation_fusion=false",
+        "algo.packed_attention=flex"]
 THEN_KERNELS = ["algo.packed_attention=varlen", "rollout.kernel_options.fused_sampler=false"]
+# what every one of these runs had and today's defaults change: each decode row read every K/V
+# column, no speculative tail, the update eager (a LoRA update now defaults to CUDA graphs)
+THEN_ROLLOUT = ["rollout.kernel_options.own_columns_only=false", "rollout.speculative.enable=false",
+                "parallel.train_cuda_graphs=false"]
 CASES = {
     # (that run's packed passes ran flex_attention: varlen became the default after it)
-    "grpo_now": {"overrides": RECIPE + ["algo.packed_attention=flex", THEN_KERNELS[1]],
+    "grpo_now": {"overrides": RECIPE + THEN_ROLLOUT + ["algo.packed_attention=flex",
+                                                       THEN_KERNELS[1]],
                  "probe": ("probe", None),
                  "record": "gsm8k-grpo-now-recipe"},
     # (these ran FlashAttention-2 varlen and drew by the exponential race, as every calibration
     # record did: the fused sampler off costs the race)
-    "grpo_today": {"overrides": RECIPE + THEN_KERNELS,
+    "grpo_today": {"overrides": RECIPE + THEN_ROLLOUT + THEN_KERNELS,
                    "probe": ("benchmarks/results/gsm8k_lora_h200/base/metrics.jsonl", 12),
                    "record": "gsm8k-grpo-today-recipe"},
     # the same family's LoRA run (rank 32, the recipe's LoRA settings), from the same probe
     "grpo_today_lora": {"family": "grpo_today",
-                        "overrides": RECIPE + THEN_KERNELS + [
+                        "overrides": RECIPE + THEN_ROLLOUT + THEN_KERNELS + [
                             "actor.lora.rank=32", "actor.lora.alpha=64", "actor_optim.lr=5e-5"],
                         "probe": ("benchmarks/results/gsm8k_lora_h200/base/metrics.jsonl", 12),
                         "record": "gsm8k-grpo-today-lora"},
-    "dapo": {"overrides": RECIPE + ["algo=dapo", "algo.use_kl_loss=false",
+    "dapo": {"overrides": RECIPE + THEN_ROLLOUT + ["algo=dapo", "algo.use_kl_loss=false",
                                     "reward.overlong_buffer.len=256", "rollout.max_batch_size=1536"]
              + THEN, "probe": ("dapo", 5), "record": "gsm8k-dapo-then"},
 }
