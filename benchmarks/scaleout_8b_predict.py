@@ -12,6 +12,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# this checkout's hybridflow, not an installed one
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from run_record import command, versions, write_json  # noqa: E402
 
 from hybridflow.cost import estimate_cost  # noqa: E402
