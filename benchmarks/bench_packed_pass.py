@@ -95,16 +95,22 @@ def top_kernels(fn, rows: int = 80) -> dict:
                     for e in ev[:rows]]}
 
 
-def timeline(fn, device) -> dict:
+SYNCS = ("Memcpy DtoH", "DeviceSelect", "DeviceCompact")
+
+
+def timeline(fn, device, *, stacks: bool = False) -> dict:
     """One traced pass: the device's idle time split by the engine's ranges ("engine.forward", ...;
     gpu_idle) and by the host op whose kernel ended each gap, and the launchers of its
-    device-to-host copies and stream compactions (each one a wait for the GPU)."""
+    device-to-host copies and stream compactions (each one a wait for the GPU); `stacks`: another
+    pass traced with Python stacks, whose `sync_lines` name the lines that launched them."""
     from profile_decode import gpu_idle, idle_by_launcher, traced
 
     t = traced(fn, device)
-    return {"by_stage": gpu_idle([k[:2] for k in t["kernels"]], t["host"], prefix="engine."),
-            "by_launcher": idle_by_launcher(t["kernels"]),
-            "syncs": t["launched"](("Memcpy DtoH", "DeviceSelect", "DeviceCompact"))}
+    out = {"by_stage": gpu_idle([k[:2] for k in t["kernels"]], t["host"], prefix="engine."),
+           "by_launcher": idle_by_launcher(t["kernels"]), "syncs": t["launched"](SYNCS)}
+    if stacks:
+        out["sync_lines"] = traced(fn, device, stacks=True)["launched"](SYNCS)
+    return out
 
 
 def predicted(model_cfg, *, prompt_len, lengths, budget, fbudget, pack: bool, equal: bool,
@@ -160,6 +166,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", action="store_true",
                     help="the packed passes traced: the GPU's idle time by the engine's stage and by "
                          "the host op it waited for, and what launches the device-to-host copies")
+    ap.add_argument("--timeline-stacks", action="store_true",
+                    help="with --timeline: one more pass traced with Python stacks, naming the "
+                         "lines that launch each device-to-host copy (slower; not timed)")
     ap.add_argument("--megatron-optimizer-fallbacks", action="store_true",
                     help="keep Megatron's local grad-norm / scale fallbacks (a sync per tensor) "
                          "instead of parallel/multi_tensor.py's foreach kernels: the A/B of them")
@@ -259,8 +268,9 @@ def main(argv=None) -> int:
         if a.profile and cuda and pack:
             r["ref_top_kernels"], r["update_top_kernels"] = top_kernels(fwd), top_kernels(upd)
         if a.timeline and pack:
-            r["ref_timeline"], r["update_timeline"] = (timeline(fwd, ctx.device),
-                                                       timeline(upd, ctx.device))
+            st = a.timeline_stacks
+            r["ref_timeline"], r["update_timeline"] = (timeline(fwd, ctx.device, stacks=st),
+                                                       timeline(upd, ctx.device, stacks=st))
         results[variant] = r
         print(f"{variant:13s} ref {r['ref_median_s']:.3f} s (pred {r['predicted_s']['ref']:.3f}), "
               f"update {r['update_median_s']:.3f} s (pred {r['predicted_s']['update_actor']:.3f}), "

@@ -29,6 +29,7 @@ import argparse
 import collections
 import dataclasses
 import os
+import re
 import sys
 
 import torch
@@ -169,25 +170,46 @@ def launchers(gen, prompts, *, steps: int, device, opts: DecodeOptions, match: t
     return traced(run, device)["launched"](match)
 
 
+_FRAME = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<func>.+)$")  # "path.py(12): func"
+
+
 def launch_chain(e, depth: int = 6) -> str:
     """A host event and its enclosing ops, innermost first ("aten::mm < aten::linear < ...")."""
     chain = []
     while e is not None and len(chain) < depth:
-        chain.append(e.name)
+        if not (_FRAME.match(e.name) or e.name.startswith("<built-in")):  # Python calls: stacks
+            chain.append(e.name)
         e = e.cpu_parent
     return " < ".join(chain)
 
 
-def traced(run, device, *, trace: str | None = None) -> dict:
+def python_frames(e, depth: int = 3) -> str:
+    """The Python lines under which host event `e` ran, innermost first, without torch's own
+    frames: from the profiler's Python-call events enclosing it (torch 2.x with `with_stack`), or
+    else from the nearest enclosing op's recorded stack ("" where there is none: an op launched
+    from C++, e.g. on the autograd engine's thread, or a trace without stacks)."""
+    def mine(frames):
+        return [f for f in frames if _FRAME.match(f) and "torch/" not in _FRAME.match(f)["file"]]
+
+    found, p = [], e
+    while p is not None and len(found) < depth:
+        found += mine([p.name]) or mine(getattr(p, "stack", None) or [])[:depth - len(found)]
+        p = p.cpu_parent
+    return " < ".join(found[:depth])
+
+
+def traced(run, device, *, trace: str | None = None, stacks: bool = False) -> dict:
     """One profiled call of `run` (host ops on every thread, device kernels): `kernels`
     [(start, end, launching chain)], `host` [(start, end, name)] in us on the profiler's clock, and
-    `launched(match)` -> {"kernel <- chain": calls} for the kernels whose name holds one of `match`;
+    `launched(match)` -> {"kernel <- chain": calls} for the kernels whose name holds one of `match`
+    (`stacks`: each chain followed by " @ " and the Python lines that launched it, `python_frames`;
+    profiling with stacks costs host time, so timings from such a trace are not the pass's);
     `trace`: also a Chrome trace file."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, with_stack=stacks) as prof:
         run()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -207,8 +229,10 @@ def traced(run, device, *, trace: str | None = None) -> dict:
         if k.device_type() == DeviceType.CUDA and not annotation:
             start = (k.start_ns() - t0) / 1e3
             op = ops.get(k.linked_correlation_id())
-            kernels.append((start, start + k.duration_ns() / 1e3, k.name(),
-                            launch_chain(op) if op is not None else "?"))
+            chain = launch_chain(op) if op is not None else "?"
+            if stacks and op is not None:
+                chain += " @ " + (python_frames(op) or "no Python frame")
+            kernels.append((start, start + k.duration_ns() / 1e3, k.name(), chain))
 
     def launched(match: tuple) -> dict:
         found = collections.Counter(f"{n[:40]} <- {c}" for _, _, n, c in kernels

@@ -126,3 +126,28 @@ def test_cli_smoke(tmp_path):
         ("eager", 2, 64), ("graphed", 2, 64)]
     assert report["columns"] == [64] and "hybridflow" in report["versions"]
     assert report["multi_turn_pieces"][0]["pieces"]["extend_s1"] > 0
+
+
+def _reads_a_scalar():
+    return (torch.ones(3) * 2).sum().item()
+
+
+def test_python_frames_names_the_line_that_read_a_scalar():
+    """profile_decode.python_frames: a host op's Python lines (the Python calls enclosing it, or
+    its nearest enclosing op's stack), torch's frames left out, so a timeline can say which line
+    synchronised the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from profile_decode import launch_chain, python_frames
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        _reads_a_scalar()
+    read = next(e for e in prof.events() if e.name == "aten::_local_scalar_dense")
+    lines = python_frames(read)
+    assert "test_profile_multi_turn.py" in lines and "_reads_a_scalar" in lines
+    assert "torch/" not in lines
+    # the op chain stays ops only (the Python calls' events hold addresses, one key per object)
+    assert launch_chain(read) == "aten::_local_scalar_dense < aten::item"
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # no stacks recorded: empty
+        _reads_a_scalar()
+    assert python_frames(next(e for e in prof.events() if e.name == "aten::item")) == ""
