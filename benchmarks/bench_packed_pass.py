@@ -114,13 +114,15 @@ def timeline(fn, device, *, stacks: bool = False) -> dict:
 
 
 def predicted(model_cfg, *, prompt_len, lengths, budget, fbudget, pack: bool, equal: bool,
-              device: str, kernel: str = "flex", gpu: str = "H200", graphs: bool = False) -> dict:
+              device: str, kernel: str = "flex", gpu: str = "H200", graphs: bool = False,
+              lm_head_chunk: int = 0) -> dict:
     from hybridflow.cost import estimate_step_time
 
     work = dict(algorithm="grpo", prompts_per_step=len(lengths) // 8, samples_per_prompt=8,
                 prompt_len=prompt_len, micro_batch_tokens=budget, forward_micro_batch_tokens=fbudget,
                 skip_old_log_prob=True, dynamic_bsz=True, pack_sequences=pack,
                 packed_attention=kernel, train_cuda_graphs=graphs,
+                lm_head_chunk_tokens=lm_head_chunk,
                 decode_kernels="triton" if device == "cuda" else "torch")
     if equal:
         work["response_len"] = round(statistics.fmean(lengths))
@@ -161,6 +163,9 @@ def main(argv=None) -> int:
     ap.add_argument("--forward-budget", type=int, default=40960)
     ap.add_argument("--budget", type=int, default=20480)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--lm-head-chunk-tokens", type=int, default=0,
+                    help="parallel.lm_head_chunk_tokens: the LM head and log-probs in chunks "
+                         "(the GSM8K update at a 40,960-token budget ran with 4096)")
     ap.add_argument("--variants", default="packed,packed_varlen,budget,equal")
     ap.add_argument("--profile", action="store_true", help="top CUDA kernels of the packed passes")
     ap.add_argument("--timeline", action="store_true",
@@ -193,7 +198,8 @@ def main(argv=None) -> int:
     model_cfg = dataclasses.replace(load_shape(a.model), attention_backend="sdpa")
     lengths = gsm8k_lengths(a)
     precision = "bf16" if cuda else "fp32"
-    par = ParallelConfig(use_distributed_optimizer=False)
+    par = ParallelConfig(use_distributed_optimizer=False,
+                         lm_head_chunk_tokens=a.lm_head_chunk_tokens)
     pairs = {}
 
     def engines(kernel: str, graphs: bool = False):
@@ -262,7 +268,7 @@ def main(argv=None) -> int:
                                       equal=variant == "equal", device=a.device,
                                       kernel={"fa4": "varlen"}.get(kernel, kernel) if pack
                                       else "flex", gpu=gpu_name() or "H200",
-                                      graphs=graphs)}
+                                      graphs=graphs, lm_head_chunk=a.lm_head_chunk_tokens)}
         r["ref_median_s"], r["update_median_s"] = (statistics.median(r["ref_s"]),
                                                    statistics.median(r["update_s"]))
         if a.profile and cuda and pack:
@@ -286,6 +292,7 @@ def main(argv=None) -> int:
                                    "response_mean": statistics.fmean(lengths),
                                    "response_max": max(lengths), "cap": a.cap},
                        "budgets": {"forward": a.forward_budget, "update": a.budget},
+                       "lm_head_chunk_tokens": a.lm_head_chunk_tokens,
                        "results": results})
     print(f"wrote {a.out}")
     groups.destroy()
