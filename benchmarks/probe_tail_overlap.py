@@ -5,9 +5,10 @@ latency-bound kernels that leave most SMs idle. Running the reference pass over 
 finished in that time lost on an H100 (generation +0.40 s for 0.30 s of the pass hidden; the pass's
 large GEMM blocks held the SMs the decode kernels waited for). This measures the two kinds of work
 side by side, without the trainer:
-- `decode`: one CUDA graph of a decode step's GEMMs at the tail's row count (Qwen2.5-Coder-0.5B
-  shapes: QKV, projection, fc1, SwiGLU, fc2 and two RMSNorms per layer), replayed `--steps` times,
-  each step synchronised with the host as the tail's drafts are (one read per step);
+- `decode`: one CUDA graph of a decode step's GEMMs at the tail's row count (`--model`'s shapes,
+  Qwen2.5-Coder-0.5B by default: QKV, projection, fc1, SwiGLU, fc2 and two RMSNorms per layer),
+  replayed `--steps` times, each step synchronised with the host as the tail's drafts are (one
+  read per step);
 - `pass`: the same layers over a packed micro-batch of `--pass-tokens` tokens, launched from a
   thread of its own (as a background pass would be), for as long as decoding runs.
 Modes: `alone` (decoding by itself), `shared` (both on ordinary streams), `priority` (decode on a
@@ -35,25 +36,34 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.run_record import command, machine, versions, write_json  # noqa: E402
 
-HIDDEN, QKV, FFN, LAYERS = 896, 1152, 4864, 24  # Qwen2.5-Coder-0.5B
 SWITCH_INTERVAL_S = 2e-4  # the interpreter's thread switch interval while both threads launch
 
 
-def weights(device) -> list:
+def weights(model: str, device) -> list:
+    """Random bf16 weights of `model`'s layers (cost.shapes): (qkv, proj, fc1, fc2, norm) each."""
+    from hybridflow.cost.shapes import load_shape
+
+    c = load_shape(model)
+    h, q = c.hidden_size, c.num_attention_heads * c.kv_channels
+    qkv = q + 2 * c.num_query_groups * c.kv_channels
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def w(o, i):
         return (torch.randn(o, i, generator=g) / i ** 0.5).to(device, torch.bfloat16)
 
-    return [(w(QKV, HIDDEN), w(HIDDEN, HIDDEN), w(2 * FFN, HIDDEN), w(HIDDEN, FFN),
-             torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)) for _ in range(LAYERS)]
+    return [(w(qkv, h), w(h, q), w(2 * c.ffn_hidden_size, h), w(h, c.ffn_hidden_size),
+             torch.ones(h, device=device, dtype=torch.bfloat16)) for _ in range(c.num_layers)]
+
+
+def hidden(ws) -> int:
+    return ws[0][4].numel()
 
 
 def layers(x: torch.Tensor, ws: list) -> torch.Tensor:
     for qkv, proj, fc1, fc2, norm in ws:
-        h = F.rms_norm(x, (HIDDEN,), norm)
-        x = x + F.linear(F.linear(h, qkv)[:, :HIDDEN], proj)
-        h = F.linear(F.rms_norm(x, (HIDDEN,), norm), fc1)
+        h = F.rms_norm(x, norm.shape, norm)
+        x = x + F.linear(F.linear(h, qkv)[:, :proj.shape[1]], proj)
+        h = F.linear(F.rms_norm(x, norm.shape, norm), fc1)
         g, u = h.chunk(2, dim=-1)
         x = x + F.linear(F.silu(g) * u, fc2)
     return x
@@ -68,12 +78,12 @@ def leave(green):
 
 
 class Pass:
-    """The background pass: `layers` over (tokens, HIDDEN) again and again from a thread of its
+    """The background pass: `layers` over (tokens, hidden) again and again from a thread of its
     own, on `stream` (or on a green context's stream), until stopped; counts its passes."""
 
     def __init__(self, ws, tokens: int, device, stream=None, green=None):
         self.ws, self.device, self.stream, self.green = ws, device, stream, green
-        self.x = torch.randn(tokens, HIDDEN, device=device, dtype=torch.bfloat16)
+        self.x = torch.randn(tokens, hidden(ws), device=device, dtype=torch.bfloat16)
         self.done = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -103,7 +113,7 @@ class Pass:
 
 
 def decode_graph(ws, rows: int, device, stream):
-    x = torch.randn(rows, HIDDEN, device=device, dtype=torch.bfloat16)
+    x = torch.randn(rows, hidden(ws), device=device, dtype=torch.bfloat16)
     with torch.no_grad(), torch.cuda.stream(stream):
         for _ in range(3):
             layers(x, ws)
@@ -129,7 +139,7 @@ def decode_steps(graph, stream, steps: int) -> list:
 
 def pass_rate(ws, tokens: int, device, seconds: float = 1.0) -> float:
     """Background passes per second with the GPU to itself."""
-    x = torch.randn(tokens, HIDDEN, device=device, dtype=torch.bfloat16)
+    x = torch.randn(tokens, hidden(ws), device=device, dtype=torch.bfloat16)
     with torch.no_grad():
         for _ in range(2):
             layers(x, ws)
@@ -155,6 +165,7 @@ def overlap_value(base_ms: float, decode_ms: float, share: float) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2_5_coder_0_5b", help="a shape of cost.shapes")
     ap.add_argument("--rows", type=int, nargs="+", default=[16], help="decode rows (the tail's)")
     ap.add_argument("--steps", type=int, default=400, help="decode steps timed per mode")
     ap.add_argument("--pass-tokens", type=int, default=40960, help="the pass's micro-batch tokens")
@@ -166,11 +177,12 @@ def main(argv=None) -> dict:
         ap.error("--modes must include alone (the other modes are measured against it)")
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    ws = weights(device)
+    ws = weights(a.model, device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     lo, hi = torch.cuda.Stream.priority_range()  # (lowest, highest)
     rate_alone = pass_rate(ws, a.pass_tokens, device)
-    res = {"sms": sms, "pass_tokens": a.pass_tokens, "pass_ms_alone": 1e3 / rate_alone, "rows": {}}
+    res = {"model": a.model, "sms": sms, "pass_tokens": a.pass_tokens,
+           "pass_ms_alone": 1e3 / rate_alone, "rows": {}}
     print(f"{sms} SMs; pass of {a.pass_tokens} tokens alone {1e3 / rate_alone:.2f} ms", flush=True)
     switch = sys.getswitchinterval()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
