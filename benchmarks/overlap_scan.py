@@ -104,15 +104,18 @@ def main() -> None:
                            / budget["chunk"]["update_us_per_token"] - 1), 1)}
     shipped = timing.OVERLAP_P
     rows = []
-    for p in (float(x) for x in args.p.split(",")):
-        rows.append(scan_one(p, records, measured))
-        r = rows[-1]
-        print(f"p={p:g}: {r['leave_one_out']['within_15pct']} of {r['leave_one_out']['configs']} "
-              f"within 15%, mean step error {r['leave_one_out']['mean_step_error_pct']:.2f}%; "
-              f"GSM8K {r['gsm8k_step_s']:.3f} s ({r['gsm8k_step_error_pct']:+.1f}%), DAPO "
-              f"{r['dapo_step_s']:.3f} s ({r['dapo_step_error_pct']:+.1f}%), update 40,960 vs "
-              f"20,480 {r['update_mb40_vs_mb20_chunked_pct']:+.1f}%", flush=True)
-    timing.OVERLAP_P = shipped
+    try:  # scan_one sets the module's exponent for each fit
+        for p in (float(x) for x in args.p.split(",")):
+            rows.append(scan_one(p, records, measured))
+            r = rows[-1]
+            print(f"p={p:g}: {r['leave_one_out']['within_15pct']} of "
+                  f"{r['leave_one_out']['configs']} within 15%, mean step error "
+                  f"{r['leave_one_out']['mean_step_error_pct']:.2f}%; GSM8K "
+                  f"{r['gsm8k_step_s']:.3f} s ({r['gsm8k_step_error_pct']:+.1f}%), DAPO "
+                  f"{r['dapo_step_s']:.3f} s ({r['dapo_step_error_pct']:+.1f}%), update 40,960 vs "
+                  f"20,480 {r['update_mb40_vs_mb20_chunked_pct']:+.1f}%", flush=True)
+    finally:
+        timing.OVERLAP_P = shipped
     write_json(out, {
         "what": "the cost model refitted at each overlap exponent p (timing.OVERLAP_P), the "
                 "shipped records and calibration command otherwise",
