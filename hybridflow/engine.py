@@ -777,13 +777,22 @@ def _lm_head(pred, targets, *, tp_group, temperature, true_vocab, entropy):
     return {"logprobs": res}
 
 
+def _summed(outs: list, keys: list, dev) -> torch.Tensor:
+    """(len(keys),) float64 on `dev`: each key's values summed over `outs`, added on the device
+    (a read of each micro-batch's metric would wait for the GPU once per value)."""
+    if not keys:
+        return torch.zeros(0, dtype=torch.float64, device=dev)
+    vals = [torch.as_tensor(o[k]).detach().reshape(()).to(dev, torch.float64)
+            for o in outs for k in keys]
+    return torch.stack(vals).view(len(outs), len(keys)).sum(0)
+
+
 def _sum_metrics(outs: list, ctx: ParallelContext) -> dict:
     """Per-micro-batch metric contributions summed over micro-batches and DP ranks (last stage),
     then shared with the other PP stages."""
     dev = ctx.device
     keys = sorted(outs[0].keys()) if outs else []
-    vec = torch.tensor([sum(float(o[k]) for o in outs) for k in keys], dtype=torch.float64,
-                       device=dev)
+    vec = _summed(outs, keys, dev)
     n = torch.tensor([len(keys)], dtype=torch.int64, device=dev)
     if ctx.pp_size > 1:
         src, group = ctx.pp_last_rank, ctx.pp_group
