@@ -11,7 +11,8 @@ Assembles what the device calls measured, nothing run here:
 - `--trl`: TRL's run (trl_gsm8k.py's JSON, or bench_vs_trl.py's GSM8K workload) gives `trl_step_s`;
   `--trl-ours-step`: our step run in the same session on the same machine, for `speedup_vs_trl`;
 - `--cost` / `--dapo-cost`: `python -m hybridflow.cost --config ... --lengths <probe> --json`
-  written BEFORE the run (`cost_model_step_s`), and `--dapo-step` a DAPO run's metrics.jsonl.
+  written BEFORE the run (`cost_model_step_s`), and `--dapo-step` a DAPO run's metrics.jsonl (or
+  the gsm8k_step_h200.json `gsm8k_h200.sh step` wrote of it).
 
   python benchmarks/gsm8k_speed.py --step OUT/step/metrics.jsonl --val-run OUT/base \
       --baseline-val-run benchmarks/results/gsm8k_lora_h200/base \
@@ -74,6 +75,20 @@ def step_summary(path: str, *, model: str, rows_per_step: int, peak_tflops: floa
             "mean_response_length": statistics.fmean(r["response_length/mean"] for r in timed)}
 
 
+def dapo_step(path: str) -> dict:
+    """{"step_s", "steps_timed"} of a DAPO run: its metrics.jsonl (median of steps 2..) or the JSON
+    `gsm8k_h200.sh step` wrote of it (its `ours_step_s`, the same median)."""
+    if path.endswith(".json"):
+        d = json.load(open(path))
+        if "ours_step_s" not in d:
+            raise SystemExit(f"--dapo-step {path}: no ours_step_s (not a gsm8k_h200.sh step JSON)")
+        return {"step_s": d["ours_step_s"], "steps_timed": d.get("ours_steps_timed")}
+    dapo = [r for r in _rows(path) if "timing_s/step" in r and r["step"] >= 2]
+    if not dapo:
+        raise SystemExit(f"--dapo-step {path}: no step after the first")
+    return {"step_s": statistics.median(r["timing_s/step"] for r in dapo), "steps_timed": len(dapo)}
+
+
 def trl_result(path: str) -> dict:
     """`trl_step_s` and what it came from: a trl_gsm8k.py JSON (its `step_s_median`, the steps after
     the first) or a bench_vs_trl.py JSON's GSM8K workload."""
@@ -107,7 +122,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--trl-ours-step", help="metrics.jsonl of our `step N` run beside TRL's on the "
                     "same machine (the speed-up is taken against it; default: --step)")
     ap.add_argument("--cost", help="the cost model's --json prediction of this step, made before")
-    ap.add_argument("--dapo-step", help="metrics.jsonl of a DAPO run (algo=dapo) of the recipe")
+    ap.add_argument("--dapo-step", help="metrics.jsonl of a DAPO run (algo=dapo) of the recipe, "
+                    "or the gsm8k_step_h200.json `gsm8k_h200.sh step` wrote of it")
     ap.add_argument("--dapo-cost", help="the cost model's --json prediction of the DAPO step")
     ap.add_argument("--machine-from", help="a JSON written on the GPU machine (gsm8k_h200.sh "
                     "step's report) whose machine and versions the file names")
@@ -146,13 +162,17 @@ def main(argv=None) -> dict:
         out["speedup_vs_trl"] = out["trl_step_s"] / ours
     if a.cost:
         out["cost_model_step_s"] = cost_step_s(a.cost)
+        src = json.load(open(a.cost)).get("source")
+        if src:
+            out["cost_model_source"] = src
         out["cost_model_error"] = out["cost_model_step_s"] / out["ours_step_s"] - 1
     if a.dapo_step:
-        dapo = [r for r in _rows(a.dapo_step) if "timing_s/step" in r and r["step"] >= 2]
-        out["dapo"] = {"step_s": statistics.median(r["timing_s/step"] for r in dapo),
-                       "steps_timed": len(dapo)}
+        out["dapo"] = dapo_step(a.dapo_step)
         if a.dapo_cost:
             out["dapo"]["cost_model_step_s"] = cost_step_s(a.dapo_cost)
+            src = json.load(open(a.dapo_cost)).get("source")
+            if src:  # when and from what the prediction was made
+                out["dapo"]["cost_model_source"] = src
             d = out["dapo"]
             d["cost_model_error"] = d["cost_model_step_s"] / d["step_s"] - 1
     if a.status:

@@ -127,6 +127,22 @@ def test_speed_file_names_its_machine_status_and_dapo_error(tmp_path):
     assert out["dapo"]["step_s"] == 5.1
     assert abs(out["dapo"]["cost_model_error"] - (4.6 / 5.1 - 1)) < 1e-12
     assert json.load(open(tmp_path / "o.json"))["status"] == "incomplete: one H100"
+    # the DAPO step as `gsm8k_h200.sh step` reported it, and where its prediction came from
+    json.dump({"ours_step_s": 4.3, "ours_steps_timed": 9}, open(tmp_path / "dapo_step.json", "w"))
+    json.dump({"step_seconds": 4.73, "source": "after the run"},
+              open(tmp_path / "dapo_cost.json", "w"))
+    out = gsm8k_speed.main(["--step", str(tmp_path / "step" / "metrics.jsonl"),
+                            "--dapo-step", str(tmp_path / "dapo_step.json"),
+                            "--dapo-cost", str(tmp_path / "dapo_cost.json"),
+                            "--out", str(tmp_path / "o.json")])
+    assert out["dapo"]["step_s"] == 4.3 and out["dapo"]["steps_timed"] == 9
+    assert out["dapo"]["cost_model_source"] == "after the run"
+    assert abs(out["dapo"]["cost_model_error"] - 0.1) < 1e-12
+    json.dump({"step_seconds": 4.73}, open(tmp_path / "not_a_step.json", "w"))
+    with pytest.raises(SystemExit, match="no ours_step_s"):
+        gsm8k_speed.main(["--step", str(tmp_path / "step" / "metrics.jsonl"),
+                          "--dapo-step", str(tmp_path / "not_a_step.json"),
+                          "--out", str(tmp_path / "o.json")])
 
 
 def test_speed_file_takes_trl_gsm8k_json_against_a_same_machine_step(tmp_path):
