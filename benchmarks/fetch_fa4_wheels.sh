@@ -3,10 +3,10 @@
 # for Python 3.12 into .whl_fa4/, and the CUTLASS DSL's CUDA 13 library wheel (~92 MB, more than one
 # device call carries) split into a 54 MiB part and the rest in .xfer_fa4/. List both in .git/info/exclude.
 #   bash benchmarks/fetch_fa4_wheels.sh
-# On the machine: one call copies .xfer_fa4/00 to /tmp/xfer_fa4/; the next carries .xfer_fa4/01 and
-# .whl_fa4, joins the parts into the wheel's file name and unzips every wheel into one folder (the
-# DSL's library wheels share nvidia_cutlass_dsl/, which pip --target does not merge), then puts that
-# folder and its nvidia_cutlass_dsl/dsl_packages on PYTHONPATH (what the DSL's .pth file adds).
+# On the machine, two calls (benchmarks/fa4_on_machine.sh part, then install): the first copies
+# .xfer_fa4/00 to /tmp/xfer_fa4/; the next carries .xfer_fa4/01 and .whl_fa4, joins the parts and
+# unzips every wheel into /tmp/site (the DSL's library wheels share nvidia_cutlass_dsl/, which pip
+# --target does not merge), with nvidia_cutlass_dsl/dsl_packages' packages linked beside them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=${PIP:-.venv/bin/pip}
@@ -22,4 +22,4 @@ rm -f .xfer_fa4/*
 split -b 54M -d ".whl_fa4/$LIBS" .xfer_fa4/
 rm ".whl_fa4/$LIBS"
 ls -l .whl_fa4 .xfer_fa4
-echo "join on the machine: cat /tmp/xfer_fa4/* > /tmp/$LIBS"
+echo "on the machine: bash benchmarks/fa4_on_machine.sh part, then install (LIBS is named there too)"

@@ -18,6 +18,7 @@
 #   bash benchmarks/gsm8k_h200.sh step [STEPS] [k=v..]  # the recipe's step time: STEPS (24) steps
 #                                                         without validation or checkpoints, medians
 #                                                         over steps 2.. -> $OUT/gsm8k_step_h200.json
+#                                                         (and the run's metrics.jsonl)
 #                                                         (experiment=NAME among the overrides: that
 #                                                         experiment's step, e.g. the tools recipe)
 #   bash benchmarks/gsm8k_h200.sh ab STEPS NAME...      # `step STEPS` of each named variant
@@ -99,6 +100,7 @@ step() {
     trainer.val_every=0 trainer.save_every=0)
   for a in "$@"; do [[ $a == experiment=* ]] || cmd+=("$a"); done
   "${cmd[@]}" 2>&1 | tee "$OUT/step.log"
+  cp "$dir/metrics.jsonl" "$OUT/metrics.jsonl"
   python3 benchmarks/gsm8k_report.py --step-only --metrics "$dir/metrics.jsonl" \
     --command "${cmd[*]}" --out "$OUT/gsm8k_step_h200.json"
 }
@@ -112,7 +114,6 @@ ab() {  # STEPS NAME...: the named variants' step times in one call, each after 
     mkdir -p "$OUT"
     # shellcheck disable=SC2086  # the variant's overrides are words
     step "$steps" $opts > "$OUT/ab.log" 2>&1 || { tail -20 "$OUT/ab.log"; OUT=$root; return 1; }
-    cp /tmp/gsm8k_step/metrics.jsonl "$OUT/metrics.jsonl"
   done
   OUT=$root
   python3 benchmarks/gsm8k_variants.py --runs "$root" --out "$root/ab_summary.json"
