@@ -782,8 +782,13 @@ def _summed(outs: list, keys: list, dev) -> torch.Tensor:
     (a read of each micro-batch's metric would wait for the GPU once per value)."""
     if not keys:
         return torch.zeros(0, dtype=torch.float64, device=dev)
-    vals = [torch.as_tensor(o[k]).detach().reshape(()).to(dev, torch.float64)
-            for o in outs for k in keys]
+
+    def on_device(v):  # a host number as a fill kernel's argument, not a copy from the host
+        if isinstance(v, torch.Tensor):
+            return v.detach().reshape(()).to(dev, torch.float64)
+        return torch.full((), float(v), dtype=torch.float64, device=dev)
+
+    vals = [on_device(o[k]) for o in outs for k in keys]
     return torch.stack(vals).view(len(outs), len(keys)).sum(0)
 
 
