@@ -5,10 +5,11 @@
 For each p: the shipped calibration command on the shipped records
 (`python -m hybridflow.cost.calibrate benchmarks/results/cost/*.json`), its leave-one-out (configs
 within 15%, mean |error| of the step and of the peak over the configs that measured them), the
-fitted pass efficiencies and fixed costs, and with that fit the GSM8K runs on one H100 that are not
-in it (`gsm8k_speed_h100.json`: the recipe and DAPO from their own lengths; the update's
-micro-batch budget from `gsm8k_mb_budget_h100.json`, 40,960 against 20,480 tokens, both with the
-chunked LM head). CPU only, about 25 s per p.
+fitted pass efficiencies and fixed costs, and with that fit the GSM8K runs on one H100
+(`gsm8k_speed_h100.json`: the recipe and DAPO from their own lengths, in the fit as records
+gsm8k-grpo-fa4-h100 and gsm8k-dapo-fa4-h100 of varlen_gsm8k.json; the update's micro-batch budget
+from `gsm8k_mb_budget_h100.json`, 40,960 against 20,480 tokens, both with the chunked LM head, not
+in it). CPU only, about 25 s per p.
 """
 from __future__ import annotations
 
@@ -121,8 +122,9 @@ def main() -> None:
                 "shipped records and calibration command otherwise",
         "shipped_p": shipped,
         "records": records,
-        "out_of_fit": {"gsm8k": f"{GSM8K_LENGTHS} (one H100, median of steps 2-60)",
-                       "dapo": f"{DAPO_LENGTHS} (one H100, median of steps 2-10)",
+        "gsm8k_runs": {"gsm8k": f"{GSM8K_LENGTHS} (one H100, median of steps 2-60; in the fit)",
+                       "dapo": f"{DAPO_LENGTHS} (one H100, median of steps 2-10; in the fit, "
+                               "as the mean of steps 2-10)",
                        "budget": "gsm8k_mb_budget_h100.json: update us per step token, "
                                  "mb40 against chunk",
                        "measured": measured,

@@ -1,8 +1,8 @@
-"""The cost model's variable-length calibration records, from the GSM8K runs on one H200.
+"""The cost model's variable-length calibration records, from the GSM8K runs on one H200 or H100.
 
     python benchmarks/varlen_records.py --out benchmarks/results/cost/varlen_gsm8k.json
 
-Ten records of the GSM8K recipe (hybridflow/conf/experiment/gsm8k_qwen_coder_0_5b.yaml:
+Thirteen records of the GSM8K recipe (hybridflow/conf/experiment/gsm8k_qwen_coder_0_5b.yaml:
 Qwen2.5-Coder-0.5B, 64 prompts x 8 samples, responses up to 1,024 tokens, token-budget packed
 micro-batches, generator kept, row compaction, KV windows), each a `calibrate.py` record whose
 config carries the step's lengths (`Workload.response_lengths`, fitted by cost.lengths to the run's
@@ -29,6 +29,13 @@ response-length statistics) and the code's options as they were then:
 - family "dapo" (the same code as grpo_then): DAPO with dynamic sampling, 39 steps: generation
   rounds and prompt batches per step (gen_rounds, gen_prompt_factor: the means), 1,536 rows per
   call.
+- families "grpo_fa4" and "dapo_fa4" (the code of 2026-12-06 with its defaults: FlashAttention-4
+  packed attention, the inverse-CDF draw of the fused sampler, own-column K/V reads, the
+  speculative tail from 16 rows with 4 drafts at the run's own tokens per row-step), from
+  benchmarks/results/gsm8k_speed_h100/ and gsm8k_speed_h200/: the recipe's 60-step runs on one
+  H100 and one H200, and DAPO (algo=dapo reward.overlong_buffer.len=256
+  rollout.max_batch_size=1536) for 10 steps on the H100. The DAPO step on the H200
+  (gsm8k_speed_h200/dapo/, medians only) is not a record: it is the check of the fit.
 Measured: medians over steps 2.. for the GRPO records; for DAPO the means over steps 2..40 (its
 steps are a mix of 1 round of 2 or 3 batches and 2 rounds, whose mean is what the model's mean
 rounds and batches describe); timing_s/step leaves validation out (it is timed apart). The raw
@@ -54,7 +61,8 @@ RAW = {"budget_lr3e-6": "benchmarks/results/gsm8k_token_budget/lr3e-6/metrics.js
        "probe": "benchmarks/results/gsm8k_grpo_probe/metrics.jsonl",
        "packed": "benchmarks/results/gsm8k_packed/metrics.jsonl",
        "dapo": "benchmarks/results/gsm8k_dapo/metrics.jsonl"}
-STAGES = ("gen", "reshard", "ref", "update_actor")
+# "reward" (not a modelled stage: part of "other") gives calibrate row_overhead_s per generated row
+STAGES = ("gen", "reshard", "ref", "update_actor", "reward")
 CAP = 1024
 
 BASE = {"model": "qwen2_5_coder_0_5b", "gpu": "H200", "num_gpus": 1,
@@ -66,6 +74,13 @@ BASE = {"model": "qwen2_5_coder_0_5b", "gpu": "H200", "num_gpus": 1,
         "decode_kv_window": 256, "dynamic_bsz": True, "pack_sequences": True, "dtype": "bf16"}
 NOW = {"decode_kernels": "triton", "fused_elementwise": True, "gradient_accumulation_fusion": True}
 THEN = {"decode_kernels": "torch", "fused_elementwise": False, "gradient_accumulation_fusion": False}
+# today's defaults as the cost CLI derives them from the recipe on a GPU with flash-attn-4
+# (from_config.workload_fields): what varlen_holdout.THEN_ROLLOUT turns off for the older families
+FA4 = {**NOW, "packed_attention": "fa4", "own_columns_only": True, "cdf_sampler": True,
+       "spec_rows": 16, "spec_draft_tokens": 4}
+SPEED = {"H100": "benchmarks/results/gsm8k_speed_h100", "H200": "benchmarks/results/gsm8k_speed_h200"}
+MACHINE = {"H100": {"gpu": "NVIDIA H100 80GB HBM3", "host": "vm"},
+           "H200": {"gpu": "NVIDIA H200", "host": "vm"}}
 
 
 def raw_metrics(key: str) -> list[dict]:
@@ -106,6 +121,52 @@ def lora_today(recipe: dict, tail: dict, prompts: dict) -> dict:
         "timing_s/step": run["ours_step_s"]}
     return record("gsm8k-grpo-today-lora", "grpo_today", cfg, m, src,
                   {"mean": mean, **prompts, "tail_from": "the recipe run of the same call"})
+
+
+def run_rows(src: str) -> list[dict]:
+    """A run's steps from its metrics.jsonl in the working tree, the first (graph capture) dropped."""
+    return [r for r in map(json.loads, filter(str.strip, open(os.path.join(ROOT, src))))
+            if "timing_s/step" in r][1:]
+
+
+def fa4_today() -> list[dict]:
+    """Families grpo_fa4 (the recipe's 60-step runs, H100 and H200) and dapo_fa4 (DAPO's 10 steps
+    on the H100), each with its own lengths, prompts and speculative tokens per row-step."""
+    recs = []
+    for gpu in ("H100", "H200"):
+        src = f"{SPEED[gpu]}/base/metrics.jsonl"
+        rows = run_rows(src)
+        s = shape_of(rows)
+        today = {"prompt_len": round(med(rows, "prompt_length/mean")),
+                 "prompt_len_max": round(med(rows, "prompt_length/max"))}
+        cfg = {**BASE, **FA4, **today, "gpu": gpu,
+               "spec_tail_tokens_per_step": med(rows, "rollout/spec_tokens_per_row_step"),
+               "response_lengths": lengths(s["mean"], s, 512)}
+        m = {f"timing_s/{k}": med(rows, f"timing_s/{k}") for k in STAGES}
+        m["timing_s/step"] = med(rows, "timing_s/step")   # (validation is timed apart)
+        recs.append(record(f"gsm8k-grpo-fa4-{gpu.lower()}", "grpo_fa4", cfg, m, src,
+                           {**s, **today}) | {"machine": MACHINE[gpu]})
+    src = f"{SPEED['H100']}/dapo_metrics.jsonl"
+    dapo = run_rows(src)   # as the dapo family: means over the steps of the mean rounds, batches
+    s = shape_of(dapo)
+    s["clip_ratio"] = statistics.fmean(r["response_length/clip_ratio"] for r in dapo)
+    rounds = statistics.fmean(r["dynamic_sampling/rounds"] for r in dapo)
+    batches = statistics.fmean(r["dynamic_sampling/batches"] for r in dapo)
+    d_prompts = {"prompt_len": round(med(dapo, "prompt_length/mean")),
+                 "prompt_len_max": round(med(dapo, "prompt_length/max"))}
+    cfg = {**BASE, **FA4, **d_prompts, "gpu": "H100", "use_reference": False,
+           "gen_max_batch_size": 1536, "gen_rounds": round(rounds, 4),
+           "gen_prompt_factor": round(batches, 4),
+           "gen_batches_per_round": int(max(r["dynamic_sampling/batches"] for r in dapo)),
+           "spec_tail_tokens_per_step": med(dapo, "rollout/spec_tokens_per_row_step"),
+           "response_lengths": lengths(s["mean"], s, round(512 * batches / rounds))}
+    m = {f"timing_s/{k}": statistics.fmean(r[f"timing_s/{k}"] for r in dapo)
+         for k in ("gen", "reshard", "update_actor", "reward")}
+    m["timing_s/step"] = statistics.fmean(r["timing_s/step"] for r in dapo)
+    recs.append(record("gsm8k-dapo-fa4-h100", "dapo_fa4", cfg, m, src,
+                       {**s, **d_prompts, "rounds": rounds, "batches": batches})
+                | {"machine": MACHINE["H100"]})
+    return recs
 
 
 def build() -> list[dict]:
@@ -172,11 +233,11 @@ def build() -> list[dict]:
            "gen_batches_per_round": int(max(r["dynamic_sampling/batches"] for r in dapo)),
            "response_lengths": lengths(s["mean"], s, rows)}
     m = {f"timing_s/{k}": statistics.fmean(r[f"timing_s/{k}"] for r in dapo)
-         for k in ("gen", "reshard", "update_actor")}
+         for k in ("gen", "reshard", "update_actor", "reward")}
     m["timing_s/step"] = statistics.fmean(r["timing_s/step"] for r in dapo)
     recs.append(record("gsm8k-dapo-then", "dapo", cfg, m, RAW["dapo"],
                        {**s, **d_prompts, "rounds": rounds, "batches": batches}))
-    return recs
+    return recs + fa4_today()
 
 
 def main(argv=None) -> int:

@@ -30,11 +30,11 @@ update_actor/update_critic jointly -> 1/forward_mfu, 1/train_mfu (and their fuse
 twins), layer_pass_overhead_s,
 tp_collective_s, optimizer_step_s (joint because the fixed costs are shared:
 a layer pass costs the same launches in either, fwd+bwd counting 3 passes; only updates step the
-optimizer); other -> step_overhead_s, row_overhead_s, where "other" is measured as timing_s/step
-minus the measured
-modelled stages (reward, advantages, gaps). A coefficient that no measured stage depends on
-(tp_collective_s without a TP > 1 record) stays at its prior; one that comes out <= 0 is held at its
-prior and the rest refit; when the records cannot separate the unknowns (too few stages, or
+optimizer); the reward (timing_s/reward, where a record timed it) -> row_overhead_s, per generated
+row; other -> step_overhead_s (and row_overhead_s when no record timed the reward), where "other" is
+measured as timing_s/step minus the measured modelled stages (reward, advantages, gaps). A
+coefficient that no measured stage depends on (tp_collective_s without a TP > 1 record) stays at
+its prior; one that comes out <= 0 is held at its prior and the rest refit; when the records cannot separate the unknowns (too few stages, or
 collinear terms) the fit that changes the priors least (relative, least-norm) among the exact ones
 is taken; if every unknown ends up held, one common scale of the group's prior prediction is fitted
 instead (a ratio fit). Gen and the forward/update stages overlap two kinds of work
@@ -79,7 +79,7 @@ from hybridflow.cost.efficiency import Calibration, load_calibration
 from hybridflow.cost.gpus import GPU, get_gpu
 from hybridflow.cost.memory import memory_for
 from hybridflow.cost.shapes import load_shape
-from hybridflow.cost.timing import stage_terms
+from hybridflow.cost.timing import StageTerms, stage_terms
 from hybridflow.cost.validate import QUANT_KEY, format_validation, validation
 from hybridflow.cost.workload import Plan, Workload, make_plan
 from hybridflow.model_config import ModelConfig
@@ -95,7 +95,14 @@ GROUPS = [(("reshard",), ("inv_comm_eff",)),
                          "inv_fused_train_mfu", "layer_pass_overhead_s", "graphed_layer_pass_s",
                          "tp_collective_s",
                          "optimizer_step_s")),
+          (("reward",), ("row_overhead_s",)),
           (("other",), ("step_overhead_s", "row_overhead_s"))]
+# "other"'s per-row part is the reward's (detokenize, score each generated row): where records timed
+# it (timing_s/reward, within "other") row_overhead_s is fitted on that alone and step_overhead_s on
+# "other" with it held. On "other" alone the two are told apart only by the row counts of different
+# workloads and code (64-row fixed-length records, 512- and ~1,300-row GSM8K steps), so what a
+# GSM8K step's code spent once per step reads as a per-row cost.
+REWARD_STAGE = "reward"
 # MoE-only coefficients, fitted after the rest on the MoE records alone (the rest held): the dense
 # groups and the memory scales see only dense records, so adding an MoE record leaves the dense
 # fit as it was (the MoE passes' other costs cannot be told from theirs with so few records)
@@ -304,6 +311,13 @@ def _with_other(run: Run, stages) -> Run:
     return replace(run, metrics=run.metrics | {"timing_s/other": other})
 
 
+def _with_reward(terms: dict[str, StageTerms]) -> dict[str, StageTerms]:
+    """`terms` with the fit-only stage "reward": "other"'s per-row part (the step's own sum of
+    stages leaves it out: it is inside "other")."""
+    rows = terms["other"].x.get("row_overhead_s", 0.0)
+    return terms | {REWARD_STAGE: StageTerms([("row_overhead", "row_overhead_s", rows)])}
+
+
 def _memory_parts(run: Run, calib: Calibration) -> tuple[float, float]:
     """(everything but activations, activations) of the predicted peak phase, unscaled GiB."""
     comp = memory_for(run.shape, run.gpu, run.plan, run.workload, calib).components_gib
@@ -408,6 +422,7 @@ def fit(records: list[dict], base: Calibration | None = None) -> Calibration:
     calib = _fit_memory([runs[i] for i in dense_i], base)
     terms = [stage_terms(r.shape, r.gpu, r.plan, r.workload, calib) for r in runs]
     runs = [_with_other(r, t) for r, t in zip(runs, terms)]
+    terms = [_with_reward(t) for t in terms]
     coefs = calib.coefs()
     varlen = [r.workload.response_lengths is not None for r in runs]
     main = [(runs[i], terms[i], varlen[i]) for i in pool if not moe[i] or len(dense_i) == len(pool)]
@@ -434,6 +449,9 @@ def fit(records: list[dict], base: Calibration | None = None) -> Calibration:
             if not use:
                 continue
             g_runs, g_terms = [p[0] for p in use], [p[1] for p in use]
+            if stages == ("other",) and _rows(g_runs, g_terms, (REWARD_STAGE,),
+                                              ["row_overhead_s"], coefs)[0]:
+                unknowns = ("step_overhead_s",)   # the per-row part: from the timed reward
             coefs = _fit_group(g_runs, g_terms, stages, unknowns, coefs)
             if any(t[s].overlap for t in g_terms for s in stages if s in t):   # nonlinear: refine
                 coefs = _refine_overlap(g_runs, g_terms, stages, unknowns, coefs)

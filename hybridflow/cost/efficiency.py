@@ -96,11 +96,12 @@ shipped fit's values and where its records come from are in docs/perf_log.md):
   such mixed-dtype element-wise kernels).
   The three are fitted on the LoRA records alone, the rest held, each against the same call's
   full-parameter record where there is one (calibrate.LORA_GROUPS); no other record moves them.
-- step_overhead_s 0.02: seconds per step outside the modelled stages (the stage "other"): reward,
-  advantages, metrics, host syncs between stages; a few tens of milliseconds.
+- step_overhead_s 0.02: seconds per step outside the modelled stages (the stage "other") but the
+  reward: advantages, metrics, host syncs between stages; a few tens of milliseconds.
 - row_overhead_s 1e-4: seconds of the stage "other" per generated row of a DP rank: the reward
-  (detokenize, score), advantages and per-row bookkeeping; ~0.1 ms a row (a copy-task reward on 64
-  rows takes 6-11 ms).
+  (detokenize, score); ~0.1 ms a row (a copy-task reward on 64 rows takes 6-11 ms). Fitted on the
+  records' timed reward (timing_s/reward) where they have it, step_overhead_s on the rest of
+  "other" (calibrate.GROUPS).
 - torch_kv_efficiency 0.5: fraction of HBM bandwidth at which the PyTorch decode layer
   (rollout.decode_kernels=torch) reads the KV cache: SDPA's masked (memory-efficient) kernel with
   a group's heads as query positions and an additive mask; its weight reads stay at

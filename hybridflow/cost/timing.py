@@ -62,8 +62,8 @@ divide by DP):
   weights): GRAD_ACCUM_BYTES_PER_PARAM at HBM bandwidth x GRAD_ACCUM_BW_EFF (measured, not fitted),
   on the GPU side; and per optimizer step `optimizer_step_s` plus Adam's HBM traffic (30 bytes per
   parameter of the DP shard, at peak bandwidth).
-- other: `step_overhead_s` per step and `row_overhead_s` per generated row of a DP rank (reward,
-  advantages, bookkeeping), so the stages sum to the step.
+- other: `step_overhead_s` per step (advantages, bookkeeping) and `row_overhead_s` per generated
+  row of a DP rank (the reward), so the stages sum to the step.
 - LoRA (`Workload.lora_rank`, `critic_lora_rank`; all-linear): the update drops the frozen base's
   weight-gradient FLOPs (one forward's matmuls) and adds the adapters' FLOPs; the passes that run
   the adapters (update, old_log_prob, a LoRA critic's values; not the LoRA reference, whose

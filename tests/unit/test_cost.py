@@ -344,17 +344,46 @@ def synthetic_records(calib=TRUTH):
             "prompts_per_step": prompts, "samples_per_prompt": samples, "prompt_len": plen,
             "response_len": rlen, "fused_elementwise": i % 2 == 1,
             "decode_kernels": "torch" if i < 3 else "triton"}}
-        metrics = predict(parse_record(rec), calib)
+        run = parse_record(rec)
+        metrics = predict(run, calib)
         other = metrics.pop("timing_s/other")     # the trainer times reward and adv, not "other"
-        rec["metrics"] = metrics | {"timing_s/reward": other / 2, "timing_s/adv": other / 2}
+        reward = _reward_s(run, calib)
+        rec["metrics"] = metrics | {"timing_s/reward": reward, "timing_s/adv": other - reward}
         out.append(rec)
     return out
+
+
+def _reward_s(run, calib):
+    """The reward's seconds as the model has them: "other"'s per-row part."""
+    t = stage_terms(run.shape, run.gpu, run.plan, run.workload, calib)
+    return t["other"].breakdown(calib.coefs())["row_overhead"]
 
 
 def test_fit_recovers_known_factors():
     fitted = fit(synthetic_records())
     for k, v in TRUTH.to_dict().items():
         assert getattr(fitted, k) == pytest.approx(v, rel=1e-6), k
+
+
+def test_row_overhead_is_fitted_on_the_timed_reward():
+    # "other" = a cost per step + the reward per generated row. Here the records of more rows also
+    # spent more per step (another workload's bookkeeping, as GSM8K's steps against the fixed-length
+    # records'): "other" alone reads that as a per-row cost, the timed reward does not
+    recs = synthetic_records()
+    for rec in recs:
+        run = parse_record(rec)
+        rows = stage_terms(run.shape, run.gpu, run.plan, run.workload, TRUTH)["other"].x[
+            "row_overhead_s"]
+        rec["metrics"]["timing_s/step"] += 1e-4 * rows
+        rec["metrics"]["timing_s/adv"] += 1e-4 * rows
+    fitted = fit(recs)
+    assert fitted.row_overhead_s == pytest.approx(TRUTH.row_overhead_s, rel=1e-6)
+    assert fitted.step_overhead_s > TRUTH.step_overhead_s       # the extra, as a cost per step
+    for rec in recs:   # without timing_s/reward: row_overhead_s and step_overhead_s on "other"
+        del rec["metrics"]["timing_s/reward"]
+    joint = fit(recs)
+    assert joint.row_overhead_s == pytest.approx(TRUTH.row_overhead_s + 1e-4, rel=1e-6)
+    assert joint.step_overhead_s == pytest.approx(TRUTH.step_overhead_s, rel=1e-6)
 
 
 def test_memory_fit_falls_back_to_one_scale_when_it_cannot_separate():
