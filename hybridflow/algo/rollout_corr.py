@@ -22,7 +22,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from hybridflow.algo.masked import masked_mean, masked_var
 
 
 def tis_weights(*, old_logprobs: Tensor, rollout_logprobs: Tensor, cap: float) -> Tensor:
@@ -36,28 +35,30 @@ def tis_weights(*, old_logprobs: Tensor, rollout_logprobs: Tensor, cap: float) -
 
 def rollout_mismatch_metrics(*, old_logprobs: Tensor, rollout_logprobs: Tensor,
                              response_mask: Tensor, cap: Optional[float] = None) -> dict:
-    """The module doc's metrics over the valid tokens of (B, T) inputs, as Python floats."""
+    """The module doc's metrics over the valid tokens of (B, T) inputs, as Python floats. The
+    valid tokens are taken out first: in a long-tailed batch most of (B, T) is padding, and every
+    reduction runs in float64."""
     mask = response_mask.bool()
     if not bool(mask.any()):
         return {}
-    old, rollout = old_logprobs.double(), rollout_logprobs.double()
+    old, rollout = old_logprobs[mask].double(), rollout_logprobs[mask].double()
     prob_diff = (rollout.exp() - old.exp()).abs()
-    log_diff = (rollout - old).abs()
     d = old - rollout
-    keep = torch.tensor(0.0, dtype=torch.float64)
+    log_diff = d.abs()
     out = {
-        "training/rollout_probs_diff_mean": masked_mean(prob_diff, mask),
-        "training/rollout_probs_diff_max": torch.where(mask, prob_diff, keep).max(),
-        "training/rollout_probs_diff_std": masked_var(prob_diff, mask).sqrt(),
-        "training/rollout_logprobs_diff_mean": masked_mean(log_diff, mask),
-        "training/rollout_logprobs_diff_max": torch.where(mask, log_diff, keep).max(),
-        "rollout_corr/kl": masked_mean(rollout - old, mask),
-        "rollout_corr/k3_kl": masked_mean(torch.expm1(d.clamp(max=20.0)) - d, mask),
+        "training/rollout_probs_diff_mean": prob_diff.mean(),
+        "training/rollout_probs_diff_max": prob_diff.max(),
+        "training/rollout_probs_diff_std": (prob_diff.var().sqrt() if prob_diff.numel() > 1
+                                            else torch.zeros((), dtype=torch.float64)),
+        "training/rollout_logprobs_diff_mean": log_diff.mean(),
+        "training/rollout_logprobs_diff_max": log_diff.max(),
+        "rollout_corr/kl": (rollout - old).mean(),
+        "rollout_corr/k3_kl": (torch.expm1(d.clamp(max=20.0)) - d).mean(),
     }
     if cap is not None:
         w = tis_weights(old_logprobs=old, rollout_logprobs=rollout, cap=cap)
-        out["rollout_corr/rollout_is_mean"] = masked_mean(w, mask)
-        out["rollout_corr/rollout_is_ratio_fraction_high"] = masked_mean((d.exp() > cap).double(), mask)
+        out["rollout_corr/rollout_is_mean"] = w.mean()
+        out["rollout_corr/rollout_is_ratio_fraction_high"] = (d.exp() > cap).double().mean()
     return {k: float(v) for k, v in out.items()}
 
 
