@@ -106,11 +106,16 @@ def trl_result(path: str) -> dict:
     raise SystemExit(f"--trl {path}: neither a trl_gsm8k.py JSON nor a GSM8K workload with trl_step_s")
 
 
-def cost_step_s(path: str) -> float:
+def cost_prediction(path: str, measured_s: float) -> dict:
+    """`cost_model_step_s`, its error against `measured_s`, and where the prediction came from
+    (the JSON's `source`, when it says)."""
     d = json.load(open(path))
     if "step_seconds" not in d:
         raise SystemExit(f"--cost {path}: no step_seconds (python -m hybridflow.cost ... --json)")
-    return d["step_seconds"]
+    out = {"cost_model_step_s": d["step_seconds"], "cost_model_error": d["step_seconds"] / measured_s - 1}
+    if d.get("source"):  # when and from what the prediction was made
+        out["cost_model_source"] = d["source"]
+    return out
 
 
 def main(argv=None) -> dict:
@@ -161,20 +166,11 @@ def main(argv=None) -> dict:
             out["trl_ours_step_s"] = ours
         out["speedup_vs_trl"] = out["trl_step_s"] / ours
     if a.cost:
-        out["cost_model_step_s"] = cost_step_s(a.cost)
-        src = json.load(open(a.cost)).get("source")
-        if src:
-            out["cost_model_source"] = src
-        out["cost_model_error"] = out["cost_model_step_s"] / out["ours_step_s"] - 1
+        out.update(cost_prediction(a.cost, out["ours_step_s"]))
     if a.dapo_step:
         out["dapo"] = dapo_step(a.dapo_step)
         if a.dapo_cost:
-            out["dapo"]["cost_model_step_s"] = cost_step_s(a.dapo_cost)
-            src = json.load(open(a.dapo_cost)).get("source")
-            if src:  # when and from what the prediction was made
-                out["dapo"]["cost_model_source"] = src
-            d = out["dapo"]
-            d["cost_model_error"] = d["cost_model_step_s"] / d["step_s"] - 1
+            out["dapo"].update(cost_prediction(a.dapo_cost, out["dapo"]["step_s"]))
     if a.status:
         out["status"] = a.status
     write_json(a.out, out)

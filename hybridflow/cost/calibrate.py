@@ -34,12 +34,13 @@ optimizer); the reward (timing_s/reward, where a record timed it) -> row_overhea
 row; other -> step_overhead_s (and row_overhead_s when no record timed the reward), where "other" is
 measured as timing_s/step minus the measured modelled stages (reward, advantages, gaps). A
 coefficient that no measured stage depends on (tp_collective_s without a TP > 1 record) stays at
-its prior; one that comes out <= 0 is held at its prior and the rest refit; when the records cannot separate the unknowns (too few stages, or
-collinear terms) the fit that changes the priors least (relative, least-norm) among the exact ones
-is taken; if every unknown ends up held, one common scale of the group's prior prediction is fitted
-instead (a ratio fit). Gen and the forward/update stages overlap two kinds of work
-(timing.OVERLAP_P), which is not linear: their groups are first fitted as if the parts added up,
-then refined by nonlinear least squares of the overlapped seconds (`_refine_overlap`). Predicted
+its prior; one that comes out <= 0 is held at its prior and the rest refit; when the records
+cannot separate the unknowns (too few stages, or collinear terms) the fit that changes the priors
+least (relative, least-norm) among the exact ones is taken; if every unknown ends up held, one
+common scale of the group's prior prediction is fitted instead (a ratio fit). Gen and the
+forward/update stages overlap two kinds of work (timing.OVERLAP_P), which is not linear: their
+groups are first fitted as if the parts added up, then refined by nonlinear least squares of the
+overlapped seconds (`_refine_overlap`). Predicted
 timing_s/step = the sum of the predicted stages, "other" included. MoE records (model.moe) inform
 only the MoE coefficients (gen -> expert_decode_s; the forward/update stages -> expert_pass_s),
 fitted after the rest with the rest held (`MOE_GROUPS`); the memory scales and the other groups are
