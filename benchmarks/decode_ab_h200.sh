@@ -6,13 +6,13 @@
 # call returns at most 8 files); the summary prints. Measured results go to docs/perf_log.md.
 #
 #   bash benchmarks/decode_ab_h200.sh            # carry [".whl"]; ~6 minutes warm
-# Environment: OUT (/tmp/decode_ab), WORK (/tmp/decode_ab_work), SITE (/tmp/site), SKIP_TESTS=1,
-# VARIANTS (names below, in order), MODEL (hybridflow/conf/model/qwen2_0_5b.yaml), BATCH (256).
+# Environment: OUT (/tmp/decode_ab), WORK (/tmp/decode_ab_work), SITE (/tmp/site-packages),
+# SKIP_TESTS=1, VARIANTS (names below, in order), MODEL (hybridflow/conf/model/qwen2_0_5b.yaml), BATCH (256).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/decode_ab}
 WORK=${WORK:-/tmp/decode_ab_work}
-SITE=${SITE:-/tmp/site}
+SITE=${SITE:-/tmp/site-packages}
 mkdir -p "$OUT" "$WORK"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
   > "$WORK/pip.log" 2>&1

@@ -21,8 +21,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/defaults_h200}
 mkdir -p "$OUT"
 if [ "${SMOKE:-0}" != 1 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site-packages .whl/*.whl
+  export PYTHONPATH=/tmp/site-packages:$PWD
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi

@@ -5,8 +5,9 @@
 #   bash benchmarks/fetch_fa4_wheels.sh
 # On the machine, two calls (benchmarks/fa4_on_machine.sh part, then install): the first copies
 # .xfer_fa4/00 to /tmp/xfer_fa4/; the next carries .xfer_fa4/01 and .whl_fa4, joins the parts and
-# unzips every wheel into /tmp/site (the DSL's library wheels share nvidia_cutlass_dsl/, which pip
-# --target does not merge), with nvidia_cutlass_dsl/dsl_packages' packages linked beside them.
+# unzips every wheel into /tmp/site-packages (the DSL's library wheels share nvidia_cutlass_dsl/,
+# which pip --target does not merge), with nvidia_cutlass_dsl/dsl_packages' packages linked beside
+# them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=${PIP:-.venv/bin/pip}

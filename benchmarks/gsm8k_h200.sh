@@ -30,15 +30,16 @@
 #                                                         trl_gsm8k.py --save-at) in one process
 # Everything lands in $OUT (metrics.jsonl, val_generations.jsonl, val_scores.jsonl, hf_eval.json,
 # trl_scores.json, trl_score_val_scores.jsonl, logs).
-# Environment: OUT, DATA (.gsm8k), SITE (/tmp/site), RUN_DIR (/tmp/gsm8k_run: train's output_dir and
-# checkpoints; another dir for another run), SCORE_DIR (/tmp/gsm8k_score: emptied by each score).
+# Environment: OUT, DATA (.gsm8k), SITE (/tmp/site-packages: a folder of that name, see
+# fa4_on_machine.sh), RUN_DIR (/tmp/gsm8k_run: train's output_dir and checkpoints; another dir for
+# another run), SCORE_DIR (/tmp/gsm8k_score: emptied by each score).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gsm8k_out}
 mkdir -p "$OUT"
 GGUF=/tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 DATA=${DATA:-.gsm8k}
-SITE=${SITE:-/tmp/site}
+SITE=${SITE:-/tmp/site-packages}
 RUN_DIR=${RUN_DIR:-/tmp/gsm8k_run}
 SCORE_DIR=${SCORE_DIR:-/tmp/gsm8k_score}
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1

@@ -11,7 +11,8 @@
 # The model reassembled on the machine beforehand (its parts carried, then
 # `bash benchmarks/gsm8k_h200.sh setup`), then one device call with carry [".whl_bench", ".gsm8k"]:
 #   MODEL=/tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf bash benchmarks/gsm8k_peers.sh
-# (SITE is /tmp/site as for gsm8k_h200.sh: only missing dependencies of the carried wheels are added.)
+# (SITE is /tmp/site-packages as for gsm8k_h200.sh: only missing dependencies of the carried wheels
+# are added.)
 # Knobs (environment): PHASES="eval trl" | "eval" | "trl" | "trl score" | "score"; EVAL_BS (64);
 #   EVAL_LIMIT (all); EVAL_ARGS (more gsm8k_hf_eval.py options, e.g. "--max-new-tokens 512");
 #   TRL_STEPS (20); TRL_VAL_AT (e.g. 0,10,20; empty: none); TRL_VAL_SIZE (all); TRL_VAL_BS (64);
@@ -20,7 +21,8 @@
 #   TRL_RESUME=1: continue the TRL run checkpointed in TRL_WORKDIR (/tmp/trl_gsm8k) by the previous
 #   call (the machine must have stayed warm) and checkpoint again if the budget stops it;
 #   SCORE_S (180 with phase score after trl: kept from TRL's budget for the scoring);
-#   TOTAL_S (560: the call is capped at 600 s); DATA (.gsm8k); WHEELS (.whl_bench); SITE (/tmp/site).
+#   TOTAL_S (560: the call is capped at 600 s); DATA (.gsm8k); WHEELS (.whl_bench);
+#   SITE (/tmp/site-packages).
 #
 # Accuracy per step of TRL beside ours, like for like: TRL saves its policy at chosen steps (fp32 HF
 # dirs, ~2 GB each) and OUR validation scores them (same 319 prompts, template, greedy decoding,
@@ -53,7 +55,7 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:-}
 DATA=${DATA:-.gsm8k}
 WHEELS=${WHEELS:-.whl_bench}
-SITE=${SITE:-/tmp/site}
+SITE=${SITE:-/tmp/site-packages}
 OUT=${OUT:-/tmp/gsm8k_peers_out}
 PHASES=${PHASES:-eval trl}
 TOTAL_S=${TOTAL_S:-560}

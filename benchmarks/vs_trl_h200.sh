@@ -26,7 +26,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/vs_trl_h200}
-SITE=${SITE:-/tmp/site}
+SITE=${SITE:-/tmp/site-packages}
 LIMIT_S=${LIMIT_S:-520}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
