@@ -9,11 +9,11 @@
 # `pip --target` does not merge), links each package of nvidia_cutlass_dsl/dsl_packages into SITE
 # (what the DSL's .pth file would add to sys.path; .pth files are not read from PYTHONPATH), and
 # imports flash_attn.cute and cutlass from there. Then `gsm8k_h200.sh` runs pick fa4 (auto).
-# SITE's last folder is named site-packages: quack-kernels (flash-attn-4's dependency; it also runs
-# parallel.mlp_kernels=quack) fingerprints its epilogues' code for its compile cache and takes only
-# functions under a site-packages (or dist-packages) folder for installed code; from any other
-# folder it walks the CUTLASS DSL's own functions and fails at their ContextVar (quack-kernels
-# 0.6.5 with the DSL 4.8.1).
+# SITE's last folder is named site-packages: quack-kernels (flash-attn-4's dependency) keys the
+# compile cache of its GEMMs with custom epilogues (tag perf/quack-mlp) by the code of the functions
+# they reference, taking only those under a site-packages (or dist-packages) folder for installed
+# code; from any other folder it walks the CUTLASS DSL's own functions and fails at their
+# ContextVar (quack-kernels 0.6.5 with the DSL 4.8.1).
 # Environment: SITE (/tmp/site-packages), PARTS (/tmp/xfer_fa4: where the first part waits), SRC
 # (.xfer_fa4), WHEELS (.whl_fa4).
 set -euo pipefail
