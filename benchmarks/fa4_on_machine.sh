@@ -22,7 +22,6 @@ SITE=${SITE:-/tmp/site-packages}
 PARTS=${PARTS:-/tmp/xfer_fa4}
 SRC=${SRC:-.xfer_fa4}
 WHEELS=${WHEELS:-.whl_fa4}
-LIBS=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl  # fetch_fa4_wheels.sh's
 
 part() {
   mkdir -p "$PARTS"
@@ -34,7 +33,7 @@ install() {
   [ -f "$PARTS/00" ] || { echo "no $PARTS/00: run 'part' in the call before (carry $SRC/00)" >&2; exit 1; }
   [ -f "$SRC/01" ] || { echo "no $SRC/01: carry it with this call" >&2; exit 1; }
   local joined
-  joined="$(dirname "$PARTS")/$LIBS"
+  joined="$(dirname "$PARTS")/cutlass_dsl_libs.whl"  # unzipped, not installed: any name serves
   cat "$PARTS/00" "$SRC/01" > "$joined"
   mkdir -p "$SITE"
   for w in "$WHEELS"/*.whl "$joined"; do

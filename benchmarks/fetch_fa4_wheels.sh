@@ -23,4 +23,4 @@ rm -f .xfer_fa4/*
 split -b 54M -d ".whl_fa4/$LIBS" .xfer_fa4/
 rm ".whl_fa4/$LIBS"
 ls -l .whl_fa4 .xfer_fa4
-echo "on the machine: bash benchmarks/fa4_on_machine.sh part, then install (LIBS is named there too)"
+echo "on the machine: bash benchmarks/fa4_on_machine.sh part, then install"
