@@ -6,8 +6,9 @@ For each p: the shipped calibration command on the shipped records
 (`python -m hybridflow.cost.calibrate benchmarks/results/cost/*.json`), its leave-one-out (configs
 within 15%, mean |error| of the step and of the peak over the configs that measured them), the
 fitted pass efficiencies and fixed costs, and with that fit the GSM8K runs on one H100
-(`gsm8k_speed_h100.json`: the recipe and DAPO from their own lengths, in the fit as records
-gsm8k-grpo-fa4-h100 and gsm8k-dapo-fa4-h100 of varlen_gsm8k.json; the update's micro-batch budget
+(the recipe of `gsm8k_speed_h100.json` and the DAPO run of `gsm8k_speed_h100/dapo_step_report.json`,
+each from its own lengths, in the fit as records gsm8k-grpo-fa4-h100 and gsm8k-dapo-fa4-h100 of
+varlen_gsm8k.json; the update's micro-batch budget
 from `gsm8k_mb_budget_h100.json`, 40,960 against 20,480 tokens, both with the chunked LM head, not
 in it). CPU only, about 25 s per p.
 """
@@ -99,7 +100,11 @@ def main() -> None:
         speed = json.load(f)
     with open(os.path.join(RESULTS, "gsm8k_mb_budget_h100.json")) as f:
         budget = json.load(f)["variants"]
-    measured = {"gsm8k": speed["ours_step_s"], "dapo": speed["dapo"]["step_s"],
+    # DAPO's measured step from the run whose lengths it is costed from (gsm8k_speed_h100.json's
+    # DAPO entry is a later run's)
+    with open(os.path.join(RESULTS, "gsm8k_speed_h100", "dapo_step_report.json")) as f:
+        dapo_step = json.load(f)["ours_step_s"]
+    measured = {"gsm8k": speed["ours_step_s"], "dapo": dapo_step,
                 "update_mb40_vs_mb20_chunked_pct": round(
                     100 * (budget["mb40"]["update_us_per_token"]
                            / budget["chunk"]["update_us_per_token"] - 1), 1)}

@@ -228,11 +228,15 @@ def partial_segments(lengths: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndar
 # -0.9%; 0.59 +32% / +17%, 0 -26% / -18%). The earlier 0.59 came from one A/B of the two kernels
 # on passes of the older code (packed_varlen_h200.json: ref 0.484 vs 0.706 s).
 VARLEN_MASKED_SHARE = 0.3
-# algo.packed_attention=fa4 (FlashAttention-4's varlen kernels): chosen on the GSM8K recipe's A/B
-# of varlen against fa4 on one H100 (two pairs; docs/cost_model.md): the share that moves the
-# model's ref and update passes by what was measured, about 0.53 x varlen's (with the calibration
-# as it is). bench_packed_pass.py's A/B of the two kernels alone (random weights) gives 0.24.
-FA4_MASKED_SHARE = 0.16
+# algo.packed_attention=fa4 (FlashAttention-4's varlen kernels): chosen on the GSM8K records that
+# ran fa4 (families grpo_fa4, the recipe on one H100 and one H200, and dapo_fa4, DAPO on one H100;
+# benchmarks/varlen_records.py): over 0.16, 0.2, 0.24, 0.3 and 0.45, with the other coefficients
+# refitted each time, 0.24 put their ref passes nearest held out (-0.4% / +2.5%; 0.16 -8.3% /
+# -5.6%, 0.3 +5.6% / +8.7%); their updates stay 6-10% low at 0.24 and at 0.45 would be near, but
+# that under-prediction is not attention's (the refs would be 21-24% high). bench_packed_pass.py's
+# A/B of the two kernels alone (random weights) also gives 0.24. The earlier 0.16 came from one
+# A/B of varlen against fa4 on the recipe's step, before any fa4 step was a record.
+FA4_MASKED_SHARE = 0.24
 # each packed kernel's share of flex's masked-attention extra cost
 MASKED_SHARE = {"flex": 1.0, "varlen": VARLEN_MASKED_SHARE, "fa4": FA4_MASKED_SHARE}
 
