@@ -1,9 +1,10 @@
-"""The cost model refitted at several overlap exponents (timing.OVERLAP_P), the rest as shipped.
+"""The cost model refitted at several overlap exponents (overlap_p), the rest as shipped.
 
     python benchmarks/overlap_scan.py --out benchmarks/results/cost_overlap_scan.json
 
 For each p: the shipped calibration command on the shipped records
-(`python -m hybridflow.cost.calibrate benchmarks/results/cost/*.json`), its leave-one-out (configs
+(`python -m hybridflow.cost.calibrate benchmarks/results/cost/*.json`), with a base calibration of
+the default priors and `overlap_p` = p (`--base`; the fit keeps it), its leave-one-out (configs
 within 15%, mean |error| of the step and of the peak over the configs that measured them), the
 fitted pass efficiencies and fixed costs, and with that fit the GSM8K runs on one H100
 (the recipe of `gsm8k_speed_h100.json` and the DAPO run of `gsm8k_speed_h100/dapo_step_report.json`,
@@ -26,9 +27,9 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.run_record import command, versions, write_json  # noqa: E402
-from hybridflow.cost import timing  # noqa: E402
 from hybridflow.cost.__main__ import main as cost_main  # noqa: E402
 from hybridflow.cost.calibrate import main as calibrate_main  # noqa: E402
+from hybridflow.cost.efficiency import shipped_calibration  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 RECIPE = ["experiment=gsm8k_qwen_coder_0_5b"]
@@ -55,10 +56,12 @@ def _cost(calibration: str, overrides: list[str], lengths: str) -> dict:
 
 
 def scan_one(p: float, records: list[str], measured: dict) -> dict:
-    timing.OVERLAP_P = p
     with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.join(tmp, "base.json")
         cal, val = os.path.join(tmp, "calibration.json"), os.path.join(tmp, "validation.json")
-        _quiet(calibrate_main, [*records, "-o", cal, "--validation", val])
+        with open(base, "w") as f:   # the default priors, at this p; the fit and its cost keep p
+            json.dump({"calibration": {"overlap_p": p}}, f)
+        _quiet(calibrate_main, [*records, "--base", base, "-o", cal, "--validation", val])
         with open(cal) as f:
             fitted = json.load(f)["calibration"]
         with open(val) as f:
@@ -108,23 +111,20 @@ def main() -> None:
                 "update_mb40_vs_mb20_chunked_pct": round(
                     100 * (budget["mb40"]["update_us_per_token"]
                            / budget["chunk"]["update_us_per_token"] - 1), 1)}
-    shipped = timing.OVERLAP_P
+    shipped = shipped_calibration().overlap_p
     rows = []
-    try:  # scan_one sets the module's exponent for each fit
-        for p in (float(x) for x in args.p.split(",")):
-            rows.append(scan_one(p, records, measured))
-            r = rows[-1]
-            print(f"p={p:g}: {r['leave_one_out']['within_15pct']} of "
-                  f"{r['leave_one_out']['configs']} within 15%, mean step error "
-                  f"{r['leave_one_out']['mean_step_error_pct']:.2f}%; GSM8K "
-                  f"{r['gsm8k_step_s']:.3f} s ({r['gsm8k_step_error_pct']:+.1f}%), DAPO "
-                  f"{r['dapo_step_s']:.3f} s ({r['dapo_step_error_pct']:+.1f}%), update 40,960 vs "
-                  f"20,480 {r['update_mb40_vs_mb20_chunked_pct']:+.1f}%", flush=True)
-    finally:
-        timing.OVERLAP_P = shipped
+    for p in (float(x) for x in args.p.split(",")):
+        rows.append(scan_one(p, records, measured))
+        r = rows[-1]
+        print(f"p={p:g}: {r['leave_one_out']['within_15pct']} of "
+              f"{r['leave_one_out']['configs']} within 15%, mean step error "
+              f"{r['leave_one_out']['mean_step_error_pct']:.2f}%; GSM8K "
+              f"{r['gsm8k_step_s']:.3f} s ({r['gsm8k_step_error_pct']:+.1f}%), DAPO "
+              f"{r['dapo_step_s']:.3f} s ({r['dapo_step_error_pct']:+.1f}%), update 40,960 vs "
+              f"20,480 {r['update_mb40_vs_mb20_chunked_pct']:+.1f}%", flush=True)
     write_json(out, {
-        "what": "the cost model refitted at each overlap exponent p (timing.OVERLAP_P), the "
-                "shipped records and calibration command otherwise",
+        "what": "the cost model refitted at each overlap exponent p (the base calibration's "
+                "overlap_p), the shipped records and calibration command otherwise",
         "shipped_p": shipped,
         "records": records,
         "gsm8k_runs": {"gsm8k": f"{GSM8K_LENGTHS} (one H100, median of steps 2-60; in the fit)",

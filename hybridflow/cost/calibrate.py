@@ -38,9 +38,10 @@ its prior; one that comes out <= 0 is held at its prior and the rest refit; when
 cannot separate the unknowns (too few stages, or collinear terms) the fit that changes the priors
 least (relative, least-norm) among the exact ones is taken; if every unknown ends up held, one
 common scale of the group's prior prediction is fitted instead (a ratio fit). Gen and the
-forward/update stages overlap two kinds of work (timing.OVERLAP_P), which is not linear: their
-groups are first fitted as if the parts added up, then refined by nonlinear least squares of the
-overlapped seconds (`_refine_overlap`). Predicted
+forward/update stages overlap two kinds of work (the calibration's `overlap_p`), which is not
+linear: their groups are first fitted as if the parts added up, then refined by nonlinear least
+squares of the overlapped seconds (`_refine_overlap`). The exponent itself is not fitted: it is
+taken from the base calibration (`--base`; default 2.0) and written out unchanged. Predicted
 timing_s/step = the sum of the predicted stages, "other" included. MoE records (model.moe) inform
 only the MoE coefficients (gen -> expert_decode_s; the forward/update stages -> expert_pass_s),
 fitted after the rest with the rest held (`MOE_GROUPS`); the memory scales and the other groups are
@@ -517,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="measured-run JSON / JSONL files")
     p.add_argument("-o", "--output", help="where to write the fitted calibration JSON")
-    p.add_argument("--base", help="calibration JSON whose values are the priors")
+    p.add_argument("--base", help="calibration JSON whose values are the priors (and whose "
+                                  "overlap_p the fit keeps)")
     p.add_argument("--validation", help="where to write the per-config leave-one-out summary JSON "
                                         "(step time and peak memory, measured vs predicted)")
     a = p.parse_args(argv)

@@ -2,9 +2,9 @@
 
 Each part is `x[k] * coef[k]` (or fixed seconds), where x[k] is an ideal time (work at peak speed) or
 a count, and coef[k] comes from `Calibration.coefs()` (1/efficiency, or seconds per event). A stage
-is the sum of its parts, except where two kinds of work overlap (OVERLAP_P): forward/update passes'
-host side (per-layer and TP collective launches) and GPU side (FLOPs, TP bytes); decode's FLOPs and
-its HBM reads.
+is the sum of its parts, except where two kinds of work overlap (the calibration's `overlap_p`):
+forward/update passes' host side (per-layer and TP collective launches) and GPU side (FLOPs, TP
+bytes); decode's FLOPs and its HBM reads.
 The parts (compute, decode_compute, layer_overhead, optimizer, pp_bubble, hbm_read, decode_overhead,
 sampler_delta, quant_overhead, quant_compute, quant_dequant, tp_comm, tp_latency, ep_comm, dp_comm,
 reshard_comm, latency, pcie, step_overhead) let the report say where the time goes. MoE models: FLOPs count the active parameters (router + top_k experts),
@@ -15,7 +15,7 @@ divide by DP):
   already holds) over NVLink (IB when the TP x PP group spans nodes), at bus bandwidth x comm eff.
 - gen: prefill (2N + attention FLOPs per prompt token, each prompt once: its n samples share it) at
   peak x prefill eff; decode FLOPs at the
-  same rate overlapped (OVERLAP_P) with each decode step's reads of the gen weight shard and the
+  same rate overlapped (`overlap_p`) with each decode step's reads of the gen weight shard and the
   wave's KV cache at HBM bandwidth x decode eff; plus a fixed cost per layer per decode step
   (`decode_layer_overhead_s`: the CUDA graph's small kernels, with sampling folded in); plus TP_g
   all-reduces (2 per layer per step). The records drew by the exponential race, whose draw the
@@ -133,12 +133,8 @@ SAMPLER_CDF_S = (1.149e-5, 1.28e-7)
 # launches, TP collective launches) and its GPU side (FLOPs, TP bytes), as the host queues kernels
 # while earlier ones run, except across syncs and kernels that finish before the next launch; and a
 # decode step's matmul FLOPs and its weight/KV reads (a roofline). They cost (A^p + B^p)^(1/p),
-# between their sum (p = 1) and max (p = inf). p = 2.0: with the H200 records refitted at each p,
-# 2 puts the most configs within 15% in leave-one-out and predicts the GSM8K runs outside the fit
-# closer than 1.5; a larger p fits the GPU-bound packed passes better but fewer of the host-bound
-# small-micro-batch records, and p = 1 fits a train MFU near 1, which no GPU reaches
-# (docs/cost_model.md has the scan: benchmarks/overlap_scan.py).
-OVERLAP_P = 2.0
+# between their sum (p = 1) and max (p = inf), p being the calibration's `overlap_p` (carried in
+# `Calibration.coefs()`; efficiency.py says how p = 2 was chosen).
 HOST_COEFS = frozenset({"layer_pass_overhead_s", "graphed_layer_pass_s", "tp_collective_s",
                         "lora_layer_pass_s"})
 GPU_COEFS = frozenset({"inv_forward_mfu", "inv_train_mfu", "inv_fused_forward_mfu",
@@ -165,7 +161,8 @@ class StageTerms:
     """A stage's seconds as labelled parts: (label, coefficient name or None for fixed seconds, x).
 
     Seconds = the sum of the parts, except that under an `overlap` rule ("pass": host vs GPU parts,
-    "decode": decode FLOPs vs HBM reads; see `_side`) the two sides combine as (A^p + B^p)^(1/p)."""
+    "decode": decode FLOPs vs HBM reads; see `_side`) the two sides combine as (A^p + B^p)^(1/p),
+    p = coefs["overlap_p"] (the calibration's `overlap_p`)."""
     parts: list[tuple[str, str | None, float]] = field(default_factory=list)
     overlap: str | None = None
 
@@ -197,7 +194,7 @@ class StageTerms:
         to the stage's seconds."""
         sides = self.sides(coefs)
         both = sides["a"] + sides["b"]
-        scale = overlapped(sides["a"], sides["b"]) / both if both > 0 else 1.0
+        scale = overlapped(sides["a"], sides["b"], coefs["overlap_p"]) / both if both > 0 else 1.0
         out: dict[str, float] = {}
         for label, coef, x in self.parts:
             v = x * (1.0 if coef is None else coefs[coef])
@@ -208,11 +205,11 @@ class StageTerms:
 
     def seconds(self, coefs: dict[str, float]) -> float:
         sides = self.sides(coefs)
-        return sides["serial"] + overlapped(sides["a"], sides["b"])
+        return sides["serial"] + overlapped(sides["a"], sides["b"], coefs["overlap_p"])
 
 
-def overlapped(a: float, b: float) -> float:
-    p = OVERLAP_P
+def overlapped(a: float, b: float, p: float) -> float:
+    """Seconds of two overlapping kinds of work of `a` and `b` seconds: (a^p + b^p)^(1/p)."""
     return (a ** p + b ** p) ** (1 / p) if a > 0 and b > 0 else a + b
 
 

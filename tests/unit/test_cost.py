@@ -20,7 +20,7 @@ from hybridflow.config_checks import validate
 from hybridflow.cost import get_gpu
 from hybridflow.cost.search import candidate_plans
 from hybridflow.cost.shapes import known_models
-from hybridflow.cost.timing import OVERLAP_P, stage_breakdown, stage_terms
+from hybridflow.cost.timing import stage_breakdown, stage_terms
 from hybridflow.models.hf_config import read_hf_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -477,7 +477,7 @@ def test_overlap_of_host_and_gpu_parts_by_hand():
     host = t.x["layer_pass_overhead_s"] * 1e-3
     gpu = t.x["inv_forward_mfu"] * 2.0
     assert t.sides(coefs) == pytest.approx({"a": host, "b": gpu, "serial": 0.0})
-    p = OVERLAP_P
+    p = calib.overlap_p
     assert t.seconds(coefs) == pytest.approx((host ** p + gpu ** p) ** (1 / p))
     assert max(host, gpu) < t.seconds(coefs) < host + gpu
     assert sum(t.breakdown(coefs).values()) == pytest.approx(t.seconds(coefs))
@@ -487,6 +487,49 @@ def test_overlap_of_host_and_gpu_parts_by_hand():
     assert sides["a"] > 0 and sides["b"] > 0 and sides["serial"] > 0
     assert g.seconds(coefs) == pytest.approx(
         sides["serial"] + (sides["a"] ** p + sides["b"] ** p) ** (1 / p))
+
+
+def test_overlap_exponent_is_the_calibrations(tmp_path):
+    # p is a field of the calibration (default 2), read by every overlapped stage: another p
+    # changes a pass's and decode's seconds as (A^p + B^p)^(1/p) says, the serial parts as they were
+    assert Calibration().overlap_p == 2.0
+    calib = Calibration(layer_pass_overhead_s=1e-3, forward_mfu=0.5)
+    run = parse_record({"config": {"model": "qwen2_0_5b", "gpu": "H200", "num_gpus": 1,
+                                   "layout": {"tp": 1}, **TINY_WORK, "fused_elementwise": False}})
+    for p in (1.5, 3.0):
+        other = replace(calib, overlap_p=p)
+        coefs = other.coefs()
+        assert coefs["overlap_p"] == p
+        terms = stage_terms(run.shape, run.gpu, run.plan, run.workload, other)
+        for stage in ("old_log_prob", "gen"):
+            sides = terms[stage].sides(coefs)
+            assert sides == pytest.approx(terms[stage].sides(calib.coefs()))
+            want = sides["serial"] + (sides["a"] ** p + sides["b"] ** p) ** (1 / p)
+            assert terms[stage].seconds(coefs) == pytest.approx(want, rel=1e-12)
+            assert terms[stage].seconds(coefs) != pytest.approx(
+                terms[stage].seconds(calib.coefs()), rel=1e-6)
+            assert sum(terms[stage].breakdown(coefs).values()) == pytest.approx(want, rel=1e-12)
+        assert predict(run, other)["timing_s/gen"] == pytest.approx(
+            terms["gen"].seconds(coefs), rel=1e-12)
+    with pytest.raises(ValueError, match="overlap_p"):
+        Calibration(overlap_p=0.5)               # would cost two overlapping parts over their sum
+    # the fit keeps its base's p (records made at p = 3 give back their factors at p = 3), the
+    # writer writes it and the loader reads it back; a calibration JSON without it loads at 2
+    truth = replace(TRUTH, overlap_p=3.0)
+    base, out = tmp_path / "base.json", tmp_path / "calibration.json"
+    (tmp_path / "records.json").write_text(json.dumps(synthetic_records(truth)))
+    base.write_text(json.dumps({"calibration": {"overlap_p": 3.0}}))
+    assert calibrate_main([str(tmp_path / "records.json"), "--base", str(base),
+                           "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["calibration"]["overlap_p"] == 3.0
+    fitted = load_calibration(out)
+    for k, v in truth.to_dict().items():
+        assert getattr(fitted, k) == pytest.approx(v, rel=1e-6), k
+    assert load_calibration({"train_mfu": 0.3}).overlap_p == 2.0
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"calibration": {k: v for k, v in TRUTH.to_dict().items()
+                                               if k != "overlap_p"}}))
+    assert load_calibration(old) == TRUTH
 
 
 def test_leave_one_out_on_synthetic_records_is_exact():
