@@ -7,8 +7,8 @@ machine's own packages (nor by the target folder), repeated until nothing more c
 fallback thus never shadows a package the machine already has in a suitable version. Requirements no
 wheel can meet are printed (a warning, exit 0: the import check that follows decides).
 
-  python3 benchmarks/install_peer_wheels.py .whl_bench --target /tmp/site
-  export PYTHONPATH=/tmp/site:$PWD
+  python3 benchmarks/install_peer_wheels.py .whl_bench --target /tmp/site-packages
+  export PYTHONPATH=/tmp/site-packages:$PWD
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def unmet(target: str, paths: list[str], names: set[str]) -> list[Requirement]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("wheels", help="folder with the wheels (and a fallback/ subfolder)")
-    ap.add_argument("--target", default="/tmp/site")
+    ap.add_argument("--target", default="/tmp/site-packages")
     args = ap.parse_args(argv)
     Path(args.target).mkdir(parents=True, exist_ok=True)
     paths = [args.target, *sys.path]

@@ -5,7 +5,7 @@ samples per prompt, max new tokens, temperature, learning rate and KL coefficien
 (TRL generates with transformers `generate`). Results JSON is rewritten (atomically) after every step,
 so a run cut by the time budget, or killed, still leaves its numbers.
 
-  # on the GPU machine (after benchmarks/gsm8k_peers.sh installed trl/datasets into /tmp/site)
+  # on the GPU machine (after benchmarks/gsm8k_peers.sh installed trl/datasets into /tmp/site-packages)
   python benchmarks/trl_gsm8k.py --model /tmp/xfer/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
       --train .gsm8k/train.parquet --val .gsm8k/val.parquet --out $OUT/trl_gsm8k.json --max-steps 20 --time-budget-s 500 --val-at 0,10,20
   # smaller matched run for accuracy per step: --prompts-per-step 16 --samples 8 --micro-batch 64
