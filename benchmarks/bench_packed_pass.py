@@ -12,6 +12,8 @@ through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the up
   cu_seqlens; algo.packed_attention=varlen, what auto picks on CUDA);
 - `packed_fa4`: the same packed rows on FlashAttention-4's kernels (algo.packed_attention=fa4;
   flash-attn-4 installed, sm_90+; its prediction is varlen's);
+- `packed_fa4_quack`: `packed_fa4` with the MLPs' SwiGLU inside quack's GEMMs
+  (parallel.mlp_kernels=quack; its prediction is fa4's);
 - `packed_varlen_graphs`: those, the update's layers replayed as CUDA graphs over packed rows
   padded to one shape (parallel.train_cuda_graphs);
 - `budget`: the same budgets, each micro-batch padded to its own longest row (pack_sequences=false);
@@ -202,16 +204,18 @@ def main(argv=None) -> int:
                          lm_head_chunk_tokens=a.lm_head_chunk_tokens)
     pairs = {}
 
-    def engines(kernel: str, graphs: bool = False):
+    def engines(kernel: str, graphs: bool = False, mlp: str = "torch"):
         """(ref, actor) whose packed micro-batches run `kernel` (`graphs`: the actor's update as
-        CUDA graphs, parallel.train_cuda_graphs); one pair alive at a time."""
-        key = (kernel, graphs)
+        CUDA graphs, parallel.train_cuda_graphs; `mlp`: parallel.mlp_kernels); one pair alive at
+        a time."""
+        key = (kernel, graphs, mlp)
         if key not in pairs:
             pairs.clear()
             torch.cuda.empty_cache() if cuda else None
-            apar = dataclasses.replace(par, train_cuda_graphs=graphs)
+            rpar = dataclasses.replace(par, mlp_kernels=mlp)
+            apar = dataclasses.replace(rpar, train_cuda_graphs=graphs)
             pairs[key] = (
-                Engine(role="ref", model_cfg=model_cfg, ctx=ctx, parallel=par, precision=precision,
+                Engine(role="ref", model_cfg=model_cfg, ctx=ctx, parallel=rpar, precision=precision,
                        packed_attention=kernel),
                 Engine(role="actor", model_cfg=model_cfg, ctx=ctx, parallel=apar,
                        precision=precision, optim=OptimConfig(lr=1e-7, clip_grad=1.0),
@@ -230,8 +234,9 @@ def main(argv=None) -> int:
             kernel = next((k for k in ("varlen", "fa4") if variant.startswith("packed_" + k)),
                           "flex")
         else:  # the unpacked variants never pack: an alive pair with an eager update serves them
-            kernel = next((k for k, graphed in pairs if not graphed), "flex")
-        ref, actor = engines(kernel, graphs)
+            kernel = next((k for k, graphed, _ in pairs if not graphed), "flex")
+        mlp = "quack" if variant.endswith("_quack") else "torch"
+        ref, actor = engines(kernel, graphs, mlp)
         if pack:
             try:  # varlen where it cannot run (CPU, fp32, an older torch): recorded as skipped
                 actor.packed_kernel()

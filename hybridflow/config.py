@@ -18,6 +18,7 @@ from typing import Optional
 from hybridflow.model_config import ModelConfig  # the model group's schema, with its derived counts
 
 CONF_PACKAGE = "hybridflow.conf"
+MLP_KERNELS = ("torch", "quack", "auto")  # parallel.mlp_kernels
 
 
 @dataclass
@@ -40,6 +41,11 @@ class ParallelConfig:
     # own functions: its bias_activation_fusion SwiGLU keeps only fc1's output for backward);
     # hybridflow/models/fused.py. CPU runs are unchanged either way
     fused_elementwise: bool = True
+    # the gated MLP's SwiGLU inside its GEMMs on CUDA (hybridflow/models/quack_mlp.py,
+    # quack-kernels, installed with flash-attn-4): fc1's epilogue forward, the epilogue of fc2's
+    # input-gradient GEMM backward. quack: an error where it cannot run; auto: quack on sm_90+
+    # where it imports; torch: Megatron's MLP (fc1, the SwiGLU's own kernels, fc2)
+    mlp_kernels: str = "torch"
     # the decoder layers' weight gradients added into DDP's fp32 main_grad by their backward GEMM
     # (Megatron's gradient_accumulation_fusion, without apex: models/linear.py accumulate_wgrad)
     # instead of a bf16 gradient that DDP's hook then adds in a second pass; trainable roles, the
