@@ -102,8 +102,7 @@ class _GatedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, fuse_wgrad: bool):
         gi = _quack()[0]
-        need_grad = torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad
-                                                 or w2.requires_grad)
+        need_grad = any(ctx.needs_input_grad[:3])  # (grad mode is off inside forward)
         pre, post = gi.gemm_gated(x, w1.t(), activation="swiglu", store_preact=need_grad,
                                   tuned=False, concat_layout=("B",))
         out = F.linear(post, w2)
