@@ -75,9 +75,17 @@ def ctx(single_rank_ctx):
     return single_rank_ctx
 
 
-def _engine_steps(ctx, kernels, monkeypatch):
+# wide enough for quack's tiles to be exercised as in real models (the CPU tests' width-32 model
+# is not), small enough to run in seconds
+MODEL_Q = dict(num_layers=2, hidden_size=128, ffn_hidden_size=384, num_attention_heads=4,
+               num_query_groups=2, vocab_size=50, add_qkv_bias=True, tie_word_embeddings=True)
+
+
+def _engine_grads(ctx, precision, kernels, monkeypatch):
+    """One Engine update on the CPU tests' batch: its metrics, the MLP weights' main_grad (the
+    gradient DDP reduces, before the optimizer reads it) and how many MLPs ran on quack."""
     from hybridflow.algo.objectives import actor_objective
-    from hybridflow.config import AlgoConfig, OptimConfig, ParallelConfig
+    from hybridflow.config import AlgoConfig, ModelConfig, OptimConfig, ParallelConfig
     from hybridflow.engine import Engine
     from tests.dist.parity_util import fill_deterministic
     from tests.unit import test_wgrad_fusion as cpu
@@ -86,28 +94,40 @@ def _engine_steps(ctx, kernels, monkeypatch):
     real = quack_mlp._GatedMLP.apply
     monkeypatch.setattr(quack_mlp._GatedMLP, "apply",
                         staticmethod(lambda *a: (calls.append(1), real(*a))[1]))
-    eng = Engine(role="actor", model_cfg=cpu.MODEL, ctx=ctx, precision="bf16",
+    model = ModelConfig(**MODEL_Q)
+    eng = Engine(role="actor", model_cfg=model, ctx=ctx, precision=precision,
                  parallel=ParallelConfig(mlp_kernels=kernels), optim=OptimConfig(lr=1e-3),
-                 total_updates=2)
-    fill_deterministic(eng.module, num_layers=cpu.MODEL.num_layers)
+                 total_updates=1)
+    fill_deterministic(eng.module, num_layers=model.num_layers)
     eng.optimizer.reload_model_params()
-    metrics = []
-    for seed in (0, 1):
-        loss_fn = actor_objective(AlgoConfig(), num_tokens=cpu.B * cpu.R, num_seqs=cpu.B)
-        metrics.append(eng.train_step(cpu._batch(seed), loss_fn, micro_batch_size=cpu.MICRO))
-    weights = {n: p.detach().float().clone() for n, p in eng.module.named_parameters()}
-    return metrics, weights, len(calls)
+    loss_fn = actor_objective(AlgoConfig(), num_tokens=cpu.B * cpu.R, num_seqs=cpu.B)
+    metrics = eng.train_step(cpu._batch(0), loss_fn, micro_batch_size=cpu.MICRO)
+    grads = {n: p.main_grad.detach().float().clone() for n, p in eng.module.named_parameters()
+             if ".mlp." in n and getattr(p, "main_grad", None) is not None}
+    return metrics, grads, len(calls)
 
 
-def test_engine_update_matches_megatron_mlp(ctx, monkeypatch):
-    m_ref, w_ref, n_ref = _engine_steps(ctx, "torch", monkeypatch)
-    m, w, n = _engine_steps(ctx, "quack", monkeypatch)
+def _rel(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def test_engine_gradients_as_close_to_fp32_as_megatrons_mlp(ctx, monkeypatch):
+    """bf16 rounds differently on the two paths (quack applies the SwiGLU to fc1's fp32
+    accumulator, Megatron to its bf16 output), so each bf16 run is judged against an fp32 one:
+    quack's MLP gradients and step metrics within twice the error of Megatron's bf16 MLP (Adam's
+    first steps amplify sign flips of tiny gradients, so weights after it are not compared)."""
+    m32, g32, _ = _engine_grads(ctx, "fp32", "torch", monkeypatch)
+    mt, gt, nt = _engine_grads(ctx, "bf16", "torch", monkeypatch)
+    mq, gq, nq = _engine_grads(ctx, "bf16", "quack", monkeypatch)
     from tests.unit import test_wgrad_fusion as cpu
 
-    assert n_ref == 0 and n == cpu.MODEL.num_layers * 2 * 2  # layers x micro-batches x steps
-    tol = dict(rtol=2e-2, atol=2.5e-3)
-    for a, b in zip(m, m_ref):
-        for key in b:
-            torch.testing.assert_close(torch.tensor(a[key]), torch.tensor(b[key]), **tol)
-    for name in w_ref:
-        torch.testing.assert_close(w[name], w_ref[name], **tol, msg=name)
+    assert nt == 0 and nq == MODEL_Q["num_layers"] * cpu.B // cpu.MICRO  # layers x micro-batches
+    assert g32 and set(gq) == set(g32) == set(gt)
+    for name, ref in g32.items():
+        et, eq = _rel(gt[name], ref), _rel(gq[name], ref)
+        assert eq <= 2 * et + 1e-2, f"{name}: quack {eq:.3e} vs Megatron bf16 {et:.3e} from fp32"
+    # the continuous metrics (a clip fraction counts tokens: one of them may flip)
+    for key in ("actor/pg_loss", "actor/ppo_kl", "grad_norm"):
+        ref = m32[key]
+        et, eq = abs(mt[key] - ref) / abs(ref), abs(mq[key] - ref) / abs(ref)
+        assert eq <= 2 * et + 2e-2, f"{key}: quack {mq[key]} Megatron bf16 {mt[key]} fp32 {ref}"
