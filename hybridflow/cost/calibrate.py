@@ -96,7 +96,7 @@ GROUPS = [(("reshard",), ("inv_comm_eff",)),
           (PASS_STAGES, ("inv_forward_mfu", "inv_train_mfu", "inv_fused_forward_mfu",
                          "inv_fused_train_mfu", "layer_pass_overhead_s", "graphed_layer_pass_s",
                          "tp_collective_s",
-                         "optimizer_step_s")),
+                         "optimizer_step_s", "inv_elementwise_bw_eff")),
           (("reward",), ("row_overhead_s",)),
           (("other",), ("step_overhead_s", "row_overhead_s"))]
 # "other"'s per-row part is the reward's (detokenize, score each generated row): where records timed

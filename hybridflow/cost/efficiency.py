@@ -96,6 +96,14 @@ shipped fit's values and where its records come from are in docs/perf_log.md):
   such mixed-dtype element-wise kernels).
   The three are fitted on the LoRA records alone, the rest held, each against the same call's
   full-parameter record where there is one (calibrate.LORA_GROUPS); no other record moves them.
+- elementwise_bw_efficiency 0.6: fraction of HBM bandwidth at which a forward/update pass's
+  bandwidth-bound element-wise kernels (RMSNorm, residual adds, RoPE, SwiGLU, forward and
+  backward: flops.elementwise_bytes_per_token_layer) move their activations, on the GPU side of
+  every pass, beside the FLOP time at the MFUs. Their cost scales with tokens x widths, not with
+  FLOPs: a small model's share of them is larger than a large one's (a profiled 0.5B packed
+  update on an H100: 0.40 s of such kernels of 1.41 s, about half the bandwidth's worth of these
+  bytes); a streaming copy reaches about 0.9 at best, mixed-dtype reductions (RMSNorm's weight
+  gradient) far less. Fitted with the MFUs on the passes (calibrate.GROUPS).
 - step_overhead_s 0.02: seconds per step outside the modelled stages (the stage "other") but the
   reward: advantages, metrics, host syncs between stages; a few tens of milliseconds.
 - row_overhead_s 1e-4: seconds of the stage "other" per generated row of a DP rank: the reward
@@ -167,6 +175,7 @@ class Calibration:
     lora_bw_efficiency: float = 0.5
     lora_layer_pass_s: float = 4e-4
     lora_merge_block_s: float = 2e-4
+    elementwise_bw_efficiency: float = 0.6
     memory_scale: float = 1.0
     activation_memory_scale: float = 1.0
     memory_headroom_gib: float = 4.0
@@ -208,7 +217,9 @@ class Calibration:
                 "inv_int4_decode_eff": 1 / self.int4_decode_efficiency,
                 "inv_lora_bw_eff": 1 / self.lora_bw_efficiency,
                 "lora_layer_pass_s": self.lora_layer_pass_s,
-                "lora_merge_block_s": self.lora_merge_block_s, "overlap_p": self.overlap_p}
+                "lora_merge_block_s": self.lora_merge_block_s,
+                "inv_elementwise_bw_eff": 1 / self.elementwise_bw_efficiency,
+                "overlap_p": self.overlap_p}
 
     def with_coefs(self, **coefs: float) -> "Calibration":
         """The inverse of coefs(): a copy with the named coefficients replaced."""
@@ -220,7 +231,8 @@ class Calibration:
                  "inv_masked_attn_eff": "masked_attention_efficiency",
                  "inv_comm_eff": "comm_efficiency",
                  "inv_int4_decode_eff": "int4_decode_efficiency",
-                 "inv_lora_bw_eff": "lora_bw_efficiency"}
+                 "inv_lora_bw_eff": "lora_bw_efficiency",
+                 "inv_elementwise_bw_eff": "elementwise_bw_efficiency"}
         return replace(self, **{names.get(k, k): (1 / v if k in names else v) for k, v in coefs.items()})
 
     def to_dict(self) -> dict:

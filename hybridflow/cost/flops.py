@@ -142,3 +142,49 @@ def activation_bytes_per_token_layer(shape: ModelConfig, *, fused_swiglu: bool =
     mlp = m.top_k * (h + swiglu * m.moe_ffn_hidden_size) + 2 * m.num_experts
     mlp += (h + swiglu * m.shared_expert_ffn_hidden_size) if m.shared_expert_ffn_hidden_size else 0
     return BYTES_PER_PARAM * (attn + mlp)
+
+
+def elementwise_bytes_per_token_layer(shape: ModelConfig, tp: int = 1, *,
+                                      fused: bool = True) -> tuple[float, float]:
+    """(forward, backward) bytes of bf16 activations the layer's element-wise (bandwidth-bound)
+    kernels read and write per token on one of `tp` ranks: what a pass costs beyond its GEMMs'
+    and attention's FLOPs (timing: `inv_elementwise_bw_eff`, at HBM bandwidth). Per token, in
+    elements (h hidden, q / kv the query / key-value widths, f the FFN width; weights and
+    per-token statistics such as RMSNorm's rstd are negligible):
+    forward
+      - the two RMSNorms: input read, output written: 2 x 2h = 4h
+      - the two residual adds: two inputs read, the sum written: 2 x 3h = 6h
+      - RoPE over q and k: read and written: 2(q + kv)
+      - fused SwiGLU: fc1's output (gate, up: 2f) read, f written: 3f
+      = 10h + 2q + 2kv + 3f
+    backward
+      - each RMSNorm: output gradient and saved input read, input gradient written: 2 x 3h = 6h
+      - the gradients meeting where the residual branches (norm input = residual): two read,
+        the sum written: 2 x 3h = 6h
+      - RoPE: q and k gradients read and written: 2(q + kv)
+      - SwiGLU: its output gradient (f) and saved input (2f) read, gate / up gradients (2f)
+        written: 5f
+      = 12h + 2q + 2kv + 5f
+    Unfused (parallel.fused_elementwise false), Megatron's SwiGLU is silu (f read, f written) then
+    a product (2f read, f written): 5f forward, about 8f backward; its RoPE (t cos + rotate_half(t)
+    sin: a negation, a cat, two products, an add) moves about 9 elements per element of q and k,
+    either way. The q/k norms (qk_layernorm) add 2(q + kv) forward, 3(q + kv) backward. MoE: the
+    MLP's SwiGLU is per dispatched row (top_k rows of f_e) plus the shared expert's. Sequence
+    parallelism (TP > 1) splits all of it over TP (the hidden-width tensors by sequence, the
+    q/kv/f ones by features). The LM head's log-prob kernels (per token, not per layer) are left
+    out. On a profiled 0.5B packed update (docs/perf_log.md) these kernels (SwiGLU, RMSNorm, RoPE,
+    other element-wise: 0.40 s) move about half the HBM bandwidth's worth of these bytes."""
+    h = shape.hidden_size
+    qk = shape.q_dim + shape.kv_dim
+    rope = 2 if fused else 9
+    m = shape.moe
+    if m.enabled:
+        f = m.top_k * m.moe_ffn_hidden_size + (m.shared_expert_ffn_hidden_size or 0)
+    else:
+        f = shape.ffn_hidden_size
+    fwd = 10 * h + rope * qk + (3 if fused else 5) * f
+    bwd = 12 * h + rope * qk + (5 if fused else 8) * f
+    if shape.qk_layernorm:
+        fwd += 2 * qk
+        bwd += 3 * qk
+    return BYTES_PER_PARAM * fwd / tp, BYTES_PER_PARAM * bwd / tp

@@ -88,6 +88,7 @@ from hybridflow.cost.efficiency import Calibration
 from hybridflow.cost.flops import (BYTES_PER_PARAM, LORA_MERGE_BYTES_PER_PARAM,
                                    LORA_UNMERGE_BYTES_PER_PARAM, ROLLOUT_BYTES_PER_WEIGHT,
                                    dense_params, forward_flops_per_token, kv_bytes_per_token,
+                                   elementwise_bytes_per_token_layer,
                                    lora_bytes_per_token_layer, lora_merge_work,
                                    train_flops_per_token)
 from hybridflow.cost.gpus import GPU
@@ -138,7 +139,8 @@ SAMPLER_CDF_S = (1.149e-5, 1.28e-7)
 HOST_COEFS = frozenset({"layer_pass_overhead_s", "graphed_layer_pass_s", "tp_collective_s",
                         "lora_layer_pass_s"})
 GPU_COEFS = frozenset({"inv_forward_mfu", "inv_train_mfu", "inv_fused_forward_mfu",
-                       "inv_fused_train_mfu", "inv_masked_attn_eff", "inv_lora_bw_eff"})
+                       "inv_fused_train_mfu", "inv_masked_attn_eff", "inv_lora_bw_eff",
+                       "inv_elementwise_bw_eff"})
 
 
 def _side(rule: str | None, label: str, coef: str | None) -> str:
@@ -350,7 +352,8 @@ def _reshard(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload) -> StageTerm
 def _passes(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, *, ideal: float, coef: str,
             tokens: float, micro: int, flushes: int, layer_passes: int,
             graphed: bool = False, ep: int = 1, grouped_gemm: bool = False,
-            lora_bytes: float = 0.0, eager_micro: int = 0) -> None:
+            lora_bytes: float = 0.0, eager_micro: int = 0,
+            elementwise_bytes: float = 0.0) -> None:
     """Compute, fixed per-layer cost, PP bubble and TP traffic of `micro` micro-batches in `flushes`
     pipeline flushes (optimizer steps), each micro-batch run through the stage's layers
     `layer_passes` times (1: forward, 3: fwd+bwd, 4: fwd+bwd with recompute); `graphed`: the layer
@@ -358,7 +361,10 @@ def _passes(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, *, idea
     the LoRA adapters' activation traffic of the whole stage on this GPU (GPU side, at HBM
     bandwidth x lora_bw_efficiency); with it, eager layer passes also pay the adapters' launches
     (`lora_layer_pass_s` per layer pass; graphed, they are inside the replay). `eager_micro` of
-    the graphed micro-batches run the eager layers instead (too small to pad to the shape)."""
+    the graphed micro-batches run the eager layers instead (too small to pad to the shape).
+    `elementwise_bytes`: the layers' element-wise kernels' activation traffic of the whole stage on
+    this GPU (flops.elementwise_bytes_per_token_layer; GPU side, at HBM bandwidth x
+    elementwise_bw_efficiency)."""
     layers = shape.num_layers // layout.pp_t
     bubble = (layout.pp_t - 1) * flushes / micro
     overhead = layers * micro * layer_passes
@@ -369,6 +375,10 @@ def _passes(t: StageTerms, shape: ModelConfig, gpu: GPU, layout: Layout, *, idea
     t.add("pp_bubble", coef, ideal * bubble)
     t.add("pp_bubble", "layer_pass_overhead_s", eager * bubble)
     t.add("pp_bubble", "graphed_layer_pass_s", (overhead - eager) * bubble)
+    if elementwise_bytes:
+        traffic = elementwise_bytes / (gpu.hbm_gbps * 1e9)
+        t.add("elementwise", "inv_elementwise_bw_eff", traffic)
+        t.add("pp_bubble", "inv_elementwise_bw_eff", traffic * bubble)
     if lora_bytes:
         traffic = lora_bytes / (gpu.hbm_gbps * 1e9)
         t.add("lora", "inv_lora_bw_eff", traffic)
@@ -449,6 +459,15 @@ def _lora_bytes(shape: ModelConfig, layout: Layout, tokens: float, passes: str) 
     return tokens * per_token * shape.num_layers / layout.pp_t
 
 
+def _elementwise_bytes(shape: ModelConfig, layout: Layout, tokens: float, passes: str,
+                       fused: bool) -> float:
+    """The layers' element-wise kernels' bytes on one GPU over `tokens` tokens of its stage's
+    layers; `passes` as `_lora_bytes`'s."""
+    fwd, bwd = elementwise_bytes_per_token_layer(shape, layout.tp_t, fused=fused)
+    per_token = passes.count("f") * fwd + passes.count("b") * bwd
+    return tokens * per_token * shape.num_layers / layout.pp_t
+
+
 def _forward(shape: ModelConfig, gpu: GPU, layout: Layout, w: Workload, role: str,
              ep: int = 1, adapters: bool = False) -> StageTerms:
     """A forward-only pass of `role`; `adapters`: a LoRA model's pass with its adapters on (the
@@ -468,7 +487,8 @@ def _forward(shape: ModelConfig, gpu: GPU, layout: Layout, w: Workload, role: st
     coef = "inv_fused_forward_mfu" if w.fused_elementwise else "inv_forward_mfu"
     _passes(t, shape, gpu, layout, ideal=flops / (gpu.bf16_tflops * 1e12), coef=coef,
             tokens=tokens, micro=micro, flushes=1, layer_passes=1, ep=ep,
-            grouped_gemm=w.moe_grouped_gemm, lora_bytes=lora)
+            grouped_gemm=w.moe_grouped_gemm, lora_bytes=lora,
+            elementwise_bytes=_elementwise_bytes(shape, layout, tokens, "f", w.fused_elementwise))
     _masked(t, layout, shape, gpu, work, 1)
     return t
 
@@ -506,7 +526,10 @@ def _update(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, role: str) ->
             tokens=tokens, micro=opt_steps * micro, flushes=opt_steps,
             layer_passes=layer_passes, graphed=w.train_cuda_graphs, ep=plan.ep,
             grouped_gemm=w.moe_grouped_gemm, lora_bytes=lora,
-            eager_micro=opt_steps * work.eager_micro if work is not None else 0)
+            eager_micro=opt_steps * work.eager_micro if work is not None else 0,
+            elementwise_bytes=_elementwise_bytes(shape, layout, tokens,
+                                                 "ffb" if plan.recompute else "fb",
+                                                 w.fused_elementwise))
     _masked(t, layout, shape, gpu, work, layer_passes - 1, repeat=opt_steps)
     params = shape.num_params if role == "actor" else shape.num_critic_params
     fused = shape.attn_matmul_params if shape.moe.enabled else shape.layer_matmul_params
