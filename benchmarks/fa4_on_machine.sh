@@ -10,7 +10,7 @@
 # (what the DSL's .pth file would add to sys.path; .pth files are not read from PYTHONPATH), and
 # imports flash_attn.cute and cutlass from there. Then `gsm8k_h200.sh` runs pick fa4 (auto).
 # SITE's last folder is named site-packages: quack-kernels (flash-attn-4's dependency) keys the
-# compile cache of its GEMMs with custom epilogues (tag perf/quack-mlp) by the code of the functions
+# compile cache of its GEMMs with custom epilogues (commit 4f87182) by the code of the functions
 # they reference, taking only those under a site-packages (or dist-packages) folder for installed
 # code; from any other folder it walks the CUTLASS DSL's own functions and fails at their
 # ContextVar (quack-kernels 0.6.5 with the DSL 4.8.1).
