@@ -3,14 +3,16 @@ the simulated schedule (cost.varlen) beside what the runs measured, on CPU, no d
 
     python benchmarks/gen_tail_diagnosis.py
 
-1. Per record: the speculative tail the simulation runs from the record's lengths (lengths.fit_stats:
-   log-normal pinned at the cap share) against the run's rollout/spec_* metrics (medians over steps
-   2..N): tail steps, running rows per tail step, tail tokens, and the token the tail starts from
-   (measured: cap - spec_steps x spec_tokens_per_row_step, as the tail's rows are about the capped
-   ones). 2. The held-out (family left out) generation prediction with the record's lengths and
-   with a distribution of the same mean and cap share whose other rows end where the measured tail
-   starts (`pinned`, a diagnostic, not a model). 3. DAPO per generation call (512 / 1024 / 1536
-   rows) measured against held-out and in-sample predictions.
+1. Per record: the speculative tail the simulation runs from the record's lengths
+   (lengths.fit_stats: log-normal pinned at the cap share) against the run's rollout/spec_* metrics
+   (medians over steps 2..N): tail steps, running rows per tail step, tail tokens, and the token
+   the tail starts from (measured: cap - spec_steps x spec_tokens_per_row_step, as the tail's rows
+   are about the capped ones).
+2. The held-out (family left out) generation prediction with the record's lengths and with a
+   distribution of the same mean and cap share whose other rows end where the measured tail
+   starts (`pinned`, a diagnostic, not a model).
+3. DAPO per generation call (512 / 1024 / 1536 rows) measured against held-out and in-sample
+   predictions.
 """
 from __future__ import annotations
 
@@ -34,11 +36,13 @@ CAP, K = 1024, 256
 RUNS = {"gsm8k-grpo-fa4-h100": ["gsm8k_speed_h100/base/metrics.jsonl"],
         "gsm8k-grpo-fa4-h200": ["gsm8k_speed_h200/base/metrics.jsonl"],
         "gsm8k-dapo-fa4-h100": ["gsm8k_speed_h100/dapo_metrics.jsonl"]}
-DAPO_RUNS = ["gsm8k_speed_h100/dapo_metrics.jsonl", "gsm8k_speed_h100/consecutive/dapo_metrics.jsonl"]
+DAPO_RUNS = ["gsm8k_speed_h100/dapo_metrics.jsonl",
+             "gsm8k_speed_h100/consecutive/dapo_metrics.jsonl"]
 
 
 def steps_of(path):
-    rows = [json.loads(x) for x in open(os.path.join(ROOT, "benchmarks/results", path)) if x.strip()]
+    with open(os.path.join(ROOT, "benchmarks/results", path)) as f:
+        rows = [json.loads(x) for x in f if x.strip()]
     return [r for r in rows if "timing_s/step" in r][1:]
 
 
@@ -93,7 +97,8 @@ def main():
                                   for r in s)
         print(f"{rec['name']:<22} {'measured':<9} {'-':>6} {m_start:>9.0f} {m_steps:>10.0f} "
               f"{m_rows:>14.1f} {m_tok:>11.0f} {rec['metrics']['timing_s/gen']:>12.3f}"
-              + ("  (spec_* per call: averaged over a step's rounds)" if max(per_round) > 1 else ""))
+              + ("  (spec_* per call: averaged over a step's rounds)"
+                 if max(per_round) > 1 else ""))
         lg = rec["lengths"]
         variants = [("simulated", w), ("pinned", dataclasses.replace(w, response_lengths=pinned(
             lg["mean"], lg["clip_ratio"], min(lg["min"], lg["mean"]), rows, round(m_start))))]
