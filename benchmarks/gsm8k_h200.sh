@@ -18,7 +18,8 @@
 #   bash benchmarks/gsm8k_h200.sh step [STEPS] [k=v..]  # the recipe's step time: STEPS (24) steps
 #                                                         without validation or checkpoints, medians
 #                                                         over steps 2.. -> $OUT/gsm8k_step_h200.json
-#                                                         (and the run's metrics.jsonl)
+#                                                         (and the run's metrics.jsonl and
+#                                                         rollout_lengths.jsonl)
 #                                                         (experiment=NAME among the overrides: that
 #                                                         experiment's step, e.g. the tools recipe)
 #   bash benchmarks/gsm8k_h200.sh ab STEPS NAME...      # `step STEPS` of each named variant
@@ -66,8 +67,8 @@ train() {
     data.train_files="$DATA/train.parquet" data.val_files="$DATA/val.parquet" \
     trainer.output_dir="$RUN_DIR" trainer.progress_bar=false trainer.time_budget_s="$budget" "$@" \
     2>&1 | tee -a "$OUT/train.log"
-  cp "$RUN_DIR/metrics.jsonl" "$RUN_DIR/val_generations.jsonl" "$RUN_DIR/val_scores.jsonl" "$OUT/" \
-    2>/dev/null || true
+  cp "$RUN_DIR/metrics.jsonl" "$RUN_DIR/rollout_lengths.jsonl" "$RUN_DIR/val_generations.jsonl" \
+    "$RUN_DIR/val_scores.jsonl" "$OUT/" 2>/dev/null || true
 }
 
 overrides_of() {  # a variant's overrides (benchmarks/gsm8k_variants.py)
@@ -86,7 +87,8 @@ variant() {
     data.val_files="$DATA/val.parquet" trainer.output_dir="/tmp/gsm8k_$name" trainer.progress_bar=false \
     trainer.total_steps=60 trainer.save_every=0 trainer.time_budget_s="$budget" $opts "$@" \
     2>&1 | tee -a "$OUT/$name/train.log"
-  cp "/tmp/gsm8k_$name/metrics.jsonl" "/tmp/gsm8k_$name/val_scores.jsonl" "$OUT/$name/" 2>/dev/null || true
+  cp "/tmp/gsm8k_$name/metrics.jsonl" "/tmp/gsm8k_$name/rollout_lengths.jsonl" \
+    "/tmp/gsm8k_$name/val_scores.jsonl" "$OUT/$name/" 2>/dev/null || true
 }
 
 step() {
@@ -102,6 +104,7 @@ step() {
   for a in "$@"; do [[ $a == experiment=* ]] || cmd+=("$a"); done
   "${cmd[@]}" 2>&1 | tee "$OUT/step.log"
   cp "$dir/metrics.jsonl" "$OUT/metrics.jsonl"
+  cp "$dir/rollout_lengths.jsonl" "$OUT/" 2>/dev/null || true
   python3 benchmarks/gsm8k_report.py --step-only --metrics "$dir/metrics.jsonl" \
     --command "${cmd[*]}" --out "$OUT/gsm8k_step_h200.json"
 }

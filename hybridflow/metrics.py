@@ -66,7 +66,12 @@ def memory_metrics() -> dict[str, float]:
 
 
 class MetricsLogger:
-    """Writes one JSON object per step to metrics.jsonl, scalars to TensorBoard, and a progress bar."""
+    """Writes one JSON object per step to metrics.jsonl, scalars to TensorBoard, and a progress bar;
+    and each step's trained response lengths, one row each, to rollout_lengths.jsonl (what
+    `python -m hybridflow.cost --lengths` reads for the run's exact length distribution: the
+    statistics in metrics.jsonl only pin a fitted shape)."""
+
+    LENGTHS_FILE = "rollout_lengths.jsonl"
 
     CONSOLE = (("critic/score/mean", "reward"), ("response_length/mean", "len"),
                ("actor/ppo_kl", "kl"), ("actor/entropy", "ent"), ("timing_s/step", "s/step"))
@@ -74,7 +79,8 @@ class MetricsLogger:
     def __init__(self, output_dir: str, *, total_steps: int, enabled: bool, tensorboard: bool,
                  progress_bar: bool, start_step: int = 0):
         self.enabled = enabled
-        self.writer = self.bar = self.file = None
+        self.writer = self.bar = self.file = self.lengths_file = None
+        self.output_dir = output_dir
         if not enabled:
             return
         path = os.path.join(output_dir, "metrics.jsonl")
@@ -117,6 +123,20 @@ class MetricsLogger:
         else:
             print(f"step {step}  {summary}", flush=True)
 
+    def log_lengths(self, step: int, lengths) -> None:
+        """Append the step's response lengths (a sequence of ints) to rollout_lengths.jsonl."""
+        if not self.enabled or lengths is None:
+            return
+        if self.lengths_file is None:
+            path = os.path.join(self.output_dir, self.LENGTHS_FILE)
+            try:
+                self.lengths_file = open(path, "a", buffering=1)
+            except OSError as e:
+                raise OSError(e.errno, f"cannot open the rollout lengths log: {e.strerror}",
+                              e.filename or path) from None
+        self.lengths_file.write(json.dumps({"step": step,
+                                            "response_lengths": [int(n) for n in lengths]}) + "\n")
+
     def print(self, msg: str) -> None:
         if not self.enabled:
             return
@@ -148,6 +168,8 @@ class MetricsLogger:
             self.bar.close()
         if self.file is not None:
             self.file.close()
+        if self.lengths_file is not None:
+            self.lengths_file.close()
 
 
 class TimeBudget:

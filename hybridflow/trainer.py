@@ -75,6 +75,7 @@ class Trainer:
         # log-probs are scored at the sampling temperature (greedy sampling scores at T = 1)
         self.temperature = cfg.rollout.temperature or 1.0
         self.step = 0
+        self.step_lengths = None  # the last step's trained response lengths (rollout_lengths.jsonl)
         self.sft_done = cfg.trainer.sft_warmup_steps == 0
         # dynamic sampling's informative fraction of the last step (sizes adaptive rounds)
         self.kept_estimate = None
@@ -140,6 +141,7 @@ class Trainer:
                 if self.validator is not None and self.validator.due(self.step):
                     metrics.update(self.validate())
                 self.logger.log(self.step, metrics)
+                self.logger.log_lengths(self.step, self.step_lengths)
                 history.append(metrics)
                 stoppers = [c for c in self.step_consumers if c.on_step(self.step, metrics)]
                 stopped = bool(stoppers)
@@ -359,6 +361,7 @@ class Trainer:
         if full.old_logprobs is not None:  # generator vs training forward; else after the update
             metrics.update(batch_mismatch_metrics(full, cap=a.tis_imp_ratio_cap))
         lengths, prompts = full.response_mask.sum(1).float(), full.prompt_mask.sum(1).float()
+        self.step_lengths = lengths.to(torch.int64).tolist()
         metrics.update({"prompt_length/mean": float(prompts.mean()),
                         "prompt_length/max": float(prompts.max()),
                         "response_length/mean": float(lengths.mean()),

@@ -7,9 +7,14 @@ quantiles at (k + 0.5) / K); `row_lengths` spreads it over a step's N rows. It c
 - the trainer's per-step statistics (response_length/mean, /max, /min, /clip_ratio in metrics.jsonl:
   `fit_stats`): L = min(cap, min + X) with X log-normal, its upper tail pinned by the share of rows
   at the cap (or, when none reached it, by the longest row as the 1 - 1/(2N) quantile) and its
-  spread solved so that the capped mean is the measured mean.
-`load_lengths` reads any of these from a file (metrics.jsonl, a probe.json, or a JSON of lengths or
-quantiles) as `Workload` keyword arguments.
+  spread solved so that the capped mean is the measured mean. One shape for every run: on the
+  GSM8K recipe it leaves ~16 of 512 rows running to token ~750 where the runs' rows but the ~6
+  capped ones end by ~530 (benchmarks/gen_tail_diagnosis.py);
+- the trainer's rollout_lengths.jsonl beside its metrics.jsonl (every trained response's length,
+  per step): the steps' lengths pooled, as observed lengths.
+`load_lengths` reads any of these from a file (metrics.jsonl, which takes the lengths from the
+rollout_lengths.jsonl beside it when there is one; rollout_lengths.jsonl itself; a probe.json; or a
+JSON of lengths or quantiles) as `Workload` keyword arguments.
 """
 from __future__ import annotations
 
@@ -133,8 +138,9 @@ def load_lengths(path: str | Path, *, cap: int, num_rows: int = 512) -> dict:
     text = path.read_text(encoding="utf-8")
     try:
         if path.suffix == ".jsonl":
-            return from_metrics([json.loads(x) for x in text.splitlines() if x.strip()], cap=cap,
-                                num_rows=num_rows)
+            return _check_cap(path, _from_run([json.loads(x) for x in text.splitlines()
+                                                if x.strip()], path, cap=cap, num_rows=num_rows),
+                              cap)
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e.msg}: line {e.lineno})") from None
@@ -153,7 +159,42 @@ def load_lengths(path: str | Path, *, cap: int, num_rows: int = 512) -> dict:
     else:
         raise ValueError(f"{path}: expected response_lengths, response_length_quantiles or "
                          f"mean/max/min/clip_ratio (or a metrics.jsonl)")
+    return _check_cap(path, out, cap)
+
+
+def _check_cap(path: Path, out: dict, cap: int) -> dict:
     if max(out["response_lengths"]) > cap:
         raise ValueError(f"{path}: a response of {max(out['response_lengths'])} tokens is longer "
                          f"than the cap of {cap} (--response-len-max / rollout.max_new_tokens)")
+    return out
+
+
+def _jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def _pooled(rows: list[dict], path: Path) -> tuple[int, ...]:
+    lengths = [n for r in rows for n in r.get("response_lengths", ())]
+    if not lengths:
+        raise ValueError(f"{path}: no step with response_lengths")
+    return quantile_points(lengths)
+
+
+def _from_run(rows: list[dict], path: Path, *, cap: int, num_rows: int) -> dict:
+    """A trainer run's files: metrics.jsonl (its statistics; the exact lengths from the
+    rollout_lengths.jsonl beside it, when there is one) or rollout_lengths.jsonl (its lengths; the
+    rest from the metrics.jsonl beside it, when there is one)."""
+    from hybridflow.metrics import MetricsLogger
+
+    if any("response_lengths" in r for r in rows):   # rollout_lengths.jsonl
+        metrics = path.with_name("metrics.jsonl")
+        out = from_metrics(_jsonl(metrics), cap=cap, num_rows=num_rows) if metrics.is_file() \
+            else {}
+        out["response_lengths"] = _pooled(rows, path)
+        return out
+    out = from_metrics(rows, cap=cap, num_rows=num_rows)
+    beside = path.with_name(MetricsLogger.LENGTHS_FILE)
+    if beside.is_file():
+        out["response_lengths"] = _pooled(_jsonl(beside), beside)
     return out

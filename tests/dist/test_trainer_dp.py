@@ -86,7 +86,8 @@ def one_step(algo, out_dir, extra=()):
     trainer.compute_advantages = spy
     metrics = trainer.train_step()
     weights = {name: p.detach().clone() for name, p in trainer.actor.module.named_parameters()}
-    return {"metrics": metrics, "weights": weights, **captured}
+    return {"metrics": metrics, "weights": weights, "step_lengths": trainer.step_lengths,
+            **captured}
 
 
 DYNAMIC_BSZ = ("algo.use_dynamic_bsz=true", "algo.max_tokens_per_micro_batch_per_gpu=80",
@@ -124,6 +125,9 @@ def test_step_at_dp2_equals_dp1(case, dp_runs):
                          for d in dp2])
         assert torch.allclose(got, ref[key], atol=1e-5), key
     assert ref["advantages"].abs().sum() > 0  # a real signal was compared
+    # rollout_lengths.jsonl's row of the step: every row of the global batch, on every rank
+    assert len(ref["step_lengths"]) == 32 and all(d["step_lengths"] == ref["step_lengths"]
+                                                  for d in dp2)
     keys = [k for k in ref["metrics"] if k.split("/")[0] in ("actor", "critic")
             and "lr" not in k]
     assert any("grad_norm" in k for k in keys) and any("loss" in k for k in keys)

@@ -70,6 +70,34 @@ def test_lengths_from_trainer_metrics(tmp_path):
         load_lengths(tmp_path / "q.json", cap=1024)
 
 
+def test_lengths_from_the_runs_rollout_lengths(tmp_path):
+    """The trainer's rollout_lengths.jsonl beside its metrics.jsonl: the steps' exact lengths,
+    pooled, replace the fitted shape; the rest (prompts, rounds) still comes from metrics.jsonl."""
+    steps = [{"step": i, "response_length/mean": 300.0, "response_length/max": 1024.0,
+              "response_length/min": 20.0, "response_length/clip_ratio": 0.01,
+              "prompt_length/mean": 100.0, "prompt_length/max": 150.0} for i in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    fitted = load_lengths(tmp_path / "metrics.jsonl", cap=1024)
+    rows = [[20 + 2 * j for j in range(250)] + [1024] * 6, [30 + j for j in range(250)] + [1024] * 6]
+    (tmp_path / "rollout_lengths.jsonl").write_text(
+        "".join(json.dumps({"step": i, "response_lengths": r}) + "\n" for i, r in enumerate(rows)))
+    exact = quantile_points(rows[0] + rows[1])
+    from_metrics_file = load_lengths(tmp_path / "metrics.jsonl", cap=1024)
+    assert from_metrics_file == dict(fitted, response_lengths=exact) and exact != fitted[
+        "response_lengths"]
+    assert load_lengths(tmp_path / "rollout_lengths.jsonl", cap=1024) == from_metrics_file
+    # without a metrics.jsonl beside it: the lengths alone
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "rollout_lengths.jsonl").write_text((tmp_path / "rollout_lengths.jsonl").read_text())
+    assert load_lengths(alone / "rollout_lengths.jsonl", cap=1024) == {"response_lengths": exact}
+    with pytest.raises(ValueError, match="longer than the cap of 512"):
+        load_lengths(alone / "rollout_lengths.jsonl", cap=512)
+    (alone / "rollout_lengths.jsonl").write_text(json.dumps({"step": 1, "response_lengths": []}))
+    with pytest.raises(ValueError, match="no step with response_lengths"):
+        load_lengths(alone / "rollout_lengths.jsonl", cap=1024)
+
+
 # --- generation ---------------------------------------------------------------------------------
 
 def test_decode_schedule_by_hand_poll_lag_and_window():

@@ -42,3 +42,25 @@ def test_summary_numbers_the_real_steps(tmp_path, capsys):
     # windows of 2: (0+1)/2, (2+3)/2, (4+5)/2
     assert out == ["mean reward by steps  5-6: 0.500 | 7-8: 2.500 | 9-10: 4.500",
                    "mean reward by steps  8-8: 0.000"]
+
+
+def test_rollout_lengths_log(tmp_path):
+    """One line per step with every trained response's length; none from a disabled logger."""
+    import json
+
+    log = _logger(tmp_path / "run", tensorboard=False)
+    log.log_lengths(1, [3, 5, 1024])
+    log.log_lengths(2, (7,))
+    log.log_lengths(3, None)            # a step that trained nothing
+    log.close()
+    lines = (tmp_path / "run" / MetricsLogger.LENGTHS_FILE).read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [{"step": 1, "response_lengths": [3, 5, 1024]},
+                                             {"step": 2, "response_lengths": [7]}]
+    off = MetricsLogger(str(tmp_path / "off"), total_steps=1, enabled=False, tensorboard=False,
+                        progress_bar=False)
+    off.log_lengths(1, [1])
+    assert not (tmp_path / "off").exists()
+    (tmp_path / "bad" / MetricsLogger.LENGTHS_FILE).mkdir(parents=True)
+    bad = _logger(tmp_path / "bad", tensorboard=False)
+    with pytest.raises(OSError, match="cannot open the rollout lengths log"):
+        bad.log_lengths(1, [1])
