@@ -115,7 +115,8 @@ def build_validator(cfg: Config, ctx: ParallelContext, *, rollout, tokenizer):
 
 def build_step_consumers(cfg: Config, *, start_step: int) -> list:
     """Consumers of each step's metrics besides the logger (`on_step(step, metrics) -> stop?`,
-    `on_end()`, `save_on_stop`): the probe (trainer.probe_steps) that measures a few steps and
+    `on_end()`, `save_on_stop`; optionally `on_lengths(step, lengths)`, the step's trained response
+    lengths, before `on_step`): the probe (trainer.probe_steps) that measures a few steps and
     forecasts the run, the time budget (trainer.time_budget_s) and the step profiler
     (trainer.profile_steps)."""
     consumers = []

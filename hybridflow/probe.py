@@ -37,11 +37,12 @@ def gpu_name() -> str | None:
     return None
 
 
-def _lengths(cfg, history: list[dict]) -> dict:
-    """The workload's lengths as the probe steps measured them: the response lengths as a
-    distribution fitted to their statistics (hybridflow.cost.lengths.from_metrics: mean, longest,
-    shortest, share at the cap), the mean and longest prompt; else the config's maxima."""
-    from hybridflow.cost.lengths import from_metrics
+def _lengths(cfg, history: list[dict], response_lengths=None) -> dict:
+    """The workload's lengths as the probe steps measured them: the mean and longest prompt and
+    the response lengths, as observed (`response_lengths`: the steps' trained responses, pooled)
+    or else as a distribution fitted to their statistics (hybridflow.cost.lengths.from_metrics:
+    mean, longest, shortest, share at the cap); with nothing measured, the config's maxima."""
+    from hybridflow.cost.lengths import from_metrics, quantile_points
 
     maxima = dict(prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens)
     try:
@@ -49,11 +50,14 @@ def _lengths(cfg, history: list[dict]) -> dict:
                            num_rows=cfg.data.prompts_per_step * cfg.rollout.n)
     except ValueError:  # nothing measured (or nothing the fit can use): responses as long as allowed
         return maxima
+    if response_lengths:
+        out["response_lengths"] = quantile_points(response_lengths)
     return {"prompt_len": maxima["prompt_len"], **out}
 
 
-def _length_stats(history: list[dict]) -> dict:
-    """probe.json's "lengths": what `python -m hybridflow.cost --lengths probe.json` reads."""
+def _length_stats(history: list[dict], response_lengths=None) -> dict:
+    """probe.json's "lengths": what `python -m hybridflow.cost --lengths probe.json` reads (with
+    `response_lengths`, their representative points, which it takes over the statistics)."""
     def med(key):
         vals = [h[key] for h in history if key in h]
         return statistics.median(vals) if vals else None
@@ -66,17 +70,22 @@ def _length_stats(history: list[dict]) -> dict:
         out["prompt_len"] = round(med("prompt_length/mean"))
         out["prompt_len_max"] = max(out["prompt_len"], round(max(
             h.get("prompt_length/max", 0) for h in history)))
+    if response_lengths:
+        from hybridflow.cost.lengths import quantile_points
+
+        out["response_lengths"] = list(quantile_points(response_lengths))
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _prediction(cfg, gpu: str, world: int, history: list[dict] = ()) -> dict:
+def _prediction(cfg, gpu: str, world: int, history: list[dict] = (),
+                response_lengths=None) -> dict:
     from hybridflow.cost import estimate_memory, estimate_options, estimate_step_time
     from hybridflow.cost.from_config import plan_for, workload_fields
     from hybridflow.models.attention import fa4_installed
 
     kw = dict(model=cfg.model, gpu=gpu, num_gpus=world, layout=plan_for(cfg, world),
               **workload_fields(cfg, decode_kernels=_decode_kernels(cfg),
-                                lengths=_lengths(cfg, list(history)), gpu=gpu,
+                                lengths=_lengths(cfg, list(history), response_lengths), gpu=gpu,
                                 fa4_installed=fa4_installed()))
     mem = estimate_memory(**kw)
     timing = {(k if k.startswith("timing_s/") else f"timing_s/{k}"): v
@@ -86,9 +95,11 @@ def _prediction(cfg, gpu: str, world: int, history: list[dict] = ()) -> dict:
 
 
 def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = None,
-                remaining_steps: int | None = None) -> dict:
+                remaining_steps: int | None = None, response_lengths=None) -> dict:
     """Rank 0 writes probe.json and prints a summary; returns the record on every rank.
-    `remaining_steps`: steps the run still has to do (total_steps when it starts from scratch)."""
+    `remaining_steps`: steps the run still has to do (total_steps when it starts from scratch).
+    `response_lengths`: the probe steps' trained response lengths, pooled (else the lengths are
+    fitted to the steps' statistics)."""
     world = dist.get_world_size()
     later = history[1:] or history
     stages = sorted({k for h in later for k in h if k.startswith("timing_s/")})
@@ -105,7 +116,7 @@ def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = 
               "full_run": {"total_steps": cfg.trainer.total_steps, "remaining_steps": todo,
                            "hours": hours, "gpu_hours": hours * world}}
     if any("response_length/mean" in h for h in history):
-        record["lengths"] = _length_stats(history)
+        record["lengths"] = _length_stats(history, response_lengths)
     if gpu is not None:
         from hybridflow.cost import get_gpu
 
@@ -113,7 +124,7 @@ def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = 
         record["full_run"]["cost"] = hours * world * price
         record["full_run"]["price_per_gpu_hour"] = price
         try:
-            record["predicted"] = _prediction(cfg, gpu, world, history)
+            record["predicted"] = _prediction(cfg, gpu, world, history, response_lengths)
         except (ValueError, KeyError) as e:  # a model the cost model cannot describe
             record["predicted"] = {"error": str(e)}
     if dist.get_rank() == 0:
@@ -150,6 +161,11 @@ class Probe:
         self.cfg, self.start = cfg, start_step
         self.stop_at = min(cfg.trainer.total_steps, start_step + cfg.trainer.probe_steps)
         self.history: list[dict] = []
+        self.response_lengths: list[int] = []
+
+    def on_lengths(self, step: int, lengths) -> None:
+        """The step's trained response lengths (the trainer calls it before `on_step`)."""
+        self.response_lengths.extend(int(n) for n in lengths or ())
 
     def on_step(self, step: int, metrics: dict) -> bool:
         self.history.append(metrics)
@@ -158,7 +174,8 @@ class Probe:
     def on_end(self) -> None:
         t = self.cfg.trainer
         write_probe(self.cfg, self.history, price_per_gpu_hour=t.price_per_gpu_hour,
-                    remaining_steps=t.total_steps - self.start)
+                    remaining_steps=t.total_steps - self.start,
+                    response_lengths=self.response_lengths or None)
 
 
 def _decode_kernels(cfg) -> str:

@@ -142,6 +142,9 @@ class Trainer:
                     metrics.update(self.validate())
                 self.logger.log(self.step, metrics)
                 self.logger.log_lengths(self.step, self.step_lengths)
+                for c in self.step_consumers:  # those that take the step's response lengths
+                    if hasattr(c, "on_lengths"):
+                        c.on_lengths(self.step, self.step_lengths)
                 history.append(metrics)
                 stoppers = [c for c in self.step_consumers if c.on_step(self.step, metrics)]
                 stopped = bool(stoppers)

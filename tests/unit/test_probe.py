@@ -46,3 +46,35 @@ def test_prediction_says_what_the_estimator_would_change():
     short = [dict(h, **{"response_length/max": 400.0, "response_length/clip_ratio": 0.0})
              for h in history]
     assert _prediction(load_config(gsm8k), "H100", 1, short)["consider"] == []
+
+
+def test_observed_lengths_replace_the_fitted_shape(tmp_path):
+    """With the probe steps' response lengths (the trainer hands them to `Probe.on_lengths`), the
+    prediction and probe.json's lengths are those lengths, not a shape fitted to the statistics
+    (here rows spread evenly up to 530 tokens but for 6 at the cap, against the log-normal of the
+    same mean, longest and share at the cap)."""
+    import json
+
+    from hybridflow.cost.lengths import load_lengths, quantile_points
+    from hybridflow.probe import Probe, _length_stats
+
+    gsm8k = load_config(["experiment=gsm8k_qwen_coder_0_5b", "rollout.decode_kernels=triton"])
+    rows = [40 + (490 * j) // 505 for j in range(506)] + [1024] * 6     # 512 rows, mean ~288
+    mean = sum(rows) / len(rows)
+    history = [{"prompt_length/mean": 105.0, "prompt_length/max": 232.0,
+                "response_length/mean": mean, "response_length/max": 1024.0,
+                "response_length/min": 40.0, "response_length/clip_ratio": 6 / 512}] * 2
+    assert _lengths(gsm8k, history, rows * 2)["response_lengths"] == quantile_points(rows * 2)
+    fitted = _prediction(gsm8k, "H100", 1, history)["timing_s"]["timing_s/gen"]
+    observed = _prediction(gsm8k, "H100", 1, history, rows * 2)["timing_s"]["timing_s/gen"]
+    assert abs(observed / fitted - 1) > 0.005
+    w = dict(_lengths(gsm8k, history), response_lengths=quantile_points(rows * 2))
+    assert _lengths(gsm8k, history, rows * 2) == w
+    stats = _length_stats(history, rows * 2)
+    (tmp_path / "probe.json").write_text(json.dumps({"lengths": stats}))
+    assert load_lengths(tmp_path / "probe.json", cap=1024)["response_lengths"] == quantile_points(
+        rows * 2)
+    probe = Probe(gsm8k, start_step=0)
+    probe.on_lengths(1, rows)
+    probe.on_lengths(2, None)                                   # a step that trained nothing
+    assert probe.response_lengths == rows
