@@ -67,7 +67,7 @@ def memory_metrics() -> dict[str, float]:
 
 class MetricsLogger:
     """Writes one JSON object per step to metrics.jsonl, scalars to TensorBoard, and a progress bar;
-    and each step's trained response lengths, one row each, to rollout_lengths.jsonl (what
+    and each step's trained response lengths, one line per step, to rollout_lengths.jsonl (what
     `python -m hybridflow.cost --lengths` reads for the run's exact length distribution: the
     statistics in metrics.jsonl only pin a fitted shape)."""
 

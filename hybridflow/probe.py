@@ -39,10 +39,10 @@ def gpu_name() -> str | None:
 
 def _lengths(cfg, history: list[dict], response_lengths=None) -> dict:
     """The workload's lengths as the probe steps measured them: the mean and longest prompt and
-    the response lengths, as observed (`response_lengths`: the steps' trained responses, pooled)
-    or else as a distribution fitted to their statistics (hybridflow.cost.lengths.from_metrics:
+    the response lengths, as observed (`response_lengths`: representative points of the steps'
+    trained responses, pooled) or else as a distribution fitted to their statistics (hybridflow.cost.lengths.from_metrics:
     mean, longest, shortest, share at the cap); with nothing measured, the config's maxima."""
-    from hybridflow.cost.lengths import from_metrics, quantile_points
+    from hybridflow.cost.lengths import from_metrics
 
     maxima = dict(prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens)
     try:
@@ -51,13 +51,14 @@ def _lengths(cfg, history: list[dict], response_lengths=None) -> dict:
     except ValueError:  # nothing measured (or nothing the fit can use): responses as long as allowed
         return maxima
     if response_lengths:
-        out["response_lengths"] = quantile_points(response_lengths)
+        out["response_lengths"] = tuple(response_lengths)
     return {"prompt_len": maxima["prompt_len"], **out}
 
 
 def _length_stats(history: list[dict], response_lengths=None) -> dict:
     """probe.json's "lengths": what `python -m hybridflow.cost --lengths probe.json` reads (with
-    `response_lengths`, their representative points, which it takes over the statistics)."""
+    `response_lengths`, representative points of the observed lengths, which it takes over the
+    statistics)."""
     def med(key):
         vals = [h[key] for h in history if key in h]
         return statistics.median(vals) if vals else None
@@ -71,9 +72,7 @@ def _length_stats(history: list[dict], response_lengths=None) -> dict:
         out["prompt_len_max"] = max(out["prompt_len"], round(max(
             h.get("prompt_length/max", 0) for h in history)))
     if response_lengths:
-        from hybridflow.cost.lengths import quantile_points
-
-        out["response_lengths"] = list(quantile_points(response_lengths))
+        out["response_lengths"] = list(response_lengths)
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -99,7 +98,11 @@ def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = 
     """Rank 0 writes probe.json and prints a summary; returns the record on every rank.
     `remaining_steps`: steps the run still has to do (total_steps when it starts from scratch).
     `response_lengths`: the probe steps' trained response lengths, pooled (else the lengths are
-    fitted to the steps' statistics)."""
+    fitted to the steps' statistics); the prediction and probe.json take their representative
+    points (hybridflow.cost.lengths.quantile_points)."""
+    from hybridflow.cost.lengths import quantile_points
+
+    points = quantile_points(response_lengths) if response_lengths else None
     world = dist.get_world_size()
     later = history[1:] or history
     stages = sorted({k for h in later for k in h if k.startswith("timing_s/")})
@@ -116,7 +119,7 @@ def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = 
               "full_run": {"total_steps": cfg.trainer.total_steps, "remaining_steps": todo,
                            "hours": hours, "gpu_hours": hours * world}}
     if any("response_length/mean" in h for h in history):
-        record["lengths"] = _length_stats(history, response_lengths)
+        record["lengths"] = _length_stats(history, points)
     if gpu is not None:
         from hybridflow.cost import get_gpu
 
@@ -124,7 +127,7 @@ def write_probe(cfg, history: list[dict], *, price_per_gpu_hour: float | None = 
         record["full_run"]["cost"] = hours * world * price
         record["full_run"]["price_per_gpu_hour"] = price
         try:
-            record["predicted"] = _prediction(cfg, gpu, world, history, response_lengths)
+            record["predicted"] = _prediction(cfg, gpu, world, history, points)
         except (ValueError, KeyError) as e:  # a model the cost model cannot describe
             record["predicted"] = {"error": str(e)}
     if dist.get_rank() == 0:

@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 
-
 def tis_weights(*, old_logprobs: Tensor, rollout_logprobs: Tensor, cap: float) -> Tensor:
     """min(pi_old / pi_rollout, cap) per token, (B, T); no gradient. Padding entries are arbitrary
     (finite) and must be masked by the caller's aggregation."""

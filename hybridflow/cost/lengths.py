@@ -129,21 +129,35 @@ def from_metrics(rows: list[dict], *, cap: int, num_rows: int = 512) -> dict:
 
 def load_lengths(path: str | Path, *, cap: int, num_rows: int = 512) -> dict:
     """`Workload` keyword arguments (response_lengths, and prompt_len / prompt_len_max where the
-    file has them) from: a trainer metrics.jsonl; a probe.json (its "lengths"); or a JSON object
-    with "response_lengths" (observed lengths), "response_length_quantiles" ({q: length}) or the
-    statistics {"mean", "max", "min", "clip_ratio"}, optionally "prompt_len" and "prompt_len_max"."""
+    file has them) from: a trainer metrics.jsonl or rollout_lengths.jsonl (`_from_run`); a
+    probe.json (its "lengths"); or a JSON object with "response_lengths" (observed lengths),
+    "response_length_quantiles" ({q: length}) or the statistics {"mean", "max", "min",
+    "clip_ratio"}, optionally "prompt_len" and "prompt_len_max"."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"lengths file {path} not found")
-    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        out = _from_run(_read(path), path, cap=cap, num_rows=num_rows)
+    else:
+        out = _from_json(_read(path), path, cap=cap, num_rows=num_rows)
+    if max(out["response_lengths"]) > cap:
+        raise ValueError(f"{path}: a response of {max(out['response_lengths'])} tokens is longer "
+                         f"than the cap of {cap} (--response-len-max / rollout.max_new_tokens)")
+    return out
+
+
+def _read(path: Path):
+    """A .jsonl file's objects, or a JSON file's value; invalid JSON is an error naming the file."""
     try:
-        if path.suffix == ".jsonl":
-            return _check_cap(path, _from_run([json.loads(x) for x in text.splitlines()
-                                                if x.strip()], path, cap=cap, num_rows=num_rows),
-                              cap)
-        data = json.loads(text)
+        with open(path, encoding="utf-8") as f:
+            if path.suffix == ".jsonl":
+                return [json.loads(x) for x in f if x.strip()]
+            return json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e.msg}: line {e.lineno})") from None
+
+
+def _from_json(data, path: Path, *, cap: int, num_rows: int) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
     data = data.get("lengths", data)           # probe.json keeps them under "lengths"
@@ -159,19 +173,7 @@ def load_lengths(path: str | Path, *, cap: int, num_rows: int = 512) -> dict:
     else:
         raise ValueError(f"{path}: expected response_lengths, response_length_quantiles or "
                          f"mean/max/min/clip_ratio (or a metrics.jsonl)")
-    return _check_cap(path, out, cap)
-
-
-def _check_cap(path: Path, out: dict, cap: int) -> dict:
-    if max(out["response_lengths"]) > cap:
-        raise ValueError(f"{path}: a response of {max(out['response_lengths'])} tokens is longer "
-                         f"than the cap of {cap} (--response-len-max / rollout.max_new_tokens)")
     return out
-
-
-def _jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(x) for x in f if x.strip()]
 
 
 def _pooled(rows: list[dict], path: Path) -> tuple[int, ...]:
@@ -189,12 +191,12 @@ def _from_run(rows: list[dict], path: Path, *, cap: int, num_rows: int) -> dict:
 
     if any("response_lengths" in r for r in rows):   # rollout_lengths.jsonl
         metrics = path.with_name("metrics.jsonl")
-        out = from_metrics(_jsonl(metrics), cap=cap, num_rows=num_rows) if metrics.is_file() \
+        out = from_metrics(_read(metrics), cap=cap, num_rows=num_rows) if metrics.is_file() \
             else {}
         out["response_lengths"] = _pooled(rows, path)
         return out
     out = from_metrics(rows, cap=cap, num_rows=num_rows)
     beside = path.with_name(MetricsLogger.LENGTHS_FILE)
     if beside.is_file():
-        out["response_lengths"] = _pooled(_jsonl(beside), beside)
+        out["response_lengths"] = _pooled(_read(beside), beside)
     return out

@@ -64,13 +64,14 @@ def test_observed_lengths_replace_the_fitted_shape(tmp_path):
     history = [{"prompt_length/mean": 105.0, "prompt_length/max": 232.0,
                 "response_length/mean": mean, "response_length/max": 1024.0,
                 "response_length/min": 40.0, "response_length/clip_ratio": 6 / 512}] * 2
-    assert _lengths(gsm8k, history, rows * 2)["response_lengths"] == quantile_points(rows * 2)
+    points = quantile_points(rows * 2)
+    assert _lengths(gsm8k, history, points)["response_lengths"] == quantile_points(rows * 2)
     fitted = _prediction(gsm8k, "H100", 1, history)["timing_s"]["timing_s/gen"]
-    observed = _prediction(gsm8k, "H100", 1, history, rows * 2)["timing_s"]["timing_s/gen"]
+    observed = _prediction(gsm8k, "H100", 1, history, points)["timing_s"]["timing_s/gen"]
     assert abs(observed / fitted - 1) > 0.005
     w = dict(_lengths(gsm8k, history), response_lengths=quantile_points(rows * 2))
-    assert _lengths(gsm8k, history, rows * 2) == w
-    stats = _length_stats(history, rows * 2)
+    assert _lengths(gsm8k, history, points) == w
+    stats = _length_stats(history, points)
     (tmp_path / "probe.json").write_text(json.dumps({"lengths": stats}))
     assert load_lengths(tmp_path / "probe.json", cap=1024)["response_lengths"] == quantile_points(
         rows * 2)
