@@ -19,7 +19,9 @@
 #                                                         without validation or checkpoints, medians
 #                                                         over steps 2.. -> $OUT/gsm8k_step_h200.json
 #                                                         (and the run's metrics.jsonl and
-#                                                         rollout_lengths.jsonl)
+#                                                         rollout_lengths.jsonl; with
+#                                                         trainer.profile_steps, each profiled
+#                                                         step's stage summary and op table)
 #                                                         (experiment=NAME among the overrides: that
 #                                                         experiment's step, e.g. the tools recipe)
 #   bash benchmarks/gsm8k_h200.sh ab STEPS NAME...      # `step STEPS` of each named variant
@@ -105,6 +107,7 @@ step() {
   "${cmd[@]}" 2>&1 | tee "$OUT/step.log"
   cp "$dir/metrics.jsonl" "$OUT/metrics.jsonl"
   cp "$dir/rollout_lengths.jsonl" "$OUT/" 2>/dev/null || true
+  cp "$dir"/profile/step*_rank0.json "$dir"/profile/step*_rank0.txt "$OUT/" 2>/dev/null || true
   python3 benchmarks/gsm8k_report.py --step-only --metrics "$dir/metrics.jsonl" \
     --command "${cmd[*]}" --out "$OUT/gsm8k_step_h200.json"
 }

@@ -29,7 +29,6 @@ import argparse
 import collections
 import dataclasses
 import os
-import re
 import sys
 
 import torch
@@ -42,6 +41,8 @@ from bench_generate import (COPY_BW, add_decode_option_flags, decode_options,  #
 from gsm8k_hf_eval import write_json  # noqa: E402
 from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
 from hybridflow.rollout import Generator  # noqa: E402
+from hybridflow.profiling import (FRAME, device_gaps, idle_by_launcher,  # noqa: E402,F401
+                                  kernel_launches, launch_chain)
 from hybridflow.rollout.options import DecodeOptions  # noqa: E402
 
 # first match wins; matched against the lower-cased kernel (or op) name
@@ -170,26 +171,13 @@ def launchers(gen, prompts, *, steps: int, device, opts: DecodeOptions, match: t
     return traced(run, device)["launched"](match)
 
 
-_FRAME = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<func>.+)$")  # "path.py(12): func"
-
-
-def launch_chain(e, depth: int = 6) -> str:
-    """A host event and its enclosing ops, innermost first ("aten::mm < aten::linear < ...")."""
-    chain = []
-    while e is not None and len(chain) < depth:
-        if not (_FRAME.match(e.name) or e.name.startswith("<built-in")):  # Python calls: stacks
-            chain.append(e.name)
-        e = e.cpu_parent
-    return " < ".join(chain)
-
-
 def python_frames(e, depth: int = 3) -> str:
     """The Python lines under which host event `e` ran, innermost first, without torch's own
     frames: from the profiler's Python-call events enclosing it (torch 2.x with `with_stack`), or
     else from the nearest enclosing op's recorded stack ("" where there is none: an op launched
     from C++, e.g. on the autograd engine's thread, or a trace without stacks)."""
     def mine(frames):
-        return [f for f in frames if _FRAME.match(f) and "torch/" not in _FRAME.match(f)["file"]]
+        return [f for f in frames if FRAME.match(f) and "torch/" not in FRAME.match(f)["file"]]
 
     found, p = [], e
     while p is not None and len(found) < depth:
@@ -215,24 +203,9 @@ def traced(run, device, *, trace: str | None = None, stacks: bool = False) -> di
             torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(trace)
-    events = prof.events()
-    # a kernel's link is its launching op's id; the runtime calls (cuda*, cu*) have ids of their own
-    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU
-           and not e.name.startswith("cu")}
-    host = [(e.time_range.start, e.time_range.end, e.name) for e in events
+    host = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
             if e.device_type == DeviceType.CPU]
-    kernels = []
-    res = prof.profiler.kineto_results  # the raw events: their links on every torch version
-    t0 = res.trace_start_ns()
-    for k in res.events():
-        annotation = getattr(k, "is_user_annotation", lambda: False)()  # a range's GPU-track copy
-        if k.device_type() == DeviceType.CUDA and not annotation:
-            start = (k.start_ns() - t0) / 1e3
-            op = ops.get(k.linked_correlation_id())
-            chain = launch_chain(op) if op is not None else "?"
-            if stacks and op is not None:
-                chain += " @ " + (python_frames(op) or "no Python frame")
-            kernels.append((start, start + k.duration_ns() / 1e3, k.name(), chain))
+    kernels = kernel_launches(prof, frames=python_frames if stacks else None)
 
     def launched(match: tuple) -> dict:
         found = collections.Counter(f"{n[:40]} <- {c}" for _, _, n, c in kernels
@@ -240,34 +213,6 @@ def traced(run, device, *, trace: str | None = None, stacks: bool = False) -> di
         return dict(found.most_common(30))
 
     return {"kernels": [(a, b, c) for a, b, _, c in kernels], "host": host, "launched": launched}
-
-
-def idle_by_launcher(kernels: list, *, min_gap_us: float = 10.0, top: int = 15) -> dict:
-    """The device's idle gaps of at least `min_gap_us` between its first and last kernel, each
-    charged to the host chain that launched the kernel ending it (what the GPU waited for):
-    `kernels` [(start, end, chain)] -> {"idle_us", "gaps", "by_launcher": {chain: us} (top), ...}."""
-    by, count = collections.Counter(), collections.Counter()
-    first = min((k[0] for k in kernels), default=0.0)
-    gaps = [g for g in _device_gaps(kernels, first)[1] if g[1] - g[0] >= min_gap_us]
-    for a, b, chain in gaps:
-        by[chain] += b - a
-        count[chain] += 1
-    return {"idle_us": float(sum(b - a for a, b, _ in gaps)), "gaps": len(gaps),
-            "by_launcher": {c: {"us": us, "gaps": count[c]} for c, us in by.most_common(top)}}
-
-
-def _device_gaps(kernels: list, start: float) -> tuple[float, list]:
-    """The union of `kernels` [(start, end, ...)] from `start` on: (busy us, its gaps [(gap start,
-    gap end, the rest of the kernel that ends the gap)])."""
-    busy, gaps, t = 0.0, [], start  # t: the end of the device's work so far
-    for a, b, *rest in sorted(kernels):
-        if b <= t:
-            continue
-        if a > t:
-            gaps.append((t, a, *rest))
-        busy += b - max(a, t)
-        t = b
-    return busy, gaps
 
 
 def gpu_idle(kernels: list, ranges: list, *, min_gap_us: float = 20.0, top: int = 10,
@@ -286,7 +231,7 @@ def gpu_idle(kernels: list, ranges: list, *, min_gap_us: float = 20.0, top: int 
                 "phase_us": {}, "gaps": []}
     start = min(r[0] for r in labels)
     end = max([r[1] for r in labels] + [k[1] for k in kernels])
-    busy, gaps = _device_gaps(kernels, start)
+    busy, gaps = device_gaps(kernels, start)
     t = max([start] + [k[1] for k in kernels])  # the end of the device's work
     if end > t:
         gaps.append((t, end))

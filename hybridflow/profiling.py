@@ -7,7 +7,10 @@ Each profiled step writes, per rank, under `trainer.profile_dir` (default <outpu
 - `step<N>_rank<R>.json`: per stage its wall seconds, the seconds of device kernels that ran inside
   it and their count, and its top kernels; the stages wait for the current stream at their edges
   (StageTimer), so a kernel belongs to the stage whose range holds it. kernel_s / wall_s says
-  whether a stage is bound by the device (near 1) or by the host launching it;
+  whether a stage is bound by the device (near 1) or by the host launching it; `idle_s` is the
+  stage's time with no kernel running, and `waits` charges each idle gap to the host ops that
+  launched the kernel ending it (what the device waited for: "aten::mm < aten::linear < ...",
+  innermost first; "(stage end)" for host work after the stage's last kernel);
 - `step<N>_rank<R>.txt`: torch's operator table, sorted by device time (CPU time on CPU).
 `python -m hybridflow.profiling <trace>` prints the per-stage summary of a saved trace.
 All files are written to a temporary name and renamed. Steps are counted as the logger counts
@@ -19,8 +22,9 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -73,54 +77,136 @@ class StepProfiler:
         table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90)
         atomic_write(base + ".txt", lambda p: _write(p, table))
         summary = {"step": step, "rank": self.rank, "device": _device(),
-                   "stages": stage_summary(prof.events(), top=self.top)}
+                   "stages": stage_summary(prof.events(), top=self.top,
+                                           launches=kernel_launches(prof))}
         atomic_write(base + ".json", lambda p: _write(p, json.dumps(summary, indent=1)))
 
 
-def stage_summary(events, *, top: int = 12) -> dict:
-    """{stage: {wall_s, kernel_s, kernels, top: [{kernel, s, calls}]}} from profiler events: the
-    `stage/<name>` CPU ranges and the device kernels inside each (by their device timestamps)."""
+def stage_summary(events, *, top: int = 12, launches: list | None = None) -> dict:
+    """{stage: {wall_s, kernel_s, kernels, idle_s, top: [{kernel, s, calls}], waits}} from profiler
+    events: the `stage/<name>` CPU ranges and the device kernels inside each (by their device
+    timestamps). `launches` [(start, end, name, launcher)] (kernel_launches): the kernels with
+    the host ops that launched them, for each stage's `waits`; without it the kernels come from
+    `events` and every wait is charged to "?"."""
     stages, kernels = [], []
     for e in events:
         if e.name.startswith(STAGE_PREFIX) and not _on_device(e):  # its CPU range, not the
             stages.append((e.name[len(STAGE_PREFIX):], e.time_range.start,  # GPU-track copy
                            e.time_range.end))
-        elif _is_kernel(e):
+        elif launches is None and _is_kernel(e):
             kernels.append((e.time_range.start, e.time_range.end, e.name))
-    return _summarise(stages, kernels, top=top)
+    return _summarise(stages, kernels if launches is None else launches, top=top)
 
 
 def trace_summary(trace: dict, *, top: int = 12) -> dict:
     """stage_summary from a saved Chrome trace (`traceEvents`: the stages' `user_annotation`
-    ranges, the `kernel` / `gpu_memcpy` / `gpu_memset` events); `python -m hybridflow.profiling
-    TRACE` prints it."""
-    stages, kernels = [], []
+    ranges, the `kernel` / `gpu_memcpy` / `gpu_memset` events, each charged to the `cpu_op` of its
+    "External id" for the waits); `python -m hybridflow.profiling TRACE` prints it."""
+    stages, kernels, ops = [], [], {}
     for e in trace["traceEvents"]:
         cat, name = e.get("cat"), e.get("name", "")
         if cat == "user_annotation" and name.startswith(STAGE_PREFIX):
             stages.append((name[len(STAGE_PREFIX):], e["ts"], e["ts"] + e["dur"]))
         elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
-            kernels.append((e["ts"], e["ts"] + e["dur"], name))
-    return _summarise(stages, kernels, top=top)
+            kernels.append((e["ts"], e["ts"] + e["dur"], name, e.get("args", {}).get("External id")))
+        elif cat == "cpu_op" and "External id" in e.get("args", {}):
+            ops[e["args"]["External id"]] = name
+    return _summarise(stages, [(a, b, n, ops.get(x, "?")) for a, b, n, x in kernels], top=top)
+
+
+def kernel_launches(prof, *, frames=None) -> list:
+    """[(start, end, name, launcher)] of a finished torch.profiler's device kernels, in us on the
+    clock of its host events; `launcher`: the host op that launched the kernel and the ops
+    enclosing it, innermost first (launch_chain), or "?" where the link is missing. `frames`
+    (op -> str, e.g. the Python lines of a trace with stacks): appended to each launcher after
+    " @ "."""
+    from torch.autograd import DeviceType
+
+    # a kernel's link is its launching op's id; the runtime calls (cuda*, cu*) have ids of their own
+    ops = {e.id: e for e in prof.events() if e.device_type == DeviceType.CPU
+           and not e.name.startswith("cu")}
+    res = prof.profiler.kineto_results  # the raw events: their links on every torch version
+    t0, out = res.trace_start_ns(), []
+    for k in res.events():
+        annotation = getattr(k, "is_user_annotation", lambda: False)()  # a range's GPU-track copy
+        if k.device_type() == DeviceType.CUDA and not annotation:
+            start = (k.start_ns() - t0) / 1e3
+            op = ops.get(k.linked_correlation_id())
+            chain = launch_chain(op) if op is not None else "?"
+            if frames is not None and op is not None:
+                chain += " @ " + (frames(op) or "no Python frame")
+            out.append((start, start + k.duration_ns() / 1e3, k.name(), chain))
+    return out
+
+
+FRAME = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<func>.+)$")  # "path.py(12): func"
+
+
+def launch_chain(e, depth: int = 6) -> str:
+    """A host event and its enclosing ops, innermost first ("aten::mm < aten::linear < ...")."""
+    chain = []
+    while e is not None and len(chain) < depth:
+        if not (FRAME.match(e.name) or e.name.startswith("<built-in")):  # Python calls: stacks
+            chain.append(e.name)
+        e = e.cpu_parent
+    return " < ".join(chain)
+
+
+def device_gaps(kernels: list, start: float) -> tuple[float, list]:
+    """The union of `kernels` [(start, end, ...)] from `start` on: (busy us, its gaps [(gap start,
+    gap end, the rest of the kernel that ends the gap)])."""
+    busy, gaps, t = 0.0, [], start  # t: the end of the device's work so far
+    for a, b, *rest in sorted(kernels):
+        if b <= t:
+            continue
+        if a > t:
+            gaps.append((t, a, *rest))
+        busy += b - max(a, t)
+        t = b
+    return busy, gaps
+
+
+def idle_by_launcher(kernels: list, *, min_gap_us: float = 10.0, top: int = 15) -> dict:
+    """The device's idle gaps of at least `min_gap_us` between its first and last kernel, each
+    charged to the host chain that launched the kernel ending it (what the GPU waited for):
+    `kernels` [(start, end, chain)] -> {"idle_us", "gaps", "by_launcher": {chain: us} (top), ...}."""
+    by, count = Counter(), Counter()
+    first = min((k[0] for k in kernels), default=0.0)
+    gaps = [g for g in device_gaps(kernels, first)[1] if g[1] - g[0] >= min_gap_us]
+    for a, b, chain in gaps:
+        by[chain] += b - a
+        count[chain] += 1
+    return {"idle_us": float(sum(b - a for a, b, _ in gaps)), "gaps": len(gaps),
+            "by_launcher": {c: {"us": us, "gaps": count[c]} for c, us in by.most_common(top)}}
 
 
 def _summarise(stages, kernels, *, top: int) -> dict:
-    """stages [(name, start, end)], kernels [(start, end, name)], times in microseconds."""
+    """stages [(name, start, end)], kernels [(start, end, name[, launcher])], times in us."""
     out: dict = {}
     for name, start, end in stages:
-        s = out.setdefault(name, {"wall_s": 0.0, "kernel_s": 0.0, "kernels": 0,
-                                  "_by": defaultdict(lambda: [0.0, 0])})
+        s = out.setdefault(name, {"wall_s": 0.0, "kernel_s": 0.0, "kernels": 0, "idle_s": 0.0,
+                                  "_by": defaultdict(lambda: [0.0, 0]), "_waits": Counter(),
+                                  "_gaps": Counter()})
         s["wall_s"] += (end - start) / 1e6
-        for k0, k1, kname in kernels:
-            if start <= k0 and k1 <= end:
-                s["kernel_s"] += (k1 - k0) / 1e6
-                s["kernels"] += 1
-                s["_by"][kname][0] += (k1 - k0) / 1e6
-                s["_by"][kname][1] += 1
+        inside = [k for k in kernels if start <= k[0] and k[1] <= end]
+        for k0, k1, kname, *_ in inside:
+            s["kernel_s"] += (k1 - k0) / 1e6
+            s["kernels"] += 1
+            s["_by"][kname][0] += (k1 - k0) / 1e6
+            s["_by"][kname][1] += 1
+        _, gaps = device_gaps([(a, b, (rest or ["?"])[0]) for a, b, _, *rest in inside], start)
+        gaps.append((max([start] + [k[1] for k in inside]), end, "(stage end)"))
+        for a, b, who in gaps:
+            if b > a:
+                s["idle_s"] += (b - a) / 1e6
+                s["_waits"][who] += (b - a) / 1e6
+                s["_gaps"][who] += 1
     for s in out.values():
-        by = s.pop("_by")
+        by, waits, gaps = s.pop("_by"), s.pop("_waits"), s.pop("_gaps")
         s["top"] = [{"kernel": k[:120], "s": v[0], "calls": v[1]}
                     for k, v in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]]
+        s["waits"] = [{"launcher": w[:200], "s": v, "gaps": gaps[w]}
+                      for w, v in waits.most_common(top)]
     return out
 
 
@@ -168,9 +254,12 @@ def main(argv=None) -> None:
     for name, st in summary.items():
         busy = st["kernel_s"] / st["wall_s"] if st["wall_s"] else 0.0
         print(f"{name:14s} wall {st['wall_s'] * 1e3:9.2f} ms  kernels {st['kernel_s'] * 1e3:9.2f} ms "
-              f"({100 * busy:3.0f}% busy, {st['kernels']} launches)")
+              f"({100 * busy:3.0f}% busy, {st['kernels']} launches), idle "
+              f"{st['idle_s'] * 1e3:.2f} ms")
         for k in st["top"]:
             print(f"    {k['s'] * 1e3:8.2f} ms {k['calls']:6d}x  {k['kernel'][:90]}")
+        for w in st["waits"][:6]:
+            print(f"    idle {w['s'] * 1e3:8.2f} ms {w['gaps']:6d} gaps before  {w['launcher'][:80]}")
 
 
 if __name__ == "__main__":

@@ -134,6 +134,7 @@ def test_reward_model_scores_and_probe_forecast(tmp_path):
     stages = summary["stages"]
     assert {"step", "gen", "reward", "update_actor"} <= set(stages), stages
     assert 0 < stages["update_actor"]["wall_s"] < stages["step"]["wall_s"]
+    assert all(0 <= st["idle_s"] <= st["wall_s"] + 1e-9 and st["waits"] for st in stages.values())
     with gzip.open(prof / "step2_rank0.trace.json.gz", "rt") as f:
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
     assert {"stage/step", "stage/gen", "stage/update_actor"} <= names

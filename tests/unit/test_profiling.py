@@ -57,3 +57,59 @@ def test_a_saved_trace_gives_the_same_summary():
     s = trace_summary(trace)
     assert list(s) == ["gen"] and s["gen"]["kernels"] == 2
     assert abs(s["gen"]["kernel_s"] - 110e-6) < 1e-12 and abs(s["gen"]["wall_s"] - 390e-6) < 1e-12
+
+
+def test_idle_time_is_charged_to_the_launcher_of_the_kernel_that_ends_it():
+    """Each stage's `idle_s` is its wall time with no kernel running; `waits` charges each gap to
+    the host ops that launched the kernel ending it, and the tail after the last kernel to
+    "(stage end)". Overlapping kernels (two streams) count once."""
+    events = [_ev("stage/update_actor", 0, 1000), _ev("stage/gen", 2000, 2100)]
+    launches = [(100, 200, "gemm", "aten::mm < aten::linear"),
+                (150, 250, "copy", "aten::copy_"),  # overlaps the gemm: no gap before it
+                (400, 500, "adam", "aten::_fused_adam_"),
+                (600, 700, "gemm", "aten::mm < aten::linear")]
+    s = stage_summary(events, launches=launches)
+    u = s["update_actor"]
+    assert u["kernels"] == 4 and abs(u["kernel_s"] - 400e-6) < 1e-12
+    # busy 100-250, 400-500, 600-700: idle 100 + 150 + 100 + 300
+    assert abs(u["idle_s"] - 650e-6) < 1e-12
+    waits = {w["launcher"]: (round(w["s"] * 1e6), w["gaps"]) for w in u["waits"]}
+    assert waits == {"aten::mm < aten::linear": (200, 2), "aten::_fused_adam_": (150, 1),
+                     "(stage end)": (300, 1)}
+    assert s["gen"]["kernels"] == 0 and abs(s["gen"]["idle_s"] - 100e-6) < 1e-12
+
+
+def test_a_saved_trace_charges_waits_to_the_op_of_its_external_id():
+    from hybridflow.profiling import trace_summary
+
+    trace = {"traceEvents": [
+        {"cat": "user_annotation", "name": "stage/ref", "ts": 0, "dur": 100},
+        {"cat": "cpu_op", "name": "aten::item", "ts": 5, "dur": 1, "args": {"External id": 7}},
+        {"cat": "kernel", "name": "k", "ts": 40, "dur": 50, "args": {"External id": 7}},
+        {"cat": "kernel", "name": "k2", "ts": 95, "dur": 5, "args": {"External id": 9}},
+    ]}
+    w = {x["launcher"]: round(x["s"] * 1e6) for x in trace_summary(trace)["ref"]["waits"]}
+    assert w == {"aten::item": 40, "?": 5}
+
+
+def test_a_profiled_step_links_its_kernels_to_their_launchers():
+    """kernel_launches on a real profiler: every device kernel of a CUDA run names its op (CPU
+    runs have none; the summary still carries idle_s and waits)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from hybridflow.profiling import kernel_launches
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    x = torch.randn(64, 64, device="cuda" if cuda else "cpu")
+    with profile(activities=acts) as prof:
+        with record_function("stage/update_actor"):
+            (x @ x).sum().item()
+    launches = kernel_launches(prof)
+    s = stage_summary(prof.events(), launches=launches)["update_actor"]
+    assert s["wall_s"] > 0 and s["idle_s"] <= s["wall_s"] + 1e-9 and s["waits"]
+    if cuda:
+        assert launches and all(k[3] != "?" for k in launches)
+        assert any("aten::mm" in k[3] for k in launches)
+    else:
+        assert launches == [] and s["waits"][0]["launcher"] == "(stage end)"
