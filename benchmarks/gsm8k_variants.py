@@ -17,6 +17,8 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
   spec     rollout.speculative (the tail from 16 running rows by speculative sampling with n-gram
            drafts, 4 per row and step): the same samples' distribution, fewer tail steps; on
            by default where the tail runs the decode kernels (auto), so `nospec` is its A/B
+  reward_async  the rule reward scored on a worker thread behind the reference pass
+           (reward.launch_reward_fn_async)
   tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter; tool results fed
            through the decode step, each step launched before the last is read: the defaults)
   tools_fed  the same without lookahead (rollout.multi_turn.lookahead=false)
@@ -65,6 +67,7 @@ VARIANTS = {
     "spec": "rollout.speculative.enable=true",
     "nospec": "rollout.speculative.enable=false",
     "varlen": "algo.packed_attention=varlen",
+    "reward_async": "reward.launch_reward_fn_async=true",
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
     "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.lookahead=false",
     "tools_held": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.append=prefill",

@@ -334,6 +334,13 @@ class RewardConfig:
     # rule rewards reported on validation beside `fn` (e.g. [gsm8k_strict]); they do not train
     val_fns: list = field(default_factory=list)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    # verl's reward_model.launch_reward_fn_async: score the rule reward (detokenising and `fn`) on a
+    # worker thread while the step's reference / old-log-prob / value passes run on the device,
+    # waited for before the advantages (with trainer.balance_batch at DP > 1, before the
+    # balancing: the scores travel with the rows). Same scores and metrics; timing_s/reward is
+    # then the wait. For a rule reward alone: not with reward.model_path (a device pass),
+    # dynamic sampling or rollout.partial (each needs the scores before the step goes on)
+    launch_reward_fn_async: bool = False
 
 
 @dataclass

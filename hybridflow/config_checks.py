@@ -443,6 +443,17 @@ def _validate_recipes(cfg: Config) -> None:
         if r.n < 2:
             raise ValueError(f"algo.dynamic_sampling.enable=true keeps prompts whose samples score "
                              f"differently: set rollout.n >= 2 (got {r.n})")
+    if cfg.reward.launch_reward_fn_async:
+        why = ("reward.model_path is set (the reward model is a device pass)"
+               if cfg.reward.model_path is not None else
+               "reward.fn is null" if cfg.reward.fn is None else
+               "algo.dynamic_sampling.enable=true (it filters groups by their scores)"
+               if cfg.algo.dynamic_sampling.enable else
+               "rollout.partial.enable=true (it scores each group as it completes)"
+               if cfg.rollout.partial.enable else None)
+        if why:
+            raise ValueError(f"reward.launch_reward_fn_async=true scores a rule reward while the "
+                             f"step's passes run; here {why}: set it false")
     ob = cfg.reward.overlong_buffer
     if ob.enable:
         if not 0 < ob.len < r.max_new_tokens:

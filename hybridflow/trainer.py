@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from hybridflow import components
 from hybridflow.parallel.context import ParallelContext
-from hybridflow.rollout.stage import RolloutStage
+from hybridflow.rollout.stage import PendingScores, RolloutStage
 from hybridflow.run_state import Checkpointer, train_data_record
 from hybridflow.algo import (apply_kl_penalty, build_kl_controller, get_advantage_estimator,
                              overlong_penalty, batch_mismatch_metrics)
@@ -182,7 +182,10 @@ class Trainer:
                 with timer("gc"):
                     gc.collect(generation)
             batch, reward_metrics = self.generate_and_score(timer)
+            pending = reward_metrics if isinstance(reward_metrics, PendingScores) else None
             if cfg.trainer.balance_batch and self.ctx.dp_size > 1:
+                if pending is not None:  # the scores move with their rows
+                    reward_metrics, pending = self.scores_ready(batch, pending, timer), None
                 with timer("balance"):
                     batch, balance_metrics = balance_rows(
                         batch, group=self.ctx.dp_group, rank=self.ctx.train.dp,
@@ -215,6 +218,8 @@ class Trainer:
             if self.critic is not None:
                 with timer("values"):
                     batch.values = self.critic.compute_values(batch, **fwd)
+            if pending is not None:
+                reward_metrics = self.scores_ready(batch, pending, timer)
             with timer("adv"):
                 batch, adv_metrics = self.compute_advantages(batch)
             update_metrics = {}
@@ -267,6 +272,8 @@ class Trainer:
         def one_round(num_batches: int = 1):
             items = [self.dataset[i] for _ in range(num_batches) for i in self.sampler.next_batch()]
             batch = self.rollout.generate(items, step=self.step, round_index=next(rounds), timer=timer)
+            if cfg.reward.launch_reward_fn_async:  # scored behind the passes (scores_ready)
+                return batch, self.rollout.score_async(items, batch)
             with timer("reward"):
                 batch.scores, metrics = self.rollout.score(items, batch)
             return batch, metrics
@@ -289,14 +296,29 @@ class Trainer:
                 self.logger.print(f"step {self.step + 1}: dynamic sampling found too few informative "
                                   f"groups in {ds.max_rounds} rounds; training with "
                                   f"{metrics['dynamic_sampling/filler_groups']:.0f} uninformative ones")
-        ob = cfg.reward.overlong_buffer
+        if isinstance(metrics, PendingScores):
+            return batch, metrics
+        return batch, self.overlong(batch, metrics)
+
+    def scores_ready(self, batch: RolloutBatch, pending, timer) -> dict:
+        """reward.launch_reward_fn_async: wait for the step's rule scores (timing_s/reward: the
+        wait) and put them, with the overlong penalty, on `batch` (the step's rows in the order
+        they were generated); returns the reward metrics."""
+        with timer("reward"):
+            batch.scores, metrics = pending.result()
+        return self.overlong(batch, metrics)
+
+    def overlong(self, batch: RolloutBatch, metrics: dict) -> dict:
+        """DAPO's overlong penalty (reward.overlong_buffer) added to batch.scores."""
+        ob = self.cfg.reward.overlong_buffer
         if ob.enable:
-            penalty = overlong_penalty(batch.response_mask.sum(1), max_len=cfg.rollout.max_new_tokens,
+            penalty = overlong_penalty(batch.response_mask.sum(1),
+                                       max_len=self.cfg.rollout.max_new_tokens,
                                        buffer_len=ob.len, penalty_factor=ob.penalty_factor)
             batch.scores = batch.scores + penalty
             metrics["reward/overlong_penalty/mean"] = (
                 dp_sum(float(penalty.mean()), group=self.ctx.dp_group) / self.ctx.dp_size)
-        return batch, metrics
+        return metrics
 
     def partial_round(self, timer, calls, num_batches: int = 1) -> tuple[RolloutBatch, dict]:
         """rollout.partial: top the in-flight groups up with fresh prompts, one capped generation

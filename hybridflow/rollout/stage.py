@@ -16,6 +16,7 @@ whole response text, tool results included, and the turn/tool metrics join the r
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 
 import torch
@@ -53,6 +54,7 @@ class RolloutStage:
 
             self.resharder = Resharder(actor.module, layout=ctx.layout, groups=ctx.reshard)
         self._kept: Generator | None = None  # across steps with rollout.free_cache_engine=false
+        self._pool: ThreadPoolExecutor | None = None  # reward.launch_reward_fn_async's worker
         # actor.router_replay=R3: the generator records each token's experts for the training passes
         self.record_experts = cfg.actor.router_replay == "R3" and cfg.model.moe.enabled
         self.tools = None  # rollout.multi_turn: the tool runner (hybridflow/rollout/multi_turn.py)
@@ -235,6 +237,9 @@ class RolloutStage:
             self._kept = None
         if self.tools is not None:
             self.tools.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def _gather_replicas(self, batch: RolloutBatch) -> RolloutBatch:
         """Concatenate the gen replicas' chunks, in replica order, on every model-parallel rank.
@@ -253,6 +258,19 @@ class RolloutStage:
         scores, metrics = torch.zeros(batch.batch_size), {}
         if self.reward_fn is not None:
             scores, metrics = self.rule_scores(items, batch)
+        return self.finish_scores(batch, scores, metrics)
+
+    def score_async(self, items, batch: RolloutBatch) -> "PendingScores":
+        """reward.launch_reward_fn_async: the rule reward of `batch` scored on a worker thread
+        (no collective, no device work there); `.result()` waits and returns score()'s value."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        return PendingScores(self, batch, self._pool.submit(self.rule_scores, items, batch))
+
+    def finish_scores(self, batch: RolloutBatch, scores: torch.Tensor,
+                      metrics: dict) -> tuple[torch.Tensor, dict]:
+        """The reward model's scores added to the rule's, the rollout's turn metrics, and every
+        metric averaged over the DP ranks (collectives: on the main thread)."""
         if self.reward_engine is not None:
             self.actor.params_to_host()  # actor.offload_params: not read by the reward model
             rm = self.reward_engine.compute_scores(
@@ -301,3 +319,15 @@ class RolloutStage:
         idx = torch.tensor([it.index for it in items])
         return RolloutBatch(prompt_ids=p_ids, prompt_mask=p_mask, response_ids=r_ids,
                             response_mask=r_mask, group_ids=idx, indices=idx)
+
+
+class PendingScores:
+    """A step's rule reward being scored on the stage's worker thread (RolloutStage.score_async):
+    `result()` waits for it, then finishes it as score() does (on the calling thread)."""
+
+    def __init__(self, stage: "RolloutStage", batch: RolloutBatch, future: Future):
+        self.stage, self.batch, self.future = stage, batch, future
+
+    def result(self) -> tuple[torch.Tensor, dict]:
+        scores, metrics = self.future.result()
+        return self.stage.finish_scores(self.batch, scores, metrics)

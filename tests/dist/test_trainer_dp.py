@@ -87,14 +87,15 @@ def one_step(algo, out_dir, extra=()):
     metrics = trainer.train_step()
     weights = {name: p.detach().clone() for name, p in trainer.actor.module.named_parameters()}
     return {"metrics": metrics, "weights": weights, "step_lengths": trainer.step_lengths,
-            **captured}
+            "reward_thread": trainer.rollout._pool is not None, **captured}
 
 
 DYNAMIC_BSZ = ("algo.use_dynamic_bsz=true", "algo.max_tokens_per_micro_batch_per_gpu=80",
                "algo.forward_max_tokens_per_micro_batch_per_gpu=150")
 # case: (algo, the DP=2 run's extra overrides); the DP=1 reference of each algo has none
 CASES = {"ppo": ("ppo", ()), "grpo": ("grpo", ()), "ppo_dynamic_bsz": ("ppo", DYNAMIC_BSZ),
-         "ppo_packed": ("ppo", DYNAMIC_BSZ + ("algo.pack_sequences=true",))}
+         "ppo_packed": ("ppo", DYNAMIC_BSZ + ("algo.pack_sequences=true",)),
+         "grpo_async_reward": ("grpo", ("reward.launch_reward_fn_async=true",))}
 
 
 def steps(runs: dict, out_dir: str) -> dict:
@@ -116,7 +117,9 @@ def dp_runs(tmp_path_factory):
 def test_step_at_dp2_equals_dp1(case, dp_runs):
     """ppo_dynamic_bsz: DP=2 with micro-batches by token budget in every pass (old/ref log-probs,
     values, critic and actor updates) against DP=1 with fixed micro-batches; ppo_packed: the same
-    budgets, each micro-batch run as one packed row (algo.pack_sequences)."""
+    budgets, each micro-batch run as one packed row (algo.pack_sequences); grpo_async_reward: the
+    rule reward scored on a worker thread while the reference pass runs (the same scores:
+    critic/score/mean and the advantages)."""
     ref, dp2 = dp_runs[0][CASES[case][0]], [rank[case] for rank in dp_runs[1]]
     # every DP rank holds its contiguous half of the global batch's rows
     for key in ("advantages", "returns"):
@@ -125,6 +128,8 @@ def test_step_at_dp2_equals_dp1(case, dp_runs):
                          for d in dp2])
         assert torch.allclose(got, ref[key], atol=1e-5), key
     assert ref["advantages"].abs().sum() > 0  # a real signal was compared
+    assert all(d["reward_thread"] == case.endswith("async_reward") for d in dp2)
+    assert not ref["reward_thread"]
     # rollout_lengths.jsonl's row of the step: every row of the global batch, on every rank
     assert len(ref["step_lengths"]) == 32 and all(d["step_lengths"] == ref["step_lengths"]
                                                   for d in dp2)

@@ -51,6 +51,12 @@ def test_published_defaults():
     (["algo=dapo", "reward.overlong_buffer.len=2", "reward.overlong_buffer.penalty_factor=-1"],
      r"penalty_factor=-1"),
     (["algo=gspo", "algo.policy_loss=gspo_seq"], r"algo.policy_loss='gspo_seq'.*gspo_token"),
+    (["reward.launch_reward_fn_async=true", "algo=dapo", "reward.overlong_buffer.len=2"],
+     r"reward.launch_reward_fn_async=true .*algo.dynamic_sampling.enable=true"),
+    (["reward.launch_reward_fn_async=true", "reward.model_path=/rm"],
+     r"reward.launch_reward_fn_async=true .*reward.model_path is set"),
+    (["reward.launch_reward_fn_async=true", "rollout.partial.enable=true"],
+     r"reward.launch_reward_fn_async=true .*rollout.partial.enable=true"),
 ])
 def test_bad_values_name_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):
