@@ -584,8 +584,8 @@ class TrainerConfig:
     progress_bar: bool = True
     tensorboard: bool = True
     # torch.profiler around these steps (1-based, as logged): per rank a trace, a per-stage kernel
-    # summary and an operator table under profile_dir (default <output_dir>/profile);
-    # hybridflow/profiling.py
+    # summary (with each stage's idle device time and the host ops it waited for) and an operator
+    # table under profile_dir (default <output_dir>/profile); hybridflow/profiling.py
     profile_steps: list = field(default_factory=list)
     profile_dir: Optional[str] = None
 
