@@ -339,7 +339,9 @@ class RewardConfig:
     # waited for before the advantages (with trainer.balance_batch at DP > 1, before the
     # balancing: the scores travel with the rows). Same scores and metrics; timing_s/reward is
     # then the wait. For a rule reward alone: not with reward.model_path (a device pass),
-    # dynamic sampling or rollout.partial (each needs the scores before the step goes on)
+    # dynamic sampling or rollout.partial (each needs the scores before the step goes on); the
+    # rule runs off the main thread, so one that installs signal handlers (signal.alarm
+    # timeouts) raises there
     launch_reward_fn_async: bool = False
 
 
