@@ -265,7 +265,9 @@ class Trainer:
 
     def generate_and_score(self, timer) -> tuple[RolloutBatch, dict]:
         """New prompts -> gen -> reward; with dynamic sampling, rounds of that until the step holds
-        data.prompts_per_step informative groups; then the overlong penalty (DAPO)."""
+        data.prompts_per_step informative groups; then the overlong penalty (DAPO). With
+        reward.launch_reward_fn_async the reward metrics are a PendingScores: scores_ready puts
+        the scores on the batch later."""
         cfg, rounds = self.cfg, itertools.count()
         ds = cfg.algo.dynamic_sampling
 
