@@ -113,3 +113,28 @@ def test_a_profiled_step_links_its_kernels_to_their_launchers():
         assert any("aten::mm" in k[3] for k in launches)
     else:
         assert launches == [] and s["waits"][0]["launcher"] == "(stage end)"
+
+
+def test_the_cli_prints_each_stage_with_its_waits(tmp_path, capsys):
+    """python -m hybridflow.profiling TRACE: per stage its wall, kernels and idle time, then its
+    top kernels and the launchers its idle gaps waited for."""
+    import gzip
+    import json
+
+    from hybridflow.profiling import main
+
+    trace = {"traceEvents": [
+        {"cat": "user_annotation", "name": "stage/update_actor", "ts": 0, "dur": 1000},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 1, "dur": 2, "args": {"External id": 3}},
+        {"cat": "kernel", "name": "gemm", "ts": 400, "dur": 500, "args": {"External id": 3}},
+    ]}
+    path = tmp_path / "step3_rank0.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    main([str(path)])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("update_actor") and "idle 0.50 ms" in out[0]
+    assert any("gemm" in line for line in out)
+    waits = [line for line in out if "gaps before" in line]
+    assert "0.40 ms" in waits[0] and "aten::mm" in waits[0]
+    assert "0.10 ms" in waits[1] and "(stage end)" in waits[1]
