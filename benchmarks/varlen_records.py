@@ -6,7 +6,9 @@ Thirteen records of the GSM8K recipe (hybridflow/conf/experiment/gsm8k_qwen_code
 Qwen2.5-Coder-0.5B, 64 prompts x 8 samples, responses up to 1,024 tokens, token-budget packed
 micro-batches, generator kept, row compaction, KV windows), each a `calibrate.py` record whose
 config carries the step's lengths (`Workload.response_lengths`, fitted by cost.lengths to the run's
-response-length statistics) and the code's options as they were then:
+response-length statistics; for the fa4 families the run's own lengths instead, pooled, where its
+`<prefix>rollout_lengths.jsonl` is committed beside its `<prefix>metrics.jsonl`: run_lengths) and
+the code's options as they were then:
 - family "grpo_now" (today's code: Triton decode layers, fused element-wise ops, gradient
   accumulation fusion), from benchmarks/results/gsm8k_step_h200.json: the recipe as written and
   its speed options on auto (budgets 64,000 / 177,920, KV window 192). That run kept only its mean
@@ -52,7 +54,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.run_record import command, write_json  # noqa: E402
-from hybridflow.cost.lengths import fit_stats  # noqa: E402
+from hybridflow.cost.lengths import fit_stats, load_lengths  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RAW_COMMIT = "4b3c290^"   # the commit before benchmarks/results' raw run folders were pruned
@@ -98,6 +100,20 @@ def lengths(mean, shape: dict, rows: int) -> list[int]:
                           shortest=min(shape["min"], mean), rows=rows))
 
 
+def run_lengths(src: str, shape: dict, rows: int) -> tuple[list[int], dict]:
+    """A run's response lengths and where they came from: its exact lengths (pooled over its
+    steps to quantile points) where the trainer's rollout_lengths.jsonl sits beside its metrics
+    (`<prefix>rollout_lengths.jsonl` beside `<prefix>metrics.jsonl`), else `rows` lengths fitted
+    to its statistics."""
+    name = os.path.basename(src)
+    beside = os.path.join(ROOT, os.path.dirname(src),
+                          name[:-len("metrics.jsonl")] + "rollout_lengths.jsonl")
+    if name.endswith("metrics.jsonl") and os.path.isfile(beside):
+        return (list(load_lengths(beside, cap=CAP)["response_lengths"]),
+                {"lengths_from": os.path.relpath(beside, ROOT)})
+    return lengths(shape["mean"], shape, rows), {}
+
+
 def shape_of(rows) -> dict:
     return {"clip_ratio": med(rows, "response_length/clip_ratio"),
             "min": med(rows, "response_length/min"), "mean": med(rows, "response_length/mean")}
@@ -139,13 +155,14 @@ def fa4_today() -> list[dict]:
         s = shape_of(rows)
         today = {"prompt_len": round(med(rows, "prompt_length/mean")),
                  "prompt_len_max": round(med(rows, "prompt_length/max"))}
+        lens, origin = run_lengths(src, s, 512)
         cfg = {**BASE, **FA4, **today, "gpu": gpu,
                "spec_tail_tokens_per_step": med(rows, "rollout/spec_tokens_per_row_step"),
-               "response_lengths": lengths(s["mean"], s, 512)}
+               "response_lengths": lens}
         m = {f"timing_s/{k}": med(rows, f"timing_s/{k}") for k in STAGES}
         m["timing_s/step"] = med(rows, "timing_s/step")   # (validation is timed apart)
         recs.append(record(f"gsm8k-grpo-fa4-{gpu.lower()}", "grpo_fa4", cfg, m, src,
-                           {**s, **today}) | {"machine": MACHINE[gpu]})
+                           {**s, **today, **origin}) | {"machine": MACHINE[gpu]})
     src = f"{SPEED['H100']}/dapo_metrics.jsonl"
     dapo = run_rows(src)   # as the dapo family: means over the steps of the mean rounds, batches
     s = shape_of(dapo)
@@ -154,17 +171,18 @@ def fa4_today() -> list[dict]:
     batches = statistics.fmean(r["dynamic_sampling/batches"] for r in dapo)
     d_prompts = {"prompt_len": round(med(dapo, "prompt_length/mean")),
                  "prompt_len_max": round(med(dapo, "prompt_length/max"))}
+    d_lens, d_origin = run_lengths(src, s, round(512 * batches / rounds))
     cfg = {**BASE, **FA4, **d_prompts, "gpu": "H100", "use_reference": False,
            "gen_max_batch_size": 1536, "gen_rounds": round(rounds, 4),
            "gen_prompt_factor": round(batches, 4),
            "gen_batches_per_round": int(max(r["dynamic_sampling/batches"] for r in dapo)),
            "spec_tail_tokens_per_step": med(dapo, "rollout/spec_tokens_per_row_step"),
-           "response_lengths": lengths(s["mean"], s, round(512 * batches / rounds))}
+           "response_lengths": d_lens}
     m = {f"timing_s/{k}": statistics.fmean(r[f"timing_s/{k}"] for r in dapo)
          for k in ("gen", "reshard", "update_actor", "reward")}
     m["timing_s/step"] = statistics.fmean(r["timing_s/step"] for r in dapo)
     recs.append(record("gsm8k-dapo-fa4-h100", "dapo_fa4", cfg, m, src,
-                       {**s, **d_prompts, "rounds": rounds, "batches": batches})
+                       {**s, **d_prompts, "rounds": rounds, "batches": batches, **d_origin})
                 | {"machine": MACHINE["H100"]})
     return recs
 
