@@ -3,8 +3,8 @@ device: for each step of a GSM8K run, the shipped fit's prediction at that step'
 (fitted to its statistics, as the records are) beside the measured stage.
 
     python benchmarks/update_per_step.py
-    python benchmarks/update_per_step.py --run benchmarks/results/gsm8k_speed_h100/base/metrics.jsonl \
-        --record gsm8k-grpo-fa4-h100
+    python benchmarks/update_per_step.py \
+        --run benchmarks/results/gsm8k_speed_h100/base/metrics.jsonl --record gsm8k-grpo-fa4-h100
 
 Reports the median measured / predicted ratio, the correlation over steps, and each one's
 slope against the step's tokens: a gap that grows with the step's work (a steeper measured
@@ -42,10 +42,10 @@ def per_step(run: str, record: str) -> dict:
         lens = list(fit_stats(mean=mean, cap=c["max_new_tokens"],
                               clip_ratio=r["response_length/clip_ratio"],
                               shortest=min(r["response_length/min"], mean), rows=512))
+        step = {**work, "response_lengths": lens, "prompt_len": round(r["prompt_length/mean"]),
+                "prompt_len_max": round(r["prompt_length/max"])}
         t = estimate_step_time(model=c["model"], gpu=c["gpu"], num_gpus=c["num_gpus"],
-                               layout=c["layout"], **{**work, "response_lengths": lens,
-                                                      "prompt_len": round(r["prompt_length/mean"]),
-                                                      "prompt_len_max": round(r["prompt_length/max"])})
+                               layout=c["layout"], **step)
         for stage, (meas, pred) in out.items():
             meas.append(r[f"timing_s/{stage}"])
             pred.append(t[stage])

@@ -108,7 +108,8 @@ def trace_summary(trace: dict, *, top: int = 12) -> dict:
         if cat == "user_annotation" and name.startswith(STAGE_PREFIX):
             stages.append((name[len(STAGE_PREFIX):], e["ts"], e["ts"] + e["dur"]))
         elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
-            kernels.append((e["ts"], e["ts"] + e["dur"], name, e.get("args", {}).get("External id")))
+            xid = e.get("args", {}).get("External id")
+            kernels.append((e["ts"], e["ts"] + e["dur"], name, xid))
         elif cat == "cpu_op" and "External id" in e.get("args", {}):
             ops[e["args"]["External id"]] = name
     return _summarise(stages, [(a, b, n, ops.get(x, "?")) for a, b, n, x in kernels], top=top)
@@ -169,7 +170,8 @@ def device_gaps(kernels: list, start: float) -> tuple[float, list]:
 def idle_by_launcher(kernels: list, *, min_gap_us: float = 10.0, top: int = 15) -> dict:
     """The device's idle gaps of at least `min_gap_us` between its first and last kernel, each
     charged to the host chain that launched the kernel ending it (what the GPU waited for):
-    `kernels` [(start, end, chain)] -> {"idle_us", "gaps", "by_launcher": {chain: us} (top), ...}."""
+    `kernels` [(start, end, chain)] -> {"idle_us", "gaps", "by_launcher": {chain: us} (top),
+    ...}."""
     by, count = Counter(), Counter()
     first = min((k[0] for k in kernels), default=0.0)
     gaps = [g for g in device_gaps(kernels, first)[1] if g[1] - g[0] >= min_gap_us]
@@ -259,7 +261,8 @@ def main(argv=None) -> None:
         for k in st["top"]:
             print(f"    {k['s'] * 1e3:8.2f} ms {k['calls']:6d}x  {k['kernel'][:90]}")
         for w in st["waits"][:6]:
-            print(f"    idle {w['s'] * 1e3:8.2f} ms {w['gaps']:6d} gaps before  {w['launcher'][:80]}")
+            print(f"    idle {w['s'] * 1e3:8.2f} ms {w['gaps']:6d} gaps before  "
+                  f"{w['launcher'][:80]}")
 
 
 if __name__ == "__main__":
