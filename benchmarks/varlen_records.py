@@ -54,7 +54,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.run_record import command, write_json  # noqa: E402
-from hybridflow.cost.lengths import fit_stats, load_lengths  # noqa: E402
+from hybridflow.cost.lengths import fit_stats, load_lengths, run_file  # noqa: E402
+from hybridflow.metrics import MetricsLogger  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RAW_COMMIT = "4b3c290^"   # the commit before benchmarks/results' raw run folders were pruned
@@ -103,12 +104,10 @@ def lengths(mean, shape: dict, rows: int) -> list[int]:
 def run_lengths(src: str, shape: dict, rows: int) -> tuple[list[int], dict]:
     """A run's response lengths and where they came from: its exact lengths (pooled over its
     steps to quantile points) where the trainer's rollout_lengths.jsonl sits beside its metrics
-    (`<prefix>rollout_lengths.jsonl` beside `<prefix>metrics.jsonl`), else `rows` lengths fitted
-    to its statistics."""
-    name = os.path.basename(src)
-    beside = os.path.join(ROOT, os.path.dirname(src),
-                          name[:-len("metrics.jsonl")] + "rollout_lengths.jsonl")
-    if name.endswith("metrics.jsonl") and os.path.isfile(beside):
+    (cost.lengths.run_file: `<prefix>rollout_lengths.jsonl` beside `<prefix>metrics.jsonl`), else
+    `rows` lengths fitted to its statistics."""
+    beside = run_file(os.path.join(ROOT, src), MetricsLogger.LENGTHS_FILE)
+    if beside.is_file():
         return (list(load_lengths(beside, cap=CAP)["response_lengths"]),
                 {"lengths_from": os.path.relpath(beside, ROOT)})
     return lengths(shape["mean"], shape, rows), {}

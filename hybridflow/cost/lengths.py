@@ -183,20 +183,36 @@ def _pooled(rows: list[dict], path: Path) -> tuple[int, ...]:
     return quantile_points(lengths)
 
 
+METRICS_FILE = "metrics.jsonl"
+
+
+def run_file(path: str | Path, name: str) -> Path:
+    """The file `name` (metrics.jsonl, rollout_lengths.jsonl) of the run whose metrics or lengths
+    file `path` is: the one beside it, with the same prefix where a run's files were committed
+    under one (`dapo_metrics.jsonl` beside `dapo_rollout_lengths.jsonl`)."""
+    from hybridflow.metrics import MetricsLogger
+
+    path = Path(path)
+    for own in (METRICS_FILE, MetricsLogger.LENGTHS_FILE):
+        if path.name.endswith(own):
+            return path.with_name(path.name[:-len(own)] + name)
+    return path.with_name(name)
+
+
 def _from_run(rows: list[dict], path: Path, *, cap: int, num_rows: int) -> dict:
     """A trainer run's files: metrics.jsonl (its statistics; the exact lengths from the
     rollout_lengths.jsonl beside it, when there is one) or rollout_lengths.jsonl (its lengths; the
-    rest from the metrics.jsonl beside it, when there is one)."""
+    rest from the metrics.jsonl beside it, when there is one); `run_file` pairs them."""
     from hybridflow.metrics import MetricsLogger
 
     if any("response_lengths" in r for r in rows):   # rollout_lengths.jsonl
-        metrics = path.with_name("metrics.jsonl")
+        metrics = run_file(path, METRICS_FILE)
         out = from_metrics(_read(metrics), cap=cap, num_rows=num_rows) if metrics.is_file() \
             else {}
         out["response_lengths"] = _pooled(rows, path)
         return out
     out = from_metrics(rows, cap=cap, num_rows=num_rows)
-    beside = path.with_name(MetricsLogger.LENGTHS_FILE)
+    beside = run_file(path, MetricsLogger.LENGTHS_FILE)
     if beside.is_file():
         out["response_lengths"] = _pooled(_read(beside), beside)
     return out

@@ -86,6 +86,14 @@ def test_lengths_from_the_runs_rollout_lengths(tmp_path):
     assert from_metrics_file == dict(fitted, response_lengths=exact) and exact != fitted[
         "response_lengths"]
     assert load_lengths(tmp_path / "rollout_lengths.jsonl", cap=1024) == from_metrics_file
+    # a run committed under a prefix pairs its own two files, not another run's beside them
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for name in ("metrics.jsonl", "rollout_lengths.jsonl"):
+        (runs / f"dapo_{name}").write_text((tmp_path / name).read_text())
+    (runs / "rollout_lengths.jsonl").write_text(json.dumps({"step": 1, "response_lengths": [5]}))
+    assert load_lengths(runs / "dapo_metrics.jsonl", cap=1024) == from_metrics_file
+    assert load_lengths(runs / "dapo_rollout_lengths.jsonl", cap=1024) == from_metrics_file
     # without a metrics.jsonl beside it: the lengths alone
     alone = tmp_path / "alone"
     alone.mkdir()

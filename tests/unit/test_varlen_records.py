@@ -14,7 +14,9 @@ def test_a_run_with_its_lengths_beside_is_costed_at_them(tmp_path, monkeypatch):
     monkeypatch.setattr(varlen_records, "ROOT", str(tmp_path))
     shape = {"mean": 300.0, "clip_ratio": 0.01, "min": 90.0}
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "dapo_metrics.jsonl").write_text("")
+    stats = {"step": 1, "response_length/mean": 300.0, "response_length/max": 1024.0,
+             "response_length/min": 90.0, "response_length/clip_ratio": 0.01}
+    (tmp_path / "run" / "dapo_metrics.jsonl").write_text(json.dumps(stats) + "\n")
     fitted, origin = varlen_records.run_lengths("run/dapo_metrics.jsonl", shape, 512)
     assert origin == {} and fitted == varlen_records.lengths(300.0, shape, 512)
     steps = [{"step": s, "response_lengths": [100 + s, 200, 1024, 400]} for s in (1, 2)]
@@ -24,6 +26,7 @@ def test_a_run_with_its_lengths_beside_is_costed_at_them(tmp_path, monkeypatch):
     assert origin == {"lengths_from": "run/dapo_rollout_lengths.jsonl"}
     assert set(exact) == {101, 102, 200, 400, 1024}  # the pooled lengths, not a fit
     # a plain metrics.jsonl pairs with rollout_lengths.jsonl
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps(stats) + "\n")
     (tmp_path / "run" / "rollout_lengths.jsonl").write_text(json.dumps(steps[0]) + "\n")
     exact, origin = varlen_records.run_lengths("run/metrics.jsonl", shape, 512)
     assert origin["lengths_from"] == "run/rollout_lengths.jsonl"
