@@ -21,8 +21,9 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hybridflow.cost import estimate_step_time  # noqa: E402
-from hybridflow.cost.lengths import fit_stats  # noqa: E402
+from varlen_records import lengths  # noqa: E402  (the records' fit of a step's statistics)
 
 RECORDS = "benchmarks/results/cost/varlen_gsm8k.json"
 FIXED = ("response_lengths", "model", "gpu", "num_gpus", "layout")
@@ -38,11 +39,9 @@ def per_step(run: str, record: str) -> dict:
     out = {"update_actor": ([], []), "ref": ([], [])}
     tokens = []
     for r in rows:
-        mean = r["response_length/mean"]
-        lens = list(fit_stats(mean=mean, cap=c["max_new_tokens"],
-                              clip_ratio=r["response_length/clip_ratio"],
-                              shortest=min(r["response_length/min"], mean), rows=512))
-        step = {**work, "response_lengths": lens, "prompt_len": round(r["prompt_length/mean"]),
+        shape = {"clip_ratio": r["response_length/clip_ratio"], "min": r["response_length/min"]}
+        step = {**work, "response_lengths": lengths(r["response_length/mean"], shape, 512),
+                "prompt_len": round(r["prompt_length/mean"]),
                 "prompt_len_max": round(r["prompt_length/max"])}
         t = estimate_step_time(model=c["model"], gpu=c["gpu"], num_gpus=c["num_gpus"],
                                layout=c["layout"], **step)
