@@ -103,7 +103,9 @@ def timeline(fn, device, *, stacks: bool = False) -> dict:
     gpu_idle) and by the host op whose kernel ended each gap, and the launchers of its
     device-to-host copies and stream compactions (each one a wait for the GPU); `stacks`: another
     pass traced with Python stacks, whose `sync_lines` name the lines that launched them."""
-    from profile_decode import gpu_idle, idle_by_launcher, traced
+    from profile_decode import gpu_idle, traced
+
+    from hybridflow.profiling import idle_by_launcher
 
     t = traced(fn, device)
     out = {"by_stage": gpu_idle([k[:2] for k in t["kernels"]], t["host"], prefix="engine."),

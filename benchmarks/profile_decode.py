@@ -41,8 +41,7 @@ from bench_generate import (COPY_BW, add_decode_option_flags, decode_options,  #
 from gsm8k_hf_eval import write_json  # noqa: E402
 from hybridflow.config import ModelConfig, RolloutConfig  # noqa: E402
 from hybridflow.rollout import Generator  # noqa: E402
-from hybridflow.profiling import (FRAME, device_gaps, idle_by_launcher,  # noqa: E402,F401
-                                  kernel_launches, launch_chain)
+from hybridflow.profiling import FRAME, device_gaps, kernel_launches  # noqa: E402
 from hybridflow.rollout.options import DecodeOptions  # noqa: E402
 
 # first match wins; matched against the lower-cased kernel (or op) name

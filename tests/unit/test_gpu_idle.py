@@ -7,7 +7,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from profile_decode import gpu_idle, idle_by_launcher  # noqa: E402
+from profile_decode import gpu_idle  # noqa: E402
+
+from hybridflow.profiling import idle_by_launcher  # noqa: E402
 
 # the host: setup 0-100, prefill 100-300 (a sync op 250-300 inside), decode 300-900, finish 900-1000
 HOST = [(0, 100, "generate.setup"), (100, 300, "generate.prefill"), (250, 300, "cudaStreamSynchronize"),

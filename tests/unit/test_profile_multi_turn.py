@@ -138,7 +138,9 @@ def test_python_frames_names_the_line_that_read_a_scalar():
     synchronised the device."""
     from torch.profiler import ProfilerActivity, profile
 
-    from profile_decode import launch_chain, python_frames
+    from profile_decode import python_frames
+
+    from hybridflow.profiling import launch_chain
 
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         _reads_a_scalar()
