@@ -7,7 +7,8 @@
 #
 #   bash benchmarks/decode_ab_h200.sh            # carry [".whl"]; ~6 minutes warm
 # Environment: OUT (/tmp/decode_ab), WORK (/tmp/decode_ab_work), SITE (/tmp/site-packages),
-# SKIP_TESTS=1, VARIANTS (names below, in order), MODEL (hybridflow/conf/model/qwen2_0_5b.yaml), BATCH (256).
+# SKIP_TESTS=1, VARIANTS (names below, in order), MODEL (hybridflow/conf/model/qwen2_0_5b.yaml),
+# BATCH (256).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/decode_ab}
