@@ -71,6 +71,7 @@ class MetricsLogger:
     `python -m hybridflow.cost --lengths` reads for the run's exact length distribution: the
     statistics in metrics.jsonl only pin a fitted shape)."""
 
+    METRICS_FILE = "metrics.jsonl"
     LENGTHS_FILE = "rollout_lengths.jsonl"
 
     CONSOLE = (("critic/score/mean", "reward"), ("response_length/mean", "len"),
@@ -83,7 +84,7 @@ class MetricsLogger:
         self.output_dir = output_dir
         if not enabled:
             return
-        path = os.path.join(output_dir, "metrics.jsonl")
+        path = os.path.join(output_dir, self.METRICS_FILE)
         try:
             os.makedirs(output_dir, exist_ok=True)
             self.file = open(path, "a", buffering=1)

@@ -183,9 +183,6 @@ def _pooled(rows: list[dict], path: Path) -> tuple[int, ...]:
     return quantile_points(lengths)
 
 
-METRICS_FILE = "metrics.jsonl"
-
-
 def run_file(path: str | Path, name: str) -> Path:
     """The file `name` (metrics.jsonl, rollout_lengths.jsonl) of the run whose metrics or lengths
     file `path` is: the one beside it, with the same prefix where a run's files were committed
@@ -193,7 +190,7 @@ def run_file(path: str | Path, name: str) -> Path:
     from hybridflow.metrics import MetricsLogger
 
     path = Path(path)
-    for own in (METRICS_FILE, MetricsLogger.LENGTHS_FILE):
+    for own in (MetricsLogger.METRICS_FILE, MetricsLogger.LENGTHS_FILE):
         if path.name.endswith(own):
             return path.with_name(path.name[:-len(own)] + name)
     return path.with_name(name)
@@ -206,7 +203,7 @@ def _from_run(rows: list[dict], path: Path, *, cap: int, num_rows: int) -> dict:
     from hybridflow.metrics import MetricsLogger
 
     if any("response_lengths" in r for r in rows):   # rollout_lengths.jsonl
-        metrics = run_file(path, METRICS_FILE)
+        metrics = run_file(path, MetricsLogger.METRICS_FILE)
         out = from_metrics(_read(metrics), cap=cap, num_rows=num_rows) if metrics.is_file() \
             else {}
         out["response_lengths"] = _pooled(rows, path)
