@@ -18,6 +18,7 @@ from typing import Optional
 from hybridflow.model_config import ModelConfig  # the model group's schema, with its derived counts
 
 CONF_PACKAGE = "hybridflow.conf"
+NORM_KERNELS = ("torch", "compiled", "liger")  # parallel.norm_kernel (models/fused.py rms_norm)
 
 
 @dataclass
@@ -40,6 +41,10 @@ class ParallelConfig:
     # own functions: its bias_activation_fusion SwiGLU keeps only fc1's output for backward);
     # hybridflow/models/fused.py. CPU runs are unchanged either way
     fused_elementwise: bool = True
+    # on CUDA, the kernel of the local layer spec's RMSNorms (models/fused.py rms_norm): torch
+    # (F.rms_norm), compiled (torch.compile of the formula) or liger (liger-kernel's Triton
+    # RMSNorm, when installed). CPU runs use torch's either way
+    norm_kernel: str = "torch"
     # the decoder layers' weight gradients added into DDP's fp32 main_grad by their backward GEMM
     # (Megatron's gradient_accumulation_fusion, without apex: models/linear.py accumulate_wgrad)
     # instead of a bf16 gradient that DDP's hook then adds in a second pass; trainable roles, the
@@ -341,7 +346,9 @@ class RewardConfig:
     # then the wait. For a rule reward alone: not with reward.model_path (a device pass),
     # dynamic sampling or rollout.partial (each needs the scores before the step goes on); the
     # rule runs off the main thread, so one that installs signal handlers (signal.alarm
-    # timeouts) raises there
+    # timeouts) raises there. It pays for rules that wait (a sandbox, a remote judge: the wait
+    # releases the GIL); a rule that computes in Python holds the GIL, and the main thread's
+    # work between the stages waits for it instead (no gain on the GSM8K step; docs/perf_log.md)
     launch_reward_fn_async: bool = False
 
 
