@@ -19,7 +19,7 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
            by default where the tail runs the decode kernels (auto), so `nospec` is its A/B
   reward_async  the rule reward scored on a worker thread behind the reference pass
            (reward.launch_reward_fn_async)
-  norm_compiled / norm_liger / norm_torch  the RMSNorms' kernel (parallel.norm_kernel)
+  norm_compiled  the RMSNorms compiled (parallel.norm_kernel=compiled)
   tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter; tool results fed
            through the decode step, each step launched before the last is read: the defaults)
   tools_fed  the same without lookahead (rollout.multi_turn.lookahead=false)
@@ -69,9 +69,7 @@ VARIANTS = {
     "nospec": "rollout.speculative.enable=false",
     "varlen": "algo.packed_attention=varlen",
     "reward_async": "reward.launch_reward_fn_async=true",
-    "norm_torch": "parallel.norm_kernel=torch",
     "norm_compiled": "parallel.norm_kernel=compiled",
-    "norm_liger": "parallel.norm_kernel=liger",
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
     "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.lookahead=false",
     "tools_held": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.append=prefill",

@@ -18,7 +18,7 @@ from typing import Optional
 from hybridflow.model_config import ModelConfig  # the model group's schema, with its derived counts
 
 CONF_PACKAGE = "hybridflow.conf"
-NORM_KERNELS = ("torch", "compiled", "liger")  # parallel.norm_kernel (models/fused.py rms_norm)
+NORM_KERNELS = ("torch", "compiled")  # parallel.norm_kernel (models/fused.py rms_norm)
 
 
 @dataclass
@@ -42,8 +42,9 @@ class ParallelConfig:
     # hybridflow/models/fused.py. CPU runs are unchanged either way
     fused_elementwise: bool = True
     # on CUDA, the kernel of the local layer spec's RMSNorms (models/fused.py rms_norm): torch
-    # (F.rms_norm), compiled (torch.compile of the formula) or liger (liger-kernel's Triton
-    # RMSNorm, when installed). CPU runs use torch's either way
+    # (F.rms_norm) or compiled (torch.compile of the same formula, forward and backward written
+    # by inductor; an A/B option until its kernels are timed apart from its host time,
+    # docs/perf_log.md). CPU runs use torch's either way
     norm_kernel: str = "torch"
     # the decoder layers' weight gradients added into DDP's fp32 main_grad by their backward GEMM
     # (Megatron's gradient_accumulation_fusion, without apex: models/linear.py accumulate_wgrad)

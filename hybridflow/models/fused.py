@@ -20,9 +20,8 @@ transformer-engine, where installed, has its own fused RoPE and SwiGLU (its laye
 parallel.norm_kernel: the local spec's RMSNorms (models/build.py TorchRMSNorm) on CUDA tensors.
 `torch` is `F.rms_norm` (`aten::_fused_rms_norm`; its backward reduces the weight gradient in a
 kernel of its own); `compiled` is the same formula through torch.compile (inductor writes the
-forward and a backward that reduces dx and dw from one read of x and dy); `liger` is liger-kernel's
-Triton RMSNorm (Llama casting: x * rstd rounded to the input dtype before the weight, as Hugging
-Face's Qwen2 / Llama norms do). benchmarks/bench_norm.py times them.
+forward and the backward, dx and dw from one read of x and dy). benchmarks/bench_norm.py times
+them alone, bench_packed_pass.py --norm-kernels in the GSM8K step's passes.
 """
 
 from __future__ import annotations
@@ -99,11 +98,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None,
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
     if kernel == "compiled":
         return _compiled_rms_norm()(x, weight, eps)
-    if kernel == "liger":
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-        # offset 0, Llama casting, dx in a buffer of its own (dy may be read again: residuals)
-        return LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama", False)
     raise ValueError(f"parallel.norm_kernel={kernel!r}: expected one of {NORM_KERNELS}")
 
 

@@ -1,7 +1,7 @@
 """parallel.norm_kernel on a GPU (hybridflow/models/fused.py rms_norm): the training model with
-its RMSNorms run by the compiled formula or by liger-kernel (when installed) gives torch's
-log-probs and gradients within bf16 rounding, at two sequence lengths (dynamic shapes), in
-training and under no_grad; the kernels alone match an fp32 reference as closely as torch's."""
+its RMSNorms run by the compiled formula gives torch's log-probs and gradients within bf16
+rounding, at two sequence lengths (dynamic shapes), in training and under no_grad; the kernel
+alone matches an fp32 reference as closely as torch's."""
 
 import pytest
 import torch
@@ -16,16 +16,6 @@ CFG = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=384, num_attent
                   num_query_groups=2, vocab_size=100, add_qkv_bias=True)
 
 
-def _kernels():
-    out = ["compiled"]
-    try:
-        import liger_kernel  # noqa: F401
-        out.append("liger")
-    except ImportError:
-        pass
-    return out
-
-
 def _step(model, ids):
     from hybridflow.models.logprob import vocab_parallel_logprobs
 
@@ -38,8 +28,7 @@ def _step(model, ids):
     return lp.detach(), {n: p.grad.float().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("kernel", _kernels())
-def test_model_equals_torchs_norm(single_rank_ctx, kernel):
+def test_model_equals_torchs_norm(single_rank_ctx, kernel="compiled"):
     from hybridflow.models.build import build_model
 
     torch.manual_seed(0)
@@ -63,8 +52,7 @@ def test_model_equals_torchs_norm(single_rank_ctx, kernel):
                                        plain(ids, pos, None).float(), rtol=3e-2, atol=3e-2)
 
 
-@pytest.mark.parametrize("kernel", _kernels())
-def test_kernel_as_close_to_fp32_as_torchs(kernel):
+def test_kernel_as_close_to_fp32_as_torchs(kernel="compiled"):
     from hybridflow.models.fused import rms_norm
 
     g = torch.Generator(device="cuda").manual_seed(2)
