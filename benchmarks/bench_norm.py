@@ -22,37 +22,20 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_sampler import eager_us  # noqa: E402
 from run_record import command, machine, versions, write_json  # noqa: E402
 
 from hybridflow.models.fused import NORM_KERNELS, rms_norm  # noqa: E402
 
 
 def per_call_us(fn, device, reps: int, trials: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(trials):
-        if device.type != "cuda":
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e6 / reps)
-            continue
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
+    """Median over `trials` of bench_sampler.eager_us: `reps` calls between two CUDA events."""
+    return statistics.median(eager_us(fn, device, reps) for _ in range(trials))
 
 
 def kernel_us(fn, reps: int) -> float | None:
