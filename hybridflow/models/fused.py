@@ -88,6 +88,7 @@ class _RopeTables:
 
 _TABLES = _RopeTables()
 
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None,
              kernel: str = "torch") -> torch.Tensor:
     """RMSNorm of x's last dimension times `weight`, by `kernel` (one of NORM_KERNELS); eps None:
