@@ -19,6 +19,8 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
            by default where the tail runs the decode kernels (auto), so `nospec` is its A/B
   reward_async  the rule reward scored on a worker thread behind the reference pass
            (reward.launch_reward_fn_async)
+  reward_in_pass  the rule reward scored on the main thread inside the reference pass, while
+           the device works through its launched kernels (reward.score_in_pass)
   norm_compiled  the RMSNorms compiled (parallel.norm_kernel=compiled)
   tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter; tool results fed
            through the decode step, each step launched before the last is read: the defaults)
@@ -69,6 +71,7 @@ VARIANTS = {
     "nospec": "rollout.speculative.enable=false",
     "varlen": "algo.packed_attention=varlen",
     "reward_async": "reward.launch_reward_fn_async=true",
+    "reward_in_pass": "reward.score_in_pass=true",
     "norm_compiled": "parallel.norm_kernel=compiled",
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
     "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.lookahead=false",

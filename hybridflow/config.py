@@ -351,6 +351,14 @@ class RewardConfig:
     # releases the GIL); a rule that computes in Python holds the GIL, and the main thread's
     # work between the stages waits for it instead (no gain on the GSM8K step; docs/perf_log.md)
     launch_reward_fn_async: bool = False
+    # score the rule reward on the main thread inside the step's first forward-only pass (old
+    # log-probs, reference or values): after the pass's last kernel is launched and before its
+    # result is copied back, while the device still works through the launched kernels, so a
+    # rule that computes (GSM8K's: detokenising and a regex) is hidden without a thread or the
+    # GIL. Same scores and metrics (perf/reward_in_pass_s: its host seconds; timing_s/reward:
+    # the rest, or all of it where no such pass runs, e.g. DAPO without a reference). The same
+    # limits as launch_reward_fn_async, and not with it
+    score_in_pass: bool = False
 
 
 @dataclass

@@ -444,7 +444,11 @@ def _validate_recipes(cfg: Config) -> None:
         if r.n < 2:
             raise ValueError(f"algo.dynamic_sampling.enable=true keeps prompts whose samples score "
                              f"differently: set rollout.n >= 2 (got {r.n})")
-    if cfg.reward.launch_reward_fn_async:
+    deferred = [k for k in ("launch_reward_fn_async", "score_in_pass") if getattr(cfg.reward, k)]
+    if len(deferred) == 2:
+        raise ValueError("reward.launch_reward_fn_async=true and reward.score_in_pass=true: the "
+                         "rule is scored on a worker thread or inside a pass, not both; set one")
+    if deferred:
         why = ("reward.model_path is set (the reward model is a device pass)"
                if cfg.reward.model_path is not None else
                "reward.fn is null" if cfg.reward.fn is None else
@@ -453,8 +457,8 @@ def _validate_recipes(cfg: Config) -> None:
                "rollout.partial.enable=true (it scores each group as it completes)"
                if cfg.rollout.partial.enable else None)
         if why:
-            raise ValueError(f"reward.launch_reward_fn_async=true scores a rule reward while the "
-                             f"step's passes run; here {why}: set it false")
+            raise ValueError(f"reward.{deferred[0]}=true scores a rule reward while the step's "
+                             f"passes run; here {why}: set it false")
     ob = cfg.reward.overlong_buffer
     if ob.enable:
         if not 0 < ob.len < r.max_new_tokens:

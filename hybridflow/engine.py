@@ -604,19 +604,24 @@ class Engine:
     # `pack`: each of them run as one packed row (see the module docstring)
     def compute_logprobs(self, batch: RolloutBatch, *, micro_batch_size: int,
                          temperature: float = 1.0, max_tokens: Optional[int] = None,
-                         pack: bool = False, replay: bool = True) -> torch.Tensor:
-        """`replay` (with router_replay on): route by the batch's recorded experts, if any."""
+                         pack: bool = False, replay: bool = True,
+                         host_work: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """`replay` (with router_replay on): route by the batch's recorded experts, if any.
+        `host_work`: run on this thread once the pass is launched, while the device still works
+        through it (before its result is copied to the host)."""
         out, rows = self._run(batch, micro_batch_size=micro_batch_size, forward_only=True,
                               loss_fn=None, temperature=temperature, need_entropy=False,
                               max_tokens=max_tokens, pack=pack, replay=replay)
-        return self._from_last_stage(out, "logprobs", batch, rows)
+        return self._from_last_stage(out, "logprobs", batch, rows, host_work=host_work)
 
     def compute_values(self, batch: RolloutBatch, *, micro_batch_size: int,
-                       max_tokens: Optional[int] = None, pack: bool = False) -> torch.Tensor:
+                       max_tokens: Optional[int] = None, pack: bool = False,
+                       host_work: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """`host_work`: as compute_logprobs'."""
         out, rows = self._run(batch, micro_batch_size=micro_batch_size, forward_only=True,
                               loss_fn=None, temperature=1.0, need_entropy=False,
                               max_tokens=max_tokens, pack=pack)
-        return self._from_last_stage(out, "values", batch, rows)
+        return self._from_last_stage(out, "values", batch, rows, host_work=host_work)
 
     def compute_scores(self, batch: RolloutBatch, *, micro_batch_size: int,
                        max_tokens: Optional[int] = None, pack: bool = False) -> torch.Tensor:
@@ -698,10 +703,12 @@ class Engine:
         return bool(flag.item())
 
     def _from_last_stage(self, outs: list, key: str, batch: RolloutBatch,
-                         rows: Optional[torch.Tensor]) -> torch.Tensor:
+                         rows: Optional[torch.Tensor],
+                         host_work: Optional[Callable[[], None]] = None) -> torch.Tensor:
         """Per-micro-batch results (b, R_mb) as one (B, R) tensor in the batch's row order (`rows`:
         see `_micro_batches`), broadcast from the last PP stage. Columns a micro-batch did not
-        compute (past its own longest response) are 0: padding, masked by every consumer."""
+        compute (past its own longest response) are 0: padding, masked by every consumer.
+        `host_work` runs after the last launch and before the copy to the host, which waits."""
         width = batch.response_ids.shape[1]
         ctx = self.ctx
         if ctx.is_pp_last_stage:
@@ -714,6 +721,8 @@ class Engine:
             t = torch.empty((batch.batch_size, width), dtype=torch.float32, device=self.device)
         if ctx.pp_size > 1:
             dist.broadcast(t, src=ctx.pp_last_rank, group=ctx.pp_group)
+        if host_work is not None:
+            host_work()
         return t.cpu()
 
 

@@ -193,11 +193,15 @@ class Trainer:
                 reward_metrics.update(balance_metrics)
             batch = batch.trimmed()
             fwd = micro_batching(cfg.algo, forward=True)
+            # reward.score_in_pass: the rule scored here while the device runs the first
+            # forward-only pass below (handed to it as host work; else before the advantages)
+            in_pass = iter([pending.run] if pending is not None and pending.deferred else [])
             replay_metrics = {}
             if not skip_old:
                 with timer("old_log_prob"):
                     batch.old_logprobs = self.actor.compute_logprobs(
-                        batch, temperature=self.temperature, **fwd)
+                        batch, temperature=self.temperature, host_work=next(in_pass, None),
+                        **fwd)
                 # actor.router_replay: routing decisions replay changed (pi_old's weights are
                 # the rollout's: the generation/training router mismatch itself)
                 replay_metrics = self.actor.replay_metrics("moe/router_mismatch_frac")
@@ -208,7 +212,8 @@ class Trainer:
                     if cfg.trainer.offload_ref:
                         self.ref.onload()
                     batch.ref_logprobs = self.ref.compute_logprobs(
-                        batch, temperature=self.temperature, **fwd)
+                        batch, temperature=self.temperature, host_work=next(in_pass, None),
+                        **fwd)
                     if cfg.trainer.offload_ref:
                         self.ref.offload()
             if "critic" in away:
@@ -217,7 +222,8 @@ class Trainer:
                 self.actor.params_to_device(prefetch=True)
             if self.critic is not None:
                 with timer("values"):
-                    batch.values = self.critic.compute_values(batch, **fwd)
+                    batch.values = self.critic.compute_values(
+                        batch, host_work=next(in_pass, None), **fwd)
             if pending is not None:
                 reward_metrics = self.scores_ready(batch, pending, timer)
             with timer("adv"):
@@ -266,8 +272,8 @@ class Trainer:
     def generate_and_score(self, timer) -> tuple[RolloutBatch, dict]:
         """New prompts -> gen -> reward; with dynamic sampling, rounds of that until the step holds
         data.prompts_per_step informative groups; then the overlong penalty (DAPO). With
-        reward.launch_reward_fn_async the reward metrics are a PendingScores: scores_ready puts
-        the scores on the batch later."""
+        reward.launch_reward_fn_async or reward.score_in_pass the reward metrics are a
+        PendingScores: scores_ready puts the scores on the batch later."""
         cfg, rounds = self.cfg, itertools.count()
         ds = cfg.algo.dynamic_sampling
 
@@ -276,6 +282,8 @@ class Trainer:
             batch = self.rollout.generate(items, step=self.step, round_index=next(rounds), timer=timer)
             if cfg.reward.launch_reward_fn_async:  # scored behind the passes (scores_ready)
                 return batch, self.rollout.score_async(items, batch)
+            if cfg.reward.score_in_pass:  # scored inside the first forward-only pass
+                return batch, self.rollout.score_deferred(items, batch)
             with timer("reward"):
                 batch.scores, metrics = self.rollout.score(items, batch)
             return batch, metrics
@@ -303,9 +311,10 @@ class Trainer:
         return batch, self.overlong(batch, metrics)
 
     def scores_ready(self, batch: RolloutBatch, pending, timer) -> dict:
-        """reward.launch_reward_fn_async: wait for the step's rule scores (timing_s/reward: the
-        wait) and put them, with the overlong penalty, on `batch` (the step's rows in the order
-        they were generated); returns the reward metrics."""
+        """reward.launch_reward_fn_async / score_in_pass: wait for the step's rule scores, or
+        score them if no pass did (timing_s/reward: that time), and put them, with the overlong
+        penalty, on `batch` (the step's rows in the order they were generated); returns the
+        reward metrics."""
         with timer("reward"):
             batch.scores, metrics = pending.result()
         return self.overlong(batch, metrics)

@@ -16,6 +16,7 @@ whole response text, tool results included, and the turn/tool metrics join the r
 from __future__ import annotations
 
 import dataclasses
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 
@@ -267,6 +268,12 @@ class RolloutStage:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         return PendingScores(self, batch, self._pool.submit(self.rule_scores, items, batch))
 
+    def score_deferred(self, items, batch: RolloutBatch) -> "PendingScores":
+        """reward.score_in_pass: the rule reward of `batch` scored on the calling thread when its
+        `run()` is called (the trainer hands it to the next forward-only pass as host work);
+        `.result()` runs it if nothing did and returns score()'s value."""
+        return PendingScores(self, batch, lambda: self.rule_scores(items, batch))
+
     def finish_scores(self, batch: RolloutBatch, scores: torch.Tensor,
                       metrics: dict) -> tuple[torch.Tensor, dict]:
         """The reward model's scores added to the rule's, the rollout's turn metrics, and every
@@ -322,12 +329,30 @@ class RolloutStage:
 
 
 class PendingScores:
-    """A step's rule reward being scored on the stage's worker thread (RolloutStage.score_async):
-    `result()` waits for it, then finishes it as score() does (on the calling thread)."""
+    """A step's rule reward not on its batch yet: scored on the stage's worker thread
+    (RolloutStage.score_async: `work` is a Future) or on the thread that calls `run()`
+    (score_deferred: `work` is the call). `result()` waits for it, or runs it, then finishes it
+    as score() does (on the calling thread); a deferred one's host seconds are the metric
+    perf/reward_in_pass_s."""
 
-    def __init__(self, stage: "RolloutStage", batch: RolloutBatch, future: Future):
-        self.stage, self.batch, self.future = stage, batch, future
+    def __init__(self, stage: "RolloutStage", batch: RolloutBatch, work):
+        self.stage, self.batch, self.work = stage, batch, work
+        self.scored = None  # a deferred one's (scores, metrics) once run
+
+    @property
+    def deferred(self) -> bool:
+        return not isinstance(self.work, Future)
+
+    def run(self) -> None:
+        if self.deferred and self.scored is None:
+            t0 = time.perf_counter()
+            scores, metrics = self.work()
+            self.scored = scores, {**metrics, "perf/reward_in_pass_s": time.perf_counter() - t0}
 
     def result(self) -> tuple[torch.Tensor, dict]:
-        scores, metrics = self.future.result()
+        if self.deferred:
+            self.run()
+            scores, metrics = self.scored
+        else:
+            scores, metrics = self.work.result()
         return self.stage.finish_scores(self.batch, scores, metrics)

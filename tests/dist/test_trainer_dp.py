@@ -84,10 +84,21 @@ def one_step(algo, out_dir, extra=()):
         return batch, m
 
     trainer.compute_advantages = spy
+    handed = []  # the forward-only passes that got host work (reward.score_in_pass)
+    for name, engine in (("actor", trainer.actor), ("ref", trainer.ref),
+                         ("critic", trainer.critic)):
+        if engine is not None:
+            for method in ("compute_logprobs", "compute_values"):
+                def wrapped(*a, _f=getattr(engine, method), _n=name, host_work=None, **kw):
+                    if host_work is not None:
+                        handed.append(_n)
+                    return _f(*a, host_work=host_work, **kw)
+                setattr(engine, method, wrapped)
     metrics = trainer.train_step()
     weights = {name: p.detach().clone() for name, p in trainer.actor.module.named_parameters()}
     return {"metrics": metrics, "weights": weights, "step_lengths": trainer.step_lengths,
-            "reward_thread": trainer.rollout._pool is not None, **captured}
+            "reward_thread": trainer.rollout._pool is not None, "handed": handed,
+            "in_pass_s": metrics.get("perf/reward_in_pass_s"), **captured}
 
 
 DYNAMIC_BSZ = ("algo.use_dynamic_bsz=true", "algo.max_tokens_per_micro_batch_per_gpu=80",
@@ -95,7 +106,9 @@ DYNAMIC_BSZ = ("algo.use_dynamic_bsz=true", "algo.max_tokens_per_micro_batch_per
 # case: (algo, the DP=2 run's extra overrides); the DP=1 reference of each algo has none
 CASES = {"ppo": ("ppo", ()), "grpo": ("grpo", ()), "ppo_dynamic_bsz": ("ppo", DYNAMIC_BSZ),
          "ppo_packed": ("ppo", DYNAMIC_BSZ + ("algo.pack_sequences=true",)),
-         "grpo_async_reward": ("grpo", ("reward.launch_reward_fn_async=true",))}
+         "grpo_async_reward": ("grpo", ("reward.launch_reward_fn_async=true",)),
+         "grpo_in_pass_reward": ("grpo", ("reward.score_in_pass=true",)),
+         "ppo_in_pass_reward": ("ppo", ("reward.score_in_pass=true",))}
 
 
 def steps(runs: dict, out_dir: str) -> dict:
@@ -119,7 +132,8 @@ def test_step_at_dp2_equals_dp1(case, dp_runs):
     values, critic and actor updates) against DP=1 with fixed micro-batches; ppo_packed: the same
     budgets, each micro-batch run as one packed row (algo.pack_sequences); grpo_async_reward: the
     rule reward scored on a worker thread while the reference pass runs (the same scores:
-    critic/score/mean and the advantages)."""
+    critic/score/mean and the advantages); *_in_pass_reward: scored on the main thread as the
+    host work of the step's first forward-only pass (the old log-probs', else the reference's)."""
     ref, dp2 = dp_runs[0][CASES[case][0]], [rank[case] for rank in dp_runs[1]]
     # every DP rank holds its contiguous half of the global batch's rows
     for key in ("advantages", "returns"):
@@ -129,7 +143,12 @@ def test_step_at_dp2_equals_dp1(case, dp_runs):
         assert torch.allclose(got, ref[key], atol=1e-5), key
     assert ref["advantages"].abs().sum() > 0  # a real signal was compared
     assert all(d["reward_thread"] == case.endswith("async_reward") for d in dp2)
-    assert not ref["reward_thread"]
+    assert not ref["reward_thread"] and not ref["handed"] and ref["in_pass_s"] is None
+    for d in dp2:  # the step's first forward-only pass: old log-probs, else the reference's
+        first = "actor" if not d["metrics"]["actor/old_log_prob_skipped"] else "ref"
+    in_pass = case.endswith("in_pass_reward")
+    assert all(d["handed"] == ([first] if in_pass else []) for d in dp2)
+    assert all((d["in_pass_s"] is not None and d["in_pass_s"] > 0) == in_pass for d in dp2)
     # rollout_lengths.jsonl's row of the step: every row of the global batch, on every rank
     assert len(ref["step_lengths"]) == 32 and all(d["step_lengths"] == ref["step_lengths"]
                                                   for d in dp2)

@@ -27,3 +27,28 @@ def test_a_forward_only_pass_does_not_read_its_logits_for_the_placeholder_loss(s
     with WholeSums():
         logprobs = eng.compute_logprobs(_global_batch(), micro_batch_size=4)
     assert WholeSums.seen == 0 and torch.isfinite(logprobs).all()
+
+
+def test_host_work_runs_once_after_the_pass_is_launched(single_rank_ctx, monkeypatch):
+    """compute_logprobs / compute_values' `host_work` (reward.score_in_pass) runs once, after
+    the pass's schedule returned and before the result is copied to the host, and changes
+    nothing the pass returns."""
+    from hybridflow.config import ModelConfig, ParallelConfig
+    from hybridflow.engine import Engine
+    from tests.dist.test_parallel_parity import _global_batch
+
+    model = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                        num_query_groups=2, vocab_size=50)
+    batch = _global_batch()
+    for role, method in (("ref", "compute_logprobs"), ("critic", "compute_values")):
+        eng = Engine(role=role, model_cfg=model, ctx=single_rank_ctx, parallel=ParallelConfig(),
+                     precision="fp32")
+        events = []
+        run = eng._run
+        monkeypatch.setattr(eng, "_run", lambda *a, **kw: (events.append("pass"), run(*a, **kw))[1])
+        plain = getattr(eng, method)(batch, micro_batch_size=4)
+        events.clear()
+        got = getattr(eng, method)(batch, micro_batch_size=4,
+                                   host_work=lambda: events.append("host work"))
+        assert events == ["pass", "host work"], (role, events)
+        assert torch.equal(got, plain) and got.device.type == "cpu"

@@ -57,6 +57,12 @@ def test_published_defaults():
      r"reward.launch_reward_fn_async=true .*reward.model_path is set"),
     (["reward.launch_reward_fn_async=true", "rollout.partial.enable=true"],
      r"reward.launch_reward_fn_async=true .*rollout.partial.enable=true"),
+    (["reward.score_in_pass=true", "reward.model_path=/rm"],
+     r"reward.score_in_pass=true .*reward.model_path is set"),
+    (["reward.score_in_pass=true", "algo=dapo", "reward.overlong_buffer.len=2"],
+     r"reward.score_in_pass=true .*algo.dynamic_sampling.enable=true"),
+    (["reward.score_in_pass=true", "reward.launch_reward_fn_async=true"],
+     r"worker thread or inside a pass, not both"),
 ])
 def test_bad_values_name_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):
