@@ -23,6 +23,7 @@ from contextlib import ExitStack
 import torch
 import torch.distributed as dist
 
+from hybridflow import watchdog
 from hybridflow.config import Config, micro_batching
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.parallel.context import ParallelContext
@@ -346,7 +347,8 @@ class PendingScores:
     def run(self) -> None:
         if self.deferred and self.scored is None:
             t0 = time.perf_counter()
-            scores, metrics = self.work()
+            with watchdog.stage("reward"):  # a failing rule names its stage, not the pass's
+                scores, metrics = self.work()
             self.scored = scores, {**metrics, "perf/reward_in_pass_s": time.perf_counter() - t0}
 
     def result(self) -> tuple[torch.Tensor, dict]:

@@ -52,3 +52,21 @@ def test_host_work_runs_once_after_the_pass_is_launched(single_rank_ctx, monkeyp
                                    host_work=lambda: events.append("host work"))
         assert events == ["pass", "host work"], (role, events)
         assert torch.equal(got, plain) and got.device.type == "cpu"
+
+
+def test_a_failing_rule_in_a_pass_names_the_reward_stage():
+    """reward.score_in_pass: a rule that raises inside the reference pass's host work is reported
+    as the reward stage's failure (hybridflow.watchdog), not the pass's."""
+    import pytest
+
+    from hybridflow import watchdog
+    from hybridflow.rollout.stage import PendingScores
+
+    def rule():
+        raise ZeroDivisionError("the rule's own bug")
+
+    pending = PendingScores(stage=None, batch=None, work=rule)
+    with pytest.raises(ZeroDivisionError) as err:
+        with watchdog.stage("ref"):
+            pending.run()
+    assert err.value.hybridflow_stage[0] == "reward"
