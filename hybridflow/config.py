@@ -355,9 +355,9 @@ class RewardConfig:
     # log-probs, reference or values): after the pass's last kernel is launched and before its
     # result is copied back, while the device still works through the launched kernels, so a
     # rule that computes (GSM8K's: detokenising and a regex) is hidden without a thread or the
-    # GIL. Same scores and metrics (perf/reward_in_pass_s: its host seconds; timing_s/reward:
-    # the rest, or all of it where no such pass runs, e.g. DAPO without a reference). The same
-    # limits as launch_reward_fn_async, and not with it
+    # GIL. Same scores and metrics (perf/reward_in_pass_s: its host seconds in the pass;
+    # where no such pass runs, no reference model and the old log-probs skipped, it is scored
+    # before the advantages, timing_s/reward). The same limits as launch_reward_fn_async, and not with it
     score_in_pass: bool = False
 
 

@@ -333,8 +333,8 @@ class PendingScores:
     """A step's rule reward not on its batch yet: scored on the stage's worker thread
     (RolloutStage.score_async: `work` is a Future) or on the thread that calls `run()`
     (score_deferred: `work` is the call). `result()` waits for it, or runs it, then finishes it
-    as score() does (on the calling thread); a deferred one's host seconds are the metric
-    perf/reward_in_pass_s."""
+    as score() does (on the calling thread); the host seconds of a deferred one that `run()`
+    scored (inside a pass) are the metric perf/reward_in_pass_s."""
 
     def __init__(self, stage: "RolloutStage", batch: RolloutBatch, work):
         self.stage, self.batch, self.work = stage, batch, work
@@ -353,8 +353,7 @@ class PendingScores:
 
     def result(self) -> tuple[torch.Tensor, dict]:
         if self.deferred:
-            self.run()
-            scores, metrics = self.scored
+            scores, metrics = self.scored if self.scored is not None else self.work()
         else:
             scores, metrics = self.work.result()
         return self.stage.finish_scores(self.batch, scores, metrics)

@@ -21,6 +21,7 @@ from tests.dist.launcher import run_ranks
 OVERRIDES = {
     "ppo": ["algo=ppo", "algo.use_kl_in_reward=true", "algo.kl_coef=0.05"],
     "grpo": ["algo=grpo", "algo.use_kl_loss=true", "algo.kl_loss_coef=0.1"],
+    "grpo_no_kl": ["algo=grpo", "algo.use_kl_loss=false"],
 }
 
 
@@ -98,6 +99,7 @@ def one_step(algo, out_dir, extra=()):
     weights = {name: p.detach().clone() for name, p in trainer.actor.module.named_parameters()}
     return {"metrics": metrics, "weights": weights, "step_lengths": trainer.step_lengths,
             "reward_thread": trainer.rollout._pool is not None, "handed": handed,
+            "has_ref": trainer.ref is not None,
             "in_pass_s": metrics.get("perf/reward_in_pass_s"), **captured}
 
 
@@ -108,7 +110,8 @@ CASES = {"ppo": ("ppo", ()), "grpo": ("grpo", ()), "ppo_dynamic_bsz": ("ppo", DY
          "ppo_packed": ("ppo", DYNAMIC_BSZ + ("algo.pack_sequences=true",)),
          "grpo_async_reward": ("grpo", ("reward.launch_reward_fn_async=true",)),
          "grpo_in_pass_reward": ("grpo", ("reward.score_in_pass=true",)),
-         "ppo_in_pass_reward": ("ppo", ("reward.score_in_pass=true",))}
+         "ppo_in_pass_reward": ("ppo", ("reward.score_in_pass=true",)),
+         "grpo_no_kl_in_pass_reward": ("grpo_no_kl", ("reward.score_in_pass=true",))}
 
 
 def steps(runs: dict, out_dir: str) -> dict:
@@ -133,7 +136,8 @@ def test_step_at_dp2_equals_dp1(case, dp_runs):
     budgets, each micro-batch run as one packed row (algo.pack_sequences); grpo_async_reward: the
     rule reward scored on a worker thread while the reference pass runs (the same scores:
     critic/score/mean and the advantages); *_in_pass_reward: scored on the main thread as the
-    host work of the step's first forward-only pass (the old log-probs', else the reference's)."""
+    host work of the step's first forward-only pass (the old log-probs', else the reference's;
+    GRPO without KL has neither: scored before the advantages)."""
     ref, dp2 = dp_runs[0][CASES[case][0]], [rank[case] for rank in dp_runs[1]]
     # every DP rank holds its contiguous half of the global batch's rows
     for key in ("advantages", "returns"):
@@ -145,10 +149,11 @@ def test_step_at_dp2_equals_dp1(case, dp_runs):
     assert all(d["reward_thread"] == case.endswith("async_reward") for d in dp2)
     assert not ref["reward_thread"] and not ref["handed"] and ref["in_pass_s"] is None
     for d in dp2:  # the step's first forward-only pass: old log-probs, else the reference's
-        first = "actor" if not d["metrics"]["actor/old_log_prob_skipped"] else "ref"
-    in_pass = case.endswith("in_pass_reward")
-    assert all(d["handed"] == ([first] if in_pass else []) for d in dp2)
-    assert all((d["in_pass_s"] is not None and d["in_pass_s"] > 0) == in_pass for d in dp2)
+        first = ("actor" if not d["metrics"]["actor/old_log_prob_skipped"] else
+                 "ref" if d["has_ref"] else None)  # none: scored before the advantages
+        in_pass = case.endswith("in_pass_reward") and first is not None
+        assert d["handed"] == ([first] if in_pass else [])
+        assert (d["in_pass_s"] is not None and d["in_pass_s"] > 0) == in_pass
     # rollout_lengths.jsonl's row of the step: every row of the global batch, on every rank
     assert len(ref["step_lengths"]) == 32 and all(d["step_lengths"] == ref["step_lengths"]
                                                   for d in dp2)
