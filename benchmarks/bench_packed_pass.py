@@ -172,7 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="packed,packed_varlen,budget,equal")
     ap.add_argument("--norm-kernels", default="torch",
                     help="parallel.norm_kernel values, comma-separated: each variant runs with "
-                         "each (results named VARIANT+KERNEL when more than one)")
+                         "each, in that order (results named VARIANT+KERNEL when more than one; "
+                         "a kernel named again, e.g. torch,compiled,compiled,torch for both "
+                         "orders, runs again as VARIANT+KERNEL#2)")
     ap.add_argument("--profile", action="store_true", help="top CUDA kernels of the packed passes")
     ap.add_argument("--timeline", action="store_true",
                     help="the packed passes traced: the GPU's idle time by the engine's stage and by "
@@ -231,6 +233,8 @@ def main(argv=None) -> int:
     norms = a.norm_kernels.split(",")
     for variant, norm in itertools.product(a.variants.split(","), norms):
         name = variant if len(norms) == 1 else f"{variant}+{norm}"
+        runs = sum(1 for k in results if k == name or k.startswith(name + "#"))
+        name += f"#{runs + 1}" if runs else ""
         resp = [round(statistics.fmean(lengths))] * a.rows if variant == "equal" else lengths
         # on the host, as the trainer hands it to the passes (they select, pack and copy it)
         batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size)
