@@ -8,8 +8,8 @@ Per way and shape (--rows x --hidden, bf16): us per call forward only and forwar
 (--reps calls between two CUDA events, median of --trials; back-to-back calls this small can be
 bound by the host), the device time of their kernels per call (torch.profiler), the bytes each
 must move at least (forward: read x, write y; backward: read x, dy, write dx) and the largest
-difference of y, dx and dw from an fp32 reference. JSON after every shape (benchmarks/run_record.py: machine, versions,
-command; written atomically).
+difference of y, dx and dw from an fp32 reference. JSON after every shape
+(benchmarks/run_record.py: machine, versions, command; written atomically).
 
     python benchmarks/bench_norm.py --out benchmarks/results/norm_h100.json
     python benchmarks/bench_norm.py --device cpu --rows 64 --hidden 32 --ways torch compiled \\
@@ -31,6 +31,7 @@ from bench_sampler import eager_us  # noqa: E402
 from run_record import command, machine, versions, write_json  # noqa: E402
 
 from hybridflow.models.fused import NORM_KERNELS, rms_norm  # noqa: E402
+from hybridflow.profiling import kernel_launches  # noqa: E402
 
 
 def per_call_us(fn, device, reps: int, trials: int) -> float:
@@ -38,20 +39,19 @@ def per_call_us(fn, device, reps: int, trials: int) -> float:
     return statistics.median(eager_us(fn, device, reps) for _ in range(trials))
 
 
-def kernel_us(fn, reps: int) -> float | None:
-    """The device time of one call's kernels (torch.profiler, summed over --reps calls): what the
-    call costs a GPU-bound pass, without the host time that binds back-to-back small calls."""
-    if not torch.cuda.is_available():
-        return None
+def kernel_us(fn, reps: int) -> float:
+    """The device time of one call's kernels (torch.profiler, summed over --reps calls;
+    hybridflow.profiling.kernel_launches): what the call costs a GPU-bound pass, without the
+    host time that binds back-to-back small calls. CUDA only."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / reps
+    return sum(end - start for start, end, *_ in kernel_launches(prof)) / reps
 
 
 def reference(x, w, dy, eps):
