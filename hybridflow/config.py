@@ -132,6 +132,11 @@ class DecodeKernelOptions:
     # torch.compile backend and mode of rollout.compile_decode (CPU tests: aot_eager)
     compile_backend: str = "inductor"
     compile_mode: Optional[str] = None
+    # each prefill sub-batch's width rounded up to a multiple of this many columns (more left
+    # padding, masked out; the same tokens and log-probs): the prefill's attention and GEMMs meet
+    # a few shapes, where each new prompt width otherwise builds a new cuDNN attention plan and
+    # loads new kernels mid-step. 1: each sub-batch at its own widest prompt
+    prefill_width_multiple: int = 1
 
 
 @dataclass

@@ -30,7 +30,8 @@ Layout of a call:
 - The prefill runs once per run of equal prompts of a chunk (a prompt's n copies, and equal
   prompts side by side; a chunk may cut a run: that prompt is prefilled in both chunks), in
   sub-batches of at most `options.prefill_tokens` tokens, each over the columns of its own widest
-  prompt (`prefill_batches`), into the cache's first rows; its K/V columns 0..P-1 are
+  prompt rounded up to `options.prefill_width_multiple` (`prefill_batches`; the prompts are
+  left-padded to room for that), into the cache's first rows; its K/V columns 0..P-1 are
   then copied to the rows of its copies and its last-column logits expanded to them, so each of the
   n rows draws its own first token from the same distribution. The first draw has the (B, V) shape
   of a per-row prefill, so the random stream, hence the output, is that of prefilling every row (up
@@ -204,6 +205,14 @@ class Generator:
             if P + R > self.cfg.max_position_embeddings:
                 raise ValueError(f"longest prompt {P} + rollout.max_new_tokens={R} exceeds model."
                                  f"max_position_embeddings={self.cfg.max_position_embeddings}")
+            # prefill_width_multiple: columns of padding on the left, room for the prefill
+            # sub-batches' rounded widths; the returned prompts leave them out again
+            lead = min(_round_up(P, opts.prefill_width_multiple),
+                       self.cfg.max_position_embeddings - R) - P
+            if lead > 0:
+                ids = torch.nn.functional.pad(ids, (lead, 0), value=pad_id)
+                mask = torch.nn.functional.pad(mask, (lead, 0))
+                P += lead
             # emulate_graphs: the graphed path's buckets and warm-ups off a GPU (tests)
             graphed = opts.cuda_graphs and (self.device.type == "cuda" or opts.emulate_graphs)
             mbs = cfg.max_batch_size
@@ -272,8 +281,8 @@ class Generator:
             if record is not None:
                 prompt_experts = torch.cat([o[2] for o in outs])
                 response_experts = torch.cat([o[3] for o in outs])[:, :width]
-        return RolloutBatch(prompt_ids=ids_p.index_select(0, prompt_of_row),
-                            prompt_mask=mask_p.index_select(0, prompt_of_row),
+        return RolloutBatch(prompt_ids=ids_p[:, lead:].index_select(0, prompt_of_row),
+                            prompt_mask=mask_p[:, lead:].index_select(0, prompt_of_row),
                             response_ids=tokens[:, :width].masked_fill(resp_mask == 0, pad_id),
                             response_mask=resp_mask, group_ids=prompt_of_row,
                             indices=prompt_of_row.clone(), rollout_logprobs=logprobs,
@@ -481,7 +490,7 @@ class Generator:
             cos, sin = self._tables
             pre = None if record is None else torch.full((U, P, *record), -1, dtype=torch.int16,
                                                          device=self.device)
-            batches = prefill_batches(lens, opts.prefill_tokens)
+            batches = prefill_batches(lens, opts.prefill_tokens, opts.prefill_width_multiple, P)
             # each sub-batch over its own widest prompt: its columns before P - width are padding
             last = torch.cat([decoder.forward(self.w, ids[r:e, P - n:], positions[r:e, P - n:],
                                               mask[r:e, P - n:].bool(), cos_tab=cos, sin_tab=sin,
@@ -555,18 +564,29 @@ def _prefill_runs(ids: np.ndarray, mask: np.ndarray) -> tuple:
     return np.flatnonzero(first), np.cumsum(first) - 1
 
 
-def prefill_batches(lengths: np.ndarray, tokens: int) -> list:
+def prefill_batches(lengths: np.ndarray, tokens: int, multiple: int = 1,
+                    limit: Optional[int] = None) -> list:
     """Consecutive prefill sub-batches (start, end, width) of prompts of `lengths`: each takes
-    prompts while their count times the widest of them stays within `tokens` (one at least)."""
+    prompts while their count times its width stays within `tokens` (one at least); a width is
+    the widest of its prompts rounded up to `multiple` columns, at most `limit` (the padded
+    prompts' width) and never below the widest prompt."""
+    def width_of(longest: int) -> int:
+        width = _round_up(longest, multiple)
+        return width if limit is None else max(longest, min(width, limit))
+
     out, r, n = [], 0, len(lengths)
     while r < n:
-        e, width = r + 1, int(lengths[r])
-        while e < n and (e + 1 - r) * max(width, int(lengths[e])) <= tokens:
-            width = max(width, int(lengths[e]))
+        e, longest = r + 1, int(lengths[r])
+        while e < n and (e + 1 - r) * width_of(max(longest, int(lengths[e]))) <= tokens:
+            longest = max(longest, int(lengths[e]))
             e += 1
-        out.append((r, e, width))
+        out.append((r, e, width_of(longest)))
         r = e
     return out
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _new_stats() -> dict:

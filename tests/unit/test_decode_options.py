@@ -20,7 +20,8 @@ def test_from_config_reads_the_rollout_keys():
                        "rollout.kernel_options.prefetch_min_rows=64",
                        "rollout.kernel_options.swiglu_gemm_min_rows=0",
                        "rollout.kernel_options.compile_backend=aot_eager",
-                       "rollout.kernel_options.own_columns_only=false"])
+                       "rollout.kernel_options.own_columns_only=false",
+                       "rollout.kernel_options.prefill_width_multiple=32"])
     o = DecodeOptions.from_config(cfg.rollout)
     assert (o.kernels, o.compile, o.kv_window, o.compact_finished_rows, o.cuda_graphs) == (
         "torch", True, 128, True, False)
@@ -28,6 +29,7 @@ def test_from_config_reads_the_rollout_keys():
         False, ("qkv", "proj", "fc1"), 64, 0)  # one order whatever the config's
     assert o.compile_backend == "aot_eager" and o.compile_mode is None
     assert not o.own_columns_only and DecodeOptions().own_columns_only
+    assert o.prefill_width_multiple == 32
     # the defaults: the config's kernel options are the options' own
     assert DecodeOptions.from_config(rc()) == DecodeOptions(kernels="auto")
     assert hash(o) != hash(o.replace(pdl=True))
@@ -41,6 +43,8 @@ def test_from_config_reads_the_rollout_keys():
     ("rollout.kernel_options.swiglu_gemm_min_rows=-8",
      "rollout.kernel_options.swiglu_gemm_min_rows"),
     ("rollout.kernel_options.compile_mode=fastest", "rollout.kernel_options.compile_mode"),
+    ("rollout.kernel_options.prefill_width_multiple=0",
+     "rollout.kernel_options.prefill_width_multiple: 0 is not a column count >= 1"),
     ("rollout.decode_kernels=cuda", "rollout.decode_kernels: 'cuda' is not one of"),
 ])
 def test_validation_names_the_key(override, match):

@@ -227,6 +227,36 @@ def test_prefill_sub_batches_over_their_own_width():
         assert_same_rows(out, whole)
 
 
+def test_prefill_batches_rounded_widths_by_hand():
+    from hybridflow.rollout.generator import prefill_batches
+
+    # widths rounded up to 4 columns, at most 9: [3] at 4 ([3, 7] at 8 would be 16 tokens), [7]
+    # at 8, [4, 2] at 4, [1] at 4 ([1, 9]: 2 x 9 > 8), [9] at 9 (the limit, not 12)
+    assert prefill_batches([3, 7, 4, 2, 1, 9], 8, 4, 9) == [(0, 1, 4), (1, 2, 8), (2, 4, 4),
+                                                            (4, 5, 4), (5, 6, 9)]
+    # the rounding counts against the budget: [2, 2, 2] at 4 is 12 > 8 tokens -> [2, 2], [2]
+    assert prefill_batches([2, 2, 2], 8, 4) == [(0, 2, 4), (2, 3, 4)]
+    assert prefill_batches([5, 3], 128, 64, 300) == [(0, 2, 64)]
+
+
+@pytest.mark.parametrize("multiple", [16, 10_000])
+def test_prefill_width_multiple_gives_the_same_rows(multiple):
+    """rollout.kernel_options.prefill_width_multiple: each prefill sub-batch over its widest prompt
+    rounded up to the multiple (capped where max_position_embeddings leaves no more room beside
+    max_new_tokens), the prompts left-padded for it: the same rows, and the returned prompts
+    without the added columns."""
+    gen = make()
+    prompts = [[7] * 40, [3, 4], [5, 6, 7], [9] * 33, [1]]
+    for temperature in (0.0, 1.0):
+        cfg = rc(n=2, temperature=temperature, max_new_tokens=10)
+        ref = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=5,
+                           options=opts(cfg, prefill_tokens=100))
+        out = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=5,
+                           options=opts(cfg, prefill_tokens=100, prefill_width_multiple=multiple))
+        assert out.prompt_ids.shape == (10, 40)
+        assert_same_rows(out, ref)
+
+
 def test_prefill_sharing_across_a_chunk_boundary():
     """n = 3, max_batch_size = 4: chunks [p0 p0 p0 p1] [p1 p1 p2 p2] [p2 p3 p3 p3] cut p1 and p2."""
     gen = make()
