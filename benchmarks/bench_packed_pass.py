@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import os
 import statistics
 import sys
@@ -170,11 +169,6 @@ def main(argv=None) -> int:
                     help="parallel.lm_head_chunk_tokens: the LM head and log-probs in chunks "
                          "(the GSM8K update at a 40,960-token budget ran with 4096)")
     ap.add_argument("--variants", default="packed,packed_varlen,budget,equal")
-    ap.add_argument("--norm-kernels", default="torch",
-                    help="parallel.norm_kernel values, comma-separated: each variant runs with "
-                         "each, in that order (results named VARIANT+KERNEL when more than one; "
-                         "a kernel named again, e.g. torch,compiled,compiled,torch for both "
-                         "orders, runs again as VARIANT+KERNEL#2)")
     ap.add_argument("--profile", action="store_true", help="top CUDA kernels of the packed passes")
     ap.add_argument("--timeline", action="store_true",
                     help="the packed passes traced: the GPU's idle time by the engine's stage and by "
@@ -210,19 +204,17 @@ def main(argv=None) -> int:
                          lm_head_chunk_tokens=a.lm_head_chunk_tokens)
     pairs = {}
 
-    def engines(kernel: str, graphs: bool = False, norm: str = "torch"):
+    def engines(kernel: str, graphs: bool = False):
         """(ref, actor) whose packed micro-batches run `kernel` (`graphs`: the actor's update as
-        CUDA graphs, parallel.train_cuda_graphs; `norm`: parallel.norm_kernel); one pair alive
-        at a time."""
-        key = (kernel, graphs, norm)
+        CUDA graphs, parallel.train_cuda_graphs); one pair alive at a time."""
+        key = (kernel, graphs)
         if key not in pairs:
             pairs.clear()
             torch.cuda.empty_cache() if cuda else None
-            fpar = dataclasses.replace(par, norm_kernel=norm)
-            apar = dataclasses.replace(fpar, train_cuda_graphs=graphs)
+            apar = dataclasses.replace(par, train_cuda_graphs=graphs)
             pairs[key] = (
-                Engine(role="ref", model_cfg=model_cfg, ctx=ctx, parallel=fpar,
-                       precision=precision, packed_attention=kernel),
+                Engine(role="ref", model_cfg=model_cfg, ctx=ctx, parallel=par, precision=precision,
+                       packed_attention=kernel),
                 Engine(role="actor", model_cfg=model_cfg, ctx=ctx, parallel=apar,
                        precision=precision, optim=OptimConfig(lr=1e-7, clip_grad=1.0),
                        total_updates=1000, packed_attention=kernel))
@@ -230,11 +222,7 @@ def main(argv=None) -> int:
 
     algo = AlgoConfig(loss_agg_mode="token-mean", use_kl_loss=True, kl_loss_coef=0.001)
     results = {}
-    norms = a.norm_kernels.split(",")
-    for variant, norm in itertools.product(a.variants.split(","), norms):
-        name = variant if len(norms) == 1 else f"{variant}+{norm}"
-        runs = sum(1 for k in results if k == name or k.startswith(name + "#"))
-        name += f"#{runs + 1}" if runs else ""
+    for variant in a.variants.split(","):
         resp = [round(statistics.fmean(lengths))] * a.rows if variant == "equal" else lengths
         # on the host, as the trainer hands it to the passes (they select, pack and copy it)
         batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size)
@@ -244,14 +232,14 @@ def main(argv=None) -> int:
             kernel = next((k for k in ("varlen", "fa4") if variant.startswith("packed_" + k)),
                           "flex")
         else:  # the unpacked variants never pack: an alive pair with an eager update serves them
-            kernel = next((k for k, graphed, n in pairs if not graphed and n == norm), "flex")
-        ref, actor = engines(kernel, graphs, norm)
+            kernel = next((k for k, graphed in pairs if not graphed), "flex")
+        ref, actor = engines(kernel, graphs)
         if pack:
             try:  # varlen where it cannot run (CPU, fp32, an older torch): recorded as skipped
                 actor.packed_kernel()
             except ValueError as e:
-                results[name] = {"skipped": str(e)}
-                print(f"{name:13s} skipped: {e}", flush=True)
+                results[variant] = {"skipped": str(e)}
+                print(f"{variant:13s} skipped: {e}", flush=True)
                 continue
         loss_fn = actor_objective(algo, num_tokens=int(batch.response_mask.sum()), num_seqs=a.rows)
 
@@ -291,9 +279,8 @@ def main(argv=None) -> int:
             st = a.timeline_stacks
             r["ref_timeline"], r["update_timeline"] = (timeline(fwd, ctx.device, stacks=st),
                                                        timeline(upd, ctx.device, stacks=st))
-        r["norm_kernel"] = norm
-        results[name] = r
-        print(f"{name:13s} ref {r['ref_median_s']:.3f} s (pred {r['predicted_s']['ref']:.3f}), "
+        results[variant] = r
+        print(f"{variant:13s} ref {r['ref_median_s']:.3f} s (pred {r['predicted_s']['ref']:.3f}), "
               f"update {r['update_median_s']:.3f} s (pred {r['predicted_s']['update_actor']:.3f}), "
               f"micro {r['ref_micro_batches']}/{r['update_micro_batches']}, "
               f"tokens {r['ref_tokens_computed']}/{r['update_tokens_computed']} "

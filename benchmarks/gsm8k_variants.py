@@ -21,7 +21,6 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
            (reward.launch_reward_fn_async)
   reward_in_pass  the rule reward scored on the main thread inside the reference pass, while
            the device works through its launched kernels (reward.score_in_pass)
-  norm_compiled  the RMSNorms compiled (parallel.norm_kernel=compiled)
   prefill_w64  prefill widths rounded up to 64 columns (rollout.kernel_options.
            prefill_width_multiple=64): a few prefill shapes instead of one per prompt width
   tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter; tool results fed
@@ -74,7 +73,6 @@ VARIANTS = {
     "varlen": "algo.packed_attention=varlen",
     "reward_async": "reward.launch_reward_fn_async=true",
     "reward_in_pass": "reward.score_in_pass=true",
-    "norm_compiled": "parallel.norm_kernel=compiled",
     "prefill_w64": "rollout.kernel_options.prefill_width_multiple=64",
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
     "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.lookahead=false",

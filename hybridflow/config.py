@@ -18,7 +18,6 @@ from typing import Optional
 from hybridflow.model_config import ModelConfig  # the model group's schema, with its derived counts
 
 CONF_PACKAGE = "hybridflow.conf"
-NORM_KERNELS = ("torch", "compiled")  # parallel.norm_kernel (models/fused.py rms_norm)
 
 
 @dataclass
@@ -41,11 +40,6 @@ class ParallelConfig:
     # own functions: its bias_activation_fusion SwiGLU keeps only fc1's output for backward);
     # hybridflow/models/fused.py. CPU runs are unchanged either way
     fused_elementwise: bool = True
-    # on CUDA, the kernel of the local layer spec's RMSNorms (models/fused.py rms_norm): torch
-    # (F.rms_norm) or compiled (torch.compile of the same formula, forward and backward written
-    # by inductor; an A/B option until its kernels are timed apart from its host time,
-    # docs/perf_log.md). CPU runs use torch's either way
-    norm_kernel: str = "torch"
     # the decoder layers' weight gradients added into DDP's fp32 main_grad by their backward GEMM
     # (Megatron's gradient_accumulation_fusion, without apex: models/linear.py accumulate_wgrad)
     # instead of a bf16 gradient that DDP's hook then adds in a second pass; trainable roles, the

@@ -6,7 +6,7 @@ mini-batch vs per-GPU micro-batches, or token budgets), and the algorithm recipe
 
 from __future__ import annotations
 
-from hybridflow.config import NORM_KERNELS, Config
+from hybridflow.config import Config
 from hybridflow.model_config import ModelConfig
 
 KERNELS = ("auto", "triton", "torch")  # rollout.decode_kernels
@@ -108,7 +108,6 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if not 0.0 <= p.train_graphs_min_fill <= 1.0:
         raise ValueError(f"parallel.train_graphs_min_fill={p.train_graphs_min_fill}: expected a "
                          "share of the token budget in [0, 1]")
-    _one_of("parallel.norm_kernel", p.norm_kernel, set(NORM_KERNELS))
     conflicts = train_graphs_conflicts(cfg) if p.train_cuda_graphs else []
     if conflicts:
         raise ValueError(conflicts[0][1])

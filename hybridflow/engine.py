@@ -126,8 +126,7 @@ class Engine:
         model = build_model(model_cfg, role=role, ctx=ctx,
                             sequence_parallel=parallel.sequence_parallel, precision=precision,
                             activation_checkpointing=parallel.activation_checkpointing,
-                            fused_elementwise=parallel.fused_elementwise,
-                            norm_kernel=parallel.norm_kernel)
+                            fused_elementwise=parallel.fused_elementwise)
         self.num_adapter_params = 0
         self.lora = lora if lora is not None and lora.rank > 0 else None
         if self.lora is not None:

@@ -32,7 +32,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hybridflow.config import ModelConfig
 from hybridflow.models.attention import SDPAttention
-from hybridflow.models.fused import rms_norm, use_fused_rope
+from hybridflow.models.fused import use_fused_rope
 from hybridflow.models.heads import ValueHead
 from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear,
                                       LeanRowParallelLinear)
@@ -103,21 +103,13 @@ def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, sequence_parallel:
 
 
 class TorchRMSNorm(torch.nn.RMSNorm):
-    """torch RMSNorm with Megatron's norm constructor signature; SP-tagged params (see module doc).
-    `kernel` (parallel.norm_kernel, set by build_model): what runs it on CUDA tensors."""
-
-    kernel = "torch"
+    """torch RMSNorm with Megatron's norm constructor signature; SP-tagged params (see module doc)."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype,
                          device="cuda" if torch.cuda.is_available() else "cpu")
         for p in self.parameters():
             setattr(p, "sequence_parallel", config.sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "torch" or not x.is_cuda:
-            return super().forward(x)
-        return rms_norm(x, self.weight, self.eps, self.kernel)
 
 
 def layer_spec(cfg: ModelConfig) -> ModuleSpec:
@@ -157,12 +149,12 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
 
 def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = False,
                 precision: str = "fp32", activation_checkpointing: bool = False,
-                fused_elementwise: bool = False, norm_kernel: str = "torch") -> GPTModel:
+                fused_elementwise: bool = False) -> GPTModel:
     """One pipeline stage of the model for `role` on this rank, in the training layout of the
     `ParallelContext` `ctx` (its groups are the model's). `activation_checkpointing`: every
     decoder layer recomputes its forward in backward (`checkpoint_layers`).
     `fused_elementwise` (parallel.fused_elementwise): RoPE and SwiGLU as fused kernels on CUDA
-    (models/fused.py). `norm_kernel` (parallel.norm_kernel): the RMSNorms' kernel on CUDA."""
+    (models/fused.py)."""
     if role not in LM_ROLES + SCALAR_ROLES:
         raise ValueError(f"role={role!r} is not one of {LM_ROLES + SCALAR_ROLES}")
     tp, pp, pp_rank = ctx.tp_size, ctx.pp_size, ctx.train.pp
@@ -199,9 +191,6 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
         model.output_layer = ValueHead(tcfg, tp_group=ctx.tp_group)
     elif post:  # batch-major logits (no transpose copies), computed where they are scored
         LeanOutputLinear.adopt(model.output_layer)  # (its `select`) under every layer spec
-    for module in model.modules():
-        if isinstance(module, TorchRMSNorm):
-            module.kernel = norm_kernel
     if activation_checkpointing:
         checkpoint_layers(model)
     return model

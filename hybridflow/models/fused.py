@@ -16,12 +16,6 @@ only, the CPU path is unchanged):
   `megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb` calls (interleaved,
   MLA and partial rotations keep Megatron's own).
 transformer-engine, where installed, has its own fused RoPE and SwiGLU (its layer spec).
-
-parallel.norm_kernel: the local spec's RMSNorms (models/build.py TorchRMSNorm) on CUDA tensors.
-`torch` is `F.rms_norm` (`aten::_fused_rms_norm`; its backward reduces the weight gradient in a
-kernel of its own); `compiled` is the same formula through torch.compile (inductor writes the
-forward and the backward, dx and dw from one read of x and dy). benchmarks/bench_norm.py times
-them alone, bench_packed_pass.py --norm-kernels in the GSM8K step's passes.
 """
 
 from __future__ import annotations
@@ -31,7 +25,6 @@ import functools
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
-from hybridflow.config import NORM_KERNELS
 from hybridflow.models.graphs import capturing
 
 _UNFUSED_ROPE = rope_utils._apply_rotary_pos_emb_bshd
@@ -87,28 +80,3 @@ class _RopeTables:
 
 
 _TABLES = _RopeTables()
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None,
-             kernel: str = "torch") -> torch.Tensor:
-    """RMSNorm of x's last dimension times `weight`, by `kernel` (one of NORM_KERNELS); eps None:
-    the dtype's machine epsilon, as torch.nn.RMSNorm."""
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
-    if kernel == "torch":
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
-    if kernel == "compiled":
-        return _compiled_rms_norm()(x, weight, eps)
-    raise ValueError(f"parallel.norm_kernel={kernel!r}: expected one of {NORM_KERNELS}")
-
-
-def _rms_norm_formula(x, weight, eps: float):
-    """torch's RMSNorm: fp32 statistics and products, one rounding to x's dtype."""
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return y.to(x.dtype)
-
-
-@functools.cache
-def _compiled_rms_norm():
-    return torch.compile(_rms_norm_formula, dynamic=True)

@@ -422,34 +422,3 @@ def test_bench_sampler_times_every_way(tmp_path):
         assert set(case["tiling_graph_us"]) == {"chunk1024_block256_warps4", "chunk1024_block512_warps4"}
         assert case["fused_lp_err"] < 1e-5 and case["speedup"] > 0
         assert math.isclose(case["read_floor_us"], case["rows"] * 1000 * 4 / 4.3e12 * 1e6)
-
-
-def test_bench_norm_times_every_way(tmp_path):
-    """The RMSNorm kernels alone on CPU: every way timed at every shape, each within rounding of
-    the fp32 reference; no kernel times without CUDA."""
-    out = tmp_path / "norm.json"
-    subprocess.run([sys.executable, "benchmarks/bench_norm.py", "--device", "cpu", "--rows", "16",
-                    "32", "--hidden", "24", "--reps", "2", "--trials", "1", "--out", str(out)],
-                   check=True, cwd=ROOT, env=ENV, capture_output=True)
-    report = json.loads(out.read_text())
-    assert report["versions"]["torch"] and not report["skipped"]
-    got = {(r["way"], r["rows"]) for r in report["results"]}
-    assert got == {(w, n) for w in ("torch", "compiled") for n in (16, 32)}
-    for r in report["results"]:
-        assert r["fwd_us"] > 0 and r["fwd_bwd_us"] > 0 and r["fwd_kernel_us"] is None
-        assert r["min_bytes_fwd_bwd"] == 5 * r["rows"] * 24 * 2
-        assert max(r["max_abs_err"].values()) < 0.05 * max(1.0, r["dw_scale"])
-
-
-def test_bench_packed_pass_norm_kernels_both_orders(tmp_path):
-    """--norm-kernels: each kernel's passes under its own name, a repeated one as #2."""
-    out = tmp_path / "pp.json"
-    subprocess.run([sys.executable, "benchmarks/bench_packed_pass.py", "--device", "cpu", "--model",
-                    "tiny", "--rows", "8", "--prompt-len", "8", "--mean", "12", "--min", "2", "--cap",
-                    "32", "--forward-budget", "256", "--budget", "128", "--iters", "1", "--variants",
-                    "packed", "--norm-kernels", "compiled,torch,torch", "--out", str(out)],
-                   check=True, cwd=ROOT, env=ENV, capture_output=True)
-    res = json.loads(out.read_text())["results"]
-    assert list(res) == ["packed+compiled", "packed+torch", "packed+torch#2"]
-    assert [r["norm_kernel"] for r in res.values()] == ["compiled", "torch", "torch"]
-    assert all(r["update_median_s"] > 0 for r in res.values())
