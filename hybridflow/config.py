@@ -356,8 +356,10 @@ class RewardConfig:
     # rule that computes (GSM8K's: detokenising and a regex) is hidden without a thread or the
     # GIL. Same scores and metrics (perf/reward_in_pass_s: its host seconds in the pass;
     # where no such pass runs, no reference model and the old log-probs skipped, it is scored
-    # before the advantages, timing_s/reward). The same limits as launch_reward_fn_async, and not with it
-    score_in_pass: bool = False
+    # before the advantages, timing_s/reward). The same limits as launch_reward_fn_async, and
+    # not with it. null (auto): on with a CUDA device wherever those limits allow
+    # (hybridflow/config_auto.py), off on CPU (where a pass has finished when its last op returns)
+    score_in_pass: Optional[bool] = None
 
 
 @dataclass

@@ -21,7 +21,10 @@ A run with no overrides is fast on a GPU and exact and simple on CPU. On a CUDA 
   a plain-dtype cache, TP_g = 1, dense layers without q/k norms);
 - `parallel.train_cuda_graphs` -> on for a LoRA update (every trained role with adapters) at
   TP = PP = 1 on a dense model, unless a setting it cannot run with is set
-  (`config_checks.train_graphs_conflicts`).
+  (`config_checks.train_graphs_conflicts`);
+- `reward.score_in_pass` -> on (the rule reward scored while the step's first forward-only pass
+  runs on the device) unless the step needs the scores first or has no rule reward
+  (`config_checks.deferred_reward_blocker`) or reward.launch_reward_fn_async is set.
 With `rollout.quantization` (fp8 / int4) or `rollout.kv_cache_dtype=fp8`, on any device:
 `rollout.return_logprobs` -> true and
 `algo.tis_imp_ratio_cap` -> 2.0 when unset (one line says so).
@@ -34,7 +37,7 @@ import dataclasses
 import math
 
 from hybridflow.config import Config
-from hybridflow.config_checks import train_graphs_conflicts, validate
+from hybridflow.config_checks import deferred_reward_blocker, train_graphs_conflicts, validate
 
 CPU_TOKEN_BUDGET = 16384  # use_dynamic_bsz=true on CPU with no budget set
 # the share of the free memory the automatic budgets may plan for: the memory model leaves out
@@ -111,6 +114,12 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
 
     if p.train_cuda_graphs is None:
         cfg = _replace(cfg, "parallel", train_cuda_graphs=_lora_update_graphs(cfg, gpu, notes))
+    if cfg.reward.score_in_pass is None:
+        why = ("reward.launch_reward_fn_async=true" if cfg.reward.launch_reward_fn_async
+               else deferred_reward_blocker(cfg))
+        cfg = _replace(cfg, "reward", score_in_pass=gpu and why is None)
+        if gpu and why and not cfg.reward.launch_reward_fn_async and cfg.reward.fn is not None:
+            notes.append(f"auto: reward.score_in_pass=false: {why}")
 
     in_place = (r.tensor_parallel_size or p.tensor_parallel_size) == p.tensor_parallel_size \
         and p.pipeline_parallel_size == 1

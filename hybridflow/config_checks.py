@@ -6,6 +6,8 @@ mini-batch vs per-GPU micro-batches, or token budgets), and the algorithm recipe
 
 from __future__ import annotations
 
+from typing import Optional
+
 from hybridflow.config import Config
 from hybridflow.model_config import ModelConfig
 
@@ -406,6 +408,18 @@ def check_token_budget(key: str, value: int, *, longest: int, how: str) -> None:
                          f"row of a step, {how} = {longest}")
 
 
+def deferred_reward_blocker(cfg: Config) -> Optional[str]:
+    """Why the rule reward cannot be scored while the step's passes run (reward.score_in_pass,
+    reward.launch_reward_fn_async), or None where it can."""
+    return ("reward.model_path is set (the reward model is a device pass)"
+            if cfg.reward.model_path is not None else
+            "reward.fn is null" if cfg.reward.fn is None else
+            "algo.dynamic_sampling.enable=true (it filters groups by their scores)"
+            if cfg.algo.dynamic_sampling.enable else
+            "rollout.partial.enable=true (it scores each group as it completes)"
+            if cfg.rollout.partial.enable else None)
+
+
 def _validate_recipes(cfg: Config) -> None:
     """Loss aggregation, clip ranges, TIS, dynamic sampling and overlong shaping (DAPO, GSPO, Dr.GRPO)."""
     from hybridflow.algo import AGG_MODES
@@ -448,13 +462,7 @@ def _validate_recipes(cfg: Config) -> None:
         raise ValueError("reward.launch_reward_fn_async=true and reward.score_in_pass=true: the "
                          "rule is scored on a worker thread or inside a pass, not both; set one")
     if deferred:
-        why = ("reward.model_path is set (the reward model is a device pass)"
-               if cfg.reward.model_path is not None else
-               "reward.fn is null" if cfg.reward.fn is None else
-               "algo.dynamic_sampling.enable=true (it filters groups by their scores)"
-               if cfg.algo.dynamic_sampling.enable else
-               "rollout.partial.enable=true (it scores each group as it completes)"
-               if cfg.rollout.partial.enable else None)
+        why = deferred_reward_blocker(cfg)
         if why:
             raise ValueError(f"reward.{deferred[0]}=true scores a rule reward while the step's "
                              f"passes run; here {why}: set it false")

@@ -92,6 +92,7 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 cdf_sampler=fused_cdf_draw(cfg, decode_kernels=decode_kernels),
                 kv_cache_dtype=r.kv_cache_dtype,
                 lm_head_chunk_tokens=p.lm_head_chunk_tokens, decode_kernels=decode_kernels,
+                reward_in_pass=bool(cfg.reward.score_in_pass),
                 fused_elementwise=p.fused_elementwise, train_cuda_graphs=bool(p.train_cuda_graphs),
                 graph_min_fill=p.train_graphs_min_fill,
                 gradient_accumulation_fusion=p.gradient_accumulation_fusion,

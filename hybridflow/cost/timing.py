@@ -589,9 +589,11 @@ def stage_terms(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
         params = lora_merge_work(shape, layout.tp_t)[0] / layout.pp_t
         stages["other"].add("lora_unmerge", None, LORA_UNMERGE_BYTES_PER_PARAM * params
                             / (gpu.hbm_gbps * 1e9 * GRAD_ACCUM_BW_EFF))
-    # reward, advantages and bookkeeping per generated row of this rank
-    stages["other"].add("row_overhead", "row_overhead_s",
-                        math.ceil(w.num_sequences * w.gen_prompt_factor / layout.dp_t))
+    # reward, advantages and bookkeeping per generated row of this rank; reward.score_in_pass
+    # hides it in the first forward-only pass
+    if not (w.reward_in_pass and any(s in stages for s in ("old_log_prob", "ref", "values"))):
+        stages["other"].add("row_overhead", "row_overhead_s",
+                            math.ceil(w.num_sequences * w.gen_prompt_factor / layout.dp_t))
     return stages
 
 

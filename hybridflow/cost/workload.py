@@ -52,6 +52,10 @@ class Workload:
     # parallel.lm_head_chunk_tokens: the LM head + log-prob pass this many positions at a time
     # (logits of one chunk held, one more LM-head GEMM in the update's backward); 0: whole
     lm_head_chunk_tokens: int = 0
+    # reward.score_in_pass: the rule reward (the per-row part of "other") scored on the host while
+    # the step's first forward-only pass runs on the device: hidden where such a pass runs (the
+    # pass's device time covers it; a rule slower than the pass would show in that pass)
+    reward_in_pass: bool = False
     # rollout.decode_kernels: "triton" (the fused decode kernels, what the trainer's default "auto"
     # runs on a GPU; the records that measured them also ran rollout.compile_decode) has its own
     # fitted per-layer decode cost; records of the PyTorch decode say "torch"

@@ -422,3 +422,20 @@ def test_bench_sampler_times_every_way(tmp_path):
         assert set(case["tiling_graph_us"]) == {"chunk1024_block256_warps4", "chunk1024_block512_warps4"}
         assert case["fused_lp_err"] < 1e-5 and case["speedup"] > 0
         assert math.isclose(case["read_floor_us"], case["rows"] * 1000 * 4 / 4.3e12 * 1e6)
+
+
+@pytest.mark.slow
+def test_bench_prefill_widths_per_multiple(tmp_path):
+    """Each multiple in its own process: every width called once per pass, one prefill per call
+    (equal-length rows share nothing: random prompts), a cost per new width reported."""
+    out = tmp_path / "pw.json"
+    subprocess.run([sys.executable, "benchmarks/bench_prefill_widths.py", "--model", "tiny",
+                    "--device", "cpu", "--prompts", "4", "--n", "2", "--widths", "9", "11", "13",
+                    "--warm-width", "16", "--shortest", "3", "--new-tokens", "2", "--passes", "2",
+                    "--multiples", "1", "8", "--out", str(out)],
+                   check=True, cwd=ROOT, env=ENV, capture_output=True)
+    report = json.loads(out.read_text())
+    assert [r["prefill_width_multiple"] for r in report["runs"]] == [1, 8]
+    for r in report["runs"]:
+        assert [len(p) for p in r["calls_s"]] == [3, 3] and r["prefills"] == 1
+        assert r["new_width_cost_s"] == r["new_width_median_s"] - r["seen_width_median_s"]

@@ -42,6 +42,25 @@ def test_auto_per_device(device, precision, dynamic, rollout, unset):
         validate(cfg, world_size=1)
 
 
+@pytest.mark.parametrize("overrides, device, on, note", [
+    ((), "cuda", True, None),
+    ((), "cpu", False, None),  # on CPU a pass has finished when its last op returns
+    (("reward.launch_reward_fn_async=true",), "cuda", False, None),  # the user's choice
+    (("reward.score_in_pass=false",), "cuda", False, None),
+    (("rollout.partial.enable=true", "rollout.return_logprobs=true",
+      "rollout.partial.max_decode_steps=128"), "cuda", False, "rollout.partial.enable=true"),
+    (("reward.model_path=/rm",), "cuda", False, "reward.model_path is set"),
+])
+def test_reward_scored_in_the_pass_where_it_applies(overrides, device, on, note):
+    """reward.score_in_pass auto: on with a GPU unless the step needs the scores first (partial
+    rollouts, dynamic sampling), the reward is a model's, or the thread option is set."""
+    cfg, notes = resolve_auto(_cfg(*GPU_JOB, *overrides), device_type=device)
+    assert cfg.reward.score_in_pass is on
+    assert [n for n in notes if "score_in_pass" in n] == (
+        [] if note is None else [next(n for n in notes if note in n)])
+    validate(cfg, world_size=1)
+
+
 def test_multi_turn_gets_graphs_and_windows_on_a_gpu():
     """Multi-turn replays a CUDA graph of its own step with KV windows and compaction; compile
     stays off for it (validate would refuse it)."""
