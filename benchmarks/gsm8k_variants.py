@@ -21,8 +21,8 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
            (reward.launch_reward_fn_async)
   reward_in_pass  the rule reward scored on the main thread inside the reference pass, while
            the device works through its launched kernels (reward.score_in_pass)
-  prefill_w64  prefill widths rounded up to 64 columns (rollout.kernel_options.
-           prefill_width_multiple=64): a few prefill shapes instead of one per prompt width
+  prefill_w1  each prefill at its widest prompt (rollout.kernel_options.prefill_width_multiple=1),
+           one prefill shape per prompt width; the default on a GPU rounds widths up to 64
   tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter; tool results fed
            through the decode step, each step launched before the last is read: the defaults)
   tools_fed  the same without lookahead (rollout.multi_turn.lookahead=false)
@@ -73,7 +73,7 @@ VARIANTS = {
     "varlen": "algo.packed_attention=varlen",
     "reward_async": "reward.launch_reward_fn_async=true",
     "reward_in_pass": "reward.score_in_pass=true",
-    "prefill_w64": "rollout.kernel_options.prefill_width_multiple=64",
+    "prefill_w1": "rollout.kernel_options.prefill_width_multiple=1",
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
     "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.lookahead=false",
     "tools_held": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.append=prefill",

@@ -19,6 +19,8 @@ A run with no overrides is fast on a GPU and exact and simple on CPU. On a CUDA 
   `rollout.speculative.enable` -> on with CUDA-graph single-turn decoding whose generator is kept
   (its tail's graphs are captured once) where the tail runs the Triton decode layers (unquantized,
   a plain-dtype cache, TP_g = 1, dense layers without q/k norms);
+  `rollout.kernel_options.prefill_width_multiple` -> 64 (a few prefill shapes, not one per prompt
+  width);
 - `parallel.train_cuda_graphs` -> on for a LoRA update (every trained role with adapters) at
   TP = PP = 1 on a dense model, unless a setting it cannot run with is set
   (`config_checks.train_graphs_conflicts`);
@@ -43,6 +45,7 @@ CPU_TOKEN_BUDGET = 16384  # use_dynamic_bsz=true on CPU with no budget set
 # the share of the free memory the automatic budgets may plan for: the memory model leaves out
 # allocator fragmentation and optimizer-step temporaries beyond its calibrated headroom
 MEMORY_SHARE = 0.85
+PREFILL_WIDTH_MULTIPLE = 64  # rollout.kernel_options.prefill_width_multiple on a GPU
 FORWARD_PHASES = ("old_log_prob", "ref", "values")
 
 
@@ -154,6 +157,9 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
     if gpu and not r.cuda_graphs:
         notes.append("auto: rollout.cuda_graphs=false: decode runs eagerly, so compaction, KV "
                      "windows and compiled decoding stay off")
+    if r.kernel_options.prefill_width_multiple is None:
+        rollout["kernel_options"] = dataclasses.replace(
+            r.kernel_options, prefill_width_multiple=PREFILL_WIDTH_MULTIPLE if gpu else 1)
     if r.speculative.enable is None:
         freed = rollout.get("free_cache_engine", r.free_cache_engine)
         on = compiled and not freed and _speculative_tail_applies(cfg)

@@ -600,9 +600,9 @@ def validate_rollout_options(cfg) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"rollout.kernel_options.{key}: {value!r} is not a row count >= 0")
     m = k.prefill_width_multiple
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-        raise ValueError(f"rollout.kernel_options.prefill_width_multiple: {m!r} is not a column "
-                         f"count >= 1")
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        raise ValueError(f"rollout.kernel_options.prefill_width_multiple: {m!r} is not null or "
+                         f"a column count >= 1")
     for key in ("fused_sampler", "own_columns_only"):
         if not isinstance(getattr(k, key), bool):
             raise ValueError(f"rollout.kernel_options.{key}: {getattr(k, key)!r} is not a bool "

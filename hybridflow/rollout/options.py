@@ -53,7 +53,7 @@ class DecodeOptions:
     own_columns_only: bool = _K.own_columns_only
     compile_backend: str = _K.compile_backend
     compile_mode: Optional[str] = _K.compile_mode
-    prefill_width_multiple: int = _K.prefill_width_multiple
+    prefill_width_multiple: int = 1  # rollout.kernel_options.prefill_width_multiple (null: 1)
 
     # rollout.speculative (rollout/speculative.py): the tail from this many running rows on by
     # speculative sampling with n-gram drafts (0: off), drafts per row and step, the n-gram sizes
@@ -97,7 +97,7 @@ class DecodeOptions:
                    fused_sampler=bool(k.fused_sampler),
                    own_columns_only=bool(k.own_columns_only),
                    compile_backend=k.compile_backend, compile_mode=k.compile_mode,
-                   prefill_width_multiple=k.prefill_width_multiple,
+                   prefill_width_multiple=k.prefill_width_multiple or 1,
                    spec_rows=r.speculative.max_rows if r.speculative.enable is True else 0,
                    spec_draft_tokens=r.speculative.draft_tokens,
                    spec_ngram=(r.speculative.ngram_max, r.speculative.ngram_min))

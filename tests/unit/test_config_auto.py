@@ -38,6 +38,7 @@ def test_auto_per_device(device, precision, dynamic, rollout, unset):
     assert (r.free_cache_engine, r.compact_finished_rows, r.decode_kv_window, r.compile_decode) == \
         rollout
     assert notes == [] and budgets_unset(cfg) == unset
+    assert r.kernel_options.prefill_width_multiple == (64 if device == "cuda" else 1)
     if device == "cpu":
         validate(cfg, world_size=1)
 
@@ -77,10 +78,14 @@ def test_multi_turn_gets_graphs_and_windows_on_a_gpu():
 def test_user_values_are_kept():
     cfg, _ = resolve_auto(_cfg(*GPU_JOB, "trainer.precision=fp32", "algo.use_dynamic_bsz=false",
                                "rollout.free_cache_engine=true", "rollout.decode_kv_window=0",
-                               "rollout.compile_decode=false"), device_type="cuda")
+                               "rollout.compile_decode=false",
+                               "rollout.kernel_options.prefill_width_multiple=1",
+                               "reward.score_in_pass=false"), device_type="cuda")
     assert cfg.trainer.precision == "fp32" and cfg.algo.use_dynamic_bsz is False
     assert (cfg.rollout.free_cache_engine, cfg.rollout.decode_kv_window,
             cfg.rollout.compile_decode) == (True, 0, False)
+    assert cfg.rollout.kernel_options.prefill_width_multiple == 1
+    assert cfg.reward.score_in_pass is False
 
 
 def test_gpu_fallbacks_say_why():
