@@ -206,8 +206,10 @@ class Generator:
                 raise ValueError(f"longest prompt {P} + rollout.max_new_tokens={R} exceeds model."
                                  f"max_position_embeddings={self.cfg.max_position_embeddings}")
             # prefill_width_multiple: columns of padding on the left, room for the prefill
-            # sub-batches' rounded widths; the returned prompts leave them out again
+            # sub-batches' rounded widths (never a longer cache than the call's own, nor past
+            # max_position_embeddings); the returned prompts leave them out again
             lead = min(_round_up(P, opts.prefill_width_multiple),
+                       _round_up(P + R, LENGTH_MULTIPLE) - R,
                        self.cfg.max_position_embeddings - R) - P
             if lead > 0:
                 ids = torch.nn.functional.pad(ids, (lead, 0), value=pad_id)

@@ -255,6 +255,9 @@ def test_prefill_width_multiple_gives_the_same_rows(multiple):
                            options=opts(cfg, prefill_tokens=100, prefill_width_multiple=multiple))
         assert out.prompt_ids.shape == (10, 40)
         assert_same_rows(out, ref)
+    # the rounding never lengthens the KV cache past the call's own (P + R in 64-column steps):
+    # 40 + 10 -> 64 columns, so at most 54 prompt columns whatever the multiple
+    assert gen._cache.length == 64
 
 
 def test_prefill_sharing_across_a_chunk_boundary():
