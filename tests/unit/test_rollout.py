@@ -213,7 +213,9 @@ def test_prefill_batches_by_hand():
 def test_prefill_sub_batches_over_their_own_width():
     """Prefill sub-batches of prompts of very different lengths each run over their own widest
     prompt's columns (the rest of the cache columns is left padding): the same rows as one
-    sub-batch over every column."""
+    sub-batch over every column. With rollout.kernel_options.prefill_width_multiple each width is
+    rounded up (the prompts left-padded for it, capped where the cache would grow): the same rows
+    again, the returned prompts without the added columns."""
     gen = make()
     prompts = [[7] * 40, [3, 4], [5, 6, 7], [9] * 33, [1]]
     for temperature in (0.0, 1.0):
@@ -225,6 +227,15 @@ def test_prefill_sub_batches_over_their_own_width():
                            options=opts(cfg, prefill_tokens=40))
         assert prefills(gen) == (4, 5)  # [40], [2, 3] at width 3, [33], [1] (2 x 33 > 40)
         assert_same_rows(out, whole)
+        for multiple in (16, 10_000):
+            out = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=5,
+                               options=opts(cfg, prefill_tokens=100,
+                                            prefill_width_multiple=multiple))
+            assert out.prompt_ids.shape == (10, 40)
+            assert_same_rows(out, whole)
+    # never a longer KV cache than the call's own (P + R in 64-column steps): 40 + 10 -> 64
+    # columns, so at most 54 prompt columns whatever the multiple
+    assert gen._cache.length == 64
 
 
 def test_prefill_batches_rounded_widths_by_hand():
@@ -237,27 +248,6 @@ def test_prefill_batches_rounded_widths_by_hand():
     # the rounding counts against the budget: [2, 2, 2] at 4 is 12 > 8 tokens -> [2, 2], [2]
     assert prefill_batches([2, 2, 2], 8, 4) == [(0, 2, 4), (2, 3, 4)]
     assert prefill_batches([5, 3], 128, 64, 300) == [(0, 2, 64)]
-
-
-@pytest.mark.parametrize("multiple", [16, 10_000])
-def test_prefill_width_multiple_gives_the_same_rows(multiple):
-    """rollout.kernel_options.prefill_width_multiple: each prefill sub-batch over its widest prompt
-    rounded up to the multiple (capped where max_position_embeddings leaves no more room beside
-    max_new_tokens), the prompts left-padded for it: the same rows, and the returned prompts
-    without the added columns."""
-    gen = make()
-    prompts = [[7] * 40, [3, 4], [5, 6, 7], [9] * 33, [1]]
-    for temperature in (0.0, 1.0):
-        cfg = rc(n=2, temperature=temperature, max_new_tokens=10)
-        ref = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=5,
-                           options=opts(cfg, prefill_tokens=100))
-        out = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=5,
-                           options=opts(cfg, prefill_tokens=100, prefill_width_multiple=multiple))
-        assert out.prompt_ids.shape == (10, 40)
-        assert_same_rows(out, ref)
-    # the rounding never lengthens the KV cache past the call's own (P + R in 64-column steps):
-    # 40 + 10 -> 64 columns, so at most 54 prompt columns whatever the multiple
-    assert gen._cache.length == 64
 
 
 def test_prefill_sharing_across_a_chunk_boundary():
