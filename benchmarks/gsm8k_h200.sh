@@ -105,7 +105,10 @@ step() {
     trainer.progress_bar=false trainer.total_steps="$steps" trainer.val_before_train=false
     trainer.val_every=0 trainer.save_every=0)
   for a in "$@"; do [[ $a == experiment=* ]] || cmd+=("$a"); done
+  # a call's time limit (timeout's TERM) keeps the steps run so far
+  trap 'cp "$dir/metrics.jsonl" "$dir/rollout_lengths.jsonl" "$OUT/" 2>/dev/null; exit 143' TERM
   "${cmd[@]}" 2>&1 | tee "$OUT/step.log"
+  trap - TERM
   cp "$dir/metrics.jsonl" "$OUT/metrics.jsonl"
   cp "$dir/rollout_lengths.jsonl" "$OUT/" 2>/dev/null || true
   cp "$dir"/profile/step*_rank0.json "$dir"/profile/step*_rank0.txt "$OUT/" 2>/dev/null || true
