@@ -6,7 +6,8 @@ micro-batches and with token budgets (the mismatch metrics are gathered over DP 
 and PP=2 (the update's log-probs come from the last stage, broadcast to the first):
 - skip off: the old_log_prob pass runs (the reference);
 - skip on: no pass; the update's own forward gives pi_old, the mismatch metrics and TIS weights;
-- skip on but two mini-batches per step: the decision refuses, the pass runs.
+- skip on but two mini-batches per step: the decision refuses, the pass runs;
+- skip on at PP=2 with the rule reward scored inside the reference pass (reward.score_in_pass).
 The reward counts digits in the response, so groups score differently from the first step and the
 policy gradient is not zero.
 
@@ -38,6 +39,7 @@ OFF = ["algo.skip_redundant_old_log_prob=false"]
 RUNS = {"off": OFF, "on": [], "off_token_budgets": OFF + TOKEN_BUDGETS,
         "on_token_budgets": TOKEN_BUDGETS,
         "off_pp2": OFF + ["parallel=pp2"], "on_pp2": ["parallel=pp2"],
+        "on_pp2_reward_in_pass": ["parallel=pp2", "reward.score_in_pass=true"],
         "two_mini_batches": ["algo.ppo_mini_batch_size=8", "trainer.total_steps=1"]}
 
 
@@ -133,3 +135,19 @@ def test_two_mini_batches_keep_the_pass(runs):
     for rank in runs:
         (m,) = rank["two_mini_batches"]["history"]
         assert "timing_s/old_log_prob" in m and m["actor/old_log_prob_skipped"] == 0.0
+
+
+def test_reward_scored_in_the_reference_pass_at_pp2(runs):
+    """reward.score_in_pass (a GPU run's default) at PP=2: each stage scores the rule inside the
+    reference pass, after the pass's result is broadcast from the last stage; the same run."""
+    for rank in runs:
+        plain, in_pass = rank["on_pp2"], rank["on_pp2_reward_in_pass"]
+        for m, m_in in zip(plain["history"], in_pass["history"]):
+            assert "perf/reward_in_pass_s" not in m and m_in["perf/reward_in_pass_s"] > 0
+            keys = [k for k in m if k.split("/")[0] in ("actor", "critic", "response_length")
+                    and k != "actor/lr"]
+            assert {"actor/pg_loss", "critic/score/mean", "critic/advantages/mean"} <= set(keys)
+            for k in keys:
+                assert m_in[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
+        for name, w in plain["weights"].items():
+            assert torch.equal(in_pass["weights"][name], w), name
