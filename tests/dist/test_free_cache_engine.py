@@ -9,7 +9,8 @@ samples other responses from step 2 on). With TP=2 and generation at TP_g=1 (res
 gathered weights are re-allocated every step (the resharder frees its buffers after generation):
 the kept generator is reused only for a step whose buffers come back at the same addresses (it
 then reads them, the same storage), rebuilt otherwise (the allocator decides which), and the run
-is unchanged either way.
+is unchanged either way. Also at TP=2: the rule reward scored inside the reference pass
+(reward.score_in_pass) against the same run without it.
 """
 
 import pytest
@@ -26,7 +27,8 @@ BASE = ["algo=grpo", "trainer.sft_warmup_steps=0", f"trainer.total_steps={STEPS}
         "reward.fn=tests.dist.test_skip_old_log_prob:digit_count"]
 KEEP = ["rollout.free_cache_engine=false"]
 TP2 = ["parallel.tensor_parallel_size=2", "rollout.tensor_parallel_size=1"]
-RUNS = {"free": [], "keep": KEEP, "free_tp2": TP2, "keep_tp2": TP2 + KEEP}
+RUNS = {"free": [], "keep": KEEP, "free_tp2": TP2, "keep_tp2": TP2 + KEEP,
+        "keep_tp2_reward_in_pass": TP2 + KEEP + ["reward.score_in_pass=true"]}
 
 
 def _runs(out_dir):
@@ -101,3 +103,20 @@ def test_resharding_rebuilds_unless_the_weights_stay_put(runs):
     for rank in runs:  # every generator built is released once (at a rebuild or at the end)
         built = rank["keep_tp2"]["built"]
         assert 1 <= built <= STEPS and rank["keep_tp2"]["released"] == built
+
+
+def test_reward_scored_in_the_reference_pass_at_tp2(runs):
+    """reward.score_in_pass (a GPU run's default) at TP=2 (the kept generator at TP_g=1): each TP
+    rank scores the rule inside the reference pass; the same run."""
+    for rank in runs:
+        plain, in_pass = rank["keep_tp2"], rank["keep_tp2_reward_in_pass"]
+        assert len(in_pass["history"]) == STEPS
+        for m, m_in in zip(plain["history"], in_pass["history"]):
+            assert "perf/reward_in_pass_s" not in m and m_in["perf/reward_in_pass_s"] > 0
+            keys = [k for k in m if k.split("/")[0] in ("actor", "critic", "response_length")
+                    and k != "actor/lr"]
+            assert {"actor/pg_loss", "critic/score/mean", "critic/advantages/mean"} <= set(keys)
+            for k in keys:
+                assert m_in[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
+        for name, w in plain["weights"].items():
+            assert torch.equal(in_pass["weights"][name], w), name
