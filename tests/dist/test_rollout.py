@@ -6,7 +6,8 @@ with our Generator over `dict(model.named_parameters())`; then re-initialise TP=
 Generator over `param_rules.shard_tensor` shards of the same full dict (vocab padded with rows of
 huge logits, which must never be sampled), greedy and sampled, beside the TP=1 Generator; and with
 row compaction at every other step over very uneven stop lengths: TP_g=2 compacted == TP_g=1
-uncompacted (greedy), TP_g=2 == TP_g=1 compacted (sampled), the same decisions on both ranks.
+uncompacted (greedy), TP_g=2 == TP_g=1 compacted (sampled), the same decisions on both ranks; and
+TP_g=2 with the prefill widths rounded up to 16 columns == TP_g=1 at its own widths (sampled).
 """
 
 import dataclasses
@@ -92,6 +93,13 @@ def _ranks_fn():
                       ("chunked", dataclasses.replace(sampled, max_batch_size=3))):
         res[name] = dict(tp1=ref.generate(RAGGED, cfg=cfg, eos_id=eos, pad_id=0, seed=3),
                          tp2=gen2.generate(RAGGED, cfg=cfg, eos_id=eos, pad_id=0, seed=3))
+    # TP_g=2 with the prefill widths rounded up (left padding) against TP_g=1 at its own widths
+    from hybridflow.rollout.options import DecodeOptions
+
+    rounded = DecodeOptions.from_config(sampled).replace(prefill_width_multiple=16)
+    res["rounded"] = dict(tp1=ref.generate(RAGGED, cfg=sampled, eos_id=eos, pad_id=0, seed=3),
+                          tp2=gen2.generate(RAGGED, cfg=sampled, eos_id=eos, pad_id=0, seed=3,
+                                            options=rounded))
     ids = torch.tensor([RAGGED[1]])
     res["logits"] = dict(tp1=_our_logits(ref, ids), tp2=_our_logits(gen2, ids))
     res["compact"] = _compaction(ref, gen2)
@@ -127,7 +135,7 @@ def test_generator_matches_megatron_and_tp2_matches_tp1():
     assert torch.equal(mg["tokens"], mg["mg_tokens"])  # greedy tokens: ours == GPTModel's
     assert torch.allclose(mg["logits"], mg["mg_logits"], atol=1e-5, rtol=0)
     assert torch.allclose(mg["lp"], mg["mg_lp"], atol=1e-5, rtol=0)  # cached decode's log-probs
-    for name in ("greedy", "sampled", "chunked"):
+    for name in ("greedy", "sampled", "chunked", "rounded"):
         tp1, tp2 = r0[name]["tp1"], r0[name]["tp2"]
         assert torch.equal(tp1.response_ids, tp2.response_ids), name
         assert torch.equal(tp1.response_mask, tp2.response_mask), name
@@ -136,6 +144,8 @@ def test_generator_matches_megatron_and_tp2_matches_tp1():
         # every TP_g rank drew the same tokens
         assert torch.equal(r1[name]["tp2"].response_ids, tp2.response_ids), name
     assert r0["greedy"]["tp2"].response_mask.sum(1)[0] == 4  # eos stops row 0 at step 4
+    # the rounded prefill's added columns are not in the returned prompts
+    assert torch.equal(r0["rounded"]["tp1"].prompt_ids, r0["rounded"]["tp2"].prompt_ids)
     assert torch.allclose(r0["logits"]["tp1"], r0["logits"]["tp2"], atol=1e-5, rtol=0)
     c, c1 = r0["compact"], r1["compact"]
     lengths = c["tp1_off"].response_mask.sum(1)
