@@ -108,15 +108,7 @@ def test_resharding_rebuilds_unless_the_weights_stay_put(runs):
 def test_reward_scored_in_the_reference_pass_at_tp2(runs):
     """reward.score_in_pass (a GPU run's default) at TP=2 (the kept generator at TP_g=1): each TP
     rank scores the rule inside the reference pass; the same run."""
+    from tests.dist.test_skip_old_log_prob import assert_reward_in_pass_same_run
+
     for rank in runs:
-        plain, in_pass = rank["keep_tp2"], rank["keep_tp2_reward_in_pass"]
-        assert len(in_pass["history"]) == STEPS
-        for m, m_in in zip(plain["history"], in_pass["history"]):
-            assert "perf/reward_in_pass_s" not in m and m_in["perf/reward_in_pass_s"] > 0
-            keys = [k for k in m if k.split("/")[0] in ("actor", "critic", "response_length")
-                    and k != "actor/lr"]
-            assert {"actor/pg_loss", "critic/score/mean", "critic/advantages/mean"} <= set(keys)
-            for k in keys:
-                assert m_in[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
-        for name, w in plain["weights"].items():
-            assert torch.equal(in_pass["weights"][name], w), name
+        assert_reward_in_pass_same_run(rank["keep_tp2"], rank["keep_tp2_reward_in_pass"])

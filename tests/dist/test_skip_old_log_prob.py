@@ -141,13 +141,19 @@ def test_reward_scored_in_the_reference_pass_at_pp2(runs):
     """reward.score_in_pass (a GPU run's default) at PP=2: each stage scores the rule inside the
     reference pass, after the pass's result is broadcast from the last stage; the same run."""
     for rank in runs:
-        plain, in_pass = rank["on_pp2"], rank["on_pp2_reward_in_pass"]
-        for m, m_in in zip(plain["history"], in_pass["history"]):
-            assert "perf/reward_in_pass_s" not in m and m_in["perf/reward_in_pass_s"] > 0
-            keys = [k for k in m if k.split("/")[0] in ("actor", "critic", "response_length")
-                    and k != "actor/lr"]
-            assert {"actor/pg_loss", "critic/score/mean", "critic/advantages/mean"} <= set(keys)
-            for k in keys:
-                assert m_in[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
-        for name, w in plain["weights"].items():
-            assert torch.equal(in_pass["weights"][name], w), name
+        assert_reward_in_pass_same_run(rank["on_pp2"], rank["on_pp2_reward_in_pass"])
+
+
+def assert_reward_in_pass_same_run(plain: dict, in_pass: dict) -> None:
+    """Two runs' histories and final weights, the second with reward.score_in_pass: scored inside
+    a pass every step, the same metrics, bitwise the same weights."""
+    assert len(in_pass["history"]) == len(plain["history"]) == STEPS
+    for m, m_in in zip(plain["history"], in_pass["history"]):
+        assert "perf/reward_in_pass_s" not in m and m_in["perf/reward_in_pass_s"] > 0
+        keys = [k for k in m if k.split("/")[0] in ("actor", "critic", "response_length")
+                and k != "actor/lr"]
+        assert {"actor/pg_loss", "critic/score/mean", "critic/advantages/mean"} <= set(keys)
+        for k in keys:
+            assert m_in[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
+    for name, w in plain["weights"].items():
+        assert torch.equal(in_pass["weights"][name], w), name
