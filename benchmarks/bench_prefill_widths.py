@@ -98,14 +98,14 @@ def main(argv=None):
                     help="one process each, in this order")
     ap.add_argument("--only", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    a = ap.parse_args(given)
     if a.only is not None:
         print(json.dumps(one_process(a)), flush=True)
         return
     runs = []
     for m in a.multiples:
-        args = [a2 for a2 in (argv if argv is not None else sys.argv[1:])]
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--only", str(m)],
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *given, "--only", str(m)],
                               check=True, capture_output=True, text=True, cwd=ROOT)
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         runs.append(r)
@@ -117,8 +117,7 @@ def main(argv=None):
 
     write_json(a.out, {
         "benchmark": "generate calls at prompt widths new and seen, by prefill_width_multiple",
-        "command": "python benchmarks/bench_prefill_widths.py " + " ".join(
-            argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/bench_prefill_widths.py " + " ".join(given),
         "machine": runs[0]["machine"] if runs else None,
         "workload": {"model": a.model, "prompts": a.prompts, "n": a.n,
                      "new_tokens": a.new_tokens, "widths": a.widths, "passes": a.passes},

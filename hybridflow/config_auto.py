@@ -117,11 +117,10 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
 
     if p.train_cuda_graphs is None:
         cfg = _replace(cfg, "parallel", train_cuda_graphs=_lora_update_graphs(cfg, gpu, notes))
-    if cfg.reward.score_in_pass is None:
-        why = ("reward.launch_reward_fn_async=true" if cfg.reward.launch_reward_fn_async
-               else deferred_reward_blocker(cfg))
-        cfg = _replace(cfg, "reward", score_in_pass=gpu and why is None)
-        if gpu and why and not cfg.reward.launch_reward_fn_async and cfg.reward.fn is not None:
+    if cfg.reward.score_in_pass is None:  # the thread option, when set, is the user's choice
+        thread, why = cfg.reward.launch_reward_fn_async, deferred_reward_blocker(cfg)
+        cfg = _replace(cfg, "reward", score_in_pass=gpu and not thread and why is None)
+        if gpu and not thread and why and cfg.reward.fn is not None:
             notes.append(f"auto: reward.score_in_pass=false: {why}")
 
     in_place = (r.tensor_parallel_size or p.tensor_parallel_size) == p.tensor_parallel_size \

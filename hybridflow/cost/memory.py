@@ -91,6 +91,7 @@ from hybridflow.model_config import ModelConfig
 from hybridflow.parallel.layout import Layout
 
 GIB = 2 ** 30
+FORWARD_STAGES = ("old_log_prob", "ref", "values")  # the step's forward-only passes
 LOGIT_BYTES = 8        # per vocab entry per token: fp32 logits + fp32 log-softmax (or its grad)
 LOGIT_BYTES_BF16 = 4   # the same kept in bf16 (the engine's bf16 output, Workload.bf16_logits)
 HEAD_GRAD_BYTES = 6    # per output-weight entry, chunked LM-head backward: fp32 sum + bf16 product
@@ -360,7 +361,7 @@ def _activations(shape: ModelConfig, plan: Plan, workload: Workload, phase: str)
         chunk = workload.lm_head_chunk_tokens
         return (min(scored, chunk) if chunk else scored) * logits
 
-    if phase in ("old_log_prob", "ref", "values"):
+    if phase in FORWARD_STAGES:
         tokens = workload.seqs_per_forward_micro_batch * workload.seq_len
         return tokens * layer / tp, head(tokens)
     in_flight = min(lay.pp_t, workload.num_micro_batches(lay.dp_t))

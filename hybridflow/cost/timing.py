@@ -91,7 +91,8 @@ from hybridflow.cost.flops import (BYTES_PER_PARAM, LORA_MERGE_BYTES_PER_PARAM,
                                    lora_bytes_per_token_layer, lora_merge_work,
                                    train_flops_per_token)
 from hybridflow.cost.gpus import GPU
-from hybridflow.cost.memory import gen_batch_size, lora_params, reshard_received_bytes
+from hybridflow.cost.memory import (FORWARD_STAGES, gen_batch_size, lora_params,
+                                    reshard_received_bytes)
 from hybridflow.cost.varlen import PREFILL_TOKENS, PassWork, decode_schedule, pass_work
 from hybridflow.cost.workload import Plan, Workload
 from hybridflow.model_config import ModelConfig
@@ -591,7 +592,7 @@ def stage_terms(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload,
                             / (gpu.hbm_gbps * 1e9 * GRAD_ACCUM_BW_EFF))
     # reward, advantages and bookkeeping per generated row of this rank; reward.score_in_pass
     # hides it in the first forward-only pass
-    if not (w.reward_in_pass and any(s in stages for s in ("old_log_prob", "ref", "values"))):
+    if not (w.reward_in_pass and any(s in stages for s in FORWARD_STAGES)):
         stages["other"].add("row_overhead", "row_overhead_s",
                             math.ceil(w.num_sequences * w.gen_prompt_factor / layout.dp_t))
     return stages

@@ -205,11 +205,11 @@ class Generator:
             if P + R > self.cfg.max_position_embeddings:
                 raise ValueError(f"longest prompt {P} + rollout.max_new_tokens={R} exceeds model."
                                  f"max_position_embeddings={self.cfg.max_position_embeddings}")
+            length = round_up(P + R, LENGTH_MULTIPLE)  # the KV cache columns this call needs
             # prefill_width_multiple: columns of padding on the left, room for the prefill
             # sub-batches' rounded widths (never a longer cache than the call's own, nor past
             # max_position_embeddings); the returned prompts leave them out again
-            lead = min(_round_up(P, opts.prefill_width_multiple),
-                       _round_up(P + R, LENGTH_MULTIPLE) - R,
+            lead = min(round_up(P, opts.prefill_width_multiple), length - R,
                        self.cfg.max_position_embeddings - R) - P
             if lead > 0:
                 ids = torch.nn.functional.pad(ids, (lead, 0), value=pad_id)
@@ -247,7 +247,6 @@ class Generator:
             prefill_of_row = torch.from_numpy(of_row).to(self.device)
             # a chunk's rows s..e-1 are copies of prefills of_row[s] .. of_row[e - 1]
             runs = {c: (int(of_row[c[0]]), int(of_row[c[1] - 1]) + 1) for c in chunks}
-            length = -(-(P + R) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
             self._ensure_cache(rows=max(bucket.values()), length=length,
                                fp8=cfg.kv_cache_dtype == "fp8")
             windows = kv_windows(self._cache.length, opts.kv_window)
@@ -573,7 +572,7 @@ def prefill_batches(lengths: np.ndarray, tokens: int, multiple: int = 1,
     the widest of its prompts rounded up to `multiple` columns, at most `limit` (the padded
     prompts' width) and never below the widest prompt."""
     def width_of(longest: int) -> int:
-        width = _round_up(longest, multiple)
+        width = round_up(longest, multiple)
         return width if limit is None else max(longest, min(width, limit))
 
     out, r, n = [], 0, len(lengths)
@@ -587,7 +586,8 @@ def prefill_batches(lengths: np.ndarray, tokens: int, multiple: int = 1,
     return out
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
+    """n rounded up to a multiple of `multiple`."""
     return -(-n // multiple) * multiple
 
 

@@ -86,7 +86,8 @@ from hybridflow.config import RolloutConfig
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.rollout import compaction, decoder
 from hybridflow.rollout.cuda_graph import bucket_sizes
-from hybridflow.rollout.generator import LENGTH_MULTIPLE, Generator, kv_windows, window_for
+from hybridflow.rollout.generator import (LENGTH_MULTIPLE, Generator, kv_windows, round_up,
+                                          window_for)
 from hybridflow.rollout.multi_turn_step import (DecodeState, Rows, Slots, StepCopies,  # noqa: F401
                                                decode_step, extend)
 from hybridflow.rollout.options import DecodeOptions
@@ -126,7 +127,7 @@ def generate_multi_turn(gen: Generator, prompts: list, *, cfg: RolloutConfig,
                          f"max_position_embeddings={gen.cfg.max_position_embeddings}")
     chunks = [(s, min(s + cfg.max_batch_size, N)) for s in range(0, N, cfg.max_batch_size)]
     # + the scratch column; lookahead: + the column of the token a full row is fed once more
-    T = -(-(P + R + 1 + runner.mt.lookahead_on) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+    T = round_up(P + R + 1 + runner.mt.lookahead_on, LENGTH_MULTIPLE)
     with torch.no_grad():
         gen._ensure_cache(rows=max(e - s for s, e in chunks), length=T,
                           fp8=cfg.kv_cache_dtype == "fp8")
