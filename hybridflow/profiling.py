@@ -10,7 +10,10 @@ Each profiled step writes, per rank, under `trainer.profile_dir` (default <outpu
   whether a stage is bound by the device (near 1) or by the host launching it; `idle_s` is the
   stage's time with no kernel running, and `waits` charges each idle gap to the host ops that
   launched the kernel ending it (what the device waited for: "aten::mm < aten::linear < ...",
-  innermost first; "(stage end)" for host work after the stage's last kernel);
+  innermost first; "(stage end)" for host work after the stage's last kernel), and
+  `idle_by_phase` sums the same gaps by the engine range the launch came from (engine.forward,
+  engine.optimizer, ...; "backward" for autograd's thread, "host" for the stage's own host work
+  outside the engine's ranges);
 - `step<N>_rank<R>.txt`: torch's operator table, sorted by device time (CPU time on CPU).
 `python -m hybridflow.profiling <trace>` prints the per-stage summary of a saved trace.
 All files are written to a temporary name and renamed. Steps are counted as the logger counts
@@ -116,9 +119,10 @@ def trace_summary(trace: dict, *, top: int = 12) -> dict:
 
 
 def kernel_launches(prof, *, frames=None) -> list:
-    """[(start, end, name, launcher)] of a finished torch.profiler's device kernels, in us on the
-    clock of its host events; `launcher`: the host op that launched the kernel and the ops
-    enclosing it, innermost first (launch_chain), or "?" where the link is missing. `frames`
+    """[(start, end, name, launcher, phase)] of a finished torch.profiler's device kernels, in us
+    on the clock of its host events; `launcher`: the host op that launched the kernel and the ops
+    enclosing it, innermost first (launch_chain), or "?" where the link is missing; `phase`: the
+    range it was launched from (launch_phase). `frames`
     (op -> str, e.g. the Python lines of a trace with stacks): appended to each launcher after
     " @ "."""
     from torch.autograd import DeviceType
@@ -136,7 +140,8 @@ def kernel_launches(prof, *, frames=None) -> list:
             chain = launch_chain(op) if op is not None else "?"
             if frames is not None and op is not None:
                 chain += " @ " + (frames(op) or "no Python frame")
-            out.append((start, start + k.duration_ns() / 1e3, k.name(), chain))
+            phase = launch_phase(op) if op is not None else "?"
+            out.append((start, start + k.duration_ns() / 1e3, k.name(), chain, phase))
     return out
 
 
@@ -151,6 +156,23 @@ def launch_chain(e, depth: int = 6) -> str:
             chain.append(e.name)
         e = e.cpu_parent
     return " < ".join(chain)
+
+
+PHASE_PREFIX = "engine."  # the engine's record_function ranges (micro_batches, forward, ...)
+
+
+def launch_phase(e) -> str:
+    """The innermost engine range (`engine.*`) around a host event; "backward" for ops autograd's
+    thread ran; "host" for a stage's work outside the engine's ranges; "?" outside any stage."""
+    while e is not None:
+        if e.name.startswith("autograd::engine::evaluate_function"):
+            return "backward"
+        if e.name.startswith(PHASE_PREFIX):
+            return e.name
+        if e.name.startswith(STAGE_PREFIX):
+            return "host"
+        e = e.cpu_parent
+    return "?"
 
 
 def device_gaps(kernels: list, start: float) -> tuple[float, list]:
@@ -183,12 +205,12 @@ def idle_by_launcher(kernels: list, *, min_gap_us: float = 10.0, top: int = 15) 
 
 
 def _summarise(stages, kernels, *, top: int) -> dict:
-    """stages [(name, start, end)], kernels [(start, end, name[, launcher])], times in us."""
+    """stages [(name, start, end)], kernels [(start, end, name[, launcher[, phase]])], in us."""
     out: dict = {}
     for name, start, end in stages:
         s = out.setdefault(name, {"wall_s": 0.0, "kernel_s": 0.0, "kernels": 0, "idle_s": 0.0,
                                   "_by": defaultdict(lambda: [0.0, 0]), "_waits": Counter(),
-                                  "_gaps": Counter()})
+                                  "_gaps": Counter(), "_phases": Counter()})
         s["wall_s"] += (end - start) / 1e6
         inside = [k for k in kernels if start <= k[0] and k[1] <= end]
         for k0, k1, kname, *_ in inside:
@@ -196,15 +218,18 @@ def _summarise(stages, kernels, *, top: int) -> dict:
             s["kernels"] += 1
             s["_by"][kname][0] += (k1 - k0) / 1e6
             s["_by"][kname][1] += 1
-        _, gaps = device_gaps([(a, b, (rest or ["?"])[0]) for a, b, _, *rest in inside], start)
-        gaps.append((max([start] + [k[1] for k in inside]), end, "(stage end)"))
-        for a, b, who in gaps:
+        _, gaps = device_gaps([(a, b, *(list(rest) + ["?", "?"])[:2])
+                               for a, b, _, *rest in inside], start)
+        gaps.append((max([start] + [k[1] for k in inside]), end, "(stage end)", "(stage end)"))
+        for a, b, who, phase in gaps:
             if b > a:
                 s["idle_s"] += (b - a) / 1e6
                 s["_waits"][who] += (b - a) / 1e6
                 s["_gaps"][who] += 1
+                s["_phases"][phase] += (b - a) / 1e6
     for s in out.values():
         by, waits, gaps = s.pop("_by"), s.pop("_waits"), s.pop("_gaps")
+        s["idle_by_phase"] = dict(s.pop("_phases").most_common())
         s["top"] = [{"kernel": k[:120], "s": v[0], "calls": v[1]}
                     for k, v in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]]
         s["waits"] = [{"launcher": w[:200], "s": v, "gaps": gaps[w]}
@@ -263,6 +288,10 @@ def main(argv=None) -> None:
         for w in st["waits"][:6]:
             print(f"    idle {w['s'] * 1e3:8.2f} ms {w['gaps']:6d} gaps before  "
                   f"{w['launcher'][:80]}")
+        phases = {k: v for k, v in st["idle_by_phase"].items() if k != "?"}
+        if len(phases) > 1 or "(stage end)" not in phases:  # a saved trace names no ranges
+            print("    idle by phase: " + ", ".join(f"{k} {v * 1e3:.2f} ms"
+                                                 for k, v in phases.items()))
 
 
 if __name__ == "__main__":

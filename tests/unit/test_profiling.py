@@ -79,6 +79,41 @@ def test_idle_time_is_charged_to_the_launcher_of_the_kernel_that_ends_it():
     assert s["gen"]["kernels"] == 0 and abs(s["gen"]["idle_s"] - 100e-6) < 1e-12
 
 
+def test_idle_time_is_split_by_the_engine_range_that_launched_the_kernel_ending_it():
+    """`idle_by_phase`: the same gaps as `waits`, summed by the launch's engine range (the
+    optimizer's launches after the backward, the stage's host work), the tail as "(stage end)"."""
+    events = [_ev("stage/update_actor", 0, 1000)]
+    launches = [(100, 200, "gemm", "aten::mm", "engine.forward"),
+                (300, 400, "gemm", "aten::mm", "backward"),
+                (450, 500, "norm", "aten::_foreach_norm", "engine.optimizer"),
+                (600, 650, "copy", "aten::copy_", "host"),
+                (700, 800, "adam", "aten::_fused_adam_", "engine.optimizer")]
+    u = stage_summary(events, launches=launches)["update_actor"]
+    phases = {k: round(v * 1e6) for k, v in u["idle_by_phase"].items()}
+    assert phases == {"engine.forward": 100, "backward": 100, "engine.optimizer": 100,
+                      "host": 100, "(stage end)": 200}
+    assert abs(sum(u["idle_by_phase"].values()) - u["idle_s"]) < 1e-12
+
+
+def test_launch_phase_names_the_innermost_engine_range_or_the_autograd_thread():
+    from types import SimpleNamespace
+
+    from hybridflow.profiling import launch_phase
+
+    def chain(*names):  # outermost first -> the innermost event
+        e = None
+        for n in names:
+            e = SimpleNamespace(name=n, cpu_parent=e)
+        return e
+
+    assert launch_phase(chain("stage/update_actor", "engine.schedule", "engine.forward",
+                              "aten::linear", "aten::mm")) == "engine.forward"
+    assert launch_phase(chain("autograd::engine::evaluate_function: MmBackward0",
+                              "aten::mm")) == "backward"
+    assert launch_phase(chain("stage/update_actor", "aten::index", "aten::copy_")) == "host"
+    assert launch_phase(chain("aten::copy_")) == "?"
+
+
 def test_a_saved_trace_charges_waits_to_the_op_of_its_external_id():
     from hybridflow.profiling import trace_summary
 
@@ -109,7 +144,7 @@ def test_a_profiled_step_links_its_kernels_to_their_launchers():
     s = stage_summary(prof.events(), launches=launches)["update_actor"]
     assert s["wall_s"] > 0 and s["idle_s"] <= s["wall_s"] + 1e-9 and s["waits"]
     if cuda:
-        assert launches and all(k[3] != "?" for k in launches)
+        assert launches and all(k[3] != "?" and k[4] == "host" for k in launches)
         assert any("aten::mm" in k[3] for k in launches)
     else:
         assert launches == [] and s["waits"][0]["launcher"] == "(stage end)"
