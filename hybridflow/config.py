@@ -598,7 +598,9 @@ class TrainerConfig:
     val_max_new_tokens: Optional[int] = None  # None: rollout.max_new_tokens
     # validation generates with rollout.quantization and rollout.kv_cache_dtype too (true) or with
     # the unquantized weights and cache (false: the model's own greedy answers; the val metrics
-    # carry val-aux/quantized)
+    # carry val-aux/quantized). With false and rollout.free_cache_engine=false, validation builds
+    # its own generator beside the kept quantized one (freed after it; the kept one is freed first
+    # when the device lacks room for validation's KV cache)
     val_quantized: bool = False
     val_log_generations: int = 8  # rows appended to <output_dir>/val_generations.jsonl per validation
     progress_bar: bool = True

@@ -65,7 +65,7 @@ from hybridflow.data.batch import RolloutBatch
 from hybridflow.rollout import compaction, decoder, speculative
 from hybridflow.rollout.cuda_graph import (GraphedStep, StopPoller, WarmedStep, bucket_for,
                                            bucket_sizes, free_workspaces)
-from hybridflow.rollout.kv_cache import KVCache
+from hybridflow.rollout.kv_cache import KVCache, kv_cache_nbytes
 from hybridflow.rollout.options import DecodeOptions
 from hybridflow.rollout.quantize import quantize_weights, quantized_bytes, requantize_weights_
 from hybridflow.rollout.sampling import sample
@@ -288,6 +288,18 @@ class Generator:
                             response_mask=resp_mask, group_ids=prompt_of_row,
                             indices=prompt_of_row.clone(), rollout_logprobs=logprobs,
                             prompt_experts=prompt_experts, response_experts=response_experts)
+
+    def cache_bytes_for(self, prompt_lengths: list, cfg: RolloutConfig) -> int:
+        """An upper bound of the KV cache bytes a call over prompts of these lengths with `cfg`
+        allocates when this generator holds none yet: the largest graphed row bucket a chunk
+        takes, and the columns of the longest prompt + max_new_tokens (+ multi-turn's scratch
+        and lookahead columns), rounded up as the call rounds them."""
+        rows = min(len(prompt_lengths) * cfg.n, cfg.max_batch_size)
+        length = round_up(max(prompt_lengths, default=0) + cfg.max_new_tokens + 2, LENGTH_MULTIPLE)
+        d = self.w.dims
+        return kv_cache_nbytes(num_layers=d.num_layers, rows=bucket_for(rows, cfg.max_batch_size),
+                               groups=d.groups, length=length, head_dim=d.head_dim,
+                               dtype=self.dtype, fp8=cfg.kv_cache_dtype == "fp8")
 
     def weight_storages(self) -> frozenset:
         """Data pointers of the storages of every plain tensor the generator reads (those it

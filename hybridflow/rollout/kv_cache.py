@@ -19,6 +19,15 @@ import torch
 from hybridflow.kernels.kv_fp8 import KV_FP8, Fp8KV, as_indexable
 
 
+def kv_cache_nbytes(*, num_layers: int, rows: int, groups: int, length: int, head_dim: int,
+                    dtype: torch.dtype, fp8: bool = False) -> int:
+    """Bytes of a KVCache of this shape: K and V, each (num_layers, rows, groups, length,
+    head_dim) in `dtype`, or fp8 codes with one fp32 scale per (layer, row, group, column)."""
+    n = num_layers * rows * groups * length * head_dim
+    per_k = n + 4 * (n // head_dim) if fp8 else n * torch.empty((), dtype=dtype).element_size()
+    return 2 * per_k
+
+
 class KVCache:
     def __init__(self, *, num_layers: int, rows: int, groups: int, length: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, fp8: bool = False):

@@ -137,7 +137,8 @@ class RolloutStage:
             if self.resharder is not None:
                 stack.callback(self.resharder.release)
             with timer("gen"):
-                gen = self._generator(params, r.quantization, step, fetch)
+                gen = self._generator(params, r.quantization, step, fetch,
+                                      lengths=[len(it.prompt_ids) for it in mine], rollout_cfg=r)
                 self.quantized_bytes = gen.quantized_bytes
                 if away and not streamed:  # the generator holds its own matrices: the
                     merge.close()  # training weights may go (LoRA: unmerged first; the host
@@ -210,25 +211,40 @@ class RolloutStage:
             options=DecodeOptions.from_config(r))
         return batch
 
-    def _generator(self, params: dict, quantization: str, step: int, fetch=None) -> Generator:
+    def _generator(self, params: dict, quantization: str, step: int, fetch=None, *,
+                   lengths: list = (), rollout_cfg=None) -> Generator:
         """A new Generator over `params` (quantized per `quantization`: once per step, at this
         train -> generation switch), or with rollout.free_cache_engine=false the one kept from an
         earlier step when it still aliases these weights (its cache and graphs stay valid; its
-        quantized weights rewritten in place from them once per step)."""
-        if self._kept is not None:  # (a generator built from the host is never kept)
-            if (fetch is None and self._kept.reusable(params)
-                    and self._kept.quantization == quantization):
+        quantized weights rewritten in place from them once per step).
+        Only a generator of the training rollout's quantization is kept. A call of another one
+        (validation with trainer.val_quantized=false) gets a generator of its own, freed after the
+        call, beside the kept one while the device has room for its KV cache (prompts of
+        `lengths`, `rollout_cfg`); otherwise the kept one is freed first."""
+        kept = self._kept
+        training_kind = quantization == self.cfg.rollout.quantization
+        if kept is not None:  # (a generator built from the host is never kept)
+            usable = fetch is None and kept.reusable(params)
+            if usable and kept.quantization == quantization:
                 if self._quantized_at != step:
-                    self._kept.requantize(params)
+                    kept.requantize(params)
                     self._quantized_at = step
-                return self._kept
-            self._kept.release()
-            self._kept = None
+                return kept
+            if not usable or training_kind:
+                kept.release()
+                self._kept = kept = None
         gen = Generator(model_cfg=self.actor.model_cfg, params=params,
                         tp_group=self.ctx.gen_tp_group, device=self.actor.device,
                         dtype=self.actor.tcfg.params_dtype, true_vocab_size=self.actor.vocab_limit,
                         quantization=quantization, fetch=fetch)
-        if not self.cfg.rollout.free_cache_engine and fetch is None and gen.reusable(params):
+        if kept is not None:  # another quantization's call beside the kept generator
+            if not _room_for(gen.cache_bytes_for(list(lengths), rollout_cfg or self.cfg.rollout),
+                             self.actor.device):
+                kept.release()
+                self._kept = None
+            return gen
+        if (training_kind and not self.cfg.rollout.free_cache_engine and fetch is None
+                and gen.reusable(params)):
             self._kept, self._quantized_at = gen, step
         return gen
 
@@ -357,3 +373,18 @@ class PendingScores:
         else:
             scores, metrics = self.work.result()
         return self.stage.finish_scores(self.batch, scores, metrics)
+
+
+# what a generator beside the kept one takes besides its KV cache (captured graphs' pools,
+# workspaces), as a share of that cache and a floor
+_BESIDE_KEPT_SLACK, _BESIDE_KEPT_FLOOR = 0.25, 512 * 2**20
+
+
+def _room_for(cache_bytes: int, device: torch.device) -> bool:
+    """Whether `device` has room for a second generator's KV cache of `cache_bytes` (free memory
+    and what PyTorch's allocator holds unused; any CPU has)."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return cache_bytes * (1 + _BESIDE_KEPT_SLACK) + _BESIDE_KEPT_FLOOR <= free + unused

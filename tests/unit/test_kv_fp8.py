@@ -212,3 +212,26 @@ def test_cost_model_holds_the_fp8_cache_bytes_and_reads_at_bf16s_cost():
         ratio * mem["auto"].phases_gib["gen"]["kv_cache"])
     fields = workload_fields(_config("rollout.kv_cache_dtype=fp8"), decode_kernels="triton")
     assert fields["kv_cache_dtype"] == "fp8"
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_a_calls_planned_cache_bytes_bound_the_cache_it_allocates(kv):
+    """Generator.cache_bytes_for (what the rollout stage checks before building validation's
+    generator beside a kept one): at least the bytes of the cache a fresh generator's call
+    allocates (graphed buckets emulated, compaction and windows on), and within one column block
+    and one row bucket of it; kv_cache_nbytes is what KVCache.nbytes reports."""
+    prompts = random_prompts(10, vocab=CFG.vocab_size)
+    cfg = rc(max_new_tokens=20, kv_cache_dtype=kv, max_batch_size=8, compact_finished_rows=True,
+             decode_kv_window=64)
+    gen = make()
+    planned = gen.cache_bytes_for([len(p) for p in prompts], cfg)
+    gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0,
+                 options=opts(cfg, emulate_graphs=True, min_graphed_bucket=1))
+    assert gen._cache.fp8 == (kv == "fp8")
+    assert gen.kv_cache_bytes <= planned <= 2 * gen.kv_cache_bytes
+    from hybridflow.rollout.kv_cache import kv_cache_nbytes
+
+    c = gen._cache
+    assert kv_cache_nbytes(num_layers=CFG.num_layers, rows=c.rows, groups=CFG.num_query_groups,
+                           length=c.length, head_dim=CFG.head_dim, dtype=torch.float32,
+                           fp8=c.fp8) == c.nbytes
