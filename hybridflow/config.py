@@ -379,6 +379,11 @@ class DynamicSamplingConfig:
     # size each round from the kept fraction seen so far (the previous step's for a first round),
     # from 1 to batches_per_round batches
     adaptive: bool = False
+    # with adaptive: size each round in prompts, not whole batches, as the fewest that find the
+    # missing informative groups with this probability (e.g. 0.9) under the kept fraction; a round
+    # short by a few groups costs a whole second round. The rest of a batch waits for the next
+    # round or step. null: whole batches from the kept fraction's point estimate
+    round_confidence: Optional[float] = None
 
 
 @dataclass

@@ -454,6 +454,15 @@ def _validate_recipes(cfg: Config) -> None:
             raise ValueError(f"algo.dynamic_sampling.adaptive=true sizes each round between 1 and "
                              f"algo.dynamic_sampling.batches_per_round batches: set it >= 2 (got "
                              f"{ds.batches_per_round})")
+        q = ds.round_confidence
+        if q is not None:
+            if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.5 <= q < 1:
+                raise ValueError(f"algo.dynamic_sampling.round_confidence={q!r}: the probability "
+                                 f"that a round finds the missing groups, in [0.5, 1) (e.g. 0.9), "
+                                 f"or null (whole prompt batches)")
+            if not ds.adaptive:
+                raise ValueError("algo.dynamic_sampling.round_confidence sizes the adaptive rounds: "
+                                 "set algo.dynamic_sampling.adaptive=true, or leave it null")
         if r.n < 2:
             raise ValueError(f"algo.dynamic_sampling.enable=true keeps prompts whose samples score "
                              f"differently: set rollout.n >= 2 (got {r.n})")

@@ -277,8 +277,9 @@ class Trainer:
         cfg, rounds = self.cfg, itertools.count()
         ds = cfg.algo.dynamic_sampling
 
-        def one_round(num_batches: int = 1):
-            items = [self.dataset[i] for _ in range(num_batches) for i in self.sampler.next_batch()]
+        def one_round(prompts: Optional[int] = None):  # this rank's; None: one batch
+            items = [self.dataset[i] for i in self.sampler.next_prompts(
+                self.sampler.local_batch_size if prompts is None else prompts)]
             batch = self.rollout.generate(items, step=self.step, round_index=next(rounds), timer=timer)
             if cfg.reward.launch_reward_fn_async:  # scored behind the passes (scores_ready)
                 return batch, self.rollout.score_async(items, batch)
@@ -300,7 +301,7 @@ class Trainer:
                 next_round, num_groups=self.sampler.local_batch_size, group_size=cfg.rollout.n,
                 max_rounds=ds.max_rounds, dp_group=self.ctx.dp_group, pad_id=self.tokenizer.pad_id,
                 batches_per_round=ds.batches_per_round, adaptive=ds.adaptive,
-                kept_estimate=self.kept_estimate)
+                kept_estimate=self.kept_estimate, confidence=ds.round_confidence)
             self.kept_estimate = metrics["dynamic_sampling/kept_fraction"]
             if metrics["dynamic_sampling/cap_hit"]:
                 self.logger.print(f"step {self.step + 1}: dynamic sampling found too few informative "
@@ -331,14 +332,16 @@ class Trainer:
                 dp_sum(float(penalty.mean()), group=self.ctx.dp_group) / self.ctx.dp_size)
         return metrics
 
-    def partial_round(self, timer, calls, num_batches: int = 1) -> tuple[RolloutBatch, dict]:
+    def partial_round(self, timer, calls, prompts: Optional[int] = None
+                      ) -> tuple[RolloutBatch, dict]:
         """rollout.partial: top the in-flight groups up with fresh prompts, one capped generation
-        (and an uncapped one for missing or stale groups), score `num_batches` prompt batches'
-        worth of complete groups (a dynamic-sampling round may take several; hybridflow/rollout/
-        partial.py). `calls`: the step's generate-call counter (each call its own seeds)."""
+        (and an uncapped one for missing or stale groups), score `prompts` (this rank's; None: a
+        batch) worth of complete groups (a dynamic-sampling round may take several batches;
+        hybridflow/rollout/partial.py). `calls`: the step's generate-call counter (each call its
+        own seeds)."""
         cfg, pr = self.cfg, self.partial
-        L = self.sampler.local_batch_size
-        need = pr.fresh_needed(num_batches * L)
+        take = self.sampler.local_batch_size if prompts is None else prompts
+        need = pr.fresh_needed(take)
         while len(self.partial_queue) < need:  # whole sampler batches; the rest wait their turn
             self.partial_queue += [self.dataset[i] for i in self.sampler.next_batch()]
         pr.add(self.partial_queue[:need], self.step)
@@ -350,7 +353,7 @@ class Trainer:
                                          rollout_cfg=r, round_index=next(calls))
 
         g = self.ctx.dp_group
-        groups, pm = pr.step(gen_rows, self.step, take=num_batches * L,
+        groups, pm = pr.step(gen_rows, self.step, take=take,
                              anywhere=lambda has: dp_sum(float(has), group=g) > 0)
         batch = pr.batch(groups, pad_id=self.tokenizer.pad_id,
                          first_group=self.ctx.train.dp * len(groups))

@@ -10,9 +10,13 @@ Choices:
 - `drop_last=True` skips the tail that does not fill a batch; with `drop_last=False` the last batch
   is filled up from the start of the same permutation, so every step has exactly B prompts (group
   sizes and loss scaling downstream assume a fixed batch).
-- The state is (epoch, step within the epoch). The DP size is not part of it: a run resumed on a
-  different number of DP ranks sees the same global batches, only sliced differently. Resumed on
-  other data (`restart_epoch`), the saved epoch starts again over the new items.
+- The state is (epoch, step within the epoch, offset). The DP size is not part of it: a run resumed
+  on a different number of DP ranks sees the same global batches, only sliced differently. Resumed
+  on other data (`restart_epoch`), the saved epoch starts again over the new items.
+- `next_prompts(count)` takes fewer (or more) than a batch: the next `count` of this rank's slices,
+  in order, spanning batches; `offset` is how many of the current batch's local slice are taken
+  (every rank takes the same counts). A run resumed with a part of a batch taken on another number
+  of DP ranks (whose slices differ) goes on at the next batch: the rest of that one is skipped.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class PromptSampler:
         self.drop_last = drop_last
         self.epoch = 0
         self.step_in_epoch = 0
+        self.offset = 0  # of the current batch's local slice, taken by next_prompts
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
 
     @property
@@ -75,12 +80,29 @@ class PromptSampler:
 
     def next_batch(self) -> list[int]:
         """This rank's B/D indices for the next step; moves on, into the next epoch at the end."""
-        batch = self.global_batch()
-        local = batch[self.dp_rank * self.local_batch_size:(self.dp_rank + 1) * self.local_batch_size]
+        return self.next_prompts(self.local_batch_size)
+
+    def next_prompts(self, count: int) -> list[int]:
+        """This rank's next `count` indices: the rest of the current batch's local slice, then the
+        next batches' (into the next epoch at an epoch's end)."""
+        if count < 0:
+            raise ValueError(f"next_prompts: count must be >= 0, got {count}")
+        out, L = [], self.local_batch_size
+        while len(out) < count:
+            batch = self.global_batch()
+            local = batch[self.dp_rank * L:(self.dp_rank + 1) * L]
+            take = min(count - len(out), L - self.offset)
+            out += local[self.offset:self.offset + take]
+            self.offset += take
+            if self.offset == L:
+                self._advance()
+        return out
+
+    def _advance(self) -> None:
+        self.offset = 0
         self.step_in_epoch += 1
         if self.step_in_epoch == self.steps_per_epoch:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
-        return local
 
     def __iter__(self) -> Iterator[list[int]]:
         """The rest of the current epoch, one local batch per step."""
@@ -89,9 +111,9 @@ class PromptSampler:
             yield self.next_batch()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed,
-                "num_items": self.num_items, "batch_size": self.batch_size, "shuffle": self.shuffle,
-                "drop_last": self.drop_last}
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "offset": self.offset,
+                "dp_size": self.dp_size, "seed": self.seed, "num_items": self.num_items,
+                "batch_size": self.batch_size, "shuffle": self.shuffle, "drop_last": self.drop_last}
 
     def load_state_dict(self, state: dict[str, Any], *, restart_epoch: bool = False) -> None:
         """Continue where `state` stopped. restart_epoch: the data changed (the trainer's
@@ -106,9 +128,19 @@ class PromptSampler:
         for key in ("epoch", "step_in_epoch"):
             if not isinstance(state.get(key), int) or state[key] < 0:
                 raise ValueError(f"sampler state: {key} must be a non-negative int, got {state.get(key)!r}")
+        offset = state.get("offset", 0)  # absent in states saved before it
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"sampler state: offset must be a non-negative int, got {offset!r}")
         if restart_epoch:
-            state = {**state, "step_in_epoch": 0}
+            state, offset = {**state, "step_in_epoch": 0}, 0
         if state["step_in_epoch"] >= self.steps_per_epoch:
             raise ValueError(f"sampler state: step_in_epoch {state['step_in_epoch']} is past steps_per_epoch "
                              f"{self.steps_per_epoch}")
-        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        self.epoch, self.step_in_epoch, self.offset = state["epoch"], state["step_in_epoch"], 0
+        if offset and state.get("dp_size", self.dp_size) != self.dp_size:
+            self._advance()  # another DP size slices that batch otherwise: go on at the next one
+        elif offset:
+            if offset >= self.local_batch_size:
+                raise ValueError(f"sampler state: offset {offset} is past the local batch size "
+                                 f"{self.local_batch_size}")
+            self.offset = offset

@@ -12,9 +12,13 @@ tail of response lengths once whatever its size (decode is bound by kernel launc
 one round of 2 batches costs far less than two rounds of one. With `adaptive`, k is sized from the
 kept fraction measured so far: `kept_estimate` (the earlier steps', from the caller) for the first
 round, this step's for later ones; k = ceil(missing groups / (fraction x groups per batch)), between
-1 and `batches_per_round` (the cap; the cap itself when nothing is known yet). Every rank computes
-k from DP-summed counts, so all ranks draw the same number of batches. Informative groups beyond
-the target are dropped (as verl does).
+1 and `batches_per_round` (the cap; the cap itself when nothing is known yet). With `confidence` q
+as well, a round is sized in prompts rather than whole batches: the fewest groups that hold the
+missing ones with probability q when each is informative with the estimated fraction (a normal
+approximation of the binomial), so a round is rarely short by a few groups, which would cost a
+whole second round; the prompts of a batch not drawn wait for the next round or step (the sampler
+keeps its place). Every rank computes the size from DP-summed counts, so all ranks draw the same
+number of prompts. Informative groups beyond the target are dropped (as verl does).
 
 Choices:
 - Groups are pooled over DP: every rank runs the same number of rounds (the rounds' collectives
@@ -39,6 +43,7 @@ kept batch, is not).
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 from typing import Callable, Optional
 
 import torch
@@ -84,13 +89,30 @@ def round_batches(missing: int, target: int, kept_fraction: Optional[float], cap
     return max(1, min(cap, math.ceil(missing / (kept_fraction * target) - 1e-9)))
 
 
+def round_prompts(missing: int, *, num_groups: int, dp: int, kept_fraction: Optional[float],
+                  cap: int, confidence: float) -> int:
+    """Prompts per rank for a round that finds `missing` informative groups (over all `dp` ranks)
+    with probability `confidence` when each group is informative with probability `kept_fraction`:
+    the fewest n groups with n f - z sqrt(n f (1 - f)) >= missing (z the normal quantile of the
+    confidence), over the ranks; 1 .. cap batches of `num_groups` (the cap when nothing is known)."""
+    most = cap * num_groups
+    if not kept_fraction or kept_fraction <= 0:
+        return most
+    f = min(kept_fraction, 1.0)
+    a = NormalDist().inv_cdf(confidence) * math.sqrt(f * (1 - f))
+    root = (a + math.sqrt(a * a + 4 * f * missing)) / (2 * f)  # sqrt(n) at equality
+    return max(1, min(most, math.ceil(math.ceil(root * root - 1e-9) / dp)))
+
+
 def fill_informative(next_round: Callable[[int], tuple[RolloutBatch, dict]], *, num_groups: int,
                      group_size: int, max_rounds: int,
                      dp_group: Optional[dist.ProcessGroup] = None,
                      pad_id: int = 0, batches_per_round: int = 1, adaptive: bool = False,
-                     kept_estimate: Optional[float] = None) -> tuple[RolloutBatch, dict]:
-    """This rank's `num_groups` groups (see module doc) and the stage's metrics. `dp_group` None:
-    a single process (no collectives)."""
+                     kept_estimate: Optional[float] = None,
+                     confidence: Optional[float] = None) -> tuple[RolloutBatch, dict]:
+    """This rank's `num_groups` groups (see module doc) and the stage's metrics. `next_round(p)`:
+    p prompts per rank (k batches: k x num_groups). `dp_group` None: a single process (no
+    collectives)."""
     if max_rounds < 1:
         raise ValueError(f"max_rounds={max_rounds} must be >= 1")
     if batches_per_round < 1:
@@ -102,12 +124,17 @@ def fill_informative(next_round: Callable[[int], tuple[RolloutBatch, dict]], *, 
     generated = found = batches = 0
     score_sum = 0.0
     for rounds in range(1, max_rounds + 1):
-        k = batches_per_round
-        if adaptive:
-            k = round_batches(target - found, target,
-                              found / generated if generated else kept_estimate, batches_per_round)
-        batches += k
-        batch, metrics = next_round(k)
+        prompts = batches_per_round * num_groups
+        fraction = found / generated if generated else kept_estimate
+        if adaptive and confidence is not None:
+            prompts = round_prompts(target - found, num_groups=num_groups, dp=dp,
+                                    kept_fraction=fraction, cap=batches_per_round,
+                                    confidence=confidence)
+        elif adaptive:
+            prompts = num_groups * round_batches(target - found, target, fraction,
+                                                 batches_per_round)
+        batches += prompts / num_groups
+        batch, metrics = next_round(prompts)
         round_metrics.append(metrics)
         keep = informative_groups(batch.scores, batch.group_ids)  # (B,)
         kept.append(batch.select(keep))

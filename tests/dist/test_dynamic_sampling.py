@@ -19,8 +19,8 @@ def _fill(ctx, max_rounds: int):
     rank = ctx.train.dp
     calls = []
 
-    def next_round(k=1):
-        assert k == 1
+    def next_round(prompts):
+        assert prompts == 2  # one batch of num_groups
         calls.append(1)
         tag = 10 * rank + len(calls)
         return make_round(tag, ROUNDS[rank][len(calls) - 1]), {"reward/x/mean": float(len(calls))}
@@ -89,16 +89,27 @@ def _trainer_runs(out_dir):
         ctx = groups.init_model_parallel(tp=1, pp=1, seed=cfg.trainer.seed)
         trainer = Trainer(cfg, ctx)
         asked = []
-        one = trainer.sampler.next_batch
-        trainer.sampler.next_batch = lambda: asked.append(1) or one()  # count the batches drawn
+        some = trainer.sampler.next_prompts  # count the prompts drawn, in batches
+        L = trainer.sampler.local_batch_size
+        trainer.sampler.next_prompts = lambda count: asked.append(count / L) or some(count)
         history = trainer.train()
-        return history, trainer.kept_estimate, len(asked)
+        return history, trainer.kept_estimate, sum(asked)
 
-    whole = run("whole", STEPS, "trainer.save_final=false")
-    first = run("resumed", 2, "trainer.save_final=true")
-    state = json.load(open(f"{out_dir}/resumed/checkpoints/step_2/trainer_state.json"))
-    second = run("resumed", STEPS, "trainer.save_final=false")
-    return {"whole": whole, "first": first, "second": second, "state": state}
+    out = {}
+    # the parity reward: some groups score all alike, so rounds find part of what they draw
+    conf = ["algo.dynamic_sampling.round_confidence=0.9",
+            "reward.fn=tests.dist.test_dynamic_sampling:even_digits"]
+    for tag, extra in (("", []), ("conf_", conf)):
+        out[tag + "whole"] = run(tag + "whole", STEPS, "trainer.save_final=false", *extra)
+        out[tag + "first"] = run(tag + "resumed", 2, "trainer.save_final=true", *extra)
+        out[tag + "state"] = json.load(open(f"{out_dir}/{tag}resumed/checkpoints/step_2/"
+                                            f"trainer_state.json"))
+        out[tag + "second"] = run(tag + "resumed", STEPS, "trainer.save_final=false", *extra)
+    return out
+
+
+def even_digits(prompt, response, ground_truth, extra_info=None) -> float:
+    return float(sum(c.isdigit() for c in response) % 2 == 0)
 
 
 def test_adaptive_rounds_through_the_trainer_and_resume(both):
@@ -119,3 +130,25 @@ def test_adaptive_rounds_through_the_trainer_and_resume(both):
             assert resumed[key] == history[-1][key], key
     # every rank drew the same number of batches each step (sized from DP-summed counts)
     assert len({tuple(m["dynamic_sampling/batches"] for m in r["whole"][0]) for r in results}) == 1
+
+
+def test_rounds_sized_in_prompts_through_the_trainer_and_resume(both):
+    """algo.dynamic_sampling.round_confidence: rounds draw prompts, not whole batches (the sampler
+    keeps its place inside a batch, in the checkpoint too); a run resumed at step 2 takes the same
+    prompts, rounds and groups at step 3 as the uninterrupted run."""
+    results = [rank["trainer"] for rank in both]
+    for r in results:
+        history, estimate, drawn = r["conf_whole"]
+        ds = [{k[len("dynamic_sampling/"):]: v for k, v in m.items()
+               if k.startswith("dynamic_sampling/")} for m in history]
+        assert len(ds) == STEPS and drawn == pytest.approx(sum(d["batches"] for d in ds))
+        assert all(d["cap_hit"] == 0 for d in ds) and ds[0]["batches"] >= 3
+        assert any(d["batches"] != int(d["batches"]) for d in ds[1:]), ds  # a part of a batch
+        assert r["conf_state"]["sampler"]["dp_size"] == 2
+        resumed = r["conf_second"][0][-1]
+        for key in ("dynamic_sampling/batches", "dynamic_sampling/rounds",
+                    "dynamic_sampling/kept_fraction", "dynamic_sampling/score_mean",
+                    "critic/score/mean", "response_length/mean", "actor/pg_loss"):
+            assert resumed[key] == history[-1][key], key
+    assert len({tuple(m["dynamic_sampling/batches"] for m in r["conf_whole"][0])
+                for r in results}) == 1

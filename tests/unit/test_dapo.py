@@ -50,11 +50,11 @@ def make_round(tag: int, group_scores: list[list[float]], width: int = 3) -> Rol
                         scores=torch.tensor([s for g in group_scores for s in g]))
 
 
-def scripted(rounds):
+def scripted(rounds, num_groups: int = 3):
     calls = []
 
-    def next_round(k=1):
-        assert k == 1
+    def next_round(prompts):  # one batch a round: num_groups prompts
+        assert prompts == num_groups
         calls.append(len(calls))
         tag = len(calls)
         return make_round(tag, rounds[tag - 1], width=2 + tag), {"reward/x/mean": float(tag)}
@@ -99,8 +99,8 @@ def test_random_rounds_bounded_and_mixed():
     gen = torch.Generator().manual_seed(0)
     state = {"tag": 0}
 
-    def next_round(k=1):
-        assert k == 1
+    def next_round(prompts):
+        assert prompts == 8  # one batch
         state["tag"] += 1
         scores = (torch.rand(8, N, generator=gen) < 0.3).float().tolist()
         return make_round(state["tag"], scores), {}
@@ -130,7 +130,9 @@ def test_batches_per_round_fixed_and_adaptive():
     def rounds_of(kept_per_batch, **kw):
         asked = []
 
-        def next_round(k):
+        def next_round(prompts):  # batches of 4 groups
+            assert prompts % 4 == 0
+            k = prompts // 4
             asked.append(k)
             # per batch of 4 groups: the first `kept` informative ([0, 1]), the rest all-zero
             scores = [[0.0, 1.0] if g < kept_per_batch[len(asked) - 1] else [0.0, 0.0]
@@ -155,6 +157,67 @@ def test_batches_per_round_fixed_and_adaptive():
     assert asked == [1, 3]
     with pytest.raises(ValueError, match="batches_per_round=0"):
         fill_informative(lambda k: None, num_groups=1, group_size=N, max_rounds=1, batches_per_round=0)
+
+
+def test_round_prompts_by_hand():
+    """The fewest groups n with n f - z sqrt(n f (1 - f)) >= missing, over the DP ranks, within
+    1 .. cap batches; the cap when nothing is known."""
+    from statistics import NormalDist
+
+    from hybridflow.rollout.dynamic_sampling import round_prompts
+
+    kw = dict(num_groups=64, dp=1, cap=3)
+    assert round_prompts(64, kept_fraction=None, confidence=0.9, **kw) == 192
+    assert round_prompts(64, kept_fraction=0.0, confidence=0.9, **kw) == 192
+    n = round_prompts(64, kept_fraction=0.53, confidence=0.9, **kw)
+    assert n == 135  # 2.1 batches, where whole batches take 2 (mean 67.8 found, often short)
+    z, f = NormalDist().inv_cdf(0.9), 0.53
+    for m in (n - 1, n):  # n is the first that holds
+        holds = m * f - z * (m * f * (1 - f)) ** 0.5 >= 64
+        assert holds == (m == n)
+    # the probability it holds: P(Binomial(135, 0.53) >= 64) ~ 0.9 (exactly, by the pmf)
+    from math import comb
+    p = sum(comb(n, k) * f ** k * (1 - f) ** (n - k) for k in range(64, n + 1))
+    assert 0.88 < p < 0.95
+    assert round_prompts(64, kept_fraction=0.53, confidence=0.5, **kw) == 121  # 64 / 0.53
+    assert round_prompts(64, kept_fraction=0.53, confidence=0.9, num_groups=32, dp=2,
+                         cap=3) == 68  # 135 over 2 ranks, rounded up
+    assert round_prompts(64, kept_fraction=0.1, confidence=0.9, **kw) == 192  # capped
+    assert round_prompts(1, kept_fraction=1.0, confidence=0.99, **kw) == 1
+    assert round_prompts(64, kept_fraction=1.0, confidence=0.9, **kw) == 64  # no variance
+
+
+def test_confidence_sizes_rounds_in_prompts():
+    """round_confidence: each round asks for prompts, not whole batches; `batches` counts
+    prompts / num_groups; the target is reached with informative groups only."""
+    asked = []
+
+    def next_round(prompts):  # every second group informative
+        asked.append(prompts)
+        scores = [[0.0, 1.0] if g % 2 == 0 else [0.0, 0.0] for g in range(prompts)]
+        return make_round(len(asked), scores), {}
+
+    batch, m = fill_informative(next_round, num_groups=8, group_size=N, max_rounds=4,
+                                batches_per_round=3, adaptive=True, kept_estimate=0.5,
+                                confidence=0.9)
+    assert asked[0] not in (8, 16, 24) and 16 < asked[0] < 24  # 2-3 batches, in prompts
+    assert len(asked) == 1 and informative_groups(batch.scores, batch.group_ids).all()
+    assert m["dynamic_sampling/batches"] == asked[0] / 8 and batch.batch_size == 8 * N
+
+
+def test_round_confidence_checks():
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
+
+    base = ["experiment=demo", "algo=dapo", "reward.fn=math_exact", "reward.overlong_buffer.len=2"]
+    for bad in ("1.0", "0.2", "true"):
+        with pytest.raises(ValueError, match="round_confidence"):
+            validate(load_config([*base, f"algo.dynamic_sampling.round_confidence={bad}"]),
+                     world_size=1)
+    with pytest.raises(ValueError, match="adaptive=true"):
+        validate(load_config([*base, "algo.dynamic_sampling.round_confidence=0.9",
+                              "algo.dynamic_sampling.adaptive=false"]), world_size=1)
+    validate(load_config([*base, "algo.dynamic_sampling.round_confidence=0.9"]), world_size=1)
 
 
 def test_chunking_warning_names_the_keys():

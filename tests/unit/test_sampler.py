@@ -95,3 +95,48 @@ def test_restart_epoch_over_new_data():
     with pytest.raises(ValueError, match="batch_size=8"):
         PromptSampler(16, batch_size=4, dp_rank=0, dp_size=1, seed=1).load_state_dict(
             old.state_dict(), restart_epoch=True)
+
+
+def test_next_prompts_walks_the_same_order_in_any_pieces():
+    """next_prompts(count) takes this rank's slices in order, spanning batches and epochs: any
+    split of the counts gives the indices next_batch gives; next_batch after a part takes the
+    next batch's worth (the rest of this one, then the next one's start)."""
+    whole = PromptSampler(30, batch_size=8, dp_rank=1, dp_size=2, seed=5)
+    ref = sum(take(whole, 2 * whole.steps_per_epoch + 1), [])  # crosses two epoch ends
+    s = PromptSampler(30, batch_size=8, dp_rank=1, dp_size=2, seed=5)
+    got = []
+    for count in (3, 1, 0, 6, 2, 5):  # 17 of 28
+        got += s.next_prompts(count)
+    got += s.next_batch()
+    got += s.next_prompts(len(ref) - len(got))
+    assert got == ref
+    assert s.offset == 0 and (s.epoch, s.step_in_epoch) == (whole.epoch, whole.step_in_epoch)
+    with pytest.raises(ValueError, match="count must be >= 0"):
+        s.next_prompts(-1)
+
+
+def test_resume_inside_a_batch():
+    """The offset into the current batch is state: a resume goes on inside it. On another DP size
+    (other slices) it goes on at the next batch; a state without an offset (older) starts at its
+    batch's beginning."""
+    a = PromptSampler(40, batch_size=8, dp_rank=0, dp_size=2, seed=1)
+    a.next_prompts(6)  # one batch (4) and 2 of the next
+    state = a.state_dict()
+    assert state["offset"] == 2 and state["dp_size"] == 2
+    b = PromptSampler(40, batch_size=8, dp_rank=0, dp_size=2, seed=1)
+    b.load_state_dict(state)
+    assert b.next_prompts(5) == a.next_prompts(5)
+    c = PromptSampler(40, batch_size=8, dp_rank=0, dp_size=4, seed=1)
+    c.load_state_dict(state)
+    ref = PromptSampler(40, batch_size=8, dp_rank=0, dp_size=4, seed=1)
+    take(ref, 2)
+    assert (c.step_in_epoch, c.offset) == (2, 0) and c.next_batch() == ref.next_batch()
+    old = {k: v for k, v in state.items() if k not in ("offset", "dp_size")}
+    d = PromptSampler(40, batch_size=8, dp_rank=0, dp_size=2, seed=1)
+    d.load_state_dict(old)
+    assert (d.step_in_epoch, d.offset) == (1, 0)
+    for bad in (-1, "2"):
+        with pytest.raises(ValueError, match="offset must be a non-negative int"):
+            d.load_state_dict({**state, "offset": bad})
+    with pytest.raises(ValueError, match="past the local batch size"):
+        d.load_state_dict({**state, "offset": 4})
