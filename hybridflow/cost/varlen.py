@@ -72,6 +72,12 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
     return sizes + [max_batch_size]
 
 
+def below_cap(current: int) -> int | None:
+    """hybridflow.rollout.compaction.below_cap: the power of two below a cap bucket that is not
+    one (compaction may move there from it), else None."""
+    return None if current & (current - 1) == 0 else 1 << (current.bit_length() - 1)
+
+
 @dataclass(frozen=True)
 class Decode:
     """One generation call's decode work on one gen replica."""
@@ -124,7 +130,7 @@ def _chunk(lengths: np.ndarray, *, prompt: int, cap: int | None, max_batch: int,
         targets = [x for x in ladder if x >= MIN_GRAPHED_BUCKET and x < b]
         for s in range(2 * CHECK_EVERY, steps if start is None else start, CHECK_EVERY):
             fit = next((x for x in targets if x >= max(_polled_live(srt, s), 1)), None)
-            if fit is not None and fit <= b // 2:
+            if fit is not None and fit < b and (fit <= b // 2 or fit == below_cap(b)):
                 b = fit
                 rows[s + 1:] = b
                 moved += 2 * b * (prompt + s)

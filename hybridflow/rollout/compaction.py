@@ -12,7 +12,9 @@ Algorithm, at the stop-poll points (every DecodeOptions.check_every decode steps
 2. `target_bucket`: the smallest ladder bucket >= that count, taken only when it is at most HALF
    the current bucket (hysteresis: every compaction at least halves the decode work, so a chunk
    compacts at most log2(b) times and the gather traffic is a geometric series; a move for a saving
-   of one row would cost a gather and, on GPU, a graph for little). The ladder is
+   of one row would cost a gather and, on GPU, a graph for little), or, from the cap when it is not
+   a power of two (rollout.max_batch_size=1536), the power of two below it (1,024: a third of the
+   work saved, where waiting for half would decode at the cap until 512 rows are left). The ladder is
    `bucket_sizes(max_batch_size)` (powers of two, the cap on top); with CUDA graphs only buckets
    >= DecodeOptions.min_graphed_bucket are used: each ladder bucket is captured up front (before
    the seed, like the chunk buckets), and at a few rows a decode step costs about the same (weight
@@ -58,9 +60,17 @@ def ladder(bucket_sizes: list[int], *, graphed: bool, min_graphed: int) -> list[
 
 def target_bucket(live: int, current: int, targets: list[int]) -> Optional[int]:
     """The bucket to compact `current` rows into when at most `live` rows are unfinished, or None
-    (no ladder bucket fits, or the saving is under half: hysteresis)."""
+    (no ladder bucket fits, or the saving is under half: hysteresis; from a cap that is not a power
+    of two, the power of two below it as well)."""
     fit = next((b for b in targets if b >= max(live, 1)), None)
-    return fit if fit is not None and fit <= current // 2 else None
+    if fit is None or fit >= current:
+        return None
+    return fit if fit <= current // 2 or fit == below_cap(current) else None
+
+
+def below_cap(current: int) -> Optional[int]:
+    """The power of two below `current` when `current` is not one (a cap bucket), else None."""
+    return None if current & (current - 1) == 0 else 1 << (current.bit_length() - 1)
 
 
 def flush(buf, row_map: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,

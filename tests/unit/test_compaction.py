@@ -31,11 +31,19 @@ def test_target_bucket_halves_or_waits():
         for current in sorted(set(targets + [5, 7, 24, 384])):
             for live in range(current + 1):
                 got = compaction.target_bucket(live, current, targets)
-                fits = [t for t in targets if max(live, 1) <= t <= current // 2]
+                cap_step = [t for t in targets if t < current and current & (current - 1)
+                            and t == 1 << (current.bit_length() - 1)]
+                fits = [t for t in targets if max(live, 1) <= t <= current // 2
+                        or (t in cap_step and t >= max(live, 1))]
                 if not fits:
                     assert got is None, (targets, current, live)
                 else:  # the smallest bucket holding every live row, at most half the current
+                    # (or, from a cap that is not a power of two, the power of two below it)
                     assert got == min(fits), (targets, current, live)
+    assert compaction.target_bucket(1000, 1536, [512, 1024, 1536]) == 1024  # a third saved
+    assert compaction.target_bucket(1025, 1536, [512, 1024, 1536]) is None
+    assert compaction.target_bucket(600, 1024, [512, 1024, 1536]) is None  # under half: waits
+    assert compaction.target_bucket(500, 1536, [512, 1024, 1536]) == 512
     assert compaction.ladder([1, 2, 4, 8, 16, 32, 48], graphed=True, min_graphed=16) == [16, 32, 48]
     assert compaction.ladder([1, 2, 4], graphed=False, min_graphed=16) == [1, 2, 4]
 
@@ -146,3 +154,27 @@ def test_sampling_through_compaction():
         assert all(t == 99 for t in row[n:]) and (s1.rollout_logprobs[i, n:] == 0).all()
         assert (s1.rollout_logprobs[i, :n] <= 0).all() and 0 <= min(row[:n])
         assert max(row[:n]) < CFG.vocab_size
+
+
+def test_a_cap_that_is_not_a_power_of_two_compacts_to_the_one_below():
+    """24 rows (max_batch_size 24) of which 10 run to the end: the live count never falls to half
+    a bucket (8 of 16 after 24), so only the step from the cap to 16 compacts; greedy tokens are
+    the uncompacted run's, for about a quarter fewer row-steps."""
+    from tests.unit.test_rollout import opts
+
+    gen, R = make(), 60
+    prompts = random_prompts(24, vocab=CFG.vocab_size)
+    base = rc(max_new_tokens=R, max_batch_size=24)
+    free = gen.generate(prompts, cfg=base, eos_id=-1, pad_id=0, seed=0,
+                        options=opts(base, check_every=2))
+    stops = uneven_stops(free.response_ids, [0, 5, 11, 20], CFG.vocab_size)
+    cfg = dataclasses.replace(base, stop_token_ids=stops[1:])
+    plain = gen.generate(prompts, cfg=cfg, eos_id=stops[0], pad_id=0, seed=0,
+                         options=opts(cfg, check_every=2))
+    on = dataclasses.replace(cfg, compact_finished_rows=True)
+    got = gen.generate(prompts, cfg=on, eos_id=stops[0], pad_id=0, seed=0,
+                       options=opts(on, check_every=2, emulate_graphs=True, min_graphed_bucket=1))
+    assert int((got.response_mask.sum(1) == R).sum()) == 10
+    assert torch.equal(got.response_ids, plain.response_ids)
+    assert gen.stats["compactions"] == 1
+    assert gen.stats["decode_row_steps"] < 0.8 * gen.stats["decode_row_steps_uncompacted"]

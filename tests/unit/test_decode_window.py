@@ -59,7 +59,8 @@ def test_generate_with_windows_equals_whole_cache(temperature, compact, eos):
                    eos_id=eos, pad_id=0, seed=7)
     assert_same_rows(out, ref)
     used = gen.stats["window_steps"]  # a window holds the columns written so far: 7 + step
-    assert set(used) == ({64, 128, 192} if eos < 0 else {64, 128})
+    # (with EOS the longest row decides whether the last window is reached)
+    assert {64, 128} <= set(used) <= {64, 128, 192} and (eos >= 0 or 192 in used)
     assert used[64] == 64 - 7 and (eos >= 0 or used[128] == 64)
     if compact:
         assert gen.stats["compactions"] > 0
