@@ -26,17 +26,18 @@ def test_compiled_decode_generates_what_eager_does():
     gen = make()
     cfg = rc(n=3, temperature=1.0, max_new_tokens=150, compact_finished_rows=True,
              decode_kv_window=64)
-    ref = gen.generate(PROMPTS, cfg=cfg, eos_id=5, pad_id=0, seed=7,
+    ref = gen.generate(PROMPTS, cfg=cfg, eos_id=5, pad_id=0, seed=1,
                        options=opts(cfg, check_every=4))
     compiled = opts(cfg, check_every=4, compile=True, compile_backend="aot_eager")
-    out = gen.generate(PROMPTS, cfg=cfg, eos_id=5, pad_id=0, seed=7, options=compiled)
+    out = gen.generate(PROMPTS, cfg=cfg, eos_id=5, pad_id=0, seed=1, options=compiled)
     assert gen.stats["compactions"] > 0  # several batch sizes and windows went through it
     for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"):
         assert torch.equal(getattr(out, name), getattr(ref, name)), name
     torch.testing.assert_close(out.rollout_logprobs, ref.rollout_logprobs, atol=1e-5, rtol=1e-5)
     # each compiled function traced once for every batch size >= 2 and once for 1 (dynamo
-    # specialises sizes 0/1; compaction reaches a 1-row bucket here), a layer's first part also
-    # with and without the previous MLP output to add (layer 0): not per bucket, window or layer
+    # specialises sizes 0/1; compaction reaches a 1-row bucket with this seed), a layer's first
+    # part also with and without the previous MLP output to add (layer 0): not per bucket, window
+    # or layer
     entries = traces(decoder._attn_in, decoder._attn_out_split, sampling._race_argmax,
                      sampling._token_logprobs)
     assert entries == {"_attn_in": 4, "_attn_out_split": 2, "_race_argmax": 2,
