@@ -461,8 +461,9 @@ def _validate_recipes(cfg: Config) -> None:
                                  f"that a round finds the missing groups, in [0.5, 1) (e.g. 0.9), "
                                  f"or null (whole prompt batches)")
             if not ds.adaptive:
-                raise ValueError("algo.dynamic_sampling.round_confidence sizes the adaptive rounds: "
-                                 "set algo.dynamic_sampling.adaptive=true, or leave it null")
+                raise ValueError("algo.dynamic_sampling.round_confidence sizes the adaptive "
+                                 "rounds: set algo.dynamic_sampling.adaptive=true, or leave it "
+                                 "null")
         if r.n < 2:
             raise ValueError(f"algo.dynamic_sampling.enable=true keeps prompts whose samples score "
                              f"differently: set rollout.n >= 2 (got {r.n})")

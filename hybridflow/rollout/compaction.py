@@ -14,8 +14,8 @@ Algorithm, at the stop-poll points (every DecodeOptions.check_every decode steps
    compacts at most log2(b) times and the gather traffic is a geometric series; a move for a saving
    of one row would cost a gather and, on GPU, a graph for little), or, from the cap when it is not
    a power of two (rollout.max_batch_size=1536), the power of two below it (1,024: a third of the
-   work saved, where waiting for half would decode at the cap until 512 rows are left). The ladder is
-   `bucket_sizes(max_batch_size)` (powers of two, the cap on top); with CUDA graphs only buckets
+   work saved, where waiting for half would decode at the cap until 512 rows are left). The ladder
+   is `bucket_sizes(max_batch_size)` (powers of two, the cap on top); with CUDA graphs only buckets
    >= DecodeOptions.min_graphed_bucket are used: each ladder bucket is captured up front (before
    the seed, like the chunk buckets), and at a few rows a decode step costs about the same (weight
    reads and launches), so smaller graphs would be capture time for nothing.

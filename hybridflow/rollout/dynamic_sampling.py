@@ -8,17 +8,18 @@ together reach the target (`num_groups` per rank x DP) or after `max_rounds` rou
 
 Round size (k prompt batches of `num_groups` per rank): `batches_per_round` (verl's
 data.gen_batch_size / data.train_batch_size; its DAPO recipe generates 3x). A round pays the long
-tail of response lengths once whatever its size (decode is bound by kernel launches, not rows), so
-one round of 2 batches costs far less than two rounds of one. With `adaptive`, k is sized from the
-kept fraction measured so far: `kept_estimate` (the earlier steps', from the caller) for the first
-round, this step's for later ones; k = ceil(missing groups / (fraction x groups per batch)), between
-1 and `batches_per_round` (the cap; the cap itself when nothing is known yet). With `confidence` q
-as well, a round is sized in prompts rather than whole batches: the fewest groups that hold the
-missing ones with probability q when each is informative with the estimated fraction (a normal
-approximation of the binomial), so a round is rarely short by a few groups, which would cost a
-whole second round; the prompts of a batch not drawn wait for the next round or step (the sampler
-keeps its place). Every rank computes the size from DP-summed counts, so all ranks draw the same
-number of prompts. Informative groups beyond the target are dropped (as verl does).
+tail of response lengths once whatever its size (more rows cost less than another tail; the decode
+buckets set the steps: docs/perf_log.md), so one round of 2 batches costs less than two rounds of
+one. With `adaptive`, k is sized from the kept fraction measured so far: `kept_estimate` (the
+earlier steps', from the caller) for the first round, this step's for later ones; k = ceil(missing
+groups / (fraction x groups per batch)), between 1 and `batches_per_round` (the cap; the cap itself
+when nothing is known yet). With `confidence` q as well, a round is sized in prompts rather than
+whole batches: the fewest groups that hold the missing ones with probability q when each is
+informative with the estimated fraction (a normal approximation of the binomial), so a round is
+rarely short by a few groups, which would cost a whole second round; the prompts of a batch not
+drawn wait for the next round or step (the sampler keeps its place). Every rank computes the size
+from DP-summed counts, so all ranks draw the same number of prompts. Informative groups beyond the
+target are dropped (as verl does).
 
 Choices:
 - Groups are pooled over DP: every rank runs the same number of rounds (the rounds' collectives
@@ -94,7 +95,8 @@ def round_prompts(missing: int, *, num_groups: int, dp: int, kept_fraction: Opti
     """Prompts per rank for a round that finds `missing` informative groups (over all `dp` ranks)
     with probability `confidence` when each group is informative with probability `kept_fraction`:
     the fewest n groups with n f - z sqrt(n f (1 - f)) >= missing (z the normal quantile of the
-    confidence), over the ranks; 1 .. cap batches of `num_groups` (the cap when nothing is known)."""
+    confidence), over the ranks; 1 .. cap batches of `num_groups` (the cap when nothing is
+    known)."""
     most = cap * num_groups
     if not kept_fraction or kept_fraction <= 0:
         return most
