@@ -436,6 +436,10 @@ def test_bench_prefill_widths_per_multiple(tmp_path):
                    check=True, cwd=ROOT, env=ENV, capture_output=True)
     report = json.loads(out.read_text())
     assert [r["prefill_width_multiple"] for r in report["runs"]] == [1, 8]
+    assert report["compile_caches"] == "fresh per process"
     for r in report["runs"]:
         assert [len(p) for p in r["calls_s"]] == [3, 3] and r["prefills"] == 1
         assert r["new_width_cost_s"] == r["new_width_median_s"] - r["seen_width_median_s"]
+        # the warm call at 16 (alignment 16), then 9 (1, new), 11 (1), 13 (1)
+        assert [(c["width"], c["alignment"], c["class_new"]) for c in r["first_pass"]] == [
+            (9, 1, True), (11, 1, False), (13, 1, False)]
