@@ -219,8 +219,8 @@ class RolloutStage:
         quantized weights rewritten in place from them once per step).
         Only a generator of the training rollout's quantization is kept. A call of another one
         (validation with trainer.val_quantized=false) gets a generator of its own, freed after the
-        call, beside the kept one while the device has room for its KV cache (prompts of
-        `lengths`, `rollout_cfg`); otherwise the kept one is freed first."""
+        call, beside the kept one while every rank's device has room for its KV cache (prompts
+        of `lengths`, `rollout_cfg`); otherwise the kept one is freed first, on every rank."""
         kept = self._kept
         training_kind = quantization == self.cfg.rollout.quantization
         if kept is not None:  # (a generator built from the host is never kept)
@@ -237,9 +237,13 @@ class RolloutStage:
                         tp_group=self.ctx.gen_tp_group, device=self.actor.device,
                         dtype=self.actor.tcfg.params_dtype, true_vocab_size=self.actor.vocab_limit,
                         quantization=quantization, fetch=fetch)
-        if kept is not None:  # another quantization's call beside the kept generator
-            if not _room_for(gen.cache_bytes_for(list(lengths), rollout_cfg or self.cfg.rollout),
-                             self.actor.device):
+        if not training_kind:  # another quantization's call, beside the kept generator if any
+            room = kept is None or _room_for(
+                gen.cache_bytes_for(list(lengths), rollout_cfg or self.cfg.rollout),
+                self.actor.device)
+            # one decision for every rank (each calls here: the quantization is the config's), so
+            # no rank rebuilds, and captures with its collectives, alone at the next step
+            if not _all_ranks(room, self.actor.device) and kept is not None:
                 kept.release()
                 self._kept = None
             return gen
@@ -378,6 +382,15 @@ class PendingScores:
 # what a generator beside the kept one takes besides its KV cache (captured graphs' pools,
 # workspaces), as a share of that cache and a floor
 _BESIDE_KEPT_SLACK, _BESIDE_KEPT_FLOOR = 0.25, 512 * 2**20
+
+
+def _all_ranks(flag: bool, device: torch.device) -> bool:
+    """`flag` and-ed over every rank of the job (one all-reduce; as is without one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def _room_for(cache_bytes: int, device: torch.device) -> bool:

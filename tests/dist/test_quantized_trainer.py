@@ -47,9 +47,17 @@ def test_fp8_rollout_trains_with_tis_and_mismatch_metrics(result):
 VAL_STEPS = 3
 KEEP_RUNS = {"free": [], "keep": ["rollout.free_cache_engine=false"],
              "keep_no_room": ["rollout.free_cache_engine=false"]}
+# 2 ranks, room on rank 0 only: every rank must decide alike (a rank that rebuilt alone would
+# capture its graphs, collectives included, without the others)
+SPLIT_RUNS = {"keep_split_room": ["rollout.free_cache_engine=false", "data.prompts_per_step=4",
+                                  "rollout.n=2", "algo.ppo_mini_batch_size=8",
+                                  "algo.micro_batch_size_per_gpu=4",
+                                  "algo.forward_micro_batch_size_per_gpu=4"]}
 
 
-def _val_runs(out_dir, val_file):
+def _val_runs(out_dir, val_file, runs=KEEP_RUNS):
+    import torch.distributed as dist
+
     from hybridflow.config import load_config
     from hybridflow.parallel import groups
     from hybridflow.rollout import stage
@@ -70,10 +78,11 @@ def _val_runs(out_dir, val_file):
     stage.Generator = Counted
     room = stage._room_for
     results = {}
-    for name, extra in KEEP_RUNS.items():
+    for name, extra in runs.items():
         built.clear()
         released.clear()
-        stage._room_for = (lambda *a: False) if name == "keep_no_room" else room
+        stage._room_for = {"keep_no_room": lambda *a: False,
+                           "keep_split_room": lambda *a: dist.get_rank() == 0}.get(name, room)
         cfg = load_config([*BASE, f"trainer.total_steps={VAL_STEPS}", f"data.val_files={val_file}",
                            "trainer.val_every=1", "trainer.val_before_train=true",
                            f"trainer.output_dir={out_dir}/{name}", *extra])
@@ -98,7 +107,8 @@ def val_runs(tmp_path_factory):
     with open(val_file, "w") as f:
         for rec in make_task("arith", size=6, seed=12345):
             f.write(json.dumps(rec) + "\n")
-    return run_ranks(_val_runs, 1, str(tmp), str(val_file))[0]
+    return {**run_ranks(_val_runs, 1, str(tmp), str(val_file))[0],
+            "split": run_ranks(_val_runs, 2, str(tmp), str(val_file), SPLIT_RUNS)}
 
 
 def test_validation_keeps_the_quantized_generator_of_the_steps(val_runs):
@@ -125,3 +135,12 @@ def test_validation_keeps_the_quantized_generator_of_the_steps(val_runs):
                 assert m[k] == m_free[k], k
         for n, w in free["weights"].items():
             assert torch.equal(other["weights"][n], w), n
+
+
+def test_the_room_decision_is_every_ranks(val_runs):
+    """Room on one rank of two: both free the kept generator before each validation and rebuild it
+    at the next step, as with no room anywhere."""
+    for rank in val_runs["split"]:
+        r = rank["keep_split_room"]
+        assert r["built"] == ["none"] + ["fp8", "none"] * VAL_STEPS, r["built"]
+        assert sorted(r["released"]) == sorted(r["built"])
