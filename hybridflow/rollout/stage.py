@@ -225,6 +225,8 @@ class RolloutStage:
         training_kind = quantization == self.cfg.rollout.quantization
         if kept is not None:  # (a generator built from the host is never kept)
             usable = fetch is None and kept.reusable(params)
+            if self.resharder is not None:  # gathered buffers: each rank's allocator decides
+                usable = _all_ranks(usable, self.actor.device)  # where; every rank alike
             if usable and kept.quantization == quantization:
                 if self._quantized_at != step:
                     kept.requantize(params)

@@ -2,15 +2,16 @@
 steps and changes nothing else (2 gloo ranks, real trainer).
 
 Short GRPO runs of the synthetic task from the same seed, DP=2: the default (a new generator per
-step, released after it) against the kept one. The kept generator aliases the training weights,
-so the optimizer's in-place updates must be what the next step generates with: equal histories and
+step, released after it) against the kept one. The kept generator aliases the training weights, so
+the optimizer's in-place updates must be what the next step generates with: equal histories and
 weights after 3 steps, with weights that moved, show that it does (a generator on stale weights
 samples other responses from step 2 on). With TP=2 and generation at TP_g=1 (resharding) the
 gathered weights are re-allocated every step (the resharder frees its buffers after generation):
-the kept generator is reused only for a step whose buffers come back at the same addresses (it
-then reads them, the same storage), rebuilt otherwise (the allocator decides which), and the run
-is unchanged either way. Also at TP=2: the rule reward scored inside the reference pass
-(reward.score_in_pass) against the same run without it.
+the kept generator is reused only for a step whose buffers come back at the same addresses (it then
+reads them, the same storage), rebuilt otherwise (the allocator decides which), and the run is
+unchanged either way; every rank decides alike (a rank that rebuilt alone would capture its graphs,
+and their collectives at TP_g > 1, alone). Also at TP=2: the rule reward scored inside the
+reference pass (reward.score_in_pass) against the same run without it.
 """
 
 import pytest
@@ -103,6 +104,8 @@ def test_resharding_rebuilds_unless_the_weights_stay_put(runs):
     for rank in runs:  # every generator built is released once (at a rebuild or at the end)
         built = rank["keep_tp2"]["built"]
         assert 1 <= built <= STEPS and rank["keep_tp2"]["released"] == built
+    # the ranks decide alike (one all-reduce): a rank rebuilding alone would capture alone
+    assert len({rank["keep_tp2"]["built"] for rank in runs}) == 1
 
 
 def test_reward_scored_in_the_reference_pass_at_tp2(runs):
