@@ -24,7 +24,7 @@ def kv_cache_nbytes(*, num_layers: int, rows: int, groups: int, length: int, hea
     """Bytes of a KVCache of this shape: K and V, each (num_layers, rows, groups, length,
     head_dim) in `dtype`, or fp8 codes with one fp32 scale per (layer, row, group, column)."""
     n = num_layers * rows * groups * length * head_dim
-    per_k = n + 4 * (n // head_dim) if fp8 else n * torch.empty((), dtype=dtype).element_size()
+    per_k = n + 4 * (n // head_dim) if fp8 else n * dtype.itemsize
     return 2 * per_k
 
 

@@ -27,7 +27,7 @@ from hybridflow import watchdog
 from hybridflow.config import Config, micro_batching
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.parallel.context import ParallelContext
-from hybridflow.parallel.dp import dp_sum, gather_batches
+from hybridflow.parallel.dp import dp_max, dp_sum, gather_batches
 from hybridflow.reward import compute_rule_rewards, get_reward_fn
 from hybridflow.models.lora import is_adapter_name, merged_adapters
 from hybridflow.rollout.generator import Generator
@@ -226,7 +226,7 @@ class RolloutStage:
         if kept is not None:  # (a generator built from the host is never kept)
             usable = fetch is None and kept.reusable(params)
             if self.resharder is not None:  # gathered buffers: each rank's allocator decides
-                usable = _all_ranks(usable, self.actor.device)  # where; every rank alike
+                usable = _on_every_rank(usable)  # where; every rank alike
             if usable and kept.quantization == quantization:
                 if self._quantized_at != step:
                     kept.requantize(params)
@@ -245,12 +245,11 @@ class RolloutStage:
                 self.actor.device)
             # one decision for every rank (each calls here: the quantization is the config's), so
             # no rank rebuilds, and captures with its collectives, alone at the next step
-            if not _all_ranks(room, self.actor.device) and kept is not None:
+            if not _on_every_rank(room) and kept is not None:
                 kept.release()
                 self._kept = None
             return gen
-        if (training_kind and not self.cfg.rollout.free_cache_engine and fetch is None
-                and gen.reusable(params)):
+        if not self.cfg.rollout.free_cache_engine and fetch is None and gen.reusable(params):
             self._kept, self._quantized_at = gen, step
         return gen
 
@@ -386,13 +385,9 @@ class PendingScores:
 _BESIDE_KEPT_SLACK, _BESIDE_KEPT_FLOOR = 0.25, 512 * 2**20
 
 
-def _all_ranks(flag: bool, device: torch.device) -> bool:
-    """`flag` and-ed over every rank of the job (one all-reduce; as is without one)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([int(flag)], device=device if device.type == "cuda" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
+def _on_every_rank(flag: bool) -> bool:
+    """`flag` and-ed over every rank of the job (dp_max over the world group)."""
+    return not dp_max(float(not flag), group=None)
 
 
 def _room_for(cache_bytes: int, device: torch.device) -> bool:
