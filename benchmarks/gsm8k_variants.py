@@ -24,8 +24,9 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
   prefill_w1  each prefill at its widest prompt (rollout.kernel_options.prefill_width_multiple=1),
            one prefill shape per prompt width; the default on a GPU rounds widths up to 64
   dapo     algo=dapo reward.overlong_buffer.len=256 rollout.max_batch_size=1536 (DAPO's recipe on
-           this workload: whole prompt batches per dynamic-sampling round)
-  dapo_conf  the same with rounds sized in prompts (algo.dynamic_sampling.round_confidence=0.9)
+           this workload; each dynamic-sampling round sized in prompts, the preset's default)
+  dapo_batches  the same with whole prompt batches per round
+           (algo.dynamic_sampling.round_confidence=null)
   tools    experiment=gsm8k_tools_qwen_coder_0_5b (multi-turn, code interpreter; tool results fed
            through the decode step, each step launched before the last is read: the defaults)
   tools_fed  the same without lookahead (rollout.multi_turn.lookahead=false)
@@ -78,8 +79,8 @@ VARIANTS = {
     "reward_in_pass": "reward.score_in_pass=true",
     "prefill_w1": "rollout.kernel_options.prefill_width_multiple=1",
     "dapo": "algo=dapo reward.overlong_buffer.len=256 rollout.max_batch_size=1536",
-    "dapo_conf": ("algo=dapo reward.overlong_buffer.len=256 rollout.max_batch_size=1536 "
-                  "algo.dynamic_sampling.round_confidence=0.9"),
+    "dapo_batches": ("algo=dapo reward.overlong_buffer.len=256 rollout.max_batch_size=1536 "
+                     "algo.dynamic_sampling.round_confidence=null"),
     "tools": "experiment=gsm8k_tools_qwen_coder_0_5b",
     "tools_fed": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.lookahead=false",
     "tools_held": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.append=prefill",

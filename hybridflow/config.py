@@ -615,6 +615,9 @@ class TrainerConfig:
     # table under profile_dir (default <output_dir>/profile); hybridflow/profiling.py
     profile_steps: list = field(default_factory=list)
     profile_dir: Optional[str] = None
+    # the profiled steps record Python stacks: each stage's host waits name the lines that made
+    # them (more host time per op, so the profiled step runs slower than the others)
+    profile_with_stack: bool = False
 
 
 @dataclass

@@ -462,8 +462,9 @@ def _validate_recipes(cfg: Config) -> None:
                                  f"or null (whole prompt batches)")
             if not ds.adaptive:
                 raise ValueError("algo.dynamic_sampling.round_confidence sizes the adaptive "
-                                 "rounds: set algo.dynamic_sampling.adaptive=true, or leave it "
-                                 "null")
+                                 "rounds: set algo.dynamic_sampling.adaptive=true, or "
+                                 "algo.dynamic_sampling.round_confidence=null (algo=dapo sets "
+                                 "it to 0.9)")
         if r.n < 2:
             raise ValueError(f"algo.dynamic_sampling.enable=true keeps prompts whose samples score "
                              f"differently: set rollout.n >= 2 (got {r.n})")

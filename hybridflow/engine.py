@@ -713,8 +713,9 @@ class Engine:
         if ctx.is_pp_last_stage:
             parts = [o[key][:, :width].float() for o in outs]
             t = torch.cat([F.pad(v, (0, width - v.shape[1])) for v in parts], dim=0)
-            if rows is not None:
-                t = torch.empty_like(t).index_copy_(0, rows.to(t.device), t)
+            if rows is not None:  # (a pageable host copy is staged at once: no wait for the
+                # pass, so `host_work` below runs while the device still computes it)
+                t = torch.empty_like(t).index_copy_(0, rows.to(t.device, non_blocking=True), t)
             t = t.contiguous()
         else:
             t = torch.empty((batch.batch_size, width), dtype=torch.float32, device=self.device)

@@ -59,10 +59,15 @@ def memory_metrics() -> dict[str, float]:
             return {}
     # alloc_retries (so far in the run): each time the caching allocator found no free block, it
     # freed its cache, synchronised the device and asked CUDA again; a count that grows step after
-    # step says the memory cap (trainer.gpu_memory_limit_gib) or fragmentation is costing time
+    # step says the memory cap (trainer.gpu_memory_limit_gib) or fragmentation is costing time.
+    # device_allocs / device_frees (so far): the allocator's cudaMalloc / cudaFree calls; once the
+    # run's shapes have been seen they stop growing, unless each step's shapes need new blocks
+    stats = torch.cuda.memory_stats()
     return {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
             "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
-            "perf/alloc_retries": float(torch.cuda.memory_stats().get("num_alloc_retries", 0))}
+            "perf/alloc_retries": float(stats.get("num_alloc_retries", 0)),
+            "perf/device_allocs": float(stats.get("num_device_alloc", 0)),
+            "perf/device_frees": float(stats.get("num_device_free", 0))}
 
 
 class MetricsLogger:

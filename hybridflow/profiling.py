@@ -13,7 +13,12 @@ Each profiled step writes, per rank, under `trainer.profile_dir` (default <outpu
   innermost first; "(stage end)" for host work after the stage's last kernel), and
   `idle_by_phase` sums the same gaps by the engine range the launch came from (engine.forward,
   engine.optimizer, ...; "backward" for autograd's thread, "host" for the stage's own host work
-  outside the engine's ranges);
+  outside the engine's ranges); `host_waits` lists where the host was held by the CUDA runtime
+  inside the stage (stream / device / event synchronizations and synchronous copies: an
+  `.item()`, a copy to or from pageable host memory; the caching allocator's cudaMalloc of a new
+  block and cudaFree), each with its op chain (and, with `trainer.profile_with_stack`, the
+  Python lines), the seconds it took and how often: a synchronization leaves the device nothing
+  queued until the host launches again, a slow allocation lets the queue run dry;
 - `step<N>_rank<R>.txt`: torch's operator table, sorted by device time (CPU time on CPU).
 `python -m hybridflow.profiling <trace>` prints the per-stage summary of a saved trace.
 All files are written to a temporary name and renamed. Steps are counted as the logger counts
@@ -42,8 +47,10 @@ class StepProfiler:
 
     save_on_stop = True
 
-    def __init__(self, steps, out_dir: str, *, start_step: int, rank: int, top: int = 12):
+    def __init__(self, steps, out_dir: str, *, start_step: int, rank: int, top: int = 12,
+                 with_stack: bool = False):
         self.steps, self.out_dir, self.rank, self.top = set(steps), out_dir, rank, top
+        self.with_stack = with_stack
         self.prof = None
         self.step = None
         self._maybe_start(start_step + 1)
@@ -54,7 +61,7 @@ class StepProfiler:
         acts = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(ProfilerActivity.CUDA)
-        self.prof, self.step = profile(activities=acts), step
+        self.prof, self.step = profile(activities=acts, with_stack=self.with_stack), step
         self.prof.start()
 
     def on_step(self, step: int, metrics: dict) -> bool:
@@ -81,16 +88,19 @@ class StepProfiler:
         atomic_write(base + ".txt", lambda p: _write(p, table))
         summary = {"step": step, "rank": self.rank, "device": _device(),
                    "stages": stage_summary(prof.events(), top=self.top,
-                                           launches=kernel_launches(prof))}
+                                           launches=kernel_launches(prof),
+                                           waits=host_waits(prof.events()))}
         atomic_write(base + ".json", lambda p: _write(p, json.dumps(summary, indent=1)))
 
 
-def stage_summary(events, *, top: int = 12, launches: list | None = None) -> dict:
-    """{stage: {wall_s, kernel_s, kernels, idle_s, top: [{kernel, s, calls}], waits}} from profiler
-    events: the `stage/<name>` CPU ranges and the device kernels inside each (by their device
-    timestamps). `launches` [(start, end, name, launcher)] (kernel_launches): the kernels with
-    the host ops that launched them, for each stage's `waits`; without it the kernels come from
-    `events` and every wait is charged to "?"."""
+def stage_summary(events, *, top: int = 12, launches: list | None = None,
+                  waits: list | None = None) -> dict:
+    """{stage: {wall_s, kernel_s, kernels, idle_s, top: [{kernel, s, calls}], waits, host_waits}}
+    from profiler events: the `stage/<name>` CPU ranges and the device kernels inside each (by
+    their device timestamps). `launches` [(start, end, name, launcher)] (kernel_launches): the
+    kernels with the host ops that launched them, for each stage's `waits`; without it the
+    kernels come from `events` and every wait is charged to "?". `waits` [(start, end, where)]
+    (host_waits): the host's synchronizations, each in the stage whose range holds it."""
     stages, kernels = [], []
     for e in events:
         if e.name.startswith(STAGE_PREFIX) and not _on_device(e):  # its CPU range, not the
@@ -98,7 +108,30 @@ def stage_summary(events, *, top: int = 12, launches: list | None = None) -> dic
                            e.time_range.end))
         elif launches is None and _is_kernel(e):
             kernels.append((e.time_range.start, e.time_range.end, e.name))
-    return _summarise(stages, kernels if launches is None else launches, top=top)
+    return _summarise(stages, kernels if launches is None else launches, top=top,
+                      host=waits or [])
+
+
+# CUDA runtime calls that hold the host: synchronizations, synchronous copies, and the caching
+# allocator's own calls (a new block's cudaMalloc maps its pages while the host waits; cudaFree
+# also synchronizes the device)
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy", "cudaMalloc", "cudaFree")
+
+
+def host_waits(events) -> list:
+    """[(start, end, where)] of the runtime calls in HOST_WAITS among profiler `events` (host
+    clock, us); `where`: the op chain that made the call (launch_chain), and the innermost
+    Python lines of the profile's stacks (with_stack) after " @ "."""
+    out = []
+    for e in events:
+        if e.name in HOST_WAITS and not _on_device(e):
+            where = launch_chain(e.cpu_parent) if e.cpu_parent is not None else "?"
+            lines = [f for f in (getattr(e, "stack", None) or []) if "hybridflow" in f]
+            if lines:
+                where += " @ " + " < ".join(lines[:3])
+            out.append((e.time_range.start, e.time_range.end, where or "?"))
+    return out
 
 
 def trace_summary(trace: dict, *, top: int = 12) -> dict:
@@ -204,14 +237,20 @@ def idle_by_launcher(kernels: list, *, min_gap_us: float = 10.0, top: int = 15) 
             "by_launcher": {c: {"us": us, "gaps": count[c]} for c, us in by.most_common(top)}}
 
 
-def _summarise(stages, kernels, *, top: int) -> dict:
-    """stages [(name, start, end)], kernels [(start, end, name[, launcher[, phase]])], in us."""
+def _summarise(stages, kernels, *, top: int, host: list = ()) -> dict:
+    """stages [(name, start, end)], kernels [(start, end, name[, launcher[, phase]])], host waits
+    [(start, end, where)], in us."""
     out: dict = {}
     for name, start, end in stages:
         s = out.setdefault(name, {"wall_s": 0.0, "kernel_s": 0.0, "kernels": 0, "idle_s": 0.0,
                                   "_by": defaultdict(lambda: [0.0, 0]), "_waits": Counter(),
-                                  "_gaps": Counter(), "_phases": Counter()})
+                                  "_gaps": Counter(), "_phases": Counter(),
+                                  "_host": defaultdict(lambda: [0.0, 0])})
         s["wall_s"] += (end - start) / 1e6
+        for a, b, where in host:
+            if start <= a and b <= end:
+                s["_host"][where][0] += (b - a) / 1e6
+                s["_host"][where][1] += 1
         inside = [k for k in kernels if start <= k[0] and k[1] <= end]
         for k0, k1, kname, *_ in inside:
             s["kernel_s"] += (k1 - k0) / 1e6
@@ -234,6 +273,8 @@ def _summarise(stages, kernels, *, top: int) -> dict:
                     for k, v in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]]
         s["waits"] = [{"launcher": w[:200], "s": v, "gaps": gaps[w]}
                       for w, v in waits.most_common(top)]
+        s["host_waits"] = [{"where": w[:300], "s": v[0], "count": v[1]} for w, v in
+                           sorted(s.pop("_host").items(), key=lambda kv: -kv[1][0])[:top]]
     return out
 
 
@@ -288,6 +329,8 @@ def main(argv=None) -> None:
         for w in st["waits"][:6]:
             print(f"    idle {w['s'] * 1e3:8.2f} ms {w['gaps']:6d} gaps before  "
                   f"{w['launcher'][:80]}")
+        for w in st.get("host_waits", [])[:6]:
+            print(f"    host waited {w['s'] * 1e3:8.2f} ms {w['count']:4d}x  {w['where'][:80]}")
         phases = {k: v for k, v in st["idle_by_phase"].items() if k != "?"}
         if len(phases) > 1 or "(stage end)" not in phases:  # a saved trace names no ranges
             print("    idle by phase: " + ", ".join(f"{k} {v * 1e3:.2f} ms"

@@ -99,7 +99,8 @@ def _trainer_runs(out_dir):
     # the parity reward: some groups score all alike, so rounds find part of what they draw
     conf = ["algo.dynamic_sampling.round_confidence=0.9",
             "reward.fn=tests.dist.test_dynamic_sampling:even_digits"]
-    for tag, extra in (("", []), ("conf_", conf)):
+    whole = ["algo.dynamic_sampling.round_confidence=null"]  # whole batches (algo=dapo: 0.9)
+    for tag, extra in (("", whole), ("conf_", conf)):
         out[tag + "whole"] = run(tag + "whole", STEPS, "trainer.save_final=false", *extra)
         out[tag + "first"] = run(tag + "resumed", 2, "trainer.save_final=true", *extra)
         out[tag + "state"] = json.load(open(f"{out_dir}/{tag}resumed/checkpoints/step_2/"

@@ -173,3 +173,52 @@ def test_the_cli_prints_each_stage_with_its_waits(tmp_path, capsys):
     waits = [line for line in out if "gaps before" in line]
     assert "0.40 ms" in waits[0] and "aten::mm" in waits[0]
     assert "0.10 ms" in waits[1] and "(stage end)" in waits[1]
+
+
+def test_host_waits_are_charged_to_their_stage_with_their_op_chain():
+    """host_waits: the runtime's synchronizations (not its launches) with the op chain that made
+    them, summed per stage by where they were made."""
+    from hybridflow.profiling import host_waits
+
+    item = SimpleNamespace(name="aten::item", cpu_parent=_ev("stage/ref", 0, 100))
+    item.cpu_parent.cpu_parent = None
+    to = SimpleNamespace(name="aten::to", cpu_parent=None)
+
+    def rt(name, start, end, parent, stack=()):
+        e = _ev(name, start, end)
+        e.cpu_parent, e.stack = parent, list(stack)
+        return e
+
+    events = [_ev("stage/ref", 0, 100), _ev("stage/update_actor", 200, 300),
+              rt("cudaStreamSynchronize", 10, 30, item), rt("cudaStreamSynchronize", 40, 45, item),
+              rt("cudaLaunchKernel", 50, 51, item),  # a launch: no wait
+              rt("cudaMemcpy", 210, 260, to, ["hybridflow/engine.py(717): _from_last_stage",
+                                               "torch/nn/modules/module.py(1): _call_impl"])]
+    waits = host_waits(events)
+    assert [w[:2] for w in waits] == [(10, 30), (40, 45), (210, 260)]
+    s = stage_summary(events, waits=waits)
+    assert s["ref"]["host_waits"] == [{"where": "aten::item < stage/ref", "s": 25e-6, "count": 2}]
+    (w,) = s["update_actor"]["host_waits"]
+    assert w["where"] == "aten::to @ hybridflow/engine.py(717): _from_last_stage"
+    assert abs(w["s"] - 50e-6) < 1e-12 and w["count"] == 1
+
+
+def test_a_real_item_is_a_host_wait():
+    """On CUDA, `.item()` inside a stage shows as a host wait under aten::item; on CPU there are
+    no runtime calls, so none."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from hybridflow.profiling import host_waits
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    x = torch.randn(256, 256, device="cuda" if cuda else "cpu")
+    with profile(activities=acts) as prof:
+        with record_function("stage/ref"):
+            (x @ x).sum().item()
+    waits = host_waits(prof.events())
+    s = stage_summary(prof.events(), waits=waits)["ref"]
+    if cuda:
+        assert any("aten::item" in w["where"] for w in s["host_waits"]), s["host_waits"]
+    else:
+        assert waits == [] and s["host_waits"] == []

@@ -18,6 +18,9 @@ def test_published_defaults():
     assert (a.adv_estimator, a.loss_agg_mode, a.clip_ratio_low, a.clip_ratio_high) == \
         ("grpo", "token-mean", 0.2, 0.28)
     assert a.dynamic_sampling.enable and a.dynamic_sampling.max_rounds == 10
+    # rounds of up to 3 batches, sized in prompts from the kept fraction
+    ds = a.dynamic_sampling
+    assert (ds.batches_per_round, ds.adaptive, ds.round_confidence) == (3, True, 0.9)
     assert not a.use_kl_loss and not a.use_kl_in_reward
     ob = dapo.reward.overlong_buffer
     assert ob.enable and ob.penalty_factor == 1.0
