@@ -137,8 +137,9 @@ def host_waits(events) -> list:
 def trace_summary(trace: dict, *, top: int = 12) -> dict:
     """stage_summary from a saved Chrome trace (`traceEvents`: the stages' `user_annotation`
     ranges, the `kernel` / `gpu_memcpy` / `gpu_memset` events, each charged to the `cpu_op` of its
-    "External id" for the waits); `python -m hybridflow.profiling TRACE` prints it."""
-    stages, kernels, ops = [], [], {}
+    "External id" for the waits, and the `cuda_runtime` calls of HOST_WAITS, charged alike, for
+    the host waits); `python -m hybridflow.profiling TRACE` prints it."""
+    stages, kernels, calls, ops = [], [], [], {}
     for e in trace["traceEvents"]:
         cat, name = e.get("cat"), e.get("name", "")
         if cat == "user_annotation" and name.startswith(STAGE_PREFIX):
@@ -146,9 +147,12 @@ def trace_summary(trace: dict, *, top: int = 12) -> dict:
         elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             xid = e.get("args", {}).get("External id")
             kernels.append((e["ts"], e["ts"] + e["dur"], name, xid))
+        elif cat == "cuda_runtime" and name in HOST_WAITS:
+            calls.append((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("External id")))
         elif cat == "cpu_op" and "External id" in e.get("args", {}):
             ops[e["args"]["External id"]] = name
-    return _summarise(stages, [(a, b, n, ops.get(x, "?")) for a, b, n, x in kernels], top=top)
+    return _summarise(stages, [(a, b, n, ops.get(x, "?")) for a, b, n, x in kernels], top=top,
+                      host=[(a, b, ops.get(x, "?")) for a, b, x in calls])
 
 
 def kernel_launches(prof, *, frames=None) -> list:

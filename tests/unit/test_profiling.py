@@ -126,6 +126,15 @@ def test_a_saved_trace_charges_waits_to_the_op_of_its_external_id():
     w = {x["launcher"]: round(x["s"] * 1e6) for x in trace_summary(trace)["ref"]["waits"]}
     assert w == {"aten::item": 40, "?": 5}
 
+    # the runtime's synchronizations, charged to the op of their External id; launches are not
+    trace["traceEvents"] += [
+        {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 6, "dur": 30,
+         "args": {"External id": 7}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 5, "dur": 1,
+         "args": {"External id": 7}}]
+    assert trace_summary(trace)["ref"]["host_waits"] == [
+        {"where": "aten::item", "s": 30e-6, "count": 1}]
+
 
 def test_a_profiled_step_links_its_kernels_to_their_launchers():
     """kernel_launches on a real profiler: every device kernel of a CUDA run names its op (CPU
