@@ -14,6 +14,8 @@ through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the up
   flash-attn-4 installed, sm_90+; its prediction is varlen's);
 - `packed_varlen_graphs`: those, the update's layers replayed as CUDA graphs over packed rows
   padded to one shape (parallel.train_cuda_graphs);
+- any packed variant with the suffix `_balanced` (`packed_fa4_balanced`): its micro-batches dealt
+  evenly into the fewest that hold the rows (algo.balance_micro_batches);
 - `budget`: the same budgets, each micro-batch padded to its own longest row (pack_sequences=false);
 - `equal`: every row the mean length (prompt + round(mean)), the same budgets: the fixed-length
   shape the calibration's other records have, at the same real tokens.
@@ -204,20 +206,22 @@ def main(argv=None) -> int:
                          lm_head_chunk_tokens=a.lm_head_chunk_tokens)
     pairs = {}
 
-    def engines(kernel: str, graphs: bool = False):
+    def engines(kernel: str, graphs: bool = False, balanced: bool = False):
         """(ref, actor) whose packed micro-batches run `kernel` (`graphs`: the actor's update as
-        CUDA graphs, parallel.train_cuda_graphs); one pair alive at a time."""
-        key = (kernel, graphs)
+        CUDA graphs, parallel.train_cuda_graphs; `balanced`: algo.balance_micro_batches); one
+        pair alive at a time."""
+        key = (kernel, graphs, balanced)
         if key not in pairs:
             pairs.clear()
             torch.cuda.empty_cache() if cuda else None
             apar = dataclasses.replace(par, train_cuda_graphs=graphs)
+            kw = dict(packed_attention=kernel, balanced_micro_batches=balanced)
             pairs[key] = (
                 Engine(role="ref", model_cfg=model_cfg, ctx=ctx, parallel=par, precision=precision,
-                       packed_attention=kernel),
+                       **kw),
                 Engine(role="actor", model_cfg=model_cfg, ctx=ctx, parallel=apar,
                        precision=precision, optim=OptimConfig(lr=1e-7, clip_grad=1.0),
-                       total_updates=1000, packed_attention=kernel))
+                       total_updates=1000, **kw))
         return pairs[key]
 
     algo = AlgoConfig(loss_agg_mode="token-mean", use_kl_loss=True, kl_loss_coef=0.001)
@@ -228,12 +232,13 @@ def main(argv=None) -> int:
         batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size)
         pack = variant.startswith("packed")
         graphs = variant == "packed_varlen_graphs"
+        balanced = variant.endswith("_balanced")  # algo.balance_micro_batches
         if pack:
             kernel = next((k for k in ("varlen", "fa4") if variant.startswith("packed_" + k)),
                           "flex")
         else:  # the unpacked variants never pack: an alive pair with an eager update serves them
-            kernel = next((k for k, graphed in pairs if not graphed), "flex")
-        ref, actor = engines(kernel, graphs)
+            kernel = next((k for k, graphed, _ in pairs if not graphed), "flex")
+        ref, actor = engines(kernel, graphs, balanced)
         if pack:
             try:  # varlen where it cannot run (CPU, fp32, an older torch): recorded as skipped
                 actor.packed_kernel()

@@ -149,7 +149,8 @@ def updates_per_step(cfg: Config) -> int:
 def build_engines(cfg: Config, ctx: ParallelContext) -> dict[str, Engine]:
     total = cfg.trainer.total_steps * updates_per_step(cfg)  # warm-up steps do not use the schedule
     common = dict(ctx=ctx, parallel=cfg.parallel, precision=cfg.trainer.precision,
-                  packed_attention=cfg.algo.packed_attention)
+                  packed_attention=cfg.algo.packed_attention,
+                  balanced_micro_batches=cfg.algo.balance_micro_batches)
     engines = {"actor": Engine(role="actor", model_cfg=cfg.model, optim=cfg.actor_optim,
                                total_updates=total, lora=cfg.actor.lora, seed=cfg.trainer.seed,
                                offload_optimizer=cfg.actor.offload_optimizer,

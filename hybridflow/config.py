@@ -450,6 +450,11 @@ class AlgoConfig:
     # padding runs unpacked (equal rows need no mask). null (auto): on wherever use_dynamic_bsz is
     # and the attention is SDPA, else off
     pack_sequences: Optional[bool] = None
+    # packed micro-batches dealt evenly into the fewest that hold the rows (verl's balanced dynamic
+    # batches; hybridflow/data/microbatch.py) instead of sorted next-fit, whose last micro-batch
+    # holds whatever rows are left (a step a few rows past k budgets runs k full ones and one of a
+    # few rows); the same rows and results, other micro-batch shapes. Needs pack_sequences
+    balance_micro_batches: bool = False
     # the packed micro-batches' attention kernel (hybridflow/models/attention.py): "varlen": torch's
     # varlen_attn (FlashAttention-2 over the rows' cu_seqlens, GQA native; CUDA, bf16/fp16, head_dim
     # a multiple of 8 up to 256, compute capability 8.0+, torch 2.10+); "flex": a flex_attention

@@ -221,6 +221,10 @@ def validate(cfg: Config, *, world_size: int) -> None:
                          f"{a.use_dynamic_bsz}) and parallel.pipeline_parallel_size=1 (got "
                          f"{p.pipeline_parallel_size}): it packs each token-budget micro-batch "
                          f"into one row of one shape per micro-batch")
+    if a.balance_micro_batches and (a.pack_sequences is False or a.use_dynamic_bsz is False):
+        raise ValueError(f"algo.balance_micro_batches=true deals packed micro-batches: it needs "
+                         f"algo.pack_sequences and algo.use_dynamic_bsz true or null (got "
+                         f"{a.pack_sequences} and {a.use_dynamic_bsz})")
     if a.pack_sequences and cfg.model.attention_backend in ("te", "local"):
         raise ValueError(f"algo.pack_sequences=true needs model.attention_backend=sdpa or auto "
                          f"(got {cfg.model.attention_backend!r}): its documents run on "

@@ -100,7 +100,7 @@ class Engine:
                  total_updates: int = 1, lora: Optional[LoRAConfig] = None, seed: int = 0,
                  offload_optimizer: bool = False, offload_grads: bool = False,
                  router_replay: str = "disabled", offload_params: bool = False,
-                 packed_attention: str = "auto"):
+                 packed_attention: str = "auto", balanced_micro_batches: bool = False):
         """`lora` (actor.lora / critic.lora, rank > 0; trainable roles): LoRA adapters on the
         decoder linears, the only parameters that train with a scalar role's value head
         (models/lora.py); `seed` draws their A factors.
@@ -114,6 +114,8 @@ class Engine:
         `offload_params` (actor.offload_params): the weights (LoRA: the frozen base) can leave the
         device between passes (`params_to_host` / `params_to_device`; every pass brings them back
         first; hybridflow/offload.py).
+        `balanced_micro_batches` (algo.balance_micro_batches): packed token-budget micro-batches
+        dealt evenly into the fewest that hold the rows (data/microbatch.py).
         `packed_attention` (algo.packed_attention): the kernel of packed micro-batches, chosen at
         the first one (models/attention.py `choose_packed_attention`; rank 0 prints the choice
         once per run)."""
@@ -235,6 +237,7 @@ class Engine:
             self._replay = Replay(self.module)
         self.sdpa = any(isinstance(m, SDPAttention) for m in self.module.modules())
         self._packed_option = packed_attention
+        self._balanced = balanced_micro_batches
         self._packed_kernel: Optional[str] = None  # chosen at the first packed micro-batch
         # LM roles on the last stage compute logits only where they are scored (the positions that
         # predict response tokens: LeanOutputLinear.select), not over the prompt; the results are
@@ -345,7 +348,8 @@ class Engine:
                 raise ValueError("algo.use_dynamic_bsz=true needs parallel.pipeline_parallel_size=1: "
                                  "pipeline stages exchange micro-batches of one fixed shape")
             groups = token_budget_groups(batch.prompt_mask.sum(1), batch.response_mask.sum(1),
-                                         max_tokens=max_tokens, multiple=multiple, packed=pack)
+                                         max_tokens=max_tokens, multiple=multiple, packed=pack,
+                                         balanced=self._balanced)
             micro = [batch.select(torch.tensor(g)).trimmed() for g in groups]
             rows = torch.tensor([i for g in groups for i in g])
         if pack:

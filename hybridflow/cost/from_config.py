@@ -105,6 +105,8 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 compact_finished_rows=bool(r.compact_finished_rows),
                 decode_kv_window=int(r.decode_kv_window or 0), dynamic_bsz=bool(a.use_dynamic_bsz),
                 pack_sequences=bool(a.use_dynamic_bsz and a.pack_sequences),
+                balanced_micro_batches=bool(a.use_dynamic_bsz and a.pack_sequences
+                                            and a.balance_micro_batches),
                 packed_attention=packed_attention_on_gpu(cfg, gpu=gpu,
                                                          fa4_installed=fa4_installed),
                 gen_batches_per_round=(a.dynamic_sampling.batches_per_round

@@ -281,7 +281,8 @@ def pass_work(w: Workload, rows: int, max_tokens: int, multiple: int = 1,
     from hybridflow.data.microbatch import token_budget_groups
 
     groups = token_budget_groups(torch.from_numpy(p), torch.from_numpy(r), max_tokens=max_tokens,
-                                 multiple=multiple, packed=w.pack_sequences)
+                                 multiple=multiple, packed=w.pack_sequences,
+                                 balanced=w.balanced_micro_batches)
     tokens = head = attention = masked = 0.0
     eager = 0
     for g in groups:

@@ -144,6 +144,8 @@ class Workload:
     dynamic_bsz: bool = False
     # algo.pack_sequences: each token-budget micro-batch as one packed row of real tokens
     pack_sequences: bool = False
+    # algo.balance_micro_batches: packed micro-batches dealt evenly (data.microbatch)
+    balanced_micro_batches: bool = False
     # algo.packed_attention as a GPU run resolves it (from_config.packed_kernel): "flex", a
     # flex_attention document mask (every packed record's kernel but the varlen family's);
     # "varlen", FlashAttention-2 varlen over the documents; "fa4", FlashAttention-4's (the
@@ -209,6 +211,9 @@ class Workload:
         if self.packed_attention not in ("flex", "varlen", "fa4"):
             raise ValueError(f"packed_attention {self.packed_attention!r}: expected 'flex', "
                              f"'varlen' or 'fa4'")
+        if self.balanced_micro_batches and not self.pack_sequences:
+            raise ValueError("balanced_micro_batches needs pack_sequences "
+                             "(algo.balance_micro_batches deals packed micro-batches)")
         if self.pack_sequences and not self.dynamic_bsz:
             raise ValueError("pack_sequences needs dynamic_bsz (algo.pack_sequences needs "
                              "algo.use_dynamic_bsz)")

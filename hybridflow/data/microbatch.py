@@ -19,6 +19,14 @@ warm-up row may be longer than any response). Every TP rank holds the same rows,
 same micro-batches. Balancing micro-batches across DP ranks is not done here: each DP rank splits its
 own rows (verl balances rows across DP ranks first; the rollout here gives each DP rank its own
 prompts' groups).
+
+`balanced` (algo.balance_micro_batches; packed micro-batches only, whose cost is their real
+tokens): the rows are instead dealt into the fewest micro-batches that hold them, as evenly as
+possible (verl's dynamic batches: a balanced partition into ceil(tokens / budget) micro-batches).
+Rows go longest first, each to the emptiest micro-batch it fits in (LPT); where that leaves a row
+without room, one micro-batch more is tried, up to next-fit's count, whose groups are the fallback.
+So a batch a few rows past k budgets runs k + 1 micro-batches of about equal size instead of k full
+ones and one of the last few rows, and one that next-fit spills over only through its waste runs k.
 """
 
 from __future__ import annotations
@@ -33,13 +41,15 @@ def padded_tokens(prompt_len: int, response_len: int, rows: int, *, multiple: in
 
 
 def token_budget_groups(prompt_lens: torch.Tensor, response_lens: torch.Tensor, *, max_tokens: int,
-                        multiple: int = 1, packed: bool = False) -> list[list[int]]:
+                        multiple: int = 1, packed: bool = False,
+                        balanced: bool = False) -> list[list[int]]:
     """Row indices of each micro-batch, longest rows first; together a permutation of range(B).
 
     prompt_lens, response_lens: (B,) real tokens of each row (prompt_mask / response_mask sums).
     A response is counted at least 1 long, as `RolloutBatch.trimmed` keeps one response column.
     `packed`: a micro-batch costs its rows' real tokens (sequence packing, hybridflow.data.packing),
     rounded up to `multiple`, instead of rows x its longest prompt + response.
+    `balanced` (with `packed`): the fewest micro-batches, evenly filled (the module docstring).
     """
     assert prompt_lens.shape == response_lens.shape and prompt_lens.dim() == 1
     p = [int(x) for x in prompt_lens.tolist()]
@@ -55,7 +65,32 @@ def token_budget_groups(prompt_lens: torch.Tensor, response_lens: torch.Tensor, 
                      for g in groups)
         return tokens, len(groups)
 
-    return min(candidates, key=cost)  # the first on a tie
+    best = min(candidates, key=cost)  # the first on a tie
+    if not (balanced and packed):
+        return best
+    sizes = [p[i] + r[i] for i in by_total]
+    least = -(-sum(sizes) // max_tokens)
+    for k in range(max(least, 1), len(best) + 1):
+        groups = _dealt(by_total, sizes, k, max_tokens=max_tokens, multiple=multiple)
+        if groups is not None:
+            return groups
+    return best
+
+
+def _dealt(order: list[int], sizes: list[int], k: int, *, max_tokens: int,
+           multiple: int) -> list[list[int]] | None:
+    """`order`'s rows (longest first; `sizes` their tokens) dealt into k packed micro-batches, each
+    to the emptiest one it still fits in; None when a row fits in none."""
+    groups: list[list[int]] = [[] for _ in range(k)]
+    load = [0] * k
+    for i, n in zip(order, sizes):
+        fits = [g for g in range(k) if -(-(load[g] + n) // multiple) * multiple <= max_tokens]
+        if not fits:  # (a row over the whole budget never fits: next-fit runs it alone)
+            return None
+        g = min(fits, key=lambda j: (load[j], j))
+        groups[g].append(i)
+        load[g] += n
+    return [g for g in groups if g]
 
 
 def _cost(rows: int, longest_p: int, longest_r: int, real: int, *, multiple: int,

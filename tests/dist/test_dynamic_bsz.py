@@ -44,14 +44,15 @@ def engines(tp: int, sp: bool):
                                                    use_distributed_optimizer=False))
 
 
-def engine_factory(ctx, par: ParallelConfig):
-    """role, trainable -> a fresh Engine of MODEL under `par` with deterministic weights."""
+def engine_factory(ctx, par: ParallelConfig, **engine_kw):
+    """role, trainable -> a fresh Engine of MODEL under `par` (and `engine_kw`, Engine's keyword
+    options) with deterministic weights."""
     from hybridflow.engine import Engine
 
     def engine(role, trainable=True):
         eng = Engine(role=role, model_cfg=MODEL, ctx=ctx, parallel=par, precision="fp32",
                      optim=OptimConfig(lr=1e-3, clip_grad=0.0) if trainable else None,
-                     total_updates=1)
+                     total_updates=1, **engine_kw)
         fill_deterministic(eng.module, num_layers=MODEL.num_layers)
         return eng
 

@@ -145,3 +145,61 @@ def test_packed_groups_count_real_tokens(multiple):
     assert all(-(-t // multiple) * multiple <= budget for t in real)
     # fewer micro-batches than padded budgets need: packing fills the budget with real tokens
     assert len(groups) < len(token_budget_groups(p, r, max_tokens=budget, multiple=multiple))
+
+
+def _real(groups, p, r):
+    return [sum(int(p[i]) + max(int(r[i]), 1) for i in g) for g in groups]
+
+
+@pytest.mark.parametrize("multiple", [1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_balanced_groups_are_the_fewest_and_even(seed, multiple):
+    """algo.balance_micro_batches: a permutation of the rows in micro-batches within the budget,
+    no more of them than next-fit makes, at least ceil(tokens / budget), filled evenly (the
+    fullest and the emptiest differ by less than the longest row), longest rows first."""
+    p, r = _lengths(512, seed)
+    budget = 20480
+    kw = dict(max_tokens=budget, multiple=multiple, packed=True)
+    nf = token_budget_groups(p, r, **kw)
+    groups = token_budget_groups(p, r, **kw, balanced=True)
+    assert sorted(i for g in groups for i in g) == list(range(512))
+    real = _real(groups, p, r)
+    assert all(-(-t // multiple) * multiple <= budget for t in real)
+    assert -(-sum(real) // budget) <= len(groups) <= len(nf)
+    assert max(real) - min(real) < int((p + r.clamp(min=1)).max())
+    for g in groups:
+        sizes = [int(p[i]) + max(int(r[i]), 1) for i in g]
+        assert sizes == sorted(sizes, reverse=True)
+    assert [p[g[0]] + r[g[0]] for g in groups] == sorted((p[g[0]] + r[g[0]] for g in groups),
+                                                         reverse=True)
+
+
+def test_balanced_groups_spread_the_overflow_and_fill_next_fits_waste():
+    """A batch a few rows past k budgets: next-fit runs k full micro-batches and one of the last
+    rows; balanced runs k + 1 of about equal size. A batch next-fit spills over only through its
+    waste (under k budgets in all): balanced runs k."""
+    budget = 1000
+    # 13 rows of 250 tokens: next-fit fills 3 x 1,000 and leaves one row; balanced 1,000 + 3 x 750
+    p = torch.full((13,), 50)
+    r = torch.full((13,), 200)
+    nf = token_budget_groups(p, r, max_tokens=budget, packed=True)
+    bal = token_budget_groups(p, r, max_tokens=budget, packed=True, balanced=True)
+    assert len(bal) == len(nf) == 4
+    assert min(_real(nf, p, r)) == 250 and sorted(_real(bal, p, r)) == [750, 750, 750, 1000]
+    # 6 rows of 450 and 2 of 50 (2,800 tokens, 3 budgets): next-fit's pairs of 450 waste 100 each
+    # and spill the last two rows into a fourth micro-batch; dealt evenly they fit in three
+    p = torch.full((8,), 50)
+    r = torch.tensor([400] * 6 + [1] * 2)
+    nf = token_budget_groups(p, r, max_tokens=budget, packed=True)
+    bal = token_budget_groups(p, r, max_tokens=budget, packed=True, balanced=True)
+    assert len(nf) == 4 and len(bal) == 3
+    # not packed: a padded micro-batch's cost is not its real tokens; next-fit as before
+    assert token_budget_groups(p, r, max_tokens=budget, balanced=True) == \
+        token_budget_groups(p, r, max_tokens=budget)
+
+
+def test_balance_needs_packed_micro_batches():
+    for off in ("algo.pack_sequences=false", "algo.use_dynamic_bsz=false"):
+        with pytest.raises(ValueError, match="algo.balance_micro_batches=true deals packed"):
+            _cfg("algo.balance_micro_batches=true", off)
+    assert _cfg("algo.balance_micro_batches=true").algo.balance_micro_batches
