@@ -238,6 +238,7 @@ class Engine:
         self.sdpa = any(isinstance(m, SDPAttention) for m in self.module.modules())
         self._packed_option = packed_attention
         self._balanced = balanced_micro_batches
+        self.last_pass: Optional[dict] = None  # the latest pass's micro-batches (_pass_shape)
         self._packed_kernel: Optional[str] = None  # chosen at the first packed micro-batch
         # LM roles on the last stage compute logits only where they are scored (the positions that
         # predict response tokens: LeanOutputLinear.select), not over the prompt; the results are
@@ -445,6 +446,7 @@ class Engine:
         tp_group = self.ctx.tp_group
         dp = self.ctx.dp_size
         n_micro = self._n_micro = len(micro)
+        self.last_pass = _pass_shape(micro)
 
         def forward_step(data_iter, model):
             with record_function("engine.forward"):
@@ -753,6 +755,10 @@ class AdapterFreeReference:
     def onload(self, *, prefetch: bool = False) -> None:
         pass
 
+    @property
+    def last_pass(self) -> Optional[dict]:
+        return self.actor.last_pass
+
 
 class _Staged(NamedTuple):
     """A micro-batch still on the host (Engine._micro_batches(lazy=True)): `pack` (if any) makes
@@ -762,6 +768,14 @@ class _Staged(NamedTuple):
     padded: bool
     pack: Optional[Callable[[], PackedRows]] = None
     fitted: bool = False
+
+
+def _pass_shape(micro: list) -> dict:
+    """A pass's micro-batches (`_Staged`) and the tokens of its smallest (packed: its real
+    tokens; else its rows x widths), for the step's metrics (Trainer.pass_metrics)."""
+    tokens = [int(s.mb.token_mask().sum()) if s.pack is not None else s.mb.token_mask().numel()
+              for s in micro]
+    return {"micro_batches": len(tokens), "smallest_micro_batch_tokens": min(tokens, default=0)}
 
 
 def _pack_fitted(pack: Callable[[], PackedRows], shape: PackedShape) -> PackedRows:

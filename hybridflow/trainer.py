@@ -196,7 +196,7 @@ class Trainer:
             # reward.score_in_pass: the rule scored here while the device runs the first
             # forward-only pass below (handed to it as host work; else before the advantages)
             in_pass = iter([pending.run] if pending is not None and pending.deferred else [])
-            replay_metrics = {}
+            replay_metrics, pass_metrics = {}, {}
             if not skip_old:
                 with timer("old_log_prob"):
                     batch.old_logprobs = self.actor.compute_logprobs(
@@ -216,6 +216,7 @@ class Trainer:
                         **fwd)
                     if cfg.trainer.offload_ref:
                         self.ref.offload()
+                pass_metrics.update(pass_shape_metrics("ref", self.ref))
             if "critic" in away:
                 self.actor.params_to_host()
             elif away:  # back behind the advantages (the update would wait for them anyway)
@@ -236,6 +237,7 @@ class Trainer:
                 with timer("update_actor"):
                     update_metrics.update(self.update(self.actor, batch, actor_objective,
                                                       on_policy=skip_old))
+                pass_metrics.update(pass_shape_metrics("update_actor", self.actor))
             if skip_old and batch.rollout_logprobs is not None:  # from update_actor's forward
                 full = all_gather_batch(_without_experts(batch), group=self.ctx.dp_group,
                                         pad_id=self.tokenizer.pad_id)
@@ -245,7 +247,7 @@ class Trainer:
             self.rollout.params_back_after_gen = True
         update_metrics["actor/old_log_prob_skipped"] = float(skip_old)
         metrics = {**reward_metrics, **replay_metrics, **adv_metrics, **update_metrics,
-                   **timer.metrics(), **memory_metrics()}
+                   **pass_metrics, **timer.metrics(), **memory_metrics()}
         if self.actor.offloads_params:  # the most of the actor's weights off the GPU at once
             metrics["perf/actor_weights_offloaded_gb"] = (
                 self.actor.params_offloaded_most_bytes() / 2**30)
@@ -545,3 +547,15 @@ def manual_gc(enabled: bool):
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+def pass_shape_metrics(stage: str, engine) -> dict:
+    """perf/<stage>_micro_batches and perf/<stage>_smallest_micro_batch_tokens of the engine's
+    latest pass (the stage's last, with several mini-batches): a step a few rows past a multiple
+    of the token budget runs one micro-batch more, and sorted next-fit makes it small
+    (algo.balance_micro_batches deals the rows evenly instead)."""
+    shape = getattr(engine, "last_pass", None)
+    if not shape:
+        return {}
+    return {f"perf/{stage}_{k}": float(v) for k, v in shape.items()}
+

@@ -37,3 +37,43 @@ def test_balanced_micro_batches_match_next_fit(world, tp, sp):
     for res in run_ranks(_worker, world, tp, sp):
         assert res["groups", True] != res["groups", False]
         dyn.assert_same_results(res[True], res[False], res["mask"], atol=1e-6)
+
+
+def _trainer_step(out_dir):
+    """One demo training step with packed token budgets, next-fit and balanced: the step's
+    perf/<stage>_micro_batches and _smallest_micro_batch_tokens metrics."""
+    import torch.distributed as dist
+
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
+    from hybridflow.trainer import Trainer
+
+    out = {}
+    for balanced in (False, True):
+        cfg = load_config([
+            "experiment=demo", "algo=grpo", "algo.use_kl_loss=true", "trainer.total_steps=1",
+            "trainer.sft_warmup_steps=0", "trainer.tensorboard=false",
+            "trainer.progress_bar=false", f"trainer.output_dir={out_dir}/{balanced}",
+            "algo.use_dynamic_bsz=true", "algo.pack_sequences=true",
+            "algo.max_tokens_per_micro_batch_per_gpu=128",
+            "algo.forward_max_tokens_per_micro_batch_per_gpu=128",
+            f"algo.balance_micro_batches={str(balanced).lower()}"])
+        validate(cfg, world_size=dist.get_world_size())
+        ctx = groups.init_model_parallel(tp=1, pp=1, seed=cfg.trainer.seed)
+        (m,) = Trainer(cfg, ctx).train()
+        out[balanced] = {k: v for k, v in m.items() if "micro_batch" in k}
+    return out
+
+
+def test_the_step_reports_its_passes_micro_batches(tmp_path):
+    """Through the Trainer (config -> engines -> metrics): the ref and update passes report how
+    many micro-batches ran and the smallest one's tokens. The ref pass (one pass over the step's
+    rows) leaves next-fit a small last micro-batch; dealt evenly it is far larger."""
+    (res,) = run_ranks(_trainer_step, 1, str(tmp_path))
+    for stage in ("ref", "update_actor"):
+        nf, bal = (res[b][f"perf/{stage}_micro_batches"] for b in (False, True))
+        assert 1 < bal <= nf, (stage, res)
+        for b in (False, True):
+            assert 0 < res[b][f"perf/{stage}_smallest_micro_batch_tokens"] <= 128, (stage, res)
+    small = [res[b]["perf/ref_smallest_micro_batch_tokens"] for b in (False, True)]
+    assert small[0] < 64 < small[1], res
