@@ -453,7 +453,9 @@ class AlgoConfig:
     # packed micro-batches dealt evenly into the fewest that hold the rows (verl's balanced dynamic
     # batches; hybridflow/data/microbatch.py) instead of sorted next-fit, whose last micro-batch
     # holds whatever rows are left (a step a few rows past k budgets runs k full ones and one of a
-    # few rows); the same rows and results, other micro-batch shapes. Needs pack_sequences
+    # few rows); the same rows and results, other micro-batch shapes. Needs pack_sequences; not
+    # for an update replayed as CUDA graphs (parallel.train_cuda_graphs), whose packed
+    # micro-batches are padded to the budget, so more full ones would compute more padding
     balance_micro_batches: bool = False
     # the packed micro-batches' attention kernel (hybridflow/models/attention.py): "varlen": torch's
     # varlen_attn (FlashAttention-2 over the rows' cu_seqlens, GQA native; CUDA, bf16/fp16, head_dim

@@ -115,7 +115,8 @@ class Engine:
         device between passes (`params_to_host` / `params_to_device`; every pass brings them back
         first; hybridflow/offload.py).
         `balanced_micro_batches` (algo.balance_micro_batches): packed token-budget micro-batches
-        dealt evenly into the fewest that hold the rows (data/microbatch.py).
+        dealt evenly into the fewest that hold the rows (data/microbatch.py); not the graphed
+        update's, whose micro-batches are padded to the budget (more, fuller ones compute more).
         `packed_attention` (algo.packed_attention): the kernel of packed micro-batches, chosen at
         the first one (models/attention.py `choose_packed_attention`; rank 0 prints the choice
         once per run)."""
@@ -350,7 +351,7 @@ class Engine:
                                  "pipeline stages exchange micro-batches of one fixed shape")
             groups = token_budget_groups(batch.prompt_mask.sum(1), batch.response_mask.sum(1),
                                          max_tokens=max_tokens, multiple=multiple, packed=pack,
-                                         balanced=self._balanced)
+                                         balanced=self._balanced and not fit)
             micro = [batch.select(torch.tensor(g)).trimmed() for g in groups]
             rows = torch.tensor([i for g in groups for i in g])
         if pack:

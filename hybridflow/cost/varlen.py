@@ -282,7 +282,7 @@ def pass_work(w: Workload, rows: int, max_tokens: int, multiple: int = 1,
 
     groups = token_budget_groups(torch.from_numpy(p), torch.from_numpy(r), max_tokens=max_tokens,
                                  multiple=multiple, packed=w.pack_sequences,
-                                 balanced=w.balanced_micro_batches)
+                                 balanced=w.balanced_micro_batches and not padded_to_budget)
     tokens = head = attention = masked = 0.0
     eager = 0
     for g in groups:

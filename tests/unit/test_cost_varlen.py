@@ -236,6 +236,14 @@ def test_packed_pass_by_hand():
     assert pass_work(replace(w, packed_attention="fa4"), 4, 16, 1, True) == g
     assert pass_work(replace(w, packed_attention="fa4", graph_min_fill=0.9), 4, 16, 1,
                      True) == replace(e, masked_attention=f4.masked_attention)
+    # balanced (algo.balance_micro_batches): 13, 7, 6, 6 dealt into 2 leaves a 6 without room,
+    # into 3: [13] [7] [6, 6], the last of equal rows, unpacked, without a mask
+    bw = replace(w, balanced_micro_batches=True)
+    b = pass_work(bw, 4, 16)
+    assert (b.micro, b.tokens, b.masked_attention) == (3, 13 + 7 + 12, 0)
+    assert pass_work(bw, 4, 16, 1, True) == pass_work(w, 4, 16, 1, True)  # graphs: not balanced
+    with pytest.raises(ValueError, match="balanced_micro_batches needs pack_sequences"):
+        replace(bw, pack_sequences=False)
     with pytest.raises(ValueError, match="packed_attention 'sdpa'"):
         replace(w, packed_attention="sdpa")
 
