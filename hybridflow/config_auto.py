@@ -46,7 +46,6 @@ CPU_TOKEN_BUDGET = 16384  # use_dynamic_bsz=true on CPU with no budget set
 # allocator fragmentation and optimizer-step temporaries beyond its calibrated headroom
 MEMORY_SHARE = 0.85
 PREFILL_WIDTH_MULTIPLE = 64  # rollout.kernel_options.prefill_width_multiple on a GPU
-FORWARD_PHASES = ("old_log_prob", "ref", "values")
 
 
 def apply_memory_limit(limit_gib, device) -> tuple:
@@ -260,7 +259,7 @@ def size_token_budgets(cfg: Config, *, world_size: int, free_gib: float) -> tupl
     from hybridflow.cost.efficiency import shipped_calibration
     from hybridflow.cost.from_config import plan_for, workload_fields
     from hybridflow.cost.gpus import get_gpu
-    from hybridflow.cost.memory import memory_for
+    from hybridflow.cost.memory import FORWARD_STAGES, memory_for
     from hybridflow.cost.workload import Workload
 
     a, d, r = cfg.algo, cfg.data, cfg.rollout
@@ -303,7 +302,7 @@ def size_token_budgets(cfg: Config, *, world_size: int, free_gib: float) -> tupl
         said.append(f"training {train}")
     if forward is None:
         values["forward_max_tokens_per_micro_batch_per_gpu"] = largest(
-            step_rows, lambda t: fits(train, t, FORWARD_PHASES))
+            step_rows, lambda t: fits(train, t, FORWARD_STAGES))
         said.append(f"forward {values['forward_max_tokens_per_micro_batch_per_gpu']}")
     line = (f"auto: token budgets per micro-batch: {', '.join(said)} tokens (rows of up to {row} "
             f"tokens; sized for {free_gib:.0f} GiB free per GPU)")

@@ -774,8 +774,8 @@ class _Staged(NamedTuple):
 def _pass_shape(micro: list) -> dict:
     """A pass's micro-batches (`_Staged`) and the tokens of its smallest (packed: its real
     tokens; else its rows x widths), for the step's metrics (Trainer.pass_metrics)."""
-    tokens = [int(s.mb.token_mask().sum()) if s.pack is not None else s.mb.token_mask().numel()
-              for s in micro]
+    tokens = [int(s.mb.prompt_mask.sum() + s.mb.response_mask.sum()) if s.pack is not None
+              else s.mb.prompt_mask.numel() + s.mb.response_mask.numel() for s in micro]
     return {"micro_batches": len(tokens), "smallest_micro_batch_tokens": min(tokens, default=0)}
 
 

@@ -554,8 +554,7 @@ def pass_shape_metrics(stage: str, engine) -> dict:
     latest pass (the stage's last, with several mini-batches): a step a few rows past a multiple
     of the token budget runs one micro-batch more, and sorted next-fit makes it small
     (algo.balance_micro_batches deals the rows evenly instead)."""
-    shape = getattr(engine, "last_pass", None)
+    shape = engine.last_pass
     if not shape:
         return {}
     return {f"perf/{stage}_{k}": float(v) for k, v in shape.items()}
-

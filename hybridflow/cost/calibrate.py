@@ -79,7 +79,7 @@ from hybridflow import cli
 from hybridflow.atomic import atomic_write
 from hybridflow.cost.efficiency import Calibration, load_calibration
 from hybridflow.cost.gpus import GPU, get_gpu
-from hybridflow.cost.memory import memory_for
+from hybridflow.cost.memory import FORWARD_STAGES, memory_for
 from hybridflow.cost.shapes import load_shape
 from hybridflow.cost.timing import StageTerms, stage_terms
 from hybridflow.cost.validate import QUANT_KEY, format_validation, validation
@@ -88,7 +88,7 @@ from hybridflow.model_config import ModelConfig
 
 MEMORY_KEY = "perf/max_memory_allocated_gb"
 STEP_KEY = "timing_s/step"
-PASS_STAGES = ("old_log_prob", "ref", "values", "update_actor", "update_critic")
+PASS_STAGES = (*FORWARD_STAGES, "update_actor", "update_critic")
 GROUPS = [(("reshard",), ("inv_comm_eff",)),
           (("gen",), ("inv_prefill_eff", "inv_decode_bw_eff", "inv_torch_kv_eff",
                       "decode_layer_overhead_s",

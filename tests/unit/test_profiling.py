@@ -16,6 +16,20 @@ def _ev(name, start, end, dev=CPU, annotation=False):
                            device_type=dev, is_user_annotation=annotation)
 
 
+def _profiled_item(stage: str, n: int):
+    """A finished torch.profiler (CPU, and CUDA where there is one) over an (n, n) matmul read back
+    with `.item()` inside the range `stage`."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    x = torch.randn(n, n, device="cuda" if cuda else "cpu")
+    with profile(activities=acts) as prof:
+        with record_function(stage):
+            (x @ x).sum().item()
+    return prof
+
+
 def test_kernels_are_attributed_to_the_stages_that_hold_them():
     events = [
         _ev("stage/step", 0, 1000), _ev("stage/gen", 10, 400), _ev("stage/update_actor", 500, 990),
@@ -139,16 +153,10 @@ def test_a_saved_trace_charges_waits_to_the_op_of_its_external_id():
 def test_a_profiled_step_links_its_kernels_to_their_launchers():
     """kernel_launches on a real profiler: every device kernel of a CUDA run names its op (CPU
     runs have none; the summary still carries idle_s and waits)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
     from hybridflow.profiling import kernel_launches
 
     cuda = torch.cuda.is_available()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    x = torch.randn(64, 64, device="cuda" if cuda else "cpu")
-    with profile(activities=acts) as prof:
-        with record_function("stage/update_actor"):
-            (x @ x).sum().item()
+    prof = _profiled_item("stage/update_actor", 64)
     launches = kernel_launches(prof)
     s = stage_summary(prof.events(), launches=launches)["update_actor"]
     assert s["wall_s"] > 0 and s["idle_s"] <= s["wall_s"] + 1e-9 and s["waits"]
@@ -215,16 +223,10 @@ def test_host_waits_are_charged_to_their_stage_with_their_op_chain():
 def test_a_real_item_is_a_host_wait():
     """On CUDA, `.item()` inside a stage shows as a host wait under aten::item; on CPU there are
     no runtime calls, so none."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
     from hybridflow.profiling import host_waits
 
     cuda = torch.cuda.is_available()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    x = torch.randn(256, 256, device="cuda" if cuda else "cpu")
-    with profile(activities=acts) as prof:
-        with record_function("stage/ref"):
-            (x @ x).sum().item()
+    prof = _profiled_item("stage/ref", 256)
     waits = host_waits(prof.events())
     s = stage_summary(prof.events(), waits=waits)["ref"]
     if cuda:
