@@ -14,8 +14,9 @@ through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the up
   flash-attn-4 installed, sm_90+; its prediction is varlen's);
 - `packed_varlen_graphs`: those, the update's layers replayed as CUDA graphs over packed rows
   padded to one shape (parallel.train_cuda_graphs);
-- any packed variant with the suffix `_balanced` (`packed_fa4_balanced`): its micro-batches dealt
-  evenly into the fewest that hold the rows (algo.balance_micro_batches);
+- packed micro-batches are dealt evenly into the fewest that hold the rows, as the trainer's
+  default (algo.balance_micro_batches); the suffix `_nextfit` (`packed_fa4_nextfit`): sorted
+  next-fit instead (algo.balance_micro_batches=false);
 - `budget`: the same budgets, each micro-batch padded to its own longest row (pack_sequences=false);
 - `equal`: every row the mean length (prompt + round(mean)), the same budgets: the fixed-length
   shape the calibration's other records have, at the same real tokens.
@@ -119,13 +120,14 @@ def timeline(fn, device, *, stacks: bool = False) -> dict:
 
 def predicted(model_cfg, *, prompt_len, lengths, budget, fbudget, pack: bool, equal: bool,
               device: str, kernel: str = "flex", gpu: str = "H200", graphs: bool = False,
-              lm_head_chunk: int = 0) -> dict:
+              lm_head_chunk: int = 0, balanced: bool = False) -> dict:
     from hybridflow.cost import estimate_step_time
 
     work = dict(algorithm="grpo", prompts_per_step=len(lengths) // 8, samples_per_prompt=8,
                 prompt_len=prompt_len, micro_batch_tokens=budget, forward_micro_batch_tokens=fbudget,
                 skip_old_log_prob=True, dynamic_bsz=True, pack_sequences=pack,
-                packed_attention=kernel, train_cuda_graphs=graphs,
+                balanced_micro_batches=pack and balanced, packed_attention=kernel,
+                train_cuda_graphs=graphs,
                 lm_head_chunk_tokens=lm_head_chunk,
                 decode_kernels="triton" if device == "cuda" else "torch")
     if equal:
@@ -232,7 +234,7 @@ def main(argv=None) -> int:
         batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size)
         pack = variant.startswith("packed")
         graphs = variant == "packed_varlen_graphs"
-        balanced = variant.endswith("_balanced")  # algo.balance_micro_batches
+        balanced = pack and not variant.endswith("_nextfit")  # algo.balance_micro_batches
         if pack:
             kernel = next((k for k in ("varlen", "fa4") if variant.startswith("packed_" + k)),
                           "flex")
@@ -275,7 +277,8 @@ def main(argv=None) -> int:
                                       equal=variant == "equal", device=a.device,
                                       kernel={"fa4": "varlen"}.get(kernel, kernel) if pack
                                       else "flex", gpu=gpu_name() or "H200",
-                                      graphs=graphs, lm_head_chunk=a.lm_head_chunk_tokens)}
+                                      graphs=graphs, lm_head_chunk=a.lm_head_chunk_tokens,
+                                      balanced=balanced)}
         r["ref_median_s"], r["update_median_s"] = (statistics.median(r["ref_s"]),
                                                    statistics.median(r["update_s"]))
         if a.profile and cuda and pack:

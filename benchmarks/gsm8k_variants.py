@@ -23,8 +23,9 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
            the device works through its launched kernels (reward.score_in_pass)
   prefill_w1  each prefill at its widest prompt (rollout.kernel_options.prefill_width_multiple=1),
            one prefill shape per prompt width; the default on a GPU rounds widths up to 64
-  balanced  packed micro-batches dealt evenly into the fewest that hold the rows
-           (algo.balance_micro_batches): no small last micro-batch past a multiple of the budget
+  next_fit  packed micro-batches by sorted next-fit (algo.balance_micro_batches=false): a step a
+           few rows past a multiple of the budget runs a last micro-batch of those few rows; the
+           default deals them evenly into the fewest that hold the rows
   lmchunk  the LM head and log-probs in chunks of 4,096 positions (parallel.lm_head_chunk_tokens):
            no micro-batch's whole logits (up to ~9 GB in the ref pass) allocated at once
   dapo     algo=dapo reward.overlong_buffer.len=256 rollout.max_batch_size=1536 (DAPO's recipe on
@@ -83,7 +84,7 @@ VARIANTS = {
     "reward_in_pass": "reward.score_in_pass=true",
     "prefill_w1": "rollout.kernel_options.prefill_width_multiple=1",
     "lmchunk": "parallel.lm_head_chunk_tokens=4096",
-    "balanced": "algo.balance_micro_batches=true",
+    "next_fit": "algo.balance_micro_batches=false",
     "dapo": "algo=dapo reward.overlong_buffer.len=256 rollout.max_batch_size=1536",
     "dapo_batches": ("algo=dapo reward.overlong_buffer.len=256 rollout.max_batch_size=1536 "
                      "algo.dynamic_sampling.round_confidence=null"),

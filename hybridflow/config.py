@@ -455,8 +455,9 @@ class AlgoConfig:
     # holds whatever rows are left (a step a few rows past k budgets runs k full ones and one of a
     # few rows); the same rows and results, other micro-batch shapes. Needs pack_sequences; not
     # for an update replayed as CUDA graphs (parallel.train_cuda_graphs), whose packed
-    # micro-batches are padded to the budget, so more full ones would compute more padding
-    balance_micro_batches: bool = False
+    # micro-batches are padded to the budget, so more full ones would compute more padding.
+    # null (auto): on wherever pack_sequences is (docs/performance.md: the GSM8K step)
+    balance_micro_batches: Optional[bool] = None
     # the packed micro-batches' attention kernel (hybridflow/models/attention.py): "varlen": torch's
     # varlen_attn (FlashAttention-2 over the rows' cu_seqlens, GQA native; CUDA, bf16/fp16, head_dim
     # a multiple of 8 up to 256, compute capability 8.0+, torch 2.10+); "flex": a flex_attention

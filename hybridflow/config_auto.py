@@ -112,7 +112,9 @@ def resolve_auto(cfg: Config, *, device_type: str) -> tuple[Config, list[str]]:
     budgets = {}
     if dynamic and not gpu and a.max_tokens_per_micro_batch_per_gpu is None:
         budgets["max_tokens_per_micro_batch_per_gpu"] = CPU_TOKEN_BUDGET
-    cfg = _replace(cfg, "algo", use_dynamic_bsz=dynamic, pack_sequences=pack, **budgets)
+    balance = pack if a.balance_micro_batches is None else a.balance_micro_batches
+    cfg = _replace(cfg, "algo", use_dynamic_bsz=dynamic, pack_sequences=pack,
+                   balance_micro_batches=balance, **budgets)
 
     if p.train_cuda_graphs is None:
         cfg = _replace(cfg, "parallel", train_cuda_graphs=_lora_update_graphs(cfg, gpu, notes))

@@ -6,6 +6,7 @@ Refuses what the trainer refuses (a micro-batch token budget that cannot hold th
 the trainer's wording; user errors are one line, `hybridflow cost: error: ...`, exit code 2."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 from hybridflow import cli
@@ -58,9 +59,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="algo.use_dynamic_bsz=true: --micro-batch-tokens is a token budget")
     p.add_argument("--pack-sequences", action="store_true",
                    help="algo.pack_sequences=true (with --dynamic-bsz): packed rows of real tokens")
-    p.add_argument("--balance-micro-batches", action="store_true",
-                   help="algo.balance_micro_batches=true (with --pack-sequences): packed "
-                        "micro-batches dealt evenly into the fewest that hold the rows")
+    p.add_argument("--balance-micro-batches", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="algo.balance_micro_batches: packed micro-batches dealt evenly into the "
+                        "fewest that hold the rows (default: as the trainer, on with "
+                        "--pack-sequences); --no-balance-micro-batches: sorted next-fit")
     p.add_argument("--packed-attention", choices=("auto", "varlen", "flex", "fa4"),
                    default="auto",
                    help="algo.packed_attention: the packed rows' attention kernel (auto: fa4 on "
@@ -173,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                   gen_batches_per_round=a.gen_batches_per_round,
                   compact_finished_rows=a.compact_finished_rows, decode_kv_window=a.kv_window,
                   dynamic_bsz=a.dynamic_bsz, pack_sequences=a.pack_sequences,
-                  balanced_micro_batches=a.balance_micro_batches,
+                  balanced_micro_batches=(a.pack_sequences if a.balance_micro_batches is None
+                                          else a.balance_micro_batches),
                   packed_attention=packed, cdf_sampler=a.decode_kernels == "triton")
     cap = a.max_new_tokens or a.response_len_max or a.response_len
     if a.max_new_tokens is not None or a.lengths:

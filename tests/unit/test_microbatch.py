@@ -203,3 +203,20 @@ def test_balance_needs_packed_micro_batches():
         with pytest.raises(ValueError, match="algo.balance_micro_batches=true deals packed"):
             _cfg("algo.balance_micro_batches=true", off)
     assert _cfg("algo.balance_micro_batches=true").algo.balance_micro_batches
+
+
+def test_balance_defaults_to_packing():
+    """auto (null): balanced wherever the micro-batches are packed, next-fit elsewhere; an explicit
+    false keeps next-fit under packing."""
+    from hybridflow.config_auto import resolve_auto
+
+    def resolved(*o, device="cuda"):
+        return resolve_auto(_cfg(*o), device_type=device)[0].algo
+
+    assert _cfg().algo.balance_micro_batches is None
+    a = resolved()
+    assert a.pack_sequences and a.balance_micro_batches
+    assert not resolved(device="cpu").balance_micro_batches  # CPU: not packed unless asked
+    assert resolved("algo.pack_sequences=true", device="cpu").balance_micro_batches
+    assert not resolved("algo.pack_sequences=false").balance_micro_batches
+    assert not resolved("algo.balance_micro_batches=false").balance_micro_batches
