@@ -1,7 +1,8 @@
 """benchmarks/fa4_on_machine.sh: FlashAttention-4's wheels, carried in parts, installed into one
 folder that imports (stand-in wheels with the real layout: the CUTLASS DSL's packages under
-nvidia_cutlass_dsl/dsl_packages in a library wheel split in two)."""
+nvidia_cutlass_dsl/dsl_packages in a library wheel split in three, one part carried per call)."""
 import os
+import shutil
 import subprocess
 import zipfile
 
@@ -27,15 +28,32 @@ def test_parts_and_wheels_install_into_one_importable_folder(tmp_path):
     _wheel(libs, {"nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/__init__.py": "x = '" + "a" * 4096
                   + "'\n", "nvidia_cutlass_dsl/lib/libcute.so": "so"})
     data = libs.read_bytes()
-    (src / "00").write_bytes(data[:len(data) // 2])
-    (src / "01").write_bytes(data[len(data) // 2:])
+    third = len(data) // 3
+    parts = [data[:third], data[third:2 * third], data[2 * third:]]
+    carried = tmp_path / "carried"  # what the machine holds of all the parts, one call at a time
+    everything = tmp_path / "xfer_fa4"
+    for i, part in enumerate(parts):
+        (everything / f"{i:02d}").write_bytes(part)
     env = dict(os.environ, SITE=str(tmp_path / "site"), PARTS=str(tmp_path / "tmp" / "xfer_fa4"),
-               SRC=str(src), WHEELS=str(wheels))
+               SRC=str(carried), WHEELS=str(wheels))
     env.pop("PYTHONPATH", None)
-    r = subprocess.run(["bash", SCRIPT, "install"], env=env, capture_output=True, text=True)
-    assert r.returncode == 1 and "run 'part' in the call before" in r.stderr
-    subprocess.run(["bash", SCRIPT, "part"], env=env, check=True, capture_output=True)
-    r = subprocess.run(["bash", SCRIPT, "install"], env=env, capture_output=True, text=True)
+
+    def call(cmd, *names):
+        shutil.rmtree(carried, ignore_errors=True)
+        carried.mkdir()
+        for n in names:
+            shutil.copy(everything / n, carried / n)
+        return subprocess.run(["bash", SCRIPT, cmd], env=env, capture_output=True, text=True)
+
+    r = call("install")
+    assert r.returncode == 1 and "run 'part' in a call before" in r.stderr
+    r = call("part")
+    assert r.returncode == 1 and "carry one with this call" in r.stderr
+    assert call("part", "00").returncode == 0
+    r = call("install", "02")  # 01 never carried
+    assert r.returncode == 1 and "a part is missing" in r.stderr and "00 02" in r.stderr
+    assert call("part", "01").returncode == 0
+    r = call("install", "02")
     assert r.returncode == 0, r.stderr
     assert "flash-attn-4 ready" in r.stdout
     site = tmp_path / "site"
