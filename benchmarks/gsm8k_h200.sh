@@ -4,9 +4,9 @@
 # antlr4-python3-runtime 4.9.3 and gguf 0.19.0, for Python 3.12) and the prepared data (.gsm8k: output
 # of `python -m hybridflow.data.prepare gsm8k --out .gsm8k`) are carried with the call; the GGUF file
 # (`bash launch/fetch_qwen_coder.sh DIR`) is larger than one call carries, so it travels in parts
-# (`split -b 50M -d DIR/<file>.gguf .xfer/`: a part and the ~9 MB working tree within one call's
-# 64 MiB), one call each copying its part to /tmp/xfer/parts/, and `setup` reassembles and checks
-# it. List .whl/ .whl_bench/ .gsm8k/ .xfer/ in .git/info/exclude.
+# (`split -b 40M -d DIR/<file>.gguf .xfer/`: a part and the ~10 MB working tree, which grows,
+# within one call's 64 MiB), one call each copying its part to /tmp/xfer/parts/, and `setup`
+# reassembles and checks it. List .whl/ .whl_bench/ .gsm8k/ .xfer/ in .git/info/exclude.
 #
 #   bash benchmarks/gsm8k_h200.sh setup                  # install wheels, assemble + verify the GGUF
 #   bash benchmarks/gsm8k_h200.sh hf_eval               # transformers' greedy accuracy on the val set
