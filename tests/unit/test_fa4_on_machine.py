@@ -17,9 +17,9 @@ def _wheel(path, files: dict) -> None:
 
 
 def test_parts_and_wheels_install_into_one_importable_folder(tmp_path):
-    wheels, src = tmp_path / "whl_fa4", tmp_path / "xfer_fa4"
+    wheels, everything = tmp_path / "whl_fa4", tmp_path / "xfer_fa4"  # here: every part
     wheels.mkdir()
-    src.mkdir()
+    everything.mkdir()
     _wheel(wheels / "flash_attn_4-0-py3-none-any.whl",
            {"flash_attn/__init__.py": "", "flash_attn/cute/__init__.py": "import cutlass\n"})
     _wheel(wheels / "nvidia_cutlass_dsl_libs_core-0-py3-none-any.whl",
@@ -30,8 +30,7 @@ def test_parts_and_wheels_install_into_one_importable_folder(tmp_path):
     data = libs.read_bytes()
     third = len(data) // 3
     parts = [data[:third], data[third:2 * third], data[2 * third:]]
-    carried = tmp_path / "carried"  # what the machine holds of all the parts, one call at a time
-    everything = tmp_path / "xfer_fa4"
+    carried = tmp_path / "carried"  # what one call carries to the machine
     for i, part in enumerate(parts):
         (everything / f"{i:02d}").write_bytes(part)
     env = dict(os.environ, SITE=str(tmp_path / "site"), PARTS=str(tmp_path / "tmp" / "xfer_fa4"),
