@@ -443,3 +443,20 @@ def test_bench_prefill_widths_per_multiple(tmp_path):
         # the warm call at 16 (alignment 16), then 9 (1, new), 11 (1), 13 (1)
         assert [(c["width"], c["alignment"], c["class_new"]) for c in r["first_pass"]] == [
             (9, 1, True), (11, 1, False), (13, 1, False)]
+
+
+def test_bench_mlp_kernels_checks_the_trainer_mlp_against_fp32(tmp_path):
+    """The MLP kernel A/B on CPU: the trainer's side (Megatron's MLP over our linears, weight
+    gradients into main_grad) timed and equal to the fp32 reference at fp32; quack's side needs a
+    GPU and says so."""
+    out = tmp_path / "mlp.json"
+    subprocess.run([sys.executable, "benchmarks/bench_mlp_kernels.py", "--device", "cpu",
+                    "--model", "tiny", "--tokens", "32", "48", "--iters", "1", "--warmup", "1",
+                    "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
+    r = json.loads(out.read_text())["results"]
+    assert set(r) == {"tiny/32", "tiny/48"}
+    for row in r.values():
+        ours = row["trainer"]
+        assert ours["forward_s"] > 0 and ours["forward_backward_s"] > 0
+        assert max(ours["rel_err"].values()) < 1e-5, ours["rel_err"]
+        assert row["quack"] == {"skipped": "needs a CUDA GPU"}
