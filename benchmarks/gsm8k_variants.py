@@ -26,6 +26,8 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
   next_fit  packed micro-batches by sorted next-fit (algo.balance_micro_batches=false): a step a
            few rows past a multiple of the budget runs a last micro-batch of those few rows; the
            default deals them evenly into the fewest that hold the rows
+  quack_mlp  the dense layers' gated MLP as quack-kernels' fused one (parallel.mlp_kernel=quack:
+           the SwiGLU in the GEMM epilogues; needs flash-attn-4's install)
   lmchunk  the LM head and log-probs in chunks of 4,096 positions (parallel.lm_head_chunk_tokens):
            no micro-batch's whole logits (up to ~9 GB in the ref pass) allocated at once
   dapo     algo=dapo reward.overlong_buffer.len=256 rollout.max_batch_size=1536 (DAPO's recipe on
@@ -85,6 +87,7 @@ VARIANTS = {
     "prefill_w1": "rollout.kernel_options.prefill_width_multiple=1",
     "lmchunk": "parallel.lm_head_chunk_tokens=4096",
     "next_fit": "algo.balance_micro_batches=false",
+    "quack_mlp": "parallel.mlp_kernel=quack",
     "dapo": "algo=dapo reward.overlong_buffer.len=256 rollout.max_batch_size=1536",
     "dapo_batches": ("algo=dapo reward.overlong_buffer.len=256 rollout.max_batch_size=1536 "
                      "algo.dynamic_sampling.round_confidence=null"),

@@ -129,9 +129,13 @@ class Engine:
         model = build_model(model_cfg, role=role, ctx=ctx,
                             sequence_parallel=parallel.sequence_parallel, precision=precision,
                             activation_checkpointing=parallel.activation_checkpointing,
-                            fused_elementwise=parallel.fused_elementwise)
+                            fused_elementwise=parallel.fused_elementwise,
+                            mlp_kernel=parallel.mlp_kernel)
         self.num_adapter_params = 0
         self.lora = lora if lora is not None and lora.rank > 0 else None
+        if self.lora is not None and parallel.mlp_kernel != "megatron":
+            raise ValueError(f"parallel.mlp_kernel={parallel.mlp_kernel} bypasses the MLP's "
+                             f"linears, which LoRA adapts: set parallel.mlp_kernel=megatron")
         if self.lora is not None:
             if optim is None:
                 raise ValueError(f"role {role}: LoRA adapters need a trainable role")
