@@ -7,7 +7,10 @@ depends on, installed with it) puts the SwiGLU in fc1's GEMM epilogue, and in th
 derivative in the epilogue of the GEMM that makes fc2's input gradient, which also gives back the
 SwiGLU's output for fc2's weight gradient: two element-wise passes over the widest activation fewer
 per layer and micro-batch, and fc1's output is the one activation of the MLP kept for backward.
-`concat_layout=True` reads fc1's weight as Megatron stores it: [gate; up] rows.
+`concat_layout=True` reads fc1's weight as Megatron stores it: [gate; up] rows. `tuned=False`:
+each GEMM's tile configuration from quack's heuristic, not its autotuner, whose cache is keyed by
+the operands' shapes: packed micro-batches have a new token count nearly every time, and each would
+be tuned anew.
 
 Weight gradients come back in each weight's `.grad` (bf16) and DDP's hook adds them into the fp32
 `main_grad` (Megatron's path without gradient_accumulation_fusion). What it needs (config_checks
@@ -42,7 +45,7 @@ def _forward(self: MLP, hidden_states, per_token_scale=None, **kwargs):
         raise ValueError(f"{KEY}: a per-token scale (MoE experts' MLPs) is not supported")
     shape = hidden_states.shape
     out = self._quack_mlp_func(hidden_states.reshape(-1, shape[-1]), self.linear_fc1.weight,
-                               self.linear_fc2.weight, "swiglu", concat_layout=True)
+                               self.linear_fc2.weight, "swiglu", concat_layout=True, tuned=False)
     return out.view(*shape[:-1], out.shape[-1]), None
 
 

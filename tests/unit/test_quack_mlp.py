@@ -55,9 +55,10 @@ def test_missing_quack_is_named():
         quack_mlp.quack_mlp_func()
 
 
-def _same_math(x, w1, w2, activation, concat_layout):
+def _same_math(x, w1, w2, activation, concat_layout, tuned):
     """quack.mlp.mlp_func's result in torch: fc1's rows [gate; up], silu(gate) * up, fc2."""
     assert activation == "swiglu" and concat_layout is True and x.ndim == 2
+    assert tuned is False  # the autotuner's cache is per shape: a tuning per micro-batch
     gate, up = F.linear(x, w1).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, w2)
 
