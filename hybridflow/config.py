@@ -45,7 +45,7 @@ class ParallelConfig:
     # SwiGLU in fc1's GEMM epilogue, its derivative in the epilogue of fc2's input-gradient GEMM,
     # fc1's output the one activation kept; weight gradients through .grad, which DDP's hook adds
     # into main_grad. CUDA, bf16, TP = 1, dense models; not with LoRA or the update's CUDA
-    # graphs. Off until measured (benchmarks/bench_mlp_kernels.py)
+    # graphs. Off until measured (benchmarks/bench_layer_kernels.py)
     mlp_kernel: str = "megatron"
     # the decoder layers' weight gradients added into DDP's fp32 main_grad by their backward GEMM
     # (Megatron's gradient_accumulation_fusion, without apex: models/linear.py accumulate_wgrad)

@@ -16,7 +16,7 @@ Weight gradients come back in each weight's `.grad` (bf16) and DDP's hook adds t
 `main_grad` (Megatron's path without gradient_accumulation_fusion). What it needs (config_checks
 refuses the rest with the key): CUDA with bf16 weights, TP = 1, dense layers (MoE experts keep
 their own), no LoRA adapters on the MLP (they wrap the linears this bypasses), no CUDA graphs of
-the update's layers. Off until measured (benchmarks/bench_mlp_kernels.py, gsm8k_variants.py
+the update's layers. Off until measured (benchmarks/bench_layer_kernels.py, gsm8k_variants.py
 quack_mlp)."""
 from __future__ import annotations
 

@@ -445,18 +445,23 @@ def test_bench_prefill_widths_per_multiple(tmp_path):
             (9, 1, True), (11, 1, False), (13, 1, False)]
 
 
-def test_bench_mlp_kernels_checks_the_trainer_mlp_against_fp32(tmp_path):
-    """The MLP kernel A/B on CPU: the trainer's side (Megatron's MLP over our linears, weight
-    gradients into main_grad) timed and equal to the fp32 reference at fp32; quack's side needs a
-    GPU and says so."""
-    out = tmp_path / "mlp.json"
-    subprocess.run([sys.executable, "benchmarks/bench_mlp_kernels.py", "--device", "cpu",
+def test_bench_layer_kernels_checks_the_trainer_kernels_against_fp32(tmp_path):
+    """The per-layer kernel A/B on CPU: the trainer's MLP (Megatron's MLP over our linears, weight
+    gradients into main_grad) and RMSNorm timed and equal to the fp32 references at fp32 (the
+    MLP's reference reads fc1's rows as [gate; up], as quack's side must); quack's sides need a GPU
+    and say so."""
+    out = tmp_path / "layer.json"
+    subprocess.run([sys.executable, "benchmarks/bench_layer_kernels.py", "--device", "cpu",
                     "--model", "tiny", "--tokens", "32", "48", "--iters", "1", "--warmup", "1",
                     "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
     r = json.loads(out.read_text())["results"]
-    assert set(r) == {"tiny/32", "tiny/48"}
-    for row in r.values():
+    hidden = next(k for k in r if k.startswith("rmsnorm/")).split("/")[1]
+    assert set(r) == {"mlp/tiny/32", "mlp/tiny/48", f"rmsnorm/{hidden}/32",
+                      f"rmsnorm/{hidden}/48"}
+    skipped = {"skipped": "needs a CUDA GPU"}
+    for key, row in r.items():
         ours = row["trainer"]
         assert ours["forward_s"] > 0 and ours["forward_backward_s"] > 0
-        assert max(ours["rel_err"].values()) < 1e-5, ours["rel_err"]
-        assert row["quack"] == row["quack_tuned"] == {"skipped": "needs a CUDA GPU"}
+        assert max(ours["rel_err"].values()) < 1e-5, (key, ours["rel_err"])
+        quack_sides = ("quack", "quack_tuned") if key.startswith("mlp/") else ("quack",)
+        assert all(row[s] == skipped for s in quack_sides), row
