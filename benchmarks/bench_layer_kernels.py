@@ -1,15 +1,11 @@
 """The training passes' per-layer kernels as the trainer runs them against quack-kernels', one GPU.
 
-The gated MLP. The trainer's (Megatron's MLP over our linears, `parallel.fused_elementwise`): fc1
-as one GEMM, Megatron's compiled SwiGLU kernel, fc2 as one GEMM, each weight gradient accumulated
-into its fp32 `main_grad` by the wgrad GEMM (`parallel.gradient_accumulation_fusion`).
-quack-kernels (flash-attn-4's dependency, installed with it; `parallel.mlp_kernel=quack`) fuses
-the SwiGLU into fc1's epilogue in the forward and its derivative into the epilogue of fc2's
-input-gradient GEMM in the backward (`quack.mlp.mlp_func`, `concat_layout=True`: fc1's weight as
-Megatron stores it, [gate; up]), and keeps fc1's output instead of the SwiGLU's (fc2's weight
-gradient recomputes it inside that epilogue). Its weight gradients come back in `.grad` (bf16) and
-are added into `main_grad`, as Megatron's DDP hook does for a layer without the fusion; the timing
-includes that add.
+The gated MLP. Megatron's MLP over our linears (`parallel.fused_elementwise`): fc1 as one GEMM,
+Megatron's compiled SwiGLU kernel, fc2 as one GEMM. `QuackMLP` (`parallel.mlp_kernels=quack`,
+models/quack_mlp.py; quack-kernels comes with flash-attn-4): the SwiGLU in fc1's GEMM epilogue
+forward, its derivative in the epilogue of fc2's input-gradient GEMM backward. The same module and
+weights run both forwards; both add their weight gradients into fp32 `main_grad` as under DDP
+(`parallel.gradient_accumulation_fusion`).
 
 The RMSNorm. The trainer's: torch's `nn.RMSNorm` (models/build.py TorchRMSNorm); quack's:
 `quack.rmsnorm.rmsnorm` (one kernel each way, the weight gradient reduced per SM in the backward).
@@ -18,10 +14,8 @@ Per kernel, shape and token count: forward-only (the ref pass) and forward + bac
 seconds (median of --iters after --warmup), and each side's error against an fp32 reference of the
 same inputs and weights (output, input gradient, weight gradients; relative to the reference's
 largest magnitude): for the MLP, the check that quack reads the [gate; up] halves as Megatron does.
-The MLP's `quack` is what `parallel.mlp_kernel=quack` runs (`tuned=False`: quack's heuristic tile
-configurations; its autotuner keys on the operands' shapes, and packed micro-batches change the
-token count every time); `quack_tuned` is autotuned for each fixed shape here, the bound of what
-tuning could add. Without a GPU (or without quack) the quack sides are recorded as skipped.
+Where quack cannot run (no GPU, not importable: `quack_mlp.quack_unsupported`) its sides are
+recorded as skipped with the reason.
 
   python benchmarks/bench_layer_kernels.py --out benchmarks/results/layer_kernels_h100.json
   python benchmarks/bench_layer_kernels.py --device cpu --model tiny --tokens 64 --iters 1 \\
@@ -131,15 +125,18 @@ def main(argv=None) -> int:
 
     from hybridflow.cost.shapes import load_shape
     from hybridflow.models.build import build_model
+    from megatron.core.transformer.mlp import MLP
+
     from hybridflow.models.linear import LeanColumnParallelLinear, LeanRowParallelLinear
+    from hybridflow.models.quack_mlp import QuackMLP, quack_unsupported
     from hybridflow.parallel import groups
 
     cuda = a.device == "cuda"
     groups.init_distributed()
     ctx = groups.init_model_parallel(tp=1, pp=1, seed=1)
     precision = "bf16" if cuda else "fp32"
-    mlp_func, skipped = _quack("quack.mlp", "mlp_func") if cuda else (None, "needs a CUDA GPU")
-    quack_rmsnorm = _quack("quack.rmsnorm", "rmsnorm")[0] if cuda else None
+    skipped = quack_unsupported(ctx.device)  # None where QuackMLP runs quack's GEMMs
+    quack_rmsnorm = None if skipped else _quack("quack.rmsnorm", "rmsnorm")[0]
     results = {}
     for name in a.model:
         shape = dataclasses.replace(load_shape(name), num_layers=1, attention_backend="sdpa")
@@ -157,55 +154,30 @@ def main(argv=None) -> int:
                             dtype=w1.dtype).requires_grad_()
             dout = torch.randn(x.shape, generator=g, device=ctx.device, dtype=w1.dtype) * 1e-2
             ref = _reference(x, w1, w2, dout)
-
-            def ours_fwd():
-                with torch.no_grad():
-                    mlp(x)
-
-            def ours_fwd_bwd():
-                x.grad = None
-                mlp(x)[0].backward(dout)
-
-            def errors(out):  # after one fwd+bwd from zeroed main_grads
-                return {"out": _rel_err(out, ref[0]), "dx": _rel_err(x.grad, ref[1]),
-                        "dw1": _rel_err(w1.main_grad, ref[2]),
-                        "dw2": _rel_err(w2.main_grad, ref[3])}
-
-            for w in (w1, w2):
-                w.main_grad.zero_()
-            ours_fwd_bwd()
-            err = errors(mlp(x)[0].detach())
-            row = {"trainer": {"forward_s": _timed(ours_fwd, a.iters, a.warmup, cuda),
-                               "forward_backward_s": _timed(ours_fwd_bwd, a.iters, a.warmup, cuda),
-                               "rel_err": err}}
-            for side, tuned in (("quack", False), ("quack_tuned", True)):
-                if mlp_func is None:
+            row = {}
+            for side, cls in (("trainer", MLP), ("quack", QuackMLP)):
+                if side == "quack" and skipped:
                     row[side] = {"skipped": skipped}
                     continue
+                mlp.__class__ = cls  # the same module and weights, the other forward
 
-                def quack():  # under no_grad mlp_func keeps nothing for backward
-                    return mlp_func(x.view(tokens, -1), w1, w2, "swiglu", concat_layout=True,
-                                    tuned=tuned)
-
-                def quack_fwd():
+                def fwd():
                     with torch.no_grad():
-                        quack()
+                        mlp(x)
 
-                def quack_fwd_bwd():
+                def fwd_bwd():
                     x.grad = None
-                    quack().backward(dout.view(tokens, -1))
-                    for w in (w1, w2):  # what DDP's hook does with a .grad
-                        w.main_grad.add_(w.grad)
-                        w.grad = None
+                    mlp(x)[0].backward(dout)
 
                 for w in (w1, w2):
                     w.main_grad.zero_()
-                quack_fwd_bwd()
-                err = errors(quack().detach().view(ref[0].shape))
-                row[side] = {
-                    "forward_s": _timed(quack_fwd, a.iters, a.warmup, cuda),
-                    "forward_backward_s": _timed(quack_fwd_bwd, a.iters, a.warmup, cuda),
-                    "rel_err": err}
+                fwd_bwd()  # from zeroed main_grads: one step's weight gradients
+                err = {"out": _rel_err(mlp(x)[0].detach(), ref[0]), "dx": _rel_err(x.grad, ref[1]),
+                       "dw1": _rel_err(w1.main_grad, ref[2]), "dw2": _rel_err(w2.main_grad, ref[3])}
+                row[side] = {"forward_s": _timed(fwd, a.iters, a.warmup, cuda),
+                             "forward_backward_s": _timed(fwd_bwd, a.iters, a.warmup, cuda),
+                             "rel_err": err}
+            mlp.__class__ = MLP
             results[f"mlp/{name}/{tokens}"] = row
             print(f"mlp {name:20s} {tokens:6d}  {_line(row)}", flush=True)
             row = _rmsnorm_rows(shape.hidden_size, tokens, ctx.device, w1.dtype, a.iters,
@@ -215,9 +187,9 @@ def main(argv=None) -> int:
         del model, mlp
     write_json(a.out, {
         "benchmark": "the training passes' per-layer kernels at one micro-batch of packed "
-                     "tokens: the gated MLP, the trainer's (fc1, Megatron's compiled SwiGLU, fc2, "
-                     "wgrad into fp32 main_grad) against quack.mlp.mlp_func (the SwiGLU in the "
-                     "GEMM epilogues); the RMSNorm, torch's against quack.rmsnorm.rmsnorm",
+                     "tokens: the gated MLP, Megatron's (fc1, its compiled SwiGLU, fc2) against "
+                     "QuackMLP (parallel.mlp_kernels=quack: the SwiGLU in the GEMM epilogues), "
+                     "wgrads into fp32 main_grad; the RMSNorm, torch's against quack's",
         "machine": machine(), "versions": versions("megatron-core", "quack-kernels"),
         "command": command(), "iters": a.iters, "warmup": a.warmup, "results": results})
     return 0

@@ -12,6 +12,8 @@ through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the up
   cu_seqlens; algo.packed_attention=varlen, what auto picks on CUDA);
 - `packed_fa4`: the same packed rows on FlashAttention-4's kernels (algo.packed_attention=fa4;
   flash-attn-4 installed, sm_90+; its prediction is varlen's);
+- `packed_fa4_quack`: `packed_fa4` with the MLPs' SwiGLU inside quack's GEMMs
+  (parallel.mlp_kernels=quack; its prediction is fa4's);
 - `packed_varlen_graphs`: those, the update's layers replayed as CUDA graphs over packed rows
   padded to one shape (parallel.train_cuda_graphs);
 - packed micro-batches are dealt evenly into the fewest that hold the rows, as the trainer's
@@ -20,6 +22,8 @@ through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the up
 - `budget`: the same budgets, each micro-batch padded to its own longest row (pack_sequences=false);
 - `equal`: every row the mean length (prompt + round(mean)), the same budgets: the fixed-length
   shape the calibration's other records have, at the same real tokens.
+A variant named twice (`packed_fa4,packed_fa4_quack,packed_fa4`: an A/B/A order, which puts what
+compiles lazily in the first pass on neither side alone) is recorded again as `variant#2`.
 Per variant: seconds per pass (median of --iters after two warm-up passes), micro-batches, tokens
 computed; the cost model's prediction of the same pass (shipped calibration); with --profile the
 packed passes' top CUDA kernels (flex_attention or flash varlen, GEMMs, log-prob kernels, gathers).
@@ -208,18 +212,19 @@ def main(argv=None) -> int:
                          lm_head_chunk_tokens=a.lm_head_chunk_tokens)
     pairs = {}
 
-    def engines(kernel: str, graphs: bool = False, balanced: bool = False):
+    def engines(kernel: str, graphs: bool = False, balanced: bool = False, mlp: str = "torch"):
         """(ref, actor) whose packed micro-batches run `kernel` (`graphs`: the actor's update as
-        CUDA graphs, parallel.train_cuda_graphs; `balanced`: algo.balance_micro_batches); one
-        pair alive at a time."""
-        key = (kernel, graphs, balanced)
+        CUDA graphs, parallel.train_cuda_graphs; `balanced`: algo.balance_micro_batches; `mlp`:
+        parallel.mlp_kernels); one pair alive at a time."""
+        key = (kernel, graphs, balanced, mlp)
         if key not in pairs:
             pairs.clear()
             torch.cuda.empty_cache() if cuda else None
-            apar = dataclasses.replace(par, train_cuda_graphs=graphs)
+            rpar = dataclasses.replace(par, mlp_kernels=mlp)
+            apar = dataclasses.replace(rpar, train_cuda_graphs=graphs)
             kw = dict(packed_attention=kernel, balanced_micro_batches=balanced)
             pairs[key] = (
-                Engine(role="ref", model_cfg=model_cfg, ctx=ctx, parallel=par, precision=precision,
+                Engine(role="ref", model_cfg=model_cfg, ctx=ctx, parallel=rpar, precision=precision,
                        **kw),
                 Engine(role="actor", model_cfg=model_cfg, ctx=ctx, parallel=apar,
                        precision=precision, optim=OptimConfig(lr=1e-7, clip_grad=1.0),
@@ -234,13 +239,14 @@ def main(argv=None) -> int:
         batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size)
         pack = variant.startswith("packed")
         graphs = variant == "packed_varlen_graphs"
-        balanced = pack and not variant.endswith("_nextfit")  # algo.balance_micro_batches
+        balanced = pack and "_nextfit" not in variant  # algo.balance_micro_batches
         if pack:
             kernel = next((k for k in ("varlen", "fa4") if variant.startswith("packed_" + k)),
                           "flex")
         else:  # the unpacked variants never pack: an alive pair with an eager update serves them
-            kernel = next((k for k, graphed, _ in pairs if not graphed), "flex")
-        ref, actor = engines(kernel, graphs, balanced)
+            kernel = next((k for k, graphed, *_ in pairs if not graphed), "flex")
+        mlp = "quack" if "_quack" in variant else "torch"  # parallel.mlp_kernels
+        ref, actor = engines(kernel, graphs, balanced, mlp)
         if pack:
             try:  # varlen where it cannot run (CPU, fp32, an older torch): recorded as skipped
                 actor.packed_kernel()
@@ -287,7 +293,9 @@ def main(argv=None) -> int:
             st = a.timeline_stacks
             r["ref_timeline"], r["update_timeline"] = (timeline(fwd, ctx.device, stacks=st),
                                                        timeline(upd, ctx.device, stacks=st))
-        results[variant] = r
+        # a variant named again (an A/B/A order) is kept beside the first: variant#2, ...
+        again = sum(k.split("#")[0] == variant for k in results)
+        results[variant if not again else f"{variant}#{again + 1}"] = r
         print(f"{variant:13s} ref {r['ref_median_s']:.3f} s (pred {r['predicted_s']['ref']:.3f}), "
               f"update {r['update_median_s']:.3f} s (pred {r['predicted_s']['update_actor']:.3f}), "
               f"micro {r['ref_micro_batches']}/{r['update_micro_batches']}, "

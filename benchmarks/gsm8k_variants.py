@@ -14,6 +14,7 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
            rollout.max_batch_size=576 (the steady state's rows; the first step runs in two chunks)
   partial_768  the same at 768 rows (the first step's; the 60-step curves' setting)
   graphs   the full-parameter update's layers as CUDA graphs (parallel.train_cuda_graphs)
+  quack    the MLPs' SwiGLU inside quack's GEMM epilogues (parallel.mlp_kernels=quack)
   spec     rollout.speculative (the tail from 16 running rows by speculative sampling with n-gram
            drafts, 4 per row and step): the same samples' distribution, fewer tail steps; on
            by default where the tail runs the decode kernels (auto), so `nospec` is its A/B
@@ -26,8 +27,6 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
   next_fit  packed micro-batches by sorted next-fit (algo.balance_micro_batches=false): a step a
            few rows past a multiple of the budget runs a last micro-batch of those few rows; the
            default deals them evenly into the fewest that hold the rows
-  quack_mlp  the dense layers' gated MLP as quack-kernels' fused one (parallel.mlp_kernel=quack:
-           the SwiGLU in the GEMM epilogues; needs flash-attn-4's install)
   lmchunk  the LM head and log-probs in chunks of 4,096 positions (parallel.lm_head_chunk_tokens):
            no micro-batch's whole logits (up to ~9 GB in the ref pass) allocated at once
   dapo     algo=dapo reward.overlong_buffer.len=256 rollout.max_batch_size=1536 (DAPO's recipe on
@@ -79,6 +78,7 @@ VARIANTS = {
                     "rollout.partial.extra_prompts=32 rollout.max_batch_size=768 "
                     "algo.tis_imp_ratio_cap=2.0"),
     "graphs": "parallel.train_cuda_graphs=true",
+    "quack": "parallel.mlp_kernels=quack",
     "spec": "rollout.speculative.enable=true",
     "nospec": "rollout.speculative.enable=false",
     "varlen": "algo.packed_attention=varlen",
@@ -87,7 +87,6 @@ VARIANTS = {
     "prefill_w1": "rollout.kernel_options.prefill_width_multiple=1",
     "lmchunk": "parallel.lm_head_chunk_tokens=4096",
     "next_fit": "algo.balance_micro_batches=false",
-    "quack_mlp": "parallel.mlp_kernel=quack",
     "dapo": "algo=dapo reward.overlong_buffer.len=256 rollout.max_batch_size=1536",
     "dapo_batches": ("algo=dapo reward.overlong_buffer.len=256 rollout.max_batch_size=1536 "
                      "algo.dynamic_sampling.round_confidence=null"),

@@ -18,6 +18,7 @@ from typing import Optional
 from hybridflow.model_config import ModelConfig  # the model group's schema, with its derived counts
 
 CONF_PACKAGE = "hybridflow.conf"
+MLP_KERNELS = ("torch", "quack", "auto")  # parallel.mlp_kernels
 
 
 @dataclass
@@ -40,13 +41,11 @@ class ParallelConfig:
     # own functions: its bias_activation_fusion SwiGLU keeps only fc1's output for backward);
     # hybridflow/models/fused.py. CPU runs are unchanged either way
     fused_elementwise: bool = True
-    # the dense decoder layers' gated MLP: "megatron" (fc1, the SwiGLU above, fc2) or "quack":
-    # quack-kernels' fused MLP (installed with flash-attn-4; hybridflow/models/quack_mlp.py): the
-    # SwiGLU in fc1's GEMM epilogue, its derivative in the epilogue of fc2's input-gradient GEMM,
-    # fc1's output the one activation kept; weight gradients through .grad, which DDP's hook adds
-    # into main_grad. CUDA, bf16, TP = 1, dense models; not with LoRA or the update's CUDA
-    # graphs. Off until measured (benchmarks/bench_layer_kernels.py)
-    mlp_kernel: str = "megatron"
+    # the gated MLP's SwiGLU inside its GEMMs on CUDA (hybridflow/models/quack_mlp.py,
+    # quack-kernels, installed with flash-attn-4): fc1's epilogue forward, the epilogue of fc2's
+    # input-gradient GEMM backward. quack: an error where it cannot run; auto: quack on sm_90+
+    # where it imports; torch: Megatron's MLP (fc1, the SwiGLU's own kernels, fc2)
+    mlp_kernels: str = "torch"
     # the decoder layers' weight gradients added into DDP's fp32 main_grad by their backward GEMM
     # (Megatron's gradient_accumulation_fusion, without apex: models/linear.py accumulate_wgrad)
     # instead of a bf16 gradient that DDP's hook then adds in a second pass; trainable roles, the

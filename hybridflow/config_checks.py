@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hybridflow.config import Config
+from hybridflow.config import MLP_KERNELS, Config
 from hybridflow.model_config import ModelConfig
 
 KERNELS = ("auto", "triton", "torch")  # rollout.decode_kernels
@@ -23,26 +23,6 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 def _one_of(key: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{key}={value!r} is not one of {sorted(allowed)}")
-
-
-def _check_mlp_kernel(cfg: Config) -> None:
-    """parallel.mlp_kernel: quack's fused MLP runs where models/quack_mlp.py says."""
-    p = cfg.parallel
-    _one_of("parallel.mlp_kernel", p.mlp_kernel, {"megatron", "quack"})
-    if p.mlp_kernel != "quack":
-        return
-    lora = [k for k in ("actor", "critic") if getattr(cfg, k).lora.rank > 0]
-    why = (f"parallel.tensor_parallel_size={p.tensor_parallel_size} (it needs 1)"
-           if p.tensor_parallel_size != 1 else
-           "a mixture-of-experts model (model.moe.num_experts > 0)" if cfg.model.moe.enabled else
-           f"{lora[0]}.lora.rank={getattr(cfg, lora[0]).lora.rank} (the adapters wrap the "
-           "linears it bypasses)" if lora else
-           "parallel.train_cuda_graphs=true" if p.train_cuda_graphs else
-           "trainer.precision=fp32 (it runs bf16 GEMMs)" if cfg.trainer.precision == "fp32"
-           else None)
-    if why:
-        raise ValueError(f"parallel.mlp_kernel=quack does not run with {why}: set "
-                         "parallel.mlp_kernel=megatron")
 
 
 def _positive(key: str, value) -> None:
@@ -127,13 +107,14 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if p.lm_head_chunk_tokens < 0:
         raise ValueError(f"parallel.lm_head_chunk_tokens={p.lm_head_chunk_tokens}: expected 0 (off) "
                          "or a positive number of positions")
+    if p.mlp_kernels not in MLP_KERNELS:
+        raise ValueError(f"parallel.mlp_kernels={p.mlp_kernels!r}: expected one of {MLP_KERNELS}")
     if not 0.0 <= p.train_graphs_min_fill <= 1.0:
         raise ValueError(f"parallel.train_graphs_min_fill={p.train_graphs_min_fill}: expected a "
                          "share of the token budget in [0, 1]")
     conflicts = train_graphs_conflicts(cfg) if p.train_cuda_graphs else []
     if conflicts:
         raise ValueError(conflicts[0][1])
-    _check_mlp_kernel(cfg)
     validate_model(cfg.model, tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size)
     _positive("parallel.expert_parallel_size", p.expert_parallel_size)
     if p.expert_tensor_parallel_size is not None:

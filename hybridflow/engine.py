@@ -69,6 +69,7 @@ from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear
                                       LeanRowParallelLinear, LogprobSpec)
 from hybridflow.models.logprob import vocab_parallel_logprobs
 from hybridflow.models.lora import adapters_disabled, apply_lora, factors_fixed
+from hybridflow.models.quack_mlp import resolve_mlp_kernels
 from hybridflow.offload import GradBufferRelease, OptimizerOffload, ParamOffload, host_copy
 from hybridflow.parallel import multi_tensor
 from hybridflow.parallel.context import ParallelContext
@@ -130,12 +131,9 @@ class Engine:
                             sequence_parallel=parallel.sequence_parallel, precision=precision,
                             activation_checkpointing=parallel.activation_checkpointing,
                             fused_elementwise=parallel.fused_elementwise,
-                            mlp_kernel=parallel.mlp_kernel)
+                            quack_mlp=resolve_mlp_kernels(parallel.mlp_kernels, ctx.device))
         self.num_adapter_params = 0
         self.lora = lora if lora is not None and lora.rank > 0 else None
-        if self.lora is not None and parallel.mlp_kernel != "megatron":
-            raise ValueError(f"parallel.mlp_kernel={parallel.mlp_kernel} bypasses the MLP's "
-                             f"linears, which LoRA adapts: set parallel.mlp_kernel=megatron")
         if self.lora is not None:
             if optim is None:
                 raise ValueError(f"role {role}: LoRA adapters need a trainable role")

@@ -36,6 +36,7 @@ from hybridflow.models.fused import use_fused_rope
 from hybridflow.models.heads import ValueHead
 from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear,
                                       LeanRowParallelLinear)
+from hybridflow.models.quack_mlp import QuackMLP
 
 LM_ROLES = ("actor", "ref")
 SCALAR_ROLES = ("critic", "reward")
@@ -149,21 +150,15 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
 
 def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = False,
                 precision: str = "fp32", activation_checkpointing: bool = False,
-                fused_elementwise: bool = False, mlp_kernel: str = "megatron") -> GPTModel:
+                fused_elementwise: bool = False, quack_mlp: bool = False) -> GPTModel:
     """One pipeline stage of the model for `role` on this rank, in the training layout of the
     `ParallelContext` `ctx` (its groups are the model's). `activation_checkpointing`: every
     decoder layer recomputes its forward in backward (`checkpoint_layers`).
     `fused_elementwise` (parallel.fused_elementwise): RoPE and SwiGLU as fused kernels on CUDA
-    (models/fused.py). `mlp_kernel` (parallel.mlp_kernel): "quack" routes the dense layers' MLP
-    through quack-kernels' fused one (models/quack_mlp.py)."""
+    (models/fused.py). `quack_mlp` (parallel.mlp_kernels, resolved): the dense MLPs' SwiGLU
+    inside quack's GEMMs where they apply (models/quack_mlp.py)."""
     if role not in LM_ROLES + SCALAR_ROLES:
         raise ValueError(f"role={role!r} is not one of {LM_ROLES + SCALAR_ROLES}")
-    if mlp_kernel not in ("megatron", "quack"):
-        raise ValueError(f"parallel.mlp_kernel={mlp_kernel!r}: expected 'megatron' or 'quack'")
-    if mlp_kernel == "quack" and not (torch.cuda.is_available() and precision == "bf16"):
-        raise ValueError("parallel.mlp_kernel=quack needs a CUDA GPU and bf16 weights "
-                         f"(trainer.precision={precision!r}, CUDA available: "
-                         f"{torch.cuda.is_available()})")
     tp, pp, pp_rank = ctx.tp_size, ctx.pp_size, ctx.train.pp
     tcfg = transformer_config(cfg, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
                               precision=precision, fused_elementwise=fused_elementwise,
@@ -198,10 +193,8 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
         model.output_layer = ValueHead(tcfg, tp_group=ctx.tp_group)
     elif post:  # batch-major logits (no transpose copies), computed where they are scored
         LeanOutputLinear.adopt(model.output_layer)  # (its `select`) under every layer spec
-    if mlp_kernel == "quack":
-        from hybridflow.models.quack_mlp import use_quack_mlp
-
-        use_quack_mlp(model)
+    if quack_mlp:
+        QuackMLP.adopt(model)
     if activation_checkpointing:
         checkpoint_layers(model)
     return model
