@@ -28,28 +28,17 @@ import dataclasses
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_packed_pass import timed  # noqa: E402
 from benchmarks.run_record import command, machine, versions, write_json  # noqa: E402
 
 
 def _timed(fn, iters: int, warmup: int, cuda: bool) -> float:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return statistics.median(timed(fn, iters, cuda, warmup=warmup))
 
 
 def _reference(x, w1, w2, dout):

@@ -67,8 +67,8 @@ def make_batch(prompt_len: int, responses: list[int], vocab: int, seed: int = 0)
         advantages=torch.randn(b, 1, generator=g) * response_mask)
 
 
-def timed(fn, iters: int, cuda: bool) -> list[float]:
-    for _ in range(2):  # warm-up: compiles (the second pass's shapes compile dynamic), allocator
+def timed(fn, iters: int, cuda: bool, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):  # compiles (the second pass's shapes compile dynamic), allocator
         fn()
     out = []
     for _ in range(iters):
