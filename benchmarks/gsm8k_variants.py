@@ -95,6 +95,7 @@ VARIANTS = {
     "tools_held": "experiment=gsm8k_tools_qwen_coder_0_5b rollout.multi_turn.append=prefill",
 }
 STAGES = ("gen", "reshard", "reward", "old_log_prob", "ref", "adv", "update_actor", "val")
+PASSES = ("old_log_prob", "ref", "update_actor")
 MISMATCH = ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max", "rollout_corr/kl")
 PER_STEP = ("critic/score/mean", "response_length/mean", "num_turns/mean", "tool_calls/mean")
 
@@ -121,6 +122,14 @@ def summarize(run_dir: str, skip: int = 1, stages: tuple = STAGES,
         "val_accuracy": sorted(dict(val).items()),
         "step_s": med("timing_s/step"),
         "stages_s": {s: med(f"timing_s/{s}") for s in stages if med(f"timing_s/{s}") is not None},
+        # each forward / training pass per 200k step tokens: the pass's own speed, apart from
+        # how many tokens the variant's samples happened to make
+        "pass_s_per_200k_tokens": {s: statistics.median(r[f"timing_s/{s}"] * 2e5 / tokens
+                                                        for r in timed
+                                                        if (tokens := r.get("perf/total_num_tokens")))
+                                   for s in PASSES
+                                   if any(f"timing_s/{s}" in r and r.get("perf/total_num_tokens")
+                                          for r in timed)},
         "steps_timed": len(timed),
         "peak_gb": max((r.get("perf/max_memory_allocated_gb", 0.0) for r in steps), default=None),
         "mismatch_median": {k: med(k) for k in MISMATCH if med(k) is not None},
@@ -156,8 +165,10 @@ def main(argv=None) -> dict:
     write_json(args.out, out)
     for name, s in out["variants"].items():
         last = s["val_accuracy"][-1] if s["val_accuracy"] else None
+        rates = "  ".join(f"{k} {v:.3f}" for k, v in s["pass_s_per_200k_tokens"].items())
         print(f"{name:8s} steps {s['steps']:3d}  step {s['step_s'] or float('nan'):6.2f} s  "
-              f"peak {s['peak_gb'] or 0:5.1f} GB  last val {last}")
+              f"peak {s['peak_gb'] or 0:5.1f} GB  last val {last}"
+              + (f"  s per 200k tokens: {rates}" if rates else ""))
     return out
 
 

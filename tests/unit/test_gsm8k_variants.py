@@ -172,3 +172,16 @@ def test_speed_file_takes_trl_gsm8k_json_against_a_same_machine_step(tmp_path):
     with pytest.raises(SystemExit, match="one.json: no step_s_median"):
         gsm8k_speed.main(["--step", steps("run2", [30.0, 3.5]), "--trl", str(tmp_path / "one.json"),
                           "--out", str(tmp_path / "o2.json")])
+
+
+def test_pass_speed_per_200k_tokens_is_apart_from_the_step_tokens(tmp_path):
+    """Two steps of one pass speed but different sampled tokens: the same seconds per 200k tokens;
+    stages without a step token count (or not run) are left out."""
+    rows = [_step(1, 30.0), _step(2, 4.0, **{"timing_s/ref": 0.4, "timing_s/update_actor": 1.4,
+                                             "perf/total_num_tokens": 200000.0}),
+            _step(3, 4.4, **{"timing_s/ref": 0.44, "timing_s/update_actor": 1.54,
+                             "perf/total_num_tokens": 220000.0})]
+    _write(tmp_path / "base", rows, [])
+    s = gsm8k_variants.main(["--runs", str(tmp_path), "--out", str(tmp_path / "o.json")])
+    rates = s["variants"]["base"]["pass_s_per_200k_tokens"]
+    assert rates == pytest.approx({"ref": 0.4, "update_actor": 1.4})
