@@ -100,6 +100,13 @@ MISMATCH = ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max
 PER_STEP = ("critic/score/mean", "response_length/mean", "num_turns/mean", "tool_calls/mean")
 
 
+def _per_200k_tokens(rows: list[dict], stage: str):
+    """Median seconds of `stage` per 200k step tokens over the rows that have both."""
+    x = [r[f"timing_s/{stage}"] * 2e5 / r["perf/total_num_tokens"] for r in rows
+         if f"timing_s/{stage}" in r and r.get("perf/total_num_tokens")]
+    return statistics.median(x) if x else None
+
+
 def summarize(run_dir: str, skip: int = 1, stages: tuple = STAGES,
               per_step: tuple = MISMATCH + PER_STEP) -> dict:
     """One run's metrics.jsonl -> val curve, medians over the steps after the first `skip` (the
@@ -124,12 +131,8 @@ def summarize(run_dir: str, skip: int = 1, stages: tuple = STAGES,
         "stages_s": {s: med(f"timing_s/{s}") for s in stages if med(f"timing_s/{s}") is not None},
         # each forward / training pass per 200k step tokens: the pass's own speed, apart from
         # how many tokens the variant's samples happened to make
-        "pass_s_per_200k_tokens": {s: statistics.median(r[f"timing_s/{s}"] * 2e5 / tokens
-                                                        for r in timed
-                                                        if (tokens := r.get("perf/total_num_tokens")))
-                                   for s in PASSES
-                                   if any(f"timing_s/{s}" in r and r.get("perf/total_num_tokens")
-                                          for r in timed)},
+        "pass_s_per_200k_tokens": {s: v for s in PASSES
+                                   if (v := _per_200k_tokens(timed, s)) is not None},
         "steps_timed": len(timed),
         "peak_gb": max((r.get("perf/max_memory_allocated_gb", 0.0) for r in steps), default=None),
         "mismatch_median": {k: med(k) for k in MISMATCH if med(k) is not None},
