@@ -7,8 +7,9 @@ forward, its derivative in the epilogue of fc2's input-gradient GEMM backward. T
 weights run both forwards; both add their weight gradients into fp32 `main_grad` as under DDP
 (`parallel.gradient_accumulation_fusion`).
 
-The RMSNorm. The trainer's: torch's `nn.RMSNorm` (models/build.py TorchRMSNorm); quack's:
-`quack.rmsnorm.rmsnorm` (one kernel each way, the weight gradient reduced per SM in the backward).
+The RMSNorm. The layer's pre-MLP norm as torch's `nn.RMSNorm` (models/build.py TorchRMSNorm, the
+default) and as QuackRMSNorm (`parallel.norm_kernels=quack`, models/quack_norm.py: quack's kernel,
+one each way, the weight gradient reduced inside the backward).
 
 Per kernel, shape and token count: forward-only (the ref pass) and forward + backward (the update)
 seconds (median of --iters after --warmup), and each side's error against an fp32 reference of the
@@ -54,43 +55,42 @@ def _rel_err(got, ref) -> float:
     return float((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def _quack(module: str, name: str):
-    try:
-        return getattr(__import__(module, fromlist=[name]), name), None
-    except Exception as e:  # noqa: BLE001 - any import failure means: not here
-        return None, f"quack-kernels not importable: {type(e).__name__}: {e}"
+def _rmsnorm_rows(norm, tokens: int, iters: int, warmup: int, cuda: bool, skipped) -> dict:
+    """The layer's RMSNorm `norm` (a TorchRMSNorm) as torch's (the default) and as QuackRMSNorm
+    (parallel.norm_kernels=quack) on the same weight: forward, forward + backward, errors."""
+    from hybridflow.models.build import TorchRMSNorm
+    from hybridflow.models.quack_norm import QuackRMSNorm
 
-
-def _rmsnorm_rows(hidden: int, tokens: int, device, dtype, iters: int, warmup: int,
-                  cuda: bool, quack_rmsnorm, skipped) -> dict:
-    """torch's RMSNorm (the trainer's) against quack's: forward, forward + backward, errors."""
+    w = norm.weight
+    hidden, device, dtype = w.shape[0], w.device, w.dtype
     g = torch.Generator(device=device).manual_seed(tokens + hidden)
     x = torch.randn(tokens, hidden, generator=g, device=device, dtype=dtype).requires_grad_()
     dout = torch.randn(x.shape, generator=g, device=device, dtype=dtype)
-    norm = torch.nn.RMSNorm(hidden, eps=1e-6, device=device, dtype=dtype)
     with torch.no_grad():
-        norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=g, device=device))
-    x32, w32 = (t.detach().float().requires_grad_() for t in (x, norm.weight))
-    ref = F.rms_norm(x32, (hidden,), w32, eps=1e-6)
+        w.copy_(1 + 0.1 * torch.randn(hidden, generator=g, device=device))
+    x32, w32 = (t.detach().float().requires_grad_() for t in (x, w))
+    ref = F.rms_norm(x32, (hidden,), w32, eps=norm.eps)
     ref.backward(dout.float())
-    sides = {"trainer": lambda: norm(x)}
-    if quack_rmsnorm is not None:
-        sides["quack"] = lambda: quack_rmsnorm(x, norm.weight, eps=1e-6)
-    row = {} if quack_rmsnorm is not None else {"quack": {"skipped": skipped}}
-    for side, fn in sides.items():
-        def fwd():
-            with torch.no_grad():
-                fn()
+    sides = {"trainer": TorchRMSNorm} if skipped else {"trainer": TorchRMSNorm,
+                                                        "quack": QuackRMSNorm}
+    row = {"quack": {"skipped": skipped}} if skipped else {}
 
-        def fwd_bwd():
-            x.grad = norm.weight.grad = None
-            fn().backward(dout)
+    def fwd():
+        with torch.no_grad():
+            norm(x)
 
+    def fwd_bwd():
+        x.grad = norm.weight.grad = None
+        norm(x).backward(dout)
+
+    for side, cls in sides.items():
+        norm.__class__ = cls  # the same module and weight, the other forward
         fwd_bwd()
-        err = {"out": _rel_err(fn().detach(), ref.detach()), "dx": _rel_err(x.grad, x32.grad),
+        err = {"out": _rel_err(norm(x).detach(), ref.detach()), "dx": _rel_err(x.grad, x32.grad),
                "dw": _rel_err(norm.weight.grad, w32.grad)}
         row[side] = {"forward_s": _timed(fwd, iters, warmup, cuda),
                      "forward_backward_s": _timed(fwd_bwd, iters, warmup, cuda), "rel_err": err}
+    norm.__class__ = TorchRMSNorm
     return dict(sorted(row.items(), key=lambda kv: kv[0] != "trainer"))
 
 
@@ -125,7 +125,6 @@ def main(argv=None) -> int:
     ctx = groups.init_model_parallel(tp=1, pp=1, seed=1)
     precision = "bf16" if cuda else "fp32"
     skipped = quack_unsupported(ctx.device)  # None where QuackMLP runs quack's GEMMs
-    quack_rmsnorm = None if skipped else _quack("quack.rmsnorm", "rmsnorm")[0]
     results = {}
     for name in a.model:
         shape = dataclasses.replace(load_shape(name), num_layers=1, attention_backend="sdpa")
@@ -169,8 +168,8 @@ def main(argv=None) -> int:
             mlp.__class__ = MLP
             results[f"mlp/{name}/{tokens}"] = row
             print(f"mlp {name:20s} {tokens:6d}  {_line(row)}", flush=True)
-            row = _rmsnorm_rows(shape.hidden_size, tokens, ctx.device, w1.dtype, a.iters,
-                                a.warmup, cuda, quack_rmsnorm, skipped)
+            row = _rmsnorm_rows(model.decoder.layers[0].pre_mlp_layernorm, tokens, a.iters,
+                                a.warmup, cuda, skipped)
             results[f"rmsnorm/{shape.hidden_size}/{tokens}"] = row
             print(f"rmsnorm {shape.hidden_size:16d} {tokens:6d}  {_line(row)}", flush=True)
         del model, mlp

@@ -150,13 +150,15 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
 
 def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = False,
                 precision: str = "fp32", activation_checkpointing: bool = False,
-                fused_elementwise: bool = False, quack_mlp: bool = False) -> GPTModel:
+                fused_elementwise: bool = False, quack_mlp: bool = False,
+                quack_norm: bool = False) -> GPTModel:
     """One pipeline stage of the model for `role` on this rank, in the training layout of the
     `ParallelContext` `ctx` (its groups are the model's). `activation_checkpointing`: every
     decoder layer recomputes its forward in backward (`checkpoint_layers`).
     `fused_elementwise` (parallel.fused_elementwise): RoPE and SwiGLU as fused kernels on CUDA
     (models/fused.py). `quack_mlp` (parallel.mlp_kernels, resolved): the dense MLPs' SwiGLU
-    inside quack's GEMMs where they apply (models/quack_mlp.py)."""
+    inside quack's GEMMs where they apply (models/quack_mlp.py). `quack_norm`
+    (parallel.norm_kernels, resolved): the RMSNorms on quack's kernels (models/quack_norm.py)."""
     if role not in LM_ROLES + SCALAR_ROLES:
         raise ValueError(f"role={role!r} is not one of {LM_ROLES + SCALAR_ROLES}")
     tp, pp, pp_rank = ctx.tp_size, ctx.pp_size, ctx.train.pp
@@ -195,6 +197,10 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
         LeanOutputLinear.adopt(model.output_layer)  # (its `select`) under every layer spec
     if quack_mlp:
         QuackMLP.adopt(model)
+    if quack_norm:
+        from hybridflow.models.quack_norm import QuackRMSNorm  # (it subclasses TorchRMSNorm)
+
+        QuackRMSNorm.adopt(model)
     if activation_checkpointing:
         checkpoint_layers(model)
     return model
