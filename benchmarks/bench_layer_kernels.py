@@ -58,8 +58,7 @@ def _rel_err(got, ref) -> float:
 def _rmsnorm_rows(norm, tokens: int, iters: int, warmup: int, cuda: bool, skipped) -> dict:
     """The layer's RMSNorm `norm` (a TorchRMSNorm) as torch's (the default) and as QuackRMSNorm
     (parallel.norm_kernels=quack) on the same weight: forward, forward + backward, errors."""
-    from hybridflow.models.build import TorchRMSNorm
-    from hybridflow.models.quack_norm import QuackRMSNorm
+    from hybridflow.models.build import QuackRMSNorm, TorchRMSNorm
 
     w = norm.weight
     hidden, device, dtype = w.shape[0], w.device, w.dtype

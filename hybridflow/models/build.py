@@ -37,6 +37,7 @@ from hybridflow.models.heads import ValueHead
 from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear,
                                       LeanRowParallelLinear)
 from hybridflow.models.quack_mlp import QuackMLP
+from hybridflow.models.quack_norm import quack_rmsnorm
 
 LM_ROLES = ("actor", "ref")
 SCALAR_ROLES = ("critic", "reward")
@@ -111,6 +112,22 @@ class TorchRMSNorm(torch.nn.RMSNorm):
                          device="cuda" if torch.cuda.is_available() else "cpu")
         for p in self.parameters():
             setattr(p, "sequence_parallel", config.sequence_parallel)
+
+
+class QuackRMSNorm(TorchRMSNorm):
+    """TorchRMSNorm on quack's kernel where it applies (parallel.norm_kernels)."""
+
+    @classmethod
+    def adopt(cls, model: torch.nn.Module) -> int:
+        """Every TorchRMSNorm of `model` becomes a QuackRMSNorm in place (same parameters and
+        attributes); returns how many."""
+        norms = [m for m in model.modules() if type(m) is TorchRMSNorm]
+        for m in norms:
+            m.__class__ = cls
+        return len(norms)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quack_rmsnorm(self, x)
 
 
 def layer_spec(cfg: ModelConfig) -> ModuleSpec:
@@ -198,8 +215,6 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
     if quack_mlp:
         QuackMLP.adopt(model)
     if quack_norm:
-        from hybridflow.models.quack_norm import QuackRMSNorm  # (it subclasses TorchRMSNorm)
-
         QuackRMSNorm.adopt(model)
     if activation_checkpointing:
         checkpoint_layers(model)

@@ -4,8 +4,9 @@ inside the backward kernel. torch's RMSNorm (models/build.py TorchRMSNorm, the d
 the weight gradient in a reduction kernel of its own that runs at about a third of the memory
 bandwidth on the GSM8K update (docs/perf_log.md).
 
-`QuackRMSNorm` is TorchRMSNorm with this forward on CUDA tensors outside a CUDA-graph capture;
-elsewhere (CPU, captured layers) torch's forward runs unchanged. Where quack can run is
+`QuackRMSNorm` (models/build.py) is TorchRMSNorm with this forward (`quack_rmsnorm`) on CUDA
+tensors outside a CUDA-graph capture; elsewhere (CPU, captured layers) torch's forward runs
+unchanged. Where quack can run is
 `quack_mlp.quack_unsupported`'s rule, shared with the MLP option.
 """
 
@@ -15,7 +16,6 @@ import functools
 
 import torch
 
-from hybridflow.models.build import TorchRMSNorm
 from hybridflow.models.quack_mlp import resolve_quack
 
 
@@ -31,21 +31,11 @@ def resolve_norm_kernels(option: str, device: torch.device) -> bool:
     return resolve_quack("parallel.norm_kernels", option, device)
 
 
-class QuackRMSNorm(TorchRMSNorm):
-    """TorchRMSNorm; its forward on quack's kernel where it applies (module doc)."""
-
-    @classmethod
-    def adopt(cls, model: torch.nn.Module) -> int:
-        """Every TorchRMSNorm of `model` becomes a QuackRMSNorm in place (same parameters and
-        attributes); returns how many."""
-        norms = [m for m in model.modules() if type(m) is TorchRMSNorm]
-        for m in norms:
-            m.__class__ = cls
-        return len(norms)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (not x.is_cuda or torch.cuda.is_current_stream_capturing() or self.weight is None
-                or x.dtype != self.weight.dtype):
-            return super().forward(x)
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # as torch's
-        return _rmsnorm()(x, self.weight, eps=eps)
+def quack_rmsnorm(norm: torch.nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm`'s RMSNorm of `x` on quack's kernel where it applies (CUDA, outside a capture, the
+    weight in x's dtype), else torch's."""
+    if (not x.is_cuda or torch.cuda.is_current_stream_capturing() or norm.weight is None
+            or x.dtype != norm.weight.dtype):
+        return torch.nn.RMSNorm.forward(norm, x)
+    eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps  # as torch's
+    return _rmsnorm()(x, norm.weight, eps=eps)

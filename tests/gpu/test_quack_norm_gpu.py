@@ -37,8 +37,7 @@ def _errors(norm, x, dout):
 def test_quack_rmsnorm_as_close_to_fp32_as_torchs(hidden, single_rank_ctx):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from hybridflow.models.build import TorchRMSNorm
-    from hybridflow.models.quack_norm import QuackRMSNorm
+    from hybridflow.models.build import QuackRMSNorm, TorchRMSNorm
 
     cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=8,
                             params_dtype=torch.bfloat16)

@@ -8,7 +8,8 @@ import torch
 
 from hybridflow.config import ModelConfig, load_config
 from hybridflow.config_checks import validate
-from hybridflow.models.quack_norm import QuackRMSNorm, resolve_norm_kernels
+from hybridflow.models.build import QuackRMSNorm
+from hybridflow.models.quack_norm import resolve_norm_kernels
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                     num_query_groups=2, vocab_size=50, qk_layernorm=True)
