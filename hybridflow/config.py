@@ -18,7 +18,7 @@ from typing import Optional
 from hybridflow.model_config import ModelConfig  # the model group's schema, with its derived counts
 
 CONF_PACKAGE = "hybridflow.conf"
-MLP_KERNELS = ("torch", "quack", "auto")  # parallel.mlp_kernels
+QUACK_CHOICES = ("torch", "quack", "auto")  # parallel.mlp_kernels, parallel.norm_kernels
 
 
 @dataclass

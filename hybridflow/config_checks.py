@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hybridflow.config import MLP_KERNELS, Config
+from hybridflow.config import QUACK_CHOICES, Config
 from hybridflow.model_config import ModelConfig
 
 KERNELS = ("auto", "triton", "torch")  # rollout.decode_kernels
@@ -108,8 +108,8 @@ def validate(cfg: Config, *, world_size: int) -> None:
         raise ValueError(f"parallel.lm_head_chunk_tokens={p.lm_head_chunk_tokens}: expected 0 (off) "
                          "or a positive number of positions")
     for key, value in (("mlp_kernels", p.mlp_kernels), ("norm_kernels", p.norm_kernels)):
-        if value not in MLP_KERNELS:
-            raise ValueError(f"parallel.{key}={value!r}: expected one of {MLP_KERNELS}")
+        if value not in QUACK_CHOICES:
+            raise ValueError(f"parallel.{key}={value!r}: expected one of {QUACK_CHOICES}")
     if not 0.0 <= p.train_graphs_min_fill <= 1.0:
         raise ValueError(f"parallel.train_graphs_min_fill={p.train_graphs_min_fill}: expected a "
                          "share of the token budget in [0, 1]")

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
-from hybridflow.config import MLP_KERNELS
+from hybridflow.config import QUACK_CHOICES
 from hybridflow.models.linear import (LeanColumnParallelLinear, LeanRowParallelLinear,
                                       accumulate_wgrad)
 
@@ -71,8 +71,8 @@ def quack_unsupported(device: torch.device) -> Optional[str]:
 def resolve_quack(key: str, option: str, device: torch.device) -> bool:
     """Whether the option `key` (torch / quack / auto) runs quack's kernels: `quack` insists (an
     error saying why it cannot), `auto` takes them where they run, `torch` never."""
-    if option not in MLP_KERNELS:
-        raise ValueError(f"{key}={option!r}: expected one of {MLP_KERNELS}")
+    if option not in QUACK_CHOICES:
+        raise ValueError(f"{key}={option!r}: expected one of {QUACK_CHOICES}")
     if option == "torch":
         return False
     why = quack_unsupported(device)
