@@ -59,7 +59,8 @@ def _quack() -> tuple:
 
 
 def quack_unsupported(device: torch.device) -> Optional[str]:
-    """Why quack's gated GEMMs cannot run the MLP on `device`; None where they can."""
+    """Why quack's kernels (the MLP's gated GEMMs, the RMSNorm) cannot run on `device`; None
+    where they can."""
     if device.type != "cuda":
         return "not a CUDA device"
     major, _ = torch.cuda.get_device_capability(device)
