@@ -87,15 +87,15 @@ def resolve_mlp_kernels(option: str, device: torch.device) -> bool:
     return resolve_quack("parallel.mlp_kernels", option, device)
 
 
-def _wgrad(weight_main_grad, grad, x, weight_dtype, gi=None, concat=False):
+def _wgrad(weight_main_grad, grad, x, weight_dtype, gi=None, concat=False, tuned=False):
     """The weight gradient grad^T x: added into `weight_main_grad` (returns None) or returned."""
     if concat:
         if weight_main_grad is not None:
             gi.gemm_add_inplace(grad.t(), x, weight_main_grad, dynamic_scheduler=True,
-                                tuned=False, concat_layout=("C", "out"))
+                                tuned=tuned, concat_layout=("C", "out"))
             return None
         return gi.gemm(grad.t(), x, out_dtype=weight_dtype, dynamic_scheduler=True,
-                       tuned=False, concat_layout=("out",))
+                       tuned=tuned, concat_layout=("out",))
     if weight_main_grad is not None:
         accumulate_wgrad(weight_main_grad, grad, x)
         return None
@@ -103,14 +103,18 @@ def _wgrad(weight_main_grad, grad, x, weight_dtype, gi=None, concat=False):
 
 
 class _GatedMLP(torch.autograd.Function):
-    """out = fc2(swiglu(fc1(x))) for x (N, H), fc1 (2F, H) in [gate; up] rows, fc2 (H, F)."""
+    """out = fc2(swiglu(fc1(x))) for x (N, H), fc1 (2F, H) in [gate; up] rows, fc2 (H, F).
+    `tuned`: quack's GEMMs autotuned, which its autotuner caches per operand shape (a tuning per
+    new token count: the trainer keeps False, quack's heuristic tiles; benchmarks at one fixed
+    shape use True for the bound tuning could reach)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, fuse_wgrad: bool):
+    def forward(ctx, x, w1, w2, fuse_wgrad: bool, tuned: bool = False):
         gi = _quack()[0]
         need_grad = any(ctx.needs_input_grad[:3])  # (grad mode is off inside forward)
+        ctx.tuned = tuned
         pre, post = gi.gemm_gated(x, w1.t(), activation="swiglu", store_preact=need_grad,
-                                  tuned=False, concat_layout=("B",))
+                                  tuned=tuned, concat_layout=("B",))
         out = F.linear(post, w2)
         if need_grad:
             ctx.save_for_backward(x, pre, w1, w2)
@@ -126,15 +130,15 @@ class _GatedMLP(torch.autograd.Function):
         dout = dout.contiguous()
         # d(post) = dout W2 with the SwiGLU's derivative in the epilogue; post made again
         dpre, post = gi.gemm_dgated(dout, w2, pre, activation="swiglu", dynamic_scheduler=True,
-                                    tuned=False)
+                                    tuned=ctx.tuned)
         mg1, mg2 = ctx.main_grads
         dw2 = _wgrad(mg2, dout, post, w2.dtype) if ctx.needs_input_grad[2] else None
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = gi.gemm(dpre, w1, dynamic_scheduler=True, tuned=False, concat_layout=("B",))
-        dw1 = _wgrad(mg1, dpre, x, w1.dtype, gi, concat=True) if ctx.needs_input_grad[1] \
-            else None
-        return dx, dw1, dw2, None
+            dx = gi.gemm(dpre, w1, dynamic_scheduler=True, tuned=ctx.tuned, concat_layout=("B",))
+        dw1 = _wgrad(mg1, dpre, x, w1.dtype, gi, concat=True, tuned=ctx.tuned) \
+            if ctx.needs_input_grad[1] else None
+        return dx, dw1, dw2, None, None
 
 
 class QuackMLP(MLP):

@@ -463,7 +463,8 @@ def test_bench_layer_kernels_checks_the_trainer_kernels_against_fp32(tmp_path):
         ours = row["trainer"]
         assert ours["forward_s"] > 0 and ours["forward_backward_s"] > 0
         assert max(ours["rel_err"].values()) < 1e-5, (key, ours["rel_err"])
-        assert row["quack"] == skipped, row
+        quack_sides = ("quack", "quack_tuned") if key.startswith("mlp/") else ("quack",)
+        assert all(row[side] == skipped for side in quack_sides), row
 
 
 def test_bench_packed_pass_keeps_a_repeated_variant_beside_the_first(tmp_path):
