@@ -36,8 +36,7 @@ import torch
 
 def padded_tokens(prompt_len: int, response_len: int, rows: int, *, multiple: int = 1) -> int:
     """Tokens of `rows` rows padded to prompt_len + response_len, rounded up to `multiple`."""
-    seq = -(-(prompt_len + response_len) // multiple) * multiple
-    return rows * seq
+    return rows * _round_up(prompt_len + response_len, multiple)
 
 
 def token_budget_groups(prompt_lens: torch.Tensor, response_lens: torch.Tensor, *, max_tokens: int,
@@ -84,7 +83,7 @@ def _dealt(order: list[int], sizes: list[int], k: int, *, max_tokens: int,
     groups: list[list[int]] = [[] for _ in range(k)]
     load = [0] * k
     for i, n in zip(order, sizes):
-        fits = [g for g in range(k) if -(-(load[g] + n) // multiple) * multiple <= max_tokens]
+        fits = [g for g in range(k) if _round_up(load[g] + n, multiple) <= max_tokens]
         if not fits:  # (a row over the whole budget never fits: next-fit runs it alone)
             return None
         g = min(fits, key=lambda j: (load[j], j))
@@ -98,8 +97,12 @@ def _cost(rows: int, longest_p: int, longest_r: int, real: int, *, multiple: int
     """Tokens a micro-batch computes: its `real` tokens packed (rounded up to `multiple`), or
     `rows` rows padded to its longest prompt + response."""
     if packed:
-        return -(-real // multiple) * multiple
+        return _round_up(real, multiple)
     return padded_tokens(longest_p, longest_r, rows, multiple=multiple)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _next_fit(order: list[int], p: list[int], r: list[int], *, max_tokens: int,
