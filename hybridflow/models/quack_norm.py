@@ -6,8 +6,7 @@ bandwidth on the GSM8K update (docs/perf_log.md).
 
 `QuackRMSNorm` (models/build.py) is TorchRMSNorm with this forward (`quack_rmsnorm`) on CUDA
 tensors outside a CUDA-graph capture; elsewhere (CPU, captured layers) torch's forward runs
-unchanged. Where quack can run is
-`quack_mlp.quack_unsupported`'s rule, shared with the MLP option.
+unchanged. Where quack can run is `quack_mlp.quack_unsupported`'s rule, shared with the MLP option.
 """
 
 from __future__ import annotations

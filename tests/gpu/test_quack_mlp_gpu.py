@@ -8,13 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.models import quack_mlp
+from tests.gpu.quack_util import require_quack
 
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-_WHY = quack_mlp.quack_unsupported(torch.device("cuda"))
-if _WHY is not None:
-    pytest.skip(_WHY, allow_module_level=True)
+require_quack()
 
 N, H, FF = 3000, 896, 1216  # ragged token count, Qwen2.5-0.5B width, a multiple of 16 for 2F
 

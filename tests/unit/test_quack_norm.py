@@ -1,30 +1,15 @@
-"""parallel.norm_kernels: resolving the option (models/quack_norm.py, quack_mlp's rule) and, off
-CUDA, a model whose RMSNorms are QuackRMSNorm computing exactly what torch's compute (its forward
-falls back). quack's kernel itself is checked against fp32 on a GPU in
+"""parallel.norm_kernels off CUDA: a model whose RMSNorms are QuackRMSNorm computes exactly what
+torch's compute (its forward falls back); resolving the option is tested with the MLP's
+(tests/unit/test_quack_mlp.py, one rule). quack's kernel itself is checked against fp32 on a GPU in
 tests/gpu/test_quack_norm_gpu.py."""
 
-import pytest
 import torch
 
-from hybridflow.config import ModelConfig, load_config
-from hybridflow.config_checks import validate
+from hybridflow.config import ModelConfig
 from hybridflow.models.build import QuackRMSNorm
-from hybridflow.models.quack_norm import resolve_norm_kernels
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                     num_query_groups=2, vocab_size=50, qk_layernorm=True)
-
-
-def test_resolve_on_cpu_names_the_key():
-    cpu = torch.device("cpu")
-    assert resolve_norm_kernels("torch", cpu) is False
-    assert resolve_norm_kernels("auto", cpu) is False
-    with pytest.raises(ValueError, match="parallel.norm_kernels=quack cannot run here: not a CUDA"):
-        resolve_norm_kernels("quack", cpu)
-    with pytest.raises(ValueError, match=r"parallel.norm_kernels='apex': expected one of"):
-        resolve_norm_kernels("apex", cpu)
-    with pytest.raises(ValueError, match="parallel.norm_kernels='apex'"):
-        validate(load_config(["parallel.norm_kernels=apex"]), world_size=1)
 
 
 def test_every_rmsnorm_adopted_and_equal_on_cpu(single_rank_ctx):
