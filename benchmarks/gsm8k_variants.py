@@ -61,6 +61,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, ROOT)
+from pass_boundaries import per_200k  # noqa: E402
 from run_record import write_json  # noqa: E402
 
 VARIANTS = {
@@ -102,13 +103,6 @@ MISMATCH = ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max
 PER_STEP = ("critic/score/mean", "response_length/mean", "num_turns/mean", "tool_calls/mean")
 
 
-def _per_200k_tokens(rows: list[dict], stage: str):
-    """Median seconds of `stage` per 200k step tokens over the rows that have both."""
-    x = [r[f"timing_s/{stage}"] * 2e5 / r["perf/total_num_tokens"] for r in rows
-         if f"timing_s/{stage}" in r and r.get("perf/total_num_tokens")]
-    return statistics.median(x) if x else None
-
-
 def summarize(run_dir: str, skip: int = 1, stages: tuple = STAGES,
               per_step: tuple = MISMATCH + PER_STEP) -> dict:
     """One run's metrics.jsonl -> val curve, medians over the steps after the first `skip` (the
@@ -134,7 +128,7 @@ def summarize(run_dir: str, skip: int = 1, stages: tuple = STAGES,
         # each forward / training pass per 200k step tokens: the pass's own speed, apart from
         # how many tokens the variant's samples happened to make
         "pass_s_per_200k_tokens": {s: v for s in PASSES
-                                   if (v := _per_200k_tokens(timed, s)) is not None},
+                                   if (v := per_200k(timed, f"timing_s/{s}")) is not None},
         "steps_timed": len(timed),
         "peak_gb": max((r.get("perf/max_memory_allocated_gb", 0.0) for r in steps), default=None),
         "mismatch_median": {k: med(k) for k in MISMATCH if med(k) is not None},

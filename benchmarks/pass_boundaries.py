@@ -48,13 +48,20 @@ def boundaries(steps: list[dict], budget: int, window: int) -> list[int]:
             and any(k * budget <= t < k * budget + window for t in tokens)]
 
 
+def per_200k(steps: list[dict], key: str):
+    """Median seconds of `key` per PER step tokens over the steps that have both (None: none)."""
+    xs = [s[key] / s["perf/total_num_tokens"] * PER for s in steps
+          if key in s and s.get("perf/total_num_tokens")]
+    return statistics.median(xs) if xs else None
+
+
 def sides(steps: list[dict], key: str, edge: int, window: int) -> dict:
     """{below, above}: steps and median seconds per PER tokens of `key` on each side of `edge`."""
     out = {}
     for name, lo, hi in (("below", edge - window, edge), ("above", edge, edge + window)):
-        xs = [s[key] / s["perf/total_num_tokens"] * PER for s in steps
-              if key in s and lo <= s["perf/total_num_tokens"] < hi]
-        out[name] = {"steps": len(xs), "s_per_200k": round(statistics.median(xs), 4) if xs else None}
+        side = [s for s in steps if key in s and lo <= s["perf/total_num_tokens"] < hi]
+        m = per_200k(side, key)
+        out[name] = {"steps": len(side), "s_per_200k": round(m, 4) if m is not None else None}
     if out["below"]["s_per_200k"] and out["above"]["s_per_200k"]:
         out["above_over_below"] = round(out["above"]["s_per_200k"] / out["below"]["s_per_200k"], 4)
     return out
