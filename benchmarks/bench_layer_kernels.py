@@ -7,10 +7,6 @@ forward, its derivative in the epilogue of fc2's input-gradient GEMM backward. T
 weights run both forwards; both add their weight gradients into fp32 `main_grad` as under DDP
 (`parallel.gradient_accumulation_fusion`).
 
-The RMSNorm. The layer's pre-MLP norm as torch's `nn.RMSNorm` (models/build.py TorchRMSNorm, the
-default) and as QuackRMSNorm (`parallel.norm_kernels=quack`, models/quack_norm.py: quack's kernel,
-one each way, the weight gradient reduced inside the backward).
-
 Per kernel, shape and token count: forward-only (the ref pass) and forward + backward (the update)
 seconds (median of --iters after --warmup), and each side's error against an fp32 reference of the
 same inputs and weights (output, input gradient, weight gradients; relative to the reference's
@@ -57,44 +53,6 @@ def _rel_err(got, ref) -> float:
     return float((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def _rmsnorm_rows(norm, tokens: int, iters: int, warmup: int, cuda: bool, skipped) -> dict:
-    """The layer's RMSNorm `norm` (a TorchRMSNorm) as torch's (the default) and as QuackRMSNorm
-    (parallel.norm_kernels=quack) on the same weight: forward, forward + backward, errors."""
-    from hybridflow.models.build import QuackRMSNorm, TorchRMSNorm
-
-    w = norm.weight
-    hidden, device, dtype = w.shape[0], w.device, w.dtype
-    g = torch.Generator(device=device).manual_seed(tokens + hidden)
-    x = torch.randn(tokens, hidden, generator=g, device=device, dtype=dtype).requires_grad_()
-    dout = torch.randn(x.shape, generator=g, device=device, dtype=dtype)
-    with torch.no_grad():
-        w.copy_(1 + 0.1 * torch.randn(hidden, generator=g, device=device))
-    x32, w32 = (t.detach().float().requires_grad_() for t in (x, w))
-    ref = F.rms_norm(x32, (hidden,), w32, eps=norm.eps)
-    ref.backward(dout.float())
-    sides = {"trainer": TorchRMSNorm} if skipped else {"trainer": TorchRMSNorm,
-                                                        "quack": QuackRMSNorm}
-    row = {"quack": {"skipped": skipped}} if skipped else {}
-
-    def fwd():
-        with torch.no_grad():
-            norm(x)
-
-    def fwd_bwd():
-        x.grad = norm.weight.grad = None
-        norm(x).backward(dout)
-
-    for side, cls in sides.items():
-        norm.__class__ = cls  # the same module and weight, the other forward
-        fwd_bwd()
-        err = {"out": _rel_err(norm(x).detach(), ref.detach()), "dx": _rel_err(x.grad, x32.grad),
-               "dw": _rel_err(norm.weight.grad, w32.grad)}
-        row[side] = {"forward_s": _timed(fwd, iters, warmup, cuda),
-                     "forward_backward_s": _timed(fwd_bwd, iters, warmup, cuda), "rel_err": err}
-    norm.__class__ = TorchRMSNorm
-    return dict(sorted(row.items(), key=lambda kv: kv[0] != "trainer"))
-
-
 def _line(row: dict) -> str:
     return "  ".join(f"{k} fwd {v['forward_s'] * 1e3:.2f} ms fwd+bwd "
                      f"{v['forward_backward_s'] * 1e3:.2f} ms "
@@ -127,6 +85,12 @@ def main(argv=None) -> int:
     precision = "bf16" if cuda else "fp32"
     skipped = quack_unsupported(ctx.device)  # None where QuackMLP runs quack's GEMMs
     results = {}
+    head = {"benchmark": "the training passes' per-layer kernels at one micro-batch of packed "
+                         "tokens: the gated MLP, Megatron's (fc1, its compiled SwiGLU, fc2) "
+                         "against QuackMLP (parallel.mlp_kernels=quack: the SwiGLU in the GEMM "
+                         "epilogues), wgrads into fp32 main_grad",
+            "machine": machine(), "versions": versions("megatron-core", "quack-kernels"),
+            "command": command(), "iters": a.iters, "warmup": a.warmup}
     for name in a.model:
         shape = dataclasses.replace(load_shape(name), num_layers=1, attention_backend="sdpa")
         model = build_model(shape, role="actor", ctx=ctx, precision=precision,
@@ -174,18 +138,8 @@ def main(argv=None) -> int:
             mlp.__class__ = MLP
             results[f"mlp/{name}/{tokens}"] = row
             print(f"mlp {name:20s} {tokens:6d}  {_line(row)}", flush=True)
-            row = _rmsnorm_rows(model.decoder.layers[0].pre_mlp_layernorm, tokens, a.iters,
-                                a.warmup, cuda, skipped)
-            results[f"rmsnorm/{shape.hidden_size}/{tokens}"] = row
-            print(f"rmsnorm {shape.hidden_size:16d} {tokens:6d}  {_line(row)}", flush=True)
+            write_json(a.out, {**head, "results": results})  # a run cut short keeps its rows
         del model, mlp
-    write_json(a.out, {
-        "benchmark": "the training passes' per-layer kernels at one micro-batch of packed "
-                     "tokens: the gated MLP, Megatron's (fc1, its compiled SwiGLU, fc2) against "
-                     "QuackMLP (parallel.mlp_kernels=quack: the SwiGLU in the GEMM epilogues), "
-                     "wgrads into fp32 main_grad; the RMSNorm, torch's against quack's",
-        "machine": machine(), "versions": versions("megatron-core", "quack-kernels"),
-        "command": command(), "iters": a.iters, "warmup": a.warmup, "results": results})
     return 0
 
 

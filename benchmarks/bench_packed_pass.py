@@ -13,9 +13,7 @@ through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the up
 - `packed_fa4`: the same packed rows on FlashAttention-4's kernels (algo.packed_attention=fa4;
   flash-attn-4 installed, sm_90+; its prediction is varlen's);
 - `packed_fa4_quack`: `packed_fa4` with the MLPs' SwiGLU inside quack's GEMMs
-  (parallel.mlp_kernels=quack; its prediction is fa4's); `_qnorm` in a packed variant's name
-  (`packed_fa4_qnorm`, `packed_fa4_quack_qnorm`): the RMSNorms on quack's kernels
-  (parallel.norm_kernels=quack);
+  (parallel.mlp_kernels=quack; its prediction is fa4's);
 - `packed_varlen_graphs`: those, the update's layers replayed as CUDA graphs over packed rows
   padded to one shape (parallel.train_cuda_graphs);
 - packed micro-batches are dealt evenly into the fewest that hold the rows, as the trainer's
@@ -41,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import statistics
 import sys
@@ -214,16 +213,16 @@ def main(argv=None) -> int:
                          lm_head_chunk_tokens=a.lm_head_chunk_tokens)
     pairs = {}
 
-    def engines(kernel: str, graphs: bool = False, balanced: bool = False, mlp: str = "torch",
-                norm: str = "torch"):
+    def engines(kernel: str, graphs: bool = False, balanced: bool = False, mlp: str = "torch"):
         """(ref, actor) whose packed micro-batches run `kernel` (`graphs`: the actor's update as
-        CUDA graphs, parallel.train_cuda_graphs; `balanced`: algo.balance_micro_batches; `mlp`,
-        `norm`: parallel.mlp_kernels, parallel.norm_kernels); one pair alive at a time."""
-        key = (kernel, graphs, balanced, mlp, norm)
+        CUDA graphs, parallel.train_cuda_graphs; `balanced`: algo.balance_micro_batches; `mlp`:
+        parallel.mlp_kernels); one pair alive at a time."""
+        key = (kernel, graphs, balanced, mlp)
         if key not in pairs:
             pairs.clear()
+            gc.collect()  # Megatron's modules hold reference cycles
             torch.cuda.empty_cache() if cuda else None
-            rpar = dataclasses.replace(par, mlp_kernels=mlp, norm_kernels=norm)
+            rpar = dataclasses.replace(par, mlp_kernels=mlp)
             apar = dataclasses.replace(rpar, train_cuda_graphs=graphs)
             kw = dict(packed_attention=kernel, balanced_micro_batches=balanced)
             pairs[key] = (
@@ -236,7 +235,9 @@ def main(argv=None) -> int:
 
     algo = AlgoConfig(loss_agg_mode="token-mean", use_kl_loss=True, kl_loss_coef=0.001)
     results = {}
+    ref = actor = fwd = upd = None
     for variant in a.variants.split(","):
+        ref = actor = fwd = upd = None  # the last variant's engines go before the next are built
         resp = [round(statistics.fmean(lengths))] * a.rows if variant == "equal" else lengths
         # on the host, as the trainer hands it to the passes (they select, pack and copy it)
         batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size)
@@ -249,10 +250,9 @@ def main(argv=None) -> int:
         else:  # the unpacked variants never pack: an alive pair with an eager update serves them
             kernel = next((k for k, graphed, *_ in pairs if not graphed), "flex")
         mlp = "quack" if "_quack" in variant else "torch"  # parallel.mlp_kernels
-        norm = "quack" if "_qnorm" in variant else "torch"  # parallel.norm_kernels
         try:  # quack where it cannot run, varlen where it cannot (CPU, fp32, an older torch):
             # recorded as skipped
-            ref, actor = engines(kernel, graphs, balanced, mlp, norm)
+            ref, actor = engines(kernel, graphs, balanced, mlp)
             if pack:
                 actor.packed_kernel()
         except ValueError as e:

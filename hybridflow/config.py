@@ -18,7 +18,7 @@ from typing import Optional
 from hybridflow.model_config import ModelConfig  # the model group's schema, with its derived counts
 
 CONF_PACKAGE = "hybridflow.conf"
-QUACK_CHOICES = ("torch", "quack", "auto")  # parallel.mlp_kernels, parallel.norm_kernels
+QUACK_CHOICES = ("torch", "quack", "auto")  # parallel.mlp_kernels
 
 
 @dataclass
@@ -46,10 +46,6 @@ class ParallelConfig:
     # input-gradient GEMM backward. quack: an error where it cannot run; auto: quack on sm_90+
     # where it imports; torch: Megatron's MLP (fc1, the SwiGLU's own kernels, fc2)
     mlp_kernels: str = "torch"
-    # the training passes' RMSNorms on CUDA (hybridflow/models/quack_norm.py): torch's, or
-    # quack-kernels' (one kernel each way, the weight gradient reduced inside the backward);
-    # quack / auto / torch as for mlp_kernels
-    norm_kernels: str = "torch"
     # the decoder layers' weight gradients added into DDP's fp32 main_grad by their backward GEMM
     # (Megatron's gradient_accumulation_fusion, without apex: models/linear.py accumulate_wgrad)
     # instead of a bf16 gradient that DDP's hook then adds in a second pass; trainable roles, the

@@ -107,9 +107,8 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if p.lm_head_chunk_tokens < 0:
         raise ValueError(f"parallel.lm_head_chunk_tokens={p.lm_head_chunk_tokens}: expected 0 (off) "
                          "or a positive number of positions")
-    for key, value in (("mlp_kernels", p.mlp_kernels), ("norm_kernels", p.norm_kernels)):
-        if value not in QUACK_CHOICES:
-            raise ValueError(f"parallel.{key}={value!r}: expected one of {QUACK_CHOICES}")
+    if p.mlp_kernels not in QUACK_CHOICES:
+        raise ValueError(f"parallel.mlp_kernels={p.mlp_kernels!r}: expected one of {QUACK_CHOICES}")
     if not 0.0 <= p.train_graphs_min_fill <= 1.0:
         raise ValueError(f"parallel.train_graphs_min_fill={p.train_graphs_min_fill}: expected a "
                          "share of the token budget in [0, 1]")

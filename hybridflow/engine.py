@@ -70,7 +70,6 @@ from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear
 from hybridflow.models.logprob import vocab_parallel_logprobs
 from hybridflow.models.lora import adapters_disabled, apply_lora, factors_fixed
 from hybridflow.models.quack_mlp import resolve_mlp_kernels
-from hybridflow.models.quack_norm import resolve_norm_kernels
 from hybridflow.offload import GradBufferRelease, OptimizerOffload, ParamOffload, host_copy
 from hybridflow.parallel import multi_tensor
 from hybridflow.parallel.context import ParallelContext
@@ -132,8 +131,7 @@ class Engine:
                             sequence_parallel=parallel.sequence_parallel, precision=precision,
                             activation_checkpointing=parallel.activation_checkpointing,
                             fused_elementwise=parallel.fused_elementwise,
-                            quack_mlp=resolve_mlp_kernels(parallel.mlp_kernels, ctx.device),
-                            quack_norm=resolve_norm_kernels(parallel.norm_kernels, ctx.device))
+                            quack_mlp=resolve_mlp_kernels(parallel.mlp_kernels, ctx.device))
         self.num_adapter_params = 0
         self.lora = lora if lora is not None and lora.rank > 0 else None
         if self.lora is not None:

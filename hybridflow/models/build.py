@@ -37,7 +37,6 @@ from hybridflow.models.heads import ValueHead
 from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear,
                                       LeanRowParallelLinear)
 from hybridflow.models.quack_mlp import QuackMLP
-from hybridflow.models.quack_norm import quack_rmsnorm
 
 LM_ROLES = ("actor", "ref")
 SCALAR_ROLES = ("critic", "reward")
@@ -114,22 +113,6 @@ class TorchRMSNorm(torch.nn.RMSNorm):
             setattr(p, "sequence_parallel", config.sequence_parallel)
 
 
-class QuackRMSNorm(TorchRMSNorm):
-    """TorchRMSNorm on quack's kernel where it applies (parallel.norm_kernels)."""
-
-    @classmethod
-    def adopt(cls, model: torch.nn.Module) -> int:
-        """Every TorchRMSNorm of `model` becomes a QuackRMSNorm in place (same parameters and
-        attributes); returns how many."""
-        norms = [m for m in model.modules() if type(m) is TorchRMSNorm]
-        for m in norms:
-            m.__class__ = cls
-        return len(norms)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quack_rmsnorm(self, x)
-
-
 def layer_spec(cfg: ModelConfig) -> ModuleSpec:
     backend = cfg.attention_backend
     experts = cfg.moe.num_experts if cfg.moe.enabled else None
@@ -167,15 +150,13 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
 
 def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = False,
                 precision: str = "fp32", activation_checkpointing: bool = False,
-                fused_elementwise: bool = False, quack_mlp: bool = False,
-                quack_norm: bool = False) -> GPTModel:
+                fused_elementwise: bool = False, quack_mlp: bool = False) -> GPTModel:
     """One pipeline stage of the model for `role` on this rank, in the training layout of the
     `ParallelContext` `ctx` (its groups are the model's). `activation_checkpointing`: every
     decoder layer recomputes its forward in backward (`checkpoint_layers`).
     `fused_elementwise` (parallel.fused_elementwise): RoPE and SwiGLU as fused kernels on CUDA
     (models/fused.py). `quack_mlp` (parallel.mlp_kernels, resolved): the dense MLPs' SwiGLU
-    inside quack's GEMMs where they apply (models/quack_mlp.py). `quack_norm`
-    (parallel.norm_kernels, resolved): the RMSNorms on quack's kernels (models/quack_norm.py)."""
+    inside quack's GEMMs where they apply (models/quack_mlp.py)."""
     if role not in LM_ROLES + SCALAR_ROLES:
         raise ValueError(f"role={role!r} is not one of {LM_ROLES + SCALAR_ROLES}")
     tp, pp, pp_rank = ctx.tp_size, ctx.pp_size, ctx.train.pp
@@ -214,8 +195,6 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
         LeanOutputLinear.adopt(model.output_layer)  # (its `select`) under every layer spec
     if quack_mlp:
         QuackMLP.adopt(model)
-    if quack_norm:
-        QuackRMSNorm.adopt(model)
     if activation_checkpointing:
         checkpoint_layers(model)
     return model

@@ -1,5 +1,4 @@
-"""parallel.mlp_kernels (and parallel.norm_kernels, resolved alike): resolving the options
-(models/quack_mlp.py) and, off CUDA, a model built
+"""parallel.mlp_kernels: resolving the option (models/quack_mlp.py) and, off CUDA, a model built
 with QuackMLP computing exactly what Megatron's MLP computes (its forward falls back). The fused
 GEMMs themselves are checked against fp32 on a GPU in tests/gpu/test_quack_mlp_gpu.py."""
 
@@ -12,24 +11,22 @@ from hybridflow.config import ModelConfig, ParallelConfig, load_config
 from hybridflow.config_checks import validate
 from hybridflow.models import quack_mlp
 from hybridflow.models.quack_mlp import QuackMLP, quack_unsupported, resolve_mlp_kernels
-from hybridflow.models.quack_norm import resolve_norm_kernels
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                     num_query_groups=2, vocab_size=50, add_qkv_bias=True)
 
 
-@pytest.mark.parametrize("key,resolve", [("parallel.mlp_kernels", resolve_mlp_kernels),
-                                         ("parallel.norm_kernels", resolve_norm_kernels)])
-def test_resolve_on_cpu(key, resolve):
-    """Both quack options resolve by one rule, each error naming its own key."""
+def test_resolve_on_cpu():
+    """auto and torch resolve to Megatron's MLP off CUDA; quack or a value not among the choices is
+    an error naming the key."""
     cpu = torch.device("cpu")
     assert quack_unsupported(cpu) == "not a CUDA device"
-    assert resolve("torch", cpu) is False
-    assert resolve("auto", cpu) is False
-    with pytest.raises(ValueError, match=f"{key}=quack cannot run here: not a CUDA"):
-        resolve("quack", cpu)
-    with pytest.raises(ValueError, match=f"{key}='fused': expected one of"):
-        resolve("fused", cpu)
+    assert resolve_mlp_kernels("torch", cpu) is False
+    assert resolve_mlp_kernels("auto", cpu) is False
+    with pytest.raises(ValueError, match="parallel.mlp_kernels=quack cannot run here: not a CUDA"):
+        resolve_mlp_kernels("quack", cpu)
+    with pytest.raises(ValueError, match="parallel.mlp_kernels='fused': expected one of"):
+        resolve_mlp_kernels("fused", cpu)
 
 
 def test_missing_package_is_named(monkeypatch):
@@ -41,12 +38,11 @@ def test_missing_package_is_named(monkeypatch):
         quack_mlp._quack.cache_clear()
 
 
-@pytest.mark.parametrize("key", ["mlp_kernels", "norm_kernels"])
-def test_config_rejects_unknown_value(key):
-    cfg = load_config([f"parallel.{key}=cutlass"])
-    with pytest.raises(ValueError, match=f"parallel.{key}='cutlass'"):
+def test_config_rejects_unknown_value():
+    cfg = load_config(["parallel.mlp_kernels=cutlass"])
+    with pytest.raises(ValueError, match="parallel.mlp_kernels='cutlass'"):
         validate(cfg, world_size=1)
-    assert getattr(ParallelConfig(), key) in ("torch", "quack", "auto")
+    assert ParallelConfig().mlp_kernels in ("torch", "quack", "auto")
 
 
 @pytest.fixture(scope="module")
