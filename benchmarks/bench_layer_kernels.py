@@ -1,4 +1,4 @@
-"""The training passes' per-layer kernels as the trainer runs them against quack-kernels', one GPU.
+"""The training passes' per-layer kernels as the trainer runs them against the alternatives, one GPU.
 
 The gated MLP. Megatron's MLP over our linears (`parallel.fused_elementwise`): fc1 as one GEMM,
 Megatron's compiled SwiGLU kernel, fc2 as one GEMM. `QuackMLP` (`parallel.mlp_kernels=quack`,
@@ -7,6 +7,9 @@ forward, its derivative in the epilogue of fc2's input-gradient GEMM backward. T
 weights run both forwards; both add their weight gradients into fp32 `main_grad` as under DDP
 (`parallel.gradient_accumulation_fusion`).
 
+The RoPE of q and k (split from a QKV projection as Megatron splits them): the compiled kernel
+(`parallel.rope_kernel=compiled`, the trainer's) against kernels/rope_train.py (`triton`).
+
 Per kernel, shape and token count: forward-only (the ref pass) and forward + backward (the update)
 seconds (median of --iters after --warmup), and each side's error against an fp32 reference of the
 same inputs and weights (output, input gradient, weight gradients; relative to the reference's
@@ -14,7 +17,7 @@ largest magnitude): for the MLP, the check that quack reads the [gate; up] halve
 The MLP's `quack_tuned` side runs QuackMLP's GEMMs autotuned at the one shape timed (the trainer
 keeps quack's heuristic tiles: the autotuner caches per token count): the bound tuning could reach.
 Where quack cannot run (no GPU, not importable: `quack_mlp.quack_unsupported`) its sides are
-recorded as skipped with the reason.
+recorded as skipped with the reason (the RoPE rows without CUDA too).
 
   python benchmarks/bench_layer_kernels.py --out benchmarks/results/layer_kernels_h100.json
   python benchmarks/bench_layer_kernels.py --device cpu --model tiny --tokens 64 --iters 1 \\
@@ -53,6 +56,51 @@ def _rel_err(got, ref) -> float:
     return float((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
+def _rope_row(shape, tokens: int, iters: int, warmup: int, cuda: bool) -> dict:
+    """One layer's RoPE of q and k (split from a QKV projection as Megatron splits them) by the
+    compiled kernel (parallel.rope_kernel=compiled, the trainer's) and by the Triton one
+    (triton): forward, forward + backward, errors against the fp32 formula."""
+    from hybridflow.kernels.rope_train import rope, rope_twin
+    from hybridflow.models.fused import _compiled_rope
+
+    if not cuda:
+        return {"trainer": {"skipped": "not a CUDA device"},
+                "triton": {"skipped": "not a CUDA device"}}
+    G, D = shape.num_query_groups, shape.hidden_size // shape.num_attention_heads
+    hpg = shape.num_attention_heads // G
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    qkv = torch.randn(tokens, 1, G, (hpg + 2) * D, device="cuda", generator=g,
+                      dtype=torch.bfloat16)
+    q, k, _ = torch.split(qkv, [hpg * D, D, D], dim=3)
+    q = q.reshape(tokens, 1, G * hpg, D)  # a copy where G > 1, as in Megatron
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D))
+    freqs = torch.outer(torch.arange(tokens, device="cuda", dtype=torch.float32), inv)
+    freqs = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+    cos32, sin32 = torch.cos(freqs), torch.sin(freqs)
+    cos, sin = cos32.bfloat16(), sin32.bfloat16()
+    xs = [t.detach().clone().requires_grad_() for t in (q, k)]
+    grads = [torch.randn(t.shape, device="cuda", generator=g, dtype=torch.bfloat16) for t in xs]
+    refs = [rope_twin(t.detach().float(), cos32, sin32) for t in xs]
+    sides = {"trainer": lambda x: _compiled_rope()(x, cos, sin),
+             "triton": lambda x: rope(x, cos, sin, impl="triton")}
+    row = {}
+    for side, fn in sides.items():
+        def fwd():
+            with torch.no_grad():
+                for x in xs:
+                    fn(x)
+
+        def fwd_bwd():
+            for x, gr in zip(xs, grads):
+                x.grad = None
+                fn(x).backward(gr)
+
+        err = {f"out_{n}": _rel_err(fn(x).detach(), ref) for n, x, ref in zip("qk", xs, refs)}
+        row[side] = {"forward_s": _timed(fwd, iters, warmup, cuda),
+                     "forward_backward_s": _timed(fwd_bwd, iters, warmup, cuda), "rel_err": err}
+    return row
+
+
 def _line(row: dict) -> str:
     return "  ".join(f"{k} fwd {v['forward_s'] * 1e3:.2f} ms fwd+bwd "
                      f"{v['forward_backward_s'] * 1e3:.2f} ms "
@@ -88,7 +136,8 @@ def main(argv=None) -> int:
     head = {"benchmark": "the training passes' per-layer kernels at one micro-batch of packed "
                          "tokens: the gated MLP, Megatron's (fc1, its compiled SwiGLU, fc2) "
                          "against QuackMLP (parallel.mlp_kernels=quack: the SwiGLU in the GEMM "
-                         "epilogues), wgrads into fp32 main_grad",
+                         "epilogues), wgrads into fp32 main_grad; the RoPE of q and k, compiled "
+                         "against Triton (parallel.rope_kernel)",
             "machine": machine(), "versions": versions("megatron-core", "quack-kernels"),
             "command": command(), "iters": a.iters, "warmup": a.warmup}
     for name in a.model:
@@ -138,6 +187,9 @@ def main(argv=None) -> int:
             mlp.__class__ = MLP
             results[f"mlp/{name}/{tokens}"] = row
             print(f"mlp {name:20s} {tokens:6d}  {_line(row)}", flush=True)
+            row = _rope_row(shape, tokens, a.iters, a.warmup, cuda)
+            results[f"rope/{name}/{tokens}"] = row
+            print(f"rope {name:19s} {tokens:6d}  {_line(row)}", flush=True)
             write_json(a.out, {**head, "results": results})  # a run cut short keeps its rows
         del model, mlp
     return 0

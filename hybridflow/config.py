@@ -19,6 +19,7 @@ from hybridflow.model_config import ModelConfig  # the model group's schema, wit
 
 CONF_PACKAGE = "hybridflow.conf"
 QUACK_CHOICES = ("torch", "quack", "auto")  # parallel.mlp_kernels
+ROPE_KERNELS = ("compiled", "triton")  # parallel.rope_kernel
 
 
 @dataclass
@@ -41,6 +42,11 @@ class ParallelConfig:
     # own functions: its bias_activation_fusion SwiGLU keeps only fc1's output for backward);
     # hybridflow/models/fused.py. CPU runs are unchanged either way
     fused_elementwise: bool = True
+    # with fused_elementwise, the training passes' RoPE on CUDA: compiled (torch.compile of
+    # Megatron's formula, a kernel per q and k each way) or triton (hybridflow/kernels/
+    # rope_train.py: one kernel each way that rotates every head of a position with one read
+    # of its tables)
+    rope_kernel: str = "compiled"
     # the gated MLP's SwiGLU inside its GEMMs on CUDA (hybridflow/models/quack_mlp.py,
     # quack-kernels, installed with flash-attn-4): fc1's epilogue forward, the epilogue of fc2's
     # input-gradient GEMM backward. quack: an error where it cannot run; auto: quack on sm_90+

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hybridflow.config import QUACK_CHOICES, Config
+from hybridflow.config import QUACK_CHOICES, ROPE_KERNELS, Config
 from hybridflow.model_config import ModelConfig
 
 KERNELS = ("auto", "triton", "torch")  # rollout.decode_kernels
@@ -107,6 +107,8 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if p.lm_head_chunk_tokens < 0:
         raise ValueError(f"parallel.lm_head_chunk_tokens={p.lm_head_chunk_tokens}: expected 0 (off) "
                          "or a positive number of positions")
+    if p.rope_kernel not in ROPE_KERNELS:
+        raise ValueError(f"parallel.rope_kernel={p.rope_kernel!r}: expected one of {ROPE_KERNELS}")
     if p.mlp_kernels not in QUACK_CHOICES:
         raise ValueError(f"parallel.mlp_kernels={p.mlp_kernels!r}: expected one of {QUACK_CHOICES}")
     if not 0.0 <= p.train_graphs_min_fill <= 1.0:

@@ -150,12 +150,13 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
 
 def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = False,
                 precision: str = "fp32", activation_checkpointing: bool = False,
-                fused_elementwise: bool = False, quack_mlp: bool = False) -> GPTModel:
+                fused_elementwise: bool = False, rope_kernel: str = "compiled",
+                quack_mlp: bool = False) -> GPTModel:
     """One pipeline stage of the model for `role` on this rank, in the training layout of the
     `ParallelContext` `ctx` (its groups are the model's). `activation_checkpointing`: every
     decoder layer recomputes its forward in backward (`checkpoint_layers`).
     `fused_elementwise` (parallel.fused_elementwise): RoPE and SwiGLU as fused kernels on CUDA
-    (models/fused.py). `quack_mlp` (parallel.mlp_kernels, resolved): the dense MLPs' SwiGLU
+    (models/fused.py), the RoPE by `rope_kernel` (parallel.rope_kernel). `quack_mlp` (parallel.mlp_kernels, resolved): the dense MLPs' SwiGLU
     inside quack's GEMMs where they apply (models/quack_mlp.py)."""
     if role not in LM_ROLES + SCALAR_ROLES:
         raise ValueError(f"role={role!r} is not one of {LM_ROLES + SCALAR_ROLES}")
@@ -163,7 +164,7 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
     tcfg = transformer_config(cfg, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
                               precision=precision, fused_elementwise=fused_elementwise,
                               ep=ctx.ep_size, etp=_group_size(getattr(ctx.pgs, "expt_tp", None)))
-    use_fused_rope(fused_elementwise)  # process-wide: the last model built sets it
+    use_fused_rope(fused_elementwise, rope_kernel)  # process-wide: the last model built sets it
     spec = layer_spec(cfg)
     block = TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(tcfg, None, pp_rank),

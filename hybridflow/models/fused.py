@@ -10,7 +10,8 @@ only, the CPU path is unchanged):
 - SwiGLU: Megatron's own fusion (`bias_activation_fusion`: `SwiGLUFunction`, torch.compile'd
   forward and backward kernels that keep only fc1's output for backward);
 - RoPE: Megatron's bshd RoPE (rotate-half, whole head) through torch.compile (one kernel
-  forward, one backward; dynamic shapes) over its cos / sin tables made once per `freqs` tensor
+  forward, one backward; dynamic shapes), or with parallel.rope_kernel=triton our kernel
+  (kernels/rope_train.py), over its cos / sin tables made once per `freqs` tensor
   (all layers of a pass share them), installed
   in place of the unfused function that
   `megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb` calls (interleaved,
@@ -25,14 +26,21 @@ import functools
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
+from hybridflow.kernels import rope_train
 from hybridflow.models.graphs import capturing
 
 _UNFUSED_ROPE = rope_utils._apply_rotary_pos_emb_bshd
+_ROPE = {"kernel": "compiled"}  # parallel.rope_kernel of the last model built
 
 
-def use_fused_rope(enabled: bool) -> None:
-    """Process-wide: Megatron's RoPE (bshd layout) compiled on CUDA tensors, or as shipped."""
+def use_fused_rope(enabled: bool, kernel: str = "compiled") -> None:
+    """Process-wide: Megatron's RoPE (bshd layout) on CUDA tensors as one kernel each way,
+    `kernel` compiled (torch.compile of its formula) or triton (kernels/rope_train.py); or as
+    shipped."""
+    if kernel not in ("compiled", "triton"):
+        raise ValueError(f"parallel.rope_kernel={kernel!r}: expected compiled or triton")
     rope_utils._apply_rotary_pos_emb_bshd = _fused_rope if enabled else _UNFUSED_ROPE
+    _ROPE["kernel"] = kernel
     _TABLES.clear()
 
 
@@ -52,7 +60,10 @@ def _fused_rope(t, freqs, rotary_interleaved=False, multi_latent_attention=False
     if not t.is_cuda or rotary_interleaved or multi_latent_attention or partial:
         return _UNFUSED_ROPE(t, freqs, rotary_interleaved=rotary_interleaved,
                              multi_latent_attention=multi_latent_attention, mscale=mscale)
-    return _compiled_rope()(t, *_TABLES.get(freqs, t.dtype, mscale))
+    cos, sin = _TABLES.get(freqs, t.dtype, mscale)
+    if _ROPE["kernel"] == "triton" and rope_train.supported(t, cos):
+        return rope_train.rope(t, cos, sin, impl="triton")
+    return _compiled_rope()(t, cos, sin)
 
 
 class _RopeTables:

@@ -1,5 +1,5 @@
 """parallel.fused_elementwise on a GPU (hybridflow/models/fused.py): the training model with
-Megatron's fused SwiGLU and the compiled RoPE gives the unfused model's loss and gradients (fp32:
+Megatron's fused SwiGLU and the compiled or the Triton RoPE (parallel.rope_kernel) gives the unfused model's loss and gradients (fp32:
 to rounding; bf16: within bf16 rounding of the activations), at a fixed and at another sequence
 length (dynamic shapes), in training and under no_grad; the fused model keeps less for backward."""
 
@@ -21,12 +21,12 @@ def ctx(single_rank_ctx):
     return single_rank_ctx
 
 
-def _build(ctx, fused, precision):
+def _build(ctx, fused, precision, kernel="compiled"):
     from hybridflow.models.build import build_model
 
     torch.manual_seed(0)
     model = build_model(CFG, role="actor", ctx=ctx, precision=precision,
-                        fused_elementwise=fused).cuda()
+                        fused_elementwise=fused, rope_kernel=kernel).cuda()
     return model.to(torch.bfloat16) if precision == "bf16" else model
 
 
@@ -45,8 +45,9 @@ def _step(model, ids):
     return lp.detach(), {n: p.grad.float().clone() for n, p in model.named_parameters()}, kept
 
 
+@pytest.mark.parametrize("kernel", ["compiled", "triton"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_fused_equals_unfused(ctx, precision):
+def test_fused_equals_unfused(ctx, precision, kernel):
     from megatron.core.models.common.embeddings import rope_utils
 
     from hybridflow.models import fused as fused_mod
@@ -56,14 +57,14 @@ def test_fused_equals_unfused(ctx, precision):
     try:
         plain = _build(ctx, False, precision)
         assert rope_utils._apply_rotary_pos_emb_bshd is fused_mod._UNFUSED_ROPE
-        fused = _build(ctx, True, precision)
+        fused = _build(ctx, True, precision, kernel)
         fused.load_state_dict(plain.state_dict())
         assert fused.config.bias_activation_fusion and not plain.config.bias_activation_fusion
         for S in (48, 80):  # a second length: the compiled RoPE is dynamic, no wrong reuse
             ids = torch.randint(0, CFG.vocab_size, (3, S), device="cuda", generator=g)
             fused_mod.use_fused_rope(False)
             lp0, g0, kept0 = _step(plain, ids)
-            fused_mod.use_fused_rope(True)
+            fused_mod.use_fused_rope(True, kernel)
             lp1, g1, kept1 = _step(fused, ids)
             torch.testing.assert_close(lp1, lp0, **tol)
             for n in g0:

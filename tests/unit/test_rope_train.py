@@ -1,0 +1,49 @@
+"""kernels/rope_train.py (parallel.rope_kernel=triton: the training passes' RoPE) on CPU through
+Triton's interpreter (tests/unit/rope_train_check.py in a fresh process): forward and backward
+equal the PyTorch formula at fp32 on q and k as the strided views Megatron splits from the QKV
+projection (1 and 2 sequences a position, heads not a power of two, one position), and for an
+output gradient that is not contiguous. bf16 on a GPU, against fp32, and the model's log-probs
+with either kernel: tests/gpu/test_rope_train_gpu.py."""
+
+import pytest
+
+from tests.unit.triton_interp import run_check
+
+
+@pytest.fixture(scope="module")
+def checked():
+    return run_check("rope_train_check.py")
+
+
+def test_kernel_equals_the_formula(checked):
+    for case in checked["fp32"]:
+        assert case["k"]["strided_input"]  # (q is a copy where there are several KV groups)
+        for side in case.values():
+            assert side["contiguous_out"], side
+            assert side["fwd_err"] < 1e-6 and side["bwd_err"] < 1e-6, side
+    assert checked["strided_grad_err"] < 1e-6
+
+
+def test_shapes_it_does_not_take_fall_back():
+    import torch
+
+    from hybridflow.kernels.rope_train import rope, rope_twin, supported
+
+    t = torch.randn(4, 1, 2, 12)  # head_dim half 6: not a power of two
+    cos, sin = torch.randn(4, 1, 1, 12), torch.randn(4, 1, 1, 12)
+    assert not supported(t, cos)
+    assert supported(torch.randn(4, 1, 2, 16), torch.randn(4, 1, 1, 16))
+    assert not supported(torch.randn(4, 1, 2, 16), torch.randn(3, 1, 1, 16))  # other positions
+    assert torch.equal(rope(t, cos, sin, impl="triton"), rope_twin(t, cos, sin))
+
+
+def test_config_names_the_kernels():
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
+    from hybridflow.models.fused import use_fused_rope
+
+    cfg = load_config(["parallel.rope_kernel=cuda"])
+    with pytest.raises(ValueError, match="parallel.rope_kernel='cuda': expected one of"):
+        validate(cfg, world_size=1)
+    with pytest.raises(ValueError, match="parallel.rope_kernel='cuda'"):
+        use_fused_rope(True, "cuda")
