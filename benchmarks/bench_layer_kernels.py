@@ -1,4 +1,4 @@
-"""The training passes' per-layer kernels as the trainer runs them against the alternatives, one GPU.
+"""The training passes' per-layer kernels as the trainer runs them against alternatives, one GPU.
 
 The gated MLP. Megatron's MLP over our linears (`parallel.fused_elementwise`): fc1 as one GEMM,
 Megatron's compiled SwiGLU kernel, fc2 as one GEMM. `QuackMLP` (`parallel.mlp_kernels=quack`,
@@ -54,6 +54,51 @@ def _reference(x, w1, w2, dout):
 
 def _rel_err(got, ref) -> float:
     return float((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def _mlp_row(mlp, shape, tokens: int, iters: int, warmup: int, cuda: bool, skipped) -> dict:
+    """One layer's gated MLP `mlp` as Megatron's (the trainer's), as QuackMLP and as QuackMLP with
+    its GEMMs autotuned at this shape, on the same weights: forward, forward + backward, errors."""
+    from megatron.core.transformer.mlp import MLP
+
+    from hybridflow.models.quack_mlp import QuackMLP, _GatedMLP
+
+    w1, w2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight
+    g = torch.Generator(device=w1.device).manual_seed(tokens)
+    x = torch.randn(tokens, 1, shape.hidden_size, generator=g, device=w1.device,
+                    dtype=w1.dtype).requires_grad_()
+    dout = torch.randn(x.shape, generator=g, device=w1.device, dtype=w1.dtype) * 1e-2
+    ref = _reference(x, w1, w2, dout)
+    row = {}
+
+    def tuned_mlp(h):  # QuackMLP's GEMMs autotuned at this one shape: a bound
+        out = _GatedMLP.apply(h.reshape(-1, h.shape[-1]), w1, w2, True, True)
+        return out.view(*h.shape[:-1], out.shape[-1]), None
+
+    for side, cls in (("trainer", MLP), ("quack", QuackMLP), ("quack_tuned", QuackMLP)):
+        if side != "trainer" and skipped:
+            row[side] = {"skipped": skipped}
+            continue
+        mlp.__class__ = cls  # the same module and weights, the other forward
+        run = tuned_mlp if side == "quack_tuned" else mlp
+
+        def fwd():
+            with torch.no_grad():
+                run(x)
+
+        def fwd_bwd():
+            x.grad = None
+            run(x)[0].backward(dout)
+
+        for w in (w1, w2):
+            w.main_grad.zero_()
+        fwd_bwd()  # from zeroed main_grads: one step's weight gradients
+        err = {"out": _rel_err(run(x)[0].detach(), ref[0]), "dx": _rel_err(x.grad, ref[1]),
+               "dw1": _rel_err(w1.main_grad, ref[2]), "dw2": _rel_err(w2.main_grad, ref[3])}
+        row[side] = {"forward_s": _timed(fwd, iters, warmup, cuda),
+                     "forward_backward_s": _timed(fwd_bwd, iters, warmup, cuda), "rel_err": err}
+    mlp.__class__ = MLP
+    return row
 
 
 def _rope_row(shape, tokens: int, iters: int, warmup: int, cuda: bool) -> dict:
@@ -114,6 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", nargs="+", type=int, default=[20480, 40960],
                     help="rows of one packed micro-batch (the recipe's update and ref budgets)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--kernels", nargs="+", choices=("mlp", "rope"), default=["mlp", "rope"])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", required=True)
@@ -121,10 +167,8 @@ def main(argv=None) -> int:
 
     from hybridflow.cost.shapes import load_shape
     from hybridflow.models.build import build_model
-    from megatron.core.transformer.mlp import MLP
-
     from hybridflow.models.linear import LeanColumnParallelLinear, LeanRowParallelLinear
-    from hybridflow.models.quack_mlp import QuackMLP, _GatedMLP, quack_unsupported
+    from hybridflow.models.quack_mlp import quack_unsupported
     from hybridflow.parallel import groups
 
     cuda = a.device == "cuda"
@@ -145,51 +189,19 @@ def main(argv=None) -> int:
         model = build_model(shape, role="actor", ctx=ctx, precision=precision,
                             fused_elementwise=True)
         mlp = model.decoder.layers[0].mlp
-        w1, w2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight
         for linear in (mlp.linear_fc1, mlp.linear_fc2):
             if type(linear) in (LeanColumnParallelLinear, LeanRowParallelLinear):
                 linear.fuse_wgrad = True  # as the Engine sets it under DDP
             linear.weight.main_grad = torch.zeros_like(linear.weight, dtype=torch.float32)
         for tokens in a.tokens:
-            g = torch.Generator(device=ctx.device).manual_seed(tokens)
-            x = torch.randn(tokens, 1, shape.hidden_size, generator=g, device=ctx.device,
-                            dtype=w1.dtype).requires_grad_()
-            dout = torch.randn(x.shape, generator=g, device=ctx.device, dtype=w1.dtype) * 1e-2
-            ref = _reference(x, w1, w2, dout)
-            row = {}
-            def tuned_mlp(h):  # QuackMLP's GEMMs autotuned at this one shape: a bound
-                out = _GatedMLP.apply(h.reshape(-1, h.shape[-1]), w1, w2, True, True)
-                return out.view(*h.shape[:-1], out.shape[-1]), None
-
-            for side, cls in (("trainer", MLP), ("quack", QuackMLP), ("quack_tuned", QuackMLP)):
-                if side != "trainer" and skipped:
-                    row[side] = {"skipped": skipped}
-                    continue
-                mlp.__class__ = cls  # the same module and weights, the other forward
-                run = tuned_mlp if side == "quack_tuned" else mlp
-
-                def fwd():
-                    with torch.no_grad():
-                        run(x)
-
-                def fwd_bwd():
-                    x.grad = None
-                    run(x)[0].backward(dout)
-
-                for w in (w1, w2):
-                    w.main_grad.zero_()
-                fwd_bwd()  # from zeroed main_grads: one step's weight gradients
-                err = {"out": _rel_err(run(x)[0].detach(), ref[0]), "dx": _rel_err(x.grad, ref[1]),
-                       "dw1": _rel_err(w1.main_grad, ref[2]), "dw2": _rel_err(w2.main_grad, ref[3])}
-                row[side] = {"forward_s": _timed(fwd, a.iters, a.warmup, cuda),
-                             "forward_backward_s": _timed(fwd_bwd, a.iters, a.warmup, cuda),
-                             "rel_err": err}
-            mlp.__class__ = MLP
-            results[f"mlp/{name}/{tokens}"] = row
-            print(f"mlp {name:20s} {tokens:6d}  {_line(row)}", flush=True)
-            row = _rope_row(shape, tokens, a.iters, a.warmup, cuda)
-            results[f"rope/{name}/{tokens}"] = row
-            print(f"rope {name:19s} {tokens:6d}  {_line(row)}", flush=True)
+            if "mlp" in a.kernels:
+                row = _mlp_row(mlp, shape, tokens, a.iters, a.warmup, cuda, skipped)
+                results[f"mlp/{name}/{tokens}"] = row
+                print(f"mlp {name:20s} {tokens:6d}  {_line(row)}", flush=True)
+            if "rope" in a.kernels:
+                row = _rope_row(shape, tokens, a.iters, a.warmup, cuda)
+                results[f"rope/{name}/{tokens}"] = row
+                print(f"rope {name:19s} {tokens:6d}  {_line(row)}", flush=True)
             write_json(a.out, {**head, "results": results})  # a run cut short keeps its rows
         del model, mlp
     return 0
