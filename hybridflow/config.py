@@ -20,6 +20,7 @@ from hybridflow.model_config import ModelConfig  # the model group's schema, wit
 CONF_PACKAGE = "hybridflow.conf"
 QUACK_CHOICES = ("torch", "quack", "auto")  # parallel.mlp_kernels
 ROPE_KERNELS = ("compiled", "triton")  # parallel.rope_kernel
+NORM_BACKWARDS = ("torch", "triton")  # parallel.norm_backward
 
 
 @dataclass
@@ -47,6 +48,10 @@ class ParallelConfig:
     # rope_train.py: one kernel each way that rotates every head of a position with one read
     # of its tables)
     rope_kernel: str = "compiled"
+    # the training passes' RMSNorm backward on CUDA: torch (an input-gradient kernel, then the
+    # weight gradient as a column reduction of its own) or triton (hybridflow/kernels/
+    # rmsnorm_train.py: one pass over the rows for both); the forward is torch's either way
+    norm_backward: str = "torch"
     # the gated MLP's SwiGLU inside its GEMMs on CUDA (hybridflow/models/quack_mlp.py,
     # quack-kernels, installed with flash-attn-4): fc1's epilogue forward, the epilogue of fc2's
     # input-gradient GEMM backward. quack: an error where it cannot run; auto: quack on sm_90+

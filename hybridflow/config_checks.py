@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hybridflow.config import QUACK_CHOICES, ROPE_KERNELS, Config
+from hybridflow.config import NORM_BACKWARDS, QUACK_CHOICES, ROPE_KERNELS, Config
 from hybridflow.model_config import ModelConfig
 
 KERNELS = ("auto", "triton", "torch")  # rollout.decode_kernels
@@ -109,6 +109,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
                          "or a positive number of positions")
     if p.rope_kernel not in ROPE_KERNELS:
         raise ValueError(f"parallel.rope_kernel={p.rope_kernel!r}: expected one of {ROPE_KERNELS}")
+    if p.norm_backward not in NORM_BACKWARDS:
+        raise ValueError(f"parallel.norm_backward={p.norm_backward!r}: expected one of "
+                         f"{NORM_BACKWARDS}")
     if p.mlp_kernels not in QUACK_CHOICES:
         raise ValueError(f"parallel.mlp_kernels={p.mlp_kernels!r}: expected one of {QUACK_CHOICES}")
     if not 0.0 <= p.train_graphs_min_fill <= 1.0:

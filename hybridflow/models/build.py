@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_block import (TransformerBlockSubmodu
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hybridflow.config import ModelConfig
+from hybridflow.kernels import rmsnorm_train
 from hybridflow.models.attention import SDPAttention
 from hybridflow.models.fused import use_fused_rope
 from hybridflow.models.heads import ValueHead
@@ -113,6 +114,26 @@ class TorchRMSNorm(torch.nn.RMSNorm):
             setattr(p, "sequence_parallel", config.sequence_parallel)
 
 
+class TritonBackwardRMSNorm(TorchRMSNorm):
+    """TorchRMSNorm whose backward on CUDA is kernels/rmsnorm_train.py's one pass
+    (parallel.norm_backward=triton); the forward, and everything off CUDA, is torch's."""
+
+    @classmethod
+    def adopt(cls, model: torch.nn.Module) -> int:
+        """Every TorchRMSNorm of `model` becomes one of these in place (same parameters and
+        attributes); returns how many."""
+        norms = [m for m in model.modules() if type(m) is TorchRMSNorm]
+        for m in norms:
+            m.__class__ = cls
+        return len(norms)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda:
+            return super().forward(x)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # as torch's
+        return rmsnorm_train.rms_norm(x, self.weight, eps)
+
+
 def layer_spec(cfg: ModelConfig) -> ModuleSpec:
     backend = cfg.attention_backend
     experts = cfg.moe.num_experts if cfg.moe.enabled else None
@@ -151,13 +172,15 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
 def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = False,
                 precision: str = "fp32", activation_checkpointing: bool = False,
                 fused_elementwise: bool = False, rope_kernel: str = "compiled",
-                quack_mlp: bool = False) -> GPTModel:
+                norm_backward: str = "torch", quack_mlp: bool = False) -> GPTModel:
     """One pipeline stage of the model for `role` on this rank, in the training layout of the
     `ParallelContext` `ctx` (its groups are the model's). `activation_checkpointing`: every
     decoder layer recomputes its forward in backward (`checkpoint_layers`).
     `fused_elementwise` (parallel.fused_elementwise): RoPE and SwiGLU as fused kernels on CUDA
-    (models/fused.py), the RoPE by `rope_kernel` (parallel.rope_kernel). `quack_mlp` (parallel.mlp_kernels, resolved): the dense MLPs' SwiGLU
-    inside quack's GEMMs where they apply (models/quack_mlp.py)."""
+    (models/fused.py), the RoPE by `rope_kernel` (parallel.rope_kernel). `norm_backward`
+    (parallel.norm_backward): triton makes every TorchRMSNorm a TritonBackwardRMSNorm.
+    `quack_mlp` (parallel.mlp_kernels, resolved): the dense MLPs' SwiGLU inside quack's GEMMs
+    where they apply (models/quack_mlp.py)."""
     if role not in LM_ROLES + SCALAR_ROLES:
         raise ValueError(f"role={role!r} is not one of {LM_ROLES + SCALAR_ROLES}")
     tp, pp, pp_rank = ctx.tp_size, ctx.pp_size, ctx.train.pp
@@ -194,6 +217,8 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
         model.output_layer = ValueHead(tcfg, tp_group=ctx.tp_group)
     elif post:  # batch-major logits (no transpose copies), computed where they are scored
         LeanOutputLinear.adopt(model.output_layer)  # (its `select`) under every layer spec
+    if norm_backward == "triton":
+        TritonBackwardRMSNorm.adopt(model)
     if quack_mlp:
         QuackMLP.adopt(model)
     if activation_checkpointing:
