@@ -240,7 +240,6 @@ def main(argv=None) -> int:
 
     algo = AlgoConfig(loss_agg_mode="token-mean", use_kl_loss=True, kl_loss_coef=0.001)
     results = {}
-    ref = actor = fwd = upd = None
     for variant in a.variants.split(","):
         ref = actor = fwd = upd = None  # the last variant's engines go before the next are built
         resp = [round(statistics.fmean(lengths))] * a.rows if variant == "equal" else lengths

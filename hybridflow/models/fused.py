@@ -26,6 +26,7 @@ import functools
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
+from hybridflow.config import ROPE_KERNELS
 from hybridflow.kernels import rope_train
 from hybridflow.models.graphs import capturing
 
@@ -37,8 +38,8 @@ def use_fused_rope(enabled: bool, kernel: str = "compiled") -> None:
     """Process-wide: Megatron's RoPE (bshd layout) on CUDA tensors as one kernel each way,
     `kernel` compiled (torch.compile of its formula) or triton (kernels/rope_train.py); or as
     shipped."""
-    if kernel not in ("compiled", "triton"):
-        raise ValueError(f"parallel.rope_kernel={kernel!r}: expected compiled or triton")
+    if kernel not in ROPE_KERNELS:
+        raise ValueError(f"parallel.rope_kernel={kernel!r}: expected one of {ROPE_KERNELS}")
     rope_utils._apply_rotary_pos_emb_bshd = _fused_rope if enabled else _UNFUSED_ROPE
     _ROPE["kernel"] = kernel
     _TABLES.clear()
