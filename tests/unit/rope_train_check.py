@@ -48,7 +48,7 @@ def case(S, B, G, hpg, D, seed):
 
 
 result = {"fp32": [case(*shape, seed=i) for i, shape in enumerate(
-    [(5, 1, 2, 7, 16), (9, 2, 1, 3, 32), (1, 1, 2, 1, 8)])]}
+    [(5, 1, 2, 7, 16), (9, 2, 1, 3, 32), (1, 1, 2, 1, 8), (33, 1, 2, 7, 64)])]}
 # a non-contiguous output gradient (a transpose's) is rotated as well
 g = torch.Generator().manual_seed(9)
 x = torch.randn(6, 1, 3, 16, generator=g).requires_grad_()

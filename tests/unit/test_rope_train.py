@@ -1,7 +1,8 @@
 """kernels/rope_train.py (parallel.rope_kernel=triton: the training passes' RoPE) on CPU through
 Triton's interpreter (tests/unit/rope_train_check.py in a fresh process): forward and backward
 equal the PyTorch formula at fp32 on q and k as the strided views Megatron splits from the QKV
-projection (1 and 2 sequences a position, heads not a power of two, one position), and for an
+projection (1 and 2 sequences a position, heads not a power of two, one position, the
+Qwen2.5-Coder-0.5B layout of 14 q heads in 2 groups of head_dim 64), and for an
 output gradient that is not contiguous. bf16 on a GPU, against fp32, and the model's log-probs
 with either kernel: tests/gpu/test_rope_train_gpu.py."""
 
