@@ -107,13 +107,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if p.lm_head_chunk_tokens < 0:
         raise ValueError(f"parallel.lm_head_chunk_tokens={p.lm_head_chunk_tokens}: expected 0 (off) "
                          "or a positive number of positions")
-    if p.rope_kernel not in ROPE_KERNELS:
-        raise ValueError(f"parallel.rope_kernel={p.rope_kernel!r}: expected one of {ROPE_KERNELS}")
-    if p.norm_backward not in NORM_BACKWARDS:
-        raise ValueError(f"parallel.norm_backward={p.norm_backward!r}: expected one of "
-                         f"{NORM_BACKWARDS}")
-    if p.mlp_kernels not in QUACK_CHOICES:
-        raise ValueError(f"parallel.mlp_kernels={p.mlp_kernels!r}: expected one of {QUACK_CHOICES}")
+    _one_of("parallel.rope_kernel", p.rope_kernel, set(ROPE_KERNELS))
+    _one_of("parallel.norm_backward", p.norm_backward, set(NORM_BACKWARDS))
+    _one_of("parallel.mlp_kernels", p.mlp_kernels, set(QUACK_CHOICES))
     if not 0.0 <= p.train_graphs_min_fill <= 1.0:
         raise ValueError(f"parallel.train_graphs_min_fill={p.train_graphs_min_fill}: expected a "
                          "share of the token budget in [0, 1]")

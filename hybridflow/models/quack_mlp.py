@@ -59,8 +59,7 @@ def _quack() -> tuple:
 
 
 def quack_unsupported(device: torch.device) -> Optional[str]:
-    """Why quack's kernels (the MLP's gated GEMMs, the RMSNorm) cannot run on `device`; None
-    where they can."""
+    """Why quack's gated GEMMs cannot run on `device`; None where they can."""
     if device.type != "cuda":
         return "not a CUDA device"
     major, _ = torch.cuda.get_device_capability(device)
@@ -69,22 +68,17 @@ def quack_unsupported(device: torch.device) -> Optional[str]:
     return _quack()[1]
 
 
-def resolve_quack(key: str, option: str, device: torch.device) -> bool:
-    """Whether the option `key` (torch / quack / auto) runs quack's kernels: `quack` insists (an
-    error saying why it cannot), `auto` takes them where they run, `torch` never."""
+def resolve_mlp_kernels(option: str, device: torch.device) -> bool:
+    """Whether the MLPs run on quack (parallel.mlp_kernels: torch / quack / auto): `quack`
+    insists (an error saying why it cannot), `auto` takes it where it runs, `torch` never."""
     if option not in QUACK_CHOICES:
-        raise ValueError(f"{key}={option!r}: expected one of {QUACK_CHOICES}")
+        raise ValueError(f"parallel.mlp_kernels={option!r}: expected one of {QUACK_CHOICES}")
     if option == "torch":
         return False
     why = quack_unsupported(device)
     if why is not None and option == "quack":
-        raise ValueError(f"{key}=quack cannot run here: {why}")
+        raise ValueError(f"parallel.mlp_kernels=quack cannot run here: {why}")
     return why is None
-
-
-def resolve_mlp_kernels(option: str, device: torch.device) -> bool:
-    """Whether the MLPs run on quack (parallel.mlp_kernels; `resolve_quack`)."""
-    return resolve_quack("parallel.mlp_kernels", option, device)
 
 
 def _wgrad(weight_main_grad, grad, x, weight_dtype, gi=None, concat=False, tuned=False):

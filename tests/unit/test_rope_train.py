@@ -44,7 +44,7 @@ def test_config_names_the_kernels():
     from hybridflow.models.fused import use_fused_rope
 
     cfg = load_config(["parallel.rope_kernel=cuda"])
-    with pytest.raises(ValueError, match="parallel.rope_kernel='cuda': expected one of"):
+    with pytest.raises(ValueError, match="parallel.rope_kernel='cuda' is not one of"):
         validate(cfg, world_size=1)
     with pytest.raises(ValueError, match="parallel.rope_kernel='cuda'"):
         use_fused_rope(True, "cuda")
