@@ -9,8 +9,9 @@ by the same tables: dt1 = g1 * cos1 + g2 * sin2, dt2 = g2 * cos2 - g1 * sin1.
 
 Each program rotates BLOCK_R positions x every head (padded to a power of two) x both halves of
 head_dim: the two halves of a head are two loads of contiguous D / 2 elements, the tables' rows
-are read once per position for all heads. `rope_twin` is the PyTorch reference (eager
-bf16 rounding; the tests compare both to fp32). `impl` as in kernels/_dispatch.use_triton.
+are read once per position for all heads. `rope_twin` is the PyTorch formula (eager
+bf16 rounding; the tests compare both to fp32), which models/fused.py compiles for
+parallel.rope_kernel=compiled. `impl` as in kernels/_dispatch.use_triton.
 """
 
 from __future__ import annotations

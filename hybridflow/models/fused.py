@@ -31,7 +31,6 @@ from hybridflow.kernels import rope_train
 from hybridflow.models.graphs import capturing
 
 _UNFUSED_ROPE = rope_utils._apply_rotary_pos_emb_bshd
-_ROPE = {"kernel": "compiled"}  # parallel.rope_kernel of the last model built
 
 
 def use_fused_rope(enabled: bool, kernel: str = "compiled") -> None:
@@ -40,29 +39,25 @@ def use_fused_rope(enabled: bool, kernel: str = "compiled") -> None:
     shipped."""
     if kernel not in ROPE_KERNELS:
         raise ValueError(f"parallel.rope_kernel={kernel!r}: expected one of {ROPE_KERNELS}")
-    rope_utils._apply_rotary_pos_emb_bshd = _fused_rope if enabled else _UNFUSED_ROPE
-    _ROPE["kernel"] = kernel
+    rope_utils._apply_rotary_pos_emb_bshd = (functools.partial(_fused_rope, kernel=kernel)
+                                             if enabled else _UNFUSED_ROPE)
     _TABLES.clear()
 
 
 @functools.cache
 def _compiled_rope():
-    return torch.compile(_rope_from_tables, dynamic=True)
+    """Megatron's bshd RoPE given its tables (rope_train.rope_twin), compiled."""
+    return torch.compile(rope_train.rope_twin, dynamic=True)
 
 
-def _rope_from_tables(t, cos, sin):
-    """Megatron's bshd RoPE (rotate-half, the whole head rotated) given its cos / sin tables."""
-    t1, t2 = torch.chunk(t, 2, dim=-1)
-    return t * cos + torch.cat((-t2, t1), dim=-1) * sin
-
-
-def _fused_rope(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
+def _fused_rope(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, *,
+                kernel: str = "compiled"):
     partial = freqs.shape[-1] != t.shape[-1]
     if not t.is_cuda or rotary_interleaved or multi_latent_attention or partial:
         return _UNFUSED_ROPE(t, freqs, rotary_interleaved=rotary_interleaved,
                              multi_latent_attention=multi_latent_attention, mscale=mscale)
     cos, sin = _TABLES.get(freqs, t.dtype, mscale)
-    if _ROPE["kernel"] == "triton" and rope_train.supported(t, cos):
+    if kernel == "triton" and rope_train.supported(t, cos):
         return rope_train.rope(t, cos, sin, impl="triton")
     return _compiled_rope()(t, cos, sin)
 
