@@ -64,17 +64,16 @@ def _backward(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, eps: float):
     N = x.shape[-1]
     x2, g2 = x.reshape(-1, N), g.reshape(-1, N)
     M = x2.shape[0]
+    if M == 0:
+        return torch.empty_like(x), torch.zeros_like(w)
     dx = torch.empty_like(x2)
     block_n = triton.next_power_of_2(N)
     block_m = max(1, min(16, 4096 // block_n))
     rows_per = triton.cdiv(triton.cdiv(M, _programs(x.device.index or 0)), block_m) * block_m
     progs = max(1, triton.cdiv(M, rows_per))
     part = torch.empty((progs, N), dtype=torch.float32, device=x.device)
-    if M:
-        _bwd_kernel[(progs,)](x2, g2, w, dx, part, M, N, eps, rows_per, BLOCK_M=block_m,
-                              BLOCK_N=block_n, num_warps=8 if block_n >= 1024 else 4)
-    else:
-        part.zero_()
+    _bwd_kernel[(progs,)](x2, g2, w, dx, part, M, N, eps, rows_per, BLOCK_M=block_m,
+                          BLOCK_N=block_n, num_warps=8 if block_n >= 1024 else 4)
     return dx.view(x.shape), part.sum(0).to(w.dtype)
 
 

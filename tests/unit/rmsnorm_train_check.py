@@ -43,4 +43,8 @@ with torch.no_grad():  # forward only: torch's own, no kernel
     x = torch.randn(4, 8)
     no_grad_equal = bool(torch.equal(rmsnorm_train.rms_norm(x, torch.ones(8), 1e-6, impl="triton"),
                                      F.rms_norm(x, (8,), torch.ones(8), 1e-6)))
-print(json.dumps({"cases": cases, "no_grad_equal": no_grad_equal}))
+# no rows (an empty micro-batch's norm): no launch, an empty input gradient, a zero weight gradient
+xe, we = torch.randn(0, 1, 16).requires_grad_(), torch.ones(16, requires_grad=True)
+rmsnorm_train.rms_norm(xe, we, 1e-6, impl="triton").sum().backward()
+empty_ok = xe.grad.shape == xe.shape and bool((we.grad == 0).all())
+print(json.dumps({"cases": cases, "no_grad_equal": no_grad_equal, "empty_ok": empty_ok}))

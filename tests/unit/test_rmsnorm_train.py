@@ -2,8 +2,8 @@
 backward in one pass) on CPU through Triton's interpreter (tests/unit/rmsnorm_train_check.py in
 a fresh process): the output, the input gradient and the weight gradient equal torch's at fp32,
 over row counts that leave programs and row blocks partly empty, widths that are not a power of
-two (Qwen2.5-Coder-0.5B's 896 among them), one row, and an output gradient that is not
-contiguous. bf16 on a GPU against fp32:
+two (Qwen2.5-Coder-0.5B's 896 among them), one row, no rows, and an output gradient that is
+not contiguous. bf16 on a GPU against fp32:
 tests/gpu/test_rmsnorm_train_gpu.py."""
 
 import pytest
@@ -22,6 +22,7 @@ def test_kernel_equals_torch(checked):
         assert case["y_err"] == 0.0, case  # the forward is torch's
         assert case["dx_err"] < 1e-5 and case["dw_err"] < 1e-5, case
     assert checked["no_grad_equal"]
+    assert checked["empty_ok"]
 
 
 def test_config_names_the_choices():
@@ -29,7 +30,7 @@ def test_config_names_the_choices():
     from hybridflow.config_checks import validate
 
     cfg = load_config(["parallel.norm_backward=apex"])
-    with pytest.raises(ValueError, match="parallel.norm_backward='apex': expected one of"):
+    with pytest.raises(ValueError, match="parallel.norm_backward='apex' is not one of"):
         validate(cfg, world_size=1)
 
 
