@@ -19,8 +19,6 @@ from hybridflow.model_config import ModelConfig  # the model group's schema, wit
 
 CONF_PACKAGE = "hybridflow.conf"
 QUACK_CHOICES = ("torch", "quack", "auto")  # parallel.mlp_kernels
-ROPE_KERNELS = ("compiled", "triton")  # parallel.rope_kernel
-NORM_BACKWARDS = ("torch", "triton")  # parallel.norm_backward
 
 
 @dataclass
@@ -39,19 +37,11 @@ class ParallelConfig:
     # their gradient are never held whole; backward makes each chunk's logits again (one more
     # LM-head GEMM). 0: the whole logits of a micro-batch at once
     lm_head_chunk_tokens: int = 0
-    # on CUDA, the training passes' RoPE and SwiGLU as fused kernels (torch.compile of Megatron's
-    # own functions: its bias_activation_fusion SwiGLU keeps only fc1's output for backward);
+    # on CUDA, the training passes' RoPE and SwiGLU as fused kernels (the RoPE on
+    # hybridflow/kernels/rope_train.py, one kernel each way; Megatron's compiled
+    # bias_activation_fusion SwiGLU, which keeps only fc1's output for backward);
     # hybridflow/models/fused.py. CPU runs are unchanged either way
     fused_elementwise: bool = True
-    # with fused_elementwise, the training passes' RoPE on CUDA: compiled (torch.compile of
-    # Megatron's formula, a kernel per q and k each way) or triton (hybridflow/kernels/
-    # rope_train.py: one kernel each way that rotates every head of a position with one read
-    # of its tables)
-    rope_kernel: str = "compiled"
-    # the training passes' RMSNorm backward on CUDA: torch (an input-gradient kernel, then the
-    # weight gradient as a column reduction of its own) or triton (hybridflow/kernels/
-    # rmsnorm_train.py: one pass over the rows for both); the forward is torch's either way
-    norm_backward: str = "torch"
     # the gated MLP's SwiGLU inside its GEMMs on CUDA (hybridflow/models/quack_mlp.py,
     # quack-kernels, installed with flash-attn-4): fc1's epilogue forward, the epilogue of fc2's
     # input-gradient GEMM backward. quack: an error where it cannot run; auto: quack on sm_90+

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hybridflow.config import NORM_BACKWARDS, QUACK_CHOICES, ROPE_KERNELS, Config
+from hybridflow.config import QUACK_CHOICES, Config
 from hybridflow.model_config import ModelConfig
 
 KERNELS = ("auto", "triton", "torch")  # rollout.decode_kernels
@@ -107,8 +107,6 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if p.lm_head_chunk_tokens < 0:
         raise ValueError(f"parallel.lm_head_chunk_tokens={p.lm_head_chunk_tokens}: expected 0 (off) "
                          "or a positive number of positions")
-    _one_of("parallel.rope_kernel", p.rope_kernel, set(ROPE_KERNELS))
-    _one_of("parallel.norm_backward", p.norm_backward, set(NORM_BACKWARDS))
     _one_of("parallel.mlp_kernels", p.mlp_kernels, set(QUACK_CHOICES))
     if not 0.0 <= p.train_graphs_min_fill <= 1.0:
         raise ValueError(f"parallel.train_graphs_min_fill={p.train_graphs_min_fill}: expected a "

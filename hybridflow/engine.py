@@ -131,8 +131,6 @@ class Engine:
                             sequence_parallel=parallel.sequence_parallel, precision=precision,
                             activation_checkpointing=parallel.activation_checkpointing,
                             fused_elementwise=parallel.fused_elementwise,
-                            rope_kernel=parallel.rope_kernel,
-                            norm_backward=parallel.norm_backward,
                             quack_mlp=resolve_mlp_kernels(parallel.mlp_kernels, ctx.device))
         self.num_adapter_params = 0
         self.lora = lora if lora is not None and lora.rank > 0 else None

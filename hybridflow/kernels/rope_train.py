@@ -1,5 +1,5 @@
 """The training passes' RoPE (rotate-half, the whole head) as one Triton kernel each way
-(parallel.rope_kernel=triton; models/fused.py installs it in place of Megatron's bshd RoPE).
+(models/fused.py installs it in place of Megatron's bshd RoPE where `supported`).
 
 `rope(t, cos, sin)`: t (S, B, H, D) (q or k: a strided view of the QKV projection, the last
 dimension contiguous), cos / sin (S, 1, 1, D) in t's dtype (models/fused._RopeTables). Returns
@@ -10,8 +10,8 @@ by the same tables: dt1 = g1 * cos1 + g2 * sin2, dt2 = g2 * cos2 - g1 * sin1.
 Each program rotates BLOCK_R positions x every head (padded to a power of two) x both halves of
 head_dim: the two halves of a head are two loads of contiguous D / 2 elements, the tables' rows
 are read once per position for all heads. `rope_twin` is the PyTorch formula (eager
-bf16 rounding; the tests compare both to fp32), which models/fused.py compiles for
-parallel.rope_kernel=compiled. `impl` as in kernels/_dispatch.use_triton.
+bf16 rounding; the tests compare both to fp32), which models/fused.py compiles for the head sizes
+the kernel does not take. `impl` as in kernels/_dispatch.use_triton.
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ from megatron.core.transformer.transformer_block import (TransformerBlockSubmodu
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hybridflow.config import ModelConfig
-from hybridflow.kernels import rmsnorm_train
 from hybridflow.models.attention import SDPAttention
 from hybridflow.models.fused import use_fused_rope
 from hybridflow.models.heads import ValueHead
@@ -114,24 +113,6 @@ class TorchRMSNorm(torch.nn.RMSNorm):
             setattr(p, "sequence_parallel", config.sequence_parallel)
 
 
-class TritonBackwardRMSNorm(TorchRMSNorm):
-    """TorchRMSNorm whose backward on CUDA is kernels/rmsnorm_train.py's one pass
-    (parallel.norm_backward=triton); the forward, and everything off CUDA, is torch's."""
-
-    @classmethod
-    def adopt(cls, model: torch.nn.Module) -> int:
-        """Every TorchRMSNorm of `model` becomes one of these in place (same parameters and
-        attributes); returns how many."""
-        norms = [m for m in model.modules() if type(m) is TorchRMSNorm]
-        for m in norms:
-            m.__class__ = cls
-        return len(norms)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # as torch's
-        return rmsnorm_train.rms_norm(x, self.weight, eps)
-
-
 def layer_spec(cfg: ModelConfig) -> ModuleSpec:
     backend = cfg.attention_backend
     experts = cfg.moe.num_experts if cfg.moe.enabled else None
@@ -169,14 +150,12 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
 
 def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = False,
                 precision: str = "fp32", activation_checkpointing: bool = False,
-                fused_elementwise: bool = False, rope_kernel: str = "compiled",
-                norm_backward: str = "torch", quack_mlp: bool = False) -> GPTModel:
+                fused_elementwise: bool = False, quack_mlp: bool = False) -> GPTModel:
     """One pipeline stage of the model for `role` on this rank, in the training layout of the
     `ParallelContext` `ctx` (its groups are the model's). `activation_checkpointing`: every
     decoder layer recomputes its forward in backward (`checkpoint_layers`).
     `fused_elementwise` (parallel.fused_elementwise): RoPE and SwiGLU as fused kernels on CUDA
-    (models/fused.py), the RoPE by `rope_kernel` (parallel.rope_kernel). `norm_backward`
-    (parallel.norm_backward): triton makes every TorchRMSNorm a TritonBackwardRMSNorm.
+    (models/fused.py).
     `quack_mlp` (parallel.mlp_kernels, resolved): the dense MLPs' SwiGLU inside quack's GEMMs
     where they apply (models/quack_mlp.py)."""
     if role not in LM_ROLES + SCALAR_ROLES:
@@ -185,7 +164,7 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
     tcfg = transformer_config(cfg, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
                               precision=precision, fused_elementwise=fused_elementwise,
                               ep=ctx.ep_size, etp=_group_size(getattr(ctx.pgs, "expt_tp", None)))
-    use_fused_rope(fused_elementwise, rope_kernel)  # process-wide: the last model built sets it
+    use_fused_rope(fused_elementwise)  # process-wide: the last model built sets it
     spec = layer_spec(cfg)
     block = TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(tcfg, None, pp_rank),
@@ -215,8 +194,6 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
         model.output_layer = ValueHead(tcfg, tp_group=ctx.tp_group)
     elif post:  # batch-major logits (no transpose copies), computed where they are scored
         LeanOutputLinear.adopt(model.output_layer)  # (its `select`) under every layer spec
-    if norm_backward == "triton":
-        TritonBackwardRMSNorm.adopt(model)
     if quack_mlp:
         QuackMLP.adopt(model)
     if activation_checkpointing:

@@ -9,11 +9,11 @@ of a forward-only pass at Qwen2-1.5B; docs/perf_log.md). With this on (the defau
 only, the CPU path is unchanged):
 - SwiGLU: Megatron's own fusion (`bias_activation_fusion`: `SwiGLUFunction`, torch.compile'd
   forward and backward kernels that keep only fc1's output for backward);
-- RoPE: Megatron's bshd RoPE (rotate-half, whole head) through torch.compile (one kernel
-  forward, one backward; dynamic shapes), or with parallel.rope_kernel=triton our kernel
-  (kernels/rope_train.py), over its cos / sin tables made once per `freqs` tensor
-  (all layers of a pass share them), installed
-  in place of the unfused function that
+- RoPE: Megatron's bshd RoPE (rotate-half, whole head) as one kernel each way, ours
+  (kernels/rope_train.py: every head of a position rotated with one read of its tables) where it
+  takes the head size (head_dim / 2 a power of two), else its formula through torch.compile (one
+  kernel per q and k each way; dynamic shapes); over cos / sin tables made once per `freqs`
+  tensor (all layers of a pass share them), installed in place of the unfused function that
   `megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb` calls (interleaved,
   MLA and partial rotations keep Megatron's own).
 transformer-engine, where installed, has its own fused RoPE and SwiGLU (its layer spec).
@@ -26,21 +26,16 @@ import functools
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
-from hybridflow.config import ROPE_KERNELS
 from hybridflow.kernels import rope_train
 from hybridflow.models.graphs import capturing
 
 _UNFUSED_ROPE = rope_utils._apply_rotary_pos_emb_bshd
 
 
-def use_fused_rope(enabled: bool, kernel: str = "compiled") -> None:
-    """Process-wide: Megatron's RoPE (bshd layout) on CUDA tensors as one kernel each way,
-    `kernel` compiled (torch.compile of its formula) or triton (kernels/rope_train.py); or as
-    shipped."""
-    if kernel not in ROPE_KERNELS:
-        raise ValueError(f"parallel.rope_kernel={kernel!r}: expected one of {ROPE_KERNELS}")
-    rope_utils._apply_rotary_pos_emb_bshd = (functools.partial(_fused_rope, kernel=kernel)
-                                             if enabled else _UNFUSED_ROPE)
+def use_fused_rope(enabled: bool) -> None:
+    """Process-wide: Megatron's RoPE (bshd layout) on CUDA tensors as one kernel each way
+    (`_fused_rope`), or as shipped."""
+    rope_utils._apply_rotary_pos_emb_bshd = _fused_rope if enabled else _UNFUSED_ROPE
     _TABLES.clear()
 
 
@@ -50,14 +45,13 @@ def _compiled_rope():
     return torch.compile(rope_train.rope_twin, dynamic=True)
 
 
-def _fused_rope(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, *,
-                kernel: str = "compiled"):
+def _fused_rope(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
     partial = freqs.shape[-1] != t.shape[-1]
     if not t.is_cuda or rotary_interleaved or multi_latent_attention or partial:
         return _UNFUSED_ROPE(t, freqs, rotary_interleaved=rotary_interleaved,
                              multi_latent_attention=multi_latent_attention, mscale=mscale)
     cos, sin = _TABLES.get(freqs, t.dtype, mscale)
-    if kernel == "triton" and rope_train.supported(t, cos):
+    if rope_train.supported(t, cos):
         return rope_train.rope(t, cos, sin, impl="triton")
     return _compiled_rope()(t, cos, sin)
 

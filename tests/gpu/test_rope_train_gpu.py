@@ -1,5 +1,5 @@
 """kernels/rope_train.py on a GPU in bf16: the Triton RoPE's output and input gradient against the
-fp32 formula, as close as the compiled kernel it replaces (parallel.rope_kernel), on q and k split
+fp32 formula, as close as the compiled kernel it replaced (now the fallback), on q and k split
 from a QKV projection the way Megatron splits them, at Qwen2.5-Coder-0.5B's head layout."""
 
 import pytest

@@ -1,10 +1,10 @@
-"""kernels/rope_train.py (parallel.rope_kernel=triton: the training passes' RoPE) on CPU through
+"""kernels/rope_train.py (the training passes' RoPE on CUDA, models/fused.py) on CPU through
 Triton's interpreter (tests/unit/rope_train_check.py in a fresh process): forward and backward
 equal the PyTorch formula at fp32 on q and k as the strided views Megatron splits from the QKV
 projection (1 and 2 sequences a position, heads not a power of two, one position, the
 Qwen2.5-Coder-0.5B layout of 14 q heads in 2 groups of head_dim 64), and for an
-output gradient that is not contiguous. bf16 on a GPU, against fp32, and the model's log-probs
-with either kernel: tests/gpu/test_rope_train_gpu.py."""
+output gradient that is not contiguous. bf16 on a GPU, against fp32: tests/gpu/test_rope_train_gpu.py;
+the model with it or with the compiled fallback: tests/gpu/test_fused_elementwise_gpu.py."""
 
 import pytest
 
@@ -36,15 +36,3 @@ def test_shapes_it_does_not_take_fall_back():
     assert supported(torch.randn(4, 1, 2, 16), torch.randn(4, 1, 1, 16))
     assert not supported(torch.randn(4, 1, 2, 16), torch.randn(3, 1, 1, 16))  # other positions
     assert torch.equal(rope(t, cos, sin, impl="triton"), rope_twin(t, cos, sin))
-
-
-def test_config_names_the_kernels():
-    from hybridflow.config import load_config
-    from hybridflow.config_checks import validate
-    from hybridflow.models.fused import use_fused_rope
-
-    cfg = load_config(["parallel.rope_kernel=cuda"])
-    with pytest.raises(ValueError, match="parallel.rope_kernel='cuda' is not one of"):
-        validate(cfg, world_size=1)
-    with pytest.raises(ValueError, match="parallel.rope_kernel='cuda'"):
-        use_fused_rope(True, "cuda")
