@@ -200,7 +200,8 @@ def main(argv=None) -> int:
         shape["vocab_size"] = a.vocab
     model_cfg = dataclasses.replace(load_shape(a.model), **shape)
     lengths = gsm8k_lengths(a)
-    batch = make_batch(a.prompt_len, lengths, model_cfg.vocab_size)
+    a.rows = len(lengths)  # --lengths-from: the step's own rows
+    batch = make_batch(a.prompt_len, lengths, model_cfg.vocab_size, ids=a.ids)
     algo = AlgoConfig(loss_agg_mode="token-mean", use_kl_loss=True, kl_loss_coef=0.001)
     loss_fn = actor_objective(algo, num_tokens=int(batch.response_mask.sum()), num_seqs=a.rows)
     results = {}

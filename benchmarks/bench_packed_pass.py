@@ -4,7 +4,8 @@ The cost model charges micro-batches of rows of different lengths (packed, or pa
 attention) their attention FLOPs once more per kernel at `masked_attention_efficiency` (0.9% of
 peak, fitted on the GSM8K records; ~1.3 s of the 5 s step) without knowing which kernels it is.
 This runs one step's rows (GSM8K-like lengths: 512 rows, prompts of --prompt-len, responses
-log-normal with --mean / --clip / --min, cut at --cap; random bf16 weights of --model)
+log-normal with --mean / --clip / --min, cut at --cap, or a trainer step's own with --lengths-from;
+token ids uniform or --ids zipf; random bf16 weights of --model)
 through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the update) as:
 - `packed`: token budgets of --forward-budget / --budget tokens, each micro-batch one packed row
   under a flex_attention document mask (algo.pack_sequences=true, algo.packed_attention=flex);
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import os
 import statistics
 import sys
@@ -53,7 +55,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # profile_decode
 from benchmarks.run_record import command, machine, versions, write_json  # noqa: E402
 
 
-def make_batch(prompt_len: int, responses: list[int], vocab: int, seed: int = 0):
+def token_ids(shape, vocab: int, g: torch.Generator, ids: str = "uniform") -> torch.Tensor:
+    """Token ids 1..vocab-1: uniform, or `zipf` (the k-th most frequent id drawn with weight
+    1 / k, over a random order of the vocabulary: text's repeated tokens, which the embedding's
+    backward sums onto the same rows)."""
+    if ids == "uniform":
+        return torch.randint(1, vocab, shape, generator=g)
+    if ids != "zipf":
+        raise ValueError(f"--ids {ids!r}: expected uniform or zipf")
+    rank = torch.multinomial(1.0 / torch.arange(1, vocab), int(torch.Size(shape).numel()),
+                             replacement=True, generator=g)
+    return (torch.randperm(vocab - 1, generator=g)[rank] + 1).view(shape)
+
+
+def make_batch(prompt_len: int, responses: list[int], vocab: int, seed: int = 0,
+               ids: str = "uniform"):
     from hybridflow.data.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
@@ -61,8 +77,8 @@ def make_batch(prompt_len: int, responses: list[int], vocab: int, seed: int = 0)
     prompt_mask = torch.ones(b, prompt_len, dtype=torch.long)
     response_mask = (torch.arange(r)[None] < torch.tensor(responses)[:, None]).long()
     return RolloutBatch(
-        prompt_ids=torch.randint(1, vocab, (b, prompt_len), generator=g), prompt_mask=prompt_mask,
-        response_ids=torch.randint(1, vocab, (b, r), generator=g) * response_mask,
+        prompt_ids=token_ids((b, prompt_len), vocab, g, ids), prompt_mask=prompt_mask,
+        response_ids=token_ids((b, r), vocab, g, ids) * response_mask,
         response_mask=response_mask, group_ids=torch.arange(b) // 8, indices=torch.arange(b),
         old_logprobs=-3.0 + 0.1 * torch.randn(b, r, generator=g),
         ref_logprobs=-3.0 + 0.1 * torch.randn(b, r, generator=g),
@@ -154,10 +170,25 @@ def add_length_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--clip", type=float, default=0.0078, help="share of rows at the cap")
     ap.add_argument("--min", type=float, default=93.0, help="the shortest response")
     ap.add_argument("--cap", type=int, default=1024)
+    ap.add_argument("--lengths-from", metavar="FILE:STEP",
+                    help="one step's response lengths from a trainer's rollout_lengths.jsonl "
+                         "(instead of --rows / --mean / --clip / --min)")
+    ap.add_argument("--ids", default="uniform", choices=("uniform", "zipf"),
+                    help="token ids: uniform, or zipf (text's repeated tokens)")
 
 
 def gsm8k_lengths(a) -> list:
-    """The response lengths of `a.rows` rows fitted to add_length_args' statistics (cost.lengths)."""
+    """The response lengths of `a.rows` rows fitted to add_length_args' statistics (cost.lengths),
+    or with --lengths-from FILE:STEP one step's own (a trainer's rollout_lengths.jsonl)."""
+    if getattr(a, "lengths_from", None):
+        path, _, step = a.lengths_from.rpartition(":")
+        if not path or not step.isdigit():
+            raise SystemExit(f"--lengths-from {a.lengths_from!r}: expected FILE:STEP")
+        for line in open(path):
+            rec = json.loads(line) if line.strip() else {}
+            if rec.get("step") == int(step):
+                return [int(x) for x in rec["response_lengths"]]
+        raise SystemExit(f"--lengths-from: no step {step} in {path}")
     from hybridflow.cost.lengths import fit_stats
     from hybridflow.cost.varlen import row_lengths
     from hybridflow.cost.workload import Workload
@@ -209,6 +240,7 @@ def main(argv=None) -> int:
     # packing needs our SDPA attention (transformer-engine's, where installed, takes no BlockMask)
     model_cfg = dataclasses.replace(load_shape(a.model), attention_backend="sdpa")
     lengths = gsm8k_lengths(a)
+    a.rows = len(lengths)  # --lengths-from: the step's own rows
     precision = "bf16" if cuda else "fp32"
     par = ParallelConfig(use_distributed_optimizer=False,
                          lm_head_chunk_tokens=a.lm_head_chunk_tokens)
@@ -241,7 +273,7 @@ def main(argv=None) -> int:
         ref = actor = fwd = upd = None  # the last variant's engines go before the next are built
         resp = [round(statistics.fmean(lengths))] * a.rows if variant == "equal" else lengths
         # on the host, as the trainer hands it to the passes (they select, pack and copy it)
-        batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size)
+        batch = make_batch(a.prompt_len, resp, model_cfg.vocab_size, ids=a.ids)
         pack = variant.startswith("packed")
         graphs = variant == "packed_varlen_graphs"
         balanced = pack and "_nextfit" not in variant  # algo.balance_micro_batches
@@ -315,7 +347,8 @@ def main(argv=None) -> int:
                        "versions": versions("megatron-core"), "command": command(),
                        "lengths": {"rows": a.rows, "prompt_len": a.prompt_len,
                                    "response_mean": statistics.fmean(lengths),
-                                   "response_max": max(lengths), "cap": a.cap},
+                                   "response_max": max(lengths), "cap": a.cap,
+                                   "from": a.lengths_from, "ids": a.ids},
                        "budgets": {"forward": a.forward_budget, "update": a.budget},
                        "lm_head_chunk_tokens": a.lm_head_chunk_tokens,
                        "results": results})
