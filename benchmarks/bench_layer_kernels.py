@@ -11,9 +11,6 @@ The RoPE of q and k (split from a QKV projection as Megatron splits them): kerne
 (`triton`, the trainer's where it takes the head size) against Megatron's formula compiled
 (`compiled`, models/fused.py's fallback for the head sizes the kernel does not take).
 
-The RMSNorm at the layer's width: torch's (`parallel.norm_wgrad=torch`, the trainer's) against the
-weight gradient on kernels/rmsnorm_wgrad.py (`triton`; forward and input gradient torch's).
-
 Per kernel, shape and token count: forward-only (the ref pass) and forward + backward (the update)
 seconds (median of --iters after --warmup), and each side's error against an fp32 reference of the
 same inputs and weights (output, input gradient, weight gradients; relative to the reference's
@@ -21,7 +18,7 @@ largest magnitude): for the MLP, the check that quack reads the [gate; up] halve
 The MLP's `quack_tuned` side runs QuackMLP's GEMMs autotuned at the one shape timed (the trainer
 keeps quack's heuristic tiles: the autotuner caches per token count): the bound tuning could reach.
 Where quack cannot run (no GPU, not importable: `quack_mlp.quack_unsupported`) its sides are
-recorded as skipped with the reason (the RoPE and RMSNorm rows without CUDA too).
+recorded as skipped with the reason (the RoPE rows without CUDA too).
 
   python benchmarks/bench_layer_kernels.py --out benchmarks/results/layer_kernels_h100.json
   python benchmarks/bench_layer_kernels.py --device cpu --model tiny --tokens 64 --iters 1 \\
@@ -150,42 +147,6 @@ def _rope_row(shape, tokens: int, iters: int, warmup: int, cuda: bool) -> dict:
     return row
 
 
-def _norm_row(shape, tokens: int, iters: int, warmup: int, cuda: bool) -> dict:
-    """One RMSNorm of the layer's width, torch's (parallel.norm_wgrad=torch, the trainer's) and
-    with the Triton weight gradient (triton): forward, forward + backward, errors of the input
-    and weight gradients against fp32."""
-    from hybridflow.kernels.rmsnorm_wgrad import rms_norm
-
-    if not cuda:
-        return {"trainer": {"skipped": "not a CUDA device"},
-                "triton": {"skipped": "not a CUDA device"}}
-    N = shape.hidden_size
-    g = torch.Generator(device="cuda").manual_seed(tokens + N)
-    x = torch.randn(tokens, 1, N, device="cuda", generator=g, dtype=torch.bfloat16)
-    w = (1 + 0.1 * torch.randn(N, device="cuda", generator=g)).bfloat16()
-    dout = torch.randn(x.shape, device="cuda", generator=g, dtype=torch.bfloat16)
-    x32, w32 = (t.float().requires_grad_() for t in (x, w))
-    F.rms_norm(x32, (N,), w32, 1e-6).backward(dout.float())
-    sides = {"trainer": lambda a, b: F.rms_norm(a, (N,), b, 1e-6),
-             "triton": lambda a, b: rms_norm(a, b, 1e-6)}
-    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
-    row = {}
-    for side, fn in sides.items():
-        def fwd():
-            with torch.no_grad():
-                fn(xa, wa)
-
-        def fwd_bwd():
-            xa.grad = wa.grad = None
-            fn(xa, wa).backward(dout)
-
-        fwd_bwd()
-        err = {"dx": _rel_err(xa.grad, x32.grad), "dw": _rel_err(wa.grad, w32.grad)}
-        row[side] = {"forward_s": _timed(fwd, iters, warmup, cuda),
-                     "forward_backward_s": _timed(fwd_bwd, iters, warmup, cuda), "rel_err": err}
-    return row
-
-
 def _line(row: dict) -> str:
     return "  ".join(f"{k} fwd {v['forward_s'] * 1e3:.2f} ms fwd+bwd "
                      f"{v['forward_backward_s'] * 1e3:.2f} ms "
@@ -199,8 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", nargs="+", type=int, default=[20480, 40960],
                     help="rows of one packed micro-batch (the recipe's update and ref budgets)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--kernels", nargs="+", choices=("mlp", "rope", "norm"),
-                    default=["mlp", "rope", "norm"])
+    ap.add_argument("--kernels", nargs="+", choices=("mlp", "rope"),
+                    default=["mlp", "rope"])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", required=True)
@@ -222,8 +183,7 @@ def main(argv=None) -> int:
                          "tokens: the gated MLP, Megatron's (fc1, its compiled SwiGLU, fc2) "
                          "against QuackMLP (parallel.mlp_kernels=quack: the SwiGLU in the GEMM "
                          "epilogues), wgrads into fp32 main_grad; the RoPE of q and k, the compiled "
-                         "formula against the Triton kernel; the RMSNorm, torch's against its "
-                         "weight gradient on Triton (parallel.norm_wgrad)",
+                         "formula against the Triton kernel",
             "machine": machine(), "versions": versions("megatron-core", "quack-kernels"),
             "command": command(), "iters": a.iters, "warmup": a.warmup}
     for name in a.model:
@@ -244,10 +204,6 @@ def main(argv=None) -> int:
                 row = _rope_row(shape, tokens, a.iters, a.warmup, cuda)
                 results[f"rope/{name}/{tokens}"] = row
                 print(f"rope {name:19s} {tokens:6d}  {_line(row)}", flush=True)
-            if "norm" in a.kernels:
-                row = _norm_row(shape, tokens, a.iters, a.warmup, cuda)
-                results[f"norm/{name}/{tokens}"] = row
-                print(f"norm {name:19s} {tokens:6d}  {_line(row)}", flush=True)
             write_json(a.out, {**head, "results": results})  # a run cut short keeps its rows
         del model, mlp
     return 0

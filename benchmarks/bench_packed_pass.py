@@ -14,8 +14,7 @@ through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the up
 - `packed_fa4`: the same packed rows on FlashAttention-4's kernels (algo.packed_attention=fa4;
   flash-attn-4 installed, sm_90+; its prediction is varlen's);
 - `packed_fa4_quack`: `packed_fa4` with the MLPs' SwiGLU inside quack's GEMMs
-  (parallel.mlp_kernels=quack; its prediction is fa4's); `_wnorm` in a packed variant's name
-  (`packed_fa4_wnorm`): the RMSNorms' weight gradient on Triton (parallel.norm_wgrad=triton);
+  (parallel.mlp_kernels=quack; its prediction is fa4's);
 - `packed_varlen_graphs`: those, the update's layers replayed as CUDA graphs over packed rows
   padded to one shape (parallel.train_cuda_graphs);
 - packed micro-batches are dealt evenly into the fewest that hold the rows, as the trainer's
@@ -246,17 +245,16 @@ def main(argv=None) -> int:
                          lm_head_chunk_tokens=a.lm_head_chunk_tokens)
     pairs = {}
 
-    def engines(kernel: str, graphs: bool = False, balanced: bool = False, mlp: str = "torch",
-                wnorm: str = "torch"):
+    def engines(kernel: str, graphs: bool = False, balanced: bool = False, mlp: str = "torch"):
         """(ref, actor) whose packed micro-batches run `kernel` (`graphs`: the actor's update as
         CUDA graphs, parallel.train_cuda_graphs; `balanced`: algo.balance_micro_batches; `mlp`:
-        parallel.mlp_kernels; `wnorm`: parallel.norm_wgrad); one pair alive at a time."""
-        key = (kernel, graphs, balanced, mlp, wnorm)
+        parallel.mlp_kernels); one pair alive at a time."""
+        key = (kernel, graphs, balanced, mlp)
         if key not in pairs:
             pairs.clear()
             gc.collect()  # Megatron's modules hold reference cycles
             torch.cuda.empty_cache() if cuda else None
-            rpar = dataclasses.replace(par, mlp_kernels=mlp, norm_wgrad=wnorm)
+            rpar = dataclasses.replace(par, mlp_kernels=mlp)
             apar = dataclasses.replace(rpar, train_cuda_graphs=graphs)
             kw = dict(packed_attention=kernel, balanced_micro_batches=balanced)
             pairs[key] = (
@@ -283,10 +281,9 @@ def main(argv=None) -> int:
         else:  # the unpacked variants never pack: an alive pair with an eager update serves them
             kernel = next((k for k, graphed, *_ in pairs if not graphed), "flex")
         mlp = "quack" if "_quack" in variant else "torch"  # parallel.mlp_kernels
-        wnorm = "triton" if "_wnorm" in variant else "torch"  # parallel.norm_wgrad
         try:  # quack where it cannot run, varlen where it cannot (CPU, fp32, an older torch):
             # recorded as skipped
-            ref, actor = engines(kernel, graphs, balanced, mlp, wnorm)
+            ref, actor = engines(kernel, graphs, balanced, mlp)
             if pack:
                 actor.packed_kernel()
         except ValueError as e:

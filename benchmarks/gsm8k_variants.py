@@ -15,8 +15,6 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
   partial_768  the same at 768 rows (the first step's; the 60-step curves' setting)
   graphs   the full-parameter update's layers as CUDA graphs (parallel.train_cuda_graphs)
   quack    the MLPs' SwiGLU inside quack's GEMM epilogues (parallel.mlp_kernels=quack)
-  norm_wgrad  the RMSNorms' weight gradient on kernels/rmsnorm_wgrad.py
-           (parallel.norm_wgrad=triton)
   spec     rollout.speculative (the tail from 16 running rows by speculative sampling with n-gram
            drafts, 4 per row and step): the same samples' distribution, fewer tail steps; on
            by default where the tail runs the decode kernels (auto), so `nospec` is its A/B
@@ -82,7 +80,6 @@ VARIANTS = {
                     "algo.tis_imp_ratio_cap=2.0"),
     "graphs": "parallel.train_cuda_graphs=true",
     "quack": "parallel.mlp_kernels=quack",
-    "norm_wgrad": "parallel.norm_wgrad=triton",
     "spec": "rollout.speculative.enable=true",
     "nospec": "rollout.speculative.enable=false",
     "varlen": "algo.packed_attention=varlen",

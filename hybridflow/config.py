@@ -19,7 +19,6 @@ from hybridflow.model_config import ModelConfig  # the model group's schema, wit
 
 CONF_PACKAGE = "hybridflow.conf"
 QUACK_CHOICES = ("torch", "quack", "auto")  # parallel.mlp_kernels
-NORM_WGRADS = ("torch", "triton")  # parallel.norm_wgrad
 
 
 @dataclass
@@ -43,10 +42,6 @@ class ParallelConfig:
     # bias_activation_fusion SwiGLU, which keeps only fc1's output for backward);
     # hybridflow/models/fused.py. CPU runs are unchanged either way
     fused_elementwise: bool = True
-    # the training passes' RMSNorm weight gradient on CUDA: torch (its GammaBetaBackward column
-    # reduction) or triton (hybridflow/kernels/rmsnorm_wgrad.py: one read of x and the output
-    # gradient per norm); the forward and the input gradient are torch's fused kernels either way
-    norm_wgrad: str = "torch"
     # the gated MLP's SwiGLU inside its GEMMs on CUDA (hybridflow/models/quack_mlp.py,
     # quack-kernels, installed with flash-attn-4): fc1's epilogue forward, the epilogue of fc2's
     # input-gradient GEMM backward. quack: an error where it cannot run; auto: quack on sm_90+

@@ -131,7 +131,6 @@ class Engine:
                             sequence_parallel=parallel.sequence_parallel, precision=precision,
                             activation_checkpointing=parallel.activation_checkpointing,
                             fused_elementwise=parallel.fused_elementwise,
-                            norm_wgrad=parallel.norm_wgrad == "triton",
                             quack_mlp=resolve_mlp_kernels(parallel.mlp_kernels, ctx.device))
         self.num_adapter_params = 0
         self.lora = lora if lora is not None and lora.rank > 0 else None

@@ -31,7 +31,6 @@ from megatron.core.transformer.transformer_block import (TransformerBlockSubmodu
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hybridflow.config import ModelConfig
-from hybridflow.kernels import rmsnorm_wgrad
 from hybridflow.models.attention import SDPAttention
 from hybridflow.models.fused import use_fused_rope
 from hybridflow.models.heads import ValueHead
@@ -105,23 +104,13 @@ def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, sequence_parallel:
 
 
 class TorchRMSNorm(torch.nn.RMSNorm):
-    """torch RMSNorm with Megatron's norm constructor signature; SP-tagged params (see module doc).
-    `wgrad_kernel` (parallel.norm_wgrad=triton, set by build_model): on CUDA the weight gradient
-    on kernels/rmsnorm_wgrad.py, the rest torch's fused kernels."""
-
-    wgrad_kernel = False
+    """torch RMSNorm with Megatron's norm constructor signature; SP-tagged params (see module doc)."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype,
                          device="cuda" if torch.cuda.is_available() else "cpu")
         for p in self.parameters():
             setattr(p, "sequence_parallel", config.sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.wgrad_kernel and x.is_cuda):
-            return super().forward(x)
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # as torch's
-        return rmsnorm_wgrad.rms_norm(x, self.weight, eps)
 
 
 def layer_spec(cfg: ModelConfig) -> ModuleSpec:
@@ -161,14 +150,12 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
 
 def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = False,
                 precision: str = "fp32", activation_checkpointing: bool = False,
-                fused_elementwise: bool = False, norm_wgrad: bool = False,
-                quack_mlp: bool = False) -> GPTModel:
+                fused_elementwise: bool = False, quack_mlp: bool = False) -> GPTModel:
     """One pipeline stage of the model for `role` on this rank, in the training layout of the
     `ParallelContext` `ctx` (its groups are the model's). `activation_checkpointing`: every
     decoder layer recomputes its forward in backward (`checkpoint_layers`).
     `fused_elementwise` (parallel.fused_elementwise): RoPE and SwiGLU as fused kernels on CUDA
-    (models/fused.py). `norm_wgrad` (parallel.norm_wgrad=triton): every TorchRMSNorm's weight
-    gradient on kernels/rmsnorm_wgrad.py (on CUDA).
+    (models/fused.py).
     `quack_mlp` (parallel.mlp_kernels, resolved): the dense MLPs' SwiGLU inside quack's GEMMs
     where they apply (models/quack_mlp.py)."""
     if role not in LM_ROLES + SCALAR_ROLES:
@@ -207,9 +194,6 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
         model.output_layer = ValueHead(tcfg, tp_group=ctx.tp_group)
     elif post:  # batch-major logits (no transpose copies), computed where they are scored
         LeanOutputLinear.adopt(model.output_layer)  # (its `select`) under every layer spec
-    for m in model.modules() if norm_wgrad else ():
-        if isinstance(m, TorchRMSNorm):
-            m.wgrad_kernel = True
     if quack_mlp:
         QuackMLP.adopt(model)
     if activation_checkpointing:
