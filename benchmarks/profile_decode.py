@@ -207,11 +207,11 @@ def traced(run, device, *, trace: str | None = None, stacks: bool = False) -> di
     kernels = kernel_launches(prof, frames=python_frames if stacks else None)
 
     def launched(match: tuple) -> dict:
-        found = collections.Counter(f"{n[:40]} <- {c}" for _, _, n, c in kernels
+        found = collections.Counter(f"{n[:40]} <- {c}" for _, _, n, c, *_ in kernels
                                     if any(m.lower() in n.lower() for m in match))
         return dict(found.most_common(30))
 
-    return {"kernels": [(a, b, c) for a, b, _, c in kernels], "host": host, "launched": launched}
+    return {"kernels": [(a, b, c) for a, b, _, c, *_ in kernels], "host": host, "launched": launched}
 
 
 def gpu_idle(kernels: list, ranges: list, *, min_gap_us: float = 20.0, top: int = 10,

@@ -76,3 +76,20 @@ def test_each_gap_goes_to_the_launcher_of_the_kernel_that_ends_it():
     assert r["by_launcher"] == {"aten::item < engine.loss": {"us": 60, "gaps": 1},
                                 "aten::mm": {"us": 60, "gaps": 2}}
     assert idle_by_launcher([]) == {"idle_us": 0.0, "gaps": 0, "by_launcher": {}}
+
+
+def test_traced_takes_the_launch_records_with_their_phase(monkeypatch):
+    # kernel_launches' records are (start, end, name, chain, phase): traced keeps (start, end, chain)
+    # and counts the matching launches; on CPU the profiler has no kernels, so they are given here
+    import torch
+
+    import profile_decode
+
+    recs = [(0.0, 5.0, "Memcpy DtoH (Device -> Pageable)", "aten::item", "engine.forward"),
+            (6.0, 9.0, "gemm_kernel", "aten::mm", "engine.backward")]
+    monkeypatch.setattr(profile_decode, "kernel_launches", lambda prof, frames=None: recs)
+    t = profile_decode.traced(lambda: torch.ones(4).sum(), torch.device("cpu"))
+    assert t["kernels"] == [(0.0, 5.0, "aten::item"), (6.0, 9.0, "aten::mm")]
+    assert t["launched"](("Memcpy DtoH",)) == {"Memcpy DtoH (Device -> Pageable) <- aten::item": 1}
+    assert idle_by_launcher(t["kernels"], min_gap_us=0)["by_launcher"] == {
+        "aten::mm": {"us": 1.0, "gaps": 1}}
