@@ -26,8 +26,9 @@ through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the up
 A variant named twice (`packed_fa4,packed_fa4_quack,packed_fa4`: an A/B/A order, which puts what
 compiles lazily in the first pass on neither side alone) is recorded again as `variant#2`.
 Per variant: seconds per pass (median of --iters after two warm-up passes), micro-batches, tokens
-computed; the cost model's prediction of the same pass (shipped calibration); with --profile the
-packed passes' top CUDA kernels (flex_attention or flash varlen, GEMMs, log-prob kernels, gathers).
+computed, the card's clocks while timed (`gpu_clocks`: gpu_clocks.py's summary); the cost model's
+prediction of the same pass (shipped calibration); with --profile the packed passes' top CUDA
+kernels (flex_attention or flash varlen, GEMMs, log-prob kernels, gathers).
 
   python benchmarks/bench_packed_pass.py --out benchmarks/results/packed_pass_h200.json --profile
   python benchmarks/bench_packed_pass.py --variants packed,packed_varlen --profile \\
@@ -45,6 +46,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -52,6 +54,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # profile_decode's trace helpers
 from benchmarks.run_record import command, machine, versions, write_json  # noqa: E402
+from gpu_clocks import Sampler, summarise  # noqa: E402
 
 
 def token_ids(shape, vocab: int, g: torch.Generator, ids: str = "uniform") -> torch.Tensor:
@@ -309,7 +312,11 @@ def main(argv=None) -> int:
             return sum(int(p.input_ids.numel()) if p is not None else int(mb.input_ids().numel())
                        for mb, _, p in micro)
 
-        r = {"ref_s": timed(fwd, a.iters, cuda), "update_s": timed(upd, a.iters, cuda),
+        with tempfile.TemporaryDirectory() as tmp:  # what the card ran at while timed
+            with Sampler(os.path.join(tmp, "clocks.csv"), interval_ms=250):
+                ref_s, update_s = timed(fwd, a.iters, cuda), timed(upd, a.iters, cuda)
+            clocks = summarise(os.path.join(tmp, "clocks.csv"))
+        r = {"ref_s": ref_s, "update_s": update_s, "gpu_clocks": clocks,
              "ref_micro_batches": len(micro_f), "update_micro_batches": len(micro_u),
              "ref_tokens_computed": computed(micro_f), "update_tokens_computed": computed(micro_u),
              "real_tokens": int(batch.token_mask().sum()),

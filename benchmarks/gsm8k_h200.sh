@@ -33,7 +33,8 @@
 #   bash benchmarks/gsm8k_h200.sh score DIR... [-- k=v..] # our validation of HF snapshots (TRL's,
 #                                                         trl_gsm8k.py --save-at) in one process
 # Everything lands in $OUT (metrics.jsonl, val_generations.jsonl, val_scores.jsonl, hf_eval.json,
-# trl_scores.json, trl_score_val_scores.jsonl, logs).
+# trl_scores.json, trl_score_val_scores.jsonl, logs; gpu_clocks.csv beside each trainer run: the
+# card's SM clock, power, temperature and clock-event reasons, benchmarks/gpu_clocks.py).
 # Environment: OUT, DATA (.gsm8k), SITE (/tmp/site-packages: a folder of that name, see
 # fa4_on_machine.sh), RUN_DIR (/tmp/gsm8k_run: train's output_dir and checkpoints; another dir for
 # another run), SCORE_DIR (/tmp/gsm8k_score: emptied by each score).
@@ -47,6 +48,19 @@ SITE=${SITE:-/tmp/site-packages}
 RUN_DIR=${RUN_DIR:-/tmp/gsm8k_run}
 SCORE_DIR=${SCORE_DIR:-/tmp/gsm8k_score}
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+
+clocks_on() {  # the card's SM clock, power, temperature and clock-event reasons each second -> $1
+  python3 benchmarks/gpu_clocks.py record "$1" > /dev/null 2>&1 &
+  CLOCKS_PID=$!
+}
+
+clocks_off() {
+  [ -n "${CLOCKS_PID:-}" ] || return 0
+  kill "$CLOCKS_PID" 2>/dev/null || true
+  wait "$CLOCKS_PID" 2>/dev/null || true
+  CLOCKS_PID=
+}
+trap clocks_off EXIT  # a failed run does not leave its sampler behind
 
 setup() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -66,10 +80,12 @@ hf_eval() {
 
 train() {
   local budget=$1; shift
+  clocks_on "$OUT/gpu_clocks.csv"
   python3 -m hybridflow.train experiment=gsm8k_qwen_coder_0_5b model.gguf_path="$GGUF" \
     data.train_files="$DATA/train.parquet" data.val_files="$DATA/val.parquet" \
     trainer.output_dir="$RUN_DIR" trainer.progress_bar=false trainer.time_budget_s="$budget" "$@" \
     2>&1 | tee -a "$OUT/train.log"
+  clocks_off
   cp "$RUN_DIR/metrics.jsonl" "$RUN_DIR/rollout_lengths.jsonl" "$RUN_DIR/val_generations.jsonl" \
     "$RUN_DIR/val_scores.jsonl" "$OUT/" 2>/dev/null || true
 }
@@ -85,11 +101,13 @@ variant() {
   local exp=(experiment=gsm8k_qwen_coder_0_5b)
   [[ $opts == experiment=* ]] && exp=()
   mkdir -p "$OUT/$name"
+  clocks_on "$OUT/$name/gpu_clocks.csv"
   # shellcheck disable=SC2086  # the variant's overrides are words
   python3 -m hybridflow.train "${exp[@]}" model.gguf_path="$GGUF" data.train_files="$DATA/train.parquet" \
     data.val_files="$DATA/val.parquet" trainer.output_dir="/tmp/gsm8k_$name" trainer.progress_bar=false \
     trainer.total_steps=60 trainer.save_every=0 trainer.time_budget_s="$budget" $opts "$@" \
     2>&1 | tee -a "$OUT/$name/train.log"
+  clocks_off
   cp "/tmp/gsm8k_$name/metrics.jsonl" "/tmp/gsm8k_$name/rollout_lengths.jsonl" \
     "/tmp/gsm8k_$name/val_scores.jsonl" "$OUT/$name/" 2>/dev/null || true
 }
@@ -106,8 +124,10 @@ step() {
     trainer.val_every=0 trainer.save_every=0)
   for a in "$@"; do [[ $a == experiment=* ]] || cmd+=("$a"); done
   # a call's time limit (timeout's TERM) keeps the steps run so far
-  trap 'cp "$dir/metrics.jsonl" "$dir/rollout_lengths.jsonl" "$OUT/" 2>/dev/null; exit 143' TERM
+  trap 'clocks_off; cp "$dir/metrics.jsonl" "$dir/rollout_lengths.jsonl" "$OUT/" 2>/dev/null; exit 143' TERM
+  clocks_on "$OUT/gpu_clocks.csv"
   "${cmd[@]}" 2>&1 | tee "$OUT/step.log"
+  clocks_off
   trap - TERM
   cp "$dir/metrics.jsonl" "$OUT/metrics.jsonl"
   cp "$dir/rollout_lengths.jsonl" "$OUT/" 2>/dev/null || true

@@ -32,6 +32,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, ROOT)
+import gpu_clocks  # noqa: E402
 from run_record import command, write_json  # noqa: E402
 
 H200_BF16_TFLOPS = 989.4  # dense bf16 peak (the MFU denominator; ~790 is what a GEMM reaches)
@@ -149,6 +150,9 @@ def main(argv=None) -> dict:
            **step_summary(a.step, model=a.model, rows_per_step=a.rows, peak_tflops=a.peak_tflops)}
     if out["steps_timed"] < 20:
         out["note"] = f"median of {out['steps_timed']} steps (the target asks for >= 20)"
+    clocks = os.path.join(os.path.dirname(os.path.abspath(a.step)), "gpu_clocks.csv")
+    if os.path.isfile(clocks):  # what the card ran at (gsm8k_h200.sh records it beside the run)
+        out["gpu_clocks"] = gpu_clocks.summarise(clocks)
     if a.val_run:
         out["val_accuracy"] = summarize(a.val_run)["val_accuracy"]
     if a.baseline_val_run:

@@ -60,6 +60,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, ROOT)
+import gpu_clocks  # noqa: E402
 from pass_boundaries import per_200k  # noqa: E402
 from run_record import write_json  # noqa: E402
 
@@ -132,6 +133,8 @@ def summarize(run_dir: str, skip: int = 1, stages: tuple = STAGES,
         "mismatch_median": {k: med(k) for k in MISMATCH if med(k) is not None},
         "per_step": {k: [[r["step"], r[k]] for r in by_step.values() if k in r]
                      for k in per_step if any(k in r for r in steps)},
+        # what the card ran at (gsm8k_h200.sh records it beside each run; none on CPU)
+        "gpu_clocks": gpu_clocks.summarise(os.path.join(run_dir, "gpu_clocks.csv")),
     }
 
 

@@ -44,3 +44,40 @@ def test_ab_runs_each_variant_with_its_overrides(tmp_path):
         assert summary[name]["step_s"] == 12.5 and summary[name]["steps_timed"] == 2
         step = json.loads((out / name / "gsm8k_step_h200.json").read_text())
         assert step["command"].endswith(want) and step["ours_step_s"] == 12.5
+
+
+FAKE_SMI = """#!/usr/bin/env bash
+case "$*" in *--format=csv,noheader) exit 0 ;; esac  # the probe: this driver knows the field
+trap 'exit 0' TERM
+echo '2026/12/07 15:00:00.000, 1980, 2619, 512.3, 55, 0x0000000000000000'
+echo '2026/12/07 15:00:01.000, 1755, 2619, 699.8, 61, 0x0000000000000004'
+while true; do sleep 0.05; done
+"""
+
+# the trainer's stand-in waits until the sampler beside it has written both lines
+WAIT = """  for _ in $(seq 200); do
+    [ "$(wc -l < "$OUT/gpu_clocks.csv" 2>/dev/null || echo 0)" -ge 3 ] && break; sleep 0.05
+  done
+"""
+
+
+def test_ab_records_the_cards_clocks_beside_each_variant(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shim = SHIM.replace('  mkdir -p "$out"\n', WAIT + '  mkdir -p "$out"\n')
+    (bin_dir / "python3").write_text(shim % sys.executable)
+    (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out))
+    subprocess.run(["bash", "benchmarks/gsm8k_h200.sh", "ab", "3", "base", "nospec"],
+                   check=True, cwd=ROOT, env=env, capture_output=True, timeout=120)
+    summary = json.loads((out / "ab_summary.json").read_text())["variants"]
+    for name in ("base", "nospec"):
+        clocks = summary[name]["gpu_clocks"]
+        assert clocks["samples"] == 2 and clocks["sm_mhz_min"] == 1755
+        assert clocks["reasons_busy_share"] == {"sw_power_cap": 0.5}
+    # every sampler stopped with its run
+    left = subprocess.run(["pgrep", "-f", f"gpu_clocks.py record {out}"], capture_output=True)
+    assert left.returncode == 1

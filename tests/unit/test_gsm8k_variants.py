@@ -99,6 +99,15 @@ def test_speed_file_medians_mfu_and_peers(tmp_path):
     # the same tokens each step: the ref pass is a third of the update's FLOPs in a third of its
     # time, so both run at the same MFU, a plausible one for 0.5B at ~200k tokens in 1.5 s
     assert abs(out["mfu"]["update"] - out["mfu"]["ref"]) < 1e-9 and 0.2 < out["mfu"]["update"] < 0.6
+    assert "gpu_clocks" not in out  # none recorded beside the run
+    # the card's clocks recorded beside the run: their summary goes into the file
+    (tmp_path / "step" / "gpu_clocks.csv").write_text(
+        "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active\n"
+        "t0, 1980, 2619, 500.0, 60, 0x0000000000000000\nt1, 1700, 2619, 700.0, 70, 0x0000000000000004\n")
+    out = gsm8k_speed.main(["--step", str(tmp_path / "step" / "metrics.jsonl"),
+                            "--out", str(tmp_path / "o.json")])
+    assert out["gpu_clocks"]["samples"] == 2 and out["gpu_clocks"]["sm_mhz_min"] == 1700
+    assert out["gpu_clocks"]["reasons_busy_share"] == {"sw_power_cap": 0.5}
 
 
 def test_speed_file_names_its_machine_status_and_dapo_error(tmp_path):
