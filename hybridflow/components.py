@@ -129,7 +129,7 @@ def build_step_consumers(cfg: Config, *, start_step: int) -> list:
         consumers.append(StepProfiler(
             t.profile_steps, t.profile_dir or os.path.join(t.output_dir, "profile"),
             start_step=start_step, rank=dist.get_rank() if dist.is_initialized() else 0,
-            with_stack=t.profile_with_stack))
+            with_stack=t.profile_with_stack, top=t.profile_top_kernels))
     if cfg.trainer.time_budget_s > 0:
         from hybridflow.metrics import TimeBudget
 

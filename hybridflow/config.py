@@ -633,6 +633,9 @@ class TrainerConfig:
     # the profiled steps record Python stacks: each stage's host waits name the lines that made
     # them (more host time per op, so the profiled step runs slower than the others)
     profile_with_stack: bool = False
+    # kernels listed per stage in the profiled steps' summary (by device time), enough to set a
+    # step's kernels beside a benchmark's (bench_packed_pass.py --profile lists 80)
+    profile_top_kernels: int = 40
 
 
 @dataclass

@@ -264,6 +264,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise ValueError(f"trainer.profile_steps={list(cfg.trainer.profile_steps)}: expected "
                              f"step numbers >= 1 (as logged), got {step!r}")
+    if cfg.trainer.profile_top_kernels < 1:
+        raise ValueError(f"trainer.profile_top_kernels={cfg.trainer.profile_top_kernels} must be "
+                         ">= 1 (kernels listed per stage in the profiled steps' summary)")
     if cfg.trainer.gc_full_interval < 1:
         raise ValueError(f"trainer.gc_full_interval={cfg.trainer.gc_full_interval} must be >= 1 "
                          "(1: every collection is a full one)")

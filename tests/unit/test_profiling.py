@@ -233,3 +233,24 @@ def test_a_real_item_is_a_host_wait():
         assert any("aten::item" in w["where"] for w in s["host_waits"]), s["host_waits"]
     else:
         assert waits == [] and s["host_waits"] == []
+
+
+def test_the_summary_lists_as_many_kernels_as_asked():
+    """trainer.profile_top_kernels: the stage summary's `top` holds that many kernels (by device
+    time) and the config refuses fewer than one."""
+    import dataclasses
+
+    import pytest
+
+    from hybridflow.config import load_config
+    from hybridflow.config_checks import validate
+
+    events = [_ev("stage/update_actor", 0, 100)] + [
+        _ev(f"kernel_{i}", 10 * i, 10 * i + 1 + i, CUDA) for i in range(6)]
+    assert [k["kernel"] for k in stage_summary(events, top=3)["update_actor"]["top"]] == [
+        "kernel_5", "kernel_4", "kernel_3"]
+    cfg = load_config(["experiment=demo"])
+    assert cfg.trainer.profile_top_kernels == 40
+    bad = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, profile_top_kernels=0))
+    with pytest.raises(ValueError, match=r"trainer.profile_top_kernels=0 must be >= 1"):
+        validate(bad, world_size=1)
