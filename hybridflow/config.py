@@ -636,6 +636,10 @@ class TrainerConfig:
     # kernels listed per stage in the profiled steps' summary (by device time), enough to set a
     # step's kernels beside a benchmark's (bench_packed_pass.py --profile lists 80)
     profile_top_kernels: int = 40
+    # seconds between reads of this rank's GPU clock, power, temperature and clock-event reasons
+    # (NVML, nvidia-ml-py in the gpu extra), logged per step and stage as perf/gpu_* (a card held
+    # below its boost clock by its power cap shows there); 0 off; off without CUDA or NVML
+    gpu_monitor_interval_s: float = 0.2
 
 
 @dataclass

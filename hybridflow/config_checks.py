@@ -267,6 +267,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if cfg.trainer.profile_top_kernels < 1:
         raise ValueError(f"trainer.profile_top_kernels={cfg.trainer.profile_top_kernels} must be "
                          ">= 1 (kernels listed per stage in the profiled steps' summary)")
+    if not cfg.trainer.gpu_monitor_interval_s >= 0:
+        raise ValueError(f"trainer.gpu_monitor_interval_s={cfg.trainer.gpu_monitor_interval_s} "
+                         "must be >= 0 seconds (0: off)")
     if cfg.trainer.gc_full_interval < 1:
         raise ValueError(f"trainer.gc_full_interval={cfg.trainer.gc_full_interval} must be >= 1 "
                          "(1: every collection is a full one)")

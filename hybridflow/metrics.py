@@ -30,6 +30,8 @@ class StageTimer:
 
     def __init__(self):
         self.times: dict[str, float] = {}
+        # (start, end) of each time a stage ran, on time.perf_counter (gpu_monitor's samples)
+        self.spans: dict[str, list[tuple[float, float]]] = {}
 
     @contextmanager
     def __call__(self, name: str):
@@ -42,7 +44,9 @@ class StageTimer:
             finally:
                 if torch.cuda.is_available():
                     torch.cuda.current_stream().synchronize()
-                self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self.times[name] = self.times.get(name, 0.0) + t1 - t0
+                self.spans.setdefault(name, []).append((t0, t1))
 
     def metrics(self) -> dict[str, float]:
         return {f"timing_s/{k}": v for k, v in self.times.items()}

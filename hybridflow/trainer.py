@@ -34,10 +34,11 @@ from hybridflow.algo import (apply_kl_penalty, build_kl_controller, get_advantag
                              overlong_penalty, batch_mismatch_metrics)
 from hybridflow.algo.objectives import actor_objective, critic_objective, sft_objective
 from hybridflow.algo.on_policy import old_log_prob_note, skip_old_log_prob
-from hybridflow.config import Config, micro_batching
+from hybridflow.config import Config, TrainerConfig, micro_batching
 from hybridflow.config_auto import resolve_for_run
 from hybridflow.data.batch import RolloutBatch
 from hybridflow.engine import AdapterFreeReference
+from hybridflow.gpu_monitor import GpuMonitor
 from hybridflow.metrics import MetricsLogger, StageTimer, memory_metrics
 from hybridflow.nonfinite import SkippedUpdates
 from hybridflow.parallel.balance import balance_rows
@@ -99,6 +100,10 @@ class Trainer:
                                     enabled=dist.get_rank() == 0,
                                     tensorboard=cfg.trainer.tensorboard,
                                     progress_bar=cfg.trainer.progress_bar, start_step=self.step)
+        # the SM clock, power and temperature of this rank's GPU per stage (trainer.gpu_monitor_*)
+        self.gpu_monitor = GpuMonitor.for_device(
+            cfg.trainer.gpu_monitor_interval_s, ctx.device.index or 0,
+            asked=cfg.trainer.gpu_monitor_interval_s != TrainerConfig.gpu_monitor_interval_s)
         # consumers of every step's metrics besides the logger; on_step returning True ends the run
         self.step_consumers = components.build_step_consumers(cfg, start_step=self.step)
         if cfg.algo.skip_redundant_old_log_prob:
@@ -128,6 +133,8 @@ class Trainer:
             metrics = self.validate()
             self.logger.log(self.step, metrics)
             self.logger.close()
+            if self.gpu_monitor is not None:
+                self.gpu_monitor.close()
             return [metrics]
         if not self.sft_done:
             self.sft_warmup()
@@ -155,6 +162,8 @@ class Trainer:
                     self.checkpointer.save()
         for c in self.step_consumers:
             c.on_end()
+        if self.gpu_monitor is not None:
+            self.gpu_monitor.close()
         self.rollout.release()  # a generator kept across steps (rollout.free_cache_engine=false)
         if save:
             self.checkpointer.save()
@@ -254,6 +263,8 @@ class Trainer:
         if cfg.rollout.quantization != "none":  # the generator's codes + scales (freed with it)
             metrics["perf/rollout_quantized_weights_gb"] = self.rollout.quantized_bytes / 2**30
         metrics["perf/kv_cache_gb"] = self.rollout.kv_cache_bytes / 2**30
+        if self.gpu_monitor is not None:
+            metrics.update(self.gpu_monitor.step_metrics(timer.spans))
         metrics.update(self.throughput(batch, metrics["timing_s/step"]))
         return metrics
 
