@@ -18,6 +18,8 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
   spec     rollout.speculative (the tail from 16 running rows by speculative sampling with n-gram
            drafts, 4 per row and step): the same samples' distribution, fewer tail steps; on
            by default where the tail runs the decode kernels (auto), so `nospec` is its A/B
+  nomonitor  no GPU monitor thread (trainer.gpu_monitor_interval_s=0): the A/B of its cost
+           (on by default where nvidia-ml-py is installed)
   reward_async  the rule reward scored on a worker thread behind the reference pass
            (reward.launch_reward_fn_async)
   reward_in_pass  the rule reward scored on the main thread inside the reference pass, while
@@ -83,6 +85,7 @@ VARIANTS = {
     "quack": "parallel.mlp_kernels=quack",
     "spec": "rollout.speculative.enable=true",
     "nospec": "rollout.speculative.enable=false",
+    "nomonitor": "trainer.gpu_monitor_interval_s=0",
     "varlen": "algo.packed_attention=varlen",
     "reward_async": "reward.launch_reward_fn_async=true",
     "reward_in_pass": "reward.score_in_pass=true",
