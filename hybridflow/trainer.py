@@ -103,7 +103,8 @@ class Trainer:
         # the SM clock, power and temperature of this rank's GPU per stage (trainer.gpu_monitor_*)
         self.gpu_monitor = GpuMonitor.for_device(
             cfg.trainer.gpu_monitor_interval_s, ctx.device.index or 0,
-            asked=cfg.trainer.gpu_monitor_interval_s != TrainerConfig.gpu_monitor_interval_s)
+            asked=(cfg.trainer.gpu_monitor_interval_s != TrainerConfig.gpu_monitor_interval_s
+                   and dist.get_rank() == 0))
         # consumers of every step's metrics besides the logger; on_step returning True ends the run
         self.step_consumers = components.build_step_consumers(cfg, start_step=self.step)
         if cfg.algo.skip_redundant_old_log_prob:
