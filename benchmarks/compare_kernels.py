@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_record import write_json  # noqa: E402
 
 GEMM_MARKS = ("nvjet", "gemm", "xmma", "cutlass_80", "sm90_xmma", "splitkreduce")
 KEY = 60
@@ -100,9 +104,6 @@ def main(argv=None) -> dict:
             print(f"{side}: " + ", ".join(f"{r['kernel'][:40]} {r['s'] * 1e3:.1f} ms"
                                           for r in out[side][:8]))
     if a.out:
-        sys.path.insert(0, __file__.rsplit("/", 1)[0])
-        from run_record import write_json
-
         write_json(a.out, out)
     return out
 
