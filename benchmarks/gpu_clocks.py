@@ -26,13 +26,12 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from hybridflow.gpu_monitor import IDLE, REASONS  # noqa: E402  (NVML's reason bits)
+
 BASE_FIELDS = ("timestamp", "clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
 # nvidia-smi renamed the throttle reasons to clock-event reasons; older drivers know only the first
 REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
-# NVML's clock-event reason bits (nvmlClocksEventReason*)
-REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
-           0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake",
-           0x100: "display_clock"}
 
 
 def query_fields(smi: str = "nvidia-smi") -> tuple:
@@ -122,11 +121,11 @@ def summarise(path) -> dict:
     reason = next((f for f in REASON_FIELDS if f in fields), None)
     if reason:
         masks = [int(r[reason], 16) for r in rows if r[reason].lower().startswith("0x")]
-        busy = [m for m in masks if not m & 0x1]
+        busy = [m for m in masks if not m & IDLE]
         out["busy_samples"] = len(busy)
         out["reasons_busy_share"] = {name: sum(1 for m in busy if m & bit) / len(busy)
                                      for bit, name in REASONS.items()
-                                     if bit != 0x1 and busy and any(m & bit for m in busy)}
+                                     if bit != IDLE and busy and any(m & bit for m in busy)}
     return out
 
 

@@ -22,7 +22,10 @@ import statistics
 import threading
 import time
 
-# NVML clock-event reason bits (nvmlClocksEventReason*)
+# NVML's clock-event reason bits (nvmlClocksEventReason*; benchmarks/gpu_clocks.py names them too)
+REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+           0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake",
+           0x100: "display_clock"}
 IDLE = 0x1
 POWER = 0x4 | 0x80  # software power cap, hardware power brake
 THERMAL = 0x20 | 0x40  # software / hardware thermal slowdown
