@@ -125,10 +125,10 @@ class DecodeKernelOptions:
     # its first prompt token to the current one; none for a finished row still in the batch, or
     # in the multi-turn step for a row not fed that step)
     # instead of every column of the step's window (left padding, unwritten window columns and
-    # finished rows read and masked out; bit-equal outputs for the unfinished rows). GSM8K step on
-    # one H100: generation 1.98 -> 1.81 s; with rollout.partial 2.46 -> 1.61 s (carried rows no
-    # longer widen every row's reads); 512 rows of a synthetic long tail: 2.21 -> 2.02 s
-    # (benchmarks/results/gsm8k_step_ab_h100.json, generate_long_tail_own_columns_h100.json)
+    # finished rows read and masked out; bit-equal outputs for the unfinished rows). Faster on the
+    # GSM8K step, most with rollout.partial, whose carried rows no longer widen every row's reads
+    # (docs/perf_log.md; benchmarks/results/gsm8k_step_ab_h100.json,
+    # generate_long_tail_own_columns_h100.json)
     own_columns_only: bool = True
     # torch.compile backend and mode of rollout.compile_decode (CPU tests: aot_eager)
     compile_backend: str = "inductor"
@@ -214,9 +214,8 @@ class MultiTurnConfig:
     # and batched as above); "decode", fed one token per decode step through the decode step
     # itself (forced tokens, inside its CUDA graph: no forward pass of its own, as every slot is
     # computed each step anyway; the row samples again after the result's last token). decode is
-    # the default: on one H200 (benchmarks/results/multi_turn_fed_h200.json, 512 rows, 20-60 ms
-    # tools) with lookahead 3.6-3.7 ms per decode step vs 5.8-5.9 held and prefilled, the
-    # rollout's wall time 2.15 vs 2.25 s; the same greedy rollouts (tests)
+    # the default: faster per decode step and in the rollout's wall time than held and prefilled,
+    # with the same greedy rollouts (tests; benchmarks/results/multi_turn_fed_h200.json)
     append: str = "decode"
     # launch each decode step before reading the previous one's tokens, so that the host's work
     # between steps (recording tokens, looking for calls, tools, compaction) overlaps the device's
@@ -263,8 +262,8 @@ class RolloutConfig:
     # too (a graph per window and chunk size; a step's window holds every row's next column).
     # null (auto): on a GPU with cuda_graphs, about an eighth of the cache (at least 64 columns)
     # when the generator is kept across steps; 0 when it is freed after generation (every window's
-    # graph would be captured again each step: Qwen2-7B under 24 GiB, generation 2.21 -> 1.45 s)
-    # and on CPU
+    # graph would be captured again each step, slower than reading the whole cache: Qwen2-7B under
+    # a 24 GiB cap, docs/performance.md) and on CPU
     decode_kv_window: Optional[int] = None
     # run each layer's pure parts of the decode step (norm + QKV + RoPE; out-projection + MLP) through
     # torch.compile (dynamic batch size; the KV writes and attention stay eager between them; all

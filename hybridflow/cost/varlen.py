@@ -230,9 +230,9 @@ def partial_segments(lengths: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndar
 # document mask costs beyond maskless attention (`masked_attention`). Chosen on the GSM8K records
 # that ran varlen (family grpo_today, benchmarks/varlen_records.py: the recipe's step of
 # 2026-12-04 and the same with train graphs): over 0, 0.2, 0.25, 0.3 and 0.59, with the other
-# coefficients refitted each time, 0.3 put the recipe's ref and update passes nearest (+3.6% /
-# -0.9%; 0.59 +32% / +17%, 0 -26% / -18%). The earlier 0.59 came from one A/B of the two kernels
-# on passes of the older code (packed_varlen_h200.json: ref 0.484 vs 0.706 s).
+# coefficients refitted each time, 0.3 put the recipe's ref and update passes nearest (the scan's
+# errors: docs/perf_log.md). The earlier 0.59 came from one A/B of the two kernels on passes of
+# the older code (packed_varlen_h200.json).
 VARLEN_MASKED_SHARE = 0.3
 # algo.packed_attention=fa4 (FlashAttention-4's varlen kernels): chosen on the GSM8K records that
 # ran fa4 (families grpo_fa4, the recipe on one H100 and one H200, and dapo_fa4, DAPO on one H100;
