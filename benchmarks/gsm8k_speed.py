@@ -153,6 +153,9 @@ def main(argv=None) -> dict:
     clocks = os.path.join(os.path.dirname(os.path.abspath(a.step)), "gpu_clocks.csv")
     if os.path.isfile(clocks):  # what the card ran at (gsm8k_h200.sh records it beside the run)
         out["gpu_clocks"] = gpu_clocks.summarise(clocks)
+    monitor = summarize(os.path.dirname(os.path.abspath(a.step)))["gpu_monitor"]
+    if monitor:  # the trainer's per-stage record (trainer.gpu_monitor_interval_s)
+        out["gpu_monitor"] = monitor
     if a.val_run:
         out["val_accuracy"] = summarize(a.val_run)["val_accuracy"]
     if a.baseline_val_run:

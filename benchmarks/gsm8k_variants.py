@@ -138,6 +138,10 @@ def summarize(run_dir: str, skip: int = 1, stages: tuple = STAGES,
                      for k in per_step if any(k in r for r in steps)},
         # what the card ran at (gsm8k_h200.sh records it beside each run; none on CPU)
         "gpu_clocks": gpu_clocks.summarise(os.path.join(run_dir, "gpu_clocks.csv")),
+        # the trainer's own record per stage (trainer.gpu_monitor_interval_s): medians over the
+        # timed steps of each perf/gpu_* metric, e.g. "sm_mhz/update_actor"; empty without it
+        "gpu_monitor": {k[len("perf/gpu_"):]: med(k) for k in sorted({k for r in timed for k in r})
+                        if k.startswith("perf/gpu_")},
     }
 
 

@@ -108,6 +108,13 @@ def test_speed_file_medians_mfu_and_peers(tmp_path):
                             "--out", str(tmp_path / "o.json")])
     assert out["gpu_clocks"]["samples"] == 2 and out["gpu_clocks"]["sm_mhz_min"] == 1700
     assert out["gpu_clocks"]["reasons_busy_share"] == {"sw_power_cap": 0.5}
+    assert "gpu_monitor" not in out  # the trainer logged no perf/gpu_* metrics
+    for r in rows:
+        r["perf/gpu_sm_mhz/update_actor"] = 1700.0 + r["step"]
+    _write(tmp_path / "step", rows, [])
+    out = gsm8k_speed.main(["--step", str(tmp_path / "step" / "metrics.jsonl"),
+                            "--out", str(tmp_path / "o.json")])
+    assert out["gpu_monitor"] == {"sm_mhz/update_actor": 1703.0}  # median of steps 2-4
 
 
 def test_speed_file_names_its_machine_status_and_dapo_error(tmp_path):
@@ -194,3 +201,19 @@ def test_pass_speed_per_200k_tokens_is_apart_from_the_step_tokens(tmp_path):
     s = gsm8k_variants.main(["--runs", str(tmp_path), "--out", str(tmp_path / "o.json")])
     rates = s["variants"]["base"]["pass_s_per_200k_tokens"]
     assert rates == pytest.approx({"ref": 0.4, "update_actor": 1.4})
+
+
+def test_summary_takes_the_monitors_clocks_per_stage(tmp_path):
+    """The trainer's perf/gpu_* metrics: medians over the timed steps (the first left out), each
+    stage's clock apart; a run without them has an empty record."""
+    mon = lambda u, capped: {"perf/gpu_sm_mhz/update_actor": u, "perf/gpu_sm_mhz/gen": 1980.0,  # noqa: E731
+                             "perf/gpu_power_capped": capped}
+    rows = [_step(1, 30.0, **mon(1200.0, 0.0)), _step(2, 4.0, **mon(1700.0, 0.5)),
+            _step(3, 4.0, **mon(1740.0, 0.7)), _step(4, 4.0, **mon(1720.0, 0.6))]
+    _write(tmp_path / "base", rows, [])
+    _write(tmp_path / "nomonitor", [_step(1, 30.0), _step(2, 4.0)], [])
+    out = gsm8k_variants.main(["--runs", str(tmp_path), "--out", str(tmp_path / "o.json")])
+    m = out["variants"]["base"]["gpu_monitor"]
+    assert m == pytest.approx({"sm_mhz/update_actor": 1720.0, "sm_mhz/gen": 1980.0,
+                               "power_capped": 0.6})
+    assert out["variants"]["nomonitor"]["gpu_monitor"] == {}
