@@ -30,13 +30,14 @@ Samples: real responses of the real model. Without --samples present, it generat
 (fp32) from the GGUF with `Generator.generate` (plain decoding at --temperature, --n rows per
 prompt, prompts chat-templated from the parquet as hybridflow.data does) and saves the token ids.
 
-    python benchmarks/draft_sources.py --gguf /tmp/model/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \\
-        --data /work/main/.gsm8k/train.parquet --prompts 8 --samples /tmp/draft_samples_a.json \\
+    bash launch/fetch_qwen_coder.sh && python -m hybridflow.data.prepare gsm8k --out .gsm8k
+    python benchmarks/draft_sources.py --prompts 8 --samples /tmp/draft_samples_a.json \\
         --out /tmp/a.json                                    # generates prompts 0-7 (seed 0)
     python benchmarks/draft_sources.py --prompts 8 --first 8 --seed 100 \\
         --samples /tmp/draft_samples_b.json --out /tmp/b.json  # prompts 8-15
     python benchmarks/draft_sources.py --samples /tmp/draft_samples_a.json \\
         /tmp/draft_samples_b.json --out benchmarks/results/draft_sources_cpu.json  # both
+    # the committed samples (both parts): benchmarks/results/draft_sources_cpu_samples.json
 """
 
 from __future__ import annotations
@@ -204,8 +205,9 @@ def main():
     ap.add_argument("--samples", required=True, nargs="+", help="JSON of sampled token ids "
                     "(read, several files merged; one absent file is written by generating)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--gguf", default="/tmp/model/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
-    ap.add_argument("--data", default="/work/main/.gsm8k/train.parquet")
+    ap.add_argument("--gguf", default=os.path.expanduser(
+        "~/.cache/hybridflow/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
+    ap.add_argument("--data", default=".gsm8k/train.parquet")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--first", type=int, default=0, help="first prompt index in --data")
     ap.add_argument("--batch-prompts", type=int, default=8, help="prompts per generate call")
@@ -229,11 +231,12 @@ def main():
         for path in args.samples:
             with open(path) as f:
                 part = json.load(f)
+            seeds = part["seed"] if isinstance(part["seed"], list) else [part["seed"]]
             if samples is None:
                 samples = part
-                samples["seed"] = [part["seed"]]
+                samples["seed"] = seeds
             else:
-                samples["seed"].append(part["seed"])
+                samples["seed"] += seeds
                 samples["groups"] += part["groups"]
                 samples["generate_s"] = (samples.get("generate_s") or 0) + part["generate_s"]
     t0 = time.time()
