@@ -100,32 +100,19 @@ def generate(args) -> dict:
             "seed": args.seed, "generate_s": round(time.time() - t0, 1), "groups": rows}
 
 
-class SiblingIndex:
-    """The last occurrence of every n-gram (n in sizes) of one token list with a continuation,
-    built incrementally: after `upto(p)` the first p tokens are visible (`end`) and indexed."""
-
-    def __init__(self, tokens: list, sizes: list):
-        self.t, self.sizes, self.e, self.end = tokens, sizes, 0, 0
-        self.index = {n: {} for n in sizes}
-
-    def upto(self, p: int) -> "SiblingIndex":
-        self.end = min(p, len(self.t))
-        while self.e < self.end:  # the n-grams ending before e continue at e
-            e = self.e
-            for n in self.sizes:
-                if e >= n:
-                    self.index[n][tuple(self.t[e - n:e])] = e
-            self.e += 1
-        return self
+def seen(d: NgramDrafter, tokens: list, p: int) -> NgramDrafter:
+    """The one-context drafter `d` of a sibling's `tokens`, advanced to its first p tokens."""
+    d.append(0, tokens[len(d.ctx[0]):p])
+    return d
 
 
 def sibling_draft(sibs: list, key: tuple, n: int, k: int) -> list:
     """The drafts of the first sibling (row order) whose n-gram index has `key`: up to k tokens
     from the continuation of its last occurrence, stopping at the sibling's visible end."""
-    for s in sibs:
-        c = s.index[n].get(key)
+    for d in sibs:
+        c = d.index[0][n].get(key)
         if c is not None:
-            return s.t[c:min(c + k, s.end)]
+            return d.ctx[0][c:c + k]
     return []
 
 
@@ -147,8 +134,9 @@ def analyse(samples: dict, *, k: int, ngram_max: int, ngram_min: int, tail_from:
         prompt, resp = g["prompt_ids"], g["responses"]
         for i, r in enumerate(resp):
             others = [s for j, s in enumerate(resp) if j != i and s]
-            full = [SiblingIndex(s, sizes).upto(len(s)) for s in others]
-            sync = [SiblingIndex(s, sizes) for s in others]
+            kw = dict(ngram_max=ngram_max, ngram_min=ngram_min)
+            full = [NgramDrafter([s], **kw) for s in others]
+            sync = [NgramDrafter([[]], **kw) for _ in others]
             own = NgramDrafter([prompt], ngram_max=ngram_max, ngram_min=ngram_min)
             in_tail_row = len(r) > tail_rows_over
             for p in range(len(r)):  # the row has emitted r[:p]; the step emits from r[p]
@@ -157,7 +145,7 @@ def analyse(samples: dict, *, k: int, ngram_max: int, ngram_min: int, tail_from:
                 ctx = own.ctx[0]
                 L = len(ctx)
                 d_own = own.draft(0, kk)
-                sy = [s.upto(p) for s in sync]  # the siblings' first p tokens
+                sy = [seen(d, t, p) for d, t in zip(sync, others)]  # siblings' first p tokens
                 out = {"own": d_own}
                 for tag, sibs in (("full", full), ("sync", sy)):
                     fb = d_own

@@ -22,7 +22,7 @@ import statistics
 import threading
 import time
 
-# NVML's clock-event reason bits (nvmlClocksEventReason*; benchmarks/gpu_clocks.py names them too)
+# NVML's clock-event reason bits (nvmlClocksEventReason*; benchmarks/gpu_clocks.py reads them here)
 REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
            0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake",
            0x100: "display_clock"}
