@@ -47,6 +47,7 @@ def step_summary(path: str, *, model: str, rows_per_step: int, peak_tflops: floa
     """Medians over steps 2.. of a step run: step and stage seconds, the stages' model FLOPs
     (per step, from each step's own token counts) and their MFU."""
     from bench_vs_trl import stage_flops
+    from gsm8k_variants import gpu_monitor_medians
 
     from hybridflow.cost.shapes import load_shape
 
@@ -57,6 +58,7 @@ def step_summary(path: str, *, model: str, rows_per_step: int, peak_tflops: floa
     med = lambda k: statistics.median(r[k] for r in timed if k in r)  # noqa: E731
     stages = {k.removeprefix("timing_s/"): med(k) for k in timed[0]
               if k.startswith("timing_s/") and k != "timing_s/step"}
+    monitor = gpu_monitor_medians(timed)  # the trainer's per-stage clocks, where it logged them
     shape = load_shape(model)
     flops: dict[str, list] = {}
     for r in timed:  # each step's real tokens: prompt + response of its rows
@@ -73,7 +75,8 @@ def step_summary(path: str, *, model: str, rows_per_step: int, peak_tflops: floa
             "flops_per_s_median": {STAGE_NAMES[s]: statistics.median(v) for s, v in flops.items()},
             "peak_memory_gb": max(r.get("perf/max_memory_allocated_gb", 0.0) for r in steps),
             "peak_reserved_gb": max(r.get("perf/max_memory_reserved_gb", 0.0) for r in steps),
-            "mean_response_length": statistics.fmean(r["response_length/mean"] for r in timed)}
+            "mean_response_length": statistics.fmean(r["response_length/mean"] for r in timed),
+            **({"gpu_monitor": monitor} if monitor else {})}
 
 
 def dapo_step(path: str) -> dict:
@@ -153,9 +156,6 @@ def main(argv=None) -> dict:
     clocks = os.path.join(os.path.dirname(os.path.abspath(a.step)), "gpu_clocks.csv")
     if os.path.isfile(clocks):  # what the card ran at (gsm8k_h200.sh records it beside the run)
         out["gpu_clocks"] = gpu_clocks.summarise(clocks)
-    monitor = summarize(os.path.dirname(os.path.abspath(a.step)))["gpu_monitor"]
-    if monitor:  # the trainer's per-stage record (trainer.gpu_monitor_interval_s)
-        out["gpu_monitor"] = monitor
     if a.val_run:
         out["val_accuracy"] = summarize(a.val_run)["val_accuracy"]
     if a.baseline_val_run:

@@ -138,11 +138,15 @@ def summarize(run_dir: str, skip: int = 1, stages: tuple = STAGES,
                      for k in per_step if any(k in r for r in steps)},
         # what the card ran at (gsm8k_h200.sh records it beside each run; none on CPU)
         "gpu_clocks": gpu_clocks.summarise(os.path.join(run_dir, "gpu_clocks.csv")),
-        # the trainer's own record per stage (trainer.gpu_monitor_interval_s): medians over the
-        # timed steps of each perf/gpu_* metric, e.g. "sm_mhz/update_actor"; empty without it
-        "gpu_monitor": {k[len("perf/gpu_"):]: med(k) for k in sorted({k for r in timed for k in r})
-                        if k.startswith("perf/gpu_")},
+        "gpu_monitor": gpu_monitor_medians(timed),
     }
+
+
+def gpu_monitor_medians(timed: list[dict]) -> dict:
+    """The trainer's own record per stage (trainer.gpu_monitor_interval_s): the median over the
+    timed steps of each perf/gpu_* metric, e.g. "sm_mhz/update_actor"; empty without it."""
+    keys = sorted({k for r in timed for k in r if k.startswith("perf/gpu_")})
+    return {k[len("perf/gpu_"):]: statistics.median(r[k] for r in timed if k in r) for k in keys}
 
 
 def paired(base_scores: str, scores: str) -> list[dict]:

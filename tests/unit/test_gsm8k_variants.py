@@ -115,6 +115,13 @@ def test_speed_file_medians_mfu_and_peers(tmp_path):
     out = gsm8k_speed.main(["--step", str(tmp_path / "step" / "metrics.jsonl"),
                             "--out", str(tmp_path / "o.json")])
     assert out["gpu_monitor"] == {"sm_mhz/update_actor": 1703.0}  # median of steps 2-4
+    # --step names any metrics file: the record comes from that file, not a metrics.jsonl beside it
+    os.makedirs(tmp_path / "other")
+    with open(tmp_path / "other" / "dapo_metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    out = gsm8k_speed.main(["--step", str(tmp_path / "other" / "dapo_metrics.jsonl"),
+                            "--out", str(tmp_path / "o.json")])
+    assert out["gpu_monitor"] == {"sm_mhz/update_actor": 1703.0}
 
 
 def test_speed_file_names_its_machine_status_and_dapo_error(tmp_path):
