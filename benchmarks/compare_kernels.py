@@ -93,12 +93,12 @@ def main(argv=None) -> dict:
     out = {"a": a.a, "b": a.b, **compare(load_side(a.a), load_side(a.b))}
     for label, t in out["both"].items():
         ratio = f"{t['b_over_a']:.3f}" if t["b_over_a"] else "-"
-        print(f"{label:5s} kernels on both sides: a {t['a_s'] * 1e3:9.1f} ms  b {t['b_s'] * 1e3:9.1f} ms"
-              f"  b/a {ratio}")
+        print(f"{label:5s} kernels on both sides: a {t['a_s'] * 1e3:9.1f} ms  "
+              f"b {t['b_s'] * 1e3:9.1f} ms  b/a {ratio}")
     for r in out["kernels"][:a.rows]:
         ratio = f"{r['b_over_a']:.3f}" if r["b_over_a"] else "-"
-        print(f"{r['a_s'] * 1e3:9.1f} {r['a_calls']:6d} | {r['b_s'] * 1e3:9.1f} {r['b_calls']:6d} | "
-              f"{ratio:>6s}  {r['kernel']}")
+        print(f"{r['a_s'] * 1e3:9.1f} {r['a_calls']:6d} | "
+              f"{r['b_s'] * 1e3:9.1f} {r['b_calls']:6d} | {ratio:>6s}  {r['kernel']}")
     for side in ("a_only", "b_only"):
         if out[side]:
             print(f"{side}: " + ", ".join(f"{r['kernel'][:40]} {r['s'] * 1e3:.1f} ms"

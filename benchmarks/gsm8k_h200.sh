@@ -124,8 +124,8 @@ step() {
     trainer.val_every=0 trainer.save_every=0)
   for a in "$@"; do [[ $a == experiment=* ]] || cmd+=("$a"); done
   # a call's time limit (timeout's TERM) keeps the steps run so far
-  trap 'clocks_off; cp "$dir/metrics.jsonl" "$dir/rollout_lengths.jsonl" "$dir"/profile/step*_rank0.json \
-    "$dir"/profile/step*_rank0.txt "$OUT/" 2>/dev/null; exit 143' TERM
+  trap 'clocks_off; cp "$dir/metrics.jsonl" "$dir/rollout_lengths.jsonl" \
+    "$dir"/profile/step*_rank0.json "$dir"/profile/step*_rank0.txt "$OUT/" 2>/dev/null; exit 143' TERM
   clocks_on "$OUT/gpu_clocks.csv"
   "${cmd[@]}" 2>&1 | tee "$OUT/step.log"
   clocks_off

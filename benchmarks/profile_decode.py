@@ -211,7 +211,8 @@ def traced(run, device, *, trace: str | None = None, stacks: bool = False) -> di
                                     if any(m.lower() in n.lower() for m in match))
         return dict(found.most_common(30))
 
-    return {"kernels": [(a, b, c) for a, b, _, c, *_ in kernels], "host": host, "launched": launched}
+    return {"kernels": [(a, b, c) for a, b, _, c, *_ in kernels], "host": host,
+            "launched": launched}
 
 
 def gpu_idle(kernels: list, ranges: list, *, min_gap_us: float = 20.0, top: int = 10,

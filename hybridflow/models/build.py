@@ -104,7 +104,8 @@ def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, sequence_parallel:
 
 
 class TorchRMSNorm(torch.nn.RMSNorm):
-    """torch RMSNorm with Megatron's norm constructor signature; SP-tagged params (see module doc)."""
+    """torch RMSNorm with Megatron's norm constructor signature; its parameters SP-tagged (see
+    the module doc)."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype,
