@@ -11,7 +11,15 @@ printed: kernels per step and the weight+KV read floor of one step at the measur
 `--prefill` adds a profile of a one-token call (the prefill); `--timeline` a trace of one call (host
 ranges and kernels): the GPU's idle time by the generator's phase labels (generate.setup, .prefill,
 .decode, .finish) and the longest idle gaps with what the host ran then (`--trace-dir`: Chrome
-traces); `--compile-mode` tries another torch.compile mode for the compiled decode parts.
+traces); `--compile-mode` tries another torch.compile mode for the compiled decode parts;
+`--spec-rows N` runs every case with the speculative tail from N rows (rollout.speculative) and
+adds its time per tail step beside the plain step's (with --batches of at most N the tail takes
+over at the first stop poll; greedy on random weights keeps few drafts, but a tail step costs the
+same whatever it keeps):
+
+    python benchmarks/profile_decode.py --models hybridflow/conf/model/qwen2_5_coder_0_5b.yaml \
+        --kernels triton --prompt-len 512 --steps 128 --timeline --batches 16 [--spec-rows 16] \
+        --out ...
 
     python benchmarks/profile_decode.py --models hybridflow/conf/model/qwen2_0_5b.yaml hybridflow/conf/model/qwen2_1_5b.yaml \
         --batches 64 256 --compile [--kernels torch triton] --out benchmarks/results/decode_profile_h200.json
@@ -138,8 +146,15 @@ def profile_case(gen, prompts, *, steps: int, opts: DecodeOptions, device) -> di
     per = per_step(short, long, steps)  # the kernels the extra steps launched
     by_kind, count, top = _by_kind(per)
     # wall time of a step the same way (no profiler): kernel time + the gaps between kernels
-    wall = [_wall_s(gen, prompts, steps=n, opts=opts, device=device) for n in (steps, 2 * steps)]
-    return {"us_per_step": sum(by_kind.values()), "kernels_per_step": sum(count.values()),
+    wall, tail = [], []
+    for n in (steps, 2 * steps):
+        wall.append(_wall_s(gen, prompts, steps=n, opts=opts, device=device))
+        tail.append(gen.stats["spec_steps"])
+    # with the speculative tail (--spec-rows) the extra tokens took fewer steps: per tail step
+    dt = tail[1] - tail[0]
+    spec = {"tail_steps": tail, "wall_us_per_tail_step": (wall[1] - wall[0]) / dt * 1e6,
+            "us_per_tail_step": sum(by_kind.values()) * steps / dt} if dt > 0 else {}
+    return {**spec, "us_per_step": sum(by_kind.values()), "kernels_per_step": sum(count.values()),
             "wall_us_per_step": (wall[1] - wall[0]) / steps * 1e6,
             # a call less its decode steps: the prefill, first draw and per-call work
             "wall_call_rest_us": (2 * wall[0] - wall[1]) * 1e6,
@@ -270,7 +285,8 @@ def profile_timeline(gen, prompts, *, steps: int, opts: DecodeOptions, device,
     run = _greedy(gen, prompts, steps, opts)
     run()
     t = traced(run, device, trace=trace)
-    return gpu_idle([k[:2] for k in t["kernels"]], t["host"])
+    return {**gpu_idle([k[:2] for k in t["kernels"]], t["host"]),
+            "tail_steps": gen.stats["spec_steps"], "tail_tokens": gen.stats["spec_tokens"]}
 
 
 def main():
@@ -303,6 +319,11 @@ def main():
                     "temperature (0: greedy; the log-probs are computed either way)")
     ap.add_argument("--reps", type=int, default=20,
                     help="--multi-turn: timed calls per isolated piece (median)")
+    ap.add_argument("--spec-rows", type=int, default=0,
+                    help="the speculative tail (rollout.speculative.max_rows) for every case: "
+                         "with --batches at most this, all but the first poll's steps are tail "
+                         "steps (each case then also reports its time per tail step)")
+    ap.add_argument("--spec-drafts", type=int, default=4, help="with --spec-rows: draft_tokens")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model's")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
@@ -314,7 +335,7 @@ def main():
     if args.no_eager and not args.compile:
         ap.error("--no-eager profiles the compiled cases only: it needs --compile")
     modes = ([True] if args.no_eager else [False, True]) if args.compile else [False]
-    base = decode_options(args)
+    base = decode_options(args, spec_rows=args.spec_rows, spec_draft_tokens=args.spec_drafts)
     last = base.replace(kernels=args.kernels[-1], compile=args.compile)  # prefill, timeline, ...
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
@@ -370,6 +391,10 @@ def main():
                       f"({100 * res['floor_fraction']:.0f}%)  " +
                       ", ".join(f"{k} {v:.0f}" for k, v in res["us_per_step_by_kind"].items()),
                       flush=True)
+                if "us_per_tail_step" in res:
+                    print(f"  tail steps {res['tail_steps']}: {res['us_per_tail_step']:.0f} us "
+                          f"kernels, {res['wall_us_per_tail_step']:.0f} us wall per tail step",
+                          flush=True)
                 write_json(args.out, report)  # after every case: a call cut off keeps what it measured
             if args.prefill:
                 res = profile_prefill(gen, prompts, opts=last, device=device)
@@ -400,6 +425,12 @@ def main():
                 res.update(model=cfg.name, batch=B, steps=args.steps)
                 report.setdefault("timeline", []).append(res)
                 write_json(args.out, report)
+                if res["tail_steps"]:
+                    n = res["tail_steps"]
+                    wall = res["phase_us"].get("generate.spec_tail", 0) / n
+                    idle = res["idle_by_phase_us"].get("generate.spec_tail", 0) / n
+                    print(f"  {n} tail steps ({res['tail_tokens']} tokens): {wall:.0f} us each, "
+                          f"GPU idle {idle:.0f} us of it", flush=True)
                 print(f"{cfg.name} B={B} timeline of a {args.steps}-token call: {res['window_us']:.0f} us, "
                       f"GPU idle {res['idle_us']:.0f} us: " +
                       ", ".join(f"{k} {v:.0f}" for k, v in res["idle_by_phase_us"].items()), flush=True)

@@ -248,6 +248,27 @@ def test_profile_decode_sums_kernel_time_by_kind(tmp_path):
     assert case["top"] and all(t["kind"] in by_kind for t in case["top"])
 
 
+def test_profile_decode_times_the_speculative_tail(tmp_path):
+    """--spec-rows: every case runs the speculative tail once at most that many rows run (here from
+    the first stop poll), and reports its time per tail step (the extra tokens of the longer call
+    took fewer steps than tokens) and, traced, the tail's steps and its phase."""
+    out = tmp_path / "p.json"
+    subprocess.run([sys.executable, "benchmarks/profile_decode.py", "--models",
+                    "hybridflow/conf/model/tiny.yaml", "--device", "cpu", "--batches", "2",
+                    "--prompt-len", "8", "--steps", "32", "--spec-rows", "2", "--timeline",
+                    "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
+    report = json.loads(out.read_text())
+    assert report["decode_options"]["spec_rows"] == 2
+    (case,) = report["cases"]
+    short, long = case["tail_steps"]
+    assert 0 < short < long <= 64 - 16
+    assert math.isclose(case["us_per_tail_step"], case["us_per_step"] * 32 / (long - short))
+    (tl,) = report["timeline"]
+    # the tail takes over after the first poll (16 decode steps + the prefill's token): 15 a row
+    assert tl["tail_steps"] == short and tl["tail_tokens"] == 2 * (32 - 17)
+    assert "generate.spec_tail" in tl["phase_us"]
+
+
 def test_bench_decode_gemm_times_every_way_and_sums_a_step(tmp_path):
     """The decode-GEMM comparison on CPU (tiny shapes; "autotune" is dynamo's aot_eager there): every
     GEMM timed every way with its outputs equal to the first way's, the floors from the shape, and
