@@ -32,6 +32,9 @@
 #                                                         OUT/ab_summary.json, one line per variant
 #   bash benchmarks/gsm8k_h200.sh score DIR... [-- k=v..] # our validation of HF snapshots (TRL's,
 #                                                         trl_gsm8k.py --save-at) in one process
+#   bash benchmarks/gsm8k_h200.sh pack [NAME]           # everything under $OUT as one $OUT/NAME.tgz
+#                                                         (out.tgz): a device call brings back only
+#                                                         a few files, so end a call with it
 # Everything lands in $OUT (metrics.jsonl, val_generations.jsonl, val_scores.jsonl, hf_eval.json,
 # trl_scores.json, trl_score_val_scores.jsonl, logs; gpu_clocks.csv beside each trainer run: the
 # card's SM clock, power, temperature and clock-event reasons, benchmarks/gpu_clocks.py).
@@ -163,6 +166,14 @@ score() {  # the experiment's validation (prompts, template, greedy, stops, rule
   cp "$SCORE_DIR/metrics.jsonl" "$OUT/trl_score_metrics.jsonl"
   cp "$SCORE_DIR/val_generations.jsonl" "$OUT/trl_score_val_generations.jsonl" 2>/dev/null || true
   cp "$SCORE_DIR/val_scores.jsonl" "$OUT/trl_score_val_scores.jsonl" 2>/dev/null || true
+}
+
+pack() {  # NAME: $OUT's files as one $OUT/NAME.tgz, the files themselves removed
+  local tgz
+  tgz=$(mktemp -d)/${1:-out}.tgz
+  tar czf "$tgz" -C "$OUT" .
+  find "$OUT" -mindepth 1 -delete
+  mv "$tgz" "$OUT/"
 }
 
 "$@"

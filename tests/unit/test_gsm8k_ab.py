@@ -81,3 +81,20 @@ def test_ab_records_the_cards_clocks_beside_each_variant(tmp_path):
     # every sampler stopped with its run
     left = subprocess.run(["pgrep", "-f", f"gpu_clocks.py record {out}"], capture_output=True)
     assert left.returncode == 1
+
+
+def test_pack_leaves_one_archive_of_every_file(tmp_path):
+    """gsm8k_h200.sh pack NAME: a call's outputs (nested folders included) as the one file
+    $OUT/NAME.tgz, since a device call brings back only a few files."""
+    import tarfile
+
+    out = tmp_path / "out"
+    (out / "base").mkdir(parents=True)
+    (out / "base" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "ab_summary.json").write_text("{}")
+    subprocess.run(["bash", "benchmarks/gsm8k_h200.sh", "pack", "call1"], cwd=ROOT, check=True,
+                   env={**os.environ, "OUT": str(out)})
+    assert sorted(os.listdir(out)) == ["call1.tgz"]
+    with tarfile.open(out / "call1.tgz") as t:
+        assert t.extractfile("./base/metrics.jsonl").read() == b'{"step": 1}\n'
+        assert {"./ab_summary.json", "./base/metrics.jsonl"} <= set(t.getnames())
