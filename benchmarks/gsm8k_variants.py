@@ -18,9 +18,10 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
   spec     rollout.speculative (the tail from 16 running rows by speculative sampling with n-gram
            drafts, 4 per row and step): the same samples' distribution, fewer tail steps; on
            by default where the tail runs the decode kernels (auto), so `nospec` is its A/B
-  spec_r32 / spec_r32_d8 / spec_d8 / spec_r64  the tail from 32 (64) running rows and / or 8
-           drafts per row and step (rollout.speculative.max_rows / draft_tokens) instead of 16 and
-           4: an earlier start and longer drafts against a dearer tail step
+  spec_r32 / spec_r32_d8 / spec_d8  the tail from 32 running rows and / or 8 drafts per row and
+           step (rollout.speculative.max_rows / draft_tokens) instead of 16 and 4: an earlier
+           start and longer drafts against a dearer tail step (on the recipe: no gain, the
+           results in gsm8k_spec_tail_h100.json)
   nomonitor  no GPU monitor thread (trainer.gpu_monitor_interval_s=0): the A/B of its cost
            (on by default where nvidia-ml-py is installed)
   reward_async  the rule reward scored on a worker thread behind the reference pass
@@ -91,7 +92,6 @@ VARIANTS = {
     "spec_r32": "rollout.speculative.max_rows=32",
     "spec_r32_d8": "rollout.speculative.max_rows=32 rollout.speculative.draft_tokens=8",
     "spec_d8": "rollout.speculative.draft_tokens=8",
-    "spec_r64": "rollout.speculative.max_rows=64",
     "nomonitor": "trainer.gpu_monitor_interval_s=0",
     "varlen": "algo.packed_attention=varlen",
     "reward_async": "reward.launch_reward_fn_async=true",
