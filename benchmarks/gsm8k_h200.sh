@@ -169,11 +169,12 @@ score() {  # the experiment's validation (prompts, template, greedy, stops, rule
 }
 
 pack() {  # NAME: $OUT's files as one $OUT/NAME.tgz, the files themselves removed
-  local tgz
-  tgz=$(mktemp -d)/${1:-out}.tgz
-  tar czf "$tgz" -C "$OUT" .
+  local tmp
+  tmp=$(mktemp -d)
+  tar czf "$tmp/${1:-out}.tgz" -C "$OUT" .
   find "$OUT" -mindepth 1 -delete
-  mv "$tgz" "$OUT/"
+  mv "$tmp/${1:-out}.tgz" "$OUT/"
+  rmdir "$tmp"
 }
 
 "$@"
