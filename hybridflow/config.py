@@ -173,12 +173,17 @@ class SpeculativeConfig:
     step that checks several tokens costs about what one token's step costs. Single-turn only.
     enable null (auto): on where it applies and pays, a GPU run's single-turn, unquantized rollout
     decoded by CUDA-graph replays whose generator is kept across steps (hybridflow.config_auto);
-    true: on wherever it runs (refused with multi-turn and quantized rollouts); false: off."""
+    true: on wherever it runs (refused with multi-turn and quantized rollouts); false: off.
+    fused_advance: a tail step's bookkeeping after the acceptance (stop check, output writes,
+    cache marks, counters) as one Triton kernel (kernels/next_token.advance_tail) instead of ~50
+    small PyTorch kernels, where the tail runs the decode kernels; same results. Off until
+    measured on a GPU (docs/perf_log.md)."""
     enable: Optional[bool] = None
     max_rows: int = 16
     draft_tokens: int = 4
     ngram_max: int = 3
     ngram_min: int = 1
+    fused_advance: bool = False
 
 
 @dataclass

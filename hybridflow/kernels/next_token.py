@@ -8,8 +8,9 @@ reduction gives each row to one block, which at a decode batch of a few hundred 
 ~150k-id vocabulary leaves most of the device idle; the split spreads a row over ~19 programs.
 `advance_rows`: the step's bookkeeping after the draw (output column, stop check, token / position
 / column / step advance) as one kernel instead of ~10 small PyTorch kernels, greedy's pass 2
-folded in when no log-probs are asked for. `pdl`: programmatic dependent launch where the device
-has it (kernels/_dispatch.launch_opts).
+folded in when no log-probs are asked for. `advance_tail`: the same for a speculative tail step
+(rollout/speculative.py) after its acceptance, one program per row. `pdl`: programmatic dependent
+launch where the device has it (kernels/_dispatch.launch_opts).
 """
 
 from __future__ import annotations
@@ -177,3 +178,111 @@ def advance_rows(*, finished: torch.Tensor, out_tokens: torch.Tensor, stop_ids: 
         ROW_ITERS=triton.cdiv(B, block), N_PAD=max(16, triton.next_power_of_2(nchunk)),
         STOP_PAD=max(2, triton.next_power_of_2(stop_ids.numel())), num_warps=4,
         **launch_opts(tokens, pdl))
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _advance_tail_kernel(em_ptr, kept_ptr, lp_ptr, nd_ptr, stop_ptr, pend_ptr, pos_ptr,
+                             col_ptr, ostep_ptr, fin_ptr, kv_ptr, out_tok_ptr, out_lp_ptr, ret_ptr,
+                             S, R, T, NSTOP, s_em, s_lp, s_kv, s_ot, s_ol, s_ret,
+                             HAS_LP: tl.constexpr, S_PAD: tl.constexpr, STOP_PAD: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        pdl_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, S_PAD)
+        jm = j < S
+        em = tl.load(em_ptr + row * s_em + j, mask=jm, other=0)
+        kept = tl.load(kept_ptr + row)
+        nd = tl.load(nd_ptr + row)
+        col = tl.load(col_ptr + row)
+        ostep = tl.load(ostep_ptr + row)
+        fin = tl.load(fin_ptr + row) != 0
+        k = tl.arange(0, STOP_PAD)
+        stops = tl.load(stop_ptr + k, mask=k < NSTOP, other=0)
+        hit = tl.sum(((em[:, None] == stops[None, :]) & (k < NSTOP)[None, :]).to(tl.int32), 1) > 0
+        stop = hit & jm & (j < kept + 1)
+        any_stop = tl.sum(stop.to(tl.int32), 0) > 0
+        first = tl.min(tl.where(stop, j, S_PAD), 0)
+        n_emit = tl.where(any_stop, first + 1, kept + 1)
+        n_emit = tl.minimum(n_emit, R - ostep)
+        n_emit = tl.where(fin, 0, n_emit)
+        # the rejected drafts' columns col + kept + 1 .. col + n_draft are free again
+        c = col + kept + 1 + j
+        tl.store(kv_ptr + row * s_kv + c, tl.zeros([S_PAD], tl.uint8),
+                 mask=(j < S - 1) & (c <= col + nd) & (c < T))
+        at = tl.where(j < n_emit, ostep + j, R + j)  # past the emitted ones: the scratch columns
+        tl.store(out_tok_ptr + row * s_ot + at, em, mask=jm)
+        if HAS_LP:
+            lp = tl.load(lp_ptr + row * s_lp + j, mask=jm, other=0.0)
+            tl.store(out_lp_ptr + row * s_ol + at, lp, mask=jm)
+        last = tl.sum(tl.where(j == tl.maximum(n_emit - 1, 0), em, 0), 0)
+        live = fin == 0
+        tl.store(pend_ptr + row, tl.where(live, last, tl.load(pend_ptr + row)))
+        adv = tl.where(live, kept + 1, 0)
+        tl.store(pos_ptr + row, tl.load(pos_ptr + row) + adv)
+        tl.store(col_ptr + row, col + adv)
+        ostep = ostep + n_emit
+        tl.store(ostep_ptr + row, ostep)
+        fin = fin | any_stop | (ostep >= R)
+        tl.store(fin_ptr + row, fin.to(tl.uint8))
+        tl.store(ret_ptr + row * s_ret + j, em, mask=jm)
+        tl.store(ret_ptr + row * s_ret + S, n_emit.to(tl.int64))
+        tl.store(ret_ptr + row * s_ret + S + 1, fin.to(tl.int64))
+
+
+def advance_tail(st, emitted: torch.Tensor, kept: torch.Tensor, lp: Optional[torch.Tensor],
+                 stop_ids: torch.Tensor, *, pdl: bool = False, impl: str = "auto",
+                 aranges: Optional[tuple] = None) -> None:
+    """A speculative tail step's bookkeeping after its acceptance (rollout/speculative.py), on
+    the step's TailState `st` in place: the emitted tokens (rows, S) cut at the first stop among
+    the kept + 1 and at the output length R, written (with their log-probs `lp`) at each row's
+    output step; the rejected drafts' cache columns unmarked; pending token, position, cache
+    column, output step and finished advanced; the host's `ret` row (tokens, count, finished).
+    One program per row (the PyTorch twin: ~50 small kernels, `aranges` its (S,), (T,) and
+    (rows, 1) index tensors when made once outside a captured step); impl as
+    _dispatch.use_triton."""
+    rows, S = emitted.shape
+    R = st.out_tokens.shape[1] - S
+    if not use_triton(emitted, impl):
+        return _advance_tail_torch(st, emitted, kept, lp, stop_ids, aranges)
+    no_lp = lp is None
+    _advance_tail_kernel[(rows,)](
+        emitted, kept, emitted if no_lp else lp, st.n_draft, stop_ids, st.pend, st.pos, st.col,
+        st.out_step, st.finished.view(torch.uint8), st.key_valid.view(torch.uint8),
+        st.out_tokens, st.out_tokens if no_lp else st.out_logprobs, st.ret, S, R,
+        st.key_valid.shape[1], stop_ids.numel(), emitted.stride(0), 0 if no_lp else lp.stride(0),
+        st.key_valid.stride(0), st.out_tokens.stride(0), st.out_logprobs.stride(0),
+        st.ret.stride(0), HAS_LP=not no_lp, S_PAD=max(16, triton.next_power_of_2(S)),
+        STOP_PAD=max(2, triton.next_power_of_2(stop_ids.numel())), num_warps=1,
+        **launch_opts(emitted, pdl))
+
+
+def _advance_tail_torch(st, emitted, kept, lp, stop_ids, aranges=None) -> None:
+    rows, S = emitted.shape
+    R = st.out_tokens.shape[1] - S
+    dev = emitted.device
+    ar, t_ar, row_ix = aranges or (torch.arange(S, device=dev),
+                                   torch.arange(st.key_valid.shape[1], device=dev),
+                                   torch.arange(rows, device=dev)[:, None])
+    n_emit = kept + 1
+    stop = (emitted[..., None] == stop_ids).any(-1) & (ar < n_emit[:, None])
+    n_emit = torch.where(stop.any(1), stop.int().argmax(1) + 1, n_emit)
+    n_emit = torch.minimum(n_emit, R - st.out_step).masked_fill(st.finished, 0)
+    # extend marked the drafts' columns valid: a rejected draft's column is free again
+    st.key_valid &= ~((t_ar > (st.col + kept)[:, None]) & (t_ar <= (st.col + st.n_draft)[:, None]))
+    m = ar < n_emit[:, None]
+    at = (row_ix.expand(rows, S), torch.where(m, st.out_step[:, None] + ar, R + ar))
+    st.out_tokens.index_put_(at, emitted)
+    if lp is not None:
+        st.out_logprobs.index_put_(at, lp)
+    live = ~st.finished
+    last = emitted.gather(1, (n_emit - 1).clamp(min=0)[:, None]).squeeze(1)
+    st.pend.copy_(torch.where(live, last, st.pend))
+    st.pos.add_(torch.where(live, kept + 1, 0))
+    st.col.add_(torch.where(live, kept + 1, 0))
+    st.out_step.add_(n_emit)
+    st.finished |= stop.any(1) | (st.out_step >= R)
+    st.ret[:, :S].copy_(emitted)
+    st.ret[:, S] = n_emit
+    st.ret[:, S + 1] = st.finished.long()

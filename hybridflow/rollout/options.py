@@ -60,6 +60,7 @@ class DecodeOptions:
     spec_rows: int = 0
     spec_draft_tokens: int = 4
     spec_ngram: tuple = (3, 1)
+    spec_fused_advance: bool = False  # rollout.speculative.fused_advance
 
     check_every: int = 16  # decode steps between stop polls (and compaction decisions)
     prefill_tokens: int = 16384  # prompt tokens per prefill sub-batch (bounds activation memory)
@@ -100,7 +101,8 @@ class DecodeOptions:
                    prefill_width_multiple=k.prefill_width_multiple or 1,
                    spec_rows=r.speculative.max_rows if r.speculative.enable is True else 0,
                    spec_draft_tokens=r.speculative.draft_tokens,
-                   spec_ngram=(r.speculative.ngram_max, r.speculative.ngram_min))
+                   spec_ngram=(r.speculative.ngram_max, r.speculative.ngram_min),
+                   spec_fused_advance=bool(r.speculative.fused_advance))
 
     def replace(self, **changes) -> "DecodeOptions":
         return dataclasses.replace(self, **changes)

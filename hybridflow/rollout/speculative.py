@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from hybridflow.kernels.logprob_entropy import logprob_stats
+from hybridflow.kernels.next_token import advance_tail
 from hybridflow.rollout import compaction
 from hybridflow.rollout.cuda_graph import GraphedStep, WarmedStep
 from hybridflow.rollout.multi_turn_step import extend
@@ -205,6 +206,8 @@ def tail_step(gen, st: TailState, cfg, opts, stop_ids: torch.Tensor):
     row_ix = torch.arange(rows, device=dev)[:, None]
 
     fused = fused_verify_applies(gen, opts)
+    # rollout.speculative.fused_advance: the bookkeeping after the acceptance as one kernel
+    advance_impl = "triton" if fused and opts.spec_fused_advance else "torch"
 
     def step():
         ids = torch.cat([st.pend[:, None], st.drafts], 1)  # (rows, S)
@@ -220,28 +223,8 @@ def tail_step(gen, st: TailState, cfg, opts, stop_ids: torch.Tensor):
         emitted, kept, lp = accept(logits, st.drafts, st.n_draft, temperature=cfg.temperature,
                                    top_k=cfg.top_k, top_p=cfg.top_p, generator=gen._rng,
                                    need_logprobs=cfg.return_logprobs)
-        n_emit = kept + 1
-        stop = (emitted[..., None] == stop_ids).any(-1) & (ar < n_emit[:, None])
-        n_emit = torch.where(stop.any(1), stop.int().argmax(1) + 1, n_emit)
-        n_emit = torch.minimum(n_emit, R - st.out_step).masked_fill(st.finished, 0)
-        # extend marked the drafts' columns valid: a rejected draft's column is free again
-        st.key_valid &= ~((t_ar > (st.col + kept)[:, None])
-                          & (t_ar <= (st.col + st.n_draft)[:, None]))
-        m = ar < n_emit[:, None]
-        at = (row_ix.expand(rows, S), torch.where(m, st.out_step[:, None] + ar, R + ar))
-        st.out_tokens.index_put_(at, emitted)
-        if lp is not None:
-            st.out_logprobs.index_put_(at, lp)
-        live = ~st.finished
-        last = emitted.gather(1, (n_emit - 1).clamp(min=0)[:, None]).squeeze(1)
-        st.pend.copy_(torch.where(live, last, st.pend))
-        st.pos.add_(torch.where(live, kept + 1, 0))
-        st.col.add_(torch.where(live, kept + 1, 0))
-        st.out_step.add_(n_emit)
-        st.finished |= stop.any(1) | (st.out_step >= R)
-        st.ret[:, :S].copy_(emitted)
-        st.ret[:, S] = n_emit
-        st.ret[:, S + 1] = st.finished.long()
+        advance_tail(st, emitted, kept, lp, stop_ids, pdl=opts.pdl, impl=advance_impl,
+                     aranges=(ar, t_ar, row_ix))
 
     return step
 

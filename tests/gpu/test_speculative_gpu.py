@@ -52,9 +52,10 @@ def test_kernel_matches_twin(dtype, B, S, G, hpg, hd, T):
     assert torch.equal(outs["triton"][3], outs["torch"][3])  # the marks
 
 
-@pytest.mark.parametrize("kernels,qk_norm", [("triton", False), ("torch", False),
-                                             ("triton", True)])
-def test_graphed_tail_keeps_greedy_tokens(kernels, qk_norm):
+@pytest.mark.parametrize("kernels,qk_norm,fused_advance", [
+    ("triton", False, False), ("torch", False, False), ("triton", True, False),
+    ("triton", False, True)])  # the last: the bookkeeping as one kernel (next_token.advance_tail)
+def test_graphed_tail_keeps_greedy_tokens(kernels, qk_norm, fused_advance):
     from tests.gpu.test_decode_kernels_gpu import _torch_path, small_generator
 
     gen, prompts, R, stops = small_generator(R=40, qk_norm=qk_norm)
@@ -66,7 +67,7 @@ def test_graphed_tail_keeps_greedy_tokens(kernels, qk_norm):
     # the tail takes over once only the rows longer than R / 2 run: half the steps or more
     long = int((ref.response_mask.sum(1) > R // 2).sum())
     assert 1 <= long <= 16, ref.response_mask.sum(1)
-    spec = base.replace(spec_rows=long, spec_draft_tokens=4)
+    spec = base.replace(spec_rows=long, spec_draft_tokens=4, spec_fused_advance=fused_advance)
     out = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0, options=spec)
     assert gen.stats["spec_steps"] > 0
     captured = len(gen._steps)

@@ -12,7 +12,9 @@ import torch  # noqa: E402
 
 from hybridflow.config import DecodeKernelOptions  # noqa: E402
 
+from hybridflow.kernels.next_token import advance_tail  # noqa: E402
 from hybridflow.kernels.spec_attention import rope_attention_multi  # noqa: E402
+from hybridflow.rollout.speculative import TailState  # noqa: E402
 from tests.unit.decode_kernels_check import CFG16, CFG_QK, tables  # noqa: E402
 from tests.unit.test_compaction import random_prompts, uneven_stops  # noqa: E402
 from tests.unit.test_rollout import make, opts, rc  # noqa: E402
@@ -60,6 +62,44 @@ def kernel_cases():
     return out
 
 
+def advance_cases():
+    """kernels/next_token.advance_tail against its PyTorch twin on random tail states: rows
+    finished before the step, stops among and past the kept tokens, rows at the output length,
+    drafts rejected (their cache columns unmarked) and a cache ending inside a row's drafts; with
+    and without log-probs. Every state tensor compared after the step."""
+    out = []
+    g = torch.Generator().manual_seed(7)
+    for rows, S, with_lp in ((6, 5, True), (5, 9, False), (3, 2, True)):
+        R, T = 20, 24
+        st = TailState(rows, S, R, T, torch.device("cpu"))
+        st.pend.random_(0, 50, generator=g)
+        st.pos.random_(0, 30, generator=g)
+        st.col.copy_(torch.tensor([4, 10, T - 2, 7, 0, 15][:rows]))  # row 2: drafts past T
+        st.out_step.copy_(torch.tensor([3, R - 2, 5, R - 1, 0, 9][:rows]))
+        st.finished.copy_(torch.tensor([False, False, False, False, True, False][:rows]))
+        st.key_valid.copy_(torch.rand(rows, T, generator=g) < 0.8)
+        st.n_draft.random_(0, S, generator=g)
+        st.out_tokens.random_(0, 50, generator=g)
+        st.out_logprobs.uniform_(-3, 0, generator=g)
+        emitted = torch.randint(0, 12, (rows, S), generator=g)
+        kept = torch.minimum(torch.randint(0, S, (rows,), generator=g), st.n_draft)
+        lp = torch.rand(rows, S, generator=g) - 1 if with_lp else None
+        stop_ids = torch.tensor([3, 11])
+        states = []
+        for impl in ("torch", "triton"):
+            t = TailState(rows, S, R, T, torch.device("cpu"))
+            for name, v in vars(st).items():
+                getattr(t, name).copy_(v)
+            advance_tail(t, emitted, kept, lp, stop_ids, impl=impl)
+            states.append(t)
+        a, b = states
+        out.append({"rows": rows, "S": S, "lp": with_lp,
+                    "differ": [n for n in vars(a) if not torch.equal(getattr(a, n), getattr(b, n))],
+                    "stopped": int((a.ret[:, S] < kept + 1).sum()),
+                    "unmarked": int((st.key_valid & ~a.key_valid).sum())})
+    return out
+
+
 def generation_cases():
     """The speculative tail on the decode kernels (verify_fused) against the PyTorch tail and
     plain decoding: greedy tokens equal, log-probs close; sampled: the fused tail's log-probs
@@ -70,12 +110,14 @@ def generation_cases():
     stops = uneven_stops(free.response_ids, [0, 3], CFG16.vocab_size)
     out = {}
     # sampled: PyTorch's draws on both paths (the fused sampler draws from its own stream);
-    # recipe: the GPU's way (graphed buckets emulated, compaction down to 1 row, a KV window)
+    # recipe: the GPU's way (graphed buckets emulated, compaction down to 1 row, a KV window);
+    # both with the tail's bookkeeping as one kernel (spec_fused_advance), the others without
     cases = {"greedy": ({}, {}),
              "sampled": (dict(temperature=0.8, n=2,
-                              kernel_options=DecodeKernelOptions(fused_sampler=False)), {}),
+                              kernel_options=DecodeKernelOptions(fused_sampler=False)),
+                         dict(spec_fused_advance=True)),
              "recipe": (dict(compact_finished_rows=True, decode_kv_window=64),
-                        dict(emulate_graphs=True, min_graphed_bucket=1)),
+                        dict(emulate_graphs=True, min_graphed_bucket=1, spec_fused_advance=True)),
              # Qwen3's q/k norms (last: it swaps the generator; the same prompts and stops)
              "qk_norm": ({}, dict(emulate_graphs=True, min_graphed_bucket=1))}
     for name, (kw, okw) in cases.items():
@@ -104,4 +146,5 @@ def generation_cases():
 
 
 if __name__ == "__main__":
-    print(json.dumps({"kernel": kernel_cases(), "generation": generation_cases()}))
+    print(json.dumps({"kernel": kernel_cases(), "advance": advance_cases(),
+                      "generation": generation_cases()}))

@@ -4,7 +4,9 @@ tests/unit/spec_attention_check.py): the kernel equals its PyTorch twin with 1, 
 (tokens past a row's n_valid and a finished row neither written nor marked, left-padded columns
 and key_valid holes not read), and the generator's tail on the decode kernels
 (speculative.verify_fused) emits the PyTorch tail's tokens, greedy (= plain decoding, also with
-emulated graph buckets, compaction and a KV window, and on a q/k-norm model) and sampled.
+emulated graph buckets, compaction and a KV window, and on a q/k-norm model) and sampled; the
+tail's bookkeeping as one kernel (next_token.advance_tail) equals its twin on random tail states
+and, in the sampled and recipe cases, emits the same tokens.
 The GPU's bf16 and CUDA graphs: tests/gpu/test_speculative_gpu.py."""
 
 import pytest
@@ -23,6 +25,15 @@ def test_kernel_equals_its_twin(checked):
     for c in cases:
         assert c["attn_err"] < 1e-5 and c["cache_err"] == 0.0, c
         assert c["only_written"] and c["marks_equal"] and c["marks_are_written"], c
+
+
+def test_advance_tail_kernel_equals_its_twin(checked):
+    cases = checked["advance"]
+    assert [(c["rows"], c["S"]) for c in cases] == [(6, 5), (5, 9), (3, 2)]
+    for c in cases:
+        assert c["differ"] == [], c
+    # the cases reach the stop cut and the unmarking of rejected drafts' columns
+    assert sum(c["stopped"] for c in cases) > 0 and sum(c["unmarked"] for c in cases) > 0
 
 
 def test_fused_tail_emits_the_torch_tails_tokens(checked):
