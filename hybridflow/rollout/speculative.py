@@ -199,7 +199,6 @@ def tail_step(gen, st: TailState, cfg, opts, stop_ids: torch.Tensor):
     """The zero-argument tail step over `st` (graph-capturable: static shapes, no host sync)."""
     cache, (cos, sin) = gen._cache, gen._tables
     rows, S = st.drafts.shape[0], st.drafts.shape[1] + 1
-    R = st.out_tokens.shape[1] - S
     dev = st.pend.device
     ar = torch.arange(S, device=dev)
     t_ar = torch.arange(cache.length, device=dev)
