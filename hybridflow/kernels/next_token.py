@@ -247,6 +247,8 @@ def advance_tail(st, emitted: torch.Tensor, kept: torch.Tensor, lp: Optional[tor
     if not use_triton(emitted, impl):
         return _advance_tail_torch(st, emitted, kept, lp, stop_ids, aranges)
     no_lp = lp is None
+    emitted = emitted.contiguous()  # the kernel walks a row's S values with unit stride
+    lp = None if no_lp else lp.contiguous()
     _advance_tail_kernel[(rows,)](
         emitted, kept, emitted if no_lp else lp, st.n_draft, stop_ids, st.pend, st.pos, st.col,
         st.out_step, st.finished.view(torch.uint8), st.key_valid.view(torch.uint8),
