@@ -95,7 +95,8 @@ def advance_cases():
         a, b = states
         out.append({"rows": rows, "S": S, "lp": with_lp,
                     "differ": [n for n in vars(a) if not torch.equal(getattr(a, n), getattr(b, n))],
-                    "stopped": int((a.ret[:, S] < kept + 1).sum()),
+                    # live rows finished this step before the output length: cut at a stop
+                    "stopped": int((a.finished & ~st.finished & (a.out_step < R)).sum()),
                     "unmarked": int((st.key_valid & ~a.key_valid).sum())})
     return out
 
