@@ -13,10 +13,12 @@ step (the host's round trip for the next drafts); with standard errors, since th
 differ and the regressors move together.
 
     python benchmarks/decode_step_costs.py --out benchmarks/results/decode_step_costs_h100.json
-    python benchmarks/decode_step_costs.py --run DIR:ROWS:DRAFTS ...   # other runs
+    python benchmarks/decode_step_costs.py --run DIR:ROWS:DRAFTS[:TAG] ...   # other runs
 
 A run DIR holds metrics.jsonl and rollout_lengths.jsonl (gsm8k_h200.sh step / ab writes both);
-ROWS and DRAFTS are its rollout.speculative.max_rows and draft_tokens.
+ROWS and DRAFTS are its rollout.speculative.max_rows and draft_tokens; TAG (optional) keeps a
+variant of the same tail apart (e.g. `advance` for rollout.speculative.fused_advance), so its tail
+step gets a coefficient of its own.
 """
 from __future__ import annotations
 
@@ -53,8 +55,11 @@ def plain_schedule(lengths, max_rows: int) -> tuple[int, float]:
 
 
 def step_rows(run: str) -> list[dict]:
-    """One row per timed step of `run` ("DIR:ROWS:DRAFTS"): steps 2.. without validation."""
-    path, rows, drafts = run.rsplit(":", 2)
+    """One row per timed step of `run` ("DIR:ROWS:DRAFTS[:TAG]"): steps 2.. without validation."""
+    path, rows, drafts, *tag = run.split(":")
+    if len(tag) > 1:
+        raise SystemExit(f"--run {run!r}: expected DIR:ROWS:DRAFTS[:TAG]")
+    variant = f"tail{rows}x{drafts}" + "".join(f"_{t}" for t in tag)
     metrics = {}
     with open(os.path.join(ROOT, path, "metrics.jsonl")) as f:
         for line in f:
@@ -70,7 +75,7 @@ def step_rows(run: str) -> list[dict]:
                 continue
             plain, row_steps = plain_schedule(r["response_lengths"], int(rows))
             out.append({"run": path.removeprefix(R), "step": r["step"], "variant":
-                        f"tail{rows}x{drafts}", "plain_steps": plain, "row_steps": row_steps,
+                        variant, "plain_steps": plain, "row_steps": row_steps,
                         "tail_steps": m.get("rollout/spec_steps", 0), "gen_s": m["timing_s/gen"]})
     return out
 
@@ -102,7 +107,7 @@ def fit(rows: list[dict]) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", nargs="+", default=RUNS, metavar="DIR:ROWS:DRAFTS")
+    ap.add_argument("--run", nargs="+", default=RUNS, metavar="DIR:ROWS:DRAFTS[:TAG]")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = [r for run in args.run for r in step_rows(run)]

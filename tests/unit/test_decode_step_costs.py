@@ -9,10 +9,11 @@ import pytest
 
 from benchmarks.decode_step_costs import fit, plain_schedule, step_rows
 
-COST = {"plain": 1.2e-3, "row": 3e-6, "tail16x4": 1.9e-3, "tail32x4": 2.2e-3, "const": 0.05}
+COST = {"plain": 1.2e-3, "row": 3e-6, "tail16x4": 1.9e-3, "tail32x4": 2.2e-3,
+        "tail16x4_advance": 1.6e-3, "const": 0.05}
 
 
-def _run(tmp_path, name, max_rows, seed):
+def _run(tmp_path, name, max_rows, seed, tag=""):
     rng = np.random.default_rng(seed)
     metrics, lengths = [], []
     for step in range(1, 9):
@@ -20,7 +21,7 @@ def _run(tmp_path, name, max_rows, seed):
         plain, row_steps = plain_schedule(lens, max_rows)
         tail = int(rng.integers(100, 200))
         gen = (COST["plain"] * plain + COST["row"] * row_steps
-               + COST[f"tail{max_rows}x4"] * tail + COST["const"])
+               + COST[f"tail{max_rows}x4" + (f"_{tag}" if tag else "")] * tail + COST["const"])
         metrics.append({"step": step, "timing_s/gen": gen, "rollout/spec_steps": tail})
         lengths.append({"step": step, "response_lengths": lens})
     metrics.append({"step": 9, "timing_s/gen": 99.0, "timing_s/val": 5.0, "rollout/spec_steps": 1})
@@ -29,7 +30,7 @@ def _run(tmp_path, name, max_rows, seed):
     d.mkdir()
     (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     (d / "rollout_lengths.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lengths))
-    return f"{d}:{max_rows}:4"
+    return f"{d}:{max_rows}:4" + (f":{tag}" if tag else "")
 
 
 def test_plain_schedule_stops_where_the_tail_takes_over():
@@ -52,3 +53,14 @@ def test_fit_recovers_the_step_costs(tmp_path):
     assert c["tail16x4_step"] == pytest.approx(1.9, abs=1e-6)
     assert c["tail32x4_step"] == pytest.approx(2.2, abs=1e-6)
     assert res["rms_ms"] < 1e-6 and res["per_variant"]["tail32x4"]["steps"] == 7
+
+
+def test_a_tag_gives_the_same_tail_its_own_coefficient(tmp_path):
+    runs = [_run(tmp_path, "a", 16, 0), _run(tmp_path, "b", 16, 1, tag="advance"),
+            _run(tmp_path, "c", 16, 2, tag="advance")]
+    rows = [r for run in runs for r in step_rows(run)]
+    c = fit(rows)["coef_ms"]
+    assert c["tail16x4_step"] == pytest.approx(1.9, abs=1e-6)
+    assert c["tail16x4_advance_step"] == pytest.approx(1.6, abs=1e-6)
+    with pytest.raises(SystemExit, match="DIR:ROWS:DRAFTS"):
+        step_rows(runs[0] + ":x:y")
