@@ -22,8 +22,9 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
            step (rollout.speculative.max_rows / draft_tokens) instead of 16 and 4: an earlier
            start and longer drafts against a dearer tail step (on the recipe: no gain, the
            results in gsm8k_spec_tail_h100.json)
-  spec_advance  the tail step's bookkeeping after the acceptance as one Triton kernel
-           (rollout.speculative.fused_advance) instead of ~50 small PyTorch kernels
+  spec_advance  the tail step's acceptance (the recipe's unfiltered sampling) and bookkeeping
+           as two Triton kernels (rollout.speculative.fused_advance) instead of ~90 small
+           PyTorch kernels
   nomonitor  no GPU monitor thread (trainer.gpu_monitor_interval_s=0): the A/B of its cost
            (on by default where nvidia-ml-py is installed)
   reward_async  the rule reward scored on a worker thread behind the reference pass

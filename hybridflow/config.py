@@ -176,8 +176,11 @@ class SpeculativeConfig:
     true: on wherever it runs (refused with multi-turn and quantized rollouts); false: off.
     fused_advance: a tail step's bookkeeping after the acceptance (stop check, output writes,
     cache marks, counters) as one Triton kernel (kernels/next_token.advance_tail) instead of ~50
-    small PyTorch kernels, where the tail runs the decode kernels; same results. Off until
-    measured on a GPU (docs/perf_log.md)."""
+    small PyTorch kernels, where the tail runs the decode kernels; with sampling and no top-k /
+    top-p the acceptance before it as well (next_token.accept_advance_tail: the kept drafts and
+    the exponential race over the vocabulary in one more launch, instead of ~40 kernels; the same
+    random draws). Same results (tokens equal up to rounding at a tie). Off until measured on a
+    GPU (docs/perf_log.md)."""
     enable: Optional[bool] = None
     max_rows: int = 16
     draft_tokens: int = 4

@@ -9,8 +9,11 @@ reduction gives each row to one block, which at a decode batch of a few hundred 
 `advance_rows`: the step's bookkeeping after the draw (output column, stop check, token / position
 / column / step advance) as one kernel instead of ~10 small PyTorch kernels, greedy's pass 2
 folded in when no log-probs are asked for. `advance_tail`: the same for a speculative tail step
-(rollout/speculative.py) after its acceptance, one program per row. `pdl`: programmatic dependent
-launch where the device has it (kernels/_dispatch.launch_opts).
+(rollout/speculative.py) after its acceptance, one program per row; `accept_advance_tail` runs
+the unfiltered sampled acceptance and that bookkeeping in two launches (the kept drafts and the
+exponential race over vocabulary chunks, then the race's last pass folded into `advance_tail`'s
+kernel). `pdl`: programmatic dependent launch where the device has it
+(kernels/_dispatch.launch_opts).
 """
 
 from __future__ import annotations
@@ -186,14 +189,35 @@ if HAVE_TRITON:
     def _advance_tail_kernel(em_ptr, kept_ptr, lp_ptr, nd_ptr, stop_ptr, pend_ptr, pos_ptr,
                              col_ptr, ostep_ptr, fin_ptr, kv_ptr, out_tok_ptr, out_lp_ptr, ret_ptr,
                              S, R, T, NSTOP, s_em, s_lp, s_kv, s_ot, s_ol, s_ret,
+                             val_ptr, idx_ptr, dr_ptr, m_ptr, ss_ptr, xd_ptr, lg_ptr, V, NCHUNK,
+                             s_dr, s_lg0, s_lg1, inv_temp,
                              HAS_LP: tl.constexpr, S_PAD: tl.constexpr, STOP_PAD: tl.constexpr,
+                             RACE: tl.constexpr = False, N_PAD: tl.constexpr = 16,
                              PDL: tl.constexpr = False):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, S_PAD)
         jm = j < S
-        em = tl.load(em_ptr + row * s_em + j, mask=jm, other=0)
         kept = tl.load(kept_ptr + row)
+        if RACE:  # accept_advance_tail: the race's last pass, the emitted tokens, their log-probs
+            c = tl.arange(0, N_PAD)
+            v = tl.load(val_ptr + row * NCHUNK + c, mask=c < NCHUNK, other=float("-inf"))
+            i = tl.load(idx_ptr + row * NCHUNK + c, mask=c < NCHUNK, other=V)
+            best = tl.max(v, 0)
+            last = tl.min(tl.where((v == best) & (i < V), i, V), 0).to(tl.int64)
+            d = tl.load(dr_ptr + row * s_dr + j, mask=j < S - 1, other=0)
+            em = tl.where(j < kept, d, last)
+            if HAS_LP:
+                lse = (tl.load(m_ptr + row * S + j, mask=jm, other=0.0)
+                       + tl.log(tl.load(ss_ptr + row * S + j, mask=jm, other=1.0)))
+                xd = tl.load(xd_ptr + row * S + j, mask=jm, other=0.0)
+                x_last = tl.load(lg_ptr + row * s_lg0 + j * s_lg1 + last, mask=jm,
+                                 other=0.0).to(tl.float32) * inv_temp
+                lp = tl.where(j < kept, xd, x_last) - lse
+        else:
+            em = tl.load(em_ptr + row * s_em + j, mask=jm, other=0)
+            if HAS_LP:
+                lp = tl.load(lp_ptr + row * s_lp + j, mask=jm, other=0.0)
         nd = tl.load(nd_ptr + row)
         col = tl.load(col_ptr + row)
         ostep = tl.load(ostep_ptr + row)
@@ -214,7 +238,6 @@ if HAVE_TRITON:
         at = tl.where(j < n_emit, ostep + j, R + j)  # past the emitted ones: the scratch columns
         tl.store(out_tok_ptr + row * s_ot + at, em, mask=jm)
         if HAS_LP:
-            lp = tl.load(lp_ptr + row * s_lp + j, mask=jm, other=0.0)
             tl.store(out_lp_ptr + row * s_ol + at, lp, mask=jm)
         last = tl.sum(tl.where(j == tl.maximum(n_emit - 1, 0), em, 0), 0)
         live = fin == 0
@@ -229,6 +252,11 @@ if HAVE_TRITON:
         tl.store(ret_ptr + row * s_ret + j, em, mask=jm)
         tl.store(ret_ptr + row * s_ret + S, n_emit.to(tl.int64))
         tl.store(ret_ptr + row * s_ret + S + 1, fin.to(tl.int64))
+
+
+def _no_race(t: torch.Tensor) -> tuple:
+    """advance_tail's kernel arguments of the race (accept_advance_tail's), unread without it."""
+    return (t,) * 7 + (0,) * 5 + (1.0,)
 
 
 def advance_tail(st, emitted: torch.Tensor, kept: torch.Tensor, lp: Optional[torch.Tensor],
@@ -255,9 +283,96 @@ def advance_tail(st, emitted: torch.Tensor, kept: torch.Tensor, lp: Optional[tor
         st.out_tokens, st.out_tokens if no_lp else st.out_logprobs, st.ret, S, R,
         st.key_valid.shape[1], stop_ids.numel(), emitted.stride(0), 0 if no_lp else lp.stride(0),
         st.key_valid.stride(0), st.out_tokens.stride(0), st.out_logprobs.stride(0),
-        st.ret.stride(0), HAS_LP=not no_lp, S_PAD=max(16, triton.next_power_of_2(S)),
+        st.ret.stride(0), *_no_race(emitted), HAS_LP=not no_lp,
+        S_PAD=max(16, triton.next_power_of_2(S)),
         STOP_PAD=max(2, triton.next_power_of_2(stop_ids.numel())), num_warps=1,
         **launch_opts(emitted, pdl))
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _race_chunk_kernel(lg_ptr, g_ptr, m_ptr, ss_ptr, xd_ptr, u_ptr, dr_ptr, nd_ptr, kept_ptr,
+                           val_ptr, idx_ptr, S, V, NCHUNK, s_lg0, s_lg1, s_g, s_u, s_dr, inv_temp,
+                           CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_PAD: tl.constexpr,
+                           PDL: tl.constexpr = False):
+        pdl_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        j = tl.arange(0, S_PAD)
+        jd = j < S - 1
+        # the kept drafts: draft j while u_j < p_j = exp(x_j - lse_j), the leading run of them
+        lse = (tl.load(m_ptr + row * S + j, mask=jd, other=0.0)
+               + tl.log(tl.load(ss_ptr + row * S + j, mask=jd, other=1.0)))
+        xd = tl.load(xd_ptr + row * S + j, mask=jd, other=0.0)
+        u = tl.load(u_ptr + row * s_u + j, mask=jd, other=2.0)
+        nd = tl.load(nd_ptr + row)
+        ok = (u < tl.exp(xd - lse)) & jd & (j < nd)
+        kept = tl.min(tl.where(ok, S_PAD, j), 0)
+        # the draft rejected after them (none when every real draft was kept) is left out
+        d = tl.load(dr_ptr + row * s_dr + j, mask=jd, other=0)
+        bad = tl.sum(tl.where(j == tl.minimum(kept, S - 2), d, 0), 0)
+        has_bad = kept < nd
+        base = lg_ptr + row * s_lg0 + kept.to(tl.int64) * s_lg1
+        best_v = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_i = tl.full([BLOCK], V, tl.int32)
+        for start in range(0, CHUNK, BLOCK):
+            cols = c * CHUNK + start + tl.arange(0, BLOCK)
+            in_v = cols < V
+            x = tl.load(base + cols, mask=in_v, other=0.0).to(tl.float32)
+            score = x * inv_temp - tl.load(g_ptr + row * s_g + cols, mask=in_v, other=0.0)
+            score = tl.where(has_bad & (cols == bad), float("-inf"), score)
+            better = in_v & ((score > best_v) | (best_i == V))
+            best_v = tl.where(better, score, best_v)
+            best_i = tl.where(better, cols, best_i)
+        m = tl.max(best_v, 0)
+        tl.store(val_ptr + row * NCHUNK + c, m)
+        tl.store(idx_ptr + row * NCHUNK + c, tl.min(tl.where((best_v == m) & (best_i < V),
+                                                             best_i, V), 0))
+        if c == 0:
+            tl.store(kept_ptr + row, kept.to(tl.int64))
+
+
+def accept_advance_tail(st, logits: torch.Tensor, draws: tuple, stop_ids: torch.Tensor, *,
+                        inv_temp: float, need_logprobs: bool, chunk: int = 8192,
+                        block: int = 1024, pdl: bool = False) -> None:
+    """A speculative tail step's unfiltered sampled acceptance and bookkeeping in two launches:
+    rollout/speculative.py's `_accept_unfiltered` (its twin, with `advance_tail`) on the same
+    random draws `draws` = (m, ssum, x_draft, u, log_race) from `unfiltered_draws`: the kept
+    drafts (u_j < exp(x_j - lse_j), leading run), the token after them as
+    argmax(x / T - log E) over the kept position's logits without the rejected draft (one
+    program per row and chunk of `chunk` ids), then advance_tail's kernel reducing the chunks and
+    writing the emitted tokens and their log-probs (x - lse) with the rest of its bookkeeping.
+    logits (rows, S, V) in any float dtype, last dimension contiguous."""
+    rows, S, V = logits.shape
+    if logits.stride(-1) != 1:
+        raise ValueError("accept_advance_tail needs logits contiguous in the last dimension")
+    if chunk % block:
+        raise ValueError(f"accept_advance_tail: chunk {chunk} is not a multiple of block {block}")
+    m, ssum, x_draft, u, log_race = draws
+    m, ssum, x_draft = m.contiguous(), ssum.contiguous(), x_draft.contiguous()
+    R = st.out_tokens.shape[1] - S
+    nchunk = triton.cdiv(V, chunk)
+    dev = logits.device
+    val = torch.empty((rows, nchunk), dtype=torch.float32, device=dev)
+    idx = torch.empty((rows, nchunk), dtype=torch.int32, device=dev)
+    kept = torch.empty((rows,), dtype=torch.long, device=dev)
+    s_pad = max(16, triton.next_power_of_2(S))
+    _race_chunk_kernel[(rows, nchunk)](
+        logits, log_race, m, ssum, x_draft, u, st.drafts, st.n_draft, kept, val, idx, S, V,
+        nchunk, logits.stride(0), logits.stride(1), log_race.stride(0), u.stride(0),
+        st.drafts.stride(0), inv_temp, CHUNK=chunk, BLOCK=block, S_PAD=s_pad, num_warps=4,
+        **launch_opts(logits, pdl))
+    out_lp = st.out_logprobs if need_logprobs else st.out_tokens
+    _advance_tail_kernel[(rows,)](
+        st.drafts, kept, x_draft, st.n_draft, stop_ids, st.pend, st.pos, st.col, st.out_step,
+        st.finished.view(torch.uint8), st.key_valid.view(torch.uint8), st.out_tokens, out_lp,
+        st.ret, S, R, st.key_valid.shape[1], stop_ids.numel(), 0, 0, st.key_valid.stride(0),
+        st.out_tokens.stride(0), out_lp.stride(0), st.ret.stride(0),
+        val, idx, st.drafts, m, ssum, x_draft, logits, V, nchunk, st.drafts.stride(0),
+        logits.stride(0), logits.stride(1), inv_temp, HAS_LP=need_logprobs, S_PAD=s_pad,
+        STOP_PAD=max(2, triton.next_power_of_2(stop_ids.numel())), RACE=True,
+        N_PAD=max(16, triton.next_power_of_2(nchunk)), num_warps=1, **launch_opts(logits, pdl))
 
 
 def _advance_tail_torch(st, emitted, kept, lp, stop_ids, aranges=None) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from hybridflow.kernels.logprob_entropy import logprob_stats
-from hybridflow.kernels.next_token import advance_tail
+from hybridflow.kernels.next_token import accept_advance_tail, advance_tail
 from hybridflow.rollout import compaction
 from hybridflow.rollout.cuda_graph import GraphedStep, WarmedStep
 from hybridflow.rollout.multi_turn_step import extend
@@ -152,14 +152,13 @@ def _accept_unfiltered(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torc
     The same random draws as the filtered path, so the same tokens up to rounding near a tie."""
     r, S, V = logits.shape
     dev = logits.device
-    m, ssum, _, x_draft = logprob_stats(logits, padded, start=0, v_valid=V, inv_temp=inv_temp)
+    m, ssum, x_draft, u, log_race = unfiltered_draws(logits, padded, inv_temp=inv_temp,
+                                                     generator=generator)
     lse = m + ssum.log()  # (r, S)
-    u = torch.rand((r, S - 1), generator=generator, device=dev)
     ok = (u < (x_draft[:, :-1] - lse[:, :-1]).exp()) & real
     kept = ok.int().cumprod(1).sum(1)
     row = logits.gather(1, kept[:, None, None].expand(r, 1, V)).squeeze(1)  # (r, V)
-    race = torch.empty((r, V), dtype=torch.float32, device=dev).exponential_(generator=generator)
-    score = row.float() * inv_temp - race.clamp_min_(torch.finfo(torch.float32).tiny).log_()
+    score = row.float() * inv_temp - log_race
     last = score.masked_fill_(_rejected(drafts, kept, n_draft, V), float("-inf")).argmax(-1)
     emitted = _emitted(padded, kept, last)
     if not need_logprobs:
@@ -167,6 +166,24 @@ def _accept_unfiltered(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torc
     x_last = logits.gather(2, last[:, None, None].expand(r, S, 1)).squeeze(-1).float() * inv_temp
     at_draft = torch.arange(S, device=dev) < kept[:, None]
     return emitted, kept, torch.where(at_draft, x_draft, x_last) - lse
+
+
+def unfiltered_draws(logits: torch.Tensor, padded: torch.Tensor, *, inv_temp: float,
+                     generator: Optional[torch.Generator]) -> tuple:
+    """What the unfiltered acceptance reads, in its order of random draws: (m, ssum, x_draft)
+    of logprob_stats at the fed positions' drafts (padded (r, S)), the uniforms u (r, S - 1) of
+    the drafts' tests and log E (r, V) of the exponential race for the token after them."""
+    r, S, V = logits.shape
+    m, ssum, _, x_draft = logprob_stats(logits, padded, start=0, v_valid=V, inv_temp=inv_temp)
+    u = torch.rand((r, S - 1), generator=generator, device=logits.device)
+    race = torch.empty((r, V), dtype=torch.float32, device=logits.device)
+    race.exponential_(generator=generator)
+    return m, ssum, x_draft, u, race.clamp_min_(torch.finfo(torch.float32).tiny).log_()
+
+
+def unfiltered(cfg, vocab: int) -> bool:
+    """Whether `accept` samples without top-k / top-p (`_accept_unfiltered`)."""
+    return cfg.temperature > 0.0 and not 0 < cfg.top_k < vocab and cfg.top_p >= 1.0
 
 
 class TailState:
@@ -205,8 +222,11 @@ def tail_step(gen, st: TailState, cfg, opts, stop_ids: torch.Tensor):
     row_ix = torch.arange(rows, device=dev)[:, None]
 
     fused = fused_verify_applies(gen, opts)
-    # rollout.speculative.fused_advance: the bookkeeping after the acceptance as one kernel
+    # rollout.speculative.fused_advance: the bookkeeping after the acceptance as one kernel,
+    # with unfiltered sampling the acceptance before it as well (accept_advance_tail)
     advance_impl = "triton" if fused and opts.spec_fused_advance else "torch"
+    padded = (torch.zeros((rows, S), dtype=torch.long, device=dev)  # the drafts, then a pad
+              if advance_impl == "triton" else None)
 
     def step():
         ids = torch.cat([st.pend[:, None], st.drafts], 1)  # (rows, S)
@@ -219,6 +239,13 @@ def tail_step(gen, st: TailState, cfg, opts, stop_ids: torch.Tensor):
             positions = st.pos[:, None] + torch.where(valid, ar, 0)
             logits = extend(gen.w, ids, positions, valid, st.col, cache=cache,
                             key_valid=st.key_valid, cos_tab=cos, sin_tab=sin, every_position=True)
+        if advance_impl == "triton" and unfiltered(cfg, logits.shape[-1]):
+            padded[:, :S - 1] = st.drafts
+            draws = unfiltered_draws(logits, padded, inv_temp=1.0 / cfg.temperature,
+                                     generator=gen._rng)
+            accept_advance_tail(st, logits, draws, stop_ids, inv_temp=1.0 / cfg.temperature,
+                                need_logprobs=cfg.return_logprobs, pdl=opts.pdl)
+            return
         emitted, kept, lp = accept(logits, st.drafts, st.n_draft, temperature=cfg.temperature,
                                    top_k=cfg.top_k, top_p=cfg.top_p, generator=gen._rng,
                                    need_logprobs=cfg.return_logprobs)

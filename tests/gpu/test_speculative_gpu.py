@@ -94,3 +94,22 @@ def test_graphed_sampled_tail_reproduces():
     assert torch.equal(a.rollout_logprobs, b.rollout_logprobs)
     lp = a.rollout_logprobs[a.response_mask.bool()]
     assert torch.isfinite(lp).all() and (lp <= 0).all()
+
+
+def test_graphed_sampled_tail_with_the_fused_acceptance():
+    """rollout.speculative.fused_advance with unfiltered sampling (next_token.accept_advance_tail):
+    under the graphs, the same seed's tail draws the tokens the PyTorch acceptance draws (T = 1:
+    the race's score needs no product that a fused multiply-add could round differently), with
+    log-probs to rounding."""
+    from tests.gpu.test_decode_kernels_gpu import _torch_path, small_generator
+
+    gen, prompts, R, stops = small_generator(R=40)
+    cfg = _torch_path(max_new_tokens=R, temperature=1.0, n=2, max_batch_size=64,
+                      return_logprobs=True, stop_token_ids=stops)
+    o = DecodeOptions.from_config(cfg).replace(check_every=2, spec_rows=16, kernels="triton")
+    ref = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=3, options=o)
+    fused = gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=3,
+                         options=o.replace(spec_fused_advance=True))
+    assert gen.stats["spec_steps"] > 0
+    assert torch.equal(fused.response_ids, ref.response_ids)
+    torch.testing.assert_close(fused.rollout_logprobs, ref.rollout_logprobs, atol=1e-4, rtol=0)

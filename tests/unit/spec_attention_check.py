@@ -12,9 +12,9 @@ import torch  # noqa: E402
 
 from hybridflow.config import DecodeKernelOptions  # noqa: E402
 
-from hybridflow.kernels.next_token import advance_tail  # noqa: E402
+from hybridflow.kernels.next_token import accept_advance_tail, advance_tail  # noqa: E402
 from hybridflow.kernels.spec_attention import rope_attention_multi  # noqa: E402
-from hybridflow.rollout.speculative import TailState  # noqa: E402
+from hybridflow.rollout.speculative import TailState, accept, unfiltered_draws  # noqa: E402
 from tests.unit.decode_kernels_check import CFG16, CFG_QK, tables  # noqa: E402
 from tests.unit.test_compaction import random_prompts, uneven_stops  # noqa: E402
 from tests.unit.test_rollout import make, opts, rc  # noqa: E402
@@ -101,6 +101,70 @@ def advance_cases():
     return out
 
 
+def race_cases():
+    """kernels/next_token.accept_advance_tail against the PyTorch acceptance (`accept`, unfiltered
+    sampling) and bookkeeping on the same random draws: per row one id far ahead (most drafts,
+    mostly kept) and two runners-up (stop tokens), so that the race is decided among a few ids,
+    with and without the rejected draft left out; the vocabulary over several chunks, finished
+    rows, stops and a row at the output length. Every tail-state tensor compared (log-probs to
+    rounding)."""
+    out = []
+    g = torch.Generator().manual_seed(11)
+    for rows, S, V, temp, with_lp, lead in ((5, 4, 300, 1.0, True, 9.0),
+                                            (4, 6, 1000, 0.7, True, 9.0),
+                                            (3, 2, 200, 1.3, False, 9.0),
+                                            (6, 3, 300, 1.0, True, 5.7)):
+        R, T = 16, 40
+        logits = torch.randn(rows, S, V, generator=g)
+        hot = torch.randint(0, V, (rows, 3), generator=g)
+        boost = torch.tensor([lead, 6.0, 6.0]).expand(rows, S, 3).contiguous()
+        logits.scatter_add_(2, hot[:, None, :].expand(rows, S, 3), boost)
+        st = TailState(rows, S, R, T, torch.device("cpu"))
+        st.pend.random_(0, V, generator=g)
+        st.pos.random_(0, 20, generator=g)
+        st.col.copy_(torch.tensor([3, 9, 20, 5, 11, 14][:rows]))
+        st.out_step.copy_(torch.tensor([2, R - 1, 6, 0, 4, 1][:rows]))
+        st.finished.copy_(torch.tensor([False, False, True, False, False, False][:rows]))
+        st.key_valid.copy_(torch.rand(rows, T, generator=g) < 0.8)
+        st.n_draft.random_(0, S, generator=g)
+        st.drafts.copy_(torch.where(torch.rand(rows, S - 1, generator=g) < 0.7,
+                                    hot[:, :1].expand(rows, S - 1),
+                                    torch.randint(0, V, (rows, S - 1), generator=g)))
+        stop_ids = hot[:, 1].unique()  # the runner-up where a draft of the hot id is rejected
+        states = []
+        for side in ("torch", "triton"):
+            t = TailState(rows, S, R, T, torch.device("cpu"))
+            for name, v in vars(st).items():
+                getattr(t, name).copy_(v)
+            rng = torch.Generator().manual_seed(5)
+            if side == "torch":
+                em, kept, lp = accept(logits, t.drafts, t.n_draft, temperature=temp, top_k=0,
+                                      top_p=1.0, generator=rng, need_logprobs=with_lp)
+                advance_tail(t, em, kept, lp, stop_ids, impl="torch")
+                kept_torch = kept
+            else:
+                padded = torch.cat([t.drafts, t.drafts.new_zeros(rows, 1)], 1)
+                draws = unfiltered_draws(logits, padded, inv_temp=1 / temp, generator=rng)
+                accept_advance_tail(t, logits, draws, stop_ids, inv_temp=1 / temp,
+                                    need_logprobs=with_lp, chunk=128, block=64)
+                # rows whose rejected draft would have won the race had it not been left out
+                at = logits[torch.arange(rows), kept_torch].float() / temp - draws[4]
+                bad = t.drafts.gather(1, kept_torch.clamp(max=S - 2)[:, None]).squeeze(1)
+                would_win = int(((kept_torch < st.n_draft) & (at.argmax(1) == bad)).sum())
+            states.append(t)
+        a, b = states
+        out.append({"rows": rows, "S": S, "V": V, "lp": with_lp,
+                    "differ": [n for n in vars(a) if n != "out_logprobs"
+                               and not torch.equal(getattr(a, n), getattr(b, n))],
+                    "logprob_err": (a.out_logprobs - b.out_logprobs).abs().max().item(),
+                    "kept_drafts": int(kept_torch.sum()),
+                    "rejected": int((kept_torch < st.n_draft).sum()),
+                    "all_kept": int(((kept_torch == st.n_draft) & (st.n_draft > 0)).sum()),
+                    "rejected_would_win": would_win,
+                    "stopped": int((a.finished & ~st.finished & (a.out_step < R)).sum())})
+    return out
+
+
 def generation_cases():
     """The speculative tail on the decode kernels (verify_fused) against the PyTorch tail and
     plain decoding: greedy tokens equal, log-probs close; sampled: the fused tail's log-probs
@@ -147,5 +211,5 @@ def generation_cases():
 
 
 if __name__ == "__main__":
-    print(json.dumps({"kernel": kernel_cases(), "advance": advance_cases(),
+    print(json.dumps({"kernel": kernel_cases(), "advance": advance_cases(), "race": race_cases(),
                       "generation": generation_cases()}))

@@ -6,7 +6,9 @@ and key_valid holes not read), and the generator's tail on the decode kernels
 (speculative.verify_fused) emits the PyTorch tail's tokens, greedy (= plain decoding, also with
 emulated graph buckets, compaction and a KV window, and on a q/k-norm model) and sampled; the
 tail's bookkeeping as one kernel (next_token.advance_tail) equals its twin on random tail states
-and, in the sampled and recipe cases, emits the same tokens.
+and, in the sampled and recipe cases, emits the same tokens; with unfiltered sampling the
+acceptance before it (next_token.accept_advance_tail) equals `accept` + the twin on the same
+draws.
 The GPU's bf16 and CUDA graphs: tests/gpu/test_speculative_gpu.py."""
 
 import pytest
@@ -34,6 +36,17 @@ def test_advance_tail_kernel_equals_its_twin(checked):
         assert c["differ"] == [], c
     # the cases reach the stop cut and the unmarking of rejected drafts' columns
     assert sum(c["stopped"] for c in cases) > 0 and sum(c["unmarked"] for c in cases) > 0
+
+
+def test_fused_acceptance_equals_the_torch_acceptance(checked):
+    cases = checked["race"]
+    assert [(c["rows"], c["S"], c["V"]) for c in cases] == [(5, 4, 300), (4, 6, 1000), (3, 2, 200),
+                                                             (6, 3, 300)]
+    for c in cases:
+        assert c["differ"] == [] and c["logprob_err"] < 1e-5, c
+    # kept drafts, rejected ones (some that would have won the race), all kept, a stop
+    for key in ("kept_drafts", "rejected", "rejected_would_win", "all_kept", "stopped"):
+        assert sum(c[key] for c in cases) > 0, key
 
 
 def test_fused_tail_emits_the_torch_tails_tokens(checked):
