@@ -2,8 +2,11 @@
 distributions, the decode schedule (buckets, compaction, KV windows, poll lag) and the packed passes
 by hand on tiny inputs, the fixed-length limit, the long-tail benchmark's measured row-steps, the
 fit of the new coefficients on synthetic records, and the CLI."""
+import contextlib
+import io
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -412,8 +415,24 @@ def test_families_are_held_out_together():
 # --- CLI ----------------------------------------------------------------------------------------
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "hybridflow.cost", *args], capture_output=True,
-                          text=True, cwd=ROOT)
+    """`python -m hybridflow.cost ARGS` in this process (its main; a fresh interpreter per call
+    spent most of the module's time importing): stdout, stderr and the exit status."""
+    from hybridflow.cost.__main__ import main
+
+    out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if not isinstance(e.code, (int, type(None))):
+                    print(e.code, file=sys.stderr)
+    finally:
+        os.chdir(cwd)
+    return subprocess.CompletedProcess(["hybridflow.cost", *args], code or 0, out.getvalue(),
+                                       err.getvalue())
 
 
 def test_cli_with_lengths(tmp_path):
