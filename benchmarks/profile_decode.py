@@ -70,9 +70,14 @@ def kind_of(name: str) -> str:
     return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
 
 
+CALL_TEMPERATURE = [0.0]  # --call-temperature (main sets it): 0 greedy
+
+
 def _greedy(gen, prompts, steps: int, opts: DecodeOptions):
-    """A generate call of `steps` greedy new tokens under `opts`, as a function of no arguments."""
-    cfg = RolloutConfig(max_new_tokens=steps, temperature=0.0, max_batch_size=len(prompts))
+    """A generate call of `steps` new tokens under `opts` (greedy unless --call-temperature), as a
+    function of no arguments."""
+    cfg = RolloutConfig(max_new_tokens=steps, temperature=CALL_TEMPERATURE[0],
+                        max_batch_size=len(prompts))
     return lambda: gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0, options=opts)
 
 
@@ -324,6 +329,11 @@ def main():
                          "with --batches at most this, all but the first poll's steps are tail "
                          "steps (each case then also reports its time per tail step)")
     ap.add_argument("--spec-drafts", type=int, default=4, help="with --spec-rows: draft_tokens")
+    ap.add_argument("--spec-fused-advance", action="store_true",
+                    help="with --spec-rows: rollout.speculative.fused_advance")
+    ap.add_argument("--call-temperature", type=float, default=0.0,
+                    help="the profiled single-turn calls sample at this temperature (0: greedy; "
+                         "with --spec-rows and --spec-fused-advance, > 0 runs the fused acceptance)")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model's")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
@@ -335,7 +345,9 @@ def main():
     if args.no_eager and not args.compile:
         ap.error("--no-eager profiles the compiled cases only: it needs --compile")
     modes = ([True] if args.no_eager else [False, True]) if args.compile else [False]
-    base = decode_options(args, spec_rows=args.spec_rows, spec_draft_tokens=args.spec_drafts)
+    CALL_TEMPERATURE[0] = args.call_temperature
+    base = decode_options(args, spec_rows=args.spec_rows, spec_draft_tokens=args.spec_drafts,
+                          spec_fused_advance=args.spec_fused_advance)
     last = base.replace(kernels=args.kernels[-1], compile=args.compile)  # prefill, timeline, ...
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     report = {"machine": machine(device), "command": " ".join([sys.executable] + sys.argv),
