@@ -93,7 +93,7 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, n_draft: torch.Tensor, *,
     dev = logits.device
     real = torch.arange(S - 1, device=dev) < n_draft[:, None]  # (r, S - 1)
     padded = torch.cat([drafts, drafts.new_zeros(r, 1)], 1)  # (r, S)
-    if temperature > 0.0 and not 0 < top_k < V and top_p >= 1.0:
+    if unfiltered(temperature, top_k, top_p, V):
         return _accept_unfiltered(logits, drafts, n_draft, real, padded,
                                   inv_temp=1.0 / temperature, generator=generator,
                                   need_logprobs=need_logprobs)
@@ -181,9 +181,9 @@ def unfiltered_draws(logits: torch.Tensor, padded: torch.Tensor, *, inv_temp: fl
     return m, ssum, x_draft, u, race.clamp_min_(torch.finfo(torch.float32).tiny).log_()
 
 
-def unfiltered(cfg, vocab: int) -> bool:
+def unfiltered(temperature: float, top_k: int, top_p: float, vocab: int) -> bool:
     """Whether `accept` samples without top-k / top-p (`_accept_unfiltered`)."""
-    return cfg.temperature > 0.0 and not 0 < cfg.top_k < vocab and cfg.top_p >= 1.0
+    return temperature > 0.0 and not 0 < top_k < vocab and top_p >= 1.0
 
 
 class TailState:
@@ -239,11 +239,12 @@ def tail_step(gen, st: TailState, cfg, opts, stop_ids: torch.Tensor):
             positions = st.pos[:, None] + torch.where(valid, ar, 0)
             logits = extend(gen.w, ids, positions, valid, st.col, cache=cache,
                             key_valid=st.key_valid, cos_tab=cos, sin_tab=sin, every_position=True)
-        if advance_impl == "triton" and unfiltered(cfg, logits.shape[-1]):
+        if advance_impl == "triton" and unfiltered(cfg.temperature, cfg.top_k, cfg.top_p,
+                                                   logits.shape[-1]):
             padded[:, :S - 1] = st.drafts
-            draws = unfiltered_draws(logits, padded, inv_temp=1.0 / cfg.temperature,
-                                     generator=gen._rng)
-            accept_advance_tail(st, logits, draws, stop_ids, inv_temp=1.0 / cfg.temperature,
+            inv_temp = 1.0 / cfg.temperature
+            draws = unfiltered_draws(logits, padded, inv_temp=inv_temp, generator=gen._rng)
+            accept_advance_tail(st, logits, draws, stop_ids, inv_temp=inv_temp,
                                 need_logprobs=cfg.return_logprobs, pdl=opts.pdl)
             return
         emitted, kept, lp = accept(logits, st.drafts, st.n_draft, temperature=cfg.temperature,
