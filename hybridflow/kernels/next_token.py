@@ -31,6 +31,19 @@ if HAVE_TRITON:
     from ._dispatch import pdl_enter
 
     @triton.jit
+    def _lane_best(best_v, best_i, v, cols, ok, V):
+        """Each lane's running best after a block of values v at ids cols (ok: real ids): strictly
+        greater keeps a lane's first id; a lane's first id is taken even at -inf (best_i V: none)."""
+        better = ok & ((v > best_v) | (best_i == V))
+        return tl.where(better, v, best_v), tl.where(better, cols, best_i)
+
+    @triton.jit
+    def _first_max(v, i, V):
+        """(the max of v, the smallest id of i holding it): ids V are none."""
+        m = tl.max(v, 0)
+        return m, tl.min(tl.where((v == m) & (i < V), i, V), 0)
+
+    @triton.jit
     def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, s_x, NCHUNK, CHUNK: tl.constexpr,
                              BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         pdl_enter(PDL)
@@ -42,12 +55,8 @@ if HAVE_TRITON:
             cols = c * CHUNK + start + tl.arange(0, BLOCK)
             ok = cols < V
             v = tl.load(x_ptr + row * s_x + cols, mask=ok, other=float("-inf")).to(tl.float32)
-            # strictly greater keeps a lane's first id; a lane's first id is taken even at -inf
-            better = ok & ((v > best_v) | (best_i == V))
-            best_v = tl.where(better, v, best_v)
-            best_i = tl.where(better, cols, best_i)
-        m = tl.max(best_v, 0)
-        first = tl.min(tl.where((best_v == m) & (best_i < V), best_i, V), 0)
+            best_v, best_i = _lane_best(best_v, best_i, v, cols, ok, V)
+        m, first = _first_max(best_v, best_i, V)
         tl.store(val_ptr + row * NCHUNK + c, m)
         tl.store(idx_ptr + row * NCHUNK + c, first)
 
@@ -60,8 +69,8 @@ if HAVE_TRITON:
         ok = c < NCHUNK
         v = tl.load(val_ptr + row * NCHUNK + c, mask=ok, other=float("-inf"))
         i = tl.load(idx_ptr + row * NCHUNK + c, mask=ok, other=V)
-        m = tl.max(v, 0)
-        tl.store(out_ptr + row, tl.min(tl.where((v == m) & (i < V), i, V), 0).to(tl.int64))
+        _, first = _first_max(v, i, V)
+        tl.store(out_ptr + row, first.to(tl.int64))
 
 
 def _check_logits(logits: torch.Tensor, chunk: int, block: int) -> None:
@@ -203,8 +212,8 @@ if HAVE_TRITON:
             c = tl.arange(0, N_PAD)
             v = tl.load(val_ptr + row * NCHUNK + c, mask=c < NCHUNK, other=float("-inf"))
             i = tl.load(idx_ptr + row * NCHUNK + c, mask=c < NCHUNK, other=V)
-            best = tl.max(v, 0)
-            last = tl.min(tl.where((v == best) & (i < V), i, V), 0).to(tl.int64)
+            _, last = _first_max(v, i, V)
+            last = last.to(tl.int64)
             d = tl.load(dr_ptr + row * s_dr + j, mask=j < S - 1, other=0)
             em = tl.where(j < kept, d, last)
             if HAS_LP:
@@ -322,13 +331,10 @@ if HAVE_TRITON:
             x = tl.load(base + cols, mask=in_v, other=0.0).to(tl.float32)
             score = x * inv_temp - tl.load(g_ptr + row * s_g + cols, mask=in_v, other=0.0)
             score = tl.where(has_bad & (cols == bad), float("-inf"), score)
-            better = in_v & ((score > best_v) | (best_i == V))
-            best_v = tl.where(better, score, best_v)
-            best_i = tl.where(better, cols, best_i)
-        m = tl.max(best_v, 0)
+            best_v, best_i = _lane_best(best_v, best_i, score, cols, in_v, V)
+        m, first = _first_max(best_v, best_i, V)
         tl.store(val_ptr + row * NCHUNK + c, m)
-        tl.store(idx_ptr + row * NCHUNK + c, tl.min(tl.where((best_v == m) & (best_i < V),
-                                                             best_i, V), 0))
+        tl.store(idx_ptr + row * NCHUNK + c, first)
         if c == 0:
             tl.store(kept_ptr + row, kept.to(tl.int64))
 
