@@ -70,13 +70,10 @@ def kind_of(name: str) -> str:
     return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
 
 
-CALL_TEMPERATURE = [0.0]  # --call-temperature (main sets it): 0 greedy
-
-
-def _greedy(gen, prompts, steps: int, opts: DecodeOptions):
-    """A generate call of `steps` new tokens under `opts` (greedy unless --call-temperature), as a
-    function of no arguments."""
-    cfg = RolloutConfig(max_new_tokens=steps, temperature=CALL_TEMPERATURE[0],
+def _call(gen, prompts, steps: int, opts: DecodeOptions, temperature: float = 0.0):
+    """A generate call of `steps` new tokens under `opts` (greedy at temperature 0), as a function
+    of no arguments."""
+    cfg = RolloutConfig(max_new_tokens=steps, temperature=temperature,
                         max_batch_size=len(prompts))
     return lambda: gen.generate(prompts, cfg=cfg, eos_id=-1, pad_id=0, seed=0, options=opts)
 
@@ -101,9 +98,10 @@ def profile_calls(run, device, *, warm: bool = True) -> dict:
     return {e.key: (timeof(e), e.count) for e in events}
 
 
-def _profiled(gen, prompts, *, steps: int, opts: DecodeOptions, device) -> dict:
+def _profiled(gen, prompts, *, steps: int, opts: DecodeOptions, device,
+              temperature: float = 0.0) -> dict:
     """kernel (or aten op) name -> (time us, calls) of one generate call of `steps` new tokens."""
-    return profile_calls(_greedy(gen, prompts, steps, opts), device)
+    return profile_calls(_call(gen, prompts, steps, opts, temperature), device)
 
 
 def per_step(short: dict, long: dict, steps: int) -> dict:
@@ -124,12 +122,13 @@ def _by_kind(per: dict):
     return by_kind, count, sorted(per.items(), key=lambda kv: kv[1][0], reverse=True)[:15]
 
 
-def _wall_s(gen, prompts, *, steps: int, opts: DecodeOptions, device) -> float:
+def _wall_s(gen, prompts, *, steps: int, opts: DecodeOptions, device,
+            temperature: float = 0.0) -> float:
     """Median wall seconds of 3 generate calls of `steps` new tokens (after one warm call)."""
     import statistics
     import time
 
-    run = _greedy(gen, prompts, steps, opts)
+    run = _call(gen, prompts, steps, opts, temperature)
     times = []
     for i in range(4):
         if device.type == "cuda":
@@ -143,17 +142,19 @@ def _wall_s(gen, prompts, *, steps: int, opts: DecodeOptions, device) -> float:
     return statistics.median(times)
 
 
-def profile_case(gen, prompts, *, steps: int, opts: DecodeOptions, device) -> dict:
+def profile_case(gen, prompts, *, steps: int, opts: DecodeOptions, device,
+                 temperature: float = 0.0) -> dict:
     """Per decode step: the difference of a call of 2 x steps and one of steps new tokens, over
     steps (the prefill and the per-call work cancel)."""
-    short = _profiled(gen, prompts, steps=steps, opts=opts, device=device)
-    long = _profiled(gen, prompts, steps=2 * steps, opts=opts, device=device)
+    t = dict(opts=opts, device=device, temperature=temperature)
+    short = _profiled(gen, prompts, steps=steps, **t)
+    long = _profiled(gen, prompts, steps=2 * steps, **t)
     per = per_step(short, long, steps)  # the kernels the extra steps launched
     by_kind, count, top = _by_kind(per)
     # wall time of a step the same way (no profiler): kernel time + the gaps between kernels
     wall, tail = [], []
     for n in (steps, 2 * steps):
-        wall.append(_wall_s(gen, prompts, steps=n, opts=opts, device=device))
+        wall.append(_wall_s(gen, prompts, steps=n, **t))
         tail.append(gen.stats["spec_steps"])
     # with the speculative tail (--spec-rows) the extra tokens took fewer steps: per tail step
     dt = tail[1] - tail[0]
@@ -169,23 +170,26 @@ def profile_case(gen, prompts, *, steps: int, opts: DecodeOptions, device) -> di
                     for k, (t, n) in top]}
 
 
-def profile_prefill(gen, prompts, *, opts: DecodeOptions, device) -> dict:
+def profile_prefill(gen, prompts, *, opts: DecodeOptions, device,
+                    temperature: float = 0.0) -> dict:
     """A call of one new token: the prefill, the first draw and the per-call work (kernel time by
     kind, the top kernels, and its unprofiled wall time)."""
-    per = _profiled(gen, prompts, steps=1, opts=opts, device=device)
+    t = dict(opts=opts, device=device, temperature=temperature)
+    per = _profiled(gen, prompts, steps=1, **t)
     by_kind, count, top = _by_kind(per)
-    wall = _wall_s(gen, prompts, steps=1, opts=opts, device=device)
+    wall = _wall_s(gen, prompts, steps=1, **t)
     return {"us": sum(by_kind.values()), "wall_us": wall * 1e6, "kernels": sum(count.values()),
             "us_by_kind": dict(by_kind.most_common()),
             "top": [{"kernel": k[:100], "kind": kind_of(k), "us": t, "calls": n}
                     for k, (t, n) in top]}
 
 
-def launchers(gen, prompts, *, steps: int, device, opts: DecodeOptions, match: tuple) -> dict:
+def launchers(gen, prompts, *, steps: int, device, opts: DecodeOptions, match: tuple,
+              temperature: float = 0.0) -> dict:
     """Which host ops launch the kernels whose name holds one of `match` (e.g. "Memcpy"): a call of
     `steps` new tokens WITHOUT CUDA graphs (a replayed graph hides its launches), each such kernel
     counted under its launching op's chain of enclosing ops (innermost last) -> {chain: calls}."""
-    run = _greedy(gen, prompts, steps, opts.replace(cuda_graphs=False))
+    run = _call(gen, prompts, steps, opts.replace(cuda_graphs=False), temperature)
     run()
     return traced(run, device)["launched"](match)
 
@@ -284,10 +288,10 @@ def gpu_idle(kernels: list, ranges: list, *, min_gap_us: float = 20.0, top: int 
 
 
 def profile_timeline(gen, prompts, *, steps: int, opts: DecodeOptions, device,
-                     trace: str | None = None) -> dict:
+                     trace: str | None = None, temperature: float = 0.0) -> dict:
     """One traced generate call of `steps` new tokens (host ranges and device kernels): the GPU's
     idle time by the generator's phase (gpu_idle); `trace`: also a Chrome trace file."""
-    run = _greedy(gen, prompts, steps, opts)
+    run = _call(gen, prompts, steps, opts, temperature)
     run()
     t = traced(run, device, trace=trace)
     return {**gpu_idle([k[:2] for k in t["kernels"]], t["host"]),
@@ -332,8 +336,8 @@ def main():
     ap.add_argument("--spec-fused-advance", action="store_true",
                     help="with --spec-rows: rollout.speculative.fused_advance")
     ap.add_argument("--call-temperature", type=float, default=0.0,
-                    help="the profiled single-turn calls sample at this temperature (0: greedy; "
-                         "with --spec-rows and --spec-fused-advance, > 0 runs the fused acceptance)")
+                    help="the single-turn calls sample at this temperature (0: greedy; with "
+                         "--spec-rows and --spec-fused-advance, > 0 runs the fused acceptance)")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model's")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
@@ -345,7 +349,6 @@ def main():
     if args.no_eager and not args.compile:
         ap.error("--no-eager profiles the compiled cases only: it needs --compile")
     modes = ([True] if args.no_eager else [False, True]) if args.compile else [False]
-    CALL_TEMPERATURE[0] = args.call_temperature
     base = decode_options(args, spec_rows=args.spec_rows, spec_draft_tokens=args.spec_drafts,
                           spec_fused_advance=args.spec_fused_advance)
     last = base.replace(kernels=args.kernels[-1], compile=args.compile)  # prefill, timeline, ...
@@ -390,7 +393,8 @@ def main():
             floor_us = (weight_bytes + kv_bytes) / COPY_BW * 1e6
             for kernels, compiled in [(k, c) for k in args.kernels for c in modes]:
                 res = profile_case(gen, prompts, steps=args.steps, device=device,
-                                   opts=base.replace(kernels=kernels, compile=compiled))
+                                   opts=base.replace(kernels=kernels, compile=compiled),
+                                   temperature=args.call_temperature)
                 res.update(model=cfg.name, batch=B, compiled=compiled, kernels=kernels,
                            compile_mode=args.compile_mode if compiled else None,
                            floor_us_per_step=floor_us,
@@ -409,7 +413,8 @@ def main():
                           flush=True)
                 write_json(args.out, report)  # after every case: a call cut off keeps what it measured
             if args.prefill:
-                res = profile_prefill(gen, prompts, opts=last, device=device)
+                res = profile_prefill(gen, prompts, opts=last, device=device,
+                                      temperature=args.call_temperature)
                 res.update(model=cfg.name, batch=B, prompt_tokens=B * args.prompt_len)
                 report.setdefault("prefill", []).append(res)
                 print(f"{cfg.name} B={B} prefill call: {res['us']:.0f} us kernels "
@@ -419,7 +424,8 @@ def main():
                     print(f"    {t['us']:8.0f} us {t['calls']:4.0f}x {t['kernel']}", flush=True)
             if args.launchers is not None:
                 res = launchers(gen, prompts, steps=args.steps, device=device, opts=last,
-                                match=tuple(args.launchers) or ("Memcpy", "Memset"))
+                                match=tuple(args.launchers) or ("Memcpy", "Memset"),
+                                temperature=args.call_temperature)
                 report.setdefault("launchers", []).append({"model": cfg.name, "batch": B,
                                                            "steps": args.steps, "calls": res})
                 write_json(args.out, report)
@@ -433,7 +439,7 @@ def main():
                 if trace:
                     os.makedirs(args.trace_dir, exist_ok=True)
                 res = profile_timeline(gen, prompts, steps=args.steps, opts=last, device=device,
-                                       trace=trace)
+                                       trace=trace, temperature=args.call_temperature)
                 res.update(model=cfg.name, batch=B, steps=args.steps)
                 report.setdefault("timeline", []).append(res)
                 write_json(args.out, report)
