@@ -22,9 +22,10 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
            step (rollout.speculative.max_rows / draft_tokens) instead of 16 and 4: an earlier
            start and longer drafts against a dearer tail step (on the recipe: no gain, the
            results in gsm8k_spec_tail_h100.json)
-  spec_advance  the tail step's acceptance (the recipe's unfiltered sampling) and bookkeeping
-           as two Triton kernels (rollout.speculative.fused_advance) instead of ~90 small
-           PyTorch kernels
+  spec_torch_advance  the tail step's acceptance and bookkeeping as ~90 small PyTorch kernels
+           (rollout.speculative.fused_advance=false) instead of the two Triton kernels the
+           default runs with the recipe's unfiltered sampling (the results in
+           gsm8k_spec_advance_h100.json)
   nomonitor  no GPU monitor thread (trainer.gpu_monitor_interval_s=0): the A/B of its cost
            (on by default where nvidia-ml-py is installed)
   reward_async  the rule reward scored on a worker thread behind the reference pass
@@ -95,7 +96,7 @@ VARIANTS = {
     "spec_r32": "rollout.speculative.max_rows=32",
     "spec_r32_d8": "rollout.speculative.max_rows=32 rollout.speculative.draft_tokens=8",
     "spec_d8": "rollout.speculative.draft_tokens=8",
-    "spec_advance": "rollout.speculative.fused_advance=true",
+    "spec_torch_advance": "rollout.speculative.fused_advance=false",
     "nomonitor": "trainer.gpu_monitor_interval_s=0",
     "varlen": "algo.packed_attention=varlen",
     "reward_async": "reward.launch_reward_fn_async=true",

@@ -333,8 +333,9 @@ def main():
                          "with --batches at most this, all but the first poll's steps are tail "
                          "steps (each case then also reports its time per tail step)")
     ap.add_argument("--spec-drafts", type=int, default=4, help="with --spec-rows: draft_tokens")
-    ap.add_argument("--spec-fused-advance", action="store_true",
-                    help="with --spec-rows: rollout.speculative.fused_advance")
+    ap.add_argument("--spec-fused-advance", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --spec-rows: rollout.speculative.fused_advance (the default; "
+                         "--no-spec-fused-advance: the PyTorch ops)")
     ap.add_argument("--call-temperature", type=float, default=0.0,
                     help="the single-turn calls sample at this temperature (0: greedy; with "
                          "--spec-rows and --spec-fused-advance, > 0 runs the fused acceptance)")

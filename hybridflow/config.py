@@ -179,14 +179,14 @@ class SpeculativeConfig:
     small PyTorch kernels, where the tail runs the decode kernels; with sampling and no top-k /
     top-p the acceptance before it as well (next_token.accept_advance_tail: the kept drafts and
     the exponential race over the vocabulary in one more launch, instead of ~40 kernels; the same
-    random draws). Same results (tokens equal up to rounding at a tie). Off until measured on a
-    GPU (docs/perf_log.md)."""
+    random draws). Same results (tokens equal up to rounding at a tie), a cheaper tail step
+    (docs/perf_log.md); false: the PyTorch ops, for A/B runs."""
     enable: Optional[bool] = None
     max_rows: int = 16
     draft_tokens: int = 4
     ngram_max: int = 3
     ngram_min: int = 1
-    fused_advance: bool = False
+    fused_advance: bool = True
 
 
 @dataclass

@@ -90,8 +90,8 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
     balanced_micro_batches, packed_attention, gen_rounds, gen_prompt_factor,
     gen_batches_per_round, response_logits_only, bf16_logits, graph_min_fill,
     int4_kernel_max_rows, own_columns_only, partial_decode_steps, partial_extra_prompts,
-    multi_turn, spec_rows, spec_draft_tokens, spec_tail_tokens_per_step, spec_draft_accept),
-    cdf_sampler and reward_in_pass."""
+    multi_turn, spec_rows, spec_draft_tokens, spec_tail_tokens_per_step, spec_draft_accept,
+    spec_fused_accept), cdf_sampler and reward_in_pass."""
     allowed = {"response_lengths", "prompt_len_max", "max_new_tokens", "gen_max_batch_size",
                "compact_finished_rows", "decode_kv_window", "dynamic_bsz", "pack_sequences",
                "balanced_micro_batches",
@@ -99,7 +99,7 @@ def estimate_cost(*, model, gpu: str = "H200", num_gpus: int = 8, prompts_per_st
                "response_logits_only", "bf16_logits", "graph_min_fill", "int4_kernel_max_rows",
                "own_columns_only", "partial_decode_steps", "partial_extra_prompts", "multi_turn",
                "spec_rows", "spec_draft_tokens", "spec_tail_tokens_per_step",
-               "spec_draft_accept", "cdf_sampler", "reward_in_pass"}
+               "spec_draft_accept", "spec_fused_accept", "cdf_sampler", "reward_in_pass"}
     if set(varlen) - allowed:
         raise TypeError(f"estimate_cost: unknown arguments {sorted(set(varlen) - allowed)}")
     shape, gpu_, calib = load_shape(model), get_gpu(gpu), load_calibration(calibration)

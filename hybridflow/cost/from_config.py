@@ -66,6 +66,17 @@ def fused_cdf_draw(cfg: Config, *, decode_kernels: str) -> bool:
         kernels=decode_kernels, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
 
 
+def fused_tail_accept(cfg: Config, *, decode_kernels: str) -> bool:
+    """Whether the speculative tail's acceptance and bookkeeping run as two Triton kernels
+    (rollout.speculative.fused_advance on the Triton decode, sampling without top-k / top-p:
+    rollout/speculative.tail_step)."""
+    from hybridflow.rollout.speculative import unfiltered
+
+    r = cfg.rollout
+    return (bool(r.speculative.fused_advance) and decode_kernels == "triton"
+            and unfiltered(r.temperature, r.top_k, r.top_p, cfg.model.vocab_size))
+
+
 def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = None,
                     gpu: str | GPU = "H200", fa4_installed: bool = True) -> dict:
     """`Workload` keyword arguments for one step of `cfg` (a config whose auto options are
@@ -115,4 +126,5 @@ def workload_fields(cfg: Config, *, decode_kernels: str, lengths: dict | None = 
                 partial_extra_prompts=r.partial.extra_prompts if r.partial.enable else 0,
                 multi_turn=bool(r.multi_turn.enable),
                 spec_rows=r.speculative.max_rows if r.speculative.enable is True else 0,
-                spec_draft_tokens=r.speculative.draft_tokens)
+                spec_draft_tokens=r.speculative.draft_tokens,
+                spec_fused_accept=fused_tail_accept(cfg, decode_kernels=decode_kernels))

@@ -121,6 +121,10 @@ DEVICE_COPY_EFF = 0.9  # of HBM bandwidth, a streaming device copy on an H200 (d
 # it measured (benchmarks/results/gsm8k_spec_ab_h100.json, docs/performance.md), not a fit over
 # several records
 SPEC_TAIL_STEP_S = 6.2e-4
+# what rollout.speculative.fused_advance takes off a tail step with unfiltered sampling
+# (`Workload.spec_fused_accept`): the difference of the fitted tail-step costs of the GSM8K
+# recipe's A/B in both orders on one H100 (benchmarks/decode_step_costs.py; docs/perf_log.md)
+SPEC_FUSED_ACCEPT_S = 2.2e-4
 # The fused sampler's draw per decode step, a + b x rows seconds (b at SAMPLER_VOCAB ids; it
 # scales with the vocabulary, the logits each row reads): least squares over bench_sampler.py's
 # 16-512 rows on one H100 (CUDA graphs, bf16 logits; docs/performance.md), for the exponential
@@ -266,7 +270,8 @@ def _gen(shape: ModelConfig, gpu: GPU, plan: Plan, w: Workload, calib: Calibrati
         prefills = _prefill_calls(prefill_tokens, calls * d.chunks)
         prefill = prefill_tokens * forward_flops_per_token(shape, prompt) / tp_g
         t.add("compaction", None, calls * d.moved_bytes * kv_token / (gpu.hbm_gbps * 1e9))
-        t.add("spec_tail_step", None, calls * d.spec_steps * SPEC_TAIL_STEP_S)
+        tail_step_s = SPEC_TAIL_STEP_S - (SPEC_FUSED_ACCEPT_S if w.spec_fused_accept else 0.0)
+        t.add("spec_tail_step", None, calls * d.spec_steps * tail_step_s)
         spec_steps, spec_row_steps = calls * d.spec_steps, calls * d.spec_row_steps
         collectives, comm_tokens = 2 * shape.num_layers * (steps + calls * d.chunks), \
             calls * (row_steps + prefilled * prompt)

@@ -180,6 +180,11 @@ class Workload:
     spec_draft_tokens: int = 4
     spec_tail_tokens_per_step: Optional[float] = None
     spec_draft_accept: float = 0.645
+    # rollout.speculative.fused_advance on the Triton decode with sampling and no top-k / top-p:
+    # a tail step's acceptance and bookkeeping as two kernels (next_token.accept_advance_tail)
+    # instead of ~90 small PyTorch ones, SPEC_FUSED_ACCEPT_S less per tail step than the
+    # records measured (timing.py); records measured before say false
+    spec_fused_accept: bool = False
     # rollout.multi_turn.enable: generation with tool turns, costed as single-turn generation of
     # the same lengths (tool waits, appended results and the multi-turn step's own costs are not
     # modelled); the options its config refuses (quantized rollouts, partial rollouts, the fp8 KV

@@ -60,7 +60,7 @@ class DecodeOptions:
     spec_rows: int = 0
     spec_draft_tokens: int = 4
     spec_ngram: tuple = (3, 1)
-    spec_fused_advance: bool = False  # rollout.speculative.fused_advance
+    spec_fused_advance: bool = True  # rollout.speculative.fused_advance
 
     check_every: int = 16  # decode steps between stop polls (and compaction decisions)
     prefill_tokens: int = 16384  # prompt tokens per prefill sub-batch (bounds activation memory)

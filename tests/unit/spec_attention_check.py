@@ -176,15 +176,17 @@ def generation_cases():
     out = {}
     # sampled: PyTorch's draws on both paths (the fused sampler draws from its own stream);
     # recipe: the GPU's way (graphed buckets emulated, compaction down to 1 row, a KV window);
-    # both with the tail's bookkeeping as one kernel (spec_fused_advance), the others without
-    cases = {"greedy": ({}, {}),
+    # both with the tail's bookkeeping as one kernel (spec_fused_advance, the default), the others
+    # with the PyTorch bookkeeping after the fused verify
+    cases = {"greedy": ({}, dict(spec_fused_advance=False)),
              "sampled": (dict(temperature=0.8, n=2,
                               kernel_options=DecodeKernelOptions(fused_sampler=False)),
                          dict(spec_fused_advance=True)),
              "recipe": (dict(compact_finished_rows=True, decode_kv_window=64),
                         dict(emulate_graphs=True, min_graphed_bucket=1, spec_fused_advance=True)),
              # Qwen3's q/k norms (last: it swaps the generator; the same prompts and stops)
-             "qk_norm": ({}, dict(emulate_graphs=True, min_graphed_bucket=1))}
+             "qk_norm": ({}, dict(emulate_graphs=True, min_graphed_bucket=1,
+                                  spec_fused_advance=False))}
     for name, (kw, okw) in cases.items():
         res = {}
         if name == "qk_norm":

@@ -719,6 +719,43 @@ def test_sampler_from_config():
         assert not fused_cdf_draw(load_config([off]), decode_kernels="triton"), off
 
 
+def test_fused_tail_accept_takes_its_measured_cost_off_each_tail_step():
+    """rollout.speculative.fused_advance on the Triton decode with unfiltered sampling charges
+    SPEC_FUSED_ACCEPT_S less per tail step than SPEC_TAIL_STEP_S; off, filtered sampling, greedy
+    or the PyTorch decode charge the records' full cost."""
+    from hybridflow.config import load_config
+    from hybridflow.cost.efficiency import Calibration
+    from hybridflow.cost.from_config import fused_tail_accept
+    from hybridflow.cost.gpus import get_gpu
+    from hybridflow.cost.shapes import load_shape
+    from hybridflow.cost.timing import SPEC_FUSED_ACCEPT_S, SPEC_TAIL_STEP_S, stage_terms
+    from hybridflow.cost.varlen import decode_schedule
+    from hybridflow.cost.workload import Workload, make_plan
+
+    assert fused_tail_accept(load_config([]), decode_kernels="triton")
+    assert not fused_tail_accept(load_config([]), decode_kernels="torch")
+    for off in ("rollout.speculative.fused_advance=false", "rollout.top_k=50",
+                "rollout.top_p=0.9", "rollout.temperature=0"):
+        assert not fused_tail_accept(load_config([off]), decode_kernels="triton"), off
+
+    shape = load_shape("qwen2_5_coder_0_5b")
+    w = Workload(prompts_per_step=64, samples_per_prompt=8, prompt_len=100,
+                 response_lengths=tuple(range(20, 320, 5)) + (1000,), max_new_tokens=1024,
+                 gen_max_batch_size=512, compact_finished_rows=True, spec_rows=16,
+                 spec_tail_tokens_per_step=2.5)
+
+    def tail_cost(**kw):
+        t = stage_terms(shape, get_gpu("H100"), make_plan({"tp": 1}, 1, shape),
+                        replace(w, **kw), Calibration())["gen"]
+        return sum(x for label, _, x in t.parts if label == "spec_tail_step")
+
+    steps = decode_schedule(w, 512, 512).spec_steps
+    assert steps > 0
+    assert tail_cost() == pytest.approx(steps * SPEC_TAIL_STEP_S)
+    assert tail_cost(spec_fused_accept=True) == pytest.approx(
+        steps * (SPEC_TAIL_STEP_S - SPEC_FUSED_ACCEPT_S))
+
+
 def test_cli_packed_attention_and_sampler(capsys):
     """--packed-attention auto follows the trainer on --gpu (fa4 on compute capability 9.0+, varlen
     with --no-fa4 or before 9.0), with --config too; fa4 where it cannot run is a user error; the
