@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import torch
 
 from hybridflow.kernels.logprob_entropy import logprob_stats
@@ -291,33 +290,40 @@ def run_tail(gen, tail: tuple, buf, row_map: torch.Tensor, out_tok: torch.Tensor
     drafter = NgramDrafter([list(prompts[c]) + t for c, t in zip(rows.tolist(), so_far)],
                            ngram_max=opts.spec_ngram[0], ngram_min=opts.spec_ngram[1])
     rows_b = st.drafts.shape[0]
-    steps_h = np.full(r, s + 1)  # output columns written per running row (host)
-    done_h = np.zeros(r, dtype=bool)
+    # the host's work between two tail steps keeps the GPU idle: Python ints and lists, the
+    # pinned buffers written once per step through numpy
+    steps_h = [s + 1] * r  # output columns written per running row
+    live = list(range(r))
     drafts_h = torch.zeros((rows_b, k), dtype=torch.long)
     n_h = torch.zeros(rows_b, dtype=torch.long)
     if gen.device.type == "cuda":
         drafts_h, n_h = drafts_h.pin_memory(), n_h.pin_memory()
-    drafts_np, n_np = drafts_h.numpy(), n_h.numpy()  # the pinned buffers, written through numpy
-    while not done_h.all():
-        drafts_np.fill(0)
-        n_np.fill(0)
-        for i in np.flatnonzero(~done_h):
-            d = drafter.draft(i, min(k, R - int(steps_h[i]) - 1))
-            drafts_np[i, :len(d)] = d
-            n_np[i] = len(d)
+    drafts_np, n_np = drafts_h.numpy(), n_h.numpy()
+    no_drafts = [0] * k
+    while live:
+        drafts_l, n_l = [no_drafts] * rows_b, [0] * rows_b
+        for i in live:
+            d = drafter.draft(i, min(k, R - steps_h[i] - 1))
+            drafts_l[i], n_l[i] = d + no_drafts[len(d):], len(d)
+        drafts_np[:] = drafts_l
+        n_np[:] = n_l
         st.drafts.copy_(drafts_h, non_blocking=True)
         st.n_draft.copy_(n_h, non_blocking=True)
         step()
-        ret = st.ret[:r].cpu().numpy()  # the step's one host read
-        n_emit = ret[:, S]
-        for i in np.flatnonzero(n_emit):
-            drafter.append(i, ret[i, :n_emit[i]])
-        steps_h += n_emit
-        done_h = ret[:, S + 1].astype(bool)
+        ret = st.ret[:r].tolist()  # the step's one host read
+        emitted = rows_emitting = 0
+        for i, row in enumerate(ret):
+            n = row[S]
+            if n:
+                drafter.append(i, row[:n])
+                steps_h[i] += n
+                emitted += n
+                rows_emitting += 1
+        live = [i for i, row in enumerate(ret) if not row[S + 1]]
         stats["spec_steps"] += 1
-        stats["spec_rows"] += int((n_emit > 0).sum())
-        stats["spec_drafted"] += int(n_np.sum())
-        stats["spec_tokens"] += int(n_emit.sum())
+        stats["spec_rows"] += rows_emitting
+        stats["spec_drafted"] += sum(n_l)
+        stats["spec_tokens"] += emitted
         stats["decode_row_steps"] += rows_b
     out_tok.index_copy_(0, rows, st.out_tokens[:r, :R])
     out_lp.index_copy_(0, rows, st.out_logprobs[:r, :R])
