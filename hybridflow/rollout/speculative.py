@@ -224,8 +224,11 @@ def tail_step(gen, st: TailState, cfg, opts, stop_ids: torch.Tensor):
     # rollout.speculative.fused_advance: the bookkeeping after the acceptance as one kernel,
     # with unfiltered sampling the acceptance before it as well (accept_advance_tail)
     advance_impl = "triton" if fused and opts.spec_fused_advance else "torch"
-    padded = (torch.zeros((rows, S), dtype=torch.long, device=dev)  # the drafts, then a pad
-              if advance_impl == "triton" else None)
+    fused_accept = advance_impl == "triton" and unfiltered(cfg.temperature, cfg.top_k, cfg.top_p,
+                                                           gen.w.dims.true_vocab)
+    if fused_accept:
+        padded = torch.zeros((rows, S), dtype=torch.long, device=dev)  # the drafts, then a pad
+        inv_temp = 1.0 / cfg.temperature
 
     def step():
         ids = torch.cat([st.pend[:, None], st.drafts], 1)  # (rows, S)
@@ -238,10 +241,8 @@ def tail_step(gen, st: TailState, cfg, opts, stop_ids: torch.Tensor):
             positions = st.pos[:, None] + torch.where(valid, ar, 0)
             logits = extend(gen.w, ids, positions, valid, st.col, cache=cache,
                             key_valid=st.key_valid, cos_tab=cos, sin_tab=sin, every_position=True)
-        if advance_impl == "triton" and unfiltered(cfg.temperature, cfg.top_k, cfg.top_p,
-                                                   logits.shape[-1]):
+        if fused_accept:
             padded[:, :S - 1] = st.drafts
-            inv_temp = 1.0 / cfg.temperature
             draws = unfiltered_draws(logits, padded, inv_temp=inv_temp, generator=gen._rng)
             accept_advance_tail(st, logits, draws, stop_ids, inv_temp=inv_temp,
                                 need_logprobs=cfg.return_logprobs, pdl=opts.pdl)
