@@ -68,12 +68,16 @@ def fused_cdf_draw(cfg: Config, *, decode_kernels: str) -> bool:
 
 def fused_tail_accept(cfg: Config, *, decode_kernels: str) -> bool:
     """Whether the speculative tail's acceptance and bookkeeping run as two Triton kernels
-    (rollout.speculative.fused_advance on the Triton decode, sampling without top-k / top-p:
-    rollout/speculative.tail_step)."""
+    (rollout/speculative.tail_step): rollout.speculative.fused_advance where the tail runs the
+    decode kernels (`fused_verify_applies`: the Triton decode, unquantized weights and cache,
+    dense layers, TP_g = 1), sampling without top-k / top-p."""
     from hybridflow.rollout.speculative import unfiltered
 
     r = cfg.rollout
-    return (bool(r.speculative.fused_advance) and decode_kernels == "triton"
+    tp_g = r.tensor_parallel_size or cfg.parallel.tensor_parallel_size
+    verify_fused = (decode_kernels == "triton" and r.quantization == "none"
+                    and r.kv_cache_dtype != "fp8" and tp_g == 1 and not cfg.model.moe.enabled)
+    return (bool(r.speculative.fused_advance) and verify_fused
             and unfiltered(r.temperature, r.top_k, r.top_p, cfg.model.vocab_size))
 
 

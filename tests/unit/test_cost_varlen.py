@@ -735,7 +735,9 @@ def test_fused_tail_accept_takes_its_measured_cost_off_each_tail_step():
     assert fused_tail_accept(load_config([]), decode_kernels="triton")
     assert not fused_tail_accept(load_config([]), decode_kernels="torch")
     for off in ("rollout.speculative.fused_advance=false", "rollout.top_k=50",
-                "rollout.top_p=0.9", "rollout.temperature=0"):
+                "rollout.top_p=0.9", "rollout.temperature=0", "rollout.kv_cache_dtype=fp8",
+                "rollout.tensor_parallel_size=2", "model=qwen3_moe_2b",
+                "rollout.quantization=fp8"):
         assert not fused_tail_accept(load_config([off]), decode_kernels="triton"), off
 
     shape = load_shape("qwen2_5_coder_0_5b")
