@@ -7,6 +7,12 @@ forward, its derivative in the epilogue of fc2's input-gradient GEMM backward. T
 weights run both forwards; both add their weight gradients into fp32 `main_grad` as under DDP
 (`parallel.gradient_accumulation_fusion`).
 
+The SwiGLU's backward alone (`swiglu`): Megatron's compiled swiglu_back (`compiled`) against
+kernels/swiglu_train.py (`triton`, parallel.swiglu_backward=triton) on fc1's output and the gradient
+as the MLP's backward gets them, --calls back to back per timed run, with the HBM bytes each call
+must move (read the gradient and fc1's output once, write the input gradient) over its time; and
+the MLP row's `trainer_swiglu_triton` side: Megatron's MLP with that backward installed.
+
 The RoPE of q and k (split from a QKV projection as Megatron splits them): kernels/rope_train.py
 (`triton`, the trainer's where it takes the head size) against Megatron's formula compiled
 (`compiled`, models/fused.py's fallback for the head sizes the kernel does not take).
@@ -76,8 +82,12 @@ def _mlp_row(mlp, shape, tokens: int, iters: int, warmup: int, cuda: bool, skipp
         out = _GatedMLP.apply(h.reshape(-1, h.shape[-1]), w1, w2, True, True)
         return out.view(*h.shape[:-1], out.shape[-1]), None
 
-    for side, cls in (("trainer", MLP), ("quack", QuackMLP), ("quack_tuned", QuackMLP)):
-        if side != "trainer" and skipped:
+    from hybridflow.models.fused import use_fused_swiglu
+
+    for side, cls in (("trainer", MLP), ("trainer_swiglu_triton", MLP), ("quack", QuackMLP),
+                      ("quack_tuned", QuackMLP)):
+        use_fused_swiglu(side == "trainer_swiglu_triton" and cuda)
+        if side.startswith("quack") and skipped:
             row[side] = {"skipped": skipped}
             continue
         mlp.__class__ = cls  # the same module and weights, the other forward
@@ -99,6 +109,40 @@ def _mlp_row(mlp, shape, tokens: int, iters: int, warmup: int, cuda: bool, skipp
         row[side] = {"forward_s": _timed(fwd, iters, warmup, cuda),
                      "forward_backward_s": _timed(fwd_bwd, iters, warmup, cuda), "rel_err": err}
     mlp.__class__ = MLP
+    use_fused_swiglu(False)
+    return row
+
+
+def _swiglu_row(shape, tokens: int, iters: int, warmup: int, calls: int, cuda: bool) -> dict:
+    """The SwiGLU's backward on fc1's output (tokens, 2F) and its output gradient (tokens, F) in
+    bf16: Megatron's compiled swiglu_back against the Triton kernel; seconds per call (median of
+    `iters` runs of `calls` calls), the bytes a call must move over that time, and the error
+    against fp64 autograd relative to its largest magnitude."""
+    from megatron.core.fusions.fused_bias_swiglu import swiglu_back
+
+    from hybridflow.kernels.swiglu_train import swiglu_backward
+
+    if not cuda:
+        return {"compiled": {"skipped": "not a CUDA device"},
+                "triton": {"skipped": "not a CUDA device"}}
+    f = shape.ffn_hidden_size
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    z = (3 * torch.randn(tokens, 2 * f, device="cuda", generator=g)).bfloat16()
+    grad = torch.randn(tokens, f, device="cuda", generator=g).bfloat16()
+    zz = z.double().requires_grad_()
+    gate, up = zz.chunk(2, dim=-1)
+    (F.silu(gate) * up).backward(grad.double())
+    moved = 5 * tokens * f * z.element_size()  # read grad, gate, up; write both halves
+    row = {}
+    for side, fn in (("compiled", lambda: swiglu_back(grad, z)),
+                     ("triton", lambda: swiglu_backward(grad, z, impl="triton"))):
+        def run():
+            for _ in range(calls):
+                fn()
+
+        s = _timed(run, iters, warmup, cuda) / calls
+        row[side] = {"call_s": s, "gb_per_s": moved / s / 1e9,
+                     "rel_err": {"dz": _rel_err(fn(), zz.grad.float())}}
     return row
 
 
@@ -160,8 +204,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", nargs="+", type=int, default=[20480, 40960],
                     help="rows of one packed micro-batch (the recipe's update and ref budgets)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--kernels", nargs="+", choices=("mlp", "rope"),
-                    default=["mlp", "rope"])
+    ap.add_argument("--kernels", nargs="+", choices=("mlp", "rope", "swiglu"),
+                    default=["mlp", "rope", "swiglu"])
+    ap.add_argument("--calls", type=int, default=20,
+                    help="swiglu: back-to-back calls per timed run")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", required=True)
@@ -182,8 +228,9 @@ def main(argv=None) -> int:
     head = {"benchmark": "the training passes' per-layer kernels at one micro-batch of packed "
                          "tokens: the gated MLP, Megatron's (fc1, its compiled SwiGLU, fc2) "
                          "against QuackMLP (parallel.mlp_kernels=quack: the SwiGLU in the GEMM "
-                         "epilogues), wgrads into fp32 main_grad; the RoPE of q and k, the compiled "
-                         "formula against the Triton kernel",
+                         "epilogues) and Megatron's with the Triton SwiGLU backward, wgrads into "
+                         "fp32 main_grad; the SwiGLU backward alone, compiled against Triton; the "
+                         "RoPE of q and k, the compiled formula against the Triton kernel",
             "machine": machine(), "versions": versions("megatron-core", "quack-kernels"),
             "command": command(), "iters": a.iters, "warmup": a.warmup}
     for name in a.model:
@@ -204,6 +251,13 @@ def main(argv=None) -> int:
                 row = _rope_row(shape, tokens, a.iters, a.warmup, cuda)
                 results[f"rope/{name}/{tokens}"] = row
                 print(f"rope {name:19s} {tokens:6d}  {_line(row)}", flush=True)
+            if "swiglu" in a.kernels:
+                row = _swiglu_row(shape, tokens, a.iters, a.warmup, a.calls, cuda)
+                results[f"swiglu/{name}/{tokens}"] = row
+                print(f"swiglu {name:17s} {tokens:6d}  " + "  ".join(
+                    f"{k} {v['call_s'] * 1e6:.1f} us {v['gb_per_s']:.0f} GB/s "
+                    f"err {v['rel_err']['dz']:.1e}" if "skipped" not in v else f"{k} skipped"
+                    for k, v in row.items()), flush=True)
             write_json(a.out, {**head, "results": results})  # a run cut short keeps its rows
         del model, mlp
     return 0

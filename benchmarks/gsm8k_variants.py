@@ -26,6 +26,8 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
            (rollout.speculative.fused_advance=false) instead of the two Triton kernels the
            default runs with the recipe's unfiltered sampling (the results in
            gsm8k_spec_advance_h100.json)
+  swiglu_triton  the training SwiGLU's backward on kernels/swiglu_train.py
+           (parallel.swiglu_backward=triton) instead of Megatron's compiled swiglu_back
   nomonitor  no GPU monitor thread (trainer.gpu_monitor_interval_s=0): the A/B of its cost
            (on by default where nvidia-ml-py is installed)
   reward_async  the rule reward scored on a worker thread behind the reference pass
@@ -97,6 +99,7 @@ VARIANTS = {
     "spec_r32_d8": "rollout.speculative.max_rows=32 rollout.speculative.draft_tokens=8",
     "spec_d8": "rollout.speculative.draft_tokens=8",
     "spec_torch_advance": "rollout.speculative.fused_advance=false",
+    "swiglu_triton": "parallel.swiglu_backward=triton",
     "nomonitor": "trainer.gpu_monitor_interval_s=0",
     "varlen": "algo.packed_attention=varlen",
     "reward_async": "reward.launch_reward_fn_async=true",

@@ -19,6 +19,7 @@ from hybridflow.model_config import ModelConfig  # the model group's schema, wit
 
 CONF_PACKAGE = "hybridflow.conf"
 QUACK_CHOICES = ("torch", "quack", "auto")  # parallel.mlp_kernels
+SWIGLU_BACKWARD_CHOICES = ("triton", "compiled")  # parallel.swiglu_backward
 
 
 @dataclass
@@ -42,6 +43,11 @@ class ParallelConfig:
     # bias_activation_fusion SwiGLU, which keeps only fc1's output for backward);
     # hybridflow/models/fused.py. CPU runs are unchanged either way
     fused_elementwise: bool = True
+    # with fused_elementwise on CUDA, the fused SwiGLU's backward: "triton" (one read of fc1's
+    # output and the gradient, both halves of the input gradient written from it;
+    # hybridflow/kernels/swiglu_train.py) or "compiled" (Megatron's torch.compile'd swiglu_back,
+    # whose kernel reads the gate and the gradient once per half). Same formula, fp32, one rounding
+    swiglu_backward: str = "compiled"
     # the gated MLP's SwiGLU inside its GEMMs on CUDA (hybridflow/models/quack_mlp.py,
     # quack-kernels, installed with flash-attn-4): fc1's epilogue forward, the epilogue of fc2's
     # input-gradient GEMM backward. quack: an error where it cannot run; auto: quack on sm_90+

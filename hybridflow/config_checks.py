@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hybridflow.config import QUACK_CHOICES, Config
+from hybridflow.config import QUACK_CHOICES, SWIGLU_BACKWARD_CHOICES, Config
 from hybridflow.model_config import ModelConfig
 
 KERNELS = ("auto", "triton", "torch")  # rollout.decode_kernels
@@ -108,6 +108,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
         raise ValueError(f"parallel.lm_head_chunk_tokens={p.lm_head_chunk_tokens}: expected 0 (off) "
                          "or a positive number of positions")
     _one_of("parallel.mlp_kernels", p.mlp_kernels, set(QUACK_CHOICES))
+    _one_of("parallel.swiglu_backward", p.swiglu_backward, set(SWIGLU_BACKWARD_CHOICES))
     if not 0.0 <= p.train_graphs_min_fill <= 1.0:
         raise ValueError(f"parallel.train_graphs_min_fill={p.train_graphs_min_fill}: expected a "
                          "share of the token budget in [0, 1]")

@@ -32,7 +32,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hybridflow.config import ModelConfig
 from hybridflow.models.attention import SDPAttention
-from hybridflow.models.fused import use_fused_rope
+from hybridflow.models.fused import use_fused_rope, use_fused_swiglu
 from hybridflow.models.heads import ValueHead
 from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear,
                                       LeanRowParallelLinear)
@@ -151,12 +151,13 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
 
 def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = False,
                 precision: str = "fp32", activation_checkpointing: bool = False,
-                fused_elementwise: bool = False, quack_mlp: bool = False) -> GPTModel:
+                fused_elementwise: bool = False, quack_mlp: bool = False,
+                swiglu_backward: str = "compiled") -> GPTModel:
     """One pipeline stage of the model for `role` on this rank, in the training layout of the
     `ParallelContext` `ctx` (its groups are the model's). `activation_checkpointing`: every
     decoder layer recomputes its forward in backward (`checkpoint_layers`).
     `fused_elementwise` (parallel.fused_elementwise): RoPE and SwiGLU as fused kernels on CUDA
-    (models/fused.py).
+    (models/fused.py); `swiglu_backward` (parallel.swiglu_backward) picks the SwiGLU's backward.
     `quack_mlp` (parallel.mlp_kernels, resolved): the dense MLPs' SwiGLU inside quack's GEMMs
     where they apply (models/quack_mlp.py)."""
     if role not in LM_ROLES + SCALAR_ROLES:
@@ -166,6 +167,7 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
                               precision=precision, fused_elementwise=fused_elementwise,
                               ep=ctx.ep_size, etp=_group_size(getattr(ctx.pgs, "expt_tp", None)))
     use_fused_rope(fused_elementwise)  # process-wide: the last model built sets it
+    use_fused_swiglu(fused_elementwise and swiglu_backward == "triton")  # process-wide, alike
     spec = layer_spec(cfg)
     block = TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(tcfg, None, pp_rank),

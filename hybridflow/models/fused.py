@@ -8,7 +8,10 @@ activation-sized tensor, so together they cost a large share of a small model's 
 of a forward-only pass at Qwen2-1.5B; docs/perf_log.md). With this on (the default; CUDA tensors
 only, the CPU path is unchanged):
 - SwiGLU: Megatron's own fusion (`bias_activation_fusion`: `SwiGLUFunction`, torch.compile'd
-  forward and backward kernels that keep only fc1's output for backward);
+  forward and backward kernels that keep only fc1's output for backward); with
+  `parallel.swiglu_backward=triton` its backward on kernels/swiglu_train.py (`use_fused_swiglu`:
+  the same forward, installed in place of the `bias_swiglu_impl` that Megatron's MLP calls;
+  biased, fp8-stored or offloaded inputs keep Megatron's);
 - RoPE: Megatron's bshd RoPE (rotate-half, whole head) as one kernel each way, ours
   (kernels/rope_train.py: every head of a position rotated with one read of its tables) where it
   takes the head size (head_dim / 2 a power of two), else its formula through torch.compile (one
@@ -24,12 +27,47 @@ from __future__ import annotations
 import functools
 
 import torch
+from megatron.core.fusions import fused_bias_swiglu
 from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.transformer import mlp as megatron_mlp
 
-from hybridflow.kernels import rope_train
+from hybridflow.kernels import rope_train, swiglu_train
 from hybridflow.models.graphs import capturing
 
 _UNFUSED_ROPE = rope_utils._apply_rotary_pos_emb_bshd
+_MEGATRON_SWIGLU = fused_bias_swiglu.bias_swiglu_impl
+
+
+def use_fused_swiglu(enabled: bool) -> None:
+    """Process-wide: the fused SwiGLU that Megatron's MLP calls with its backward on
+    kernels/swiglu_train.py (`_swiglu`), or Megatron's own."""
+    megatron_mlp.bias_swiglu_impl = _swiglu if enabled else _MEGATRON_SWIGLU
+
+
+def _swiglu(input, bias, fp8_input_store=False, cpu_offload_input=False):
+    """Megatron's bias_swiglu_impl, its bias-free case with the Triton backward on CUDA."""
+    if bias is not None or fp8_input_store or cpu_offload_input or not input.is_cuda:
+        return _MEGATRON_SWIGLU(input, bias, fp8_input_store, cpu_offload_input)
+    shape = input.shape
+    out = _SwiGLU.apply(input.reshape(-1, shape[-1]))
+    return out if len(shape) == 2 else out.view(*shape[:-1], -1)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up of z = [gate | up]: Megatron's compiled forward, keeping z alone."""
+
+    @staticmethod
+    def forward(ctx, z):
+        ctx.save_for_backward(z)
+        return fused_bias_swiglu.swiglu(z)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (z,) = ctx.saved_tensors
+        grad = grad.reshape(z.shape[0], -1)
+        if not swiglu_train.supported(grad, z):  # a strided or other-dtype gradient
+            return fused_bias_swiglu.swiglu_back(grad, z)
+        return swiglu_train.swiglu_backward(grad, z)
 
 
 def use_fused_rope(enabled: bool) -> None:

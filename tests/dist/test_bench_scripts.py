@@ -469,21 +469,23 @@ def test_bench_prefill_widths_per_multiple(tmp_path):
 def test_bench_layer_kernels_checks_the_trainer_kernels_against_fp32(tmp_path):
     """The per-layer kernel A/B on CPU: Megatron's MLP (over our linears, weight gradients into
     main_grad) timed and equal to the fp32 reference at fp32 (which reads fc1's rows as
-    [gate; up], as quack's side must); quack's sides need a GPU and say why."""
+    [gate; up], as quack's side must); quack's sides, the RoPE and the SwiGLU backward need a GPU
+    and say why."""
     out = tmp_path / "layer.json"
     subprocess.run([sys.executable, "benchmarks/bench_layer_kernels.py", "--device", "cpu",
                     "--model", "tiny", "--tokens", "32", "48", "--iters", "1", "--warmup", "1",
                     "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
     r = json.loads(out.read_text())["results"]
-    assert set(r) == {f"{k}/tiny/{n}" for k in ("mlp", "rope") for n in (32, 48)}
-    for key in ("rope/tiny/32", "rope/tiny/48"):  # CUDA only
+    assert set(r) == {f"{k}/tiny/{n}" for k in ("mlp", "rope", "swiglu") for n in (32, 48)}
+    for key in ("rope/tiny/32", "rope/tiny/48", "swiglu/tiny/32", "swiglu/tiny/48"):  # CUDA only
         assert r.pop(key) == {side: {"skipped": "not a CUDA device"} for side in ("compiled",
                                                                                   "triton")}
     skipped = {"skipped": "not a CUDA device"}
     for key, row in r.items():
-        ours = row["trainer"]
-        assert ours["forward_s"] > 0 and ours["forward_backward_s"] > 0
-        assert max(ours["rel_err"].values()) < 1e-5, (key, ours["rel_err"])
+        for side in ("trainer", "trainer_swiglu_triton"):  # off CUDA: Megatron's own SwiGLU
+            ours = row[side]
+            assert ours["forward_s"] > 0 and ours["forward_backward_s"] > 0
+            assert max(ours["rel_err"].values()) < 1e-5, (key, side, ours["rel_err"])
         assert row["quack"] == row["quack_tuned"] == skipped, row
 
 
