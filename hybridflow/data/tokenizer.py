@@ -66,6 +66,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens)
 
+    def decode_batch(self, rows: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """[decode(r) for r in rows]; the HF backend decodes the rows in parallel in Rust, without
+        the GIL (a step's responses: one call, not one per row)."""
+        return self._backend.decode_batch([list(r) for r in rows], skip_special_tokens)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                             **template_kwargs: Any) -> str:
         """Render chat `messages` to prompt text; extra kwargs reach the template (e.g. enable_thinking)."""
@@ -98,6 +103,9 @@ class _HFBackend:
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, rows: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        return self.tok.decode_batch(rows, skip_special_tokens=skip_special_tokens)
+
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 
@@ -129,6 +137,9 @@ class _SentencePieceBackend:
             else:
                 run.append(i)
         return "".join(out) + self.sp.decode(run)
+
+    def decode_batch(self, rows: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        return [self.decode(r, skip_special_tokens) for r in rows]
 
     def token_to_id(self, token: str) -> int | None:
         i = self.sp.piece_to_id(token)

@@ -318,8 +318,8 @@ class RolloutStage:
         n = batch.batch_size // len(items)
         rows = [items[i // n] for i in range(batch.batch_size)]
         lengths = batch.response_mask.sum(1).tolist()
-        texts = [self.tok.decode(batch.response_ids[i, :lengths[i]].tolist())
-                 for i in range(batch.batch_size)]
+        texts = self.tok.decode_batch([batch.response_ids[i, :k].tolist()  # not the padding
+                                       for i, k in enumerate(lengths)])
         scores, extra = compute_rule_rewards(
             fn or self.reward_fn, prompts=[it.prompt_text for it in rows], responses=texts,
             ground_truths=[it.ground_truth for it in rows],

@@ -47,6 +47,10 @@ def test_hf_tokenizer_json_with_chat_template(tmp_path):
     assert ids[0] == 1 and tok.eos_id in ids  # special tokens in text map to their ids
     assert tok.decode(ids, skip_special_tokens=True) == "user\nhello\nassistant\n"
     assert "<|im_start|>" in tok.decode(ids, skip_special_tokens=False)
+    rows = [ids, tok.encode(text), [], ids[:3]]  # decode_batch: decode of each row, in order
+    for skip in (True, False):
+        assert tok.decode_batch(rows, skip_special_tokens=skip) == [
+            tok.decode(r, skip_special_tokens=skip) for r in rows]
 
 
 def test_hf_pad_falls_back_to_eos_and_bos_from_post_processor(tmp_path):
@@ -95,6 +99,10 @@ def test_train_sentencepiece_and_load(tmp_path, model_type):
         assert tok.encode(text, add_special_tokens=True) == [2] + ids
         assert tok.decode([2] + ids + [3, 0]) == text
         assert tok.decode([2] + ids + [3], skip_special_tokens=False) == "<s>" + text + "</s>"
+        rows = [[2] + ids + [3, 0], ids[:4], []]
+        assert tok.decode_batch(rows) == [tok.decode(r) for r in rows]
+        assert tok.decode_batch(rows, skip_special_tokens=False) == [
+            tok.decode(r, skip_special_tokens=False) for r in rows]
 
 
 def test_sentencepiece_dir_with_chat_template(tmp_path):
