@@ -15,7 +15,9 @@ the MLP row's `trainer_swiglu_triton` side: Megatron's MLP with that backward in
 
 The RoPE of q and k (split from a QKV projection as Megatron splits them): kernels/rope_train.py
 (`triton`, the trainer's where it takes the head size) against Megatron's formula compiled
-(`compiled`, models/fused.py's fallback for the head sizes the kernel does not take).
+(`compiled`, models/fused.py's fallback for the head sizes the kernel does not take); and for q
+taken from the projection's view, Megatron's reshape copy then the kernel (`triton_copy`) against
+the kernel reading the view itself (`triton_from_qkv`, parallel.rope_from_qkv).
 
 Per kernel, shape and token count: forward-only (the ref pass) and forward + backward (the update)
 seconds (median of --iters after --warmup), and each side's error against an fp32 reference of the
@@ -162,6 +164,7 @@ def _rope_row(shape, tokens: int, iters: int, warmup: int, cuda: bool) -> dict:
     qkv = torch.randn(tokens, 1, G, (hpg + 2) * D, device="cuda", generator=g,
                       dtype=torch.bfloat16)
     q, k, _ = torch.split(qkv, [hpg * D, D, D], dim=3)
+    grouped = q.unflatten(3, (hpg, D)).detach().clone().requires_grad_()  # (parallel.rope_from_qkv)
     q = q.reshape(tokens, 1, G * hpg, D)  # a copy where G > 1, as in Megatron
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D))
     freqs = torch.outer(torch.arange(tokens, device="cuda", dtype=torch.float32), inv)
@@ -171,21 +174,28 @@ def _rope_row(shape, tokens: int, iters: int, warmup: int, cuda: bool) -> dict:
     xs = [t.detach().clone().requires_grad_() for t in (q, k)]
     grads = [torch.randn(t.shape, device="cuda", generator=g, dtype=torch.bfloat16) for t in xs]
     refs = [rope_twin(t.detach().float(), cos32, sin32) for t in xs]
-    sides = {"compiled": lambda x: _compiled_rope()(x, cos, sin),
-             "triton": lambda x: rope(x, cos, sin, impl="triton")}
+    def copied(x):  # q as the trainer has it without rope_from_qkv: Megatron's reshape copy
+        return x.reshape(*x.shape[:2], -1, x.shape[-1])
+
+    sides = {"compiled": (xs, lambda x: _compiled_rope()(x, cos, sin)),
+             "triton": (xs, lambda x: rope(x, cos, sin, impl="triton")),
+             # q from the QKV projection's view: the reshape copy and the kernel, or the kernel
+             # reading the view (parallel.rope_from_qkv); k as above
+             "triton_copy": ([grouped, xs[1]], lambda x: rope(copied(x), cos, sin, impl="triton")),
+             "triton_from_qkv": ([grouped, xs[1]], lambda x: rope(x, cos, sin, impl="triton"))}
     row = {}
-    for side, fn in sides.items():
+    for side, (inputs, fn) in sides.items():
         def fwd():
             with torch.no_grad():
-                for x in xs:
+                for x in inputs:
                     fn(x)
 
         def fwd_bwd():
-            for x, gr in zip(xs, grads):
+            for x, gr in zip(inputs, grads):
                 x.grad = None
                 fn(x).backward(gr)
 
-        err = {f"out_{n}": _rel_err(fn(x).detach(), ref) for n, x, ref in zip("qk", xs, refs)}
+        err = {f"out_{n}": _rel_err(fn(x).detach(), ref) for n, x, ref in zip("qk", inputs, refs)}
         row[side] = {"forward_s": _timed(fwd, iters, warmup, cuda),
                      "forward_backward_s": _timed(fwd_bwd, iters, warmup, cuda), "rel_err": err}
     return row

@@ -28,6 +28,8 @@ Variants (overrides on experiment=gsm8k_qwen_coder_0_5b, or the experiment they 
            gsm8k_spec_advance_h100.json)
   swiglu_triton  the training SwiGLU's backward on kernels/swiglu_train.py
            (parallel.swiglu_backward=triton) instead of Megatron's compiled swiglu_back
+  rope_from_qkv  the training RoPE reading q in the QKV projection's groups
+           (parallel.rope_from_qkv=true) instead of Megatron's reshaped copy of it
   nomonitor  no GPU monitor thread (trainer.gpu_monitor_interval_s=0): the A/B of its cost
            (on by default where nvidia-ml-py is installed)
   reward_async  the rule reward scored on a worker thread behind the reference pass
@@ -100,6 +102,7 @@ VARIANTS = {
     "spec_d8": "rollout.speculative.draft_tokens=8",
     "spec_torch_advance": "rollout.speculative.fused_advance=false",
     "swiglu_triton": "parallel.swiglu_backward=triton",
+    "rope_from_qkv": "parallel.rope_from_qkv=true",
     "nomonitor": "trainer.gpu_monitor_interval_s=0",
     "varlen": "algo.packed_attention=varlen",
     "reward_async": "reward.launch_reward_fn_async=true",

@@ -48,6 +48,11 @@ class ParallelConfig:
     # hybridflow/kernels/swiglu_train.py) or "compiled" (Megatron's torch.compile'd swiglu_back,
     # whose kernel reads the gate and the gradient once per half). Same formula, fp32, one rounding
     swiglu_backward: str = "compiled"
+    # with fused_elementwise on CUDA, the RoPE kernel reads q where the QKV projection put it, in
+    # its KV groups (a view), instead of the copy Megatron's reshape to (S, B, heads, head_dim)
+    # makes in every layer's forward under GQA (hybridflow/models/fused.py use_rope_from_qkv);
+    # layers with a q / k norm or an output gate, and query groups split over TP, keep the copy
+    rope_from_qkv: bool = False
     # the gated MLP's SwiGLU inside its GEMMs on CUDA (hybridflow/models/quack_mlp.py,
     # quack-kernels, installed with flash-attn-4): fc1's epilogue forward, the epilogue of fc2's
     # input-gradient GEMM backward. quack: an error where it cannot run; auto: quack on sm_90+

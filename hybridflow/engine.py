@@ -132,6 +132,7 @@ class Engine:
                             activation_checkpointing=parallel.activation_checkpointing,
                             fused_elementwise=parallel.fused_elementwise,
                             swiglu_backward=parallel.swiglu_backward,
+                            rope_from_qkv=parallel.rope_from_qkv,
                             quack_mlp=resolve_mlp_kernels(parallel.mlp_kernels, ctx.device))
         self.num_adapter_params = 0
         self.lora = lora if lora is not None and lora.rank > 0 else None

@@ -84,6 +84,8 @@ class SDPAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPAttention: packed sequences / attention bias need TE")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if query.dim() == 5:  # q in the QKV projection's groups (parallel.rope_from_qkv), unrotated
+            query = query.reshape(*query.shape[:2], -1, query.shape[-1])
         sq, b, nh, hd = query.shape
         sk = key.shape[0]
         dropout_p = self.dropout_p if self.training else 0.0

@@ -32,7 +32,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hybridflow.config import ModelConfig
 from hybridflow.models.attention import SDPAttention
-from hybridflow.models.fused import use_fused_rope, use_fused_swiglu
+from hybridflow.models.fused import use_fused_rope, use_fused_swiglu, use_rope_from_qkv
 from hybridflow.models.heads import ValueHead
 from hybridflow.models.linear import (LeanColumnParallelLinear, LeanOutputLinear,
                                       LeanRowParallelLinear)
@@ -152,12 +152,13 @@ def layer_spec(cfg: ModelConfig) -> ModuleSpec:
 def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = False,
                 precision: str = "fp32", activation_checkpointing: bool = False,
                 fused_elementwise: bool = False, quack_mlp: bool = False,
-                swiglu_backward: str = "compiled") -> GPTModel:
+                swiglu_backward: str = "compiled", rope_from_qkv: bool = False) -> GPTModel:
     """One pipeline stage of the model for `role` on this rank, in the training layout of the
     `ParallelContext` `ctx` (its groups are the model's). `activation_checkpointing`: every
     decoder layer recomputes its forward in backward (`checkpoint_layers`).
     `fused_elementwise` (parallel.fused_elementwise): RoPE and SwiGLU as fused kernels on CUDA
-    (models/fused.py); `swiglu_backward` (parallel.swiglu_backward) picks the SwiGLU's backward.
+    (models/fused.py); `swiglu_backward` (parallel.swiglu_backward) picks the SwiGLU's backward;
+    `rope_from_qkv` (parallel.rope_from_qkv): the RoPE reads q in the QKV projection's groups.
     `quack_mlp` (parallel.mlp_kernels, resolved): the dense MLPs' SwiGLU inside quack's GEMMs
     where they apply (models/quack_mlp.py)."""
     if role not in LM_ROLES + SCALAR_ROLES:
@@ -168,6 +169,7 @@ def build_model(cfg: ModelConfig, *, role: str, ctx, sequence_parallel: bool = F
                               ep=ctx.ep_size, etp=_group_size(getattr(ctx.pgs, "expt_tp", None)))
     use_fused_rope(fused_elementwise)  # process-wide: the last model built sets it
     use_fused_swiglu(fused_elementwise and swiglu_backward == "triton")  # process-wide, alike
+    use_rope_from_qkv(fused_elementwise and rope_from_qkv)  # needs the fused RoPE above
     spec = layer_spec(cfg)
     block = TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(tcfg, None, pp_rank),

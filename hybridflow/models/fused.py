@@ -18,7 +18,10 @@ only, the CPU path is unchanged):
   kernel per q and k each way; dynamic shapes); over cos / sin tables made once per `freqs`
   tensor (all layers of a pass share them), installed in place of the unfused function that
   `megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb` calls (interleaved,
-  MLA and partial rotations keep Megatron's own).
+  MLA and partial rotations keep Megatron's own). With `parallel.rope_from_qkv` the kernel reads q
+  where the QKV projection put it, in its KV groups (`use_rope_from_qkv`), instead of the copy
+  that Megatron's reshape to (S, B, H, D) makes of it in every layer's forward wherever there are
+  several groups (GQA).
 transformer-engine, where installed, has its own fused RoPE and SwiGLU (its layer spec).
 """
 
@@ -30,12 +33,15 @@ import torch
 from megatron.core.fusions import fused_bias_swiglu
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer import mlp as megatron_mlp
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
 
 from hybridflow.kernels import rope_train, swiglu_train
 from hybridflow.models.graphs import capturing
 
 _UNFUSED_ROPE = rope_utils._apply_rotary_pos_emb_bshd
 _MEGATRON_SWIGLU = fused_bias_swiglu.bias_swiglu_impl
+_MEGATRON_QKV = SelfAttention.get_query_key_value_tensors
 
 
 def use_fused_swiglu(enabled: bool) -> None:
@@ -84,14 +90,45 @@ def _compiled_rope():
 
 
 def _fused_rope(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
+    """Megatron's bshd RoPE of t (S, B, H, D), or of q (S, B, G, H / G, D) as the QKV projection
+    groups it (`use_rope_from_qkv`), -> (S, B, H, D)."""
     partial = freqs.shape[-1] != t.shape[-1]
     if not t.is_cuda or rotary_interleaved or multi_latent_attention or partial:
-        return _UNFUSED_ROPE(t, freqs, rotary_interleaved=rotary_interleaved,
+        return _UNFUSED_ROPE(_heads(t), freqs, rotary_interleaved=rotary_interleaved,
                              multi_latent_attention=multi_latent_attention, mscale=mscale)
     cos, sin = _TABLES.get(freqs, t.dtype, mscale)
     if rope_train.supported(t, cos):
         return rope_train.rope(t, cos, sin, impl="triton")
-    return _compiled_rope()(t, cos, sin)
+    return _compiled_rope()(_heads(t), cos, sin)
+
+
+def _heads(t):
+    """(S, B, H, D): a grouped q reshaped (a copy) as Megatron reshapes it; t itself otherwise."""
+    return t.reshape(*t.shape[:2], -1, t.shape[-1]) if t.dim() == 5 else t
+
+
+def use_rope_from_qkv(enabled: bool) -> None:
+    """Process-wide, with `use_fused_rope(True)` only: SelfAttention hands q to the RoPE as the QKV
+    projection groups it, (S, B, G, H / G, D), a view, instead of reshaping it to (S, B, H, D),
+    a copy wherever G > 1; `_fused_rope` rotates it into (S, B, H, D) in one pass."""
+    SelfAttention.get_query_key_value_tensors = (_qkv_grouped_query if enabled
+                                                 else _MEGATRON_QKV)
+
+
+def _qkv_grouped_query(self, hidden_states, key_value_states=None, output_gate=False,
+                       split_qkv=True):
+    """Megatron's get_query_key_value_tensors with q left in the projection's groups. Its own
+    path where q needs more than the split: an output gate, a q / k norm (over (S, B, H, D)), the
+    query groups spread over more TP ranks than there are groups, or the unsplit tensor asked."""
+    c = self.config
+    norms = [m for m in (self.q_layernorm, self.k_layernorm)
+             if m is not None and not isinstance(m, IdentityOp)]
+    if (output_gate or not split_qkv or norms or c.num_query_groups < self.world_size
+            or c.test_mode):
+        return _MEGATRON_QKV(self, hidden_states, key_value_states, output_gate, split_qkv)
+    mixed, sizes = _MEGATRON_QKV(self, hidden_states, key_value_states, False, False)
+    query, key, value = torch.split(mixed, sizes, dim=3)  # (S, B, G, hpg * D), (S, B, G, D) x 2
+    return query.unflatten(3, (-1, self.hidden_size_per_attention_head)), key, value
 
 
 class _RopeTables:

@@ -88,3 +88,33 @@ def test_fused_equals_unfused(ctx, precision, kernel):
                                            plain(ids, pos, None).float(), **tol)
     finally:
         fused_mod.use_fused_rope(False)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_rope_from_qkv_equals_the_copy(ctx, precision):
+    """parallel.rope_from_qkv: the RoPE kernel reading q in the QKV projection's groups gives the
+    model's loss and gradients bit for bit as reading Megatron's reshaped copy of it."""
+    from hybridflow.models import fused as fused_mod
+    from hybridflow.models.build import build_model
+
+    cfg = CFGS["triton"]
+    models = {}
+    for grouped in (False, True):
+        torch.manual_seed(0)
+        m = build_model(cfg, role="actor", ctx=ctx, precision=precision, fused_elementwise=True,
+                        rope_from_qkv=grouped).cuda()
+        models[grouped] = m.to(torch.bfloat16) if precision == "bf16" else m
+    models[True].load_state_dict(models[False].state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (3, 64), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(2))
+    try:
+        got = {}
+        for grouped, m in models.items():
+            fused_mod.use_rope_from_qkv(grouped)
+            got[grouped] = _step(m, ids, cfg.vocab_size)
+        assert torch.equal(got[True][0], got[False][0])
+        for n, g in got[False][1].items():
+            assert torch.equal(got[True][1][n], g), n
+    finally:
+        fused_mod.use_rope_from_qkv(False)
+        fused_mod.use_fused_rope(False)

@@ -30,10 +30,11 @@ def case(S, B, G, hpg, D, seed):
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(S, B, G, (hpg + 2) * D, generator=g)
     q, k, _ = torch.split(qkv, [hpg * D, D, D], dim=3)
+    grouped = q.unflatten(3, (hpg, D))  # q where the projection put it (parallel.rope_from_qkv)
     q = q.reshape(S, B, G * hpg, D)
     cos, sin = tables(S, D, g)
     out = {}
-    for name, t in (("q", q), ("k", k)):
+    for name, t in (("q", q), ("k", k), ("q_grouped", grouped)):
         x = t.detach().clone().requires_grad_()
         ref = t.detach().clone().requires_grad_()
         y = rope(x, cos, sin, impl="triton")
@@ -42,6 +43,7 @@ def case(S, B, G, hpg, D, seed):
         y.backward(grad)
         want.backward(grad)
         out[name] = {"strided_input": not t.is_contiguous(), "contiguous_out": y.is_contiguous(),
+                     "out_shape": list(y.shape), "grad_shape": list(x.grad.shape),
                      "fwd_err": float((y - want).abs().max()),
                      "bwd_err": float((x.grad - ref.grad).abs().max())}
     return out

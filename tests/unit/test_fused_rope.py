@@ -2,6 +2,7 @@
 CUDA is Megatron's unfused bshd RoPE exactly (fp32, CPU: eager), and CPU tensors, interleaved and
 partial rotations go to Megatron's own function. The CUDA kernels: tests/gpu/test_fused_elementwise_gpu.py."""
 
+import pytest
 import torch
 
 from hybridflow.kernels import rope_train
@@ -45,3 +46,51 @@ def test_tables_made_once_per_freqs_tensor():
     freqs.mul_(2)
     after = tables.get(freqs, torch.float32, 1.0)[0]
     assert after is not before and torch.equal(after, torch.cos(freqs))
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_from_qkv_hands_over_the_projections_view_and_changes_nothing(single_rank_ctx,
+                                                                          monkeypatch, qk_norm):
+    """parallel.rope_from_qkv: SelfAttention hands q to the RoPE as the QKV projection groups it
+    (a 5-D view, no copy) and the model computes exactly what it computes without (CPU: the view
+    reshaped as Megatron reshapes it, then Megatron's RoPE); a q / k norm keeps Megatron's path."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from hybridflow.config import ModelConfig
+    from hybridflow.models.build import build_model
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                      num_query_groups=2, vocab_size=50, add_qkv_bias=True, qk_layernorm=qk_norm)
+    seen = []
+
+    def spy(t, freqs, **kw):
+        seen.append(t.dim())
+        return fused._fused_rope(t, freqs, **kw)
+
+    def run(model, grouped, ids):
+        fused.use_rope_from_qkv(grouped)
+        seen.clear()
+        model.zero_grad(set_to_none=True)
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        out = model(ids, pos, None)
+        out.float().square().mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, list(seen)
+
+    try:
+        torch.manual_seed(0)
+        plain = build_model(cfg, role="actor", ctx=single_rank_ctx, fused_elementwise=True)
+        grouped = build_model(cfg, role="actor", ctx=single_rank_ctx, fused_elementwise=True,
+                              rope_from_qkv=True)
+        grouped.load_state_dict(plain.state_dict())
+        monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_bshd", spy)
+        ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+        out0, g0, dims0 = run(plain, False, ids)
+        out1, g1, dims1 = run(grouped, True, ids)
+        assert dims0 == [4] * 4  # q and k of each layer
+        assert dims1 == ([4] * 4 if qk_norm else [5, 4] * 2)  # q as the projection's groups
+        assert torch.equal(out1, out0)
+        for n in g0:
+            assert torch.equal(g1[n], g0[n]), n
+    finally:
+        fused.use_rope_from_qkv(False)
+        fused.use_fused_rope(False)
