@@ -15,6 +15,9 @@ through `Engine.compute_logprobs` (the ref pass) and `Engine.train_step` (the up
   flash-attn-4 installed, sm_90+; its prediction is varlen's);
 - `packed_fa4_quack`: `packed_fa4` with the MLPs' SwiGLU inside quack's GEMMs
   (parallel.mlp_kernels=quack; its prediction is fa4's);
+- the suffixes `_swiglu` (the SwiGLU's backward on kernels/swiglu_train.py,
+  parallel.swiglu_backward=triton) and `_ropeqkv` (the RoPE reading q in the QKV projection's
+  groups, parallel.rope_from_qkv=true), alone or both (`packed_fa4_swiglu_ropeqkv`);
 - `packed_varlen_graphs`: those, the update's layers replayed as CUDA graphs over packed rows
   padded to one shape (parallel.train_cuda_graphs);
 - packed micro-batches are dealt evenly into the fewest that hold the rows, as the trainer's
@@ -248,16 +251,19 @@ def main(argv=None) -> int:
                          lm_head_chunk_tokens=a.lm_head_chunk_tokens)
     pairs = {}
 
-    def engines(kernel: str, graphs: bool = False, balanced: bool = False, mlp: str = "torch"):
+    def engines(kernel: str, graphs: bool = False, balanced: bool = False, mlp: str = "torch",
+                swiglu: str = "compiled", rope_qkv: bool = False):
         """(ref, actor) whose packed micro-batches run `kernel` (`graphs`: the actor's update as
         CUDA graphs, parallel.train_cuda_graphs; `balanced`: algo.balance_micro_batches; `mlp`:
-        parallel.mlp_kernels); one pair alive at a time."""
-        key = (kernel, graphs, balanced, mlp)
+        parallel.mlp_kernels; `swiglu`: parallel.swiglu_backward; `rope_qkv`:
+        parallel.rope_from_qkv); one pair alive at a time."""
+        key = (kernel, graphs, balanced, mlp, swiglu, rope_qkv)
         if key not in pairs:
             pairs.clear()
             gc.collect()  # Megatron's modules hold reference cycles
             torch.cuda.empty_cache() if cuda else None
-            rpar = dataclasses.replace(par, mlp_kernels=mlp)
+            rpar = dataclasses.replace(par, mlp_kernels=mlp, swiglu_backward=swiglu,
+                                       rope_from_qkv=rope_qkv)
             apar = dataclasses.replace(rpar, train_cuda_graphs=graphs)
             kw = dict(packed_attention=kernel, balanced_micro_batches=balanced)
             pairs[key] = (
@@ -286,7 +292,9 @@ def main(argv=None) -> int:
         mlp = "quack" if "_quack" in variant else "torch"  # parallel.mlp_kernels
         try:  # quack where it cannot run, varlen where it cannot (CPU, fp32, an older torch):
             # recorded as skipped
-            ref, actor = engines(kernel, graphs, balanced, mlp)
+            ref, actor = engines(kernel, graphs, balanced, mlp,
+                                 swiglu="triton" if "_swiglu" in variant else "compiled",
+                                 rope_qkv="_ropeqkv" in variant)
             if pack:
                 actor.packed_kernel()
         except ValueError as e:

@@ -492,17 +492,21 @@ def test_bench_layer_kernels_checks_the_trainer_kernels_against_fp32(tmp_path):
 def test_bench_packed_pass_keeps_a_repeated_variant_beside_the_first(tmp_path):
     """An A/B/A order (`packed,packed_nextfit,packed`): the repeat is recorded as `packed#2`, and
     the balanced default and next-fit deal the same rows (the same real tokens computed); a quack
-    variant off a GPU is recorded as skipped with the reason."""
+    variant off a GPU is recorded as skipped with the reason; the SwiGLU / RoPE kernel suffixes
+    build and run (off CUDA on Megatron's own SwiGLU and RoPE)."""
     out = tmp_path / "aba.json"
     subprocess.run([sys.executable, "benchmarks/bench_packed_pass.py", "--device", "cpu",
                     "--model", "tiny", "--rows", "16", "--prompt-len", "8", "--mean", "12",
                     "--min", "2", "--cap", "32", "--forward-budget", "256", "--budget", "128",
-                    "--iters", "1", "--variants", "packed,packed_nextfit,packed,packed_quack",
+                    "--iters", "1", "--variants",
+                    "packed,packed_nextfit,packed,packed_quack,packed_swiglu_ropeqkv",
                     "--out", str(out)], check=True, cwd=ROOT, env=ENV, capture_output=True)
     res = json.loads(out.read_text())["results"]
     # quack's MLP needs a GPU: that variant says why it did not run
     assert res.pop("packed_quack") == {"skipped": "parallel.mlp_kernels=quack cannot run here: "
                                                   "not a CUDA device"}
+    both = res.pop("packed_swiglu_ropeqkv")
+    assert both["update_micro_batches"] == res["packed"]["update_micro_batches"]
     assert set(res) == {"packed", "packed_nextfit", "packed#2"}
     assert res["packed"]["update_micro_batches"] == res["packed#2"]["update_micro_batches"]
     assert {r["real_tokens"] for r in res.values()} == {res["packed"]["update_tokens_computed"]}
