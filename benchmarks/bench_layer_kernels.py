@@ -152,7 +152,7 @@ def _rope_row(shape, tokens: int, iters: int, warmup: int, cuda: bool) -> dict:
     """One layer's RoPE of q and k (split from a QKV projection as Megatron splits them) by the
     compiled formula (compiled) and by the Triton kernel (triton): forward, forward + backward,
     errors against the fp32 formula."""
-    from hybridflow.kernels.rope_train import rope, rope_twin
+    from hybridflow.kernels.rope_train import heads, rope, rope_twin
     from hybridflow.models.fused import _compiled_rope
 
     if not cuda:
@@ -174,14 +174,11 @@ def _rope_row(shape, tokens: int, iters: int, warmup: int, cuda: bool) -> dict:
     xs = [t.detach().clone().requires_grad_() for t in (q, k)]
     grads = [torch.randn(t.shape, device="cuda", generator=g, dtype=torch.bfloat16) for t in xs]
     refs = [rope_twin(t.detach().float(), cos32, sin32) for t in xs]
-    def copied(x):  # q as the trainer has it without rope_from_qkv: Megatron's reshape copy
-        return x.reshape(*x.shape[:2], -1, x.shape[-1])
-
     sides = {"compiled": (xs, lambda x: _compiled_rope()(x, cos, sin)),
              "triton": (xs, lambda x: rope(x, cos, sin, impl="triton")),
              # q from the QKV projection's view: the reshape copy and the kernel, or the kernel
              # reading the view (parallel.rope_from_qkv); k as above
-             "triton_copy": ([grouped, xs[1]], lambda x: rope(copied(x), cos, sin, impl="triton")),
+             "triton_copy": ([grouped, xs[1]], lambda x: rope(heads(x), cos, sin, impl="triton")),
              "triton_from_qkv": ([grouped, xs[1]], lambda x: rope(x, cos, sin, impl="triton"))}
     row = {}
     for side, (inputs, fn) in sides.items():

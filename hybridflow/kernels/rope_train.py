@@ -107,11 +107,16 @@ class _Rope(torch.autograd.Function):
         return _rotate(grad, cos, sin, backward=True).view(ctx.t_shape), None, None
 
 
+def heads(t: torch.Tensor) -> torch.Tensor:
+    """(S, B, H, D): a grouped q (S, B, G, H / G, D) reshaped as Megatron reshapes it (a copy
+    where G > 1); a 4-D t itself."""
+    return t.reshape(*t.shape[:2], -1, t.shape[-1]) if t.dim() == 5 else t
+
+
 def rope_twin(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Megatron's bshd RoPE given its tables, in PyTorch (the reference); a grouped 5-D t is
-    reshaped to (S, B, H, D) first, as Megatron does."""
-    if t.dim() == 5:
-        t = t.reshape(*t.shape[:2], -1, t.shape[-1])
+    reshaped to (S, B, H, D) first (`heads`), as Megatron does."""
+    t = heads(t)
     t1, t2 = torch.chunk(t, 2, dim=-1)
     return t * cos + torch.cat((-t2, t1), dim=-1) * sin
 

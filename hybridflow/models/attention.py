@@ -61,6 +61,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from hybridflow.kernels import rope_train
 from hybridflow.models.packed_choice import (PACKED_KERNELS, FlashMachine, choose, fa4_why,
                                              varlen_why)
 
@@ -84,8 +85,7 @@ class SDPAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPAttention: packed sequences / attention bias need TE")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        if query.dim() == 5:  # q in the QKV projection's groups (parallel.rope_from_qkv), unrotated
-            query = query.reshape(*query.shape[:2], -1, query.shape[-1])
+        query = rope_train.heads(query)  # a 5-D q (parallel.rope_from_qkv) no RoPE rotated
         sq, b, nh, hd = query.shape
         sk = key.shape[0]
         dropout_p = self.dropout_p if self.training else 0.0

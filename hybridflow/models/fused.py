@@ -94,17 +94,12 @@ def _fused_rope(t, freqs, rotary_interleaved=False, multi_latent_attention=False
     groups it (`use_rope_from_qkv`), -> (S, B, H, D)."""
     partial = freqs.shape[-1] != t.shape[-1]
     if not t.is_cuda or rotary_interleaved or multi_latent_attention or partial:
-        return _UNFUSED_ROPE(_heads(t), freqs, rotary_interleaved=rotary_interleaved,
+        return _UNFUSED_ROPE(rope_train.heads(t), freqs, rotary_interleaved=rotary_interleaved,
                              multi_latent_attention=multi_latent_attention, mscale=mscale)
     cos, sin = _TABLES.get(freqs, t.dtype, mscale)
     if rope_train.supported(t, cos):
         return rope_train.rope(t, cos, sin, impl="triton")
-    return _compiled_rope()(_heads(t), cos, sin)
-
-
-def _heads(t):
-    """(S, B, H, D): a grouped q reshaped (a copy) as Megatron reshapes it; t itself otherwise."""
-    return t.reshape(*t.shape[:2], -1, t.shape[-1]) if t.dim() == 5 else t
+    return _compiled_rope()(rope_train.heads(t), cos, sin)
 
 
 def use_rope_from_qkv(enabled: bool) -> None:
